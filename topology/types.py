@@ -72,11 +72,14 @@ class Topology:
         """True when gpus a and b are distinct and share a root complex uplink."""
         return a != b and self.gpus[a].root_complex == self.gpus[b].root_complex
 
-    def load_gbps(self, gpu: int, concurrent: int = 1) -> float:
-        """Host->GPU bandwidth of `gpu` while `concurrent` GPUs of its group (itself included) copy at once."""
+    def load_gbps(self, gpu: int, concurrent: float = 1.0) -> float:
+        """Host->GPU bandwidth of `gpu` while `concurrent` GPUs of its group (itself included) copy at once.
+
+        `concurrent` may be fractional: an expected number of overlapping copies (see partition.mapping).
+        """
         g = self.gpus[gpu]
         uplink = self.root_complex(g.root_complex).uplink_gbps
-        return min(g.link_gbps, uplink / max(1, concurrent))
+        return min(g.link_gbps, uplink / max(1.0, concurrent))
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -1,0 +1,269 @@
+"""The training run's configuration: one frozen, checked dataclass per section, loaded from YAML."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+import yaml
+
+from mobiuspipe.config_load import Checked, Problem, load_dataclass, read_yaml, to_plain
+
+MAPPINGS = ("cross", "round-robin")
+"""The stage->gpu mappings a plan may ask for."""
+MAX_VOCAB = 65536
+"""Largest vocabulary: token ids must fit in 16 bits."""
+
+
+def _rule(ok: bool, key: str, expected: str, found: str, fix: str) -> list[Problem]:
+    """No problem if `ok`, else one."""
+    return [] if ok else [Problem(key, expected, found, fix)]
+
+
+def _at_least(obj: Any, name: str, low: int, fix: str) -> list[Problem]:
+    """Integer field `name` must be >= `low`."""
+    value = getattr(obj, name)
+    return _rule(value >= low, name, f"an integer >= {low}", repr(value), fix)
+
+
+def _positive(obj: Any, name: str, fix: str, zero_ok: bool = False) -> list[Problem]:
+    """Float field `name` must be finite and > 0 (>= 0 when `zero_ok`)."""
+    value = getattr(obj, name)
+    ok = math.isfinite(value) and (value >= 0 if zero_ok else value > 0)
+    return _rule(ok, name, f"a finite number {'>=' if zero_ok else '>'} 0", repr(value), fix)
+
+
+def _divisor_at_most(n: int, cap: int) -> int:
+    """The largest divisor of `n` that is <= `cap` (at least 1)."""
+    return max(d for d in range(1, max(1, min(n, cap)) + 1) if n % d == 0)
+
+
+def _divisible(a_name: str, a: int, b_name: str, b: int) -> list[Problem]:
+    """`a` must be a multiple of `b` (both >= 1 or no problem is reported here)."""
+    if a < 1 or b < 1 or a % b == 0:
+        return []
+    return [Problem(a_name, f"{a_name} divisible by {b_name}",
+                    f"{a_name} {a} with {b_name} {b} ({a} % {b} = {a % b})",
+                    f"use {a_name} {-(-a // b) * b} (a multiple of {b}) or {b_name} "
+                    f"{_divisor_at_most(a, b)} (divides {a})")]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig(Checked):
+    """The GPT model: one embedding layer, `num_blocks` transformer blocks, one head."""
+
+    vocab_size: int = 256
+    """Distinct token ids (count); 256 = byte-level tokens, one per byte value; at most 65536."""
+    num_blocks: int = 6
+    """Transformer blocks (count); the model has num_blocks + 2 layers: embedding, blocks, head."""
+    d_model: int = 64
+    """Width of the hidden state (features per token); a multiple of num_heads."""
+    num_heads: int = 4
+    """Attention heads per block (count); each head gets d_model // num_heads features."""
+    seq_len: int = 64
+    """Context length: tokens per training sequence (tokens)."""
+
+    @property
+    def num_layers(self) -> int:
+        """Layers the partitioner can cut between: embedding + blocks + head."""
+        return self.num_blocks + 2
+
+    @property
+    def head_dim(self) -> int:
+        """Features per attention head."""
+        return self.d_model // self.num_heads
+
+    def check_values(self) -> list[Problem]:
+        return [
+            *_rule(1 <= self.vocab_size <= MAX_VOCAB, "vocab_size", f"an integer in 1..{MAX_VOCAB}",
+                   repr(self.vocab_size), "use 256 for byte-level tokens"),
+            *_at_least(self, "num_blocks", 1, "use at least 1 transformer block"),
+            *_at_least(self, "d_model", 1, "use a width such as 64"),
+            *_at_least(self, "num_heads", 1, "use at least 1 attention head"),
+            *_at_least(self, "seq_len", 1, "use a context length such as 64"),
+            *_divisible("d_model", self.d_model, "num_heads", self.num_heads),
+        ]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig(Checked):
+    """The training text and how it is cut into batches and microbatches."""
+
+    path: str | None = field(default=None, metadata={
+        "path_fix": "correct the path, or remove data.path to train on the packaged sample text"})
+    """A text file read as bytes (any encoding); None = mobiuspipe/data/sample.txt shipped in the
+    package; a relative path is resolved against the config file's folder and stored absolute."""
+    batch_size: int = 8
+    """Sequences per optimizer step (sequences); a multiple of num_microbatches."""
+    num_microbatches: int = 4
+    """Microbatches each batch is split into for the pipeline (count)."""
+
+    @property
+    def microbatch_size(self) -> int:
+        """Sequences per microbatch."""
+        return self.batch_size // self.num_microbatches
+
+    @property
+    def text_path(self) -> str:
+        """The file to train on: `path`, or the sample text shipped in the package."""
+        if self.path is not None:
+            return self.path
+        return str(resources.files("mobiuspipe").joinpath("data", "sample.txt"))
+
+    def check_values(self) -> list[Problem]:
+        return [
+            *_at_least(self, "batch_size", 1, "use at least 1 sequence per step, e.g. 8"),
+            *_at_least(self, "num_microbatches", 1, "use at least 1 microbatch, e.g. 4"),
+            *_divisible("batch_size", self.batch_size, "num_microbatches", self.num_microbatches),
+        ]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig(Checked):
+    """The optimizer (AdamW) and the training loop."""
+
+    steps: int = 20
+    """Optimizer steps to run (count)."""
+    lr: float = 3e-3
+    """AdamW learning rate (per step, dimensionless); > 0."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW decay rates of the first and second moment estimates; each in [0, 1)."""
+    eps: float = 1e-8
+    """AdamW term added to the denominator for numerical stability (dimensionless); >= 0."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay (fraction of lr * weight per step); >= 0."""
+    seed: int = 0
+    """Seed of every random generator (weights init, data order); same seed, same run."""
+    log_every: int = 1
+    """Log the loss every this many steps (steps)."""
+    out_dir: str | None = None
+    """Folder for metrics.jsonl and the resolved config, relative to the current directory;
+    None = write nothing."""
+
+    def check_values(self) -> list[Problem]:
+        return [
+            *_at_least(self, "steps", 1, "run at least 1 step, e.g. 20"),
+            *_positive(self, "lr", "use a positive learning rate such as 0.003"),
+            *_rule(all(0 <= b < 1 for b in self.betas), "betas", "two numbers each in [0, 1)",
+                   repr(list(self.betas)), "use e.g. [0.9, 0.95]"),
+            *_positive(self, "eps", "use a small non-negative number such as 1.0e-8", zero_ok=True),
+            *_positive(self, "weight_decay", "use 0.0 (none) or a small value such as 0.01",
+                       zero_ok=True),
+            *_at_least(self, "log_every", 1, "log every 1 or more steps"),
+            *_rule(self.out_dir != "", "out_dir", "a folder name or null", "an empty string",
+                   "write a folder such as `out_dir: runs/tiny`, or null to write nothing"),
+        ]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanConfig(Checked):
+    """Where the stages run: a plan file, or the numbers to plan with at start-up."""
+
+    file: str | None = field(default=None, metadata={
+        "path_fix": "write one with `mobiuspipe partition -o plan.yaml`, or remove plan.file to "
+                    "plan at start-up"})
+    """A plan written by `mobiuspipe partition -o plan.yaml`; None = plan at start-up; a relative
+    path is resolved against the config file's folder and stored absolute."""
+    num_gpus: int = 2
+    """Gpus (torchrun ranks) the stages are spread over (count)."""
+    num_stages: int = 4
+    """Stages the layers are cut into (count); >= num_gpus and <= model.num_blocks + 2."""
+    mapping: str = "cross"
+    """How stages are assigned to gpus: "cross" (Mobius cross mapping) or "round-robin"."""
+    device_memory_mb: float = 64.0
+    """Memory budget of each CPU stand-in device (MiB); on CUDA the real GPU memory is used."""
+
+    def check_values(self) -> list[Problem]:
+        gpus, stages = self.num_gpus, self.num_stages
+        return [
+            *_at_least(self, "num_gpus", 1, "use at least 1 gpu"),
+            *_rule(stages >= gpus, "num_stages", "num_stages >= num_gpus (each gpu needs at least "
+                   "one stage)", f"num_stages {stages} with num_gpus {gpus}: more gpus than stages",
+                   f"raise num_stages to at least {gpus} or lower num_gpus to {max(stages, 1)}"),
+            *_rule(self.mapping in MAPPINGS, "mapping", "one of " + ", ".join(MAPPINGS),
+                   repr(self.mapping), "use `mapping: cross` or `mapping: round-robin`"),
+            *_positive(self, "device_memory_mb", "use a positive budget in MiB, e.g. 64.0"),
+        ]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeConfig(Checked):
+    """How the ranks run: communication timeout and CPU threads."""
+
+    comm_timeout_s: float = 60.0
+    """Seconds a receive may wait (s); longer fails with a message naming the peer rank."""
+    threads: int = 1
+    """Torch intra-op threads per rank (count)."""
+
+    def check_values(self) -> list[Problem]:
+        return [
+            *_positive(self, "comm_timeout_s", "use a positive number of seconds, e.g. 60.0"),
+            *_at_least(self, "threads", 1, "use at least 1 thread"),
+        ]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig(Checked):
+    """A whole training run: every section (each optional in YAML) and the file it came from."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model to train."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The training text and batching."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """The optimizer and the loop."""
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    """Stages and their gpus."""
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    """Timeouts and threads of the ranks."""
+    source: str = field(default="<defaults>", metadata={"yaml": False})
+    """The file this config came from (absolute path), or "<dict>"/"<defaults>"; not a YAML key."""
+
+    @property
+    def num_layers(self) -> int:
+        """Layers of the model: num_blocks + 2 (embedding, blocks, head)."""
+        return self.model.num_layers
+
+    @property
+    def microbatch_size(self) -> int:
+        """Sequences per microbatch: batch_size // num_microbatches."""
+        return self.data.microbatch_size
+
+    def check_values(self) -> list[Problem]:
+        stages, layers = self.plan.num_stages, self.model.num_layers
+        return _rule(stages <= layers, "plan.num_stages",
+                     f"at most model.num_blocks + 2 = {layers} stages (a stage needs at least one "
+                     "layer)", f"{stages} stages for {layers} layers",
+                     f"lower plan.num_stages to {layers} or raise model.num_blocks to {stages - 2}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of every section (not `source`); `config_from_dict` takes it back exactly."""
+        return to_plain(self)
+
+    def to_yaml(self) -> str:
+        """The config as YAML text, every key written out."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, d: Any, source: str = "<dict>") -> RunConfig:
+        """Same as `config_from_dict`."""
+        return config_from_dict(d, source)
+
+
+def config_from_dict(d: Any, source: str = "<dict>", *, base_dir: str | None = None) -> RunConfig:
+    """Build a checked RunConfig from a plain dict; relative paths start at `base_dir` (default cwd).
+
+    Raises ConfigError naming `source` and listing every problem found.
+    """
+    return load_dataclass(RunConfig, d, source, base_dir, extra={"source": source})
+
+
+def load_config(path: str | os.PathLike) -> RunConfig:
+    """Read a YAML config file; ConfigError names the file, the dotted key and the fix."""
+    source = os.path.abspath(os.fspath(path))
+    data = read_yaml(source)
+    return config_from_dict({} if data is None else data, source,
+                            base_dir=os.path.dirname(source))

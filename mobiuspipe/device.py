@@ -1,0 +1,78 @@
+"""The gpu a rank drives, with CPU stand-ins for what CUDA provides: a copy stream and pinned memory.
+
+On CUDA, a load is a non_blocking host->device copy from pinned memory on a side stream, and the compute
+stream waits on the copy's event before using the weights. On the CPU stand-in, a single worker thread
+plays the copy stream (torch's copy kernels release the GIL, so the copy really overlaps compute), and
+its future plays the event. Both follow the same rule: issue the copy, then wait() before use.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import torch
+
+__all__ = ["Device", "CopyHandle"]
+
+
+class CopyHandle:
+    """A copy in flight; wait() blocks until its result may be used by the compute stream."""
+
+    def __init__(self, future: Future | None = None, event: "torch.cuda.Event | None" = None):
+        self._future, self._event = future, event
+
+    def wait(self) -> None:
+        if self._future is not None:
+            self._future.result()
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+
+
+class Device:
+    """One gpu (or its CPU stand-in): where the arena lives and how copies reach it."""
+
+    def __init__(self, local_rank: int = 0, use_cuda: bool | None = None):
+        self.is_cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
+        if self.is_cuda:
+            self.torch_device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(self.torch_device)
+            self._stream = torch.cuda.Stream(self.torch_device)
+            self._pool = None
+        else:
+            self.torch_device = torch.device("cpu")
+            self._stream = None
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="copy-stream")
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        """Page-locked host memory where CUDA exists (fast async copies); a plain CPU tensor otherwise."""
+        return t.pin_memory() if self.is_cuda else t
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:
+        """dst.copy_(src) on the copy stream; the returned handle's wait() orders later compute after it."""
+        if self.is_cuda:
+            self._stream.wait_stream(torch.cuda.current_stream())  # dst may have been in use until now
+            with torch.cuda.stream(self._stream):
+                dst.copy_(src, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(self._stream)
+            return CopyHandle(event=ev)
+        return CopyHandle(future=self._pool.submit(dst.copy_, src))
+
+    def run_async(self, fn: Callable[[], None]) -> CopyHandle:
+        """Run fn on the copy stream's worker (CPU) or now, ordered on the copy stream (CUDA)."""
+        if self.is_cuda:
+            with torch.cuda.stream(self._stream):
+                fn()
+                ev = torch.cuda.Event()
+                ev.record(self._stream)
+            return CopyHandle(event=ev)
+        return CopyHandle(future=self._pool.submit(fn))
+
+    def synchronize(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize(self.torch_device)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)

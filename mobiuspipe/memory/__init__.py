@@ -1,0 +1,1 @@
+"""Where tensors live: the device arena, the host tier."""

@@ -1,0 +1,76 @@
+"""The device arena: one preallocated buffer of the plan's byte budget, cut into fixed slots.
+
+A slot holds one stage's weights (or its gradients). Fixed slots of the plan's slot size mean no
+fragmentation: any stage fits any free slot. The arena counts the bytes actually placed and refuses
+anything beyond a slot or beyond the budget, so "never above budget" is checked, not assumed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mobiuspipe.errors import ArenaError
+
+__all__ = ["DeviceArena", "Slot"]
+
+
+@dataclass
+class Slot:
+    """One slot: a uint8 view of slot_bytes, and how many of those bytes hold live data."""
+
+    index: int
+    data: torch.Tensor
+    used: int = 0
+
+    def view(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """The first numel elements of the slot, typed."""
+        return self.data.view(dtype)[:numel]
+
+
+class DeviceArena:
+    """num_slots slots of slot_bytes each, on `device` (device memory on CUDA, a CPU buffer otherwise)."""
+
+    def __init__(self, slot_bytes: int, num_slots: int, device: torch.device):
+        self.slot_bytes = _round_up(slot_bytes, 64)
+        self.budget_bytes = self.slot_bytes * num_slots
+        self.buffer = torch.empty(self.budget_bytes, dtype=torch.uint8, device=device)
+        self._free = [Slot(i, self._slot_tensor(i)) for i in range(num_slots)]
+        self._free.reverse()
+        self.in_use_bytes = 0
+        self.peak_bytes = 0
+
+    def _slot_tensor(self, i: int) -> torch.Tensor:
+        """Slot i of the buffer as its own tensor: same memory, but its own autograd version counter, so a
+        copy into one slot does not look like an in-place change of the weights another slot holds."""
+        t = torch.empty(0, dtype=torch.uint8, device=self.buffer.device)
+        return t.set_(self.buffer.untyped_storage(), i * self.slot_bytes, (self.slot_bytes,))
+
+    def acquire(self, nbytes: int, what: str) -> Slot:
+        """A free slot holding nbytes of `what`; ArenaError if it cannot (with the numbers)."""
+        if nbytes > self.slot_bytes:
+            raise ArenaError(f"{what} needs {nbytes} bytes but an arena slot has {self.slot_bytes}: the plan does not "
+                             f"match the model; re-plan with `mobiuspipe partition` for this model")
+        if not self._free:
+            raise ArenaError(f"{what}: all {self.budget_bytes // self.slot_bytes} arena slots are in use "
+                             f"({self.in_use_bytes} of {self.budget_bytes} bytes); a stage was not released")
+        slot = self._free.pop()
+        slot.used = nbytes
+        self.in_use_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.in_use_bytes)
+        if self.in_use_bytes > self.budget_bytes:  # cannot happen with fixed slots; checked anyway
+            raise ArenaError(f"arena over budget: {self.in_use_bytes} > {self.budget_bytes} bytes")
+        return slot
+
+    def release(self, slot: Slot) -> None:
+        self.in_use_bytes -= slot.used
+        slot.used = 0
+        self._free.append(slot)
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.in_use_bytes
+
+
+def _round_up(n: int, k: int) -> int:
+    return (n + k - 1) // k * k

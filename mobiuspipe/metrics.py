@@ -1,0 +1,62 @@
+"""Per-step metrics of a training run: a progress bar on a terminal, plain lines otherwise, and a JSONL file."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TextIO
+
+__all__ = ["StepMetrics", "Reporter"]
+
+MiB = 1024**2
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """What one step did; times are the largest over ranks, arena bytes the largest peak over ranks."""
+
+    step: int
+    loss: float
+    tokens_per_s: float
+    step_s: float
+    compute_s: float
+    load_s: float
+    comm_s: float
+    arena_peak_bytes: int
+    arena_budget_bytes: int
+
+    def line(self, steps: int) -> str:
+        return (f"step {self.step + 1}/{steps}  loss {self.loss:.4f}  {self.tokens_per_s:,.0f} tok/s  "
+                f"step {self.step_s * 1e3:.0f} ms (compute {self.compute_s * 1e3:.0f} / load {self.load_s * 1e3:.0f}"
+                f" / comm {self.comm_s * 1e3:.0f})  arena peak {self.arena_peak_bytes / MiB:.2f}"
+                f" of {self.arena_budget_bytes / MiB:.2f} MiB")
+
+
+class Reporter:
+    """Shows each step on `stream` (a bar when it is a terminal) and appends it to out_dir/metrics.jsonl."""
+
+    def __init__(self, steps: int, log_every: int, out_dir: str | None, stream: TextIO = sys.stdout):
+        self.steps, self.log_every, self.stream = steps, log_every, stream
+        self.tty = stream.isatty()
+        self.file = None
+        if out_dir:
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            self.file = open(Path(out_dir) / "metrics.jsonl", "w")
+
+    def __call__(self, m: StepMetrics) -> None:
+        if self.file:
+            self.file.write(json.dumps(asdict(m)) + "\n")
+            self.file.flush()
+        last = m.step + 1 == self.steps
+        if self.tty:
+            done = int(30 * (m.step + 1) / self.steps)
+            self.stream.write(f"\r[{'#' * done}{'.' * (30 - done)}] {m.line(self.steps)}" + ("\n" if last else ""))
+        elif (m.step + 1) % self.log_every == 0 or last:
+            self.stream.write(m.line(self.steps) + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()

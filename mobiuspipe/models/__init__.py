@@ -1,0 +1,1 @@
+"""Models the runtime can pipeline, each given as a list of layers."""

@@ -1,0 +1,58 @@
+"""The plan a training run follows: read from the config's plan file and checked against the model, or made now."""
+
+from __future__ import annotations
+
+import torch
+
+from mobiuspipe.config import RunConfig
+from mobiuspipe.errors import ConfigError
+from partition.analytic import analytic_profile
+from partition.hardware import device_spec
+from partition.models import ModelSpec, layer_param_counts
+from partition.plan import Plan, load_plan
+from partition.planner import make_plan
+from topology import cpu_standin
+
+__all__ = ["model_spec", "plan_for_run"]
+
+MiB = 1024**2
+
+
+def model_spec(cfg: RunConfig) -> ModelSpec:
+    """The partition package's description of the config's GPT."""
+    m = cfg.model
+    return ModelSpec(name=f"gpt-{m.num_blocks}x{m.d_model}", num_blocks=m.num_blocks, d_model=m.d_model,
+                     num_heads=m.num_heads, seq_len=m.seq_len, vocab_size=m.vocab_size)
+
+
+def plan_for_run(cfg: RunConfig) -> Plan:
+    """The config's plan file checked against the model, or a plan made for CPU stand-in devices."""
+    spec = model_spec(cfg)
+    if cfg.plan.file:
+        plan = load_plan(cfg.plan.file)
+        _check_matches(plan, spec, cfg)
+        return plan
+    topo = cpu_standin(cfg.plan.num_gpus, int(cfg.plan.device_memory_mb * MiB))
+    device = "cpu-standin"
+    if torch.cuda.is_available():
+        device = torch.cuda.get_device_name(0)
+    profile = analytic_profile(spec, device_spec(device), microbatch_size=cfg.microbatch_size, dtype="fp32")
+    return make_plan(profile, topo, cfg.data.num_microbatches, num_stages=cfg.plan.num_stages,
+                     mapping=cfg.plan.mapping)
+
+
+def _check_matches(plan: Plan, spec: ModelSpec, cfg: RunConfig) -> None:
+    where = f"plan.file ({cfg.plan.file})"
+    counts = layer_param_counts(spec)
+    if plan.num_layers != spec.num_layers:
+        raise ConfigError(f"{where}: the plan has {plan.num_layers} layers but the model has {spec.num_layers}; "
+                          f"make a plan for this model or remove plan.file to plan at start-up")
+    for j, s in enumerate(plan.stages):
+        n = sum(counts[s.first:s.last + 1])
+        if s.param_count != n or n * 4 > plan.slot_bytes:
+            raise ConfigError(f"{where}: stage {j} (layers {s.first}..{s.last}) has {n} parameters ({n * 4} fp32 "
+                              f"bytes) in this model, the plan says {s.param_count} in a {plan.slot_bytes}-byte slot; "
+                              f"the plan was made for another model or dtype: re-plan or remove plan.file")
+    if plan.num_microbatches != cfg.data.num_microbatches:
+        raise ConfigError(f"{where}: the plan is for {plan.num_microbatches} microbatches, data.num_microbatches is "
+                          f"{cfg.data.num_microbatches}; make them equal")

@@ -1,0 +1,42 @@
+"""Build the per-gpu Mobius schedule of a plan: forwards of its stages in order, then backwards in reverse.
+
+For gpu g with stages J = stages_of(g), the visits are F(J[0]) .. F(J[-1]), B(J[-1]) .. B(J[0]). At the
+start of each visit the next visit's stage is prefetched (LOAD), so its copy overlaps this visit's
+compute; at the end the visit's stage is released unless the next visit uses it (the last forward stage
+stays resident into its backward).
+"""
+
+from __future__ import annotations
+
+from mobiuspipe.schedule.actions import Action, Kind
+
+__all__ = ["build_schedule"]
+
+
+def build_schedule(mapping: list[int], gpu: int, microbatches: int) -> list[Action]:
+    """The ordered actions gpu runs in one step, given stage -> gpu mapping."""
+    last = len(mapping) - 1
+    mine = [j for j, g in enumerate(mapping) if g == gpu]
+    visits = [(j, Kind.FWD) for j in mine] + [(j, Kind.BWD) for j in reversed(mine)]
+    out: list[Action] = [Action(Kind.LOAD, visits[0][0])] if visits else []
+    for k, (j, phase) in enumerate(visits):
+        nxt = visits[k + 1][0] if k + 1 < len(visits) else None
+        if nxt is not None and nxt != j:
+            out.append(Action(Kind.LOAD, nxt))
+        for i in range(microbatches):
+            out += _microbatch(j, i, phase, last)
+        if phase is Kind.BWD:
+            out.append(Action(Kind.OFFLOAD, j))
+        if nxt != j:
+            out.append(Action(Kind.RELEASE, j))
+    return out
+
+
+def _microbatch(j: int, i: int, phase: Kind, last: int) -> list[Action]:
+    if phase is Kind.FWD:
+        pre = [Action(Kind.RECV_ACT, j, i)] if j > 0 else []
+        post = [Action(Kind.SEND_ACT, j, i)] if j < last else []
+        return pre + [Action(Kind.FWD, j, i)] + post
+    pre = [Action(Kind.RECV_GRAD, j, i)] if j < last else []
+    post = [Action(Kind.SEND_GRAD, j, i)] if j > 0 else []
+    return pre + [Action(Kind.BWD, j, i)] + post

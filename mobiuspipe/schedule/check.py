@@ -1,0 +1,97 @@
+"""Check schedules before they run: slots, order within a gpu, matched sends and receives, no deadlock."""
+
+from __future__ import annotations
+
+from mobiuspipe.schedule.actions import Action, Kind
+
+__all__ = ["ScheduleError", "check_schedules", "WEIGHT_SLOTS"]
+
+WEIGHT_SLOTS = 2
+"""Arena slots for weights: the computing stage and the prefetched one (the third slot holds gradients)."""
+
+_PEER = {Kind.SEND_ACT: (Kind.RECV_ACT, +1), Kind.SEND_GRAD: (Kind.RECV_GRAD, -1)}
+
+
+class ScheduleError(RuntimeError):
+    """A schedule breaks an invariant (a bug in a builder); the message shows where."""
+
+
+def check_schedules(mapping: list[int], microbatches: int, schedules: list[list[Action]]) -> None:
+    """Raise ScheduleError unless every gpu's list is valid on its own and all lists run together."""
+    for g, acts in enumerate(schedules):
+        _check_local(mapping, g, microbatches, acts)
+    _check_runs(mapping, schedules)
+
+
+def _fail(g: int, k: int, acts: list[Action], why: str) -> ScheduleError:
+    window = " ".join(("[" + str(a) + "]") if n == k else str(a) for n, a in enumerate(acts[max(0, k - 6):k + 4],
+                                                                                       start=max(0, k - 6)))
+    return ScheduleError(f"gpu {g}, action {k} ({acts[k]}): {why}\n  ... {window} ...")
+
+
+def _check_local(mapping: list[int], g: int, m: int, acts: list[Action]) -> None:
+    resident: set[int] = set()
+    seen: set[tuple[Kind, int, int]] = set()
+    for k, a in enumerate(acts):
+        if mapping[a.stage] != g:
+            raise _fail(g, k, acts, f"stage {a.stage} belongs to gpu {mapping[a.stage]}")
+        if a.kind is Kind.LOAD:
+            if a.stage in resident or len(resident) >= WEIGHT_SLOTS:
+                raise _fail(g, k, acts, f"no free weight slot (resident: {sorted(resident)})")
+            resident.add(a.stage)
+        elif a.kind is Kind.RELEASE:
+            resident.discard(a.stage)
+        elif a.kind in (Kind.FWD, Kind.BWD) and a.stage not in resident:
+            raise _fail(g, k, acts, "stage used before it is loaded")
+        for need in _needs(a, len(mapping), m):
+            if need not in seen:
+                raise _fail(g, k, acts, f"runs before {need[0].value}{need[1]}.{need[2]}")
+        key = (a.kind, a.stage, a.microbatch)
+        if key in seen and a.kind not in (Kind.LOAD, Kind.RELEASE):
+            raise _fail(g, k, acts, "appears twice")
+        seen.add(key)
+    for j in (j for j, h in enumerate(mapping) if h == g):
+        missing = [i for i in range(m) if (Kind.FWD, j, i) not in seen or (Kind.BWD, j, i) not in seen]
+        if missing or (Kind.OFFLOAD, j, -1) not in seen:
+            raise ScheduleError(f"gpu {g}: stage {j} misses microbatches {missing} or its offload")
+
+
+def _needs(a: Action, num_stages: int, m: int) -> list[tuple[Kind, int, int]]:
+    j, i = a.stage, a.microbatch
+    if a.kind is Kind.FWD and j > 0:
+        return [(Kind.RECV_ACT, j, i)]
+    if a.kind is Kind.SEND_ACT:
+        return [(Kind.FWD, j, i)]
+    if a.kind is Kind.BWD:
+        return [(Kind.FWD, j, i)] + ([(Kind.RECV_GRAD, j, i)] if j < num_stages - 1 else [])
+    if a.kind is Kind.SEND_GRAD:
+        return [(Kind.BWD, j, i)]
+    if a.kind is Kind.OFFLOAD:
+        return [(Kind.BWD, j, x) for x in range(m)]
+    return []
+
+
+def _check_runs(mapping: list[int], schedules: list[list[Action]]) -> None:
+    """Run all lists together (sends never block, receives wait for their send); fail on a deadlock."""
+    sent: set[tuple[Kind, int, int]] = set()
+    pc = [0] * len(schedules)
+    while any(pc[g] < len(s) for g, s in enumerate(schedules)):
+        moved = False
+        for g, acts in enumerate(schedules):
+            while pc[g] < len(acts):
+                a = acts[pc[g]]
+                if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD) and _sender(a) not in sent:
+                    break
+                if a.kind in _PEER:
+                    sent.add((a.kind, a.stage, a.microbatch))
+                pc[g] += 1
+                moved = True
+        if not moved:
+            stuck = {g: str(schedules[g][pc[g]]) for g in range(len(schedules)) if pc[g] < len(schedules[g])}
+            raise ScheduleError(f"deadlock: every gpu waits on a receive whose send never comes: {stuck}")
+
+
+def _sender(a: Action) -> tuple[Kind, int, int]:
+    if a.kind is Kind.RECV_ACT:
+        return (Kind.SEND_ACT, a.stage - 1, a.microbatch)
+    return (Kind.SEND_GRAD, a.stage + 1, a.microbatch)

@@ -1,0 +1,104 @@
+"""GPU spec table: peak mixed-precision throughput, memory and host link of each known device type.
+
+Units: peak_tflops in 1e12 FLOP/s, memory_bytes in bytes, pcie_gbps in GB/s (1e9 bytes/s, one direction).
+
+peak_tflops is the DENSE (no 2:4 sparsity) fp16/bf16 tensor-core rate with fp32 accumulate, the rate
+mixed-precision training runs at. GeForce cards run fp32 accumulate at half their fp16-accumulate rate,
+so their figure is half of the headline number. Sources (vendor documents):
+  RTX 3090 / 3090 Ti   NVIDIA Ampere GA102 GPU Architecture whitepaper, "Peak FP16 Tensor TFLOPS with FP32
+                       Accumulate": 71 (3090); 3090 Ti = 84 SMs x 1.86 GHz x 512 FLOP/clk/SM = 80
+  RTX 4090             NVIDIA Ada GPU Architecture whitepaper (AD102), same row: 165.2
+  A100 (all variants)  NVIDIA A100 Tensor Core GPU datasheet, "FP16/BF16 Tensor Core": 312
+  H100 PCIe / SXM5     NVIDIA H100 Tensor Core GPU datasheet, "FP16 Tensor Core" 1,513 / 1,979 with
+                       sparsity -> 756 / 989 dense
+  V100 SXM2            NVIDIA Tesla V100 datasheet, "Tensor Performance": 125
+PCIe per direction: 3.0 x16 = 8 GT/s x 16 x 128/130 / 8 = 15.75 GB/s; 4.0 x16 = 31.5; 5.0 x16 = 63.0.
+Memory is the marketing size in GiB, what NVML reports up to a few MiB of reserve.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from types import MappingProxyType
+
+__all__ = ["DEVICES", "DeviceSpec", "MFU_DEFAULT", "device_spec"]
+
+MFU_DEFAULT = 0.5
+"""Model FLOPs utilization: the fraction of peak_tflops a well-fed layer (large matmuls, microbatch
+of full sequences) reaches. An assumption, not a measurement: Narayanan et al. 2021 (Megatron-LM,
+"Efficient Large-Scale Language Model Training on GPU Clusters", Table 1) reach 44-52% of peak on A100
+for GPT models of 1.7B-1T parameters. A measured profile replaces it."""
+
+_GIB = 1 << 30
+_PCIE3, _PCIE4, _PCIE5 = 15.75, 31.5, 63.0
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """Spec sheet of one device type (not one physical GPU: see topology.types.Gpu for that)."""
+
+    name: str
+    """As NVML reports it, e.g. "NVIDIA GeForce RTX 3090 Ti"; "cpu-standin" for the CPU stand-in."""
+    peak_tflops: float
+    """Dense fp16/bf16 tensor throughput with fp32 accumulate, 1e12 FLOP/s."""
+    memory_bytes: int
+    """Device memory; 0 means "take it from the topology" (the CPU stand-in's budget)."""
+    pcie_gbps: float
+    """Host<->device link bandwidth, one direction, GB/s."""
+
+    def __post_init__(self) -> None:
+        if not self.peak_tflops > 0 or not self.pcie_gbps > 0 or self.memory_bytes < 0:
+            raise ValueError(
+                f"device {self.name!r}: need peak_tflops > 0, pcie_gbps > 0 and memory_bytes >= 0, found "
+                f"{self.peak_tflops}, {self.pcie_gbps} and {self.memory_bytes}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DeviceSpec":
+        return cls(**d)
+
+
+_TABLE = (
+    DeviceSpec("NVIDIA GeForce RTX 3090", 71.0, 24 * _GIB, _PCIE4),
+    DeviceSpec("NVIDIA GeForce RTX 3090 Ti", 80.0, 24 * _GIB, _PCIE4),
+    DeviceSpec("NVIDIA GeForce RTX 4090", 165.2, 24 * _GIB, _PCIE4),
+    DeviceSpec("Tesla V100-SXM2-32GB", 125.0, 32 * _GIB, _PCIE3),
+    DeviceSpec("NVIDIA A100-SXM4-40GB", 312.0, 40 * _GIB, _PCIE4),
+    DeviceSpec("NVIDIA A100-SXM4-80GB", 312.0, 80 * _GIB, _PCIE4),
+    DeviceSpec("NVIDIA A100-PCIE-40GB", 312.0, 40 * _GIB, _PCIE4),
+    DeviceSpec("NVIDIA A100 80GB PCIe", 312.0, 80 * _GIB, _PCIE4),
+    DeviceSpec("NVIDIA H100 PCIe", 756.0, 80 * _GIB, _PCIE5),
+    DeviceSpec("NVIDIA H100 80GB HBM3", 989.0, 80 * _GIB, _PCIE5),
+    # A CPU pretending to be a GPU (CI, laptops): ~50 GFLOPS of fp32 matmul on a few cores; its memory
+    # budget comes from the topology (the stand-in's arena), its "link" is a memcpy.
+    DeviceSpec("cpu-standin", 0.05, 0, 10.0),
+)
+
+DEVICES: "MappingProxyType[str, DeviceSpec]" = MappingProxyType({d.name: d for d in _TABLE})
+"""Known device types by their exact NVML name, read-only."""
+
+
+def _short(name: str) -> str:
+    """Lower case, whitespace collapsed, without the "NVIDIA " and "GeForce " prefixes."""
+    s = " ".join(name.split()).lower()
+    for prefix in ("nvidia ", "geforce "):
+        if s.startswith(prefix):
+            s = s[len(prefix):]
+    return s
+
+
+_BY_SHORT = MappingProxyType({_short(n): d for n, d in DEVICES.items()})
+
+
+def device_spec(name: str) -> DeviceSpec:
+    """The spec of device type `name`: exact NVML name, else case-insensitive without vendor prefixes."""
+    if name in DEVICES:
+        return DEVICES[name]
+    found = _BY_SHORT.get(_short(name)) if isinstance(name, str) else None
+    if found is None:
+        raise ValueError(f"unknown device {name!r}; known devices: {', '.join(DEVICES)} "
+                         f"(the \"NVIDIA \"/\"GeForce \" prefixes and case may be omitted); "
+                         f"add a DeviceSpec to partition/hardware.py for a new GPU")
+    return found

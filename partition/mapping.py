@@ -1,0 +1,78 @@
+"""Stage -> gpu mapping: round-robin, and Mobius cross mapping that keeps adjacent stages apart.
+
+Stages run in waves: stage j on gpu m[j], with m cyclic over the gpus (m[j] = pi[j mod N] for a
+permutation pi). Stages close in index load their weights at close times, so two nearby stages whose
+gpus share a root complex contend for its uplink. Following the Mobius slides,
+
+  contention(i, j) = shared(m[i], m[j]) / |i - j|          (shared = 1 when both gpus share an uplink)
+
+Cross mapping picks pi minimizing the total contention of every pair of stages less than N apart.
+The expected number of copies overlapping stage j's load is 1 + sum_i contention(i, j), which scales
+stage j's share of its uplink (Topology.load_gbps).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from topology import Topology
+
+__all__ = ["MAPPING_RULES", "round_robin", "cross_mapping", "make_mapping", "stage_contention"]
+
+MAPPING_RULES = ("cross", "round-robin")
+_EXHAUSTIVE_MAX_GPUS = 8
+
+
+def round_robin(num_stages: int, num_gpus: int) -> list[int]:
+    """m[j] = j mod N."""
+    return [j % num_gpus for j in range(num_stages)]
+
+
+def _cyclic_cost(topo: Topology, pi: tuple[int, ...]) -> float:
+    """Total contention over one period of the cyclic mapping pi (pairs less than N apart)."""
+    n = len(pi)
+    return sum(float(topo.shared(pi[j % n], pi[(j + d) % n])) / d for j in range(n) for d in range(1, n))
+
+
+def cross_mapping(topo: Topology, num_stages: int) -> list[int]:
+    """The cyclic mapping of least total contention (exhaustive over permutations up to 8 gpus)."""
+    n = topo.num_gpus
+    if n <= _EXHAUSTIVE_MAX_GPUS:
+        perms = ((0,) + p for p in itertools.permutations(range(1, n)))  # rotations are equivalent
+        pi = min(perms, key=lambda p: (_cyclic_cost(topo, p), p))
+    else:
+        pi = _interleave_groups(topo)
+    return [pi[j % n] for j in range(num_stages)]
+
+
+def _interleave_groups(topo: Topology) -> tuple[int, ...]:
+    """Take one gpu from each contention group in turn (the rule cross mapping finds on small machines)."""
+    groups = [list(g) for g in topo.contention_groups()]
+    out: list[int] = []
+    while any(groups):
+        for g in sorted(groups, key=len, reverse=True):
+            if g:
+                out.append(g.pop(0))
+    return tuple(out)
+
+
+def make_mapping(rule: str, topo: Topology, num_stages: int) -> list[int]:
+    """Mapping by rule name (one of MAPPING_RULES)."""
+    if rule == "cross":
+        return cross_mapping(topo, num_stages)
+    if rule == "round-robin":
+        return round_robin(num_stages, topo.num_gpus)
+    raise ValueError(f"unknown mapping rule {rule!r}; expected one of {list(MAPPING_RULES)}")
+
+
+def stage_contention(topo: Topology, mapping: list[int]) -> list[float]:
+    """Expected number of copies overlapping each stage's load: 1 + sum of contention with stages < N away."""
+    n, s = topo.num_gpus, len(mapping)
+    out = []
+    for j in range(s):
+        c = 1.0
+        for i in range(max(0, j - n + 1), min(s, j + n)):
+            if i != j and topo.shared(mapping[i], mapping[j]):
+                c += 1.0 / abs(i - j)
+        out.append(c)
+    return out

@@ -1,0 +1,110 @@
+"""plan(): profile + topology -> the best Plan, by the exact DP over cuts and the simulator over stage counts."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from partition.costmodel import ARENA_SLOTS, LayerArrays
+from partition.dp import DpSolution, solve_dp
+from partition.errors import PlanInfeasibleError
+from partition.mapping import make_mapping, stage_contention
+from partition.plan import Plan, SolverInfo, StagePlan
+from partition.profile import Profile
+from partition.simulate import SimStage, simulate
+from topology import Topology
+
+__all__ = ["make_plan", "sim_stages", "HOST_ADAM_PARAMS_PER_S"]
+
+HOST_ADAM_PARAMS_PER_S = 1.0e9
+"""Parameters per second the host's Adam updates (torch fused AdamW measured ~0.9-1e9/s on 2 cores)."""
+
+GiB = 1024**3
+
+
+def make_plan(profile: Profile, topo: Topology, microbatches: int, *, num_stages: int | None = None,
+              mapping: str = "cross", reserve_bytes: int = 0) -> Plan:
+    """Cut the profiled layers into stages, map them to gpus and predict the step; the fastest plan wins.
+
+    num_stages=None sweeps S from the gpu count to the layer count and keeps the least predicted step time.
+    """
+    t0 = time.perf_counter()
+    arr = LayerArrays.of(profile)
+    memory = min(g.memory_bytes for g in topo.gpus) - reserve_bytes
+    _check_layers_fit(arr, profile, memory)
+    counts = _stage_counts(num_stages, topo.num_gpus, arr.num_layers)
+    best: Plan | None = None
+    for s in counts:
+        m = make_mapping(mapping, topo, s)
+        gbps = [topo.load_gbps(g, c) for g, c in zip(m, stage_contention(topo, m))]
+        sol = solve_dp(arr, memory, microbatches, min(gbps), [s]).get(s)
+        if sol is None:
+            continue
+        plan = _plan_of(profile, topo, arr, sol, m, gbps, microbatches, mapping, memory)
+        if best is None or plan.predicted_step_time_s < best.predicted_step_time_s * (1 - 1e-9):
+            best = plan
+    if best is None:
+        raise _infeasible_stages(num_stages, arr, memory)
+    info = SolverInfo("dp", "optimal", 0.0, round(time.perf_counter() - t0, 6))
+    return dataclasses.replace(best, solver=info)
+
+
+def _stage_counts(num_stages: int | None, num_gpus: int, num_layers: int) -> list[int]:
+    if num_stages is None:
+        if num_layers < num_gpus:
+            raise PlanInfeasibleError(f"the model has {num_layers} layers but there are {num_gpus} gpus; each gpu "
+                                      f"needs at least one stage of one layer: use fewer gpus")
+        return list(range(num_gpus, num_layers + 1))
+    if not num_gpus <= num_stages <= num_layers:
+        raise PlanInfeasibleError(f"--stages {num_stages} is impossible: expected between the gpu count "
+                                  f"({num_gpus}) and the layer count ({num_layers})")
+    return [num_stages]
+
+
+def _check_layers_fit(arr: LayerArrays, profile: Profile, memory: int) -> None:
+    for l, layer in enumerate(profile.layers):
+        need = ARENA_SLOTS * arr.params(l, l) + arr.activations(l, l)
+        if need > memory:
+            raise PlanInfeasibleError(
+                f"layer {l} ({layer.name}) alone needs {need / GiB:.2f} GiB ({ARENA_SLOTS} x "
+                f"{arr.params(l, l) / GiB:.2f} GiB of arena slots for weights, prefetch and gradients + "
+                f"{arr.activations(l, l) / GiB:.2f} GiB of activations) but a gpu has {memory / GiB:.2f} GiB usable: "
+                f"use a smaller microbatch, GPUs with more memory, or a smaller model")
+
+
+def _infeasible_stages(num_stages: int | None, arr: LayerArrays, memory: int) -> PlanInfeasibleError:
+    p = arr.params(0, arr.num_layers - 1)
+    return PlanInfeasibleError(
+        f"no cut of the {arr.num_layers} layers into {num_stages or 'any number of'} stages fits: the model has "
+        f"{p / GiB:.2f} GiB of parameters and each stage must satisfy {ARENA_SLOTS} x slot + activations <= "
+        f"{memory / GiB:.2f} GiB; use more stages (--stages), or leave --stages out to search every count")
+
+
+def _plan_of(profile: Profile, topo: Topology, arr: LayerArrays, sol: DpSolution, m: list[int],
+             gbps: list[float], microbatches: int, rule: str, memory: int) -> Plan:
+    stages = tuple(
+        StagePlan(first=a, last=b, gpu=m[j], param_count=arr.param_count(a, b), param_bytes=arr.params(a, b),
+                  activation_bytes=arr.activations(a, b), output_bytes=int(arr.O[b]), fwd_s=arr.fwd(a, b),
+                  bwd_s=arr.bwd(a, b), load_gbps=gbps[j])
+        for j, (a, b) in enumerate(sol.ranges))
+    slot = max(s.param_bytes for s in stages)
+    sim = simulate(sim_stages(stages, topo), topo.num_gpus, microbatches)
+    return Plan(model=profile.model, topology=topo.name, num_layers=arr.num_layers, num_gpus=topo.num_gpus,
+                num_microbatches=microbatches, microbatch_size=profile.microbatch_size, dtype=profile.dtype,
+                mapping_rule=rule, stages=stages, slot_bytes=slot, arena_bytes=ARENA_SLOTS * slot,
+                activation_bytes=max(s.activation_bytes for s in stages), gpu_memory_bytes=memory,
+                predicted_step_time_s=sim.step_time_s, solver=SolverInfo("dp", "optimal", 0.0, 0.0))
+
+
+def sim_stages(stages: tuple[StagePlan, ...], topo: Topology) -> list[SimStage]:
+    """The simulator's view of a plan's stages on a topology."""
+    out = []
+    hops = 1 if topo.p2p else 2
+    for j, s in enumerate(stages):
+        nxt = stages[j + 1].gpu if j + 1 < len(stages) else s.gpu
+        link = min(topo.gpus[s.gpu].link_gbps, topo.gpus[nxt].link_gbps)
+        comm = 0.0 if nxt == s.gpu else hops * s.output_bytes / (link * 1e9)
+        out.append(SimStage(gpu=s.gpu, fwd_s=s.fwd_s, bwd_s=s.bwd_s, load_s=s.load_s,
+                            offload_s=s.param_bytes / (topo.gpus[s.gpu].link_gbps * 1e9),
+                            update_s=s.param_count / HOST_ADAM_PARAMS_PER_S, comm_s=comm))
+    return out

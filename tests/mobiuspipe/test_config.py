@@ -1,0 +1,257 @@
+"""Tests of the run config: loading, defaults, round trip, and every kind of error it reports."""
+
+import dataclasses
+import pickle
+from pathlib import Path
+
+import pytest
+
+from mobiuspipe.config import (DataConfig, ModelConfig, PlanConfig, RunConfig, RuntimeConfig,
+                               TrainConfig, config_from_dict, load_config)
+from mobiuspipe.config_load import InvalidValues
+from mobiuspipe.errors import ConfigError
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-gpt.yaml"
+
+
+def write(tmp_path: Path, text: str, name: str = "run.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def load_error(tmp_path: Path, text: str, name: str = "run.yaml") -> str:
+    path = write(tmp_path, text, name)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert name in message
+    return message
+
+
+def test_example_loads_with_expected_values():
+    cfg = load_config(EXAMPLE)
+    assert cfg.source == str(EXAMPLE)
+    assert cfg.model == ModelConfig(vocab_size=256, num_blocks=6, d_model=64, num_heads=4, seq_len=64)
+    assert cfg.data == DataConfig(path=None, batch_size=8, num_microbatches=4)
+    assert cfg.train == TrainConfig(steps=20, lr=3e-3, betas=(0.9, 0.95), eps=1e-8,
+                                    weight_decay=0.0, seed=0, log_every=1, out_dir=None)
+    assert cfg.plan == PlanConfig(file=None, num_gpus=2, num_stages=4, mapping="cross",
+                                  device_memory_mb=64.0)
+    assert cfg.runtime == RuntimeConfig(comm_timeout_s=60.0, threads=1)
+    assert cfg.num_layers == 8 and cfg.microbatch_size == 2
+    assert cfg.data.text_path.endswith("sample.txt")
+
+
+def test_sections_are_frozen():
+    cfg = RunConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.train.lr = 1.0  # type: ignore[misc]
+
+
+def test_every_field_has_a_docstring():
+    source = Path(__file__).resolve().parents[2] / "mobiuspipe" / "config.py"
+    lines = source.read_text().splitlines()
+    for cls in (ModelConfig, DataConfig, TrainConfig, PlanConfig, RuntimeConfig, RunConfig):
+        for f in dataclasses.fields(cls):
+            at = next(i for i, line in enumerate(lines) if line.startswith(f"    {f.name}:"))
+            after = next(line for line in lines[at + 1:] if not line.startswith("        "))
+            assert after.strip().startswith('"""'), f"{cls.__name__}.{f.name} has no docstring"
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "model: {}\ntrain:\n"])
+def test_defaults_when_sections_omitted(tmp_path, text):
+    cfg = load_config(write(tmp_path, text))
+    assert cfg == RunConfig(source=str(tmp_path / "run.yaml"))
+    assert cfg.train.steps == 20 and cfg.plan.mapping == "cross"
+
+
+def test_partial_section_keeps_other_defaults(tmp_path):
+    cfg = load_config(write(tmp_path, "train:\n  steps: 5\n  lr: 1\n"))
+    assert cfg.train.steps == 5
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)  # an int is fine for a float
+    assert cfg.train.betas == (0.9, 0.95) and cfg.model == ModelConfig()
+
+
+def test_exponent_without_dot_is_a_float(tmp_path):
+    cfg = load_config(write(tmp_path, "train:\n  lr: 3e-3\n  eps: 1e-6\n"))
+    assert cfg.train.lr == 0.003 and cfg.train.eps == 1e-6
+
+
+def test_round_trip(tmp_path):
+    (tmp_path / "text.txt").write_text("hello")
+    cfg = load_config(write(tmp_path, "data: {path: text.txt, batch_size: 6, num_microbatches: 3}\n"
+                                      "train: {betas: [0.5, 0.75], out_dir: runs/x}\n"))
+    plain = cfg.to_dict()
+    assert "source" not in plain and plain["train"]["betas"] == [0.5, 0.75]
+    assert config_from_dict(plain, source=cfg.source) == cfg
+    assert RunConfig.from_dict(RunConfig().to_dict(), "<defaults>") == RunConfig()
+    yaml_path = write(tmp_path, cfg.to_yaml(), "resolved.yaml")
+    assert load_config(yaml_path).to_dict() == plain
+
+
+def test_relative_paths_resolve_against_config_folder(tmp_path, monkeypatch):
+    folder = tmp_path / "configs"
+    (folder / "data").mkdir(parents=True)
+    (folder / "data" / "text.txt").write_text("abc")
+    (folder / "plan.yaml").write_text("stages: []\n")
+    path = write(folder, "data:\n  path: data/text.txt\nplan:\n  file: plan.yaml\n"
+                         "train:\n  out_dir: runs\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(path.relative_to(tmp_path))
+    assert cfg.data.path == str(folder / "data" / "text.txt")
+    assert cfg.plan.file == str(folder / "plan.yaml")
+    assert cfg.data.text_path == cfg.data.path
+    assert cfg.train.out_dir == "runs"  # relative to the current directory, left as written
+    assert cfg.source == str(path)
+
+
+def test_missing_relative_path_names_key_and_resolved_path(tmp_path):
+    message = load_error(tmp_path, "data:\n  path: nope.txt\nplan:\n  file: plan.yaml\n")
+    assert "data.path" in message and str(tmp_path / "nope.txt") in message
+    assert "plan.file" in message and "mobiuspipe partition -o plan.yaml" in message
+
+
+def test_unknown_key_suggests_closest(tmp_path):
+    message = load_error(tmp_path, "train:\n  lrr: 0.1\n")
+    assert "train.lrr" in message and "did you mean 'lr'" in message
+    assert "steps, lr, betas, eps, weight_decay, seed, log_every, out_dir" in message
+
+
+def test_unknown_section_suggests_closest(tmp_path):
+    message = load_error(tmp_path, "trian:\n  steps: 3\n")
+    assert "trian" in message and "did you mean 'train'" in message
+
+
+def test_source_is_not_a_yaml_key(tmp_path):
+    assert "unknown key 'source'" in load_error(tmp_path, "source: x.yaml\n")
+
+
+@pytest.mark.parametrize("text, key, hint", [
+    ("model:\n  d_model: '64'\n", "model.d_model", "remove the quotes"),
+    ("train:\n  lr: fast\n", "train.lr", "expected a number"),
+    ("train:\n  steps: 2.5\n", "train.steps", "expected an integer"),
+    ("plan:\n  mapping: 3\n", "plan.mapping", "expected a string"),
+    ("train:\n  betas: [0.9]\n", "train.betas", "a list of 2 numbers"),
+    ("train:\n  betas: 0.9\n", "train.betas", "a list of 2 numbers"),
+    ("data:\n  path: 7\n", "data.path", "a string or null"),
+    ("train: 5\n", "train", "expected a mapping"),
+])
+def test_wrong_type(tmp_path, text, key, hint):
+    message = load_error(tmp_path, text)
+    assert key in message and hint in message and "fix:" in message
+
+
+@pytest.mark.parametrize("text, key", [
+    ("model:\n  num_blocks: true\n", "model.num_blocks"),
+    ("train:\n  lr: false\n", "train.lr"),
+])
+def test_bool_is_not_a_number(tmp_path, text, key):
+    message = load_error(tmp_path, text)
+    assert key in message and "found boolean" in message
+
+
+@pytest.mark.parametrize("section, values, key, found", [
+    ("train", "lr: 0", "train.lr", "0.0"),
+    ("train", "lr: -0.1", "train.lr", "-0.1"),
+    ("train", "lr: .nan", "train.lr", "nan"),
+    ("train", "weight_decay: -0.01", "train.weight_decay", "-0.01"),
+    ("train", "eps: -1.0e-8", "train.eps", "-1e-08"),
+    ("train", "betas: [0.9, 1.0]", "train.betas", "[0.9, 1.0]"),
+    ("train", "betas: [-0.1, 0.9]", "train.betas", "[-0.1, 0.9]"),
+    ("train", "steps: 0", "train.steps", "0"),
+    ("data", "batch_size: 0", "data.batch_size", "0"),
+    ("data", "num_microbatches: 0", "data.num_microbatches", "0"),
+    ("data", "batch_size: 6", "data.batch_size", "batch_size 6 with num_microbatches 4"),
+    ("model", "d_model: 66", "model.d_model", "d_model 66 with num_heads 4"),
+    ("plan", "num_gpus: 0", "plan.num_gpus", "0"),
+    ("plan", "num_gpus: 3\n  num_stages: 2", "plan.num_stages", "more gpus than stages"),
+    ("plan", "num_stages: 9", "plan.num_stages", "9 stages for 8 layers"),
+    ("plan", "mapping: ring", "plan.mapping", "'ring'"),
+    ("plan", "device_memory_mb: 0", "plan.device_memory_mb", "0.0"),
+    ("runtime", "comm_timeout_s: -1", "runtime.comm_timeout_s", "-1.0"),
+    ("runtime", "threads: 0", "runtime.threads", "0"),
+    ("model", "vocab_size: 0", "model.vocab_size", "0"),
+    ("model", "vocab_size: 65537", "model.vocab_size", "65537"),
+])
+def test_impossible_value(tmp_path, section, values, key, found):
+    message = load_error(tmp_path, f"{section}:\n  {values}\n")
+    assert key in message and found in message and "fix:" in message
+    assert message.count("\n") == 0  # one problem, one line
+
+
+def test_divisibility_messages_give_both_numbers_and_a_fix(tmp_path):
+    message = load_error(tmp_path, "data:\n  batch_size: 6\n  num_microbatches: 4\n")
+    assert "6 % 4 = 2" in message and "batch_size 8" in message and "num_microbatches 3" in message
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="absent.yaml.*not found"):
+        load_config(tmp_path / "absent.yaml")
+
+
+def test_folder_instead_of_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_config(tmp_path)
+
+
+def test_bad_yaml_names_file_and_line(tmp_path):
+    message = load_error(tmp_path, "train:\n  lr: [0.1\n  steps: 3\n")
+    assert "expected valid YAML" in message and "line" in message
+
+
+def test_duplicate_key(tmp_path):
+    message = load_error(tmp_path, "train:\n  lr: 0.1\n  steps: 3\n  lr: 0.2\n")
+    assert "train.lr" in message and "line 2" in message and "line 4" in message
+
+
+def test_duplicate_section(tmp_path):
+    message = load_error(tmp_path, "train:\n  lr: 0.1\ntrain:\n  steps: 3\n")
+    assert "train" in message and "line 3" in message
+
+
+@pytest.mark.parametrize("text", ["- 1\n- 2\n", "just a string\n", "42\n"])
+def test_top_level_not_a_mapping(tmp_path, text):
+    message = load_error(tmp_path, text)
+    assert "(top level)" in message and "expected a mapping" in message
+
+
+def test_several_errors_reported_together(tmp_path):
+    message = load_error(tmp_path, "model:\n  num_blockz: 4\n  d_model: 66\ntrain:\n  lr: -1\n"
+                                   "  eps: -1\ndata:\n  batch_size: 0\nruntime:\n  threads: true\n"
+                                   "plan:\n  mapping: ring\n")
+    lines = message.splitlines()
+    assert "7 errors" in lines[0] and "run.yaml" in lines[0] and len(lines) == 8
+    for key in ("model.num_blockz", "model.d_model", "train.lr", "train.eps", "data.batch_size",
+                "runtime.threads", "plan.mapping"):
+        assert sum(key in line for line in lines[1:]) == 1, key
+    assert "did you mean 'num_blocks'" in message
+
+
+def test_type_errors_of_a_section_come_before_its_value_checks(tmp_path):
+    message = load_error(tmp_path, "train:\n  lr: -1\n  steps: '3'\n")
+    assert "train.steps" in message and "train.lr" not in message  # lr is checked once types are right
+
+
+def test_config_from_dict_errors_name_source():
+    with pytest.raises(ConfigError, match=r"config my-source: train\.lr"):
+        config_from_dict({"train": {"lr": "x"}}, source="my-source")
+    with pytest.raises(ConfigError, match=r"\(top level\)"):
+        config_from_dict(None)
+
+
+def test_direct_construction_is_checked():
+    with pytest.raises(ConfigError, match="ModelConfig: d_model"):
+        ModelConfig(d_model=65)
+    with pytest.raises(ConfigError, match="expected a list of 2 numbers"):
+        TrainConfig(betas=(0.9,))  # type: ignore[arg-type]
+    assert TrainConfig(betas=[0.5, 0.5]).betas == (0.5, 0.5)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="plan.num_stages"):
+        RunConfig(model=ModelConfig(num_blocks=1), plan=PlanConfig(num_stages=4))
+
+
+def test_invalid_values_pickles():
+    with pytest.raises(InvalidValues) as info:
+        RuntimeConfig(threads=0)
+    again = pickle.loads(pickle.dumps(info.value))
+    assert str(again) == str(info.value) and again.problems == info.value.problems

@@ -1,0 +1,73 @@
+"""Analytical per-layer profile against hand-computed numbers."""
+
+import pytest
+
+from partition.analytic import analytic_profile
+from partition.hardware import DeviceSpec, device_spec
+from partition.models import MODELS, ModelSpec
+from partition.profile import Profile
+
+TINY = ModelSpec("tiny", num_blocks=2, d_model=8, num_heads=2, seq_len=4, vocab_size=16)
+DEV = DeviceSpec("test-dev", peak_tflops=1.0, memory_bytes=1 << 30, pcie_gbps=10.0)  # R = 5e11 at mfu 0.5
+
+
+def test_tiny_fp16_by_hand():
+    p = analytic_profile(TINY, DEV, microbatch_size=3, dtype="fp16", mfu=0.5)
+    assert [x.name for x in p.layers] == ["embedding", "block", "block", "head"]
+    assert (p.model, p.device, p.dtype, p.microbatch_size, p.seq_len) == ("tiny", "test-dev", "fp16", 3, 4)
+    emb, blk, _, head = p.layers
+    # params: 16*8 + 4*8 ; 12*64 + 13*8 ; 16*8 + 2*8
+    assert (emb.param_count, blk.param_count, head.param_count) == (160, 872, 144)
+    assert (emb.param_bytes, blk.param_bytes, head.param_bytes) == (320, 1744, 288)
+    # flops: 2*3*4*8 ; 2*3*4*768 + 4*3*16*8 ; 2*3*4*8*16
+    assert (emb.fwd_flops, blk.fwd_flops, head.fwd_flops) == (192.0, 19968.0, 3072.0)
+    assert (emb.bwd_flops, blk.bwd_flops, head.bwd_flops) == (384.0, 39936.0, 6144.0)
+    # activations: s*b*h*e = 96*2 ; 96*(34 + 5*2*4/8) ; 192 + 4*3*16*4
+    assert (emb.activation_bytes, blk.activation_bytes, head.activation_bytes) == (192, 3744, 960)
+    # outputs: s*b*h*e ; s*b*V*e = 4*3*16*2
+    assert (emb.output_bytes, blk.output_bytes, head.output_bytes) == (192, 192, 384)
+    assert blk.fwd_s == pytest.approx(19968 / 5e11, rel=1e-12)
+    assert blk.bwd_s == pytest.approx(39936 / 5e11, rel=1e-12)
+    assert head.fwd_s == pytest.approx(3072 / 5e11, rel=1e-12)
+
+
+def test_dtype_scaling():
+    h = analytic_profile(TINY, DEV, microbatch_size=3, dtype="fp16")
+    b = analytic_profile(TINY, DEV, microbatch_size=3, dtype="bf16")
+    f = analytic_profile(TINY, DEV, microbatch_size=3, dtype="fp32")
+    assert [x.param_bytes for x in h.layers] == [x.param_bytes for x in b.layers]
+    for x16, x32 in zip(h.layers, f.layers):
+        assert x32.param_bytes == 2 * x16.param_bytes
+        assert x32.output_bytes == 2 * x16.output_bytes
+        assert x32.fwd_flops == x16.fwd_flops
+    for i in range(3):  # embedding and blocks; the head keeps fp32 logits in both
+        assert f.layers[i].activation_bytes == 2 * h.layers[i].activation_bytes
+    assert f.layers[-1].activation_bytes == 4 * 3 * 8 * 4 + 4 * 3 * 16 * 4
+
+
+def test_bad_dtype():
+    with pytest.raises(ValueError, match=r"fp8.*fp16.*bf16.*fp32"):
+        analytic_profile(TINY, DEV, dtype="fp8")
+
+
+@pytest.mark.parametrize("kw", [{"microbatch_size": 0}, {"microbatch_size": 1.5}, {"mfu": 0.0}, {"mfu": 1.5}])
+def test_bad_arguments(kw):
+    with pytest.raises(ValueError):
+        analytic_profile(TINY, DEV, **kw)
+
+
+def test_gpt3_175b_on_3090ti():
+    spec = MODELS["gpt3-175b"]
+    p = analytic_profile(spec, device_spec("RTX 3090 Ti"))
+    assert p.num_layers == spec.num_layers == 98
+    assert sum(x.param_count for x in p.layers) == spec.param_count
+    blk = p.layers[1]
+    s, h, a = 2048, 12288, 96
+    assert blk.activation_bytes == s * h * 34 + 5 * a * s * s
+    assert blk.fwd_s == pytest.approx((24 * s * h * h + 4 * s * s * h) / 40e12)
+    assert 0.15 < blk.fwd_s < 0.25  # ~7.6 TFLOP per block at 40 TFLOP/s
+
+
+def test_profile_round_trips():
+    p = analytic_profile(TINY, DEV, microbatch_size=2)
+    assert Profile.from_dict(p.to_dict()) == p
