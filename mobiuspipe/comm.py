@@ -32,16 +32,25 @@ class Comm:
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, src: int, tag: int,
              what: str) -> torch.Tensor:
         buf = torch.empty(shape, dtype=dtype, device=device)
-        self._wait(dist.irecv(buf, src, tag=tag), src, f"receiving {what}")
+        self._wait(dist.irecv(buf, src, tag=tag), f"rank {src}", f"receiving {what} from rank {src}")
         return buf
 
     def flush(self) -> None:
         """Wait until every send of this rank has been taken by its receiver."""
         sends, self._sends = self._sends, []
         for work, _, dst, what in sends:
-            self._wait(work, dst, f"sending {what}")
+            self._wait(work, f"rank {dst}", f"sending {what} to rank {dst}")
 
-    def _wait(self, work, peer: int, what: str) -> None:
+    def all_reduce(self, t: torch.Tensor, op, what: str) -> torch.Tensor:
+        """In-place all-reduce of t over every rank, under the same deadline as receives."""
+        try:
+            work = dist.all_reduce(t, op=op, async_op=True)
+        except RuntimeError as e:
+            raise PeerLostError(self._message("another rank", what, str(e).splitlines()[0])) from e
+        self._wait(work, "another rank", f"all-reduce of {what}")
+        return t
+
+    def _wait(self, work, peer: str, what: str) -> None:
         try:
             ok = work.wait(self.timeout)
         except RuntimeError as e:
@@ -49,6 +58,6 @@ class Comm:
         if ok is False:
             raise PeerLostError(self._message(peer, what, f"no answer within {self.timeout.total_seconds():g} s"))
 
-    def _message(self, peer: int, what: str, cause: str) -> str:
-        return (f"rank {self.rank}: {what} from/to rank {peer} failed ({cause}); rank {peer} has probably died or "
-                f"hangs: look at its log above. Raise runtime.comm_timeout_s if rank {peer} is only slow")
+    def _message(self, peer: str, what: str, cause: str) -> str:
+        return (f"rank {self.rank}: {what} failed ({cause}); {peer} has probably died or hangs: look at its log "
+                f"above. Raise runtime.comm_timeout_s if {peer} is only slow")

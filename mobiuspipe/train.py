@@ -73,10 +73,9 @@ def _engine(cfg: RunConfig, plan: Plan, rank: int, local_rank: int) -> Engine:
                   Comm(rank, cfg.runtime.comm_timeout_s), act_shape, m)
 
 
-def _reduce(values: list[float], op, device: torch.device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=op)
-    return t.tolist()
+def _reduce(engine: Engine, values: list[float], op, what: str) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=engine.device.torch_device)
+    return engine.comm.all_reduce(t, op, what).tolist()
 
 
 def train(cfg: RunConfig) -> None:
@@ -104,16 +103,15 @@ def _run(cfg: RunConfig, plan: Plan, rank: int, local_rank: int) -> None:
     if out and rank == 0:
         (out / "config.yaml").write_text(cfg.to_yaml())
         save_plan(plan, out / "plan.yaml")
-    dev = engine.device.torch_device
     tokens = cfg.data.batch_size * cfg.model.seq_len
     for step in range(cfg.train.steps):
         t0 = time.perf_counter()
         x, y = data.batch(step, cfg.data.batch_size)
         engine.arena.reset_peak()
         loss, times = engine.run_step(step, x, y)
-        (loss,) = _reduce([loss], dist.ReduceOp.SUM, dev)
-        c, l, m, peak = _reduce([times.compute_s, times.load_s, times.comm_s, engine.arena.peak_bytes],
-                                dist.ReduceOp.MAX, dev)
+        (loss,) = _reduce(engine, [loss], dist.ReduceOp.SUM, f"the loss of step {step}")
+        c, l, m, peak = _reduce(engine, [times.compute_s, times.load_s, times.comm_s, engine.arena.peak_bytes],
+                                dist.ReduceOp.MAX, f"the metrics of step {step}")
         dt = time.perf_counter() - t0
         report(StepMetrics(step, loss, tokens / dt, dt, c, l, m, int(peak), engine.arena.budget_bytes))
     engine.finish()

@@ -99,9 +99,14 @@ def _better(a: DpSolution, b: DpSolution) -> bool:
 
 
 def _slot_candidates(P: np.ndarray, memory_bytes: int, A: np.ndarray) -> list[int]:
-    """Every interval parameter sum W that is at least the largest single layer and leaves room for one."""
+    """Every interval parameter sum W that is at least the largest single layer and leaves room for some stage.
+
+    The room test uses the least A over ALL intervals: A_j counts only a stage's boundary outputs, so a
+    stage of several layers can need less than any of its layers alone.
+    """
     L = P.shape[0] - 1
     single = max(int(P[i, i + 1]) for i in range(L))
-    min_act = min(int(A[i, i + 1]) for i in range(L))
-    vals = np.unique(P[np.triu_indices(L + 1, k=1)])
+    upper = np.triu_indices(L + 1, k=1)
+    min_act = int(A[upper].min())
+    vals = np.unique(P[upper])
     return [int(w) for w in vals if single <= w and ARENA_SLOTS * w + min_act <= memory_bytes]

@@ -1,0 +1,115 @@
+"""`mobiuspipe partition`: plan a model on a topology, then print the plan as a table and a timeline, or JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from partition.analytic import analytic_profile
+from partition.hardware import device_spec
+from partition.models import get_model
+from partition.plan import Plan, save_plan
+from partition.planner import make_plan, sim_stages
+from partition.simulate import SimResult, simulate
+from partition.trace import ascii_timeline, svg_timeline
+from topology import Topology, load_topology
+
+__all__ = ["CliError", "run_partition", "plan_to_json", "render_plan"]
+
+GiB = 1024**3
+
+
+class CliError(ValueError):
+    """A command-line value the command cannot use (an unknown GPU name, an unwritable output path)."""
+
+
+def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology]:
+    """The plan `partition` prints: analytic profile on the topology's first gpu type, then make_plan."""
+    spec = get_model(args.model)
+    topo = load_topology(args.topology)
+    try:
+        device = device_spec(topo.gpus[0].name)
+    except ValueError as e:
+        raise CliError(f"topology {topo.name!r}, gpu 0: {e}") from e
+    profile = analytic_profile(spec, device, microbatch_size=args.microbatch_size, dtype=args.dtype)
+    plan = make_plan(profile, topo, args.microbatches, num_stages=args.stages, mapping=args.mapping,
+                     reserve_bytes=int(args.reserve_gib * GiB))
+    return plan, topo
+
+
+def _stage_json(plan: Plan) -> list[dict]:
+    return [{"layers": [s.first, s.last], "gpu": s.gpu, "param_count": s.param_count, "param_bytes": s.param_bytes,
+             "activation_bytes": s.activation_bytes, "output_bytes": s.output_bytes, "fwd_s": s.fwd_s,
+             "bwd_s": s.bwd_s, "load_s": s.load_s, "load_gbps": s.load_gbps} for s in plan.stages]
+
+
+def plan_to_json(plan: Plan) -> dict:
+    """The `partition --json` document (DESIGN.md contract plus the plan's memory and per-stage costs)."""
+    return {
+        "model": plan.model, "topology": plan.topology, "num_layers": plan.num_layers, "num_gpus": plan.num_gpus,
+        "num_stages": plan.num_stages, "num_microbatches": plan.num_microbatches,
+        "microbatch_size": plan.microbatch_size, "dtype": plan.dtype, "mapping": plan.mapping_rule,
+        "stages": _stage_json(plan), "predicted_step_time_s": plan.predicted_step_time_s,
+        "slot_bytes": plan.slot_bytes, "arena_bytes": plan.arena_bytes, "activation_bytes": plan.activation_bytes,
+        "gpu_memory_bytes": plan.gpu_memory_bytes,
+        "solver": {"name": plan.solver.name, "status": plan.solver.status, "gap": plan.solver.gap,
+                   "wall_s": plan.solver.wall_s},
+    }
+
+
+def _header(plan: Plan) -> list[str]:
+    p, s = plan, plan.solver
+    return [
+        f"plan: {p.model} on topology {p.topology}: {p.num_stages} stages on {p.num_gpus} gpus, {p.mapping_rule} "
+        f"mapping, {p.num_microbatches} microbatches of {p.microbatch_size}, {p.dtype}",
+        f"predicted step time {p.predicted_step_time_s:.3f} s",
+        f"memory per gpu: arena {p.arena_bytes / GiB:.2f} GiB ({p.arena_bytes // p.slot_bytes} slots of "
+        f"{p.slot_bytes / GiB:.2f} GiB) + activations {p.activation_bytes / GiB:.2f} GiB = "
+        f"{(p.arena_bytes + p.activation_bytes) / GiB:.2f} GiB of {p.gpu_memory_bytes / GiB:.2f} GiB usable",
+        f"solver {s.name}: {s.status}, gap {s.gap:g}, {s.wall_s:.3f} s",
+    ]
+
+
+_COLUMNS = ("j", "layers", "#layers", "gpu", "params GiB", "act GiB", "fwd ms/mb", "bwd ms/mb", "load ms")
+
+
+def _table(plan: Plan) -> list[str]:
+    rows = [(str(j), f"{s.first}-{s.last}", str(s.last - s.first + 1), str(s.gpu), f"{s.param_bytes / GiB:.3f}",
+             f"{s.activation_bytes / GiB:.3f}", f"{s.fwd_s * 1e3:.2f}", f"{s.bwd_s * 1e3:.2f}",
+             f"{s.load_s * 1e3:.1f}") for j, s in enumerate(plan.stages)]
+    widths = [max(len(c), *(len(r[k]) for r in rows)) for k, c in enumerate(_COLUMNS)]
+    return ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in (_COLUMNS, *rows)]
+
+
+def render_plan(plan: Plan, sim: SimResult, width: int = 100) -> str:
+    """Header, one row per stage, then the ASCII timeline of the predicted step."""
+    return "\n".join(_header(plan) + [""] + _table(plan) + [""]) + "\n" + ascii_timeline(sim, plan.num_gpus, width)
+
+
+def _write(what: str, path: str, write) -> None:
+    try:
+        write()
+    except OSError as e:
+        raise CliError(f"cannot write the {what} to {path}: {e.strerror or e}; "
+                       f"expected a writable file path (does its folder exist?)") from e
+
+
+def run_partition(args: argparse.Namespace, out) -> int:
+    """Plan, write -o/--timeline files, print the plan to `out`; errors propagate to the CLI's handler."""
+    plan, topo = make_cli_plan(args)
+    sim = simulate(sim_stages(plan.stages, topo), topo.num_gpus, plan.num_microbatches)
+    notes = []
+    if args.output:
+        _write("plan", args.output, lambda: save_plan(plan, args.output))
+        notes.append(f"plan written to {args.output}")
+    if args.timeline:
+        title = (f"{plan.model} on {plan.topology}: {plan.num_stages} stages on {plan.num_gpus} gpus, "
+                 f"predicted step {plan.predicted_step_time_s:.3f} s")
+        _write("timeline", args.timeline, lambda: svg_timeline(sim, topo.num_gpus, Path(args.timeline), title))
+        notes.append(f"timeline written to {args.timeline}")
+    if args.json:
+        out.write(json.dumps(plan_to_json(plan), indent=2) + "\n")
+    else:
+        out.write(render_plan(plan, sim) + "".join(n + "\n" for n in notes))
+    return 0

@@ -1,0 +1,82 @@
+"""Fixtures of the runtime tests: plain single-process PyTorch training, the yardstick the pipeline must equal."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from torch import nn
+
+from mobiuspipe.config import RunConfig
+from mobiuspipe.dataset import ByteData
+from mobiuspipe.models.gpt import build_layers, lm_loss
+from mobiuspipe.planning import model_spec
+
+
+def reference_run(cfg: RunConfig, microbatched: bool = True) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses of every step and the final weights by "layer.param", with no pipeline.
+
+    microbatched=True accumulates the gradients of loss_i / M over the same microbatches as the pipeline
+    (plain gradient accumulation); False takes one full-batch gradient. Both are the same step in exact
+    arithmetic; the first also rounds like the pipeline, which matters where the true gradient is zero
+    (the attention key bias): Adam's m / sqrt(v) turns rounding noise there into full-size updates.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.runtime.threads)  # the ranks' thread count, so reductions round alike
+    try:
+        return _reference_run(cfg, microbatched)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference_run(cfg: RunConfig, microbatched: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+    spec = model_spec(cfg)
+    layers = build_layers(spec, cfg.train.seed)
+    model = nn.Sequential(*(layers[l] for l in range(spec.num_layers)))
+    t = cfg.train
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
+    data = ByteData(cfg.data.text_path, cfg.model.seq_len, cfg.train.seed)
+    losses = []
+    for step in range(cfg.train.steps):
+        x, y = data.batch(step, cfg.data.batch_size)
+        opt.zero_grad()
+        chunks = cfg.data.num_microbatches if microbatched else 1
+        total = 0.0
+        for xi, yi in zip(x.chunk(chunks), y.chunk(chunks)):
+            loss = lm_loss(model(xi), yi) / chunks
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        losses.append(total)
+    weights = {f"{l}.{name}": p.detach().clone() for l in range(spec.num_layers)
+               for name, p in layers[l].named_parameters()}
+    return losses, weights
+
+
+@pytest.fixture
+def reference():
+    """reference_run(cfg) -> (losses, weights)."""
+    return reference_run
+
+
+def write_config(tmp_path: Path, d: dict) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(d))
+    return path
+
+
+def torchrun(config: Path, nproc: int, timeout: float = 240) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node nproc -m mobiuspipe.train --config config`, bounded in time."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "mobiuspipe.train", "--config", str(config)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def launch():
+    """(write_config, torchrun) helpers."""
+    return write_config, torchrun

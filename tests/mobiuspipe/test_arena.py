@@ -1,0 +1,42 @@
+"""The device arena: fixed slots, exact accounting, clear errors, slots independent for autograd."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mobiuspipe.errors import ArenaError
+from mobiuspipe.memory.arena import DeviceArena
+
+
+def test_accounting_and_peak():
+    a = DeviceArena(1000, 3, torch.device("cpu"))
+    assert a.slot_bytes == 1024 and a.budget_bytes == 3072 and a.buffer.numel() == 3072
+    s1, s2 = a.acquire(1000, "x"), a.acquire(7, "y")
+    assert (a.in_use_bytes, a.peak_bytes) == (1007, 1007)
+    a.release(s1)
+    assert (a.in_use_bytes, a.peak_bytes) == (7, 1007)
+    a.reset_peak()
+    assert a.peak_bytes == 7
+    a.release(s2)
+    assert a.in_use_bytes == 0
+
+
+def test_too_big_and_full_are_errors():
+    a = DeviceArena(64, 2, torch.device("cpu"))
+    with pytest.raises(ArenaError, match="stage 3 weights needs 65 bytes but an arena slot has 64"):
+        a.acquire(65, "stage 3 weights")
+    a.acquire(1, "a"), a.acquire(1, "b")
+    with pytest.raises(ArenaError, match="all 2 arena slots are in use"):
+        a.acquire(1, "c")
+
+
+def test_slots_share_the_buffer_but_not_autograd_versions():
+    a = DeviceArena(64, 2, torch.device("cpu"))
+    s1, s2 = a.acquire(64, "w"), a.acquire(64, "next")
+    w = s1.view(torch.float32, 4).fill_(2.0).detach().requires_grad_(True)
+    loss = (w * w).sum()  # saves w for backward
+    s2.view(torch.float32, 16).copy_(torch.arange(16.0))  # a prefetch into the other slot
+    loss.backward()
+    assert torch.equal(w.grad, torch.full((4,), 4.0))
+    assert torch.equal(a.buffer[64:128].view(torch.float32), torch.arange(16.0))

@@ -1,0 +1,51 @@
+"""A rank that dies mid-run: the survivor stops within the timeout, naming the lost rank, instead of hanging."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, port: int, config) -> subprocess.Popen:
+    env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    return subprocess.Popen([sys.executable, "-m", "mobiuspipe.train", "--config", str(config)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_survivor_names_the_dead_rank(tmp_path, launch):
+    write_config, _ = launch
+    cfg = write_config(tmp_path, {"train": {"steps": 100000}, "runtime": {"comm_timeout_s": 20}})
+    port = _free_port()
+    r0, r1 = _rank(0, port, cfg), _rank(1, port, cfg)
+    try:
+        first = r0.stdout.readline()  # rank 0 has finished one step: both ranks are mid-run
+        assert first.startswith("step 1/"), first + r0.stderr.read()
+        r1.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        _, err = r0.communicate(timeout=60)
+        waited = time.monotonic() - t0
+    finally:
+        for p in (r0, r1):
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    assert r0.returncode == 2, err[-2000:]
+    assert waited < 20 + 10
+    line = [x for x in err.splitlines() if x.startswith("mobiuspipe.train: error:")]
+    assert line and ("rank 1" in line[0] or "another rank" in line[0]), err[-2000:]
+    assert "rank 0:" in line[0]

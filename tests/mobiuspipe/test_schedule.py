@@ -1,0 +1,64 @@
+"""Schedules: built for many shapes, checked; broken ones are caught with the place shown."""
+
+from __future__ import annotations
+
+import pytest
+
+from mobiuspipe.schedule import Action, Kind, ScheduleError, build_schedule, check_schedules
+from partition.mapping import round_robin
+
+
+@pytest.mark.parametrize("stages,gpus,m", [(1, 1, 1), (3, 1, 2), (4, 2, 4), (5, 2, 3), (7, 3, 5), (8, 4, 1)])
+def test_built_schedules_pass_the_checker(stages, gpus, m):
+    mapping = round_robin(stages, gpus)
+    scheds = [build_schedule(mapping, g, m) for g in range(gpus)]
+    check_schedules(mapping, m, scheds)
+    for g, s in enumerate(scheds):
+        mine = [j for j in range(stages) if mapping[j] == g]
+        assert sum(a.kind is Kind.FWD for a in s) == len(mine) * m
+        loads = [a.stage for a in s if a.kind is Kind.LOAD]
+        assert loads == mine + mine[-2::-1]  # the last forward stage stays for its backward
+
+
+def test_gpu_schedule_text_form():
+    s = build_schedule([0, 1, 0, 1], 0, 2)
+    assert " ".join(map(str, s)) == (
+        "L0 L2 F0.0 SA0.0 F0.1 SA0.1 R0 RA2.0 F2.0 SA2.0 RA2.1 F2.1 SA2.1 L0 RG2.0 B2.0 SG2.0 RG2.1 B2.1 SG2.1 "
+        "O2 R2 RG0.0 B0.0 RG0.1 B0.1 O0 R0")
+
+
+def _scheds():
+    mapping = [0, 1, 0, 1]
+    return mapping, [build_schedule(mapping, g, 2) for g in range(2)]
+
+
+def test_use_before_load_is_caught():
+    mapping, s = _scheds()
+    s[0].remove(Action(Kind.LOAD, 2))
+    with pytest.raises(ScheduleError, match=r"gpu 0, action \d+ \(F2.0\): stage used before it is loaded"):
+        check_schedules(mapping, 2, s)
+
+
+def test_third_weight_slot_is_caught():
+    mapping, s = _scheds()
+    s[0].remove(Action(Kind.RELEASE, 0))
+    with pytest.raises(ScheduleError, match="no free weight slot"):
+        check_schedules(mapping, 2, s)
+
+
+def test_backward_before_its_gradient_arrives_is_caught():
+    mapping, s = _scheds()
+    k = s[1].index(Action(Kind.RECV_GRAD, 1, 0))
+    s[1].insert(k + 2, s[1].pop(k))
+    with pytest.raises(ScheduleError, match="runs before RG1.0"):
+        check_schedules(mapping, 2, s)
+
+
+def test_deadlock_is_caught():
+    mapping = [0, 1]
+    s = [build_schedule(mapping, g, 1) for g in range(2)]
+    # gpu 0 waits for a gradient before it sends its activation: each waits on the other
+    s[0] = [Action(Kind.LOAD, 0), Action(Kind.FWD, 0, 0), Action(Kind.RECV_GRAD, 0, 0), Action(Kind.SEND_ACT, 0, 0),
+            Action(Kind.BWD, 0, 0), Action(Kind.OFFLOAD, 0), Action(Kind.RELEASE, 0)]
+    with pytest.raises(ScheduleError, match="deadlock"):
+        check_schedules(mapping, 1, s)
