@@ -29,6 +29,15 @@ def _cfg(blocks: int, d: int, heads: int, seq: int, batch: int, m: int, stages: 
 
 
 def _run_local(cfg) -> tuple[list[float], dict[str, torch.Tensor], int, int]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.runtime.threads)  # as train() does, and as the reference does
+    try:
+        return _engine_run(cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _engine_run(cfg) -> tuple[list[float], dict[str, torch.Tensor], int, int]:
     plan = plan_for_run(cfg)
     device = Device(use_cuda=False)
     sched = build_schedule(plan.mapping, 0, plan.num_microbatches)
@@ -62,4 +71,15 @@ def test_local_pipeline_equals_plain_pytorch(seed, reference):
     assert weights.keys() == ref_weights.keys()
     for k in weights:
         torch.testing.assert_close(weights[k], ref_weights[k], rtol=1e-5, atol=1e-6, msg=k)
+    assert 0 < peak <= budget
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_local_pipeline_on_cuda_equals_plain_pytorch(reference, monkeypatch):
+    cfg = _cfg(blocks=3, d=24, heads=3, seq=17, batch=4, m=2, stages=4, seed=5, wd=0.0)
+    monkeypatch.setattr("test_engine_local.Device", lambda use_cuda: Device(use_cuda=True))
+    losses, weights, peak, budget = _run_local(cfg)
+    ref_losses, _ = reference(cfg, microbatched=False)
+    assert losses == pytest.approx(ref_losses, rel=1e-4)
     assert 0 < peak <= budget

@@ -1,0 +1,66 @@
+"""Step reporting (terminal bar vs plain lines, JSONL) and the byte-level data sampler."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+
+from mobiuspipe.dataset import ByteData
+from mobiuspipe.errors import ConfigError
+from mobiuspipe.metrics import Reporter, StepMetrics
+
+
+def _m(step: int) -> StepMetrics:
+    return StepMetrics(step, 2.5, 1000.0, 0.25, 0.1, 0.05, 0.02, 3 * 2**20, 4 * 2**20)
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_plain_lines_when_not_a_terminal(tmp_path):
+    out = io.StringIO()
+    r = Reporter(steps=4, log_every=2, out_dir=str(tmp_path), stream=out)
+    for s in range(4):
+        r(_m(s))
+    r.close()
+    lines = out.getvalue().splitlines()
+    assert [x.split()[1] for x in lines] == ["2/4", "4/4"]
+    assert "loss 2.5000" in lines[0] and "tok/s" in lines[0] and "arena peak 3.00 of 4.00 MiB" in lines[0]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and rows[0]["compute_s"] == 0.1
+
+
+def test_bar_on_a_terminal():
+    out = _Tty()
+    r = Reporter(steps=2, log_every=1, out_dir=None, stream=out)
+    r(_m(0))
+    r(_m(1))
+    text = out.getvalue()
+    assert text.startswith("\r[###############...............] step 1/2")
+    assert text.endswith("\n") and text.count("\n") == 1
+
+
+def test_batches_are_shifted_bytes_and_reproducible(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_bytes(bytes(range(200)))
+    d = ByteData(str(f), seq_len=9, seed=3)
+    x, y = d.batch(5, 4)
+    assert x.shape == y.shape == (4, 9) and x.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1]) and torch.equal(y - x, torch.ones_like(x))
+    x2, _ = ByteData(str(f), seq_len=9, seed=3).batch(5, 4)
+    assert torch.equal(x, x2)
+    assert not torch.equal(x, d.batch(6, 4)[0])
+
+
+def test_short_or_missing_text_is_a_config_error(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_bytes(b"abc")
+    with pytest.raises(ConfigError, match="has 3 bytes, expected at least seq_len \\+ 2 = 11"):
+        ByteData(str(f), seq_len=9, seed=0)
+    with pytest.raises(ConfigError, match="cannot read"):
+        ByteData(str(tmp_path / "none.txt"), seq_len=9, seed=0)
