@@ -32,6 +32,10 @@ def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology]:
         device = device_spec(topo.gpus[0].name)
     except ValueError as e:
         raise CliError(f"topology {topo.name!r}, gpu 0: {e}") from e
+    smallest = min(g.memory_bytes for g in topo.gpus)
+    if args.reserve_gib * GiB >= smallest:
+        raise CliError(f"--reserve-gib {args.reserve_gib:g} leaves no memory: the smallest gpu of topology "
+                       f"{topo.name!r} has {smallest / GiB:.2f} GiB; expected a reserve below that (default 1.0)")
     profile = analytic_profile(spec, device, microbatch_size=args.microbatch_size, dtype=args.dtype)
     plan = make_plan(profile, topo, args.microbatches, num_stages=args.stages, mapping=args.mapping,
                      reserve_bytes=int(args.reserve_gib * GiB))

@@ -123,9 +123,13 @@ def _from_dict(d: dict, where: str) -> Plan:
         raise PlanFileError(f"{where}: expected a mapping at the top level, found {type(d).__name__}")
     d = {k: v for k, v in d.items() if k != "num_stages"}  # derived; written for readers
     try:
-        stages = tuple(_build(StagePlan, s, f"{where}: stages[{j}]") for j, s in enumerate(d.get("stages") or []))
-        solver = _build(SolverInfo, d.get("solver"), f"{where}: solver")
-        return _build(Plan, {**d, "stages": stages, "solver": solver}, where)
+        if "stages" in d:  # a missing key is reported by _build(Plan, ...)
+            if not isinstance(d["stages"], list):
+                raise PlanFileError(f"{where}: key 'stages' expected a list of mappings, found {d['stages']!r}")
+            d["stages"] = tuple(_build(StagePlan, s, f"{where}: stages[{j}]") for j, s in enumerate(d["stages"]))
+        if "solver" in d:
+            d["solver"] = _build(SolverInfo, d["solver"], f"{where}: solver")
+        return _build(Plan, d, where)
     except PlanFileError:
         raise
     except (TypeError, ValueError) as e:
@@ -144,7 +148,10 @@ def _build(cls, d, where: str):
         want = _SCALARS.get(f.type)
         if want and (isinstance(d[f.name], bool) or not isinstance(d[f.name], want)):
             raise PlanFileError(f"{where}: key {f.name!r} expected {f.type}, found {d[f.name]!r}")
-    return cls(**d)
+    try:
+        return cls(**d)
+    except PlanFileError as e:  # Plan's own consistency checks: say which file
+        raise PlanFileError(f"{where}: {e}") from None
 
 
 _SCALARS = {"int": (int,), "float": (int, float), "str": (str,)}
@@ -159,13 +166,21 @@ def save_plan(plan: Plan, path: str | Path) -> None:
 
 
 def load_plan(path: str | Path) -> Plan:
-    """Read a plan written by save_plan; PlanFileError on anything malformed."""
+    """Read a plan written by save_plan (JSON when the suffix is .json); PlanFileError on anything malformed.
+
+    JSON is read as JSON: YAML 1.1 would read JSON floats such as 1e-05 as strings.
+    """
     path = Path(path)
+    is_json = path.suffix == ".json"
     try:
-        d = yaml.safe_load(path.read_text())
+        text = path.read_text(encoding="utf-8")
+        d = json.loads(text) if is_json else yaml.safe_load(text)
     except OSError as e:
         raise PlanFileError(f"cannot read plan file {path}: {e.strerror}; write one with "
                             f"`mobiuspipe partition ... -o {path.name}`") from e
-    except yaml.YAMLError as e:
-        raise PlanFileError(f"plan file {path} is not valid YAML: {e}") from e
+    except UnicodeDecodeError as e:
+        raise PlanFileError(f"plan file {path} is not UTF-8 text ({e.reason} at byte {e.start}); "
+                            f"write plans with `mobiuspipe partition -o FILE`") from e
+    except (yaml.YAMLError, json.JSONDecodeError) as e:
+        raise PlanFileError(f"plan file {path} is not valid {'JSON' if is_json else 'YAML'}: {e}") from e
     return Plan.from_dict(d, str(path))

@@ -64,12 +64,20 @@ def _stage_counts(num_stages: int | None, num_gpus: int, num_layers: int) -> lis
 def _check_layers_fit(arr: LayerArrays, profile: Profile, memory: int) -> None:
     for l, layer in enumerate(profile.layers):
         need = ARENA_SLOTS * arr.params(l, l) + arr.activations(l, l)
-        if need > memory:
+        if need > memory and not _fits_in_some_stage(arr, l, memory):
             raise PlanInfeasibleError(
                 f"layer {l} ({layer.name}) alone needs {need / GiB:.2f} GiB ({ARENA_SLOTS} x "
                 f"{arr.params(l, l) / GiB:.2f} GiB of arena slots for weights, prefetch and gradients + "
                 f"{arr.activations(l, l) / GiB:.2f} GiB of activations) but a gpu has {memory / GiB:.2f} GiB usable: "
                 f"use a smaller microbatch, GPUs with more memory, or a smaller model")
+
+
+def _fits_in_some_stage(arr: LayerArrays, l: int, memory: int) -> bool:
+    """True when some stage a..b holding layer l meets the memory rule on its own (A_j counts only the
+    stage's boundary outputs, so a layer with a large output can fit together with its neighbours)."""
+    L = arr.num_layers
+    return any(ARENA_SLOTS * arr.params(a, b) + arr.activations(a, b) <= memory
+               for a in range(l + 1) for b in range(l, L))
 
 
 def _infeasible_stages(num_stages: int | None, arr: LayerArrays, memory: int) -> PlanInfeasibleError:

@@ -40,7 +40,7 @@ def _char(kind: str, stage: int) -> str:
 def _ascii_row(events: list[Event], span: float, width: int) -> str:
     """One character per span/width seconds: what ran longest during that cell, '.' if nothing ran."""
     dt = span / width
-    best = [0.0] * width
+    best = [dt * 1e-9] * width  # overlaps below this are rounding at a cell edge, not work
     cells = ["."] * width
     for kind, _, j, _, start, end in events:
         for c in range(min(int(start / dt), width - 1), min(int(end / dt), width - 1) + 1):
@@ -151,7 +151,7 @@ def _svg_legend(y: float) -> list[str]:
     for kind, label in items:
         out += [_rect(x, y, 14, 12, _fill(kind, 0)), _text(x + 18, y + 10, label)]
         x += 36 + 7 * len(label)
-    out.append(_text(x, y + 10, "colour = stage (hover a block for its stage, microbatch and times)"))
+    out.append(_text(_LEFT, y + 30, "colour = stage (hover a block for its stage, microbatch and times)"))
     return out
 
 
@@ -160,7 +160,7 @@ def svg_timeline(result: SimResult, num_gpus: int, path: str | Path, title: str 
     span = result.step_time_s if result.step_time_s > 0 else 1.0
     rows = lanes(result, num_gpus)
     bottom = _TOP + len(rows) * (_LANE + _GAP)
-    width, height = _LEFT + _PLOT_W + _RIGHT, bottom + 70
+    width, height = _LEFT + _PLOT_W + _RIGHT, bottom + 90
     head = title or f"one step: {span * 1e3:.1f} ms"
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
              f'viewBox="0 0 {width} {height}" font-family="sans-serif">',

@@ -225,3 +225,10 @@ def test_gpu_without_stage_and_empty():
     res = simulate([_st(0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0)], num_gpus=2, microbatches=1)
     assert res.compute_busy_s == (3.0, 0.0)
     assert simulate([], num_gpus=1, microbatches=1).step_time_s == 0.0
+
+
+def test_deadlock_is_reported_not_hung():
+    """A stage on a gpu that does not exist never runs: its neighbours wait forever, simulate() says so."""
+    stages = [_st(0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0), _st(5, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0)]
+    with pytest.raises(RuntimeError, match="deadlock"):
+        simulate(stages, num_gpus=2, microbatches=2)

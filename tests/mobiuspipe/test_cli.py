@@ -1,0 +1,194 @@
+"""The `mobiuspipe` command in-process: env, topology, partition (text, JSON, files) and its one-line user errors."""
+
+import contextlib
+import io
+import json
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mobiuspipe import cli
+from partition.models import MODELS
+from partition.plan import load_plan
+from topology import preset
+
+PARTITION = ["partition", "--model", "gpt3-175b", "--topology", "2+2"]
+
+
+def run(argv: list[str]) -> tuple[int, str, str]:
+    """cli.main(argv) -> (exit code, stdout, stderr); argparse's SystemExit becomes its code."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(argv)
+        except SystemExit as e:
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def assert_user_error(argv: list[str], *needles: str) -> str:
+    code, out, err = run(argv)
+    assert code == 2, err
+    assert out == ""
+    assert err.startswith("mobiuspipe: error:") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in err
+    return err
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory) -> tuple[dict, Path, Path, str]:
+    """partition --json for gpt3-175b on 2+2 with -o and --timeline: (document, plan file, svg, stderr)."""
+    folder = tmp_path_factory.mktemp("plan")
+    plan, svg = folder / "plan.yaml", folder / "step.svg"
+    code, out, err = run(PARTITION + ["--json", "-o", str(plan), "--timeline", str(svg)])
+    assert code == 0, err
+    return json.loads(out), plan, svg, err  # json.loads fails on anything printed besides the document
+
+
+def test_env_json_has_every_section(capsys):
+    assert cli.main(["env", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert {"python", "packages", "solvers", "cuda", "nvml", "cpu_count", "torch_threads"} <= set(d)
+    assert {"mobiuspipe", "torch", "numpy", "highspy", "gurobipy", "nvidia-ml-py"} <= set(d["packages"])
+    assert {"dp", "highs", "gurobi"} <= set(d["solvers"])
+    assert {"available", "device_count", "devices"} <= set(d["cuda"])
+    assert d["nvml"]["ok"] or d["nvml"]["error"]  # failure names the NVML error class
+
+
+def test_env_text(capsys):
+    assert cli.main(["env"]) == 0
+    out = capsys.readouterr().out
+    for word in ("python", "torch", "solvers", "cuda", "nvml", "cpus"):
+        assert any(line.startswith(word) for line in out.splitlines()), word
+
+
+def test_module_entry_runs_env():
+    done = subprocess.run([sys.executable, "-m", "mobiuspipe", "env", "--json"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "solvers" in json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("name", ["2+2", "3+1"])
+def test_topology_json_contract(capsys, name):
+    assert cli.main(["topology", "--layout", name, "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert {"gpus", "contention_groups", "source"} <= set(d)
+    for g in d["gpus"]:
+        assert {"index", "name", "memory_bytes", "pci_bus_id", "root_complex", "numa_node"} <= set(g)
+    assert d["contention_groups"] == preset(name).contention_groups()
+
+
+def test_topology_text_defaults_to_2_plus_2(capsys):
+    assert cli.main(["topology"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("topology 2+2") and "contention groups: [0, 1] [2, 3]" in out
+
+
+def test_partition_json_contract(planned):
+    d, _, _, err = planned
+    assert err == ""
+    assert {"model", "num_gpus", "num_stages", "stages", "predicted_step_time_s", "solver", "mapping",
+            "num_microbatches", "slot_bytes", "arena_bytes", "activation_bytes", "gpu_memory_bytes"} <= set(d)
+    assert set(d["solver"]) == {"name", "status", "gap", "wall_s"}
+    assert d["model"] == "gpt3-175b" and d["num_gpus"] == 4
+    assert d["num_stages"] == len(d["stages"]) > d["num_gpus"]
+    assert d["predicted_step_time_s"] > 0
+    for s in d["stages"]:
+        assert {"layers", "gpu", "param_bytes", "activation_bytes", "fwd_s", "bwd_s", "load_s"} <= set(s)
+
+
+def test_partition_stages_cover_every_layer_in_order(planned):
+    d = planned[0]
+    nxt = 0
+    for s in d["stages"]:
+        first, last = s["layers"]
+        assert first == nxt and last >= first and 0 <= s["gpu"] < d["num_gpus"]
+        nxt = last + 1
+    assert nxt == MODELS["gpt3-175b"].num_layers
+
+
+def test_plan_file_matches_the_json(planned):
+    d, path, _, _ = planned
+    plan = load_plan(path)
+    assert [{"layers": [s.first, s.last], "gpu": s.gpu} for s in plan.stages] == \
+           [{"layers": s["layers"], "gpu": s["gpu"]} for s in d["stages"]]
+    assert plan.predicted_step_time_s == d["predicted_step_time_s"]
+
+
+def test_timeline_svg_is_well_formed(planned):
+    root = ET.parse(planned[2]).getroot()
+    assert root.findall("{http://www.w3.org/2000/svg}rect")
+
+
+def test_partition_text_has_header_table_and_timeline(tmp_path, capsys):
+    argv = ["partition", "--model", "gpt3-13b", "--topology", "2+2", "--stages", "8", "--microbatches", "2",
+            "-o", str(tmp_path / "plan.json")]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("plan: gpt3-13b on topology 2+2: 8 stages on 4 gpus, cross mapping, 2 microbatches")
+    assert "predicted step time" in out and "solver dp" in out
+    lines = out.splitlines()
+    head = next(k for k, line in enumerate(lines) if line.split()[:2] == ["j", "layers"])
+    assert [line.split()[0] for line in lines[head + 1:head + 9]] == [str(j) for j in range(8)]
+    for g in range(4):
+        assert sum(line.startswith(f"gpu {g} compute") for line in lines) == 1
+    assert load_plan(tmp_path / "plan.json").num_stages == 8  # .json suffix -> JSON, read back
+
+
+@pytest.mark.parametrize("stages", ["3", "99", "0"])
+def test_stages_out_of_range(stages):
+    assert_user_error(PARTITION + ["--stages", stages], f"--stages {stages}")
+
+
+def test_unknown_model_lists_the_known_names():
+    assert_user_error(["partition", "--model", "gpt5", "--topology", "2+2"], "gpt5", *MODELS)
+
+
+def test_unknown_topology():
+    assert_user_error(["partition", "--model", "gpt3-1.3b", "--topology", "5+5"], "5+5", "2+2")
+
+
+@pytest.mark.parametrize("text", ["gpus: [\n  - name: x\n", "name: box\ngpus: []\nroot_complexes: []\n", "- 1\n"],
+                         ids=["bad-yaml", "empty-lists", "not-a-mapping"])
+def test_malformed_layout_file(tmp_path, text):
+    path = tmp_path / "box.yaml"
+    path.write_text(text)
+    assert_user_error(["partition", "--model", "gpt3-1.3b", "--topology", str(path)], str(path))
+    assert_user_error(["topology", "--layout", str(path)], str(path))
+
+
+def test_unknown_gpu_name_in_layout(tmp_path):
+    d = preset("2+2").to_dict()
+    for g in d["gpus"]:
+        g["name"] = "NVIDIA Banana 9000"
+    path = tmp_path / "banana.yaml"
+    path.write_text(yaml.safe_dump(d))
+    assert_user_error(["partition", "--model", "gpt3-1.3b", "--topology", str(path)], "Banana", "known devices")
+
+
+def test_unwritable_output(tmp_path):
+    assert_user_error(["partition", "--model", "gpt3-13b", "--topology", "2+2", "--stages", "8", "-o", str(tmp_path / "no" / "plan.yaml")], "cannot write")
+
+
+def test_too_large_reserve():
+    assert_user_error(PARTITION + ["--reserve-gib", "24"], "--reserve-gib")
+
+
+def test_usage_errors_exit_2():
+    assert run(["partition", "--model", "gpt3-1.3b"])[0] == 2  # --topology missing
+    assert run(["partition", "--model", "gpt3-1.3b", "--topology", "2+2", "--microbatches", "0"])[0] == 2
+    assert run([])[0] == 2
+
+
+def test_train_with_a_bad_config_fails_before_launching(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("plan:\n  num_gpus: 0\n")
+    assert_user_error(["train", "--config", str(path)], "run.yaml", "plan.num_gpus")
+    assert_user_error(["train", "--config", str(tmp_path / "missing.yaml")], "missing.yaml")

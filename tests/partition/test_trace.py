@@ -1,0 +1,88 @@
+"""Pictures of a simulated step: the ASCII timeline's rows and characters, the SVG's well-formedness."""
+
+import ast
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+import partition.trace
+from partition.simulate import SimResult, SimStage, simulate
+from partition.trace import ascii_timeline, lanes, svg_timeline
+
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def hand_result() -> SimResult:
+    """gpu 0: F of stage 0 in [0, 0.5), B in [0.5, 1.0); gpu 1 idle; one load, one offload, one update."""
+    events = (("load", 0, 0, -1, 0.0, 0.2), ("F", 0, 0, 0, 0.0, 0.5), ("B", 0, 0, 0, 0.5, 1.0),
+              ("offload", 0, 0, -1, 0.7, 0.9), ("update", 0, 0, -1, 0.9, 1.0))
+    return SimResult(step_time_s=1.0, compute_busy_s=(1.0, 0.0), events=events)
+
+
+def four_stage_result() -> SimResult:
+    stages = [SimStage(gpu=j % 2, fwd_s=0.01 * (j + 1), bwd_s=0.02, load_s=0.005, offload_s=0.005,
+                       update_s=0.003, comm_s=0.001) for j in range(4)]
+    return simulate(stages, num_gpus=2, microbatches=3)
+
+
+def rows_of(text: str) -> dict[str, str]:
+    """Row label -> its cells, for the lanes of an ascii timeline."""
+    lines = [line.rsplit(" ", 1) for line in text.splitlines() if line.startswith(("gpu ", "host "))]
+    return {label.strip(): cells for label, cells in lines}
+
+
+def test_hand_timeline_characters():
+    rows = rows_of(ascii_timeline(hand_result(), num_gpus=2, width=10))
+    assert rows["gpu 0 compute"] == "aaaaaAAAAA"
+    assert rows["gpu 1 compute"] == "." * 10
+    assert rows["gpu 0 copy"] == "LL.....OO."
+    assert rows["host update"] == "." * 9 + "U"
+
+
+def test_one_compute_and_one_copy_row_per_gpu():
+    text = ascii_timeline(four_stage_result(), num_gpus=2, width=60)
+    lines = text.splitlines()
+    for g in range(2):
+        assert sum(line.startswith(f"gpu {g} compute") for line in lines) == 1
+        assert sum(line.startswith(f"gpu {g} copy") for line in lines) == 1
+    rows = rows_of(text)
+    assert all(len(cells) == 60 for cells in rows.values())
+    assert set(rows["gpu 0 compute"]) <= set("acAC.") and set(rows["gpu 1 compute"]) <= set("bdBD.")
+    assert "legend" in text and "|" in text  # the time axis and the legend
+
+
+def test_width_too_small_is_refused():
+    with pytest.raises(ValueError, match="at least 10"):
+        ascii_timeline(hand_result(), 2, width=5)
+
+
+def test_lanes_hold_every_event_once():
+    result = four_stage_result()
+    drawn = [e for _, events in lanes(result, 2) for e in events]
+    assert sorted(drawn) == sorted(result.events)
+
+
+def test_svg_is_well_formed_with_a_rect_per_event(tmp_path: Path):
+    result = four_stage_result()
+    path = svg_timeline(result, 2, tmp_path / "step.svg", title="four stages <on> two gpus")
+    root = ET.parse(path).getroot()
+    assert root.tag == f"{SVG}svg"
+    rects = root.findall(f"{SVG}rect")
+    assert len(rects) >= len(result.events)
+    texts = [t.text for t in root.iter(f"{SVG}text")]
+    assert "four stages <on> two gpus" in texts and "time (ms)" in texts
+    assert all(float(r.get("width")) > 0 for r in rects)
+
+
+def test_svg_of_an_empty_step(tmp_path: Path):
+    empty = SimResult(step_time_s=0.0, compute_busy_s=(0.0,), events=())
+    root = ET.parse(svg_timeline(empty, 1, tmp_path / "empty.svg")).getroot()
+    assert root.findall(f"{SVG}rect")
+
+
+def test_trace_imports_neither_torch_nor_mobiuspipe():
+    tree = ast.parse(Path(partition.trace.__file__).read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not {m for m in names if m.split(".")[0] in ("torch", "mobiuspipe")}
