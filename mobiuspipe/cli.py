@@ -85,8 +85,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _add_partition(sub) -> None:
     p = sub.add_parser("partition", help="cut a model into stages, map them to gpus and predict the step")
-    p.add_argument("--model", required=True, help="model name, e.g. gpt3-175b (an unknown name lists them all)")
-    p.add_argument("--topology", required=True, help='preset name ("2+2", "3+1") or a .yaml/.json layout file')
+    p.add_argument("--model", help="model name, e.g. gpt3-175b (an unknown name lists them all)")
+    p.add_argument("--topology", help='preset name ("2+2", "3+1") or a .yaml/.json layout file')
+    p.add_argument("--config", metavar="RUN.yaml",
+                   help="plan a training run's model on its devices instead (then write it with -o for plan.file)")
     p.add_argument("--microbatch-size", type=_positive_int, default=1, help="sequences per microbatch (1)")
     p.add_argument("--microbatches", type=_positive_int, default=4, help="microbatches per step (4)")
     p.add_argument("--stages", type=int, default=None,

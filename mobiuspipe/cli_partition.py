@@ -25,7 +25,12 @@ class CliError(ValueError):
 
 
 def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology]:
-    """The plan `partition` prints: analytic profile on the topology's first gpu type, then make_plan."""
+    """The plan `partition` prints: from a run config, or an analytic profile of --model on --topology."""
+    if args.config:
+        return _config_plan(args)
+    if not (args.model and args.topology):
+        raise CliError("partition needs --model and --topology (e.g. --model gpt3-175b --topology 2+2), "
+                       "or --config FILE.yaml to plan a training run's model")
     spec = get_model(args.model)
     topo = load_topology(args.topology)
     try:
@@ -40,6 +45,19 @@ def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology]:
     plan = make_plan(profile, topo, args.microbatches, num_stages=args.stages, mapping=args.mapping,
                      reserve_bytes=int(args.reserve_gib * GiB))
     return plan, topo
+
+
+def _config_plan(args: argparse.Namespace) -> tuple[Plan, Topology]:
+    """The plan `mobiuspipe train` would make at start-up for this config (model, devices, stages, mapping)."""
+    given = [f for f in ("model", "topology", "stages") if getattr(args, f) is not None]
+    if given:
+        raise CliError(f"--config takes the model, devices and stages from the config file; "
+                       f"found also --{', --'.join(given)}: drop them or drop --config")
+    from mobiuspipe.config import load_config
+    from mobiuspipe.planning import plan_at_start, run_topology
+
+    cfg = load_config(args.config)
+    return plan_at_start(cfg), run_topology(cfg)
 
 
 def _stage_json(plan: Plan) -> list[dict]:
@@ -68,19 +86,27 @@ def _header(plan: Plan) -> list[str]:
         f"plan: {p.model} on topology {p.topology}: {p.num_stages} stages on {p.num_gpus} gpus, {p.mapping_rule} "
         f"mapping, {p.num_microbatches} microbatches of {p.microbatch_size}, {p.dtype}",
         f"predicted step time {p.predicted_step_time_s:.3f} s",
-        f"memory per gpu: arena {p.arena_bytes / GiB:.2f} GiB ({p.arena_bytes // p.slot_bytes} slots of "
-        f"{p.slot_bytes / GiB:.2f} GiB) + activations {p.activation_bytes / GiB:.2f} GiB = "
-        f"{(p.arena_bytes + p.activation_bytes) / GiB:.2f} GiB of {p.gpu_memory_bytes / GiB:.2f} GiB usable",
+        f"memory per gpu: arena {_size(p.arena_bytes)} ({p.arena_bytes // p.slot_bytes} slots of "
+        f"{_size(p.slot_bytes)}) + activations {_size(p.activation_bytes)} = "
+        f"{_size(p.arena_bytes + p.activation_bytes)} of {_size(p.gpu_memory_bytes)} usable",
         f"solver {s.name}: {s.status}, gap {s.gap:g}, {s.wall_s:.3f} s",
     ]
 
 
-_COLUMNS = ("j", "layers", "#layers", "gpu", "params GiB", "act GiB", "fwd ms/mb", "bwd ms/mb", "load ms")
+_COLUMNS = ("j", "layers", "#layers", "gpu", "params", "activations", "fwd ms/mb", "bwd ms/mb", "load ms")
+
+
+def _size(nbytes: float) -> str:
+    """Bytes in the largest binary unit that keeps the number at least 1 (e.g. "3.38 GiB", "412.0 KiB")."""
+    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{int(nbytes)} B"
 
 
 def _table(plan: Plan) -> list[str]:
-    rows = [(str(j), f"{s.first}-{s.last}", str(s.last - s.first + 1), str(s.gpu), f"{s.param_bytes / GiB:.3f}",
-             f"{s.activation_bytes / GiB:.3f}", f"{s.fwd_s * 1e3:.2f}", f"{s.bwd_s * 1e3:.2f}",
+    rows = [(str(j), f"{s.first}-{s.last}", str(s.last - s.first + 1), str(s.gpu), _size(s.param_bytes),
+             _size(s.activation_bytes), f"{s.fwd_s * 1e3:.2f}", f"{s.bwd_s * 1e3:.2f}",
              f"{s.load_s * 1e3:.1f}") for j, s in enumerate(plan.stages)]
     widths = [max(len(c), *(len(r[k]) for r in rows)) for k, c in enumerate(_COLUMNS)]
     return ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in (_COLUMNS, *rows)]

@@ -11,9 +11,9 @@ from partition.hardware import device_spec
 from partition.models import ModelSpec, layer_param_counts
 from partition.plan import Plan, load_plan
 from partition.planner import make_plan
-from topology import cpu_standin
+from topology import Topology, cpu_standin
 
-__all__ = ["model_spec", "plan_for_run"]
+__all__ = ["model_spec", "plan_for_run", "plan_at_start", "run_topology"]
 
 MiB = 1024**2
 
@@ -32,12 +32,20 @@ def plan_for_run(cfg: RunConfig) -> Plan:
         plan = load_plan(cfg.plan.file)
         _check_matches(plan, spec, cfg)
         return plan
-    topo = cpu_standin(cfg.plan.num_gpus, int(cfg.plan.device_memory_mb * MiB))
-    device = "cpu-standin"
-    if torch.cuda.is_available():
-        device = torch.cuda.get_device_name(0)
-    profile = analytic_profile(spec, device_spec(device), microbatch_size=cfg.microbatch_size, dtype="fp32")
-    return make_plan(profile, topo, cfg.data.num_microbatches, num_stages=cfg.plan.num_stages,
+    return plan_at_start(cfg)
+
+
+def run_topology(cfg: RunConfig) -> Topology:
+    """The devices a run plans for: plan.num_gpus CPU stand-ins of plan.device_memory_mb each."""
+    return cpu_standin(cfg.plan.num_gpus, int(cfg.plan.device_memory_mb * MiB))
+
+
+def plan_at_start(cfg: RunConfig) -> Plan:
+    """The plan made from the config alone (what `mobiuspipe partition --config` writes)."""
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu-standin"
+    profile = analytic_profile(model_spec(cfg), device_spec(device), microbatch_size=cfg.microbatch_size,
+                               dtype="fp32")
+    return make_plan(profile, run_topology(cfg), cfg.data.num_microbatches, num_stages=cfg.plan.num_stages,
                      mapping=cfg.plan.mapping)
 
 

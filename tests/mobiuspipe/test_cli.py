@@ -192,3 +192,17 @@ def test_train_with_a_bad_config_fails_before_launching(tmp_path):
     path.write_text("plan:\n  num_gpus: 0\n")
     assert_user_error(["train", "--config", str(path)], "run.yaml", "plan.num_gpus")
     assert_user_error(["train", "--config", str(tmp_path / "missing.yaml")], "missing.yaml")
+
+
+def test_partition_from_a_run_config(tmp_path, capsys):
+    from mobiuspipe.cli import main
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("plan: {num_gpus: 2, num_stages: 3}\n")
+    assert main(["partition", "--config", str(cfg), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["num_stages"] == 3 and doc["num_gpus"] == 2 and doc["model"] == "gpt-6x64"
+    assert main(["partition", "--config", str(cfg), "--model", "gpt3-175b"]) == 2
+    assert "drop them or drop --config" in capsys.readouterr().err
+    assert main(["partition"]) == 2
+    assert "partition needs --model and --topology" in capsys.readouterr().err

@@ -58,3 +58,23 @@ def test_world_size_differs_from_plan(tmp_path, launch):
     assert "mobiuspipe.train: error: the plan has 2 gpus but torchrun started 3 ranks" in proc.stderr
     assert 'mobiuspipe/train.py", line' not in proc.stderr  # one line from us; torchrun adds its own summary
     assert not (tmp_path / "out").exists()  # failed before any work
+
+
+def test_run_follows_a_plan_file(tmp_path, launch, reference):
+    """Plan once with `partition --config ... -o`, then train from the file (its 5 stages, not the config's 2)."""
+    from mobiuspipe.cli import main as cli
+    from partition.plan import load_plan
+
+    write_config, torchrun = launch
+    model = {"num_blocks": 4, "d_model": 16, "num_heads": 2, "seq_len": 11}
+    planning = write_config(tmp_path, {"model": model, "plan": {"num_stages": 5, "mapping": "round-robin"}})
+    assert cli(["partition", "--config", str(planning), "-o", str(tmp_path / "plan.yaml")]) == 0
+    (tmp_path / "run.yaml").unlink()
+    cfg_path = write_config(tmp_path, {"model": model, "plan": {"file": "plan.yaml", "num_stages": 2},
+                                       "train": {"steps": 2, "out_dir": str(tmp_path / "out")}})
+    proc = torchrun(cfg_path, 2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert load_plan(tmp_path / "out" / "plan.yaml") == load_plan(tmp_path / "plan.yaml")
+    assert load_plan(tmp_path / "plan.yaml").num_stages == 5
+    losses, _ = _load_run(tmp_path / "out")
+    assert losses == pytest.approx(reference(load_config(cfg_path))[0], rel=1e-5)
