@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from mobiuspipe.units import fmt_bytes
 from partition.analytic import analytic_profile
 from partition.hardware import device_spec
 from partition.models import get_model
@@ -86,9 +87,9 @@ def _header(plan: Plan) -> list[str]:
         f"plan: {p.model} on topology {p.topology}: {p.num_stages} stages on {p.num_gpus} gpus, {p.mapping_rule} "
         f"mapping, {p.num_microbatches} microbatches of {p.microbatch_size}, {p.dtype}",
         f"predicted step time {p.predicted_step_time_s:.3f} s",
-        f"memory per gpu: arena {_size(p.arena_bytes)} ({p.arena_bytes // p.slot_bytes} slots of "
-        f"{_size(p.slot_bytes)}) + activations {_size(p.activation_bytes)} = "
-        f"{_size(p.arena_bytes + p.activation_bytes)} of {_size(p.gpu_memory_bytes)} usable",
+        f"memory per gpu: arena {fmt_bytes(p.arena_bytes)} ({p.arena_bytes // p.slot_bytes} slots of "
+        f"{fmt_bytes(p.slot_bytes)}) + activations {fmt_bytes(p.activation_bytes)} = "
+        f"{fmt_bytes(p.arena_bytes + p.activation_bytes)} of {fmt_bytes(p.gpu_memory_bytes)} usable",
         f"solver {s.name}: {s.status}, gap {s.gap:g}, {s.wall_s:.3f} s",
     ]
 
@@ -96,17 +97,10 @@ def _header(plan: Plan) -> list[str]:
 _COLUMNS = ("j", "layers", "#layers", "gpu", "params", "activations", "fwd ms/mb", "bwd ms/mb", "load ms")
 
 
-def _size(nbytes: float) -> str:
-    """Bytes in the largest binary unit that keeps the number at least 1 (e.g. "3.38 GiB", "412.0 KiB")."""
-    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{int(nbytes)} B"
-
 
 def _table(plan: Plan) -> list[str]:
-    rows = [(str(j), f"{s.first}-{s.last}", str(s.last - s.first + 1), str(s.gpu), _size(s.param_bytes),
-             _size(s.activation_bytes), f"{s.fwd_s * 1e3:.2f}", f"{s.bwd_s * 1e3:.2f}",
+    rows = [(str(j), f"{s.first}-{s.last}", str(s.last - s.first + 1), str(s.gpu), fmt_bytes(s.param_bytes),
+             fmt_bytes(s.activation_bytes), f"{s.fwd_s * 1e3:.2f}", f"{s.bwd_s * 1e3:.2f}",
              f"{s.load_s * 1e3:.1f}") for j, s in enumerate(plan.stages)]
     widths = [max(len(c), *(len(r[k]) for r in rows)) for k, c in enumerate(_COLUMNS)]
     return ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in (_COLUMNS, *rows)]

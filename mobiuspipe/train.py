@@ -29,6 +29,7 @@ from mobiuspipe.models.gpt import build_layers
 from mobiuspipe.planning import model_spec, plan_for_run
 from mobiuspipe.schedule import build_schedule, check_schedules
 from mobiuspipe.stage import Stage
+from mobiuspipe.units import fmt_bytes
 from partition.costmodel import ARENA_SLOTS
 from partition.errors import PlanFileError, PlanInfeasibleError
 from partition.plan import Plan, save_plan
@@ -100,6 +101,8 @@ def _run(cfg: RunConfig, plan: Plan, rank: int, local_rank: int) -> None:
     out = Path(cfg.train.out_dir) if cfg.train.out_dir else None
     report = Reporter(cfg.train.steps, cfg.train.log_every, str(out) if out and rank == 0 else None,
                       sys.stdout if rank == 0 else open(os.devnull, "w"))
+    if rank == 0:
+        print(_banner(cfg, plan), flush=True)
     if out and rank == 0:
         (out / "config.yaml").write_text(cfg.to_yaml())
         save_plan(plan, out / "plan.yaml")
@@ -118,6 +121,14 @@ def _run(cfg: RunConfig, plan: Plan, rank: int, local_rank: int) -> None:
     report.close()
     if out:
         _save_weights(engine, out / "weights")
+
+
+def _banner(cfg: RunConfig, plan: Plan) -> str:
+    source = f"from {cfg.plan.file}" if cfg.plan.file else "made at start-up"
+    return (f"mobiuspipe: {plan.model}, {plan.num_layers} layers in {plan.num_stages} stages on {plan.num_gpus} "
+            f"ranks (stage -> rank {plan.mapping}, {plan.mapping_rule} mapping; plan {source}); "
+            f"{plan.num_microbatches} microbatches of {plan.microbatch_size}; device arena "
+            f"{fmt_bytes(plan.arena_bytes)} per rank ({ARENA_SLOTS} slots of {fmt_bytes(plan.slot_bytes)})")
 
 
 def _save_weights(engine: Engine, folder: Path) -> None:
