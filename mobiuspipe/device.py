@@ -9,8 +9,6 @@ its future plays the event. Both follow the same rule: issue the copy, then wait
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
-
 import torch
 
 __all__ = ["Device", "CopyHandle"]
@@ -58,16 +56,6 @@ class Device:
                 ev.record(self._stream)
             return CopyHandle(event=ev)
         return CopyHandle(future=self._pool.submit(dst.copy_, src))
-
-    def run_async(self, fn: Callable[[], None]) -> CopyHandle:
-        """Run fn on the copy stream's worker (CPU) or now, ordered on the copy stream (CUDA)."""
-        if self.is_cuda:
-            with torch.cuda.stream(self._stream):
-                fn()
-                ev = torch.cuda.Event()
-                ev.record(self._stream)
-            return CopyHandle(event=ev)
-        return CopyHandle(future=self._pool.submit(fn))
 
     def synchronize(self) -> None:
         if self.is_cuda:

@@ -35,11 +35,12 @@ class StepMetrics:
 
 
 class Reporter:
-    """Shows each step on `stream` (a bar when it is a terminal) and appends it to out_dir/metrics.jsonl."""
+    """Shows each step on `stream` (a bar when it is a terminal; None = silent) and appends it to
+    out_dir/metrics.jsonl."""
 
-    def __init__(self, steps: int, log_every: int, out_dir: str | None, stream: TextIO = sys.stdout):
+    def __init__(self, steps: int, log_every: int, out_dir: str | None, stream: TextIO | None = sys.stdout):
         self.steps, self.log_every, self.stream = steps, log_every, stream
-        self.tty = stream.isatty()
+        self.tty = stream is not None and stream.isatty()
         self.file = None
         if out_dir:
             Path(out_dir).mkdir(parents=True, exist_ok=True)
@@ -50,6 +51,8 @@ class Reporter:
             self.file.write(json.dumps(asdict(m)) + "\n")
             self.file.flush()
         last = m.step + 1 == self.steps
+        if self.stream is None:
+            return
         if self.tty:
             done = int(30 * (m.step + 1) / self.steps)
             self.stream.write(f"\r[{'#' * done}{'.' * (30 - done)}] {m.line(self.steps)}" + ("\n" if last else ""))

@@ -100,7 +100,7 @@ def _run(cfg: RunConfig, plan: Plan, rank: int, local_rank: int) -> None:
     data = ByteData(cfg.data.text_path, cfg.model.seq_len, cfg.train.seed)
     out = Path(cfg.train.out_dir) if cfg.train.out_dir else None
     report = Reporter(cfg.train.steps, cfg.train.log_every, str(out) if out and rank == 0 else None,
-                      sys.stdout if rank == 0 else open(os.devnull, "w"))
+                      sys.stdout if rank == 0 else None)
     if rank == 0:
         print(_banner(cfg, plan), flush=True)
     if out and rank == 0:
