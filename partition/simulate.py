@@ -8,6 +8,7 @@ order, each over microbatches i = 0..M-1. Resources and rules (times in seconds)
             the engine is free and the slot of visit k-2 is released (its last microbatch computed).
             A gpu's last forward stage stays resident into its backward (no reload).
   offload   one gpu->host engine per gpu: after B(j, M-1) the stage's gradients (P_j bytes) go to host.
+            There is one gradient slot, so the next backward visit starts after that offload ended.
   update    the host CPU runs one stage's Adam at a time, after its gradients arrived.
   comm      an activation of O bytes between two gpus takes hops * O / (link GB/s * 1e9); hops = 2 when
             it is staged through host memory (no peer-to-peer), 1 otherwise.
@@ -108,7 +109,7 @@ class _GpuState:
                 dep_t = done[dep] + stages[dep[1] if phase == "F" else j].comm_s
             else:
                 return progressed
-            start = max(self.compute_free, self.ready, dep_t)
+            start = max(self.compute_free, self.ready, dep_t, self.offload_free if phase == "B" else 0.0)
             dur = stages[j].fwd_s if phase == "F" else stages[j].fwd_s + stages[j].bwd_s
             self.compute_free = done[(phase, j, self.i)] = start + dur
             events.append((phase, g, j, self.i, start, self.compute_free))

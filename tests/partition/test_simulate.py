@@ -232,3 +232,14 @@ def test_deadlock_is_reported_not_hung():
     stages = [_st(0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0), _st(5, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0)]
     with pytest.raises(RuntimeError, match="deadlock"):
         simulate(stages, num_gpus=2, microbatches=2)
+
+
+def test_next_backward_waits_for_the_gradient_slot():
+    # One gpu, stages 0 and 1, one microbatch; fwd 1, bwd 1, load 0.5, offload 4, no update, no comm.
+    #   load0 0-0.5, F0 0.5-1.5, load1 0.5-1.0, F1 1.5-2.5, B1 (resident) 2.5-4.5, offload1 4.5-8.5,
+    #   load0 (slot of F0, free at 1.5) 1.5-2.0, B0 waits for the one gradient slot: 8.5-10.5,
+    #   offload0 10.5-14.5 -> step 14.5
+    st = [_st(0, 1.0, 1.0, 0.5, 4.0, 0.0, 0.0), _st(0, 1.0, 1.0, 0.5, 4.0, 0.0, 0.0)]
+    res = simulate(st, 1, 1)
+    assert _ev(res, "B", 0, 0) == (8.5, 10.5)
+    assert res.step_time_s == 14.5
