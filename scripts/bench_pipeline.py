@@ -1,0 +1,274 @@
+"""Steady-state training throughput of the Mobius pipeline against plain PyTorch, as ratios measured in one run."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import yaml
+from torch import nn
+
+from mobiuspipe.config import RunConfig, config_from_dict
+from mobiuspipe.dataset import ByteData
+from mobiuspipe.models.gpt import build_layers, lm_loss
+from mobiuspipe.planning import model_spec, plan_at_start
+
+SIZES = {
+    "tiny": {"model": {"num_blocks": 6, "d_model": 64, "num_heads": 4, "seq_len": 64},
+             "data": {"batch_size": 8, "num_microbatches": 4}},
+    "small": {"model": {"num_blocks": 8, "d_model": 256, "num_heads": 8, "seq_len": 128},
+              "data": {"batch_size": 8, "num_microbatches": 4}},
+}
+"""The model sizes measured: the examples/tiny-gpt.yaml model and a wider, deeper one."""
+
+ROWS = {
+    "a": "plain PyTorch, 1 proc, 1 thread, full batch",
+    "b": "plain PyTorch, 1 proc, 1 thread, 4 microbatches (grad accumulation)",
+    "c": "plain PyTorch, 1 proc, 2 threads, full batch",
+    "d": "mobiuspipe, 2 ranks x 1 thread, 4 stages, cross",
+    "e": "mobiuspipe, 1 rank x 1 thread, 4 stages",
+}
+"""What each row of the table measures."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One measured configuration: median steady-state step time and what the run reported."""
+
+    size: str
+    key: str
+    step_s: float
+    tokens: int
+    last_loss: float
+    split_s: tuple[float, float, float] | None = None
+    """Median (compute, load, comm) seconds per step, largest over ranks; mobiuspipe rows only."""
+    predicted_s: float | None = None
+    """The planner's predicted step time (cost model, CPU stand-in); mobiuspipe rows only."""
+    other_cpu: float = 0.0
+    """Share of the machine's CPU time that other processes used while this row ran (0..1)."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_s
+
+
+def run_dict(size: str, num_gpus: int, steps: int, out_dir: str | None = None) -> dict:
+    """The YAML-able run config of `size` on `num_gpus` ranks, 4 stages, 1 thread per rank."""
+    return {**SIZES[size], "train": {"steps": steps, "out_dir": out_dir, "log_every": steps},
+            "plan": {"num_gpus": num_gpus, "num_stages": 4, "mapping": "cross"},
+            "runtime": {"threads": 1}}
+
+
+def steady(values: list[float], warmup: int) -> float:
+    """Median of the values after the first `warmup`."""
+    return statistics.median(values[warmup:])
+
+
+def plain_run(cfg: RunConfig, threads: int, chunks: int) -> tuple[list[float], float]:
+    """Step times of plain single-process AdamW training on `threads` threads, and the last loss.
+
+    chunks=1 takes one full-batch gradient; chunks=M accumulates loss_i / M over M microbatches.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        spec = model_spec(cfg)
+        layers = build_layers(spec, cfg.train.seed)
+        model = nn.Sequential(*(layers[l] for l in range(spec.num_layers)))
+        t = cfg.train
+        opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.betas, eps=t.eps,
+                                weight_decay=t.weight_decay)
+        data = ByteData(cfg.data.text_path, cfg.model.seq_len, t.seed)
+        times, loss = [], 0.0
+        for step in range(t.steps):
+            t0 = time.perf_counter()
+            x, y = data.batch(step, cfg.data.batch_size)
+            opt.zero_grad()
+            loss = 0.0
+            for xi, yi in zip(x.chunk(chunks), y.chunk(chunks)):
+                part = lm_loss(model(xi), yi) / chunks
+                part.backward()
+                loss += part.item()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+        return times, loss
+    finally:
+        torch.set_num_threads(before)
+
+
+def torchrun_metrics(d: dict, nproc: int, folder: Path, timeout: float) -> list[dict]:
+    """Run mobiuspipe.train under torchrun with config `d`; the per-step records of metrics.jsonl."""
+    cfg_path = folder / "run.yaml"
+    cfg_path.write_text(yaml.safe_dump(d))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           "-m", "mobiuspipe.train", "--config", str(cfg_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    lines = (Path(d["train"]["out_dir"]) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def tokens_per_step(cfg: RunConfig) -> int:
+    """Tokens one optimizer step trains on: batch_size * seq_len."""
+    return cfg.data.batch_size * cfg.model.seq_len
+
+
+def pipeline_row(size: str, key: str, nproc: int, args: argparse.Namespace, tmp: Path) -> Row:
+    """Measure mobiuspipe on `nproc` ranks (row `key`)."""
+    folder = tmp / f"{size}-{key}"
+    folder.mkdir()
+    d = run_dict(size, nproc, args.steps, str(folder / "out"))
+    recs = torchrun_metrics(d, nproc, folder, args.timeout)
+    w = args.warmup
+    split = tuple(steady([r[k] for r in recs], w) for k in ("compute_s", "load_s", "comm_s"))
+    cfg = config_from_dict(d)
+    return Row(size, key, steady([r["step_s"] for r in recs], w), tokens_per_step(cfg), recs[-1]["loss"],
+               split, plan_at_start(cfg).predicted_step_time_s)
+
+
+def plain_row(size: str, key: str, cfg: RunConfig, threads: int, chunks: int, warmup: int) -> Row:
+    """Measure plain PyTorch (row `key`) on `threads` threads with `chunks` microbatches."""
+    times, loss = plain_run(cfg, threads, chunks)
+    return Row(size, key, steady(times, warmup), tokens_per_step(cfg), loss)
+
+
+def bench_size(size: str, args: argparse.Namespace, tmp: Path) -> list[Row]:
+    """Rows (a)..(e) of one model size, measured one after the other, each with the others' CPU share."""
+    cfg = config_from_dict(run_dict(size, 1, args.steps))
+    m, w = cfg.data.num_microbatches, args.warmup
+    jobs = {"a": lambda: plain_row(size, "a", cfg, 1, 1, w), "b": lambda: plain_row(size, "b", cfg, 1, m, w),
+            "c": lambda: plain_row(size, "c", cfg, 2, 1, w),
+            "d": lambda: pipeline_row(size, "d", 2, args, tmp), "e": lambda: pipeline_row(size, "e", 1, args, tmp)}
+    rows = []
+    for key, job in jobs.items():
+        mark = cpu_mark()
+        row = job()
+        rows.append(replace(row, other_cpu=other_share(mark)[0]))
+        print(f"  {size} ({key}) {row.step_s * 1e3:.1f} ms/step", file=sys.stderr, flush=True)
+    return rows
+
+
+def cells(row: Row, ref: dict[str, Row]) -> list[str]:
+    """The table cells of `row`; ratios are throughput relative to rows (a) and (c) of the same size."""
+    a, c = ref[f"{row.size}/a"], ref[f"{row.size}/c"]
+    ms = lambda s: f"{s * 1e3:.1f}"  # noqa: E731
+    split = " / ".join(ms(s) for s in row.split_s) if row.split_s else "-"
+    pred = f"{ms(row.predicted_s)} ({row.step_s / row.predicted_s:.2f}x)" if row.predicted_s else "-"
+    return [row.size, f"({row.key}) {ROWS[row.key]}", ms(row.step_s), f"{row.tokens_per_s:,.0f}",
+            f"{row.tokens_per_s / a.tokens_per_s:.2f}", f"{row.tokens_per_s / c.tokens_per_s:.2f}",
+            split, pred, f"{row.last_loss:.3f}", f"{100 * row.other_cpu:.0f}%"]
+
+
+HEADER = ["size", "row", "step ms (median)", "tokens/s", "speed vs (a)", "speed vs (c)",
+          "compute / load / comm ms", "predicted ms (measured/pred.)", "last loss",
+          "other CPU"]
+
+
+def text_table(rows: list[list[str]]) -> str:
+    """Columns padded to their widest cell."""
+    widths = [max(len(r[i]) for r in [HEADER, *rows]) for i in range(len(HEADER))]
+    fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths))  # noqa: E731
+    return "\n".join([fmt(HEADER), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)])
+
+
+def markdown_table(rows: list[list[str]]) -> str:
+    """The rows as a Markdown table, to paste into BENCHMARKS.md."""
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def machine() -> list[str]:
+    """CPU model, cores, torch version, date and load average: where and when the figures were taken."""
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return [f"date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
+            f"machine: {cpu}, {os.cpu_count()} cores, gpu {gpu}, {platform.system()} {platform.release()}",
+            f"python {platform.python_version()}, torch {torch.__version__}"]
+
+
+def busy_cpu_s() -> float:
+    """CPU-seconds the whole machine has spent busy since boot (/proc/stat; 0 where it is missing)."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+    except OSError:
+        return 0.0
+    user, nice, system, _idle, _iowait, irq, softirq = fields
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    """CPU-seconds used by this process and every child it has waited for (torchrun and its ranks)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def cpu_mark() -> tuple[float, float, float]:
+    """(wall clock, machine busy CPU-s, own CPU-s) now: the start of a stretch other_share measures."""
+    return time.perf_counter(), busy_cpu_s(), own_cpu_s()
+
+
+def other_share(mark: tuple[float, float, float]) -> tuple[float, float]:
+    """(share of all cores that processes other than ours kept busy since `mark`, wall seconds)."""
+    t0, busy0, own0 = mark
+    wall = time.perf_counter() - t0
+    other = max(0.0, busy_cpu_s() - busy0 - (own_cpu_s() - own0))
+    return other / (wall * (os.cpu_count() or 1)), wall
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line; --steps must leave at least one step after the warm-up."""
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=["tiny", "small"])
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps per run (default 20)")
+    p.add_argument("--warmup", type=int, default=3, help="first steps left out of the median (default 3)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds each torchrun may take (default 300)")
+    p.add_argument("--markdown", action="store_true", help="also print the table as Markdown for BENCHMARKS.md")
+    args = p.parse_args(argv)
+    if args.steps <= args.warmup:
+        p.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure every row of every size, then print the machine and the table."""
+    args = parse_args(argv)
+    info = machine()
+    rows: list[Row] = []
+    mark = cpu_mark()
+    with tempfile.TemporaryDirectory(prefix="bench_pipeline_") as tmp:
+        for size in args.sizes:
+            rows += bench_size(size, args, Path(tmp))
+    share, wall = other_share(mark)
+    info.append(f"other processes kept {100 * share:.1f}% of the {os.cpu_count()} cores busy during the "
+                f"{wall:.0f} s run (column 'other CPU': near 0% = a quiet machine)")
+    ref = {f"{r.size}/{r.key}": r for r in rows}
+    table = [cells(r, ref) for r in rows]
+    print("\n".join(info))
+    print(f"steps {args.steps} per run, median over the last {args.steps - args.warmup}\n")
+    print(text_table(table))
+    if args.markdown:
+        print("\n" + markdown_table(table))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
