@@ -49,13 +49,63 @@ def cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_topology(args: argparse.Namespace) -> int:
-    from topology import load_topology
-    from topology.report import render_text, to_json_dict
+def _topology_of(args: argparse.Namespace):
+    """The layout named by --layout, else this machine (or the sysfs copy at --sysfs-root), probed if asked."""
+    from topology import load_topology, save_topology
+    from topology.discover import discover
 
-    t = load_topology(args.layout)
-    sys.stdout.write(json.dumps(to_json_dict(t), indent=2) + "\n" if args.json else render_text(t))
+    t = load_topology(args.layout) if args.layout else discover(args.sysfs_root)
+    if args.probe:
+        from topology.probe import probe
+
+        t = probe(t, args.ssd_dir, size_mb=args.probe_mb)
+    if args.save:
+        save_topology(t, args.save)
+    return t
+
+
+def cmd_topology(args: argparse.Namespace) -> int:
+    from topology.report import render_matrix, render_text, render_tree, to_json_dict
+
+    if args.layout and args.sysfs_root:
+        raise CliError("--layout reads a saved or preset layout and --sysfs-root discovers one: give only one")
+    t = _topology_of(args)
+    if args.svg:  # before any output: a path that cannot be written leaves stdout empty
+        from topology.report_svg import svg_topology
+
+        svg_topology(t, args.svg)
+    if args.json:
+        sys.stdout.write(json.dumps(to_json_dict(t), indent=2) + "\n")
+    else:
+        sys.stdout.write(render_matrix(t) if args.matrix else render_tree(t) if args.tree else render_text(t))
+    note_to = sys.stderr if args.json else sys.stdout  # --json: stdout holds the JSON only
+    for what, path in (("picture", args.svg), ("layout", args.save)):
+        if path:
+            print(f"{what} written to {path}", file=note_to)
     return 0
+
+
+def _add_topology(sub) -> None:
+    from topology.presets import PRESETS
+
+    p = sub.add_parser("topology", help="gpus, PCIe tree, NVLinks and contention groups of a machine or layout")
+    p.add_argument("--layout", metavar="NAME_OR_FILE",
+                   help=f"preset ({', '.join(PRESETS)}) or a .yaml/.json layout file; default: discover this "
+                        f"machine (NVML + sysfs)")
+    p.add_argument("--sysfs-root", metavar="DIR", help="discover from a copy of /sys instead of the live one")
+    p.add_argument("--save", metavar="FILE.yaml", help="write the topology as a layout file (.yaml or .json)")
+    p.add_argument("--probe", action="store_true",
+                   help="measure host<->GPU (alone and per contention group), GPU<->GPU and SSD bandwidth, "
+                        "and write the numbers into the topology")
+    p.add_argument("--ssd-dir", default=".", metavar="DIR", help="folder whose SSD --probe measures (.)")
+    p.add_argument("--probe-mb", type=_positive_int, default=256, metavar="MB",
+                   help="MiB each --probe transfer moves (256)")
+    view = p.add_mutually_exclusive_group()
+    view.add_argument("--json", action="store_true", help="print one JSON document (tree, groups, matrix, ...)")
+    view.add_argument("--matrix", action="store_true", help="print only the nvidia-smi topo -m style matrix")
+    view.add_argument("--tree", action="store_true", help="print only the lstopo-style tree")
+    p.add_argument("--svg", metavar="FILE.svg", help="also draw the topology as an SVG picture")
+    p.set_defaults(func=cmd_topology)
 
 
 def cmd_partition(args: argparse.Namespace) -> int:
@@ -109,10 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("env", help="versions, solvers, CUDA, NVML and CPU threads of this machine")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.set_defaults(func=cmd_env)
-    p = sub.add_parser("topology", help="gpus, root complexes and contention groups of a layout")
-    p.add_argument("--layout", default="2+2", help='preset name ("2+2", "3+1") or a .yaml/.json layout file')
-    p.add_argument("--json", action="store_true", help="print one JSON document")
-    p.set_defaults(func=cmd_topology)
+    _add_topology(sub)
     _add_partition(sub)
     p = sub.add_parser("train", help="launch torchrun on a YAML run config")
     p.add_argument("--config", required=True, help="YAML run config (see examples/tiny-gpt.yaml)")

@@ -29,6 +29,11 @@ def make_plan(profile: Profile, topo: Topology, microbatches: int, *, num_stages
     num_stages=None sweeps S from the gpu count to the layer count and keeps the least predicted step time.
     """
     t0 = time.perf_counter()
+    unknown = [g.index for g in topo.gpus if g.memory_bytes <= 0]
+    if unknown:
+        raise PlanInfeasibleError(f"topology {topo.name!r}: the memory of gpus {unknown} is unknown (0 bytes; "
+                                  f"discovered without NVML?): save the topology with `mobiuspipe topology --save "
+                                  f"server.yaml`, set each gpu's memory_bytes (e.g. 24GiB) and plan with it")
     arr = LayerArrays.of(profile)
     memory = min(g.memory_bytes for g in topo.gpus) - reserve_bytes
     _check_layers_fit(arr, profile, memory)
@@ -104,14 +109,20 @@ def _plan_of(profile: Profile, topo: Topology, arr: LayerArrays, sol: DpSolution
                 predicted_step_time_s=sim.step_time_s, solver=SolverInfo("dp", "optimal", 0.0, 0.0))
 
 
+def _peer_gbps(topo: Topology, a: int, b: int) -> float:
+    """Effective gpu a -> gpu b bandwidth: NVLink, PCIe P2P, or two hops through host memory."""
+    if link := topo.nvlink(a, b):
+        return link.gbps
+    pcie = min(topo.gpus[a].link_gbps, topo.gpus[b].link_gbps)
+    return pcie if topo.p2p_ok(a, b) else pcie / 2
+
+
 def sim_stages(stages: tuple[StagePlan, ...], topo: Topology) -> list[SimStage]:
     """The simulator's view of a plan's stages on a topology."""
     out = []
-    hops = 1 if topo.p2p else 2
     for j, s in enumerate(stages):
         nxt = stages[j + 1].gpu if j + 1 < len(stages) else s.gpu
-        link = min(topo.gpus[s.gpu].link_gbps, topo.gpus[nxt].link_gbps)
-        comm = 0.0 if nxt == s.gpu else hops * s.output_bytes / (link * 1e9)
+        comm = 0.0 if nxt == s.gpu else s.output_bytes / (_peer_gbps(topo, s.gpu, nxt) * 1e9)
         out.append(SimStage(gpu=s.gpu, fwd_s=s.fwd_s, bwd_s=s.bwd_s, load_s=s.load_s,
                             offload_s=s.param_bytes / (topo.gpus[s.gpu].link_gbps * 1e9),
                             update_s=s.param_count / HOST_ADAM_PARAMS_PER_S, comm_s=comm))

@@ -1,6 +1,8 @@
-"""Plain, frozen description of a machine: GPUs, the CPU root complexes they hang under, and their links.
+"""Plain, frozen description of a machine: GPUs, the PCIe tree above them (root complexes, switches),
+NVMe drives, NVLink pairs, peer-to-peer status and what was measured.
 
-Units: bytes for memory, GB/s (1e9 bytes per second) for bandwidth.
+Units: bytes for memory, GB/s (1e9 bytes per second, one direction) for bandwidth. An empty string or a
+zero means "none" or "unknown" (a GPU directly on a root port has switch ""; pcie_gen 0 = unknown).
 """
 
 from __future__ import annotations
@@ -9,7 +11,15 @@ from dataclasses import asdict, dataclass
 
 from topology.errors import TopologyError
 
-__all__ = ["Gpu", "RootComplex", "Topology"]
+__all__ = ["Gpu", "RootComplex", "Switch", "Nvme", "NvLink", "Measured", "Topology", "LEVELS", "P2P_STATUSES"]
+
+LEVELS = ("X", "NV#", "PIX", "PXB", "PHB", "NODE", "SYS")
+"""nvidia-smi topo -m labels, nearest first: self, NVLink, one switch, several switches, host bridge,
+same NUMA node across host bridges, across sockets."""
+
+P2P_STATUSES = ("X", "OK", "NS", "GNS", "CNS", "TNS", "DR", "U")
+"""nvidia-smi topo -p2p statuses: self, ok, not supported, GPU / chipset / topology not supported,
+disabled by regkey, unknown."""
 
 
 @dataclass(frozen=True)
@@ -21,34 +31,97 @@ class Gpu:
     memory_bytes: int
     pci_bus_id: str
     root_complex: str
-    """Name of the RootComplex this GPU's PCIe link leads to."""
+    """Name of the RootComplex this GPU's PCIe path leads to."""
     numa_node: int
     link_gbps: float
-    """Bandwidth of this GPU's own PCIe link (host<->GPU, one direction), GB/s."""
+    """Bandwidth of this GPU's own PCIe link (host<->GPU, one direction), GB/s; measured when probed."""
+    uuid: str = ""
+    switch: str = ""
+    """Name of the PCIe switch right above this GPU; "" when it sits directly on a root port."""
+    pcie_gen: int = 0
+    pcie_width: int = 0
+    cpu_affinity: str = ""
+    """CPUs close to this GPU, as a cpulist ("0-11,24-35"); "" when unknown."""
 
 
 @dataclass(frozen=True)
 class RootComplex:
-    """A CPU's PCIe root: the GPUs under it share its uplink to host memory (contention)."""
+    """A CPU's PCIe root (host bridge): the GPUs under it share its uplink to host memory (contention)."""
 
     name: str
     numa_node: int
     uplink_gbps: float
-    """Bandwidth of the uplink shared by every GPU under this root complex, GB/s."""
+    """Bandwidth all devices under this root complex share towards host memory, GB/s."""
+
+
+@dataclass(frozen=True)
+class Switch:
+    """A PCIe switch: the devices below it share its upstream link."""
+
+    name: str
+    root_complex: str
+    uplink_gbps: float
+    parent: str = ""
+    """The switch above this one, "" when it hangs directly off the root complex."""
+
+
+@dataclass(frozen=True)
+class Nvme:
+    """An NVMe drive: where the SSD tier can live, and which root complex its traffic crosses."""
+
+    name: str
+    pci_bus_id: str
+    root_complex: str
+    numa_node: int
+    link_gbps: float
+    switch: str = ""
+    model: str = ""
+
+
+@dataclass(frozen=True)
+class NvLink:
+    """GPUs a and b joined by `links` NVLinks carrying `gbps` in all, one direction."""
+
+    a: int
+    b: int
+    links: int
+    gbps: float
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What `--probe` measured (GB/s; 0 = not measured) and the notes on what it skipped."""
+
+    h2d_gbps: tuple[float, ...] = ()
+    """Per gpu, host->gpu while it copies alone."""
+    h2d_group_gbps: tuple[float, ...] = ()
+    """Per gpu, host->gpu while its whole contention group copies at once."""
+    d2d_gbps: tuple[tuple[float, ...], ...] = ()
+    """gpu a -> gpu b, 0 on the diagonal."""
+    ssd_dir: str = ""
+    ssd_read_gbps: float = 0.0
+    ssd_write_gbps: float = 0.0
+    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class Topology:
-    """A machine: its GPUs and root complexes, no GPU peer-to-peer unless `p2p` says so."""
+    """A machine: GPUs, the PCIe tree above them, drives, NVLinks, P2P status, measurements."""
 
     name: str
     gpus: tuple[Gpu, ...]
     root_complexes: tuple[RootComplex, ...]
     source: str
-    """Where this description came from: "preset:2+2", "file:/path/server.yaml", ..."""
+    """Where this description came from: "preset:2+2", "file:/path/server.yaml", "discovered:nvml+sysfs"."""
     host_memory_bytes: int = 0
-    p2p: bool = False
-    """True when GPUs can copy to each other directly (NVLink or PCIe P2P)."""
+    switches: tuple[Switch, ...] = ()
+    nvme: tuple[Nvme, ...] = ()
+    nvlinks: tuple[NvLink, ...] = ()
+    p2p: tuple[tuple[str, ...], ...] = ()
+    """P2P read status per gpu pair as nvidia-smi prints it (X, OK, NS, GNS, CNS, TNS, DR, U); () = none."""
+    measured: Measured | None = None
+    notes: tuple[str, ...] = ()
+    """What discovery could not find out, said once each."""
 
     def __post_init__(self) -> None:
         _check(self)
@@ -63,29 +136,73 @@ class Topology:
                 return rc
         raise TopologyError(f"no root complex named {name!r}; known: {[r.name for r in self.root_complexes]}")
 
+    def switch(self, name: str) -> Switch:
+        for s in self.switches:
+            if s.name == name:
+                return s
+        raise TopologyError(f"no switch named {name!r}; known: {[s.name for s in self.switches]}")
+
     def contention_groups(self) -> list[list[int]]:
         """GPU indices grouped by the root complex whose uplink they share, in root-complex order."""
-        return [[g.index for g in self.gpus if g.root_complex == rc.name] for rc in self.root_complexes
-                if any(g.root_complex == rc.name for g in self.gpus)]
+        groups = [[g.index for g in self.gpus if g.root_complex == rc.name] for rc in self.root_complexes]
+        return [g for g in groups if g]
 
     def shared(self, a: int, b: int) -> bool:
         """True when gpus a and b are distinct and share a root complex uplink."""
         return a != b and self.gpus[a].root_complex == self.gpus[b].root_complex
 
+    def switch_chain(self, gpu: int) -> list[str]:
+        """Switches above a gpu, nearest first."""
+        chain, name = [], self.gpus[gpu].switch
+        while name:
+            chain.append(name)
+            name = self.switch(name).parent
+        return chain
+
     def load_gbps(self, gpu: int, concurrent: float = 1.0) -> float:
         """Host->GPU bandwidth of `gpu` while `concurrent` GPUs of its group (itself included) copy at once.
 
+        Each shared link on the way (every switch above it, then the root complex uplink) is split evenly
+        between the copying GPUs that cross it, the group's GPUs filling the nearest switch first.
         `concurrent` may be fractional: an expected number of overlapping copies (see partition.mapping).
         """
         g = self.gpus[gpu]
-        uplink = self.root_complex(g.root_complex).uplink_gbps
-        return min(g.link_gbps, uplink / max(1.0, concurrent))
+        k = max(1.0, concurrent)
+        bw = g.link_gbps
+        for name in self.switch_chain(gpu):
+            below = sum(1 for i in range(self.num_gpus) if name in self.switch_chain(i))
+            bw = min(bw, self.switch(name).uplink_gbps / min(k, below))
+        return min(bw, self.root_complex(g.root_complex).uplink_gbps / k)
+
+    def nvlink(self, a: int, b: int) -> NvLink | None:
+        for link in self.nvlinks:
+            if {link.a, link.b} == {a, b}:
+                return link
+        return None
+
+    def p2p_ok(self, a: int, b: int) -> bool:
+        """True when gpu a can copy to gpu b directly (NVLink, or PCIe P2P reported OK)."""
+        if a == b or self.nvlink(a, b):
+            return a != b
+        return bool(self.p2p) and self.p2p[a][b] == "OK"
+
+    def level(self, a: int, b: int) -> str:
+        """The nvidia-smi topo -m label of the path between gpus a and b (NV# with the link count)."""
+        if a == b:
+            return "X"
+        if link := self.nvlink(a, b):
+            return f"NV{link.links}"
+        ca, cb = self.switch_chain(a), self.switch_chain(b)
+        common = [s for s in ca if s in cb]
+        if common:
+            return "PIX" if ca[0] == cb[0] else "PXB"
+        if self.shared(a, b):
+            return "PHB"
+        return "NODE" if self.gpus[a].numa_node == self.gpus[b].numa_node else "SYS"
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["gpus"] = [asdict(g) for g in self.gpus]
-        d["root_complexes"] = [asdict(r) for r in self.root_complexes]
-        return d
+        """Plain data (lists, dicts, numbers, strings) that from_dict and layout files accept back."""
+        return _plain(asdict(self))
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "topology") -> "Topology":
@@ -94,22 +211,64 @@ class Topology:
         return topology_from_dict(d, where)
 
 
+def _plain(x):
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    return x
+
+
 def _check(t: Topology) -> None:
     if not t.gpus:
         raise TopologyError(f"topology {t.name!r} has no GPUs; expected at least one")
-    names = [r.name for r in t.root_complexes]
-    if len(set(names)) != len(names):
-        raise TopologyError(f"topology {t.name!r}: duplicate root complex names {names}")
+    rcs = _unique(t, "root complex", [r.name for r in t.root_complexes])
+    sws = _unique(t, "switch", [s.name for s in t.switches])
     for i, g in enumerate(t.gpus):
         if g.index != i:
             raise TopologyError(f"topology {t.name!r}: gpu #{i} has index {g.index}; indices must be 0..N-1 in order")
-        if g.root_complex not in names:
-            raise TopologyError(
-                f"topology {t.name!r}: gpu {i} references root complex {g.root_complex!r}, which does not exist; "
-                f"known: {names}")
-        if g.memory_bytes <= 0 or g.link_gbps <= 0:
-            raise TopologyError(f"topology {t.name!r}: gpu {i} needs memory_bytes > 0 and link_gbps > 0, "
-                                f"found {g.memory_bytes} and {g.link_gbps}")
-    for r in t.root_complexes:
-        if r.uplink_gbps <= 0:
-            raise TopologyError(f"topology {t.name!r}: root complex {r.name!r} needs uplink_gbps > 0, found {r.uplink_gbps}")
+        _refers(t, f"gpu {i}", g.root_complex, rcs, g.switch, sws)
+        if g.memory_bytes < 0 or g.link_gbps <= 0:
+            raise TopologyError(f"topology {t.name!r}: gpu {i} needs memory_bytes >= 0 (0 = unknown) and "
+                                f"link_gbps > 0, found {g.memory_bytes} and {g.link_gbps}")
+    for s in t.switches:
+        _refers(t, f"switch {s.name!r}", s.root_complex, rcs, s.parent, sws)
+    for s in t.switches:
+        up, seen = s.parent, {s.name}
+        while up and up not in seen:  # every parent exists (checked above): this ends at "" or in a loop
+            seen.add(up)
+            up = t.switch(up).parent
+        if up:
+            raise TopologyError(f"topology {t.name!r}: the parents above switch {s.name!r} form a loop")
+    for d in t.nvme:
+        _refers(t, f"nvme {d.name!r}", d.root_complex, rcs, d.switch, sws)
+    for x in [*t.root_complexes, *t.switches]:
+        if x.uplink_gbps <= 0:
+            raise TopologyError(f"topology {t.name!r}: {x.name!r} needs uplink_gbps > 0, found {x.uplink_gbps}")
+    _check_pairs(t)
+
+
+def _unique(t: Topology, what: str, names: list[str]) -> set[str]:
+    if len(set(names)) != len(names):
+        raise TopologyError(f"topology {t.name!r}: duplicate {what} names {names}")
+    return set(names)
+
+
+def _refers(t: Topology, who: str, rc: str, rcs: set[str], switch: str, sws: set[str]) -> None:
+    if rc not in rcs:
+        raise TopologyError(f"topology {t.name!r}: {who} references root complex {rc!r}, which does not exist; "
+                            f"known: {sorted(rcs)}")
+    if switch and switch not in sws:
+        raise TopologyError(f"topology {t.name!r}: {who} references switch {switch!r}, which does not exist; "
+                            f"known: {sorted(sws)}")
+
+
+def _check_pairs(t: Topology) -> None:
+    n = t.num_gpus
+    for link in t.nvlinks:
+        if not (0 <= link.a < n and 0 <= link.b < n) or link.a == link.b or link.links < 1 or link.gbps <= 0:
+            raise TopologyError(f"topology {t.name!r}: nvlink {link} needs two distinct gpus in 0..{n - 1}, "
+                                f"links >= 1 and gbps > 0")
+    if t.p2p and (len(t.p2p) != n or any(len(row) != n for row in t.p2p)):
+        raise TopologyError(f"topology {t.name!r}: p2p must be a {n} x {n} matrix of statuses, "
+                            f"found {len(t.p2p)} rows")

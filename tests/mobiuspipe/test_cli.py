@@ -85,12 +85,6 @@ def test_topology_json_contract(capsys, name):
     assert d["contention_groups"] == preset(name).contention_groups()
 
 
-def test_topology_text_defaults_to_2_plus_2(capsys):
-    assert cli.main(["topology"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith("topology 2+2") and "contention groups: [0, 1] [2, 3]" in out
-
-
 def test_partition_json_contract(planned):
     d, _, _, err = planned
     assert err == ""

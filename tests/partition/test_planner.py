@@ -172,3 +172,20 @@ def test_no_cut_fits_for_the_requested_count():
     plan = make_plan(prof, topo, 2)
     assert plan.num_stages > 1
     _check_plan(plan, prof, topo, 2)
+
+
+def test_unknown_gpu_memory_is_a_clear_error():
+    import dataclasses
+
+    from partition.analytic import analytic_profile
+    from partition.errors import PlanInfeasibleError
+    from partition.hardware import device_spec
+    from partition.models import get_model
+    from partition.planner import make_plan
+    from topology import preset
+
+    t = preset("2+2")
+    t = dataclasses.replace(t, gpus=(dataclasses.replace(t.gpus[0], memory_bytes=0), *t.gpus[1:]))
+    prof = analytic_profile(get_model("gpt3-125m"), device_spec(t.gpus[1].name))
+    with pytest.raises(PlanInfeasibleError, match=r"memory of gpus \[0\] is unknown"):
+        make_plan(prof, t, 4)

@@ -5,7 +5,8 @@ import sys
 
 
 def test_topology_imports_stay_inside():
-    code = ("import sys, topology, topology.report, topology.layout, topology.presets\n"
+    code = ("import sys, topology, topology.report, topology.report_svg, topology.layout, topology.presets\n"
+            "import topology.discover, topology.sysfs, topology.nvml, topology.probe, topology.pci\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in {'partition', 'mobiuspipe', 'torch'})\n"
             "print(bad)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)

@@ -3,18 +3,34 @@
 import copy
 import json
 import re
+from dataclasses import replace
 
 import pytest
 import yaml
 
-from topology import PRESETS, TopologyError, cpu_standin, load_topology, preset, save_topology
+from topology import PRESETS, Topology, TopologyError, cpu_standin, load_topology, preset, save_topology
 from topology.layout import parse_bytes, topology_from_dict
+from topology.types import Measured, NvLink, Nvme, Switch
 
-TOPOLOGIES = [preset("2+2"), preset("3+1"), cpu_standin(1, 1234567), cpu_standin(4, 3 * 2**30, link_gbps=12.5)]
+def _full() -> Topology:
+    """2+2 with every optional part filled in: nested switch, NVMe, NVLink, P2P, measurements, notes."""
+    t = preset("2+2")
+    return replace(
+        t, host_memory_bytes=512 * 2**30, notes=("no NVML: names from sysfs",),
+        switches=t.switches + (Switch("sw0b", "rc0", 7.88, parent="sw0"),),
+        nvme=(Nvme("nvme0", "0000:3d:00.0", "rc0", 0, 7.88, switch="sw0b", model="Samsung 980 PRO"),),
+        nvlinks=(NvLink(0, 1, 4, 56.25),),
+        p2p=tuple(tuple("X" if a == b else "GNS" for b in range(4)) for a in range(4)),
+        measured=Measured(h2d_gbps=(12.0, 12.5, 11.5, 13.0), h2d_group_gbps=(6.0, 6.5, 5.5, 6.0),
+                          d2d_gbps=tuple(tuple(0.0 if a == b else 9.5 for b in range(4)) for a in range(4)),
+                          ssd_dir="/scratch", ssd_read_gbps=3.2, ssd_write_gbps=2.1, notes=("p2p not measured",)))
+
+
+TOPOLOGIES = [*PRESETS.values(), _full(), cpu_standin(1, 1234567), cpu_standin(4, 3 * 2**30, link_gbps=12.5)]
 
 
 @pytest.mark.parametrize("suffix", [".yaml", ".yml", ".json"])
-@pytest.mark.parametrize("t", TOPOLOGIES, ids=lambda t: t.name)
+@pytest.mark.parametrize("t", TOPOLOGIES, ids=lambda t: t.name + ("-full" if t.nvme else ""))
 def test_round_trip_is_exact(tmp_path, t, suffix):
     path = save_topology(t, tmp_path / f"layout{suffix}")
     assert load_topology(str(path)) == t
@@ -77,21 +93,66 @@ def _set(d, dotted, value):
         d[last] = value
 
 
+_NVME = {"name": "nvme0", "pci_bus_id": "0000:3d:00.0", "root_complex": "rc0", "numa_node": 0, "link_gbps": 7.88}
+_P2P = [["X" if a == b else "GNS" for b in range(4)] for a in range(4)]
+_LINK = {"a": 0, "b": 1, "links": 4, "gbps": 56.25}
+
 BAD = [  # (dotted key, value or ... to delete, message fragment)
     ("gpus[2].memroy_bytes", 1, r"gpus\[2\]\.memroy_bytes: unknown key.*did you mean 'memory_bytes'"),
     ("contention", 1, r"contention: unknown key"),
     ("gpus[2].memory_bytes", [24], r"gpus\[2\]\.memory_bytes: expected bytes.*found list \[24\]"),
+    ("gpus[0].memory_bytes", -1, r"gpus\[0\]\.memory_bytes: expected bytes.*>= 0, found int -1"),
     ("gpus[1].link_gbps", "fast", r"gpus\[1\]\.link_gbps: expected a bandwidth.*found 'fast'"),
+    ("gpus[1].link_gbps", 0, r"gpus\[1\]\.link_gbps: expected a bandwidth in GB/s, a number > 0, found int 0"),
+    ("gpus[0].name", "", r"gpus\[0\]\.name: expected a non-empty string, found ''"),
     ("root_complexes[0].numa_node", 0.5, r"root_complexes\[0\]\.numa_node: expected an integer.*float 0\.5"),
-    ("p2p", "no", r"p2p: expected true or false"),
+    ("root_complexes[0].name", 5, r"root_complexes\[0\]\.name: expected a string, found int 5"),
+    ("root_complexes[0].name", "", r"root_complexes\[0\]\.name: expected a non-empty string"),
+    ("root_complexes[1].uplink_gbps", -2.0, r"root_complexes\[1\]\.uplink_gbps: expected a bandwidth.*> 0"),
     ("gpus", {}, r"gpus: expected a non-empty list"),
     ("gpus[3].pci_bus_id", ..., r"gpus\[3\]\.pci_bus_id: missing key"),
     ("name", ..., r"name: missing key"),
+    ("name", "", r"name: expected a non-empty string"),
     ("root_complexes[1].uplink_gbps", ..., r"root_complexes\[1\]\.uplink_gbps: missing key"),
     ("gpus[3].root_complex", "rc7", r"gpus\[3\]\.root_complex: expected one of the root_complexes.*found 'rc7'"),
     ("gpus[1].index", 5, r"gpus\[1\]\.index: expected 1"),
-    ("gpus[0].memory_bytes", 0, r"gpus\[0\]\.memory_bytes: expected memory > 0"),
-    ("root_complexes[1].name", "rc0", r"root_complexes: expected distinct names"),
+    ("root_complexes[1].name", "rc0", r"root_complexes\[1\]\.name: expected a name no other root complex has.*'rc0'"),
+    # switches
+    ("switches[0].parent", "sw9", r"switches\[0\]\.parent: expected one of the switches \['sw0', 'sw1'\] or \"\" "
+                                  r"for none, found 'sw9'"),
+    ("switches[1].root_complex", "rc9", r"switches\[1\]\.root_complex: expected one of the root_complexes.*'rc9'"),
+    ("switches[0].parent", "sw0", r"switches\[0\]\.parent: expected a switch that is not below 'sw0' \(parents form"),
+    ("switches[1].name", "sw0", r"switches\[1\]\.name: expected a name no other switch has.*found 'sw0'"),
+    ("switches[1].uplink_gbps", 0, r"switches\[1\]\.uplink_gbps: expected a bandwidth in GB/s, a number > 0"),
+    ("switches[0].colour", "red", r"switches\[0\]\.colour: unknown key"),
+    ("switches", {"name": "sw0"}, r"switches: expected a list"),
+    ("gpus[0].switch", "sw7", r"gpus\[0\]\.switch: expected one of the switches \['sw0', 'sw1'\].*found 'sw7'"),
+    ("gpus[2].switch", "sw0", r"gpus\[2\]\.root_complex: expected 'rc0', the root complex of its switch 'sw0'.*'rc1'"),
+    # nvme
+    ("nvme", [{**_NVME, "root_complex": "rc5"}], r"nvme\[0\]\.root_complex: expected one of the root_complexes"),
+    ("nvme", [{**_NVME, "switch": "sw1"}], r"nvme\[0\]\.root_complex: expected 'rc1', the root complex of its"),
+    ("nvme", [{**_NVME, "link_gbps": "x"}], r"nvme\[0\]\.link_gbps: expected a bandwidth"),
+    # nvlinks
+    ("nvlinks", [{**_LINK, "b": 4}], r"nvlinks\[0\]\.b: expected a gpu index in 0\.\.3, with a != b, found int 4"),
+    ("nvlinks", [_LINK, {**_LINK, "a": -1}], r"nvlinks\[1\]\.a: expected a gpu index in 0\.\.3"),
+    ("nvlinks", [{**_LINK, "a": 1}], r"nvlinks\[0\]\.b: expected a gpu index in 0\.\.3, with a != b, found int 1"),
+    ("nvlinks", [{**_LINK, "links": 0}], r"nvlinks\[0\]\.links: expected a number of NVLinks >= 1, found int 0"),
+    ("nvlinks", [{**_LINK, "gbps": 0}], r"nvlinks\[0\]\.gbps: expected a bandwidth in GB/s, a number > 0"),
+    ("nvlinks", [{"a": 0, "b": 1, "links": 4}], r"nvlinks\[0\]\.gbps: missing key"),
+    # p2p
+    ("p2p", "no", r"p2p: expected a list, found 'no'"),
+    ("p2p", [["X", "OK"], ["OK", "X"]], r"p2p: expected \[\] or a 4 x 4 matrix of statuses"),
+    ("p2p", [*_P2P[:2], ["GNS", "GNS", "X"], _P2P[3]], r"p2p\[2\]: expected a row of 4 statuses"),
+    ("p2p", [["X", "ok", "GNS", "GNS"], *_P2P[1:]], r"p2p\[0\]\[1\]: expected one of the nvidia-smi statuses.*'ok'"),
+    ("p2p", [[True] * 4] * 4, r"p2p\[0\]\[0\]: expected a string, found bool True"),
+    # measured
+    ("measured", "fast", r"measured: expected a mapping, found 'fast'"),
+    ("measured", {"h2d_gbps": 12.0}, r"measured\.h2d_gbps: expected a list, found float 12\.0"),
+    ("measured", {"h2d_gbps": [12.0, 12.0]}, r"measured\.h2d_gbps: expected \[\] \(not measured\) or 4 values"),
+    ("measured", {"d2d_gbps": [[0.0] * 4] * 3}, r"measured\.d2d_gbps: expected \[\] \(not measured\) or 4 rows"),
+    ("measured", {"ssd_read_gbps": "quick"}, r"measured\.ssd_read_gbps: expected a bandwidth.*'quick'"),
+    ("measured", {"h2d_gbpz": []}, r"measured\.h2d_gbpz: unknown key.*did you mean 'h2d_gbps'"),
+    ("notes", "one", r"notes: expected a list, found 'one'"),
 ]
 
 
@@ -121,7 +182,8 @@ def test_nonexistent_path(tmp_path):
 
 
 def test_unknown_preset_name():
-    with pytest.raises(TopologyError, match=r"'2\+3' is neither a preset nor an existing file.*'2\+2', '3\+1'"):
+    with pytest.raises(TopologyError, match=r"'2\+3' is neither a preset nor an existing file; known presets: "
+                                            r"\['2\+2', '2x2-nvlink', '3\+1', '4', '8-dual-socket'\]"):
         load_topology("2+3")
 
 
@@ -164,3 +226,10 @@ def test_directory_is_not_a_layout(tmp_path):
 def test_save_into_missing_directory(tmp_path):
     with pytest.raises(TopologyError, match="cannot write"):
         save_topology(preset("2+2"), tmp_path / "no" / "such" / "dir.yaml")
+
+
+def test_switch_loop_is_refused_when_built_in_code_too():
+    t = preset("2+2")
+    loop = (Switch("sw0", "rc0", 15.75, parent="sw0b"), Switch("sw0b", "rc0", 15.75, parent="sw0"), t.switches[1])
+    with pytest.raises(TopologyError, match=r"topology '2\+2': the parents above switch 'sw0' form a loop"):
+        replace(t, switches=loop)  # switch_chain() would never return
