@@ -109,3 +109,23 @@ def test_cli_discovers_saves_and_reports(sysfs_box, nvml_box, monkeypatch, tmp_p
     assert load_topology(str(out_file)).contention_groups() == [[0, 1, 2], [3]]
     assert main(["partition", "--model", "gpt3-13b", "--topology", str(out_file), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["num_gpus"] == 4
+
+
+def _nvml_works() -> bool:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        pynvml.nvmlShutdown()
+        return True
+    except Exception:  # no library, no driver: this is the skip condition, not an error
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _nvml_works(), reason="needs an NVIDIA driver (NVML)")
+def test_real_machine():
+    t = discover()
+    assert t.num_gpus >= 1 and all(g.memory_bytes > 0 and g.uuid for g in t.gpus)
+    assert "nvml" in t.source
+    assert load_topology(str(save_topology(t, "/tmp/mobiuspipe-real-topology.yaml"))) == t
