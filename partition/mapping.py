@@ -17,7 +17,7 @@ import itertools
 
 from topology import Topology
 
-__all__ = ["MAPPING_RULES", "round_robin", "cross_mapping", "make_mapping", "stage_contention"]
+__all__ = ["MAPPING_RULES", "round_robin", "cross_mapping", "make_mapping", "stage_contention", "peer_gbps"]
 
 MAPPING_RULES = ("cross", "round-robin")
 _EXHAUSTIVE_MAX_GPUS = 8
@@ -76,3 +76,11 @@ def stage_contention(topo: Topology, mapping: list[int]) -> list[float]:
                 c += 1.0 / abs(i - j)
         out.append(c)
     return out
+
+
+def peer_gbps(topo: Topology, a: int, b: int) -> float:
+    """Effective gpu a -> gpu b bandwidth, GB/s: NVLink, PCIe P2P, or two hops through host memory."""
+    if link := topo.nvlink(a, b):
+        return link.gbps
+    pcie = min(topo.gpus[a].link_gbps, topo.gpus[b].link_gbps)
+    return pcie if topo.p2p_ok(a, b) else pcie / 2

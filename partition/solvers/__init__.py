@@ -1,0 +1,56 @@
+"""Solver-neutral MIP container and the adapters that solve it (HiGHS, Gurobi)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+__all__ = ["MipModel", "MipResult", "INF"]
+
+INF = math.inf
+
+
+@dataclass
+class MipModel:
+    """min cost . x  s.t.  lo <= A x <= hi, lb <= x <= ub, some x integer. Rows are sparse dicts."""
+
+    names: list[str] = field(default_factory=list)
+    lb: list[float] = field(default_factory=list)
+    ub: list[float] = field(default_factory=list)
+    integer: list[bool] = field(default_factory=list)
+    cost: list[float] = field(default_factory=list)
+    rows: list[tuple[dict[int, float], float, float]] = field(default_factory=list)
+
+    def var(self, name: str, lb: float = 0.0, ub: float = INF, integer: bool = False, cost: float = 0.0) -> int:
+        self.names.append(name)
+        self.lb.append(lb)
+        self.ub.append(ub)
+        self.integer.append(integer)
+        self.cost.append(cost)
+        return len(self.names) - 1
+
+    def row(self, coeffs: dict[int, float], lo: float = -INF, hi: float = INF) -> None:
+        coeffs = {k: v for k, v in coeffs.items() if v != 0.0}
+        self.rows.append((coeffs, lo, hi))
+
+    @property
+    def num_vars(self) -> int:
+        return len(self.names)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+
+@dataclass(frozen=True)
+class MipResult:
+    """How a solve ended. x is None when no feasible point was found."""
+
+    solver: str
+    status: str
+    """"optimal", "time_limit" (x is the incumbent), "infeasible", or the solver's own words."""
+    objective: float
+    bound: float
+    gap: float
+    x: tuple[float, ...] | None
+    wall_s: float

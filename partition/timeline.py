@@ -1,0 +1,103 @@
+"""The aggregated step timeline the MIP optimizes, evaluated directly for fixed cuts (its exact oracle).
+
+Legend (stage j, per ONE microbatch unless marked; seconds unless marked):
+  M        microbatches per step
+  f_j      forward time                         b_j  backward time incl. the recomputed forward (F_j + B_j)
+  u_j      weight load time  = P_j / beta_j     o_j  gradient offload time = P_j / link_j
+  d_j      time to send stage j's output (or its gradient) to stage j+1's gpu
+  TF_j,EF_j  start of stage j's first forward microbatch, end of its last one
+  TB_j,EB_j  the same for the backward
+  LF_j,LB_j  when stage j's weights are resident for its forward / backward visit
+Each gpu runs its visits F(j0) .. F(jk), B(jk) .. B(j0) (mobiuspipe.schedule.builders). Rules, all "at least":
+  pipeline   TF_j >= TF_{j-1} + f_{j-1} + d_{j-1};   EF_j >= TF_j + M f_j;   EF_j >= EF_{j-1} + d_{j-1} + f_j
+             TB_j >= TB_{j+1} + b_{j+1} + d_j;      EB_j >= TB_j + M b_j;   EB_j >= EB_{j+1} + d_j + b_j
+  gpu        a visit starts after the gpu's previous visit ended; a backward visit also after the previous
+             backward visit's offload (one gradient slot)
+  weights    a visit starts after its load ended; the load of visit v starts after the load of visit v-1
+             (one copy engine) and after visit v-2 ended (two weight slots); the gpu's last forward stage
+             stays resident for its backward (no load)
+  step       T >= EB_j + o_j for every j
+This is exact for a pipeline of identical microbatches (the classic flow-shop recurrence) and an
+approximation when a gpu's visit is delayed mid-stream; partition.simulate times every microbatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["StageTimes", "gpu_visits", "aggregate_step", "aggregate_times"]
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """f, b, u, o, d of one stage (see the legend)."""
+
+    f: float
+    b: float
+    u: float
+    o: float
+    d: float
+
+
+def gpu_visits(mapping: list[int]) -> dict[int, list[tuple[int, str]]]:
+    """Per gpu, its visits in order: ("F", j) ascending, then ("B", j) descending."""
+    out: dict[int, list[tuple[int, str]]] = {}
+    for g in sorted(set(mapping)):
+        mine = [j for j, h in enumerate(mapping) if h == g]
+        out[g] = [(j, "F") for j in mine] + [(j, "B") for j in reversed(mine)]
+    return out
+
+
+def aggregate_step(st: list[StageTimes], mapping: list[int], m: int) -> float:
+    """T of the legend for fixed stage times: the longest path through the rules."""
+    return aggregate_times(st, mapping, m)[0]
+
+
+def aggregate_times(st: list[StageTimes], mapping: list[int], m: int) -> tuple[float, dict[str, list[float]]]:
+    """T and every timeline value of the legend (TF, EF, TB, EB, LF, LB; lists by stage)."""
+    s = len(st)
+    start: dict[tuple[str, int], float] = {}
+    end: dict[tuple[str, int], float] = {}
+    loaded: dict[tuple[str, int], float] = {}
+    ready = _loads(st, mapping, end, loaded)
+    for j in range(s):  # forwards, ascending
+        t = ready(("F", j))
+        if j > 0:
+            t = max(t, start[("F", j - 1)] + st[j - 1].f + st[j - 1].d)
+        start[("F", j)] = t
+        end[("F", j)] = max(t + m * st[j].f, end[("F", j - 1)] + st[j - 1].d + st[j].f if j > 0 else 0.0)
+    for j in reversed(range(s)):  # backwards, descending
+        t = ready(("B", j))
+        if j < s - 1:
+            t = max(t, start[("B", j + 1)] + st[j + 1].b + st[j].d)
+        start[("B", j)] = t
+        end[("B", j)] = max(t + m * st[j].b, end[("B", j + 1)] + st[j].d + st[j].b if j < s - 1 else 0.0)
+    total = max(end[("B", j)] + st[j].o for j in range(s))
+    values = {f"{kind}{ph}": [src[(ph, j)] for j in range(s)]
+              for kind, src in (("T", start), ("E", end), ("L", loaded)) for ph in "FB"}
+    return total, values
+
+
+def _loads(st: list[StageTimes], mapping: list[int], end: dict, load_end: dict):
+    """ready(visit) -> earliest start allowed by the gpu order, the gradient slot and the weight loads.
+
+    Visits are asked for in an order where every visit before them on their gpu is already timed."""
+    order = gpu_visits(mapping)
+    position = {(ph, j): (g, k) for g, vs in order.items() for k, (j, ph) in enumerate(vs)}
+
+    def ready(v: tuple[str, int]) -> float:
+        g, k = position[v]
+        vs = [(ph, j) for j, ph in order[g]]
+        prev = vs[k - 1] if k > 0 else None
+        t = end[prev] if prev else 0.0
+        if v[0] == "B" and prev and prev[0] == "B":
+            t = max(t, end[prev] + st[prev[1]].o)
+        if prev and prev[1] == v[1]:  # last forward stage stays resident
+            load_end[v] = load_end[prev]
+        else:
+            copy_free = load_end[prev] if prev else 0.0
+            slot_free = end[vs[k - 2]] if k >= 2 else 0.0
+            load_end[v] = max(copy_free, slot_free) + st[v[1]].u
+        return max(t, load_end[v])
+
+    return ready
