@@ -28,7 +28,7 @@ from partition.profile import LayerProfile, Profile
 from partition.solvers import INF, MipModel
 from partition.timeline import gpu_visits
 
-__all__ = ["StageData", "MipLayout", "build_mip", "cuts_of", "start_of", "memory_need"]
+__all__ = ["StageData", "MipLayout", "build_mip", "cuts_of", "start_of", "memory_need", "max_layers_per_stage"]
 
 Lin = dict  # {var index: coefficient}; the constant travels separately
 
@@ -63,6 +63,19 @@ def _runs(profile: Profile) -> list[tuple[int, int, LayerProfile]]:
     return out
 
 
+def max_layers_per_stage(profile: Profile, memory_bytes: int) -> int:
+    """k_max: the most consecutive layers any stage can hold under the memory rule (with W = its own P)."""
+    ls, best = profile.layers, 1
+    for a in range(len(ls)):
+        p = act = 0
+        for b in range(a, len(ls)):
+            p, act = p + ls[b].param_bytes, act + ls[b].activation_bytes
+            if ARENA_SLOTS * p + act + memory_need(profile) > memory_bytes:
+                break
+            best = max(best, b - a + 1)
+    return best
+
+
 def memory_need(profile: Profile) -> int:
     """The constant part of the MIP's memory rule: 2 O_max (input and output buffers of any stage)."""
     return 2 * max(x.output_bytes for x in profile.layers)
@@ -78,12 +91,15 @@ _Q = {"F": lambda x: x.fwd_s, "B": lambda x: x.bwd_s, "P": lambda x: x.param_byt
 class _Builder:
     """Adds the cut variables and returns, for any quantity, stage j's value as (Lin, const)."""
 
-    def __init__(self, model: MipModel, profile: Profile, s: int):
+    def __init__(self, model: MipModel, profile: Profile, s: int, k_max: int):
         self.m, self.s, self.L = model, s, profile.num_layers
         self.runs = _runs(profile)
+        self.lo = [max(c, self.L - (s - c) * k_max) for c in range(1, s)]  # tight bounds on cut c's position
+        self.hi = [min(self.L - (s - c), c * k_max) for c in range(1, s)]
         self.total = {q: sum(fn(x) for x in profile.layers) for q, fn in _Q.items()}
         self.pre = {q: [sum(fn(x) for x in profile.layers[:a]) for a, _, _ in self.runs] for q, fn in _Q.items()}
-        self.w = [[model.var(f"w[{c},{r}]", 0, 1, True) for r in range(len(self.runs))] for c in range(1, s)]
+        self.w = [[model.var(f"w[{c},{r}]", 0, 1 if self._meets(c, r) else 0, True) for r in range(len(self.runs))]
+                  for c in range(1, s)]
         self.o = [[model.var(f"o[{c},{r}]", 0, n - 1, True) for r, (_, n, _) in enumerate(self.runs)]
                   for c in range(1, s)]
         for c in range(s - 1):
@@ -92,9 +108,13 @@ class _Builder:
                 model.row({self.o[c][r]: 1.0, self.w[c][r]: -(n - 1)}, hi=0.0)
         for c in range(s - 2):
             model.row(_sub(self._pos(c + 1), self._pos(c)), lo=1.0)
-        if s > 1:
-            model.row(self._pos(0), lo=1.0)
-            model.row(self._pos(s - 2), hi=self.L - 1.0)
+        for c in range(s - 1):
+            model.row(self._pos(c), lo=float(self.lo[c]), hi=float(self.hi[c]))
+
+    def _meets(self, c: int, r: int) -> bool:
+        """Can cut c (1-based) lie in run r, given its position bounds?"""
+        a, n, _ = self.runs[r]
+        return a <= self.hi[c - 1] and self.lo[c - 1] <= a + n - 1
 
     def _pos(self, c: int) -> Lin:
         lin: Lin = {}
@@ -158,7 +178,7 @@ def build_mip(profile: Profile, mapping: list[int], microbatches: int, data: Sta
               horizon_s: float = INF) -> tuple[MipModel, MipLayout]:
     """The model for a fixed stage count S = len(mapping); times bounded by horizon_s (a start's value)."""
     s, m = len(mapping), MipModel()
-    b = _Builder(m, profile, s)
+    b = _Builder(m, profile, s, max_layers_per_stage(profile, memory_bytes))
     t = {(k, j): m.var(f"{k}{j}", 0.0, horizon_s) for k in ("TF", "EF", "TB", "EB", "LF", "LB") for j in range(s)}
     t[("T",)] = m.var("T", 0.0, horizon_s, cost=1.0)
     slot = m.var("W", 0.0, INF)

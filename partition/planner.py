@@ -6,7 +6,7 @@ import dataclasses
 import time
 
 from partition.costmodel import ARENA_SLOTS, LayerArrays
-from partition.dp import DpSolution, solve_dp
+from partition.dp import solve_dp
 from partition.errors import PlanInfeasibleError
 from partition.mapping import make_mapping, stage_contention
 from partition.plan import Plan, SolverInfo, StagePlan
@@ -23,35 +23,81 @@ GiB = 1024**3
 
 
 def make_plan(profile: Profile, topo: Topology, microbatches: int, *, num_stages: int | None = None,
-              mapping: str = "cross", reserve_bytes: int = 0) -> Plan:
+              mapping: str = "cross", reserve_bytes: int = 0, solver: str = "auto", time_limit_s: float = 2.0,
+              gap: float = 0.01) -> Plan:
     """Cut the profiled layers into stages, map them to gpus and predict the step; the fastest plan wins.
 
-    num_stages=None sweeps S from the gpu count to the layer count and keeps the least predicted step time.
+    The exact DP runs for every stage count S (num_stages=None: from the gpu count to the layer count)
+    and the simulator ranks its plans. Then, unless solver="dp", the Mobius MIP (partition.mip) re-cuts
+    the best MIP_CANDIDATES stage counts, warm-started from the DP, within time_limit_s in all and to a
+    relative gap; the plan with the least simulated step wins.
     """
     t0 = time.perf_counter()
+    _check_memory_known(topo)
+    arr = LayerArrays.of(profile)
+    memory = min(g.memory_bytes for g in topo.gpus) - reserve_bytes
+    _check_layers_fit(arr, profile, memory)
+    ranked = _dp_plans(profile, topo, arr, microbatches, num_stages, mapping, memory)
+    if not ranked:
+        raise _infeasible_stages(num_stages, arr, memory)
+    if solver == "dp":
+        return dataclasses.replace(ranked[0], solver=SolverInfo("dp", "optimal", 0.0, _since(t0)))
+    return _mip_refine(profile, topo, arr, ranked, microbatches, mapping, memory, solver, time_limit_s, gap, t0)
+
+
+MIP_CANDIDATES = 3
+"""Stage counts (the DP's best by simulated step) the MIP re-cuts."""
+
+
+def _since(t0: float) -> float:
+    return round(time.perf_counter() - t0, 6)
+
+
+def _dp_plans(profile: Profile, topo: Topology, arr: LayerArrays, microbatches: int, num_stages: int | None,
+              mapping: str, memory: int) -> list[Plan]:
+    """The DP's plan for every feasible stage count, fastest simulated step first."""
+    plans = []
+    for s in _stage_counts(num_stages, topo.num_gpus, arr.num_layers):
+        m = make_mapping(mapping, topo, s)
+        gbps = [topo.load_gbps(g, c) for g, c in zip(m, stage_contention(topo, m))]
+        sol = solve_dp(arr, memory, microbatches, min(gbps), [s]).get(s)
+        if sol is not None:
+            plans.append(_plan_of(profile, topo, arr, sol.ranges, m, gbps, microbatches, mapping, memory))
+    return sorted(plans, key=lambda p: (p.predicted_step_time_s, p.num_stages))
+
+
+def _mip_refine(profile: Profile, topo: Topology, arr: LayerArrays, ranked: list[Plan], microbatches: int,
+                mapping: str, memory: int, solver: str, time_limit_s: float, gap: float, t0: float) -> Plan:
+    from partition.mip_plan import solve_stage_count, stage_data  # the solvers load only when used
+
+    best, used, gaps, statuses = ranked[0], set(), [], []
+    for plan in ranked[:MIP_CANDIDATES]:
+        m = plan.mapping
+        cuts = [s.first for s in plan.stages] + [plan.num_layers]
+        left = max(0.05, time_limit_s - (time.perf_counter() - t0)) / max(1, MIP_CANDIDATES - len(gaps))
+        res = solve_stage_count(profile, m, microbatches, stage_data(topo, m, profile), memory, cuts, solver,
+                                left, gap)
+        used.add(res.result.solver)
+        statuses.append(res.result.status)
+        if res.cuts is None:
+            continue
+        gaps.append(res.result.gap)
+        gbps = [s.load_gbps for s in plan.stages]
+        ranges = [(a, b - 1) for a, b in zip(res.cuts, res.cuts[1:])]
+        cand = _plan_of(profile, topo, arr, ranges, m, gbps, microbatches, mapping, memory)
+        if cand.predicted_step_time_s < best.predicted_step_time_s * (1 - 1e-9):
+            best = cand
+    status = "optimal" if statuses and all(x == "optimal" for x in statuses) else ",".join(sorted(set(statuses)))
+    info = SolverInfo("+".join(sorted(used)) or "dp", status or "dp-only", max(gaps, default=0.0), _since(t0))
+    return dataclasses.replace(best, solver=info)
+
+
+def _check_memory_known(topo: Topology) -> None:
     unknown = [g.index for g in topo.gpus if g.memory_bytes <= 0]
     if unknown:
         raise PlanInfeasibleError(f"topology {topo.name!r}: the memory of gpus {unknown} is unknown (0 bytes; "
                                   f"discovered without NVML?): save the topology with `mobiuspipe topology --save "
                                   f"server.yaml`, set each gpu's memory_bytes (e.g. 24GiB) and plan with it")
-    arr = LayerArrays.of(profile)
-    memory = min(g.memory_bytes for g in topo.gpus) - reserve_bytes
-    _check_layers_fit(arr, profile, memory)
-    counts = _stage_counts(num_stages, topo.num_gpus, arr.num_layers)
-    best: Plan | None = None
-    for s in counts:
-        m = make_mapping(mapping, topo, s)
-        gbps = [topo.load_gbps(g, c) for g, c in zip(m, stage_contention(topo, m))]
-        sol = solve_dp(arr, memory, microbatches, min(gbps), [s]).get(s)
-        if sol is None:
-            continue
-        plan = _plan_of(profile, topo, arr, sol, m, gbps, microbatches, mapping, memory)
-        if best is None or plan.predicted_step_time_s < best.predicted_step_time_s * (1 - 1e-9):
-            best = plan
-    if best is None:
-        raise _infeasible_stages(num_stages, arr, memory)
-    info = SolverInfo("dp", "optimal", 0.0, round(time.perf_counter() - t0, 6))
-    return dataclasses.replace(best, solver=info)
 
 
 def _stage_counts(num_stages: int | None, num_gpus: int, num_layers: int) -> list[int]:
@@ -93,13 +139,13 @@ def _infeasible_stages(num_stages: int | None, arr: LayerArrays, memory: int) ->
         f"{memory / GiB:.2f} GiB; use more stages (--stages), or leave --stages out to search every count")
 
 
-def _plan_of(profile: Profile, topo: Topology, arr: LayerArrays, sol: DpSolution, m: list[int],
+def _plan_of(profile: Profile, topo: Topology, arr: LayerArrays, ranges: list[tuple[int, int]], m: list[int],
              gbps: list[float], microbatches: int, rule: str, memory: int) -> Plan:
     stages = tuple(
         StagePlan(first=a, last=b, gpu=m[j], param_count=arr.param_count(a, b), param_bytes=arr.params(a, b),
                   activation_bytes=arr.activations(a, b), output_bytes=int(arr.O[b]), fwd_s=arr.fwd(a, b),
                   bwd_s=arr.bwd(a, b), load_gbps=gbps[j])
-        for j, (a, b) in enumerate(sol.ranges))
+        for j, (a, b) in enumerate(ranges))
     slot = max(s.param_bytes for s in stages)
     sim = simulate(sim_stages(stages, topo), topo.num_gpus, microbatches)
     return Plan(model=profile.model, topology=topo.name, num_layers=arr.num_layers, num_gpus=topo.num_gpus,
