@@ -147,6 +147,12 @@ def _add_partition(sub) -> None:
     p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="fp16", help="parameter dtype (fp16)")
     p.add_argument("--reserve-gib", type=_non_negative_float, default=1.0,
                    help="GiB of each gpu kept out of the plan for the CUDA context and allocator (1.0)")
+    p.add_argument("--solver", choices=("auto", "highs", "gurobi", "dp"), default="auto",
+                   help="auto: Gurobi when its license admits the model, else HiGHS; dp: the exact DP alone (auto)")
+    p.add_argument("--time-limit", type=_non_negative_float, default=2.0, metavar="S",
+                   help="seconds the MIP may take in all; on a time-out the best plan found is kept with its gap (2)")
+    p.add_argument("--gap", type=_non_negative_float, default=0.01,
+                   help="relative MIP gap to stop at (0.01 = 1%%)")
     p.add_argument("-o", "--output", metavar="PLAN", help="write the plan here (.yaml, or .json by suffix)")
     p.add_argument("--timeline", metavar="FILE.svg", help="write an SVG Gantt chart of the predicted step")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")

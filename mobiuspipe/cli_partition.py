@@ -44,7 +44,8 @@ def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology]:
                        f"{topo.name!r} has {smallest / GiB:.2f} GiB; expected a reserve below that (default 1.0)")
     profile = analytic_profile(spec, device, microbatch_size=args.microbatch_size, dtype=args.dtype)
     plan = make_plan(profile, topo, args.microbatches, num_stages=args.stages, mapping=args.mapping,
-                     reserve_bytes=int(args.reserve_gib * GiB))
+                     reserve_bytes=int(args.reserve_gib * GiB), solver=args.solver, time_limit_s=args.time_limit,
+                     gap=args.gap)
     return plan, topo
 
 
@@ -58,7 +59,7 @@ def _config_plan(args: argparse.Namespace) -> tuple[Plan, Topology]:
     from mobiuspipe.planning import plan_at_start, run_topology
 
     cfg = load_config(args.config)
-    return plan_at_start(cfg), run_topology(cfg)
+    return plan_at_start(cfg, args.solver), run_topology(cfg)
 
 
 def _stage_json(plan: Plan) -> list[dict]:

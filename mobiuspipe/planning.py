@@ -40,13 +40,15 @@ def run_topology(cfg: RunConfig) -> Topology:
     return cpu_standin(cfg.plan.num_gpus, int(cfg.plan.device_memory_mb * MiB))
 
 
-def plan_at_start(cfg: RunConfig) -> Plan:
-    """The plan made from the config alone (what `mobiuspipe partition --config` writes)."""
+def plan_at_start(cfg: RunConfig, solver: str = "dp") -> Plan:
+    """The plan made from the config alone. Every rank makes it for itself, so the default is the exact
+    DP, which is deterministic; a time-limited MIP could differ between ranks. `mobiuspipe partition
+    --config` passes its --solver and writes the result for plan.file."""
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu-standin"
     profile = analytic_profile(model_spec(cfg), device_spec(device), microbatch_size=cfg.microbatch_size,
                                dtype="fp32")
     return make_plan(profile, run_topology(cfg), cfg.data.num_microbatches, num_stages=cfg.plan.num_stages,
-                     mapping=cfg.plan.mapping)
+                     mapping=cfg.plan.mapping, solver=solver)
 
 
 def _check_matches(plan: Plan, spec: ModelSpec, cfg: RunConfig) -> None:

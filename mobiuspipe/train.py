@@ -7,6 +7,8 @@ tier, and runs its schedule every step; rank 0 reports. Errors a user can fix pr
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import sys
 import time
@@ -74,6 +76,18 @@ def _engine(cfg: RunConfig, plan: Plan, rank: int, local_rank: int) -> Engine:
                   Comm(rank, cfg.runtime.comm_timeout_s), act_shape, m)
 
 
+def _check_same_plan(plan: Plan, rank: int) -> None:
+    """Every rank must follow the same plan (each made or read its own): compare digests before any work."""
+    what = {k: v for k, v in plan.to_dict().items() if k != "solver"}  # the solver's wall time differs
+    digest = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+    digests: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest)
+    differ = [r for r, d in enumerate(digests) if d != digests[0]]
+    if differ:
+        raise WorldSizeError(f"rank {rank}: ranks {differ} follow a different plan than rank 0 (different plan "
+                             f"files, configs or code versions); give every rank the same plan.file")
+
+
 def _reduce(engine: Engine, values: list[float], op, what: str) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=engine.device.torch_device)
     return engine.comm.all_reduce(t, op, what).tolist()
@@ -90,6 +104,7 @@ def train(cfg: RunConfig) -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.runtime.comm_timeout_s))
     try:
+        _check_same_plan(plan, rank)
         _run(cfg, plan, rank, local_rank)
     finally:
         dist.destroy_process_group()

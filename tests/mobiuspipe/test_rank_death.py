@@ -51,3 +51,21 @@ def test_survivor_names_the_dead_rank(tmp_path, launch):
     line = [x for x in err.splitlines() if x.startswith("mobiuspipe.train: error:")]
     assert line and ("rank 1" in line[0] or "another rank" in line[0]), err[-2000:]
     assert "rank 0:" in line[0]
+
+
+def test_ranks_with_different_plans_stop_before_work(tmp_path):
+    port = _free_port()
+    procs = []
+    for rank, stages in ((0, 4), (1, 3)):
+        cfg = tmp_path / f"r{rank}.yaml"
+        cfg.write_text(f"plan: {{num_stages: {stages}}}\ntrain: {{steps: 1, out_dir: {tmp_path / 'out'}}}\n")
+        procs.append(_rank(rank, port, cfg))
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 2 and "follow a different plan than rank 0" in err, err[-2000:]
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()

@@ -1,0 +1,218 @@
+"""Measured per-layer profile: run each layer's forward and backward on a device and time it, same format
+as partition.analytic.
+
+For each layer l, fed the previous layer's output (the first gets `sample_input`):
+  fwd_s, bwd_s      median of the last `min_repeats` timings once that median moves by at most rel_tol
+                    from one repeat to the next (or after max_repeats), after `warmup` untimed runs;
+                    the device is synchronized before and after each timed region (CUDA), so the clock
+                    sees the kernels, not their launch
+  param_count/bytes the layer's real parameters (numel, nbytes)
+  activation_bytes  the tensors autograd saves for backward (saved_tensors_hooks), counted once per
+                    storage (views share one), parameters excluded; the last layer includes its loss
+  output_bytes      nbytes of the layer's output
+  fwd/bwd_flops     torch.utils.flop_counter.FlopCounterMode (matmuls and attention; norms, activations
+                    and gathers count 0), plus the CPU flash-attention kernel, which it does not know
+Layer similarity (Mobius, "Profiling"): a layer whose type, parameter and buffer shapes and dtypes, and
+input shape and dtype equal an earlier layer's is not run again: it gets that layer's numbers, and the
+next layer is fed that layer's recorded output. `measure_layers` returns which layers ran.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.utils.flop_counter as flop_counter
+from torch import nn
+
+from partition.profile import LayerProfile, Profile
+
+__all__ = ["Measurement", "measure_layers", "measure_profile"]
+
+TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """A measured profile and, for each layer, the index of the layer whose run produced its numbers."""
+
+    profile: Profile
+    source: tuple[int, ...]
+    """source[l] == l: layer l was run; otherwise it copies layer source[l] (layer similarity)."""
+
+    @property
+    def measured(self) -> tuple[int, ...]:
+        """Indices of the layers actually run."""
+        return tuple(l for l, s in enumerate(self.source) if s == l)
+
+
+def _check(layers, warmup: int, min_repeats: int, max_repeats: int, rel_tol: float) -> None:
+    if not layers:
+        raise ValueError("measure_profile needs at least one layer, found an empty list")
+    if warmup < 0 or not 1 <= min_repeats <= max_repeats or not rel_tol > 0:
+        raise ValueError(f"need warmup >= 0, 1 <= min_repeats <= max_repeats and rel_tol > 0; found warmup "
+                         f"{warmup}, min_repeats {min_repeats}, max_repeats {max_repeats}, rel_tol {rel_tol}")
+
+
+def _signature(layer: nn.Module, x: torch.Tensor) -> tuple:
+    tensors = [*layer.named_parameters(), *layer.named_buffers()]
+    return (type(layer), tuple((n, tuple(t.shape), t.dtype) for n, t in tensors), tuple(x.shape), x.dtype)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _cpu_flash_flops():
+    """FlopCounterMode formulas for the CPU flash-attention kernels (same counts as the CUDA ones)."""
+    aten = torch.ops.aten
+    if not hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        return {}
+
+    def fwd(q, k, v, *args, out_shape=None, **kwargs) -> int:
+        return flop_counter.sdpa_flop_count(q, k, v)
+
+    def bwd(grad_out, q, k, v, *args, out_shape=None, **kwargs) -> int:
+        return flop_counter.sdpa_backward_flop_count(grad_out, q, k, v)
+
+    return {aten._scaled_dot_product_flash_attention_for_cpu: fwd,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: bwd}
+
+
+class _Run:
+    """One layer on the device: forward (with the loss for the last layer), backward with a fixed gradient."""
+
+    def __init__(self, layer: nn.Module, x: torch.Tensor, loss_fn, device: torch.device):
+        self.layer, self.loss_fn, self.device = layer, loss_fn, device
+        self.x = x.detach().requires_grad_(x.is_floating_point())
+        with torch.no_grad():
+            out = layer(self.x)
+        self.out = out.detach()
+        g = torch.Generator().manual_seed(0)
+        self.grad = None if loss_fn else torch.randn(out.shape, generator=g).to(device, out.dtype)
+
+    def forward(self) -> torch.Tensor:
+        out = self.layer(self.x)
+        return self.loss_fn(out) if self.loss_fn else out
+
+    def backward(self, y: torch.Tensor) -> None:
+        y.backward(self.grad)
+        self.x.grad = None
+
+    def timed(self) -> tuple[float, float]:
+        _sync(self.device)
+        t0 = time.perf_counter()
+        y = self.forward()
+        _sync(self.device)
+        t1 = time.perf_counter()
+        self.backward(y)
+        _sync(self.device)
+        return t1 - t0, time.perf_counter() - t1
+
+    def flops(self) -> tuple[float, float]:
+        with flop_counter.FlopCounterMode(display=False, custom_mapping=_cpu_flash_flops()) as f:
+            y = self.forward()
+        with flop_counter.FlopCounterMode(display=False, custom_mapping=_cpu_flash_flops()) as b:
+            self.backward(y)
+        return float(f.get_total_flops()), float(b.get_total_flops())
+
+    def saved_bytes(self) -> int:
+        params = {p.untyped_storage().data_ptr() for p in self.layer.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            s = t.untyped_storage()
+            if s.data_ptr() not in params:
+                seen[s.data_ptr()] = s.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = self.forward()
+        self.backward(y)
+        return sum(seen.values())
+
+
+def _stable_median(run: _Run, warmup: int, min_repeats: int, max_repeats: int, rel_tol: float) -> tuple[float, float]:
+    for _ in range(warmup):
+        run.timed()
+    fwd, bwd, last = [], [], None
+    for _ in range(max_repeats):
+        f, b = run.timed()
+        fwd.append(f)
+        bwd.append(b)
+        if len(fwd) < min_repeats:
+            continue
+        now = (statistics.median(fwd[-min_repeats:]), statistics.median(bwd[-min_repeats:]))
+        if last and all(abs(n - o) <= rel_tol * n for n, o in zip(now, last)):
+            break
+        last = now
+    return now
+
+
+def _measure_one(layer: nn.Module, x: torch.Tensor, loss_fn, device: torch.device,
+                 timing: tuple[int, int, int, float]) -> tuple[LayerProfile, torch.Tensor]:
+    run = _Run(layer, x, loss_fn, device)
+    fwd_flops, bwd_flops = run.flops()
+    act = run.saved_bytes()
+    fwd_s, bwd_s = _stable_median(run, *timing)
+    for p in layer.parameters():
+        p.grad = None
+    params = list(layer.parameters())
+    lp = LayerProfile(name=type(layer).__name__.lower(), param_count=sum(p.numel() for p in params),
+                      param_bytes=sum(p.nbytes for p in params), activation_bytes=act,
+                      output_bytes=run.out.nbytes, fwd_flops=fwd_flops, bwd_flops=bwd_flops,
+                      fwd_s=fwd_s, bwd_s=bwd_s)
+    return lp, run.out
+
+
+def _check_dtype(layers: list[nn.Module], dtype_name: str) -> None:
+    if dtype_name not in TORCH_DTYPES:
+        raise ValueError(f"unknown dtype {dtype_name!r}; accepted: {', '.join(TORCH_DTYPES)}")
+    for l, layer in enumerate(layers):
+        wrong = {p.dtype for p in layer.parameters()} - {TORCH_DTYPES[dtype_name]}
+        if wrong:
+            raise ValueError(f"layer {l} has {sorted(map(str, wrong))} parameters but dtype_name is {dtype_name!r} "
+                             f"({TORCH_DTYPES[dtype_name]}); cast the layers (layer.to(dtype)) or name their dtype")
+
+
+def measure_layers(layers: list[nn.Module], sample_input: torch.Tensor, *, device, name: str, device_name: str,
+                   dtype_name: str, microbatch_size: int, seq_len: int, loss_fn=None, warmup: int = 2,
+                   min_repeats: int = 5, max_repeats: int = 50, rel_tol: float = 0.05) -> Measurement:
+    """Measure `layers` in order (see the module docstring); loss_fn(output) -> scalar follows the last one.
+
+    Each layer is moved to `device` for its measurement and back where it was afterwards, so the device
+    holds one layer at a time. The Profile's header fields are the given name, device_name, dtype_name,
+    microbatch_size and seq_len.
+    """
+    _check(layers, warmup, min_repeats, max_repeats, rel_tol)
+    _check_dtype(layers, dtype_name)
+    device = torch.device(device)
+    x = sample_input.to(device)
+    seen: dict[tuple, tuple[int, torch.Tensor]] = {}
+    out_layers: list[LayerProfile] = []
+    source: list[int] = []
+    for l, layer in enumerate(layers):
+        key = (_signature(layer, x), l == len(layers) - 1 and loss_fn is not None)
+        if key not in seen:
+            home = next(iter(layer.parameters()), x).device
+            layer.to(device)
+            lp, y = _measure_one(layer, x, loss_fn if l == len(layers) - 1 else None, device,
+                                 (warmup, min_repeats, max_repeats, rel_tol))
+            layer.to(home)
+            seen[key] = (l, y)
+            out_layers.append(lp)
+        else:
+            out_layers.append(out_layers[seen[key][0]])
+        source.append(seen[key][0])
+        x = seen[key][1]
+    profile = Profile(model=name, device=device_name, dtype=dtype_name, microbatch_size=microbatch_size,
+                      seq_len=seq_len, layers=tuple(out_layers))
+    return Measurement(profile=profile, source=tuple(source))
+
+
+def measure_profile(layers: list[nn.Module], sample_input: torch.Tensor, **kwargs) -> Profile:
+    """measure_layers(...).profile: the measured Profile alone (same keyword arguments)."""
+    return measure_layers(layers, sample_input, **kwargs).profile
