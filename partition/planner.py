@@ -164,12 +164,19 @@ def _peer_gbps(topo: Topology, a: int, b: int) -> float:
 
 
 def sim_stages(stages: tuple[StagePlan, ...], topo: Topology) -> list[SimStage]:
-    """The simulator's view of a plan's stages on a topology."""
+    """The simulator's view of a plan's stages on a topology.
+
+    Static times (for simulate() without a topology): a load at the stage's planned load_gbps, an offload
+    at the gpu's own link speed. Bytes (for simulate(..., topology=topo)): a load moves param_bytes, an
+    offload the gradients, which have the parameters' dtype, so also param_bytes.
+    """
     out = []
     for j, s in enumerate(stages):
         nxt = stages[j + 1].gpu if j + 1 < len(stages) else s.gpu
         comm = 0.0 if nxt == s.gpu else s.output_bytes / (_peer_gbps(topo, s.gpu, nxt) * 1e9)
         out.append(SimStage(gpu=s.gpu, fwd_s=s.fwd_s, bwd_s=s.bwd_s, load_s=s.load_s,
                             offload_s=s.param_bytes / (topo.gpus[s.gpu].link_gbps * 1e9),
-                            update_s=s.param_count / HOST_ADAM_PARAMS_PER_S, comm_s=comm))
+                            update_s=s.param_count / HOST_ADAM_PARAMS_PER_S, comm_s=comm,
+                            param_bytes=s.param_bytes, grad_bytes=s.param_bytes,
+                            activation_bytes=s.activation_bytes, output_bytes=s.output_bytes))
     return out

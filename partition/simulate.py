@@ -1,25 +1,58 @@
-"""Timeline of one Mobius pipeline step from a plan: when each load, compute, offload and update runs.
+"""Event simulation of one Mobius pipeline step: when each load, compute, offload and update runs, on a topology.
 
-Per gpu g the schedule runs its stages' forwards in ascending order, then their backwards in descending
-order, each over microbatches i = 0..M-1. Resources and rules (times in seconds):
-  compute   one stream per gpu. F(j,i) starts after F(j-1,i) arrived (+ comm), B(j,i) after B(j+1,i)
-            arrived; F takes F_j, B takes F_j + B_j (the stage recomputes its forward first).
-  copy      one host->gpu engine per gpu, two weight slots: the load of the k-th stage visit starts when
-            the engine is free and the slot of visit k-2 is released (its last microbatch computed).
-            A gpu's last forward stage stays resident into its backward (no reload).
-  offload   one gpu->host engine per gpu: after B(j, M-1) the stage's gradients (P_j bytes) go to host.
-            There is one gradient slot, so the next backward visit starts after that offload ended.
-  update    the host CPU runs one stage's Adam at a time, after its gradients arrived.
-  comm      an activation of O bytes between two gpus takes hops * O / (link GB/s * 1e9); hops = 2 when
-            it is staged through host memory (no peer-to-peer), 1 otherwise.
-Step time = when the last update (or the last compute) ends.
+The step is a graph of tasks (TaskGraph); a task starts at the first instant all of its dependencies have
+ended. Per gpu g the schedule is the runtime's (mobiuspipe.schedule.builders): its stages' forwards in
+ascending order, then their backwards in descending order, each over microbatches i = 0..M-1.
+Resources and rules (times in seconds, bytes, GB/s = 1e9 bytes/s):
+  compute   one stream per gpu, in schedule order. F(j,i) starts after F(j-1,i) arrived (+ comm_s of
+            stage j-1), B(j,i) after B(j+1,i) arrived (+ comm_s of stage j); F takes F_j, B takes F_j + B_j
+            (the stage recomputes its forward first).
+  load      one host->gpu copy engine per gpu, in visit order, two weight slots: the load of the k-th stage
+            visit starts when the previous load ended and the slot's previous holder (visit k-2) was
+            released (its last microbatch computed). A gpu's last forward stage stays resident into its
+            backward (no reload). The runtime issues LOAD k right after RELEASE k-2, so this is its order.
+  offload   one gpu->host engine per gpu: after B(j, M-1) the stage's gradients go to host. One gradient
+            slot: a backward visit starts after the previous offload ended.
+  update    the host CPU runs one stage's Adam at a time, in the order the gradients arrived.
+  comm      activations between gpus take the stage's fixed comm_s (partition.planner.sim_stages).
+
+Durations of loads and offloads (the link model):
+  topology=None   each load takes its stage's load_s and each offload its offload_s (static; the planner's
+                  expected contention is already in load_s). Exact for those numbers.
+  topology given  a load is a flow of param_bytes host->gpu and an offload a flow of grad_bytes gpu->host
+                  over the links on the gpu's path: its own PCIe link, every switch uplink above it, its
+                  root complex uplink; each direction is a separate link (PCIe is full duplex). Flows share
+                  links by processor sharing (FlowNet): while k flows cross a link, each gets link_gbps / k
+                  of it, and a flow moves at the least share along its path, recomputed at every flow start
+                  and end. This is exact for the fluid model; it is an approximation of PCIe arbitration in
+                  two ways: a flow held back elsewhere does not hand its unused share to the others (the
+                  rule Topology.load_gbps also uses, so the planner's estimate and the simulation agree on
+                  symmetric trees), and real transfers have per-copy latency and chunking.
+Not modelled (small next to a stage's weights, or outside one step): activations are not flows (they keep
+their fixed comm_s but their bytes are counted in link traffic); the stage inputs the runtime saves to host
+for the recompute; the next step's loads waiting for this step's updates.
+
+Reported: step time = when the last update (or the last compute) ends; per gpu its compute busy seconds
+and fraction; bytes per link (gpu link, switch and root complex uplinks, NVLink); per gpu the peak of the
+device arena in use (weight slots between a load's start and the visit's release, the gradient slot
+between a backward visit's first microbatch and its offload's end, times the slot size W = the largest
+stage's param_bytes) and the largest activation bytes of its stages.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
+from collections import Counter
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
-__all__ = ["SimStage", "SimResult", "simulate"]
+from topology import Topology
+
+__all__ = ["SimStage", "SimResult", "FlowNet", "TaskGraph", "Link", "link_paths", "simulate"]
+
+Link = tuple[str, str]
+"""(link name, direction): ("gpu0", "h2d"), ("sw0", "d2h"), ("rc1", "h2d"), ("nvlink 0-1", "p2p")."""
 
 
 @dataclass(frozen=True)
@@ -30,10 +63,20 @@ class SimStage:
     fwd_s: float
     bwd_s: float
     load_s: float
+    """Static load time, used when simulate() gets no topology."""
     offload_s: float
+    """Static gradient offload time, used when simulate() gets no topology."""
     update_s: float
     comm_s: float
     """Time to move this stage's output (or the gradient of it) to the next stage's gpu."""
+    param_bytes: int = 0
+    """Bytes a load moves host->gpu (the weights in the loaded dtype); also the arena slot this stage needs."""
+    grad_bytes: int = 0
+    """Bytes an offload moves gpu->host (the stage's accumulated gradients)."""
+    activation_bytes: int = 0
+    """Live activation bytes while the stage runs backward on one microbatch."""
+    output_bytes: int = 0
+    """Bytes of the stage's output for one microbatch (sent to the next stage, its gradient sent back)."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +86,160 @@ class SimResult:
     """Per gpu: seconds its compute stream is busy."""
     events: tuple[tuple[str, int, int, int, float, float], ...]
     """(kind, gpu, stage, microbatch or -1, start, end) for kind in load/F/B/offload/update."""
+    link_bytes: tuple[tuple[str, str, int], ...] = ()
+    """(link, direction, bytes moved in the step), in topology order; gpu links only without a topology."""
+    peak_arena_bytes: tuple[int, ...] = ()
+    """Per gpu: most arena bytes in use at once (slots in use x slot size)."""
+    activation_bytes: tuple[int, ...] = ()
+    """Per gpu: the largest live activation bytes of its stages."""
+    stage_bytes: tuple[tuple[int, int], ...] = ()
+    """Per stage: (param_bytes, grad_bytes), so a picture can show a transfer's average rate."""
+    link_model: str = "static"
+    """"static" (fixed load_s/offload_s) or "flows:<topology name>" (shared links)."""
+
+    @property
+    def busy_fraction(self) -> tuple[float, ...]:
+        """Per gpu: compute busy seconds / step time."""
+        return tuple(b / self.step_time_s if self.step_time_s > 0 else 0.0 for b in self.compute_busy_s)
+
+    @property
+    def peak_memory_bytes(self) -> tuple[int, ...]:
+        """Per gpu: peak arena bytes + largest activation bytes."""
+        return tuple(a + b for a, b in zip(self.peak_arena_bytes, self.activation_bytes))
+
+    def to_dict(self) -> dict:
+        """Plain data for --json (no events: see partition.trace.chrome_trace for those)."""
+        return {"step_time_s": self.step_time_s, "link_model": self.link_model,
+                "compute_busy_s": list(self.compute_busy_s), "busy_fraction": list(self.busy_fraction),
+                "peak_arena_bytes": list(self.peak_arena_bytes), "activation_bytes": list(self.activation_bytes),
+                "peak_memory_bytes": list(self.peak_memory_bytes),
+                "link_bytes": [{"link": n, "direction": d, "bytes": b} for n, d, b in self.link_bytes]}
+
+
+class FlowNet:
+    """Fluid flows on shared links: each moves at min over its path of link GB/s / flows on that link."""
+
+    def __init__(self, caps: dict[Link, float]):
+        self.caps = dict(caps)
+        self.now = 0.0
+        self._flows: dict[Hashable, list] = {}  # id -> [bytes left, path, rate in bytes/s]
+
+    def start(self, fid: Hashable, nbytes: float, path: tuple[Link, ...]) -> None:
+        """A flow of nbytes > 0 starts now over path."""
+        self._flows[fid] = [float(nbytes), tuple(path), 0.0]
+        self._rates()
+
+    def rate_gbps(self, fid: Hashable) -> float:
+        return self._flows[fid][2] / 1e9
+
+    def _rates(self) -> None:
+        count = Counter(link for f in self._flows.values() for link in f[1])
+        for f in self._flows.values():
+            f[2] = min(self.caps[link] / count[link] for link in f[1]) * 1e9
+
+    def next_end(self) -> float:
+        """When the first active flow ends at the current rates (inf when none is active)."""
+        return min((self.now + f[0] / f[2] for f in self._flows.values()), default=math.inf)
+
+    def advance(self, t: float) -> list[Hashable]:
+        """Move every flow on to time t (no later than next_end()); the ids of the flows that end at t."""
+        dt, tol = t - self.now, 1e-12 * max(1.0, abs(t))
+        done = [fid for fid, f in self._flows.items() if self.now + f[0] / f[2] <= t + tol]
+        for f in self._flows.values():
+            f[0] -= f[2] * dt
+        for fid in done:
+            del self._flows[fid]
+        self.now = t
+        if done:
+            self._rates()
+        return done
+
+
+@dataclass
+class _Task:
+    deps: tuple[Hashable, ...]
+    dur: float
+    flows: tuple[tuple[float, tuple[Link, ...]], ...]
+    start: float = math.nan
+    end: float = math.nan
+
+
+class TaskGraph:
+    """Tasks that start when all their dependencies ended; each lasts a fixed time or until its flows end."""
+
+    def __init__(self, net: FlowNet | None = None):
+        self.net = net
+        self.tasks: dict[Hashable, _Task] = {}
+
+    def add(self, key: Hashable, deps: Iterable[Hashable] = (), dur: float = 0.0,
+            flows: Iterable[tuple[float, tuple[Link, ...]]] = ()) -> Hashable:
+        """A task; with flows (and a FlowNet) it ends when the last of its flows with bytes > 0 ended."""
+        self.tasks[key] = _Task(tuple(d for d in deps if d is not None), dur, tuple(flows))
+        return key
+
+    def run(self) -> dict[Hashable, _Task]:
+        """Times every task; RuntimeError (a bug in the caller's graph) when some task can never start."""
+        waiting = {k: len(t.deps) for k, t in self.tasks.items()}
+        users: dict[Hashable, list[Hashable]] = {}
+        for k, t in self.tasks.items():
+            for d in t.deps:
+                users.setdefault(d, []).append(k)
+        self._timers: list[tuple[float, int, Hashable]] = []
+        self._open: dict[Hashable, int] = {}
+        self._seq = 0
+        for k in [k for k, n in waiting.items() if n == 0]:
+            self._start(k, 0.0)
+        while True:
+            t = min(self._timers[0][0] if self._timers else math.inf, self.net.next_end() if self.net else math.inf)
+            if t == math.inf:
+                break
+            ended = [(fid[0], fid) for fid in self.net.advance(t)] if self.net else []
+            while self._timers and self._timers[0][0] <= t:
+                ended.append((heapq.heappop(self._timers)[2], None))
+            for k, fid in ended:
+                if fid is not None:
+                    self._open[k] -= 1
+                    if self._open[k]:
+                        continue
+                self.tasks[k].end = t
+                for u in users.get(k, ()):
+                    waiting[u] -= 1
+                    if waiting[u] == 0:
+                        self._start(u, t)
+        stuck = [k for k, t in self.tasks.items() if math.isnan(t.end)]
+        if stuck:
+            raise RuntimeError(f"schedule deadlock in simulate(): {len(stuck)} tasks wait on ones that never run, "
+                               f"first {stuck[0]!r}")
+        return self.tasks
+
+    def _start(self, k: Hashable, now: float) -> None:
+        """Start task k now: its flows on the FlowNet, or a timer (a transfer of 0 bytes ends at once)."""
+        task = self.tasks[k]
+        task.start, dur = now, task.dur
+        if self.net is not None and task.flows:
+            live = [(b, p) for b, p in task.flows if b > 0]
+            for n, (b, p) in enumerate(live):
+                self.net.start((k, n), b, p)
+            self._open[k] = len(live)
+            if live:
+                return
+            dur = 0.0
+        self._seq += 1
+        heapq.heappush(self._timers, (now + dur, self._seq, k))
+
+
+def link_paths(topo: Topology) -> tuple[dict[Link, float], dict[tuple[int, str], tuple[Link, ...]]]:
+    """Capacities (GB/s) of every link, and each gpu's path to host memory per direction ("h2d", "d2h")."""
+    caps: dict[Link, float] = {}
+    paths: dict[tuple[int, str], tuple[Link, ...]] = {}
+    for g in topo.gpus:
+        chain = [(f"gpu{g.index}", g.link_gbps)]
+        chain += [(s, topo.switch(s).uplink_gbps) for s in topo.switch_chain(g.index)]
+        chain.append((g.root_complex, topo.root_complex(g.root_complex).uplink_gbps))
+        for d in ("h2d", "d2h"):
+            paths[(g.index, d)] = tuple((name, d) for name, _ in chain)
+            caps.update({(name, d): gbps for name, gbps in chain})
+    return caps, paths
 
 
 def _visits(stages: list[SimStage], gpu: int) -> list[tuple[int, str]]:
@@ -50,79 +247,147 @@ def _visits(stages: list[SimStage], gpu: int) -> list[tuple[int, str]]:
     return [(j, "F") for j in mine] + [(j, "B") for j in reversed(mine)]
 
 
-def simulate(stages: list[SimStage], num_gpus: int, microbatches: int) -> SimResult:
-    """Event times of one step; raises RuntimeError if the schedule cannot make progress (a bug)."""
-    done: dict[tuple[str, int, int], float] = {}
-    events: list[tuple[str, int, int, int, float, float]] = []
-    gpus = [_GpuState(_visits(stages, g)) for g in range(num_gpus)]
-    while not all(s.finished for s in gpus):
-        progressed = False
-        for g, st in enumerate(gpus):
-            progressed |= st.advance(g, stages, microbatches, done, events)
-        if not progressed:
-            raise RuntimeError("schedule deadlock in simulate(): a stage waits on one that never runs")
-    host_free = 0.0
-    end = max(done.values(), default=0.0)
-    for kind, g, j, _, start, stop in sorted((e for e in list(events) if e[0] == "offload"), key=lambda e: e[5]):
-        t0 = max(host_free, stop)
-        host_free = t0 + stages[j].update_s
-        events.append(("update", g, j, -1, t0, host_free))
-    busy = tuple(sum(e[5] - e[4] for e in events if e[1] == g and e[0] in "FB") for g in range(num_gpus))
-    return SimResult(max(end, host_free), busy, tuple(events))
+def simulate(stages: list[SimStage], num_gpus: int, microbatches: int,
+             topology: Topology | None = None) -> SimResult:
+    """Event times of one step (see the module docstring); with a topology, loads and offloads share links.
+
+    Raises RuntimeError if the schedule cannot make progress (a stage on a gpu that does not exist: a bug).
+    """
+    if topology is not None:
+        _check_bytes(stages, topology, num_gpus)
+        caps, paths = link_paths(topology)
+        graph = TaskGraph(FlowNet(caps))
+    else:
+        paths = {(g, d): ((f"gpu{g}", d),) for g in range(num_gpus) for d in ("h2d", "d2h")}
+        graph = TaskGraph()
+    moves: list[tuple[int, tuple[Link, ...]]] = []
+    spans: dict[int, list[tuple[Hashable, Hashable]]] = {}
+    for g in range(num_gpus):
+        spans[g] = _add_gpu(graph, stages, g, microbatches, paths, topology is not None, moves)
+    for j in range(len(stages) - 1):
+        for i in range(microbatches):
+            graph.add(("arrive", "F", j + 1, i), [("F", j, i)], stages[j].comm_s)
+            graph.add(("arrive", "B", j, i), [("B", j + 1, i)], stages[j].comm_s)
+    tasks = graph.run()
+    events = _events(tasks, stages)
+    events += _host_updates([e for e in events if e[0] == "offload"], stages)
+    busy = tuple(sum(e[5] - e[4] for e in events if e[1] == g and e[0] in ("F", "B")) for g in range(num_gpus))
+    if topology is not None:
+        moves += _activation_moves(stages, microbatches, topology, paths)
+    slot = max((s.param_bytes for s in stages), default=0)
+    return SimResult(
+        step_time_s=max((e[5] for e in events), default=0.0), compute_busy_s=busy, events=tuple(events),
+        link_bytes=_traffic(moves, topology, num_gpus),
+        peak_arena_bytes=tuple(_peak(tasks, spans[g]) * slot for g in range(num_gpus)),
+        activation_bytes=tuple(max((s.activation_bytes for s in stages if s.gpu == g), default=0)
+                               for g in range(num_gpus)),
+        stage_bytes=tuple((s.param_bytes, s.grad_bytes) for s in stages),
+        link_model="static" if topology is None else f"flows:{topology.name}")
 
 
-class _GpuState:
-    """Where one gpu is in its visit list, and when its engines and slots free up."""
+def _check_bytes(stages: list[SimStage], topology: Topology, num_gpus: int) -> None:
+    if topology.num_gpus != num_gpus:
+        raise ValueError(f"topology {topology.name!r} has {topology.num_gpus} gpus, the simulation {num_gpus}")
+    for j, s in enumerate(stages):
+        if (s.param_bytes <= 0 < s.load_s) or (s.grad_bytes <= 0 < s.offload_s):
+            raise ValueError(f"stage {j} has load_s {s.load_s} / offload_s {s.offload_s} but param_bytes "
+                             f"{s.param_bytes} / grad_bytes {s.grad_bytes}: with a topology the simulator times "
+                             f"transfers from their bytes; build stages with partition.planner.sim_stages")
 
-    def __init__(self, visits: list[tuple[int, str]]):
-        self.visits, self.k, self.i = visits, 0, 0
-        self.compute_free = self.copy_free = self.offload_free = 0.0
-        self.slot_free = [0.0, 0.0]
-        self.slot_of: list[int] = []
-        self.ready = -1.0  # when the current visit's weights are resident
 
-    @property
-    def finished(self) -> bool:
-        return self.k >= len(self.visits)
-
-    def _load(self, g: int, stages: list[SimStage], events: list) -> None:
-        j, _ = self.visits[self.k]
-        if self.k > 0 and self.visits[self.k - 1][0] == j:  # last forward stage stays for its backward
-            self.slot_of.append(self.slot_of[-1])
-            return
-        slot = 0 if not self.slot_of else 1 - self.slot_of[-1]
-        start = max(self.copy_free, self.slot_free[slot])
-        self.copy_free = self.ready = start + stages[j].load_s
-        self.slot_of.append(slot)
-        events.append(("load", g, j, -1, start, self.ready))
-
-    def advance(self, g: int, stages: list[SimStage], m: int, done: dict, events: list) -> bool:
-        progressed = False
-        while not self.finished:
-            j, phase = self.visits[self.k]
-            if self.i == 0 and len(self.slot_of) == self.k:
-                self._load(g, stages, events)
-            dep = ("F", j - 1, self.i) if phase == "F" else ("B", j + 1, self.i)
-            if (phase == "F" and j == 0) or (phase == "B" and j == len(stages) - 1):
-                dep_t = 0.0
-            elif dep in done:
-                dep_t = done[dep] + stages[dep[1] if phase == "F" else j].comm_s
-            else:
-                return progressed
-            start = max(self.compute_free, self.ready, dep_t, self.offload_free if phase == "B" else 0.0)
-            dur = stages[j].fwd_s if phase == "F" else stages[j].fwd_s + stages[j].bwd_s
-            self.compute_free = done[(phase, j, self.i)] = start + dur
-            events.append((phase, g, j, self.i, start, self.compute_free))
-            progressed = True
-            self.i += 1
-            if self.i == m:
-                self._finish_visit(g, j, phase, stages, events)
-        return progressed
-
-    def _finish_visit(self, g: int, j: int, phase: str, stages: list[SimStage], events: list) -> None:
-        self.slot_free[self.slot_of[self.k]] = self.compute_free
+def _add_gpu(graph: TaskGraph, stages: list[SimStage], g: int, m: int, paths: dict, flows: bool,
+             moves: list) -> list[tuple[Hashable, Hashable]]:
+    """Gpu g's loads, computations and offloads, chained as the runtime orders them; returns its arena spans
+    (task whose start takes a slot, task whose end frees it)."""
+    visits, last = _visits(stages, g), len(stages) - 1
+    prev_op = prev_load = prev_off = load = None
+    slot_of: list[int] = []
+    holder: list[Hashable] = [None, None]  # last computation of the visit that used each weight slot
+    taken: list[Hashable] = [None, None]   # the load that took each weight slot
+    spans: list[tuple[Hashable, Hashable]] = []
+    for k, (j, phase) in enumerate(visits):
+        st = stages[j]
+        if k > 0 and visits[k - 1][0] == j:  # the last forward stage stays resident for its backward
+            slot_of.append(slot_of[-1])
+        else:
+            slot = 1 - slot_of[-1] if slot_of else 0
+            slot_of.append(slot)
+            move = (st.param_bytes, paths[(g, "h2d")])
+            moves.append(move)
+            load = prev_load = taken[slot] = graph.add(("load", g, j, k), (prev_load, holder[slot]), st.load_s,
+                                                       (move,) if flows else ())
+        first = None
+        for i in range(m):
+            wait = None if (phase == "F" and j == 0) or (phase == "B" and j == last) else ("arrive", phase, j, i)
+            dur = st.fwd_s if phase == "F" else st.fwd_s + st.bwd_s
+            prev_op = graph.add((phase, j, i), (load, prev_op, wait, prev_off if phase == "B" else None), dur)
+            first = first or prev_op
+        holder[slot_of[k]] = prev_op
+        if not (k + 1 < len(visits) and visits[k + 1][0] == j):
+            spans.append((taken[slot_of[k]], prev_op))  # RELEASE
         if phase == "B":
-            t0 = max(self.offload_free, self.compute_free)
-            self.offload_free = t0 + stages[j].offload_s
-            events.append(("offload", g, j, -1, t0, self.offload_free))
-        self.k, self.i = self.k + 1, 0
+            move = (st.grad_bytes, paths[(g, "d2h")])
+            moves.append(move)
+            prev_off = graph.add(("offload", g, j), (prev_op, prev_off), st.offload_s, (move,) if flows else ())
+            spans.append((first, prev_off))  # the gradient slot
+    return spans
+
+
+def _events(tasks: dict, stages: list[SimStage]) -> list[tuple[str, int, int, int, float, float]]:
+    out = []
+    for key, t in tasks.items():
+        if key[0] in ("F", "B"):
+            out.append((key[0], stages[key[1]].gpu, key[1], key[2], t.start, t.end))
+        elif key[0] in ("load", "offload"):
+            out.append((key[0], key[1], key[2], -1, t.start, t.end))
+    order = {"load": 0, "F": 1, "B": 2, "offload": 3}
+    return sorted(out, key=lambda e: (e[4], e[1], order[e[0]], e[2], e[3]))
+
+
+def _host_updates(offloads: list, stages: list[SimStage]) -> list[tuple[str, int, int, int, float, float]]:
+    """One Adam at a time on the host, in the order the gradients arrived."""
+    free, out = 0.0, []
+    for _, g, j, _, start, stop in sorted(offloads, key=lambda e: (e[5], e[4], e[1], e[2])):
+        t0 = max(free, stop)
+        free = t0 + stages[j].update_s
+        out.append(("update", g, j, -1, t0, free))
+    return out
+
+
+def _peak(tasks: dict, spans: list[tuple[Hashable, Hashable]]) -> int:
+    """Most spans open at once; a span ending at t frees its slot before one starting at t takes it."""
+    marks = sorted([(tasks[a].start, 1) for a, _ in spans] + [(tasks[b].end, -1) for _, b in spans])
+    best = cur = 0
+    for _, d in marks:
+        cur += d
+        best = max(best, cur)
+    return best
+
+
+def _activation_moves(stages: list[SimStage], m: int, topo: Topology, paths: dict) -> list:
+    """Bytes of activations (forward) and their gradients (backward) between gpus: NVLink, else the sender's
+    path up and the receiver's path down (through host memory; PCIe P2P is counted the same way)."""
+    out = []
+    for j in range(len(stages) - 1):
+        a, b, n = stages[j].gpu, stages[j + 1].gpu, stages[j].output_bytes * m
+        if a == b or n == 0:
+            continue
+        if topo.nvlink(a, b):
+            out.append((2 * n, ((f"nvlink {min(a, b)}-{max(a, b)}", "p2p"),)))
+        else:
+            out += [(n, paths[(a, "d2h")] + paths[(b, "h2d")]), (n, paths[(b, "d2h")] + paths[(a, "h2d")])]
+    return out
+
+
+def _traffic(moves: list, topo: Topology | None, num_gpus: int) -> tuple[tuple[str, str, int], ...]:
+    """Bytes per link: every gpu link, then switch and root complex uplinks, then NVLinks, each h2d then d2h."""
+    total: Counter = Counter()
+    for nbytes, path in moves:
+        for link in path:
+            total[link] += nbytes
+    names = [f"gpu{g}" for g in range(num_gpus)]
+    if topo is not None:
+        names += [s.name for s in topo.switches] + [r.name for r in topo.root_complexes]
+    links = [(n, d) for n in names for d in ("h2d", "d2h")]
+    links += sorted(k for k in total if k[1] == "p2p")
+    return tuple((n, d, int(total[(n, d)])) for n, d in links)

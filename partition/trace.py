@@ -1,14 +1,22 @@
-"""Pictures of one simulated step: an ASCII timeline for the terminal and a self-contained SVG Gantt chart."""
+"""Pictures of one simulated step: an ASCII timeline, an SVG (or PNG) Gantt chart and a Chrome trace."""
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 from xml.sax.saxutils import escape
 
 from partition.simulate import SimResult
 
-__all__ = ["ascii_timeline", "svg_timeline", "lanes"]
+__all__ = ["ascii_timeline", "svg_timeline", "png_timeline", "chrome_trace", "lanes", "RenderError"]
+
+
+class RenderError(RuntimeError):
+    """A picture could not be made (no converter on PATH, or the converter failed); the message says what to do."""
 
 Event = tuple[str, int, int, int, float, float]
 """(kind, gpu, stage, microbatch or -1, start, end), as in SimResult.events."""
@@ -127,20 +135,22 @@ def _svg_events(rows: list[tuple[str, list[Event]]], span: float) -> list[str]:
 
 
 def _tick_step_ms(span_ms: float) -> float:
-    """A 1/2/5 x 10^k step that gives at most about 10 ticks."""
+    """A 1/2/5 x 10^k step that gives at most about 10 ticks (of whatever unit span_ms is in)."""
     raw = span_ms / 10
     mag = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1.0
     return next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
 
 
 def _svg_axis(span: float, y: float) -> list[str]:
-    span_ms, out = span * 1e3, []
-    step = _tick_step_ms(span_ms)
-    for k in range(int(span_ms / step + 1e-9) + 1):
-        x = _LEFT + _PLOT_W * k * step / span_ms
+    """Ticks in milliseconds, or in seconds for a step of 10 s or more."""
+    unit, scale = ("s", 1.0) if span >= 10 else ("ms", 1e3)
+    span_u, out = span * scale, []
+    step = _tick_step_ms(span_u)
+    for k in range(int(span_u / step + 1e-9) + 1):
+        x = _LEFT + _PLOT_W * k * step / span_u
         out.append(f'<line x1="{x:.2f}" y1="{_TOP - 4}" x2="{x:.2f}" y2="{y}" stroke="#bbb" stroke-width="0.5"/>')
         out.append(_text(x, y + 14, f"{k * step:g}", "middle", 10))
-    out.append(_text(_LEFT + _PLOT_W / 2, y + 30, "time (ms)", "middle"))
+    out.append(_text(_LEFT + _PLOT_W / 2, y + 30, f"time ({unit})", "middle"))
     return out
 
 
@@ -170,4 +180,68 @@ def svg_timeline(result: SimResult, num_gpus: int, path: str | Path, title: str 
              *_svg_events(rows, span), *_svg_legend(bottom + 44), "</svg>"]
     path = Path(path)
     path.write_text('<?xml version="1.0" encoding="UTF-8"?>\n' + "\n".join(parts) + "\n", encoding="utf-8")
+    return path
+
+
+def png_timeline(result: SimResult, num_gpus: int, path: str | Path, title: str = "") -> Path:
+    """The SVG Gantt chart converted to PNG by rsvg-convert; RenderError when it is missing or fails."""
+    exe = shutil.which("rsvg-convert")
+    if exe is None:
+        raise RenderError(f"cannot write {path}: the PNG is converted from the SVG by rsvg-convert, which is not on "
+                          f"PATH; install it (apt install librsvg2-bin, brew install librsvg) or write an SVG "
+                          f"instead (--svg)")
+    path = Path(path)
+    with tempfile.TemporaryDirectory() as tmp:
+        svg = svg_timeline(result, num_gpus, Path(tmp) / "step.svg", title)
+        done = subprocess.run([exe, "-b", "white", "-o", str(path), str(svg)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RenderError(f"rsvg-convert could not write {path} (exit {done.returncode}): "
+                          f"{done.stderr.strip() or 'no message'}; write an SVG instead (--svg)")
+    return path
+
+
+# ---- Chrome trace ----
+
+_TIDS = {"F": (0, "compute"), "B": (0, "compute"), "load": (1, "copy host->gpu (load)"),
+         "offload": (2, "copy gpu->host (offload)"), "update": (0, "Adam (update)")}
+
+
+def _trace_name(kind: str, j: int, i: int) -> str:
+    return f"{kind}{j}.{i}" if kind in ("F", "B") else f"{kind} {j}"
+
+
+def _trace_args(result: SimResult, kind: str, j: int, i: int, start: float, end: float) -> dict:
+    args: dict = {"stage": j} | ({"microbatch": i} if i >= 0 else {})
+    if kind in ("load", "offload") and j < len(result.stage_bytes):
+        nbytes = result.stage_bytes[j][0 if kind == "load" else 1]
+        args["bytes"] = nbytes
+        if end > start and nbytes:
+            args["average GB/s"] = round(nbytes / (end - start) / 1e9, 3)
+    return args
+
+
+def _trace_meta(num_gpus: int) -> list[dict]:
+    meta = []
+    for pid in range(num_gpus + 1):
+        name = f"gpu {pid}" if pid < num_gpus else "host"
+        meta += [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}},
+                 {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}}]
+        kinds = ("F", "load", "offload") if pid < num_gpus else ("update",)
+        meta += [{"ph": "M", "name": "thread_name", "pid": pid, "tid": _TIDS[k][0], "args": {"name": _TIDS[k][1]}}
+                 for k in kinds]
+    return meta
+
+
+def chrome_trace(result: SimResult, path: str | Path) -> Path:
+    """Write the step as Chrome trace-event JSON (chrome://tracing, ui.perfetto.dev): one process per gpu with
+    compute / load / offload threads, and one for the host's Adam; times in microseconds."""
+    n = len(result.compute_busy_s)
+    events = [{"name": _trace_name(kind, j, i), "cat": kind, "ph": "X", "ts": start * 1e6, "dur": (end - start) * 1e6,
+               "pid": n if kind == "update" else g, "tid": _TIDS[kind][0],
+               "args": _trace_args(result, kind, j, i, start, end)}
+              for kind, g, j, i, start, end in result.events]
+    doc = {"traceEvents": _trace_meta(n) + events, "displayTimeUnit": "ms",
+           "otherData": {"step_time_s": result.step_time_s, "link_model": result.link_model}}
+    path = Path(path)
+    path.write_text(json.dumps(doc) + "\n", encoding="utf-8")
     return path

@@ -1,6 +1,8 @@
 """Pictures of a simulated step: the ASCII timeline's rows and characters, the SVG's well-formedness."""
 
 import ast
+import json
+import shutil
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -8,7 +10,7 @@ import pytest
 
 import partition.trace
 from partition.simulate import SimResult, SimStage, simulate
-from partition.trace import ascii_timeline, lanes, svg_timeline
+from partition.trace import RenderError, ascii_timeline, chrome_trace, lanes, png_timeline, svg_timeline
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -79,6 +81,54 @@ def test_svg_of_an_empty_step(tmp_path: Path):
     empty = SimResult(step_time_s=0.0, compute_busy_s=(0.0,), events=())
     root = ET.parse(svg_timeline(empty, 1, tmp_path / "empty.svg")).getroot()
     assert root.findall(f"{SVG}rect")
+
+
+def test_svg_axis_in_seconds_for_long_steps(tmp_path: Path):
+    long = SimResult(step_time_s=197.0, compute_busy_s=(1.0,), events=(("F", 0, 0, 0, 0.0, 150.0),))
+    texts = [t.text for t in ET.parse(svg_timeline(long, 1, tmp_path / "long.svg")).getroot().iter(f"{SVG}text")]
+    assert "time (s)" in texts and "100" in texts and "time (ms)" not in texts
+
+
+def test_chrome_trace_has_a_process_per_gpu_and_the_host(tmp_path: Path):
+    result = SimResult(step_time_s=1.0, compute_busy_s=(1.0, 0.0), events=hand_result().events,
+                       stage_bytes=((4_000_000, 8_000_000),))
+    doc = json.loads(chrome_trace(result, tmp_path / "t.json").read_text())
+    meta = [e for e in doc["traceEvents"] if e["ph"] == "M"]
+    names = {(e["pid"], e["args"]["name"]) for e in meta if e["name"] == "process_name"}
+    assert names == {(0, "gpu 0"), (1, "gpu 1"), (2, "host")}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in meta if e["name"] == "thread_name"}
+    assert threads[(0, 0)] == "compute" and "load" in threads[(0, 1)] and "offload" in threads[(0, 2)]
+    assert threads[(2, 0)] == "Adam (update)"
+    spans = {e["name"]: e for e in doc["traceEvents"] if e["ph"] == "X"}
+    assert len(spans) == len(result.events)
+    f, load, off, upd = spans["F0.0"], spans["load 0"], spans["offload 0"], spans["update 0"]
+    assert (f["pid"], f["tid"], f["ts"], f["dur"]) == (0, 0, 0.0, 0.5e6)  # microseconds
+    assert (load["tid"], off["tid"], upd["pid"]) == (1, 2, 2)
+    assert load["args"] == {"stage": 0, "bytes": 4_000_000, "average GB/s": 0.02}  # 4 MB in 0.2 s
+    assert off["args"]["bytes"] == 8_000_000 and f["args"] == {"stage": 0, "microbatch": 0}
+    assert doc["otherData"]["step_time_s"] == 1.0
+
+
+def test_chrome_trace_of_a_simulated_step(tmp_path: Path):
+    result = four_stage_result()
+    doc = json.loads(chrome_trace(result, tmp_path / "t.json").read_text())
+    xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert len(xs) == len(result.events)
+    assert {e["pid"] for e in xs} == {0, 1, 2} and all(e["dur"] >= 0 for e in xs)
+    assert max(e["ts"] + e["dur"] for e in xs) == pytest.approx(result.step_time_s * 1e6)
+
+
+@pytest.mark.skipif(shutil.which("rsvg-convert") is None, reason="rsvg-convert is not installed")
+def test_png_timeline(tmp_path: Path):
+    path = png_timeline(four_stage_result(), 2, tmp_path / "step.png", title="four stages")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_png_without_rsvg_convert_says_use_svg(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing on PATH
+    with pytest.raises(RenderError, match=r"rsvg-convert.*not on PATH.*--svg"):
+        png_timeline(four_stage_result(), 2, tmp_path / "step.png")
+    assert not (tmp_path / "step.png").exists()
 
 
 def test_trace_imports_neither_torch_nor_mobiuspipe():

@@ -1,0 +1,169 @@
+"""`mobiuspipe simulate`: one step of a plan on a topology with shared links, and the `partition --compare` table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from mobiuspipe.cli_partition import CliError
+from mobiuspipe.units import fmt_bytes
+from partition.baselines import BaselineResult, gpipe, predict, sequential_mapping, zero_offload
+from partition.plan import Plan, load_plan
+from partition.planner import HOST_ADAM_PARAMS_PER_S
+from partition.profile import Profile
+from partition.simulate import SimResult, link_paths
+from partition.trace import RenderError, chrome_trace, png_timeline, svg_timeline
+from topology import PRESETS, Topology, cpu_standin, load_topology
+
+__all__ = ["register", "run_simulate", "simulate_json", "render_simulation", "compare", "compare_text",
+           "compare_json"]
+
+
+def register(sub) -> None:
+    """Add the `simulate` subcommand to an argparse subparsers object."""
+    p = sub.add_parser("simulate", help="predict one step of a plan with shared PCIe links: step time, busy "
+                                        "fractions, link traffic, peak memory; Chrome trace and Gantt picture")
+    p.add_argument("--plan", required=True, metavar="PLAN.yaml", help="a plan written by `partition -o`")
+    p.add_argument("--topology", metavar="NAME_OR_FILE",
+                   help="preset name or .yaml/.json layout file (default: the plan's topology, if it is a preset)")
+    p.add_argument("--trace", metavar="OUT.json", help="write a Chrome trace (chrome://tracing, ui.perfetto.dev)")
+    p.add_argument("--png", metavar="OUT.png", help="write a Gantt chart as PNG (needs rsvg-convert)")
+    p.add_argument("--svg", metavar="OUT.svg", help="write a Gantt chart as SVG")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of the report")
+    p.set_defaults(func=lambda args: run_simulate(args, sys.stdout))
+
+
+def _topology(plan: Plan, spec: str | None) -> Topology:
+    """--topology, else the plan's own: a preset, or the CPU stand-ins a run config plans for."""
+    if spec is None and plan.topology == f"cpu-standin-{plan.num_gpus}":
+        return cpu_standin(plan.num_gpus, plan.gpu_memory_bytes)
+    if spec is None and plan.topology not in PRESETS:
+        raise CliError(f"the plan was made for topology {plan.topology!r}, which is not a preset: give its layout "
+                       f"file with --topology (save one with `mobiuspipe topology --save server.yaml`)")
+    topo = load_topology(spec or plan.topology)
+    if topo.num_gpus != plan.num_gpus:
+        raise CliError(f"the plan is for {plan.num_gpus} gpus but topology {topo.name!r} has {topo.num_gpus}: "
+                       f"give the topology the plan was made for (--topology)")
+    return topo
+
+
+def _write(what: str, path: str, write) -> None:
+    try:
+        write()
+    except OSError as e:
+        raise CliError(f"cannot write the {what} to {path}: {e.strerror or e}; "
+                       f"expected a writable file path (does its folder exist?)") from e
+    except RenderError as e:
+        raise CliError(str(e)) from e
+
+
+def run_simulate(args: argparse.Namespace, out) -> int:
+    """Simulate the plan, write the requested files, print the report (or JSON) to `out`."""
+    plan = load_plan(args.plan)
+    topo = _topology(plan, args.topology)
+    sim = predict(plan, topo)
+    title = (f"{plan.model} on {topo.name}: {plan.num_stages} stages on {plan.num_gpus} gpus, "
+             f"simulated step {sim.step_time_s:.3f} s (shared links)")
+    notes = []
+    for what, path, write in (("Chrome trace", args.trace, lambda p: chrome_trace(sim, p)),
+                              ("SVG timeline", args.svg, lambda p: svg_timeline(sim, topo.num_gpus, Path(p), title)),
+                              ("PNG timeline", args.png, lambda p: png_timeline(sim, topo.num_gpus, Path(p), title))):
+        if path:
+            _write(what, path, lambda: write(path))
+            notes.append(f"{what} written to {path}")
+    if args.json:
+        out.write(json.dumps(simulate_json(plan, topo, sim), indent=2) + "\n")
+    else:
+        out.write(render_simulation(plan, topo, sim))
+    note_to = sys.stderr if args.json else out
+    for n in notes:
+        print(n, file=note_to)
+    return 0
+
+
+def _link_rows(topo: Topology, sim: SimResult) -> list[dict]:
+    caps, _ = link_paths(topo)
+    rows = []
+    for name, d, nbytes in sim.link_bytes:
+        gbps = caps.get((name, d), 0.0)
+        use = nbytes / (gbps * 1e9 * sim.step_time_s) if gbps and sim.step_time_s > 0 else None
+        rows.append({"link": name, "direction": d, "bytes": nbytes, "gbps": gbps, "utilization": use})
+    return rows
+
+
+def simulate_json(plan: Plan, topo: Topology, sim: SimResult) -> dict:
+    """The `simulate --json` document: the plan's identity, the simulated step, per-link capacity and use."""
+    d = sim.to_dict()
+    d["link_bytes"] = _link_rows(topo, sim)
+    return {"model": plan.model, "topology": topo.name, "num_gpus": plan.num_gpus, "num_stages": plan.num_stages,
+            "num_microbatches": plan.num_microbatches, "mapping": plan.mapping_rule,
+            "plan_predicted_step_time_s": plan.predicted_step_time_s,
+            "gpu_memory_bytes": [g.memory_bytes for g in topo.gpus], **d}
+
+
+def render_simulation(plan: Plan, topo: Topology, sim: SimResult) -> str:
+    """The text report: step time, per gpu busy fraction and peak memory, per link bytes and utilization."""
+    lines = [f"simulate: {plan.model}, {plan.num_stages} stages ({plan.mapping_rule} mapping), "
+             f"{plan.num_microbatches} microbatches of {plan.microbatch_size}, on topology {topo.name} "
+             f"(loads and offloads share PCIe links)",
+             f"simulated step time {sim.step_time_s:.3f} s "
+             f"(the plan's own estimate: {plan.predicted_step_time_s:.3f} s)",
+             "", "gpu  compute busy  peak memory = arena + activations       of gpu memory"]
+    for g in range(topo.num_gpus):
+        lines.append(f"{g:>3}  {sim.compute_busy_s[g]:9.3f} s {sim.busy_fraction[g]:4.0%}  "
+                     f"{fmt_bytes(sim.peak_memory_bytes[g]):>10} = {fmt_bytes(sim.peak_arena_bytes[g]):>10} + "
+                     f"{fmt_bytes(sim.activation_bytes[g]):>10}  {fmt_bytes(topo.gpus[g].memory_bytes):>10}")
+    lines += ["", "link        direction        moved   capacity  used over the step"]
+    for r in _link_rows(topo, sim):
+        use = f"{r['utilization']:.0%}" if r["utilization"] is not None else "-"
+        cap = f"{r['gbps']:.2f} GB/s" if r["gbps"] else "-"
+        lines.append(f"{r['link']:<12}{r['direction']:<10}{fmt_bytes(r['bytes']):>12}  {cap:>12}  {use:>6}")
+    return "\n".join(lines) + "\n"
+
+
+# ---- partition --compare ----
+
+def compare(plan: Plan, topo: Topology, profile: Profile) -> list[BaselineResult]:
+    """mobiuspipe's plan, then the same planner with sequential mapping, ZeRO-3 offload and GPipe, all
+    predicted with shared links on `topo` for the plan's microbatches and memory reserve."""
+    sim = predict(plan, topo)
+    m = plan.num_microbatches
+    reserve = min(g.memory_bytes for g in topo.gpus) - plan.gpu_memory_bytes
+    mine = BaselineResult(f"mobiuspipe ({plan.mapping_rule} mapping)", sim.step_time_s, notes=(
+        f"{plan.num_stages} stages; compute busy {min(sim.busy_fraction):.0%}-{max(sim.busy_fraction):.0%} "
+        f"of the step; host Adam overlaps the backward",))
+    return [mine, sequential_mapping(profile, topo, m, num_stages=plan.num_stages, reserve_bytes=reserve),
+            zero_offload(profile, topo, m, reserve), gpipe(profile, topo, m, reserve)]
+
+
+def compare_json(plan: Plan, topo: Topology, profile: Profile, results: list[BaselineResult] | None = None) -> dict:
+    """{"systems": [{name, step_time_s, reason, notes, speedup}], ...}: speedup = its step / mobiuspipe's."""
+    results = results or compare(plan, topo, profile)
+    base = results[0].step_time_s
+    rows = [r.to_dict() | {"speedup": (r.step_time_s / base) if r.step_time_s and base else None} for r in results]
+    adam = sum(s.param_count for s in plan.stages) / HOST_ADAM_PARAMS_PER_S
+    return {"model": plan.model, "topology": topo.name, "num_microbatches": plan.num_microbatches,
+            "microbatch_size": plan.microbatch_size, "host_adam_s": adam, "systems": rows}
+
+
+def _speed(ratio: float) -> str:
+    return f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
+
+
+def compare_text(plan: Plan, topo: Topology, profile: Profile, results: list[BaselineResult] | None = None) -> str:
+    """The table `partition --compare` prints: each system's step and mobiuspipe's speed-up over it."""
+    d = compare_json(plan, topo, profile, results)
+    lines = [f"compare: {plan.model}, one step of {plan.num_microbatches} microbatches of {plan.microbatch_size} "
+             f"on topology {topo.name}, every system on the same shared-link model",
+             f"{'system':<34}{'step (s)':>10}  mobiuspipe is"]
+    for k, r in enumerate(d["systems"]):
+        step = f"{r['step_time_s']:.2f}" if r["step_time_s"] is not None else "-"
+        speed = "(the reference)" if k == 0 else _speed(r["speedup"]) if r["speedup"] else r["reason"]
+        lines.append(f"{r['name']:<34}{step:>10}  {speed}")
+        lines += [f"{'':<4}{n}" for n in r["notes"]]
+    lines.append(f"host Adam over all parameters takes {d['host_adam_s']:.1f} s at {HOST_ADAM_PARAMS_PER_S:.3g} "
+                 f"params/s (partition.planner.HOST_ADAM_PARAMS_PER_S); mobiuspipe runs it behind the backward, "
+                 f"ZeRO-3 offload after it")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,169 @@
+"""`mobiuspipe simulate` through its own argparse parser, and the `partition --compare` table and document."""
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import json
+import shutil
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from mobiuspipe.cli_partition import CliError
+from mobiuspipe.cli_simulate import compare, compare_json, compare_text, register
+from partition.analytic import analytic_profile
+from partition.baselines import predict
+from partition.errors import PlanFileError
+from partition.hardware import device_spec
+from partition.models import get_model
+from partition.plan import save_plan
+from partition.planner import make_plan
+from topology import cpu_standin, preset, save_topology
+
+GiB = 1024**3
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mobiuspipe")
+    register(p.add_subparsers(dest="command", required=True))
+    return p
+
+
+def run(argv: list[str]) -> tuple[int, str]:
+    """(exit code, stdout) of the registered subcommand; user errors propagate (cli.main turns them into exit 2)."""
+    args = parser().parse_args(argv)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = args.func(args)
+    return code, out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def small():
+    """gpt3-125m on 2+2 (4 microbatches): (profile, topology, plan, plan file)."""
+    topo = preset("2+2")
+    prof = analytic_profile(get_model("gpt3-125m"), device_spec(topo.gpus[0].name))
+    plan = make_plan(prof, topo, 4, reserve_bytes=GiB, solver="dp")
+    return prof, topo, plan
+
+
+@pytest.fixture()
+def plan_file(small, tmp_path) -> Path:
+    path = tmp_path / "plan.yaml"
+    save_plan(small[2], path)
+    return path
+
+
+def test_text_report(small, plan_file):
+    code, out = run(["simulate", "--plan", str(plan_file)])  # the plan's topology "2+2" is a preset
+    assert code == 0
+    sim = predict(small[2], small[1])
+    assert f"simulated step time {sim.step_time_s:.3f} s" in out
+    assert f"{small[2].predicted_step_time_s:.3f} s" in out  # the plan's own, static estimate beside it
+    rows = [line.split() for line in out.splitlines()]
+    for g in range(4):
+        assert any(r[:1] == [str(g)] and f"{sim.busy_fraction[g]:.0%}" in r for r in rows)
+    for link in ("gpu0", "sw0", "rc0", "rc1"):
+        assert any(r[:2] == [link, "h2d"] for r in rows) and any(r[:2] == [link, "d2h"] for r in rows)
+
+
+def test_json_is_one_document(small, plan_file, tmp_path, capsys):
+    trace = tmp_path / "t.json"
+    code, out = run(["simulate", "--plan", str(plan_file), "--topology", "2+2", "--json", "--trace", str(trace)])
+    assert code == 0
+    d = json.loads(out)
+    sim = predict(small[2], small[1])
+    assert d["step_time_s"] == sim.step_time_s and d["link_model"] == "flows:2+2"
+    assert d["num_stages"] == small[2].num_stages and d["plan_predicted_step_time_s"] == small[2].predicted_step_time_s
+    assert len(d["busy_fraction"]) == len(d["peak_memory_bytes"]) == 4
+    assert all(p == a + b for p, a, b in zip(d["peak_memory_bytes"], d["peak_arena_bytes"], d["activation_bytes"]))
+    assert max(d["peak_arena_bytes"]) <= small[2].arena_bytes  # never above the plan's three slots
+    rc0 = next(r for r in d["link_bytes"] if r["link"] == "rc0" and r["direction"] == "h2d")
+    assert rc0["gbps"] == pytest.approx(15.75, rel=1e-3) and 0 < rc0["utilization"] < 1
+    assert "Chrome trace written to" in capsys.readouterr().err  # the note goes to stderr with --json
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert sum(e["ph"] == "X" for e in events) == len(sim.events)
+
+
+def test_pictures(plan_file, tmp_path):
+    svg = tmp_path / "step.svg"
+    code, out = run(["simulate", "--plan", str(plan_file), "--svg", str(svg)])
+    assert code == 0 and f"SVG timeline written to {svg}" in out
+    assert ET.parse(svg).getroot().tag.endswith("svg")
+    if shutil.which("rsvg-convert"):
+        png = tmp_path / "step.png"
+        assert run(["simulate", "--plan", str(plan_file), "--png", str(png)])[0] == 0
+        assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_png_without_converter_is_a_user_error(plan_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(CliError, match="rsvg-convert.*--svg"):
+        run(["simulate", "--plan", str(plan_file), "--png", str(tmp_path / "x.png")])
+
+
+def test_unwritable_trace_is_a_user_error(plan_file, tmp_path):
+    with pytest.raises(CliError, match="cannot write the Chrome trace"):
+        run(["simulate", "--plan", str(plan_file), "--trace", str(tmp_path / "no" / "such" / "t.json")])
+
+
+def test_topology_must_match_the_plan(plan_file, tmp_path):
+    with pytest.raises(CliError, match="plan is for 4 gpus but topology '8-dual-socket' has 8"):
+        run(["simulate", "--plan", str(plan_file), "--topology", "8-dual-socket"])
+    layout = tmp_path / "server.yaml"
+    save_topology(preset("3+1"), layout)  # a layout file with the same gpu count is accepted
+    assert run(["simulate", "--plan", str(plan_file), "--topology", str(layout)])[0] == 0
+
+
+def test_plan_for_a_layout_file_needs_topology(small, tmp_path):
+    path = tmp_path / "plan.yaml"
+    save_plan(dataclasses.replace(small[2], topology="server-7"), path)
+    with pytest.raises(CliError, match="made for topology 'server-7', which is not a preset.*--topology"):
+        run(["simulate", "--plan", str(path)])
+    assert run(["simulate", "--plan", str(path), "--topology", "2+2"])[0] == 0
+
+
+def test_plan_for_cpu_standins(tmp_path):
+    prof = analytic_profile(get_model("gpt3-125m"), device_spec("cpu-standin"), dtype="fp32")
+    plan = make_plan(prof, cpu_standin(2, 2 * GiB), 2, solver="dp")
+    path = tmp_path / "plan.json"
+    save_plan(plan, path)
+    code, out = run(["simulate", "--plan", str(path), "--json"])
+    assert code == 0 and json.loads(out)["topology"] == "cpu-standin-2"
+
+
+def test_missing_plan_file(tmp_path):
+    with pytest.raises(PlanFileError, match="cannot read plan file"):
+        run(["simulate", "--plan", str(tmp_path / "none.yaml")])
+    with pytest.raises(SystemExit):
+        parser().parse_args(["simulate"])  # --plan is required
+
+
+def test_compare_small_model(small):
+    prof, topo, plan = small
+    results = compare(plan, topo, prof)
+    assert [r.name for r in results] == ["mobiuspipe (cross mapping)", "mobiuspipe, sequential mapping",
+                                         "DeepSpeed ZeRO-3 offload", "GPipe (all in gpu memory)"]
+    assert all(r.step_time_s and r.step_time_s > 0 for r in results)  # 125M parameters fit everywhere
+    d = compare_json(plan, topo, prof, results)
+    assert d["systems"][0]["speedup"] == 1.0
+    assert d["systems"][2]["speedup"] == pytest.approx(results[2].step_time_s / results[0].step_time_s)
+    text = compare_text(plan, topo, prof, results)
+    assert "(the reference)" in text and f"{d['systems'][2]['speedup']:.2f}x faster" in text
+    gp = d["systems"][3]["speedup"]  # 125M parameters: GPipe keeps everything on the gpus and wins
+    assert gp < 1 and f"{1 / gp:.2f}x slower" in text
+    assert "host Adam" in text
+
+
+def test_compare_175b_names_the_gpipe_oom():
+    topo = preset("2+2")
+    prof = analytic_profile(get_model("gpt3-175b"), device_spec(topo.gpus[0].name))
+    plan = make_plan(prof, topo, 4, reserve_bytes=GiB, solver="dp")
+    d = compare_json(plan, topo, prof)
+    gp = d["systems"][3]
+    assert gp["step_time_s"] is None and gp["speedup"] is None and gp["reason"].startswith("out of memory")
+    assert d["systems"][2]["speedup"] > 1  # ZeRO-3 offload is slower than the plan
+    assert "out of memory" in compare_text(plan, topo, prof)
+    json.dumps(d)  # plain data
