@@ -1,4 +1,4 @@
-"""The `mobiuspipe` command: env, topology, partition and train; user errors print one line and exit 2."""
+"""The `mobiuspipe` command: env, topology, partition, simulate, train (and profile); user errors exit 2."""
 
 from __future__ import annotations
 
@@ -153,6 +153,8 @@ def _add_partition(sub) -> None:
                    help="seconds the MIP may take in all; on a time-out the best plan found is kept with its gap (2)")
     p.add_argument("--gap", type=_non_negative_float, default=0.01,
                    help="relative MIP gap to stop at (0.01 = 1%%)")
+    p.add_argument("--compare", action="store_true",
+                   help="also predict sequential mapping, DeepSpeed ZeRO-3 offload and GPipe on the same topology")
     p.add_argument("-o", "--output", metavar="PLAN", help="write the plan here (.yaml, or .json by suffix)")
     p.add_argument("--timeline", metavar="FILE.svg", help="write an SVG Gantt chart of the predicted step")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
@@ -167,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_env)
     _add_topology(sub)
     _add_partition(sub)
+    from mobiuspipe.cli_simulate import register as add_simulate
+
+    add_simulate(sub)
     p = sub.add_parser("train", help="launch torchrun on a YAML run config")
     p.add_argument("--config", required=True, help="YAML run config (see examples/tiny-gpt.yaml)")
     p.add_argument("--nproc", type=_positive_int, default=None,

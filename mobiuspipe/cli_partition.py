@@ -11,6 +11,7 @@ from partition.analytic import analytic_profile
 from partition.hardware import device_spec
 from partition.models import get_model
 from partition.plan import Plan, save_plan
+from partition.profile import Profile
 from partition.planner import make_plan, sim_stages
 from partition.simulate import SimResult, simulate
 from partition.trace import ascii_timeline, svg_timeline
@@ -25,7 +26,7 @@ class CliError(ValueError):
     """A command-line value the command cannot use (an unknown GPU name, an unwritable output path)."""
 
 
-def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology]:
+def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
     """The plan `partition` prints: from a run config, or an analytic profile of --model on --topology."""
     if args.config:
         return _config_plan(args)
@@ -46,20 +47,20 @@ def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology]:
     plan = make_plan(profile, topo, args.microbatches, num_stages=args.stages, mapping=args.mapping,
                      reserve_bytes=int(args.reserve_gib * GiB), solver=args.solver, time_limit_s=args.time_limit,
                      gap=args.gap)
-    return plan, topo
+    return plan, topo, profile
 
 
-def _config_plan(args: argparse.Namespace) -> tuple[Plan, Topology]:
+def _config_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
     """The plan `mobiuspipe train` would make at start-up for this config (model, devices, stages, mapping)."""
     given = [f for f in ("model", "topology", "stages") if getattr(args, f) is not None]
     if given:
         raise CliError(f"--config takes the model, devices and stages from the config file; "
                        f"found also --{', --'.join(given)}: drop them or drop --config")
     from mobiuspipe.config import load_config
-    from mobiuspipe.planning import plan_at_start, run_topology
+    from mobiuspipe.planning import plan_at_start, run_profile, run_topology
 
     cfg = load_config(args.config)
-    return plan_at_start(cfg, args.solver), run_topology(cfg)
+    return plan_at_start(cfg, args.solver), run_topology(cfg), run_profile(cfg)
 
 
 def _stage_json(plan: Plan) -> list[dict]:
@@ -122,8 +123,8 @@ def _write(what: str, path: str, write) -> None:
 
 def run_partition(args: argparse.Namespace, out) -> int:
     """Plan, write -o/--timeline files, print the plan to `out`; errors propagate to the CLI's handler."""
-    plan, topo = make_cli_plan(args)
-    sim = simulate(sim_stages(plan.stages, topo), topo.num_gpus, plan.num_microbatches)
+    plan, topo, profile = make_cli_plan(args)
+    sim = simulate(sim_stages(plan.stages, topo), topo.num_gpus, plan.num_microbatches, topology=topo)
     notes = []
     if args.output:
         _write("plan", args.output, lambda: save_plan(plan, args.output))
@@ -133,8 +134,15 @@ def run_partition(args: argparse.Namespace, out) -> int:
                  f"predicted step {plan.predicted_step_time_s:.3f} s")
         _write("timeline", args.timeline, lambda: svg_timeline(sim, topo.num_gpus, Path(args.timeline), title))
         notes.append(f"timeline written to {args.timeline}")
+    doc, extra = plan_to_json(plan), ""
+    if args.compare:
+        from mobiuspipe.cli_simulate import compare, compare_json, compare_text  # cli_simulate imports us
+
+        results = compare(plan, topo, profile)
+        doc["compare"] = compare_json(plan, topo, profile, results)
+        extra = "\n" + compare_text(plan, topo, profile, results)
     if args.json:
-        out.write(json.dumps(plan_to_json(plan), indent=2) + "\n")
+        out.write(json.dumps(doc, indent=2) + "\n")
     else:
-        out.write(render_plan(plan, sim) + "".join(n + "\n" for n in notes))
+        out.write(render_plan(plan, sim) + extra + "".join(n + "\n" for n in notes))
     return 0

@@ -10,10 +10,11 @@ from partition.analytic import analytic_profile
 from partition.hardware import device_spec
 from partition.models import ModelSpec, layer_param_counts
 from partition.plan import Plan, load_plan
+from partition.profile import Profile
 from partition.planner import make_plan
 from topology import Topology, cpu_standin
 
-__all__ = ["model_spec", "plan_for_run", "plan_at_start", "run_topology"]
+__all__ = ["model_spec", "plan_for_run", "plan_at_start", "run_topology", "run_profile"]
 
 MiB = 1024**2
 
@@ -40,14 +41,18 @@ def run_topology(cfg: RunConfig) -> Topology:
     return cpu_standin(cfg.plan.num_gpus, int(cfg.plan.device_memory_mb * MiB))
 
 
+def run_profile(cfg: RunConfig) -> Profile:
+    """The analytic profile of the config's model, fp32, on this machine's gpu type (or the CPU stand-in)."""
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu-standin"
+    return analytic_profile(model_spec(cfg), device_spec(device), microbatch_size=cfg.microbatch_size,
+                            dtype="fp32")
+
+
 def plan_at_start(cfg: RunConfig, solver: str = "dp") -> Plan:
     """The plan made from the config alone. Every rank makes it for itself, so the default is the exact
     DP, which is deterministic; a time-limited MIP could differ between ranks. `mobiuspipe partition
     --config` passes its --solver and writes the result for plan.file."""
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu-standin"
-    profile = analytic_profile(model_spec(cfg), device_spec(device), microbatch_size=cfg.microbatch_size,
-                               dtype="fp32")
-    return make_plan(profile, run_topology(cfg), cfg.data.num_microbatches, num_stages=cfg.plan.num_stages,
+    return make_plan(run_profile(cfg), run_topology(cfg), cfg.data.num_microbatches, num_stages=cfg.plan.num_stages,
                      mapping=cfg.plan.mapping, solver=solver)
 
 

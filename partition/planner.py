@@ -8,7 +8,7 @@ import time
 from partition.costmodel import ARENA_SLOTS, LayerArrays
 from partition.dp import solve_dp
 from partition.errors import PlanInfeasibleError
-from partition.mapping import make_mapping, stage_contention
+from partition.mapping import make_mapping, peer_gbps, stage_contention
 from partition.plan import Plan, SolverInfo, StagePlan
 from partition.profile import Profile
 from partition.simulate import SimStage, simulate
@@ -147,20 +147,12 @@ def _plan_of(profile: Profile, topo: Topology, arr: LayerArrays, ranges: list[tu
                   bwd_s=arr.bwd(a, b), load_gbps=gbps[j])
         for j, (a, b) in enumerate(ranges))
     slot = max(s.param_bytes for s in stages)
-    sim = simulate(sim_stages(stages, topo), topo.num_gpus, microbatches)
+    sim = simulate(sim_stages(stages, topo), topo.num_gpus, microbatches, topology=topo)
     return Plan(model=profile.model, topology=topo.name, num_layers=arr.num_layers, num_gpus=topo.num_gpus,
                 num_microbatches=microbatches, microbatch_size=profile.microbatch_size, dtype=profile.dtype,
                 mapping_rule=rule, stages=stages, slot_bytes=slot, arena_bytes=ARENA_SLOTS * slot,
                 activation_bytes=max(s.activation_bytes for s in stages), gpu_memory_bytes=memory,
                 predicted_step_time_s=sim.step_time_s, solver=SolverInfo("dp", "optimal", 0.0, 0.0))
-
-
-def _peer_gbps(topo: Topology, a: int, b: int) -> float:
-    """Effective gpu a -> gpu b bandwidth: NVLink, PCIe P2P, or two hops through host memory."""
-    if link := topo.nvlink(a, b):
-        return link.gbps
-    pcie = min(topo.gpus[a].link_gbps, topo.gpus[b].link_gbps)
-    return pcie if topo.p2p_ok(a, b) else pcie / 2
 
 
 def sim_stages(stages: tuple[StagePlan, ...], topo: Topology) -> list[SimStage]:
@@ -173,7 +165,7 @@ def sim_stages(stages: tuple[StagePlan, ...], topo: Topology) -> list[SimStage]:
     out = []
     for j, s in enumerate(stages):
         nxt = stages[j + 1].gpu if j + 1 < len(stages) else s.gpu
-        comm = 0.0 if nxt == s.gpu else s.output_bytes / (_peer_gbps(topo, s.gpu, nxt) * 1e9)
+        comm = 0.0 if nxt == s.gpu else s.output_bytes / (peer_gbps(topo, s.gpu, nxt) * 1e9)
         out.append(SimStage(gpu=s.gpu, fwd_s=s.fwd_s, bwd_s=s.bwd_s, load_s=s.load_s,
                             offload_s=s.param_bytes / (topo.gpus[s.gpu].link_gbps * 1e9),
                             update_s=s.param_count / HOST_ADAM_PARAMS_PER_S, comm_s=comm,

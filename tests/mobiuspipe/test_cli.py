@@ -200,3 +200,20 @@ def test_partition_from_a_run_config(tmp_path, capsys):
     assert "drop them or drop --config" in capsys.readouterr().err
     assert main(["partition"]) == 2
     assert "partition needs --model and --topology" in capsys.readouterr().err
+
+
+def test_partition_compare_json_and_text(capsys):
+    assert cli.main(["partition", "--model", "gpt3-13b", "--topology", "3+1", "--compare", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert "compare" in d and d["solver"]["name"] in ("highs", "gurobi", "gurobi+highs")
+    assert cli.main(["partition", "--model", "gpt3-13b", "--topology", "3+1", "--compare"]) == 0
+    out = capsys.readouterr().out
+    assert "ZeRO-3 offload" in out and "GPipe" in out and "sequential mapping" in out
+
+
+def test_simulate_subcommand_is_wired(tmp_path, capsys):
+    plan = tmp_path / "p.yaml"
+    assert cli.main(["partition", "--model", "gpt3-13b", "--topology", "2+2", "-o", str(plan)]) == 0
+    capsys.readouterr()
+    assert cli.main(["simulate", "--plan", str(plan), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step_time_s"] > 0

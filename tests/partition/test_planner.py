@@ -40,7 +40,7 @@ def _check_plan(plan, profile, topo, microbatches):
     assert plan.predicted_step_time_s > 0
     assert plan.solver.name in ("dp", "highs", "gurobi", "gurobi+highs") and plan.solver.wall_s >= 0
     assert plan.solver.status == "optimal" or plan.solver.gap >= 0
-    sim = simulate(sim_stages(plan.stages, topo), topo.num_gpus, microbatches)
+    sim = simulate(sim_stages(plan.stages, topo), topo.num_gpus, microbatches, topology=topo)
     assert plan.predicted_step_time_s == sim.step_time_s
 
 
