@@ -74,7 +74,7 @@ def plan_to_json(plan: Plan) -> dict:
     return {
         "model": plan.model, "topology": plan.topology, "num_layers": plan.num_layers, "num_gpus": plan.num_gpus,
         "num_stages": plan.num_stages, "num_microbatches": plan.num_microbatches,
-        "microbatch_size": plan.microbatch_size, "dtype": plan.dtype, "mapping": plan.mapping_rule,
+        "microbatch_size": plan.microbatch_size, "dtype": plan.dtype, "mapping": plan.mapping_rule, "mapping_score": plan.mapping_score,
         "stages": _stage_json(plan), "predicted_step_time_s": plan.predicted_step_time_s,
         "slot_bytes": plan.slot_bytes, "arena_bytes": plan.arena_bytes, "activation_bytes": plan.activation_bytes,
         "gpu_memory_bytes": plan.gpu_memory_bytes,
@@ -87,7 +87,8 @@ def _header(plan: Plan) -> list[str]:
     p, s = plan, plan.solver
     return [
         f"plan: {p.model} on topology {p.topology}: {p.num_stages} stages on {p.num_gpus} gpus, {p.mapping_rule} "
-        f"mapping, {p.num_microbatches} microbatches of {p.microbatch_size}, {p.dtype}",
+        f"mapping (contention {p.mapping_score:.2f}), {p.num_microbatches} microbatches of {p.microbatch_size}, "
+        f"{p.dtype}",
         f"predicted step time {p.predicted_step_time_s:.3f} s",
         f"memory per gpu: arena {fmt_bytes(p.arena_bytes)} ({p.arena_bytes // p.slot_bytes} slots of "
         f"{fmt_bytes(p.slot_bytes)}) + activations {fmt_bytes(p.activation_bytes)} = "

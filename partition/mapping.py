@@ -17,7 +17,8 @@ import itertools
 
 from topology import Topology
 
-__all__ = ["MAPPING_RULES", "round_robin", "cross_mapping", "make_mapping", "stage_contention", "peer_gbps"]
+__all__ = ["MAPPING_RULES", "round_robin", "cross_mapping", "make_mapping", "stage_contention", "peer_gbps",
+           "mapping_score"]
 
 MAPPING_RULES = ("cross", "round-robin")
 _EXHAUSTIVE_MAX_GPUS = 8
@@ -76,6 +77,13 @@ def stage_contention(topo: Topology, mapping: list[int]) -> list[float]:
                 c += 1.0 / abs(i - j)
         out.append(c)
     return out
+
+
+def mapping_score(topo: Topology, mapping: list[int]) -> float:
+    """Total contention of a stage -> gpu mapping: sum over i < j, j - i < N, of shared / (j - i)."""
+    n = topo.num_gpus
+    return sum(1.0 / (j - i) for j in range(len(mapping)) for i in range(max(0, j - n + 1), j)
+               if topo.shared(mapping[i], mapping[j]))
 
 
 def peer_gbps(topo: Topology, a: int, b: int) -> float:

@@ -60,6 +60,8 @@ class Plan:
     microbatch_size: int
     dtype: str
     mapping_rule: str
+    mapping_score: float
+    """Total contention of the mapping: sum over stage pairs less than N apart of shared / |i - j|."""
     stages: tuple[StagePlan, ...]
     slot_bytes: int
     """W: one weight slot of the device arena = the largest stage's parameter bytes."""

@@ -8,7 +8,7 @@ import time
 from partition.costmodel import ARENA_SLOTS, LayerArrays
 from partition.dp import solve_dp
 from partition.errors import PlanInfeasibleError
-from partition.mapping import make_mapping, peer_gbps, stage_contention
+from partition.mapping import make_mapping, mapping_score, peer_gbps, stage_contention
 from partition.plan import Plan, SolverInfo, StagePlan
 from partition.profile import Profile
 from partition.simulate import SimStage, simulate
@@ -150,7 +150,8 @@ def _plan_of(profile: Profile, topo: Topology, arr: LayerArrays, ranges: list[tu
     sim = simulate(sim_stages(stages, topo), topo.num_gpus, microbatches, topology=topo)
     return Plan(model=profile.model, topology=topo.name, num_layers=arr.num_layers, num_gpus=topo.num_gpus,
                 num_microbatches=microbatches, microbatch_size=profile.microbatch_size, dtype=profile.dtype,
-                mapping_rule=rule, stages=stages, slot_bytes=slot, arena_bytes=ARENA_SLOTS * slot,
+                mapping_rule=rule, mapping_score=round(mapping_score(topo, m), 9), stages=stages, slot_bytes=slot,
+                arena_bytes=ARENA_SLOTS * slot,
                 activation_bytes=max(s.activation_bytes for s in stages), gpu_memory_bytes=memory,
                 predicted_step_time_s=sim.step_time_s, solver=SolverInfo("dp", "optimal", 0.0, 0.0))
 

@@ -126,7 +126,7 @@ def test_partition_text_has_header_table_and_timeline(tmp_path, capsys):
             "-o", str(tmp_path / "plan.json")]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert out.startswith("plan: gpt3-13b on topology 2+2: 8 stages on 4 gpus, cross mapping, 2 microbatches")
+    assert out.startswith("plan: gpt3-13b on topology 2+2: 8 stages on 4 gpus, cross mapping (contention 3.00), 2 microbatches")
     assert "predicted step time" in out and "solver " in out
     lines = out.splitlines()
     head = next(k for k, line in enumerate(lines) if line.split()[:2] == ["j", "layers"])

@@ -102,3 +102,13 @@ def test_unknown_rule():
     with pytest.raises(ValueError, match="unknown mapping rule 'zigzag'.*cross"):
         make_mapping("zigzag", preset("2+2"), 4)
     assert set(MAPPING_RULES) == {"cross", "round-robin"}
+
+
+def test_mapping_score_by_hand():
+    from partition.mapping import mapping_score
+
+    t = preset("2+2")
+    # round-robin over 4 stages: pairs (0,1) d=1 shared, (2,3) d=1 shared, (1,2)... not; (0,3) d=3 not, (1,3) no
+    assert mapping_score(t, [0, 1, 2, 3]) == pytest.approx(2.0)
+    # cross: (0,2) no, (2,1) no, (1,3) no; d=2: (0,1) shared 1/2, (2,3) shared 1/2; d=3: (0,3) no
+    assert mapping_score(t, [0, 2, 1, 3]) == pytest.approx(1.0)

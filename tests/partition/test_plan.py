@@ -23,7 +23,7 @@ def _plan(rng: np.random.Generator | None = None, mapping=(0, 1, 0, 1, 0), num_g
         first += n
     slot = max(s.param_bytes for s in stages)
     return Plan(model="gpt3-175b", topology="2+2", num_layers=first, num_gpus=num_gpus, num_microbatches=7,
-                microbatch_size=3, dtype="fp16", mapping_rule="cross", stages=tuple(stages), slot_bytes=slot,
+                microbatch_size=3, dtype="fp16", mapping_rule="cross", mapping_score=0.5, stages=tuple(stages), slot_bytes=slot,
                 arena_bytes=3 * slot, activation_bytes=max(s.activation_bytes for s in stages),
                 gpu_memory_bytes=24 * 2**30, predicted_step_time_s=float(rng.uniform(0.1, 500.0)),
                 solver=SolverInfo("dp", "optimal", 0.0, float(rng.uniform(0, 2))))
