@@ -17,8 +17,10 @@ def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions a user can fix: one line on stderr and exit code 2 instead of a traceback."""
     from mobiuspipe.train import USER_ERRORS  # imports torch: only paid when something failed
     from partition.errors import UnknownModelError
+    from partition.hf import ModelConfigError
+    from partition.profile import ProfileFileError
 
-    return (*USER_ERRORS, UnknownModelError, CliError)
+    return (*USER_ERRORS, UnknownModelError, ModelConfigError, ProfileFileError, CliError)
 
 
 def _positive_int(text: str) -> int:
@@ -153,6 +155,8 @@ def _add_partition(sub) -> None:
                    help="seconds the MIP may take in all; on a time-out the best plan found is kept with its gap (2)")
     p.add_argument("--gap", type=_non_negative_float, default=0.01,
                    help="relative MIP gap to stop at (0.01 = 1%%)")
+    p.add_argument("--profile", metavar="FILE",
+                   help="use this profile (from `mobiuspipe profile -o`) instead of the analytic one of --model")
     p.add_argument("--compare", action="store_true",
                    help="also predict sequential mapping, DeepSpeed ZeRO-3 offload and GPipe on the same topology")
     p.add_argument("-o", "--output", metavar="PLAN", help="write the plan here (.yaml, or .json by suffix)")
@@ -169,8 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_env)
     _add_topology(sub)
     _add_partition(sub)
+    from mobiuspipe.cli_profile import register as add_profile
     from mobiuspipe.cli_simulate import register as add_simulate
 
+    add_profile(sub)
     add_simulate(sub)
     p = sub.add_parser("train", help="launch torchrun on a YAML run config")
     p.add_argument("--config", required=True, help="YAML run config (see examples/tiny-gpt.yaml)")

@@ -11,7 +11,7 @@ from partition.analytic import analytic_profile
 from partition.hardware import device_spec
 from partition.models import get_model
 from partition.plan import Plan, save_plan
-from partition.profile import Profile
+from partition.profile import Profile, load_profile
 from partition.planner import make_plan, sim_stages
 from partition.simulate import SimResult, simulate
 from partition.trace import ascii_timeline, svg_timeline
@@ -43,7 +43,8 @@ def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
     if args.reserve_gib * GiB >= smallest:
         raise CliError(f"--reserve-gib {args.reserve_gib:g} leaves no memory: the smallest gpu of topology "
                        f"{topo.name!r} has {smallest / GiB:.2f} GiB; expected a reserve below that (default 1.0)")
-    profile = analytic_profile(spec, device, microbatch_size=args.microbatch_size, dtype=args.dtype)
+    profile = (load_profile(args.profile) if args.profile
+               else analytic_profile(spec, device, microbatch_size=args.microbatch_size, dtype=args.dtype))
     plan = make_plan(profile, topo, args.microbatches, num_stages=args.stages, mapping=args.mapping,
                      reserve_bytes=int(args.reserve_gib * GiB), solver=args.solver, time_limit_s=args.time_limit,
                      gap=args.gap)

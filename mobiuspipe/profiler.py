@@ -99,7 +99,8 @@ class _Run:
         return self.loss_fn(out) if self.loss_fn else out
 
     def backward(self, y: torch.Tensor) -> None:
-        y.backward(self.grad)
+        if y.requires_grad:  # a layer without parameters on an integer input has no backward
+            y.backward(self.grad)
         self.x.grad = None
 
     def timed(self) -> tuple[float, float]:

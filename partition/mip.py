@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from partition.costmodel import ARENA_SLOTS
-from partition.profile import LayerProfile, Profile
+from partition.profile import LayerProfile, Profile, compress
 from partition.solvers import INF, MipModel
 from partition.timeline import gpu_visits
 
@@ -54,12 +54,11 @@ class MipLayout:
 
 
 def _runs(profile: Profile) -> list[tuple[int, int, LayerProfile]]:
-    out: list[tuple[int, int, LayerProfile]] = []
-    for l, layer in enumerate(profile.layers):
-        if out and out[-1][2] == layer:
-            out[-1] = (out[-1][0], out[-1][1] + 1, layer)
-        else:
-            out.append((l, 1, layer))
+    """(first layer a_r, length n_r, the layer) of each run of identical layers."""
+    out, a = [], 0
+    for layer, n in compress(profile):
+        out.append((a, n, layer))
+        a += n
     return out
 
 

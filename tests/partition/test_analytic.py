@@ -71,3 +71,43 @@ def test_gpt3_175b_on_3090ti():
 def test_profile_round_trips():
     p = analytic_profile(TINY, DEV, microbatch_size=2)
     assert Profile.from_dict(p.to_dict()) == p
+
+
+TINY_LLAMA = ModelSpec("tl", num_blocks=2, d_model=8, num_heads=4, seq_len=5, vocab_size=16, family="llama",
+                       ffn_dim=12, num_kv_heads=2)
+
+
+def test_tiny_llama_by_hand():
+    p = analytic_profile(TINY_LLAMA, DEV, microbatch_size=3, dtype="fp16", mfu=0.5)
+    emb, blk, _, head = p.layers
+    assert (emb.param_count, blk.param_count, head.param_count) == (128, 496, 136)
+    # matmul weights m = 2d^2 + 2d*k*hd + 3df = 128 + 64 + 288; fwd = 2*b*s*m + 4*b*s^2*h
+    assert blk.fwd_flops == 2 * 3 * 5 * 480 + 4 * 3 * 25 * 8 == 16800.0
+    assert blk.bwd_flops == 33600.0
+    # s*b*(12h + 4*k*hd + 8f + 2*a*s) * e/2 = 15 * (96 + 16 + 96 + 40)
+    assert blk.activation_bytes == 15 * 248 == 3720
+    assert (emb.activation_bytes, emb.output_bytes, blk.output_bytes) == (240, 240, 240)
+    assert (head.activation_bytes, head.output_bytes) == (240 + 15 * 16 * 4, 15 * 16 * 2)
+    assert blk.fwd_s == pytest.approx(16800 / 5e11, rel=1e-12)
+
+
+def test_gpt_mlp_width_generalizes_the_korthikanti_count():
+    wide = ModelSpec("w", num_blocks=1, d_model=8, num_heads=2, seq_len=4, vocab_size=16, ffn_dim=20)
+    blk = analytic_profile(wide, DEV, microbatch_size=3).layers[1]
+    # s*b*(18h + 4f + 5as) * e/2 ; fwd 2*b*s*(4h^2 + 2hf) + 4*b*s^2*h
+    assert blk.activation_bytes == 12 * (144 + 80 + 40)
+    assert blk.fwd_flops == 2 * 12 * (256 + 320) + 4 * 3 * 16 * 8
+    same = ModelSpec("tiny", num_blocks=2, d_model=8, num_heads=2, seq_len=4, vocab_size=16, ffn_dim=32)
+    assert analytic_profile(same, DEV, 3) == analytic_profile(TINY, DEV, 3)
+
+
+def test_llama2_70b_on_a100():
+    spec = MODELS["llama2-70b"]
+    p = analytic_profile(spec, device_spec("A100-SXM4-80GB"))
+    assert p.num_layers == 82 and sum(x.param_count for x in p.layers) == spec.param_count
+    blk = p.layers[1]
+    s, h = 4096, 8192
+    m = 2 * h * h + 2 * h * 8 * 128 + 3 * h * 28672
+    assert blk.fwd_flops == 2 * s * m + 4 * s * s * h
+    assert blk.activation_bytes == s * (12 * h + 4 * 8 * 128 + 8 * 28672 + 2 * 64 * s)
+    assert 1.0 < blk.fwd_flops / 1e12 < 10.0  # ~7.3 TFLOP per block and sequence

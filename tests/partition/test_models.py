@@ -18,12 +18,67 @@ def untied_total(L: int, d: int, V: int = 50257, T: int = 2048) -> int:
     return (V * d + T * d) + L * (12 * d * d + 13 * d) + (V * d + 2 * d)
 
 
+# Published totals of LLaMA-2 (untied head, no biases): 6.74B, 13.0B, 69.0B (Touvron et al. 2023).
+LLAMA2 = {"llama2-7b": 6.74e9, "llama2-13b": 13.0e9, "llama2-70b": 69.0e9}
+
+
 def test_table_has_every_model():
-    assert set(MODELS) == set(NOMINAL)
+    assert set(MODELS) == set(NOMINAL) | set(LLAMA2)
     for name, spec in MODELS.items():
         assert spec.name == name
-        assert spec.seq_len == 2048 and spec.vocab_size == 50257
         assert spec.d_model % spec.num_heads == 0
+        if name in NOMINAL:
+            assert spec.family == "gpt" and spec.seq_len == 2048 and spec.vocab_size == 50257
+            assert (spec.ffn_dim, spec.num_kv_heads, spec.ffn, spec.kv_heads) == (0, 0, 4 * spec.d_model, spec.num_heads)
+        else:
+            assert spec.family == "llama" and spec.seq_len == 4096 and spec.vocab_size == 32000
+
+
+@pytest.mark.parametrize("name", sorted(LLAMA2))
+def test_llama2_totals(name):
+    assert abs(MODELS[name].param_count - LLAMA2[name]) / LLAMA2[name] < 0.01
+
+
+def test_llama2_exact_and_shapes():
+    assert MODELS["llama2-7b"].param_count == 6_738_415_616  # the count of the released checkpoint
+    s70 = MODELS["llama2-70b"]
+    assert (s70.num_blocks, s70.d_model, s70.num_heads, s70.kv_heads, s70.ffn, s70.head_dim) == (80, 8192, 64, 8, 28672, 128)
+    assert MODELS["llama2-13b"].num_layers == 42
+
+
+def test_llama_layer_structure():
+    spec = ModelSpec("tl", num_blocks=2, d_model=8, num_heads=4, seq_len=5, vocab_size=16, family="llama",
+                     ffn_dim=12, num_kv_heads=2)
+    # embedding V*d (no position table); block 2d + q d*d + k,v d*(kv*hd) + o d*d + 3*d*f; head d + V*d
+    block = 2 * 8 + 64 + 2 * 8 * (2 * 2) + 64 + 3 * 8 * 12
+    assert layer_param_counts(spec) == [16 * 8, block, block, 8 + 16 * 8]
+    assert ModelSpec.from_dict(spec.to_dict()) == spec
+
+
+def test_gpt_with_own_mlp_width():
+    spec = ModelSpec("g", num_blocks=1, d_model=8, num_heads=2, seq_len=4, vocab_size=16, ffn_dim=20)
+    # 2 LN 4d + qkv 3d^2+3d + proj d^2+d + fc d*f+f + out f*d+d
+    assert layer_param_counts(spec)[1] == 4 * 8 + 3 * 64 + 24 + 64 + 8 + 8 * 20 + 20 + 20 * 8 + 8
+    same = ModelSpec("g", num_blocks=1, d_model=8, num_heads=2, seq_len=4, vocab_size=16, ffn_dim=32)
+    assert layer_param_counts(same) == layer_param_counts(ModelSpec("g", 1, 8, 2, 4, 16))
+
+
+@pytest.mark.parametrize("kw,needle", [
+    ({"family": "bert"}, "family"),
+    ({"ffn_dim": -1}, "ffn_dim"),
+    ({"num_kv_heads": 1.5}, "num_kv_heads"),
+    ({"num_kv_heads": 1}, "grouped-query"),                       # gpt has no GQA
+    ({"family": "llama"}, "ffn_dim"),                             # llama needs its MLP width
+    ({"family": "llama", "ffn_dim": 8, "num_kv_heads": 3}, "multiple of num_kv_heads"),
+])
+def test_spec_rejects_bad_family_fields(kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        ModelSpec(**{**dict(name="x", num_blocks=2, d_model=8, num_heads=2, seq_len=4, vocab_size=16), **kw})
+
+
+def test_old_spec_dicts_still_load():
+    d = {"name": "x", "num_blocks": 2, "d_model": 8, "num_heads": 2, "seq_len": 4, "vocab_size": 16}
+    assert ModelSpec.from_dict(d).family == "gpt"
 
 
 @pytest.mark.parametrize("name", sorted(NOMINAL))
@@ -67,14 +122,16 @@ def test_spec_rejects_indivisible_heads():
         ModelSpec("bad", num_blocks=1, d_model=2048, num_heads=24, seq_len=8, vocab_size=8)
 
 
-def test_spec_round_trips():
-    spec = MODELS["gpt3-33b"]
+@pytest.mark.parametrize("name", ["gpt3-33b", "llama2-70b"])
+def test_spec_round_trips(name):
+    spec = MODELS[name]
     assert ModelSpec.from_dict(spec.to_dict()) == spec
 
 
 def test_get_model_case_insensitive():
     assert get_model("GPT3-175B") is MODELS["gpt3-175b"]
     assert get_model("gpt3-1.3b") is MODELS["gpt3-1.3b"]
+    assert get_model("LLaMA2-70B") is MODELS["llama2-70b"]
 
 
 def test_unknown_model_lists_names():
@@ -84,6 +141,7 @@ def test_unknown_model_lists_names():
     assert "gpt3-7b" in msg
     for name in MODELS:
         assert name in msg
+    assert "config.json" in msg
 
 
 def test_device_lookup_full_and_short_names():

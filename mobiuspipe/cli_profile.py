@@ -1,0 +1,159 @@
+"""`mobiuspipe profile`: the per-layer profile of a model, analytic (a GPU spec) or measured (this machine).
+
+Wire it into the CLI with `register(sub)` on the subparsers; the command prints one row per run of
+identical layers, or with --json one document: Profile.to_dict() plus "runs" ([{"count", "layer"}]),
+which `load_profile` (and so `partition --profile`) reads back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from mobiuspipe.cli_partition import CliError
+from mobiuspipe.units import fmt_bytes
+from partition.analytic import DTYPE_BYTES, analytic_profile
+from partition.hardware import MFU_DEFAULT, device_spec
+from partition.hf import ModelConfigError
+from partition.models import ModelSpec, get_model
+from partition.profile import Profile, compress, runs_to_list, save_profile
+
+__all__ = ["DEFAULT_GPU", "MEASURED_MAX_PARAMS", "register", "cmd_profile", "render_profile"]
+
+DEFAULT_GPU = "NVIDIA GeForce RTX 3090 Ti"
+MEASURED_MAX_PARAMS = 1_000_000_000
+"""--measured builds the model's distinct layers on this machine: refused above this many parameters."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, found {text!r}")
+    return value
+
+
+def register(sub) -> None:
+    """Add the `profile` subcommand to the CLI's subparsers."""
+    p = sub.add_parser("profile", help="per-layer time and bytes of a model (analytic, or --measured here)")
+    p.add_argument("--model", required=True, metavar="NAME_OR_CONFIG_JSON",
+                   help="model name (gpt3-175b, llama2-70b, ...) or a Hugging Face config.json (or its folder)")
+    p.add_argument("--gpu", default=None, metavar="NAME",
+                   help=f"device type of the analytic profile ({DEFAULT_GPU!r}); an unknown name lists them")
+    p.add_argument("--microbatch-size", type=_positive_int, default=1, help="sequences per microbatch (1)")
+    p.add_argument("--seq-len", type=_positive_int, default=None,
+                   help="tokens per sequence (default: the model's; a gpt's position table follows it)")
+    p.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default=None,
+                   help="parameter dtype (fp16; bf16 for --measured on a CPU, where fp16 takes a slow path)")
+    p.add_argument("--measured", action="store_true",
+                   help="run the runtime's GPT layers on this machine's device (gpt family, <= 1e9 parameters)")
+    p.add_argument("-o", "--output", metavar="PROFILE", help="write the profile here (.yaml, or .json by suffix)")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    p.set_defaults(func=cmd_profile)
+
+
+def _spec(args: argparse.Namespace) -> ModelSpec:
+    try:
+        spec = get_model(args.model)
+        return dataclasses.replace(spec, seq_len=args.seq_len) if args.seq_len else spec
+    except ModelConfigError as e:
+        raise CliError(str(e)) from e
+
+
+def _analytic(spec: ModelSpec, args: argparse.Namespace) -> tuple[Profile, str]:
+    try:
+        device = device_spec(args.gpu or DEFAULT_GPU)
+    except ValueError as e:
+        raise CliError(f"--gpu: {e}") from e
+    prof = analytic_profile(spec, device, microbatch_size=args.microbatch_size, dtype=args.dtype or "fp16")
+    return prof, f"analytic, {device.peak_tflops:g} TFLOP/s peak at mfu {MFU_DEFAULT}"
+
+
+def _check_measurable(spec: ModelSpec, args: argparse.Namespace) -> None:
+    if args.gpu:
+        raise CliError(f"--measured profiles this machine's device, not --gpu {args.gpu!r}: drop one of them")
+    if spec.family != "gpt" or spec.ffn != 4 * spec.d_model:
+        raise CliError(f"--measured runs the runtime's GPT layers (4*d_model MLP); model {spec.name!r} is a "
+                       f"{spec.family} spec with MLP width {spec.ffn}: drop --measured for its analytic profile")
+    if spec.param_count > MEASURED_MAX_PARAMS:
+        raise CliError(f"--measured builds the model on this machine; {spec.name!r} has {spec.param_count / 1e9:.2f}e9 "
+                       f"parameters, above the {MEASURED_MAX_PARAMS / 1e9:g}e9 limit: drop --measured, or pick a "
+                       f"smaller model (e.g. gpt3-350m)")
+
+
+def _measured(spec: ModelSpec, args: argparse.Namespace) -> tuple[Profile, str]:
+    _check_measurable(spec, args)
+    import torch
+
+    from mobiuspipe.models.gpt import build_layers, lm_loss
+    from mobiuspipe.profiler import TORCH_DTYPES, measure_layers
+
+    cuda = torch.cuda.is_available()
+    device, device_name = ("cuda", torch.cuda.get_device_name()) if cuda else ("cpu", "cpu-standin")
+    dtype = args.dtype or ("fp16" if cuda else "bf16")
+    if dtype == "fp16" and not cuda:
+        raise CliError("--measured --dtype fp16 on a CPU: fp16 matmuls take a slow reference path there (a "
+                       "backward 100x slower than bf16), so the times would mean nothing; use --dtype bf16 "
+                       "(also 2 bytes) or fp32")
+    last = spec.num_layers - 1
+    built = build_layers(spec, seed=0, which=[0, 1, last])  # the blocks are identical: build one
+    layers = [built[0]] + [built[1]] * spec.num_blocks + [built[last]]
+    for layer in built.values():
+        layer.to(TORCH_DTYPES[dtype])
+    g = torch.Generator().manual_seed(0)
+    shape = (args.microbatch_size, spec.seq_len)
+    tokens = torch.randint(spec.vocab_size, shape, generator=g)
+    targets = torch.randint(spec.vocab_size, shape, generator=g).to(device)
+    m = measure_layers(layers, tokens, device=device, name=spec.name, device_name=device_name,
+                       dtype_name=dtype, microbatch_size=args.microbatch_size, seq_len=spec.seq_len,
+                       loss_fn=lambda logits: lm_loss(logits.float(), targets))
+    return m.profile, f"measured on {device}, {len(m.measured)} of {spec.num_layers} layers run"
+
+
+_COLUMNS = ("layers", "name", "count", "params", "param bytes", "activations", "output", "fwd ms", "bwd ms")
+
+
+def render_profile(profile: Profile, how: str) -> str:
+    """A header line, then one row per run of identical layers (numbers per layer), then the totals."""
+    rows, first = [], 0
+    for layer, n in compress(profile):
+        rows.append((f"{first}-{first + n - 1}", layer.name, str(n), f"{layer.param_count / 1e6:.2f}M",
+                     fmt_bytes(layer.param_bytes), fmt_bytes(layer.activation_bytes), fmt_bytes(layer.output_bytes),
+                     f"{layer.fwd_s * 1e3:.3f}", f"{layer.bwd_s * 1e3:.3f}"))
+        first += n
+    widths = [max(len(c), *(len(r[k]) for r in rows)) for k, c in enumerate(_COLUMNS)]
+    p = profile
+    total = sum(x.param_count for x in p.layers)
+    step = sum(x.fwd_s + x.bwd_s for x in p.layers)
+    lines = [f"profile: {p.model} on {p.device} ({how}), {p.dtype}, microbatch {p.microbatch_size} x "
+             f"{p.seq_len} tokens, {p.num_layers} layers", ""]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in (_COLUMNS, *rows)]
+    lines += ["", f"total: {total / 1e9:.3f}e9 parameters, {fmt_bytes(sum(x.param_bytes for x in p.layers))}; "
+                  f"fwd+bwd of one microbatch {step * 1e3:.2f} ms (numbers per layer, run rows repeat them)"]
+    return "\n".join(lines) + "\n"
+
+
+def cmd_profile(args: argparse.Namespace, out=None) -> int:
+    """Make the profile, write -o, print the table or the JSON document on `out` (stdout)."""
+    out = out or sys.stdout
+    spec = _spec(args)
+    profile, how = _measured(spec, args) if args.measured else _analytic(spec, args)
+    note = None
+    if args.output:
+        try:
+            save_profile(profile, args.output)
+        except OSError as e:
+            raise CliError(f"cannot write the profile to {args.output}: {e.strerror or e}; "
+                           f"expected a writable file path (does its folder exist?)") from e
+        note = f"profile written to {args.output}"
+    if args.json:
+        out.write(json.dumps({**profile.to_dict(), "runs": runs_to_list(profile)}, indent=2) + "\n")
+        if note:
+            print(note, file=sys.stderr)
+    else:
+        out.write(render_profile(profile, how) + (note + "\n" if note else ""))
+    return 0

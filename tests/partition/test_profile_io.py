@@ -1,0 +1,135 @@
+"""Profile files (YAML and JSON round trips, clear errors) and layer-similarity compression."""
+
+import json
+from dataclasses import replace
+
+import pytest
+import yaml
+
+from partition.analytic import analytic_profile
+from partition.hardware import device_spec
+from partition.models import MODELS, ModelSpec
+from partition.profile import (Profile, ProfileFileError, compress, expand, load_profile, runs_to_list,
+                               save_profile)
+
+TI = device_spec("RTX 3090 Ti")
+SMALL = ModelSpec("small", num_blocks=5, d_model=64, num_heads=4, seq_len=32, vocab_size=97)
+
+
+@pytest.fixture
+def prof() -> Profile:
+    return analytic_profile(SMALL, TI, microbatch_size=3)
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".yml", ".json"])
+def test_round_trip_is_exact(tmp_path, prof, suffix):
+    path = tmp_path / f"p{suffix}"
+    save_profile(prof, path)
+    assert load_profile(path) == prof
+    assert (json.loads if suffix == ".json" else yaml.safe_load)(path.read_text()) == prof.to_dict()
+
+
+def test_round_trip_of_awkward_floats(tmp_path, prof):
+    layers = list(prof.layers)
+    layers[1] = replace(layers[1], fwd_s=1e-05, bwd_s=1 / 3, fwd_flops=1.2345678901234567e20)
+    odd = replace(prof, layers=tuple(layers))
+    for name in ("o.yaml", "o.json"):
+        save_profile(odd, tmp_path / name)
+        assert load_profile(tmp_path / name) == odd
+
+
+def test_compress_and_expand(prof):
+    runs = compress(prof)
+    assert [(x.name, n) for x, n in runs] == [("embedding", 1), ("block", 5), ("head", 1)]
+    assert expand(runs) == prof.layers
+    assert compress(prof.layers) == runs
+    assert compress([]) == [] and expand([]) == ()
+
+
+def test_compress_keeps_order_and_separates_unequal_neighbours(prof):
+    e, b, h = prof.layers[0], prof.layers[1], prof.layers[-1]
+    b2 = replace(b, fwd_s=b.fwd_s * 2)
+    layers = (e, b, b, b2, b, h, h)
+    assert [n for _, n in compress(layers)] == [1, 2, 1, 1, 2]
+    assert expand(compress(layers)) == layers
+
+
+def test_gpt3_175b_compresses_to_three_runs():
+    p = analytic_profile(MODELS["gpt3-175b"], TI)
+    assert [n for _, n in compress(p)] == [1, 96, 1]
+
+
+@pytest.mark.parametrize("count", [0, -1, 1.5, True])
+def test_expand_rejects_bad_counts(prof, count):
+    with pytest.raises(ValueError, match="count"):
+        expand([(prof.layers[0], count)])
+
+
+def test_runs_alone_stand_in_for_layers(tmp_path, prof):
+    d = {k: v for k, v in prof.to_dict().items() if k != "layers"}
+    d["runs"] = runs_to_list(prof)
+    path = tmp_path / "runs.json"
+    path.write_text(json.dumps(d))
+    assert load_profile(path) == prof
+    both = {**prof.to_dict(), "runs": runs_to_list(prof)}  # what `profile --json` prints
+    path.write_text(json.dumps(both))
+    assert load_profile(path) == prof
+
+
+def _write(tmp_path, d, name="bad.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(d))
+    return path
+
+
+@pytest.mark.parametrize("edit,needles", [
+    (lambda d: d.pop("dtype"), ["missing key 'dtype'"]),
+    (lambda d: d.update(colour="red"), ["unknown key 'colour'", "microbatch_size"]),
+    (lambda d: d.update(microbatch_size=0), ["'microbatch_size'", ">= 1"]),
+    (lambda d: d.update(seq_len="32"), ["'seq_len'", "integer"]),
+    (lambda d: d.update(layers=[]), ["'layers'", "non-empty list"]),
+    (lambda d: d.pop("layers"), ["missing key 'layers'"]),
+    (lambda d: d["layers"][2].update(fwd_s="fast"), ["layers[2]", "'fwd_s'", "'fast'"]),
+    (lambda d: d["layers"][1].update(param_bytes=-4), ["layers[1]", "'param_bytes'"]),
+    (lambda d: d["layers"][1].update(param_count=True), ["layers[1]", "'param_count'"]),
+    (lambda d: d["layers"][0].pop("output_bytes"), ["layers[0]", "missing key 'output_bytes'"]),
+    (lambda d: d["layers"].__setitem__(3, [1, 2]), ["layers[3]", "mapping"]),
+    (lambda d: d["layers"][0].update(bwd_s=float("nan")), ["layers[0]", "'bwd_s'"]),
+])
+def test_malformed_files_name_file_and_key(tmp_path, prof, edit, needles):
+    d = prof.to_dict()
+    edit(d)
+    path = _write(tmp_path, d)
+    with pytest.raises(ProfileFileError) as err:
+        load_profile(path)
+    msg = str(err.value)
+    assert str(path) in msg
+    for needle in needles:
+        assert needle in msg
+
+
+def test_runs_that_disagree_with_layers(tmp_path, prof):
+    d = {**prof.to_dict(), "runs": runs_to_list(prof)}
+    d["runs"][1]["count"] = 4
+    with pytest.raises(ProfileFileError, match="disagree"):
+        load_profile(_write(tmp_path, d))
+    d["runs"][1]["count"] = 0
+    with pytest.raises(ProfileFileError, match=r"runs\[1\].*'count'"):
+        load_profile(_write(tmp_path, d))
+
+
+def test_unreadable_and_unparsable_files(tmp_path):
+    with pytest.raises(ProfileFileError, match="cannot read profile file"):
+        load_profile(tmp_path / "none.yaml")
+    (tmp_path / "x.json").write_text("{")
+    with pytest.raises(ProfileFileError, match="not valid JSON"):
+        load_profile(tmp_path / "x.json")
+    (tmp_path / "x.yaml").write_text("a: [")
+    with pytest.raises(ProfileFileError, match="not valid YAML"):
+        load_profile(tmp_path / "x.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    with pytest.raises(ProfileFileError, match="mapping"):
+        load_profile(tmp_path / "list.yaml")
+    (tmp_path / "bin.yaml").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ProfileFileError, match="UTF-8"):
+        load_profile(tmp_path / "bin.yaml")
