@@ -7,6 +7,7 @@ limit and a relative gap; on a time-out the incumbent is kept and its gap report
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -15,7 +16,7 @@ from partition.mapping import peer_gbps, stage_contention
 from partition.mip import GIB, StageData, build_mip, cuts_of, memory_need, start_of
 from partition.profile import Profile
 from partition.solvers import INF, MipModel, MipResult
-from partition.solvers.gurobi import fits_license, solve_gurobi
+from partition.solvers.gurobi import SIZE_LIMIT, fits_license, solve_gurobi
 from partition.solvers.highs import solve_highs
 from partition.timeline import StageTimes, aggregate_step, aggregate_times
 from topology import Topology
@@ -76,9 +77,20 @@ class StageCountSolution:
 
 
 def _solve(model: MipModel, solver: str, time_limit_s: float, gap: float, start) -> MipResult:
-    if solver == "gurobi" or (solver == "auto" and fits_license(model)):
-        return solve_gurobi(model, time_limit_s, gap, start)
-    return solve_highs(model, time_limit_s, gap, start)
+    """Gurobi when asked for (or on auto) and its license admits the model; HiGHS otherwise. A Gurobi
+    that cannot take the model falls back to HiGHS and says so in the status."""
+    if solver in ("gurobi", "auto") and fits_license(model):
+        try:
+            return solve_gurobi(model, time_limit_s, gap, start)
+        except Exception as e:  # a license that expired or changed since the probe: fall back, and say why
+            why = f"gurobi failed ({str(e).splitlines()[0]}), solved by HiGHS"
+    elif solver == "gurobi":
+        why = (f"gurobi's license does not admit {model.num_vars} variables x {model.num_rows} rows "
+               f"(size-limited: {SIZE_LIMIT} each, or none), solved by HiGHS")
+    else:
+        return solve_highs(model, time_limit_s, gap, start)
+    res = solve_highs(model, time_limit_s, gap, start)
+    return dataclasses.replace(res, status=f"{res.status} ({why})")
 
 
 def solve_stage_count(profile: Profile, mapping: list[int], m: int, data: StageData, memory_bytes: int,

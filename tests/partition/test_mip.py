@@ -55,3 +55,16 @@ def test_warm_start_bounds_and_is_kept():
     best, best_cuts = enumerate_best(prof, mapping, 4, data, memory)
     sol = solve_stage_count(prof, mapping, 4, data, memory, best_cuts, time_limit_s=20, gap=1e-9)
     assert sol.result.objective == pytest.approx(best, rel=1e-6)
+
+
+def test_gurobi_over_its_license_falls_back_to_highs_and_says_so(monkeypatch):
+    import partition.mip_plan as mp
+
+    monkeypatch.setattr(mp, "fits_license", lambda model: False)
+    rng = np.random.default_rng(3)
+    prof = _profile(rng, 6, identical=True)
+    mapping = [0, 1, 0]
+    data = stage_data(preset("2+2"), mapping, prof)
+    sol = solve_stage_count(prof, mapping, 2, data, 400 * 2**26, None, solver="gurobi", time_limit_s=10)
+    assert sol.result.solver == "highs" and "license does not admit" in sol.result.status
+    assert sol.cuts is not None
