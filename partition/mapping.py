@@ -13,6 +13,7 @@ stage j's share of its uplink (Topology.load_gbps).
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 from topology import Topology
@@ -29,21 +30,27 @@ def round_robin(num_stages: int, num_gpus: int) -> list[int]:
     return [j % num_gpus for j in range(num_stages)]
 
 
-def _cyclic_cost(topo: Topology, pi: tuple[int, ...]) -> float:
+def _cyclic_cost(shared: list[list[bool]], pi: tuple[int, ...]) -> float:
     """Total contention over one period of the cyclic mapping pi (pairs less than N apart)."""
     n = len(pi)
-    return sum(float(topo.shared(pi[j % n], pi[(j + d) % n])) / d for j in range(n) for d in range(1, n))
+    return sum(1.0 / d for j in range(n) for d in range(1, n) if shared[pi[j]][pi[(j + d) % n]])
+
+
+@functools.lru_cache(maxsize=64)
+def _best_cycle(topo: Topology) -> tuple[int, ...]:
+    """The gpu order of least cyclic contention (exhaustive up to 8 gpus; interleaved groups above)."""
+    n = topo.num_gpus
+    if n > _EXHAUSTIVE_MAX_GPUS:
+        return _interleave_groups(topo)
+    shared = [[topo.shared(a, b) for b in range(n)] for a in range(n)]
+    perms = ((0,) + p for p in itertools.permutations(range(1, n)))  # rotations are equivalent
+    return min(perms, key=lambda p: (_cyclic_cost(shared, p), p))
 
 
 def cross_mapping(topo: Topology, num_stages: int) -> list[int]:
     """The cyclic mapping of least total contention (exhaustive over permutations up to 8 gpus)."""
-    n = topo.num_gpus
-    if n <= _EXHAUSTIVE_MAX_GPUS:
-        perms = ((0,) + p for p in itertools.permutations(range(1, n)))  # rotations are equivalent
-        pi = min(perms, key=lambda p: (_cyclic_cost(topo, p), p))
-    else:
-        pi = _interleave_groups(topo)
-    return [pi[j % n] for j in range(num_stages)]
+    pi = _best_cycle(topo)
+    return [pi[j % len(pi)] for j in range(num_stages)]
 
 
 def _interleave_groups(topo: Topology) -> tuple[int, ...]:

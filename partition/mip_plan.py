@@ -90,7 +90,7 @@ def _solve(model: MipModel, solver: str, time_limit_s: float, gap: float, start)
     else:
         return solve_highs(model, time_limit_s, gap, start)
     res = solve_highs(model, time_limit_s, gap, start)
-    return dataclasses.replace(res, status=f"{res.status} ({why})")
+    return dataclasses.replace(res, note=why)
 
 
 def solve_stage_count(profile: Profile, mapping: list[int], m: int, data: StageData, memory_bytes: int,

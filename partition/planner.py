@@ -28,9 +28,10 @@ def make_plan(profile: Profile, topo: Topology, microbatches: int, *, num_stages
     """Cut the profiled layers into stages, map them to gpus and predict the step; the fastest plan wins.
 
     The exact DP runs for every stage count S (num_stages=None: from the gpu count to the layer count)
-    and the simulator ranks its plans. Then, unless solver="dp", the Mobius MIP (partition.mip) re-cuts
-    the best MIP_CANDIDATES stage counts, warm-started from the DP, within time_limit_s in all and to a
-    relative gap; the plan with the least simulated step wins.
+    and a quick simulation (fixed transfer times) ranks its plans. Then, unless solver="dp", the Mobius
+    MIP (partition.mip) re-cuts the best MIP_CANDIDATES stage counts, warm-started from the DP, within
+    time_limit_s of solver time in all and to a relative gap. The candidates are simulated again with
+    shared links (partition.simulate with the topology) and the least predicted step wins.
     """
     t0 = time.perf_counter()
     _check_memory_known(topo)
@@ -40,9 +41,19 @@ def make_plan(profile: Profile, topo: Topology, microbatches: int, *, num_stages
     ranked = _dp_plans(profile, topo, arr, microbatches, num_stages, mapping, memory)
     if not ranked:
         raise _infeasible_stages(num_stages, arr, memory)
-    if solver == "dp":
-        return dataclasses.replace(ranked[0], solver=SolverInfo("dp", "optimal", 0.0, _since(t0)))
-    return _mip_refine(profile, topo, arr, ranked, microbatches, mapping, memory, solver, time_limit_s, gap, t0)
+    candidates, info = ranked[:MIP_CANDIDATES], SolverInfo("dp", "optimal", 0.0, 0.0)
+    if solver != "dp":
+        found, info = _mip_plans(profile, topo, arr, candidates, microbatches, mapping, memory, solver,
+                                 time_limit_s, gap)
+        candidates = candidates + found
+    best = min((_shared(p, topo) for p in candidates), key=lambda p: (p.predicted_step_time_s, p.num_stages))
+    return dataclasses.replace(best, solver=dataclasses.replace(info, wall_s=_since(t0)))
+
+
+def _shared(plan: Plan, topo: Topology) -> Plan:
+    """The plan with its step predicted by the shared-link simulation."""
+    sim = simulate(sim_stages(plan.stages, topo), topo.num_gpus, plan.num_microbatches, topology=topo)
+    return dataclasses.replace(plan, predicted_step_time_s=sim.step_time_s)
 
 
 MIP_CANDIDATES = 3
@@ -55,41 +66,48 @@ def _since(t0: float) -> float:
 
 def _dp_plans(profile: Profile, topo: Topology, arr: LayerArrays, microbatches: int, num_stages: int | None,
               mapping: str, memory: int) -> list[Plan]:
-    """The DP's plan for every feasible stage count, fastest simulated step first."""
-    plans = []
+    """The DP's plan for every feasible stage count, fastest (quickly simulated) step first.
+
+    One DP run answers every S that shares its load bandwidth (the DP table holds all stage counts)."""
+    maps = {}
     for s in _stage_counts(num_stages, topo.num_gpus, arr.num_layers):
         m = make_mapping(mapping, topo, s)
-        gbps = [topo.load_gbps(g, c) for g, c in zip(m, stage_contention(topo, m))]
-        sol = solve_dp(arr, memory, microbatches, min(gbps), [s]).get(s)
-        if sol is not None:
+        maps[s] = (m, [topo.load_gbps(g, c) for g, c in zip(m, stage_contention(topo, m))])
+    plans = []
+    for bw in sorted({min(g) for _, g in maps.values()}):
+        counts = [s for s, (_, g) in maps.items() if min(g) == bw]
+        for s, sol in solve_dp(arr, memory, microbatches, bw, counts).items():
+            m, gbps = maps[s]
             plans.append(_plan_of(profile, topo, arr, sol.ranges, m, gbps, microbatches, mapping, memory))
     return sorted(plans, key=lambda p: (p.predicted_step_time_s, p.num_stages))
 
 
-def _mip_refine(profile: Profile, topo: Topology, arr: LayerArrays, ranked: list[Plan], microbatches: int,
-                mapping: str, memory: int, solver: str, time_limit_s: float, gap: float, t0: float) -> Plan:
+def _mip_plans(profile: Profile, topo: Topology, arr: LayerArrays, ranked: list[Plan], microbatches: int,
+               mapping: str, memory: int, solver: str, time_limit_s: float, gap: float
+               ) -> tuple[list[Plan], SolverInfo]:
+    """The MIP's cut for each candidate's stage count; the solver info summarizes every solve."""
     from partition.mip_plan import solve_stage_count, stage_data  # the solvers load only when used
 
-    best, used, gaps, statuses = ranked[0], set(), [], []
-    for plan in ranked[:MIP_CANDIDATES]:
+    found, used, gaps, statuses, notes = [], set(), [], set(), []
+    t0 = time.perf_counter()
+    for k, plan in enumerate(ranked):
         m = plan.mapping
         cuts = [s.first for s in plan.stages] + [plan.num_layers]
-        left = max(0.05, time_limit_s - (time.perf_counter() - t0)) / max(1, MIP_CANDIDATES - len(gaps))
+        left = max(0.05, time_limit_s - (time.perf_counter() - t0)) / (len(ranked) - k)
         res = solve_stage_count(profile, m, microbatches, stage_data(topo, m, profile), memory, cuts, solver,
                                 left, gap)
         used.add(res.result.solver)
-        statuses.append(res.result.status)
+        statuses.add(res.result.status)
+        notes += [res.result.note] if res.result.note and res.result.note not in notes else []
         if res.cuts is None:
             continue
         gaps.append(res.result.gap)
-        gbps = [s.load_gbps for s in plan.stages]
         ranges = [(a, b - 1) for a, b in zip(res.cuts, res.cuts[1:])]
-        cand = _plan_of(profile, topo, arr, ranges, m, gbps, microbatches, mapping, memory)
-        if cand.predicted_step_time_s < best.predicted_step_time_s * (1 - 1e-9):
-            best = cand
-    status = "optimal" if statuses and all(x == "optimal" for x in statuses) else ",".join(sorted(set(statuses)))
-    info = SolverInfo("+".join(sorted(used)) or "dp", status or "dp-only", max(gaps, default=0.0), _since(t0))
-    return dataclasses.replace(best, solver=info)
+        found.append(_plan_of(profile, topo, arr, ranges, m, [s.load_gbps for s in plan.stages], microbatches,
+                              mapping, memory))
+    status = "optimal" if statuses == {"optimal"} else "+".join(sorted(statuses))
+    status += "".join(f"; {n}" for n in notes)
+    return found, SolverInfo("+".join(sorted(used)), status, max(gaps, default=float("inf")), 0.0)
 
 
 def _check_memory_known(topo: Topology) -> None:

@@ -54,3 +54,5 @@ class MipResult:
     gap: float
     x: tuple[float, ...] | None
     wall_s: float
+    note: str = ""
+    """Why another solver than the one asked for ran, if one did."""
