@@ -106,7 +106,7 @@ def _mip_plans(profile: Profile, topo: Topology, arr: LayerArrays, ranked: list[
         found.append(_plan_of(profile, topo, arr, ranges, m, [s.load_gbps for s in plan.stages], microbatches,
                               mapping, memory))
     status = "optimal" if statuses == {"optimal"} else "+".join(sorted(statuses))
-    status += "".join(f"; {n}" for n in notes)
+    status += f"; {notes[0]}" if notes else ""  # the first note says it; later ones differ only in sizes
     return found, SolverInfo("+".join(sorted(used)), status, max(gaps, default=float("inf")), 0.0)
 
 

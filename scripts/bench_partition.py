@@ -35,8 +35,9 @@ def _row(model: str, topo_name: str, solver: str, limit: float, dp_step: float |
         return {"model": model, "topology": topo_name, "solver": solver, "error": str(e).split(":")[0]}
     wall = time.perf_counter() - t0
     step = plan.predicted_step_time_s
+    status, _, note = plan.solver.status.partition("; ")
     return {"model": model, "topology": topo_name, "solver": plan.solver.name, "asked": solver,
-            "status": plan.solver.status, "gap": plan.solver.gap, "wall_s": wall, "stages": plan.num_stages,
+            "status": status + (" (fallback)" if note else ""), "gap": plan.solver.gap, "wall_s": wall, "stages": plan.num_stages,
             "step_s": step, "vs_dp": step / dp_step if dp_step else 1.0}
 
 
