@@ -102,6 +102,8 @@ def train(cfg: RunConfig) -> None:
         raise WorldSizeError(f"the plan has {plan.num_gpus} gpus but torchrun started {world} ranks: run "
                              f"`torchrun --nproc_per_node {plan.num_gpus} ...` or re-plan for {world} gpus")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)  # before any collective: NCCL uses the current device
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.runtime.comm_timeout_s))
     try:
         _check_same_plan(plan, rank)

@@ -21,6 +21,7 @@ def check_schedules(mapping: list[int], microbatches: int, schedules: list[list[
     for g, acts in enumerate(schedules):
         _check_local(mapping, g, microbatches, acts)
     _check_runs(mapping, schedules)
+    _check_pair_order(mapping, schedules)
 
 
 def _fail(g: int, k: int, acts: list[Action], why: str) -> ScheduleError:
@@ -95,3 +96,20 @@ def _sender(a: Action) -> tuple[Kind, int, int]:
     if a.kind is Kind.RECV_ACT:
         return (Kind.SEND_ACT, a.stage - 1, a.microbatch)
     return (Kind.SEND_GRAD, a.stage + 1, a.microbatch)
+
+
+def _check_pair_order(mapping: list[int], schedules: list[list[Action]]) -> None:
+    """NCCL matches the messages between two ranks by order, not by tag: between every pair of gpus the
+    receiver must post its receives in the order the sender posts its sends."""
+    for g, acts in enumerate(schedules):
+        for h in range(len(schedules)):
+            if h == g:
+                continue
+            sent = [(a.kind, a.stage, a.microbatch) for a in acts
+                    if a.kind in _PEER and mapping[a.stage + _PEER[a.kind][1]] == h]
+            taken = [_sender(a) for a in schedules[h] if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD)
+                     and mapping[_sender(a)[1]] == g]
+            if sent != taken:
+                k = next(i for i, (x, y) in enumerate(zip(sent + [None], taken + [None])) if x != y)
+                raise ScheduleError(f"gpu {g} -> gpu {h}: message {k} is sent as {sent[k:k + 1]} but received as "
+                                    f"{taken[k:k + 1]}; NCCL would pair them wrongly")

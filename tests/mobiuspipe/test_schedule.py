@@ -62,3 +62,13 @@ def test_deadlock_is_caught():
             Action(Kind.BWD, 0, 0), Action(Kind.OFFLOAD, 0), Action(Kind.RELEASE, 0)]
     with pytest.raises(ScheduleError, match="deadlock"):
         check_schedules(mapping, 1, s)
+
+
+def test_receives_out_of_send_order_are_caught():
+    mapping = [0, 1, 0, 1]
+    s = [build_schedule(mapping, g, 2) for g in range(2)]
+    a, b = s[1].index(Action(Kind.RECV_ACT, 1, 0)), s[1].index(Action(Kind.RECV_ACT, 1, 1))
+    s[1][a], s[1][b] = s[1][b], s[1][a]  # rank 1 takes microbatch 1 before 0: fine by tag, wrong for NCCL
+    s[1][a + 1], s[1][b + 1] = s[1][b + 1], s[1][a + 1]
+    with pytest.raises(ScheduleError, match="NCCL would pair them wrongly"):
+        check_schedules(mapping, 2, s)
