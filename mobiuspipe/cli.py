@@ -145,7 +145,9 @@ def _add_partition(sub) -> None:
     p.add_argument("--microbatches", type=_positive_int, default=4, help="microbatches per step (4)")
     p.add_argument("--stages", type=int, default=None,
                    help="number of stages S (gpus <= S <= layers); default: search every S, keep the fastest")
-    p.add_argument("--mapping", choices=("cross", "round-robin"), default="cross", help="stage->gpu rule (cross)")
+    p.add_argument("--mapping", choices=("cross", "round-robin", "search"), default="cross",
+                   help="stage->gpu rule: cross (least contention), round-robin, search (every cyclic gpu order, "
+                        "up to 4 gpus; the fastest wins) (cross)")
     p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="fp16", help="parameter dtype (fp16)")
     p.add_argument("--reserve-gib", type=_non_negative_float, default=1.0,
                    help="GiB of each gpu kept out of the plan for the CUDA context and allocator (1.0)")

@@ -12,7 +12,7 @@ import yaml
 
 from mobiuspipe.config_load import Checked, Problem, load_dataclass, read_yaml, to_plain
 
-MAPPINGS = ("cross", "round-robin")
+MAPPINGS = ("cross", "round-robin", "search")
 """The stage->gpu mappings a plan may ask for."""
 MAX_VOCAB = 65536
 """Largest vocabulary: token ids must fit in 16 bits."""
@@ -172,7 +172,8 @@ class PlanConfig(Checked):
     num_stages: int = 4
     """Stages the layers are cut into (count); >= num_gpus and <= model.num_blocks + 2."""
     mapping: str = "cross"
-    """How stages are assigned to gpus: "cross" (Mobius cross mapping) or "round-robin"."""
+    """How stages are assigned to gpus: "cross" (Mobius cross mapping), "round-robin", or "search" (every
+    cyclic gpu order, up to 4 gpus; the fastest predicted wins)."""
     device_memory_mb: float = 64.0
     """Memory budget of each CPU stand-in device (MiB); on CUDA the real GPU memory is used."""
 

@@ -19,10 +19,13 @@ import itertools
 from topology import Topology
 
 __all__ = ["MAPPING_RULES", "round_robin", "cross_mapping", "make_mapping", "stage_contention", "peer_gbps",
-           "mapping_score"]
+           "mapping_score", "mapping_candidates", "SEARCH_MAX_GPUS"]
 
-MAPPING_RULES = ("cross", "round-robin")
+MAPPING_RULES = ("cross", "round-robin", "search")
+"""cross: least contention; round-robin: j mod N; search: every cyclic gpu order, the planner keeps the
+fastest (up to SEARCH_MAX_GPUS gpus)."""
 _EXHAUSTIVE_MAX_GPUS = 8
+SEARCH_MAX_GPUS = 4
 
 
 def round_robin(num_stages: int, num_gpus: int) -> list[int]:
@@ -65,12 +68,24 @@ def _interleave_groups(topo: Topology) -> tuple[int, ...]:
 
 
 def make_mapping(rule: str, topo: Topology, num_stages: int) -> list[int]:
-    """Mapping by rule name (one of MAPPING_RULES)."""
+    """Mapping by rule name ("cross" or "round-robin"; "search" has several, see mapping_candidates)."""
     if rule == "cross":
         return cross_mapping(topo, num_stages)
     if rule == "round-robin":
         return round_robin(num_stages, topo.num_gpus)
     raise ValueError(f"unknown mapping rule {rule!r}; expected one of {list(MAPPING_RULES)}")
+
+
+def mapping_candidates(rule: str, topo: Topology, num_stages: int) -> list[list[int]]:
+    """The mappings a rule offers: one for cross and round-robin, every cyclic gpu order for search."""
+    if rule != "search":
+        return [make_mapping(rule, topo, num_stages)]
+    n = topo.num_gpus
+    if n > SEARCH_MAX_GPUS:
+        raise ValueError(f"mapping rule 'search' tries all {n - 1}! cyclic gpu orders and takes at most "
+                         f"{SEARCH_MAX_GPUS} gpus, found {n}; use 'cross' (the least-contention order)")
+    orders = ((0,) + p for p in itertools.permutations(range(1, n)))
+    return [[pi[j % n] for j in range(num_stages)] for pi in orders]
 
 
 def stage_contention(topo: Topology, mapping: list[int]) -> list[float]:

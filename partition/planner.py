@@ -8,7 +8,7 @@ import time
 from partition.costmodel import ARENA_SLOTS, LayerArrays
 from partition.dp import solve_dp
 from partition.errors import PlanInfeasibleError
-from partition.mapping import make_mapping, mapping_score, peer_gbps, stage_contention
+from partition.mapping import mapping_candidates, mapping_score, peer_gbps, stage_contention
 from partition.plan import Plan, SolverInfo, StagePlan
 from partition.profile import Profile
 from partition.simulate import SimStage, simulate
@@ -69,16 +69,20 @@ def _dp_plans(profile: Profile, topo: Topology, arr: LayerArrays, microbatches: 
     """The DP's plan for every feasible stage count, fastest (quickly simulated) step first.
 
     One DP run answers every S that shares its load bandwidth (the DP table holds all stage counts)."""
-    maps = {}
-    for s in _stage_counts(num_stages, topo.num_gpus, arr.num_layers):
-        m = make_mapping(mapping, topo, s)
-        maps[s] = (m, [topo.load_gbps(g, c) for g, c in zip(m, stage_contention(topo, m))])
+    maps: dict[tuple[int, int], tuple[list[int], list[float]]] = {}  # (S, candidate k) -> (mapping, gbps)
+    try:
+        for s in _stage_counts(num_stages, topo.num_gpus, arr.num_layers):
+            for k, m in enumerate(mapping_candidates(mapping, topo, s)):
+                maps[(s, k)] = (m, [topo.load_gbps(g, c) for g, c in zip(m, stage_contention(topo, m))])
+    except ValueError as e:
+        raise PlanInfeasibleError(str(e)) from e
     plans = []
     for bw in sorted({min(g) for _, g in maps.values()}):
-        counts = [s for s, (_, g) in maps.items() if min(g) == bw]
-        for s, sol in solve_dp(arr, memory, microbatches, bw, counts).items():
-            m, gbps = maps[s]
-            plans.append(_plan_of(profile, topo, arr, sol.ranges, m, gbps, microbatches, mapping, memory))
+        for k in sorted({k for (s, k), (_, g) in maps.items() if min(g) == bw}):
+            counts = [s for (s, kk), (_, g) in maps.items() if kk == k and min(g) == bw]
+            for s, sol in solve_dp(arr, memory, microbatches, bw, counts).items():
+                m, gbps = maps[(s, k)]
+                plans.append(_plan_of(profile, topo, arr, sol.ranges, m, gbps, microbatches, mapping, memory))
     return sorted(plans, key=lambda p: (p.predicted_step_time_s, p.num_stages))
 
 

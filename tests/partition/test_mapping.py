@@ -101,7 +101,7 @@ def test_stage_contention_matches_pairwise_total():
 def test_unknown_rule():
     with pytest.raises(ValueError, match="unknown mapping rule 'zigzag'.*cross"):
         make_mapping("zigzag", preset("2+2"), 4)
-    assert set(MAPPING_RULES) == {"cross", "round-robin"}
+    assert set(MAPPING_RULES) == {"cross", "round-robin", "search"}
 
 
 def test_mapping_score_by_hand():
@@ -112,3 +112,13 @@ def test_mapping_score_by_hand():
     assert mapping_score(t, [0, 1, 2, 3]) == pytest.approx(2.0)
     # cross: (0,2) no, (2,1) no, (1,3) no; d=2: (0,1) shared 1/2, (2,3) shared 1/2; d=3: (0,3) no
     assert mapping_score(t, [0, 2, 1, 3]) == pytest.approx(1.0)
+
+
+def test_search_offers_every_cyclic_order_up_to_four_gpus():
+    from partition.mapping import mapping_candidates
+
+    orders = mapping_candidates("search", preset("2+2"), 5)
+    assert len(orders) == 6 and all(m[0] == 0 and sorted(m[:4]) == [0, 1, 2, 3] for m in orders)
+    assert mapping_candidates("cross", preset("2+2"), 4) == [[0, 2, 1, 3]]
+    with pytest.raises(ValueError, match="at most 4 gpus, found 8"):
+        mapping_candidates("search", preset("8-dual-socket"), 8)

@@ -68,3 +68,23 @@ def test_gurobi_over_its_license_falls_back_to_highs_and_says_so(monkeypatch):
     sol = solve_stage_count(prof, mapping, 2, data, 400 * 2**26, None, solver="gurobi", time_limit_s=10)
     assert sol.result.solver == "highs" and "license does not admit" in sol.result.note
     assert sol.cuts is not None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_mip_over_every_mapping_equals_enumeration_of_cuts_and_mappings(seed):
+    from partition.mapping import mapping_candidates
+
+    rng = np.random.default_rng(100 + seed)
+    topo = preset(["2+2", "3+1"][seed % 2])
+    L = int(rng.integers(5, 9))
+    prof = _profile(rng, L, identical=bool(seed % 2))
+    s = int(rng.integers(4, min(L, 6) + 1))
+    memory, m = 300 * 2**26, int(rng.integers(1, 4))
+    enum, mip = [], []
+    for mapping in mapping_candidates("search", topo, s):
+        data = stage_data(topo, mapping, prof)
+        enum.append(enumerate_best(prof, mapping, m, data, memory)[0])
+        sol = solve_stage_count(prof, mapping, m, data, memory, None, solver="highs", time_limit_s=20, gap=1e-9)
+        mip.append(sol.result.objective)
+    assert len(enum) == 6
+    assert min(mip) == pytest.approx(min(enum), rel=1e-7)
