@@ -8,7 +8,8 @@ import shlex
 import subprocess
 import sys
 
-from mobiuspipe.cli_partition import CliError, run_partition
+from mobiuspipe.cli_args import CliError, non_negative_float, positive_int
+from mobiuspipe.cli_partition import run_partition
 
 __all__ = ["main", "build_parser", "user_errors"]
 
@@ -21,26 +22,6 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from partition.profile import ProfileFileError
 
     return (*USER_ERRORS, UnknownModelError, ModelConfigError, ProfileFileError, CliError)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, found {text!r}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, found {text!r}")
-    return value
 
 
 def cmd_env(args: argparse.Namespace) -> int:
@@ -100,7 +81,7 @@ def _add_topology(sub) -> None:
                    help="measure host<->GPU (alone and per contention group), GPU<->GPU and SSD bandwidth, "
                         "and write the numbers into the topology")
     p.add_argument("--ssd-dir", default=".", metavar="DIR", help="folder whose SSD --probe measures (.)")
-    p.add_argument("--probe-mb", type=_positive_int, default=256, metavar="MB",
+    p.add_argument("--probe-mb", type=positive_int, default=256, metavar="MB",
                    help="MiB each --probe transfer moves (256)")
     view = p.add_mutually_exclusive_group()
     view.add_argument("--json", action="store_true", help="print one JSON document (tree, groups, matrix, ...)")
@@ -141,21 +122,21 @@ def _add_partition(sub) -> None:
     p.add_argument("--topology", help='preset name ("2+2", "3+1") or a .yaml/.json layout file')
     p.add_argument("--config", metavar="RUN.yaml",
                    help="plan a training run's model on its devices instead (then write it with -o for plan.file)")
-    p.add_argument("--microbatch-size", type=_positive_int, default=1, help="sequences per microbatch (1)")
-    p.add_argument("--microbatches", type=_positive_int, default=4, help="microbatches per step (4)")
+    p.add_argument("--microbatch-size", type=positive_int, default=1, help="sequences per microbatch (1)")
+    p.add_argument("--microbatches", type=positive_int, default=4, help="microbatches per step (4)")
     p.add_argument("--stages", type=int, default=None,
                    help="number of stages S (gpus <= S <= layers); default: search every S, keep the fastest")
     p.add_argument("--mapping", choices=("cross", "round-robin", "search"), default="cross",
                    help="stage->gpu rule: cross (least contention), round-robin, search (every cyclic gpu order, "
                         "up to 4 gpus; the fastest wins) (cross)")
     p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="fp16", help="parameter dtype (fp16)")
-    p.add_argument("--reserve-gib", type=_non_negative_float, default=1.0,
+    p.add_argument("--reserve-gib", type=non_negative_float, default=1.0,
                    help="GiB of each gpu kept out of the plan for the CUDA context and allocator (1.0)")
     p.add_argument("--solver", choices=("auto", "highs", "gurobi", "dp"), default="auto",
                    help="auto: Gurobi when its license admits the model, else HiGHS; dp: the exact DP alone (auto)")
-    p.add_argument("--time-limit", type=_non_negative_float, default=2.0, metavar="S",
+    p.add_argument("--time-limit", type=non_negative_float, default=2.0, metavar="S",
                    help="seconds the MIP may take in all; on a time-out the best plan found is kept with its gap (2)")
-    p.add_argument("--gap", type=_non_negative_float, default=0.01,
+    p.add_argument("--gap", type=non_negative_float, default=0.01,
                    help="relative MIP gap to stop at (0.01 = 1%%)")
     p.add_argument("--profile", metavar="FILE",
                    help="use this profile (from `mobiuspipe profile -o`) instead of the analytic one of --model")
@@ -182,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_simulate(sub)
     p = sub.add_parser("train", help="launch torchrun on a YAML run config")
     p.add_argument("--config", required=True, help="YAML run config (see examples/tiny-gpt.yaml)")
-    p.add_argument("--nproc", type=_positive_int, default=None,
+    p.add_argument("--nproc", type=positive_int, default=None,
                    help="ranks to start (default: the plan's gpu count)")
     p.set_defaults(func=cmd_train)
     return parser

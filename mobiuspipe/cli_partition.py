@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from mobiuspipe.cli_args import CliError, write_output
 from mobiuspipe.units import fmt_bytes
 from partition.analytic import analytic_profile
 from partition.hardware import device_spec
@@ -17,13 +18,9 @@ from partition.simulate import SimResult, simulate
 from partition.trace import ascii_timeline, svg_timeline
 from topology import Topology, load_topology
 
-__all__ = ["CliError", "run_partition", "plan_to_json", "render_plan"]
+__all__ = ["run_partition", "plan_to_json", "render_plan"]
 
 GiB = 1024**3
-
-
-class CliError(ValueError):
-    """A command-line value the command cannot use (an unknown GPU name, an unwritable output path)."""
 
 
 def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
@@ -115,26 +112,18 @@ def render_plan(plan: Plan, sim: SimResult, width: int = 100) -> str:
     return "\n".join(_header(plan) + [""] + _table(plan) + [""]) + "\n" + ascii_timeline(sim, plan.num_gpus, width)
 
 
-def _write(what: str, path: str, write) -> None:
-    try:
-        write()
-    except OSError as e:
-        raise CliError(f"cannot write the {what} to {path}: {e.strerror or e}; "
-                       f"expected a writable file path (does its folder exist?)") from e
-
-
 def run_partition(args: argparse.Namespace, out) -> int:
     """Plan, write -o/--timeline files, print the plan to `out`; errors propagate to the CLI's handler."""
     plan, topo, profile = make_cli_plan(args)
     sim = simulate(sim_stages(plan.stages, topo), topo.num_gpus, plan.num_microbatches, topology=topo)
     notes = []
     if args.output:
-        _write("plan", args.output, lambda: save_plan(plan, args.output))
+        write_output("plan", args.output, lambda: save_plan(plan, args.output))
         notes.append(f"plan written to {args.output}")
     if args.timeline:
         title = (f"{plan.model} on {plan.topology}: {plan.num_stages} stages on {plan.num_gpus} gpus, "
                  f"predicted step {plan.predicted_step_time_s:.3f} s")
-        _write("timeline", args.timeline, lambda: svg_timeline(sim, topo.num_gpus, Path(args.timeline), title))
+        write_output("timeline", args.timeline, lambda: svg_timeline(sim, topo.num_gpus, Path(args.timeline), title))
         notes.append(f"timeline written to {args.timeline}")
     doc, extra = plan_to_json(plan), ""
     if args.compare:

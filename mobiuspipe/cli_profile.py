@@ -12,7 +12,7 @@ import dataclasses
 import json
 import sys
 
-from mobiuspipe.cli_partition import CliError
+from mobiuspipe.cli_args import CliError, positive_int, write_output
 from mobiuspipe.units import fmt_bytes
 from partition.analytic import DTYPE_BYTES, analytic_profile
 from partition.hardware import MFU_DEFAULT, device_spec
@@ -27,16 +27,6 @@ MEASURED_MAX_PARAMS = 1_000_000_000
 """--measured builds the model's distinct layers on this machine: refused above this many parameters."""
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, found {text!r}")
-    return value
-
-
 def register(sub) -> None:
     """Add the `profile` subcommand to the CLI's subparsers."""
     p = sub.add_parser("profile", help="per-layer time and bytes of a model (analytic, or --measured here)")
@@ -44,8 +34,8 @@ def register(sub) -> None:
                    help="model name (gpt3-175b, llama2-70b, ...) or a Hugging Face config.json (or its folder)")
     p.add_argument("--gpu", default=None, metavar="NAME",
                    help=f"device type of the analytic profile ({DEFAULT_GPU!r}); an unknown name lists them")
-    p.add_argument("--microbatch-size", type=_positive_int, default=1, help="sequences per microbatch (1)")
-    p.add_argument("--seq-len", type=_positive_int, default=None,
+    p.add_argument("--microbatch-size", type=positive_int, default=1, help="sequences per microbatch (1)")
+    p.add_argument("--seq-len", type=positive_int, default=None,
                    help="tokens per sequence (default: the model's; a gpt's position table follows it)")
     p.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default=None,
                    help="parameter dtype (fp16; bf16 for --measured on a CPU, where fp16 takes a slow path)")
@@ -144,11 +134,7 @@ def cmd_profile(args: argparse.Namespace, out=None) -> int:
     profile, how = _measured(spec, args) if args.measured else _analytic(spec, args)
     note = None
     if args.output:
-        try:
-            save_profile(profile, args.output)
-        except OSError as e:
-            raise CliError(f"cannot write the profile to {args.output}: {e.strerror or e}; "
-                           f"expected a writable file path (does its folder exist?)") from e
+        write_output("profile", args.output, lambda: save_profile(profile, args.output))
         note = f"profile written to {args.output}"
     if args.json:
         out.write(json.dumps({**profile.to_dict(), "runs": runs_to_list(profile)}, indent=2) + "\n")

@@ -7,14 +7,14 @@ import json
 import sys
 from pathlib import Path
 
-from mobiuspipe.cli_partition import CliError
+from mobiuspipe.cli_args import CliError, write_output
 from mobiuspipe.units import fmt_bytes
 from partition.baselines import BaselineResult, gpipe, predict, sequential_mapping, zero_offload
 from partition.plan import Plan, load_plan
 from partition.planner import HOST_ADAM_PARAMS_PER_S
 from partition.profile import Profile
 from partition.simulate import SimResult, link_paths
-from partition.trace import RenderError, chrome_trace, png_timeline, svg_timeline
+from partition.trace import chrome_trace, png_timeline, svg_timeline
 from topology import PRESETS, Topology, cpu_standin, load_topology
 
 __all__ = ["register", "run_simulate", "simulate_json", "render_simulation", "compare", "compare_text",
@@ -49,16 +49,6 @@ def _topology(plan: Plan, spec: str | None) -> Topology:
     return topo
 
 
-def _write(what: str, path: str, write) -> None:
-    try:
-        write()
-    except OSError as e:
-        raise CliError(f"cannot write the {what} to {path}: {e.strerror or e}; "
-                       f"expected a writable file path (does its folder exist?)") from e
-    except RenderError as e:
-        raise CliError(str(e)) from e
-
-
 def run_simulate(args: argparse.Namespace, out) -> int:
     """Simulate the plan, write the requested files, print the report (or JSON) to `out`."""
     plan = load_plan(args.plan)
@@ -71,7 +61,7 @@ def run_simulate(args: argparse.Namespace, out) -> int:
                               ("SVG timeline", args.svg, lambda p: svg_timeline(sim, topo.num_gpus, Path(p), title)),
                               ("PNG timeline", args.png, lambda p: png_timeline(sim, topo.num_gpus, Path(p), title))):
         if path:
-            _write(what, path, lambda: write(path))
+            write_output(what, path, lambda: write(path))
             notes.append(f"{what} written to {path}")
     if args.json:
         out.write(json.dumps(simulate_json(plan, topo, sim), indent=2) + "\n")

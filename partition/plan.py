@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-import yaml
-
 from partition.errors import PlanFileError
+from partition.files import read_data, write_data
 
 __all__ = ["StagePlan", "SolverInfo", "Plan", "load_plan", "save_plan"]
 
@@ -161,28 +159,10 @@ _SCALARS = {"int": (int,), "float": (int, float), "str": (str,)}
 
 def save_plan(plan: Plan, path: str | Path) -> None:
     """Write YAML (or JSON when the suffix is .json)."""
-    path = Path(path)
-    d = plan.to_dict()
-    text = json.dumps(d, indent=2) if path.suffix == ".json" else yaml.safe_dump(d, sort_keys=False)
-    path.write_text(text)
+    write_data(plan.to_dict(), path)
 
 
 def load_plan(path: str | Path) -> Plan:
-    """Read a plan written by save_plan (JSON when the suffix is .json); PlanFileError on anything malformed.
-
-    JSON is read as JSON: YAML 1.1 would read JSON floats such as 1e-05 as strings.
-    """
-    path = Path(path)
-    is_json = path.suffix == ".json"
-    try:
-        text = path.read_text(encoding="utf-8")
-        d = json.loads(text) if is_json else yaml.safe_load(text)
-    except OSError as e:
-        raise PlanFileError(f"cannot read plan file {path}: {e.strerror}; write one with "
-                            f"`mobiuspipe partition ... -o {path.name}`") from e
-    except UnicodeDecodeError as e:
-        raise PlanFileError(f"plan file {path} is not UTF-8 text ({e.reason} at byte {e.start}); "
-                            f"write plans with `mobiuspipe partition -o FILE`") from e
-    except (yaml.YAMLError, json.JSONDecodeError) as e:
-        raise PlanFileError(f"plan file {path} is not valid {'JSON' if is_json else 'YAML'}: {e}") from e
+    """Read a plan written by save_plan; PlanFileError on anything malformed."""
+    d = read_data(path, PlanFileError, "plan", f"`mobiuspipe partition ... -o {Path(path).name}`")
     return Plan.from_dict(d, str(path))

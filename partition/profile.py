@@ -16,12 +16,11 @@ also carry "runs" (a list of {"count", "layer"}), which is checked against "laye
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-import yaml
+from partition.files import read_data, write_data
 
 __all__ = ["LayerProfile", "Profile", "ProfileFileError", "compress", "expand", "load_profile", "runs_to_list",
            "profile_from_file_dict", "save_profile"]
@@ -101,28 +100,13 @@ def runs_to_list(profile: Profile) -> list[dict]:
 
 def save_profile(profile: Profile, path: str | Path) -> None:
     """Write Profile.to_dict() as YAML (or JSON when the suffix is .json); load_profile reads it back exactly."""
-    path = Path(path)
-    d = profile.to_dict()
-    path.write_text(json.dumps(d, indent=2) + "\n" if path.suffix == ".json" else yaml.safe_dump(d, sort_keys=False))
+    write_data(profile.to_dict(), path)
 
 
 def load_profile(path: str | Path) -> Profile:
-    """Read a profile file (JSON when the suffix is .json, else YAML); ProfileFileError on anything malformed.
-
-    JSON is read as JSON: YAML 1.1 would read JSON floats such as 1e-05 as strings.
-    """
+    """Read a profile file (JSON when the suffix is .json, else YAML); ProfileFileError on anything malformed."""
     path = Path(path)
-    is_json = path.suffix == ".json"
-    try:
-        text = path.read_text(encoding="utf-8")
-        d = json.loads(text) if is_json else yaml.safe_load(text)
-    except OSError as e:
-        raise ProfileFileError(f"cannot read profile file {path}: {e.strerror or e}; write one with "
-                               f"`mobiuspipe profile --model NAME -o {path.name}`") from e
-    except UnicodeDecodeError as e:
-        raise ProfileFileError(f"profile file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from e
-    except (yaml.YAMLError, json.JSONDecodeError) as e:
-        raise ProfileFileError(f"profile file {path} is not valid {'JSON' if is_json else 'YAML'}: {e}") from e
+    d = read_data(path, ProfileFileError, "profile", f"`mobiuspipe profile --model NAME -o {path.name}`")
     return profile_from_file_dict(d, f"profile file {path}")
 
 

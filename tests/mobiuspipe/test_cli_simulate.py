@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mobiuspipe.cli_partition import CliError
+from mobiuspipe.cli_args import CliError
 from mobiuspipe.cli_simulate import compare, compare_json, compare_text, register
 from partition.analytic import analytic_profile
 from partition.baselines import predict

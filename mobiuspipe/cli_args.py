@@ -1,0 +1,44 @@
+"""Pieces every CLI subcommand shares: argument types, the user-error class, writing an output file."""
+
+from __future__ import annotations
+
+import argparse
+
+from partition.trace import RenderError
+
+__all__ = ["CliError", "positive_int", "non_negative_float", "write_output"]
+
+
+class CliError(ValueError):
+    """A command-line value the command cannot use (an unknown GPU name, an unwritable output path)."""
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, found {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, found {text!r}")
+    return value
+
+
+def write_output(what: str, path: str, write) -> None:
+    """Run write(); an OS or rendering failure becomes one CliError naming the file."""
+    try:
+        write()
+    except OSError as e:
+        raise CliError(f"cannot write the {what} to {path}: {e.strerror or e}; "
+                       f"expected a writable file path (does its folder exist?)") from e
+    except RenderError as e:
+        raise CliError(str(e)) from e
