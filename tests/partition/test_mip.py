@@ -88,3 +88,28 @@ def test_mip_over_every_mapping_equals_enumeration_of_cuts_and_mappings(seed):
         mip.append(sol.result.objective)
     assert len(enum) == 6
     assert min(mip) == pytest.approx(min(enum), rel=1e-7)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_mip_and_dp_agree_where_the_step_is_the_bottleneck(seed):
+    """One stage per gpu (S = N), nothing to load or send, backward = 2 x forward: then the step is
+    4 (sum f + (M - 1) max f), so the MIP minimizes the largest stage, which is the DP's objective."""
+    from partition.costmodel import LayerArrays
+    from partition.dp import solve_dp
+    from topology.presets import cpu_standin
+
+    rng = np.random.default_rng(200 + seed)
+    L, n, m = int(rng.integers(4, 12)), int(rng.integers(2, 5)), int(rng.integers(1, 6))
+    layers = tuple(LayerProfile(f"l{k}", 0, 0, 0, 0, 1.0, 2.0, f, 2 * f)
+                   for k, f in enumerate(rng.uniform(0.01, 1.0, L)))
+    prof = Profile("bottleneck", "dev", "fp32", 1, 8, layers)
+    mapping = list(range(n))
+    data = stage_data(cpu_standin(n, 2**30), mapping, prof)
+    dp = solve_dp(LayerArrays.of(prof), 2**30, m, 10.0, [n])[n]
+    mip = solve_stage_count(prof, mapping, m, data, 2**30, None, solver="highs", time_limit_s=20, gap=1e-9)
+    t_dp = aggregate_step(stage_times(prof, list(dp.cuts), data), mapping, m)
+    t_mip = aggregate_step(stage_times(prof, mip.cuts, data), mapping, m)
+    assert t_mip == pytest.approx(t_dp, rel=1e-9)
+    if m > 1:  # with one microbatch every cut takes the same time; otherwise both minimize the largest stage
+        biggest = lambda cuts: max(sum(x.fwd_s for x in layers[a:b]) for a, b in zip(cuts, cuts[1:]))  # noqa: E731
+        assert biggest(mip.cuts) == pytest.approx(biggest(list(dp.cuts)), rel=1e-9)
