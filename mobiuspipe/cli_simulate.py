@@ -11,7 +11,7 @@ from mobiuspipe.cli_args import CliError, write_output
 from mobiuspipe.units import fmt_bytes
 from partition.baselines import BaselineResult, gpipe, predict, sequential_mapping, zero_offload
 from partition.plan import Plan, load_plan
-from partition.planner import HOST_ADAM_PARAMS_PER_S
+from partition.planner import host_adam_rate
 from partition.profile import Profile
 from partition.simulate import SimResult, link_paths
 from partition.trace import chrome_trace, png_timeline, svg_timeline
@@ -133,7 +133,7 @@ def compare_json(plan: Plan, topo: Topology, profile: Profile, results: list[Bas
     results = results or compare(plan, topo, profile)
     base = results[0].step_time_s
     rows = [r.to_dict() | {"speedup": (r.step_time_s / base) if r.step_time_s and base else None} for r in results]
-    adam = sum(s.param_count for s in plan.stages) / HOST_ADAM_PARAMS_PER_S
+    adam = sum(s.param_count for s in plan.stages) / host_adam_rate(topo)
     return {"model": plan.model, "topology": topo.name, "num_microbatches": plan.num_microbatches,
             "microbatch_size": plan.microbatch_size, "host_adam_s": adam, "systems": rows}
 
@@ -153,7 +153,8 @@ def compare_text(plan: Plan, topo: Topology, profile: Profile, results: list[Bas
         speed = "(the reference)" if k == 0 else _speed(r["speedup"]) if r["speedup"] else r["reason"]
         lines.append(f"{r['name']:<34}{step:>10}  {speed}")
         lines += [f"{'':<4}{n}" for n in r["notes"]]
-    lines.append(f"host Adam over all parameters takes {d['host_adam_s']:.1f} s at {HOST_ADAM_PARAMS_PER_S:.3g} "
-                 f"params/s (partition.planner.HOST_ADAM_PARAMS_PER_S); mobiuspipe runs it behind the backward, "
-                 f"ZeRO-3 offload after it")
+    measured = "measured by `topology --probe`" if topo.measured and topo.measured.host_adam_params_per_s else \
+        "assumed: partition.planner.HOST_ADAM_PARAMS_PER_S; `topology --probe --save` measures it"
+    lines.append(f"host Adam over all parameters takes {d['host_adam_s']:.1f} s at {host_adam_rate(topo):.3g} "
+                 f"params/s ({measured}); mobiuspipe runs it behind the backward, ZeRO-3 offload after it")
     return "\n".join(lines) + "\n"

@@ -14,10 +14,17 @@ from partition.profile import Profile
 from partition.simulate import SimStage, simulate
 from topology import Topology
 
-__all__ = ["make_plan", "sim_stages", "HOST_ADAM_PARAMS_PER_S"]
+__all__ = ["make_plan", "sim_stages", "HOST_ADAM_PARAMS_PER_S", "host_adam_rate"]
 
 HOST_ADAM_PARAMS_PER_S = 1.0e9
-"""Parameters per second the host's Adam updates (torch fused AdamW measured ~0.9-1e9/s on 2 cores)."""
+"""Parameters per second the host's Adam updates when the topology has no measurement (`topology --probe`
+measures it): torch AdamW ran ~0.9-1e9/s on this project's 2-core machine."""
+
+
+def host_adam_rate(topo: Topology) -> float:
+    """The topology's measured host Adam rate, else HOST_ADAM_PARAMS_PER_S."""
+    m = topo.measured
+    return m.host_adam_params_per_s if m and m.host_adam_params_per_s > 0 else HOST_ADAM_PARAMS_PER_S
 
 GiB = 1024**3
 
@@ -191,7 +198,7 @@ def sim_stages(stages: tuple[StagePlan, ...], topo: Topology) -> list[SimStage]:
         comm = 0.0 if nxt == s.gpu else s.output_bytes / (peer_gbps(topo, s.gpu, nxt) * 1e9)
         out.append(SimStage(gpu=s.gpu, fwd_s=s.fwd_s, bwd_s=s.bwd_s, load_s=s.load_s,
                             offload_s=s.param_bytes / (topo.gpus[s.gpu].link_gbps * 1e9),
-                            update_s=s.param_count / HOST_ADAM_PARAMS_PER_S, comm_s=comm,
+                            update_s=s.param_count / host_adam_rate(topo), comm_s=comm,
                             param_bytes=s.param_bytes, grad_bytes=s.param_bytes,
                             activation_bytes=s.activation_bytes, output_bytes=s.output_bytes))
     return out

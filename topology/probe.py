@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from topology.errors import TopologyError
+from topology.probe_cpu import probe_host_adam
 from topology.types import Measured, Topology
 
 __all__ = ["probe", "NO_CUDA_NOTE"]
@@ -50,8 +51,9 @@ def probe(t: Topology, ssd_dir: str | Path | None, *, size_mb: int = 256, repeat
     else:
         ssd = _probe_ssd(Path(ssd_dir), size_mb, repeats, notes)
     h2d, group, d2d = _probe_gpus(t, size_mb, repeats, devices, notes)
+    adam = probe_host_adam(notes, repeats=repeats)
     m = Measured(h2d_gbps=h2d, h2d_group_gbps=group, d2d_gbps=d2d, ssd_dir=str(ssd_dir or ""),
-                 ssd_read_gbps=ssd[0], ssd_write_gbps=ssd[1], notes=tuple(notes))
+                 ssd_read_gbps=ssd[0], ssd_write_gbps=ssd[1], host_adam_params_per_s=adam, notes=tuple(notes))
     return _fold_measured(t, m)
 
 

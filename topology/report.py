@@ -164,6 +164,8 @@ def _measured(t: Topology) -> list[str]:
         lines.append(row(f"gpu{a}->", d2d))
     if m.ssd_dir:
         lines.append(f"  ssd {m.ssd_dir}: read {m.ssd_read_gbps:.2f} GB/s, write {m.ssd_write_gbps:.2f} GB/s")
+    if m.host_adam_params_per_s:
+        lines.append(f"  host Adam: {m.host_adam_params_per_s / 1e9:.2f}e9 params/s")
     return lines + [f"  note: {n}" for n in m.notes]
 
 

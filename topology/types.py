@@ -101,6 +101,8 @@ class Measured:
     ssd_dir: str = ""
     ssd_read_gbps: float = 0.0
     ssd_write_gbps: float = 0.0
+    host_adam_params_per_s: float = 0.0
+    """Parameters per second the host's optimizer updates (the planner's host-update rate)."""
     notes: tuple[str, ...] = ()
 
 

@@ -211,3 +211,19 @@ def test_gpu_probe(tmp_path):
     assert [g.link_gbps for g in f.gpus] == list(m.h2d_gbps)
     assert f.root_complexes[0].uplink_gbps == pytest.approx(sum(m.h2d_group_gbps))
     assert NO_CUDA_NOTE not in m.notes
+
+
+def test_probe_measures_host_adam_and_the_planner_uses_it(tmp_path):
+    import dataclasses
+
+    from partition.planner import HOST_ADAM_PARAMS_PER_S, host_adam_rate
+    from topology import preset
+    from topology.probe_cpu import probe_host_adam
+
+    notes: list[str] = []
+    rate = probe_host_adam(notes, params=200_000, repeats=1)
+    assert rate > 0 and "torch.optim.AdamW" in notes[0]
+    t = preset("2+2")
+    assert host_adam_rate(t) == HOST_ADAM_PARAMS_PER_S
+    measured = dataclasses.replace(t, measured=Measured(host_adam_params_per_s=rate))
+    assert host_adam_rate(measured) == rate
