@@ -27,6 +27,7 @@ from mobiuspipe.engine import Engine
 from mobiuspipe.errors import ArenaError, ConfigError, PeerLostError, WorldSizeError
 from mobiuspipe.memory.arena import DeviceArena
 from mobiuspipe.metrics import Reporter, StepMetrics
+from mobiuspipe.optim import CPUAdam
 from mobiuspipe.models.gpt import build_layers
 from mobiuspipe.planning import model_spec, plan_for_run
 from mobiuspipe.schedule import build_schedule, check_schedules
@@ -59,7 +60,7 @@ def _build_stages(cfg: RunConfig, plan: Plan, rank: int, device: Device) -> dict
     t = cfg.train
 
     def make_optimizer(params):
-        return torch.optim.AdamW(params, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
+        return CPUAdam(params, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
 
     return {j: Stage(j, {l: layers[l] for l in range(plan.stages[j].first, plan.stages[j].last + 1)}, device,
                      make_optimizer) for j in mine}

@@ -35,10 +35,12 @@ void adam_span_scalar(const AdamParams& a, float* p, float* m, float* v, const v
   const float b1c = a.b1c, b2c = a.b2c;
   for (int64_t i = begin; i < end; ++i) {
     const float gi = load_grad(g, gt, i);
-    const float mi = a.beta1 * m[i] + b1c * gi;
-    const float vi = a.beta2 * v[i] + b2c * gi * gi;
-    const float denom = std::sqrt(vi) * a.inv_bc2_sqrt + a.eps;
-    const float pi = p[i] * a.decay - a.step_size * (mi / denom);
+    // The same operations, in the same order and with the same fused multiply-adds, as the SIMD spans:
+    // an element rounds alike whether it falls in a vector body or a scalar tail.
+    const float mi = std::fma(a.beta1, m[i], b1c * gi);
+    const float vi = std::fma(a.beta2, v[i], (b2c * gi) * gi);
+    const float denom = std::fma(std::sqrt(vi), a.inv_bc2_sqrt, a.eps);
+    const float pi = std::fma(-a.step_size, mi / denom, p[i] * a.decay);
     m[i] = mi;
     v[i] = vi;
     p[i] = pi;

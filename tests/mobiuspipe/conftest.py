@@ -14,31 +14,35 @@ from torch import nn
 from mobiuspipe.config import RunConfig
 from mobiuspipe.dataset import ByteData
 from mobiuspipe.models.gpt import build_layers, lm_loss
+from mobiuspipe.optim import CPUAdam
 from mobiuspipe.planning import model_spec
 
 
-def reference_run(cfg: RunConfig, microbatched: bool = True) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference_run(cfg: RunConfig, microbatched: bool = True,
+                  optimizer=CPUAdam) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Losses of every step and the final weights by "layer.param", with no pipeline.
 
     microbatched=True accumulates the gradients of loss_i / M over the same microbatches as the pipeline
     (plain gradient accumulation); False takes one full-batch gradient. Both are the same step in exact
     arithmetic; the first also rounds like the pipeline, which matters where the true gradient is zero
     (the attention key bias): Adam's m / sqrt(v) turns rounding noise there into full-size updates.
+    The optimizer is the runtime's (CPUAdam, a drop-in for AdamW) so both sides round alike; the loss
+    checks also run against torch.optim.AdamW.
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.runtime.threads)  # the ranks' thread count, so reductions round alike
     try:
-        return _reference_run(cfg, microbatched)
+        return _reference_run(cfg, microbatched, optimizer)
     finally:
         torch.set_num_threads(threads)
 
 
-def _reference_run(cfg: RunConfig, microbatched: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference_run(cfg: RunConfig, microbatched: bool, optimizer) -> tuple[list[float], dict[str, torch.Tensor]]:
     spec = model_spec(cfg)
     layers = build_layers(spec, cfg.train.seed)
     model = nn.Sequential(*(layers[l] for l in range(spec.num_layers)))
     t = cfg.train
-    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
+    opt = optimizer(model.parameters(), lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
     data = ByteData(cfg.data.text_path, cfg.model.seq_len, cfg.train.seed)
     losses = []
     for step in range(cfg.train.steps):

@@ -228,3 +228,22 @@ def test_build_clears_a_stale_baton(tmp_path, capsys):
     _build._clear_stale_baton(tmp_path)
     assert not (tmp_path / "lock").exists() and "stale lock" in capsys.readouterr().err
     _build._clear_stale_baton(tmp_path)  # nothing there: nothing to do
+
+
+def test_an_element_rounds_alike_in_a_vector_body_or_a_scalar_tail():
+    """A flat stage buffer and per-tensor parameters must step to the same bits (the runtime's stage
+    master is one flat tensor; plain training steps each tensor)."""
+    from mobiuspipe.optim import CPUAdam
+
+    g = torch.Generator().manual_seed(5)
+    data, grad = torch.randn(4099, generator=g), torch.randn(4099, generator=g) * 1e-3
+    flat = torch.nn.Parameter(data.clone())
+    parts = [torch.nn.Parameter(x.clone()) for x in data.split([7, 1000, 17, 3075])]
+    flat.grad = grad.clone()
+    for p, gp in zip(parts, grad.split([7, 1000, 17, 3075])):
+        p.grad = gp.clone()
+    a, b = CPUAdam([flat], lr=0.01, weight_decay=0.1), CPUAdam(parts, lr=0.01, weight_decay=0.1)
+    for _ in range(3):
+        a.step()
+        b.step()
+    assert torch.equal(flat.detach(), torch.cat([p.detach() for p in parts]))
