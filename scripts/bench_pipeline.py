@@ -19,6 +19,7 @@ import torch
 import yaml
 from torch import nn
 
+from benchlib import cpu_mark, cpu_model, markdown_table, other_share
 from mobiuspipe.config import RunConfig, config_from_dict
 from mobiuspipe.dataset import ByteData
 from mobiuspipe.models.gpt import build_layers, lm_loss
@@ -183,55 +184,13 @@ def text_table(rows: list[list[str]]) -> str:
     return "\n".join([fmt(HEADER), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)])
 
 
-def markdown_table(rows: list[list[str]]) -> str:
-    """The rows as a Markdown table, to paste into BENCHMARKS.md."""
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-
-
 def machine() -> list[str]:
     """CPU model, cores, torch version, date and load average: where and when the figures were taken."""
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
     return [f"date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
             f"machine: {cpu}, {os.cpu_count()} cores, gpu {gpu}, {platform.system()} {platform.release()}",
             f"python {platform.python_version()}, torch {torch.__version__}"]
-
-
-def busy_cpu_s() -> float:
-    """CPU-seconds the whole machine has spent busy since boot (/proc/stat; 0 where it is missing)."""
-    try:
-        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
-    except OSError:
-        return 0.0
-    user, nice, system, _idle, _iowait, irq, softirq = fields
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_s() -> float:
-    """CPU-seconds used by this process and every child it has waited for (torchrun and its ranks)."""
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
-
-
-def cpu_mark() -> tuple[float, float, float]:
-    """(wall clock, machine busy CPU-s, own CPU-s) now: the start of a stretch other_share measures."""
-    return time.perf_counter(), busy_cpu_s(), own_cpu_s()
-
-
-def other_share(mark: tuple[float, float, float]) -> tuple[float, float]:
-    """(share of all cores that processes other than ours kept busy since `mark`, wall seconds)."""
-    t0, busy0, own0 = mark
-    wall = time.perf_counter() - t0
-    other = max(0.0, busy_cpu_s() - busy0 - (own_cpu_s() - own0))
-    return other / (wall * (os.cpu_count() or 1)), wall
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -266,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"steps {args.steps} per run, median over the last {args.steps - args.warmup}\n")
     print(text_table(table))
     if args.markdown:
-        print("\n" + markdown_table(table))
+        print("\n" + markdown_table(HEADER, table))
     return 0
 
 

@@ -14,9 +14,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+from benchlib import cpu_mark, cpu_model, markdown_table, other_share
 from topology import load_topology
 from topology.probe import NO_CUDA_NOTE, probe
 
@@ -135,19 +135,6 @@ def text_table(rows: list[list[str]]) -> str:
     return "\n".join([fmt(HEADER), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)])
 
 
-def markdown_table(rows: list[list[str]]) -> str:
-    """The rows as a Markdown table, to paste into BENCHMARKS.md."""
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
-
-
 def block_queue(device: str) -> str:
     """'rotational R, write cache W' of the block device `device` (/dev/NAME), from sysfs; '' if unknown."""
     base = Path("/sys/class/block") / Path(device).name
@@ -182,31 +169,6 @@ def machine(folder: Path, tools: list[str]) -> list[str]:
             disk(folder), f"yardsticks: {', '.join(versions)}"]
 
 
-def busy_cpu_s() -> float:
-    """CPU-seconds the whole machine has spent busy since boot (/proc/stat; 0 where it is missing)."""
-    try:
-        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
-    except OSError:
-        return 0.0
-    user, nice, system, _idle, _iowait, irq, softirq = fields
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_s() -> float:
-    """CPU-seconds used by this process and every child it has waited for (fio, dd)."""
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
-
-
-def other_cpu(mark: tuple[float, float, float]) -> str:
-    """How busy other processes kept the cores since `mark` = (wall clock, busy CPU-s, own CPU-s). Kernel work
-    done for our own I/O (interrupts, kworkers) counts as other, so an idle machine shows a few percent."""
-    wall = time.perf_counter() - mark[0]
-    other = max(0.0, busy_cpu_s() - mark[1] - (own_cpu_s() - mark[2]))
-    return (f"other processes kept {100 * other / (wall * (os.cpu_count() or 1)):.1f}% of the "
-            f"{os.cpu_count()} cores busy during the {wall:.0f} s run (near 0% = a quiet machine)")
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--dir", type=Path, default=REPO, help=f"folder whose disk is measured (default {REPO})")
@@ -230,9 +192,11 @@ def main(argv: list[str] | None = None) -> int:
         print("fio not found on PATH: measuring against dd only (install fio, e.g. apt-get install fio, for the "
               "main yardstick)", file=sys.stderr)
     info = machine(args.dir.resolve(), tools)
-    mark = time.perf_counter(), busy_cpu_s(), own_cpu_s()
+    mark = cpu_mark()
     runs, notes = bench(args.dir.resolve(), tools, args.size_mb, args.repeats)
-    print("\n".join(info + [other_cpu(mark)]))
+    share, wall = other_share(mark)
+    print("\n".join(info + [f"other processes kept {100 * share:.1f}% of the {os.cpu_count()} cores busy during the "
+                             f"{wall:.0f} s run (near 0% = a quiet machine)"]))
     print(f"{args.size_mb} MiB per write and read, 1 MiB blocks, direct I/O, 1 job, queue depth 1; "
           f"{args.repeats} repeats per tool, order rotated; GB/s = 1e9 B/s")
     for tool in tools:
@@ -242,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     table = [cells(t, runs) for t in tools]
     print(text_table(table))
     if args.markdown:
-        print("\n" + markdown_table(table))
+        print("\n" + markdown_table(HEADER, table))
     return 0
 
 

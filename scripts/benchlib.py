@@ -1,0 +1,57 @@
+"""What every benchmark script records beside its table: the machine, and how busy other processes kept it."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from pathlib import Path
+
+__all__ = ["cpu_model", "markdown_table", "cpu_mark", "other_share"]
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (platform.processor() where it is missing)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    """The rows as a Markdown table, to paste into BENCHMARKS.md."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def _busy_cpu_s() -> float:
+    """CPU-seconds the whole machine has spent busy since boot (/proc/stat; 0 where it is missing)."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+    except OSError:
+        return 0.0
+    user, nice, system, _idle, _iowait, irq, softirq = fields
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    """CPU-seconds used by this process and every child it has waited for."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def cpu_mark() -> tuple[float, float, float]:
+    """(wall clock, machine busy CPU-s, own CPU-s) now: the start of a stretch other_share measures."""
+    return time.perf_counter(), _busy_cpu_s(), _own_cpu_s()
+
+
+def other_share(mark: tuple[float, float, float]) -> tuple[float, float]:
+    """(share of all cores that processes other than ours kept busy since `mark`, wall seconds). Kernel work
+    done for our own I/O counts as other, so an idle machine shows a few percent."""
+    t0, busy0, own0 = mark
+    wall = time.perf_counter() - t0
+    other = max(0.0, _busy_cpu_s() - busy0 - (_own_cpu_s() - own0))
+    return other / (wall * (os.cpu_count() or 1)), wall
