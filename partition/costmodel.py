@@ -21,8 +21,7 @@ Memory rule. The device arena holds three slots of W bytes: the computing stage,
 stage of the same gpu, and the computing stage's gradients. With fixed slots there is no fragmentation,
 so a plan is feasible iff, for every stage j:  3*W + A_j <= G.
 
-Stage cost used by the DP (partition.dp.interval_matrices; the busier of the gpu's compute and copy
-engines for that stage):
+Stage cost used by the DP (the busier of the gpu's compute and copy engines for that stage):
   c_j = max(M*(2*F_j + B_j), 2*U_j)
 """
 
@@ -34,7 +33,7 @@ import numpy as np
 
 from partition.profile import Profile
 
-__all__ = ["ARENA_SLOTS", "LayerArrays"]
+__all__ = ["ARENA_SLOTS", "LayerArrays", "stage_cost"]
 
 ARENA_SLOTS = 3
 """Weight slot for the computing stage, one for the prefetched stage, one for the gradients."""
@@ -83,3 +82,11 @@ class LayerArrays:
 
     def param_count(self, a: int, b: int) -> int:
         return int(self.N[b + 1] - self.N[a])
+
+
+def stage_cost(arr: LayerArrays, a: int, b: int, microbatches: int, load_gbps: float) -> float:
+    """c_j of the legend for layers a..b: the scalar reference that the DP's vectorized interval costs
+    (partition.dp.interval_matrices) and the exhaustive oracle in the tests are checked against."""
+    compute = microbatches * (2 * arr.fwd(a, b) + arr.bwd(a, b))
+    load = arr.params(a, b) / (load_gbps * 1e9)
+    return max(compute, 2 * load)
