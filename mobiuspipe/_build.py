@@ -12,7 +12,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = Path(__file__).resolve().parent
-SOURCES = ["csrc/bindings.cpp", "csrc/adam/cpu_adam.cpp"]
+SOURCES = ["csrc/bindings.cpp", "csrc/adam/cpu_adam.cpp", "csrc/io/async_io.cpp", "csrc/io/uring.cpp",
+           "csrc/io/crc32c.cpp"]
 CFLAGS = ["-O3", "-fopenmp"]  # per-function target attributes pick the SIMD level: no -march=native
 LDFLAGS = ["-fopenmp"]  # resolves to the libgomp.so.1 torch already loaded
 

@@ -15,3 +15,17 @@ class PeerLostError(RuntimeError):
 
 class WorldSizeError(RuntimeError):
     """The number of launched ranks differs from the plan's gpu count."""
+
+
+class SwapIOError(RuntimeError):
+    """A read or write of the SSD tier failed: names the file, the offset, the errno and what to do.
+
+    errno is the OS error number (0 when the failure is not an OS error: a truncated file, a checksum
+    mismatch); path and offset say where it happened.
+    """
+
+    def __init__(self, message: str, path: str = "", offset: int = -1, errno: int = 0):
+        super().__init__(message)
+        self.path = path
+        self.offset = offset
+        self.errno = errno

@@ -26,6 +26,30 @@ def _adamw_torch(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Ten
     p.addcdiv_(m, denom, value=-step_size)
 
 
+def _kernel_applies(p: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None) -> bool:
+    return (_ext.HAVE_C and p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous()
+            and g.is_contiguous() and g.device.type == "cpu"
+            and g.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and (out is None or out.is_contiguous()))
+
+
+def adamw_update(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None,
+                 step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, *,
+                 impl: str = "auto", simd: str = "auto") -> None:
+    """One AdamW step of p, m, v in place (step counts from 1); out, if given, receives the new p in its
+    bf16/fp16 dtype. impl "auto" uses the C++ kernel where it applies, "c" requires it, "torch" never."""
+    args = (step, lr, beta1, beta2, eps, weight_decay)
+    if impl != "torch" and _kernel_applies(p, g, out):
+        _ext.C.adamw_step(p.detach(), m, v, g, out, *args, simd=simd)
+        return
+    if impl == "c":
+        raise RuntimeError("impl='c' needs contiguous fp32 CPU params and fp32/bf16/fp16 grads")
+    with torch.no_grad():
+        _adamw_torch(p, g, m, v, *args)
+        if out is not None:
+            out.copy_(p)
+
+
 class CPUAdam(torch.optim.Optimizer):
     """AdamW (torch.optim.AdamW semantics, state keys step/exp_avg/exp_avg_sq) for CPU parameters.
 
@@ -52,11 +76,6 @@ class CPUAdam(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
 
-    def _use_c(self, p: torch.Tensor, g: torch.Tensor) -> bool:
-        return (self.impl != "torch" and _ext.HAVE_C and p.device.type == "cpu" and p.dtype == torch.float32
-                and p.is_contiguous() and g.is_contiguous() and g.device.type == "cpu"
-                and g.dtype in (torch.float32, torch.bfloat16, torch.float16))
-
     def _state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
         if not state:
@@ -72,16 +91,8 @@ class CPUAdam(torch.optim.Optimizer):
         st["step"] += 1
         step = int(st["step"].item())
         beta1, beta2 = group["betas"]
-        args = (step, group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
-        if self._use_c(p, g) and (out is None or out.is_contiguous()):
-            _ext.C.adamw_step(p.detach(), st["exp_avg"], st["exp_avg_sq"], g, out, *args, simd=self.simd)
-            return
-        if self.impl == "c":
-            raise RuntimeError("impl='c' needs contiguous fp32 CPU params and fp32/bf16/fp16 grads")
-        with torch.no_grad():
-            _adamw_torch(p, g, st["exp_avg"], st["exp_avg_sq"], *args)
-            if out is not None:
-                out.copy_(p)
+        adamw_update(p, st["exp_avg"], st["exp_avg_sq"], g, out, step, group["lr"], beta1, beta2,
+                     group["eps"], group["weight_decay"], impl=self.impl, simd=self.simd)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -1,0 +1,67 @@
+// CRC-32C: byte-table reference and the SSE4.2 crc32 instruction path, chosen at run time.
+#include "crc32c.h"
+
+#include <cstring>
+
+#if defined(__x86_64__)
+#include <nmmintrin.h>
+#endif
+
+namespace mobiuspipe {
+namespace {
+
+constexpr uint32_t kPoly = 0x82F63B78u;  // Castagnoli polynomial, bit-reflected
+
+struct Table {
+  uint32_t t[256];
+  Table() {
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ kPoly : c >> 1;
+      t[i] = c;
+    }
+  }
+};
+const Table kTable;
+
+#if defined(__x86_64__)
+__attribute__((target("sse4.2"))) uint32_t crc32c_hw(uint32_t prev, const void* data, size_t n) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  uint64_t c = ~prev;
+  for (; n && (reinterpret_cast<uintptr_t>(p) & 7); --n) c = _mm_crc32_u8(static_cast<uint32_t>(c), *p++);
+  for (; n >= 8; n -= 8, p += 8) {
+    uint64_t w;
+    std::memcpy(&w, p, 8);
+    c = _mm_crc32_u64(c, w);
+  }
+  for (; n; --n) c = _mm_crc32_u8(static_cast<uint32_t>(c), *p++);
+  return ~static_cast<uint32_t>(c);
+}
+#endif
+
+}  // namespace
+
+uint32_t crc32c_table(uint32_t prev, const void* data, size_t n) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  uint32_t c = ~prev;
+  while (n--) c = kTable.t[(c ^ *p++) & 0xFF] ^ (c >> 8);
+  return ~c;
+}
+
+bool crc32c_has_hw() {
+#if defined(__x86_64__)
+  return __builtin_cpu_supports("sse4.2");
+#else
+  return false;
+#endif
+}
+
+uint32_t crc32c(uint32_t prev, const void* data, size_t n) {
+#if defined(__x86_64__)
+  static const bool hw = crc32c_has_hw();
+  if (hw) return crc32c_hw(prev, data, n);
+#endif
+  return crc32c_table(prev, data, n);
+}
+
+}  // namespace mobiuspipe

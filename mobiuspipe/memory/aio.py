@@ -1,0 +1,120 @@
+"""Asynchronous tensor reads and writes at file offsets: the C++ engine (io_uring or a thread pool, O_DIRECT)
+or, without the extension, a Python thread pool over buffered pread/pwrite. Failures become SwapIOError."""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import os
+from dataclasses import dataclass
+
+import torch
+
+from mobiuspipe import _ext
+from mobiuspipe.errors import SwapIOError
+from mobiuspipe.memory.pyio import PyAsyncIO, SHORT_READ, SHORT_WRITE
+
+__all__ = ["ALIGN", "IOEngine", "Ticket", "aligned_empty", "round_up", "swap_error"]
+
+ALIGN = 4096  # bytes: O_DIRECT alignment of memory, file offsets and lengths used everywhere here
+BACKENDS = ("auto", "uring", "threads", "python")
+
+_HINTS = {
+    errno_mod.ENOSPC: "the disk is full: free space there (df -h) or move the swap folder to a bigger disk",
+    errno_mod.EDQUOT: "the disk quota is exhausted: raise it or move the swap folder",
+    errno_mod.EIO: "the device reported an I/O error: check `dmesg` and the drive's health (smartctl -a)",
+    errno_mod.EFBIG: "the file exceeds a size limit: check `ulimit -f` and the filesystem's maximum file size",
+    errno_mod.EINVAL: "the filesystem refused this direct I/O (alignment or O_DIRECT support): "
+                      "set MOBIUSPIPE_IO_DIRECT=0 or use a folder on ext4/xfs",
+    errno_mod.EBADF: "the file was closed while I/O was in flight (a bug: please report it)",
+}
+
+
+def round_up(n: int, align: int = ALIGN) -> int:
+    """n rounded up to a multiple of align."""
+    return -(-n // align) * align
+
+
+def aligned_empty(nbytes: int, pin: bool | None = None) -> torch.Tensor:
+    """A uint8 tensor of nbytes whose memory starts on an ALIGN boundary and is padded to a multiple of
+    ALIGN (so O_DIRECT can use it without bounce buffers); pinned when CUDA is present (pin=None)."""
+    pin = torch.cuda.is_available() if pin is None else pin
+    padded = round_up(max(nbytes, 1))
+    raw = torch.empty(padded + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    skip = (-raw.data_ptr()) % ALIGN
+    return raw[skip:skip + padded][:nbytes]
+
+
+def swap_error(op: str, path: str, offset: int, nbytes: int, status: int, done: int = 0) -> SwapIOError:
+    """The SwapIOError for a failed `op` ('read'/'write') of nbytes at offset of path with engine status."""
+    where = f"{op} of {nbytes} bytes at offset {offset} of {path}"
+    if status == SHORT_READ:
+        return SwapIOError(f"{where} failed: the file ends at offset {offset} ({done} of {nbytes} bytes read); "
+                           "it was truncated or never fully written: restore it or start the job's swap "
+                           "folder afresh", path, offset, 0)
+    if status == SHORT_WRITE:
+        return SwapIOError(f"{where} failed: the write made no progress at offset {offset} ({done} of {nbytes}"
+                           " bytes written); the disk is probably full: free space there or move the swap "
+                           "folder", path, offset, errno_mod.ENOSPC)
+    name = errno_mod.errorcode.get(status, f"errno {status}")
+    hint = _HINTS.get(status, "check the disk and the file's permissions")
+    return SwapIOError(f"{where} failed at offset {offset} with {name} ({os.strerror(status)}): {hint}",
+                       path, offset, status)
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """One submitted read or write: what the engine needs to wait for it and to name it in an error."""
+
+    id: int
+    op: str
+    path: str
+    offset: int
+    nbytes: int
+
+
+class IOEngine:
+    """Submits tensor reads/writes at file offsets and waits for them; wait() raises SwapIOError.
+
+    backend: "auto" (the C++ engine: io_uring, else its thread pool), "uring", "threads" (C++ thread pool)
+    or "python" (buffered, no extension; also what "auto" means when the extension is missing).
+    Environment MOBIUSPIPE_IO_BACKEND sets the default. queue_depth pieces of block_bytes are in flight.
+    """
+
+    def __init__(self, backend: str | None = None, queue_depth: int = 32, block_bytes: int = 1 << 20):
+        backend = backend or os.environ.get("MOBIUSPIPE_IO_BACKEND", "auto")
+        if backend not in BACKENDS:
+            raise ValueError(f"I/O backend must be one of {BACKENDS}, not {backend!r}")
+        if backend in ("uring", "threads") and not _ext.HAVE_C:
+            raise RuntimeError(f"I/O backend {backend!r} needs the C++ extension, which is missing "
+                               f"({_ext.WHY_NOT}): build it with `python -m mobiuspipe._build`")
+        if backend == "python" or not _ext.HAVE_C:
+            self._io = PyAsyncIO(queue_depth, block_bytes)
+        else:
+            self._io = _ext.C.AsyncIO(backend, queue_depth, block_bytes)
+        self.backend = self._io.backend
+        self.fallback_reason = self._io.fallback_reason
+        self.supports_direct = self.backend != "python"
+
+    def submit(self, fd: int, t: torch.Tensor, offset: int, write: bool, direct: bool, path: str) -> Ticket:
+        """Queue the read (into t) or write (of t) of t's bytes at offset of fd; path names it in errors."""
+        if direct and not self.supports_direct:
+            raise ValueError(f"the {self.backend!r} I/O backend does not do O_DIRECT")
+        nbytes = t.numel() * t.element_size()
+        tid = self._io.submit(fd, t, offset, write, direct)
+        return Ticket(tid, "write" if write else "read", path, offset, nbytes)
+
+    def wait(self, ticket: Ticket) -> int:
+        """Block until the ticket's I/O ends; returns its byte count or raises SwapIOError."""
+        status, fail_offset, done = self._io.wait(ticket.id)
+        if status != 0:
+            raise swap_error(ticket.op, ticket.path, fail_offset if fail_offset >= 0 else ticket.offset,
+                             ticket.nbytes, status, done)
+        return done
+
+    def done(self, ticket: Ticket) -> bool:
+        """Whether the ticket's I/O has ended (wait() then returns at once)."""
+        return self._io.done(ticket.id)
+
+    def inject_fault(self, nth: int, err: int = 0, short_bytes: int = 0) -> None:
+        """Test hook: the nth piece completing from now fails with err, or transfers at most short_bytes."""
+        self._io.inject_fault(nth, err, short_bytes)
