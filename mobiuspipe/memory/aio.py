@@ -89,10 +89,13 @@ class IOEngine:
                                f"({_ext.WHY_NOT}): build it with `python -m mobiuspipe._build`")
         if backend == "python" or not _ext.HAVE_C:
             self._io = PyAsyncIO(queue_depth, block_bytes)
+            why = "asked for" if backend == "python" else f"the C++ extension is missing: {_ext.WHY_NOT}"
         else:
             self._io = _ext.C.AsyncIO(backend, queue_depth, block_bytes)
+            why = self._io.fallback_reason
+        self.requested = backend
         self.backend = self._io.backend
-        self.fallback_reason = self._io.fallback_reason
+        self.fallback_reason = why  # why this backend and not io_uring ('' when io_uring runs)
         self.supports_direct = self.backend != "python"
 
     def submit(self, fd: int, t: torch.Tensor, offset: int, write: bool, direct: bool, path: str) -> Ticket:
@@ -114,6 +117,10 @@ class IOEngine:
     def done(self, ticket: Ticket) -> bool:
         """Whether the ticket's I/O has ended (wait() then returns at once)."""
         return self._io.done(ticket.id)
+
+    def pending(self) -> int:
+        """Submitted requests not yet ended."""
+        return self._io.pending()
 
     def inject_fault(self, nth: int, err: int = 0, short_bytes: int = 0) -> None:
         """Test hook: the nth piece completing from now fails with err, or transfers at most short_bytes."""

@@ -28,7 +28,6 @@ class PyAsyncIO:
     the system calls). Files are used as opened: no O_DIRECT, so no alignment rules."""
 
     backend = "python"
-    fallback_reason = "the C++ extension is not built"
 
     def __init__(self, queue_depth: int = 32, block_bytes: int = 1 << 20):
         if queue_depth < 1 or block_bytes < 1:
@@ -78,7 +77,7 @@ class PyAsyncIO:
 
     def _run(self, req: _Request, fd: int, piece: memoryview, off: int, write: bool) -> None:
         done, status = 0, 0
-        while done < len(piece) and req.status == 0:
+        while done < len(piece) and not (req.status and req.fail_offset < off):  # skip past a failure
             res = self._apply_fault(self._move(fd, piece[done:], off + done, write))
             if res <= 0:
                 status = -res if res < 0 else (SHORT_WRITE if write else SHORT_READ)
@@ -106,6 +105,10 @@ class PyAsyncIO:
         if req is None:
             raise RuntimeError(f"unknown or already waited-for ticket {ticket}")
         return req.event.is_set()
+
+    def pending(self) -> int:
+        with self._lock:
+            return sum(not r.event.is_set() for r in self._requests.values())
 
     def inject_fault(self, nth: int, err: int = 0, short_bytes: int = 0) -> None:
         with self._lock:

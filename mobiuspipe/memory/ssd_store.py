@@ -1,0 +1,377 @@
+"""The SSD tier: a folder of tensors (one file each, O_DIRECT where the filesystem allows), put/get with
+async variants returning futures, a checksum per tensor verified on every read, an atomically written index.
+
+One store per job folder (a lock keeps a second process out). Not thread-safe: use it from one thread.
+The index on disk is the state at the last flush() or close(); a crash after it leaves tensors whose
+files changed since then failing their checksum on read (an error), never silently wrong data.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import shutil
+import warnings
+import zlib
+from typing import Callable
+
+import torch
+
+from mobiuspipe import _ext
+from mobiuspipe.errors import SwapIOError
+from mobiuspipe.memory import store_index
+from mobiuspipe.memory.aio import ALIGN, IOEngine, aligned_empty, round_up, swap_error
+from mobiuspipe.memory.store_index import Entry
+from mobiuspipe.units import fmt_bytes
+
+__all__ = ["SSDStore", "StoreFuture", "checksum"]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def checksum(t: torch.Tensor, algo: str) -> int:
+    """CRC of a contiguous CPU tensor's bytes: 'crc32c' (C++ extension) or 'crc32' (zlib)."""
+    if t.numel() == 0:
+        return 0
+    if algo == "crc32c":
+        if not _ext.HAVE_C:
+            raise SwapIOError("this tensor was stored with a crc32c checksum, which needs the C++ extension "
+                              f"({_ext.WHY_NOT}): build it with `python -m mobiuspipe._build`")
+        return int(_ext.C.crc32c(_bytes(t)))
+    return zlib.crc32(memoryview(_bytes(t).numpy()))
+
+
+class StoreFuture:
+    """The pending result of put_async/get_async: result() waits, then returns or raises SwapIOError."""
+
+    def __init__(self, finish: Callable[[], object], ready: Callable[[], bool]):
+        self._finish, self._ready = finish, ready
+        self._settled = False
+        self._value: object = None
+        self._exc: BaseException | None = None
+
+    def done(self) -> bool:
+        """Whether the I/O has ended (result() then does not block)."""
+        return self._settled or self._ready()
+
+    def result(self):
+        """The tensor read (get) or None (put); raises the I/O's SwapIOError. Safe to call twice."""
+        if not self._settled:
+            try:
+                self._value = self._finish()
+            except BaseException as exc:  # kept, and raised again on every call
+                self._exc = exc
+            self._settled = True
+        if self._exc is not None:
+            raise self._exc
+        return self._value
+
+
+class SSDStore:
+    """Tensors by key in `folder` (created if missing).
+
+    backend/queue_depth/block_bytes configure the I/O engine (see IOEngine); direct=None uses O_DIRECT
+    when the folder's filesystem accepts it (env MOBIUSPIPE_IO_DIRECT=0 turns it off), else buffered I/O
+    with a note (self.note). Checksums are crc32c with the C++ extension, zlib crc32 without.
+    """
+
+    def __init__(self, folder: str | os.PathLike, *, backend: str | None = None, queue_depth: int = 32,
+                 block_bytes: int = 1 << 20, direct: bool | None = None):
+        self.folder = os.path.abspath(folder)
+        os.makedirs(self.folder, exist_ok=True)
+        self._lock_fd = _lock_folder(self.folder)
+        try:
+            self.engine = IOEngine(backend, queue_depth, block_bytes)
+            self.index = store_index.load(self.folder)
+            self.direct, self.note = self._choose_direct(direct)
+        except BaseException:
+            os.close(self._lock_fd)  # releases the folder
+            raise
+        self.algo = "crc32c" if _ext.HAVE_C else "crc32"
+        if self.note:
+            warnings.warn(f"SSD store {self.folder}: {self.note}", RuntimeWarning, stacklevel=2)
+        self._inflight: dict[str, StoreFuture] = {}
+        self._dirty: set[str] = set()
+        self._closed = False
+
+    # ------------------------------------------------------------------ queries
+    def keys(self) -> list[str]:
+        """Keys stored or being written."""
+        return sorted(set(self.index.entries) | set(self._inflight))
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.index.entries or key in self._inflight
+
+    def __len__(self) -> int:
+        return len(self.keys())
+
+    def info(self, key: str) -> Entry:
+        """The index entry of key (file, dtype, shape, nbytes, checksum)."""
+        self._settle(key)
+        return self._entry(key)
+
+    @property
+    def meta(self) -> dict:
+        """Small JSON-serializable metadata saved with the index (e.g. an optimizer's layout and step)."""
+        return self.index.meta
+
+    def check_space(self, nbytes: int, what: str) -> None:
+        """Raise SwapIOError(ENOSPC) now if the folder's disk has less than nbytes free for `what`."""
+        free = shutil.disk_usage(self.folder).free
+        if free < nbytes:
+            raise SwapIOError(f"{what} needs {fmt_bytes(nbytes)} in {self.folder}, but its disk has only "
+                              f"{fmt_bytes(free)} free: free space there or use a folder on a bigger disk",
+                              self.folder, errno=errno.ENOSPC)
+
+    # ------------------------------------------------------------------ writes
+    def put(self, key: str, t: torch.Tensor) -> None:
+        """Store t (any dtype and shape) under key, replacing what was there; returns when it is written."""
+        self.put_async(key, t).result()
+
+    def put_async(self, key: str, t: torch.Tensor) -> StoreFuture:
+        """Start storing t under key. t must not change until the future's result() returns."""
+        self._check_open()
+        t = _host_tensor(t, key)
+        self._settle(key)
+        old = self.index.entries.get(key)
+        name = old.file if old else self.index.new_file()
+        path = os.path.join(self.folder, name)
+        nbytes = t.numel() * t.element_size()
+        fd = self._open(path, write=True)
+        try:
+            self._allocate(fd, path, round_up(nbytes) if self.direct else nbytes)
+            crc = checksum(t, self.algo)
+            ticket = self.engine.submit(fd, t, 0, True, self.direct, path)
+        except BaseException:
+            os.close(fd)
+            raise
+        entry = Entry(name, _dtype_name(t.dtype), list(t.shape), nbytes, crc, self.algo)
+
+        def finish() -> None:
+            try:
+                self.engine.wait(ticket)
+            except SwapIOError as exc:
+                entry.damaged = f"its last write failed: {exc}"
+                raise
+            finally:
+                os.close(fd)
+                self.index.entries[key] = entry
+                self._dirty.add(name)
+
+        return self._track(key, StoreFuture(finish, lambda: self.engine.done(ticket)))
+
+    def delete(self, key: str) -> None:
+        """Remove key and its file."""
+        self._check_open()
+        self._settle(key)
+        entry = self._entry(key)
+        del self.index.entries[key]
+        self._dirty.discard(entry.file)
+        try:
+            os.unlink(os.path.join(self.folder, entry.file))
+        except FileNotFoundError:
+            pass
+
+    # ------------------------------------------------------------------ reads
+    def get(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor stored under key, read into out (same dtype and element count) or a new tensor."""
+        return self.get_async(key, out).result()
+
+    def get_async(self, key: str, out: torch.Tensor | None = None) -> StoreFuture:
+        """Start reading key; the future's result() verifies the checksum and returns the tensor."""
+        self._check_open()
+        self._settle(key)
+        entry = self._entry(key)
+        path = os.path.join(self.folder, entry.file)
+        if entry.damaged:
+            raise SwapIOError(f"tensor {key!r} ({path}) cannot be trusted: {entry.damaged}; write it again",
+                              path)
+        out = self._target(key, entry, out)
+        fd = self._open(path, write=False)
+        try:
+            size = os.fstat(fd).st_size
+            if size < entry.nbytes:
+                raise SwapIOError(f"read of tensor {key!r} failed: {path} is {size} bytes, but it holds "
+                                  f"{entry.nbytes} bytes of data: the file was truncated; restore it or "
+                                  "write the tensor again", path, size)
+            ticket = self.engine.submit(fd, out, 0, False, self.direct, path)
+        except BaseException:
+            os.close(fd)
+            raise
+
+        def finish() -> torch.Tensor:
+            try:
+                self.engine.wait(ticket)
+            finally:
+                os.close(fd)
+            got = checksum(out, entry.algo)
+            if got != entry.crc:
+                raise SwapIOError(f"checksum mismatch reading tensor {key!r} from {path}: stored {entry.algo} "
+                                  f"{entry.crc:#010x}, read {got:#010x}; the file was changed or damaged on "
+                                  "disk (or written after the last flush by a run that crashed): the tensor "
+                                  "cannot be trusted; restore it or write it again", path, 0)
+            return out
+
+        return self._track(key, StoreFuture(finish, lambda: self.engine.done(ticket)))
+
+    # ------------------------------------------------------------------ durability
+    def wait_all(self) -> None:
+        """Wait for every pending put/get (their errors stay with their futures)."""
+        for key in list(self._inflight):
+            self._settle(key)
+
+    def flush(self) -> None:
+        """Wait for pending I/O, make the written files durable (fsync) and write the index atomically."""
+        self._check_open()
+        self.wait_all()
+        for name in sorted(self._dirty):
+            path = os.path.join(self.folder, name)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fsync(fd)
+            except OSError as exc:
+                raise swap_error("fsync", path, 0, 0, exc.errno or errno.EIO) from exc
+            finally:
+                os.close(fd)
+        self._dirty.clear()
+        store_index.save(self.folder, self.index)
+
+    def close(self) -> None:
+        """flush(), then release the folder."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            os.close(self._lock_fd)
+
+    def __enter__(self) -> "SSDStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ helpers
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"the SSD store {self.folder} is closed")
+
+    def _entry(self, key: str) -> Entry:
+        entry = self.index.entries.get(key)
+        if entry is None:
+            raise KeyError(f"no tensor {key!r} in the SSD store {self.folder} (it holds "
+                           f"{len(self.index.entries)} tensors)")
+        return entry
+
+    def _track(self, key: str, fut: StoreFuture) -> StoreFuture:
+        self._inflight[key] = fut
+        return fut
+
+    def _settle(self, key: str) -> None:
+        """Let the previous operation on key end first (its error stays with its future)."""
+        fut = self._inflight.pop(key, None)
+        if fut is not None:
+            try:
+                fut.result()
+            except SwapIOError:
+                pass
+
+    def _target(self, key: str, entry: Entry, out: torch.Tensor | None) -> torch.Tensor:
+        dtype = getattr(torch, entry.dtype)
+        if out is None:
+            return aligned_empty(entry.nbytes).view(dtype).view(entry.shape)
+        n = out.numel() * out.element_size()
+        if out.dtype != dtype or n != entry.nbytes or out.device.type != "cpu" or not out.is_contiguous():
+            raise ValueError(f"out for tensor {key!r} must be a contiguous CPU {entry.dtype} tensor of "
+                             f"{entry.nbytes} bytes; got {_dtype_name(out.dtype)} of {n} bytes on "
+                             f"{out.device} (contiguous={out.is_contiguous()})")
+        return out
+
+    def _open(self, path: str, write: bool) -> int:
+        flags = (os.O_RDWR | os.O_CREAT) if write else os.O_RDONLY
+        try:
+            return os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o600)
+        except FileNotFoundError as exc:
+            raise SwapIOError(f"{path} is missing: the store's index names it, but the file was deleted or "
+                              "moved; restore it or write the tensor again", path, errno=exc.errno) from exc
+        except OSError as exc:
+            raise swap_error("open for write" if write else "open for read", path, 0, 0,
+                             exc.errno or errno.EIO) from exc
+
+    def _allocate(self, fd: int, path: str, nbytes: int) -> None:
+        """Reserve the file's blocks now, so a full disk fails here and not halfway through a write."""
+        if nbytes and os.fstat(fd).st_size < nbytes:
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as exc:
+                raise swap_error("allocation", path, 0, nbytes, exc.errno or errno.EIO) from exc
+
+    def _choose_direct(self, direct: bool | None) -> tuple[bool, str]:
+        if direct is None:
+            direct = os.environ.get("MOBIUSPIPE_IO_DIRECT", "1") != "0"
+            if not direct:
+                return False, ""
+        if not direct:
+            return False, ""
+        if not self.engine.supports_direct:
+            if self.engine.requested == "python":
+                return False, ""
+            return False, (f"buffered I/O: the {self.engine.backend!r} I/O engine does not do O_DIRECT "
+                           f"({self.engine.fallback_reason})")
+        why = _direct_refused(self.folder, self.engine)
+        if why:
+            return False, f"O_DIRECT refused ({why}): using buffered I/O (the page cache keeps a copy)"
+        return True, ""
+
+
+def _direct_refused(folder: str, engine: IOEngine) -> str:
+    """Why folder's filesystem refuses an aligned O_DIRECT write ('' when it accepts it)."""
+    path = os.path.join(folder, ".direct-probe")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return f"open with O_DIRECT: {exc.strerror}, as on tmpfs"
+        raise
+    try:
+        engine.wait(engine.submit(fd, aligned_empty(ALIGN), 0, True, True, path))
+        return ""
+    except SwapIOError as exc:
+        if exc.errno == errno.EINVAL:
+            return f"an aligned O_DIRECT write failed with EINVAL"
+        raise
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def _lock_folder(folder: str) -> int:
+    fd = os.open(os.path.join(folder, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise SwapIOError(f"the SSD store folder {folder} is in use by another process (pid {holder}); "
+                          "give each job its own folder", folder, errno=errno.EBUSY) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+def _host_tensor(t: torch.Tensor, key: str) -> torch.Tensor:
+    if t.device.type != "cpu":
+        raise ValueError(f"tensor {key!r} is on {t.device}: the SSD store takes CPU tensors (copy it to host "
+                         "memory first)")
+    return t.detach().contiguous()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,301 @@
+"""Out-of-core AdamW: fp32 master weights and both moments live in an SSDStore and stream group by group
+through a fixed host-memory budget, reads, updates and write-backs pipelined as in Fuyou (section 4.3).
+
+Layout. The parameters are laid end to end in one flat fp32 space of N elements, cut into groups of G
+elements (G a multiple of 1024, so every section stays 4 KiB-aligned for O_DIRECT); the last group is
+padded with zeros, which stay zero. Group i is one stored record `{prefix}/g{i:06d}` of 3 * G_i fp32
+values: [ master weights | exp_avg | exp_avg_sq ], 12 bytes per element.
+
+Pipeline. The host budget holds K slots of 12 * G bytes; group i uses slot i mod K. While group i is
+updated, the reads of groups i+1 .. i+K-2 and the write-back of group i-1 are in flight; the read of
+group i+K-1 goes into group i-1's slot once its write-back ends (the delayed write-back of Fuyou). The
+update is elementwise, so the result equals an in-memory AdamW step bit for bit (same kernel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mobiuspipe.memory.aio import aligned_empty
+from mobiuspipe.memory.ssd_store import SSDStore, StoreFuture
+from mobiuspipe.optim.cpu_adam import adamw_update
+from mobiuspipe.units import fmt_bytes
+
+__all__ = ["OutOfCoreAdam"]
+
+ELEM_ALIGN = 1024  # elements: groups are multiples of 4 KiB of fp32
+BYTES_PER_ELEM = 12  # fp32 master weight + exp_avg + exp_avg_sq
+GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The part of parameter `name` in one group: elements [param_off, param_off + numel) of the
+    parameter sit at [group_off, group_off + numel) of the group."""
+
+    name: str
+    param_off: int
+    group_off: int
+    numel: int
+
+
+def _round_up(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def plan_groups(numels: list[tuple[str, int]], group_elems: int) -> list[list[Segment]]:
+    """Cut the flat space of the parameters (in order) into groups of group_elems elements."""
+    groups: list[list[Segment]] = []
+    flat = 0
+    for name, n in numels:
+        done = 0
+        while done < n:
+            g, at = divmod(flat, group_elems)
+            take = min(n - done, group_elems - at)
+            while len(groups) <= g:
+                groups.append([])
+            groups[g].append(Segment(name, done, at, take))
+            done += take
+            flat += take
+    return groups
+
+
+class OutOfCoreAdam:
+    """AdamW (torch.optim.AdamW semantics, one step count for all parameters) over SSD-resident states.
+
+    Make one with create() (from initial weights) or open() (resume what a store holds). step() takes
+    every parameter's gradient (fp32, bf16 or fp16, any shape with the parameter's element count) and
+    optionally bf16/fp16 tensors to receive the updated weights in the same pass.
+    """
+
+    def __init__(self, store: SSDStore, meta: dict, host_budget_bytes: int, slots: int, impl: str, simd: str):
+        self.store = store
+        self.prefix = meta["prefix"]
+        self.names: list[str] = meta["names"]
+        self.shapes: dict[str, list[int]] = dict(zip(self.names, meta["shapes"]))
+        self.numels = {n: _numel(s) for n, s in self.shapes.items()}
+        self.group_elems: int = meta["group_elems"]
+        self.step_count: int = meta["step"]
+        self.lr, self.betas, self.eps, self.weight_decay = (meta["lr"], tuple(meta["betas"]), meta["eps"],
+                                                            meta["weight_decay"])
+        self.impl, self.simd = impl, simd
+        self.groups = plan_groups([(n, self.numels[n]) for n in self.names], self.group_elems)
+        self.slots = [aligned_empty(BYTES_PER_ELEM * self.group_elems).view(torch.float32)
+                      for _ in range(min(slots, max(len(self.groups), 1)))]
+        self.host_budget_bytes = host_budget_bytes
+        self.broken = ""  # why the states on disk are inconsistent (a step failed halfway), or ""
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def create(cls, store: SSDStore, params: dict[str, torch.Tensor], *, lr: float = 1e-3,
+               betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
+               host_budget_bytes: int = 256 << 20, slots: int = 4, prefix: str = "adam",
+               impl: str = "auto", simd: str = "auto") -> "OutOfCoreAdam":
+        """Write the initial master weights (zero moments) of params {name: tensor} into store."""
+        if not params:
+            raise ValueError("OutOfCoreAdam.create needs at least one parameter")
+        _check_hyper(lr, betas, eps, weight_decay)
+        if prefix in store.meta:
+            raise ValueError(f"the store {store.folder} already holds an optimizer under {prefix!r}: resume it "
+                             "with OutOfCoreAdam.open(), or pick another prefix")
+        total = sum(p.numel() for p in params.values())
+        group_elems = min(_group_elems(host_budget_bytes, slots), _round_up(total, ELEM_ALIGN))
+        meta = dict(prefix=prefix, names=list(params), shapes=[list(p.shape) for p in params.values()],
+                    group_elems=group_elems, step=0, lr=lr, betas=list(betas), eps=eps,
+                    weight_decay=weight_decay)
+        opt = cls(store, meta, host_budget_bytes, slots, impl, simd)
+        need = sum(BYTES_PER_ELEM * _round_up(_group_numel(g), ELEM_ALIGN) for g in opt.groups)
+        store.check_space(need, f"the optimizer states of {len(params)} parameters")
+        opt._write_initial(params)
+        store.meta[prefix] = meta
+        return opt
+
+    @classmethod
+    def open(cls, store: SSDStore, *, host_budget_bytes: int = 256 << 20, slots: int = 4,
+             prefix: str = "adam", impl: str = "auto", simd: str = "auto") -> "OutOfCoreAdam":
+        """Resume the optimizer a store holds (saved by flush()); hyper-parameters come with it."""
+        meta = store.meta.get(prefix)
+        if meta is None:
+            raise KeyError(f"the store {store.folder} holds no optimizer under {prefix!r} (it has "
+                           f"{sorted(store.meta)}); create one with OutOfCoreAdam.create()")
+        budget = BYTES_PER_ELEM * meta["group_elems"] * slots
+        if budget > host_budget_bytes:
+            raise ValueError(f"the stored groups of {meta['group_elems']} elements need {fmt_bytes(budget)} "
+                             f"for {slots} slots, over host_budget_bytes {fmt_bytes(host_budget_bytes)}: "
+                             "raise the budget or use fewer slots (at least 3)")
+        return cls(store, meta, host_budget_bytes, slots, impl, simd)
+
+    def _key(self, i: int) -> str:
+        return f"{self.prefix}/g{i:06d}"
+
+    def _sections(self, i: int, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Group i's record in a slot and its three sections (weights, exp_avg, exp_avg_sq)."""
+        n = _round_up(_group_numel(self.groups[i]), ELEM_ALIGN)
+        rec = slot[:3 * n]
+        return rec, rec[:n], rec[n:2 * n], rec[2 * n:]
+
+    def _write_initial(self, params: dict[str, torch.Tensor]) -> None:
+        flat = {n: p.detach().reshape(-1) for n, p in params.items()}
+        pending: list[StoreFuture] = []
+        for i, segs in enumerate(self.groups):
+            slot = self.slots[i % len(self.slots)]
+            if len(pending) >= len(self.slots):
+                pending.pop(0).result()
+            rec, p, _, _ = self._sections(i, slot)
+            rec.zero_()
+            for s in segs:
+                p[s.group_off:s.group_off + s.numel].copy_(flat[s.name][s.param_off:s.param_off + s.numel])
+            pending.append(self.store.put_async(self._key(i), rec))
+        for f in pending:
+            f.result()
+
+    # ------------------------------------------------------------------ the step
+    def step(self, grads: dict[str, torch.Tensor], low_precision_out: dict[str, torch.Tensor] | None = None,
+             *, pipelined: bool = True) -> None:
+        """One AdamW step of every parameter from grads {name: gradient}; each tensor of
+        low_precision_out {name: bf16/fp16 tensor} receives that parameter's updated weights.
+        pipelined=False runs read, update and write-back of each group one after the other."""
+        lpo = low_precision_out or {}
+        g_flat = self._check_grads(grads)
+        o_flat = self._check_outputs(lpo)
+        if self.broken:
+            raise RuntimeError(self.broken)
+        self.step_count += 1
+        run = self._run_pipelined if pipelined else self._run_serial
+        try:
+            run(lambda i, slot: self._update(i, slot, g_flat, o_flat))
+        except BaseException as exc:
+            self.broken = (f"step {self.step_count} of the out-of-core optimizer in {self.store.folder} failed "
+                           f"({type(exc).__name__}: {exc}); some groups on disk took the step and others did "
+                           "not: resume from the last checkpoint (the store's last flush)")
+            raise
+        self.store.meta[self.prefix]["step"] = self.step_count
+
+    def _update(self, i: int, slot: torch.Tensor, grads: dict, outs: dict) -> None:
+        _, p, m, v = self._sections(i, slot)
+        b1, b2 = self.betas
+        for s in self.groups[i]:
+            a, b = s.group_off, s.group_off + s.numel
+            g = grads[s.name][s.param_off:s.param_off + s.numel]
+            o = outs.get(s.name)
+            o = None if o is None else o[s.param_off:s.param_off + s.numel]
+            adamw_update(p[a:b], m[a:b], v[a:b], g, o, self.step_count, self.lr, b1, b2, self.eps,
+                         self.weight_decay, impl=self.impl, simd=self.simd)
+
+    def _read(self, i: int) -> StoreFuture:
+        rec, _, _, _ = self._sections(i, self.slots[i % len(self.slots)])
+        return self.store.get_async(self._key(i), out=rec)
+
+    def _write(self, i: int) -> StoreFuture:
+        rec, _, _, _ = self._sections(i, self.slots[i % len(self.slots)])
+        return self.store.put_async(self._key(i), rec)
+
+    def _run_serial(self, update) -> None:
+        for i in range(len(self.groups)):
+            self._read(i).result()
+            update(i, self.slots[i % len(self.slots)])
+            self._write(i).result()
+
+    def _run_pipelined(self, update) -> None:
+        k, n = len(self.slots), len(self.groups)
+        ahead = k - 1 if k < n else n  # with a slot per group, read them all at once
+        futures: dict[tuple[str, int], StoreFuture] = {("r", i): self._read(i) for i in range(ahead)}
+        try:
+            for i in range(n):
+                futures.pop(("r", i)).result()
+                update(i, self.slots[i % k])
+                futures[("w", i)] = self._write(i)
+                nxt = i + k - 1  # goes into group i-1's slot once its write-back ended
+                if k < n and nxt < n:
+                    if i >= 1:
+                        futures.pop(("w", i - 1)).result()
+                    futures[("r", nxt)] = self._read(nxt)
+        except BaseException:
+            _drain(futures.values())  # the slots must be idle before anyone reuses them
+            raise
+        for f in futures.values():
+            f.result()
+
+    # ------------------------------------------------------------------ reading states back
+    def read_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Every parameter's {"param", "exp_avg", "exp_avg_sq"} as fp32 tensors of its shape (allocates the
+        whole model's states in memory: for checkpoints, checks and tests)."""
+        out = {n: {k: torch.empty(self.shapes[n]) for k in ("param", "exp_avg", "exp_avg_sq")}
+               for n in self.names}
+        for i, segs in enumerate(self.groups):
+            self._read(i).result()
+            _, p, m, v = self._sections(i, self.slots[i % len(self.slots)])
+            for s in segs:
+                for key, src in (("param", p), ("exp_avg", m), ("exp_avg_sq", v)):
+                    dst = out[s.name][key].view(-1)
+                    dst[s.param_off:s.param_off + s.numel] = src[s.group_off:s.group_off + s.numel]
+        return out
+
+    def flush(self) -> None:
+        """Make the states and the step count durable (the store's flush)."""
+        self.store.flush()
+
+    # ------------------------------------------------------------------ checks
+    def _check_grads(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        missing = [n for n in self.names if n not in grads]
+        extra = [n for n in grads if n not in self.numels]
+        if missing or extra:
+            raise ValueError(f"step() needs a gradient for every parameter: missing {missing[:5]}, unknown "
+                             f"{extra[:5]} (of {len(self.names)} parameters)")
+        return {n: _flat(g, n, self.numels[n], GRAD_DTYPES, "gradient") for n, g in grads.items()}
+
+    def _check_outputs(self, outs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        extra = [n for n in outs if n not in self.numels]
+        if extra:
+            raise ValueError(f"low_precision_out names unknown parameters {extra[:5]}")
+        return {n: _flat(o, n, self.numels[n], (torch.bfloat16, torch.float16), "low-precision output")
+                for n, o in outs.items()}
+
+
+def _flat(t: torch.Tensor, name: str, numel: int, dtypes: tuple, what: str) -> torch.Tensor:
+    if t.numel() != numel or t.dtype not in dtypes or t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"the {what} of {name!r} must be a contiguous CPU tensor of {numel} elements in "
+                         f"{[str(d) for d in dtypes]}; got {t.numel()} elements, {t.dtype}, on {t.device}, "
+                         f"contiguous={t.is_contiguous()}")
+    return t.view(-1)
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _group_numel(segs: list[Segment]) -> int:
+    return max(s.group_off + s.numel for s in segs)
+
+
+def _group_elems(host_budget_bytes: int, slots: int) -> int:
+    """G: the largest multiple of ELEM_ALIGN whose `slots` slots of 12 * G bytes fit the host budget."""
+    if slots < 3:
+        raise ValueError(f"slots must be >= 3 (read ahead, update, write back), not {slots}")
+    g = host_budget_bytes // (slots * BYTES_PER_ELEM) // ELEM_ALIGN * ELEM_ALIGN
+    if g < ELEM_ALIGN:
+        least = slots * BYTES_PER_ELEM * ELEM_ALIGN
+        raise ValueError(f"host_budget_bytes {host_budget_bytes} is too small for {slots} slots: it needs at "
+                         f"least {least} bytes ({fmt_bytes(least)})")
+    return g
+
+
+def _check_hyper(lr: float, betas: tuple[float, float], eps: float, wd: float) -> None:
+    if lr < 0.0 or eps < 0.0 or wd < 0.0:
+        raise ValueError(f"invalid lr={lr}, eps={eps} or weight_decay={wd}: each must be >= 0")
+    if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+        raise ValueError(f"invalid betas {betas}: each must be in [0, 1)")
+
+
+def _drain(futures) -> None:
+    """Wait for every future, dropping their errors (an error is already on its way up)."""
+    for f in futures:
+        try:
+            f.result()
+        except Exception:
+            pass
