@@ -48,5 +48,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("wait", &AsyncIO::wait, py::arg("ticket"), nogil())
       .def("done", &AsyncIO::done, py::arg("ticket"))
       .def("pending", &AsyncIO::pending)
+      .def("register_buffers", &AsyncIO::register_buffers, py::arg("buffers"))
+      .def_property_readonly("registered", &AsyncIO::registered)
       .def("inject_fault", &AsyncIO::inject_fault, py::arg("nth"), py::arg("err") = 0, py::arg("short_bytes") = 0);
 }

@@ -70,6 +70,7 @@ int64_t AsyncIO::submit(int64_t fd, torch::Tensor t, int64_t offset, bool write,
   }
   r->blocks_left = static_cast<int64_t>(r->blocks.size());
   std::lock_guard<std::mutex> lk(mu_);
+  for (auto& b : r->blocks) b.fixed = b.bounced ? -1 : fixed_index(b.user, b.io_len);
   const int64_t ticket = next_ticket_++;
   Request* req = r.get();
   requests_.emplace(ticket, std::move(r));
@@ -109,6 +110,30 @@ int64_t AsyncIO::pending() {
   int64_t n = 0;
   for (auto& kv : requests_) n += !kv.second->done;
   return n;
+}
+
+int AsyncIO::fixed_index(const char* p, int64_t n) const {
+  for (size_t i = 0; i < fixed_.size(); ++i) {
+    const char* base = static_cast<const char*>(fixed_[i].data_ptr());
+    if (p >= base && p + n <= base + fixed_[i].numel() * fixed_[i].element_size()) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+std::string AsyncIO::register_buffers(std::vector<torch::Tensor> buffers) {
+  if (!ring_) return "the threads backend has no registered buffers";
+  std::lock_guard<std::mutex> lk(mu_);
+  TORCH_CHECK(fixed_.empty(), "buffers are already registered with this engine (once per engine)");
+  for (auto& kv : requests_) TORCH_CHECK(kv.second->done, "register buffers while no I/O is in flight");
+  std::vector<iovec> iovs;
+  for (auto& t : buffers) {
+    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "registered buffers must be contiguous CPU tensors");
+    iovs.push_back({t.data_ptr(), static_cast<size_t>(t.numel() * t.element_size())});
+  }
+  const int rc = ring_->register_buffers(iovs.data(), static_cast<unsigned>(iovs.size()));
+  if (rc < 0) return std::string("io_uring_register: ") + std::strerror(-rc);
+  fixed_ = std::move(buffers);
+  return "";
 }
 
 void AsyncIO::inject_fault(int64_t nth, int64_t err, int64_t short_bytes) {
@@ -262,8 +287,14 @@ void AsyncIO::uring_loop() {
     }
     for (Block* b : ready) {
       if (b->progress < 0) start(b, b->bounced ? take_bounce() : nullptr);
-      ring_->prep(b->req->write, b->req->fd, &b->iov, static_cast<uint64_t>(b->file_off + b->progress),
-                  reinterpret_cast<uint64_t>(b));
+      const auto off = static_cast<uint64_t>(b->file_off + b->progress);
+      const auto data = reinterpret_cast<uint64_t>(b);
+      if (b->fixed >= 0) {
+        ring_->prep_fixed(b->req->write, b->req->fd, b->iov.iov_base, static_cast<uint32_t>(b->iov.iov_len), off,
+                          static_cast<uint16_t>(b->fixed), data);
+      } else {
+        ring_->prep(b->req->write, b->req->fd, &b->iov, off, data);
+      }
       ++inflight;
     }
     ready.clear();

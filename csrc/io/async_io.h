@@ -35,6 +35,7 @@ struct Block {
   char* bounce = nullptr;
   int64_t progress = 0;     // bytes transferred so far
   bool ok = false;
+  int fixed = -1;           // index of the registered buffer holding the piece (io_uring fixed I/O), or -1
   iovec iov{};
 };
 
@@ -71,6 +72,10 @@ class AsyncIO {
   std::tuple<int64_t, int64_t, int64_t> wait(int64_t ticket);
   bool done(int64_t ticket);
   int64_t pending();
+  // Register memory once with io_uring (pages pinned now, not on every I/O); later pieces that lie in
+  // them use fixed-buffer reads/writes. Once per engine, while idle. Returns "" or why it did not.
+  std::string register_buffers(std::vector<torch::Tensor> buffers);
+  int64_t registered() const { return static_cast<int64_t>(fixed_.size()); }
   // Test hook: the nth completion from now (0 = the next) returns -err if err > 0, else at most
   // short_bytes bytes (a short transfer the engine must finish by resubmitting).
   void inject_fault(int64_t nth, int64_t err, int64_t short_bytes);
@@ -83,6 +88,7 @@ class AsyncIO {
   void block_done(Block* b);
   void fail(Request* r, int64_t status, int64_t offset);
   int64_t apply_fault(int64_t res);
+  int fixed_index(const char* p, int64_t n) const;
   char* take_bounce();
   void give_bounce(char* p);
   void fail_all(int64_t err);
@@ -104,6 +110,7 @@ class AsyncIO {
   std::atomic<int64_t> fault_countdown_{-1};
   int64_t fault_err_ = 0, fault_short_ = 0;
   std::vector<std::thread> workers_;
+  std::vector<torch::Tensor> fixed_;  // registered buffers, kept alive; immutable once set
 };
 
 }  // namespace mobiuspipe

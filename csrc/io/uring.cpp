@@ -72,20 +72,48 @@ Uring::~Uring() {
   if (fd_ >= 0) close(fd_);
 }
 
-void Uring::prep(bool write, int fd, const iovec* iov, uint64_t offset, uint64_t user_data) {
-  const unsigned tail = *sq_tail_;  // only this thread writes the tail
-  const unsigned idx = tail & *sq_mask_;
+io_uring_sqe* Uring::next_sqe() {
+  const unsigned idx = *sq_tail_ & *sq_mask_;  // only this thread writes the tail
   io_uring_sqe* sqe = static_cast<io_uring_sqe*>(sqes_map_) + idx;
   std::memset(sqe, 0, sizeof(*sqe));
+  return sqe;
+}
+
+void Uring::push_sqe() {
+  const unsigned tail = *sq_tail_;
+  const unsigned idx = tail & *sq_mask_;
+  sq_array_[idx] = idx;
+  __atomic_store_n(sq_tail_, tail + 1, __ATOMIC_RELEASE);
+  ++to_submit_;
+}
+
+void Uring::prep(bool write, int fd, const iovec* iov, uint64_t offset, uint64_t user_data) {
+  io_uring_sqe* sqe = next_sqe();
   sqe->opcode = write ? IORING_OP_WRITEV : IORING_OP_READV;
   sqe->fd = fd;
   sqe->addr = reinterpret_cast<uint64_t>(iov);
   sqe->len = 1;
   sqe->off = offset;
   sqe->user_data = user_data;
-  sq_array_[idx] = idx;
-  __atomic_store_n(sq_tail_, tail + 1, __ATOMIC_RELEASE);
-  ++to_submit_;
+  push_sqe();
+}
+
+void Uring::prep_fixed(bool write, int fd, void* addr, uint32_t len, uint64_t offset, uint16_t buf_index,
+                       uint64_t user_data) {
+  io_uring_sqe* sqe = next_sqe();
+  sqe->opcode = write ? IORING_OP_WRITE_FIXED : IORING_OP_READ_FIXED;
+  sqe->fd = fd;
+  sqe->addr = reinterpret_cast<uint64_t>(addr);
+  sqe->len = len;
+  sqe->off = offset;
+  sqe->buf_index = buf_index;
+  sqe->user_data = user_data;
+  push_sqe();
+}
+
+int Uring::register_buffers(const iovec* iovs, unsigned n) {
+  int ret = static_cast<int>(syscall(__NR_io_uring_register, fd_, IORING_REGISTER_BUFFERS, iovs, n));
+  return ret < 0 ? -errno : 0;
 }
 
 int Uring::submit_and_wait(unsigned min_complete) {

@@ -7,6 +7,8 @@
 #include <memory>
 #include <string>
 
+struct io_uring_sqe;  // <linux/io_uring.h>, included by uring.cpp only
+
 namespace mobiuspipe {
 
 class Uring {
@@ -21,6 +23,11 @@ class Uring {
   unsigned entries() const { return entries_; }
   // Queue one readv/writev of `iov` (which must stay valid until its completion) at file `offset`.
   void prep(bool write, int fd, const iovec* iov, uint64_t offset, uint64_t user_data);
+  // Queue a read/write of [addr, addr + len) that lies inside registered buffer `buf_index`.
+  void prep_fixed(bool write, int fd, void* addr, uint32_t len, uint64_t offset, uint16_t buf_index,
+                  uint64_t user_data);
+  // Register memory regions once (the kernel pins them now instead of on every I/O): 0 or -errno.
+  int register_buffers(const iovec* iovs, unsigned n);
   // Submit everything queued and wait for at least `min_complete` completions. Returns 0 or -errno.
   int submit_and_wait(unsigned min_complete);
   // Call on_cqe(user_data, res) for every completion ready now; returns how many.
@@ -28,6 +35,8 @@ class Uring {
 
  private:
   Uring() = default;
+  ::io_uring_sqe* next_sqe();  // the zeroed entry at the tail
+  void push_sqe();             // publish it to the kernel
   int fd_ = -1;
   unsigned entries_ = 0;
   unsigned to_submit_ = 0;

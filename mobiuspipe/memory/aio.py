@@ -3,6 +3,7 @@ or, without the extension, a Python thread pool over buffered pread/pwrite. Fail
 
 from __future__ import annotations
 
+import ctypes
 import errno as errno_mod
 import os
 from dataclasses import dataclass
@@ -16,6 +17,9 @@ from mobiuspipe.memory.pyio import PyAsyncIO, SHORT_READ, SHORT_WRITE
 __all__ = ["ALIGN", "IOEngine", "Ticket", "aligned_empty", "round_up", "swap_error"]
 
 ALIGN = 4096  # bytes: O_DIRECT alignment of memory, file offsets and lengths used everywhere here
+HUGE_PAGE = 2 << 20  # bytes: a transparent huge page on x86-64 and most arm64 kernels
+_MADV_HUGEPAGE = 14
+_LIBC: ctypes.CDLL | bool | None = None
 BACKENDS = ("auto", "uring", "threads", "python")
 
 _HINTS = {
@@ -36,12 +40,32 @@ def round_up(n: int, align: int = ALIGN) -> int:
 
 def aligned_empty(nbytes: int, pin: bool | None = None) -> torch.Tensor:
     """A uint8 tensor of nbytes whose memory starts on an ALIGN boundary and is padded to a multiple of
-    ALIGN (so O_DIRECT can use it without bounce buffers); pinned when CUDA is present (pin=None)."""
+    ALIGN (so O_DIRECT can use it without bounce buffers); pinned when CUDA is present (pin=None).
+
+    Unpinned buffers of 2 MiB or more are 2 MiB-aligned and advised into transparent huge pages before
+    their first touch: the kernel then pins 512x fewer pages per direct I/O. (Measured in this project's
+    VM: 4 KiB-page buffers that reuse freed memory made the out-of-core step 3-4x slower.)"""
     pin = torch.cuda.is_available() if pin is None else pin
-    padded = round_up(max(nbytes, 1))
-    raw = torch.empty(padded + ALIGN, dtype=torch.uint8, pin_memory=pin)
-    skip = (-raw.data_ptr()) % ALIGN
-    return raw[skip:skip + padded][:nbytes]
+    align = HUGE_PAGE if nbytes >= HUGE_PAGE and not pin else ALIGN
+    padded = round_up(max(nbytes, 1), align)
+    raw = torch.empty(padded + align, dtype=torch.uint8, pin_memory=pin)
+    skip = (-raw.data_ptr()) % align
+    buf = raw[skip:skip + padded]
+    if align == HUGE_PAGE:
+        _advise_huge_pages(buf)
+    return buf[:nbytes]
+
+
+def _advise_huge_pages(t: torch.Tensor) -> None:
+    """madvise(MADV_HUGEPAGE) over t's memory; a no-op where the call or THP is unavailable."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL(None, use_errno=True)
+        except OSError:
+            _LIBC = False
+    if _LIBC and hasattr(_LIBC, "madvise"):
+        _LIBC.madvise(ctypes.c_void_p(t.data_ptr()), ctypes.c_size_t(t.numel()), _MADV_HUGEPAGE)
 
 
 def swap_error(op: str, path: str, offset: int, nbytes: int, status: int, done: int = 0) -> SwapIOError:
@@ -117,6 +141,16 @@ class IOEngine:
     def done(self, ticket: Ticket) -> bool:
         """Whether the ticket's I/O has ended (wait() then returns at once)."""
         return self._io.done(ticket.id)
+
+    def register(self, buffers: list[torch.Tensor]) -> str:
+        """Register long-lived buffers (e.g. an optimizer's slots) with io_uring, so the kernel pins their
+        pages once instead of on every I/O; returns "" or why not (they then work as ordinary memory).
+        Once per engine, while no I/O is in flight."""
+        if self.backend != "uring":
+            return f"the {self.backend!r} backend does not register buffers"
+        if self._io.registered:
+            return "this engine's registered buffers are already taken"
+        return self._io.register_buffers(list(buffers))
 
     def pending(self) -> int:
         """Submitted requests not yet ended."""

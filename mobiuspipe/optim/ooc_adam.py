@@ -85,6 +85,7 @@ class OutOfCoreAdam:
         self.slots = [aligned_empty(BYTES_PER_ELEM * self.group_elems).view(torch.float32)
                       for _ in range(min(slots, max(len(self.groups), 1)))]
         self.host_budget_bytes = host_budget_bytes
+        self.io_note = store.engine.register(self.slots)  # "" when the slots are io_uring fixed buffers
         self.broken = ""  # why the states on disk are inconsistent (a step failed halfway), or ""
 
     # ------------------------------------------------------------------ construction

@@ -33,9 +33,9 @@ def _grads(gen: torch.Generator, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return out
 
 
-def _store(tmp_path, name="job") -> SSDStore:
-    return SSDStore(tmp_path / name, backend="threads" if _ext.HAVE_C else "python", queue_depth=8,
-                    block_bytes=1 << 16)
+def _store(tmp_path, name="job", backend=None) -> SSDStore:
+    """The default engine (io_uring where allowed: the slots become registered buffers) unless named."""
+    return SSDStore(tmp_path / name, backend=backend, queue_depth=8, block_bytes=1 << 16)
 
 
 def test_groups_cover_every_element_once():
@@ -56,13 +56,14 @@ def test_groups_cover_every_element_once():
 @pytest.mark.parametrize("wd", [0.0, 0.1])
 @pytest.mark.parametrize("pipelined", [True, False])
 def test_equals_in_memory_adamw(tmp_path, impl, grad_dtype, wd, pipelined):
+    backend = None if pipelined else ("threads" if _ext.HAVE_C else "python")
     params = _params()
     refs = {n: torch.nn.Parameter(p.clone()) for n, p in params.items()}
     exact = torch.optim.AdamW([torch.nn.Parameter(p.double()) for p in params.values()], lr=1e-2,
                               weight_decay=wd)
     mem = CPUAdam(list(refs.values()), lr=1e-2, weight_decay=wd, impl=impl)
     gen = torch.Generator().manual_seed(1)
-    with _store(tmp_path) as store:
+    with _store(tmp_path, backend=backend) as store:
         opt = OutOfCoreAdam.create(store, params, lr=1e-2, weight_decay=wd, host_budget_bytes=BUDGET,
                                    impl=impl)
         assert len(opt.groups) > len(opt.slots)  # the pipeline really cycles its slots
