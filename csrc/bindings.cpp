@@ -32,6 +32,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("param"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("grad"), py::arg("out"), nogil());
   m.def("crc32c", &crc32c_tensor, "CRC-32C of a tensor's bytes, continuing `prev`",
         py::arg("t"), py::arg("prev") = 0, py::arg("reference") = false);
+  m.def("crc32c_combine", &mobiuspipe::crc32c_combine, "CRC-32C of A + B from those of A and B and len(B)",
+        py::arg("crc1"), py::arg("crc2"), py::arg("len2"));
   m.def("crc32c_has_hw", &mobiuspipe::crc32c_has_hw, "whether the SSE4.2 crc32 instruction is used");
   m.attr("IO_ALIGN") = mobiuspipe::kAlign;
   m.attr("IO_SHORT_READ") = mobiuspipe::kShortRead;
@@ -44,7 +46,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("queue_depth", &AsyncIO::queue_depth)
       .def_property_readonly("block_bytes", &AsyncIO::block_bytes)
       .def("submit", &AsyncIO::submit, py::arg("fd"), py::arg("t"), py::arg("offset"), py::arg("write"),
-           py::arg("direct"))
+           py::arg("direct"), py::arg("checksum") = false)
       .def("wait", &AsyncIO::wait, py::arg("ticket"), nogil())
       .def("done", &AsyncIO::done, py::arg("ticket"))
       .def("pending", &AsyncIO::pending)

@@ -43,9 +43,16 @@ def _fresh(path: Path, nbytes: int) -> int:
     return fd
 
 
-def engine_contestant(backend: str, qd: int):
-    """(write_s, read_s) of one round of IOEngine(backend): one request of the whole buffer each way."""
+def engine_contestant(backend: str, qd: int, register: list[torch.Tensor] | None = None):
+    """(write_s, read_s) of one round of IOEngine(backend): one request of the whole buffer each way;
+    with `register`, those buffers are io_uring registered buffers (as the out-of-core optimizer's slots)."""
     io = IOEngine(backend, qd, MIB)
+    fixed = ""
+    if register is not None:
+        why = io.register(register)
+        if why:
+            raise SystemExit(f"cannot register buffers: {why}")
+        fixed = ", registered buffers"
 
     def run(path: Path, buf: torch.Tensor, back: torch.Tensor) -> tuple[float, float]:
         fd = _fresh(path, buf.numel())
@@ -60,7 +67,7 @@ def engine_contestant(backend: str, qd: int):
             os.close(fd)
         return t1 - t0, t2 - t1
 
-    return f"mobiuspipe IOEngine ({io.backend}, qd {qd})", run
+    return f"mobiuspipe IOEngine ({io.backend}, qd {qd}{fixed})", run
 
 
 def store_contestant(folder: Path, qd: int):
@@ -151,17 +158,18 @@ def main() -> None:
     work = Path(args.dir).resolve() / f".bench-io-{os.getpid()}"
     work.mkdir()
     qd, nbytes = args.queue_depth, args.size_mb * MIB
-    contestants = [engine_contestant("uring", qd), engine_contestant("threads", qd), store_contestant(work, qd)]
+    buf = aligned_empty(nbytes)
+    buf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
+    back = aligned_empty(nbytes)
+    noise = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)  # what read buffers hold before a read
+    contestants = [engine_contestant("uring", qd), engine_contestant("uring", qd, [buf, back]),
+                   engine_contestant("threads", qd), store_contestant(work, qd)]
     contestants += [c for c in [deepspeed_contestant(qd, True), deepspeed_contestant(128, False)] if c]
     if shutil.which("fio"):  # the ceiling: fio's best; registered buffers (fixedbufs) skip per-I/O page pinning
         contestants += [fio_contestant("io_uring", qd), fio_contestant("io_uring", qd, ("--fixedbufs",)),
                         fio_contestant("libaio", qd)]
     else:
         print("# fio not measured: not installed (apt-get install fio)", file=sys.stderr)
-    buf = aligned_empty(nbytes)
-    buf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
-    back = aligned_empty(nbytes)
-    noise = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)  # what read buffers hold before a read
     times = {name: ([], []) for name, _ in contestants}
     mark = cpu_mark()
     try:

@@ -8,6 +8,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "crc32c.h"
+
 namespace mobiuspipe {
 namespace {
 
@@ -18,7 +20,8 @@ bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % kAlign == 
 }  // namespace
 
 AsyncIO::AsyncIO(const std::string& backend, int64_t queue_depth, int64_t block_bytes)
-    : queue_depth_(queue_depth), block_bytes_(block_bytes) {
+    : queue_depth_(queue_depth), block_bytes_(block_bytes),
+      block_shift_(crc32c_shift(static_cast<size_t>(block_bytes))) {
   TORCH_CHECK(backend == "auto" || backend == "uring" || backend == "threads",
               "backend must be 'auto', 'uring' or 'threads', not '", backend, "'");
   TORCH_CHECK(queue_depth >= 1 && queue_depth <= 4096, "queue_depth must be in [1, 4096], not ", queue_depth);
@@ -31,6 +34,8 @@ AsyncIO::AsyncIO(const std::string& backend, int64_t queue_depth, int64_t block_
   }
   if (ring_) {
     workers_.emplace_back([this] { uring_loop(); });
+    const unsigned cores = std::max(1u, std::min(4u, std::thread::hardware_concurrency()));
+    for (unsigned i = 0; i < cores; ++i) finishers_.emplace_back([this] { finisher_loop(); });
   } else {
     for (int64_t i = 0; i < queue_depth_; ++i) workers_.emplace_back([this] { thread_loop(); });
   }
@@ -42,11 +47,17 @@ AsyncIO::~AsyncIO() {
     stop_ = true;  // workers finish what is queued, then leave
   }
   work_cv_.notify_all();
-  for (auto& t : workers_) t.join();
+  for (auto& t : workers_) t.join();  // the ring drains into the finishers first
+  {
+    std::lock_guard<std::mutex> lk(finish_mu_);
+    finish_stop_ = true;
+  }
+  finish_cv_.notify_all();
+  for (auto& t : finishers_) t.join();
   for (char* p : bounce_all_) std::free(p);
 }
 
-int64_t AsyncIO::submit(int64_t fd, torch::Tensor t, int64_t offset, bool write, bool direct) {
+int64_t AsyncIO::submit(int64_t fd, torch::Tensor t, int64_t offset, bool write, bool direct, bool checksum) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "the tensor must be a contiguous CPU tensor");
   TORCH_CHECK(fd >= 0 && offset >= 0, "fd and offset must be >= 0 (fd ", fd, ", offset ", offset, ")");
   TORCH_CHECK(!direct || offset % kAlign == 0, "an O_DIRECT file offset must be a multiple of ", kAlign,
@@ -56,6 +67,7 @@ int64_t AsyncIO::submit(int64_t fd, torch::Tensor t, int64_t offset, bool write,
   r->fd = static_cast<int>(fd);
   r->write = write;
   r->direct = direct;
+  r->checksum = checksum;
   const int64_t n = t.numel() * t.element_size();
   char* base = static_cast<char*>(t.data_ptr());
   for (int64_t at = 0; at < n; at += block_bytes_) {
@@ -85,17 +97,23 @@ int64_t AsyncIO::submit(int64_t fd, torch::Tensor t, int64_t offset, bool write,
   return ticket;
 }
 
-std::tuple<int64_t, int64_t, int64_t> AsyncIO::wait(int64_t ticket) {
+std::tuple<int64_t, int64_t, int64_t, int64_t> AsyncIO::wait(int64_t ticket) {
   std::unique_lock<std::mutex> lk(mu_);
   auto it = requests_.find(ticket);
   TORCH_CHECK(it != requests_.end(), "unknown or already waited-for ticket ", ticket);
   Request* r = it->second.get();
   done_cv_.wait(lk, [r] { return r->done; });
-  auto out = std::make_tuple(r->status, r->fail_offset, r->bytes_done);
   std::unique_ptr<Request> gone = std::move(it->second);
   requests_.erase(it);
   lk.unlock();  // the tensor reference drops outside the lock
-  return out;
+  uint32_t crc = 0;
+  if (r->checksum && r->status == 0) {
+    for (const Block& b : r->blocks) {
+      crc = b.len == block_bytes_ ? crc32c_mulmod(block_shift_, crc) ^ b.crc
+                                  : crc32c_combine(crc, b.crc, static_cast<size_t>(b.len));
+    }
+  }
+  return std::make_tuple(r->status, r->fail_offset, r->bytes_done, static_cast<int64_t>(crc));
 }
 
 bool AsyncIO::done(int64_t ticket) {
@@ -214,6 +232,7 @@ bool AsyncIO::finish_io(Block* b, int64_t res) {
 void AsyncIO::block_done(Block* b) {
   Request* r = b->req;
   if (b->ok && b->bounced && !r->write) std::memcpy(b->user, b->bounce, b->len);
+  if (b->ok && r->checksum) b->crc = crc32c(0, b->user, static_cast<size_t>(b->len));
   std::lock_guard<std::mutex> lk(mu_);
   if (b->ok) r->bytes_done += b->len;
   if (--r->blocks_left == 0) {
@@ -309,10 +328,28 @@ void AsyncIO::uring_loop() {
         ready.push_back(b);
         return;
       }
-      char* bounce = b->bounce;  // b may be freed by a waiter once block_done returns
-      block_done(b);
-      if (bounce) give_bounce(bounce);
+      {
+        std::lock_guard<std::mutex> lk(finish_mu_);
+        finish_q_.push_back(b);  // copies out of bounce buffers and checksums run beside the ring
+      }
+      finish_cv_.notify_one();
     });
+  }
+}
+
+void AsyncIO::finisher_loop() {
+  for (;;) {
+    Block* b = nullptr;
+    {
+      std::unique_lock<std::mutex> lk(finish_mu_);
+      finish_cv_.wait(lk, [this] { return finish_stop_ || !finish_q_.empty(); });
+      if (finish_q_.empty()) return;
+      b = finish_q_.front();
+      finish_q_.pop_front();
+    }
+    char* bounce = b->bounce;  // b may be freed by a waiter once block_done returns
+    block_done(b);
+    if (bounce) give_bounce(bounce);
   }
 }
 

@@ -36,6 +36,7 @@ struct Block {
   int64_t progress = 0;     // bytes transferred so far
   bool ok = false;
   int fixed = -1;           // index of the registered buffer holding the piece (io_uring fixed I/O), or -1
+  uint32_t crc = 0;         // CRC-32C of the piece's tensor bytes (when the request asks for it)
   iovec iov{};
 };
 
@@ -45,6 +46,7 @@ struct Request {
   int fd = -1;
   bool write = false;
   bool direct = false;
+  bool checksum = false;    // compute the CRC-32C of the bytes moved, piece by piece in the I/O threads
   std::vector<Block> blocks;
   int64_t blocks_left = 0;
   int64_t status = 0;       // 0, an errno (> 0), kShortRead or kShortWrite: the failure nearest the start
@@ -67,9 +69,11 @@ class AsyncIO {
 
   // Queue a read (write=false) or write of all of t's bytes at `offset` of fd; returns a ticket.
   // direct: fd was opened with O_DIRECT (offset must be a multiple of kAlign; memory and size need not).
-  int64_t submit(int64_t fd, torch::Tensor t, int64_t offset, bool write, bool direct);
-  // Block until the ticket's request ends: (status, fail_offset, bytes_done). The ticket is then spent.
-  std::tuple<int64_t, int64_t, int64_t> wait(int64_t ticket);
+  // checksum: also compute the CRC-32C of the tensor's bytes (written, or read), overlapped with the I/O.
+  int64_t submit(int64_t fd, torch::Tensor t, int64_t offset, bool write, bool direct, bool checksum);
+  // Block until the ticket's request ends: (status, fail_offset, bytes_done, crc32c or 0). The ticket is
+  // then spent.
+  std::tuple<int64_t, int64_t, int64_t, int64_t> wait(int64_t ticket);
   bool done(int64_t ticket);
   int64_t pending();
   // Register memory once with io_uring (pages pinned now, not on every I/O); later pieces that lie in
@@ -81,8 +85,9 @@ class AsyncIO {
   void inject_fault(int64_t nth, int64_t err, int64_t short_bytes);
 
  private:
-  void uring_loop();
-  void thread_loop();
+  void uring_loop();     // the one thread that fills and reaps the ring
+  void finisher_loop();  // ends pieces the ring completed: bounce copies, checksums, request counts
+  void thread_loop();    // a pread/pwrite worker (threads backend)
   void start(Block* b, char* bounce);
   bool finish_io(Block* b, int64_t res);  // true: resubmit the rest of b
   void block_done(Block* b);
@@ -97,6 +102,7 @@ class AsyncIO {
   std::string why_not_uring_;
   int64_t queue_depth_;
   int64_t block_bytes_;
+  uint32_t block_shift_;  // crc32c_shift(block_bytes_): folds a full piece's CRC into the request's
   std::mutex mu_;
   std::condition_variable work_cv_, done_cv_;
   std::deque<Block*> queue_;
@@ -110,6 +116,11 @@ class AsyncIO {
   std::atomic<int64_t> fault_countdown_{-1};
   int64_t fault_err_ = 0, fault_short_ = 0;
   std::vector<std::thread> workers_;
+  std::mutex finish_mu_;
+  std::condition_variable finish_cv_;
+  std::deque<Block*> finish_q_;
+  bool finish_stop_ = false;
+  std::vector<std::thread> finishers_;
   std::vector<torch::Tensor> fixed_;  // registered buffers, kept alive; immutable once set
 };
 

@@ -39,7 +39,38 @@ __attribute__((target("sse4.2"))) uint32_t crc32c_hw(uint32_t prev, const void* 
 }
 #endif
 
+// Powers x^(2^k) mod P for k = 0..63 (bit-reflected: bit 31 is x^0), by repeated squaring.
+struct Powers {
+  uint32_t p[64];
+  Powers() {
+    p[0] = 1u << 30;  // x^1
+    for (int k = 1; k < 64; ++k) p[k] = crc32c_mulmod(p[k - 1], p[k - 1]);
+  }
+};
+
 }  // namespace
+
+uint32_t crc32c_mulmod(uint32_t a, uint32_t b) {
+  uint32_t prod = 0;
+  for (uint32_t bit = 1u << 31; bit; bit >>= 1) {  // from x^0 upward in a
+    if (a & bit) prod ^= b;
+    b = (b & 1) ? (b >> 1) ^ kPoly : b >> 1;  // b *= x
+  }
+  return prod;
+}
+
+uint32_t crc32c_shift(size_t n) {
+  static const Powers powers;
+  uint32_t r = 1u << 31;  // x^0
+  for (int k = 3; n && k < 64; n >>= 1, ++k) {  // 8 n = n * 2^3
+    if (n & 1) r = crc32c_mulmod(powers.p[k], r);
+  }
+  return r;
+}
+
+uint32_t crc32c_combine(uint32_t crc1, uint32_t crc2, size_t len2) {
+  return crc32c_mulmod(crc32c_shift(len2), crc1) ^ crc2;
+}
 
 uint32_t crc32c_table(uint32_t prev, const void* data, size_t n) {
   const auto* p = static_cast<const unsigned char*>(data);

@@ -94,6 +94,7 @@ class Ticket:
     path: str
     offset: int
     nbytes: int
+    checksum: bool = False
 
 
 class IOEngine:
@@ -121,22 +122,29 @@ class IOEngine:
         self.backend = self._io.backend
         self.fallback_reason = why  # why this backend and not io_uring ('' when io_uring runs)
         self.supports_direct = self.backend != "python"
+        self.checksum_algo = "crc32" if self.backend == "python" else "crc32c"  # what wait_checked returns
 
-    def submit(self, fd: int, t: torch.Tensor, offset: int, write: bool, direct: bool, path: str) -> Ticket:
-        """Queue the read (into t) or write (of t) of t's bytes at offset of fd; path names it in errors."""
+    def submit(self, fd: int, t: torch.Tensor, offset: int, write: bool, direct: bool, path: str,
+               checksum: bool = False) -> Ticket:
+        """Queue the read (into t) or write (of t) of t's bytes at offset of fd; path names it in errors.
+        checksum: also compute the bytes' checksum (self.checksum_algo) in the I/O threads."""
         if direct and not self.supports_direct:
             raise ValueError(f"the {self.backend!r} I/O backend does not do O_DIRECT")
         nbytes = t.numel() * t.element_size()
-        tid = self._io.submit(fd, t, offset, write, direct)
-        return Ticket(tid, "write" if write else "read", path, offset, nbytes)
+        tid = self._io.submit(fd, t, offset, write, direct, checksum)
+        return Ticket(tid, "write" if write else "read", path, offset, nbytes, checksum)
 
     def wait(self, ticket: Ticket) -> int:
         """Block until the ticket's I/O ends; returns its byte count or raises SwapIOError."""
-        status, fail_offset, done = self._io.wait(ticket.id)
+        return self.wait_checked(ticket)[0]
+
+    def wait_checked(self, ticket: Ticket) -> tuple[int, int]:
+        """wait(), returning (byte count, checksum of the bytes; 0 unless submitted with checksum=True)."""
+        status, fail_offset, done, crc = self._io.wait(ticket.id)
         if status != 0:
             raise swap_error(ticket.op, ticket.path, fail_offset if fail_offset >= 0 else ticket.offset,
                              ticket.nbytes, status, done)
-        return done
+        return done, crc
 
     def done(self, ticket: Ticket) -> bool:
         """Whether the ticket's I/O has ended (wait() then returns at once)."""

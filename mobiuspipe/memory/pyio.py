@@ -1,10 +1,12 @@
 """The Python stand-in of the C++ AsyncIO engine (same submit/wait/done API): buffered pread/pwrite of
-block-sized pieces on a thread pool, short transfers resubmitted, the first failure kept per request."""
+block-sized pieces on a thread pool, short transfers resubmitted, the failure nearest the start kept per
+request; checksums are zlib's crc32 (the C++ engine's are CRC-32C)."""
 
 from __future__ import annotations
 
 import os
 import threading
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -14,8 +16,9 @@ SHORT_WRITE = -2  # status: a write made no progress
 
 
 class _Request:
-    def __init__(self, tensor: torch.Tensor, pieces: int):
-        self.tensor = tensor
+    def __init__(self, buf: memoryview, pieces: int, checksum: bool):
+        self.buf = buf  # the tensor's bytes (keeps the tensor alive)
+        self.checksum = checksum
         self.left = pieces
         self.status = 0
         self.fail_offset = -1
@@ -40,7 +43,8 @@ class PyAsyncIO:
         self._next = 1
         self._fault: tuple[int, int, int] | None = None
 
-    def submit(self, fd: int, t: torch.Tensor, offset: int, write: bool, direct: bool) -> int:
+    def submit(self, fd: int, t: torch.Tensor, offset: int, write: bool, direct: bool,
+               checksum: bool = False) -> int:
         if direct:
             raise ValueError("the Python I/O engine does not do O_DIRECT")
         if t.device.type != "cpu" or not t.is_contiguous():
@@ -48,7 +52,7 @@ class PyAsyncIO:
         buf = memoryview(t.view(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
         n = len(buf)
         starts = range(0, n, self.block_bytes)
-        req = _Request(t, len(starts))
+        req = _Request(buf, len(starts), checksum)
         with self._lock:
             ticket, self._next = self._next, self._next + 1
             self._requests[ticket] = req
@@ -91,13 +95,15 @@ class PyAsyncIO:
             if req.left == 0:
                 req.event.set()
 
-    def wait(self, ticket: int) -> tuple[int, int, int]:
+    def wait(self, ticket: int) -> tuple[int, int, int, int]:
+        """(status, fail_offset, bytes moved, zlib crc32 of the bytes when asked for, else 0)."""
         with self._lock:
             req = self._requests.pop(ticket, None)
         if req is None:
             raise RuntimeError(f"unknown or already waited-for ticket {ticket}")
         req.event.wait()
-        return req.status, req.fail_offset, req.done_bytes
+        crc = zlib.crc32(req.buf) if req.checksum and req.status == 0 else 0
+        return req.status, req.fail_offset, req.done_bytes, crc
 
     def done(self, ticket: int) -> bool:
         with self._lock:

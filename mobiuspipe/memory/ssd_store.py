@@ -75,7 +75,8 @@ class SSDStore:
 
     backend/queue_depth/block_bytes configure the I/O engine (see IOEngine); direct=None uses O_DIRECT
     when the folder's filesystem accepts it (env MOBIUSPIPE_IO_DIRECT=0 turns it off), else buffered I/O
-    with a note (self.note). Checksums are crc32c with the C++ extension, zlib crc32 without.
+    with a note (self.note). Checksums are CRC-32C from the C++ engine, zlib crc32 from the Python one;
+    a tensor is verified with the algorithm it was stored with.
     """
 
     def __init__(self, folder: str | os.PathLike, *, backend: str | None = None, queue_depth: int = 32,
@@ -90,7 +91,7 @@ class SSDStore:
         except BaseException:
             os.close(self._lock_fd)  # releases the folder
             raise
-        self.algo = "crc32c" if _ext.HAVE_C else "crc32"
+        self.algo = self.engine.checksum_algo  # computed by the I/O threads, overlapped with the transfer
         if self.note:
             warnings.warn(f"SSD store {self.folder}: {self.note}", RuntimeWarning, stacklevel=2)
         self._inflight: dict[str, StoreFuture] = {}
@@ -143,16 +144,15 @@ class SSDStore:
         fd = self._open(path, write=True)
         try:
             self._allocate(fd, path, round_up(nbytes) if self.direct else nbytes)
-            crc = checksum(t, self.algo)
-            ticket = self.engine.submit(fd, t, 0, True, self.direct, path)
+            ticket = self.engine.submit(fd, t, 0, True, self.direct, path, checksum=True)
         except BaseException:
             os.close(fd)
             raise
-        entry = Entry(name, _dtype_name(t.dtype), list(t.shape), nbytes, crc, self.algo)
+        entry = Entry(name, _dtype_name(t.dtype), list(t.shape), nbytes, 0, self.algo)
 
         def finish() -> None:
             try:
-                self.engine.wait(ticket)
+                entry.crc = self.engine.wait_checked(ticket)[1]
             except SwapIOError as exc:
                 entry.damaged = f"its last write failed: {exc}"
                 raise
@@ -197,17 +197,19 @@ class SSDStore:
                 raise SwapIOError(f"read of tensor {key!r} failed: {path} is {size} bytes, but it holds "
                                   f"{entry.nbytes} bytes of data: the file was truncated; restore it or "
                                   "write the tensor again", path, size)
-            ticket = self.engine.submit(fd, out, 0, False, self.direct, path)
+            in_flight = entry.algo == self.engine.checksum_algo  # else verified with the stored algorithm
+            ticket = self.engine.submit(fd, out, 0, False, self.direct, path, checksum=in_flight)
         except BaseException:
             os.close(fd)
             raise
 
         def finish() -> torch.Tensor:
             try:
-                self.engine.wait(ticket)
+                _, got = self.engine.wait_checked(ticket)
             finally:
                 os.close(fd)
-            got = checksum(out, entry.algo)
+            if not in_flight:
+                got = checksum(out, entry.algo)
             if got != entry.crc:
                 raise SwapIOError(f"checksum mismatch reading tensor {key!r} from {path}: stored {entry.algo} "
                                   f"{entry.crc:#010x}, read {got:#010x}; the file was changed or damaged on "

@@ -45,7 +45,7 @@ def _random_bytes(n: int, seed: int, skew: int = 0) -> torch.Tensor:
 
 
 @needs_c
-def test_crc32c_known_value_and_paths_agree():
+def test_crc32c_known_value_paths_agree_and_combine():
     check = torch.frombuffer(bytearray(b"123456789"), dtype=torch.uint8)
     assert _ext.C.crc32c(check) == 0xE3069283  # the standard CRC-32C check value
     g = torch.Generator().manual_seed(1)
@@ -54,6 +54,30 @@ def test_crc32c_known_value_and_paths_agree():
         assert _ext.C.crc32c(data) == _ext.C.crc32c(data, reference=True)
         head = _ext.C.crc32c(data[:n // 3])
         assert _ext.C.crc32c(data[n // 3:], head) == _ext.C.crc32c(data)  # continues a running checksum
+        tail = _ext.C.crc32c(data[n // 3:])
+        assert _ext.C.crc32c_combine(head, tail, n - n // 3) == _ext.C.crc32c(data)  # joins two checksums
+
+
+def _crc(t: torch.Tensor, algo: str) -> int:
+    b = t.reshape(-1).view(torch.uint8)
+    return _ext.C.crc32c(b) if algo == "crc32c" else zlib.crc32(b.numpy().tobytes())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_checksums_computed_in_flight(tmp_path, backend):
+    """The engine's per-piece checksums, joined, equal the checksum of the whole tensor both ways."""
+    io = _engine(backend)
+    direct = backend != "python"
+    fd = _open(tmp_path / "f", direct)
+    try:
+        for i, n in enumerate([0, 5, 4096, BLOCK, 3 * BLOCK + 777]):
+            data = _random_bytes(n, seed=20 + i, skew=i)
+            done, crc_w = io.wait_checked(io.submit(fd, data, 0, True, direct, "f", checksum=True))
+            back = torch.zeros_like(data)
+            _, crc_r = io.wait_checked(io.submit(fd, back, 0, False, direct, "f", checksum=True))
+            assert done == n and crc_w == crc_r == _crc(data, io.checksum_algo), (backend, n)
+    finally:
+        os.close(fd)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -225,13 +225,19 @@ def test_space_check_and_device_tensors(tmp_path):
             store.put("x", torch.empty(3, device="meta"))
 
 
-def test_a_zlib_checksummed_tensor_reads_back(tmp_path):
-    """Stores written without the extension carry crc32 checksums; any reader verifies with the recorded one."""
-    with _store(tmp_path / "job") as store:
-        store.algo = "crc32"
-        t = torch.randn(5000)
+@pytest.mark.skipif(not _ext.HAVE_C, reason="C++ extension not built")
+def test_tensors_are_verified_with_the_checksum_they_were_stored_with(tmp_path):
+    """The Python engine stores zlib crc32, the C++ one CRC-32C; each reads what the other wrote."""
+    t, u = torch.randn(5000), torch.randn(7, 3)
+    with _store(tmp_path / "job", "python") as store:
         store.put("t", t)
-        assert store.info("t").algo == "crc32" and torch.equal(store.get("t"), t)
+        assert store.info("t").algo == "crc32"
+    with _store(tmp_path / "job", "threads") as store:
+        assert torch.equal(store.get("t"), t)
+        store.put("u", u)
+        assert store.info("u").algo == "crc32c"
+    with _store(tmp_path / "job", "python") as store:
+        assert torch.equal(store.get("u"), u) and torch.equal(store.get("t"), t)
 
 
 def test_the_store_without_the_extension(tmp_path):
