@@ -68,21 +68,25 @@ def _advise_huge_pages(t: torch.Tensor) -> None:
         _LIBC.madvise(ctypes.c_void_p(t.data_ptr()), ctypes.c_size_t(t.numel()), _MADV_HUGEPAGE)
 
 
-def swap_error(op: str, path: str, offset: int, nbytes: int, status: int, done: int = 0) -> SwapIOError:
-    """The SwapIOError for a failed `op` ('read'/'write') of nbytes at offset of path with engine status."""
-    where = f"{op} of {nbytes} bytes at offset {offset} of {path}"
+def swap_error(op: str, path: str, offset: int, nbytes: int, status: int, done: int = 0,
+               at: int | None = None) -> SwapIOError:
+    """The SwapIOError for a failed `op` ('read', 'write', ...) of nbytes at offset of path, which failed
+    at file offset `at` (default: offset) with an errno or the engine's SHORT_READ/SHORT_WRITE status."""
+    at = offset if at is None else at
+    where = f"{op} of {nbytes} bytes at offset {offset} of {path} failed"
+    if at != offset:
+        where += f" at offset {at}"
     if status == SHORT_READ:
-        return SwapIOError(f"{where} failed: the file ends at offset {offset} ({done} of {nbytes} bytes read); "
-                           "it was truncated or never fully written: restore it or start the job's swap "
-                           "folder afresh", path, offset, 0)
+        return SwapIOError(f"{where}: the file ends at offset {at} ({done} of {nbytes} bytes read); it was "
+                           "truncated or never fully written: restore it or start the job's swap folder afresh",
+                           path, at, 0)
     if status == SHORT_WRITE:
-        return SwapIOError(f"{where} failed: the write made no progress at offset {offset} ({done} of {nbytes}"
-                           " bytes written); the disk is probably full: free space there or move the swap "
-                           "folder", path, offset, errno_mod.ENOSPC)
+        return SwapIOError(f"{where}: the write made no progress ({done} of {nbytes} bytes written); the disk "
+                           "is probably full: free space there or move the swap folder", path, at,
+                           errno_mod.ENOSPC)
     name = errno_mod.errorcode.get(status, f"errno {status}")
     hint = _HINTS.get(status, "check the disk and the file's permissions")
-    return SwapIOError(f"{where} failed at offset {offset} with {name} ({os.strerror(status)}): {hint}",
-                       path, offset, status)
+    return SwapIOError(f"{where} with {name} ({os.strerror(status)}): {hint}", path, at, status)
 
 
 @dataclass(frozen=True)
@@ -142,8 +146,8 @@ class IOEngine:
         """wait(), returning (byte count, checksum of the bytes; 0 unless submitted with checksum=True)."""
         status, fail_offset, done, crc = self._io.wait(ticket.id)
         if status != 0:
-            raise swap_error(ticket.op, ticket.path, fail_offset if fail_offset >= 0 else ticket.offset,
-                             ticket.nbytes, status, done)
+            raise swap_error(ticket.op, ticket.path, ticket.offset, ticket.nbytes, status, done,
+                             at=fail_offset if fail_offset >= 0 else None)
         return done, crc
 
     def done(self, ticket: Ticket) -> bool:
