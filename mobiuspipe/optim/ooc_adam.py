@@ -121,6 +121,8 @@ class OutOfCoreAdam:
         if meta is None:
             raise KeyError(f"the store {store.folder} holds no optimizer under {prefix!r} (it has "
                            f"{sorted(store.meta)}); create one with OutOfCoreAdam.create()")
+        if meta.get("broken"):
+            raise RuntimeError(meta["broken"])
         budget = BYTES_PER_ELEM * meta["group_elems"] * slots
         if budget > host_budget_bytes:
             raise ValueError(f"the stored groups of {meta['group_elems']} elements need {fmt_bytes(budget)} "
@@ -170,9 +172,11 @@ class OutOfCoreAdam:
         except BaseException as exc:
             self.broken = (f"step {self.step_count} of the out-of-core optimizer in {self.store.folder} failed "
                            f"({type(exc).__name__}: {exc}); some groups on disk took the step and others did "
-                           "not: resume from the last checkpoint (the store's last flush)")
+                           "not: restore the folder from a copy taken after a flush, or create the optimizer "
+                           "anew")
+            self.store.meta[self.prefix]["broken"] = self.broken  # open() refuses it, even after a restart
             raise
-        self.store.meta[self.prefix]["step"] = self.step_count
+        self._save_meta()
 
     def _update(self, i: int, slot: torch.Tensor, grads: dict, outs: dict) -> None:
         _, p, m, v = self._sections(i, slot)
@@ -235,8 +239,17 @@ class OutOfCoreAdam:
         return out
 
     def flush(self) -> None:
-        """Make the states and the step count durable (the store's flush)."""
+        """Make the states, the step count and the current hyper-parameters durable (the store's flush).
+        Refused after a failed step: a checkpoint of half-stepped states would resume silently wrong."""
+        if self.broken:
+            raise RuntimeError(self.broken)
+        self._save_meta()
         self.store.flush()
+
+    def _save_meta(self) -> None:
+        """Step count and hyper-parameters (a schedule may have changed lr) into the store's metadata."""
+        self.store.meta[self.prefix].update(step=self.step_count, lr=self.lr, betas=list(self.betas),
+                                            eps=self.eps, weight_decay=self.weight_decay)
 
     # ------------------------------------------------------------------ checks
     def _check_grads(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -89,17 +89,19 @@ def test_resume_after_flush_continues_the_same_run(tmp_path):
     params, gen_a, gen_b = _params(2), torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     with _store(tmp_path, "straight") as store:
         opt = OutOfCoreAdam.create(store, params, lr=3e-3, host_budget_bytes=BUDGET)
-        for _ in range(4):
+        for i in range(4):
+            opt.lr = 3e-3 if i < 2 else 1e-3  # a schedule
             opt.step(_grads(gen_a, torch.float32))
         straight = opt.read_state()
     with _store(tmp_path, "resumed") as store:
         opt = OutOfCoreAdam.create(store, params, lr=3e-3, host_budget_bytes=BUDGET)
         for _ in range(2):
             opt.step(_grads(gen_b, torch.float32))
+        opt.lr = 1e-3  # the schedule moved on before the checkpoint
         opt.flush()
     with _store(tmp_path, "resumed") as store:
         opt = OutOfCoreAdam.open(store, host_budget_bytes=BUDGET, slots=3)
-        assert opt.step_count == 2 and opt.lr == 3e-3
+        assert opt.step_count == 2 and opt.lr == 1e-3
         for _ in range(2):
             opt.step(_grads(gen_b, torch.float32))
         resumed = opt.read_state()
@@ -115,8 +117,13 @@ def test_a_failed_read_stops_the_step_and_the_optimizer(tmp_path):
         with pytest.raises(SwapIOError, match="EIO"):
             opt.step(_grads(gen, torch.float32))
         assert store.engine.pending() == 0  # every read and write-back of the step was waited for
-        with pytest.raises(RuntimeError, match="step 2 .* failed .* resume from the last checkpoint"):
+        with pytest.raises(RuntimeError, match="step 2 .* failed .* restore the folder from a copy"):
             opt.step(_grads(gen, torch.float32))
+        with pytest.raises(RuntimeError, match="some groups on disk took the step and others did not"):
+            opt.flush()  # no checkpoint of half-stepped states
+    with _store(tmp_path) as store:  # nor a resume of them after a restart
+        with pytest.raises(RuntimeError, match="step 2 .* failed"):
+            OutOfCoreAdam.open(store, host_budget_bytes=BUDGET)
 
 
 def test_a_corrupted_group_is_caught_on_the_next_step(tmp_path):
