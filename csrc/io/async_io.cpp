@@ -5,8 +5,10 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <unordered_set>
 
 #include "crc32c.h"
 
@@ -281,16 +283,25 @@ void AsyncIO::fail_all(int64_t err) {  // caller holds mu_: the ring is unusable
   done_cv_.notify_all();
 }
 
+void AsyncIO::post_finish(Block* b) {
+  {
+    std::lock_guard<std::mutex> lk(finish_mu_);
+    finish_q_.push_back(b);  // copies out of bounce buffers and checksums run beside the ring
+  }
+  finish_cv_.notify_one();
+}
+
 void AsyncIO::uring_loop() {
-  std::vector<Block*> ready;  // started pieces (new, or the rest of a short transfer) to put in the ring
-  unsigned inflight = 0;      // pieces the kernel holds
+  std::vector<Block*> ready;         // started pieces (new, or the rest of a short transfer) to put in the ring
+  std::unordered_set<Block*> held;   // pieces given to the ring and not yet reaped
+  int fatal = 0;                     // io_uring_enter failures in a row
   const unsigned cap = ring_->entries();
   for (;;) {
     {
       std::unique_lock<std::mutex> lk(mu_);
-      if (inflight == 0 && ready.empty()) work_cv_.wait(lk, [this] { return stop_ || !queue_.empty(); });
-      if (stop_ && queue_.empty() && inflight == 0 && ready.empty()) return;
-      while (inflight + ready.size() < cap && !queue_.empty()) {
+      if (held.empty() && ready.empty()) work_cv_.wait(lk, [this] { return stop_ || !queue_.empty(); });
+      if (stop_ && queue_.empty() && held.empty() && ready.empty()) return;
+      while (held.size() + ready.size() < cap && !queue_.empty()) {
         Block* b = queue_.front();
         queue_.pop_front();
         if (b->req->status != 0) {
@@ -314,26 +325,33 @@ void AsyncIO::uring_loop() {
       } else {
         ring_->prep(b->req->write, b->req->fd, &b->iov, off, data);
       }
-      ++inflight;
+      held.insert(b);
     }
     ready.clear();
-    int rc = inflight ? ring_->submit_and_wait(1) : 0;
+    const int rc = held.empty() ? 0 : ring_->submit_and_wait(1);
     if (rc < 0 && rc != -EAGAIN && rc != -EBUSY) {
       std::lock_guard<std::mutex> lk(mu_);
-      fail_all(-rc);  // pieces already in the kernel still complete below
+      fail_all(-rc);  // later submits fail at once; pieces already in the kernel still complete below
     }
-    inflight -= ring_->reap([&](uint64_t data, int32_t res) {
+    fatal = (rc < 0 && rc != -EAGAIN && rc != -EBUSY) ? fatal + 1 : 0;
+    ring_->reap([&](uint64_t data, int32_t res) {
       Block* b = reinterpret_cast<Block*>(data);
-      if (finish_io(b, res)) {
-        ready.push_back(b);
-        return;
-      }
-      {
-        std::lock_guard<std::mutex> lk(finish_mu_);
-        finish_q_.push_back(b);  // copies out of bounce buffers and checksums run beside the ring
-      }
-      finish_cv_.notify_one();
+      held.erase(b);
+      if (finish_io(b, res)) ready.push_back(b);
+      else post_finish(b);
     });
+    if (fatal >= 100) {  // the ring is unusable: fail what it holds rather than hang every waiter
+      for (Block* b : held) {
+        {
+          std::lock_guard<std::mutex> lk(mu_);
+          fail(b->req, broken_, b->file_off + b->progress);
+        }
+        post_finish(b);
+      }
+      held.clear();
+    } else if (fatal) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
   }
 }
 

@@ -87,6 +87,7 @@ class AsyncIO {
  private:
   void uring_loop();     // the one thread that fills and reaps the ring
   void finisher_loop();  // ends pieces the ring completed: bounce copies, checksums, request counts
+  void post_finish(Block* b);
   void thread_loop();    // a pread/pwrite worker (threads backend)
   void start(Block* b, char* bounce);
   bool finish_io(Block* b, int64_t res);  // true: resubmit the rest of b
