@@ -37,6 +37,28 @@ __attribute__((target("sse4.2"))) uint32_t crc32c_hw(uint32_t prev, const void* 
   for (; n; --n) c = _mm_crc32_u8(static_cast<uint32_t>(c), *p++);
   return ~static_cast<uint32_t>(c);
 }
+
+// Three independent streams over thirds of the range hide the crc32 instruction's 3-cycle latency; the
+// three CRCs are then joined with crc32c_combine.
+__attribute__((target("sse4.2"))) uint32_t crc32c_hw3(uint32_t prev, const void* data, size_t n) {
+  constexpr size_t kMin = 3 * 4096;  // below this the joins cost more than they save
+  if (n < kMin) return crc32c_hw(prev, data, n);
+  const auto* p = static_cast<const unsigned char*>(data);
+  const size_t part = (n / 3) & ~static_cast<size_t>(7);
+  uint64_t ca = ~prev, cb = 0xFFFFFFFFu, cc = 0xFFFFFFFFu;
+  for (size_t i = 0; i < part; i += 8) {
+    uint64_t wa, wb, wc;
+    std::memcpy(&wa, p + i, 8);
+    std::memcpy(&wb, p + part + i, 8);
+    std::memcpy(&wc, p + 2 * part + i, 8);
+    ca = _mm_crc32_u64(ca, wa);
+    cb = _mm_crc32_u64(cb, wb);
+    cc = _mm_crc32_u64(cc, wc);
+  }
+  const uint32_t crc_c = crc32c_hw(~static_cast<uint32_t>(cc), p + 3 * part, n - 3 * part);
+  const uint32_t ab = crc32c_combine(~static_cast<uint32_t>(ca), ~static_cast<uint32_t>(cb), part);
+  return crc32c_combine(ab, crc_c, n - 2 * part);
+}
 #endif
 
 // Powers x^(2^k) mod P for k = 0..63 (bit-reflected: bit 31 is x^0), by repeated squaring.
@@ -90,7 +112,7 @@ bool crc32c_has_hw() {
 uint32_t crc32c(uint32_t prev, const void* data, size_t n) {
 #if defined(__x86_64__)
   static const bool hw = crc32c_has_hw();
-  if (hw) return crc32c_hw(prev, data, n);
+  if (hw) return crc32c_hw3(prev, data, n);
 #endif
   return crc32c_table(prev, data, n);
 }

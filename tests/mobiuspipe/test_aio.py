@@ -49,7 +49,7 @@ def test_crc32c_known_value_paths_agree_and_combine():
     check = torch.frombuffer(bytearray(b"123456789"), dtype=torch.uint8)
     assert _ext.C.crc32c(check) == 0xE3069283  # the standard CRC-32C check value
     g = torch.Generator().manual_seed(1)
-    for n in [0, 1, 7, 8, 9, 63, 4097, 100_003]:
+    for n in [0, 1, 7, 8, 9, 63, 4097, 3 * 4096 - 1, 3 * 4096, 3 * 4096 + 11, 100_003, (1 << 20) + 5]:
         data = torch.randint(0, 256, (n + 3,), dtype=torch.uint8, generator=g)[3:]  # unaligned start
         assert _ext.C.crc32c(data) == _ext.C.crc32c(data, reference=True)
         head = _ext.C.crc32c(data[:n // 3])
