@@ -347,7 +347,7 @@ def _direct_refused(folder: str, engine: IOEngine) -> str:
         return ""
     except SwapIOError as exc:
         if exc.errno == errno.EINVAL:
-            return f"an aligned O_DIRECT write failed with EINVAL"
+            return "an aligned O_DIRECT write failed with EINVAL"
         raise
     finally:
         os.close(fd)
