@@ -237,6 +237,10 @@ void AsyncIO::block_done(Block* b) {
   if (b->ok && r->checksum) b->crc = crc32c(0, b->user, static_cast<size_t>(b->len));
   std::lock_guard<std::mutex> lk(mu_);
   if (b->ok) r->bytes_done += b->len;
+  piece_ended(r);
+}
+
+void AsyncIO::piece_ended(Request* r) {  // caller holds mu_
   if (--r->blocks_left == 0) {
     r->done = true;
     done_cv_.notify_all();
@@ -277,10 +281,9 @@ void AsyncIO::fail_all(int64_t err) {  // caller holds mu_: the ring is unusable
   broken_ = err;
   for (Block* b : queue_) {
     fail(b->req, err, b->file_off);
-    if (--b->req->blocks_left == 0) b->req->done = true;
+    piece_ended(b->req);
   }
   queue_.clear();
-  done_cv_.notify_all();
 }
 
 void AsyncIO::post_finish(Block* b) {
@@ -304,11 +307,8 @@ void AsyncIO::uring_loop() {
       while (held.size() + ready.size() < cap && !queue_.empty()) {
         Block* b = queue_.front();
         queue_.pop_front();
-        if (b->req->status != 0) {
-          if (--b->req->blocks_left == 0) {
-            b->req->done = true;
-            done_cv_.notify_all();
-          }
+        if (b->req->status != 0) {  // the request already failed: skip its remaining pieces
+          piece_ended(b->req);
           continue;
         }
         b->progress = -1;  // marks "not started" for the loop below

@@ -92,6 +92,7 @@ class AsyncIO {
   void start(Block* b, char* bounce);
   bool finish_io(Block* b, int64_t res);  // true: resubmit the rest of b
   void block_done(Block* b);
+  void piece_ended(Request* r);  // one piece of r is over; the last one wakes its waiter (mu_ held)
   void fail(Request* r, int64_t status, int64_t offset);
   int64_t apply_fault(int64_t res);
   int fixed_index(const char* p, int64_t n) const;

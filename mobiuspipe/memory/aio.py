@@ -98,7 +98,6 @@ class Ticket:
     path: str
     offset: int
     nbytes: int
-    checksum: bool = False
 
 
 class IOEngine:
@@ -136,7 +135,7 @@ class IOEngine:
             raise ValueError(f"the {self.backend!r} I/O backend does not do O_DIRECT")
         nbytes = t.numel() * t.element_size()
         tid = self._io.submit(fd, t, offset, write, direct, checksum)
-        return Ticket(tid, "write" if write else "read", path, offset, nbytes, checksum)
+        return Ticket(tid, "write" if write else "read", path, offset, nbytes)
 
     def wait(self, ticket: Ticket) -> int:
         """Block until the ticket's I/O ends; returns its byte count or raises SwapIOError."""

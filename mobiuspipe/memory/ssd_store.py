@@ -318,8 +318,6 @@ class SSDStore:
     def _choose_direct(self, direct: bool | None) -> tuple[bool, str]:
         if direct is None:
             direct = os.environ.get("MOBIUSPIPE_IO_DIRECT", "1") != "0"
-            if not direct:
-                return False, ""
         if not direct:
             return False, ""
         if not self.engine.supports_direct:

@@ -26,6 +26,14 @@ def _adamw_torch(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Ten
     p.addcdiv_(m, denom, value=-step_size)
 
 
+def check_adamw_args(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    """torch.optim.AdamW's argument rules: lr, eps, weight_decay >= 0 and both betas in [0, 1)."""
+    if lr < 0.0 or eps < 0.0 or weight_decay < 0.0:
+        raise ValueError(f"invalid lr={lr}, eps={eps} or weight_decay={weight_decay}: each must be >= 0")
+    if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+        raise ValueError(f"invalid betas {betas}: each must be in [0, 1)")
+
+
 def _kernel_applies(p: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None) -> bool:
     return (_ext.HAVE_C and p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous()
             and g.is_contiguous() and g.device.type == "cpu"
@@ -61,10 +69,7 @@ class CPUAdam(torch.optim.Optimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, impl: str | None = None,
                  simd: str | None = None):
-        if lr < 0.0 or eps < 0.0 or weight_decay < 0.0:
-            raise ValueError(f"invalid lr={lr}, eps={eps} or weight_decay={weight_decay}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"invalid betas {betas}")
+        check_adamw_args(lr, betas, eps, weight_decay)
         self.impl = impl or os.environ.get("MOBIUSPIPE_ADAM_IMPL", "auto")
         if self.impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, not {self.impl!r}")

@@ -14,18 +14,19 @@ update is elementwise, so the result equals an in-memory AdamW step bit for bit 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from mobiuspipe.memory.aio import aligned_empty
+from mobiuspipe.memory.aio import ALIGN, aligned_empty, round_up
 from mobiuspipe.memory.ssd_store import SSDStore, StoreFuture
-from mobiuspipe.optim.cpu_adam import adamw_update
+from mobiuspipe.optim.cpu_adam import adamw_update, check_adamw_args
 from mobiuspipe.units import fmt_bytes
 
 __all__ = ["OutOfCoreAdam"]
 
-ELEM_ALIGN = 1024  # elements: groups are multiples of 4 KiB of fp32
+ELEM_ALIGN = ALIGN // 4  # fp32 elements: every section of a record starts on a 4 KiB boundary
 BYTES_PER_ELEM = 12  # fp32 master weight + exp_avg + exp_avg_sq
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -39,10 +40,6 @@ class Segment:
     param_off: int
     group_off: int
     numel: int
-
-
-def _round_up(n: int, a: int) -> int:
-    return -(-n // a) * a
 
 
 def plan_groups(numels: list[tuple[str, int]], group_elems: int) -> list[list[Segment]]:
@@ -70,21 +67,22 @@ class OutOfCoreAdam:
     optionally bf16/fp16 tensors to receive the updated weights in the same pass.
     """
 
-    def __init__(self, store: SSDStore, meta: dict, host_budget_bytes: int, slots: int, impl: str, simd: str):
+    def __init__(self, store: SSDStore, meta: dict, slots: int, impl: str, simd: str):
         self.store = store
         self.prefix = meta["prefix"]
         self.names: list[str] = meta["names"]
         self.shapes: dict[str, list[int]] = dict(zip(self.names, meta["shapes"]))
-        self.numels = {n: _numel(s) for n, s in self.shapes.items()}
+        self.numels = {n: math.prod(s) for n, s in self.shapes.items()}
         self.group_elems: int = meta["group_elems"]
         self.step_count: int = meta["step"]
         self.lr, self.betas, self.eps, self.weight_decay = (meta["lr"], tuple(meta["betas"]), meta["eps"],
                                                             meta["weight_decay"])
         self.impl, self.simd = impl, simd
         self.groups = plan_groups([(n, self.numels[n]) for n in self.names], self.group_elems)
+        # elements per section of each group's record: the group's size, padded to ELEM_ALIGN
+        self.section_elems = [round_up(max(s.group_off + s.numel for s in g), ELEM_ALIGN) for g in self.groups]
         self.slots = [aligned_empty(BYTES_PER_ELEM * self.group_elems).view(torch.float32)
                       for _ in range(min(slots, max(len(self.groups), 1)))]
-        self.host_budget_bytes = host_budget_bytes
         self.io_note = store.engine.register(self.slots)  # "" when the slots are io_uring fixed buffers
         self.broken = ""  # why the states on disk are inconsistent (a step failed halfway), or ""
 
@@ -97,17 +95,17 @@ class OutOfCoreAdam:
         """Write the initial master weights (zero moments) of params {name: tensor} into store."""
         if not params:
             raise ValueError("OutOfCoreAdam.create needs at least one parameter")
-        _check_hyper(lr, betas, eps, weight_decay)
+        check_adamw_args(lr, betas, eps, weight_decay)
         if prefix in store.meta:
             raise ValueError(f"the store {store.folder} already holds an optimizer under {prefix!r}: resume it "
                              "with OutOfCoreAdam.open(), or pick another prefix")
         total = sum(p.numel() for p in params.values())
-        group_elems = min(_group_elems(host_budget_bytes, slots), _round_up(total, ELEM_ALIGN))
+        group_elems = min(_group_elems(host_budget_bytes, slots), round_up(total, ELEM_ALIGN))
         meta = dict(prefix=prefix, names=list(params), shapes=[list(p.shape) for p in params.values()],
                     group_elems=group_elems, step=0, lr=lr, betas=list(betas), eps=eps,
                     weight_decay=weight_decay)
-        opt = cls(store, meta, host_budget_bytes, slots, impl, simd)
-        need = sum(BYTES_PER_ELEM * _round_up(_group_numel(g), ELEM_ALIGN) for g in opt.groups)
+        opt = cls(store, meta, slots, impl, simd)
+        need = BYTES_PER_ELEM * sum(opt.section_elems)
         store.check_space(need, f"the optimizer states of {len(params)} parameters")
         opt._write_initial(params)
         store.meta[prefix] = meta
@@ -128,14 +126,14 @@ class OutOfCoreAdam:
             raise ValueError(f"the stored groups of {meta['group_elems']} elements need {fmt_bytes(budget)} "
                              f"for {slots} slots, over host_budget_bytes {fmt_bytes(host_budget_bytes)}: "
                              "raise the budget or use fewer slots (at least 3)")
-        return cls(store, meta, host_budget_bytes, slots, impl, simd)
+        return cls(store, meta, slots, impl, simd)
 
     def _key(self, i: int) -> str:
         return f"{self.prefix}/g{i:06d}"
 
     def _sections(self, i: int, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Group i's record in a slot and its three sections (weights, exp_avg, exp_avg_sq)."""
-        n = _round_up(_group_numel(self.groups[i]), ELEM_ALIGN)
+        n = self.section_elems[i]
         rec = slot[:3 * n]
         return rec, rec[:n], rec[n:2 * n], rec[2 * n:]
 
@@ -276,17 +274,6 @@ def _flat(t: torch.Tensor, name: str, numel: int, dtypes: tuple, what: str) -> t
     return t.view(-1)
 
 
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _group_numel(segs: list[Segment]) -> int:
-    return max(s.group_off + s.numel for s in segs)
-
-
 def _group_elems(host_budget_bytes: int, slots: int) -> int:
     """G: the largest multiple of ELEM_ALIGN whose `slots` slots of 12 * G bytes fit the host budget."""
     if slots < 3:
@@ -297,13 +284,6 @@ def _group_elems(host_budget_bytes: int, slots: int) -> int:
         raise ValueError(f"host_budget_bytes {host_budget_bytes} is too small for {slots} slots: it needs at "
                          f"least {least} bytes ({fmt_bytes(least)})")
     return g
-
-
-def _check_hyper(lr: float, betas: tuple[float, float], eps: float, wd: float) -> None:
-    if lr < 0.0 or eps < 0.0 or wd < 0.0:
-        raise ValueError(f"invalid lr={lr}, eps={eps} or weight_decay={wd}: each must be >= 0")
-    if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-        raise ValueError(f"invalid betas {betas}: each must be in [0, 1)")
 
 
 def _drain(futures) -> None:

@@ -3,6 +3,7 @@ at unaligned sizes, offsets and addresses, short transfers, and injected and rea
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import subprocess
@@ -31,6 +32,15 @@ def _engine(backend: str) -> IOEngine:
 
 def _open(path, direct: bool) -> int:
     return os.open(path, os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0), 0o600)
+
+
+@contextlib.contextmanager
+def _opened(path, direct: bool):
+    fd = _open(path, direct)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def _modes(backend: str) -> list[bool]:
@@ -68,24 +78,20 @@ def test_checksums_computed_in_flight(tmp_path, backend):
     """The engine's per-piece checksums, joined, equal the checksum of the whole tensor both ways."""
     io = _engine(backend)
     direct = backend != "python"
-    fd = _open(tmp_path / "f", direct)
-    try:
+    with _opened(tmp_path / "f", direct) as fd:
         for i, n in enumerate([0, 5, 4096, BLOCK, 3 * BLOCK + 777]):
             data = _random_bytes(n, seed=20 + i, skew=i)
             done, crc_w = io.wait_checked(io.submit(fd, data, 0, True, direct, "f", checksum=True))
             back = torch.zeros_like(data)
             _, crc_r = io.wait_checked(io.submit(fd, back, 0, False, direct, "f", checksum=True))
             assert done == n and crc_w == crc_r == _crc(data, io.checksum_algo), (backend, n)
-    finally:
-        os.close(fd)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_round_trips_are_bit_exact(tmp_path, backend):
     io = _engine(backend)
     for direct in _modes(backend):
-        fd = _open(tmp_path / f"f{direct}", direct)
-        try:
+        with _opened(tmp_path / f"f{direct}", direct) as fd:
             for i, n in enumerate(SIZES):
                 skew = [0, 1, 64, 4095][i % 4]
                 offset = ALIGN * (i + 1) if direct else ALIGN * (i + 1) + 13 * i
@@ -94,16 +100,13 @@ def test_round_trips_are_bit_exact(tmp_path, backend):
                 back = _random_bytes(n, seed=99, skew=(skew + 5) % ALIGN)
                 assert io.wait(io.submit(fd, back, offset, False, direct, "f")) == n
                 assert torch.equal(back, data), (backend, direct, n, skew)
-        finally:
-            os.close(fd)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_many_requests_in_flight_waited_out_of_order(tmp_path, backend):
     io = _engine(backend)
     direct = backend != "python"
-    fd = _open(tmp_path / "f", direct)
-    try:
+    with _opened(tmp_path / "f", direct) as fd:
         dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.float16]
         g = torch.Generator().manual_seed(7)
         tensors = [torch.randn(5_000 + 333 * i, generator=g).to(dtypes[i % 4]) for i in range(12)]
@@ -119,15 +122,12 @@ def test_many_requests_in_flight_waited_out_of_order(tmp_path, backend):
         for tk in tickets[::2] + tickets[1::2]:
             io.wait(tk)
         assert all(torch.equal(b, t) for b, t in zip(backs, tensors))
-    finally:
-        os.close(fd)
 
 
 @needs_c
 def test_the_engine_keeps_a_dropped_tensor_alive(tmp_path):
     io = _engine("threads")
-    fd = _open(tmp_path / "f", True)
-    try:
+    with _opened(tmp_path / "f", True) as fd:
         ticket = io.submit(fd, torch.full((300_001,), 3.5), 0, True, True, "f")  # no Python reference left
         io.wait(ticket)
         back = torch.empty(300_001)
@@ -135,19 +135,14 @@ def test_the_engine_keeps_a_dropped_tensor_alive(tmp_path):
         assert bool((back == 3.5).all())
         with pytest.raises(RuntimeError, match="already waited"):
             io.wait(ticket)
-    finally:
-        os.close(fd)
 
 
 @needs_c
 def test_an_unaligned_direct_offset_is_refused(tmp_path):
     io = _engine("threads")
-    fd = _open(tmp_path / "f", True)
-    try:
+    with _opened(tmp_path / "f", True) as fd:
         with pytest.raises(RuntimeError, match="multiple of 4096"):
             io.submit(fd, torch.ones(4), 100, True, True, "f")
-    finally:
-        os.close(fd)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -156,8 +151,7 @@ def test_an_injected_error_names_file_offset_and_errno(tmp_path, backend, err):
     io = _engine(backend)
     direct = backend != "python"
     path = str(tmp_path / "swap.bin")
-    fd = _open(path, direct)
-    try:
+    with _opened(path, direct) as fd:
         data = _random_bytes(5 * BLOCK + 11, seed=3)
         io.inject_fault(2, err)  # the third piece to complete fails
         with pytest.raises(SwapIOError) as info:
@@ -166,8 +160,6 @@ def test_an_injected_error_names_file_offset_and_errno(tmp_path, backend, err):
         assert e.errno == err and e.path == path and e.offset >= 8 * ALIGN
         assert path in str(e) and errno.errorcode[err] in str(e) and f"offset {e.offset}" in str(e)
         assert io.wait(io.submit(fd, data, 8 * ALIGN, True, direct, path)) == data.numel()  # one-shot
-    finally:
-        os.close(fd)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -176,8 +168,7 @@ def test_short_transfers_are_resubmitted(tmp_path, backend, write):
     """A piece that moves only part of its bytes is finished by resubmitting the rest: still bit-exact."""
     io = _engine(backend)
     direct = backend != "python"
-    fd = _open(tmp_path / "f", direct)
-    try:
+    with _opened(tmp_path / "f", direct) as fd:
         data = _random_bytes(4 * BLOCK + 5, seed=4, skew=3)
         if not write:
             io.wait(io.submit(fd, data, 0, True, direct, "f"))
@@ -187,22 +178,17 @@ def test_short_transfers_are_resubmitted(tmp_path, backend, write):
         back = torch.zeros_like(data)
         io.wait(io.submit(fd, back, 0, False, direct, "f"))
         assert torch.equal(back, data)
-    finally:
-        os.close(fd)
 
 
 @needs_c
 def test_a_short_direct_write_that_cannot_resume_is_an_error(tmp_path):
     io = _engine("threads")
     path = str(tmp_path / "f")
-    fd = _open(path, True)
-    try:
+    with _opened(path, True) as fd:
         io.inject_fault(0, 0, short_bytes=100)  # O_DIRECT cannot continue at an unaligned offset
         with pytest.raises(SwapIOError, match="made no progress|disk is probably full") as info:
             io.wait(io.submit(fd, _random_bytes(BLOCK, 5), 0, True, True, path))
         assert info.value.offset == 100
-    finally:
-        os.close(fd)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -210,15 +196,12 @@ def test_reading_past_the_end_of_a_truncated_file(tmp_path, backend):
     io = _engine(backend)
     direct = backend != "python"
     path = str(tmp_path / "f")
-    fd = _open(path, direct)
-    try:
+    with _opened(path, direct) as fd:
         io.wait(io.submit(fd, _random_bytes(3 * BLOCK, 6), 0, True, direct, path))
         os.truncate(path, BLOCK + ALIGN)
         with pytest.raises(SwapIOError, match="truncated") as info:
             io.wait(io.submit(fd, torch.empty(3 * BLOCK, dtype=torch.uint8), 0, False, direct, path))
         assert info.value.offset == BLOCK + ALIGN and info.value.path == path
-    finally:
-        os.close(fd)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -291,8 +274,7 @@ def test_registered_buffers_round_trip_and_resume_short_transfers(tmp_path):
     if why:
         pytest.skip(f"io_uring refused to register buffers here: {why}")
     assert io.register(bufs) == "this engine's registered buffers are already taken"
-    fd = _open(tmp_path / "f", True)
-    try:
+    with _opened(tmp_path / "f", True) as fd:
         src, dst = bufs[0][ALIGN:], bufs[1][:3 * BLOCK]  # views inside the registered memory
         src.copy_(_random_bytes(3 * BLOCK, seed=8))
         io.inject_fault(1, 0, short_bytes=3 * ALIGN)
@@ -303,6 +285,12 @@ def test_registered_buffers_round_trip_and_resume_short_transfers(tmp_path):
         other = torch.empty(3 * BLOCK, dtype=torch.uint8)  # ordinary memory beside them
         io.wait(io.submit(fd, other, 0, False, True, "f"))
         assert torch.equal(other, src)
-    finally:
-        os.close(fd)
     assert IOEngine("threads").register(bufs) == "the 'threads' backend does not register buffers"
+
+
+@needs_c
+def test_python_and_cpp_share_the_engine_constants():
+    from mobiuspipe.memory import pyio
+
+    assert (_ext.C.IO_ALIGN, _ext.C.IO_SHORT_READ, _ext.C.IO_SHORT_WRITE) == (ALIGN, pyio.SHORT_READ,
+                                                                                pyio.SHORT_WRITE)
