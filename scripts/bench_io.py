@@ -16,23 +16,20 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from benchlib import cpu_mark, cpu_model, markdown_table, other_share
+from benchlib import MIB, cpu_mark, cpu_model, fio_gbps, markdown_table, other_share
 from mobiuspipe import _ext
 from mobiuspipe.memory.aio import IOEngine, aligned_empty
 from mobiuspipe.memory.ssd_store import SSDStore
 
-MIB = 1 << 20
 
 
 def _fresh(path: Path, nbytes: int) -> int:
@@ -125,18 +122,9 @@ def deepspeed_contestant(qd: int, overlap: bool):
 
 def fio_contestant(engine: str, qd: int, extra: tuple[str, ...] = ()):
     """fio's own bandwidth figures (bw_bytes) for a sequential write (end_fsync) then read."""
-    def one(path: Path, size_mb: int, rw: str) -> float:
-        cmd = ["fio", f"--name={rw}", f"--filename={path}", f"--rw={rw}", "--bs=1M", f"--size={size_mb}M",
-               "--direct=1", f"--ioengine={engine}", f"--iodepth={qd}", "--numjobs=1", "--output-format=json",
-               *extra]
-        cmd += ["--end_fsync=1"] if rw == "write" else []
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if out.returncode != 0 or "{" not in out.stdout:
-            raise RuntimeError(f"{' '.join(cmd)} failed: {out.stderr.strip()[-300:]}")
-        job = json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0]
-        if job["error"] or job[rw]["io_bytes"] != size_mb * MIB:
-            raise RuntimeError(f"fio {rw} moved {job[rw]['io_bytes']} bytes, error {job['error']}")
-        return size_mb * MIB / job[rw]["bw_bytes"]  # seconds, from fio's own rate
+    def one(path: Path, size_mb: int, rw: str) -> float:  # seconds, from fio's own rate
+        options = [f"--ioengine={engine}", f"--iodepth={qd}", *extra] + (["--end_fsync=1"] if rw == "write" else [])
+        return size_mb * MIB / (fio_gbps(path, rw, size_mb, options) * 1e9)
 
     def run(path: Path, buf: torch.Tensor, back: torch.Tensor) -> tuple[float, float]:
         path.unlink(missing_ok=True)

@@ -15,34 +15,26 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import shutil
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
-from benchlib import cpu_mark, cpu_model, markdown_table, other_share
+from benchlib import MIB, cpu_mark, cpu_model, fio_gbps, markdown_table, other_share
 from mobiuspipe import _ext
 from mobiuspipe.memory.ssd_store import SSDStore
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.optim.ooc_adam import OutOfCoreAdam
 
-MIB = 1 << 20
 FIO_VARIANTS = [(), ("--fixedbufs",)]
 
 
-def fio_gbps(path: Path, rw: str, extra: tuple[str, ...]) -> float:
-    """fio's bw_bytes / 1e9 for one sequential pass of 1 GiB over the existing file at path."""
-    cmd = ["fio", f"--name={rw}", f"--filename={path}", f"--rw={rw}", "--bs=1M", "--size=1024M", "--direct=1",
-           "--ioengine=io_uring", "--iodepth=32", "--numjobs=1", "--output-format=json", *extra]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if out.returncode != 0 or "{" not in out.stdout:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {out.stderr.strip()[-300:]}")
-    return json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0][rw]["bw_bytes"] / 1e9
+def fio_pass(path: Path, rw: str, extra: tuple[str, ...]) -> float:
+    """GB/s of one fio pass of 1 GiB over the existing file at path (io_uring, iodepth 32)."""
+    return fio_gbps(path, rw, 1024, ["--ioengine=io_uring", "--iodepth=32", *extra])
 
 
 def main() -> None:
@@ -75,7 +67,7 @@ def run(args, work: Path) -> None:
     mem_p = torch.nn.Parameter(params["w"].clone())
     mem = CPUAdam([mem_p])
     fio_file = work / "fio.bin"
-    fio_gbps(fio_file, "write", ())  # lays the file out; later passes overwrite it
+    fio_pass(fio_file, "write", ())  # lays the file out; later passes overwrite it
     times: dict[str, list[float]] = {"pipelined": [], "serial": [], "in-memory": []}
     fio = {(rw, e): [] for rw in ("read", "write") for e in FIO_VARIANTS}
 
@@ -92,7 +84,7 @@ def run(args, work: Path) -> None:
         timed("serial", lambda: opt.step(grads, outs, pipelined=False))
         timed("in-memory", lambda: mem.step_fused({mem_p: outs["w"]}, grads={mem_p: grads["w"]}))
         for (rw, e), v in fio.items():
-            v.append(fio_gbps(fio_file, rw, e))
+            v.append(fio_pass(fio_file, rw, e))
     other, wall = other_share(mark)
     store.close()
     report(args, opt, times, fio, other, wall)

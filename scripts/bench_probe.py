@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import re
@@ -16,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchlib import cpu_mark, cpu_model, markdown_table, other_share
+from benchlib import cpu_mark, cpu_model, fio_gbps, markdown_table, other_share
 from topology import load_topology
 from topology.probe import NO_CUDA_NOTE, probe
 
@@ -44,26 +43,17 @@ def run_probe(folder: Path, size_mb: int, notes: set[str]) -> tuple[float, float
     return m.ssd_write_gbps, m.ssd_read_gbps
 
 
-def fio_gbps(path: Path, size_mb: int, rw: str) -> float:
-    """GB/s fio reports (bw_bytes) for one sequential `rw` pass of `size_mb` MiB over `path`."""
-    cmd = ["fio", f"--name={rw[0]}", f"--rw={rw}", "--bs=1M", f"--size={size_mb}M", "--direct=1",
-           "--ioengine=psync", "--numjobs=1", "--iodepth=1", "--fallocate=none", f"--filename={path}",
-           "--output-format=json"] + (["--end_fsync=1"] if rw == "write" else [])
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode != 0 or "{" not in out.stdout:
-        raise RuntimeError(f"{' '.join(cmd)} failed (exit {out.returncode}): {out.stderr.strip()[-500:]}")
-    job = json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0]
-    if job["error"] or job[rw]["io_bytes"] != size_mb * MIB:
-        raise RuntimeError(f"fio {rw}: expected {size_mb * MIB} bytes moved without error, found "
-                           f"{job[rw]['io_bytes']} bytes, error {job['error']}")
-    return job[rw]["bw_bytes"] / 1e9
+def probe_fio_gbps(path: Path, size_mb: int, rw: str) -> float:
+    """fio with the probe's access pattern: psync, queue depth 1, unallocated blocks, fsync at the end."""
+    options = ["--ioengine=psync", "--iodepth=1", "--fallocate=none"] + (["--end_fsync=1"] if rw == "write" else [])
+    return fio_gbps(path, rw, size_mb, options)
 
 
 def run_fio(folder: Path, size_mb: int, notes: set[str]) -> tuple[float, float]:
     """(write, read) GB/s of one fio write of a new file in `folder`, then one fio read of it."""
     path = folder / "fio.bin"
     try:
-        return fio_gbps(path, size_mb, "write"), fio_gbps(path, size_mb, "read")
+        return probe_fio_gbps(path, size_mb, "write"), probe_fio_gbps(path, size_mb, "read")
     finally:
         path.unlink(missing_ok=True)
 
