@@ -4,8 +4,8 @@ Usage: .venv/bin/python scripts/bench_io.py [--dir .] [--size-mb 1024] [--rounds
 
 Every contestant writes a fresh file of --size-mb (1 MiB blocks, O_DIRECT, the file's blocks allocated
 before the clock starts), fsyncs it inside the timing, then reads it back; contestants alternate
-(A B C ... A B C ...) and each figure is the median over the rounds. Read buffers hold the same non-zero
-bytes before every read (reads into never-written or zero-filled pages run 2-3x slower in some VMs).
+(A B C ... A B C ...) and each figure is the median over the rounds. Read buffers hold the same earlier
+bytes before every read, so every contestant reads into pages already mapped.
 Yardsticks: fio 3.x at the same queue depth with io_uring, io_uring with registered buffers (--fixedbufs)
 and libaio (its best median in each direction is "the fio ceiling"), and DeepSpeed's AIO handle when
 deepspeed is installed, tuned (qd 32, overlap_events) and at its defaults (qd 128); "DeepSpeed best" is
@@ -163,7 +163,7 @@ def main() -> None:
     try:
         for _ in range(args.rounds):
             for name, run in contestants:
-                back.copy_(noise)  # (reads into zero-filled pages run 2-3x slower in this VM)
+                back.copy_(noise)  # the same prior contents for everyone
                 w, r = run(work / "f.bin", buf, back)
                 times[name][0].append(w)
                 times[name][1].append(r)

@@ -43,10 +43,11 @@ def aligned_empty(nbytes: int, pin: bool | None = None) -> torch.Tensor:
     ALIGN (so O_DIRECT can use it without bounce buffers); pinned when CUDA is present (pin=None).
 
     Unpinned buffers of 2 MiB or more are 2 MiB-aligned and advised into transparent huge pages before
-    their first touch: the kernel then pins 512x fewer pages per direct I/O. (Measured in this project's
-    VM: 4 KiB-page buffers that reuse freed memory made the out-of-core step 3-4x slower.)"""
+    their first touch (env MOBIUSPIPE_HUGE_PAGES=0 turns this off): the kernel then pins 512x fewer pages
+    per direct I/O. scripts/bench_buffers.py measures what it is worth (BENCHMARKS.md)."""
     pin = torch.cuda.is_available() if pin is None else pin
-    align = HUGE_PAGE if nbytes >= HUGE_PAGE and not pin else ALIGN
+    huge = not pin and nbytes >= HUGE_PAGE and os.environ.get("MOBIUSPIPE_HUGE_PAGES", "1") != "0"
+    align = HUGE_PAGE if huge else ALIGN
     padded = round_up(max(nbytes, 1), align)
     raw = torch.empty(padded + align, dtype=torch.uint8, pin_memory=pin)
     skip = (-raw.data_ptr()) % align

@@ -294,3 +294,10 @@ def test_python_and_cpp_share_the_engine_constants():
 
     assert (_ext.C.IO_ALIGN, _ext.C.IO_SHORT_READ, _ext.C.IO_SHORT_WRITE) == (ALIGN, pyio.SHORT_READ,
                                                                                 pyio.SHORT_WRITE)
+
+
+def test_huge_page_alignment_can_be_turned_off(monkeypatch):
+    assert aligned_empty(4 << 20).data_ptr() % (2 << 20) == 0
+    monkeypatch.setenv("MOBIUSPIPE_HUGE_PAGES", "0")
+    t = aligned_empty(4 << 20)
+    assert t.data_ptr() % ALIGN == 0 and t.numel() == 4 << 20
