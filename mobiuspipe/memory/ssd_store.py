@@ -197,8 +197,8 @@ class SSDStore:
                 raise SwapIOError(f"read of tensor {key!r} failed: {path} is {size} bytes, but it holds "
                                   f"{entry.nbytes} bytes of data: the file was truncated; restore it or "
                                   "write the tensor again", path, size)
-            in_flight = entry.algo == self.engine.checksum_algo  # else verified with the stored algorithm
-            ticket = self.engine.submit(fd, out, 0, False, self.direct, path, checksum=in_flight)
+            by_engine = entry.algo == self.engine.checksum_algo  # else verified here, with the stored algorithm
+            ticket = self.engine.submit(fd, out, 0, False, self.direct, path, checksum=by_engine)
         except BaseException:
             os.close(fd)
             raise
@@ -208,7 +208,7 @@ class SSDStore:
                 _, got = self.engine.wait_checked(ticket)
             finally:
                 os.close(fd)
-            if not in_flight:
+            if not by_engine:
                 got = checksum(out, entry.algo)
             if got != entry.crc:
                 raise SwapIOError(f"checksum mismatch reading tensor {key!r} from {path}: stored {entry.algo} "
