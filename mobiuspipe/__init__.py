@@ -1,6 +1,32 @@
-"""mobiuspipe: fine-tune models larger than GPU memory with a pipeline of more stages than GPUs (Mobius)."""
+"""mobiuspipe: fine-tune models larger than GPU memory with a pipeline of more stages than GPUs (Mobius).
 
-from mobiuspipe.config import RunConfig, load_config
+The public API: Pipeline (train your layers), Plan / make_plan / load_plan (the plans it follows),
+RunConfig / load_config (the torchrun entry's YAML). Names load on first use, so that the CLI starts
+without importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["RunConfig", "load_config", "__version__"]
+
+_EXPORTS = {"Pipeline": "mobiuspipe.pipeline", "StepResult": "mobiuspipe.pipeline", "Plan": "partition.plan",
+            "make_plan": "partition", "load_plan": "partition.plan", "RunConfig": "mobiuspipe.config",
+            "load_config": "mobiuspipe.config"}
+__all__ = [*_EXPORTS, "__version__"]
+
+if TYPE_CHECKING:
+    from mobiuspipe.config import RunConfig, load_config
+    from mobiuspipe.pipeline import Pipeline, StepResult
+    from partition import make_plan
+    from partition.plan import Plan, load_plan
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'mobiuspipe' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

@@ -55,10 +55,10 @@ def _config_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
         raise CliError(f"--config takes the model, devices and stages from the config file; "
                        f"found also --{', --'.join(given)}: drop them or drop --config")
     from mobiuspipe.config import load_config
-    from mobiuspipe.planning import plan_at_start, run_profile, run_topology
+    from mobiuspipe.config_plan import gpt_profile, plan_from_config, standin_topology
 
     cfg = load_config(args.config)
-    return plan_at_start(cfg, args.solver), run_topology(cfg), run_profile(cfg)
+    return plan_from_config(cfg, args.solver), standin_topology(cfg), gpt_profile(cfg)
 
 
 def _stage_json(plan: Plan) -> list[dict]:

@@ -7,14 +7,48 @@ PeerLostError naming this rank, the peer and what was awaited, instead of hangin
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from mobiuspipe.errors import PeerLostError
+from mobiuspipe.errors import PeerLostError, PipelineError
 
-__all__ = ["Comm"]
+__all__ = ["Comm", "TensorSpec"]
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool)
+"""The dtypes a tensor between stages may have, by their code in a TensorSpec header."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of a tensor sent between ranks; sent ahead of it as a small int64 header until the
+    receiver knows it (the first step of each batch shape)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    MAX_DIMS = 8
+    """Dimensions a header has room for."""
+
+    @classmethod
+    def of(cls, t: torch.Tensor, what: str) -> TensorSpec:
+        if t.dim() > cls.MAX_DIMS or t.dtype not in _DTYPES:
+            raise PipelineError(f"{what} is a {t.dim()}-d {t.dtype} tensor; tensors between stages need at most "
+                             f"{cls.MAX_DIMS} dimensions and one of the dtypes {[str(d) for d in _DTYPES]}")
+        return cls(tuple(t.shape), t.dtype)
+
+    def encode(self, device: torch.device) -> torch.Tensor:
+        """[dtype code, ndim, dims..., 0 padding] as int64 of length MAX_DIMS + 2."""
+        dims = list(self.shape) + [0] * (self.MAX_DIMS - len(self.shape))
+        return torch.tensor([_DTYPES.index(self.dtype), len(self.shape), *dims], dtype=torch.int64, device=device)
+
+    @classmethod
+    def decode(cls, header: torch.Tensor) -> TensorSpec:
+        code, ndim, *dims = header.tolist()
+        return cls(tuple(dims[:ndim]), _DTYPES[code])
 
 
 class Comm:
@@ -29,9 +63,8 @@ class Comm:
         t = t.contiguous()
         self._sends.append((dist.isend(t, dst, tag=tag), t, dst, what))
 
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, src: int, tag: int,
-             what: str) -> torch.Tensor:
-        buf = torch.empty(shape, dtype=dtype, device=device)
+    def recv(self, spec: TensorSpec, device: torch.device, src: int, tag: int, what: str) -> torch.Tensor:
+        buf = torch.empty(spec.shape, dtype=spec.dtype, device=device)
         self._wait(dist.irecv(buf, src, tag=tag), f"rank {src}", f"receiving {what} from rank {src}")
         return buf
 
@@ -40,6 +73,14 @@ class Comm:
         sends, self._sends = self._sends, []
         for work, _, dst, what in sends:
             self._wait(work, f"rank {dst}", f"sending {what} to rank {dst}")
+
+    def send_spec(self, spec: TensorSpec, device: torch.device, dst: int, tag: int, what: str) -> None:
+        """Send the header that tells the receiver the shape and dtype of the next tensor."""
+        self.send(spec.encode(device), dst, tag, f"the shape of {what}")
+
+    def recv_spec(self, device: torch.device, src: int, tag: int, what: str) -> TensorSpec:
+        header = TensorSpec((TensorSpec.MAX_DIMS + 2,), torch.int64)
+        return TensorSpec.decode(self.recv(header, device, src, tag, f"the shape of {what}"))
 
     def all_reduce(self, t: torch.Tensor, op, what: str) -> torch.Tensor:
         """In-place all-reduce of t over every rank, under the same deadline as receives."""

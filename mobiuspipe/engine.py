@@ -1,25 +1,32 @@
 """Runs one rank's schedule for one step: a dispatch table from action kind to a small method.
 
-State of a step lives here: the stage inputs saved to host for the recompute, received activations and
-gradients, outputs waiting to be sent. Each method times itself into compute / load / comm buckets.
+The state of a step (the stage inputs saved to host for the recompute, received activations and
+gradients, outputs waiting to be sent, the loss, the times) lives in one StepState. Each method times
+itself into the compute / load / comm buckets. Shapes and dtypes of the tensors between ranks are learned
+on the first step of each batch shape: the sender puts a small header (TensorSpec) ahead of each tensor.
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from mobiuspipe.comm import Comm
+from foundation.timing import Stopwatch
+from mobiuspipe.comm import Comm, TensorSpec
 from mobiuspipe.device import Device
+from mobiuspipe.errors import PipelineError
 from mobiuspipe.memory.arena import DeviceArena
-from mobiuspipe.models.gpt import lm_loss
 from mobiuspipe.schedule.actions import Action, Kind
 from mobiuspipe.stage import Stage
 
 __all__ = ["Engine", "StepTimes"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+MessageKey = tuple[Kind, int, int]
+"""(receive kind, stage, microbatch) of a message a rank takes in."""
 
 
 @dataclass
@@ -31,16 +38,35 @@ class StepTimes:
     comm_s: float = 0.0
 
 
+@dataclass
+class StepState:
+    """Everything one step of one rank holds between its actions."""
+
+    step: int
+    xs: tuple[torch.Tensor, ...]
+    ys: tuple[torch.Tensor, ...]
+    specs: dict[MessageKey, TensorSpec]
+    """Shapes of the messages this rank receives for this batch shape (filled on its first step)."""
+    learning: bool
+    """True on the first step of a batch shape: every message travels after its TensorSpec header."""
+    saved: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    inbox: dict[MessageKey, torch.Tensor] = field(default_factory=dict)
+    outbox: dict[tuple[Kind, int, int], torch.Tensor] = field(default_factory=dict)
+    loss: float = 0.0
+    times: StepTimes = field(default_factory=StepTimes)
+
+
 class Engine:
     """One rank: its stages, arena, comm; run_step() executes the schedule once."""
 
-    def __init__(self, mapping: list[int], rank: int, stages: dict[int, Stage], schedule: list[Action],
-                 device: Device, arena: DeviceArena, comm: Comm, act_shape: tuple[int, ...], microbatches: int):
+    def __init__(self, *, mapping: list[int], rank: int, stages: dict[int, Stage], schedule: list[Action],
+                 device: Device, arena: DeviceArena, comm: Comm, loss_fn: LossFn, num_microbatches: int):
         self.mapping, self.rank, self.stages, self.schedule = mapping, rank, stages, schedule
-        self.device, self.arena, self.comm = device, arena, comm
-        self.act_shape, self.m = act_shape, microbatches
+        self.device, self.arena, self.comm, self.loss_fn = device, arena, comm, loss_fn
+        self.num_microbatches = num_microbatches
         self.last = len(mapping) - 1
-        self.host = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-optimizer")
+        self.updater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-optimizer")
+        self._specs: dict[tuple, dict[MessageKey, TensorSpec]] = {}  # batch shape -> specs of its messages
         self._dispatch = {Kind.LOAD: self._load, Kind.RELEASE: self._release, Kind.FWD: self._fwd,
                           Kind.BWD: self._bwd, Kind.SEND_ACT: self._send_act, Kind.RECV_ACT: self._recv_act,
                           Kind.SEND_GRAD: self._send_grad, Kind.RECV_GRAD: self._recv_grad,
@@ -48,108 +74,132 @@ class Engine:
 
     def run_step(self, step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[float, StepTimes]:
         """One optimizer step over the batch (x, y); returns this rank's share of the loss and its times."""
-        self.xs, self.ys = x.chunk(self.m), y.chunk(self.m)
-        self.saved: dict[tuple[int, int], torch.Tensor] = {}
-        self.inbox: dict[tuple[Kind, int, int], torch.Tensor] = {}
-        self.outbox: dict[tuple[Kind, int, int], torch.Tensor] = {}
-        self.loss, self.times, self.step = 0.0, StepTimes(), step
+        shape = (tuple(x.shape), x.dtype)
+        learning = shape not in self._specs
+        specs = self._specs.setdefault(shape, {})
+        m = self.num_microbatches
+        self.state = StepState(step, x.chunk(m), y.chunk(m), specs, learning)
         for a in self.schedule:
             self._dispatch[a.kind](a)
-        t0 = time.perf_counter()
-        self.comm.flush()
-        self.times.comm_s += time.perf_counter() - t0
-        return self.loss, self.times
+        with Stopwatch() as sw:
+            self.comm.flush()
+        self.state.times.comm_s += sw.s
+        return self.state.loss, self.state.times
 
     def finish(self) -> None:
         """Wait for every pending host update (call before reading weights or exiting)."""
         for s in self.stages.values():
             s.wait_update()
-        self.host.shutdown(wait=True)
+        self.updater.shutdown(wait=True)
         self.device.close()
 
     # -- weights -------------------------------------------------------------------------------
     def _load(self, a: Action) -> None:
-        t0 = time.perf_counter()
-        self.stages[a.stage].load(self.arena, self.device)
-        self.times.load_s += time.perf_counter() - t0
+        with Stopwatch() as sw:
+            self.stages[a.stage].load(self.arena, self.device)
+        self.state.times.load_s += sw.s
 
     def _release(self, a: Action) -> None:
         self.stages[a.stage].release(self.arena)
 
     def _ready(self, stage: Stage) -> None:
-        t0 = time.perf_counter()
-        stage.wait_loaded()
-        self.times.load_s += time.perf_counter() - t0
+        with Stopwatch() as sw:
+            stage.wait_loaded()
+        self.state.times.load_s += sw.s
 
     def _offload(self, a: Action) -> None:
-        t0 = time.perf_counter()
-        self.stages[a.stage].offload_and_update(self.arena, self.host)
-        self.times.load_s += time.perf_counter() - t0
+        with Stopwatch() as sw:
+            self.stages[a.stage].offload_and_update(self.arena, self.updater)
+        self.state.times.load_s += sw.s
 
     # -- compute -------------------------------------------------------------------------------
     def _input(self, j: int, i: int) -> torch.Tensor:
         if j == 0:
-            return self.xs[i].to(self.device.torch_device)
-        return self.inbox.pop((Kind.RECV_ACT, j, i))
+            return self.state.xs[i].to(self.device.torch_device)
+        return self.state.inbox.pop((Kind.RECV_ACT, j, i))
 
     def _fwd(self, a: Action) -> None:
-        j, i, stage = a.stage, a.microbatch, self.stages[a.stage]
+        j, i, stage, st = a.stage, a.microbatch, self.stages[a.stage], self.state
         self._ready(stage)
         x = self._input(j, i)
-        self.saved[(j, i)] = x.to("cpu", copy=True) if self.device.is_cuda else x  # host checkpoint
+        st.saved[(j, i)] = x.to("cpu", copy=True) if self.device.is_cuda else x  # host checkpoint
         if j == self.last:
             return  # the last stage's forward is fused into its backward (loss and gradient at once)
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            self.outbox[(Kind.SEND_ACT, j, i)] = stage.forward(x, with_grad=False)
-        self.times.compute_s += time.perf_counter() - t0
+        with Stopwatch() as sw, torch.no_grad():
+            out = stage.forward(x, with_grad=False)
+        if not out.is_floating_point():
+            raise PipelineError(f"stage {j} (layers {stage.order[0]}..{stage.order[-1]}) outputs a {out.dtype} "
+                                f"tensor: tensors between stages must be floating point so that gradients flow "
+                                f"back; make the layer that produces it part of the next stage's first layer")
+        st.outbox[(Kind.SEND_ACT, j, i)] = out
+        st.times.compute_s += sw.s
 
     def _bwd(self, a: Action) -> None:
-        j, i, stage = a.stage, a.microbatch, self.stages[a.stage]
+        j, i, stage, st = a.stage, a.microbatch, self.stages[a.stage], self.state
         self._ready(stage)
         if stage.grads is None:
             stage.begin_backward(self.arena)
-        t0 = time.perf_counter()
-        x = self.saved.pop((j, i)).to(self.device.torch_device)
-        if j > 0:
-            x.requires_grad_(True)
-        out = stage.forward(x, with_grad=True)
-        if j == self.last:
-            loss = lm_loss(out, self.ys[i].to(out.device)) / self.m
-            self.loss += float(loss.detach())
-            loss.backward()
-        else:
-            out.backward(self.inbox.pop((Kind.RECV_GRAD, j, i)))
-        if j > 0:
-            self.outbox[(Kind.SEND_GRAD, j, i)] = x.grad
-        self.times.compute_s += time.perf_counter() - t0
+        with Stopwatch() as sw:
+            x = st.saved.pop((j, i)).to(self.device.torch_device)
+            if j > 0:
+                x.requires_grad_(True)
+            out = stage.forward(x, with_grad=True)
+            if j == self.last:
+                loss = self._loss(out, st.ys[i].to(out.device))
+                st.loss += float(loss.detach())
+                loss.backward()
+            else:
+                out.backward(st.inbox.pop((Kind.RECV_GRAD, j, i)))
+            if j > 0:
+                st.outbox[(Kind.SEND_GRAD, j, i)] = x.grad
+        st.times.compute_s += sw.s
+
+    def _loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The microbatch's share of the step's loss: loss_fn(out, y) / num_microbatches."""
+        loss = self.loss_fn(out, y)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+            found = f"a {loss.dtype} tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) \
+                else type(loss).__name__
+            raise PipelineError(f"the loss function returned {found}; expected a floating-point scalar tensor "
+                                f"(the mean loss of the microbatch), e.g. F.cross_entropy(out, y)")
+        return loss.reshape(()) / self.num_microbatches
 
     # -- communication -------------------------------------------------------------------------
-    def _tag(self, kind: Kind, j: int, i: int) -> int:
-        return ((j * self.m + i) * 2 + (kind in (Kind.SEND_GRAD, Kind.RECV_GRAD))) % (1 << 30)
+    def _tag(self, kind: Kind, j: int, i: int, header: bool) -> int:
+        grad = kind in (Kind.SEND_GRAD, Kind.RECV_GRAD)
+        return (((j * self.num_microbatches + i) * 2 + grad) * 2 + header) % (1 << 30)
 
     def _send(self, a: Action, dst_stage: int, what: str) -> None:
-        t0 = time.perf_counter()
-        t = self.outbox.pop((a.kind, a.stage, a.microbatch))
+        st = self.state
+        t = st.outbox.pop((a.kind, a.stage, a.microbatch))
         if self.mapping[dst_stage] == self.rank:  # same gpu: hand over without the network
             recv_kind = Kind.RECV_ACT if a.kind is Kind.SEND_ACT else Kind.RECV_GRAD
-            self.inbox[(recv_kind, dst_stage, a.microbatch)] = t
+            st.inbox[(recv_kind, dst_stage, a.microbatch)] = t
             return
-        self.comm.send(t, self.mapping[dst_stage], self._tag(a.kind, a.stage, a.microbatch),
-                       f"{what} of stage {a.stage} microbatch {a.microbatch} (step {self.step})")
-        self.times.comm_s += time.perf_counter() - t0
+        what = f"{what} of stage {a.stage} microbatch {a.microbatch} (step {st.step})"
+        dst = self.mapping[dst_stage]
+        with Stopwatch() as sw:
+            if st.learning:
+                spec = TensorSpec.of(t, what)
+                self.comm.send_spec(spec, t.device, dst, self._tag(a.kind, a.stage, a.microbatch, True), what)
+            self.comm.send(t, dst, self._tag(a.kind, a.stage, a.microbatch, False), what)
+        st.times.comm_s += sw.s
 
     def _recv(self, a: Action, src_stage: int, what: str) -> None:
         if self.mapping[src_stage] == self.rank:
             return  # handed over by _send on this rank
-        t0 = time.perf_counter()
+        st, key = self.state, (a.kind, a.stage, a.microbatch)
         tag_stage = src_stage if a.kind is Kind.RECV_ACT else a.stage + 1
         send_kind = Kind.SEND_ACT if a.kind is Kind.RECV_ACT else Kind.SEND_GRAD
-        self.inbox[(a.kind, a.stage, a.microbatch)] = self.comm.recv(
-            self.act_shape, torch.float32, self.device.torch_device, self.mapping[src_stage],
-            self._tag(send_kind, tag_stage, a.microbatch),
-            f"{what} for stage {a.stage} microbatch {a.microbatch} (step {self.step})")
-        self.times.comm_s += time.perf_counter() - t0
+        src, dev = self.mapping[src_stage], self.device.torch_device
+        what = f"{what} for stage {a.stage} microbatch {a.microbatch} (step {st.step})"
+        with Stopwatch() as sw:
+            if st.learning:
+                st.specs[key] = self.comm.recv_spec(dev, src, self._tag(send_kind, tag_stage, a.microbatch, True),
+                                                    what)
+            st.inbox[key] = self.comm.recv(st.specs[key], dev, src,
+                                           self._tag(send_kind, tag_stage, a.microbatch, False), what)
+        st.times.comm_s += sw.s
 
     def _send_act(self, a: Action) -> None:
         self._send(a, a.stage + 1, "activation")

@@ -29,3 +29,7 @@ class SwapIOError(RuntimeError):
         self.path = path
         self.offset = offset
         self.errno = errno
+
+
+class PipelineError(ValueError):
+    """A Pipeline was given layers, a plan, a loss or a batch that do not fit together."""

@@ -1,120 +1,55 @@
 """The torchrun entry: `torchrun --nproc_per_node N -m mobiuspipe.train --config FILE.yaml`.
 
-Each rank is one gpu of the plan: it builds only its stages' layers, keeps their weights in the host
-tier, and runs its schedule every step; rank 0 reports. Errors a user can fix print one line and exit 2.
+Each rank is one gpu of the plan: the built-in GPT goes through the public Pipeline (mobiuspipe.pipeline),
+which builds only this rank's stages, keeps their weights in the host tier and runs its schedule every
+step; rank 0 reports. Errors a user can fix print one line and exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
-import os
 import sys
-import time
-from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from mobiuspipe.comm import Comm
+from foundation.timing import Stopwatch
 from mobiuspipe.config import RunConfig, load_config
+from mobiuspipe.config_plan import gpt_spec, plan_for_config
 from mobiuspipe.dataset import ByteData
-from mobiuspipe.device import Device
-from mobiuspipe.engine import Engine
-from mobiuspipe.errors import ArenaError, ConfigError, PeerLostError, WorldSizeError
-from mobiuspipe.memory.arena import DeviceArena
+from mobiuspipe.errors import ArenaError, ConfigError, PeerLostError, PipelineError, WorldSizeError
 from mobiuspipe.metrics import Reporter, StepMetrics
+from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
-from mobiuspipe.models.gpt import build_layers
-from mobiuspipe.planning import model_spec, plan_for_run
-from mobiuspipe.schedule import build_schedule, check_schedules
-from mobiuspipe.stage import Stage
+from mobiuspipe.pipeline import Pipeline
 from mobiuspipe.units import fmt_bytes
 from partition.costmodel import ARENA_SLOTS
 from partition.errors import PlanFileError, PlanInfeasibleError
 from partition.plan import Plan, save_plan
 from topology import TopologyError
 
-__all__ = ["main", "USER_ERRORS"]
+__all__ = ["main", "train", "USER_ERRORS"]
 
 USER_ERRORS = (ConfigError, PlanFileError, PlanInfeasibleError, TopologyError, WorldSizeError, PeerLostError,
-               ArenaError)
-
-
-def _rank_env() -> tuple[int, int, int]:
-    try:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
-    except KeyError as e:
-        raise WorldSizeError(f"{e.args[0]} is not set: start training with `torchrun --nproc_per_node N -m "
-                             f"mobiuspipe.train --config FILE.yaml` (or `mobiuspipe train --config FILE.yaml`)") from e
-
-
-def _build_stages(cfg: RunConfig, plan: Plan, rank: int, device: Device) -> dict[int, Stage]:
-    spec = model_spec(cfg)
-    mine = plan.stages_of(rank)
-    layers = build_layers(spec, cfg.train.seed, [l for j in mine for l in range(plan.stages[j].first,
-                                                                             plan.stages[j].last + 1)])
-    t = cfg.train
-
-    def make_optimizer(params):
-        return CPUAdam(params, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
-
-    return {j: Stage(j, {l: layers[l] for l in range(plan.stages[j].first, plan.stages[j].last + 1)}, device,
-                     make_optimizer) for j in mine}
-
-
-def _engine(cfg: RunConfig, plan: Plan, rank: int, local_rank: int) -> Engine:
-    device = Device(local_rank)
-    m = plan.num_microbatches
-    schedules = [build_schedule(plan.mapping, g, m) for g in range(plan.num_gpus)]
-    check_schedules(plan.mapping, m, schedules)
-    arena = DeviceArena(plan.slot_bytes, ARENA_SLOTS, device.torch_device)
-    act_shape = (cfg.microbatch_size, cfg.model.seq_len, cfg.model.d_model)
-    return Engine(plan.mapping, rank, _build_stages(cfg, plan, rank, device), schedules[rank], device, arena,
-                  Comm(rank, cfg.runtime.comm_timeout_s), act_shape, m)
-
-
-def _check_same_plan(plan: Plan, rank: int) -> None:
-    """Every rank must follow the same plan (each made or read its own): compare digests before any work."""
-    what = {k: v for k, v in plan.to_dict().items() if k != "solver"}  # the solver's wall time differs
-    digest = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
-    digests: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, digest)
-    differ = [r for r, d in enumerate(digests) if d != digests[0]]
-    if differ:
-        raise WorldSizeError(f"rank {rank}: ranks {differ} follow a different plan than rank 0 (different plan "
-                             f"files, configs or code versions); give every rank the same plan.file")
-
-
-def _reduce(engine: Engine, values: list[float], op, what: str) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=engine.device.torch_device)
-    return engine.comm.all_reduce(t, op, what).tolist()
+               ArenaError, PipelineError)
 
 
 def train(cfg: RunConfig) -> None:
-    """Run cfg.train.steps steps on this rank (the process group must not exist yet)."""
-    rank, world, local_rank = _rank_env()
+    """Train the config's GPT for cfg.train.steps steps as this rank of the job (the group must not exist yet)."""
     torch.set_num_threads(cfg.runtime.threads)
-    plan = plan_for_run(cfg)
-    if plan.num_gpus != world:
-        raise WorldSizeError(f"the plan has {plan.num_gpus} gpus but torchrun started {world} ranks: run "
-                             f"`torchrun --nproc_per_node {plan.num_gpus} ...` or re-plan for {world} gpus")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)  # before any collective: NCCL uses the current device
-    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.runtime.comm_timeout_s))
-    try:
-        _check_same_plan(plan, rank)
-        _run(cfg, plan, rank, local_rank)
-    finally:
-        dist.destroy_process_group()
+    t = cfg.train
+    optimizer = partial(CPUAdam, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
+    plan = plan_for_config(cfg)
+    with Pipeline(layer_factories(gpt_spec(cfg), t.seed), lm_loss, plan=plan, optimizer=optimizer,
+                  num_microbatches=cfg.data.num_microbatches, comm_timeout_s=cfg.runtime.comm_timeout_s) as pipe:
+        _training_loop(cfg, pipe)
 
 
-def _run(cfg: RunConfig, plan: Plan, rank: int, local_rank: int) -> None:
-    engine = _engine(cfg, plan, rank, local_rank)
+def _training_loop(cfg: RunConfig, pipe: Pipeline) -> None:
+    """Every step on this rank; rank 0 reports and writes out_dir; every rank writes its stages' weights."""
+    rank, plan = pipe.rank, pipe.plan
     data = ByteData(cfg.data.text_path, cfg.model.seq_len, cfg.train.seed)
     out = Path(cfg.train.out_dir) if cfg.train.out_dir else None
     report = Reporter(cfg.train.steps, cfg.train.log_every, str(out) if out and rank == 0 else None,
@@ -126,19 +61,14 @@ def _run(cfg: RunConfig, plan: Plan, rank: int, local_rank: int) -> None:
         save_plan(plan, out / "plan.yaml")
     tokens = cfg.data.batch_size * cfg.model.seq_len
     for step in range(cfg.train.steps):
-        t0 = time.perf_counter()
+        sw = Stopwatch()
         x, y = data.batch(step, cfg.data.batch_size)
-        engine.arena.reset_peak()
-        loss, times = engine.run_step(step, x, y)
-        (loss,) = _reduce(engine, [loss], dist.ReduceOp.SUM, f"the loss of step {step}")
-        c, l, m, peak = _reduce(engine, [times.compute_s, times.load_s, times.comm_s, engine.arena.peak_bytes],
-                                dist.ReduceOp.MAX, f"the metrics of step {step}")
-        dt = time.perf_counter() - t0
-        report(StepMetrics(step, loss, tokens / dt, dt, c, l, m, int(peak), engine.arena.budget_bytes))
-    engine.finish()
+        r = pipe.train_batch(x, y)
+        report(StepMetrics(step, r.loss, tokens / sw.s, sw.s, r.times.compute_s, r.times.load_s, r.times.comm_s,
+                           r.arena_peak_bytes, r.arena_budget_bytes))
     report.close()
     if out:
-        _save_weights(engine, out / "weights")
+        _save_weights(pipe, out / "weights")
 
 
 def _banner(cfg: RunConfig, plan: Plan) -> str:
@@ -149,12 +79,12 @@ def _banner(cfg: RunConfig, plan: Plan) -> str:
             f"{fmt_bytes(plan.arena_bytes)} per rank ({ARENA_SLOTS} slots of {fmt_bytes(plan.slot_bytes)})")
 
 
-def _save_weights(engine: Engine, folder: Path) -> None:
-    """Each rank writes its stages' master weights: weights/stage{j}.pt, a dict "layer.param" -> tensor."""
+def _save_weights(pipe: Pipeline, folder: Path) -> None:
+    """Each rank writes its stages' weights: weights/stage{j}.pt, a dict "layer.param" -> tensor."""
     folder.mkdir(parents=True, exist_ok=True)
-    for j, stage in engine.stages.items():
+    for j, weights in pipe.stage_state_dicts().items():
         tmp = folder / f".stage{j}.pt.tmp"
-        torch.save(stage.state_dict(), tmp)
+        torch.save(weights, tmp)
         tmp.replace(folder / f"stage{j}.pt")
 
 

@@ -23,7 +23,7 @@ from benchlib import cpu_mark, cpu_model, markdown_table, other_share
 from mobiuspipe.config import RunConfig, config_from_dict
 from mobiuspipe.dataset import ByteData
 from mobiuspipe.models.gpt import build_layers, lm_loss
-from mobiuspipe.planning import model_spec, plan_at_start
+from mobiuspipe.config_plan import gpt_spec, plan_from_config
 
 SIZES = {
     "tiny": {"model": {"num_blocks": 6, "d_model": 64, "num_heads": 4, "seq_len": 64},
@@ -84,7 +84,7 @@ def plain_run(cfg: RunConfig, threads: int, chunks: int) -> tuple[list[float], f
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        spec = model_spec(cfg)
+        spec = gpt_spec(cfg)
         layers = build_layers(spec, cfg.train.seed)
         model = nn.Sequential(*(layers[l] for l in range(spec.num_layers)))
         t = cfg.train
@@ -136,7 +136,7 @@ def pipeline_row(size: str, key: str, nproc: int, args: argparse.Namespace, tmp:
     split = tuple(steady([r[k] for r in recs], w) for k in ("compute_s", "load_s", "comm_s"))
     cfg = config_from_dict(d)
     return Row(size, key, steady([r["step_s"] for r in recs], w), tokens_per_step(cfg), recs[-1]["loss"],
-               split, plan_at_start(cfg).predicted_step_time_s)
+               split, plan_from_config(cfg).predicted_step_time_s)
 
 
 def plain_row(size: str, key: str, cfg: RunConfig, threads: int, chunks: int, warmup: int) -> Row:

@@ -6,6 +6,8 @@ The layer structure matches partition.models parameter for parameter, so a plan'
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -13,7 +15,7 @@ from torch import nn
 
 from partition.models import ModelSpec
 
-__all__ = ["Embedding", "Block", "Head", "build_layers", "lm_loss"]
+__all__ = ["Embedding", "Block", "Head", "build_layer", "build_layers", "layer_factories", "lm_loss"]
 
 
 class Embedding(nn.Module):
@@ -70,21 +72,28 @@ def _init(layer: nn.Module, generator: torch.Generator, num_blocks: int) -> None
         p.data.normal_(0.0, std, generator=generator)
 
 
+def build_layer(spec: ModelSpec, seed: int, l: int) -> nn.Module:
+    """Layer l of the GPT (embedding, block or head), initialized on the CPU from seed (seed, l)."""
+    if l == 0:
+        layer: nn.Module = Embedding(spec)
+    elif l == spec.num_layers - 1:
+        layer = Head(spec)
+    else:
+        layer = Block(spec)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + l)
+    with torch.no_grad():
+        _init(layer, g, spec.num_blocks)
+    return layer
+
+
 def build_layers(spec: ModelSpec, seed: int, which: list[int] | None = None) -> dict[int, nn.Module]:
-    """Layers l (all by default) of the GPT, layer l initialized from seed (seed, l) on the CPU."""
-    out = {}
-    for l in range(spec.num_layers) if which is None else which:
-        if l == 0:
-            layer = Embedding(spec)
-        elif l == spec.num_layers - 1:
-            layer = Head(spec)
-        else:
-            layer = Block(spec)
-        g = torch.Generator().manual_seed(seed * 1_000_003 + l)
-        with torch.no_grad():
-            _init(layer, g, spec.num_blocks)
-        out[l] = layer
-    return out
+    """Layers l (all by default) of the GPT, by layer number (see build_layer)."""
+    return {l: build_layer(spec, seed, l) for l in (range(spec.num_layers) if which is None else which)}
+
+
+def layer_factories(spec: ModelSpec, seed: int) -> list[Callable[[], nn.Module]]:
+    """One factory per layer, so that a Pipeline rank builds only the layers of its own stages."""
+    return [partial(build_layer, spec, seed, l) for l in range(spec.num_layers)]
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from mobiuspipe.config import RunConfig
 from mobiuspipe.dataset import ByteData
 from mobiuspipe.models.gpt import build_layers, lm_loss
 from mobiuspipe.optim import CPUAdam
-from mobiuspipe.planning import model_spec
+from mobiuspipe.config_plan import gpt_spec
 
 
 def reference_run(cfg: RunConfig, microbatched: bool = True,
@@ -38,7 +38,7 @@ def reference_run(cfg: RunConfig, microbatched: bool = True,
 
 
 def _reference_run(cfg: RunConfig, microbatched: bool, optimizer) -> tuple[list[float], dict[str, torch.Tensor]]:
-    spec = model_spec(cfg)
+    spec = gpt_spec(cfg)
     layers = build_layers(spec, cfg.train.seed)
     model = nn.Sequential(*(layers[l] for l in range(spec.num_layers)))
     t = cfg.train

@@ -1,22 +1,19 @@
-"""The engine on one rank (every stage on gpu 0, no process group) equals plain PyTorch, step by step."""
+"""The Pipeline on one rank (every stage on gpu 0, no process group) equals plain PyTorch, step by step."""
 
 from __future__ import annotations
 
 import random
+from functools import partial
 
 import pytest
 import torch
 
-from mobiuspipe.comm import Comm
+from mobiuspipe import Pipeline
 from mobiuspipe.config import config_from_dict
+from mobiuspipe.config_plan import gpt_spec, plan_for_config
 from mobiuspipe.dataset import ByteData
-from mobiuspipe.device import Device
-from mobiuspipe.engine import Engine
-from mobiuspipe.memory.arena import DeviceArena
-from mobiuspipe.planning import plan_for_run
-from mobiuspipe.schedule import build_schedule, check_schedules
-from mobiuspipe.train import _build_stages
-from partition.costmodel import ARENA_SLOTS
+from mobiuspipe.models.gpt import layer_factories, lm_loss
+from mobiuspipe.optim import CPUAdam
 
 
 def _cfg(blocks: int, d: int, heads: int, seq: int, batch: int, m: int, stages: int, seed: int, wd: float):
@@ -38,21 +35,18 @@ def _run_local(cfg) -> tuple[list[float], dict[str, torch.Tensor], int, int]:
 
 
 def _engine_run(cfg) -> tuple[list[float], dict[str, torch.Tensor], int, int]:
-    plan = plan_for_run(cfg)
-    device = Device(use_cuda=False)
-    sched = build_schedule(plan.mapping, 0, plan.num_microbatches)
-    check_schedules(plan.mapping, plan.num_microbatches, [sched])
-    arena = DeviceArena(plan.slot_bytes, ARENA_SLOTS, device.torch_device)
-    engine = Engine(plan.mapping, 0, _build_stages(cfg, plan, 0, device), sched, device, arena, Comm(0, 10.0),
-                    (cfg.microbatch_size, cfg.model.seq_len, cfg.model.d_model), plan.num_microbatches)
+    t = cfg.train
+    optimizer = partial(CPUAdam, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
     data = ByteData(cfg.data.text_path, cfg.model.seq_len, cfg.train.seed)
-    losses = []
-    for step in range(cfg.train.steps):
-        x, y = data.batch(step, cfg.data.batch_size)
-        losses.append(engine.run_step(step, x, y)[0])
-    engine.finish()
-    weights = {k: v for s in engine.stages.values() for k, v in s.state_dict().items()}
-    return losses, weights, arena.peak_bytes, arena.budget_bytes
+    losses, peak = [], 0
+    with Pipeline(layer_factories(gpt_spec(cfg), t.seed), lm_loss, plan=plan_for_config(cfg),
+                  optimizer=optimizer) as pipe:
+        for step in range(cfg.train.steps):
+            r = pipe.train_batch(*data.batch(step, cfg.data.batch_size))
+            losses.append(r.loss)
+            peak = max(peak, r.arena_peak_bytes)
+        weights = pipe.state_dict()
+    return losses, weights, peak, r.arena_budget_bytes
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -76,9 +70,8 @@ def test_local_pipeline_equals_plain_pytorch(seed, reference):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_local_pipeline_on_cuda_equals_plain_pytorch(reference, monkeypatch):
+def test_local_pipeline_on_cuda_equals_plain_pytorch(reference):
     cfg = _cfg(blocks=3, d=24, heads=3, seq=17, batch=4, m=2, stages=4, seed=5, wd=0.0)
-    monkeypatch.setattr("test_engine_local.Device", lambda use_cuda: Device(use_cuda=True))
     losses, weights, peak, budget = _run_local(cfg)
     ref_losses, _ = reference(cfg, microbatched=False)
     assert losses == pytest.approx(ref_losses, rel=1e-4)

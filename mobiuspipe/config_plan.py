@@ -1,4 +1,5 @@
-"""The plan a training run follows: read from the config's plan file and checked against the model, or made now."""
+"""The plan of a run config's built-in GPT: its model spec, the CPU stand-ins it plans for, its analytic profile,
+and the plan itself (read from plan.file and checked against the model, or made now)."""
 
 from __future__ import annotations
 
@@ -6,53 +7,53 @@ import torch
 
 from mobiuspipe.config import RunConfig
 from mobiuspipe.errors import ConfigError
+from partition import make_plan
 from partition.analytic import analytic_profile
 from partition.hardware import device_spec
 from partition.models import ModelSpec, layer_param_counts
 from partition.plan import Plan, load_plan
 from partition.profile import Profile
-from partition.planner import make_plan
 from topology import Topology, cpu_standin
 
-__all__ = ["model_spec", "plan_for_run", "plan_at_start", "run_topology", "run_profile"]
+__all__ = ["gpt_spec", "plan_for_config", "plan_from_config", "standin_topology", "gpt_profile"]
 
 MiB = 1024**2
 
 
-def model_spec(cfg: RunConfig) -> ModelSpec:
+def gpt_spec(cfg: RunConfig) -> ModelSpec:
     """The partition package's description of the config's GPT."""
     m = cfg.model
     return ModelSpec(name=f"gpt-{m.num_blocks}x{m.d_model}", num_blocks=m.num_blocks, d_model=m.d_model,
                      num_heads=m.num_heads, seq_len=m.seq_len, vocab_size=m.vocab_size)
 
 
-def plan_for_run(cfg: RunConfig) -> Plan:
+def plan_for_config(cfg: RunConfig) -> Plan:
     """The config's plan file checked against the model, or a plan made for CPU stand-in devices."""
-    spec = model_spec(cfg)
+    spec = gpt_spec(cfg)
     if cfg.plan.file:
         plan = load_plan(cfg.plan.file)
         _check_matches(plan, spec, cfg)
         return plan
-    return plan_at_start(cfg)
+    return plan_from_config(cfg)
 
 
-def run_topology(cfg: RunConfig) -> Topology:
+def standin_topology(cfg: RunConfig) -> Topology:
     """The devices a run plans for: plan.num_gpus CPU stand-ins of plan.device_memory_mb each."""
     return cpu_standin(cfg.plan.num_gpus, int(cfg.plan.device_memory_mb * MiB))
 
 
-def run_profile(cfg: RunConfig) -> Profile:
+def gpt_profile(cfg: RunConfig) -> Profile:
     """The analytic profile of the config's model, fp32, on this machine's gpu type (or the CPU stand-in)."""
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu-standin"
-    return analytic_profile(model_spec(cfg), device_spec(device), microbatch_size=cfg.microbatch_size,
+    return analytic_profile(gpt_spec(cfg), device_spec(device), microbatch_size=cfg.microbatch_size,
                             dtype="fp32")
 
 
-def plan_at_start(cfg: RunConfig, solver: str = "dp") -> Plan:
+def plan_from_config(cfg: RunConfig, solver: str = "dp") -> Plan:
     """The plan made from the config alone. Every rank makes it for itself, so the default is the exact
     DP, which is deterministic; a time-limited MIP could differ between ranks. `mobiuspipe partition
     --config` passes its --solver and writes the result for plan.file."""
-    return make_plan(run_profile(cfg), run_topology(cfg), cfg.data.num_microbatches, num_stages=cfg.plan.num_stages,
+    return make_plan(gpt_profile(cfg), standin_topology(cfg), cfg.data.num_microbatches, num_stages=cfg.plan.num_stages,
                      mapping=cfg.plan.mapping, solver=solver)
 
 

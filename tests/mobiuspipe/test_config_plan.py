@@ -7,7 +7,7 @@ import pytest
 from mobiuspipe.config import config_from_dict
 from mobiuspipe.errors import ConfigError
 from mobiuspipe.models.gpt import build_layers
-from mobiuspipe.planning import model_spec, plan_for_run
+from mobiuspipe.config_plan import gpt_spec, plan_for_config
 from partition.models import layer_param_counts
 from partition.plan import save_plan
 
@@ -19,14 +19,14 @@ def _cfg(**plan):
 
 def test_analytic_parameter_counts_equal_the_real_layers():
     cfg = _cfg()
-    spec = model_spec(cfg)
+    spec = gpt_spec(cfg)
     layers = build_layers(spec, seed=0)
     real = [sum(p.numel() for p in layers[l].parameters()) for l in range(spec.num_layers)]
     assert real == layer_param_counts(spec)
 
 
 def test_start_up_plan_has_the_configured_shape():
-    plan = plan_for_run(_cfg(mapping="round-robin"))
+    plan = plan_for_config(_cfg(mapping="round-robin"))
     assert plan.num_stages == 3 and plan.num_gpus == 2 and plan.mapping == [0, 1, 0]
     assert plan.dtype == "fp32" and plan.slot_bytes == max(s.param_count for s in plan.stages) * 4
 
@@ -35,21 +35,21 @@ def test_too_small_device_memory_is_infeasible():
     from partition.errors import PlanInfeasibleError
 
     with pytest.raises(PlanInfeasibleError, match="GiB"):
-        plan_for_run(_cfg(device_memory_mb=0.01))
+        plan_for_config(_cfg(device_memory_mb=0.01))
 
 
 def test_plan_file_for_another_model_is_refused(tmp_path):
     other = config_from_dict({"model": {"num_blocks": 3, "d_model": 16, "num_heads": 2, "seq_len": 9},
                               "plan": {"num_gpus": 2, "num_stages": 3}})
-    save_plan(plan_for_run(other), tmp_path / "plan.yaml")
+    save_plan(plan_for_config(other), tmp_path / "plan.yaml")
     with pytest.raises(ConfigError, match=r"stage 0 \(layers 0\.\.\d+\) has \d+ parameters .* another model"):
-        plan_for_run(_cfg(file=str(tmp_path / "plan.yaml")))
+        plan_for_config(_cfg(file=str(tmp_path / "plan.yaml")))
 
 
 def test_plan_file_with_other_microbatches_is_refused(tmp_path):
-    save_plan(plan_for_run(_cfg()), tmp_path / "plan.yaml")
+    save_plan(plan_for_config(_cfg()), tmp_path / "plan.yaml")
     cfg = config_from_dict({"model": {"num_blocks": 3, "d_model": 12, "num_heads": 3, "seq_len": 9},
                             "data": {"batch_size": 6, "num_microbatches": 3},
                             "plan": {"num_gpus": 2, "num_stages": 3, "file": str(tmp_path / "plan.yaml")}})
     with pytest.raises(ConfigError, match="the plan is for 4 microbatches, data.num_microbatches is 3"):
-        plan_for_run(cfg)
+        plan_for_config(cfg)

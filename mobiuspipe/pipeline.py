@@ -1,0 +1,219 @@
+"""The public API: Pipeline trains a list of layers as a Mobius pipeline on the ranks torchrun started.
+
+    from mobiuspipe import Pipeline
+
+    pipe = Pipeline(layers, loss_fn, plan="plan.yaml")     # or plan=None, sample=(x, y): profile and plan
+    for x, y in batches:                                  # every rank calls with the same batch
+        result = pipe.train_batch(x, y)                   # result.loss: the batch's mean loss
+    weights = pipe.state_dict()                           # this rank's stages, named as nn.Sequential's
+    pipe.close()
+
+`layers` is an nn.Sequential, a list of modules, or a list of factories (zero-argument callables that
+return a module), so that each rank builds only the layers of its own stages. Each layer takes one
+tensor and returns one tensor. The Pipeline takes over the modules it is given: their weights move into
+its host tier and the modules are left on the meta device (read the weights with state_dict()).
+The torchrun entry (mobiuspipe.train) trains the built-in GPT through
+this same class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import nn
+
+from mobiuspipe.comm import Comm
+from mobiuspipe.device import Device
+from mobiuspipe.engine import Engine, LossFn, StepTimes
+from mobiuspipe.errors import PipelineError
+from mobiuspipe.memory.arena import DeviceArena
+from mobiuspipe.optim import CPUAdam
+from mobiuspipe.pipeline_plan import (PlanSource, check_layers, check_world, plan_from_profile, read_plan,
+                                      same_plan_everywhere)
+from mobiuspipe.ranks import join_group, leave_group, rank_info
+from mobiuspipe.schedule import build_schedule, check_schedules
+from mobiuspipe.stage import Stage
+from partition.costmodel import ARENA_SLOTS
+from partition.plan import Plan
+from topology import Topology
+
+__all__ = ["Pipeline", "StepResult"]
+
+LayerSpec = nn.Module | Callable[[], nn.Module]
+"""A layer, or a factory that builds it."""
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+"""Makes the optimizer of one stage from its (one, flat, fp32, host) parameter."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step: the batch's loss (every rank gets it), where the slowest rank spent its time,
+    and the largest device arena peak over ranks against the arena's budget."""
+
+    step: int
+    loss: float
+    times: StepTimes
+    arena_peak_bytes: int
+    arena_budget_bytes: int
+
+
+class Pipeline:
+    """A model cut into the plan's stages, run on this rank's gpu with weights streamed from the host tier."""
+
+    def __init__(self, layers: nn.Sequential | Sequence[LayerSpec], loss_fn: LossFn, *, plan: PlanSource = None,
+                 optimizer: OptimizerFactory | None = None, sample: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 num_microbatches: int | None = None, num_stages: int | None = None, mapping: str = "cross",
+                 topology: Topology | str | None = None, comm_timeout_s: float = 60.0):
+        """Build this rank's stages.
+
+        plan: a Plan, the path of a plan file (`mobiuspipe partition -o`), or None to measure the layers on
+          one microbatch of `sample` = (x, y) and plan for num_microbatches (default 4), num_stages (default:
+          the fastest count), mapping ("cross", "round-robin", "search") on `topology` (a Topology, preset
+          name or layout file; default one CPU stand-in or the gpu of each rank).
+        optimizer: makes each stage's optimizer from its parameters (default CPUAdam with its defaults).
+        comm_timeout_s: a receive waiting longer fails, naming the rank that stopped answering.
+        """
+        makers = _factories(layers)
+        self.info = rank_info()
+        if plan is None and sample is None:
+            raise PipelineError("a Pipeline needs a plan (a Plan or a plan file) or a sample batch (x, y) to "
+                                "profile its layers and plan from: pass plan=... or sample=(x, y)")
+        given = None if plan is None else read_plan(plan)
+        if given is not None:
+            check_world(given, self.info)  # before any process starts waiting for the others
+        self._owns_group = join_group(self.info, comm_timeout_s)
+        try:
+            if given is None:
+                self.plan = plan_from_profile(makers, loss_fn, sample, self.info, num_microbatches=num_microbatches
+                                              or 4, num_stages=num_stages, mapping=mapping, topology=topology)
+            else:
+                self.plan = given
+                same_plan_everywhere(given, self.info)
+            self.engine = self._build_engine(makers, loss_fn, optimizer or partial(CPUAdam), num_microbatches,
+                                             comm_timeout_s)
+        except BaseException:
+            leave_group(self._owns_group)
+            raise
+        self.step = 0
+        self._closed = False
+
+    @property
+    def rank(self) -> int:
+        """This process's rank (= its gpu in the plan)."""
+        return self.info.rank
+
+    def _build_engine(self, makers: list[Callable[[], nn.Module]], loss_fn: LossFn, make_optimizer: OptimizerFactory,
+                      num_microbatches: int | None, comm_timeout_s: float) -> Engine:
+        plan, rank = self.plan, self.info.rank
+        mine = plan.stages_of(rank)
+        layers = {l: _build(makers[l], l) for j in mine for l in range(plan.stages[j].first, plan.stages[j].last + 1)}
+        check_layers(plan, len(makers), layers, rank, num_microbatches)
+        device = Device(self.info.local_rank)
+        stages = {j: Stage(j, {l: layers[l] for l in range(plan.stages[j].first, plan.stages[j].last + 1)}, device,
+                           make_optimizer) for j in mine}
+        m = plan.num_microbatches
+        schedules = [build_schedule(plan.mapping, g, m) for g in range(plan.num_gpus)]
+        check_schedules(plan.mapping, m, schedules)
+        return Engine(mapping=plan.mapping, rank=rank, stages=stages, schedule=schedules[rank], device=device,
+                      arena=DeviceArena(plan.slot_bytes, ARENA_SLOTS, device.torch_device),
+                      comm=Comm(rank, comm_timeout_s), loss_fn=loss_fn, num_microbatches=m)
+
+    def train_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> StepResult:
+        """train_batch(*batch)."""
+        x, y = batch
+        return self.train_batch(x, y)
+
+    def train_batch(self, x: torch.Tensor, y: torch.Tensor) -> StepResult:
+        """One optimizer step on the batch (inputs x, targets y; the same on every rank), split into the
+        plan's microbatches along dimension 0. Returns when this rank's part of the step is done (the host
+        updates may still run; the next step waits for them where it needs their weights)."""
+        self._check_batch(x, y)
+        engine = self.engine
+        engine.arena.reset_peak()
+        loss, times = engine.run_step(self.step, x, y)
+        (loss,) = self._reduce([loss], torch.distributed.ReduceOp.SUM, f"the loss of step {self.step}")
+        c, ld, cm, peak = self._reduce([times.compute_s, times.load_s, times.comm_s, engine.arena.peak_bytes],
+                                       torch.distributed.ReduceOp.MAX, f"the metrics of step {self.step}")
+        result = StepResult(self.step, loss, StepTimes(c, ld, cm), int(peak), engine.arena.budget_bytes)
+        self.step += 1
+        return result
+
+    def _check_batch(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        if self._closed:
+            raise PipelineError("train_batch on a closed Pipeline: make a new one")
+        want = self.plan.num_microbatches * self.plan.microbatch_size
+        if x.dim() == 0 or x.shape[0] != want or y.dim() == 0 or y.shape[0] != want:
+            raise PipelineError(f"a batch needs {want} rows along dimension 0 (the plan's {self.plan.num_microbatches} "
+                                f"microbatches of {self.plan.microbatch_size}); found inputs of shape "
+                                f"{tuple(x.shape)} and targets of shape {tuple(y.shape)}: batch the data to that "
+                                f"size or re-plan with --microbatches/--microbatch-size")
+
+    def _reduce(self, values: list[float], op, what: str) -> list[float]:
+        if self.info.world_size == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.engine.device.torch_device)
+        return self.engine.comm.all_reduce(t, op, what).tolist()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's weights (host copies, after every pending update), named as in
+        nn.Sequential(*layers).state_dict(); the union over ranks is the whole model's."""
+        return {k: v for d in self.stage_state_dicts().values() for k, v in d.items()}
+
+    def stage_state_dicts(self) -> dict[int, dict[str, torch.Tensor]]:
+        """state_dict() split by stage: {j: the weights of stage j} for this rank's stages."""
+        out = {}
+        for j, stage in self.engine.stages.items():
+            stage.wait_update()
+            out[j] = stage.state_dict()
+        return out
+
+    def close(self) -> None:
+        """Wait for the pending host updates, stop this rank's threads, leave the process group (if this
+        Pipeline joined it). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.engine.finish()
+        finally:
+            leave_group(self._owns_group)
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _factories(layers: nn.Sequential | Sequence[LayerSpec]) -> list[Callable[[], nn.Module]]:
+    """Every layer as a factory (a module becomes a factory that returns it)."""
+    if isinstance(layers, nn.Module) and not isinstance(layers, nn.Sequential):
+        raise PipelineError(f"layers is a single {type(layers).__name__}; expected an nn.Sequential or a list of "
+                            f"layers (or of factories that build them): the pipeline cuts between layers")
+    items = list(layers)
+    if not items:
+        raise PipelineError("layers is empty; expected at least one layer")
+    out = []
+    for l, item in enumerate(items):
+        if isinstance(item, nn.Module):
+            out.append(partial(_same, item))
+        elif callable(item):
+            out.append(item)
+        else:
+            raise PipelineError(f"layer {l} is a {type(item).__name__}; expected an nn.Module or a zero-argument "
+                                f"callable that returns one")
+    return out
+
+
+def _same(module: nn.Module) -> nn.Module:
+    return module
+
+
+def _build(make: Callable[[], nn.Module], l: int) -> nn.Module:
+    layer = make()
+    if not isinstance(layer, nn.Module):
+        raise PipelineError(f"the factory of layer {l} returned a {type(layer).__name__}; expected an nn.Module")
+    return layer

@@ -1,0 +1,60 @@
+"""Who this process is in the job (rank, world size, local rank) and its membership of the process group.
+
+The answer comes from torch.distributed when a process group exists, else from the variables torchrun
+sets (RANK, WORLD_SIZE, LOCAL_RANK), else the process is a job of one rank and needs no group.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from mobiuspipe.errors import WorldSizeError
+
+__all__ = ["RankInfo", "rank_info", "join_group", "leave_group"]
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """This process: its rank (= its gpu in the plan), how many ranks the job has, its gpu on this host."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    under_torchrun: bool
+    """True when torchrun (or another launcher) started this process as part of a job."""
+
+
+def rank_info() -> RankInfo:
+    """This process's place in the job (see the module docstring)."""
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if dist.is_available() and dist.is_initialized():
+        return RankInfo(dist.get_rank(), dist.get_world_size(), local, True)
+    if "WORLD_SIZE" not in os.environ:
+        return RankInfo(0, 1, 0, False)
+    try:
+        return RankInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), local, True)
+    except (KeyError, ValueError) as e:
+        raise WorldSizeError(f"WORLD_SIZE is set but RANK is {os.environ.get('RANK')!r}: start training with "
+                             f"`torchrun --nproc_per_node N ...`, which sets both") from e
+
+
+def join_group(info: RankInfo, timeout_s: float) -> bool:
+    """Create the process group if the job has several ranks and none exists; True if this call made it."""
+    if info.world_size == 1 or dist.is_initialized():
+        return False
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(info.local_rank)  # before any collective: NCCL uses the current device
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return True
+
+
+def leave_group(owned: bool) -> None:
+    """Destroy the process group if join_group made it."""
+    if owned and dist.is_initialized():
+        dist.destroy_process_group()
