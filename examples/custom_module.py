@@ -1,12 +1,6 @@
-"""Train your own nn.Module through mobiuspipe's public Pipeline: a residual MLP regressor in 4 stages.
+"""Train your own nn.Module through mobiuspipe's Pipeline: a residual MLP regressor cut into 4 stages.
 
-    torchrun --nproc_per_node 2 examples/custom_module.py      # 2 ranks (CPU stand-ins without a GPU)
-    python examples/custom_module.py                           # 1 rank, all 4 stages on it
-
-The layers are given as factories, so each rank builds only the layers of its own stages; the plan is
-made from a profile of the layers measured on one microbatch of a sample batch (rank 0 measures and
-plans, every rank follows). tests/mobiuspipe/test_custom_module.py trains the same model with plain
-PyTorch and requires the same losses and weights.
+torchrun --nproc_per_node 2 examples/custom_module.py  (or plain `python`: 1 rank runs all 4 stages)
 """
 
 from __future__ import annotations
@@ -50,6 +44,7 @@ def make_layer(l: int, seed: int = 0) -> nn.Module:
 
 
 def layer_factories(seed: int = 0) -> list:
+    """One factory per layer: each rank builds only the layers of its own stages."""
     return [partial(make_layer, l, seed) for l in range(BLOCKS + 2)]
 
 
@@ -58,7 +53,7 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1234 + step)
     x = torch.randn(BATCH, IN, generator=g)
     teacher = torch.randn(IN, OUT, generator=torch.Generator().manual_seed(7))
-    return x, torch.sin(x @ teacher)
+    return x, torch.sin(x @ teacher / IN**0.5)
 
 
 def optimizer(params):
@@ -71,6 +66,7 @@ def main() -> None:
     p.add_argument("--out", help="write losses.json and weights-rank{r}.pt here")
     args = p.parse_args()
     torch.set_num_threads(1)
+    # No plan given: rank 0 profiles the layers on one microbatch of the sample and plans; all ranks follow.
     with Pipeline(layer_factories(), F.mse_loss, optimizer=optimizer, sample=batch(0),
                   num_microbatches=MICROBATCHES, num_stages=STAGES) as pipe:
         if pipe.rank == 0:

@@ -144,3 +144,8 @@ def test_mistakes_are_named():
     with Pipeline(layers(), lambda out, y: (out - y).abs(), plan=plan) as pipe:
         with pytest.raises(PipelineError, match=r"the loss function returned a torch.float32 tensor of shape \(2, 1\)"):
             pipe.train_batch(x, y)
+
+
+def test_readme_shows_the_example_as_it_is():
+    readme = (EXAMPLE.parents[1] / "README.md").read_text()
+    assert "```python\n" + EXAMPLE.read_text() + "```" in readme
