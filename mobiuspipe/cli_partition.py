@@ -13,7 +13,7 @@ from partition.hardware import device_spec
 from partition.models import get_model
 from partition.plan import Plan, save_plan
 from partition.profile import Profile, load_profile
-from partition.planner import make_plan, sim_stages
+from partition.search import make_plan, sim_stages
 from partition.simulate import SimResult, simulate
 from partition.trace import ascii_timeline, svg_timeline
 from topology import Topology, load_topology

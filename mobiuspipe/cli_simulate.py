@@ -11,7 +11,7 @@ from mobiuspipe.cli_args import CliError, write_output
 from mobiuspipe.units import fmt_bytes
 from partition.baselines import BaselineResult, gpipe, predict, sequential_mapping, zero_offload
 from partition.plan import Plan, load_plan
-from partition.planner import host_adam_rate
+from partition.search import host_adam_rate
 from partition.profile import Profile
 from partition.simulate import SimResult, link_paths
 from partition.trace import chrome_trace, png_timeline, svg_timeline
@@ -154,7 +154,7 @@ def compare_text(plan: Plan, topo: Topology, profile: Profile, results: list[Bas
         lines.append(f"{r['name']:<34}{step:>10}  {speed}")
         lines += [f"{'':<4}{n}" for n in r["notes"]]
     measured = "measured by `topology --probe`" if topo.measured and topo.measured.host_adam_params_per_s else \
-        "assumed: partition.planner.HOST_ADAM_PARAMS_PER_S; `topology --probe --save` measures it"
+        "assumed: partition.search.HOST_ADAM_PARAMS_PER_S; `topology --probe --save` measures it"
     lines.append(f"host Adam over all parameters takes {d['host_adam_s']:.1f} s at {host_adam_rate(topo):.3g} "
                  f"params/s ({measured}); mobiuspipe runs it behind the backward, ZeRO-3 offload after it")
     return "\n".join(lines) + "\n"

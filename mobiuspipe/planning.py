@@ -11,7 +11,7 @@ from partition.hardware import device_spec
 from partition.models import ModelSpec, layer_param_counts
 from partition.plan import Plan, load_plan
 from partition.profile import Profile
-from partition.planner import make_plan
+from partition.search import make_plan
 from topology import Topology, cpu_standin
 
 __all__ = ["model_spec", "plan_for_run", "plan_at_start", "run_topology", "run_profile"]

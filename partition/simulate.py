@@ -14,7 +14,7 @@ Resources and rules (times in seconds, bytes, GB/s = 1e9 bytes/s):
   offload   one gpu->host engine per gpu: after B(j, M-1) the stage's gradients go to host. One gradient
             slot: a backward visit starts after the previous offload ended.
   update    the host CPU runs one stage's Adam at a time, in the order the gradients arrived.
-  comm      activations between gpus take the stage's fixed comm_s (partition.planner.sim_stages).
+  comm      activations between gpus take the stage's fixed comm_s (partition.search.sim_stages).
 
 Durations of loads and offloads (the link model):
   topology=None   each load takes its stage's load_s and each offload its offload_s (static; the planner's
@@ -292,7 +292,7 @@ def _check_bytes(stages: list[SimStage], topology: Topology, num_gpus: int) -> N
         if (s.param_bytes <= 0 < s.load_s) or (s.grad_bytes <= 0 < s.offload_s):
             raise ValueError(f"stage {j} has load_s {s.load_s} / offload_s {s.offload_s} but param_bytes "
                              f"{s.param_bytes} / grad_bytes {s.grad_bytes}: with a topology the simulator times "
-                             f"transfers from their bytes; build stages with partition.planner.sim_stages")
+                             f"transfers from their bytes; build stages with partition.search.sim_stages")
 
 
 def _add_gpu(graph: TaskGraph, stages: list[SimStage], g: int, m: int, paths: dict, flows: bool,

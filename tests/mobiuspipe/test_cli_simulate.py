@@ -19,7 +19,7 @@ from partition.errors import PlanFileError
 from partition.hardware import device_spec
 from partition.models import get_model
 from partition.plan import save_plan
-from partition.planner import make_plan
+from partition.search import make_plan
 from topology import cpu_standin, preset, save_topology
 
 GiB = 1024**3
