@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from partition.costmodel import LayerArrays
 from partition.errors import PlanInfeasibleError
 from partition.plan import Plan, StagePlan
-from partition.search import host_adam_rate, make_plan, sim_stages
 from partition.profile import Profile
+from partition.search import host_adam_rate, make_plan, sim_stages
 from partition.simulate import FlowNet, SimResult, TaskGraph, link_paths, simulate
 from topology import Topology
 

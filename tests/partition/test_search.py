@@ -13,8 +13,8 @@ from partition.errors import PlanInfeasibleError
 from partition.hardware import device_spec
 from partition.mapping import make_mapping, stage_contention
 from partition.models import ModelSpec, get_model
-from partition.search import make_plan, sim_stages
 from partition.profile import LayerProfile, Profile
+from partition.search import make_plan, sim_stages
 from partition.simulate import simulate
 from topology.presets import cpu_standin, preset
 
