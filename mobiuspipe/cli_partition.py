@@ -9,6 +9,7 @@ from pathlib import Path
 from mobiuspipe.cli_args import CliError, write_output
 from mobiuspipe.units import fmt_bytes
 from partition.analytic import analytic_profile
+from partition.compare import compare, compare_json, compare_text
 from partition.hardware import device_spec
 from partition.models import get_model
 from partition.plan import Plan, save_plan
@@ -127,8 +128,6 @@ def run_partition(args: argparse.Namespace, out) -> int:
         notes.append(f"timeline written to {args.timeline}")
     doc, extra = plan_to_json(plan), ""
     if args.compare:
-        from mobiuspipe.cli_simulate import compare, compare_json, compare_text  # cli_simulate imports us
-
         results = compare(plan, topo, profile)
         doc["compare"] = compare_json(plan, topo, profile, results)
         extra = "\n" + compare_text(plan, topo, profile, results)

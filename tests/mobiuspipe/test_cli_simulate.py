@@ -1,4 +1,4 @@
-"""`mobiuspipe simulate` through its own argparse parser, and the `partition --compare` table and document."""
+"""`mobiuspipe simulate` through its own argparse parser."""
 
 import argparse
 import contextlib
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mobiuspipe.cli_args import CliError
-from mobiuspipe.cli_simulate import compare, compare_json, compare_text, register
+from mobiuspipe.cli_simulate import register
 from partition.analytic import analytic_profile
 from partition.baselines import predict
 from partition.errors import PlanFileError
@@ -140,30 +140,3 @@ def test_missing_plan_file(tmp_path):
     with pytest.raises(SystemExit):
         parser().parse_args(["simulate"])  # --plan is required
 
-
-def test_compare_small_model(small):
-    prof, topo, plan = small
-    results = compare(plan, topo, prof)
-    assert [r.name for r in results] == ["mobiuspipe (cross mapping)", "mobiuspipe, sequential mapping",
-                                         "DeepSpeed ZeRO-3 offload", "GPipe (all in gpu memory)"]
-    assert all(r.step_time_s and r.step_time_s > 0 for r in results)  # 125M parameters fit everywhere
-    d = compare_json(plan, topo, prof, results)
-    assert d["systems"][0]["speedup"] == 1.0
-    assert d["systems"][2]["speedup"] == pytest.approx(results[2].step_time_s / results[0].step_time_s)
-    text = compare_text(plan, topo, prof, results)
-    assert "(the reference)" in text and f"{d['systems'][2]['speedup']:.2f}x faster" in text
-    gp = d["systems"][3]["speedup"]  # 125M parameters: GPipe keeps everything on the gpus and wins
-    assert gp < 1 and f"{1 / gp:.2f}x slower" in text
-    assert "host Adam" in text
-
-
-def test_compare_175b_names_the_gpipe_oom():
-    topo = preset("2+2")
-    prof = analytic_profile(get_model("gpt3-175b"), device_spec(topo.gpus[0].name))
-    plan = make_plan(prof, topo, 4, reserve_bytes=GiB, solver="dp")
-    d = compare_json(plan, topo, prof)
-    gp = d["systems"][3]
-    assert gp["step_time_s"] is None and gp["speedup"] is None and gp["reason"].startswith("out of memory")
-    assert d["systems"][2]["speedup"] > 1  # ZeRO-3 offload is slower than the plan
-    assert "out of memory" in compare_text(plan, topo, prof)
-    json.dumps(d)  # plain data
