@@ -6,13 +6,14 @@ import dataclasses
 import io
 import json
 import shutil
+import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 
-from mobiuspipe.cli_args import CliError
-from mobiuspipe.cli_simulate import register
+from mobiuspipe.cli._common import CliError
+from mobiuspipe.cli.simulate import register
 from partition.analytic import analytic_profile
 from partition.baselines import predict
 from partition.errors import PlanFileError
@@ -36,7 +37,7 @@ def run(argv: list[str]) -> tuple[int, str]:
     args = parser().parse_args(argv)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = args.func(args)
+        code = args.func(args, sys.stdout)
     return code, out.getvalue()
 
 

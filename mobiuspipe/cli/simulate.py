@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from mobiuspipe.cli_args import CliError, write_output
+from mobiuspipe.cli._common import CliError, write_output
 from mobiuspipe.units import fmt_bytes
 from partition.baselines import predict
 from partition.plan import Plan, load_plan
@@ -15,7 +15,7 @@ from partition.simulate import SimResult, link_paths
 from partition.trace import chrome_trace, png_timeline, svg_timeline
 from topology import PRESETS, Topology, cpu_standin, load_topology
 
-__all__ = ["register", "run_simulate", "simulate_json", "render_simulation"]
+__all__ = ["register", "run", "simulate_json", "render_simulation"]
 
 
 def register(sub) -> None:
@@ -29,7 +29,7 @@ def register(sub) -> None:
     p.add_argument("--png", metavar="OUT.png", help="write a Gantt chart as PNG (needs rsvg-convert)")
     p.add_argument("--svg", metavar="OUT.svg", help="write a Gantt chart as SVG")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the report")
-    p.set_defaults(func=lambda args: run_simulate(args, sys.stdout))
+    p.set_defaults(func=run)
 
 
 def _topology(plan: Plan, spec: str | None) -> Topology:
@@ -46,7 +46,7 @@ def _topology(plan: Plan, spec: str | None) -> Topology:
     return topo
 
 
-def run_simulate(args: argparse.Namespace, out) -> int:
+def run(args: argparse.Namespace, out) -> int:
     """Simulate the plan, write the requested files, print the report (or JSON) to `out`."""
     plan = load_plan(args.plan)
     topo = _topology(plan, args.topology)
