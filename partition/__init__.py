@@ -2,7 +2,7 @@
 
 from partition.errors import PlanFileError, PlanInfeasibleError, UnknownModelError
 from partition.plan import Plan, load_plan, save_plan
-from partition.planner import make_plan
+from partition.search import make_plan
 
 __all__ = ["Plan", "make_plan", "load_plan", "save_plan", "PlanInfeasibleError", "PlanFileError",
            "UnknownModelError"]

@@ -2,7 +2,7 @@
 
 Every baseline trains on the same step as the plan: M microbatches of the profile's microbatch size, the
 same layers, times and bytes (partition.profile), the same links (partition.simulate: flows share the
-PCIe links and uplinks on their path) and the same host Adam rate (planner.host_adam_rate: measured, or HOST_ADAM_PARAMS_PER_S).
+PCIe links and uplinks on their path) and the same host Adam rate (search.host_adam_rate: measured, or HOST_ADAM_PARAMS_PER_S).
 
 gpipe            GPipe / torchgpipe: N contiguous stages, one per gpu, everything resident. Memory per gpu
                  = 16 bytes/param (fp16 weights 2 + fp16 gradients 2 + fp32 master 4 + Adam m, v 8;
@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from partition.costmodel import LayerArrays
 from partition.errors import PlanInfeasibleError
 from partition.plan import Plan, StagePlan
-from partition.planner import host_adam_rate, make_plan, sim_stages
 from partition.profile import Profile
+from partition.search import host_adam_rate, make_plan, sim_stages
 from partition.simulate import FlowNet, SimResult, TaskGraph, link_paths, simulate
 from topology import Topology
 

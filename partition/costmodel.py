@@ -33,10 +33,14 @@ import numpy as np
 
 from partition.profile import Profile
 
-__all__ = ["ARENA_SLOTS", "LayerArrays", "stage_cost"]
+__all__ = ["WEIGHT_SLOTS", "GRAD_SLOTS", "ARENA_SLOTS", "LayerArrays", "stage_cost"]
 
-ARENA_SLOTS = 3
-"""Weight slot for the computing stage, one for the prefetched stage, one for the gradients."""
+WEIGHT_SLOTS = 2
+"""Arena slots for weights: the computing stage's and the prefetched next stage's of the same gpu."""
+GRAD_SLOTS = 1
+"""Arena slots for gradients: the computing stage's, accumulated over its microbatches until offloaded."""
+ARENA_SLOTS = WEIGHT_SLOTS + GRAD_SLOTS
+"""Slots of W bytes in the device arena; the memory rule is ARENA_SLOTS * W + A_j <= G."""
 
 
 @dataclass(frozen=True)

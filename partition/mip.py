@@ -24,9 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from partition.costmodel import ARENA_SLOTS
+from partition.order import gpu_visits
 from partition.profile import LayerProfile, Profile, compress
 from partition.solvers import INF, MipModel
-from partition.timeline import gpu_visits
 
 __all__ = ["StageData", "MipLayout", "build_mip", "cuts_of", "start_of", "memory_need", "max_layers_per_stage"]
 

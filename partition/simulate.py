@@ -1,8 +1,8 @@
 """Event simulation of one Mobius pipeline step: when each load, compute, offload and update runs, on a topology.
 
 The step is a graph of tasks (TaskGraph); a task starts at the first instant all of its dependencies have
-ended. Per gpu g the schedule is the runtime's (mobiuspipe.schedule.builders): its stages' forwards in
-ascending order, then their backwards in descending order, each over microbatches i = 0..M-1.
+ended. Per gpu g the visit order is the runtime's (partition.order): its stages' forwards in ascending
+order, then their backwards in descending order, each over microbatches i = 0..M-1.
 Resources and rules (times in seconds, bytes, GB/s = 1e9 bytes/s):
   compute   one stream per gpu, in schedule order. F(j,i) starts after F(j-1,i) arrived (+ comm_s of
             stage j-1), B(j,i) after B(j+1,i) arrived (+ comm_s of stage j); F takes F_j, B takes F_j + B_j
@@ -14,7 +14,7 @@ Resources and rules (times in seconds, bytes, GB/s = 1e9 bytes/s):
   offload   one gpu->host engine per gpu: after B(j, M-1) the stage's gradients go to host. One gradient
             slot: a backward visit starts after the previous offload ended.
   update    the host CPU runs one stage's Adam at a time, in the order the gradients arrived.
-  comm      activations between gpus take the stage's fixed comm_s (partition.planner.sim_stages).
+  comm      activations between gpus take the stage's fixed comm_s (partition.search.sim_stages).
 
 Durations of loads and offloads (the link model):
   topology=None   each load takes its stage's load_s and each offload its offload_s (static; the planner's
@@ -47,6 +47,8 @@ from collections import Counter
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
+from partition.costmodel import WEIGHT_SLOTS
+from partition.order import visits_of
 from topology import Topology
 
 __all__ = ["SimStage", "SimResult", "FlowNet", "TaskGraph", "Link", "link_paths", "simulate"]
@@ -242,11 +244,6 @@ def link_paths(topo: Topology) -> tuple[dict[Link, float], dict[tuple[int, str],
     return caps, paths
 
 
-def _visits(stages: list[SimStage], gpu: int) -> list[tuple[int, str]]:
-    mine = [j for j, s in enumerate(stages) if s.gpu == gpu]
-    return [(j, "F") for j in mine] + [(j, "B") for j in reversed(mine)]
-
-
 def simulate(stages: list[SimStage], num_gpus: int, microbatches: int,
              topology: Topology | None = None) -> SimResult:
     """Event times of one step (see the module docstring); with a topology, loads and offloads share links.
@@ -292,25 +289,25 @@ def _check_bytes(stages: list[SimStage], topology: Topology, num_gpus: int) -> N
         if (s.param_bytes <= 0 < s.load_s) or (s.grad_bytes <= 0 < s.offload_s):
             raise ValueError(f"stage {j} has load_s {s.load_s} / offload_s {s.offload_s} but param_bytes "
                              f"{s.param_bytes} / grad_bytes {s.grad_bytes}: with a topology the simulator times "
-                             f"transfers from their bytes; build stages with partition.planner.sim_stages")
+                             f"transfers from their bytes; build stages with partition.search.sim_stages")
 
 
 def _add_gpu(graph: TaskGraph, stages: list[SimStage], g: int, m: int, paths: dict, flows: bool,
              moves: list) -> list[tuple[Hashable, Hashable]]:
     """Gpu g's loads, computations and offloads, chained as the runtime orders them; returns its arena spans
     (task whose start takes a slot, task whose end frees it)."""
-    visits, last = _visits(stages, g), len(stages) - 1
+    visits, last = visits_of([s.gpu for s in stages], g), len(stages) - 1
     prev_op = prev_load = prev_off = load = None
     slot_of: list[int] = []
-    holder: list[Hashable] = [None, None]  # last computation of the visit that used each weight slot
-    taken: list[Hashable] = [None, None]   # the load that took each weight slot
+    holder: list[Hashable] = [None] * WEIGHT_SLOTS  # last computation of the visit that used each weight slot
+    taken: list[Hashable] = [None] * WEIGHT_SLOTS   # the load that took each weight slot
     spans: list[tuple[Hashable, Hashable]] = []
     for k, (j, phase) in enumerate(visits):
         st = stages[j]
         if k > 0 and visits[k - 1][0] == j:  # the last forward stage stays resident for its backward
             slot_of.append(slot_of[-1])
         else:
-            slot = 1 - slot_of[-1] if slot_of else 0
+            slot = (slot_of[-1] + 1) % WEIGHT_SLOTS if slot_of else 0
             slot_of.append(slot)
             move = (st.param_bytes, paths[(g, "h2d")])
             moves.append(move)

@@ -8,7 +8,7 @@ Legend (stage j, per ONE microbatch unless marked; seconds unless marked):
   TF_j,EF_j  start of stage j's first forward microbatch, end of its last one
   TB_j,EB_j  the same for the backward
   LF_j,LB_j  when stage j's weights are resident for its forward / backward visit
-Each gpu runs its visits F(j0) .. F(jk), B(jk) .. B(j0) (mobiuspipe.schedule.builders). Rules, all "at least":
+Each gpu runs its visits F(j0) .. F(jk), B(jk) .. B(j0) (partition.order). Rules, all "at least":
   pipeline   TF_j >= TF_{j-1} + f_{j-1} + d_{j-1};   EF_j >= TF_j + M f_j;   EF_j >= EF_{j-1} + d_{j-1} + f_j
              TB_j >= TB_{j+1} + b_{j+1} + d_j;      EB_j >= TB_j + M b_j;   EB_j >= EB_{j+1} + d_j + b_j
   gpu        a visit starts after the gpu's previous visit ended; a backward visit also after the previous
@@ -25,7 +25,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["StageTimes", "gpu_visits", "aggregate_step", "aggregate_times"]
+from partition.costmodel import WEIGHT_SLOTS
+from partition.order import gpu_visits
+
+__all__ = ["StageTimes", "aggregate_step", "aggregate_times"]
 
 
 @dataclass(frozen=True)
@@ -37,15 +40,6 @@ class StageTimes:
     u: float
     o: float
     d: float
-
-
-def gpu_visits(mapping: list[int]) -> dict[int, list[tuple[int, str]]]:
-    """Per gpu, its visits in order: ("F", j) ascending, then ("B", j) descending."""
-    out: dict[int, list[tuple[int, str]]] = {}
-    for g in sorted(set(mapping)):
-        mine = [j for j, h in enumerate(mapping) if h == g]
-        out[g] = [(j, "F") for j in mine] + [(j, "B") for j in reversed(mine)]
-    return out
 
 
 def aggregate_step(st: list[StageTimes], mapping: list[int], m: int) -> float:
@@ -96,7 +90,7 @@ def _loads(st: list[StageTimes], mapping: list[int], end: dict, load_end: dict):
             load_end[v] = load_end[prev]
         else:
             copy_free = load_end[prev] if prev else 0.0
-            slot_free = end[vs[k - 2]] if k >= 2 else 0.0
+            slot_free = end[vs[k - WEIGHT_SLOTS]] if k >= WEIGHT_SLOTS else 0.0
             load_end[v] = max(copy_free, slot_free) + st[v[1]].u
         return max(t, load_end[v])
 

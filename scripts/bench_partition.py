@@ -16,7 +16,7 @@ from partition.analytic import analytic_profile
 from partition.errors import PlanInfeasibleError
 from partition.hardware import device_spec
 from partition.models import get_model
-from partition.planner import make_plan
+from partition.search import make_plan
 from partition.solvers.gurobi import _license
 from topology import preset
 

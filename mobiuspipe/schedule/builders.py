@@ -1,7 +1,7 @@
 """Build the per-gpu Mobius schedule of a plan: forwards of its stages in order, then backwards in reverse.
 
-For gpu g with stages J = stages_of(g), the visits are F(J[0]) .. F(J[-1]), B(J[-1]) .. B(J[0]). At the
-start of each visit the next visit's stage is prefetched (LOAD), so its copy overlaps this visit's
+The visit order is partition.order's: for gpu g with stages J, F(J[0]) .. F(J[-1]), B(J[-1]) .. B(J[0]).
+At the start of each visit the next visit's stage is prefetched (LOAD), so its copy overlaps this visit's
 compute; at the end the visit's stage is released unless the next visit uses it (the last forward stage
 stays resident into its backward).
 """
@@ -9,6 +9,7 @@ stays resident into its backward).
 from __future__ import annotations
 
 from mobiuspipe.schedule.actions import Action, Kind
+from partition.order import visits_of
 
 __all__ = ["build_schedule"]
 
@@ -16,8 +17,7 @@ __all__ = ["build_schedule"]
 def build_schedule(mapping: list[int], gpu: int, microbatches: int) -> list[Action]:
     """The ordered actions gpu runs in one step, given stage -> gpu mapping."""
     last = len(mapping) - 1
-    mine = [j for j, g in enumerate(mapping) if g == gpu]
-    visits = [(j, Kind.FWD) for j in mine] + [(j, Kind.BWD) for j in reversed(mine)]
+    visits = [(j, Kind(phase)) for j, phase in visits_of(mapping, gpu)]  # Kind("F") is FWD, Kind("B") BWD
     out: list[Action] = [Action(Kind.LOAD, visits[0][0])] if visits else []
     for k, (j, phase) in enumerate(visits):
         nxt = visits[k + 1][0] if k + 1 < len(visits) else None

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 from mobiuspipe.schedule.actions import Action, Kind
+from partition.costmodel import WEIGHT_SLOTS
 
-__all__ = ["ScheduleError", "check_schedules", "WEIGHT_SLOTS"]
-
-WEIGHT_SLOTS = 2
-"""Arena slots for weights: the computing stage and the prefetched one (the third slot holds gradients)."""
+__all__ = ["ScheduleError", "check_schedules"]
 
 _PEER = {Kind.SEND_ACT: (Kind.RECV_ACT, +1), Kind.SEND_GRAD: (Kind.RECV_GRAD, -1)}
 

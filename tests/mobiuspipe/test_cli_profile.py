@@ -4,13 +4,14 @@ import argparse
 import contextlib
 import io
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from mobiuspipe.cli import user_errors
-from mobiuspipe.cli_profile import register
+from mobiuspipe.cli.profile import register
 from partition.models import MODELS
 from partition.profile import load_profile
 
@@ -25,7 +26,7 @@ def run(argv: list[str]) -> tuple[int, str, str]:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             args = parser.parse_args(argv)
-            code = args.func(args)
+            code = args.func(args, sys.stdout)
         except SystemExit as e:
             code = e.code
         except user_errors() as e:

@@ -1,4 +1,4 @@
-"""`mobiuspipe simulate` through its own argparse parser, and the `partition --compare` table and document."""
+"""`mobiuspipe simulate` through its own argparse parser."""
 
 import argparse
 import contextlib
@@ -6,20 +6,21 @@ import dataclasses
 import io
 import json
 import shutil
+import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 
-from mobiuspipe.cli_args import CliError
-from mobiuspipe.cli_simulate import compare, compare_json, compare_text, register
+from mobiuspipe.cli._common import CliError
+from mobiuspipe.cli.simulate import register
 from partition.analytic import analytic_profile
 from partition.baselines import predict
 from partition.errors import PlanFileError
 from partition.hardware import device_spec
 from partition.models import get_model
 from partition.plan import save_plan
-from partition.planner import make_plan
+from partition.search import make_plan
 from topology import cpu_standin, preset, save_topology
 
 GiB = 1024**3
@@ -36,7 +37,7 @@ def run(argv: list[str]) -> tuple[int, str]:
     args = parser().parse_args(argv)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = args.func(args)
+        code = args.func(args, sys.stdout)
     return code, out.getvalue()
 
 
@@ -140,30 +141,3 @@ def test_missing_plan_file(tmp_path):
     with pytest.raises(SystemExit):
         parser().parse_args(["simulate"])  # --plan is required
 
-
-def test_compare_small_model(small):
-    prof, topo, plan = small
-    results = compare(plan, topo, prof)
-    assert [r.name for r in results] == ["mobiuspipe (cross mapping)", "mobiuspipe, sequential mapping",
-                                         "DeepSpeed ZeRO-3 offload", "GPipe (all in gpu memory)"]
-    assert all(r.step_time_s and r.step_time_s > 0 for r in results)  # 125M parameters fit everywhere
-    d = compare_json(plan, topo, prof, results)
-    assert d["systems"][0]["speedup"] == 1.0
-    assert d["systems"][2]["speedup"] == pytest.approx(results[2].step_time_s / results[0].step_time_s)
-    text = compare_text(plan, topo, prof, results)
-    assert "(the reference)" in text and f"{d['systems'][2]['speedup']:.2f}x faster" in text
-    gp = d["systems"][3]["speedup"]  # 125M parameters: GPipe keeps everything on the gpus and wins
-    assert gp < 1 and f"{1 / gp:.2f}x slower" in text
-    assert "host Adam" in text
-
-
-def test_compare_175b_names_the_gpipe_oom():
-    topo = preset("2+2")
-    prof = analytic_profile(get_model("gpt3-175b"), device_spec(topo.gpus[0].name))
-    plan = make_plan(prof, topo, 4, reserve_bytes=GiB, solver="dp")
-    d = compare_json(plan, topo, prof)
-    gp = d["systems"][3]
-    assert gp["step_time_s"] is None and gp["speedup"] is None and gp["reason"].startswith("out of memory")
-    assert d["systems"][2]["speedup"] > 1  # ZeRO-3 offload is slower than the plan
-    assert "out of memory" in compare_text(plan, topo, prof)
-    json.dumps(d)  # plain data

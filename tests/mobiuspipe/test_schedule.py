@@ -1,11 +1,15 @@
-"""Schedules: built for many shapes, checked; broken ones are caught with the place shown."""
+"""Schedules: built for many shapes, checked; broken ones are caught with the place shown; one visit order."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from mobiuspipe.schedule import Action, Kind, ScheduleError, build_schedule, check_schedules
 from partition.mapping import round_robin
+from partition.order import visits_of
+from partition.simulate import SimStage, simulate
+from partition.timeline import StageTimes, aggregate_times
 
 
 @pytest.mark.parametrize("stages,gpus,m", [(1, 1, 1), (3, 1, 2), (4, 2, 4), (5, 2, 3), (7, 3, 5), (8, 4, 1)])
@@ -72,3 +76,38 @@ def test_receives_out_of_send_order_are_caught():
     assert [str(x) for x in s[1][a:a + 6]] == ["RA1.1", "F1.1", "SA1.1", "RA1.0", "F1.0", "SA1.0"]  # tag only
     with pytest.raises(ScheduleError, match="NCCL would pair them wrongly"):
         check_schedules(mapping, 2, s)
+
+
+def _runs(seq) -> list[tuple[int, str]]:
+    """Consecutive repeats collapsed: the visits of a sequence of (stage, phase) computations."""
+    return [v for k, v in enumerate(seq) if k == 0 or seq[k - 1] != v]
+
+
+def _builder_visits(mapping, gpus, m):
+    return {g: _runs([(a.stage, a.kind.value) for a in build_schedule(mapping, g, m)
+                      if a.kind in (Kind.FWD, Kind.BWD)]) for g in range(gpus)}
+
+
+def _timeline_visits(mapping, gpus, m, rng):
+    """Visits per gpu ordered by their start in the aggregated timeline (times > 0: starts strictly rise)."""
+    st = [StageTimes(*rng.uniform(0.1, 1.0, 5)) for _ in mapping]
+    _, t = aggregate_times(st, mapping, m)
+    starts = [(t["T" + ph][j], (j, ph)) for j in range(len(mapping)) for ph in "FB"]
+    return {g: [v for _, v in sorted(starts) if mapping[v[0]] == g] for g in range(gpus)}
+
+
+def _simulator_visits(mapping, gpus, m, rng):
+    stages = [SimStage(g, *rng.uniform(0.1, 1.0, 6)) for g in mapping]
+    res = simulate(stages, gpus, m)
+    return {g: _runs([(e[2], e[0]) for e in res.events if e[1] == g and e[0] in ("F", "B")]) for g in range(gpus)}
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_builder_timeline_and_simulator_visit_stages_in_one_order(seed):
+    rng = np.random.default_rng(seed)
+    gpus, m = int(rng.integers(1, 5)), int(rng.integers(1, 4))
+    mapping = [int(g) for g in rng.integers(0, gpus, int(rng.integers(1, 9)))]
+    want = {g: visits_of(mapping, g) for g in range(gpus)}
+    assert _builder_visits(mapping, gpus, m) == want, mapping
+    assert _timeline_visits(mapping, gpus, m, rng) == want, mapping
+    assert _simulator_visits(mapping, gpus, m, rng) == want, mapping

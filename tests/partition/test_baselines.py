@@ -10,8 +10,8 @@ from partition.baselines import (BaselineResult, gpipe, gpipe_stage_bytes, predi
 from partition.costmodel import LayerArrays
 from partition.hardware import device_spec
 from partition.models import get_model
-from partition.planner import HOST_ADAM_PARAMS_PER_S, make_plan
 from partition.profile import LayerProfile, Profile
+from partition.search import HOST_ADAM_PARAMS_PER_S, make_plan
 from topology import cpu_standin, preset
 from topology.types import Gpu, RootComplex, Topology
 

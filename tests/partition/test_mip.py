@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from partition.mip_plan import enumerate_best, solve_stage_count, stage_data, stage_times
+from partition.mip_solve import enumerate_best, solve_stage_count, stage_data, stage_times
 from partition.profile import LayerProfile, Profile
 from partition.solvers.gurobi import gurobi_available
 from partition.timeline import aggregate_step
@@ -58,7 +58,7 @@ def test_warm_start_bounds_and_is_kept():
 
 
 def test_gurobi_over_its_license_falls_back_to_highs_and_says_so(monkeypatch):
-    import partition.mip_plan as mp
+    import partition.mip_solve as mp
 
     monkeypatch.setattr(mp, "fits_license", lambda model: False)
     rng = np.random.default_rng(3)

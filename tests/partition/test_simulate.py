@@ -444,7 +444,7 @@ def test_sim_stages_carry_the_plans_bytes():
     from partition.analytic import analytic_profile
     from partition.hardware import device_spec
     from partition.models import get_model
-    from partition.planner import make_plan, sim_stages
+    from partition.search import make_plan, sim_stages
 
     topo = preset("2+2")
     plan = make_plan(analytic_profile(get_model("gpt3-125m"), device_spec(topo.gpus[0].name)), topo, 4,

@@ -216,7 +216,7 @@ def test_gpu_probe(tmp_path):
 def test_probe_measures_host_adam_and_the_planner_uses_it(tmp_path):
     import dataclasses
 
-    from partition.planner import HOST_ADAM_PARAMS_PER_S, host_adam_rate
+    from partition.search import HOST_ADAM_PARAMS_PER_S, host_adam_rate
     from topology import preset
     from topology.probe_cpu import probe_host_adam
 

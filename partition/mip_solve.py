@@ -1,4 +1,4 @@
-"""Solve the Mobius MIP for a few stage counts and return the best cut, warm-started from the DP.
+"""Solve the Mobius MIP for one stage count (a fixed mapping), warm-started from the DP; exhaustive oracle.
 
 Solver choice ("auto"): Gurobi when it is installed and its license admits the model (the pip wheel's
 size-limited license takes 2000 variables and 2000 rows), HiGHS otherwise. Every solve has a time

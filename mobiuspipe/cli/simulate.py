@@ -1,4 +1,4 @@
-"""`mobiuspipe simulate`: one step of a plan on a topology with shared links, and the `partition --compare` table."""
+"""`mobiuspipe simulate`: one step of a plan on a topology with shared links."""
 
 from __future__ import annotations
 
@@ -7,18 +7,15 @@ import json
 import sys
 from pathlib import Path
 
-from mobiuspipe.cli_args import CliError, write_output
+from mobiuspipe.cli._common import CliError, write_output
 from mobiuspipe.units import fmt_bytes
-from partition.baselines import BaselineResult, gpipe, predict, sequential_mapping, zero_offload
+from partition.baselines import predict
 from partition.plan import Plan, load_plan
-from partition.planner import host_adam_rate
-from partition.profile import Profile
 from partition.simulate import SimResult, link_paths
 from partition.trace import chrome_trace, png_timeline, svg_timeline
 from topology import PRESETS, Topology, cpu_standin, load_topology
 
-__all__ = ["register", "run_simulate", "simulate_json", "render_simulation", "compare", "compare_text",
-           "compare_json"]
+__all__ = ["register", "run", "simulate_json", "render_simulation"]
 
 
 def register(sub) -> None:
@@ -32,7 +29,7 @@ def register(sub) -> None:
     p.add_argument("--png", metavar="OUT.png", help="write a Gantt chart as PNG (needs rsvg-convert)")
     p.add_argument("--svg", metavar="OUT.svg", help="write a Gantt chart as SVG")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the report")
-    p.set_defaults(func=lambda args: run_simulate(args, sys.stdout))
+    p.set_defaults(func=run)
 
 
 def _topology(plan: Plan, spec: str | None) -> Topology:
@@ -49,7 +46,7 @@ def _topology(plan: Plan, spec: str | None) -> Topology:
     return topo
 
 
-def run_simulate(args: argparse.Namespace, out) -> int:
+def run(args: argparse.Namespace, out) -> int:
     """Simulate the plan, write the requested files, print the report (or JSON) to `out`."""
     plan = load_plan(args.plan)
     topo = _topology(plan, args.topology)
@@ -112,49 +109,3 @@ def render_simulation(plan: Plan, topo: Topology, sim: SimResult) -> str:
         lines.append(f"{r['link']:<12}{r['direction']:<10}{fmt_bytes(r['bytes']):>12}  {cap:>12}  {use:>6}")
     return "\n".join(lines) + "\n"
 
-
-# ---- partition --compare ----
-
-def compare(plan: Plan, topo: Topology, profile: Profile) -> list[BaselineResult]:
-    """mobiuspipe's plan, then the same planner with sequential mapping, ZeRO-3 offload and GPipe, all
-    predicted with shared links on `topo` for the plan's microbatches and memory reserve."""
-    sim = predict(plan, topo)
-    m = plan.num_microbatches
-    reserve = min(g.memory_bytes for g in topo.gpus) - plan.gpu_memory_bytes
-    mine = BaselineResult(f"mobiuspipe ({plan.mapping_rule} mapping)", sim.step_time_s, notes=(
-        f"{plan.num_stages} stages; compute busy {min(sim.busy_fraction):.0%}-{max(sim.busy_fraction):.0%} "
-        f"of the step; host Adam overlaps the backward",))
-    return [mine, sequential_mapping(profile, topo, m, num_stages=plan.num_stages, reserve_bytes=reserve),
-            zero_offload(profile, topo, m, reserve), gpipe(profile, topo, m, reserve)]
-
-
-def compare_json(plan: Plan, topo: Topology, profile: Profile, results: list[BaselineResult] | None = None) -> dict:
-    """{"systems": [{name, step_time_s, reason, notes, speedup}], ...}: speedup = its step / mobiuspipe's."""
-    results = results or compare(plan, topo, profile)
-    base = results[0].step_time_s
-    rows = [r.to_dict() | {"speedup": (r.step_time_s / base) if r.step_time_s and base else None} for r in results]
-    adam = sum(s.param_count for s in plan.stages) / host_adam_rate(topo)
-    return {"model": plan.model, "topology": topo.name, "num_microbatches": plan.num_microbatches,
-            "microbatch_size": plan.microbatch_size, "host_adam_s": adam, "systems": rows}
-
-
-def _speed(ratio: float) -> str:
-    return f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
-
-
-def compare_text(plan: Plan, topo: Topology, profile: Profile, results: list[BaselineResult] | None = None) -> str:
-    """The table `partition --compare` prints: each system's step and mobiuspipe's speed-up over it."""
-    d = compare_json(plan, topo, profile, results)
-    lines = [f"compare: {plan.model}, one step of {plan.num_microbatches} microbatches of {plan.microbatch_size} "
-             f"on topology {topo.name}, every system on the same shared-link model",
-             f"{'system':<34}{'step (s)':>10}  mobiuspipe is"]
-    for k, r in enumerate(d["systems"]):
-        step = f"{r['step_time_s']:.2f}" if r["step_time_s"] is not None else "-"
-        speed = "(the reference)" if k == 0 else _speed(r["speedup"]) if r["speedup"] else r["reason"]
-        lines.append(f"{r['name']:<34}{step:>10}  {speed}")
-        lines += [f"{'':<4}{n}" for n in r["notes"]]
-    measured = "measured by `topology --probe`" if topo.measured and topo.measured.host_adam_params_per_s else \
-        "assumed: partition.planner.HOST_ADAM_PARAMS_PER_S; `topology --probe --save` measures it"
-    lines.append(f"host Adam over all parameters takes {d['host_adam_s']:.1f} s at {host_adam_rate(topo):.3g} "
-                 f"params/s ({measured}); mobiuspipe runs it behind the backward, ZeRO-3 offload after it")
-    return "\n".join(lines) + "\n"

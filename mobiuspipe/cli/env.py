@@ -2,18 +2,34 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import json
 import os
 import platform
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
-__all__ = ["collect_env", "render_env"]
+__all__ = ["register", "run", "collect_env", "render_env"]
 
 NOT_INSTALLED = "not installed"
 PACKAGES = ("mobiuspipe", "torch", "numpy", "highspy", "gurobipy", "nvidia-ml-py")
 """Distributions whose versions `env` reports (nvidia-ml-py provides the `pynvml` module)."""
 GUROBI_NOTE = "installed (size-limited license unless a full one is present)"
+
+
+def register(sub) -> None:
+    """Add the `env` subcommand to the CLI's subparsers."""
+    p = sub.add_parser("env", help="versions, solvers, CUDA, NVML and CPU threads of this machine")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace, out) -> int:
+    """Print the report, or the JSON document, on `out`."""
+    d = collect_env()
+    out.write(json.dumps(d, indent=2) + "\n" if args.json else render_env(d))
+    return 0
 
 
 def _version(dist: str) -> str:

@@ -6,21 +6,55 @@ import argparse
 import json
 from pathlib import Path
 
-from mobiuspipe.cli_args import CliError, write_output
+from mobiuspipe.cli._common import CliError, non_negative_float, positive_int, write_output
 from mobiuspipe.units import fmt_bytes
 from partition.analytic import analytic_profile
+from partition.compare import compare, compare_json, compare_text
 from partition.hardware import device_spec
 from partition.models import get_model
 from partition.plan import Plan, save_plan
 from partition.profile import Profile, load_profile
-from partition.planner import make_plan, sim_stages
+from partition.search import make_plan, sim_stages
 from partition.simulate import SimResult, simulate
 from partition.trace import ascii_timeline, svg_timeline
 from topology import Topology, load_topology
 
-__all__ = ["run_partition", "plan_to_json", "render_plan"]
+__all__ = ["register", "run", "plan_to_json", "render_plan"]
 
 GiB = 1024**3
+
+
+def register(sub) -> None:
+    """Add the `partition` subcommand to the CLI's subparsers."""
+    p = sub.add_parser("partition", help="cut a model into stages, map them to gpus and predict the step")
+    p.add_argument("--model", help="model name, e.g. gpt3-175b (an unknown name lists them all)")
+    p.add_argument("--topology", help='preset name ("2+2", "3+1") or a .yaml/.json layout file')
+    p.add_argument("--config", metavar="RUN.yaml",
+                   help="plan a training run's model on its devices instead (then write it with -o for plan.file)")
+    p.add_argument("--microbatch-size", type=positive_int, default=1, help="sequences per microbatch (1)")
+    p.add_argument("--microbatches", type=positive_int, default=4, help="microbatches per step (4)")
+    p.add_argument("--stages", type=int, default=None,
+                   help="number of stages S (gpus <= S <= layers); default: search every S, keep the fastest")
+    p.add_argument("--mapping", choices=("cross", "round-robin", "search"), default="cross",
+                   help="stage->gpu rule: cross (least contention), round-robin, search (every cyclic gpu order, "
+                        "up to 4 gpus; the fastest wins) (cross)")
+    p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="fp16", help="parameter dtype (fp16)")
+    p.add_argument("--reserve-gib", type=non_negative_float, default=1.0,
+                   help="GiB of each gpu kept out of the plan for the CUDA context and allocator (1.0)")
+    p.add_argument("--solver", choices=("auto", "highs", "gurobi", "dp"), default="auto",
+                   help="auto: Gurobi when its license admits the model, else HiGHS; dp: the exact DP alone (auto)")
+    p.add_argument("--time-limit", type=non_negative_float, default=2.0, metavar="S",
+                   help="seconds the MIP may take in all; on a time-out the best plan found is kept with its gap (2)")
+    p.add_argument("--gap", type=non_negative_float, default=0.01,
+                   help="relative MIP gap to stop at (0.01 = 1%%)")
+    p.add_argument("--profile", metavar="FILE",
+                   help="use this profile (from `mobiuspipe profile -o`) instead of the analytic one of --model")
+    p.add_argument("--compare", action="store_true",
+                   help="also predict sequential mapping, DeepSpeed ZeRO-3 offload and GPipe on the same topology")
+    p.add_argument("-o", "--output", metavar="PLAN", help="write the plan here (.yaml, or .json by suffix)")
+    p.add_argument("--timeline", metavar="FILE.svg", help="write an SVG Gantt chart of the predicted step")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    p.set_defaults(func=run)
 
 
 def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
@@ -98,7 +132,6 @@ def _header(plan: Plan) -> list[str]:
 _COLUMNS = ("j", "layers", "#layers", "gpu", "params", "activations", "fwd ms/mb", "bwd ms/mb", "load ms")
 
 
-
 def _table(plan: Plan) -> list[str]:
     rows = [(str(j), f"{s.first}-{s.last}", str(s.last - s.first + 1), str(s.gpu), fmt_bytes(s.param_bytes),
              fmt_bytes(s.activation_bytes), f"{s.fwd_s * 1e3:.2f}", f"{s.bwd_s * 1e3:.2f}",
@@ -112,7 +145,7 @@ def render_plan(plan: Plan, sim: SimResult, width: int = 100) -> str:
     return "\n".join(_header(plan) + [""] + _table(plan) + [""]) + "\n" + ascii_timeline(sim, plan.num_gpus, width)
 
 
-def run_partition(args: argparse.Namespace, out) -> int:
+def run(args: argparse.Namespace, out) -> int:
     """Plan, write -o/--timeline files, print the plan to `out`; errors propagate to the CLI's handler."""
     plan, topo, profile = make_cli_plan(args)
     sim = simulate(sim_stages(plan.stages, topo), topo.num_gpus, plan.num_microbatches, topology=topo)
@@ -127,8 +160,6 @@ def run_partition(args: argparse.Namespace, out) -> int:
         notes.append(f"timeline written to {args.timeline}")
     doc, extra = plan_to_json(plan), ""
     if args.compare:
-        from mobiuspipe.cli_simulate import compare, compare_json, compare_text  # cli_simulate imports us
-
         results = compare(plan, topo, profile)
         doc["compare"] = compare_json(plan, topo, profile, results)
         extra = "\n" + compare_text(plan, topo, profile, results)

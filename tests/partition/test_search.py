@@ -13,8 +13,8 @@ from partition.errors import PlanInfeasibleError
 from partition.hardware import device_spec
 from partition.mapping import make_mapping, stage_contention
 from partition.models import ModelSpec, get_model
-from partition.planner import make_plan, sim_stages
 from partition.profile import LayerProfile, Profile
+from partition.search import make_plan, sim_stages
 from partition.simulate import simulate
 from topology.presets import cpu_standin, preset
 
@@ -182,7 +182,7 @@ def test_unknown_gpu_memory_is_a_clear_error():
     from partition.errors import PlanInfeasibleError
     from partition.hardware import device_spec
     from partition.models import get_model
-    from partition.planner import make_plan
+    from partition.search import make_plan
     from topology import preset
 
     t = preset("2+2")

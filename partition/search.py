@@ -1,4 +1,4 @@
-"""plan(): profile + topology -> the best Plan, by the exact DP over cuts and the simulator over stage counts."""
+"""Plan search: make_plan() finds the fastest Plan (DP over stage counts, MIP re-cut, shared-link ranking)."""
 
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def _mip_plans(profile: Profile, topo: Topology, arr: LayerArrays, ranked: list[
                mapping: str, memory: int, solver: str, time_limit_s: float, gap: float
                ) -> tuple[list[Plan], SolverInfo]:
     """The MIP's cut for each candidate's stage count; the solver info summarizes every solve."""
-    from partition.mip_plan import solve_stage_count, stage_data  # the solvers load only when used
+    from partition.mip_solve import solve_stage_count, stage_data  # the solvers load only when used
 
     found, used, gaps, statuses, notes = [], set(), [], set(), []
     t0 = time.perf_counter()

@@ -1,8 +1,7 @@
 """`mobiuspipe profile`: the per-layer profile of a model, analytic (a GPU spec) or measured (this machine).
 
-Wire it into the CLI with `register(sub)` on the subparsers; the command prints one row per run of
-identical layers, or with --json one document: Profile.to_dict() plus "runs" ([{"count", "layer"}]),
-which `load_profile` (and so `partition --profile`) reads back.
+The command prints one row per run of identical layers, or with --json one document: Profile.to_dict()
+plus "runs" ([{"count", "layer"}]), which `load_profile` (and so `partition --profile`) reads back.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ import dataclasses
 import json
 import sys
 
-from mobiuspipe.cli_args import CliError, positive_int, write_output
+from mobiuspipe.cli._common import CliError, positive_int, write_output
 from mobiuspipe.units import fmt_bytes
 from partition.analytic import DTYPE_BYTES, analytic_profile
 from partition.hardware import MFU_DEFAULT, device_spec
@@ -20,7 +19,7 @@ from partition.hf import ModelConfigError
 from partition.models import ModelSpec, get_model
 from partition.profile import Profile, compress, runs_to_list, save_profile
 
-__all__ = ["DEFAULT_GPU", "MEASURED_MAX_PARAMS", "register", "cmd_profile", "render_profile"]
+__all__ = ["DEFAULT_GPU", "MEASURED_MAX_PARAMS", "register", "run", "render_profile"]
 
 DEFAULT_GPU = "NVIDIA GeForce RTX 3090 Ti"
 MEASURED_MAX_PARAMS = 1_000_000_000
@@ -43,7 +42,7 @@ def register(sub) -> None:
                    help="run the runtime's GPT layers on this machine's device (gpt family, <= 1e9 parameters)")
     p.add_argument("-o", "--output", metavar="PROFILE", help="write the profile here (.yaml, or .json by suffix)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
-    p.set_defaults(func=cmd_profile)
+    p.set_defaults(func=run)
 
 
 def _spec(args: argparse.Namespace) -> ModelSpec:
@@ -127,9 +126,8 @@ def render_profile(profile: Profile, how: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def cmd_profile(args: argparse.Namespace, out=None) -> int:
-    """Make the profile, write -o, print the table or the JSON document on `out` (stdout)."""
-    out = out or sys.stdout
+def run(args: argparse.Namespace, out) -> int:
+    """Make the profile, write -o, print the table or the JSON document on `out`."""
     spec = _spec(args)
     profile, how = _measured(spec, args) if args.measured else _analytic(spec, args)
     note = None

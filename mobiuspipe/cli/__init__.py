@@ -1,0 +1,48 @@
+"""The `mobiuspipe` command: env, topology, partition, simulate, train (and profile); user errors exit 2.
+
+Each subcommand is one module here with the same two functions: `register(sub)` adds its parser to the
+subparsers and sets `func` to the module's `run(args, out) -> exit code`, which prints its report (or
+its --json document) on `out`. Shared pieces (argument types, write_output, CliError) are in _common.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mobiuspipe.cli import env, partition, profile, simulate, topology, train
+from mobiuspipe.cli._common import CliError
+
+__all__ = ["main", "build_parser", "user_errors"]
+
+SUBCOMMANDS = (env, topology, partition, profile, simulate, train)
+"""The subcommand modules, in the order `mobiuspipe --help` lists them."""
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions a user can fix: one line on stderr and exit code 2 instead of a traceback."""
+    from mobiuspipe.train import USER_ERRORS  # imports torch: only paid when something failed
+    from partition.errors import UnknownModelError
+    from partition.hf import ModelConfigError
+    from partition.profile import ProfileFileError
+
+    return (*USER_ERRORS, UnknownModelError, ModelConfigError, ProfileFileError, CliError)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mobiuspipe", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in SUBCOMMANDS:
+        command.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args, sys.stdout)
+    except Exception as e:
+        if not isinstance(e, user_errors()):
+            raise  # a bug: keep the traceback
+        print(f"mobiuspipe: error: {e}", file=sys.stderr, flush=True)
+        return 2

@@ -1,0 +1,43 @@
+"""`mobiuspipe train`: check a YAML run config, then launch torchrun with one rank per planned gpu."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+
+from mobiuspipe.cli._common import positive_int
+
+__all__ = ["register", "run"]
+
+
+def register(sub) -> None:
+    """Add the `train` subcommand to the CLI's subparsers."""
+    p = sub.add_parser("train", help="launch torchrun on a YAML run config")
+    p.add_argument("--config", required=True, help="YAML run config (see examples/tiny-gpt.yaml)")
+    p.add_argument("--nproc", type=positive_int, default=None,
+                   help="ranks to start (default: the plan's gpu count)")
+    p.set_defaults(func=run)
+
+
+def _plan_gpus(config) -> int:
+    """Ranks to launch: the plan file's gpu count when the config names one, else plan.num_gpus."""
+    if config.plan.file:
+        from partition.plan import load_plan
+
+        return load_plan(config.plan.file).num_gpus
+    return config.plan.num_gpus
+
+
+def run(args: argparse.Namespace, out) -> int:
+    """Run torchrun; its ranks write straight to this process's stdout and stderr (`out` is flushed first)."""
+    from mobiuspipe.config import load_config
+
+    config = load_config(args.config)  # a bad config fails here, before any process starts
+    nproc = args.nproc or _plan_gpus(config)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone",
+           "-m", "mobiuspipe.train", "--config", config.source]
+    print(f"mobiuspipe: launching {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    out.flush()
+    return subprocess.run(cmd, check=False).returncode

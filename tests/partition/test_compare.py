@@ -1,0 +1,47 @@
+"""The `partition --compare` table and document: mobiuspipe's plan against the baselines on one topology."""
+
+import json
+
+import pytest
+
+from partition.analytic import analytic_profile
+from partition.compare import compare, compare_json, compare_text
+from partition.hardware import device_spec
+from partition.models import get_model
+from partition.search import make_plan
+from topology import preset
+
+GiB = 1024**3
+
+
+def _planned(model: str):
+    """(profile, topology, plan) of model on 2+2, 4 microbatches, 1 GiB reserve, the DP's plan."""
+    topo = preset("2+2")
+    prof = analytic_profile(get_model(model), device_spec(topo.gpus[0].name))
+    return prof, topo, make_plan(prof, topo, 4, reserve_bytes=GiB, solver="dp")
+
+
+def test_compare_small_model():
+    prof, topo, plan = _planned("gpt3-125m")
+    results = compare(plan, topo, prof)
+    assert [r.name for r in results] == ["mobiuspipe (cross mapping)", "mobiuspipe, sequential mapping",
+                                         "DeepSpeed ZeRO-3 offload", "GPipe (all in gpu memory)"]
+    assert all(r.step_time_s and r.step_time_s > 0 for r in results)  # 125M parameters fit everywhere
+    d = compare_json(plan, topo, prof, results)
+    assert d["systems"][0]["speedup"] == 1.0
+    assert d["systems"][2]["speedup"] == pytest.approx(results[2].step_time_s / results[0].step_time_s)
+    text = compare_text(plan, topo, prof, results)
+    assert "(the reference)" in text and f"{d['systems'][2]['speedup']:.2f}x faster" in text
+    gp = d["systems"][3]["speedup"]  # 125M parameters: GPipe keeps everything on the gpus and wins
+    assert gp < 1 and f"{1 / gp:.2f}x slower" in text
+    assert "host Adam" in text
+
+
+def test_compare_175b_names_the_gpipe_oom():
+    prof, topo, plan = _planned("gpt3-175b")
+    d = compare_json(plan, topo, prof)
+    gp = d["systems"][3]
+    assert gp["step_time_s"] is None and gp["speedup"] is None and gp["reason"].startswith("out of memory")
+    assert d["systems"][2]["speedup"] > 1  # ZeRO-3 offload is slower than the plan
+    assert "out of memory" in compare_text(plan, topo, prof)
+    json.dumps(d)  # plain data
