@@ -25,13 +25,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("simd_paths", &mobiuspipe::simd_paths, "SIMD paths this CPU supports, best first");
   m.def("resolve_simd", &mobiuspipe::resolve_simd, "the path 'auto' or a name resolves to", py::arg("simd"));
   m.def("adamw_step", &mobiuspipe::adamw_step, "one AdamW step in place (torch.optim.AdamW semantics)",
-        py::arg("param"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("grad"), py::arg("out"),
-        py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
-        py::arg("weight_decay"), py::arg("simd") = "auto", nogil());
-  m.def("copy_floor", &mobiuspipe::copy_floor, "memory-traffic floor of adamw_step (no arithmetic)",
-        py::arg("param"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("grad"), py::arg("out"), nogil());
-  m.def("crc32c", &crc32c_tensor, "CRC-32C of a tensor's bytes, continuing `prev`",
-        py::arg("t"), py::arg("prev") = 0, py::arg("reference") = false);
+        py::arg("param"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("grad"), py::arg("out"), py::arg("step"),
+        py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+        py::arg("simd") = "auto", nogil());
+  m.def("copy_floor", &mobiuspipe::copy_floor, "memory-traffic floor of adamw_step (no arithmetic)", py::arg("param"),
+        py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("grad"), py::arg("out"), nogil());
+  m.def("crc32c", &crc32c_tensor, "CRC-32C of a tensor's bytes, continuing `prev`", py::arg("t"), py::arg("prev") = 0,
+        py::arg("reference") = false);
   m.def("crc32c_combine", &mobiuspipe::crc32c_combine, "CRC-32C of A + B from those of A and B and len(B)",
         py::arg("crc1"), py::arg("crc2"), py::arg("len2"));
   m.def("crc32c_has_hw", &mobiuspipe::crc32c_has_hw, "whether the SSE4.2 crc32 instruction is used");
@@ -39,8 +39,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("IO_SHORT_READ") = mobiuspipe::kShortRead;
   m.attr("IO_SHORT_WRITE") = mobiuspipe::kShortWrite;
   py::class_<AsyncIO>(m, "AsyncIO", "asynchronous tensor reads/writes at file offsets (io_uring or threads)")
-      .def(py::init<const std::string&, int64_t, int64_t>(), py::arg("backend") = "auto",
-           py::arg("queue_depth") = 32, py::arg("block_bytes") = 1 << 20)
+      .def(py::init<const std::string&, int64_t, int64_t>(), py::arg("backend") = "auto", py::arg("queue_depth") = 32,
+           py::arg("block_bytes") = 1 << 20)
       .def_property_readonly("backend", &AsyncIO::backend)
       .def_property_readonly("fallback_reason", &AsyncIO::fallback_reason)
       .def_property_readonly("queue_depth", &AsyncIO::queue_depth)

@@ -26,7 +26,7 @@ def main() -> None:
         print(f"{n / 1e6:.1f}M params -> {len(opt.groups)} groups of {opt.group_elems} elements, "
               f"{len(opt.slots)} slots in 64 MiB; I/O backend {store.engine.backend}, O_DIRECT {store.direct}")
         bf16 = {k: torch.empty(p.shape, dtype=torch.bfloat16) for k, p in params.items()}
-        for step in range(3):
+        for _ in range(3):
             grads = {k: torch.randn(p.shape).bfloat16() for k, p in params.items()}  # as offloaded by a GPU
             t0 = time.perf_counter()
             opt.step(grads, bf16)  # fp32 states stream through the budget; bf16 weights come out

@@ -9,6 +9,7 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = Path(__file__).resolve().parent
@@ -48,6 +49,8 @@ def build(build_dir: Path | None = None, verbose: bool = False) -> Path:
                                  build_directory=str(build_dir), extra_cflags=CFLAGS,
                                  extra_ldflags=LDFLAGS, extra_include_paths=[str(ROOT / "csrc")],
                                  verbose=verbose)
+        if not isinstance(mod, ModuleType) or mod.__file__ is None:  # is_python_module=True: a loaded module
+            raise RuntimeError(f"cpp_extension.load returned {mod!r}, not a module loaded from a file")
         built = Path(mod.__file__)
         dest = target_path()
         tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
@@ -61,7 +64,7 @@ def main() -> int:
     t0 = time.time()
     try:
         dest = build(verbose="-v" in sys.argv)
-    except Exception as exc:  # any compiler/ninja/torch problem: the caller falls back to PyTorch
+    except Exception as exc:  # noqa: BLE001  any compiler/ninja/torch problem: the caller falls back to PyTorch
         print(f"[build] C++ extension failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     print(f"[build] {dest.relative_to(ROOT)} built in {time.time() - t0:.1f} s", file=sys.stderr)

@@ -3,6 +3,18 @@
 from __future__ import annotations
 
 import warnings
+from typing import NoReturn
+
+
+class _Missing:
+    """Stands in for the extension when it did not load: any use raises ImportError saying why."""
+
+    def __getattr__(self, name: str) -> NoReturn:
+        if name.startswith("__"):  # copy, pickle and inspect probe for these: the usual answer
+            raise AttributeError(name)
+        raise ImportError(f"mobiuspipe._C.{name} needs the C++ extension, which did not load ({WHY_NOT}): "
+                          "build it with `python -m mobiuspipe._build`")
+
 
 try:
     import torch  # noqa: F401  (the extension links against libtorch: load it first)
@@ -11,7 +23,7 @@ try:
     HAVE_C = True
     WHY_NOT = ""
 except ImportError as exc:  # not built, or built for another torch/Python (undefined symbol)
-    C = None
+    C = _Missing()
     HAVE_C = False
     WHY_NOT = f"{type(exc).__name__}: {exc}"
     warnings.warn("mobiuspipe C++ extension not available, using the PyTorch fallback "

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -169,7 +170,7 @@ def _measure_one(layer: nn.Module, x: torch.Tensor, loss_fn, device: torch.devic
     return lp, run.out
 
 
-def _check_dtype(layers: list[nn.Module], dtype_name: str) -> None:
+def _check_dtype(layers: Sequence[nn.Module], dtype_name: str) -> None:
     if dtype_name not in TORCH_DTYPES:
         raise ValueError(f"unknown dtype {dtype_name!r}; accepted: {', '.join(TORCH_DTYPES)}")
     for l, layer in enumerate(layers):
@@ -179,7 +180,7 @@ def _check_dtype(layers: list[nn.Module], dtype_name: str) -> None:
                              f"({TORCH_DTYPES[dtype_name]}); cast the layers (layer.to(dtype)) or name their dtype")
 
 
-def measure_layers(layers: list[nn.Module], sample_input: torch.Tensor, *, device, name: str, device_name: str,
+def measure_layers(layers: Sequence[nn.Module], sample_input: torch.Tensor, *, device, name: str, device_name: str,
                    dtype_name: str, microbatch_size: int, seq_len: int, loss_fn=None, warmup: int = 2,
                    min_repeats: int = 5, max_repeats: int = 50, rel_tol: float = 0.05) -> Measurement:
     """Measure `layers` in order (see the module docstring); loss_fn(output) -> scalar follows the last one.
@@ -214,6 +215,6 @@ def measure_layers(layers: list[nn.Module], sample_input: torch.Tensor, *, devic
     return Measurement(profile=profile, source=tuple(source))
 
 
-def measure_profile(layers: list[nn.Module], sample_input: torch.Tensor, **kwargs) -> Profile:
+def measure_profile(layers: Sequence[nn.Module], sample_input: torch.Tensor, **kwargs) -> Profile:
     """measure_layers(...).profile: the measured Profile alone (same keyword arguments)."""
     return measure_layers(layers, sample_input, **kwargs).profile

@@ -91,7 +91,7 @@ def analytic_profile(spec: ModelSpec, device: DeviceSpec, microbatch_size: int =
     """Profile of `spec` on `device` for microbatches of `microbatch_size` sequences (see the legend)."""
     e = dtype_bytes(dtype)
     _check_args(microbatch_size, mfu)
-    s, b, h, a, v = spec.seq_len, microbatch_size, spec.d_model, spec.num_heads, spec.vocab_size
+    s, b, h, v = spec.seq_len, microbatch_size, spec.d_model, spec.vocab_size
     rate = device.peak_tflops * 1e12 * mfu
     counts = layer_param_counts(spec)
     hidden = s * b * h * e

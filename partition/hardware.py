@@ -56,7 +56,7 @@ class DeviceSpec:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "DeviceSpec":
+    def from_dict(cls, d: dict) -> DeviceSpec:
         return cls(**d)
 
 
@@ -76,7 +76,7 @@ _TABLE = (
     DeviceSpec("cpu-standin", 0.05, 0, 10.0),
 )
 
-DEVICES: "MappingProxyType[str, DeviceSpec]" = MappingProxyType({d.name: d for d in _TABLE})
+DEVICES: MappingProxyType[str, DeviceSpec] = MappingProxyType({d.name: d for d in _TABLE})
 """Known device types by their exact NVML name, read-only."""
 
 

@@ -20,7 +20,7 @@ family "llama" (no biases, RMSNorm, SwiGLU MLP, rotary positions (no table), gro
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import MappingProxyType
 
@@ -114,7 +114,7 @@ class ModelSpec:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelSpec":
+    def from_dict(cls, d: dict) -> ModelSpec:
         return cls(**d)
 
 
@@ -177,7 +177,7 @@ _TABLE = (
     _llama2("llama2-70b", 80, 8192, 64, 8, 28672),
 )
 
-MODELS: "MappingProxyType[str, ModelSpec]" = MappingProxyType({m.name: m for m in _TABLE})
+MODELS: MappingProxyType[str, ModelSpec] = MappingProxyType({m.name: m for m in _TABLE})
 """Known model specs by name (lower case), read-only."""
 
 

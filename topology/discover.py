@@ -54,7 +54,7 @@ def merge(scan: SysfsScan | None, nv: NvmlScan, notes: list[str] | None = None) 
         raise _no_gpu(scan, nv)
     if nv.available and not pci and scan is not None:
         notes.append(f"sysfs at {scan.root} shows none of NVML's GPUs: the PCIe layout comes from NVML levels")
-    rcs, switches, owner = _tree(scan, buses) if pci else _tree_from_levels(nv, buses)
+    rcs, switches, owner = _tree(scan, buses) if pci and scan is not None else _tree_from_levels(nv, buses)
     gpus = tuple(_gpu(i, bus, pci.get(bus), by_bus.get(bus), owner, rcs, notes) for i, bus in enumerate(buses))
     rc_objs = tuple(RootComplex(name, numa, gbps) for name, (numa, gbps) in rcs.items())
     topo = Topology(
@@ -127,11 +127,15 @@ def _gpu(i: int, bus: str, d: PciDevice | None, n: NvmlGpu | None, owner: dict[s
     if not (gen and width):
         notes.append(f"PCIe generation/width of some GPUs unknown: assuming gen {DEFAULT_LINK[0]} "
                      f"x{DEFAULT_LINK[1]}; --probe measures the real bandwidth")
-    if not n:
+    if n:
+        name = n.name
+    else:
         notes.append("GPU names and memory unknown without NVML: memory_bytes is 0; edit a saved layout "
                      "or install the NVIDIA driver")
+        assert d is not None  # merge() passes only buses that sysfs or NVML lists
+        name = f"NVIDIA GPU {d.device:#06x}"
     rc = owner[bus]
-    return Gpu(index=i, name=n.name if n else f"NVIDIA GPU {d.device:#06x}", memory_bytes=n.memory_bytes if n else 0,
+    return Gpu(index=i, name=name, memory_bytes=n.memory_bytes if n else 0,
                pci_bus_id=bus, root_complex=rc, numa_node=d.numa_node if d else rcs[rc][0],
                link_gbps=_link(gen, width), uuid=n.uuid if n else "", switch=d.switches[0] if d and d.switches else "",
                pcie_gen=gen, pcie_width=width,

@@ -76,13 +76,15 @@ class _Query:
     def __init__(self, nvml):
         self.nvml = nvml
         mismatch = getattr(nvml, "NVMLLibraryMismatchError", None)
-        self.errors = tuple(e for e in (getattr(nvml, "NVMLError", None), mismatch) if isinstance(e, type))
+        found = (getattr(nvml, "NVMLError", None), mismatch)
+        self.errors: tuple[type[BaseException], ...] = tuple(
+            e for e in found if isinstance(e, type) and issubclass(e, BaseException))
         self.errors += (ctypes.ArgumentError, UnicodeDecodeError)
         self.notes: dict[tuple[str, str], str] = {}
 
-    def __call__(self, field: str, fn, default):
+    def __call__(self, field: str, fn, *args, default):
         try:
-            return fn()
+            return fn(*args)
         except self.errors as e:
             self.note(field, e)
             return default
@@ -136,7 +138,7 @@ def _scan(nv, q: _Query) -> NvmlScan:
         return _unavailable(f"NVML not available (nvmlDeviceGetCount: {e}, {type(e).__name__}): using sysfs only")
     found = []
     for i in range(count):
-        h = q("device handle", lambda: nv.nvmlDeviceGetHandleByIndex(i), None)
+        h = q("device handle", nv.nvmlDeviceGetHandleByIndex, i, default=None)
         bus = _bus_id(nv, q, h) if h is not None else ""
         if bus:
             found.append((i, h, bus))
@@ -150,7 +152,7 @@ def _scan(nv, q: _Query) -> NvmlScan:
 
 
 def _bus_id(nv, q: _Query, h) -> str:
-    info = q("PCI info", lambda: nv.nvmlDeviceGetPciInfo(h), None)
+    info = q("PCI info", nv.nvmlDeviceGetPciInfo, h, default=None)
     if info is None:
         return ""
     try:
@@ -161,19 +163,19 @@ def _bus_id(nv, q: _Query, h) -> str:
 
 
 def _gpu(nv, q: _Query, i: int, h, bus: str) -> NvmlGpu:
-    memory = q("memory info", lambda: nv.nvmlDeviceGetMemoryInfo(h), None)
+    memory = q("memory info", nv.nvmlDeviceGetMemoryInfo, h, default=None)
     return NvmlGpu(
-        index=i, name=_text(q("name", lambda: nv.nvmlDeviceGetName(h), "")),
-        uuid=_text(q("uuid", lambda: nv.nvmlDeviceGetUUID(h), "")),
+        index=i, name=_text(q("name", nv.nvmlDeviceGetName, h, default="")),
+        uuid=_text(q("uuid", nv.nvmlDeviceGetUUID, h, default="")),
         memory_bytes=int(getattr(memory, "total", 0) or 0), bus_id=bus,
-        max_gen=int(q("max PCIe link generation", lambda: nv.nvmlDeviceGetMaxPcieLinkGeneration(h), 0)),
-        max_width=int(q("max PCIe link width", lambda: nv.nvmlDeviceGetMaxPcieLinkWidth(h), 0)),
+        max_gen=int(q("max PCIe link generation", nv.nvmlDeviceGetMaxPcieLinkGeneration, h, default=0)),
+        max_width=int(q("max PCIe link width", nv.nvmlDeviceGetMaxPcieLinkWidth, h, default=0)),
         cpu_affinity=_cpu_affinity(nv, q, h), nvlinks=_nvlinks(nv, q, h))
 
 
 def _cpu_affinity(nv, q: _Query, h) -> str:
     words = -(-(os.cpu_count() or 1) // 64)
-    mask = q("CPU affinity", lambda: nv.nvmlDeviceGetCpuAffinity(h, words), ())
+    mask = q("CPU affinity", nv.nvmlDeviceGetCpuAffinity, h, words, default=())
     return cpulist([int(w) for w in mask])
 
 
@@ -205,8 +207,8 @@ def _nvlinks(nv, q: _Query, h) -> tuple[tuple[str, int], ...]:
                 q.note("NVLink state", e, "link skipped")
             continue
         if state == 1:  # NVML_FEATURE_ENABLED
-            remote = _remote_bus(q("NVLink remote PCI info", lambda: nv.nvmlDeviceGetNvLinkRemotePciInfo(h, link),
-                                   None))
+            info = q("NVLink remote PCI info", nv.nvmlDeviceGetNvLinkRemotePciInfo, h, link, default=None)
+            remote = _remote_bus(info)
             if remote:
                 per[remote] += 1
             else:
@@ -217,7 +219,7 @@ def _nvlinks(nv, q: _Query, h) -> tuple[tuple[str, int], ...]:
 
 def _link_count(nv, q: _Query, h) -> int | None:
     field = int(getattr(nv, "NVML_FI_DEV_NVLINK_LINK_COUNT", _LINK_COUNT_FIELD))
-    values = q("NVLink link count", lambda: nv.nvmlDeviceGetFieldValues(h, [(field, 0)]), None)
+    values = q("NVLink link count", nv.nvmlDeviceGetFieldValues, h, [(field, 0)], default=None)
     if not values:
         return None
     v = values[0]
@@ -246,7 +248,7 @@ def _remote_bus(info) -> str:
 def _p2p(nv, q: _Query, handles: list) -> tuple[tuple[str, ...], ...]:
     def status(a, b) -> str:
         # a literal 0 = READ: pynvml's NVML_P2P_CAPS_INDEX_READ is (0,) and ctypes rejects it
-        s = q("P2P read status", lambda: nv.nvmlDeviceGetP2PStatus(a, b, _P2P_READ), None)
+        s = q("P2P read status", nv.nvmlDeviceGetP2PStatus, a, b, _P2P_READ, default=None)
         return P2P_LABELS[s] if isinstance(s, int) and 0 <= s < len(P2P_LABELS) else "U"
 
     return tuple(tuple("X" if i == j else status(a, b) for j, b in enumerate(handles))
@@ -258,8 +260,8 @@ def _levels(nv, q: _Query, handles: list) -> tuple[tuple[int, ...], ...]:
     lv = [[0] * n for _ in range(n)]
     for i in range(n):
         for j in range(i + 1, n):
-            level = q("topology common ancestor",
-                      lambda: nv.nvmlDeviceGetTopologyCommonAncestor(handles[i], handles[j]), -1)
+            level = q("topology common ancestor", nv.nvmlDeviceGetTopologyCommonAncestor, handles[i], handles[j],
+                      default=-1)
             lv[i][j] = lv[j][i] = int(level)
     return tuple(tuple(row) for row in lv)
 

@@ -204,10 +204,10 @@ class Topology:
 
     def to_dict(self) -> dict:
         """Plain data (lists, dicts, numbers, strings) that from_dict and layout files accept back."""
-        return _plain(asdict(self))
+        return {k: _plain(v) for k, v in asdict(self).items()}
 
     @classmethod
-    def from_dict(cls, d: dict, where: str = "topology") -> "Topology":
+    def from_dict(cls, d: dict, where: str = "topology") -> Topology:
         from topology.layout import topology_from_dict  # one parser, with the strict checks
 
         return topology_from_dict(d, where)

@@ -30,8 +30,8 @@ inline void store_out(void* out, OutT ot, int64_t i, float x) {
 
 }  // namespace
 
-void adam_span_scalar(const AdamParams& a, float* p, float* m, float* v, const void* g, GradT gt, void* out,
-                      OutT ot, int64_t begin, int64_t end) {
+void adam_span_scalar(const AdamParams& a, float* p, float* m, float* v, const void* g, GradT gt, void* out, OutT ot,
+                      int64_t begin, int64_t end) {
   const float b1c = a.b1c, b2c = a.b2c;
   for (int64_t i = begin; i < end; ++i) {
     const float gi = load_grad(g, gt, i);
@@ -132,8 +132,8 @@ MP_AVX512 inline void store_out16(void* out, OutT ot, int64_t i, __m512 x) {
 }
 }  // namespace
 
-MP_AVX512 void adam_span_avx512(const AdamParams& a, float* p, float* m, float* v, const void* g, GradT gt,
-                                void* out, OutT ot, int64_t begin, int64_t end) {
+MP_AVX512 void adam_span_avx512(const AdamParams& a, float* p, float* m, float* v, const void* g, GradT gt, void* out,
+                                OutT ot, int64_t begin, int64_t end) {
   const __m512 b1 = _mm512_set1_ps(a.beta1), b1c = _mm512_set1_ps(a.b1c);
   const __m512 b2 = _mm512_set1_ps(a.beta2), b2c = _mm512_set1_ps(a.b2c);
   const __m512 eps = _mm512_set1_ps(a.eps), decay = _mm512_set1_ps(a.decay);
@@ -192,14 +192,15 @@ void check_f32(const torch::Tensor& t, const char* name, int64_t n) {
 }  // namespace
 
 void adamw_step(torch::Tensor param, torch::Tensor exp_avg, torch::Tensor exp_avg_sq, torch::Tensor grad,
-                c10::optional<torch::Tensor> out, int64_t step, double lr, double beta1, double beta2,
-                double eps, double weight_decay, const std::string& simd) {
+                c10::optional<torch::Tensor> out, int64_t step, double lr, double beta1, double beta2, double eps,
+                double weight_decay, const std::string& simd) {
   const int64_t n = param.numel();
   check_f32(param, "param", n);
   check_f32(exp_avg, "exp_avg", n);
   check_f32(exp_avg_sq, "exp_avg_sq", n);
   TORCH_CHECK(step >= 1, "step must be >= 1");
-  TORCH_CHECK(grad.device().is_cpu() && grad.is_contiguous() && grad.numel() == n, "grad must be contiguous, CPU, same size");
+  TORCH_CHECK(grad.device().is_cpu() && grad.is_contiguous() && grad.numel() == n,
+              "grad must be contiguous, CPU, same size");
   GradT gt = GradT::F32;
   if (grad.scalar_type() == at::kBFloat16) gt = GradT::BF16;
   else if (grad.scalar_type() == at::kHalf) gt = GradT::F16;
@@ -207,7 +208,8 @@ void adamw_step(torch::Tensor param, torch::Tensor exp_avg, torch::Tensor exp_av
   OutT ot = OutT::NONE;
   void* outp = nullptr;
   if (out.has_value() && out->defined()) {
-    TORCH_CHECK(out->device().is_cpu() && out->is_contiguous() && out->numel() == n, "out must be contiguous, CPU, same size");
+    TORCH_CHECK(out->device().is_cpu() && out->is_contiguous() && out->numel() == n,
+                "out must be contiguous, CPU, same size");
     TORCH_CHECK(out->scalar_type() == at::kBFloat16 || out->scalar_type() == at::kHalf, "out must be bf16 or fp16");
     ot = out->scalar_type() == at::kBFloat16 ? OutT::BF16 : OutT::F16;
     outp = out->data_ptr();
@@ -252,8 +254,9 @@ void copy_floor(torch::Tensor param, torch::Tensor exp_avg, torch::Tensor exp_av
   check_f32(exp_avg_sq, "exp_avg_sq", n);
   TORCH_CHECK(grad.is_cpu() && grad.is_contiguous() && grad.numel() == n && grad.element_size() >= 2,
               "grad must be a contiguous CPU tensor of param's size");
-  TORCH_CHECK(!out.has_value() || !out->defined() || (out->is_cpu() && out->is_contiguous() &&
-              out->numel() == n && out->element_size() == 2), "out must be a contiguous 16-bit CPU tensor");
+  TORCH_CHECK(!out.has_value() || !out->defined() ||
+                  (out->is_cpu() && out->is_contiguous() && out->numel() == n && out->element_size() == 2),
+              "out must be a contiguous 16-bit CPU tensor");
   auto* p = static_cast<uint32_t*>(param.data_ptr());
   auto* m = static_cast<uint32_t*>(exp_avg.data_ptr());
   auto* v = static_cast<uint32_t*>(exp_avg_sq.data_ptr());

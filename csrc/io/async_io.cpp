@@ -27,8 +27,8 @@ AsyncIO::AsyncIO(const std::string& backend, int64_t queue_depth, int64_t block_
   TORCH_CHECK(backend == "auto" || backend == "uring" || backend == "threads",
               "backend must be 'auto', 'uring' or 'threads', not '", backend, "'");
   TORCH_CHECK(queue_depth >= 1 && queue_depth <= 4096, "queue_depth must be in [1, 4096], not ", queue_depth);
-  TORCH_CHECK(block_bytes >= kAlign && block_bytes % kAlign == 0, "block_bytes must be a positive multiple of ",
-              kAlign, ", not ", block_bytes);
+  TORCH_CHECK(block_bytes >= kAlign && block_bytes % kAlign == 0, "block_bytes must be a positive multiple of ", kAlign,
+              ", not ", block_bytes);
   if (backend != "threads") {
     ring_ = Uring::create(static_cast<unsigned>(queue_depth), &why_not_uring_);
     TORCH_CHECK(ring_ || backend == "auto", "io_uring refused by this kernel or sandbox (", why_not_uring_,
@@ -62,8 +62,8 @@ AsyncIO::~AsyncIO() {
 int64_t AsyncIO::submit(int64_t fd, torch::Tensor t, int64_t offset, bool write, bool direct, bool checksum) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "the tensor must be a contiguous CPU tensor");
   TORCH_CHECK(fd >= 0 && offset >= 0, "fd and offset must be >= 0 (fd ", fd, ", offset ", offset, ")");
-  TORCH_CHECK(!direct || offset % kAlign == 0, "an O_DIRECT file offset must be a multiple of ", kAlign,
-              ", not ", offset);
+  TORCH_CHECK(!direct || offset % kAlign == 0, "an O_DIRECT file offset must be a multiple of ", kAlign, ", not ",
+              offset);
   auto r = std::make_unique<Request>();
   r->keep = t;
   r->fd = static_cast<int>(fd);
@@ -186,8 +186,7 @@ char* AsyncIO::take_bounce() {
     return p;
   }
   void* p = nullptr;
-  TORCH_CHECK(posix_memalign(&p, kAlign, block_bytes_) == 0, "cannot allocate a ", block_bytes_,
-              "-byte bounce buffer");
+  TORCH_CHECK(posix_memalign(&p, kAlign, block_bytes_) == 0, "cannot allocate a ", block_bytes_, "-byte bounce buffer");
   bounce_all_.push_back(static_cast<char*>(p));
   return static_cast<char*>(p);
 }
@@ -295,9 +294,9 @@ void AsyncIO::post_finish(Block* b) {
 }
 
 void AsyncIO::uring_loop() {
-  std::vector<Block*> ready;         // started pieces (new, or the rest of a short transfer) to put in the ring
-  std::unordered_set<Block*> held;   // pieces given to the ring and not yet reaped
-  int fatal = 0;                     // io_uring_enter failures in a row
+  std::vector<Block*> ready;        // started pieces (new, or the rest of a short transfer) to put in the ring
+  std::unordered_set<Block*> held;  // pieces given to the ring and not yet reaped
+  int fatal = 0;                    // io_uring_enter failures in a row
   const unsigned cap = ring_->entries();
   for (;;) {
     {

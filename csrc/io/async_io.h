@@ -18,25 +18,25 @@
 
 namespace mobiuspipe {
 
-constexpr int64_t kAlign = 4096;       // O_DIRECT alignment of memory, offsets and lengths (bytes)
-constexpr int64_t kShortRead = -1;     // status: the file ended before the requested bytes
-constexpr int64_t kShortWrite = -2;    // status: a write made no progress (returned 0)
+constexpr int64_t kAlign = 4096;     // O_DIRECT alignment of memory, offsets and lengths (bytes)
+constexpr int64_t kShortRead = -1;   // status: the file ended before the requested bytes
+constexpr int64_t kShortWrite = -2;  // status: a write made no progress (returned 0)
 
 struct Request;
 
 // One piece (at most block_bytes) of a request; resubmitted from `progress` after a short transfer.
 struct Block {
   Request* req = nullptr;
-  int64_t file_off = 0;     // where the piece starts in the file
-  char* user = nullptr;     // where it starts in the tensor
-  int64_t len = 0;          // bytes of tensor data
-  int64_t io_len = 0;       // bytes on the wire: len, or len rounded up to kAlign when bounced
-  bool bounced = false;     // goes through an aligned bounce buffer (O_DIRECT and unaligned memory/size)
+  int64_t file_off = 0;  // where the piece starts in the file
+  char* user = nullptr;  // where it starts in the tensor
+  int64_t len = 0;       // bytes of tensor data
+  int64_t io_len = 0;    // bytes on the wire: len, or len rounded up to kAlign when bounced
+  bool bounced = false;  // goes through an aligned bounce buffer (O_DIRECT and unaligned memory/size)
   char* bounce = nullptr;
-  int64_t progress = 0;     // bytes transferred so far
+  int64_t progress = 0;  // bytes transferred so far
   bool ok = false;
-  int fixed = -1;           // index of the registered buffer holding the piece (io_uring fixed I/O), or -1
-  uint32_t crc = 0;         // CRC-32C of the piece's tensor bytes (when the request asks for it)
+  int fixed = -1;    // index of the registered buffer holding the piece (io_uring fixed I/O), or -1
+  uint32_t crc = 0;  // CRC-32C of the piece's tensor bytes (when the request asks for it)
   iovec iov{};
 };
 
@@ -46,11 +46,11 @@ struct Request {
   int fd = -1;
   bool write = false;
   bool direct = false;
-  bool checksum = false;    // compute the CRC-32C of the bytes moved, piece by piece in the I/O threads
+  bool checksum = false;  // compute the CRC-32C of the bytes moved, piece by piece in the I/O threads
   std::vector<Block> blocks;
   int64_t blocks_left = 0;
-  int64_t status = 0;       // 0, an errno (> 0), kShortRead or kShortWrite: the failure nearest the start
-  int64_t fail_offset = -1; // file offset of that failure
+  int64_t status = 0;        // 0, an errno (> 0), kShortRead or kShortWrite: the failure nearest the start
+  int64_t fail_offset = -1;  // file offset of that failure
   int64_t bytes_done = 0;
   bool done = false;
 };
@@ -88,7 +88,7 @@ class AsyncIO {
   void uring_loop();     // the one thread that fills and reaps the ring
   void finisher_loop();  // ends pieces the ring completed: bounce copies, checksums, request counts
   void post_finish(Block* b);
-  void thread_loop();    // a pread/pwrite worker (threads backend)
+  void thread_loop();  // a pread/pwrite worker (threads backend)
   void start(Block* b, char* bounce);
   bool finish_io(Block* b, int64_t res);  // true: resubmit the rest of b
   void block_done(Block* b);

@@ -83,7 +83,7 @@ uint32_t crc32c_mulmod(uint32_t a, uint32_t b) {
 
 uint32_t crc32c_shift(size_t n) {
   static const Powers powers;
-  uint32_t r = 1u << 31;  // x^0
+  uint32_t r = 1u << 31;                        // x^0
   for (int k = 3; n && k < 64; n >>= 1, ++k) {  // 8 n = n * 2^3
     if (n & 1) r = crc32c_mulmod(powers.p[k], r);
   }

@@ -12,7 +12,7 @@ import torch
 
 from mobiuspipe import _ext
 from mobiuspipe.errors import SwapIOError
-from mobiuspipe.memory.pyio import PyAsyncIO, SHORT_READ, SHORT_WRITE
+from mobiuspipe.memory.pyio import SHORT_READ, SHORT_WRITE, PyAsyncIO
 
 __all__ = ["ALIGN", "IOEngine", "Ticket", "aligned_empty", "round_up", "swap_error"]
 
@@ -65,7 +65,7 @@ def _advise_huge_pages(t: torch.Tensor) -> None:
             _LIBC = ctypes.CDLL(None, use_errno=True)
         except OSError:
             _LIBC = False
-    if _LIBC and hasattr(_LIBC, "madvise"):
+    if isinstance(_LIBC, ctypes.CDLL) and hasattr(_LIBC, "madvise"):
         _LIBC.madvise(ctypes.c_void_p(t.data_ptr()), ctypes.c_size_t(t.numel()), _MADV_HUGEPAGE)
 
 
@@ -158,7 +158,7 @@ class IOEngine:
         """Register long-lived buffers (e.g. an optimizer's slots) with io_uring, so the kernel pins their
         pages once instead of on every I/O; returns "" or why not (they then work as ordinary memory).
         Once per engine, while no I/O is in flight."""
-        if self.backend != "uring":
+        if self.backend != "uring" or isinstance(self._io, PyAsyncIO):
             return f"the {self.backend!r} backend does not register buffers"
         if self._io.registered:
             return "this engine's registered buffers are already taken"

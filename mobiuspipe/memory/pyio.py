@@ -49,7 +49,7 @@ class PyAsyncIO:
             raise ValueError("the Python I/O engine does not do O_DIRECT")
         if t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError("the tensor must be a contiguous CPU tensor")
-        buf = memoryview(t.view(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+        buf = t.view(-1).view(torch.uint8).numpy().data if t.numel() else memoryview(b"")
         n = len(buf)
         starts = range(0, n, self.block_bytes)
         req = _Request(buf, len(starts), checksum)

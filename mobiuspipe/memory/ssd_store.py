@@ -14,7 +14,8 @@ import os
 import shutil
 import warnings
 import zlib
-from typing import Callable
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 import torch
 
@@ -26,6 +27,9 @@ from mobiuspipe.memory.store_index import Entry
 from mobiuspipe.units import fmt_bytes
 
 __all__ = ["SSDStore", "StoreFuture", "checksum"]
+
+T_co = TypeVar("T_co", covariant=True)  # what a future's result() returns: the tensor read, or None
+_T = TypeVar("_T", bound="torch.Tensor | None")  # the same, for one call of _track
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -41,33 +45,30 @@ def checksum(t: torch.Tensor, algo: str) -> int:
             raise SwapIOError("this tensor was stored with a crc32c checksum, which needs the C++ extension "
                               f"({_ext.WHY_NOT}): build it with `python -m mobiuspipe._build`")
         return int(_ext.C.crc32c(_bytes(t)))
-    return zlib.crc32(memoryview(_bytes(t).numpy()))
+    return zlib.crc32(_bytes(t).numpy().data)
 
 
-class StoreFuture:
+class StoreFuture(Generic[T_co]):
     """The pending result of put_async/get_async: result() waits, then returns or raises SwapIOError."""
 
-    def __init__(self, finish: Callable[[], object], ready: Callable[[], bool]):
+    def __init__(self, finish: Callable[[], T_co], ready: Callable[[], bool]):
         self._finish, self._ready = finish, ready
-        self._settled = False
-        self._value: object = None
-        self._exc: BaseException | None = None
+        self._outcome: tuple[T_co] | BaseException | None = None  # (value,) or the error, once settled
 
     def done(self) -> bool:
         """Whether the I/O has ended (result() then does not block)."""
-        return self._settled or self._ready()
+        return self._outcome is not None or self._ready()
 
-    def result(self):
+    def result(self) -> T_co:
         """The tensor read (get) or None (put); raises the I/O's SwapIOError. Safe to call twice."""
-        if not self._settled:
+        if self._outcome is None:
             try:
-                self._value = self._finish()
-            except BaseException as exc:  # kept, and raised again on every call
-                self._exc = exc
-            self._settled = True
-        if self._exc is not None:
-            raise self._exc
-        return self._value
+                self._outcome = (self._finish(),)
+            except BaseException as exc:  # noqa: BLE001  kept, and raised again on every call
+                self._outcome = exc
+        if isinstance(self._outcome, BaseException):
+            raise self._outcome
+        return self._outcome[0]
 
 
 class SSDStore:
@@ -94,7 +95,7 @@ class SSDStore:
         self.algo = self.engine.checksum_algo  # computed by the I/O threads, overlapped with the transfer
         if self.note:
             warnings.warn(f"SSD store {self.folder}: {self.note}", RuntimeWarning, stacklevel=2)
-        self._inflight: dict[str, StoreFuture] = {}
+        self._inflight: dict[str, StoreFuture[torch.Tensor | None]] = {}
         self._dirty: set[str] = set()
         self._closed = False
 
@@ -132,7 +133,7 @@ class SSDStore:
         """Store t (any dtype and shape) under key, replacing what was there; returns when it is written."""
         self.put_async(key, t).result()
 
-    def put_async(self, key: str, t: torch.Tensor) -> StoreFuture:
+    def put_async(self, key: str, t: torch.Tensor) -> StoreFuture[None]:
         """Start storing t under key. t must not change until the future's result() returns."""
         self._check_open()
         t = _host_tensor(t, key)
@@ -180,7 +181,7 @@ class SSDStore:
         """The tensor stored under key, read into out (same dtype and element count) or a new tensor."""
         return self.get_async(key, out).result()
 
-    def get_async(self, key: str, out: torch.Tensor | None = None) -> StoreFuture:
+    def get_async(self, key: str, out: torch.Tensor | None = None) -> StoreFuture[torch.Tensor]:
         """Start reading key; the future's result() verifies the checksum and returns the tensor."""
         self._check_open()
         self._settle(key)
@@ -254,7 +255,7 @@ class SSDStore:
             self._closed = True
             os.close(self._lock_fd)
 
-    def __enter__(self) -> "SSDStore":
+    def __enter__(self) -> SSDStore:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -272,7 +273,7 @@ class SSDStore:
                            f"{len(self.index.entries)} tensors)")
         return entry
 
-    def _track(self, key: str, fut: StoreFuture) -> StoreFuture:
+    def _track(self, key: str, fut: StoreFuture[_T]) -> StoreFuture[_T]:
         self._inflight[key] = fut
         return fut
 
@@ -302,7 +303,8 @@ class SSDStore:
             return os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o600)
         except FileNotFoundError as exc:
             raise SwapIOError(f"{path} is missing: the store's index names it, but the file was deleted or "
-                              "moved; restore it or write the tensor again", path, errno=exc.errno) from exc
+                              "moved; restore it or write the tensor again", path,
+                              errno=exc.errno or errno.ENOENT) from exc
         except OSError as exc:
             raise swap_error("open for write" if write else "open for read", path, 0, 0,
                              exc.errno or errno.EIO) from exc

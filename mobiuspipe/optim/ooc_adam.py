@@ -91,7 +91,7 @@ class OutOfCoreAdam:
     def create(cls, store: SSDStore, params: dict[str, torch.Tensor], *, lr: float = 1e-3,
                betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
                host_budget_bytes: int = 256 << 20, slots: int = 4, prefix: str = "adam",
-               impl: str = "auto", simd: str = "auto") -> "OutOfCoreAdam":
+               impl: str = "auto", simd: str = "auto") -> OutOfCoreAdam:
         """Write the initial master weights (zero moments) of params {name: tensor} into store."""
         if not params:
             raise ValueError("OutOfCoreAdam.create needs at least one parameter")
@@ -113,7 +113,7 @@ class OutOfCoreAdam:
 
     @classmethod
     def open(cls, store: SSDStore, *, host_budget_bytes: int = 256 << 20, slots: int = 4,
-             prefix: str = "adam", impl: str = "auto", simd: str = "auto") -> "OutOfCoreAdam":
+             prefix: str = "adam", impl: str = "auto", simd: str = "auto") -> OutOfCoreAdam:
         """Resume the optimizer a store holds (saved by flush()); hyper-parameters come with it."""
         meta = store.meta.get(prefix)
         if meta is None:
@@ -139,7 +139,7 @@ class OutOfCoreAdam:
 
     def _write_initial(self, params: dict[str, torch.Tensor]) -> None:
         flat = {n: p.detach().reshape(-1) for n, p in params.items()}
-        pending: list[StoreFuture] = []
+        pending: list[StoreFuture[None]] = []
         for i, segs in enumerate(self.groups):
             slot = self.slots[i % len(self.slots)]
             if len(pending) >= len(self.slots):
@@ -187,11 +187,11 @@ class OutOfCoreAdam:
             adamw_update(p[a:b], m[a:b], v[a:b], g, o, self.step_count, self.lr, b1, b2, self.eps,
                          self.weight_decay, impl=self.impl, simd=self.simd)
 
-    def _read(self, i: int) -> StoreFuture:
+    def _read(self, i: int) -> StoreFuture[torch.Tensor]:
         rec, _, _, _ = self._sections(i, self.slots[i % len(self.slots)])
         return self.store.get_async(self._key(i), out=rec)
 
-    def _write(self, i: int) -> StoreFuture:
+    def _write(self, i: int) -> StoreFuture[None]:
         rec, _, _, _ = self._sections(i, self.slots[i % len(self.slots)])
         return self.store.put_async(self._key(i), rec)
 
@@ -204,7 +204,8 @@ class OutOfCoreAdam:
     def _run_pipelined(self, update) -> None:
         k, n = len(self.slots), len(self.groups)
         ahead = k - 1 if k < n else n  # with a slot per group, read them all at once
-        futures: dict[tuple[str, int], StoreFuture] = {("r", i): self._read(i) for i in range(ahead)}
+        futures: dict[tuple[str, int], StoreFuture[torch.Tensor | None]] = {
+            ("r", i): self._read(i) for i in range(ahead)}
         try:
             for i in range(n):
                 futures.pop(("r", i)).result()
@@ -291,5 +292,5 @@ def _drain(futures) -> None:
     for f in futures:
         try:
             f.result()
-        except Exception:
+        except Exception:  # noqa: BLE001  the first error is already being raised; these would hide it
             pass

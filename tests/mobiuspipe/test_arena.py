@@ -26,7 +26,8 @@ def test_too_big_and_full_are_errors():
     a = DeviceArena(64, 2, torch.device("cpu"))
     with pytest.raises(ArenaError, match="stage 3 weights needs 65 bytes but an arena slot has 64"):
         a.acquire(65, "stage 3 weights")
-    a.acquire(1, "a"), a.acquire(1, "b")
+    a.acquire(1, "a")
+    a.acquire(1, "b")
     with pytest.raises(ArenaError, match="all 2 arena slots are in use"):
         a.acquire(1, "c")
 
@@ -38,5 +39,5 @@ def test_slots_share_the_buffer_but_not_autograd_versions():
     loss = (w * w).sum()  # saves w for backward
     s2.view(torch.float32, 16).copy_(torch.arange(16.0))  # a prefetch into the other slot
     loss.backward()
-    assert torch.equal(w.grad, torch.full((4,), 4.0))
+    assert w.grad is not None and torch.equal(w.grad, torch.full((4,), 4.0))
     assert torch.equal(a.buffer[64:128].view(torch.float32), torch.arange(16.0))

@@ -23,7 +23,7 @@ GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 needs_c = pytest.mark.skipif(not _ext.HAVE_C, reason=f"C++ extension not built ({_ext.WHY_NOT})")
 
 
-def _simd(path: str) -> pytest.param:
+def _simd(path: str):
     have = _ext.C.simd_paths() if _ext.HAVE_C else []
     why = "C++ extension not built" if not _ext.HAVE_C else f"this CPU lacks {path} (has {have})"
     return pytest.param(("c", path), id=path, marks=pytest.mark.skipif(path not in have, reason=why))
@@ -44,8 +44,10 @@ def _run(path, sizes, grad_dtype, wd, steps=3, seed=0):
     ours = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in sizes]
     refs = [torch.nn.Parameter(p.detach().double().clone()) for p in ours]
     half = len(sizes) // 2 or 1
-    groups = lambda ps: [{"params": ps[:half]}, {"params": ps[half:], "lr": 3e-3, "weight_decay": wd * 2,
-                                                 "betas": (0.8, 0.99)}]  # noqa: E731
+
+    def groups(ps):
+        return [{"params": ps[:half]}, {"params": ps[half:], "lr": 3e-3, "weight_decay": wd * 2, "betas": (0.8, 0.99)}]
+
     opt = CPUAdam(groups(ours), lr=1e-2, weight_decay=wd, impl=impl, simd=simd)
     ref = torch.optim.AdamW(groups(refs), lr=1e-2, weight_decay=wd)
     for _ in range(steps):

@@ -33,10 +33,12 @@ def test_survivor_names_the_dead_rank(tmp_path, launch):
     port = _free_port()
     r0, r1 = _rank(0, port, cfg), _rank(1, port, cfg)
     try:
-        banner = r0.stdout.readline()
-        assert banner.startswith("mobiuspipe: gpt-6x64"), banner + r0.stderr.read()
-        first = r0.stdout.readline()  # rank 0 has finished one step: both ranks are mid-run
-        assert first.startswith("step 1/"), first + r0.stderr.read()
+        stdout0, stderr0 = r0.stdout, r0.stderr
+        assert stdout0 is not None and stderr0 is not None  # both are PIPEs
+        banner = stdout0.readline()
+        assert banner.startswith("mobiuspipe: gpt-6x64"), banner + stderr0.read()
+        first = stdout0.readline()  # rank 0 has finished one step: both ranks are mid-run
+        assert first.startswith("step 1/"), first + stderr0.read()
         r1.send_signal(signal.SIGKILL)
         t0 = time.monotonic()
         _, err = r0.communicate(timeout=60)

@@ -31,7 +31,7 @@ def switch(us, speed, width, downstream, ids=PLX):
     return port(us, speed, width, *(port(ds, speed, width, child, ids=ids) for ds, child in downstream), ids=ids)
 
 
-def gpu(bdf, model, speed=GEN4, width=16, audio=True):
+def gpu(bdf, model, speed: str | None = GEN4, width: int | None = 16, audio=True):
     return dict(bdf=bdf, cls=0x030000, ids=(0x10DE, MODELS[model][1]), speed=speed, width=width, model=model,
                 audio=audio, children=())
 
@@ -111,8 +111,10 @@ BOXES = {
     "4-pxb": dict(  # one socket: a parent switch over two x8-uplinked child switches of two GPUs (PIX / PXB)
         nodes={0: ("0-23", 128 * GIB)},
         roots={"pci0000:16": (0, [port("0000:16:00.0", GEN4, 16, switch("0000:17:00.0", GEN4, 16, [
-            ("0000:18:00.0", _child("0000:19:00.0", ["0000:1a:00.0", "0000:1a:08.0"], ["0000:1b:00.0", "0000:1c:00.0"])),
-            ("0000:18:08.0", _child("0000:1d:00.0", ["0000:1e:00.0", "0000:1e:08.0"], ["0000:1f:00.0", "0000:20:00.0"])),
+            ("0000:18:00.0",
+             _child("0000:19:00.0", ["0000:1a:00.0", "0000:1a:08.0"], ["0000:1b:00.0", "0000:1c:00.0"])),
+            ("0000:18:08.0",
+             _child("0000:1d:00.0", ["0000:1e:00.0", "0000:1e:08.0"], ["0000:1f:00.0", "0000:20:00.0"])),
         ], ids=BRCM))])},
         levels=("PIX PXB PXB", "PXB PXB", "PIX"), p2p="GNS", nvlinks=(), nvlink_hw=4, link_count_field=True),
     "vm": dict(  # 4 passed-through GPUs straight on the root bus: no bridges, numa -1, no link files
@@ -193,7 +195,7 @@ def _gen(speed) -> int:
 def nvml_gpus(name: str) -> list[dict]:
     """The box's GPUs in NVML order (PCI bus order) with what NVML reports about each."""
     box, out = BOXES[name], []
-    for parts, node, parent, numa in sorted(walk(box), key=lambda w: w[1]["bdf"]):
+    for _parts, node, parent, numa in sorted(walk(box), key=lambda w: w[1]["bdf"]):
         if "model" not in node:
             continue
         full, devid, memory, gen, width = MODELS[node["model"]]
@@ -258,7 +260,7 @@ class FakeNvml:
         if fault:
             raise getattr(pynvml, f"NVMLError_{fault}")()
         if not self.live and fn != "nvmlInit":
-            raise pynvml.NVMLError_Uninitialized()
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
 
     def nvmlInit(self):
         self._enter("nvmlInit")
@@ -275,7 +277,7 @@ class FakeNvml:
     def nvmlDeviceGetHandleByIndex(self, i):
         self._enter("nvmlDeviceGetHandleByIndex", i)
         if not 0 <= i < len(self.gpus):
-            raise pynvml.NVMLError_InvalidArgument()
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return Handle(i)
 
     def _get(self, fn, h, key):
@@ -322,15 +324,15 @@ class FakeNvml:
     def nvmlDeviceGetNvLinkState(self, h, link):
         self._enter("nvmlDeviceGetNvLinkState", h, link)
         if not self.nvlink_hw:
-            raise pynvml.NVMLError_NotSupported()
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
         if not 0 <= link < self.nvlink_hw:
-            raise pynvml.NVMLError_InvalidArgument()
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return int(link < len(self.links[h.index]))
 
     def nvmlDeviceGetNvLinkRemotePciInfo(self, h, link):
         self._enter("nvmlDeviceGetNvLinkRemotePciInfo", h, link)
         if link >= len(self.links[h.index]):
-            raise pynvml.NVMLError_NotSupported()
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return self.gpus[self.links[h.index][link]]["pci"]
 
     def nvmlDeviceGetP2PStatus(self, h1, h2, index):

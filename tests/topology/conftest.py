@@ -11,6 +11,7 @@ def _load_boxes():
     name = "topology_test_boxes"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("boxes.py"))
+        assert spec is not None and spec.loader is not None  # a .py path always has a source loader
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)

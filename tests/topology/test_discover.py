@@ -118,7 +118,7 @@ def _nvml_works() -> bool:
         pynvml.nvmlInit()
         pynvml.nvmlShutdown()
         return True
-    except Exception:  # no library, no driver: this is the skip condition, not an error
+    except Exception:  # noqa: BLE001  no library, no driver: this is the skip condition, not an error
         return False
 
 

@@ -12,6 +12,7 @@ from topology import PRESETS, Topology, TopologyError, cpu_standin, load_topolog
 from topology.layout import parse_bytes, topology_from_dict
 from topology.types import Measured, NvLink, Nvme, Switch
 
+
 def _full() -> Topology:
     """2+2 with every optional part filled in: nested switch, NVMe, NVLink, P2P, measurements, notes."""
     t = preset("2+2")

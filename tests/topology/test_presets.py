@@ -66,7 +66,8 @@ def test_pcie_only_presets_have_no_peer_to_peer(name):
 def test_nvlink_pairs():
     t = preset("2x2-nvlink")
     assert [(x.a, x.b, x.links) for x in t.nvlinks] == [(0, 1, 4), (2, 3, 4)]
-    assert t.nvlink(1, 0).gbps == pytest.approx(56.25) and t.nvlink(0, 2) is None
+    link = t.nvlink(1, 0)
+    assert link is not None and link.gbps == pytest.approx(56.25) and t.nvlink(0, 2) is None
     assert t.p2p[0] == ("X", "OK", "GNS", "GNS") and t.p2p[3] == ("GNS", "GNS", "OK", "X")
     assert t.p2p_ok(0, 1) and t.p2p_ok(3, 2) and not t.p2p_ok(1, 2) and not t.p2p_ok(0, 0)
 

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from topology import TopologyError, cpu_standin, preset
+from topology import Topology, TopologyError, cpu_standin, preset
 from topology import probe as probe_mod
 from topology.layout import topology_from_dict
 from topology.probe import NO_CUDA_NOTE, _cuda_devices, _fold_measured, probe
@@ -30,6 +30,12 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _measured(t: Topology) -> Measured:
+    """What probe() measured (it always fills Topology.measured)."""
+    assert t.measured is not None
+    return t.measured
+
+
 def test_importing_probe_does_not_import_torch():
     code = "import sys, topology.probe; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
@@ -38,7 +44,7 @@ def test_importing_probe_does_not_import_torch():
 
 def test_ssd_probe_measures_and_cleans_up(tmp_path):
     t = probe(cpu_standin(2, 2**30), tmp_path, **FAST)
-    m = t.measured
+    m = _measured(t)
     assert m.ssd_read_gbps > 0 and m.ssd_write_gbps > 0
     assert m.ssd_dir == str(tmp_path)
     assert list(tmp_path.iterdir()) == []
@@ -49,7 +55,7 @@ def test_ssd_probe_measures_and_cleans_up(tmp_path):
 
 
 def test_no_ssd_dir_skips_the_ssd():
-    m = probe(cpu_standin(1, 2**30), None, **FAST).measured
+    m = _measured(probe(cpu_standin(1, 2**30), None, **FAST))
     assert (m.ssd_read_gbps, m.ssd_write_gbps, m.ssd_dir) == (0.0, 0.0, "")
     assert any("ssd_dir" in n for n in m.notes)
 
@@ -109,7 +115,7 @@ def test_o_direct_refused_falls_back_to_buffered(tmp_path, monkeypatch):
         return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", fake_open)
-    m = probe(cpu_standin(1, 2**30), tmp_path, **FAST).measured
+    m = _measured(probe(cpu_standin(1, 2**30), tmp_path, **FAST))
     assert m.ssd_read_gbps > 0 and m.ssd_write_gbps > 0
     assert any("O_DIRECT" in n and "page cache" in n for n in m.notes)
     assert list(tmp_path.iterdir()) == []
@@ -203,7 +209,7 @@ def test_gpu_probe(tmp_path):
     n = torch.cuda.device_count()
     t = cpu_standin(n, 2**30)
     f = probe(t, None, **FAST)
-    m = f.measured
+    m = _measured(f)
     assert len(m.h2d_gbps) == n and all(v > 0 for v in m.h2d_gbps)
     assert len(m.h2d_group_gbps) == n and all(v > 0 for v in m.h2d_group_gbps)
     assert all(m.d2d_gbps[a][a] == 0 and all(v > 0 for b, v in enumerate(m.d2d_gbps[a]) if b != a)

@@ -85,7 +85,8 @@ def test_nvme_numa_and_memory(box, sysfs_box, boxes):
     scan = read_sysfs(sysfs_box(box))
     drives = [(d.bdf, d.name, d.root, ",".join(d.switches) or "-", f"{d.link_gen}x{d.link_width}", d.numa_node,
                d.model) for d in scan.devices if d.kind == "nvme"]
-    assert drives == [(_bdf(b), n, r, _bdf(s) or "-", link, numa, m) for b, n, r, s, link, numa, m in NVMES.get(box, [])]
+    assert drives == [(_bdf(b), n, r, _bdf(s) or "-", link, numa, m)
+                      for b, n, r, s, link, numa, m in NVMES.get(box, [])]
     assert scan.numa_cpus == {n: cpus for n, (cpus, _) in boxes.BOXES[box]["nodes"].items()}
     assert scan.host_memory_bytes == MEMORY_GIB[box] << 30
     assert scan.devices == tuple(sorted(scan.devices, key=lambda d: d.bdf))
