@@ -61,7 +61,7 @@ def optimizer(params):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--out", help="write losses.json and weights-rank{r}.pt here")
     args = p.parse_args()

@@ -9,6 +9,7 @@ its future plays the event. Both follow the same rule: issue the copy, then wait
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+
 import torch
 
 __all__ = ["Device", "CopyHandle"]
@@ -17,7 +18,7 @@ __all__ = ["Device", "CopyHandle"]
 class CopyHandle:
     """A copy in flight; wait() blocks until its result may be used by the compute stream."""
 
-    def __init__(self, future: Future | None = None, event: "torch.cuda.Event | None" = None):
+    def __init__(self, future: Future | None = None, event: torch.cuda.Event | None = None):
         self._future, self._event = future, event
 
     def wait(self) -> None:
@@ -48,13 +49,15 @@ class Device:
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:
         """dst.copy_(src) on the copy stream; the returned handle's wait() orders later compute after it."""
-        if self.is_cuda:
+        if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream())  # dst may have been in use until now
             with torch.cuda.stream(self._stream):
                 dst.copy_(src, non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(self._stream)
             return CopyHandle(event=ev)
+        if self._pool is None:
+            raise RuntimeError("Device has neither a CUDA copy stream nor a copy thread")
         return CopyHandle(future=self._pool.submit(dst.copy_, src))
 
     def synchronize(self) -> None:

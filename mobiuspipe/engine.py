@@ -151,8 +151,16 @@ class Engine:
             else:
                 out.backward(st.inbox.pop((Kind.RECV_GRAD, j, i)))
             if j > 0:
-                st.outbox[(Kind.SEND_GRAD, j, i)] = x.grad
+                st.outbox[(Kind.SEND_GRAD, j, i)] = self._input_grad(x, stage)
         st.times.compute_s += sw.s
+
+    @staticmethod
+    def _input_grad(x: torch.Tensor, stage: Stage) -> torch.Tensor:
+        if x.grad is None:
+            raise PipelineError(f"stage {stage.index} (layers {stage.order[0]}..{stage.order[-1]}) got no gradient "
+                                f"for its input: its output does not depend on its input, so the pipeline cannot "
+                                f"cut there; re-plan so that those layers join a neighbouring stage")
+        return x.grad
 
     def _loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The microbatch's share of the step's loss: loss_fn(out, y) / num_microbatches."""

@@ -31,13 +31,18 @@ from mobiuspipe.engine import Engine, LossFn, StepTimes
 from mobiuspipe.errors import PipelineError
 from mobiuspipe.memory.arena import DeviceArena
 from mobiuspipe.optim import CPUAdam
-from mobiuspipe.pipeline_plan import (PlanSource, check_layers, check_world, plan_from_profile, read_plan,
-                                      same_plan_everywhere)
+from mobiuspipe.pipeline_plan import (
+    PlanSource,
+    check_layers,
+    check_world,
+    plan_from_profile,
+    read_plan,
+    same_plan_everywhere,
+)
 from mobiuspipe.ranks import join_group, leave_group, rank_info
 from mobiuspipe.schedule import build_schedule, check_schedules
 from mobiuspipe.stage import Stage
 from partition.costmodel import ARENA_SLOTS
-from partition.plan import Plan
 from topology import Topology
 
 __all__ = ["Pipeline", "StepResult"]
@@ -78,15 +83,15 @@ class Pipeline:
         """
         makers = _factories(layers)
         self.info = rank_info()
-        if plan is None and sample is None:
-            raise PipelineError("a Pipeline needs a plan (a Plan or a plan file) or a sample batch (x, y) to "
-                                "profile its layers and plan from: pass plan=... or sample=(x, y)")
         given = None if plan is None else read_plan(plan)
         if given is not None:
             check_world(given, self.info)  # before any process starts waiting for the others
         self._owns_group = join_group(self.info, comm_timeout_s)
         try:
             if given is None:
+                if sample is None:
+                    raise PipelineError("a Pipeline needs a plan (a Plan or a plan file) or a sample batch (x, y) "
+                                        "to profile its layers and plan from: pass plan=... or sample=(x, y)")
                 self.plan = plan_from_profile(makers, loss_fn, sample, self.info, num_microbatches=num_microbatches
                                               or 4, num_stages=num_stages, mapping=mapping, topology=topology)
             else:

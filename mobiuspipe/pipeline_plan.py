@@ -94,20 +94,23 @@ def plan_from_profile(layers: list[Callable[[], nn.Module]], loss_fn, sample: tu
         try:
             result[0] = _measure_and_plan(layers, loss_fn, sample, info, num_microbatches, num_stages, mapping,
                                           topology)
-        except Exception as e:  # handed to the other ranks below, then raised here too
+        except Exception as e:  # noqa: BLE001 - handed to the other ranks below, then raised here too
             result[0] = e if _picklable(e) else PipelineError(f"rank 0 could not plan: {type(e).__name__}: {e}")
     if info.world_size > 1:
         dist.broadcast_object_list(result, src=0)
-    if isinstance(result[0], Exception):
-        raise result[0]
-    return Plan.from_dict(result[0])
+    payload = result[0]
+    if isinstance(payload, Exception):
+        raise payload
+    if not isinstance(payload, dict):
+        raise RuntimeError(f"rank {info.rank}: rank 0 sent {type(payload).__name__} instead of a plan")
+    return Plan.from_dict(payload)
 
 
 def _picklable(e: Exception) -> bool:
     try:
         pickle.loads(pickle.dumps(e))
         return True
-    except Exception:  # any failure to round-trip means: send a plain PipelineError instead
+    except Exception:  # noqa: BLE001 - any failure to round-trip: send a plain PipelineError instead
         return False
 
 

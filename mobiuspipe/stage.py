@@ -53,7 +53,8 @@ class Stage:
         self.nbytes = self.numel * 4
         flat = [p.detach().reshape(-1).float() for l in self.order for _, p in layers[l].named_parameters()]
         self.master = nn.Parameter(device.pin(torch.cat(flat) if flat else torch.zeros(0)))
-        self.master.grad = device.pin(torch.zeros_like(self.master.data))
+        self.master_grad = device.pin(torch.zeros_like(self.master.data))
+        self.master.grad = self.master_grad
         self.optimizer = make_optimizer([self.master])
         self.buffers = {l: {n: b.to(device.torch_device) for n, b in layers[l].named_buffers()} for l in self.order}
         self._persistent = {l: _persistent_buffer_names(layers[l]) for l in self.order}
@@ -72,7 +73,7 @@ class Stage:
         self.loading = device.copy_async(self.weights.view(torch.float32, self.numel), self.master.data)
 
     def release(self, arena: DeviceArena) -> None:
-        arena.release(self.weights)
+        arena.release(_held(self.weights, self.index, "weights"))
         self.weights, self._leaves = None, []
 
     def wait_loaded(self) -> None:
@@ -86,7 +87,7 @@ class Stage:
         self.grads = arena.acquire(self.nbytes, f"stage {self.index} gradients")
         gflat = self.grads.view(torch.float32, self.numel)
         gflat.zero_()
-        wflat = self.weights.view(torch.float32, self.numel)
+        wflat = _held(self.weights, self.index, "weights").view(torch.float32, self.numel)
         self._leaves = []
         for p in self.params:
             w = p.of(wflat).detach().requires_grad_(True)
@@ -95,8 +96,9 @@ class Stage:
 
     def offload_and_update(self, arena: DeviceArena, updater: Executor) -> None:
         """Copy the accumulated gradients to host, free their slot, and start the host update on `updater`."""
-        self.master.grad.copy_(self.grads.view(torch.float32, self.numel))
-        arena.release(self.grads)
+        grads = _held(self.grads, self.index, "gradients")
+        self.master_grad.copy_(grads.view(torch.float32, self.numel))
+        arena.release(grads)
         self.grads, self._leaves = None, []
         self.updating = updater.submit(self.optimizer.step)
 
@@ -111,7 +113,7 @@ class Stage:
         if with_grad:
             weights = self._leaves
         else:
-            wflat = self.weights.view(torch.float32, self.numel)
+            wflat = _held(self.weights, self.index, "weights").view(torch.float32, self.numel)
             weights = [p.of(wflat) for p in self.params]
         out = {l: dict(self.buffers[l]) for l in self.order}
         for p, t in zip(self.params, weights):
@@ -132,6 +134,14 @@ class Stage:
             out.update({f"{l}.{n}": b.detach().to("cpu", copy=True) for n, b in self.buffers[l].items()
                         if n in self._persistent[l]})
         return out
+
+
+def _held(slot: Slot | None, j: int, what: str) -> Slot:
+    """The slot a stage holds; a missing one is a schedule bug (the checker should have refused it)."""
+    if slot is None:
+        raise RuntimeError(f"stage {j} has no {what} in the arena here: the schedule runs it before its LOAD "
+                           f"(or backward) action; this is a bug in the schedule builder")
+    return slot
 
 
 def _param_slices(layers: dict[int, nn.Module], order: list[int]) -> list[ParamSlice]:

@@ -90,7 +90,7 @@ def _save_weights(pipe: Pipeline, folder: Path) -> None:
 
 @record
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="mobiuspipe.train", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="mobiuspipe.train", description=(__doc__ or "").partition("\n")[0])
     p.add_argument("--config", required=True, help="YAML run config (see examples/tiny-gpt.yaml)")
     args = p.parse_args(argv)
     try:

@@ -30,7 +30,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mobiuspipe", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="mobiuspipe", description=(__doc__ or "").partition("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in SUBCOMMANDS:
         command.register(sub)

@@ -45,7 +45,9 @@ class DeviceArena:
         """Slot i of the buffer as its own tensor: same memory, but its own autograd version counter, so a
         copy into one slot does not look like an in-place change of the weights another slot holds."""
         t = torch.empty(0, dtype=torch.uint8, device=self.buffer.device)
-        return t.set_(self.buffer.untyped_storage(), i * self.slot_bytes, (self.slot_bytes,))
+        storage = self.buffer.untyped_storage()
+        # torch's stubs list set_(Storage, offset, size) but not the UntypedStorage overload it accepts
+        return t.set_(storage, i * self.slot_bytes, (self.slot_bytes,))  # pyright: ignore[reportCallIssue]
 
     def acquire(self, nbytes: int, what: str) -> Slot:
         """A free slot holding nbytes of `what`; ArenaError if it cannot (with the numbers)."""

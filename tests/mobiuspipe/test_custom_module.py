@@ -26,6 +26,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_module.py"
 
 def _example():
     spec = importlib.util.spec_from_file_location("custom_module_example", EXAMPLE)
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -136,7 +137,7 @@ def test_mistakes_are_named():
     with pytest.raises(PlanInfeasibleError, match="GiB"):  # stand-ins of 128 bytes each
         Pipeline(layers(), F.mse_loss, sample=(x, y), num_microbatches=2, topology=cpu_standin(1, 128))
     with pytest.raises(PipelineError, match="layer 1 is a str"):
-        Pipeline([nn.Linear(4, 4), "head"], F.mse_loss, sample=(x, y))
+        Pipeline([nn.Linear(4, 4), "head"], F.mse_loss, sample=(x, y))  # pyright: ignore[reportArgumentType]
     with Pipeline(layers(), F.mse_loss, sample=(x, y), num_microbatches=2, num_stages=2) as pipe:
         with pytest.raises(PipelineError, match=r"a batch needs 4 rows .* found inputs of shape \(3, 4\)"):
             pipe.train_batch(x[:3], y[:3])
