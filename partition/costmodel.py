@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from partition.profile import Profile
 
@@ -55,8 +56,8 @@ class LayerArrays:
     N: np.ndarray  # prefix sums of parameter counts
 
     @classmethod
-    def of(cls, profile: Profile) -> "LayerArrays":
-        def pre(vals: list[float], dtype=np.float64) -> np.ndarray:
+    def of(cls, profile: Profile) -> LayerArrays:
+        def pre(vals: list[float], dtype: DTypeLike = np.float64) -> np.ndarray:
             return np.concatenate([[0], np.cumsum(np.asarray(vals, dtype=dtype))])
 
         ls = profile.layers

@@ -102,7 +102,7 @@ def solve_stage_count(profile: Profile, mapping: list[int], m: int, data: StageD
         horizon, values = aggregate_times(stage_times(profile, start_cuts, data), mapping, m)
         horizon *= 1 + 1e-9
     model, layout = build_mip(profile, mapping, m, data, memory_bytes, horizon)
-    if horizon < INF:
+    if start_cuts is not None and horizon < INF:
         slot = max(sum(x.param_bytes for x in profile.layers[a:b]) for a, b in zip(start_cuts, start_cuts[1:]))
         start = start_of(layout, start_cuts, model, values, slot / GIB, horizon)
     res = _solve(model, solver, time_limit_s, gap, start)

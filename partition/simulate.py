@@ -195,7 +195,7 @@ class TaskGraph:
             t = min(self._timers[0][0] if self._timers else math.inf, self.net.next_end() if self.net else math.inf)
             if t == math.inf:
                 break
-            ended = [(fid[0], fid) for fid in self.net.advance(t)] if self.net else []
+            ended = [(_task_of(fid), fid) for fid in self.net.advance(t)] if self.net else []
             while self._timers and self._timers[0][0] <= t:
                 ended.append((heapq.heappop(self._timers)[2], None))
             for k, fid in ended:
@@ -228,6 +228,13 @@ class TaskGraph:
             dur = 0.0
         self._seq += 1
         heapq.heappush(self._timers, (now + dur, self._seq, k))
+
+
+def _task_of(fid: Hashable) -> Hashable:
+    """The task a flow belongs to: flows are named (task key, flow number) by TaskGraph."""
+    if not isinstance(fid, tuple):
+        raise TypeError(f"flow id {fid!r} is not a (task, number) pair")
+    return fid[0]
 
 
 def link_paths(topo: Topology) -> tuple[dict[Link, float], dict[tuple[int, str], tuple[Link, ...]]]:

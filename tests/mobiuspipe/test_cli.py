@@ -26,7 +26,7 @@ def run(argv: list[str]) -> tuple[int, str, str]:
         try:
             code = cli.main(argv)
         except SystemExit as e:
-            code = e.code
+            code = e.code if isinstance(e.code, int) else 1
     return code, out.getvalue(), err.getvalue()
 
 

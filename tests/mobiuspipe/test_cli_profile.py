@@ -28,7 +28,7 @@ def run(argv: list[str]) -> tuple[int, str, str]:
             args = parser.parse_args(argv)
             code = args.func(args, sys.stdout)
         except SystemExit as e:
-            code = e.code
+            code = e.code if isinstance(e.code, int) else 1
         except user_errors() as e:
             print(f"mobiuspipe: error: {e}", file=err)
             code = 2

@@ -17,7 +17,7 @@ def run(capsys, argv: list[str]) -> tuple[int, str, str]:
     try:
         code = cli.main(argv)
     except SystemExit as e:
-        code = e.code
+        code = e.code if isinstance(e.code, int) else 1
     out, err = capsys.readouterr()
     return code, out, err
 

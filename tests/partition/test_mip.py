@@ -40,7 +40,7 @@ def test_mip_equals_enumeration(seed):
         if best_cuts is None:
             assert sol.cuts is None and sol.result.status == "infeasible", (solver, sol.result)
             continue
-        assert sol.result.status == "optimal", (solver, sol.result)
+        assert sol.result.status == "optimal" and sol.cuts is not None, (solver, sol.result)
         got = aggregate_step(stage_times(prof, sol.cuts, data), mapping, m)
         assert got == pytest.approx(best, rel=1e-7), (solver, sol.cuts, best_cuts)
         assert sol.result.objective == pytest.approx(best, rel=1e-6)
@@ -108,6 +108,7 @@ def test_mip_and_dp_agree_where_the_step_is_the_bottleneck(seed):
     dp = solve_dp(LayerArrays.of(prof), 2**30, m, 10.0, [n])[n]
     mip = solve_stage_count(prof, mapping, m, data, 2**30, None, solver="highs", time_limit_s=20, gap=1e-9)
     t_dp = aggregate_step(stage_times(prof, list(dp.cuts), data), mapping, m)
+    assert mip.cuts is not None
     t_mip = aggregate_step(stage_times(prof, mip.cuts, data), mapping, m)
     assert t_mip == pytest.approx(t_dp, rel=1e-9)
     if m > 1:  # with one microbatch every cut takes the same time; otherwise both minimize the largest stage

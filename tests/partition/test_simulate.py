@@ -353,7 +353,7 @@ def test_directions_do_not_contend():
     net.start("in", 8e9, (("rc0", "h2d"),))
     net.start("out", 8e9, (("rc0", "d2h"),))
     assert net.rate_gbps("in") == net.rate_gbps("out") == 16.0
-    assert net.next_end() == 0.5 and sorted(net.advance(0.5)) == ["in", "out"]
+    assert net.next_end() == 0.5 and sorted(map(str, net.advance(0.5))) == ["in", "out"]
 
 
 def test_flows_equal_static_when_nothing_is_shared():

@@ -74,7 +74,7 @@ def test_svg_is_well_formed_with_a_rect_per_event(tmp_path: Path):
     assert len(rects) >= len(result.events)
     texts = [t.text for t in root.iter(f"{SVG}text")]
     assert "four stages <on> two gpus" in texts and "time (ms)" in texts
-    assert all(float(r.get("width")) > 0 for r in rects)
+    assert all(float(r.get("width") or 0) > 0 for r in rects)
 
 
 def test_svg_of_an_empty_step(tmp_path: Path):
