@@ -82,7 +82,7 @@ def _solve(model: MipModel, solver: str, time_limit_s: float, gap: float, start)
     if solver in ("gurobi", "auto") and fits_license(model):
         try:
             return solve_gurobi(model, time_limit_s, gap, start)
-        except Exception as e:  # a license that expired or changed since the probe: fall back, and say why
+        except Exception as e:  # noqa: BLE001 - a license that expired or changed since the probe: fall back, and say why
             why = f"gurobi failed ({str(e).splitlines()[0]}), solved by HiGHS"
     elif solver == "gurobi":
         why = (f"gurobi's license does not admit {model.num_vars} variables x {model.num_rows} rows "

@@ -351,7 +351,7 @@ def _events(tasks: dict, stages: list[SimStage]) -> list[tuple[str, int, int, in
 def _host_updates(offloads: list, stages: list[SimStage]) -> list[tuple[str, int, int, int, float, float]]:
     """One Adam at a time on the host, in the order the gradients arrived."""
     free, out = 0.0, []
-    for _, g, j, _, start, stop in sorted(offloads, key=lambda e: (e[5], e[4], e[1], e[2])):
+    for _, g, j, _, _start, stop in sorted(offloads, key=lambda e: (e[5], e[4], e[1], e[2])):
         t0 = max(free, stop)
         free = t0 + stages[j].update_s
         out.append(("update", g, j, -1, t0, free))

@@ -82,7 +82,7 @@ def _nvml() -> dict:
             count = pynvml.nvmlDeviceGetCount()
         finally:
             pynvml.nvmlShutdown()
-    except Exception as e:  # NVML raises one class per failure cause; report which, never crash `env`
+    except Exception as e:  # noqa: BLE001 - NVML raises one class per failure cause; report which, never crash `env`
         return {"ok": False, "error": type(e).__name__, "message": str(e)}
     return {"ok": True, "driver_version": driver.decode() if isinstance(driver, bytes) else driver,
             "device_count": count}

@@ -106,7 +106,8 @@ def plan_to_json(plan: Plan) -> dict:
     return {
         "model": plan.model, "topology": plan.topology, "num_layers": plan.num_layers, "num_gpus": plan.num_gpus,
         "num_stages": plan.num_stages, "num_microbatches": plan.num_microbatches,
-        "microbatch_size": plan.microbatch_size, "dtype": plan.dtype, "mapping": plan.mapping_rule, "mapping_score": plan.mapping_score,
+        "microbatch_size": plan.microbatch_size, "dtype": plan.dtype, "mapping": plan.mapping_rule,
+        "mapping_score": plan.mapping_score,
         "stages": _stage_json(plan), "predicted_step_time_s": plan.predicted_step_time_s,
         "slot_bytes": plan.slot_bytes, "arena_bytes": plan.arena_bytes, "activation_bytes": plan.activation_bytes,
         "gpu_memory_bytes": plan.gpu_memory_bytes,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 from mobiuspipe.cli._common import CliError, write_output
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace, out) -> int:
                               ("SVG timeline", args.svg, lambda p: svg_timeline(sim, topo.num_gpus, Path(p), title)),
                               ("PNG timeline", args.png, lambda p: png_timeline(sim, topo.num_gpus, Path(p), title))):
         if path:
-            write_output(what, path, lambda: write(path))
+            write_output(what, path, partial(write, path))
             notes.append(f"{what} written to {path}")
     if args.json:
         out.write(json.dumps(simulate_json(plan, topo, sim), indent=2) + "\n")

@@ -156,7 +156,9 @@ def test_prefetch_waits_for_slot_release():
 
 
 def _random_stages(rng, num_gpus, mapping):
-    q = lambda: float(rng.integers(1, 16)) / 4  # dyadic
+    def q():
+        return float(rng.integers(1, 16)) / 4  # dyadic
+
     return [_st(g, q(), q(), q(), q() / 2, q() / 4, q() / 2) for g in mapping]
 
 
