@@ -47,7 +47,7 @@ def test_foundation_is_the_bottom_layer():
 
 
 LOADED = {  # a package's modules, and the top-level packages importing them must not load
-    "foundation": ("foundation, foundation.errors, foundation.units, foundation.timing",
+    "foundation": ("foundation, foundation.errors, foundation.loader, foundation.units, foundation.timing",
                    {"topology", "partition", "mobiuspipe", "torch"}),
     "topology": ("topology, topology.report, topology.report_svg, topology.layout, topology.presets, "
                  "topology.discover, topology.sysfs, topology.nvml, topology.probe, topology.pci",
