@@ -8,20 +8,11 @@ import shlex
 import subprocess
 import sys
 
+from foundation.errors import UserError
 from mobiuspipe.cli_args import CliError, non_negative_float, positive_int
 from mobiuspipe.cli_partition import run_partition
 
-__all__ = ["main", "build_parser", "user_errors"]
-
-
-def user_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions a user can fix: one line on stderr and exit code 2 instead of a traceback."""
-    from mobiuspipe.train import USER_ERRORS  # imports torch: only paid when something failed
-    from partition.errors import UnknownModelError
-    from partition.hf import ModelConfigError
-    from partition.profile import ProfileFileError
-
-    return (*USER_ERRORS, UnknownModelError, ModelConfigError, ProfileFileError, CliError)
+__all__ = ["main", "build_parser"]
 
 
 def cmd_env(args: argparse.Namespace) -> int:
@@ -173,9 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except Exception as e:
-        if not isinstance(e, user_errors()):
-            raise  # a bug: keep the traceback
+    except UserError as e:  # anything else is a bug: keep the traceback
         print(f"mobiuspipe: error: {e}", file=sys.stderr, flush=True)
         return 2
 

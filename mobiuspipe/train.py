@@ -19,12 +19,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from foundation.errors import UserError
 from mobiuspipe.comm import Comm
 from mobiuspipe.config import RunConfig, load_config
 from mobiuspipe.dataset import ByteData
 from mobiuspipe.device import Device
 from mobiuspipe.engine import Engine
-from mobiuspipe.errors import ArenaError, ConfigError, PeerLostError, WorldSizeError
+from mobiuspipe.errors import WorldSizeError
 from mobiuspipe.memory.arena import DeviceArena
 from mobiuspipe.metrics import Reporter, StepMetrics
 from mobiuspipe.optim import CPUAdam
@@ -34,14 +35,9 @@ from mobiuspipe.schedule import build_schedule, check_schedules
 from mobiuspipe.stage import Stage
 from mobiuspipe.units import fmt_bytes
 from partition.costmodel import ARENA_SLOTS
-from partition.errors import PlanFileError, PlanInfeasibleError
 from partition.plan import Plan, save_plan
-from topology import TopologyError
 
-__all__ = ["main", "USER_ERRORS"]
-
-USER_ERRORS = (ConfigError, PlanFileError, PlanInfeasibleError, TopologyError, WorldSizeError, PeerLostError,
-               ArenaError)
+__all__ = ["main"]
 
 
 def _rank_env() -> tuple[int, int, int]:
@@ -165,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         train(load_config(args.config))
-    except USER_ERRORS as e:
+    except UserError as e:
         print(f"mobiuspipe.train: error: {e}", file=sys.stderr, flush=True)
         return 2
     return 0

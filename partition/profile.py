@@ -20,14 +20,11 @@ import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from partition.errors import ProfileFileError
 from partition.files import read_data, write_data
 
 __all__ = ["LayerProfile", "Profile", "ProfileFileError", "compress", "expand", "load_profile", "runs_to_list",
            "profile_from_file_dict", "save_profile"]
-
-
-class ProfileFileError(ValueError):
-    """A profile file is unreadable or malformed; the message names the file and the key."""
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mobiuspipe.cli import user_errors
+from foundation.errors import UserError
 from mobiuspipe.cli_profile import register
 from partition.models import MODELS
 from partition.profile import load_profile
@@ -28,7 +28,7 @@ def run(argv: list[str]) -> tuple[int, str, str]:
             code = args.func(args)
         except SystemExit as e:
             code = e.code
-        except user_errors() as e:
+        except UserError as e:
             print(f"mobiuspipe: error: {e}", file=err)
             code = 2
     return code, out.getvalue(), err.getvalue()
