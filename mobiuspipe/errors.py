@@ -1,10 +1,15 @@
 """The project's exception classes: each names what was expected, what was found and the fix."""
 
 from foundation.errors import UserError
+from foundation.loader import InvalidValues
 
 
 class ConfigError(UserError, ValueError):
     """A config file or dict is unreadable, has an unknown key, a wrong type or an impossible value."""
+
+
+class InvalidConfig(InvalidValues, ConfigError):
+    """A config section was made with values of the wrong type or impossible values (`problems` lists them)."""
 
 
 class ArenaError(UserError, RuntimeError):

@@ -35,9 +35,12 @@ def _main(argv: list[str]) -> tuple[int, str]:
 
 def test_cli_prints_a_user_error_as_one_line_and_exits_2(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text("train:\n  steps: 0\n")
+    path.write_text("train:\n  lrr: 1\n  steps: 0\nplan:\n  num_gpus: 0\n  num_gpus: 1\n")
     code, err = _main(["train", "--config", str(path)])
     assert code == 2 and err.count("\n") == 1 and err.startswith("mobiuspipe: error: config ")
+    path.write_text("train:\n  lrr: 1\n  steps: 0\n")
+    code, err = _main(["train", "--config", str(path)])
+    assert code == 2 and err.count("\n") == 1 and "2 errors: (1) train.lrr" in err and "(2) train.steps" in err
 
 
 def test_cli_keeps_the_traceback_of_a_bug(monkeypatch):
@@ -53,7 +56,7 @@ def test_torchrun_entry_prints_a_user_error_as_one_line_and_exits_2(tmp_path, ca
     from mobiuspipe import train
 
     path = tmp_path / "run.yaml"
-    path.write_text("model:\n  d_model: 66\n")
+    path.write_text("model:\n  d_model: 66\ndata:\n  batch_size: 0\n")
     assert train.main(["--config", str(path)]) == 2
     err = capfd.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("mobiuspipe.train: error: config ")
+    assert err.count("\n") == 1 and err.startswith("mobiuspipe.train: error: config ") and "2 errors" in err
