@@ -1,8 +1,10 @@
 """Errors raised by the partition package; each is a UserError (the CLI prints it as one line, exit 2)."""
 
 from foundation.errors import UserError
+from foundation.loader import InvalidValues
 
-__all__ = ["PlanInfeasibleError", "UnknownModelError", "PlanFileError", "ProfileFileError"]
+__all__ = ["PlanInfeasibleError", "UnknownModelError", "PlanFileError", "InvalidPlan", "ProfileFileError",
+           "InvalidProfile"]
 
 
 class PlanInfeasibleError(UserError, ValueError):
@@ -20,5 +22,13 @@ class PlanFileError(UserError, ValueError):
     """A plan file is malformed (wrong key, wrong type, inconsistent stages)."""
 
 
+class InvalidPlan(InvalidValues, PlanFileError):
+    """A plan (or a stage of one) was made with values of the wrong type or inconsistent values."""
+
+
 class ProfileFileError(UserError, ValueError):
     """A profile file is unreadable or malformed; the message names the file and the key."""
+
+
+class InvalidProfile(InvalidValues, ProfileFileError):
+    """A profile (or a layer of one) was made with values of the wrong type or impossible values."""

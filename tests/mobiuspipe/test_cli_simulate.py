@@ -135,7 +135,7 @@ def test_plan_for_cpu_standins(tmp_path):
 
 
 def test_missing_plan_file(tmp_path):
-    with pytest.raises(PlanFileError, match="cannot read plan file"):
+    with pytest.raises(PlanFileError, match=r"plan .*none\.yaml: file not found"):
         run(["simulate", "--plan", str(tmp_path / "none.yaml")])
     with pytest.raises(SystemExit):
         parser().parse_args(["simulate"])  # --plan is required
