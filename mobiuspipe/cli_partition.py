@@ -6,8 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from foundation.units import GiB, fmt_bytes
 from mobiuspipe.cli_args import CliError, write_output
-from mobiuspipe.units import fmt_bytes
 from partition.analytic import analytic_profile
 from partition.hardware import device_spec
 from partition.models import get_model
@@ -19,8 +19,6 @@ from partition.trace import ascii_timeline, svg_timeline
 from topology import Topology, load_topology
 
 __all__ = ["run_partition", "plan_to_json", "render_plan"]
-
-GiB = 1024**3
 
 
 def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
@@ -96,7 +94,6 @@ def _header(plan: Plan) -> list[str]:
 
 
 _COLUMNS = ("j", "layers", "#layers", "gpu", "params", "activations", "fwd ms/mb", "bwd ms/mb", "load ms")
-
 
 
 def _table(plan: Plan) -> list[str]:

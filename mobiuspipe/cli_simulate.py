@@ -7,8 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from foundation.units import fmt_bytes
 from mobiuspipe.cli_args import CliError, write_output
-from mobiuspipe.units import fmt_bytes
 from partition.baselines import BaselineResult, gpipe, predict, sequential_mapping, zero_offload
 from partition.plan import Plan, load_plan
 from partition.planner import host_adam_rate

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from foundation.units import MiB
 from mobiuspipe.config import RunConfig
 from mobiuspipe.errors import ConfigError
 from partition.analytic import analytic_profile
@@ -15,8 +16,6 @@ from partition.planner import make_plan
 from topology import Topology, cpu_standin
 
 __all__ = ["model_spec", "plan_for_run", "plan_at_start", "run_topology", "run_profile"]
-
-MiB = 1024**2
 
 
 def model_spec(cfg: RunConfig) -> ModelSpec:

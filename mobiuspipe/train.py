@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from foundation.errors import UserError
+from foundation.units import fmt_bytes
 from mobiuspipe.comm import Comm
 from mobiuspipe.config import RunConfig, load_config
 from mobiuspipe.dataset import ByteData
@@ -33,7 +34,6 @@ from mobiuspipe.models.gpt import build_layers
 from mobiuspipe.planning import model_spec, plan_for_run
 from mobiuspipe.schedule import build_schedule, check_schedules
 from mobiuspipe.stage import Stage
-from mobiuspipe.units import fmt_bytes
 from partition.costmodel import ARENA_SLOTS
 from partition.plan import Plan, save_plan
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from foundation.units import GiB
 from partition.costmodel import ARENA_SLOTS, LayerArrays
 from partition.dp import solve_dp
 from partition.errors import PlanInfeasibleError
@@ -25,8 +26,6 @@ def host_adam_rate(topo: Topology) -> float:
     """The topology's measured host Adam rate, else HOST_ADAM_PARAMS_PER_S."""
     m = topo.measured
     return m.host_adam_params_per_s if m and m.host_adam_params_per_s > 0 else HOST_ADAM_PARAMS_PER_S
-
-GiB = 1024**3
 
 
 def make_plan(profile: Profile, topo: Topology, microbatches: int, *, num_stages: int | None = None,

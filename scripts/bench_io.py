@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from benchlib import MIB, cpu_mark, cpu_model, fio_gbps, markdown_table, other_share
+from benchlib import cpu_mark, cpu_model, fio_gbps, markdown_table, other_share
+from foundation.units import MiB
 from mobiuspipe import _ext
 from mobiuspipe.memory.aio import IOEngine, aligned_empty
 from mobiuspipe.memory.ssd_store import SSDStore
@@ -43,7 +44,7 @@ def _fresh(path: Path, nbytes: int) -> int:
 def engine_contestant(backend: str, qd: int, register: list[torch.Tensor] | None = None):
     """(write_s, read_s) of one round of IOEngine(backend): one request of the whole buffer each way;
     with `register`, those buffers are io_uring registered buffers (as the out-of-core optimizer's slots)."""
-    io = IOEngine(backend, qd, MIB)
+    io = IOEngine(backend, qd, MiB)
     fixed = ""
     if register is not None:
         why = io.register(register)
@@ -69,7 +70,7 @@ def engine_contestant(backend: str, qd: int, register: list[torch.Tensor] | None
 
 def store_contestant(folder: Path, qd: int):
     """(write_s, read_s) of SSDStore.put (CRC-32C, allocation, fsync by flush) and SSDStore.get (CRC check)."""
-    store = SSDStore(folder / "store", queue_depth=qd, block_bytes=MIB)
+    store = SSDStore(folder / "store", queue_depth=qd, block_bytes=MiB)
 
     def run(path: Path, buf: torch.Tensor, back: torch.Tensor) -> tuple[float, float]:
         if "t" in store:
@@ -94,7 +95,7 @@ def deepspeed_contestant(qd: int, overlap: bool):
     except Exception as exc:  # not installed, or its op does not build here
         print(f"# DeepSpeed AIO not measured: {type(exc).__name__}: {exc}", file=sys.stderr)
         return None
-    h = aio.aio_handle(MIB, qd, False, overlap, 1)
+    h = aio.aio_handle(MiB, qd, False, overlap, 1)
     bufs: dict[int, torch.Tensor] = {}
 
     def run(path: Path, buf: torch.Tensor, back: torch.Tensor) -> tuple[float, float]:
@@ -124,11 +125,11 @@ def fio_contestant(engine: str, qd: int, extra: tuple[str, ...] = ()):
     """fio's own bandwidth figures (bw_bytes) for a sequential write (end_fsync) then read."""
     def one(path: Path, size_mb: int, rw: str) -> float:  # seconds, from fio's own rate
         options = [f"--ioengine={engine}", f"--iodepth={qd}", *extra] + (["--end_fsync=1"] if rw == "write" else [])
-        return size_mb * MIB / (fio_gbps(path, rw, size_mb, options) * 1e9)
+        return size_mb * MiB / (fio_gbps(path, rw, size_mb, options) * 1e9)
 
     def run(path: Path, buf: torch.Tensor, back: torch.Tensor) -> tuple[float, float]:
         path.unlink(missing_ok=True)
-        size_mb = buf.numel() // MIB
+        size_mb = buf.numel() // MiB
         return one(path, size_mb, "write"), one(path, size_mb, "read")
 
     return f"fio ({engine}, iodepth {qd}{''.join(' ' + e for e in extra)})", run
@@ -145,7 +146,7 @@ def main() -> None:
         raise SystemExit(f"the C++ extension is not built ({_ext.WHY_NOT}); run scripts/setup.sh")
     work = Path(args.dir).resolve() / f".bench-io-{os.getpid()}"
     work.mkdir()
-    qd, nbytes = args.queue_depth, args.size_mb * MIB
+    qd, nbytes = args.queue_depth, args.size_mb * MiB
     buf = aligned_empty(nbytes)
     buf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
     back = aligned_empty(nbytes)

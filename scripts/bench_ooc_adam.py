@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from benchlib import MIB, cpu_mark, cpu_model, fio_gbps, markdown_table, other_share
+from benchlib import cpu_mark, cpu_model, fio_gbps, markdown_table, other_share
+from foundation.units import MiB
 from mobiuspipe import _ext
 from mobiuspipe.memory.ssd_store import SSDStore
 from mobiuspipe.optim import CPUAdam
@@ -63,7 +64,7 @@ def run(args, work: Path) -> None:
     grads = {"w": (torch.randn(n, generator=gen) * 1e-3).bfloat16()}
     outs = {"w": torch.empty(n, dtype=torch.bfloat16)}
     store = SSDStore(work / "store")
-    opt = OutOfCoreAdam.create(store, params, host_budget_bytes=args.budget_mb * MIB)
+    opt = OutOfCoreAdam.create(store, params, host_budget_bytes=args.budget_mb * MiB)
     mem_p = torch.nn.Parameter(params["w"].clone())
     mem = CPUAdam([mem_p])
     fio_file = work / "fio.bin"

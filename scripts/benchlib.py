@@ -9,10 +9,9 @@ import subprocess
 import time
 from pathlib import Path
 
+from foundation.units import MiB
+
 __all__ = ["cpu_model", "markdown_table", "cpu_mark", "other_share", "fio_gbps"]
-
-MIB = 1 << 20
-
 
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo (platform.processor() where it is missing)."""
@@ -71,7 +70,7 @@ def fio_gbps(path: Path, rw: str, size_mb: int, options: list[str]) -> float:
     if out.returncode != 0 or "{" not in out.stdout:
         raise RuntimeError(f"{' '.join(cmd)} failed (exit {out.returncode}): {out.stderr.strip()[-500:]}")
     job = json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0]
-    if job["error"] or job[rw]["io_bytes"] != size_mb * MIB:
-        raise RuntimeError(f"fio {rw}: expected {size_mb * MIB} bytes moved without error, found "
+    if job["error"] or job[rw]["io_bytes"] != size_mb * MiB:
+        raise RuntimeError(f"fio {rw}: expected {size_mb * MiB} bytes moved without error, found "
                            f"{job[rw]['io_bytes']} bytes, error {job['error']}")
     return job[rw]["bw_bytes"] / 1e9

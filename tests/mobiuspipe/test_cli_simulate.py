@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from foundation.units import GiB
 from mobiuspipe.cli_args import CliError
 from mobiuspipe.cli_simulate import compare, compare_json, compare_text, register
 from partition.analytic import analytic_profile
@@ -21,8 +22,6 @@ from partition.models import get_model
 from partition.plan import save_plan
 from partition.planner import make_plan
 from topology import cpu_standin, preset, save_topology
-
-GiB = 1024**3
 
 
 def parser() -> argparse.ArgumentParser:

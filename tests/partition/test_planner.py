@@ -6,6 +6,7 @@ import time
 import numpy as np
 import pytest
 
+from foundation.units import GiB
 from partition.analytic import analytic_profile
 from partition.costmodel import ARENA_SLOTS, LayerArrays
 from partition.dp import solve_dp
@@ -18,7 +19,6 @@ from partition.profile import LayerProfile, Profile
 from partition.simulate import simulate
 from topology.presets import cpu_standin, preset
 
-GiB = 1024**3
 TI = device_spec("NVIDIA GeForce RTX 3090 Ti")
 SMALL = ModelSpec("small", num_blocks=9, d_model=64, num_heads=4, seq_len=32, vocab_size=97)
 
