@@ -20,16 +20,17 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from benchlib import cpu_model, markdown_table
+from foundation.timing import Stopwatch
 from foundation.units import MiB
 
 STEP_CODE = """
-import shutil, statistics, sys, time, torch
+import shutil, statistics, sys, torch
+from foundation.timing import Stopwatch
 from mobiuspipe.memory.ssd_store import SSDStore
 from mobiuspipe.optim.ooc_adam import OutOfCoreAdam
 torch.set_num_threads(2)
@@ -43,16 +44,18 @@ for c in range(5):  # each optimizer's slots reuse the memory its predecessor fr
         opt.step(grads, outs)
         times = []
         for _ in range(3):
-            t0 = time.perf_counter(); opt.step(grads, outs); times.append(time.perf_counter() - t0)
+            with Stopwatch() as watch:
+                opt.step(grads, outs)
+            times.append(watch.s)
     shutil.rmtree(folder)
     print(statistics.median(times))
 """
 
 
 def read_seconds(io, fd: int, buf: torch.Tensor, path: str) -> float:
-    t0 = time.perf_counter()
-    io.wait(io.submit(fd, buf, 0, False, True, path))
-    return time.perf_counter() - t0
+    with Stopwatch() as watch:
+        io.wait(io.submit(fd, buf, 0, False, True, path))
+    return watch.s
 
 
 def part_reads(work: Path, nbytes: int, rounds: int) -> dict[str, float]:

@@ -13,12 +13,12 @@ import argparse
 import datetime
 import os
 import statistics
-import time
 import zlib
 
 import torch
 
 from benchlib import cpu_model, markdown_table
+from foundation.timing import Stopwatch
 from foundation.units import MiB
 from mobiuspipe import _ext
 
@@ -50,10 +50,10 @@ def main() -> None:
         for _ in range(args.rounds):
             for k, fn in fns.items():
                 n = 1 if "table" in k else reps
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    fn()
-                times[k].append((time.perf_counter() - t0) / n)
+                with Stopwatch() as watch:
+                    for _ in range(n):
+                        fn()
+                times[k].append(watch.s / n)
         med = {k: statistics.median(v) for k, v in times.items()}
         ours = med["crc32c (mobiuspipe, 3 streams)"]
         rows += [[f"{size // MiB} MiB", k, f"{size / v / 1e9:.2f}", f"{v / ours:.2f}"] for k, v in med.items()]

@@ -20,12 +20,12 @@ import os
 import shutil
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from benchlib import cpu_mark, cpu_model, fio_gbps, markdown_table, other_share
+from foundation.timing import Stopwatch
 from foundation.units import MiB
 from mobiuspipe import _ext
 from mobiuspipe.memory.aio import IOEngine, aligned_empty
@@ -55,15 +55,14 @@ def engine_contestant(backend: str, qd: int, register: list[torch.Tensor] | None
     def run(path: Path, buf: torch.Tensor, back: torch.Tensor) -> tuple[float, float]:
         fd = _fresh(path, buf.numel())
         try:
-            t0 = time.perf_counter()
-            io.wait(io.submit(fd, buf, 0, True, True, str(path)))
-            os.fsync(fd)
-            t1 = time.perf_counter()
-            io.wait(io.submit(fd, back, 0, False, True, str(path)))
-            t2 = time.perf_counter()
+            with Stopwatch() as write:
+                io.wait(io.submit(fd, buf, 0, True, True, str(path)))
+                os.fsync(fd)
+            with Stopwatch() as read:
+                io.wait(io.submit(fd, back, 0, False, True, str(path)))
         finally:
             os.close(fd)
-        return t1 - t0, t2 - t1
+        return write.s, read.s
 
     return f"mobiuspipe IOEngine ({io.backend}, qd {qd}{fixed})", run
 
@@ -75,13 +74,12 @@ def store_contestant(folder: Path, qd: int):
     def run(path: Path, buf: torch.Tensor, back: torch.Tensor) -> tuple[float, float]:
         if "t" in store:
             store.delete("t")
-        t0 = time.perf_counter()
-        store.put("t", buf)
-        store.flush()
-        t1 = time.perf_counter()
-        store.get("t", out=back)
-        t2 = time.perf_counter()
-        return t1 - t0, t2 - t1
+        with Stopwatch() as write:
+            store.put("t", buf)
+            store.flush()
+        with Stopwatch() as read:
+            store.get("t", out=back)
+        return write.s, read.s
 
     return f"mobiuspipe SSDStore put+flush / get ({store.engine.backend}, checksummed)", run
 
@@ -105,18 +103,17 @@ def deepspeed_contestant(qd: int, overlap: bool):
             bufs[0].copy_(buf)
         os.close(_fresh(path, buf.numel()))
         bufs[1].copy_(back)  # the same prior contents as every contestant's read buffer
-        t0 = time.perf_counter()
-        h.async_pwrite(bufs[0], str(path), 0)
-        h.wait()
-        fd = os.open(path, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
-        t1 = time.perf_counter()
-        h.async_pread(bufs[1], str(path), 0)
-        h.wait()
-        t2 = time.perf_counter()
+        with Stopwatch() as write:
+            h.async_pwrite(bufs[0], str(path), 0)
+            h.wait()
+            fd = os.open(path, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+        with Stopwatch() as read:
+            h.async_pread(bufs[1], str(path), 0)
+            h.wait()
         back.copy_(bufs[1])
-        return t1 - t0, t2 - t1
+        return write.s, read.s
 
     return f"DeepSpeed {deepspeed.__version__} aio_handle (qd {qd}, overlap_events={overlap})", run
 

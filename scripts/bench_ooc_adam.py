@@ -18,12 +18,12 @@ import datetime
 import os
 import shutil
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from benchlib import cpu_mark, cpu_model, fio_gbps, markdown_table, other_share
+from foundation.timing import Stopwatch
 from foundation.units import MiB
 from mobiuspipe import _ext
 from mobiuspipe.memory.ssd_store import SSDStore
@@ -73,9 +73,9 @@ def run(args, work: Path) -> None:
     fio = {(rw, e): [] for rw in ("read", "write") for e in FIO_VARIANTS}
 
     def timed(key, fn):
-        t0 = time.perf_counter()
-        fn()
-        times[key].append(time.perf_counter() - t0)
+        with Stopwatch() as watch:
+            fn()
+        times[key].append(watch.s)
 
     opt.step(grads, outs)  # warm-up: every group file written once by a step
     mem.step_fused({mem_p: outs["w"]}, grads={mem_p: grads["w"]})

@@ -6,9 +6,9 @@ import json
 import os
 import platform
 import subprocess
-import time
 from pathlib import Path
 
+from foundation.timing import Stopwatch
 from foundation.units import MiB
 
 __all__ = ["cpu_model", "markdown_table", "cpu_mark", "other_share", "fio_gbps"]
@@ -46,16 +46,16 @@ def _own_cpu_s() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
-def cpu_mark() -> tuple[float, float, float]:
-    """(wall clock, machine busy CPU-s, own CPU-s) now: the start of a stretch other_share measures."""
-    return time.perf_counter(), _busy_cpu_s(), _own_cpu_s()
+def cpu_mark() -> tuple[Stopwatch, float, float]:
+    """(a started stopwatch, machine busy CPU-s, own CPU-s) now: the start of a stretch other_share measures."""
+    return Stopwatch(), _busy_cpu_s(), _own_cpu_s()
 
 
-def other_share(mark: tuple[float, float, float]) -> tuple[float, float]:
+def other_share(mark: tuple[Stopwatch, float, float]) -> tuple[float, float]:
     """(share of all cores that processes other than ours kept busy since `mark`, wall seconds). Kernel work
     done for our own I/O counts as other, so an idle machine shows a few percent."""
-    t0, busy0, own0 = mark
-    wall = time.perf_counter() - t0
+    watch, busy0, own0 = mark
+    wall = watch.s
     other = max(0.0, _busy_cpu_s() - busy0 - (_own_cpu_s() - own0))
     return other / (wall * (os.cpu_count() or 1)), wall
 

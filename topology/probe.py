@@ -9,10 +9,10 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from foundation.timing import Stopwatch
 from foundation.units import GiB, MiB
 from topology.errors import TopologyError
 from topology.probe_cpu import probe_host_adam
@@ -159,7 +159,7 @@ def _write_file(path: Path, buf: mmap.mmap, blocks: int, direct: bool) -> float:
     """Seconds to write `blocks` 1 MiB blocks to `path` (truncated first) and fsync them."""
     fd = os.open(path, os.O_WRONLY | os.O_TRUNC | (_O_DIRECT if direct else 0))
     try:
-        start = time.perf_counter()
+        watch = Stopwatch()
         for k in range(blocks):
             try:
                 n = os.write(fd, buf)
@@ -170,7 +170,7 @@ def _write_file(path: Path, buf: mmap.mmap, blocks: int, direct: bool) -> float:
                                     "written, errno none (a short write sets no errno; the usual cause is a full disk, "
                                     "ENOSPC); fix: free space on the drive or choose another ssd_dir")
         os.fsync(fd)
-        return time.perf_counter() - start
+        return watch.s
     finally:
         os.close(fd)
 
@@ -181,7 +181,7 @@ def _read_file(path: Path, buf: mmap.mmap, blocks: int, direct: bool) -> float:
     try:
         if not direct and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        start = time.perf_counter()
+        watch = Stopwatch()
         for k in range(blocks):
             try:
                 n = os.readv(fd, [buf])
@@ -191,7 +191,7 @@ def _read_file(path: Path, buf: mmap.mmap, blocks: int, direct: bool) -> float:
                 raise TopologyError(f"SSD probe: short read of {path} at offset {k * MiB}: {n} of {MiB} bytes; "
                                     f"expected the file just written; fix: check the drive, or another process "
                                     f"truncated the file")
-        return time.perf_counter() - start
+        return watch.s
     finally:
         os.close(fd)
 
