@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
-import yaml
-
-from mobiuspipe.config_load import Checked, Problem, load_dataclass, read_yaml, to_plain
+from foundation.loader import (Checked, Problem, at_least, dump_text, from_plain, load_file, positive, rule,
+                               to_plain)
+from mobiuspipe.errors import ConfigError, InvalidConfig
 
 MAPPINGS = ("cross", "round-robin", "search")
 """The stage->gpu mappings a plan may ask for."""
@@ -18,22 +17,10 @@ MAX_VOCAB = 65536
 """Largest vocabulary: token ids must fit in 16 bits."""
 
 
-def _rule(ok: bool, key: str, expected: str, found: str, fix: str) -> list[Problem]:
-    """No problem if `ok`, else one."""
-    return [] if ok else [Problem(key, expected, found, fix)]
+class Section(Checked):
+    """A config section: its problems raise InvalidConfig, a ConfigError."""
 
-
-def _at_least(obj: Any, name: str, low: int, fix: str) -> list[Problem]:
-    """Integer field `name` must be >= `low`."""
-    value = getattr(obj, name)
-    return _rule(value >= low, name, f"an integer >= {low}", repr(value), fix)
-
-
-def _positive(obj: Any, name: str, fix: str, zero_ok: bool = False) -> list[Problem]:
-    """Float field `name` must be finite and > 0 (>= 0 when `zero_ok`)."""
-    value = getattr(obj, name)
-    ok = math.isfinite(value) and (value >= 0 if zero_ok else value > 0)
-    return _rule(ok, name, f"a finite number {'>=' if zero_ok else '>'} 0", repr(value), fix)
+    invalid = InvalidConfig
 
 
 def _divisor_at_most(n: int, cap: int) -> int:
@@ -52,7 +39,7 @@ def _divisible(a_name: str, a: int, b_name: str, b: int) -> list[Problem]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ModelConfig(Checked):
+class ModelConfig(Section):
     """The GPT model: one embedding layer, `num_blocks` transformer blocks, one head."""
 
     vocab_size: int = 256
@@ -78,18 +65,18 @@ class ModelConfig(Checked):
 
     def check_values(self) -> list[Problem]:
         return [
-            *_rule(1 <= self.vocab_size <= MAX_VOCAB, "vocab_size", f"an integer in 1..{MAX_VOCAB}",
-                   repr(self.vocab_size), "use 256 for byte-level tokens"),
-            *_at_least(self, "num_blocks", 1, "use at least 1 transformer block"),
-            *_at_least(self, "d_model", 1, "use a width such as 64"),
-            *_at_least(self, "num_heads", 1, "use at least 1 attention head"),
-            *_at_least(self, "seq_len", 1, "use a context length such as 64"),
+            *rule(1 <= self.vocab_size <= MAX_VOCAB, "vocab_size", f"an integer in 1..{MAX_VOCAB}",
+                  repr(self.vocab_size), "use 256 for byte-level tokens"),
+            *at_least(self, "num_blocks", 1, "use at least 1 transformer block"),
+            *at_least(self, "d_model", 1, "use a width such as 64"),
+            *at_least(self, "num_heads", 1, "use at least 1 attention head"),
+            *at_least(self, "seq_len", 1, "use a context length such as 64"),
             *_divisible("d_model", self.d_model, "num_heads", self.num_heads),
         ]
 
 
 @dataclass(frozen=True, kw_only=True)
-class DataConfig(Checked):
+class DataConfig(Section):
     """The training text and how it is cut into batches and microbatches."""
 
     path: str | None = field(default=None, metadata={
@@ -115,14 +102,14 @@ class DataConfig(Checked):
 
     def check_values(self) -> list[Problem]:
         return [
-            *_at_least(self, "batch_size", 1, "use at least 1 sequence per step, e.g. 8"),
-            *_at_least(self, "num_microbatches", 1, "use at least 1 microbatch, e.g. 4"),
+            *at_least(self, "batch_size", 1, "use at least 1 sequence per step, e.g. 8"),
+            *at_least(self, "num_microbatches", 1, "use at least 1 microbatch, e.g. 4"),
             *_divisible("batch_size", self.batch_size, "num_microbatches", self.num_microbatches),
         ]
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainConfig(Checked):
+class TrainConfig(Section):
     """The optimizer (AdamW) and the training loop."""
 
     steps: int = 20
@@ -145,21 +132,21 @@ class TrainConfig(Checked):
 
     def check_values(self) -> list[Problem]:
         return [
-            *_at_least(self, "steps", 1, "run at least 1 step, e.g. 20"),
-            *_positive(self, "lr", "use a positive learning rate such as 0.003"),
-            *_rule(all(0 <= b < 1 for b in self.betas), "betas", "two numbers each in [0, 1)",
+            *at_least(self, "steps", 1, "run at least 1 step, e.g. 20"),
+            *positive(self, "lr", "use a positive learning rate such as 0.003"),
+            *rule(all(0 <= b < 1 for b in self.betas), "betas", "two numbers each in [0, 1)",
                    repr(list(self.betas)), "use e.g. [0.9, 0.95]"),
-            *_positive(self, "eps", "use a small non-negative number such as 1.0e-8", zero_ok=True),
-            *_positive(self, "weight_decay", "use 0.0 (none) or a small value such as 0.01",
-                       zero_ok=True),
-            *_at_least(self, "log_every", 1, "log every 1 or more steps"),
-            *_rule(self.out_dir != "", "out_dir", "a folder name or null", "an empty string",
-                   "write a folder such as `out_dir: runs/tiny`, or null to write nothing"),
+            *positive(self, "eps", "use a small non-negative number such as 1.0e-8", zero_ok=True),
+            *positive(self, "weight_decay", "use 0.0 (none) or a small value such as 0.01",
+                      zero_ok=True),
+            *at_least(self, "log_every", 1, "log every 1 or more steps"),
+            *rule(self.out_dir != "", "out_dir", "a folder name or null", "an empty string",
+                  "write a folder such as `out_dir: runs/tiny`, or null to write nothing"),
         ]
 
 
 @dataclass(frozen=True, kw_only=True)
-class PlanConfig(Checked):
+class PlanConfig(Section):
     """Where the stages run: a plan file, or the numbers to plan with at start-up."""
 
     file: str | None = field(default=None, metadata={
@@ -180,18 +167,18 @@ class PlanConfig(Checked):
     def check_values(self) -> list[Problem]:
         gpus, stages = self.num_gpus, self.num_stages
         return [
-            *_at_least(self, "num_gpus", 1, "use at least 1 gpu"),
-            *_rule(stages >= gpus, "num_stages", "num_stages >= num_gpus (each gpu needs at least "
-                   "one stage)", f"num_stages {stages} with num_gpus {gpus}: more gpus than stages",
-                   f"raise num_stages to at least {gpus} or lower num_gpus to {max(stages, 1)}"),
-            *_rule(self.mapping in MAPPINGS, "mapping", "one of " + ", ".join(MAPPINGS),
-                   repr(self.mapping), "use `mapping: cross` or `mapping: round-robin`"),
-            *_positive(self, "device_memory_mb", "use a positive budget in MiB, e.g. 64.0"),
+            *at_least(self, "num_gpus", 1, "use at least 1 gpu"),
+            *rule(stages >= gpus, "num_stages", "num_stages >= num_gpus (each gpu needs at least "
+                  "one stage)", f"num_stages {stages} with num_gpus {gpus}: more gpus than stages",
+                  f"raise num_stages to at least {gpus} or lower num_gpus to {max(stages, 1)}"),
+            *rule(self.mapping in MAPPINGS, "mapping", "one of " + ", ".join(MAPPINGS),
+                  repr(self.mapping), "use `mapping: cross` or `mapping: round-robin`"),
+            *positive(self, "device_memory_mb", "use a positive budget in MiB, e.g. 64.0"),
         ]
 
 
 @dataclass(frozen=True, kw_only=True)
-class RuntimeConfig(Checked):
+class RuntimeConfig(Section):
     """How the ranks run: communication timeout and CPU threads."""
 
     comm_timeout_s: float = 60.0
@@ -201,13 +188,13 @@ class RuntimeConfig(Checked):
 
     def check_values(self) -> list[Problem]:
         return [
-            *_positive(self, "comm_timeout_s", "use a positive number of seconds, e.g. 60.0"),
-            *_at_least(self, "threads", 1, "use at least 1 thread"),
+            *positive(self, "comm_timeout_s", "use a positive number of seconds, e.g. 60.0"),
+            *at_least(self, "threads", 1, "use at least 1 thread"),
         ]
 
 
 @dataclass(frozen=True, kw_only=True)
-class RunConfig(Checked):
+class RunConfig(Section):
     """A whole training run: every section (each optional in YAML) and the file it came from."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -220,7 +207,7 @@ class RunConfig(Checked):
     """Stages and their gpus."""
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     """Timeouts and threads of the ranks."""
-    source: str = field(default="<defaults>", metadata={"yaml": False})
+    source: str = field(default="<defaults>", metadata={"in_file": False})
     """The file this config came from (absolute path), or "<dict>"/"<defaults>"; not a YAML key."""
 
     @property
@@ -235,10 +222,10 @@ class RunConfig(Checked):
 
     def check_values(self) -> list[Problem]:
         stages, layers = self.plan.num_stages, self.model.num_layers
-        return _rule(stages <= layers, "plan.num_stages",
-                     f"at most model.num_blocks + 2 = {layers} stages (a stage needs at least one "
-                     "layer)", f"{stages} stages for {layers} layers",
-                     f"lower plan.num_stages to {layers} or raise model.num_blocks to {stages - 2}")
+        return rule(stages <= layers, "plan.num_stages",
+                    f"at most model.num_blocks + 2 = {layers} stages (a stage needs at least one "
+                    "layer)", f"{stages} stages for {layers} layers",
+                    f"lower plan.num_stages to {layers} or raise model.num_blocks to {stages - 2}")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of every section (not `source`); `config_from_dict` takes it back exactly."""
@@ -246,7 +233,7 @@ class RunConfig(Checked):
 
     def to_yaml(self) -> str:
         """The config as YAML text, every key written out."""
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        return dump_text(self.to_dict(), ".yaml")
 
     @classmethod
     def from_dict(cls, d: Any, source: str = "<dict>") -> RunConfig:
@@ -259,12 +246,12 @@ def config_from_dict(d: Any, source: str = "<dict>", *, base_dir: str | None = N
 
     Raises ConfigError naming `source` and listing every problem found.
     """
-    return load_dataclass(RunConfig, d, source, base_dir, extra={"source": source})
+    return from_plain(RunConfig, d, where=f"config {source}", error=ConfigError, base_dir=base_dir,
+                      extra={"source": source})
 
 
 def load_config(path: str | os.PathLike) -> RunConfig:
     """Read a YAML config file; ConfigError names the file, the dotted key and the fix."""
     source = os.path.abspath(os.fspath(path))
-    data = read_yaml(source)
-    return config_from_dict({} if data is None else data, source,
-                            base_dir=os.path.dirname(source))
+    return load_file(RunConfig, source, what="config", error=ConfigError,
+                     fix="check the path, e.g. examples/tiny-gpt.yaml", extra={"source": source})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from foundation.units import MiB
 from mobiuspipe.config import RunConfig
 from mobiuspipe.errors import ConfigError
 from partition import make_plan
@@ -16,8 +17,6 @@ from partition.profile import Profile
 from topology import Topology, cpu_standin
 
 __all__ = ["gpt_spec", "plan_for_config", "plan_from_config", "standin_topology", "gpt_profile"]
-
-MiB = 1024**2
 
 
 def gpt_spec(cfg: RunConfig) -> ModelSpec:

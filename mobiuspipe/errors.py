@@ -1,23 +1,30 @@
 """The project's exception classes: each names what was expected, what was found and the fix."""
 
+from foundation.errors import UserError
+from foundation.loader import InvalidValues
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A config file or dict is unreadable, has an unknown key, a wrong type or an impossible value."""
 
 
-class ArenaError(RuntimeError):
+class InvalidConfig(InvalidValues, ConfigError):
+    """A config section was made with values of the wrong type or impossible values (`problems` lists them)."""
+
+
+class ArenaError(UserError, RuntimeError):
     """A stage does not fit the device arena, or the arena has no free slot."""
 
 
-class PeerLostError(RuntimeError):
+class PeerLostError(UserError, RuntimeError):
     """A peer rank stopped answering: it died, or it is stuck beyond the communication timeout."""
 
 
-class WorldSizeError(RuntimeError):
+class WorldSizeError(UserError, RuntimeError):
     """The number of launched ranks differs from the plan's gpu count."""
 
 
-class SwapIOError(RuntimeError):
+class SwapIOError(UserError, RuntimeError):
     """A read or write of the SSD tier failed: names the file, the offset, the errno and what to do.
 
     errno is the OS error number (0 when the failure is not an OS error: a truncated file, a checksum
@@ -31,5 +38,5 @@ class SwapIOError(RuntimeError):
         self.errno = errno
 
 
-class PipelineError(ValueError):
+class PipelineError(UserError, ValueError):
     """A Pipeline was given layers, a plan, a loss or a batch that do not fit together."""

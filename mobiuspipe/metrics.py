@@ -8,9 +8,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TextIO
 
-__all__ = ["StepMetrics", "Reporter"]
+from foundation.units import MiB
 
-MiB = 1024**2
+__all__ = ["StepMetrics", "Reporter"]
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from foundation.errors import UserError
 from foundation.timing import Stopwatch
+from foundation.units import fmt_bytes
 from mobiuspipe.config import RunConfig, load_config
 from mobiuspipe.config_plan import gpt_spec, plan_for_config
 from mobiuspipe.dataset import ByteData
@@ -24,16 +26,10 @@ from mobiuspipe.metrics import Reporter, StepMetrics
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.pipeline import Pipeline
-from mobiuspipe.units import fmt_bytes
 from partition.costmodel import ARENA_SLOTS
-from partition.errors import PlanFileError, PlanInfeasibleError
 from partition.plan import Plan, save_plan
-from topology import TopologyError
 
-__all__ = ["main", "train", "USER_ERRORS"]
-
-USER_ERRORS = (ConfigError, PlanFileError, PlanInfeasibleError, TopologyError, WorldSizeError, PeerLostError,
-               ArenaError, PipelineError)
+__all__ = ["main", "train"]
 
 
 def train(cfg: RunConfig) -> None:
@@ -95,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         train(load_config(args.config))
-    except USER_ERRORS as e:
+    except UserError as e:
         print(f"mobiuspipe.train: error: {e}", file=sys.stderr, flush=True)
         return 2
     return 0

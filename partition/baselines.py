@@ -37,6 +37,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from foundation.units import GiB
 from partition.costmodel import LayerArrays
 from partition.errors import PlanInfeasibleError
 from partition.plan import Plan, StagePlan
@@ -50,8 +51,6 @@ __all__ = ["BaselineResult", "MIXED_PRECISION_BYTES_PER_PARAM", "predict", "gpip
 
 MIXED_PRECISION_BYTES_PER_PARAM = 16
 """fp16 weights and gradients (2 + 2) + fp32 master weights, Adam momentum and variance (4 + 4 + 4)."""
-
-GiB = 1024**3
 
 
 @dataclass(frozen=True)

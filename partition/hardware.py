@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from types import MappingProxyType
 
+from foundation.units import GiB
+
 __all__ = ["DEVICES", "DeviceSpec", "MFU_DEFAULT", "device_spec"]
 
 MFU_DEFAULT = 0.5
@@ -29,7 +31,6 @@ of full sequences) reaches. An assumption, not a measurement: Narayanan et al. 2
 "Efficient Large-Scale Language Model Training on GPU Clusters", Table 1) reach 44-52% of peak on A100
 for GPT models of 1.7B-1T parameters. A measured profile replaces it."""
 
-_GIB = 1 << 30
 _PCIE3, _PCIE4, _PCIE5 = 15.75, 31.5, 63.0
 
 
@@ -61,16 +62,16 @@ class DeviceSpec:
 
 
 _TABLE = (
-    DeviceSpec("NVIDIA GeForce RTX 3090", 71.0, 24 * _GIB, _PCIE4),
-    DeviceSpec("NVIDIA GeForce RTX 3090 Ti", 80.0, 24 * _GIB, _PCIE4),
-    DeviceSpec("NVIDIA GeForce RTX 4090", 165.2, 24 * _GIB, _PCIE4),
-    DeviceSpec("Tesla V100-SXM2-32GB", 125.0, 32 * _GIB, _PCIE3),
-    DeviceSpec("NVIDIA A100-SXM4-40GB", 312.0, 40 * _GIB, _PCIE4),
-    DeviceSpec("NVIDIA A100-SXM4-80GB", 312.0, 80 * _GIB, _PCIE4),
-    DeviceSpec("NVIDIA A100-PCIE-40GB", 312.0, 40 * _GIB, _PCIE4),
-    DeviceSpec("NVIDIA A100 80GB PCIe", 312.0, 80 * _GIB, _PCIE4),
-    DeviceSpec("NVIDIA H100 PCIe", 756.0, 80 * _GIB, _PCIE5),
-    DeviceSpec("NVIDIA H100 80GB HBM3", 989.0, 80 * _GIB, _PCIE5),
+    DeviceSpec("NVIDIA GeForce RTX 3090", 71.0, 24 * GiB, _PCIE4),
+    DeviceSpec("NVIDIA GeForce RTX 3090 Ti", 80.0, 24 * GiB, _PCIE4),
+    DeviceSpec("NVIDIA GeForce RTX 4090", 165.2, 24 * GiB, _PCIE4),
+    DeviceSpec("Tesla V100-SXM2-32GB", 125.0, 32 * GiB, _PCIE3),
+    DeviceSpec("NVIDIA A100-SXM4-40GB", 312.0, 40 * GiB, _PCIE4),
+    DeviceSpec("NVIDIA A100-SXM4-80GB", 312.0, 80 * GiB, _PCIE4),
+    DeviceSpec("NVIDIA A100-PCIE-40GB", 312.0, 40 * GiB, _PCIE4),
+    DeviceSpec("NVIDIA A100 80GB PCIe", 312.0, 80 * GiB, _PCIE4),
+    DeviceSpec("NVIDIA H100 PCIe", 756.0, 80 * GiB, _PCIE5),
+    DeviceSpec("NVIDIA H100 80GB HBM3", 989.0, 80 * GiB, _PCIE5),
     # A CPU pretending to be a GPU (CI, laptops): ~50 GFLOPS of fp32 matmul on a few cores; its memory
     # budget comes from the topology (the stand-in's arena), its "link" is a memcpy.
     DeviceSpec("cpu-standin", 0.05, 0, 10.0),

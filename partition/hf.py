@@ -17,12 +17,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from foundation.errors import UserError
 from partition.models import ModelSpec
 
 __all__ = ["ModelConfigError", "SUPPORTED", "read_hf_config", "spec_from_hf_dict"]
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(UserError, ValueError):
     """A model config.json that cannot be read as a spec: the message names the file, the key and its meaning."""
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from foundation.units import GiB
 from partition.costmodel import ARENA_SLOTS
 from partition.order import gpu_visits
 from partition.profile import LayerProfile, Profile, compress
@@ -80,7 +81,7 @@ def memory_need(profile: Profile) -> int:
     return 2 * max(x.output_bytes for x in profile.layers)
 
 
-GIB = float(2**30)
+GIB = float(GiB)
 """Bytes enter the model in GiB, so that byte and second coefficients are of similar size (numerics)."""
 
 _Q = {"F": lambda x: x.fwd_s, "B": lambda x: x.bwd_s, "P": lambda x: x.param_bytes / GIB,

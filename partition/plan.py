@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from partition.errors import PlanFileError
-from partition.files import read_data, write_data
+from foundation.loader import (Builder, Checked, Problem, at_least, found_text, positive, read_file,
+                               save_file, to_plain)
+from partition.errors import InvalidPlan, PlanFileError
 
 __all__ = ["StagePlan", "SolverInfo", "Plan", "load_plan", "save_plan"]
 
+_WRITE_FIX = "write plans with `mobiuspipe partition ... -o FILE`"
+
+
+class _PlanPart(Checked):
+    """A part of a plan: its problems raise InvalidPlan, a PlanFileError."""
+
+    invalid = InvalidPlan
+
 
 @dataclass(frozen=True)
-class StagePlan:
+class StagePlan(_PlanPart):
     """Stage j: layers first..last (0-based, inclusive) on `gpu`, with its predicted costs."""
 
     first: int
@@ -35,9 +45,15 @@ class StagePlan:
     def load_s(self) -> float:
         return self.param_bytes / (self.load_gbps * 1e9)
 
+    def check_values(self) -> list[Problem]:
+        counts = ("param_count", "param_bytes", "activation_bytes", "output_bytes")  # first, gpu: Plan checks
+        return [*(p for name in counts for p in at_least(self, name, 0, _WRITE_FIX)),
+                *(p for name in ("fwd_s", "bwd_s") for p in positive(self, name, _WRITE_FIX, zero_ok=True)),
+                *positive(self, "load_gbps", _WRITE_FIX, what="a bandwidth in GB/s, a finite number")]
+
 
 @dataclass(frozen=True)
-class SolverInfo:
+class SolverInfo(_PlanPart):
     """Which algorithm produced the plan and how it ended."""
 
     name: str
@@ -45,9 +61,12 @@ class SolverInfo:
     gap: float
     wall_s: float
 
+    def check_values(self) -> list[Problem]:
+        return positive(self, "wall_s", _WRITE_FIX, zero_ok=True)
+
 
 @dataclass(frozen=True)
-class Plan:
+class Plan(_PlanPart):
     """Output of `partition`: everything the runtime needs to run a step, and what it should cost."""
 
     model: str
@@ -72,9 +91,6 @@ class Plan:
     predicted_step_time_s: float
     solver: SolverInfo
 
-    def __post_init__(self) -> None:
-        _validate(self)
-
     @property
     def num_stages(self) -> int:
         return len(self.stages)
@@ -87,82 +103,62 @@ class Plan:
         """Indices j of the stages gpu runs, in forward order."""
         return [j for j, s in enumerate(self.stages) if s.gpu == gpu]
 
+    def check_values(self) -> list[Problem]:
+        return _stage_problems(self) if self.stages else [
+            Problem("stages", "at least one stage", "an empty list", _WRITE_FIX)]
+
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["stages"] = [asdict(s) for s in self.stages]
-        d["num_stages"] = self.num_stages
-        return d
+        """Plain data of every field, and `num_stages` for readers; from_dict takes it back exactly."""
+        return {**to_plain(self), "num_stages": self.num_stages}
 
     @classmethod
-    def from_dict(cls, d: dict, where: str = "plan") -> "Plan":
-        return _from_dict(d, where)
+    def from_dict(cls, d: Any, where: str = "plan") -> Plan:
+        """The plan in plain data `d` (what to_dict gives); PlanFileError naming `where` lists every problem."""
+        builder = Builder(where, PlanFileError)
+        data = dict(d) if isinstance(d, dict) else {}
+        written, listed = data.pop("num_stages", None), data.get("stages")
+        plan = builder.build(cls, data if isinstance(d, dict) else d)
+        if written is not None and isinstance(listed, list) and (type(written) is not int or written != len(listed)):
+            builder.add([Problem("num_stages", f"{len(listed)}, the number of stages listed (written for readers, "
+                                 "never read)", found_text(written), "correct it or delete the line")])
+        return builder.finish(plan)
 
 
-def _validate(p: Plan) -> None:
-    if not p.stages:
-        raise PlanFileError("a plan needs at least one stage")
-    nxt = 0
+def _stage_problems(p: Plan) -> list[Problem]:
+    """Stages contiguous from layer 0 to the last, each on a gpu of the plan within the slot; every gpu used."""
+    problems, nxt = [], 0
     for j, s in enumerate(p.stages):
         if s.first != nxt or s.last < s.first:
-            raise PlanFileError(f"stage {j} covers layers {s.first}..{s.last}, expected it to start at layer {nxt}: "
-                                f"stages must be contiguous, in order, and non-empty")
+            problems.append(Problem(f"stages[{j}]", f"stage {j} to start at layer {nxt} (stages must be contiguous, "
+                                    "in order, and non-empty)", f"stage {j} covers layers {s.first}..{s.last}",
+                                    _WRITE_FIX))
         if not 0 <= s.gpu < p.num_gpus:
-            raise PlanFileError(f"stage {j} is on gpu {s.gpu}, expected 0..{p.num_gpus - 1}")
+            problems.append(Problem(f"stages[{j}].gpu", f"a gpu in 0..{p.num_gpus - 1}",
+                                    f"stage {j} is on gpu {s.gpu}", _WRITE_FIX))
         if s.param_bytes > p.slot_bytes:
-            raise PlanFileError(f"stage {j} has {s.param_bytes} parameter bytes, more than the slot ({p.slot_bytes})")
+            problems.append(Problem(f"stages[{j}].param_bytes", f"at most slot_bytes ({p.slot_bytes})",
+                                    f"stage {j} has {s.param_bytes} parameter bytes, more than the slot",
+                                    _WRITE_FIX))
         nxt = s.last + 1
     if nxt != p.num_layers:
-        raise PlanFileError(f"stages cover layers 0..{nxt - 1}, expected 0..{p.num_layers - 1}")
+        problems.append(Problem("num_layers", f"0..{p.num_layers - 1} (the layers the stages must cover)",
+                                f"stages covering layers 0..{nxt - 1}", _WRITE_FIX))
     unused = sorted(set(range(p.num_gpus)) - set(p.mapping))
     if unused:
-        raise PlanFileError(f"gpus {unused} have no stage; every gpu needs at least one (add stages)")
+        problems.append(Problem("num_gpus", "every gpu to run at least one stage", f"gpus {unused} have no stage",
+                                "add stages, or lower num_gpus"))
+    return problems
 
 
-def _from_dict(d: dict, where: str) -> Plan:
-    if not isinstance(d, dict):
-        raise PlanFileError(f"{where}: expected a mapping at the top level, found {type(d).__name__}")
-    d = {k: v for k, v in d.items() if k != "num_stages"}  # derived; written for readers
-    try:
-        if "stages" in d:  # a missing key is reported by _build(Plan, ...)
-            if not isinstance(d["stages"], list):
-                raise PlanFileError(f"{where}: key 'stages' expected a list of mappings, found {d['stages']!r}")
-            d["stages"] = tuple(_build(StagePlan, s, f"{where}: stages[{j}]") for j, s in enumerate(d["stages"]))
-        if "solver" in d:
-            d["solver"] = _build(SolverInfo, d["solver"], f"{where}: solver")
-        return _build(Plan, d, where)
-    except PlanFileError:
-        raise
-    except (TypeError, ValueError) as e:
-        raise PlanFileError(f"{where}: {e}") from e
-
-
-def _build(cls, d, where: str):
-    if not isinstance(d, dict):
-        raise PlanFileError(f"{where}: expected a mapping, found {d!r}")
-    names = {f.name for f in fields(cls)}
-    unknown, missing = sorted(set(d) - names), sorted(names - set(d))
-    if unknown or missing:
-        raise PlanFileError(f"{where}: unknown keys {unknown}, missing keys {missing}; "
-                            f"write plans with `mobiuspipe partition -o FILE`")
-    for f in fields(cls):
-        want = _SCALARS.get(f.type)
-        if want and (isinstance(d[f.name], bool) or not isinstance(d[f.name], want)):
-            raise PlanFileError(f"{where}: key {f.name!r} expected {f.type}, found {d[f.name]!r}")
-    try:
-        return cls(**d)
-    except PlanFileError as e:  # Plan's own consistency checks: say which file
-        raise PlanFileError(f"{where}: {e}") from None
-
-
-_SCALARS = {"int": (int,), "float": (int, float), "str": (str,)}
 
 
 def save_plan(plan: Plan, path: str | Path) -> None:
-    """Write YAML (or JSON when the suffix is .json)."""
-    write_data(plan.to_dict(), path)
+    """Write YAML (or JSON when the suffix is .json); load_plan reads back an equal plan."""
+    save_file(plan.to_dict(), path)
 
 
 def load_plan(path: str | Path) -> Plan:
-    """Read a plan written by save_plan; PlanFileError on anything malformed."""
-    d = read_data(path, PlanFileError, "plan", f"`mobiuspipe partition ... -o {Path(path).name}`")
-    return Plan.from_dict(d, str(path))
+    """Read a plan written by save_plan; PlanFileError naming the file lists everything malformed."""
+    where = f"plan {path}"
+    fix = f"write one with `mobiuspipe partition ... -o {Path(path).name}`"
+    return Plan.from_dict(read_file(path, where=where, error=PlanFileError, fix=fix), where)

@@ -16,22 +16,28 @@ also carry "runs" (a list of {"count", "layer"}), which is checked against "laye
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from partition.files import read_data, write_data
+from foundation.loader import (INVALID, Builder, Checked, Problem, at_least, non_empty, positive, read_file,
+                               save_file, to_plain)
+from partition.errors import InvalidProfile, ProfileFileError
 
 __all__ = ["LayerProfile", "Profile", "ProfileFileError", "compress", "expand", "load_profile", "runs_to_list",
            "profile_from_file_dict", "save_profile"]
 
+_WRITE_FIX = "write profiles with `mobiuspipe profile --model NAME -o FILE`"
 
-class ProfileFileError(ValueError):
-    """A profile file is unreadable or malformed; the message names the file and the key."""
+
+class _ProfilePart(Checked):
+    """A part of a profile: its problems raise InvalidProfile, a ProfileFileError."""
+
+    invalid = InvalidProfile
 
 
 @dataclass(frozen=True)
-class LayerProfile:
+class LayerProfile(_ProfilePart):
     """Cost of one layer for one microbatch."""
 
     name: str
@@ -44,9 +50,16 @@ class LayerProfile:
     fwd_s: float
     bwd_s: float
 
+    def check_values(self) -> list[Problem]:
+        counts = ("param_count", "param_bytes", "activation_bytes", "output_bytes")
+        amounts = ("fwd_flops", "bwd_flops", "fwd_s", "bwd_s")
+        return [*non_empty(self, "name", _WRITE_FIX),
+                *(p for name in counts for p in at_least(self, name, 0, _WRITE_FIX)),
+                *(p for name in amounts for p in positive(self, name, _WRITE_FIX, zero_ok=True))]
+
 
 @dataclass(frozen=True)
-class Profile:
+class Profile(_ProfilePart):
     """The layers of one model on one device type, for one microbatch shape."""
 
     model: str
@@ -60,15 +73,31 @@ class Profile:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    def check_values(self) -> list[Problem]:
+        return [*(p for name in ("model", "device", "dtype") for p in non_empty(self, name, _WRITE_FIX)),
+                *at_least(self, "microbatch_size", 1, _WRITE_FIX), *at_least(self, "seq_len", 1, _WRITE_FIX),
+                *([] if self.layers else [Problem("layers", "a non-empty list of layers", "an empty list",
+                                                  _WRITE_FIX)])]
+
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["layers"] = [asdict(x) for x in self.layers]
-        return d
+        """Plain data of every field; from_dict (and a profile file) takes it back exactly."""
+        return to_plain(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Profile":
-        layers = tuple(LayerProfile(**x) for x in d["layers"])
-        return cls(**{**d, "layers": layers})
+    def from_dict(cls, d: Any, where: str = "<dict>") -> Profile:
+        """Same as profile_from_file_dict."""
+        return profile_from_file_dict(d, where)
+
+
+@dataclass(frozen=True)
+class LayerRun(_ProfilePart):
+    """`count` consecutive copies of `layer`: an item of a profile file's "runs"."""
+
+    count: int
+    layer: LayerProfile
+
+    def check_values(self) -> list[Problem]:
+        return at_least(self, "count", 1, "drop runs of no layers; a run has at least one")
 
 
 def compress(profile: "Profile | tuple[LayerProfile, ...] | list[LayerProfile]") -> list[tuple[LayerProfile, int]]:
@@ -95,91 +124,35 @@ def expand(runs) -> tuple[LayerProfile, ...]:
 
 def runs_to_list(profile: Profile) -> list[dict]:
     """compress(profile) as plain data: [{"count": n, "layer": {...}}, ...] (the files' "runs" key)."""
-    return [{"count": n, "layer": asdict(x)} for x, n in compress(profile)]
+    return [to_plain(LayerRun(count=n, layer=x)) for x, n in compress(profile)]
 
 
 def save_profile(profile: Profile, path: str | Path) -> None:
     """Write Profile.to_dict() as YAML (or JSON when the suffix is .json); load_profile reads it back exactly."""
-    write_data(profile.to_dict(), path)
+    save_file(profile.to_dict(), path)
 
 
 def load_profile(path: str | Path) -> Profile:
-    """Read a profile file (JSON when the suffix is .json, else YAML); ProfileFileError on anything malformed."""
-    path = Path(path)
-    d = read_data(path, ProfileFileError, "profile", f"`mobiuspipe profile --model NAME -o {path.name}`")
-    return profile_from_file_dict(d, f"profile file {path}")
+    """Read a profile file (JSON when the suffix is .json, else YAML); ProfileFileError lists anything malformed."""
+    where = f"profile {path}"
+    fix = f"write one with `mobiuspipe profile --model NAME -o {Path(path).name}`"
+    return profile_from_file_dict(read_file(path, where=where, error=ProfileFileError, fix=fix), where)
 
 
-_PROFILE_KEYS = {"model": str, "device": str, "dtype": str, "microbatch_size": int, "seq_len": int}
-
-
-def _check_keys(d, expected: list[str], optional: set[str], where: str) -> None:
-    if not isinstance(d, dict):
-        raise ProfileFileError(f"{where}: expected a mapping with keys {', '.join(expected)}, "
-                               f"found {type(d).__name__}")
-    unknown = [k for k in d if k not in expected and k not in optional]
-    if unknown:
-        raise ProfileFileError(f"{where}: unknown key {unknown[0]!r}; expected keys: "
-                               f"{', '.join([*expected, *sorted(optional)])}")
-    missing = [k for k in expected if k not in d]
-    if missing:
-        raise ProfileFileError(f"{where}: missing key {missing[0]!r}")
-
-
-def _value(v, kind: type, key: str, where: str):
-    """v checked against kind: str non-empty, int >= 0 (not bool), float finite >= 0 (ints accepted)."""
-    if kind is str:
-        ok = isinstance(v, str) and v != ""
-        expected = "a non-empty string"
-    elif kind is int:
-        ok = isinstance(v, int) and not isinstance(v, bool) and v >= 0
-        expected = "an integer >= 0"
-    else:
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
-        expected = "a finite number >= 0"
-        v = float(v) if ok else v
-    if not ok:
-        raise ProfileFileError(f"{where}: key {key!r} expected {expected}, found {v!r}")
-    return v
-
-
-def _layer_from(d, where: str) -> LayerProfile:
-    names = [f.name for f in fields(LayerProfile)]
-    _check_keys(d, names, set(), where)
-    kinds = {f.name: {"str": str, "int": int, "float": float}[f.type] for f in fields(LayerProfile)}
-    return LayerProfile(**{k: _value(d[k], kinds[k], k, where) for k in names})
-
-
-def _layers_from(d: dict, where: str) -> tuple[LayerProfile, ...]:
-    layers = None
-    if "layers" in d:
-        if not isinstance(d["layers"], list) or not d["layers"]:
-            raise ProfileFileError(f"{where}: key 'layers' expected a non-empty list, found {d['layers']!r}")
-        layers = tuple(_layer_from(x, f"{where}, layers[{i}]") for i, x in enumerate(d["layers"]))
-    if "runs" in d:
-        runs = d["runs"]
-        if not isinstance(runs, list) or not runs:
-            raise ProfileFileError(f"{where}: key 'runs' expected a non-empty list, found {runs!r}")
-        pairs = []
-        for i, r in enumerate(runs):
-            _check_keys(r, ["count", "layer"], set(), f"{where}, runs[{i}]")
-            if _value(r["count"], int, "count", f"{where}, runs[{i}]") < 1:
-                raise ProfileFileError(f"{where}, runs[{i}]: key 'count' expected an integer >= 1, found 0")
-            pairs.append((_layer_from(r["layer"], f"{where}, runs[{i}].layer"), r["count"]))
-        if layers is not None and expand(pairs) != layers:
-            raise ProfileFileError(f"{where}: keys 'runs' and 'layers' disagree; keep one of them")
-        layers = expand(pairs)
-    return layers
-
-
-def profile_from_file_dict(d, where: str = "profile") -> Profile:
-    """A Profile from a loaded file's mapping (layers or runs); ProfileFileError names `where` and the key."""
-    expected = [*_PROFILE_KEYS, "layers"]
-    _check_keys(d, [*_PROFILE_KEYS], {"layers", "runs"}, where)
-    if "layers" not in d and "runs" not in d:
-        raise ProfileFileError(f"{where}: missing key 'layers' (or 'runs'); expected keys: {', '.join(expected)}")
-    top = {k: _value(d[k], kind, k, where) for k, kind in _PROFILE_KEYS.items()}
-    for k in ("microbatch_size", "seq_len"):
-        if top[k] < 1:
-            raise ProfileFileError(f"{where}: key {k!r} expected an integer >= 1, found {top[k]!r}")
-    return Profile(**top, layers=_layers_from(d, where))
+def profile_from_file_dict(d: Any, where: str = "profile") -> Profile:
+    """A Profile from a loaded file's mapping (layers, runs or both); ProfileFileError names `where` and
+    lists every problem."""
+    builder = Builder(where, ProfileFileError)
+    data = dict(d) if isinstance(d, dict) else d
+    if not isinstance(data, dict) or "runs" not in data:
+        return builder.finish(builder.build(Profile, data))
+    runs = builder.value(tuple[LayerRun, ...], data.pop("runs"), "runs")
+    if runs == ():
+        builder.add([Problem("runs", "a non-empty list of runs", "an empty list", _WRITE_FIX)])
+    layers = INVALID if runs in (INVALID, ()) else expand((r.layer, r.count) for r in runs)
+    profile = builder.build(Profile, data, extra={} if "layers" in data else {"layers": layers})
+    if profile is not INVALID and layers is not INVALID and profile.layers != layers:
+        builder.add([Problem("runs", "the layers that `layers` lists", f"runs that disagree with layers: "
+                             f"{len(layers)} layers against {len(profile.layers)}, or different ones",
+                             "keep one of runs and layers")])
+    return builder.finish(profile)

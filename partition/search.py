@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 
+from foundation.timing import Stopwatch
+from foundation.units import GiB
 from partition.costmodel import ARENA_SLOTS, LayerArrays
 from partition.dp import solve_dp
 from partition.errors import PlanInfeasibleError
@@ -26,8 +27,6 @@ def host_adam_rate(topo: Topology) -> float:
     m = topo.measured
     return m.host_adam_params_per_s if m and m.host_adam_params_per_s > 0 else HOST_ADAM_PARAMS_PER_S
 
-GiB = 1024**3
-
 
 def make_plan(profile: Profile, topo: Topology, microbatches: int, *, num_stages: int | None = None,
               mapping: str = "cross", reserve_bytes: int = 0, solver: str = "auto", time_limit_s: float = 2.0,
@@ -40,7 +39,7 @@ def make_plan(profile: Profile, topo: Topology, microbatches: int, *, num_stages
     time_limit_s of solver time in all and to a relative gap. The candidates are simulated again with
     shared links (partition.simulate with the topology) and the least predicted step wins.
     """
-    t0 = time.perf_counter()
+    watch = Stopwatch()
     _check_memory_known(topo)
     arr = LayerArrays.of(profile)
     memory = min(g.memory_bytes for g in topo.gpus) - reserve_bytes
@@ -54,7 +53,7 @@ def make_plan(profile: Profile, topo: Topology, microbatches: int, *, num_stages
                                  time_limit_s, gap)
         candidates = candidates + found
     best = min((_shared(p, topo) for p in candidates), key=lambda p: (p.predicted_step_time_s, p.num_stages))
-    return dataclasses.replace(best, solver=dataclasses.replace(info, wall_s=_since(t0)))
+    return dataclasses.replace(best, solver=dataclasses.replace(info, wall_s=round(watch.s, 6)))
 
 
 def _shared(plan: Plan, topo: Topology) -> Plan:
@@ -65,10 +64,6 @@ def _shared(plan: Plan, topo: Topology) -> Plan:
 
 MIP_CANDIDATES = 3
 """Stage counts (the DP's best by simulated step) the MIP re-cuts."""
-
-
-def _since(t0: float) -> float:
-    return round(time.perf_counter() - t0, 6)
 
 
 def _dp_plans(profile: Profile, topo: Topology, arr: LayerArrays, microbatches: int, num_stages: int | None,
@@ -100,11 +95,11 @@ def _mip_plans(profile: Profile, topo: Topology, arr: LayerArrays, ranked: list[
     from partition.mip_solve import solve_stage_count, stage_data  # the solvers load only when used
 
     found, used, gaps, statuses, notes = [], set(), [], set(), []
-    t0 = time.perf_counter()
+    watch = Stopwatch()
     for k, plan in enumerate(ranked):
         m = plan.mapping
         cuts = [s.first for s in plan.stages] + [plan.num_layers]
-        left = max(0.05, time_limit_s - (time.perf_counter() - t0)) / (len(ranked) - k)
+        left = max(0.05, time_limit_s - watch.s) / (len(ranked) - k)
         res = solve_stage_count(profile, m, microbatches, stage_data(topo, m, profile), memory, cuts, solver,
                                 left, gap)
         used.add(res.result.solver)

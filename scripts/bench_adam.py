@@ -12,10 +12,10 @@ import argparse
 import datetime
 import platform
 import statistics
-import time
 
 import torch
 
+from foundation.timing import Stopwatch
 from mobiuspipe import _ext
 from mobiuspipe.optim import CPUAdam
 
@@ -95,9 +95,9 @@ def _bench(fns: dict, rounds: int) -> dict:
         fn()
     for _ in range(rounds):
         for k, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
+            with Stopwatch() as watch:
+                fn()
+            times[k].append(watch.s)
     return {k: statistics.median(v) for k, v in times.items()}
 
 

@@ -20,15 +20,17 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from benchlib import MIB, cpu_model, markdown_table
+from benchlib import cpu_model, markdown_table
+from foundation.timing import Stopwatch
+from foundation.units import MiB
 
 STEP_CODE = """
-import shutil, statistics, sys, time, torch
+import shutil, statistics, sys, torch
+from foundation.timing import Stopwatch
 from mobiuspipe.memory.ssd_store import SSDStore
 from mobiuspipe.optim.ooc_adam import OutOfCoreAdam
 torch.set_num_threads(2)
@@ -42,16 +44,18 @@ for c in range(5):  # each optimizer's slots reuse the memory its predecessor fr
         opt.step(grads, outs)
         times = []
         for _ in range(3):
-            t0 = time.perf_counter(); opt.step(grads, outs); times.append(time.perf_counter() - t0)
+            with Stopwatch() as watch:
+                opt.step(grads, outs)
+            times.append(watch.s)
     shutil.rmtree(folder)
     print(statistics.median(times))
 """
 
 
 def read_seconds(io, fd: int, buf: torch.Tensor, path: str) -> float:
-    t0 = time.perf_counter()
-    io.wait(io.submit(fd, buf, 0, False, True, path))
-    return time.perf_counter() - t0
+    with Stopwatch() as watch:
+        io.wait(io.submit(fd, buf, 0, False, True, path))
+    return watch.s
 
 
 def part_reads(work: Path, nbytes: int, rounds: int) -> dict[str, float]:
@@ -59,7 +63,7 @@ def part_reads(work: Path, nbytes: int, rounds: int) -> dict[str, float]:
 
     path = work / "read.bin"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
-    io = IOEngine("uring", 32, MIB)
+    io = IOEngine("uring", 32, MiB)
     data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
     huge = aligned_empty(nbytes)
     os.environ["MOBIUSPIPE_HUGE_PAGES"] = "0"
@@ -105,13 +109,13 @@ def main() -> None:
     work = Path(args.dir).resolve() / f".bench-buffers-{os.getpid()}"
     work.mkdir()
     try:
-        reads = part_reads(work, args.size_mb * MIB, args.rounds)
+        reads = part_reads(work, args.size_mb * MiB, args.rounds)
         steps = part_steps(work, args.numel, args.rounds)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; machine: {cpu_model()}, "
           f"{os.cpu_count()} cores; THP: {Path('/sys/kernel/mm/transparent_hugepage/enabled').read_text().strip()}")
-    nbytes = args.size_mb * MIB
+    nbytes = args.size_mb * MiB
     rows = [[f"O_DIRECT read of {args.size_mb} MiB", k, f"{v * 1e3:.1f} ms", f"{nbytes / v / 1e9:.2f} GB/s",
              f"{v / reads['huge pages']:.2f}"] for k, v in reads.items()]
     base = statistics.median(steps["huge pages"])

@@ -13,12 +13,13 @@ import argparse
 import datetime
 import os
 import statistics
-import time
 import zlib
 
 import torch
 
-from benchlib import MIB, cpu_model, markdown_table
+from benchlib import cpu_model, markdown_table
+from foundation.timing import Stopwatch
+from foundation.units import MiB
 from mobiuspipe import _ext
 
 
@@ -41,21 +42,21 @@ def main() -> None:
         raise SystemExit(f"the C++ extension is not built ({_ext.WHY_NOT}); run scripts/setup.sh")
     torch.set_num_threads(1)
     rows = []
-    for size in (MIB, 256 * MIB):
+    for size in (MiB, 256 * MiB):
         t = torch.randint(0, 256, (size,), dtype=torch.uint8)
         fns = contestants(t)
-        reps = max(1, (64 * MIB) // size)  # a 1 MiB pass is timed 64 times in a row
+        reps = max(1, (64 * MiB) // size)  # a 1 MiB pass is timed 64 times in a row
         times = {k: [] for k in fns}
         for _ in range(args.rounds):
             for k, fn in fns.items():
                 n = 1 if "table" in k else reps
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    fn()
-                times[k].append((time.perf_counter() - t0) / n)
+                with Stopwatch() as watch:
+                    for _ in range(n):
+                        fn()
+                times[k].append(watch.s / n)
         med = {k: statistics.median(v) for k, v in times.items()}
         ours = med["crc32c (mobiuspipe, 3 streams)"]
-        rows += [[f"{size // MIB} MiB", k, f"{size / v / 1e9:.2f}", f"{v / ours:.2f}"] for k, v in med.items()]
+        rows += [[f"{size // MiB} MiB", k, f"{size / v / 1e9:.2f}", f"{v / ours:.2f}"] for k, v in med.items()]
     print(f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; machine: {cpu_model()}, "
           f"{os.cpu_count()} cores, 1 thread; SSE4.2 crc32: {_ext.C.crc32c_has_hw()}; median of {args.rounds}")
     print(markdown_table(["size", "contestant", "GB/s", "time x crc32c"], rows))

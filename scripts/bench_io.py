@@ -20,12 +20,13 @@ import os
 import shutil
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from benchlib import MIB, cpu_mark, cpu_model, fio_gbps, markdown_table, other_share
+from benchlib import cpu_mark, cpu_model, fio_gbps, markdown_table, other_share
+from foundation.timing import Stopwatch
+from foundation.units import MiB
 from mobiuspipe import _ext
 from mobiuspipe.memory.aio import IOEngine, aligned_empty
 from mobiuspipe.memory.ssd_store import SSDStore
@@ -43,7 +44,7 @@ def _fresh(path: Path, nbytes: int) -> int:
 def engine_contestant(backend: str, qd: int, register: list[torch.Tensor] | None = None):
     """(write_s, read_s) of one round of IOEngine(backend): one request of the whole buffer each way;
     with `register`, those buffers are io_uring registered buffers (as the out-of-core optimizer's slots)."""
-    io = IOEngine(backend, qd, MIB)
+    io = IOEngine(backend, qd, MiB)
     fixed = ""
     if register is not None:
         why = io.register(register)
@@ -54,33 +55,31 @@ def engine_contestant(backend: str, qd: int, register: list[torch.Tensor] | None
     def run(path: Path, buf: torch.Tensor, back: torch.Tensor) -> tuple[float, float]:
         fd = _fresh(path, buf.numel())
         try:
-            t0 = time.perf_counter()
-            io.wait(io.submit(fd, buf, 0, True, True, str(path)))
-            os.fsync(fd)
-            t1 = time.perf_counter()
-            io.wait(io.submit(fd, back, 0, False, True, str(path)))
-            t2 = time.perf_counter()
+            with Stopwatch() as write:
+                io.wait(io.submit(fd, buf, 0, True, True, str(path)))
+                os.fsync(fd)
+            with Stopwatch() as read:
+                io.wait(io.submit(fd, back, 0, False, True, str(path)))
         finally:
             os.close(fd)
-        return t1 - t0, t2 - t1
+        return write.s, read.s
 
     return f"mobiuspipe IOEngine ({io.backend}, qd {qd}{fixed})", run
 
 
 def store_contestant(folder: Path, qd: int):
     """(write_s, read_s) of SSDStore.put (CRC-32C, allocation, fsync by flush) and SSDStore.get (CRC check)."""
-    store = SSDStore(folder / "store", queue_depth=qd, block_bytes=MIB)
+    store = SSDStore(folder / "store", queue_depth=qd, block_bytes=MiB)
 
     def run(path: Path, buf: torch.Tensor, back: torch.Tensor) -> tuple[float, float]:
         if "t" in store:
             store.delete("t")
-        t0 = time.perf_counter()
-        store.put("t", buf)
-        store.flush()
-        t1 = time.perf_counter()
-        store.get("t", out=back)
-        t2 = time.perf_counter()
-        return t1 - t0, t2 - t1
+        with Stopwatch() as write:
+            store.put("t", buf)
+            store.flush()
+        with Stopwatch() as read:
+            store.get("t", out=back)
+        return write.s, read.s
 
     return f"mobiuspipe SSDStore put+flush / get ({store.engine.backend}, checksummed)", run
 
@@ -94,7 +93,7 @@ def deepspeed_contestant(qd: int, overlap: bool):
     except Exception as exc:  # not installed, or its op does not build here
         print(f"# DeepSpeed AIO not measured: {type(exc).__name__}: {exc}", file=sys.stderr)
         return None
-    h = aio.aio_handle(MIB, qd, False, overlap, 1)
+    h = aio.aio_handle(MiB, qd, False, overlap, 1)
     bufs: dict[int, torch.Tensor] = {}
 
     def run(path: Path, buf: torch.Tensor, back: torch.Tensor) -> tuple[float, float]:
@@ -104,18 +103,17 @@ def deepspeed_contestant(qd: int, overlap: bool):
             bufs[0].copy_(buf)
         os.close(_fresh(path, buf.numel()))
         bufs[1].copy_(back)  # the same prior contents as every contestant's read buffer
-        t0 = time.perf_counter()
-        h.async_pwrite(bufs[0], str(path), 0)
-        h.wait()
-        fd = os.open(path, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
-        t1 = time.perf_counter()
-        h.async_pread(bufs[1], str(path), 0)
-        h.wait()
-        t2 = time.perf_counter()
+        with Stopwatch() as write:
+            h.async_pwrite(bufs[0], str(path), 0)
+            h.wait()
+            fd = os.open(path, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+        with Stopwatch() as read:
+            h.async_pread(bufs[1], str(path), 0)
+            h.wait()
         back.copy_(bufs[1])
-        return t1 - t0, t2 - t1
+        return write.s, read.s
 
     return f"DeepSpeed {deepspeed.__version__} aio_handle (qd {qd}, overlap_events={overlap})", run
 
@@ -124,11 +122,11 @@ def fio_contestant(engine: str, qd: int, extra: tuple[str, ...] = ()):
     """fio's own bandwidth figures (bw_bytes) for a sequential write (end_fsync) then read."""
     def one(path: Path, size_mb: int, rw: str) -> float:  # seconds, from fio's own rate
         options = [f"--ioengine={engine}", f"--iodepth={qd}", *extra] + (["--end_fsync=1"] if rw == "write" else [])
-        return size_mb * MIB / (fio_gbps(path, rw, size_mb, options) * 1e9)
+        return size_mb * MiB / (fio_gbps(path, rw, size_mb, options) * 1e9)
 
     def run(path: Path, buf: torch.Tensor, back: torch.Tensor) -> tuple[float, float]:
         path.unlink(missing_ok=True)
-        size_mb = buf.numel() // MIB
+        size_mb = buf.numel() // MiB
         return one(path, size_mb, "write"), one(path, size_mb, "read")
 
     return f"fio ({engine}, iodepth {qd}{''.join(' ' + e for e in extra)})", run
@@ -145,7 +143,7 @@ def main() -> None:
         raise SystemExit(f"the C++ extension is not built ({_ext.WHY_NOT}); run scripts/setup.sh")
     work = Path(args.dir).resolve() / f".bench-io-{os.getpid()}"
     work.mkdir()
-    qd, nbytes = args.queue_depth, args.size_mb * MIB
+    qd, nbytes = args.queue_depth, args.size_mb * MiB
     buf = aligned_empty(nbytes)
     buf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
     back = aligned_empty(nbytes)

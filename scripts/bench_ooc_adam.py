@@ -18,12 +18,13 @@ import datetime
 import os
 import shutil
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
-from benchlib import MIB, cpu_mark, cpu_model, fio_gbps, markdown_table, other_share
+from benchlib import cpu_mark, cpu_model, fio_gbps, markdown_table, other_share
+from foundation.timing import Stopwatch
+from foundation.units import MiB
 from mobiuspipe import _ext
 from mobiuspipe.memory.ssd_store import SSDStore
 from mobiuspipe.optim import CPUAdam
@@ -63,7 +64,7 @@ def run(args, work: Path) -> None:
     grads = {"w": (torch.randn(n, generator=gen) * 1e-3).bfloat16()}
     outs = {"w": torch.empty(n, dtype=torch.bfloat16)}
     store = SSDStore(work / "store")
-    opt = OutOfCoreAdam.create(store, params, host_budget_bytes=args.budget_mb * MIB)
+    opt = OutOfCoreAdam.create(store, params, host_budget_bytes=args.budget_mb * MiB)
     mem_p = torch.nn.Parameter(params["w"].clone())
     mem = CPUAdam([mem_p])
     fio_file = work / "fio.bin"
@@ -72,9 +73,9 @@ def run(args, work: Path) -> None:
     fio = {(rw, e): [] for rw in ("read", "write") for e in FIO_VARIANTS}
 
     def timed(key, fn):
-        t0 = time.perf_counter()
-        fn()
-        times[key].append(time.perf_counter() - t0)
+        with Stopwatch() as watch:
+            fn()
+        times[key].append(watch.s)
 
     opt.step(grads, outs)  # warm-up: every group file written once by a step
     mem.step_fused({mem_p: outs["w"]}, grads={mem_p: grads["w"]})

@@ -10,8 +10,9 @@ import argparse
 import datetime
 import os
 import platform
-import time
 
+from foundation.timing import Stopwatch
+from foundation.units import GiB
 from partition.analytic import analytic_profile
 from partition.errors import PlanInfeasibleError
 from partition.hardware import device_spec
@@ -28,12 +29,12 @@ SOLVERS = ("dp", "highs", "gurobi")
 def _row(model: str, topo_name: str, solver: str, limit: float, dp_step: float | None) -> dict:
     topo = preset(topo_name)
     prof = analytic_profile(get_model(model), device_spec(topo.gpus[0].name), microbatch_size=1, dtype="fp16")
-    t0 = time.perf_counter()
+    watch = Stopwatch()
     try:
-        plan = make_plan(prof, topo, 4, reserve_bytes=2**30, solver=solver, time_limit_s=limit)
+        plan = make_plan(prof, topo, 4, reserve_bytes=GiB, solver=solver, time_limit_s=limit)
     except PlanInfeasibleError as e:
         return {"model": model, "topology": topo_name, "solver": solver, "error": str(e).split(":")[0]}
-    wall = time.perf_counter() - t0
+    wall = watch.s
     step = plan.predicted_step_time_s
     status, _, note = plan.solver.status.partition("; ")
     return {"model": model, "topology": topo_name, "solver": plan.solver.name, "asked": solver,

@@ -11,7 +11,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import yaml
 from torch import nn
 
 from benchlib import cpu_mark, cpu_model, markdown_table, other_share
+from foundation.timing import Stopwatch
 from mobiuspipe.config import RunConfig, config_from_dict
 from mobiuspipe.dataset import ByteData
 from mobiuspipe.models.gpt import build_layers, lm_loss
@@ -93,7 +93,7 @@ def plain_run(cfg: RunConfig, threads: int, chunks: int) -> tuple[list[float], f
         data = ByteData(cfg.data.text_path, cfg.model.seq_len, t.seed)
         times, loss = [], 0.0
         for step in range(t.steps):
-            t0 = time.perf_counter()
+            watch = Stopwatch()
             x, y = data.batch(step, cfg.data.batch_size)
             opt.zero_grad()
             loss = 0.0
@@ -102,7 +102,7 @@ def plain_run(cfg: RunConfig, threads: int, chunks: int) -> tuple[list[float], f
                 part.backward()
                 loss += part.item()
             opt.step()
-            times.append(time.perf_counter() - t0)
+            times.append(watch.s)
         return times, loss
     finally:
         torch.set_num_threads(before)

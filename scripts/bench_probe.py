@@ -16,10 +16,10 @@ import tempfile
 from pathlib import Path
 
 from benchlib import cpu_mark, cpu_model, fio_gbps, markdown_table, other_share
+from foundation.units import MiB
 from topology import load_topology
 from topology.probe import NO_CUDA_NOTE, probe
 
-MIB = 2**20
 REPO = Path(__file__).resolve().parents[1]
 TOOLS = ("mobiuspipe", "fio", "dd")
 WHAT = {
@@ -63,8 +63,8 @@ def dd_gbps(args: list[str], size_mb: int) -> float:
     cmd = ["dd", "bs=1M", f"count={size_mb}", *args]
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "LC_ALL": "C"})
     found = re.search(r"^(\d+) bytes .* copied, ([0-9.e+-]+) s", out.stderr, re.M)
-    if out.returncode != 0 or not found or int(found[1]) != size_mb * MIB:
-        raise RuntimeError(f"{' '.join(cmd)}: expected {size_mb * MIB} bytes copied, found exit "
+    if out.returncode != 0 or not found or int(found[1]) != size_mb * MiB:
+        raise RuntimeError(f"{' '.join(cmd)}: expected {size_mb * MiB} bytes copied, found exit "
                            f"{out.returncode}: {out.stderr.strip()[-500:]}")
     return gbps(int(found[1]), float(found[2]))
 

@@ -6,13 +6,12 @@ import json
 import os
 import platform
 import subprocess
-import time
 from pathlib import Path
 
+from foundation.timing import Stopwatch
+from foundation.units import MiB
+
 __all__ = ["cpu_model", "markdown_table", "cpu_mark", "other_share", "fio_gbps"]
-
-MIB = 1 << 20
-
 
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo (platform.processor() where it is missing)."""
@@ -47,16 +46,16 @@ def _own_cpu_s() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
-def cpu_mark() -> tuple[float, float, float]:
-    """(wall clock, machine busy CPU-s, own CPU-s) now: the start of a stretch other_share measures."""
-    return time.perf_counter(), _busy_cpu_s(), _own_cpu_s()
+def cpu_mark() -> tuple[Stopwatch, float, float]:
+    """(a started stopwatch, machine busy CPU-s, own CPU-s) now: the start of a stretch other_share measures."""
+    return Stopwatch(), _busy_cpu_s(), _own_cpu_s()
 
 
-def other_share(mark: tuple[float, float, float]) -> tuple[float, float]:
+def other_share(mark: tuple[Stopwatch, float, float]) -> tuple[float, float]:
     """(share of all cores that processes other than ours kept busy since `mark`, wall seconds). Kernel work
     done for our own I/O counts as other, so an idle machine shows a few percent."""
-    t0, busy0, own0 = mark
-    wall = time.perf_counter() - t0
+    watch, busy0, own0 = mark
+    wall = watch.s
     other = max(0.0, _busy_cpu_s() - busy0 - (_own_cpu_s() - own0))
     return other / (wall * (os.cpu_count() or 1)), wall
 
@@ -71,7 +70,7 @@ def fio_gbps(path: Path, rw: str, size_mb: int, options: list[str]) -> float:
     if out.returncode != 0 or "{" not in out.stdout:
         raise RuntimeError(f"{' '.join(cmd)} failed (exit {out.returncode}): {out.stderr.strip()[-500:]}")
     job = json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0]
-    if job["error"] or job[rw]["io_bytes"] != size_mb * MIB:
-        raise RuntimeError(f"fio {rw}: expected {size_mb * MIB} bytes moved without error, found "
+    if job["error"] or job[rw]["io_bytes"] != size_mb * MiB:
+        raise RuntimeError(f"fio {rw}: expected {size_mb * MiB} bytes moved without error, found "
                            f"{job[rw]['io_bytes']} bytes, error {job['error']}")
     return job[rw]["bw_bytes"] / 1e9

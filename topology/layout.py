@@ -1,4 +1,4 @@
-"""Layout files: a Topology read from and written to YAML or JSON, with strict checks that name the file and key.
+"""Layout files: a Topology read from and written to YAML or JSON by the one strict loader (foundation.loader).
 
 A layout file holds what `Topology.to_dict()` produces:
 
@@ -26,237 +26,227 @@ A layout file holds what `Topology.to_dict()` produces:
 
 Memory strings take B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), with an
 optional space and a decimal number ("1.5 TiB"); they must come to a whole number of bytes.
-Bandwidths are GB/s (1e9 bytes per second).
+Bandwidths are GB/s (1e9 bytes per second). Every problem of a file is reported at once, each with its
+dotted key (`gpus[2].memory_bytes`), what was expected, what was found and the fix.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import json
-import re
-import types
-import typing
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
-import yaml
-
+from foundation.loader import (Problem, at_least, field_hints, format_problems, found_text, from_plain,
+                               non_empty, positive, read_file, rule, save_file, to_plain)
+from foundation.units import as_bytes
 from topology.errors import TopologyError
 from topology.presets import PRESETS
-from topology.types import P2P_STATUSES, Gpu, Measured, RootComplex, Switch, Topology
+from topology.types import P2P_STATUSES, Gpu, Measured, NvLink, Nvme, RootComplex, Switch, Topology
 
 __all__ = ["topology_from_dict", "load_topology", "save_topology", "parse_bytes"]
 
 _SUFFIXES = (".yaml", ".yml", ".json")
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_BYTES_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]+)\s*$")
-_MEMORY_HELP = 'bytes as an integer or a string like "24GiB" or "24GB"'
-_SCALARS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
-
-
-def _fail(where: str, key: str, expected: str, found: Any) -> TopologyError:
-    return TopologyError(f"{where}: {key}: expected {expected}, found {_describe(found)}")
-
-
-def _describe(value: Any) -> str:
-    return f"{type(value).__name__} {value!r}" if not isinstance(value, str) else repr(value)
-
-
-def _check_keys(d: Any, where: str, key: str, required: tuple, optional: tuple = ()) -> None:
-    """Fail on a non-mapping, on an unknown key (suggesting the nearest known one) and on a missing key."""
-    if not isinstance(d, dict):
-        raise _fail(where, key or "top level", "a mapping", d)
-    prefix = f"{key}." if key else ""
-    known = required + optional
-    for k in d:
-        if k not in known:
-            close = difflib.get_close_matches(str(k), known, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise TopologyError(f"{where}: {prefix}{k}: unknown key; expected one of {list(known)}{hint}")
-    for k in required:
-        if k not in d:
-            raise TopologyError(f"{where}: {prefix}{k}: missing key; expected the keys {list(required)}, "
-                                f"found {sorted(map(str, d))}")
+_HEADER = "# mobiuspipe topology layout: memory in bytes (\"24GiB\" also accepted), bandwidth in GB/s\n"
+_FIX = "correct the layout file (`mobiuspipe topology --save FILE.yaml` writes one for this machine)"
+_BANDWIDTH = "a bandwidth in GB/s, a finite number"
 
 
 def parse_bytes(value: Any, where: str, key: str) -> int:
     """Bytes from an int or a string like "24GiB", "24 GB", "1.5TiB"; TopologyError naming `where` and `key`."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value < 0:
-            raise _fail(where, key, f"{_MEMORY_HELP}, >= 0", value)
-        return value
-    m = _BYTES_RE.match(value) if isinstance(value, str) else None
-    unit = _UNITS.get(m.group(2).upper()) if m else None
-    if unit is None:
-        raise _fail(where, key, f"{_MEMORY_HELP} (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)", value)
     try:
-        exact = Decimal(m.group(1)) * unit
-    except InvalidOperation:  # pragma: no cover - the regex admits only decimal numbers
-        raise _fail(where, key, _MEMORY_HELP, value) from None
-    if exact != exact.to_integral_value():
-        raise _fail(where, key, f"a whole number of bytes ({value} is {exact} bytes)", value)
-    return int(exact)
+        return as_bytes(value)
+    except ValueError as e:
+        fix = f'write bytes, or a size with its unit such as `{key.rsplit(".", 1)[-1]}: 24GiB`'
+        raise TopologyError(format_problems(where, [Problem(key, str(e), found_text(value), fix)])) from None
 
 
-def _value(hint: Any, v: Any, where: str, key: str) -> Any:
-    """v converted to the field type `hint`, or TopologyError naming the key and what was expected."""
-    if hint is type(None) or v is None:
-        if v is None and (hint is type(None) or type(None) in typing.get_args(hint)):
-            return None
-        raise _fail(where, key, "a value", v)
-    args = typing.get_args(hint)
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return _value(next(a for a in args if a is not type(None)), v, where, key)
-    if typing.get_origin(hint) is tuple:
-        if not isinstance(v, (list, tuple)):
-            raise _fail(where, key, "a list", v)
-        return tuple(_value(args[0], x, where, f"{key}[{i}]") for i, x in enumerate(v))
-    if dataclasses.is_dataclass(hint):
-        return _build(hint, v, where, key)
-    if key.endswith("_bytes") and hint is int:
-        return parse_bytes(v, where, key)
-    is_int = isinstance(v, int) and not isinstance(v, bool)
-    ok = isinstance(v, hint) and not (isinstance(v, bool) and hint is not bool) or hint is float and is_int
-    bandwidth = key.endswith("gbps")
-    if not ok or bandwidth and not key.startswith("measured.") and v <= 0:  # measured: 0 = not measured
-        raise _fail(where, key, "a bandwidth in GB/s, a number > 0" if bandwidth else _SCALARS.get(hint, str(hint)), v)
-    return float(v) if hint is float else v
+# ---- checks of single parts: names say something, bandwidths are > 0 ----
+
+def _names(obj: SimpleNamespace, cls: type) -> list[Problem]:
+    """Every required text field of `cls` (a name, a bus id, a root complex) is non-empty."""
+    hints = field_hints(cls)
+    return [p for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and hints[f.name] is str
+            for p in non_empty(obj, f.name, f"write the {f.name.replace('_', ' ')} it has in the machine")]
 
 
-def _build(cls: type, d: Any, where: str, key: str, defaults: dict | None = None) -> Any:
-    """A frozen dataclass from a mapping: every field typed and checked, unknown and missing keys named."""
-    fields = dataclasses.fields(cls)
-    required = tuple(f.name for f in fields if f.default is dataclasses.MISSING and f.name not in (defaults or {}))
-    optional = tuple(f.name for f in fields if f.name not in required)
-    _check_keys(d, where, key, required, optional)
-    hints = typing.get_type_hints(cls)
-    prefix = f"{key}." if key else ""
-    merged = {**(defaults or {}), **d}
-    for k in required:  # a name or id that is required must say something
-        if hints[k] is str and merged[k] == "":
-            raise _fail(where, prefix + k, "a non-empty string", "")
-    return cls(**{k: _value(hints[k], v, where, prefix + k) for k, v in merged.items()})
+def _bandwidth(obj: SimpleNamespace, name: str) -> list[Problem]:
+    return positive(obj, name, "write the link's GB/s, e.g. 15.75 for PCIe 3.0 x16", what=_BANDWIDTH)
 
 
-def _gpu_defaults(d: Any, i: int, rcs: dict[str, RootComplex]) -> dict:
-    """index defaults to the position; numa_node to that of the gpu's root complex."""
-    rc = rcs.get(d.get("root_complex")) if isinstance(d, dict) else None
-    return {"index": i, **({"numa_node": rc.numa_node} if rc else {})}
+def _part_check(cls: type, bandwidth: str) -> Any:
+    """The check of a part of `cls`: its names, and its bandwidth field `bandwidth`."""
+    return lambda obj: [*_names(obj, cls), *_bandwidth(obj, bandwidth)]
 
 
-def topology_from_dict(d: dict, where: str) -> Topology:
-    """A Topology from a layout mapping (see the module docstring); TopologyError names `where` and the key."""
-    names = tuple(f.name for f in dataclasses.fields(Topology))
-    _check_keys(d, where, "", ("name", "gpus", "root_complexes"), names[4:] + ("source",))
-    for k in ("root_complexes", "gpus"):
-        if not isinstance(d[k], list) or not d[k]:
-            raise _fail(where, k, "a non-empty list", d[k])
-    if d["name"] == "":
-        raise _fail(where, "name", "a non-empty string", "")
-    rcs: dict[str, RootComplex] = {}
-    for i, r in enumerate(_value(tuple[RootComplex, ...], d["root_complexes"], where, "root_complexes")):
-        if r.name in rcs:
-            raise _fail(where, f"root_complexes[{i}].name", f"a name no other root complex has, not one of {list(rcs)}",
-                        r.name)
-        rcs[r.name] = r
-    gpus = tuple(_build(Gpu, g, where, f"gpus[{i}]", _gpu_defaults(g, i, rcs)) for i, g in enumerate(d["gpus"]))
-    for i, g in enumerate(gpus):
-        if g.index != i:
-            raise _fail(where, f"gpus[{i}].index", f"{i} (gpus are listed in index order, 0..N-1)", g.index)
-    hints = typing.get_type_hints(Topology)
-    rest = {k: _value(hints[k], v, where, k) for k, v in d.items() if k not in ("gpus", "root_complexes")}
-    _check_references(where, list(rcs), gpus, rest)
-    try:
-        return Topology(**{"source": f"file:{where}", **rest, "gpus": gpus, "root_complexes": tuple(rcs.values())})
-    except TopologyError as e:  # the remaining cross-field checks live in Topology itself
-        raise TopologyError(f"{where}: {e}") from e
+def _nvlink(link: SimpleNamespace) -> list[Problem]:
+    return [*at_least(link, "links", 1, "write how many NVLinks join the pair (1 or more)"),
+            *_bandwidth(link, "gbps")]
 
 
-def _check_references(where: str, rcs: list[str], gpus: tuple[Gpu, ...], rest: dict) -> None:
-    """Names that must exist (switches, parents, root complexes), nvlink gpus and the p2p shape, by dotted key."""
-    sws = _check_switches(where, rcs, rest.get("switches", ()))
-    under = {s.name: s.root_complex for s in rest.get("switches", ())}
-    attached = [*((f"gpus[{i}]", g) for i, g in enumerate(gpus)),
-                *((f"nvme[{i}]", x) for i, x in enumerate(rest.get("nvme", ())))]
-    for key, x in attached:
-        _refer(where, f"{key}.root_complex", x.root_complex, rcs, "root_complexes")
-        _refer(where, f"{key}.switch", x.switch, sws, "switches", optional=True)
-        if x.switch and under[x.switch] != x.root_complex:
-            raise _fail(where, f"{key}.root_complex", f"{under[x.switch]!r}, the root complex of its switch "
-                        f"{x.switch!r}", x.root_complex)
-    n = len(gpus)
-    for i, link in enumerate(rest.get("nvlinks", ())):
-        for end, v in (("a", link.a), ("b", link.b)):
-            if not 0 <= v < n or (end == "b" and v == link.a):
-                raise _fail(where, f"nvlinks[{i}].{end}", f"a gpu index in 0..{n - 1}, with a != b", v)
-        if link.links < 1:
-            raise _fail(where, f"nvlinks[{i}].links", "a number of NVLinks >= 1", link.links)
-    _check_measured(where, rest.get("measured"), n)
-    p2p = rest.get("p2p", ())
-    if p2p and len(p2p) != n:
-        raise _fail(where, "p2p", f"[] or a {n} x {n} matrix of statuses (a row per gpu)", [list(r) for r in p2p])
-    for i, row in enumerate(p2p):
-        if len(row) != n:
-            raise _fail(where, f"p2p[{i}]", f"a row of {n} statuses (one per gpu)", list(row))
-        for j, status in enumerate(row):
-            if status not in P2P_STATUSES:
-                raise _fail(where, f"p2p[{i}][{j}]", f"one of the nvidia-smi statuses {list(P2P_STATUSES)}", status)
+def _measured(m: SimpleNamespace) -> list[Problem]:
+    fix = "write 0 for not measured, or run `mobiuspipe topology --probe`"
+    return [p for name in ("ssd_read_gbps", "ssd_write_gbps", "host_adam_params_per_s")
+            for p in positive(m, name, fix, zero_ok=True)]
 
 
-def _check_measured(where: str, m: Measured | None, n: int) -> None:
+# ---- checks across the whole layout: references, order, shapes ----
+
+def _topology(t: SimpleNamespace) -> list[Problem]:
+    """Every rule that spans parts: non-empty lists, unique names, references, gpu order, shapes."""
+    rcs = [r.name for r in t.root_complexes]
+    return [*non_empty(t, "name", "name the machine, e.g. `name: my-server`"),
+            *(p for key in ("gpus", "root_complexes") for p in rule(
+                bool(getattr(t, key)), key, f"a non-empty list of {key.replace('_', ' ')}", "an empty list", _FIX)),
+            *_unique("root_complexes", rcs, "root complex"),
+            *_switches(t.switches, rcs),
+            *_gpu_order(t.gpus),
+            *_attachments(t),
+            *_nvlinks(t.nvlinks, len(t.gpus)),
+            *_measured_shapes(t.measured, len(t.gpus)),
+            *_p2p(t.p2p, len(t.gpus))]
+
+
+def _unique(key: str, names: list[str], what: str) -> list[Problem]:
+    """Names listed under `key` must be distinct."""
+    return [Problem(f"{key}[{i}].name", f"a name no other {what} has, not one of {names[:i]}", found_text(name),
+                    f"rename it or delete the repeated {what}")
+            for i, name in enumerate(names) if name in names[:i]]
+
+
+def _refer(key: str, name: str, known: list[str], what: str, optional: bool = False) -> list[Problem]:
+    """`name` at `key` must be one of `known` (or "" when `optional`)."""
+    empty = ' or "" for none' if optional else ""
+    return rule(optional and name == "" or name in known, key, f"one of the {what} {known}{empty}",
+                found_text(name), f"use a name listed under {what}, or add it there")
+
+
+def _switches(switches: tuple[Switch, ...], rcs: list[str]) -> list[Problem]:
+    """Switch names distinct, their root complex and parent existing and agreeing, no loop of parents."""
+    names = [s.name for s in switches]
+    problems = _unique("switches", names, "switch")
+    for i, s in enumerate(switches):
+        problems += _refer(f"switches[{i}].root_complex", s.root_complex, rcs, "root_complexes")
+        problems += _refer(f"switches[{i}].parent", s.parent, names, "switches", optional=True)
+        parent = switches[names.index(s.parent)] if s.parent in names else None
+        if parent and parent.root_complex in rcs and s.root_complex in rcs and parent.root_complex != s.root_complex:
+            problems.append(Problem(f"switches[{i}].root_complex", f"the root complex of its parent switch "
+                                    f"{s.parent!r}, {parent.root_complex!r}", found_text(s.root_complex),
+                                    "a switch hangs below one root complex: make the two agree"))
+        if _in_loop(s, switches, names):
+            problems.append(Problem(f"switches[{i}].parent", f"a switch that is not below {s.name!r} (parents "
+                                    "form a loop)", found_text(s.parent), "make the parents lead up to a root "
+                                    'complex: the top switch has parent ""'))
+    return problems
+
+
+def _in_loop(s: Switch, switches: tuple[Switch, ...], names: list[str]) -> bool:
+    """True when following the parents up from switch `s` comes back to it."""
+    up, seen = s.parent, {s.name}
+    while up in names and up not in seen:
+        seen.add(up)
+        up = switches[names.index(up)].parent
+    return up in seen
+
+
+def _gpu_order(gpus: tuple[Gpu, ...]) -> list[Problem]:
+    return [Problem(f"gpus[{i}].index", f"{i} (gpus are listed in index order, 0..N-1)", found_text(g.index),
+                    f"list the gpus in index order, or delete `index` (it defaults to the position, {i})")
+            for i, g in enumerate(gpus) if g.index != i]
+
+
+def _attachments(t: SimpleNamespace) -> list[Problem]:
+    """Gpus and drives name an existing root complex and switch, and the switch's root complex is theirs."""
+    rcs, under = [r.name for r in t.root_complexes], {}
+    for s in t.switches:
+        under.setdefault(s.name, s.root_complex)
+    problems = []
+    for key, x in [*((f"gpus[{i}]", g) for i, g in enumerate(t.gpus)),
+                   *((f"nvme[{i}]", d) for i, d in enumerate(t.nvme))]:
+        problems += _refer(f"{key}.root_complex", x.root_complex, rcs, "root_complexes")
+        problems += _refer(f"{key}.switch", x.switch, list(under), "switches", optional=True)
+        known = x.root_complex in rcs and under.get(x.switch) in rcs  # else reported above or at the switch
+        if known and under[x.switch] != x.root_complex:
+            problems.append(Problem(f"{key}.root_complex", f"{under[x.switch]!r}, the root complex of its switch "
+                                    f"{x.switch!r}", found_text(x.root_complex), "make the two agree"))
+    return problems
+
+
+def _nvlinks(links: tuple[NvLink, ...], n: int) -> list[Problem]:
+    """Each NVLink joins two distinct gpus of the layout."""
+    return [Problem(f"nvlinks[{i}].{end}", f"a gpu index in 0..{n - 1}, with a != b", found_text(v),
+                    "name two different gpus of this layout by index")
+            for i, link in enumerate(links) for end, v in (("a", link.a), ("b", link.b))
+            if not 0 <= v < n or (end == "b" and v == link.a)]
+
+
+def _measured_shapes(m: Measured | None, n: int) -> list[Problem]:
     """Per-gpu measurements hold nothing or one value per gpu (d2d: n rows of n)."""
+    problems = []
     for key in ("h2d_gbps", "h2d_group_gbps", "d2d_gbps"):
         v = getattr(m, key) if m else ()
         if v and (len(v) != n or key == "d2d_gbps" and any(len(row) != n for row in v)):
             shape = f"{n} rows of {n} values" if key == "d2d_gbps" else f"{n} values"
-            raise _fail(where, f"measured.{key}", f"[] (not measured) or {shape}, one per gpu", list(v))
+            problems.append(Problem(f"measured.{key}", f"[] (not measured) or {shape}, one per gpu",
+                                    found_text(to_plain(v)), "probe again with `mobiuspipe topology --probe`"))
+    return problems
 
 
-def _check_switches(where: str, rcs: list[str], switches: tuple[Switch, ...]) -> list[str]:
-    """Switch names distinct, their root complex and parent existing, no loop of parents; returns the names."""
-    sws = [s.name for s in switches]
-    for i, s in enumerate(switches):
-        if s.name in sws[:i]:
-            raise _fail(where, f"switches[{i}].name", f"a name no other switch has, not one of {sws[:i]}", s.name)
-        _refer(where, f"switches[{i}].root_complex", s.root_complex, rcs, "root_complexes")
-        _refer(where, f"switches[{i}].parent", s.parent, sws, "switches", optional=True)
-        if s.parent and switches[sws.index(s.parent)].root_complex != s.root_complex:
-            raise _fail(where, f"switches[{i}].root_complex", "the root complex of its parent switch "
-                        f"{s.parent!r}", s.root_complex)
-        up, seen = s.parent, {s.name}
-        while up in sws and up not in seen:
-            seen.add(up)
-            up = switches[sws.index(up)].parent
-        if up in seen:
-            raise _fail(where, f"switches[{i}].parent", f"a switch that is not below {s.name!r} (parents form a loop)",
-                        s.parent)
-    return sws
+def _p2p(p2p: tuple[tuple[str, ...], ...], n: int) -> list[Problem]:
+    """No statuses, or an n x n matrix of nvidia-smi statuses."""
+    fix = "copy the matrix of `nvidia-smi topo -p2p r`, or write [] for none"
+    if p2p and len(p2p) != n:
+        return [Problem("p2p", f"[] or a {n} x {n} matrix of statuses (a row per gpu)",
+                        f"{len(p2p)} rows", fix)]
+    problems = [Problem(f"p2p[{i}]", f"a row of {n} statuses (one per gpu)", found_text(list(row)), fix)
+                for i, row in enumerate(p2p) if len(row) != n]
+    return problems + [Problem(f"p2p[{i}][{j}]", f"one of the nvidia-smi statuses {list(P2P_STATUSES)}",
+                               found_text(status), fix)
+                       for i, row in enumerate(p2p) for j, status in enumerate(row) if status not in P2P_STATUSES]
 
 
-def _refer(where: str, key: str, name: str, known: list[str], what: str, optional: bool = False) -> None:
-    if not (optional and name == "") and name not in known:
-        empty = ' or "" for none' if optional else ""
-        raise _fail(where, key, f"one of the {what} {known}{empty}", name)
+_CHECKS = {RootComplex: _part_check(RootComplex, "uplink_gbps"), Switch: _part_check(Switch, "uplink_gbps"),
+           Gpu: _part_check(Gpu, "link_gbps"), Nvme: _part_check(Nvme, "link_gbps"), NvLink: _nvlink,
+           Measured: _measured, Topology: _topology}
 
 
-def _read(path: Path) -> Any:
-    """The parsed content of a .yaml/.yml/.json file; TopologyError on an unreadable or malformed file."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise TopologyError(f"{path}: cannot read the layout file: {e}") from e
-    try:
-        return json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except json.JSONDecodeError as e:
-        raise TopologyError(f"{path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from e
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
-        problem = getattr(e, "problem", None) or str(e)
-        raise TopologyError(f"{path}: malformed YAML{at}: {problem}") from e
+# ---- reading and writing ----
+
+def _with_defaults(d: Any, source: str) -> Any:
+    """The layout with its optional defaults: source, and per gpu index (its position) and numa_node (that
+    of its root complex)."""
+    if not isinstance(d, dict):
+        return d
+    d = {"source": source, **d}
+    if isinstance(d.get("gpus"), list):
+        numa = _numa_nodes(d.get("root_complexes"))
+        d["gpus"] = [_gpu_defaults(g, i, numa) for i, g in enumerate(d["gpus"])]
+    return d
+
+
+def _numa_nodes(rcs: Any) -> dict[str, int]:
+    """Root complex name -> numa node, for the well-formed entries of a layout's root_complexes."""
+    items = [r for r in rcs if isinstance(r, dict)] if isinstance(rcs, list) else []
+    return {r["name"]: r["numa_node"] for r in items
+            if isinstance(r.get("name"), str) and type(r.get("numa_node")) is int}
+
+
+def _gpu_defaults(g: Any, i: int, numa: dict[str, int]) -> Any:
+    """A gpu's mapping with `index` and `numa_node` filled in where it leaves them out."""
+    if not isinstance(g, dict):
+        return g
+    rc = g.get("root_complex")
+    return {"index": i, **({"numa_node": numa[rc]} if isinstance(rc, str) and rc in numa else {}), **g}
+
+
+def _layout(d: Any, where: str, source: str) -> Topology:
+    return from_plain(Topology, _with_defaults(d, source), where=where, error=TopologyError, checks=_CHECKS)
+
+
+def topology_from_dict(d: Any, where: str) -> Topology:
+    """A Topology from a layout mapping (see the module docstring); TopologyError names `where` and lists
+    every problem by its dotted key."""
+    return _layout(d, where, f"file:{where}")
 
 
 def load_topology(spec: str) -> Topology:
@@ -271,10 +261,8 @@ def load_topology(spec: str) -> Topology:
     if path.suffix not in _SUFFIXES:
         raise TopologyError(f"{path}: expected a layout file ending in {'/'.join(_SUFFIXES)}, "
                             f"found suffix {path.suffix!r}; rename it or convert it")
-    data = _read(path)
-    if not isinstance(data, dict):
-        raise _fail(str(path), "top level", "a mapping with keys name, gpus, root_complexes", data)
-    return topology_from_dict(data, str(path))
+    where = f"layout {path}"
+    return _layout(read_file(path, where=where, error=TopologyError, fix=_FIX), where, f"file:{path}")
 
 
 def save_topology(t: Topology, path: str | Path) -> Path:
@@ -283,14 +271,7 @@ def save_topology(t: Topology, path: str | Path) -> Path:
     if path.suffix not in _SUFFIXES:
         raise TopologyError(f"{path}: cannot save a topology with suffix {path.suffix!r}; "
                             f"expected one of {list(_SUFFIXES)}")
-    d = t.to_dict()
-    if path.suffix == ".json":
-        text = json.dumps(d, indent=2) + "\n"
-    else:
-        text = ("# mobiuspipe topology layout: memory in bytes (\"24GiB\" also accepted), bandwidth in GB/s\n"
-                + yaml.safe_dump(d, sort_keys=False))
     try:
-        path.write_text(text, encoding="utf-8")
+        return save_file(t.to_dict(), path, _HEADER)
     except OSError as e:
         raise TopologyError(f"{path}: cannot write the layout file: {e}") from e
-    return path

@@ -9,17 +9,17 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from foundation.timing import Stopwatch
+from foundation.units import GiB, MiB
 from topology.errors import TopologyError
 from topology.probe_cpu import probe_host_adam
 from topology.types import Measured, Topology
 
 __all__ = ["probe", "NO_CUDA_NOTE"]
 
-MIB = 2**20
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _SPACE_MARGIN = 1.1
 """The SSD probe needs size_mb * this much free space in its folder."""
@@ -90,9 +90,9 @@ def _probe_ssd(folder: Path, size_mb: int, repeats: int, notes: list[str]) -> tu
                             "check its permissions or choose another ssd_dir") from e
     os.close(fd)
     path = Path(name)
-    buf = mmap.mmap(-1, MIB)  # anonymous mmap: page aligned, as O_DIRECT needs
+    buf = mmap.mmap(-1, MiB)  # anonymous mmap: page aligned, as O_DIRECT needs
     try:
-        buf.write(os.urandom(MIB))
+        buf.write(os.urandom(MiB))
         direct = _direct_ok(path, buf)
         if not direct:
             notes.append(BUFFERED_NOTE.format(folder=folder))
@@ -101,7 +101,7 @@ def _probe_ssd(folder: Path, size_mb: int, repeats: int, notes: list[str]) -> tu
     finally:
         path.unlink(missing_ok=True)
         buf.close()
-    nbytes = size_mb * MIB
+    nbytes = size_mb * MiB
     return nbytes / min(reads) / 1e9, nbytes / min(writes) / 1e9
 
 
@@ -119,11 +119,11 @@ def _check_folder(folder: Path, size_mb: int) -> None:
     if not os.access(folder, os.W_OK | os.X_OK):
         raise _folder_error(folder, "a writable directory", "no write permission for this user",
                             f"chmod u+wx {folder} or choose another ssd_dir")
-    need = int(size_mb * _SPACE_MARGIN * MIB)
+    need = int(size_mb * _SPACE_MARGIN * MiB)
     free = shutil.disk_usage(folder).free
     if free < need:
-        raise _folder_error(folder, f"{need / 2**30:.2f} GiB free ({size_mb} MiB probe file + 10%)",
-                            f"{free / 2**30:.2f} GiB free", "free some space, choose another ssd_dir or lower size_mb")
+        raise _folder_error(folder, f"{need / GiB:.2f} GiB free ({size_mb} MiB probe file + 10%)",
+                            f"{free / GiB:.2f} GiB free", "free some space, choose another ssd_dir or lower size_mb")
 
 
 def _direct_ok(path: Path, buf: mmap.mmap) -> bool:
@@ -151,7 +151,7 @@ def _direct_ok(path: Path, buf: mmap.mmap) -> bool:
 
 def _io_error(path: Path, what: str, offset: int, e: OSError) -> TopologyError:
     return TopologyError(f"SSD probe: {what} of {path} failed at offset {offset}: errno {e.errno} ({e.strerror}); "
-                         f"expected {MIB} bytes per block; fix: check the drive and its free space, or choose "
+                         f"expected {MiB} bytes per block; fix: check the drive and its free space, or choose "
                          f"another ssd_dir")
 
 
@@ -159,18 +159,18 @@ def _write_file(path: Path, buf: mmap.mmap, blocks: int, direct: bool) -> float:
     """Seconds to write `blocks` 1 MiB blocks to `path` (truncated first) and fsync them."""
     fd = os.open(path, os.O_WRONLY | os.O_TRUNC | (_O_DIRECT if direct else 0))
     try:
-        start = time.perf_counter()
+        watch = Stopwatch()
         for k in range(blocks):
             try:
                 n = os.write(fd, buf)
             except OSError as e:
-                raise _io_error(path, "write", k * MIB, e) from e
-            if n != MIB:
-                raise TopologyError(f"SSD probe: short write to {path} at offset {k * MIB}: {n} of {MIB} bytes "
+                raise _io_error(path, "write", k * MiB, e) from e
+            if n != MiB:
+                raise TopologyError(f"SSD probe: short write to {path} at offset {k * MiB}: {n} of {MiB} bytes "
                                     "written, errno none (a short write sets no errno; the usual cause is a full disk, "
                                     "ENOSPC); fix: free space on the drive or choose another ssd_dir")
         os.fsync(fd)
-        return time.perf_counter() - start
+        return watch.s
     finally:
         os.close(fd)
 
@@ -181,17 +181,17 @@ def _read_file(path: Path, buf: mmap.mmap, blocks: int, direct: bool) -> float:
     try:
         if not direct and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        start = time.perf_counter()
+        watch = Stopwatch()
         for k in range(blocks):
             try:
                 n = os.readv(fd, [buf])
             except OSError as e:
-                raise _io_error(path, "read", k * MIB, e) from e
-            if n != MIB:
-                raise TopologyError(f"SSD probe: short read of {path} at offset {k * MIB}: {n} of {MIB} bytes; "
+                raise _io_error(path, "read", k * MiB, e) from e
+            if n != MiB:
+                raise TopologyError(f"SSD probe: short read of {path} at offset {k * MiB}: {n} of {MiB} bytes; "
                                     f"expected the file just written; fix: check the drive, or another process "
                                     f"truncated the file")
-        return time.perf_counter() - start
+        return watch.s
     finally:
         os.close(fd)
 
@@ -210,7 +210,7 @@ def _probe_gpus(t: Topology, size_mb: int, repeats: int, devices, notes: list[st
         notes.append(NO_CUDA_NOTE)
         return (), (), ()
     devs = _cuda_devices(torch, t, devices, notes)
-    nbytes, n = size_mb * MIB, t.num_gpus
+    nbytes, n = size_mb * MiB, t.num_gpus
     alone = tuple(_h2d_together(torch, [d], nbytes, repeats)[0] for d in devs)
     group = [0.0] * n
     for members in t.contention_groups():

@@ -7,7 +7,7 @@ in the note): the planner's host-update time is this rate's inverse times each s
 
 from __future__ import annotations
 
-import time
+from foundation.timing import Stopwatch
 
 __all__ = ["probe_host_adam"]
 
@@ -28,8 +28,8 @@ def probe_host_adam(notes: list[str], params: int = 32_000_000, repeats: int = 3
     opt.step()
     best = float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        opt.step()
-        best = min(best, time.perf_counter() - t0)
+        with Stopwatch() as step:
+            opt.step()
+        best = min(best, step.s)
     notes.append(f"host Adam: torch.optim.AdamW ({kind}) on {torch.get_num_threads()} threads, {params:,} fp32 params")
     return params / best

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from foundation.units import fmt_bytes
 from topology.types import Topology
 
 __all__ = ["to_json_dict", "render_tree", "render_matrix", "render_text", "group_sizes", "loads_gbps",
-           "fmt_bytes", "link_text", "level_matrix", "summary", "ranges", "LEGEND", "P2P_LEGEND"]
+           "memory_text", "link_text", "level_matrix", "summary", "ranges", "LEGEND", "P2P_LEGEND"]
 
 LEGEND = (
     ("X", "Self"),
@@ -51,14 +52,9 @@ def to_json_dict(t: Topology) -> dict:
     return {**head, **d, "matrix": level_matrix(t)}
 
 
-def fmt_bytes(n: int) -> str:
-    """Bytes in the largest binary unit that keeps the number >= 1 ("24.0 GiB"); "unknown" for 0."""
-    if n <= 0:
-        return "unknown"
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
+def memory_text(n: int) -> str:
+    """A memory size with one decimal ("24.0 GiB"); "unknown" for 0, what a topology says when it does not know."""
+    return fmt_bytes(n, digits=1) if n > 0 else "unknown"
 
 
 def link_text(gen: int, width: int, gbps: float) -> str:
@@ -87,7 +83,7 @@ def _gpu_cells(t: Topology, i: int) -> list[str]:
     g, size = t.gpus[i], group_sizes(t)[i]
     alone, grouped = loads_gbps(t, i)
     load = f"h2d {alone:.2f} GB/s alone" + (f", {grouped:.2f} with {size} copying" if size > 1 else "")
-    return [g.name, fmt_bytes(g.memory_bytes), g.pci_bus_id, link_text(g.pcie_gen, g.pcie_width, g.link_gbps), load]
+    return [g.name, memory_text(g.memory_bytes), g.pci_bus_id, link_text(g.pcie_gen, g.pcie_width, g.link_gbps), load]
 
 
 def _gpu_lines(t: Topology) -> dict[int, str]:
@@ -175,7 +171,7 @@ def render_tree(t: Topology) -> str:
     lines += [f"NVLink: gpu {x.a} <-> gpu {x.b}  NV{x.links}  {x.gbps:.2f} GB/s" for x in t.nvlinks]
     lines.append("contention groups: " + " ".join(str(g) for g in t.contention_groups())
                  + "  (gpus that share a root complex uplink)")
-    lines.append(f"host memory: {fmt_bytes(t.host_memory_bytes)}")
+    lines.append(f"host memory: {memory_text(t.host_memory_bytes)}")
     lines += _measured(t)
     if t.notes:
         lines += ["notes:", *(f"  - {n}" for n in t.notes)]

@@ -7,7 +7,7 @@ from html import escape
 from pathlib import Path
 
 from topology.errors import TopologyError
-from topology.report import fmt_bytes, loads_gbps, ranges, summary
+from topology.report import loads_gbps, memory_text, ranges, summary
 from topology.types import Topology
 
 __all__ = ["svg_topology", "svg_text"]
@@ -60,7 +60,7 @@ def _short(name: str, limit: int = 18) -> str:
 def _gpu_box(t: Topology, i: int, colours: tuple[str, str]) -> _Box:
     g = t.gpus[i]
     link = f"gen{g.pcie_gen} x{g.pcie_width} \u00b7 " if g.pcie_gen and g.pcie_width else ""
-    lines = (f"GPU {i}", _short(g.name), fmt_bytes(g.memory_bytes), link + g.pci_bus_id.removeprefix("0000:"))
+    lines = (f"GPU {i}", _short(g.name), memory_text(g.memory_bytes), link + g.pci_bus_id.removeprefix("0000:"))
     return _Box("gpu", lines, _gbps(g.link_gbps), colours, gpu=i)
 
 
@@ -264,7 +264,7 @@ def svg_text(t: Topology, title: str | None = None) -> str:
     height = y + 42
     head = [_text(MARGIN, 30, title or f"topology {t.name}", 17, "#202124", "bold"),
             _text(MARGIN, 50, f"{t.source} \u00b7 " + " \u00b7 ".join(summary(t))
-                  + f" \u00b7 host memory {fmt_bytes(t.host_memory_bytes)}", 11.5, "#5f6368")]
+                  + f" \u00b7 host memory {memory_text(t.host_memory_bytes)}", 11.5, "#5f6368")]
     return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
             f'viewBox="0 0 {width:.0f} {height:.0f}" font-family="{FONT}">\n'
             f'<rect width="100%" height="100%" fill="#ffffff"/>\n' + "\n".join(head + body) + "\n</svg>\n")

@@ -7,8 +7,9 @@ zero means "none" or "unknown" (a GPU directly on a root port has switch ""; pci
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
+from foundation.units import as_bytes
 from topology.errors import TopologyError
 
 __all__ = ["Gpu", "RootComplex", "Switch", "Nvme", "NvLink", "Measured", "Topology", "LEVELS", "P2P_STATUSES"]
@@ -21,6 +22,9 @@ P2P_STATUSES = ("X", "OK", "NS", "GNS", "CNS", "TNS", "DR", "U")
 """nvidia-smi topo -p2p statuses: self, ok, not supported, GPU / chipset / topology not supported,
 disabled by regkey, unknown."""
 
+_MEMORY = {"convert": as_bytes, "fix": 'write bytes, or a size with its unit such as "24GiB" or "24GB"'}
+"""Field metadata of a memory size: a layout file may write "24GiB" (foundation.loader converts it)."""
+
 
 @dataclass(frozen=True)
 class Gpu:
@@ -28,7 +32,7 @@ class Gpu:
 
     index: int
     name: str
-    memory_bytes: int
+    memory_bytes: int = field(metadata=_MEMORY)
     pci_bus_id: str
     root_complex: str
     """Name of the RootComplex this GPU's PCIe path leads to."""
@@ -115,7 +119,7 @@ class Topology:
     root_complexes: tuple[RootComplex, ...]
     source: str
     """Where this description came from: "preset:2+2", "file:/path/server.yaml", "discovered:nvml+sysfs"."""
-    host_memory_bytes: int = 0
+    host_memory_bytes: int = field(default=0, metadata=_MEMORY)
     switches: tuple[Switch, ...] = ()
     nvme: tuple[Nvme, ...] = ()
     nvlinks: tuple[NvLink, ...] = ()

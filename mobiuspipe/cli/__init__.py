@@ -11,22 +11,12 @@ import argparse
 import sys
 
 from mobiuspipe.cli import env, partition, profile, simulate, topology, train
-from mobiuspipe.cli._common import CliError
+from foundation.errors import UserError
 
-__all__ = ["main", "build_parser", "user_errors"]
+__all__ = ["main", "build_parser"]
 
 SUBCOMMANDS = (env, topology, partition, profile, simulate, train)
 """The subcommand modules, in the order `mobiuspipe --help` lists them."""
-
-
-def user_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions a user can fix: one line on stderr and exit code 2 instead of a traceback."""
-    from mobiuspipe.train import USER_ERRORS  # imports torch: only paid when something failed
-    from partition.errors import UnknownModelError
-    from partition.hf import ModelConfigError
-    from partition.profile import ProfileFileError
-
-    return (*USER_ERRORS, UnknownModelError, ModelConfigError, ProfileFileError, CliError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,8 +31,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args, sys.stdout)
-    except Exception as e:
-        if not isinstance(e, user_errors()):
-            raise  # a bug: keep the traceback
+    except UserError as e:  # anything else is a bug: keep the traceback
         print(f"mobiuspipe: error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 
+from foundation.errors import UserError
 from partition.trace import RenderError
 
 __all__ = ["CliError", "positive_int", "non_negative_float", "write_output"]
 
 
-class CliError(ValueError):
+class CliError(UserError, ValueError):
     """A command-line value the command cannot use (an unknown GPU name, an unwritable output path)."""
 
 

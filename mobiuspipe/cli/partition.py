@@ -6,8 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from foundation.units import GiB, fmt_bytes
 from mobiuspipe.cli._common import CliError, non_negative_float, positive_int, write_output
-from mobiuspipe.units import fmt_bytes
 from partition.analytic import analytic_profile
 from partition.compare import compare, compare_json, compare_text
 from partition.hardware import device_spec
@@ -20,8 +20,6 @@ from partition.trace import ascii_timeline, svg_timeline
 from topology import Topology, load_topology
 
 __all__ = ["register", "run", "plan_to_json", "render_plan"]
-
-GiB = 1024**3
 
 
 def register(sub) -> None:

@@ -11,8 +11,8 @@ import dataclasses
 import json
 import sys
 
+from foundation.units import fmt_bytes
 from mobiuspipe.cli._common import CliError, positive_int, write_output
-from mobiuspipe.units import fmt_bytes
 from partition.analytic import DTYPE_BYTES, analytic_profile
 from partition.hardware import MFU_DEFAULT, device_spec
 from partition.hf import ModelConfigError

@@ -8,8 +8,8 @@ import sys
 from functools import partial
 from pathlib import Path
 
+from foundation.units import fmt_bytes
 from mobiuspipe.cli._common import CliError, write_output
-from mobiuspipe.units import fmt_bytes
 from partition.baselines import predict
 from partition.plan import Plan, load_plan
 from partition.simulate import SimResult, link_paths

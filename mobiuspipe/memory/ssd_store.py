@@ -19,12 +19,12 @@ from typing import Generic, TypeVar
 
 import torch
 
+from foundation.units import fmt_bytes
 from mobiuspipe import _ext
 from mobiuspipe.errors import SwapIOError
 from mobiuspipe.memory import store_index
 from mobiuspipe.memory.aio import ALIGN, IOEngine, aligned_empty, round_up, swap_error
 from mobiuspipe.memory.store_index import Entry
-from mobiuspipe.units import fmt_bytes
 
 __all__ = ["SSDStore", "StoreFuture", "checksum"]
 

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from foundation.units import fmt_bytes
 from mobiuspipe.memory.aio import ALIGN, aligned_empty, round_up
 from mobiuspipe.memory.ssd_store import SSDStore, StoreFuture
 from mobiuspipe.optim.cpu_adam import adamw_update, check_adamw_args
-from mobiuspipe.units import fmt_bytes
 
 __all__ = ["OutOfCoreAdam"]
 

@@ -7,8 +7,8 @@ optimize()); `fits_license` tells before solving, by probing once and caching th
 from __future__ import annotations
 
 import functools
-import time
 
+from foundation.timing import Stopwatch
 from partition.solvers import INF, MipModel, MipResult
 
 __all__ = ["gurobi_available", "fits_license", "solve_gurobi", "SIZE_LIMIT"]
@@ -52,7 +52,7 @@ def solve_gurobi(model: MipModel, time_limit_s: float, rel_gap: float,
     import gurobipy as gp
     from gurobipy import GRB
 
-    t0 = time.perf_counter()
+    watch = Stopwatch()
     env = gp.Env(empty=True)
     env.setParam("OutputFlag", 0)
     env.start()
@@ -77,6 +77,6 @@ def solve_gurobi(model: MipModel, time_limit_s: float, rel_gap: float,
     name = {GRB.OPTIMAL: "optimal", GRB.TIME_LIMIT: "time_limit", GRB.INFEASIBLE: "infeasible"}.get(
         m.Status, f"status {m.Status}")
     if m.SolCount == 0:
-        return MipResult("gurobi", name, INF, -INF, INF, None, time.perf_counter() - t0)
+        return MipResult("gurobi", name, INF, -INF, INF, None, watch.s)
     bound, gap = (m.ObjBound, m.MIPGap) if m.IsMIP else (m.ObjVal, 0.0)  # an LP has neither attribute
-    return MipResult("gurobi", name, m.ObjVal, bound, gap, tuple(v.X for v in x), time.perf_counter() - t0)
+    return MipResult("gurobi", name, m.ObjVal, bound, gap, tuple(v.X for v in x), watch.s)

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import time
-
+from foundation.timing import Stopwatch
 from partition.solvers import INF, MipModel, MipResult
 
 __all__ = ["solve_highs"]
@@ -39,7 +38,7 @@ def solve_highs(model: MipModel, time_limit_s: float, rel_gap: float,
     """Solve with a time limit and a relative gap; `start` is a MIP start (ignored if infeasible)."""
     import highspy
 
-    t0 = time.perf_counter()
+    watch = Stopwatch()
     h = highspy.Highs()
     h.silent()
     h.setOptionValue("time_limit", float(time_limit_s))
@@ -59,4 +58,4 @@ def solve_highs(model: MipModel, time_limit_s: float, rel_gap: float,
             highspy.HighsModelStatus.kInfeasible: "infeasible"}.get(status, h.modelStatusToString(status))
     obj = info.objective_function_value if has_x else INF
     return MipResult("highs", name, obj, info.mip_dual_bound, info.mip_gap if has_x else INF,
-                     tuple(sol.col_value) if has_x else None, time.perf_counter() - t0)
+                     tuple(sol.col_value) if has_x else None, watch.s)

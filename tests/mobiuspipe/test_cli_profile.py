@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mobiuspipe.cli import user_errors
+from foundation.errors import UserError
 from mobiuspipe.cli.profile import register
 from partition.models import MODELS
 from partition.profile import load_profile
@@ -29,7 +29,7 @@ def run(argv: list[str]) -> tuple[int, str, str]:
             code = args.func(args, sys.stdout)
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 1
-        except user_errors() as e:
+        except UserError as e:
             print(f"mobiuspipe: error: {e}", file=err)
             code = 2
     return code, out.getvalue(), err.getvalue()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from foundation.units import GiB
 from mobiuspipe.cli._common import CliError
 from mobiuspipe.cli.simulate import register
 from partition.analytic import analytic_profile
@@ -22,8 +23,6 @@ from partition.models import get_model
 from partition.plan import save_plan
 from partition.search import make_plan
 from topology import cpu_standin, preset, save_topology
-
-GiB = 1024**3
 
 
 def parser() -> argparse.ArgumentParser:
@@ -136,7 +135,7 @@ def test_plan_for_cpu_standins(tmp_path):
 
 
 def test_missing_plan_file(tmp_path):
-    with pytest.raises(PlanFileError, match="cannot read plan file"):
+    with pytest.raises(PlanFileError, match=r"plan .*none\.yaml: file not found"):
         run(["simulate", "--plan", str(tmp_path / "none.yaml")])
     with pytest.raises(SystemExit):
         parser().parse_args(["simulate"])  # --plan is required

@@ -4,6 +4,7 @@ import re
 
 import pytest
 
+from foundation.units import GiB
 from partition.analytic import analytic_profile
 from partition.baselines import (BaselineResult, gpipe, gpipe_stage_bytes, predict, sequential_mapping,
                                  zero_gpu_bytes, zero_offload)
@@ -14,8 +15,6 @@ from partition.profile import LayerProfile, Profile
 from partition.search import HOST_ADAM_PARAMS_PER_S, make_plan
 from topology import cpu_standin, preset
 from topology.types import Gpu, RootComplex, Topology
-
-GiB = 1024**3
 
 
 def _profile(*layers):

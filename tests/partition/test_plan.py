@@ -84,7 +84,7 @@ def test_unknown_key(tmp_path):
     d = _plan().to_dict()
     d["colour"] = "blue"
     msg = _load_err(_write(tmp_path, d))
-    assert "bad.yaml" in msg and "unknown keys ['colour']" in msg
+    assert "bad.yaml: colour: expected one of the keys" in msg and "found unknown key 'colour'" in msg
 
 
 def test_unknown_key_in_a_stage(tmp_path):
@@ -98,7 +98,7 @@ def test_missing_key(tmp_path):
     d = _plan().to_dict()
     del d["slot_bytes"]
     msg = _load_err(_write(tmp_path, d))
-    assert "bad.yaml" in msg and "missing keys ['slot_bytes']" in msg
+    assert "bad.yaml: slot_bytes: expected an integer (a required key), found nothing" in msg
     d = _plan().to_dict()
     del d["stages"][0]["fwd_s"]
     assert "stages[0]" in _load_err(_write(tmp_path, d)) and "fwd_s" in _load_err(_write(tmp_path, d))
@@ -111,7 +111,7 @@ def test_missing_stages(tmp_path):
     d = _plan().to_dict()
     del d["stages"]
     msg = _load_err(_write(tmp_path, d))
-    assert "bad.yaml" in msg and "missing keys ['stages']" in msg
+    assert "bad.yaml: stages: expected a list of mappings (a required key)" in msg
 
 
 @pytest.mark.parametrize("where,key,value", [
@@ -124,13 +124,14 @@ def test_wrong_type(tmp_path, where, key, value):
     target = d if where == "top" else d["stages"][1] if where == "stage" else d["solver"]
     target[key] = value
     msg = _load_err(_write(tmp_path, d))
-    assert "bad.yaml" in msg and repr(key) in msg and "expected" in msg
+    prefix = "" if where == "top" else "stages[1]." if where == "stage" else "solver."
+    assert f"bad.yaml: {prefix}{key}: expected" in msg
 
 
 def test_stages_not_a_list(tmp_path):
     d = _plan().to_dict()
     d["stages"] = 5
-    assert "bad.yaml: key 'stages' expected a list" in _load_err(_write(tmp_path, d))
+    assert "bad.yaml: stages: expected a list of mappings, found integer 5" in _load_err(_write(tmp_path, d))
     d["stages"] = ["x"]
     assert "stages[0]" in _load_err(_write(tmp_path, d))
 
@@ -187,10 +188,11 @@ def test_constructing_an_invalid_plan_raises():
 
 
 @pytest.mark.parametrize("text,expect", [
-    ("model: [unclosed\n", "not valid YAML"), ("a: b: c\n", "not valid YAML"), ("{ \"json\": \n", "not valid"),
-    ("just a string\n", "expected a mapping at the top level, found str"),
-    ("", "expected a mapping at the top level, found NoneType"),
-    ("- 1\n- 2\n", "expected a mapping at the top level, found list"),
+    ("model: [unclosed\n", "expected valid YAML"), ("a: b: c\n", "expected valid YAML"),
+    ("{ \"json\": \n", "expected valid YAML"),
+    ("just a string\n", "(top level): expected a mapping"), ("just a string\n", "found string 'just a string'"),
+    ("", "(top level): expected a mapping"), ("", "found null"),
+    ("- 1\n- 2\n", "(top level): expected a mapping"), ("- 1\n- 2\n", "found list [1, 2]"),
 ])
 def test_not_yaml_or_not_a_mapping(tmp_path, text, expect):
     path = tmp_path / "broken.yaml"
@@ -215,9 +217,52 @@ def test_binary_file(tmp_path):
 
 def test_missing_file(tmp_path):
     msg = _load_err(tmp_path / "nope.yaml")
-    assert "cannot read plan file" in msg and "nope.yaml" in msg and "No such file" in msg
+    assert msg.startswith(f"plan {tmp_path / 'nope.yaml'}: file not found")
     assert "mobiuspipe partition" in msg
 
 
 def test_directory_instead_of_file(tmp_path):
-    assert "cannot read plan file" in _load_err(tmp_path)
+    assert f"plan {tmp_path}: cannot be read (Is a directory)" in _load_err(tmp_path)
+
+
+def test_every_problem_of_a_plan_at_once(tmp_path):
+    d = _plan().to_dict()
+    d["colour"] = "blue"
+    d["stages"][0]["gpus"] = 1
+    d["stages"][1]["fwd_s"] = "fast"
+    d["solver"]["gap"] = None
+    del d["slot_bytes"]
+    msg = _load_err(_write(tmp_path, d))
+    assert "bad.yaml: 5 errors: (1) " in msg and "\n" not in msg
+    for key in ("colour", "stages[0].gpus", "stages[1].fwd_s", "solver.gap", "slot_bytes"):
+        assert f" {key}: expected" in msg, key
+
+
+def test_every_inconsistency_of_a_plan_at_once(tmp_path):
+    d = _plan().to_dict()
+    d["stages"][1]["gpu"] = 7
+    d["stages"][3]["first"] += 1
+    d["num_gpus"] = 6
+    d["num_stages"] = 4  # written for readers, and checked
+    msg = _load_err(_write(tmp_path, d))
+    assert "bad.yaml: 4 errors: (1) stages[1].gpu: expected a gpu in 0..5, found stage 1 is on gpu 7" in msg
+    assert "(2) stages[3]: expected stage 3 to start at layer" in msg
+    assert "(3) num_gpus: expected every gpu to run at least one stage, found gpus [2, 3, 4, 5] have no stage" in msg
+    assert "(4) num_stages: expected 5, the number of stages listed" in msg and "found integer 4" in msg
+
+
+@pytest.mark.parametrize("suffix, text, needle", [
+    (".yaml", "model: a\nmodel: b\n", "model: expected each key once per mapping, found it at line 1 and again at line 2"),
+    (".json", '{"solver": {"gap": 0, "gap": 1}}', "solver.gap: expected each key once per object, found it twice"),
+])
+def test_duplicate_keys_in_a_plan(tmp_path, suffix, text, needle):
+    path = tmp_path / f"dup{suffix}"
+    path.write_text(text)
+    assert needle in _load_err(path)
+
+
+def test_exponent_without_a_dot_is_a_float(tmp_path):
+    d = _plan().to_dict()
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(d, sort_keys=False).replace(f"gap: {d['solver']['gap']}", "gap: 1e-3"))
+    assert load_plan(path).solver.gap == 0.001

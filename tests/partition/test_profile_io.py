@@ -83,18 +83,18 @@ def _write(tmp_path, d, name="bad.yaml"):
 
 
 @pytest.mark.parametrize("edit,needles", [
-    (lambda d: d.pop("dtype"), ["missing key 'dtype'"]),
+    (lambda d: d.pop("dtype"), ["dtype: expected a string (a required key), found nothing"]),
     (lambda d: d.update(colour="red"), ["unknown key 'colour'", "microbatch_size"]),
-    (lambda d: d.update(microbatch_size=0), ["'microbatch_size'", ">= 1"]),
-    (lambda d: d.update(seq_len="32"), ["'seq_len'", "integer"]),
-    (lambda d: d.update(layers=[]), ["'layers'", "non-empty list"]),
-    (lambda d: d.pop("layers"), ["missing key 'layers'"]),
-    (lambda d: d["layers"][2].update(fwd_s="fast"), ["layers[2]", "'fwd_s'", "'fast'"]),
-    (lambda d: d["layers"][1].update(param_bytes=-4), ["layers[1]", "'param_bytes'"]),
-    (lambda d: d["layers"][1].update(param_count=True), ["layers[1]", "'param_count'"]),
-    (lambda d: d["layers"][0].pop("output_bytes"), ["layers[0]", "missing key 'output_bytes'"]),
-    (lambda d: d["layers"].__setitem__(3, [1, 2]), ["layers[3]", "mapping"]),
-    (lambda d: d["layers"][0].update(bwd_s=float("nan")), ["layers[0]", "'bwd_s'"]),
+    (lambda d: d.update(microbatch_size=0), ["microbatch_size: expected an integer >= 1, found integer 0"]),
+    (lambda d: d.update(seq_len="32"), ["seq_len: expected an integer, found string '32'"]),
+    (lambda d: d.update(layers=[]), ["layers: expected a non-empty list"]),
+    (lambda d: d.pop("layers"), ["layers: expected a list of mappings (a required key), found nothing"]),
+    (lambda d: d["layers"][2].update(fwd_s="fast"), ["layers[2].fwd_s: expected a number", "'fast'"]),
+    (lambda d: d["layers"][1].update(param_bytes=-4), ["layers[1].param_bytes: expected an integer >= 0"]),
+    (lambda d: d["layers"][1].update(param_count=True), ["layers[1].param_count: expected an integer"]),
+    (lambda d: d["layers"][0].pop("output_bytes"), ["layers[0].output_bytes: expected an integer (a required key)"]),
+    (lambda d: d["layers"].__setitem__(3, [1, 2]), ["layers[3]: expected a mapping"]),
+    (lambda d: d["layers"][0].update(bwd_s=float("nan")), ["layers[0].bwd_s: expected a finite number >= 0"]),
 ])
 def test_malformed_files_name_file_and_key(tmp_path, prof, edit, needles):
     d = prof.to_dict()
@@ -114,18 +114,18 @@ def test_runs_that_disagree_with_layers(tmp_path, prof):
     with pytest.raises(ProfileFileError, match="disagree"):
         load_profile(_write(tmp_path, d))
     d["runs"][1]["count"] = 0
-    with pytest.raises(ProfileFileError, match=r"runs\[1\].*'count'"):
+    with pytest.raises(ProfileFileError, match=r"runs\[1\]\.count: expected an integer >= 1, found integer 0"):
         load_profile(_write(tmp_path, d))
 
 
 def test_unreadable_and_unparsable_files(tmp_path):
-    with pytest.raises(ProfileFileError, match="cannot read profile file"):
+    with pytest.raises(ProfileFileError, match=r"profile .*none\.yaml: file not found"):
         load_profile(tmp_path / "none.yaml")
     (tmp_path / "x.json").write_text("{")
-    with pytest.raises(ProfileFileError, match="not valid JSON"):
+    with pytest.raises(ProfileFileError, match="expected valid JSON"):
         load_profile(tmp_path / "x.json")
     (tmp_path / "x.yaml").write_text("a: [")
-    with pytest.raises(ProfileFileError, match="not valid YAML"):
+    with pytest.raises(ProfileFileError, match="expected valid YAML"):
         load_profile(tmp_path / "x.yaml")
     (tmp_path / "list.yaml").write_text("- 1\n")
     with pytest.raises(ProfileFileError, match="mapping"):
@@ -133,3 +133,26 @@ def test_unreadable_and_unparsable_files(tmp_path):
     (tmp_path / "bin.yaml").write_bytes(b"\xff\xfe\x00")
     with pytest.raises(ProfileFileError, match="UTF-8"):
         load_profile(tmp_path / "bin.yaml")
+
+
+def test_every_problem_of_a_profile_at_once(tmp_path, prof):
+    d = prof.to_dict()
+    d["colour"] = "red"
+    d["layers"][0]["fwd_s"] = -1.0
+    d["layers"][2]["name"] = ""
+    d["seq_len"] = 0
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ProfileFileError) as err:
+        load_profile(path)
+    msg = str(err.value)
+    assert msg.startswith(f"profile {path}: 3 errors: ") and "colour" in msg and "layers[0].fwd_s" in msg
+    assert "layers[2].name: expected a non-empty string" in msg  # seq_len is checked once the layers are right
+
+
+def test_duplicate_keys_in_a_profile(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text("model: a\ndevice: b\nmodel: c\n")
+    with pytest.raises(ProfileFileError, match="model: expected each key once per mapping, found it at line 1 and "
+                                               "again at line 3"):
+        load_profile(path)

@@ -10,13 +10,14 @@ from types import SimpleNamespace
 
 import pynvml
 
-GIB = 1 << 30
+from foundation.units import GiB
+
 GEN3, GEN4, OLD3, OLD4 = "8.0 GT/s PCIe", "16.0 GT/s PCIe", "8 GT/s", "16 GT/s"
 INTEL_RP, AMD_RP, PLX, BRCM = (0x8086, 0x2030), (0x1022, 0x1483), (0x10B5, 0x8747), (0x1000, 0xC010)
 MODELS = {  # name -> (PCI device id, memory bytes, own max gen, own max width)
-    "3090 Ti": ("NVIDIA GeForce RTX 3090 Ti", 0x2203, 24 * GIB, 4, 16),
-    "3090": ("NVIDIA GeForce RTX 3090", 0x2204, 24 * GIB, 4, 16),
-    "A6000": ("NVIDIA RTX A6000", 0x2230, 48 * GIB, 4, 16),
+    "3090 Ti": ("NVIDIA GeForce RTX 3090 Ti", 0x2203, 24 * GiB, 4, 16),
+    "3090": ("NVIDIA GeForce RTX 3090", 0x2204, 24 * GiB, 4, 16),
+    "A6000": ("NVIDIA RTX A6000", 0x2230, 48 * GiB, 4, 16),
 }
 LEVEL = {"PIX": 10, "PXB": 20, "PHB": 30, "NODE": 40, "SYS": 50}
 
@@ -57,7 +58,7 @@ def _child(us, ds, gpus):
 
 BOXES = {
     "2+2": dict(  # dual Xeon SP (gen3), old kernel speed strings, a PLX switch per socket with two 3090 Ti
-        nodes={0: ("0-11,24-35", 96 * GIB), 1: ("12-23,36-47", 96 * GIB)},
+        nodes={0: ("0-11,24-35", 96 * GiB), 1: ("12-23,36-47", 96 * GiB)},
         roots={
             "pci0000:00": (0, [port("0000:00:1c.0", OLD3, 1, _other(
                 "0000:02:00.0", 0x060400, (0x1A03, 0x1150), "5 GT/s", 1,
@@ -73,7 +74,7 @@ BOXES = {
         },
         levels=("PIX SYS SYS", "SYS SYS", "PIX"), p2p="GNS", nvlinks=(), nvlink_hw=4, link_count_field=True),
     "3+1": dict(  # dual Xeon (gen4): 3 GPUs + an NVMe under one switch on socket 0, 1 GPU on an x8 root port
-        nodes={0: ("0-15,32-47", 128 * GIB), 1: ("16-31,48-63", 128 * GIB)},
+        nodes={0: ("0-15,32-47", 128 * GiB), 1: ("16-31,48-63", 128 * GiB)},
         roots={
             "pci0000:4a": (0, [port("0000:4a:02.0", GEN4, 16, switch("0000:4b:00.0", GEN4, 16, [
                 ("0000:4c:00.0", gpu("0000:4d:00.0", "3090")), ("0000:4c:04.0", gpu("0000:4e:00.0", "3090")),
@@ -84,7 +85,7 @@ BOXES = {
         },
         levels=("PIX PIX SYS", "PIX SYS", "SYS"), p2p="GNS", nvlinks=(), nvlink_hw=4, link_count_field=True),
     "8-dual-socket": dict(  # dual EPYC: per socket two root ports on one root bus, a switch with 2 GPUs on each
-        nodes={0: ("0-31,64-95", 256 * GIB), 1: ("32-63,96-127", 256 * GIB)},
+        nodes={0: ("0-31,64-95", 256 * GiB), 1: ("32-63,96-127", 256 * GiB)},
         roots={
             "pci0000:00": (0, [port("0000:00:01.1", GEN4, 4, nvme("0000:01:00.0", "nvme0", "SAMSUNG MZQL23T8HCLS-00A07",
                                                                    (0x144D, 0xA80A)), ids=AMD_RP)]),
@@ -103,13 +104,13 @@ BOXES = {
                 "SYS SYS SYS SYS", "PIX PHB PHB", "PHB PHB", "PIX"),
         p2p="GNS", nvlinks=(), nvlink_hw=4, link_count_field=True),
     "nvlink-pair": dict(  # Threadripper Pro: 4 GPUs on 4 root buses of one socket, two NVLink bridges (NV4)
-        nodes={0: ("0-63", 256 * GIB)},
+        nodes={0: ("0-63", 256 * GiB)},
         roots={f"pci0000:{b:02x}": (0, [port(f"0000:{b:02x}:01.1", GEN4, 16, gpu(f"0000:{b + 1:02x}:00.0", "3090"),
                                              ids=AMD_RP)]) for b in (0x00, 0x20, 0x40, 0x60)},
         levels=("NODE NODE NODE", "NODE NODE", "NODE"), p2p=("OK GNS GNS", "GNS GNS", "OK"),
         nvlinks=((0, 1, 4), (2, 3, 4)), nvlink_hw=4, link_count_field=True),
     "4-pxb": dict(  # one socket: a parent switch over two x8-uplinked child switches of two GPUs (PIX / PXB)
-        nodes={0: ("0-23", 128 * GIB)},
+        nodes={0: ("0-23", 128 * GiB)},
         roots={"pci0000:16": (0, [port("0000:16:00.0", GEN4, 16, switch("0000:17:00.0", GEN4, 16, [
             ("0000:18:00.0",
              _child("0000:19:00.0", ["0000:1a:00.0", "0000:1a:08.0"], ["0000:1b:00.0", "0000:1c:00.0"])),
@@ -118,7 +119,7 @@ BOXES = {
         ], ids=BRCM))])},
         levels=("PIX PXB PXB", "PXB PXB", "PIX"), p2p="GNS", nvlinks=(), nvlink_hw=4, link_count_field=True),
     "vm": dict(  # 4 passed-through GPUs straight on the root bus: no bridges, numa -1, no link files
-        nodes={0: ("0-15", 64 * GIB)},
+        nodes={0: ("0-15", 64 * GiB)},
         roots={"pci0000:00": (-1, [gpu(f"0000:00:{s:02x}.0", "A6000", None, None, audio=False)
                                    for s in (5, 6, 7, 8)])},
         levels=("SYS SYS SYS", "SYS SYS", "SYS"), p2p="NS", nvlinks=(), nvlink_hw=0, link_count_field=False),

@@ -99,61 +99,70 @@ _P2P = [["X" if a == b else "GNS" for b in range(4)] for a in range(4)]
 _LINK = {"a": 0, "b": 1, "links": 4, "gbps": 56.25}
 
 BAD = [  # (dotted key, value or ... to delete, message fragment)
-    ("gpus[2].memroy_bytes", 1, r"gpus\[2\]\.memroy_bytes: unknown key.*did you mean 'memory_bytes'"),
-    ("contention", 1, r"contention: unknown key"),
+    ("gpus[2].memroy_bytes", 1, r"gpus\[2\]\.memroy_bytes: expected one of the keys of gpus\[2\]: .*found unknown "
+                                r"key 'memroy_bytes'; fix: did you mean 'memory_bytes'"),
+    ("contention", 1, r"contention: expected one of the keys of the top level.*found unknown key 'contention'"),
     ("gpus[2].memory_bytes", [24], r"gpus\[2\]\.memory_bytes: expected bytes.*found list \[24\]"),
-    ("gpus[0].memory_bytes", -1, r"gpus\[0\]\.memory_bytes: expected bytes.*>= 0, found int -1"),
-    ("gpus[1].link_gbps", "fast", r"gpus\[1\]\.link_gbps: expected a bandwidth.*found 'fast'"),
-    ("gpus[1].link_gbps", 0, r"gpus\[1\]\.link_gbps: expected a bandwidth in GB/s, a number > 0, found int 0"),
-    ("gpus[0].name", "", r"gpus\[0\]\.name: expected a non-empty string, found ''"),
-    ("root_complexes[0].numa_node", 0.5, r"root_complexes\[0\]\.numa_node: expected an integer.*float 0\.5"),
-    ("root_complexes[0].name", 5, r"root_complexes\[0\]\.name: expected a string, found int 5"),
+    ("gpus[0].memory_bytes", -1, r"gpus\[0\]\.memory_bytes: expected bytes: an integer >= 0.*found integer -1"),
+    ("gpus[1].link_gbps", "fast", r"gpus\[1\]\.link_gbps: expected a number, found string 'fast'"),
+    ("gpus[1].link_gbps", 0, r"gpus\[1\]\.link_gbps: expected a bandwidth in GB/s, a finite number > 0, found number "
+                             r"0\.0"),
+    ("gpus[0].name", "", r"gpus\[0\]\.name: expected a non-empty string, found string ''"),
+    ("root_complexes[0].numa_node", 0.5, r"root_complexes\[0\]\.numa_node: expected an integer, found number 0\.5"),
+    ("root_complexes[0].name", 5, r"root_complexes\[0\]\.name: expected a string, found integer 5"),
     ("root_complexes[0].name", "", r"root_complexes\[0\]\.name: expected a non-empty string"),
     ("root_complexes[1].uplink_gbps", -2.0, r"root_complexes\[1\]\.uplink_gbps: expected a bandwidth.*> 0"),
-    ("gpus", {}, r"gpus: expected a non-empty list"),
-    ("gpus[3].pci_bus_id", ..., r"gpus\[3\]\.pci_bus_id: missing key"),
-    ("name", ..., r"name: missing key"),
-    ("name", "", r"name: expected a non-empty string"),
-    ("root_complexes[1].uplink_gbps", ..., r"root_complexes\[1\]\.uplink_gbps: missing key"),
-    ("gpus[3].root_complex", "rc7", r"gpus\[3\]\.root_complex: expected one of the root_complexes.*found 'rc7'"),
+    ("gpus", {}, r"gpus: expected a list of mappings, found mapping \{\}"),
+    ("gpus", [], r"gpus: expected a non-empty list of gpus, found an empty list"),
+    ("gpus[3].pci_bus_id", ..., r"gpus\[3\]\.pci_bus_id: expected a string \(a required key\), found nothing: the "
+                                r"key is missing"),
+    ("name", ..., r": name: expected a string \(a required key\), found nothing"),
+    ("name", "", r": name: expected a non-empty string"),
+    ("root_complexes[1].uplink_gbps", ..., r"root_complexes\[1\]\.uplink_gbps: expected a number \(a required key\)"),
+    ("gpus[3].root_complex", "rc7", r"gpus\[3\]\.root_complex: expected one of the root_complexes.*found string "
+                                    r"'rc7'"),
     ("gpus[1].index", 5, r"gpus\[1\]\.index: expected 1"),
     ("root_complexes[1].name", "rc0", r"root_complexes\[1\]\.name: expected a name no other root complex has.*'rc0'"),
     # switches
     ("switches[0].parent", "sw9", r"switches\[0\]\.parent: expected one of the switches \['sw0', 'sw1'\] or \"\" "
-                                  r"for none, found 'sw9'"),
+                                  r"for none, found string 'sw9'"),
     ("switches[1].root_complex", "rc9", r"switches\[1\]\.root_complex: expected one of the root_complexes.*'rc9'"),
     ("switches[0].parent", "sw0", r"switches\[0\]\.parent: expected a switch that is not below 'sw0' \(parents form"),
-    ("switches[1].name", "sw0", r"switches\[1\]\.name: expected a name no other switch has.*found 'sw0'"),
-    ("switches[1].uplink_gbps", 0, r"switches\[1\]\.uplink_gbps: expected a bandwidth in GB/s, a number > 0"),
-    ("switches[0].colour", "red", r"switches\[0\]\.colour: unknown key"),
+    ("switches[1].name", "sw0", r"switches\[1\]\.name: expected a name no other switch has.*found string 'sw0'"),
+    ("switches[1].uplink_gbps", 0, r"switches\[1\]\.uplink_gbps: expected a bandwidth in GB/s, a finite number > 0"),
+    ("switches[0].colour", "red", r"switches\[0\]\.colour: expected one of the keys of switches\[0\].*found unknown "
+                                  r"key 'colour'"),
     ("switches", {"name": "sw0"}, r"switches: expected a list"),
-    ("gpus[0].switch", "sw7", r"gpus\[0\]\.switch: expected one of the switches \['sw0', 'sw1'\].*found 'sw7'"),
+    ("gpus[0].switch", "sw7", r"gpus\[0\]\.switch: expected one of the switches \['sw0', 'sw1'\].*found string "
+                              r"'sw7'"),
     ("gpus[2].switch", "sw0", r"gpus\[2\]\.root_complex: expected 'rc0', the root complex of its switch 'sw0'.*'rc1'"),
     # nvme
     ("nvme", [{**_NVME, "root_complex": "rc5"}], r"nvme\[0\]\.root_complex: expected one of the root_complexes"),
     ("nvme", [{**_NVME, "switch": "sw1"}], r"nvme\[0\]\.root_complex: expected 'rc1', the root complex of its"),
-    ("nvme", [{**_NVME, "link_gbps": "x"}], r"nvme\[0\]\.link_gbps: expected a bandwidth"),
+    ("nvme", [{**_NVME, "link_gbps": "x"}], r"nvme\[0\]\.link_gbps: expected a number, found string 'x'"),
     # nvlinks
-    ("nvlinks", [{**_LINK, "b": 4}], r"nvlinks\[0\]\.b: expected a gpu index in 0\.\.3, with a != b, found int 4"),
+    ("nvlinks", [{**_LINK, "b": 4}], r"nvlinks\[0\]\.b: expected a gpu index in 0\.\.3, with a != b, found integer 4"),
     ("nvlinks", [_LINK, {**_LINK, "a": -1}], r"nvlinks\[1\]\.a: expected a gpu index in 0\.\.3"),
-    ("nvlinks", [{**_LINK, "a": 1}], r"nvlinks\[0\]\.b: expected a gpu index in 0\.\.3, with a != b, found int 1"),
-    ("nvlinks", [{**_LINK, "links": 0}], r"nvlinks\[0\]\.links: expected a number of NVLinks >= 1, found int 0"),
-    ("nvlinks", [{**_LINK, "gbps": 0}], r"nvlinks\[0\]\.gbps: expected a bandwidth in GB/s, a number > 0"),
-    ("nvlinks", [{"a": 0, "b": 1, "links": 4}], r"nvlinks\[0\]\.gbps: missing key"),
+    ("nvlinks", [{**_LINK, "a": 1}], r"nvlinks\[0\]\.b: expected a gpu index in 0\.\.3, with a != b, found integer 1"),
+    ("nvlinks", [{**_LINK, "links": 0}], r"nvlinks\[0\]\.links: expected an integer >= 1, found integer 0"),
+    ("nvlinks", [{**_LINK, "gbps": 0}], r"nvlinks\[0\]\.gbps: expected a bandwidth in GB/s, a finite number > 0"),
+    ("nvlinks", [{"a": 0, "b": 1, "links": 4}], r"nvlinks\[0\]\.gbps: expected a number \(a required key\)"),
     # p2p
-    ("p2p", "no", r"p2p: expected a list, found 'no'"),
+    ("p2p", "no", r"p2p: expected a list of lists of strings, found string 'no'"),
     ("p2p", [["X", "OK"], ["OK", "X"]], r"p2p: expected \[\] or a 4 x 4 matrix of statuses"),
     ("p2p", [*_P2P[:2], ["GNS", "GNS", "X"], _P2P[3]], r"p2p\[2\]: expected a row of 4 statuses"),
     ("p2p", [["X", "ok", "GNS", "GNS"], *_P2P[1:]], r"p2p\[0\]\[1\]: expected one of the nvidia-smi statuses.*'ok'"),
-    ("p2p", [[True] * 4] * 4, r"p2p\[0\]\[0\]: expected a string, found bool True"),
+    ("p2p", [[True] * 4] * 4, r"p2p\[0\]\[0\]: expected a string, found boolean True"),
     # measured
-    ("measured", "fast", r"measured: expected a mapping, found 'fast'"),
-    ("measured", {"h2d_gbps": 12.0}, r"measured\.h2d_gbps: expected a list, found float 12\.0"),
+    ("measured", "fast", r"measured: expected a mapping with keys among h2d_gbps.*found string 'fast'"),
+    ("measured", {"h2d_gbps": 12.0}, r"measured\.h2d_gbps: expected a list of numbers, found number 12\.0"),
     ("measured", {"h2d_gbps": [12.0, 12.0]}, r"measured\.h2d_gbps: expected \[\] \(not measured\) or 4 values"),
     ("measured", {"d2d_gbps": [[0.0] * 4] * 3}, r"measured\.d2d_gbps: expected \[\] \(not measured\) or 4 rows"),
-    ("measured", {"ssd_read_gbps": "quick"}, r"measured\.ssd_read_gbps: expected a bandwidth.*'quick'"),
-    ("measured", {"h2d_gbpz": []}, r"measured\.h2d_gbpz: unknown key.*did you mean 'h2d_gbps'"),
-    ("notes", "one", r"notes: expected a list, found 'one'"),
+    ("measured", {"ssd_read_gbps": "quick"}, r"measured\.ssd_read_gbps: expected a number, found string 'quick'"),
+    ("measured", {"ssd_read_gbps": -1.0}, r"measured\.ssd_read_gbps: expected a finite number >= 0"),
+    ("measured", {"h2d_gbpz": []}, r"measured\.h2d_gbpz: expected one of the keys of measured.*found unknown key "
+                                   r"'h2d_gbpz'; fix: did you mean 'h2d_gbps'"),
+    ("notes", "one", r"notes: expected a list of strings, found string 'one'"),
 ]
 
 
@@ -165,7 +174,7 @@ def test_bad_layout_names_file_and_key(tmp_path, key, value, message, suffix):
     path = _write(tmp_path, d, "server" + suffix)
     with pytest.raises(TopologyError) as e:
         load_topology(path)
-    assert str(e.value).startswith(f"{path}: ")
+    assert str(e.value).startswith(f"layout {path}: ")
     assert re.search(message, str(e.value)), str(e.value)
 
 
@@ -191,14 +200,14 @@ def test_unknown_preset_name():
 def test_malformed_yaml(tmp_path):
     path = tmp_path / "broken.yaml"
     path.write_text("name: x\ngpus: [\n  {name: a\nroot_complexes: ]\n")
-    with pytest.raises(TopologyError, match=r"broken\.yaml: malformed YAML at line \d+ column \d+"):
+    with pytest.raises(TopologyError, match=r"broken\.yaml: expected valid YAML, found .* at line \d+, column \d+"):
         load_topology(str(path))
 
 
 def test_malformed_json(tmp_path):
     path = tmp_path / "broken.json"
     path.write_text('{"name": "x",}')
-    with pytest.raises(TopologyError, match=r"broken\.json: malformed JSON at line 1"):
+    with pytest.raises(TopologyError, match=r"broken\.json: expected valid JSON, found .* at line 1, column 14"):
         load_topology(str(path))
 
 
@@ -206,7 +215,7 @@ def test_malformed_json(tmp_path):
 def test_top_level_not_a_mapping(tmp_path, text):
     path = tmp_path / "odd.yaml"
     path.write_text(text)
-    with pytest.raises(TopologyError, match=r"odd\.yaml: top level: expected a mapping"):
+    with pytest.raises(TopologyError, match=r"odd\.yaml: \(top level\): expected a mapping"):
         load_topology(str(path))
 
 
@@ -234,3 +243,45 @@ def test_switch_loop_is_refused_when_built_in_code_too():
     loop = (Switch("sw0", "rc0", 15.75, parent="sw0b"), Switch("sw0b", "rc0", 15.75, parent="sw0"), t.switches[1])
     with pytest.raises(TopologyError, match=r"topology '2\+2': the parents above switch 'sw0' form a loop"):
         replace(t, switches=loop)  # switch_chain() would never return
+
+
+def test_every_problem_of_a_layout_at_once(tmp_path):
+    d = _layout()
+    d["gpus"][0]["memroy_bytes"] = 1
+    d["gpus"][1]["link_gbps"] = 0
+    d["gpus"][3]["root_complex"] = "rc7"
+    d["root_complexes"][0]["numa_node"] = "zero"
+    path = _write(tmp_path, d)
+    with pytest.raises(TopologyError) as e:
+        load_topology(path)
+    message = str(e.value)
+    assert message.startswith(f"layout {path}: 3 errors: (1) ") and "\n" not in message
+    for key in ("gpus[0].memroy_bytes: expected", "gpus[1].link_gbps: expected", "root_complexes[0].numa_node"):
+        assert key in message
+    del d["gpus"][0]["memroy_bytes"]
+    d["root_complexes"][0]["numa_node"] = 0
+    d["gpus"][1]["link_gbps"] = 15.75
+    d["switches"][0]["parent"] = "sw9"
+    with pytest.raises(TopologyError, match=r"2 errors: \(1\) switches\[0\]\.parent: .* \(2\) gpus\[3\]\.root_complex"):
+        load_topology(_write(tmp_path, d))
+
+
+@pytest.mark.parametrize("name, text, needle", [
+    ("dup.yaml", "name: a\nname: b\ngpus: []\n", "name: expected each key once per mapping, found it at line 1 and "
+                                                  "again at line 2"),
+    ("dup.json", '{"name": "a", "gpus": [{"index": 0, "index": 1}]}', "gpus[0].index: expected each key once"),
+])
+def test_duplicate_keys_in_a_layout(tmp_path, name, text, needle):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(TopologyError) as e:
+        load_topology(str(path))
+    assert str(e.value).startswith(f"layout {path}: ") and needle in str(e.value)
+
+
+def test_exponent_without_a_dot_is_a_bandwidth(tmp_path):
+    d = _layout()
+    text = yaml.safe_dump(d).replace("uplink_gbps: 15.753846153846155", "uplink_gbps: 16e0")
+    path = tmp_path / "exp.yaml"
+    path.write_text(text)
+    assert load_topology(str(path)).root_complexes[0].uplink_gbps == 16.0

@@ -2,11 +2,10 @@
 
 import pytest
 
+from foundation.units import GiB
 from topology import PRESETS, Topology, TopologyError, cpu_standin, preset
 from topology.pci import normalize_bus_id, pcie_gbps
 from topology.presets import PCIE3_X16_GBPS, PCIE4_X16_GBPS, RTX_3090, RTX_3090_TI
-
-GIB = 2**30
 
 
 def test_preset_names():
@@ -44,7 +43,7 @@ def test_preset_shape(name):
     assert [g.switch for g in t.gpus] == switches
     for g in t.gpus:
         assert g.name == gpu_name
-        assert g.memory_bytes == 24 * GIB == 25769803776
+        assert g.memory_bytes == 24 * GiB == 25769803776
         assert (g.pcie_gen, g.pcie_width) == (gen, 16)
         assert g.link_gbps == pytest.approx(pcie_gbps(gen, 16))
         assert g.numa_node == t.root_complex(g.root_complex).numa_node
@@ -107,17 +106,17 @@ def test_unknown_preset_lists_known_names():
 
 
 def test_cpu_standin():
-    t = cpu_standin(3, 2 * GIB, link_gbps=5.0)
+    t = cpu_standin(3, 2 * GiB, link_gbps=5.0)
     assert isinstance(t, Topology) and t.source == "cpu-standin"
     assert [r.name for r in t.root_complexes] == ["host"] and t.root_complexes[0].numa_node == 0
     assert t.root_complexes[0].uplink_gbps == 15.0
     assert [g.pci_bus_id for g in t.gpus] == ["cpu:0", "cpu:1", "cpu:2"]
-    assert all(g.name == "cpu-standin" and g.memory_bytes == 2 * GIB for g in t.gpus)
+    assert all(g.name == "cpu-standin" and g.memory_bytes == 2 * GiB for g in t.gpus)
     assert t.contention_groups() == [[0, 1, 2]]
     assert t.load_gbps(1, concurrent=3) == 5.0  # CPU copies do not split one uplink
 
 
-@pytest.mark.parametrize("args", [(0, GIB), (2, 0), (2, -GIB), (2, 1.5 * GIB), (2, GIB, 0.0)])
+@pytest.mark.parametrize("args", [(0, GiB), (2, 0), (2, -GiB), (2, 1.5 * GiB), (2, GiB, 0.0)])
 def test_cpu_standin_rejects_impossible_values(args):
     with pytest.raises(TopologyError):
         cpu_standin(*args)
