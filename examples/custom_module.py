@@ -67,8 +67,14 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     # No plan given: rank 0 profiles the layers on one microbatch of the sample and plans; all ranks follow.
-    with Pipeline(layer_factories(), F.mse_loss, optimizer=optimizer, sample=batch(0),
-                  num_microbatches=MICROBATCHES, num_stages=STAGES) as pipe:
+    with Pipeline(
+        layer_factories(),
+        F.mse_loss,
+        optimizer=optimizer,
+        sample=batch(0),
+        num_microbatches=MICROBATCHES,
+        num_stages=STAGES,
+    ) as pipe:
         if pipe.rank == 0:
             print(f"{pipe.plan.num_stages} stages on {pipe.plan.num_gpus} ranks, stage -> rank {pipe.plan.mapping}")
         losses = []

@@ -23,15 +23,16 @@ def main() -> None:
     n = sum(p.numel() for p in params.values())
     with SSDStore(f"{folder}/job") as store:
         opt = OutOfCoreAdam.create(store, params, lr=1e-3, host_budget_bytes=64 << 20)
-        print(f"{n / 1e6:.1f}M params -> {len(opt.groups)} groups of {opt.group_elems} elements, "
-              f"{len(opt.slots)} slots in 64 MiB; I/O backend {store.engine.backend}, O_DIRECT {store.direct}")
+        print(
+            f"{n / 1e6:.1f}M params -> {len(opt.groups)} groups of {opt.group_elems} elements, "
+            f"{len(opt.slots)} slots in 64 MiB; I/O backend {store.engine.backend}, O_DIRECT {store.direct}"
+        )
         bf16 = {k: torch.empty(p.shape, dtype=torch.bfloat16) for k, p in params.items()}
         for _ in range(3):
             grads = {k: torch.randn(p.shape).bfloat16() for k, p in params.items()}  # as offloaded by a GPU
             t0 = time.perf_counter()
             opt.step(grads, bf16)  # fp32 states stream through the budget; bf16 weights come out
-            print(f"step {opt.step_count}: {time.perf_counter() - t0:.3f} s, "
-                  f"{2 * 12 * n / 1e9:.2f} GB read + written")
+            print(f"step {opt.step_count}: {time.perf_counter() - t0:.3f} s, {2 * 12 * n / 1e9:.2f} GB read + written")
         opt.flush()  # states, checksums and the step count are durable from here
     with SSDStore(f"{folder}/job") as store:  # a new process would do the same
         opt = OutOfCoreAdam.open(store, host_budget_bytes=64 << 20)

@@ -10,8 +10,18 @@ from typing import Any, ClassVar
 from foundation.errors import UserError
 from foundation.hints import Mismatch, coerce, describe, field_hints, found_text, type_fix
 
-__all__ = ["Problem", "join_key", "format_problems", "InvalidValues", "Checked", "check_fields", "rule",
-           "at_least", "positive", "non_empty"]
+__all__ = [
+    "Problem",
+    "join_key",
+    "format_problems",
+    "InvalidValues",
+    "Checked",
+    "check_fields",
+    "rule",
+    "at_least",
+    "positive",
+    "non_empty",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +81,9 @@ def check_fields(obj: Any) -> list[Problem]:
         try:
             object.__setattr__(obj, f.name, coerce(value, hint))
         except Mismatch:
-            problems.append(Problem(f.name, describe(hint), found_text(value),
-                                    type_fix(f.name, hint, value, f.default)))
+            problems.append(
+                Problem(f.name, describe(hint), found_text(value), type_fix(f.name, hint, value, f.default))
+            )
     return problems
 
 
@@ -93,6 +104,7 @@ class Checked:
 
 
 # ---- value rules for check_values(): each gives no problem, or one ----
+
 
 def rule(ok: bool, key: str, expected: str, found: str, fix: str) -> list[Problem]:
     """No problem if `ok`, else one."""

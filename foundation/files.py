@@ -59,8 +59,12 @@ def _yaml_duplicates(node: yaml.Node, path: str, seen: set[int]) -> Iterator[Pro
             name = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else "?"
             line = key_node.start_mark.line + 1
             if name in lines:
-                yield Problem(join_key(path, name), "each key once per mapping",
-                              f"it at line {lines[name]} and again at line {line}", _DUPLICATE_FIX)
+                yield Problem(
+                    join_key(path, name),
+                    "each key once per mapping",
+                    f"it at line {lines[name]} and again at line {line}",
+                    _DUPLICATE_FIX,
+                )
             lines.setdefault(name, line)
             children.append((join_key(path, name), value_node))
     elif isinstance(node, yaml.SequenceNode):
@@ -112,8 +116,10 @@ def _parse_yaml(text: str, where: str, error: type[Exception]) -> Any:
     try:
         data = loader.get_single_data()
     except yaml.YAMLError as err:
-        raise error(f"{where}: expected valid YAML, found {_yaml_reason(err)}; fix: correct the syntax "
-                    "there (indent with spaces, `key: value`)") from None
+        raise error(
+            f"{where}: expected valid YAML, found {_yaml_reason(err)}; fix: correct the syntax "
+            "there (indent with spaces, `key: value`)"
+        ) from None
     finally:
         loader.dispose()
     if loader.duplicates:
@@ -125,8 +131,10 @@ def _parse_json(text: str, where: str, error: type[Exception]) -> Any:
     try:
         data = json.loads(text, object_pairs_hook=_json_object)
     except json.JSONDecodeError as err:
-        raise error(f"{where}: expected valid JSON, found {err.msg} at line {err.lineno}, column "
-                    f"{err.colno}; fix: correct the syntax there") from None
+        raise error(
+            f"{where}: expected valid JSON, found {err.msg} at line {err.lineno}, column "
+            f"{err.colno}; fix: correct the syntax there"
+        ) from None
     duplicates = list(_json_duplicates(data, ""))
     if duplicates:
         raise error(format_problems(where, duplicates))
@@ -144,8 +152,10 @@ def read_file(path: str | os.PathLike, *, where: str, error: type[Exception], fi
     except FileNotFoundError:
         raise error(f"{where}: file not found (current folder {os.getcwd()}); fix: {fix}") from None
     except UnicodeDecodeError as err:
-        raise error(f"{where}: expected UTF-8 text, found byte 0x{err.object[err.start]:02x} at offset "
-                    f"{err.start}; fix: save the file as UTF-8") from None
+        raise error(
+            f"{where}: expected UTF-8 text, found byte 0x{err.object[err.start]:02x} at offset "
+            f"{err.start}; fix: save the file as UTF-8"
+        ) from None
     except OSError as err:
         raise error(f"{where}: cannot be read ({err.strerror or err}); fix: {fix}") from None
     parse = _parse_json if Path(path).suffix == ".json" else _parse_yaml

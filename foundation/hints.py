@@ -15,8 +15,18 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["Mismatch", "field_hints", "unwrap_optional", "tuple_items", "describe", "found_text", "example",
-           "scalar", "coerce", "type_fix"]
+__all__ = [
+    "Mismatch",
+    "field_hints",
+    "unwrap_optional",
+    "tuple_items",
+    "describe",
+    "found_text",
+    "example",
+    "scalar",
+    "coerce",
+    "type_fix",
+]
 
 _CHECKS: dict[type, typing.Callable[[Any], bool]] = {
     bool: lambda v: isinstance(v, bool),
@@ -27,15 +37,22 @@ _CHECKS: dict[type, typing.Callable[[Any], bool]] = {
 _NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 _PLURALS = {bool: "booleans", int: "integers", float: "numbers", str: "strings"}
 _EXAMPLES = {bool: "true", int: "1", float: "1.0", str: '"text"'}
-_KINDS = ((bool, "boolean"), (numbers.Integral, "integer"), (numbers.Real, "number"), (str, "string"),
-          (list, "list"), (tuple, "list"), (Mapping, "mapping"))
+_KINDS = (
+    (bool, "boolean"),
+    (numbers.Integral, "integer"),
+    (numbers.Real, "number"),
+    (str, "string"),
+    (list, "list"),
+    (tuple, "list"),
+    (Mapping, "mapping"),
+)
 
 
 class Mismatch(Exception):
     """A value does not have the type of its hint (internal: always turned into a Problem)."""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def field_hints(cls: type) -> dict[str, Any]:
     """The resolved type hints of a dataclass's fields."""
     return typing.get_type_hints(cls)

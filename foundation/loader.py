@@ -26,16 +26,56 @@ import typing
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from foundation.checked import (Checked, InvalidValues, Problem, at_least, check_fields, format_problems,
-                                join_key, non_empty, positive, rule)
+from foundation.checked import (
+    Checked,
+    InvalidValues,
+    Problem,
+    at_least,
+    check_fields,
+    format_problems,
+    join_key,
+    non_empty,
+    positive,
+    rule,
+)
 from foundation.files import dump_text, read_file, write_file
-from foundation.hints import (Mismatch, describe, example, field_hints, found_text, scalar, tuple_items,
-                              type_fix, unwrap_optional)
+from foundation.hints import (
+    Mismatch,
+    describe,
+    example,
+    field_hints,
+    found_text,
+    scalar,
+    tuple_items,
+    type_fix,
+    unwrap_optional,
+)
 
-__all__ = ["Builder", "from_plain", "load_file", "to_plain", "save_file", "file_fields", "INVALID", "Check",
-           "Problem", "join_key", "format_problems", "InvalidValues", "Checked", "check_fields", "rule",
-           "at_least", "positive", "non_empty", "read_file", "write_file", "dump_text", "found_text",
-           "field_hints"]
+__all__ = [
+    "Builder",
+    "from_plain",
+    "load_file",
+    "to_plain",
+    "save_file",
+    "file_fields",
+    "INVALID",
+    "Check",
+    "Problem",
+    "join_key",
+    "format_problems",
+    "InvalidValues",
+    "Checked",
+    "check_fields",
+    "rule",
+    "at_least",
+    "positive",
+    "non_empty",
+    "read_file",
+    "write_file",
+    "dump_text",
+    "found_text",
+    "field_hints",
+]
 
 INVALID: Any = object()
 """Marker for a value that could not be made; its problems are in the Builder."""
@@ -63,14 +103,22 @@ def _unknown_key(key: Any, valid: list[str], prefix: str) -> Problem:
     name = str(key)
     close = difflib.get_close_matches(name.lower(), valid, n=1, cutoff=0.5)
     fix = f"did you mean {close[0]!r}?" if close else "remove it or correct its spelling"
-    return Problem(join_key(prefix, name), f"one of the keys of {prefix or 'the top level'}: {', '.join(valid)}",
-                   f"unknown key {name!r}", fix)
+    return Problem(
+        join_key(prefix, name),
+        f"one of the keys of {prefix or 'the top level'}: {', '.join(valid)}",
+        f"unknown key {name!r}",
+        fix,
+    )
 
 
 def _missing_key(f: dataclasses.Field, hint: Any, prefix: str) -> Problem:
     """A required key that is not there."""
-    return Problem(join_key(prefix, f.name), f"{describe(hint)} (a required key)", "nothing: the key is missing",
-                   f"add `{f.name}: {example(hint)}`" + (f" under {prefix}" if prefix else ""))
+    return Problem(
+        join_key(prefix, f.name),
+        f"{describe(hint)} (a required key)",
+        "nothing: the key is missing",
+        f"add `{f.name}: {example(hint)}`" + (f" under {prefix}" if prefix else ""),
+    )
 
 
 def _not_mapping(cls: type, data: Any, prefix: str) -> Problem:
@@ -87,8 +135,14 @@ class Builder:
     """Makes dataclasses from plain data (mappings, lists, scalars), recording every problem; `finish`
     raises them all as one `error` naming `where`."""
 
-    def __init__(self, where: str, error: type[Exception], *, base_dir: str | os.PathLike | None = None,
-                 checks: Mapping[type, Check] | None = None):
+    def __init__(
+        self,
+        where: str,
+        error: type[Exception],
+        *,
+        base_dir: str | os.PathLike | None = None,
+        checks: Mapping[type, Check] | None = None,
+    ):
         self.where, self.error = where, error
         self.base_dir = os.path.abspath(base_dir or os.getcwd())
         self.checks = dict(checks or {})
@@ -200,14 +254,27 @@ class Builder:
         path = os.path.normpath(os.path.join(self.base_dir, os.path.expanduser(value)))
         if not os.path.isfile(path):
             what = "a folder" if os.path.isdir(path) else "which does not exist"
-            self.problems.append(Problem(key, f"an existing file (a relative path is read from {self.base_dir})",
-                                         f"{value!r}, i.e. {path}, {what}", fix))
+            self.problems.append(
+                Problem(
+                    key,
+                    f"an existing file (a relative path is read from {self.base_dir})",
+                    f"{value!r}, i.e. {path}, {what}",
+                    fix,
+                )
+            )
         return path
 
 
-def from_plain(cls: type, data: Any, *, where: str, error: type[Exception],
-               base_dir: str | os.PathLike | None = None, extra: Mapping[str, Any] | None = None,
-               checks: Mapping[type, Check] | None = None) -> Any:
+def from_plain(
+    cls: type,
+    data: Any,
+    *,
+    where: str,
+    error: type[Exception],
+    base_dir: str | os.PathLike | None = None,
+    extra: Mapping[str, Any] | None = None,
+    checks: Mapping[type, Check] | None = None,
+) -> Any:
     """Build `cls` from plain data; raise `error` naming `where` and listing every problem.
 
     Relative paths start at `base_dir` (default: the current folder); `extra` gives fields that are not
@@ -217,8 +284,9 @@ def from_plain(cls: type, data: Any, *, where: str, error: type[Exception],
     return builder.finish(builder.build(cls, data, "", extra))
 
 
-def load_file(cls: type, path: str | os.PathLike, *, what: str, error: type[Exception], fix: str,
-              **options: Any) -> Any:
+def load_file(
+    cls: type, path: str | os.PathLike, *, what: str, error: type[Exception], fix: str, **options: Any
+) -> Any:
     """Read a YAML (or .json) file strictly and build `cls` from it; `error` names "`what` `path`".
 
     An empty file means every default when `cls` requires no key. `fix` says how to get a good file when

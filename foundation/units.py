@@ -13,13 +13,24 @@ MiB = 2**20
 GiB = 2**30
 TiB = 2**40
 
-MEMORY_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-                "KIB": KiB, "MIB": MiB, "GIB": GiB, "TIB": TiB}
+MEMORY_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": KiB,
+    "MIB": MiB,
+    "GIB": GiB,
+    "TIB": TiB,
+}
 """Units a memory string may end in (any case): powers of 1000 (KB, ..., TB) or of 1024 (KiB, ..., TiB)."""
 
 _MEMORY_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]+)\s*$")
-_MEMORY_EXPECTED = ('bytes: an integer >= 0 or a string like "24GiB" (24 * 2**30) or "24GB" (24 * 10**9); '
-                    "units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
+_MEMORY_EXPECTED = (
+    'bytes: an integer >= 0 or a string like "24GiB" (24 * 2**30) or "24GB" (24 * 10**9); '
+    "units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+)
 
 
 def fmt_bytes(nbytes: float, digits: int = 2) -> str:

@@ -12,9 +12,15 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-_EXPORTS = {"Pipeline": "mobiuspipe.pipeline", "StepResult": "mobiuspipe.pipeline", "Plan": "partition.plan",
-            "make_plan": "partition", "load_plan": "partition.plan", "RunConfig": "mobiuspipe.config",
-            "load_config": "mobiuspipe.config"}
+_EXPORTS = {
+    "Pipeline": "mobiuspipe.pipeline",
+    "StepResult": "mobiuspipe.pipeline",
+    "Plan": "partition.plan",
+    "make_plan": "partition",
+    "load_plan": "partition.plan",
+    "RunConfig": "mobiuspipe.config",
+    "load_config": "mobiuspipe.config",
+}
 __all__ = ["Pipeline", "StepResult", "Plan", "make_plan", "load_plan", "RunConfig", "load_config", "__version__"]
 
 if TYPE_CHECKING:

@@ -13,8 +13,13 @@ from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = Path(__file__).resolve().parent
-SOURCES = ["csrc/bindings.cpp", "csrc/adam/cpu_adam.cpp", "csrc/io/async_io.cpp", "csrc/io/uring.cpp",
-           "csrc/io/crc32c.cpp"]
+SOURCES = [
+    "csrc/bindings.cpp",
+    "csrc/adam/cpu_adam.cpp",
+    "csrc/io/async_io.cpp",
+    "csrc/io/uring.cpp",
+    "csrc/io/crc32c.cpp",
+]
 CFLAGS = ["-O3", "-fopenmp"]  # per-function target attributes pick the SIMD level: no -march=native
 LDFLAGS = ["-fopenmp"]  # resolves to the libgomp.so.1 torch already loaded
 
@@ -28,8 +33,9 @@ def _clear_stale_baton(build_dir: Path) -> None:
     """cpp_extension's FileBaton 'lock': under our flock nobody else builds, so any left one is stale."""
     baton = build_dir / "lock"
     if baton.exists():
-        print(f"[build] removing a stale lock {baton} ({time.time() - baton.stat().st_mtime:.0f} s old)",
-              file=sys.stderr)
+        print(
+            f"[build] removing a stale lock {baton} ({time.time() - baton.stat().st_mtime:.0f} s old)", file=sys.stderr
+        )
         baton.unlink(missing_ok=True)
 
 
@@ -45,10 +51,15 @@ def build(build_dir: Path | None = None, verbose: bool = False) -> Path:
     with open(build_dir.parent / "ext.flock", "w") as lockf:
         fcntl.flock(lockf, fcntl.LOCK_EX)  # the kernel drops it when a killed build dies
         _clear_stale_baton(build_dir)
-        mod = cpp_extension.load(name="_C", sources=[str(ROOT / s) for s in SOURCES],
-                                 build_directory=str(build_dir), extra_cflags=CFLAGS,
-                                 extra_ldflags=LDFLAGS, extra_include_paths=[str(ROOT / "csrc")],
-                                 verbose=verbose)
+        mod = cpp_extension.load(
+            name="_C",
+            sources=[str(ROOT / s) for s in SOURCES],
+            build_directory=str(build_dir),
+            extra_cflags=CFLAGS,
+            extra_ldflags=LDFLAGS,
+            extra_include_paths=[str(ROOT / "csrc")],
+            verbose=verbose,
+        )
         if not isinstance(mod, ModuleType) or mod.__file__ is None:  # is_python_module=True: a loaded module
             raise RuntimeError(f"cpp_extension.load returned {mod!r}, not a module loaded from a file")
         built = Path(mod.__file__)

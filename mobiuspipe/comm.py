@@ -17,8 +17,18 @@ from mobiuspipe.errors import PeerLostError, PipelineError
 
 __all__ = ["Comm", "TensorSpec"]
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
-           torch.int8, torch.uint8, torch.bool)
+_DTYPES = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
 """The dtypes a tensor between stages may have, by their code in a TensorSpec header."""
 
 
@@ -36,8 +46,10 @@ class TensorSpec:
     @classmethod
     def of(cls, t: torch.Tensor, what: str) -> TensorSpec:
         if t.dim() > cls.MAX_DIMS or t.dtype not in _DTYPES:
-            raise PipelineError(f"{what} is a {t.dim()}-d {t.dtype} tensor; tensors between stages need at most "
-                             f"{cls.MAX_DIMS} dimensions and one of the dtypes {[str(d) for d in _DTYPES]}")
+            raise PipelineError(
+                f"{what} is a {t.dim()}-d {t.dtype} tensor; tensors between stages need at most "
+                f"{cls.MAX_DIMS} dimensions and one of the dtypes {[str(d) for d in _DTYPES]}"
+            )
         return cls(tuple(t.shape), t.dtype)
 
     def encode(self, device: torch.device) -> torch.Tensor:
@@ -100,5 +112,7 @@ class Comm:
             raise PeerLostError(self._message(peer, what, f"no answer within {self.timeout.total_seconds():g} s"))
 
     def _message(self, peer: str, what: str, cause: str) -> str:
-        return (f"rank {self.rank}: {what} failed ({cause}); {peer} has probably died or hangs: look at its log "
-                f"above. Raise runtime.comm_timeout_s if {peer} is only slow")
+        return (
+            f"rank {self.rank}: {what} failed ({cause}); {peer} has probably died or hangs: look at its log "
+            f"above. Raise runtime.comm_timeout_s if {peer} is only slow"
+        )

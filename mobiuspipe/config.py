@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
-from foundation.loader import (Checked, Problem, at_least, dump_text, from_plain, load_file, positive, rule,
-                               to_plain)
+from foundation.loader import Checked, Problem, at_least, dump_text, from_plain, load_file, positive, rule, to_plain
 from mobiuspipe.errors import ConfigError, InvalidConfig
 
 MAPPINGS = ("cross", "round-robin", "search")
@@ -32,10 +31,14 @@ def _divisible(a_name: str, a: int, b_name: str, b: int) -> list[Problem]:
     """`a` must be a multiple of `b` (both >= 1 or no problem is reported here)."""
     if a < 1 or b < 1 or a % b == 0:
         return []
-    return [Problem(a_name, f"{a_name} divisible by {b_name}",
-                    f"{a_name} {a} with {b_name} {b} ({a} % {b} = {a % b})",
-                    f"use {a_name} {-(-a // b) * b} (a multiple of {b}) or {b_name} "
-                    f"{_divisor_at_most(a, b)} (divides {a})")]
+    return [
+        Problem(
+            a_name,
+            f"{a_name} divisible by {b_name}",
+            f"{a_name} {a} with {b_name} {b} ({a} % {b} = {a % b})",
+            f"use {a_name} {-(-a // b) * b} (a multiple of {b}) or {b_name} {_divisor_at_most(a, b)} (divides {a})",
+        )
+    ]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,8 +68,13 @@ class ModelConfig(Section):
 
     def check_values(self) -> list[Problem]:
         return [
-            *rule(1 <= self.vocab_size <= MAX_VOCAB, "vocab_size", f"an integer in 1..{MAX_VOCAB}",
-                  repr(self.vocab_size), "use 256 for byte-level tokens"),
+            *rule(
+                1 <= self.vocab_size <= MAX_VOCAB,
+                "vocab_size",
+                f"an integer in 1..{MAX_VOCAB}",
+                repr(self.vocab_size),
+                "use 256 for byte-level tokens",
+            ),
             *at_least(self, "num_blocks", 1, "use at least 1 transformer block"),
             *at_least(self, "d_model", 1, "use a width such as 64"),
             *at_least(self, "num_heads", 1, "use at least 1 attention head"),
@@ -79,8 +87,10 @@ class ModelConfig(Section):
 class DataConfig(Section):
     """The training text and how it is cut into batches and microbatches."""
 
-    path: str | None = field(default=None, metadata={
-        "path_fix": "correct the path, or remove data.path to train on the packaged sample text"})
+    path: str | None = field(
+        default=None,
+        metadata={"path_fix": "correct the path, or remove data.path to train on the packaged sample text"},
+    )
     """A text file read as bytes (any encoding); None = mobiuspipe/data/sample.txt shipped in the
     package; a relative path is resolved against the config file's folder and stored absolute."""
     batch_size: int = 8
@@ -134,14 +144,23 @@ class TrainConfig(Section):
         return [
             *at_least(self, "steps", 1, "run at least 1 step, e.g. 20"),
             *positive(self, "lr", "use a positive learning rate such as 0.003"),
-            *rule(all(0 <= b < 1 for b in self.betas), "betas", "two numbers each in [0, 1)",
-                   repr(list(self.betas)), "use e.g. [0.9, 0.95]"),
+            *rule(
+                all(0 <= b < 1 for b in self.betas),
+                "betas",
+                "two numbers each in [0, 1)",
+                repr(list(self.betas)),
+                "use e.g. [0.9, 0.95]",
+            ),
             *positive(self, "eps", "use a small non-negative number such as 1.0e-8", zero_ok=True),
-            *positive(self, "weight_decay", "use 0.0 (none) or a small value such as 0.01",
-                      zero_ok=True),
+            *positive(self, "weight_decay", "use 0.0 (none) or a small value such as 0.01", zero_ok=True),
             *at_least(self, "log_every", 1, "log every 1 or more steps"),
-            *rule(self.out_dir != "", "out_dir", "a folder name or null", "an empty string",
-                  "write a folder such as `out_dir: runs/tiny`, or null to write nothing"),
+            *rule(
+                self.out_dir != "",
+                "out_dir",
+                "a folder name or null",
+                "an empty string",
+                "write a folder such as `out_dir: runs/tiny`, or null to write nothing",
+            ),
         ]
 
 
@@ -149,9 +168,12 @@ class TrainConfig(Section):
 class PlanConfig(Section):
     """Where the stages run: a plan file, or the numbers to plan with at start-up."""
 
-    file: str | None = field(default=None, metadata={
-        "path_fix": "write one with `mobiuspipe partition -o plan.yaml`, or remove plan.file to "
-                    "plan at start-up"})
+    file: str | None = field(
+        default=None,
+        metadata={
+            "path_fix": "write one with `mobiuspipe partition -o plan.yaml`, or remove plan.file to plan at start-up"
+        },
+    )
     """A plan written by `mobiuspipe partition -o plan.yaml`; None = plan at start-up; a relative
     path is resolved against the config file's folder and stored absolute."""
     num_gpus: int = 2
@@ -168,11 +190,20 @@ class PlanConfig(Section):
         gpus, stages = self.num_gpus, self.num_stages
         return [
             *at_least(self, "num_gpus", 1, "use at least 1 gpu"),
-            *rule(stages >= gpus, "num_stages", "num_stages >= num_gpus (each gpu needs at least "
-                  "one stage)", f"num_stages {stages} with num_gpus {gpus}: more gpus than stages",
-                  f"raise num_stages to at least {gpus} or lower num_gpus to {max(stages, 1)}"),
-            *rule(self.mapping in MAPPINGS, "mapping", "one of " + ", ".join(MAPPINGS),
-                  repr(self.mapping), "use `mapping: cross` or `mapping: round-robin`"),
+            *rule(
+                stages >= gpus,
+                "num_stages",
+                "num_stages >= num_gpus (each gpu needs at least one stage)",
+                f"num_stages {stages} with num_gpus {gpus}: more gpus than stages",
+                f"raise num_stages to at least {gpus} or lower num_gpus to {max(stages, 1)}",
+            ),
+            *rule(
+                self.mapping in MAPPINGS,
+                "mapping",
+                "one of " + ", ".join(MAPPINGS),
+                repr(self.mapping),
+                "use `mapping: cross` or `mapping: round-robin`",
+            ),
             *positive(self, "device_memory_mb", "use a positive budget in MiB, e.g. 64.0"),
         ]
 
@@ -222,10 +253,13 @@ class RunConfig(Section):
 
     def check_values(self) -> list[Problem]:
         stages, layers = self.plan.num_stages, self.model.num_layers
-        return rule(stages <= layers, "plan.num_stages",
-                    f"at most model.num_blocks + 2 = {layers} stages (a stage needs at least one "
-                    "layer)", f"{stages} stages for {layers} layers",
-                    f"lower plan.num_stages to {layers} or raise model.num_blocks to {stages - 2}")
+        return rule(
+            stages <= layers,
+            "plan.num_stages",
+            f"at most model.num_blocks + 2 = {layers} stages (a stage needs at least one layer)",
+            f"{stages} stages for {layers} layers",
+            f"lower plan.num_stages to {layers} or raise model.num_blocks to {stages - 2}",
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of every section (not `source`); `config_from_dict` takes it back exactly."""
@@ -246,12 +280,19 @@ def config_from_dict(d: Any, source: str = "<dict>", *, base_dir: str | None = N
 
     Raises ConfigError naming `source` and listing every problem found.
     """
-    return from_plain(RunConfig, d, where=f"config {source}", error=ConfigError, base_dir=base_dir,
-                      extra={"source": source})
+    return from_plain(
+        RunConfig, d, where=f"config {source}", error=ConfigError, base_dir=base_dir, extra={"source": source}
+    )
 
 
 def load_config(path: str | os.PathLike) -> RunConfig:
     """Read a YAML config file; ConfigError names the file, the dotted key and the fix."""
     source = os.path.abspath(os.fspath(path))
-    return load_file(RunConfig, source, what="config", error=ConfigError,
-                     fix="check the path, e.g. examples/tiny-gpt.yaml", extra={"source": source})
+    return load_file(
+        RunConfig,
+        source,
+        what="config",
+        error=ConfigError,
+        fix="check the path, e.g. examples/tiny-gpt.yaml",
+        extra={"source": source},
+    )

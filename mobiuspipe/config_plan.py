@@ -22,8 +22,14 @@ __all__ = ["gpt_spec", "plan_for_config", "plan_from_config", "standin_topology"
 def gpt_spec(cfg: RunConfig) -> ModelSpec:
     """The partition package's description of the config's GPT."""
     m = cfg.model
-    return ModelSpec(name=f"gpt-{m.num_blocks}x{m.d_model}", num_blocks=m.num_blocks, d_model=m.d_model,
-                     num_heads=m.num_heads, seq_len=m.seq_len, vocab_size=m.vocab_size)
+    return ModelSpec(
+        name=f"gpt-{m.num_blocks}x{m.d_model}",
+        num_blocks=m.num_blocks,
+        d_model=m.d_model,
+        num_heads=m.num_heads,
+        seq_len=m.seq_len,
+        vocab_size=m.vocab_size,
+    )
 
 
 def plan_for_config(cfg: RunConfig) -> Plan:
@@ -44,30 +50,41 @@ def standin_topology(cfg: RunConfig) -> Topology:
 def gpt_profile(cfg: RunConfig) -> Profile:
     """The analytic profile of the config's model, fp32, on this machine's gpu type (or the CPU stand-in)."""
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu-standin"
-    return analytic_profile(gpt_spec(cfg), device_spec(device), microbatch_size=cfg.microbatch_size,
-                            dtype="fp32")
+    return analytic_profile(gpt_spec(cfg), device_spec(device), microbatch_size=cfg.microbatch_size, dtype="fp32")
 
 
 def plan_from_config(cfg: RunConfig, solver: str = "dp") -> Plan:
     """The plan made from the config alone. Every rank makes it for itself, so the default is the exact
     DP, which is deterministic; a time-limited MIP could differ between ranks. `mobiuspipe partition
     --config` passes its --solver and writes the result for plan.file."""
-    return make_plan(gpt_profile(cfg), standin_topology(cfg), cfg.data.num_microbatches, num_stages=cfg.plan.num_stages,
-                     mapping=cfg.plan.mapping, solver=solver)
+    return make_plan(
+        gpt_profile(cfg),
+        standin_topology(cfg),
+        cfg.data.num_microbatches,
+        num_stages=cfg.plan.num_stages,
+        mapping=cfg.plan.mapping,
+        solver=solver,
+    )
 
 
 def _check_matches(plan: Plan, spec: ModelSpec, cfg: RunConfig) -> None:
     where = f"plan.file ({cfg.plan.file})"
     counts = layer_param_counts(spec)
     if plan.num_layers != spec.num_layers:
-        raise ConfigError(f"{where}: the plan has {plan.num_layers} layers but the model has {spec.num_layers}; "
-                          f"make a plan for this model or remove plan.file to plan at start-up")
+        raise ConfigError(
+            f"{where}: the plan has {plan.num_layers} layers but the model has {spec.num_layers}; "
+            f"make a plan for this model or remove plan.file to plan at start-up"
+        )
     for j, s in enumerate(plan.stages):
-        n = sum(counts[s.first:s.last + 1])
+        n = sum(counts[s.first : s.last + 1])
         if s.param_count != n or n * 4 > plan.slot_bytes:
-            raise ConfigError(f"{where}: stage {j} (layers {s.first}..{s.last}) has {n} parameters ({n * 4} fp32 "
-                              f"bytes) in this model, the plan says {s.param_count} in a {plan.slot_bytes}-byte slot; "
-                              f"the plan was made for another model or dtype: re-plan or remove plan.file")
+            raise ConfigError(
+                f"{where}: stage {j} (layers {s.first}..{s.last}) has {n} parameters ({n * 4} fp32 "
+                f"bytes) in this model, the plan says {s.param_count} in a {plan.slot_bytes}-byte slot; "
+                f"the plan was made for another model or dtype: re-plan or remove plan.file"
+            )
     if plan.num_microbatches != cfg.data.num_microbatches:
-        raise ConfigError(f"{where}: the plan is for {plan.num_microbatches} microbatches, data.num_microbatches is "
-                          f"{cfg.data.num_microbatches}; make them equal")
+        raise ConfigError(
+            f"{where}: the plan is for {plan.num_microbatches} microbatches, data.num_microbatches is "
+            f"{cfg.data.num_microbatches}; make them equal"
+        )

@@ -19,11 +19,15 @@ class ByteData:
         try:
             raw = self.path.read_bytes()
         except OSError as e:
-            raise ConfigError(f"data.path: cannot read {self.path}: {e.strerror}; give a readable text file "
-                              f"or leave data.path out to use the shipped sample") from e
+            raise ConfigError(
+                f"data.path: cannot read {self.path}: {e.strerror}; give a readable text file "
+                f"or leave data.path out to use the shipped sample"
+            ) from e
         if len(raw) < seq_len + 2:
-            raise ConfigError(f"data.path: {self.path} has {len(raw)} bytes, expected at least seq_len + 2 = "
-                              f"{seq_len + 2}; use a longer file or a smaller model.seq_len")
+            raise ConfigError(
+                f"data.path: {self.path} has {len(raw)} bytes, expected at least seq_len + 2 = "
+                f"{seq_len + 2}; use a longer file or a smaller model.seq_len"
+            )
         self.tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int64)
         self.seq_len, self.seed = seq_len, seed
 

@@ -59,18 +59,36 @@ class StepState:
 class Engine:
     """One rank: its stages, arena, comm; run_step() executes the schedule once."""
 
-    def __init__(self, *, mapping: list[int], rank: int, stages: dict[int, Stage], schedule: list[Action],
-                 device: Device, arena: DeviceArena, comm: Comm, loss_fn: LossFn, num_microbatches: int):
+    def __init__(
+        self,
+        *,
+        mapping: list[int],
+        rank: int,
+        stages: dict[int, Stage],
+        schedule: list[Action],
+        device: Device,
+        arena: DeviceArena,
+        comm: Comm,
+        loss_fn: LossFn,
+        num_microbatches: int,
+    ):
         self.mapping, self.rank, self.stages, self.schedule = mapping, rank, stages, schedule
         self.device, self.arena, self.comm, self.loss_fn = device, arena, comm, loss_fn
         self.num_microbatches = num_microbatches
         self.last = len(mapping) - 1
         self.updater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-optimizer")
         self._specs: dict[tuple, dict[MessageKey, TensorSpec]] = {}  # batch shape -> specs of its messages
-        self._dispatch = {Kind.LOAD: self._load, Kind.RELEASE: self._release, Kind.FWD: self._fwd,
-                          Kind.BWD: self._bwd, Kind.SEND_ACT: self._send_act, Kind.RECV_ACT: self._recv_act,
-                          Kind.SEND_GRAD: self._send_grad, Kind.RECV_GRAD: self._recv_grad,
-                          Kind.OFFLOAD: self._offload}
+        self._dispatch = {
+            Kind.LOAD: self._load,
+            Kind.RELEASE: self._release,
+            Kind.FWD: self._fwd,
+            Kind.BWD: self._bwd,
+            Kind.SEND_ACT: self._send_act,
+            Kind.RECV_ACT: self._recv_act,
+            Kind.SEND_GRAD: self._send_grad,
+            Kind.RECV_GRAD: self._recv_grad,
+            Kind.OFFLOAD: self._offload,
+        }
 
     def run_step(self, step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[float, StepTimes]:
         """One optimizer step over the batch (x, y); returns this rank's share of the loss and its times."""
@@ -128,9 +146,11 @@ class Engine:
         with Stopwatch() as sw, torch.no_grad():
             out = stage.forward(x, with_grad=False)
         if not out.is_floating_point():
-            raise PipelineError(f"stage {j} (layers {stage.order[0]}..{stage.order[-1]}) outputs a {out.dtype} "
-                                f"tensor: tensors between stages must be floating point so that gradients flow "
-                                f"back; make the layer that produces it part of the next stage's first layer")
+            raise PipelineError(
+                f"stage {j} (layers {stage.order[0]}..{stage.order[-1]}) outputs a {out.dtype} "
+                f"tensor: tensors between stages must be floating point so that gradients flow "
+                f"back; make the layer that produces it part of the next stage's first layer"
+            )
         st.outbox[(Kind.SEND_ACT, j, i)] = out
         st.times.compute_s += sw.s
 
@@ -157,19 +177,26 @@ class Engine:
     @staticmethod
     def _input_grad(x: torch.Tensor, stage: Stage) -> torch.Tensor:
         if x.grad is None:
-            raise PipelineError(f"stage {stage.index} (layers {stage.order[0]}..{stage.order[-1]}) got no gradient "
-                                f"for its input: its output does not depend on its input, so the pipeline cannot "
-                                f"cut there; re-plan so that those layers join a neighbouring stage")
+            raise PipelineError(
+                f"stage {stage.index} (layers {stage.order[0]}..{stage.order[-1]}) got no gradient "
+                f"for its input: its output does not depend on its input, so the pipeline cannot "
+                f"cut there; re-plan so that those layers join a neighbouring stage"
+            )
         return x.grad
 
     def _loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The microbatch's share of the step's loss: loss_fn(out, y) / num_microbatches."""
         loss = self.loss_fn(out, y)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-            found = f"a {loss.dtype} tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) \
+            found = (
+                f"a {loss.dtype} tensor of shape {tuple(loss.shape)}"
+                if isinstance(loss, torch.Tensor)
                 else type(loss).__name__
-            raise PipelineError(f"the loss function returned {found}; expected a floating-point scalar tensor "
-                                f"(the mean loss of the microbatch), e.g. F.cross_entropy(out, y)")
+            )
+            raise PipelineError(
+                f"the loss function returned {found}; expected a floating-point scalar tensor "
+                f"(the mean loss of the microbatch), e.g. F.cross_entropy(out, y)"
+            )
         return loss.reshape(()) / self.num_microbatches
 
     # -- communication -------------------------------------------------------------------------
@@ -203,10 +230,10 @@ class Engine:
         what = f"{what} for stage {a.stage} microbatch {a.microbatch} (step {st.step})"
         with Stopwatch() as sw:
             if st.learning:
-                st.specs[key] = self.comm.recv_spec(dev, src, self._tag(send_kind, tag_stage, a.microbatch, True),
-                                                    what)
-            st.inbox[key] = self.comm.recv(st.specs[key], dev, src,
-                                           self._tag(send_kind, tag_stage, a.microbatch, False), what)
+                st.specs[key] = self.comm.recv_spec(dev, src, self._tag(send_kind, tag_stage, a.microbatch, True), what)
+            st.inbox[key] = self.comm.recv(
+                st.specs[key], dev, src, self._tag(send_kind, tag_stage, a.microbatch, False), what
+            )
         st.times.comm_s += sw.s
 
     def _send_act(self, a: Action) -> None:

@@ -28,10 +28,12 @@ class StepMetrics:
     arena_budget_bytes: int
 
     def line(self, steps: int) -> str:
-        return (f"step {self.step + 1}/{steps}  loss {self.loss:.4f}  {self.tokens_per_s:,.0f} tok/s  "
-                f"step {self.step_s * 1e3:.0f} ms (compute {self.compute_s * 1e3:.0f} / load {self.load_s * 1e3:.0f}"
-                f" / comm {self.comm_s * 1e3:.0f})  arena peak {self.arena_peak_bytes / MiB:.2f}"
-                f" of {self.arena_budget_bytes / MiB:.2f} MiB")
+        return (
+            f"step {self.step + 1}/{steps}  loss {self.loss:.4f}  {self.tokens_per_s:,.0f} tok/s  "
+            f"step {self.step_s * 1e3:.0f} ms (compute {self.compute_s * 1e3:.0f} / load {self.load_s * 1e3:.0f}"
+            f" / comm {self.comm_s * 1e3:.0f})  arena peak {self.arena_peak_bytes / MiB:.2f}"
+            f" of {self.arena_budget_bytes / MiB:.2f} MiB"
+        )
 
 
 class Reporter:

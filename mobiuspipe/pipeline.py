@@ -68,10 +68,20 @@ class StepResult:
 class Pipeline:
     """A model cut into the plan's stages, run on this rank's gpu with weights streamed from the host tier."""
 
-    def __init__(self, layers: nn.Sequential | Sequence[LayerSpec], loss_fn: LossFn, *, plan: PlanSource = None,
-                 optimizer: OptimizerFactory | None = None, sample: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 num_microbatches: int | None = None, num_stages: int | None = None, mapping: str = "cross",
-                 topology: Topology | str | None = None, comm_timeout_s: float = 60.0):
+    def __init__(
+        self,
+        layers: nn.Sequential | Sequence[LayerSpec],
+        loss_fn: LossFn,
+        *,
+        plan: PlanSource = None,
+        optimizer: OptimizerFactory | None = None,
+        sample: tuple[torch.Tensor, torch.Tensor] | None = None,
+        num_microbatches: int | None = None,
+        num_stages: int | None = None,
+        mapping: str = "cross",
+        topology: Topology | str | None = None,
+        comm_timeout_s: float = 60.0,
+    ):
         """Build this rank's stages.
 
         plan: a Plan, the path of a plan file (`mobiuspipe partition -o`), or None to measure the layers on
@@ -90,15 +100,26 @@ class Pipeline:
         try:
             if given is None:
                 if sample is None:
-                    raise PipelineError("a Pipeline needs a plan (a Plan or a plan file) or a sample batch (x, y) "
-                                        "to profile its layers and plan from: pass plan=... or sample=(x, y)")
-                self.plan = plan_from_profile(makers, loss_fn, sample, self.info, num_microbatches=num_microbatches
-                                              or 4, num_stages=num_stages, mapping=mapping, topology=topology)
+                    raise PipelineError(
+                        "a Pipeline needs a plan (a Plan or a plan file) or a sample batch (x, y) "
+                        "to profile its layers and plan from: pass plan=... or sample=(x, y)"
+                    )
+                self.plan = plan_from_profile(
+                    makers,
+                    loss_fn,
+                    sample,
+                    self.info,
+                    num_microbatches=num_microbatches or 4,
+                    num_stages=num_stages,
+                    mapping=mapping,
+                    topology=topology,
+                )
             else:
                 self.plan = given
                 same_plan_everywhere(given, self.info)
-            self.engine = self._build_engine(makers, loss_fn, optimizer or partial(CPUAdam), num_microbatches,
-                                             comm_timeout_s)
+            self.engine = self._build_engine(
+                makers, loss_fn, optimizer or partial(CPUAdam), num_microbatches, comm_timeout_s
+            )
         except BaseException:
             leave_group(self._owns_group)
             raise
@@ -110,21 +131,39 @@ class Pipeline:
         """This process's rank (= its gpu in the plan)."""
         return self.info.rank
 
-    def _build_engine(self, makers: list[Callable[[], nn.Module]], loss_fn: LossFn, make_optimizer: OptimizerFactory,
-                      num_microbatches: int | None, comm_timeout_s: float) -> Engine:
+    def _build_engine(
+        self,
+        makers: list[Callable[[], nn.Module]],
+        loss_fn: LossFn,
+        make_optimizer: OptimizerFactory,
+        num_microbatches: int | None,
+        comm_timeout_s: float,
+    ) -> Engine:
         plan, rank = self.plan, self.info.rank
         mine = plan.stages_of(rank)
         layers = {l: _build(makers[l], l) for j in mine for l in range(plan.stages[j].first, plan.stages[j].last + 1)}
         check_layers(plan, len(makers), layers, rank, num_microbatches)
         device = Device(self.info.local_rank)
-        stages = {j: Stage(j, {l: layers[l] for l in range(plan.stages[j].first, plan.stages[j].last + 1)}, device,
-                           make_optimizer) for j in mine}
+        stages = {
+            j: Stage(
+                j, {l: layers[l] for l in range(plan.stages[j].first, plan.stages[j].last + 1)}, device, make_optimizer
+            )
+            for j in mine
+        }
         m = plan.num_microbatches
         schedules = [build_schedule(plan.mapping, g, m) for g in range(plan.num_gpus)]
         check_schedules(plan.mapping, m, schedules)
-        return Engine(mapping=plan.mapping, rank=rank, stages=stages, schedule=schedules[rank], device=device,
-                      arena=DeviceArena(plan.slot_bytes, ARENA_SLOTS, device.torch_device),
-                      comm=Comm(rank, comm_timeout_s), loss_fn=loss_fn, num_microbatches=m)
+        return Engine(
+            mapping=plan.mapping,
+            rank=rank,
+            stages=stages,
+            schedule=schedules[rank],
+            device=device,
+            arena=DeviceArena(plan.slot_bytes, ARENA_SLOTS, device.torch_device),
+            comm=Comm(rank, comm_timeout_s),
+            loss_fn=loss_fn,
+            num_microbatches=m,
+        )
 
     def train_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> StepResult:
         """train_batch(*batch)."""
@@ -140,8 +179,11 @@ class Pipeline:
         engine.arena.reset_peak()
         loss, times = engine.run_step(self.step, x, y)
         (loss,) = self._reduce([loss], torch.distributed.ReduceOp.SUM, f"the loss of step {self.step}")
-        c, ld, cm, peak = self._reduce([times.compute_s, times.load_s, times.comm_s, engine.arena.peak_bytes],
-                                       torch.distributed.ReduceOp.MAX, f"the metrics of step {self.step}")
+        c, ld, cm, peak = self._reduce(
+            [times.compute_s, times.load_s, times.comm_s, engine.arena.peak_bytes],
+            torch.distributed.ReduceOp.MAX,
+            f"the metrics of step {self.step}",
+        )
         result = StepResult(self.step, loss, StepTimes(c, ld, cm), int(peak), engine.arena.budget_bytes)
         self.step += 1
         return result
@@ -151,10 +193,12 @@ class Pipeline:
             raise PipelineError("train_batch on a closed Pipeline: make a new one")
         want = self.plan.num_microbatches * self.plan.microbatch_size
         if x.dim() == 0 or x.shape[0] != want or y.dim() == 0 or y.shape[0] != want:
-            raise PipelineError(f"a batch needs {want} rows along dimension 0 (the plan's {self.plan.num_microbatches} "
-                                f"microbatches of {self.plan.microbatch_size}); found inputs of shape "
-                                f"{tuple(x.shape)} and targets of shape {tuple(y.shape)}: batch the data to that "
-                                f"size or re-plan with --microbatches/--microbatch-size")
+            raise PipelineError(
+                f"a batch needs {want} rows along dimension 0 (the plan's {self.plan.num_microbatches} "
+                f"microbatches of {self.plan.microbatch_size}); found inputs of shape "
+                f"{tuple(x.shape)} and targets of shape {tuple(y.shape)}: batch the data to that "
+                f"size or re-plan with --microbatches/--microbatch-size"
+            )
 
     def _reduce(self, values: list[float], op, what: str) -> list[float]:
         if self.info.world_size == 1:
@@ -196,8 +240,10 @@ class Pipeline:
 def _factories(layers: nn.Sequential | Sequence[LayerSpec]) -> list[Callable[[], nn.Module]]:
     """Every layer as a factory (a module becomes a factory that returns it)."""
     if isinstance(layers, nn.Module) and not isinstance(layers, nn.Sequential):
-        raise PipelineError(f"layers is a single {type(layers).__name__}; expected an nn.Sequential or a list of "
-                            f"layers (or of factories that build them): the pipeline cuts between layers")
+        raise PipelineError(
+            f"layers is a single {type(layers).__name__}; expected an nn.Sequential or a list of "
+            f"layers (or of factories that build them): the pipeline cuts between layers"
+        )
     items = list(layers)
     if not items:
         raise PipelineError("layers is empty; expected at least one layer")
@@ -208,8 +254,10 @@ def _factories(layers: nn.Sequential | Sequence[LayerSpec]) -> list[Callable[[],
         elif callable(item):
             out.append(item)
         else:
-            raise PipelineError(f"layer {l} is a {type(item).__name__}; expected an nn.Module or a zero-argument "
-                                f"callable that returns one")
+            raise PipelineError(
+                f"layer {l} is a {type(item).__name__}; expected an nn.Module or a zero-argument "
+                f"callable that returns one"
+            )
     return out
 
 

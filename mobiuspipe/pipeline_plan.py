@@ -24,8 +24,15 @@ from partition import make_plan
 from partition.plan import Plan, load_plan
 from topology import Topology, cpu_standin, load_topology
 
-__all__ = ["PlanSource", "STANDIN_MEMORY_BYTES", "read_plan", "check_world", "check_layers", "same_plan_everywhere",
-           "plan_from_profile"]
+__all__ = [
+    "PlanSource",
+    "STANDIN_MEMORY_BYTES",
+    "read_plan",
+    "check_world",
+    "check_layers",
+    "same_plan_everywhere",
+    "plan_from_profile",
+]
 
 PlanSource = Plan | str | os.PathLike | None
 """What a Pipeline is given as its plan: a Plan, the path of a plan file, or None (profile and plan)."""
@@ -43,31 +50,44 @@ def check_world(plan: Plan, info: RankInfo) -> None:
     if plan.num_gpus == info.world_size:
         return
     if not info.under_torchrun:
-        raise WorldSizeError(f"the plan has {plan.num_gpus} gpus but this process is not part of a torchrun job: "
-                             f"run `torchrun --nproc_per_node {plan.num_gpus} ...` or re-plan for 1 gpu")
-    raise WorldSizeError(f"the plan has {plan.num_gpus} gpus but torchrun started {info.world_size} ranks: run "
-                         f"`torchrun --nproc_per_node {plan.num_gpus} ...` or re-plan for {info.world_size} gpus")
+        raise WorldSizeError(
+            f"the plan has {plan.num_gpus} gpus but this process is not part of a torchrun job: "
+            f"run `torchrun --nproc_per_node {plan.num_gpus} ...` or re-plan for 1 gpu"
+        )
+    raise WorldSizeError(
+        f"the plan has {plan.num_gpus} gpus but torchrun started {info.world_size} ranks: run "
+        f"`torchrun --nproc_per_node {plan.num_gpus} ...` or re-plan for {info.world_size} gpus"
+    )
 
 
-def check_layers(plan: Plan, num_layers: int, layers: dict[int, nn.Module], rank: int,
-                 num_microbatches: int | None) -> None:
+def check_layers(
+    plan: Plan, num_layers: int, layers: dict[int, nn.Module], rank: int, num_microbatches: int | None
+) -> None:
     """The plan must cut these layers (this rank's stages have the plan's parameter counts) in fp32."""
     if plan.num_layers != num_layers:
-        raise PipelineError(f"the plan cuts {plan.num_layers} layers but the pipeline was given {num_layers}: make "
-                            f"a plan for these layers (or give no plan and a sample batch to plan from a profile)")
+        raise PipelineError(
+            f"the plan cuts {plan.num_layers} layers but the pipeline was given {num_layers}: make "
+            f"a plan for these layers (or give no plan and a sample batch to plan from a profile)"
+        )
     if plan.dtype != "fp32":
-        raise PipelineError(f"the plan is for {plan.dtype} weights but the runtime trains in fp32: re-plan with "
-                            f"`mobiuspipe partition --dtype fp32 ...`")
+        raise PipelineError(
+            f"the plan is for {plan.dtype} weights but the runtime trains in fp32: re-plan with "
+            f"`mobiuspipe partition --dtype fp32 ...`"
+        )
     if num_microbatches is not None and num_microbatches != plan.num_microbatches:
-        raise PipelineError(f"the plan is for {plan.num_microbatches} microbatches, {num_microbatches} were asked "
-                            f"for: make them equal or re-plan with --microbatches {num_microbatches}")
+        raise PipelineError(
+            f"the plan is for {plan.num_microbatches} microbatches, {num_microbatches} were asked "
+            f"for: make them equal or re-plan with --microbatches {num_microbatches}"
+        )
     for j in plan.stages_of(rank):
         s = plan.stages[j]
         n = sum(p.numel() for l in range(s.first, s.last + 1) for p in layers[l].parameters())
         if n != s.param_count or n * 4 > plan.slot_bytes:
-            raise PipelineError(f"stage {j} (layers {s.first}..{s.last}) has {n} parameters ({n * 4} fp32 bytes) "
-                                f"in these layers, the plan says {s.param_count} in a {plan.slot_bytes}-byte slot: "
-                                f"the plan was made for other layers or another dtype; re-plan for these layers")
+            raise PipelineError(
+                f"stage {j} (layers {s.first}..{s.last}) has {n} parameters ({n * 4} fp32 bytes) "
+                f"in these layers, the plan says {s.param_count} in a {plan.slot_bytes}-byte slot: "
+                f"the plan was made for other layers or another dtype; re-plan for these layers"
+            )
 
 
 def same_plan_everywhere(plan: Plan, info: RankInfo) -> None:
@@ -80,20 +100,31 @@ def same_plan_everywhere(plan: Plan, info: RankInfo) -> None:
     dist.all_gather_object(digests, digest)
     differ = [r for r, d in enumerate(digests) if d != digests[0]]
     if differ:
-        raise WorldSizeError(f"rank {info.rank}: ranks {differ} follow a different plan than rank 0 (different plan "
-                             f"files, configs or code versions); give every rank the same plan")
+        raise WorldSizeError(
+            f"rank {info.rank}: ranks {differ} follow a different plan than rank 0 (different plan "
+            f"files, configs or code versions); give every rank the same plan"
+        )
 
 
-def plan_from_profile(layers: list[Callable[[], nn.Module]], loss_fn, sample: tuple[torch.Tensor, torch.Tensor],
-                      info: RankInfo, *, num_microbatches: int, num_stages: int | None, mapping: str,
-                      topology: Topology | str | None) -> Plan:
+def plan_from_profile(
+    layers: list[Callable[[], nn.Module]],
+    loss_fn,
+    sample: tuple[torch.Tensor, torch.Tensor],
+    info: RankInfo,
+    *,
+    num_microbatches: int,
+    num_stages: int | None,
+    mapping: str,
+    topology: Topology | str | None,
+) -> Plan:
     """Rank 0 measures every layer on one microbatch of `sample` and plans; every rank gets its plan (or its
     error: a rank 0 that cannot plan fails every rank with the same message)."""
     result: list[object] = [None]
     if info.rank == 0:
         try:
-            result[0] = _measure_and_plan(layers, loss_fn, sample, info, num_microbatches, num_stages, mapping,
-                                          topology)
+            result[0] = _measure_and_plan(
+                layers, loss_fn, sample, info, num_microbatches, num_stages, mapping, topology
+            )
         except Exception as e:  # noqa: BLE001 - handed to the other ranks below, then raised here too
             result[0] = e if _picklable(e) else PipelineError(f"rank 0 could not plan: {type(e).__name__}: {e}")
     if info.world_size > 1:
@@ -114,18 +145,33 @@ def _picklable(e: Exception) -> bool:
         return False
 
 
-def _measure_and_plan(layers, loss_fn, sample, info: RankInfo, m: int, num_stages: int | None, mapping: str,
-                      topology: Topology | str | None) -> dict:
+def _measure_and_plan(
+    layers,
+    loss_fn,
+    sample,
+    info: RankInfo,
+    m: int,
+    num_stages: int | None,
+    mapping: str,
+    topology: Topology | str | None,
+) -> dict:
     x, y = sample
     if x.shape[0] % m:
         raise PipelineError(f"the sample batch has {x.shape[0]} rows, not a multiple of num_microbatches={m}")
-    xm, ym = x[:x.shape[0] // m], y[:y.shape[0] // m]
+    xm, ym = x[: x.shape[0] // m], y[: y.shape[0] // m]
     device = torch.device("cuda", info.local_rank) if torch.cuda.is_available() else torch.device("cpu")
     built = [make() for make in layers]
-    profile = measure_profile(built, xm, device=device, name="pipeline", device_name=_device_name(device),
-                              dtype_name="fp32", microbatch_size=xm.shape[0],
-                              seq_len=xm.shape[1] if xm.dim() > 1 else 1,
-                              loss_fn=lambda out: loss_fn(out, ym.to(out.device)))
+    profile = measure_profile(
+        built,
+        xm,
+        device=device,
+        name="pipeline",
+        device_name=_device_name(device),
+        dtype_name="fp32",
+        microbatch_size=xm.shape[0],
+        seq_len=xm.shape[1] if xm.dim() > 1 else 1,
+        loss_fn=lambda out: loss_fn(out, ym.to(out.device)),
+    )
     topo = _topology(topology, info, device)
     return make_plan(profile, topo, m, num_stages=num_stages, mapping=mapping, solver="dp").to_dict()
 

@@ -53,8 +53,10 @@ def _check(layers, warmup: int, min_repeats: int, max_repeats: int, rel_tol: flo
     if not layers:
         raise ValueError("measure_profile needs at least one layer, found an empty list")
     if warmup < 0 or not 1 <= min_repeats <= max_repeats or not rel_tol > 0:
-        raise ValueError(f"need warmup >= 0, 1 <= min_repeats <= max_repeats and rel_tol > 0; found warmup "
-                         f"{warmup}, min_repeats {min_repeats}, max_repeats {max_repeats}, rel_tol {rel_tol}")
+        raise ValueError(
+            f"need warmup >= 0, 1 <= min_repeats <= max_repeats and rel_tol > 0; found warmup "
+            f"{warmup}, min_repeats {min_repeats}, max_repeats {max_repeats}, rel_tol {rel_tol}"
+        )
 
 
 def _signature(layer: nn.Module, x: torch.Tensor) -> tuple:
@@ -79,8 +81,10 @@ def _cpu_flash_flops():
     def bwd(grad_out, q, k, v, *args, out_shape=None, **kwargs) -> int:
         return flop_counter.sdpa_backward_flop_count(grad_out, q, k, v)
 
-    return {aten._scaled_dot_product_flash_attention_for_cpu: fwd,
-            aten._scaled_dot_product_flash_attention_for_cpu_backward: bwd}
+    return {
+        aten._scaled_dot_product_flash_attention_for_cpu: fwd,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: bwd,
+    }
 
 
 class _Run:
@@ -154,8 +158,9 @@ def _stable_median(run: _Run, warmup: int, min_repeats: int, max_repeats: int, r
     return now
 
 
-def _measure_one(layer: nn.Module, x: torch.Tensor, loss_fn, device: torch.device,
-                 timing: tuple[int, int, int, float]) -> tuple[LayerProfile, torch.Tensor]:
+def _measure_one(
+    layer: nn.Module, x: torch.Tensor, loss_fn, device: torch.device, timing: tuple[int, int, int, float]
+) -> tuple[LayerProfile, torch.Tensor]:
     run = _Run(layer, x, loss_fn, device)
     fwd_flops, bwd_flops = run.flops()
     act = run.saved_bytes()
@@ -163,10 +168,17 @@ def _measure_one(layer: nn.Module, x: torch.Tensor, loss_fn, device: torch.devic
     for p in layer.parameters():
         p.grad = None
     params = list(layer.parameters())
-    lp = LayerProfile(name=type(layer).__name__.lower(), param_count=sum(p.numel() for p in params),
-                      param_bytes=sum(p.nbytes for p in params), activation_bytes=act,
-                      output_bytes=run.out.nbytes, fwd_flops=fwd_flops, bwd_flops=bwd_flops,
-                      fwd_s=fwd_s, bwd_s=bwd_s)
+    lp = LayerProfile(
+        name=type(layer).__name__.lower(),
+        param_count=sum(p.numel() for p in params),
+        param_bytes=sum(p.nbytes for p in params),
+        activation_bytes=act,
+        output_bytes=run.out.nbytes,
+        fwd_flops=fwd_flops,
+        bwd_flops=bwd_flops,
+        fwd_s=fwd_s,
+        bwd_s=bwd_s,
+    )
     return lp, run.out
 
 
@@ -176,13 +188,28 @@ def _check_dtype(layers: Sequence[nn.Module], dtype_name: str) -> None:
     for l, layer in enumerate(layers):
         wrong = {p.dtype for p in layer.parameters()} - {TORCH_DTYPES[dtype_name]}
         if wrong:
-            raise ValueError(f"layer {l} has {sorted(map(str, wrong))} parameters but dtype_name is {dtype_name!r} "
-                             f"({TORCH_DTYPES[dtype_name]}); cast the layers (layer.to(dtype)) or name their dtype")
+            raise ValueError(
+                f"layer {l} has {sorted(map(str, wrong))} parameters but dtype_name is {dtype_name!r} "
+                f"({TORCH_DTYPES[dtype_name]}); cast the layers (layer.to(dtype)) or name their dtype"
+            )
 
 
-def measure_layers(layers: Sequence[nn.Module], sample_input: torch.Tensor, *, device, name: str, device_name: str,
-                   dtype_name: str, microbatch_size: int, seq_len: int, loss_fn=None, warmup: int = 2,
-                   min_repeats: int = 5, max_repeats: int = 50, rel_tol: float = 0.05) -> Measurement:
+def measure_layers(
+    layers: Sequence[nn.Module],
+    sample_input: torch.Tensor,
+    *,
+    device,
+    name: str,
+    device_name: str,
+    dtype_name: str,
+    microbatch_size: int,
+    seq_len: int,
+    loss_fn=None,
+    warmup: int = 2,
+    min_repeats: int = 5,
+    max_repeats: int = 50,
+    rel_tol: float = 0.05,
+) -> Measurement:
     """Measure `layers` in order (see the module docstring); loss_fn(output) -> scalar follows the last one.
 
     Each layer is moved to `device` for its measurement and back where it was afterwards, so the device
@@ -201,8 +228,9 @@ def measure_layers(layers: Sequence[nn.Module], sample_input: torch.Tensor, *, d
         if key not in seen:
             home = next(iter(layer.parameters()), x).device
             layer.to(device)
-            lp, y = _measure_one(layer, x, loss_fn if l == len(layers) - 1 else None, device,
-                                 (warmup, min_repeats, max_repeats, rel_tol))
+            lp, y = _measure_one(
+                layer, x, loss_fn if l == len(layers) - 1 else None, device, (warmup, min_repeats, max_repeats, rel_tol)
+            )
             layer.to(home)
             seen[key] = (l, y)
             out_layers.append(lp)
@@ -210,8 +238,14 @@ def measure_layers(layers: Sequence[nn.Module], sample_input: torch.Tensor, *, d
             out_layers.append(out_layers[seen[key][0]])
         source.append(seen[key][0])
         x = seen[key][1]
-    profile = Profile(model=name, device=device_name, dtype=dtype_name, microbatch_size=microbatch_size,
-                      seq_len=seq_len, layers=tuple(out_layers))
+    profile = Profile(
+        model=name,
+        device=device_name,
+        dtype=dtype_name,
+        microbatch_size=microbatch_size,
+        seq_len=seq_len,
+        layers=tuple(out_layers),
+    )
     return Measurement(profile=profile, source=tuple(source))
 
 

@@ -39,8 +39,10 @@ def rank_info() -> RankInfo:
     try:
         return RankInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), local, True)
     except (KeyError, ValueError) as e:
-        raise WorldSizeError(f"WORLD_SIZE is set but RANK is {os.environ.get('RANK')!r}: start training with "
-                             f"`torchrun --nproc_per_node N ...`, which sets both") from e
+        raise WorldSizeError(
+            f"WORLD_SIZE is set but RANK is {os.environ.get('RANK')!r}: start training with "
+            f"`torchrun --nproc_per_node N ...`, which sets both"
+        ) from e
 
 
 def join_group(info: RankInfo, timeout_s: float) -> bool:

@@ -39,7 +39,7 @@ class ParamSlice:
 
     def of(self, flat: torch.Tensor) -> torch.Tensor:
         """This parameter's view of a flat tensor laid out like the stage's weights."""
-        return flat[self.offset:self.offset + self.numel].view(self.shape)
+        return flat[self.offset : self.offset + self.numel].view(self.shape)
 
 
 class Stage:
@@ -131,16 +131,23 @@ class Stage:
         """Master weights and persistent buffers (host copies) named as nn.Sequential(*layers).state_dict()."""
         out = {p.key: p.of(self.master.data).clone() for p in self.params}
         for l in self.order:
-            out.update({f"{l}.{n}": b.detach().to("cpu", copy=True) for n, b in self.buffers[l].items()
-                        if n in self._persistent[l]})
+            out.update(
+                {
+                    f"{l}.{n}": b.detach().to("cpu", copy=True)
+                    for n, b in self.buffers[l].items()
+                    if n in self._persistent[l]
+                }
+            )
         return out
 
 
 def _held(slot: Slot | None, j: int, what: str) -> Slot:
     """The slot a stage holds; a missing one is a schedule bug (the checker should have refused it)."""
     if slot is None:
-        raise RuntimeError(f"stage {j} has no {what} in the arena here: the schedule runs it before its LOAD "
-                           f"(or backward) action; this is a bug in the schedule builder")
+        raise RuntimeError(
+            f"stage {j} has no {what} in the arena here: the schedule runs it before its LOAD "
+            f"(or backward) action; this is a bug in the schedule builder"
+        )
     return slot
 
 

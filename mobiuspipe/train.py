@@ -21,7 +21,6 @@ from foundation.units import fmt_bytes
 from mobiuspipe.config import RunConfig, load_config
 from mobiuspipe.config_plan import gpt_spec, plan_for_config
 from mobiuspipe.dataset import ByteData
-from mobiuspipe.errors import ArenaError, ConfigError, PeerLostError, PipelineError, WorldSizeError
 from mobiuspipe.metrics import Reporter, StepMetrics
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
@@ -38,8 +37,14 @@ def train(cfg: RunConfig) -> None:
     t = cfg.train
     optimizer = partial(CPUAdam, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
     plan = plan_for_config(cfg)
-    with Pipeline(layer_factories(gpt_spec(cfg), t.seed), lm_loss, plan=plan, optimizer=optimizer,
-                  num_microbatches=cfg.data.num_microbatches, comm_timeout_s=cfg.runtime.comm_timeout_s) as pipe:
+    with Pipeline(
+        layer_factories(gpt_spec(cfg), t.seed),
+        lm_loss,
+        plan=plan,
+        optimizer=optimizer,
+        num_microbatches=cfg.data.num_microbatches,
+        comm_timeout_s=cfg.runtime.comm_timeout_s,
+    ) as pipe:
         _training_loop(cfg, pipe)
 
 
@@ -48,8 +53,9 @@ def _training_loop(cfg: RunConfig, pipe: Pipeline) -> None:
     rank, plan = pipe.rank, pipe.plan
     data = ByteData(cfg.data.text_path, cfg.model.seq_len, cfg.train.seed)
     out = Path(cfg.train.out_dir) if cfg.train.out_dir else None
-    report = Reporter(cfg.train.steps, cfg.train.log_every, str(out) if out and rank == 0 else None,
-                      sys.stdout if rank == 0 else None)
+    report = Reporter(
+        cfg.train.steps, cfg.train.log_every, str(out) if out and rank == 0 else None, sys.stdout if rank == 0 else None
+    )
     if rank == 0:
         print(_banner(cfg, plan), flush=True)
     if out and rank == 0:
@@ -60,8 +66,19 @@ def _training_loop(cfg: RunConfig, pipe: Pipeline) -> None:
         sw = Stopwatch()
         x, y = data.batch(step, cfg.data.batch_size)
         r = pipe.train_batch(x, y)
-        report(StepMetrics(step, r.loss, tokens / sw.s, sw.s, r.times.compute_s, r.times.load_s, r.times.comm_s,
-                           r.arena_peak_bytes, r.arena_budget_bytes))
+        report(
+            StepMetrics(
+                step,
+                r.loss,
+                tokens / sw.s,
+                sw.s,
+                r.times.compute_s,
+                r.times.load_s,
+                r.times.comm_s,
+                r.arena_peak_bytes,
+                r.arena_budget_bytes,
+            )
+        )
     report.close()
     if out:
         _save_weights(pipe, out / "weights")
@@ -69,10 +86,12 @@ def _training_loop(cfg: RunConfig, pipe: Pipeline) -> None:
 
 def _banner(cfg: RunConfig, plan: Plan) -> str:
     source = f"from {cfg.plan.file}" if cfg.plan.file else "made at start-up"
-    return (f"mobiuspipe: {plan.model}, {plan.num_layers} layers in {plan.num_stages} stages on {plan.num_gpus} "
-            f"ranks (stage -> rank {plan.mapping}, {plan.mapping_rule} mapping; plan {source}); "
-            f"{plan.num_microbatches} microbatches of {plan.microbatch_size}; device arena "
-            f"{fmt_bytes(plan.arena_bytes)} per rank ({ARENA_SLOTS} slots of {fmt_bytes(plan.slot_bytes)})")
+    return (
+        f"mobiuspipe: {plan.model}, {plan.num_layers} layers in {plan.num_stages} stages on {plan.num_gpus} "
+        f"ranks (stage -> rank {plan.mapping}, {plan.mapping_rule} mapping; plan {source}); "
+        f"{plan.num_microbatches} microbatches of {plan.microbatch_size}; device arena "
+        f"{fmt_bytes(plan.arena_bytes)} per rank ({ARENA_SLOTS} slots of {fmt_bytes(plan.slot_bytes)})"
+    )
 
 
 def _save_weights(pipe: Pipeline, folder: Path) -> None:

@@ -4,5 +4,4 @@ from partition.errors import PlanFileError, PlanInfeasibleError, UnknownModelErr
 from partition.plan import Plan, load_plan, save_plan
 from partition.search import make_plan
 
-__all__ = ["Plan", "make_plan", "load_plan", "save_plan", "PlanInfeasibleError", "PlanFileError",
-           "UnknownModelError"]
+__all__ = ["Plan", "make_plan", "load_plan", "save_plan", "PlanInfeasibleError", "PlanFileError", "UnknownModelError"]

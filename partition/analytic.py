@@ -74,8 +74,17 @@ def _check_args(microbatch_size: int, mfu: float) -> None:
 
 def _layer(name: str, n: int, e: int, act: int, out: int, fwd_flops: float, rate: float) -> LayerProfile:
     bwd_flops = 2.0 * fwd_flops
-    return LayerProfile(name=name, param_count=n, param_bytes=n * e, activation_bytes=act, output_bytes=out,
-                        fwd_flops=fwd_flops, bwd_flops=bwd_flops, fwd_s=fwd_flops / rate, bwd_s=bwd_flops / rate)
+    return LayerProfile(
+        name=name,
+        param_count=n,
+        param_bytes=n * e,
+        activation_bytes=act,
+        output_bytes=out,
+        fwd_flops=fwd_flops,
+        bwd_flops=bwd_flops,
+        fwd_s=fwd_flops / rate,
+        bwd_s=bwd_flops / rate,
+    )
 
 
 def _block_act_units(spec: ModelSpec) -> int:
@@ -86,8 +95,9 @@ def _block_act_units(spec: ModelSpec) -> int:
     return 18 * h + 4 * f + 5 * a * s
 
 
-def analytic_profile(spec: ModelSpec, device: DeviceSpec, microbatch_size: int = 1, dtype: str = "fp16",
-                     mfu: float = MFU_DEFAULT) -> Profile:
+def analytic_profile(
+    spec: ModelSpec, device: DeviceSpec, microbatch_size: int = 1, dtype: str = "fp16", mfu: float = MFU_DEFAULT
+) -> Profile:
     """Profile of `spec` on `device` for microbatches of `microbatch_size` sequences (see the legend)."""
     e = dtype_bytes(dtype)
     _check_args(microbatch_size, mfu)
@@ -100,5 +110,11 @@ def analytic_profile(spec: ModelSpec, device: DeviceSpec, microbatch_size: int =
     embedding = _layer("embedding", counts[0], e, hidden, hidden, float(2 * b * s * h), rate)
     blocks = [_layer("block", n, e, block_act, hidden, block_flops, rate) for n in counts[1:-1]]
     head = _layer("head", counts[-1], e, hidden + s * b * v * 4, s * b * v * e, float(2 * b * s * h * v), rate)
-    return Profile(model=spec.name, device=device.name, dtype=dtype, microbatch_size=b, seq_len=s,
-                   layers=(embedding, *blocks, head))
+    return Profile(
+        model=spec.name,
+        device=device.name,
+        dtype=dtype,
+        microbatch_size=b,
+        seq_len=s,
+        layers=(embedding, *blocks, head),
+    )

@@ -2,7 +2,8 @@
 
 Every baseline trains on the same step as the plan: M microbatches of the profile's microbatch size, the
 same layers, times and bytes (partition.profile), the same links (partition.simulate: flows share the
-PCIe links and uplinks on their path) and the same host Adam rate (search.host_adam_rate: measured, or HOST_ADAM_PARAMS_PER_S).
+PCIe links and uplinks on their path) and the same host Adam rate (search.host_adam_rate: measured, or
+HOST_ADAM_PARAMS_PER_S).
 
 gpipe            GPipe / torchgpipe: N contiguous stages, one per gpu, everything resident. Memory per gpu
                  = 16 bytes/param (fp16 weights 2 + fp16 gradients 2 + fp32 master 4 + Adam m, v 8;
@@ -46,8 +47,14 @@ from partition.search import host_adam_rate, make_plan, sim_stages
 from partition.simulate import FlowNet, SimResult, TaskGraph, link_paths, simulate
 from topology import Topology
 
-__all__ = ["BaselineResult", "MIXED_PRECISION_BYTES_PER_PARAM", "predict", "gpipe", "zero_offload",
-           "sequential_mapping"]
+__all__ = [
+    "BaselineResult",
+    "MIXED_PRECISION_BYTES_PER_PARAM",
+    "predict",
+    "gpipe",
+    "zero_offload",
+    "sequential_mapping",
+]
 
 MIXED_PRECISION_BYTES_PER_PARAM = 16
 """fp16 weights and gradients (2 + 2) + fp32 master weights, Adam momentum and variance (4 + 4 + 4)."""
@@ -79,12 +86,18 @@ def sequential_mapping(profile: Profile, topo: Topology, microbatches: int, **pl
     except PlanInfeasibleError as e:
         return BaselineResult(name, None, f"no plan: {e}")
     sim = predict(plan, topo)
-    return BaselineResult(name, sim.step_time_s, notes=(
-        f"{plan.num_stages} stages, mapping {plan.mapping[:2 * topo.num_gpus]}...",
-        f"compute busy {min(sim.busy_fraction):.0%}-{max(sim.busy_fraction):.0%} of the step"))
+    return BaselineResult(
+        name,
+        sim.step_time_s,
+        notes=(
+            f"{plan.num_stages} stages, mapping {plan.mapping[: 2 * topo.num_gpus]}...",
+            f"compute busy {min(sim.busy_fraction):.0%}-{max(sim.busy_fraction):.0%} of the step",
+        ),
+    )
 
 
 # ---- GPipe ----
+
 
 def _minmax_cut(num_layers: int, parts: int, cost) -> tuple[float, list[tuple[int, int]]]:
     """Cut layers 0..L-1 into `parts` contiguous non-empty ranges minimizing the largest cost(a, b)."""
@@ -121,31 +134,60 @@ def gpipe(profile: Profile, topo: Topology, microbatches: int, reserve_bytes: in
     least, lean = _minmax_cut(arr.num_layers, n, mem)
     if least > memory:
         total = MIXED_PRECISION_BYTES_PER_PARAM * arr.param_count(0, arr.num_layers - 1)
-        return BaselineResult(name, None, (
-            f"out of memory: the leanest cut into {n} stages needs {least / GiB:.1f} GiB on its fullest gpu, "
-            f"a gpu has {memory / GiB:.1f} GiB usable ({MIXED_PRECISION_BYTES_PER_PARAM} B/param: "
-            f"{total / GiB:.0f} GiB of model states in all)"), (f"leanest cut: layers {lean}",))
+        return BaselineResult(
+            name,
+            None,
+            (
+                f"out of memory: the leanest cut into {n} stages needs {least / GiB:.1f} GiB on its fullest gpu, "
+                f"a gpu has {memory / GiB:.1f} GiB usable ({MIXED_PRECISION_BYTES_PER_PARAM} B/param: "
+                f"{total / GiB:.0f} GiB of model states in all)"
+            ),
+            (f"leanest cut: layers {lean}",),
+        )
     work = lambda a, b: (2 * arr.fwd(a, b) + arr.bwd(a, b)) if mem(a, b) <= memory else math.inf  # noqa: E731
     _, ranges = _minmax_cut(arr.num_layers, n, work)
-    stages = tuple(StagePlan(first=a, last=b, gpu=j, param_count=arr.param_count(a, b), param_bytes=arr.params(a, b),
-                             activation_bytes=arr.activations(a, b), output_bytes=int(arr.O[b]), fwd_s=arr.fwd(a, b),
-                             bwd_s=arr.bwd(a, b), load_gbps=1.0) for j, (a, b) in enumerate(ranges))
-    resident = [dataclasses.replace(s, load_s=0.0, offload_s=0.0, update_s=0.0, param_bytes=0, grad_bytes=0)
-                for s in sim_stages(stages, topo)]
+    stages = tuple(
+        StagePlan(
+            first=a,
+            last=b,
+            gpu=j,
+            param_count=arr.param_count(a, b),
+            param_bytes=arr.params(a, b),
+            activation_bytes=arr.activations(a, b),
+            output_bytes=int(arr.O[b]),
+            fwd_s=arr.fwd(a, b),
+            bwd_s=arr.bwd(a, b),
+            load_gbps=1.0,
+        )
+        for j, (a, b) in enumerate(ranges)
+    )
+    resident = [
+        dataclasses.replace(s, load_s=0.0, offload_s=0.0, update_s=0.0, param_bytes=0, grad_bytes=0)
+        for s in sim_stages(stages, topo)
+    ]
     sim = simulate(resident, n, microbatches)
     fullest = max(mem(a, b) for a, b in ranges)
-    return BaselineResult(name, sim.step_time_s, notes=(
-        f"stages {ranges}, fullest gpu {fullest / GiB:.1f} of {memory / GiB:.1f} GiB",
-        "optimizer step on the gpu taken as free"))
+    return BaselineResult(
+        name,
+        sim.step_time_s,
+        notes=(
+            f"stages {ranges}, fullest gpu {fullest / GiB:.1f} of {memory / GiB:.1f} GiB",
+            "optimizer step on the gpu taken as free",
+        ),
+    )
 
 
 # ---- ZeRO-3 offload ----
 
+
 def zero_gpu_bytes(arr: LayerArrays, k: int) -> int:
     """GPU memory of ZeRO-3 offload running k microbatches at once (see the module docstring)."""
     layers = range(arr.num_layers)
-    return (3 * max(arr.params(l, l) for l in layers) + k * int(arr.O.sum())
-            + k * max(arr.activations(l, l) for l in layers))
+    return (
+        3 * max(arr.params(l, l) for l in layers)
+        + k * int(arr.O.sum())
+        + k * max(arr.activations(l, l) for l in layers)
+    )
 
 
 def _collective(nbytes: int, n: int, paths: dict, up: str, down: str) -> list:
@@ -184,9 +226,13 @@ def zero_offload(profile: Profile, topo: Topology, microbatches: int, reserve_by
     fits = [a for a in range(1, per_gpu + 1) if zero_gpu_bytes(arr, math.ceil(per_gpu / a)) <= memory]
     if not fits:
         need = zero_gpu_bytes(arr, 1)
-        return BaselineResult(name, None, f"out of memory: {need / GiB:.1f} GiB per gpu for one microbatch (3 layers "
-                                          f"of parameters and gradients + every layer's checkpoint + one layer's "
-                                          f"activations), a gpu has {memory / GiB:.1f} GiB usable")
+        return BaselineResult(
+            name,
+            None,
+            f"out of memory: {need / GiB:.1f} GiB per gpu for one microbatch (3 layers "
+            f"of parameters and gradients + every layer's checkpoint + one layer's "
+            f"activations), a gpu has {memory / GiB:.1f} GiB usable",
+        )
     passes = fits[0]
     k = math.ceil(per_gpu / passes)
     tasks = _zero_graph(arr, topo, k, passes).run()
@@ -194,10 +240,12 @@ def zero_offload(profile: Profile, topo: Topology, microbatches: int, reserve_by
     fwd, bwd = tasks[("compute", 0, "F", last)].end, tasks[("compute", passes - 1, "B", 0)].end
     busy = sum(t.end - t.start for key, t in tasks.items() if key[0] == "compute")
     samples = n * passes * k
-    notes = (f"{n} gpus x {passes} micro-step(s) of {k} microbatch(es)"
-             + (f" = {samples} microbatches, more than the plan's {microbatches}" if samples != microbatches else ""),
-             f"first forward ends {fwd:.2f} s, last backward {bwd:.2f} s, last gradients on host "
-             f"{tasks[('reduce', passes - 1, 0)].end:.2f} s, then CPU Adam {adam.end - adam.start:.2f} s",
-             f"compute busy {busy / adam.end:.0%} of the step; {zero_gpu_bytes(arr, k) / GiB:.1f} of "
-             f"{memory / GiB:.1f} GiB per gpu")
+    notes = (
+        f"{n} gpus x {passes} micro-step(s) of {k} microbatch(es)"
+        + (f" = {samples} microbatches, more than the plan's {microbatches}" if samples != microbatches else ""),
+        f"first forward ends {fwd:.2f} s, last backward {bwd:.2f} s, last gradients on host "
+        f"{tasks[('reduce', passes - 1, 0)].end:.2f} s, then CPU Adam {adam.end - adam.start:.2f} s",
+        f"compute busy {busy / adam.end:.0%} of the step; {zero_gpu_bytes(arr, k) / GiB:.1f} of "
+        f"{memory / GiB:.1f} GiB per gpu",
+    )
     return BaselineResult(name, adam.end, notes=notes)

@@ -17,11 +17,20 @@ def compare(plan: Plan, topo: Topology, profile: Profile) -> list[BaselineResult
     sim = predict(plan, topo)
     m = plan.num_microbatches
     reserve = min(g.memory_bytes for g in topo.gpus) - plan.gpu_memory_bytes
-    mine = BaselineResult(f"mobiuspipe ({plan.mapping_rule} mapping)", sim.step_time_s, notes=(
-        f"{plan.num_stages} stages; compute busy {min(sim.busy_fraction):.0%}-{max(sim.busy_fraction):.0%} "
-        f"of the step; host Adam overlaps the backward",))
-    return [mine, sequential_mapping(profile, topo, m, num_stages=plan.num_stages, reserve_bytes=reserve),
-            zero_offload(profile, topo, m, reserve), gpipe(profile, topo, m, reserve)]
+    mine = BaselineResult(
+        f"mobiuspipe ({plan.mapping_rule} mapping)",
+        sim.step_time_s,
+        notes=(
+            f"{plan.num_stages} stages; compute busy {min(sim.busy_fraction):.0%}-{max(sim.busy_fraction):.0%} "
+            f"of the step; host Adam overlaps the backward",
+        ),
+    )
+    return [
+        mine,
+        sequential_mapping(profile, topo, m, num_stages=plan.num_stages, reserve_bytes=reserve),
+        zero_offload(profile, topo, m, reserve),
+        gpipe(profile, topo, m, reserve),
+    ]
 
 
 def compare_json(plan: Plan, topo: Topology, profile: Profile, results: list[BaselineResult] | None = None) -> dict:
@@ -30,8 +39,14 @@ def compare_json(plan: Plan, topo: Topology, profile: Profile, results: list[Bas
     base = results[0].step_time_s
     rows = [r.to_dict() | {"speedup": (r.step_time_s / base) if r.step_time_s and base else None} for r in results]
     adam = sum(s.param_count for s in plan.stages) / host_adam_rate(topo)
-    return {"model": plan.model, "topology": topo.name, "num_microbatches": plan.num_microbatches,
-            "microbatch_size": plan.microbatch_size, "host_adam_s": adam, "systems": rows}
+    return {
+        "model": plan.model,
+        "topology": topo.name,
+        "num_microbatches": plan.num_microbatches,
+        "microbatch_size": plan.microbatch_size,
+        "host_adam_s": adam,
+        "systems": rows,
+    }
 
 
 def _speed(ratio: float) -> str:
@@ -41,16 +56,23 @@ def _speed(ratio: float) -> str:
 def compare_text(plan: Plan, topo: Topology, profile: Profile, results: list[BaselineResult] | None = None) -> str:
     """The table `partition --compare` prints: each system's step and mobiuspipe's speed-up over it."""
     d = compare_json(plan, topo, profile, results)
-    lines = [f"compare: {plan.model}, one step of {plan.num_microbatches} microbatches of {plan.microbatch_size} "
-             f"on topology {topo.name}, every system on the same shared-link model",
-             f"{'system':<34}{'step (s)':>10}  mobiuspipe is"]
+    lines = [
+        f"compare: {plan.model}, one step of {plan.num_microbatches} microbatches of {plan.microbatch_size} "
+        f"on topology {topo.name}, every system on the same shared-link model",
+        f"{'system':<34}{'step (s)':>10}  mobiuspipe is",
+    ]
     for k, r in enumerate(d["systems"]):
         step = f"{r['step_time_s']:.2f}" if r["step_time_s"] is not None else "-"
         speed = "(the reference)" if k == 0 else _speed(r["speedup"]) if r["speedup"] else r["reason"]
         lines.append(f"{r['name']:<34}{step:>10}  {speed}")
         lines += [f"{'':<4}{n}" for n in r["notes"]]
-    measured = "measured by `topology --probe`" if topo.measured and topo.measured.host_adam_params_per_s else \
-        "assumed: partition.search.HOST_ADAM_PARAMS_PER_S; `topology --probe --save` measures it"
-    lines.append(f"host Adam over all parameters takes {d['host_adam_s']:.1f} s at {host_adam_rate(topo):.3g} "
-                 f"params/s ({measured}); mobiuspipe runs it behind the backward, ZeRO-3 offload after it")
+    measured = (
+        "measured by `topology --probe`"
+        if topo.measured and topo.measured.host_adam_params_per_s
+        else "assumed: partition.search.HOST_ADAM_PARAMS_PER_S; `topology --probe --save` measures it"
+    )
+    lines.append(
+        f"host Adam over all parameters takes {d['host_adam_s']:.1f} s at {host_adam_rate(topo):.3g} "
+        f"params/s ({measured}); mobiuspipe runs it behind the backward, ZeRO-3 offload after it"
+    )
     return "\n".join(lines) + "\n"

@@ -61,10 +61,14 @@ class LayerArrays:
             return np.concatenate([[0], np.cumsum(np.asarray(vals, dtype=dtype))])
 
         ls = profile.layers
-        return cls(P=pre([x.param_bytes for x in ls], np.int64), A=pre([x.activation_bytes for x in ls], np.int64),
-                   F=pre([x.fwd_s for x in ls]), B=pre([x.bwd_s for x in ls]),
-                   O=np.asarray([x.output_bytes for x in ls], dtype=np.int64),
-                   N=pre([x.param_count for x in ls], np.int64))
+        return cls(
+            P=pre([x.param_bytes for x in ls], np.int64),
+            A=pre([x.activation_bytes for x in ls], np.int64),
+            F=pre([x.fwd_s for x in ls]),
+            B=pre([x.bwd_s for x in ls]),
+            O=np.asarray([x.output_bytes for x in ls], dtype=np.int64),
+            N=pre([x.param_count for x in ls], np.int64),
+        )
 
     @property
     def num_layers(self) -> int:

@@ -72,8 +72,9 @@ def _cuts(arg: np.ndarray, s: int, L: int) -> tuple[int, ...]:
     return tuple(reversed(cuts))
 
 
-def solve_dp(arr: LayerArrays, memory_bytes: int, microbatches: int, load_gbps: float,
-             stage_counts: list[int]) -> dict[int, DpSolution]:
+def solve_dp(
+    arr: LayerArrays, memory_bytes: int, microbatches: int, load_gbps: float, stage_counts: list[int]
+) -> dict[int, DpSolution]:
     """Optimal cut for each S in stage_counts that has a feasible one (S missing from the result = none)."""
     L = arr.num_layers
     P, A, C = interval_matrices(arr, microbatches, load_gbps)

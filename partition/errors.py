@@ -3,8 +3,14 @@
 from foundation.errors import UserError
 from foundation.loader import InvalidValues
 
-__all__ = ["PlanInfeasibleError", "UnknownModelError", "PlanFileError", "InvalidPlan", "ProfileFileError",
-           "InvalidProfile"]
+__all__ = [
+    "PlanInfeasibleError",
+    "UnknownModelError",
+    "PlanFileError",
+    "InvalidPlan",
+    "ProfileFileError",
+    "InvalidProfile",
+]
 
 
 class PlanInfeasibleError(UserError, ValueError):

@@ -51,7 +51,8 @@ class DeviceSpec:
         if not self.peak_tflops > 0 or not self.pcie_gbps > 0 or self.memory_bytes < 0:
             raise ValueError(
                 f"device {self.name!r}: need peak_tflops > 0, pcie_gbps > 0 and memory_bytes >= 0, found "
-                f"{self.peak_tflops}, {self.pcie_gbps} and {self.memory_bytes}")
+                f"{self.peak_tflops}, {self.pcie_gbps} and {self.memory_bytes}"
+            )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -86,7 +87,7 @@ def _short(name: str) -> str:
     s = " ".join(name.split()).lower()
     for prefix in ("nvidia ", "geforce "):
         if s.startswith(prefix):
-            s = s[len(prefix):]
+            s = s[len(prefix) :]
     return s
 
 
@@ -99,7 +100,9 @@ def device_spec(name: str) -> DeviceSpec:
         return DEVICES[name]
     found = _BY_SHORT.get(_short(name)) if isinstance(name, str) else None
     if found is None:
-        raise ValueError(f"unknown device {name!r}; known devices: {', '.join(DEVICES)} "
-                         f"(the \"NVIDIA \"/\"GeForce \" prefixes and case may be omitted); "
-                         f"add a DeviceSpec to partition/hardware.py for a new GPU")
+        raise ValueError(
+            f"unknown device {name!r}; known devices: {', '.join(DEVICES)} "
+            f'(the "NVIDIA "/"GeForce " prefixes and case may be omitted); '
+            f"add a DeviceSpec to partition/hardware.py for a new GPU"
+        )
     return found

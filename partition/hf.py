@@ -27,17 +27,21 @@ class ModelConfigError(UserError, ValueError):
     """A model config.json that cannot be read as a spec: the message names the file, the key and its meaning."""
 
 
-_LLAMA = {"num_hidden_layers": "the number of transformer blocks",
-          "hidden_size": "the model width d",
-          "num_attention_heads": "the number of attention (query) heads",
-          "intermediate_size": "the MLP width of a llama block",
-          "vocab_size": "the vocabulary size",
-          "max_position_embeddings": "the sequence length the model is trained on"}
-_GPT2 = {"n_layer": "the number of transformer blocks",
-         "n_embd": "the model width d",
-         "n_head": "the number of attention heads",
-         "n_positions": "the sequence length (the size of the position table)",
-         "vocab_size": "the vocabulary size"}
+_LLAMA = {
+    "num_hidden_layers": "the number of transformer blocks",
+    "hidden_size": "the model width d",
+    "num_attention_heads": "the number of attention (query) heads",
+    "intermediate_size": "the MLP width of a llama block",
+    "vocab_size": "the vocabulary size",
+    "max_position_embeddings": "the sequence length the model is trained on",
+}
+_GPT2 = {
+    "n_layer": "the number of transformer blocks",
+    "n_embd": "the model width d",
+    "n_head": "the number of attention heads",
+    "n_positions": "the sequence length (the size of the position table)",
+    "vocab_size": "the vocabulary size",
+}
 SUPPORTED = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt"}
 """model_type -> spec family."""
 
@@ -60,18 +64,34 @@ def _llama_spec(d: dict, name: str, where: str) -> ModelSpec:
     if head_dim is not None and head_dim * n["num_attention_heads"] != n["hidden_size"]:
         raise ModelConfigError(
             f"{where}: 'head_dim' {head_dim} x 'num_attention_heads' {n['num_attention_heads']} != 'hidden_size' "
-            f"{n['hidden_size']}; only models whose heads split hidden_size exactly are supported")
-    return ModelSpec(name=name, num_blocks=n["num_hidden_layers"], d_model=n["hidden_size"],
-                     num_heads=n["num_attention_heads"], seq_len=n["max_position_embeddings"],
-                     vocab_size=n["vocab_size"], family="llama", ffn_dim=n["intermediate_size"],
-                     num_kv_heads=kv or 0)
+            f"{n['hidden_size']}; only models whose heads split hidden_size exactly are supported"
+        )
+    return ModelSpec(
+        name=name,
+        num_blocks=n["num_hidden_layers"],
+        d_model=n["hidden_size"],
+        num_heads=n["num_attention_heads"],
+        seq_len=n["max_position_embeddings"],
+        vocab_size=n["vocab_size"],
+        family="llama",
+        ffn_dim=n["intermediate_size"],
+        num_kv_heads=kv or 0,
+    )
 
 
 def _gpt2_spec(d: dict, name: str, where: str) -> ModelSpec:
     n = {k: _int(d, k, m, where) for k, m in _GPT2.items()}
     inner = _int(d, "n_inner", "the MLP width; null means 4 * n_embd", where, optional=True)
-    return ModelSpec(name=name, num_blocks=n["n_layer"], d_model=n["n_embd"], num_heads=n["n_head"],
-                     seq_len=n["n_positions"], vocab_size=n["vocab_size"], family="gpt", ffn_dim=inner or 0)
+    return ModelSpec(
+        name=name,
+        num_blocks=n["n_layer"],
+        d_model=n["n_embd"],
+        num_heads=n["n_head"],
+        seq_len=n["n_positions"],
+        vocab_size=n["vocab_size"],
+        family="gpt",
+        ffn_dim=inner or 0,
+    )
 
 
 def spec_from_hf_dict(d: dict, name: str, where: str = "config.json") -> ModelSpec:
@@ -105,8 +125,10 @@ def read_hf_config(path: str | Path) -> ModelSpec:
     try:
         text = file.read_text(encoding="utf-8")
     except OSError as e:
-        raise ModelConfigError(f"cannot read model config {file}: {e.strerror or e}; expected a Hugging Face "
-                               f"config.json (or a folder holding one), or a known model name") from e
+        raise ModelConfigError(
+            f"cannot read model config {file}: {e.strerror or e}; expected a Hugging Face "
+            f"config.json (or a folder holding one), or a known model name"
+        ) from e
     except UnicodeDecodeError as e:
         raise ModelConfigError(f"{file}: not UTF-8 text ({e.reason} at byte {e.start}); expected a config.json") from e
     try:

@@ -18,8 +18,17 @@ import itertools
 
 from topology import Topology
 
-__all__ = ["MAPPING_RULES", "round_robin", "cross_mapping", "make_mapping", "stage_contention", "peer_gbps",
-           "mapping_score", "mapping_candidates", "SEARCH_MAX_GPUS"]
+__all__ = [
+    "MAPPING_RULES",
+    "round_robin",
+    "cross_mapping",
+    "make_mapping",
+    "stage_contention",
+    "peer_gbps",
+    "mapping_score",
+    "mapping_candidates",
+    "SEARCH_MAX_GPUS",
+]
 
 MAPPING_RULES = ("cross", "round-robin", "search")
 """cross: least contention; round-robin: j mod N; search: every cyclic gpu order, the planner keeps the
@@ -82,8 +91,10 @@ def mapping_candidates(rule: str, topo: Topology, num_stages: int) -> list[list[
         return [make_mapping(rule, topo, num_stages)]
     n = topo.num_gpus
     if n > SEARCH_MAX_GPUS:
-        raise ValueError(f"mapping rule 'search' tries all {n - 1}! cyclic gpu orders and takes at most "
-                         f"{SEARCH_MAX_GPUS} gpus, found {n}; use 'cross' (the least-contention order)")
+        raise ValueError(
+            f"mapping rule 'search' tries all {n - 1}! cyclic gpu orders and takes at most "
+            f"{SEARCH_MAX_GPUS} gpus, found {n}; use 'cross' (the least-contention order)"
+        )
     orders = ((0,) + p for p in itertools.permutations(range(1, n)))
     return [[pi[j % n] for j in range(num_stages)] for pi in orders]
 
@@ -104,8 +115,12 @@ def stage_contention(topo: Topology, mapping: list[int]) -> list[float]:
 def mapping_score(topo: Topology, mapping: list[int]) -> float:
     """Total contention of a stage -> gpu mapping: sum over i < j, j - i < N, of shared / (j - i)."""
     n = topo.num_gpus
-    return sum(1.0 / (j - i) for j in range(len(mapping)) for i in range(max(0, j - n + 1), j)
-               if topo.shared(mapping[i], mapping[j]))
+    return sum(
+        1.0 / (j - i)
+        for j in range(len(mapping))
+        for i in range(max(0, j - n + 1), j)
+        if topo.shared(mapping[i], mapping[j])
+    )
 
 
 def peer_gbps(topo: Topology, a: int, b: int) -> float:

@@ -11,7 +11,8 @@ Legend (units in brackets; stage j = layers p_j .. p_{j+1}-1):
   Q(p_c)      = sum_r Qpre_r w[c,r] + q_r o[c,r]  (prefix sum, linear);  Q_j = Q(p_{j+1}) - Q(p_j)
   f_j = F_j, b_j = F_j + B_j                      per-microbatch forward / backward+recompute      [s]
   u_j = P_j / (beta_j 1e9), o_j = P_j / (link_j 1e9)   load and offload time; beta_j from the mapping [s]
-  d_j = O_max / (peer_gbps 1e9)                    activation transfer (all boundary outputs of a transformer are equal) [s]
+  d_j = O_max / (peer_gbps 1e9)                    activation transfer (all boundary outputs of a transformer
+                                                   are equal) [s]
   W           weight slot >= P_j;  memory: 3 W + A_j + 2 O_max <= G          [GiB inside the model]
   TF,EF,TB,EB,LF,LB, T   the timeline variables of partition.timeline, same rules as "at least" rows [s]
 Objective: min T. For fixed cuts the LP optimum equals partition.timeline.aggregate_step, so the MIP
@@ -47,10 +48,10 @@ class StageData:
 class MipLayout:
     """Where the variables of a built model sit, to read a solution back or write a start."""
 
-    runs: tuple[tuple[int, int], ...]      # (a_r, n_r)
-    w: tuple[tuple[int, ...], ...]          # w[c-1][r]
-    o: tuple[tuple[int, ...], ...]          # o[c-1][r]
-    times: dict                             # ("TF", j) -> var, ..., ("T",) -> var
+    runs: tuple[tuple[int, int], ...]  # (a_r, n_r)
+    w: tuple[tuple[int, ...], ...]  # w[c-1][r]
+    o: tuple[tuple[int, ...], ...]  # o[c-1][r]
+    times: dict  # ("TF", j) -> var, ..., ("T",) -> var
     slot: int
 
 
@@ -84,8 +85,12 @@ def memory_need(profile: Profile) -> int:
 GIB = float(GiB)
 """Bytes enter the model in GiB, so that byte and second coefficients are of similar size (numerics)."""
 
-_Q = {"F": lambda x: x.fwd_s, "B": lambda x: x.bwd_s, "P": lambda x: x.param_bytes / GIB,
-      "A": lambda x: x.activation_bytes / GIB}
+_Q = {
+    "F": lambda x: x.fwd_s,
+    "B": lambda x: x.bwd_s,
+    "P": lambda x: x.param_bytes / GIB,
+    "A": lambda x: x.activation_bytes / GIB,
+}
 
 
 class _Builder:
@@ -98,10 +103,13 @@ class _Builder:
         self.hi = [min(self.L - (s - c), c * k_max) for c in range(1, s)]
         self.total = {q: sum(fn(x) for x in profile.layers) for q, fn in _Q.items()}
         self.pre = {q: [sum(fn(x) for x in profile.layers[:a]) for a, _, _ in self.runs] for q, fn in _Q.items()}
-        self.w = [[model.var(f"w[{c},{r}]", 0, 1 if self._meets(c, r) else 0, True) for r in range(len(self.runs))]
-                  for c in range(1, s)]
-        self.o = [[model.var(f"o[{c},{r}]", 0, n - 1, True) for r, (_, n, _) in enumerate(self.runs)]
-                  for c in range(1, s)]
+        self.w = [
+            [model.var(f"w[{c},{r}]", 0, 1 if self._meets(c, r) else 0, True) for r in range(len(self.runs))]
+            for c in range(1, s)
+        ]
+        self.o = [
+            [model.var(f"o[{c},{r}]", 0, n - 1, True) for r, (_, n, _) in enumerate(self.runs)] for c in range(1, s)
+        ]
         for c in range(s - 1):
             model.row({k: 1.0 for k in self.w[c]}, 1.0, 1.0)
             for r, (_, n, _) in enumerate(self.runs):
@@ -174,8 +182,9 @@ def _v(var: int) -> tuple[Lin, float]:
     return {var: 1.0}, 0.0
 
 
-def build_mip(profile: Profile, mapping: list[int], microbatches: int, data: StageData, memory_bytes: int,
-              horizon_s: float = INF) -> tuple[MipModel, MipLayout]:
+def build_mip(
+    profile: Profile, mapping: list[int], microbatches: int, data: StageData, memory_bytes: int, horizon_s: float = INF
+) -> tuple[MipModel, MipLayout]:
     """The model for a fixed stage count S = len(mapping); times bounded by horizon_s (a start's value)."""
     s, m = len(mapping), MipModel()
     b = _Builder(m, profile, s, max_layers_per_stage(profile, memory_bytes))
@@ -215,7 +224,7 @@ def _timeline_rows(m: MipModel, t: dict, f, bw, p, data: StageData, mapping: lis
 
 def _gpu_rows(m: MipModel, t: dict, visits: list[tuple[int, str]], u, off) -> None:
     """Order on one gpu, its gradient slot, its copy engine and its two weight slots."""
-    key = lambda v: (("TF", "EF", "LF") if v[1] == "F" else ("TB", "EB", "LB"))  # noqa: E731
+    key = lambda v: ("TF", "EF", "LF") if v[1] == "F" else ("TB", "EB", "LB")  # noqa: E731
     for k, v in enumerate(visits):
         start, _, load = (t[(x, v[0])] for x in key(v))
         _at_least(m, start, _v(load))
@@ -244,8 +253,9 @@ def cuts_of(layout: MipLayout, x: tuple[float, ...]) -> list[int]:
     return pos + [last[0] + last[1]]
 
 
-def start_of(layout: MipLayout, cuts: list[int], model: MipModel, timeline: dict[str, list[float]],
-             slot: float, total: float) -> list[float]:
+def start_of(
+    layout: MipLayout, cuts: list[int], model: MipModel, timeline: dict[str, list[float]], slot: float, total: float
+) -> list[float]:
     """A full MIP start (cut variables and timeline values) for the given cuts."""
     x = [0.0] * model.num_vars
     for c, p in enumerate(cuts[1:-1]):

@@ -31,31 +31,35 @@ def stage_data(topo: Topology, mapping: list[int], profile: Profile) -> StageDat
     omax = max(x.output_bytes for x in profile.layers[:-1]) if profile.num_layers > 1 else 0
     load = tuple(topo.load_gbps(g, c) for g, c in zip(mapping, stage_contention(topo, mapping)))
     link = tuple(topo.gpus[g].link_gbps for g in mapping)
-    comm = tuple(0.0 if j + 1 == len(mapping) or mapping[j + 1] == mapping[j]
-                 else omax / (peer_gbps(topo, mapping[j], mapping[j + 1]) * 1e9) for j in range(len(mapping)))
+    comm = tuple(
+        0.0
+        if j + 1 == len(mapping) or mapping[j + 1] == mapping[j]
+        else omax / (peer_gbps(topo, mapping[j], mapping[j + 1]) * 1e9)
+        for j in range(len(mapping))
+    )
     return StageData(load, link, comm)
 
 
 def stage_times(profile: Profile, cuts: list[int], data: StageData) -> list[StageTimes]:
     out = []
     for j in range(len(cuts) - 1):
-        ls = profile.layers[cuts[j]:cuts[j + 1]]
+        ls = profile.layers[cuts[j] : cuts[j + 1]]
         f, b, p = sum(x.fwd_s for x in ls), sum(x.bwd_s for x in ls), sum(x.param_bytes for x in ls)
-        out.append(StageTimes(f, f + b, p / (data.load_gbps[j] * 1e9), p / (data.link_gbps[j] * 1e9),
-                              data.comm_s[j]))
+        out.append(StageTimes(f, f + b, p / (data.load_gbps[j] * 1e9), p / (data.link_gbps[j] * 1e9), data.comm_s[j]))
     return out
 
 
 def mip_feasible(profile: Profile, cuts: list[int], memory_bytes: int) -> bool:
     """The MIP's memory rule: 3 W + A_j + 2 O_max <= G for every stage."""
-    stages = [profile.layers[cuts[j]:cuts[j + 1]] for j in range(len(cuts) - 1)]
+    stages = [profile.layers[cuts[j] : cuts[j + 1]] for j in range(len(cuts) - 1)]
     slot = max(sum(x.param_bytes for x in ls) for ls in stages)
     fixed = memory_need(profile)
     return all(ARENA_SLOTS * slot + sum(x.activation_bytes for x in ls) + fixed <= memory_bytes for ls in stages)
 
 
-def enumerate_best(profile: Profile, mapping: list[int], m: int, data: StageData,
-                   memory_bytes: int) -> tuple[float, list[int] | None]:
+def enumerate_best(
+    profile: Profile, mapping: list[int], m: int, data: StageData, memory_bytes: int
+) -> tuple[float, list[int] | None]:
     """Exhaustive oracle: the least aggregated step over every cut into len(mapping) stages."""
     best: tuple[float, list[int] | None] = (INF, None)
     L, s = profile.num_layers, len(mapping)
@@ -85,17 +89,27 @@ def _solve(model: MipModel, solver: str, time_limit_s: float, gap: float, start)
         except Exception as e:  # noqa: BLE001 - a license that expired or changed since the probe: fall back, and say why
             why = f"gurobi failed ({str(e).splitlines()[0]}), solved by HiGHS"
     elif solver == "gurobi":
-        why = (f"gurobi's license does not admit {model.num_vars} variables x {model.num_rows} rows "
-               f"(size-limited: {SIZE_LIMIT} each, or none), solved by HiGHS")
+        why = (
+            f"gurobi's license does not admit {model.num_vars} variables x {model.num_rows} rows "
+            f"(size-limited: {SIZE_LIMIT} each, or none), solved by HiGHS"
+        )
     else:
         return solve_highs(model, time_limit_s, gap, start)
     res = solve_highs(model, time_limit_s, gap, start)
     return dataclasses.replace(res, note=why)
 
 
-def solve_stage_count(profile: Profile, mapping: list[int], m: int, data: StageData, memory_bytes: int,
-                      start_cuts: list[int] | None, solver: str = "auto", time_limit_s: float = 2.0,
-                      gap: float = 0.01) -> StageCountSolution:
+def solve_stage_count(
+    profile: Profile,
+    mapping: list[int],
+    m: int,
+    data: StageData,
+    memory_bytes: int,
+    start_cuts: list[int] | None,
+    solver: str = "auto",
+    time_limit_s: float = 2.0,
+    gap: float = 0.01,
+) -> StageCountSolution:
     """Best cut into len(mapping) stages; start_cuts (e.g. the DP's) warm-starts and bounds the solve."""
     start, horizon = None, INF
     if start_cuts is not None and mip_feasible(profile, start_cuts, memory_bytes):

@@ -73,19 +73,26 @@ class ModelSpec:
             raise ValueError(
                 f"model {self.name!r}: d_model {self.d_model} is not a multiple of num_heads {self.num_heads} "
                 f"({self.d_model} / {self.num_heads} = {self.d_model / self.num_heads:.3f}); "
-                f"pick a head count that divides d_model")
+                f"pick a head count that divides d_model"
+            )
         self._check_family()
 
     def _check_family(self) -> None:
         if self.family == "gpt" and self.num_kv_heads not in (0, self.num_heads):
-            raise ValueError(f"model {self.name!r}: a gpt block has no grouped-query attention; num_kv_heads must "
-                             f"be 0 or num_heads ({self.num_heads}), found {self.num_kv_heads}")
+            raise ValueError(
+                f"model {self.name!r}: a gpt block has no grouped-query attention; num_kv_heads must "
+                f"be 0 or num_heads ({self.num_heads}), found {self.num_kv_heads}"
+            )
         if self.family == "llama" and self.ffn_dim == 0:
-            raise ValueError(f"model {self.name!r}: a llama spec needs ffn_dim (the SwiGLU MLP width, e.g. 11008 "
-                             f"for LLaMA-2 7B), found 0")
+            raise ValueError(
+                f"model {self.name!r}: a llama spec needs ffn_dim (the SwiGLU MLP width, e.g. 11008 "
+                f"for LLaMA-2 7B), found 0"
+            )
         if self.num_heads % self.kv_heads:
-            raise ValueError(f"model {self.name!r}: num_heads {self.num_heads} is not a multiple of num_kv_heads "
-                             f"{self.kv_heads}; each key/value head serves a whole group of query heads")
+            raise ValueError(
+                f"model {self.name!r}: num_heads {self.num_heads} is not a multiple of num_kv_heads "
+                f"{self.kv_heads}; each key/value head serves a whole group of query heads"
+            )
 
     @property
     def num_layers(self) -> int:
@@ -145,8 +152,17 @@ def _gpt3(name: str, blocks: int, d: int, heads: int) -> ModelSpec:
 
 
 def _llama2(name: str, blocks: int, d: int, heads: int, kv: int, ffn: int) -> ModelSpec:
-    return ModelSpec(name=name, num_blocks=blocks, d_model=d, num_heads=heads, seq_len=4096, vocab_size=32000,
-                     family="llama", ffn_dim=ffn, num_kv_heads=kv)
+    return ModelSpec(
+        name=name,
+        num_blocks=blocks,
+        d_model=d,
+        num_heads=heads,
+        seq_len=4096,
+        vocab_size=32000,
+        family="llama",
+        ffn_dim=ffn,
+        num_kv_heads=kv,
+    )
 
 
 _TABLE = (
@@ -195,5 +211,7 @@ def get_model(name: str) -> ModelSpec:
         from partition.hf import read_hf_config  # hf imports this module
 
         return read_hf_config(name.strip())
-    raise UnknownModelError(f"unknown model {name!r}; known models: {', '.join(MODELS)}; "
-                            f"or give the path of a Hugging Face config.json (llama, mistral, qwen2, gpt2)")
+    raise UnknownModelError(
+        f"unknown model {name!r}; known models: {', '.join(MODELS)}; "
+        f"or give the path of a Hugging Face config.json (llama, mistral, qwen2, gpt2)"
+    )

@@ -6,8 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from foundation.loader import (Builder, Checked, Problem, at_least, found_text, positive, read_file,
-                               save_file, to_plain)
+from foundation.loader import Builder, Checked, Problem, at_least, found_text, positive, read_file, save_file, to_plain
 from partition.errors import InvalidPlan, PlanFileError
 
 __all__ = ["StagePlan", "SolverInfo", "Plan", "load_plan", "save_plan"]
@@ -47,9 +46,11 @@ class StagePlan(_PlanPart):
 
     def check_values(self) -> list[Problem]:
         counts = ("param_count", "param_bytes", "activation_bytes", "output_bytes")  # first, gpu: Plan checks
-        return [*(p for name in counts for p in at_least(self, name, 0, _WRITE_FIX)),
-                *(p for name in ("fwd_s", "bwd_s") for p in positive(self, name, _WRITE_FIX, zero_ok=True)),
-                *positive(self, "load_gbps", _WRITE_FIX, what="a bandwidth in GB/s, a finite number")]
+        return [
+            *(p for name in counts for p in at_least(self, name, 0, _WRITE_FIX)),
+            *(p for name in ("fwd_s", "bwd_s") for p in positive(self, name, _WRITE_FIX, zero_ok=True)),
+            *positive(self, "load_gbps", _WRITE_FIX, what="a bandwidth in GB/s, a finite number"),
+        ]
 
 
 @dataclass(frozen=True)
@@ -104,8 +105,11 @@ class Plan(_PlanPart):
         return [j for j, s in enumerate(self.stages) if s.gpu == gpu]
 
     def check_values(self) -> list[Problem]:
-        return _stage_problems(self) if self.stages else [
-            Problem("stages", "at least one stage", "an empty list", _WRITE_FIX)]
+        return (
+            _stage_problems(self)
+            if self.stages
+            else [Problem("stages", "at least one stage", "an empty list", _WRITE_FIX)]
+        )
 
     def to_dict(self) -> dict:
         """Plain data of every field, and `num_stages` for readers; from_dict takes it back exactly."""
@@ -119,8 +123,16 @@ class Plan(_PlanPart):
         written, listed = data.pop("num_stages", None), data.get("stages")
         plan = builder.build(cls, data if isinstance(d, dict) else d)
         if written is not None and isinstance(listed, list) and (type(written) is not int or written != len(listed)):
-            builder.add([Problem("num_stages", f"{len(listed)}, the number of stages listed (written for readers, "
-                                 "never read)", found_text(written), "correct it or delete the line")])
+            builder.add(
+                [
+                    Problem(
+                        "num_stages",
+                        f"{len(listed)}, the number of stages listed (written for readers, never read)",
+                        found_text(written),
+                        "correct it or delete the line",
+                    )
+                ]
+            )
         return builder.finish(plan)
 
 
@@ -129,27 +141,48 @@ def _stage_problems(p: Plan) -> list[Problem]:
     problems, nxt = [], 0
     for j, s in enumerate(p.stages):
         if s.first != nxt or s.last < s.first:
-            problems.append(Problem(f"stages[{j}]", f"stage {j} to start at layer {nxt} (stages must be contiguous, "
-                                    "in order, and non-empty)", f"stage {j} covers layers {s.first}..{s.last}",
-                                    _WRITE_FIX))
+            problems.append(
+                Problem(
+                    f"stages[{j}]",
+                    f"stage {j} to start at layer {nxt} (stages must be contiguous, in order, and non-empty)",
+                    f"stage {j} covers layers {s.first}..{s.last}",
+                    _WRITE_FIX,
+                )
+            )
         if not 0 <= s.gpu < p.num_gpus:
-            problems.append(Problem(f"stages[{j}].gpu", f"a gpu in 0..{p.num_gpus - 1}",
-                                    f"stage {j} is on gpu {s.gpu}", _WRITE_FIX))
+            problems.append(
+                Problem(f"stages[{j}].gpu", f"a gpu in 0..{p.num_gpus - 1}", f"stage {j} is on gpu {s.gpu}", _WRITE_FIX)
+            )
         if s.param_bytes > p.slot_bytes:
-            problems.append(Problem(f"stages[{j}].param_bytes", f"at most slot_bytes ({p.slot_bytes})",
-                                    f"stage {j} has {s.param_bytes} parameter bytes, more than the slot",
-                                    _WRITE_FIX))
+            problems.append(
+                Problem(
+                    f"stages[{j}].param_bytes",
+                    f"at most slot_bytes ({p.slot_bytes})",
+                    f"stage {j} has {s.param_bytes} parameter bytes, more than the slot",
+                    _WRITE_FIX,
+                )
+            )
         nxt = s.last + 1
     if nxt != p.num_layers:
-        problems.append(Problem("num_layers", f"0..{p.num_layers - 1} (the layers the stages must cover)",
-                                f"stages covering layers 0..{nxt - 1}", _WRITE_FIX))
+        problems.append(
+            Problem(
+                "num_layers",
+                f"0..{p.num_layers - 1} (the layers the stages must cover)",
+                f"stages covering layers 0..{nxt - 1}",
+                _WRITE_FIX,
+            )
+        )
     unused = sorted(set(range(p.num_gpus)) - set(p.mapping))
     if unused:
-        problems.append(Problem("num_gpus", "every gpu to run at least one stage", f"gpus {unused} have no stage",
-                                "add stages, or lower num_gpus"))
+        problems.append(
+            Problem(
+                "num_gpus",
+                "every gpu to run at least one stage",
+                f"gpus {unused} have no stage",
+                "add stages, or lower num_gpus",
+            )
+        )
     return problems
-
-
 
 
 def save_plan(plan: Plan, path: str | Path) -> None:

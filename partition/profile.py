@@ -20,12 +20,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from foundation.loader import (INVALID, Builder, Checked, Problem, at_least, non_empty, positive, read_file,
-                               save_file, to_plain)
+from foundation.loader import (
+    INVALID,
+    Builder,
+    Checked,
+    Problem,
+    at_least,
+    non_empty,
+    positive,
+    read_file,
+    save_file,
+    to_plain,
+)
 from partition.errors import InvalidProfile, ProfileFileError
 
-__all__ = ["LayerProfile", "Profile", "ProfileFileError", "compress", "expand", "load_profile", "runs_to_list",
-           "profile_from_file_dict", "save_profile"]
+__all__ = [
+    "LayerProfile",
+    "Profile",
+    "ProfileFileError",
+    "compress",
+    "expand",
+    "load_profile",
+    "runs_to_list",
+    "profile_from_file_dict",
+    "save_profile",
+]
 
 _WRITE_FIX = "write profiles with `mobiuspipe profile --model NAME -o FILE`"
 
@@ -53,9 +72,11 @@ class LayerProfile(_ProfilePart):
     def check_values(self) -> list[Problem]:
         counts = ("param_count", "param_bytes", "activation_bytes", "output_bytes")
         amounts = ("fwd_flops", "bwd_flops", "fwd_s", "bwd_s")
-        return [*non_empty(self, "name", _WRITE_FIX),
-                *(p for name in counts for p in at_least(self, name, 0, _WRITE_FIX)),
-                *(p for name in amounts for p in positive(self, name, _WRITE_FIX, zero_ok=True))]
+        return [
+            *non_empty(self, "name", _WRITE_FIX),
+            *(p for name in counts for p in at_least(self, name, 0, _WRITE_FIX)),
+            *(p for name in amounts for p in positive(self, name, _WRITE_FIX, zero_ok=True)),
+        ]
 
 
 @dataclass(frozen=True)
@@ -74,10 +95,12 @@ class Profile(_ProfilePart):
         return len(self.layers)
 
     def check_values(self) -> list[Problem]:
-        return [*(p for name in ("model", "device", "dtype") for p in non_empty(self, name, _WRITE_FIX)),
-                *at_least(self, "microbatch_size", 1, _WRITE_FIX), *at_least(self, "seq_len", 1, _WRITE_FIX),
-                *([] if self.layers else [Problem("layers", "a non-empty list of layers", "an empty list",
-                                                  _WRITE_FIX)])]
+        return [
+            *(p for name in ("model", "device", "dtype") for p in non_empty(self, name, _WRITE_FIX)),
+            *at_least(self, "microbatch_size", 1, _WRITE_FIX),
+            *at_least(self, "seq_len", 1, _WRITE_FIX),
+            *([] if self.layers else [Problem("layers", "a non-empty list of layers", "an empty list", _WRITE_FIX)]),
+        ]
 
     def to_dict(self) -> dict:
         """Plain data of every field; from_dict (and a profile file) takes it back exactly."""
@@ -100,7 +123,7 @@ class LayerRun(_ProfilePart):
         return at_least(self, "count", 1, "drop runs of no layers; a run has at least one")
 
 
-def compress(profile: "Profile | tuple[LayerProfile, ...] | list[LayerProfile]") -> list[tuple[LayerProfile, int]]:
+def compress(profile: Profile | tuple[LayerProfile, ...] | list[LayerProfile]) -> list[tuple[LayerProfile, int]]:
     """Runs of consecutive identical layers, in order, each with its count (layer-similarity compression)."""
     layers = profile.layers if isinstance(profile, Profile) else profile
     runs: list[tuple[LayerProfile, int]] = []
@@ -152,7 +175,15 @@ def profile_from_file_dict(d: Any, where: str = "profile") -> Profile:
     layers = INVALID if runs in (INVALID, ()) else expand((r.layer, r.count) for r in runs)
     profile = builder.build(Profile, data, extra={} if "layers" in data else {"layers": layers})
     if profile is not INVALID and layers is not INVALID and profile.layers != layers:
-        builder.add([Problem("runs", "the layers that `layers` lists", f"runs that disagree with layers: "
-                             f"{len(layers)} layers against {len(profile.layers)}, or different ones",
-                             "keep one of runs and layers")])
+        builder.add(
+            [
+                Problem(
+                    "runs",
+                    "the layers that `layers` lists",
+                    f"runs that disagree with layers: "
+                    f"{len(layers)} layers against {len(profile.layers)}, or different ones",
+                    "keep one of runs and layers",
+                )
+            ]
+        )
     return builder.finish(profile)

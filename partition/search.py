@@ -28,9 +28,18 @@ def host_adam_rate(topo: Topology) -> float:
     return m.host_adam_params_per_s if m and m.host_adam_params_per_s > 0 else HOST_ADAM_PARAMS_PER_S
 
 
-def make_plan(profile: Profile, topo: Topology, microbatches: int, *, num_stages: int | None = None,
-              mapping: str = "cross", reserve_bytes: int = 0, solver: str = "auto", time_limit_s: float = 2.0,
-              gap: float = 0.01) -> Plan:
+def make_plan(
+    profile: Profile,
+    topo: Topology,
+    microbatches: int,
+    *,
+    num_stages: int | None = None,
+    mapping: str = "cross",
+    reserve_bytes: int = 0,
+    solver: str = "auto",
+    time_limit_s: float = 2.0,
+    gap: float = 0.01,
+) -> Plan:
     """Cut the profiled layers into stages, map them to gpus and predict the step; the fastest plan wins.
 
     The exact DP runs for every stage count S (num_stages=None: from the gpu count to the layer count)
@@ -49,8 +58,9 @@ def make_plan(profile: Profile, topo: Topology, microbatches: int, *, num_stages
         raise _infeasible_stages(num_stages, arr, memory)
     candidates, info = ranked[:MIP_CANDIDATES], SolverInfo("dp", "optimal", 0.0, 0.0)
     if solver != "dp":
-        found, info = _mip_plans(profile, topo, arr, candidates, microbatches, mapping, memory, solver,
-                                 time_limit_s, gap)
+        found, info = _mip_plans(
+            profile, topo, arr, candidates, microbatches, mapping, memory, solver, time_limit_s, gap
+        )
         candidates = candidates + found
     best = min((_shared(p, topo) for p in candidates), key=lambda p: (p.predicted_step_time_s, p.num_stages))
     return dataclasses.replace(best, solver=dataclasses.replace(info, wall_s=round(watch.s, 6)))
@@ -66,8 +76,15 @@ MIP_CANDIDATES = 3
 """Stage counts (the DP's best by simulated step) the MIP re-cuts."""
 
 
-def _dp_plans(profile: Profile, topo: Topology, arr: LayerArrays, microbatches: int, num_stages: int | None,
-              mapping: str, memory: int) -> list[Plan]:
+def _dp_plans(
+    profile: Profile,
+    topo: Topology,
+    arr: LayerArrays,
+    microbatches: int,
+    num_stages: int | None,
+    mapping: str,
+    memory: int,
+) -> list[Plan]:
     """The DP's plan for every feasible stage count, fastest (quickly simulated) step first.
 
     One DP run answers every S that shares its load bandwidth (the DP table holds all stage counts)."""
@@ -88,9 +105,18 @@ def _dp_plans(profile: Profile, topo: Topology, arr: LayerArrays, microbatches: 
     return sorted(plans, key=lambda p: (p.predicted_step_time_s, p.num_stages))
 
 
-def _mip_plans(profile: Profile, topo: Topology, arr: LayerArrays, ranked: list[Plan], microbatches: int,
-               mapping: str, memory: int, solver: str, time_limit_s: float, gap: float
-               ) -> tuple[list[Plan], SolverInfo]:
+def _mip_plans(
+    profile: Profile,
+    topo: Topology,
+    arr: LayerArrays,
+    ranked: list[Plan],
+    microbatches: int,
+    mapping: str,
+    memory: int,
+    solver: str,
+    time_limit_s: float,
+    gap: float,
+) -> tuple[list[Plan], SolverInfo]:
     """The MIP's cut for each candidate's stage count; the solver info summarizes every solve."""
     from partition.mip_solve import solve_stage_count, stage_data  # the solvers load only when used
 
@@ -100,8 +126,7 @@ def _mip_plans(profile: Profile, topo: Topology, arr: LayerArrays, ranked: list[
         m = plan.mapping
         cuts = [s.first for s in plan.stages] + [plan.num_layers]
         left = max(0.05, time_limit_s - watch.s) / (len(ranked) - k)
-        res = solve_stage_count(profile, m, microbatches, stage_data(topo, m, profile), memory, cuts, solver,
-                                left, gap)
+        res = solve_stage_count(profile, m, microbatches, stage_data(topo, m, profile), memory, cuts, solver, left, gap)
         used.add(res.result.solver)
         statuses.add(res.result.status)
         notes += [res.result.note] if res.result.note and res.result.note not in notes else []
@@ -109,8 +134,9 @@ def _mip_plans(profile: Profile, topo: Topology, arr: LayerArrays, ranked: list[
             continue
         gaps.append(res.result.gap)
         ranges = [(a, b - 1) for a, b in zip(res.cuts, res.cuts[1:])]
-        found.append(_plan_of(profile, topo, arr, ranges, m, [s.load_gbps for s in plan.stages], microbatches,
-                              mapping, memory))
+        found.append(
+            _plan_of(profile, topo, arr, ranges, m, [s.load_gbps for s in plan.stages], microbatches, mapping, memory)
+        )
     status = "optimal" if statuses == {"optimal"} else "+".join(sorted(statuses))
     status += f"; {notes[0]}" if notes else ""  # the first note says it; later ones differ only in sizes
     return found, SolverInfo("+".join(sorted(used)), status, max(gaps, default=float("inf")), 0.0)
@@ -119,20 +145,26 @@ def _mip_plans(profile: Profile, topo: Topology, arr: LayerArrays, ranked: list[
 def _check_memory_known(topo: Topology) -> None:
     unknown = [g.index for g in topo.gpus if g.memory_bytes <= 0]
     if unknown:
-        raise PlanInfeasibleError(f"topology {topo.name!r}: the memory of gpus {unknown} is unknown (0 bytes; "
-                                  f"discovered without NVML?): save the topology with `mobiuspipe topology --save "
-                                  f"server.yaml`, set each gpu's memory_bytes (e.g. 24GiB) and plan with it")
+        raise PlanInfeasibleError(
+            f"topology {topo.name!r}: the memory of gpus {unknown} is unknown (0 bytes; "
+            f"discovered without NVML?): save the topology with `mobiuspipe topology --save "
+            f"server.yaml`, set each gpu's memory_bytes (e.g. 24GiB) and plan with it"
+        )
 
 
 def _stage_counts(num_stages: int | None, num_gpus: int, num_layers: int) -> list[int]:
     if num_stages is None:
         if num_layers < num_gpus:
-            raise PlanInfeasibleError(f"the model has {num_layers} layers but there are {num_gpus} gpus; each gpu "
-                                      f"needs at least one stage of one layer: use fewer gpus")
+            raise PlanInfeasibleError(
+                f"the model has {num_layers} layers but there are {num_gpus} gpus; each gpu "
+                f"needs at least one stage of one layer: use fewer gpus"
+            )
         return list(range(num_gpus, num_layers + 1))
     if not num_gpus <= num_stages <= num_layers:
-        raise PlanInfeasibleError(f"--stages {num_stages} is impossible: expected between the gpu count "
-                                  f"({num_gpus}) and the layer count ({num_layers})")
+        raise PlanInfeasibleError(
+            f"--stages {num_stages} is impossible: expected between the gpu count "
+            f"({num_gpus}) and the layer count ({num_layers})"
+        )
     return [num_stages]
 
 
@@ -144,15 +176,17 @@ def _check_layers_fit(arr: LayerArrays, profile: Profile, memory: int) -> None:
                 f"layer {l} ({layer.name}) alone needs {need / GiB:.2f} GiB ({ARENA_SLOTS} x "
                 f"{arr.params(l, l) / GiB:.2f} GiB of arena slots for weights, prefetch and gradients + "
                 f"{arr.activations(l, l) / GiB:.2f} GiB of activations) but a gpu has {memory / GiB:.2f} GiB usable: "
-                f"use a smaller microbatch, GPUs with more memory, or a smaller model")
+                f"use a smaller microbatch, GPUs with more memory, or a smaller model"
+            )
 
 
 def _fits_in_some_stage(arr: LayerArrays, l: int, memory: int) -> bool:
     """True when some stage a..b holding layer l meets the memory rule on its own (A_j counts only the
     stage's boundary outputs, so a layer with a large output can fit together with its neighbours)."""
     L = arr.num_layers
-    return any(ARENA_SLOTS * arr.params(a, b) + arr.activations(a, b) <= memory
-               for a in range(l + 1) for b in range(l, L))
+    return any(
+        ARENA_SLOTS * arr.params(a, b) + arr.activations(a, b) <= memory for a in range(l + 1) for b in range(l, L)
+    )
 
 
 def _infeasible_stages(num_stages: int | None, arr: LayerArrays, memory: int) -> PlanInfeasibleError:
@@ -160,24 +194,56 @@ def _infeasible_stages(num_stages: int | None, arr: LayerArrays, memory: int) ->
     return PlanInfeasibleError(
         f"no cut of the {arr.num_layers} layers into {num_stages or 'any number of'} stages fits: the model has "
         f"{p / GiB:.2f} GiB of parameters and each stage must satisfy {ARENA_SLOTS} x slot + activations <= "
-        f"{memory / GiB:.2f} GiB; use more stages (--stages), or leave --stages out to search every count")
+        f"{memory / GiB:.2f} GiB; use more stages (--stages), or leave --stages out to search every count"
+    )
 
 
-def _plan_of(profile: Profile, topo: Topology, arr: LayerArrays, ranges: list[tuple[int, int]], m: list[int],
-             gbps: list[float], microbatches: int, rule: str, memory: int) -> Plan:
+def _plan_of(
+    profile: Profile,
+    topo: Topology,
+    arr: LayerArrays,
+    ranges: list[tuple[int, int]],
+    m: list[int],
+    gbps: list[float],
+    microbatches: int,
+    rule: str,
+    memory: int,
+) -> Plan:
     stages = tuple(
-        StagePlan(first=a, last=b, gpu=m[j], param_count=arr.param_count(a, b), param_bytes=arr.params(a, b),
-                  activation_bytes=arr.activations(a, b), output_bytes=int(arr.O[b]), fwd_s=arr.fwd(a, b),
-                  bwd_s=arr.bwd(a, b), load_gbps=gbps[j])
-        for j, (a, b) in enumerate(ranges))
+        StagePlan(
+            first=a,
+            last=b,
+            gpu=m[j],
+            param_count=arr.param_count(a, b),
+            param_bytes=arr.params(a, b),
+            activation_bytes=arr.activations(a, b),
+            output_bytes=int(arr.O[b]),
+            fwd_s=arr.fwd(a, b),
+            bwd_s=arr.bwd(a, b),
+            load_gbps=gbps[j],
+        )
+        for j, (a, b) in enumerate(ranges)
+    )
     slot = max(s.param_bytes for s in stages)
     sim = simulate(sim_stages(stages, topo), topo.num_gpus, microbatches, topology=topo)
-    return Plan(model=profile.model, topology=topo.name, num_layers=arr.num_layers, num_gpus=topo.num_gpus,
-                num_microbatches=microbatches, microbatch_size=profile.microbatch_size, dtype=profile.dtype,
-                mapping_rule=rule, mapping_score=round(mapping_score(topo, m), 9), stages=stages, slot_bytes=slot,
-                arena_bytes=ARENA_SLOTS * slot,
-                activation_bytes=max(s.activation_bytes for s in stages), gpu_memory_bytes=memory,
-                predicted_step_time_s=sim.step_time_s, solver=SolverInfo("dp", "optimal", 0.0, 0.0))
+    return Plan(
+        model=profile.model,
+        topology=topo.name,
+        num_layers=arr.num_layers,
+        num_gpus=topo.num_gpus,
+        num_microbatches=microbatches,
+        microbatch_size=profile.microbatch_size,
+        dtype=profile.dtype,
+        mapping_rule=rule,
+        mapping_score=round(mapping_score(topo, m), 9),
+        stages=stages,
+        slot_bytes=slot,
+        arena_bytes=ARENA_SLOTS * slot,
+        activation_bytes=max(s.activation_bytes for s in stages),
+        gpu_memory_bytes=memory,
+        predicted_step_time_s=sim.step_time_s,
+        solver=SolverInfo("dp", "optimal", 0.0, 0.0),
+    )
 
 
 def sim_stages(stages: tuple[StagePlan, ...], topo: Topology) -> list[SimStage]:
@@ -191,9 +257,19 @@ def sim_stages(stages: tuple[StagePlan, ...], topo: Topology) -> list[SimStage]:
     for j, s in enumerate(stages):
         nxt = stages[j + 1].gpu if j + 1 < len(stages) else s.gpu
         comm = 0.0 if nxt == s.gpu else s.output_bytes / (peer_gbps(topo, s.gpu, nxt) * 1e9)
-        out.append(SimStage(gpu=s.gpu, fwd_s=s.fwd_s, bwd_s=s.bwd_s, load_s=s.load_s,
-                            offload_s=s.param_bytes / (topo.gpus[s.gpu].link_gbps * 1e9),
-                            update_s=s.param_count / host_adam_rate(topo), comm_s=comm,
-                            param_bytes=s.param_bytes, grad_bytes=s.param_bytes,
-                            activation_bytes=s.activation_bytes, output_bytes=s.output_bytes))
+        out.append(
+            SimStage(
+                gpu=s.gpu,
+                fwd_s=s.fwd_s,
+                bwd_s=s.bwd_s,
+                load_s=s.load_s,
+                offload_s=s.param_bytes / (topo.gpus[s.gpu].link_gbps * 1e9),
+                update_s=s.param_count / host_adam_rate(topo),
+                comm_s=comm,
+                param_bytes=s.param_bytes,
+                grad_bytes=s.param_bytes,
+                activation_bytes=s.activation_bytes,
+                output_bytes=s.output_bytes,
+            )
+        )
     return out

@@ -111,11 +111,16 @@ class SimResult:
 
     def to_dict(self) -> dict:
         """Plain data for --json (no events: see partition.trace.chrome_trace for those)."""
-        return {"step_time_s": self.step_time_s, "link_model": self.link_model,
-                "compute_busy_s": list(self.compute_busy_s), "busy_fraction": list(self.busy_fraction),
-                "peak_arena_bytes": list(self.peak_arena_bytes), "activation_bytes": list(self.activation_bytes),
-                "peak_memory_bytes": list(self.peak_memory_bytes),
-                "link_bytes": [{"link": n, "direction": d, "bytes": b} for n, d, b in self.link_bytes]}
+        return {
+            "step_time_s": self.step_time_s,
+            "link_model": self.link_model,
+            "compute_busy_s": list(self.compute_busy_s),
+            "busy_fraction": list(self.busy_fraction),
+            "peak_arena_bytes": list(self.peak_arena_bytes),
+            "activation_bytes": list(self.activation_bytes),
+            "peak_memory_bytes": list(self.peak_memory_bytes),
+            "link_bytes": [{"link": n, "direction": d, "bytes": b} for n, d, b in self.link_bytes],
+        }
 
 
 class FlowNet:
@@ -173,8 +178,13 @@ class TaskGraph:
         self.net = net
         self.tasks: dict[Hashable, _Task] = {}
 
-    def add(self, key: Hashable, deps: Iterable[Hashable] = (), dur: float = 0.0,
-            flows: Iterable[tuple[float, tuple[Link, ...]]] = ()) -> Hashable:
+    def add(
+        self,
+        key: Hashable,
+        deps: Iterable[Hashable] = (),
+        dur: float = 0.0,
+        flows: Iterable[tuple[float, tuple[Link, ...]]] = (),
+    ) -> Hashable:
         """A task; with flows (and a FlowNet) it ends when the last of its flows with bytes > 0 ended."""
         self.tasks[key] = _Task(tuple(d for d in deps if d is not None), dur, tuple(flows))
         return key
@@ -210,8 +220,9 @@ class TaskGraph:
                         self._start(u, t)
         stuck = [k for k, t in self.tasks.items() if math.isnan(t.end)]
         if stuck:
-            raise RuntimeError(f"schedule deadlock in simulate(): {len(stuck)} tasks wait on ones that never run, "
-                               f"first {stuck[0]!r}")
+            raise RuntimeError(
+                f"schedule deadlock in simulate(): {len(stuck)} tasks wait on ones that never run, first {stuck[0]!r}"
+            )
         return self.tasks
 
     def _start(self, k: Hashable, now: float) -> None:
@@ -251,8 +262,7 @@ def link_paths(topo: Topology) -> tuple[dict[Link, float], dict[tuple[int, str],
     return caps, paths
 
 
-def simulate(stages: list[SimStage], num_gpus: int, microbatches: int,
-             topology: Topology | None = None) -> SimResult:
+def simulate(stages: list[SimStage], num_gpus: int, microbatches: int, topology: Topology | None = None) -> SimResult:
     """Event times of one step (see the module docstring); with a topology, loads and offloads share links.
 
     Raises RuntimeError if the schedule cannot make progress (a stage on a gpu that does not exist: a bug).
@@ -280,13 +290,17 @@ def simulate(stages: list[SimStage], num_gpus: int, microbatches: int,
         moves += _activation_moves(stages, microbatches, topology, paths)
     slot = max((s.param_bytes for s in stages), default=0)
     return SimResult(
-        step_time_s=max((e[5] for e in events), default=0.0), compute_busy_s=busy, events=tuple(events),
+        step_time_s=max((e[5] for e in events), default=0.0),
+        compute_busy_s=busy,
+        events=tuple(events),
         link_bytes=_traffic(moves, topology, num_gpus),
         peak_arena_bytes=tuple(_peak(tasks, spans[g]) * slot for g in range(num_gpus)),
-        activation_bytes=tuple(max((s.activation_bytes for s in stages if s.gpu == g), default=0)
-                               for g in range(num_gpus)),
+        activation_bytes=tuple(
+            max((s.activation_bytes for s in stages if s.gpu == g), default=0) for g in range(num_gpus)
+        ),
         stage_bytes=tuple((s.param_bytes, s.grad_bytes) for s in stages),
-        link_model="static" if topology is None else f"flows:{topology.name}")
+        link_model="static" if topology is None else f"flows:{topology.name}",
+    )
 
 
 def _check_bytes(stages: list[SimStage], topology: Topology, num_gpus: int) -> None:
@@ -294,20 +308,23 @@ def _check_bytes(stages: list[SimStage], topology: Topology, num_gpus: int) -> N
         raise ValueError(f"topology {topology.name!r} has {topology.num_gpus} gpus, the simulation {num_gpus}")
     for j, s in enumerate(stages):
         if (s.param_bytes <= 0 < s.load_s) or (s.grad_bytes <= 0 < s.offload_s):
-            raise ValueError(f"stage {j} has load_s {s.load_s} / offload_s {s.offload_s} but param_bytes "
-                             f"{s.param_bytes} / grad_bytes {s.grad_bytes}: with a topology the simulator times "
-                             f"transfers from their bytes; build stages with partition.search.sim_stages")
+            raise ValueError(
+                f"stage {j} has load_s {s.load_s} / offload_s {s.offload_s} but param_bytes "
+                f"{s.param_bytes} / grad_bytes {s.grad_bytes}: with a topology the simulator times "
+                f"transfers from their bytes; build stages with partition.search.sim_stages"
+            )
 
 
-def _add_gpu(graph: TaskGraph, stages: list[SimStage], g: int, m: int, paths: dict, flows: bool,
-             moves: list) -> list[tuple[Hashable, Hashable]]:
+def _add_gpu(
+    graph: TaskGraph, stages: list[SimStage], g: int, m: int, paths: dict, flows: bool, moves: list
+) -> list[tuple[Hashable, Hashable]]:
     """Gpu g's loads, computations and offloads, chained as the runtime orders them; returns its arena spans
     (task whose start takes a slot, task whose end frees it)."""
     visits, last = visits_of([s.gpu for s in stages], g), len(stages) - 1
     prev_op = prev_load = prev_off = load = None
     slot_of: list[int] = []
     holder: list[Hashable] = [None] * WEIGHT_SLOTS  # last computation of the visit that used each weight slot
-    taken: list[Hashable] = [None] * WEIGHT_SLOTS   # the load that took each weight slot
+    taken: list[Hashable] = [None] * WEIGHT_SLOTS  # the load that took each weight slot
     spans: list[tuple[Hashable, Hashable]] = []
     for k, (j, phase) in enumerate(visits):
         st = stages[j]
@@ -318,8 +335,9 @@ def _add_gpu(graph: TaskGraph, stages: list[SimStage], g: int, m: int, paths: di
             slot_of.append(slot)
             move = (st.param_bytes, paths[(g, "h2d")])
             moves.append(move)
-            load = prev_load = taken[slot] = graph.add(("load", g, j, k), (prev_load, holder[slot]), st.load_s,
-                                                       (move,) if flows else ())
+            load = prev_load = taken[slot] = graph.add(
+                ("load", g, j, k), (prev_load, holder[slot]), st.load_s, (move,) if flows else ()
+            )
         first = None
         for i in range(m):
             wait = None if (phase == "F" and j == 0) or (phase == "B" and j == last) else ("arrive", phase, j, i)

@@ -67,8 +67,11 @@ def aggregate_times(st: list[StageTimes], mapping: list[int], m: int) -> tuple[f
         start[("B", j)] = t
         end[("B", j)] = max(t + m * st[j].b, end[("B", j + 1)] + st[j].d + st[j].b if j < s - 1 else 0.0)
     total = max(end[("B", j)] + st[j].o for j in range(s))
-    values = {f"{kind}{ph}": [src[(ph, j)] for j in range(s)]
-              for kind, src in (("T", start), ("E", end), ("L", loaded)) for ph in "FB"}
+    values = {
+        f"{kind}{ph}": [src[(ph, j)] for j in range(s)]
+        for kind, src in (("T", start), ("E", end), ("L", loaded))
+        for ph in "FB"
+    }
     return total, values
 
 

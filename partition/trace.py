@@ -18,14 +18,16 @@ __all__ = ["ascii_timeline", "svg_timeline", "png_timeline", "chrome_trace", "la
 class RenderError(RuntimeError):
     """A picture could not be made (no converter on PATH, or the converter failed); the message says what to do."""
 
+
 Event = tuple[str, int, int, int, float, float]
 """(kind, gpu, stage, microbatch or -1, start, end), as in SimResult.events."""
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 _COPY_CHARS = {"load": "L", "offload": "O", "update": "U"}
-_LEGEND = ("legend: a-z forward of stage j (a=0, b=1, ..., z=25, then wraps), A-Z its backward (recompute + "
-           "backward), . idle",
-           "        L load weights host->gpu, O offload gradients gpu->host, U optimizer update on the host CPU")
+_LEGEND = (
+    "legend: a-z forward of stage j (a=0, b=1, ..., z=25, then wraps), A-Z its backward (recompute + backward), . idle",
+    "        L load weights host->gpu, O offload gradients gpu->host, U optimizer update on the host CPU",
+)
 
 
 def lanes(result: SimResult, num_gpus: int) -> list[tuple[str, list[Event]]]:
@@ -71,7 +73,7 @@ def _ascii_axis(span: float, width: int, indent: int) -> list[str]:
     for c in range(0, width + 1, 10):
         text = _fmt_time(span * c / width, unit)
         if c >= free and c + len(text) <= len(labels):
-            labels[c:c + len(text)] = text
+            labels[c : c + len(text)] = text
             free = c + len(text) + 1
     return [" " * indent + ruler, " " * indent + "".join(labels).rstrip()]
 
@@ -106,8 +108,7 @@ def _fill(kind: str, stage: int) -> str:
 
 def _rect(x: float, y: float, w: float, h: float, fill: str, tip: str = "") -> str:
     title = f"<title>{escape(tip)}</title>" if tip else ""
-    return (f'<rect x="{x:.2f}" y="{y:.2f}" width="{max(w, 0.4):.2f}" height="{h:.2f}" '
-            f'fill="{fill}">{title}</rect>')
+    return f'<rect x="{x:.2f}" y="{y:.2f}" width="{max(w, 0.4):.2f}" height="{h:.2f}" fill="{fill}">{title}</rect>'
 
 
 def _text(x: float, y: float, s: str, anchor: str = "start", size: int = 11) -> str:
@@ -128,8 +129,11 @@ def _svg_events(rows: list[tuple[str, list[Event]]], span: float) -> list[str]:
         y = _TOP + r * (_LANE + _GAP)
         for kind, g, j, i, start, end in events:
             x = _LEFT + _PLOT_W * start / span
-            tip = f"{kind} stage {j}" + (f" microbatch {i}" if i >= 0 else "") + \
-                  f" on gpu {g}: {start * 1e3:.3f}-{end * 1e3:.3f} ms"
+            tip = (
+                f"{kind} stage {j}"
+                + (f" microbatch {i}" if i >= 0 else "")
+                + f" on gpu {g}: {start * 1e3:.3f}-{end * 1e3:.3f} ms"
+            )
             out.append(_rect(x, y, _PLOT_W * (end - start) / span, _LANE, _fill(kind, j), tip))
     return out
 
@@ -155,8 +159,13 @@ def _svg_axis(span: float, y: float) -> list[str]:
 
 
 def _svg_legend(y: float) -> list[str]:
-    items = [("F", "forward (lighter)"), ("B", "backward (darker)"), ("load", "load weights"),
-             ("offload", "offload gradients"), ("update", "optimizer update (host)")]
+    items = [
+        ("F", "forward (lighter)"),
+        ("B", "backward (darker)"),
+        ("load", "load weights"),
+        ("offload", "offload gradients"),
+        ("update", "optimizer update (host)"),
+    ]
     out, x = [], _LEFT
     for kind, label in items:
         out += [_rect(x, y, 14, 12, _fill(kind, 0)), _text(x + 18, y + 10, label)]
@@ -172,12 +181,18 @@ def svg_timeline(result: SimResult, num_gpus: int, path: str | Path, title: str 
     bottom = _TOP + len(rows) * (_LANE + _GAP)
     width, height = _LEFT + _PLOT_W + _RIGHT, bottom + 90
     head = title or f"one step: {span * 1e3:.1f} ms"
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-             f'viewBox="0 0 {width} {height}" font-family="sans-serif">',
-             f'<rect width="{width}" height="{height}" fill="white"/>',
-             f"<title>{escape(head)}</title>", _text(_LEFT, 24, head, size=15),
-             *_svg_backgrounds(rows), *_svg_axis(span, bottom),
-             *_svg_events(rows, span), *_svg_legend(bottom + 44), "</svg>"]
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" font-family="sans-serif">',
+        f'<rect width="{width}" height="{height}" fill="white"/>',
+        f"<title>{escape(head)}</title>",
+        _text(_LEFT, 24, head, size=15),
+        *_svg_backgrounds(rows),
+        *_svg_axis(span, bottom),
+        *_svg_events(rows, span),
+        *_svg_legend(bottom + 44),
+        "</svg>",
+    ]
     path = Path(path)
     path.write_text('<?xml version="1.0" encoding="UTF-8"?>\n' + "\n".join(parts) + "\n", encoding="utf-8")
     return path
@@ -187,23 +202,32 @@ def png_timeline(result: SimResult, num_gpus: int, path: str | Path, title: str 
     """The SVG Gantt chart converted to PNG by rsvg-convert; RenderError when it is missing or fails."""
     exe = shutil.which("rsvg-convert")
     if exe is None:
-        raise RenderError(f"cannot write {path}: the PNG is converted from the SVG by rsvg-convert, which is not on "
-                          f"PATH; install it (apt install librsvg2-bin, brew install librsvg) or write an SVG "
-                          f"instead (--svg)")
+        raise RenderError(
+            f"cannot write {path}: the PNG is converted from the SVG by rsvg-convert, which is not on "
+            f"PATH; install it (apt install librsvg2-bin, brew install librsvg) or write an SVG "
+            f"instead (--svg)"
+        )
     path = Path(path)
     with tempfile.TemporaryDirectory() as tmp:
         svg = svg_timeline(result, num_gpus, Path(tmp) / "step.svg", title)
         done = subprocess.run([exe, "-b", "white", "-o", str(path), str(svg)], capture_output=True, text=True)
     if done.returncode != 0:
-        raise RenderError(f"rsvg-convert could not write {path} (exit {done.returncode}): "
-                          f"{done.stderr.strip() or 'no message'}; write an SVG instead (--svg)")
+        raise RenderError(
+            f"rsvg-convert could not write {path} (exit {done.returncode}): "
+            f"{done.stderr.strip() or 'no message'}; write an SVG instead (--svg)"
+        )
     return path
 
 
 # ---- Chrome trace ----
 
-_TIDS = {"F": (0, "compute"), "B": (0, "compute"), "load": (1, "copy host->gpu (load)"),
-         "offload": (2, "copy gpu->host (offload)"), "update": (0, "Adam (update)")}
+_TIDS = {
+    "F": (0, "compute"),
+    "B": (0, "compute"),
+    "load": (1, "copy host->gpu (load)"),
+    "offload": (2, "copy gpu->host (offload)"),
+    "update": (0, "Adam (update)"),
+}
 
 
 def _trace_name(kind: str, j: int, i: int) -> str:
@@ -224,11 +248,15 @@ def _trace_meta(num_gpus: int) -> list[dict]:
     meta = []
     for pid in range(num_gpus + 1):
         name = f"gpu {pid}" if pid < num_gpus else "host"
-        meta += [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}},
-                 {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}}]
+        meta += [
+            {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}},
+            {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}},
+        ]
         kinds = ("F", "load", "offload") if pid < num_gpus else ("update",)
-        meta += [{"ph": "M", "name": "thread_name", "pid": pid, "tid": _TIDS[k][0], "args": {"name": _TIDS[k][1]}}
-                 for k in kinds]
+        meta += [
+            {"ph": "M", "name": "thread_name", "pid": pid, "tid": _TIDS[k][0], "args": {"name": _TIDS[k][1]}}
+            for k in kinds
+        ]
     return meta
 
 
@@ -236,12 +264,24 @@ def chrome_trace(result: SimResult, path: str | Path) -> Path:
     """Write the step as Chrome trace-event JSON (chrome://tracing, ui.perfetto.dev): one process per gpu with
     compute / load / offload threads, and one for the host's Adam; times in microseconds."""
     n = len(result.compute_busy_s)
-    events = [{"name": _trace_name(kind, j, i), "cat": kind, "ph": "X", "ts": start * 1e6, "dur": (end - start) * 1e6,
-               "pid": n if kind == "update" else g, "tid": _TIDS[kind][0],
-               "args": _trace_args(result, kind, j, i, start, end)}
-              for kind, g, j, i, start, end in result.events]
-    doc = {"traceEvents": _trace_meta(n) + events, "displayTimeUnit": "ms",
-           "otherData": {"step_time_s": result.step_time_s, "link_model": result.link_model}}
+    events = [
+        {
+            "name": _trace_name(kind, j, i),
+            "cat": kind,
+            "ph": "X",
+            "ts": start * 1e6,
+            "dur": (end - start) * 1e6,
+            "pid": n if kind == "update" else g,
+            "tid": _TIDS[kind][0],
+            "args": _trace_args(result, kind, j, i, start, end),
+        }
+        for kind, g, j, i, start, end in result.events
+    ]
+    doc = {
+        "traceEvents": _trace_meta(n) + events,
+        "displayTimeUnit": "ms",
+        "otherData": {"step_time_s": result.step_time_s, "link_model": result.link_model},
+    }
     path = Path(path)
     path.write_text(json.dumps(doc) + "\n", encoding="utf-8")
     return path

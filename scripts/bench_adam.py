@@ -34,9 +34,9 @@ def _torch_adamw(p: torch.nn.Parameter) -> tuple[torch.optim.Optimizer, str]:
 def _deepspeed(n: int, g: torch.Tensor, mixed: bool, gen: torch.Generator):
     """DeepSpeedCPUAdam on its own copy (mixed: upcast grads, step, downcast weights, as for torch), or None."""
     try:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
         import deepspeed
-    except Exception as exc:  # not installed, or its op does not build here
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    except Exception as exc:  # noqa: BLE001 - not installed, or its op does not build here
         print(f"# DeepSpeedCPUAdam not measured: {type(exc).__name__}: {exc}")
         return None
     p = torch.nn.Parameter(torch.randn(n, generator=gen))
@@ -112,9 +112,11 @@ def main() -> None:
         raise SystemExit(f"the C++ extension is not built ({_ext.WHY_NOT}); run scripts/setup.sh")
     torch.set_num_threads(args.threads)
     n = args.numel
-    print(f"# bench_adam {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, torch "
-          f"{torch.__version__}, {platform.processor() or platform.machine()}, {args.threads} threads, "
-          f"{n / 1e6:.0f}M params, SIMD {_ext.C.resolve_simd('auto')}, median of {args.rounds}")
+    print(
+        f"# bench_adam {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, torch "
+        f"{torch.__version__}, {platform.processor() or platform.machine()}, {args.threads} threads, "
+        f"{n / 1e6:.0f}M params, SIMD {_ext.C.resolve_simd('auto')}, median of {args.rounds}"
+    )
     print("| variant | contestant | ms/step | GB/s moved | x floor | CPUAdam speed-up over it |")
     print("|---|---|---:|---:|---:|---:|")
     for mixed in (False, True):
@@ -122,8 +124,10 @@ def main() -> None:
         res = _bench(_make(n, mixed), args.rounds)
         floor, ours = res["memory floor"], res["CPUAdam (C++)"]
         for k, t in res.items():
-            print(f"| {'mixed bf16' if mixed else 'fp32'} | {k} | {t * 1e3:.1f} | {nbytes / t / 1e9:.1f} | "
-                  f"{t / floor:.2f} | {t / ours:.2f} |")
+            print(
+                f"| {'mixed bf16' if mixed else 'fp32'} | {k} | {t * 1e3:.1f} | {nbytes / t / 1e9:.1f} | "
+                f"{t / floor:.2f} | {t / ours:.2f} |"
+            )
 
 
 if __name__ == "__main__":

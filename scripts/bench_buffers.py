@@ -23,8 +23,8 @@ import sys
 from pathlib import Path
 
 import torch
-
 from benchlib import cpu_model, markdown_table
+
 from foundation.timing import Stopwatch
 from foundation.units import MiB
 
@@ -91,8 +91,13 @@ def part_steps(work: Path, numel: int, rounds: int) -> dict[str, list[float]]:
     for r in range(rounds):
         for name, flag in (("huge pages", "1"), ("4 KiB pages", "0")):
             folder = work / f"ooc-{r}-{flag}"
-            out = subprocess.run([sys.executable, "-c", STEP_CODE, str(folder), str(numel)], capture_output=True,
-                                 text=True, timeout=600, env={**os.environ, "MOBIUSPIPE_HUGE_PAGES": flag})
+            out = subprocess.run(
+                [sys.executable, "-c", STEP_CODE, str(folder), str(numel)],
+                capture_output=True,
+                text=True,
+                timeout=600,
+                env={**os.environ, "MOBIUSPIPE_HUGE_PAGES": flag},
+            )
             if out.returncode != 0:
                 raise RuntimeError(f"step process failed: {out.stderr.strip()[-500:]}")
             times[name] += [float(x) for x in out.stdout.split()]
@@ -113,18 +118,37 @@ def main() -> None:
         steps = part_steps(work, args.numel, args.rounds)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; machine: {cpu_model()}, "
-          f"{os.cpu_count()} cores; THP: {Path('/sys/kernel/mm/transparent_hugepage/enabled').read_text().strip()}")
+    print(
+        f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; machine: {cpu_model()}, "
+        f"{os.cpu_count()} cores; THP: {Path('/sys/kernel/mm/transparent_hugepage/enabled').read_text().strip()}"
+    )
     nbytes = args.size_mb * MiB
-    rows = [[f"O_DIRECT read of {args.size_mb} MiB", k, f"{v * 1e3:.1f} ms", f"{nbytes / v / 1e9:.2f} GB/s",
-             f"{v / reads['huge pages']:.2f}"] for k, v in reads.items()]
+    rows = [
+        [
+            f"O_DIRECT read of {args.size_mb} MiB",
+            k,
+            f"{v * 1e3:.1f} ms",
+            f"{nbytes / v / 1e9:.2f} GB/s",
+            f"{v / reads['huge pages']:.2f}",
+        ]
+        for k, v in reads.items()
+    ]
     base = statistics.median(steps["huge pages"])
     for k, v in steps.items():
         for what, x in (("median optimizer", statistics.median(v)), ("worst optimizer", max(v))):
-            rows.append([f"out-of-core step, {args.numel / 1e6:.0f}M params, {what}", k, f"{x * 1e3:.0f} ms",
-                         "-", f"{x / base:.2f}"])
-    print("out-of-core steps (s), every optimizer: " + "; ".join(
-        f"{k}: {' '.join(f'{x:.2f}' for x in v)}" for k, v in steps.items()))
+            rows.append(
+                [
+                    f"out-of-core step, {args.numel / 1e6:.0f}M params, {what}",
+                    k,
+                    f"{x * 1e3:.0f} ms",
+                    "-",
+                    f"{x / base:.2f}",
+                ]
+            )
+    print(
+        "out-of-core steps (s), every optimizer: "
+        + "; ".join(f"{k}: {' '.join(f'{x:.2f}' for x in v)}" for k, v in steps.items())
+    )
     print(markdown_table(["what", "buffers", "median time", "rate", "x huge pages (median)"], rows))
 
 

@@ -16,8 +16,8 @@ import statistics
 import zlib
 
 import torch
-
 from benchlib import cpu_model, markdown_table
+
 from foundation.timing import Stopwatch
 from foundation.units import MiB
 from mobiuspipe import _ext
@@ -57,8 +57,10 @@ def main() -> None:
         med = {k: statistics.median(v) for k, v in times.items()}
         ours = med["crc32c (mobiuspipe, 3 streams)"]
         rows += [[f"{size // MiB} MiB", k, f"{size / v / 1e9:.2f}", f"{v / ours:.2f}"] for k, v in med.items()]
-    print(f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; machine: {cpu_model()}, "
-          f"{os.cpu_count()} cores, 1 thread; SSE4.2 crc32: {_ext.C.crc32c_has_hw()}; median of {args.rounds}")
+    print(
+        f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; machine: {cpu_model()}, "
+        f"{os.cpu_count()} cores, 1 thread; SSE4.2 crc32: {_ext.C.crc32c_has_hw()}; median of {args.rounds}"
+    )
     print(markdown_table(["size", "contestant", "GB/s", "time x crc32c"], rows))
 
 

@@ -23,14 +23,13 @@ import sys
 from pathlib import Path
 
 import torch
-
 from benchlib import cpu_mark, cpu_model, fio_gbps, markdown_table, other_share
+
 from foundation.timing import Stopwatch
 from foundation.units import MiB
 from mobiuspipe import _ext
 from mobiuspipe.memory.aio import IOEngine, aligned_empty
 from mobiuspipe.memory.ssd_store import SSDStore
-
 
 
 def _fresh(path: Path, nbytes: int) -> int:
@@ -87,10 +86,11 @@ def store_contestant(folder: Path, qd: int):
 def deepspeed_contestant(qd: int, overlap: bool):
     """DeepSpeed's aio_handle (async_pwrite/async_pread + wait) on its own pinned buffers, or None."""
     try:
-        from deepspeed.ops.op_builder import AsyncIOBuilder
         import deepspeed
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
         aio = AsyncIOBuilder().load(verbose=False)
-    except Exception as exc:  # not installed, or its op does not build here
+    except Exception as exc:  # noqa: BLE001 - not installed, or its op does not build here
         print(f"# DeepSpeed AIO not measured: {type(exc).__name__}: {exc}", file=sys.stderr)
         return None
     h = aio.aio_handle(MiB, qd, False, overlap, 1)
@@ -120,6 +120,7 @@ def deepspeed_contestant(qd: int, overlap: bool):
 
 def fio_contestant(engine: str, qd: int, extra: tuple[str, ...] = ()):
     """fio's own bandwidth figures (bw_bytes) for a sequential write (end_fsync) then read."""
+
     def one(path: Path, size_mb: int, rw: str) -> float:  # seconds, from fio's own rate
         options = [f"--ioengine={engine}", f"--iodepth={qd}", *extra] + (["--end_fsync=1"] if rw == "write" else [])
         return size_mb * MiB / (fio_gbps(path, rw, size_mb, options) * 1e9)
@@ -148,12 +149,19 @@ def main() -> None:
     buf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
     back = aligned_empty(nbytes)
     noise = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)  # what read buffers hold before a read
-    contestants = [engine_contestant("uring", qd), engine_contestant("uring", qd, [buf, back]),
-                   engine_contestant("threads", qd), store_contestant(work, qd)]
+    contestants = [
+        engine_contestant("uring", qd),
+        engine_contestant("uring", qd, [buf, back]),
+        engine_contestant("threads", qd),
+        store_contestant(work, qd),
+    ]
     contestants += [c for c in [deepspeed_contestant(qd, True), deepspeed_contestant(128, False)] if c]
     if shutil.which("fio"):  # the ceiling: fio's best; registered buffers (fixedbufs) skip per-I/O page pinning
-        contestants += [fio_contestant("io_uring", qd), fio_contestant("io_uring", qd, ("--fixedbufs",)),
-                        fio_contestant("libaio", qd)]
+        contestants += [
+            fio_contestant("io_uring", qd),
+            fio_contestant("io_uring", qd, ("--fixedbufs",)),
+            fio_contestant("libaio", qd),
+        ]
     else:
         print("# fio not measured: not installed (apt-get install fio)", file=sys.stderr)
     times = {name: ([], []) for name, _ in contestants}
@@ -179,21 +187,39 @@ def report(args, times: dict, nbytes: int, other: float, wall: float) -> None:
     ds = [v for k, v in gb.items() if k.startswith("DeepSpeed")]
     ds = [(max(v[0] for v in ds), max(v[1] for v in ds))] if ds else []  # DeepSpeed's best config
     ceil = (max(v[0] for v in fio), max(v[1] for v in fio)) if fio else None
-    print(f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; machine: {cpu_model()}, "
-          f"{os.cpu_count()} cores; torch {torch.__version__}")
-    print(f"{args.size_mb} MiB per file, 1 MiB blocks, O_DIRECT, queue depth {args.queue_depth}, median of "
-          f"{args.rounds} alternating rounds; other processes kept {other:.1%} of the cores busy over {wall:.0f} s")
+    print(
+        f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; machine: {cpu_model()}, "
+        f"{os.cpu_count()} cores; torch {torch.__version__}"
+    )
+    print(
+        f"{args.size_mb} MiB per file, 1 MiB blocks, O_DIRECT, queue depth {args.queue_depth}, median of "
+        f"{args.rounds} alternating rounds; other processes kept {other:.1%} of the cores busy over {wall:.0f} s"
+    )
     for k, (w, r) in times.items():
-        print(f"  {k}: write {' '.join(f'{nbytes / s / 1e9:.2f}' for s in w)}; "
-              f"read {' '.join(f'{nbytes / s / 1e9:.2f}' for s in r)}")
+        print(
+            f"  {k}: write {' '.join(f'{nbytes / s / 1e9:.2f}' for s in w)}; "
+            f"read {' '.join(f'{nbytes / s / 1e9:.2f}' for s in r)}"
+        )
     rows = []
     for k, (w, r) in gb.items():
         row = [k, f"{w:.2f}", f"{r:.2f}"]
         row += [f"{w / ceil[0]:.2f}", f"{r / ceil[1]:.2f}"] if ceil else ["-", "-"]
         row += [f"{w / ds[0][0]:.2f}", f"{r / ds[0][1]:.2f}"] if ds else ["-", "-"]
         rows.append(row)
-    print(markdown_table(["contestant", "write GB/s", "read GB/s", "write / fio ceiling", "read / fio ceiling",
-                          "write / DeepSpeed best", "read / DeepSpeed best"], rows))
+    print(
+        markdown_table(
+            [
+                "contestant",
+                "write GB/s",
+                "read GB/s",
+                "write / fio ceiling",
+                "read / fio ceiling",
+                "write / DeepSpeed best",
+                "read / DeepSpeed best",
+            ],
+            rows,
+        )
+    )
 
 
 if __name__ == "__main__":

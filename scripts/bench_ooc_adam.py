@@ -21,8 +21,8 @@ import statistics
 from pathlib import Path
 
 import torch
-
 from benchlib import cpu_mark, cpu_model, fio_gbps, markdown_table, other_share
+
 from foundation.timing import Stopwatch
 from foundation.units import MiB
 from mobiuspipe import _ext
@@ -98,22 +98,32 @@ def report(args, opt: OutOfCoreAdam, times: dict, fio: dict, other: float, wall:
     write_bw = max(statistics.median(fio[("write", e)]) for e in FIO_VARIANTS)
     io_floor = nbytes / (read_bw * 1e9) + nbytes / (write_bw * 1e9)
     floor = max(io_floor, med["in-memory"])
-    print(f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; machine: {cpu_model()}, "
-          f"{os.cpu_count()} cores; torch {torch.__version__}; {args.threads} threads")
-    print(f"{args.numel / 1e6:.0f}M params: {nbytes / 1e9:.2f} GB read + {nbytes / 1e9:.2f} GB written per step; "
-          f"{len(opt.groups)} groups of {opt.group_elems} elements, {len(opt.slots)} slots in "
-          f"{args.budget_mb} MiB; store backend {opt.store.engine.backend}, direct={opt.store.direct}")
-    print(f"fio (io_uring, iodepth 32, 1 MiB, O_DIRECT; plain / fixedbufs): read "
-          f"{statistics.median(fio[('read', ())]):.2f} / {statistics.median(fio[('read', ('--fixedbufs',))]):.2f} "
-          f"GB/s, write {statistics.median(fio[('write', ())]):.2f} / "
-          f"{statistics.median(fio[('write', ('--fixedbufs',))]):.2f} GB/s (medians of {args.rounds})")
-    print(f"I/O floor {io_floor:.3f} s = {nbytes / 1e9:.2f} GB / {read_bw:.2f} GB/s + {nbytes / 1e9:.2f} GB / "
-          f"{write_bw:.2f} GB/s; in-memory Adam {med['in-memory']:.3f} s; floor {floor:.3f} s")
+    print(
+        f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; machine: {cpu_model()}, "
+        f"{os.cpu_count()} cores; torch {torch.__version__}; {args.threads} threads"
+    )
+    print(
+        f"{args.numel / 1e6:.0f}M params: {nbytes / 1e9:.2f} GB read + {nbytes / 1e9:.2f} GB written per step; "
+        f"{len(opt.groups)} groups of {opt.group_elems} elements, {len(opt.slots)} slots in "
+        f"{args.budget_mb} MiB; store backend {opt.store.engine.backend}, direct={opt.store.direct}"
+    )
+    print(
+        f"fio (io_uring, iodepth 32, 1 MiB, O_DIRECT; plain / fixedbufs): read "
+        f"{statistics.median(fio[('read', ())]):.2f} / {statistics.median(fio[('read', ('--fixedbufs',))]):.2f} "
+        f"GB/s, write {statistics.median(fio[('write', ())]):.2f} / "
+        f"{statistics.median(fio[('write', ('--fixedbufs',))]):.2f} GB/s (medians of {args.rounds})"
+    )
+    print(
+        f"I/O floor {io_floor:.3f} s = {nbytes / 1e9:.2f} GB / {read_bw:.2f} GB/s + {nbytes / 1e9:.2f} GB / "
+        f"{write_bw:.2f} GB/s; in-memory Adam {med['in-memory']:.3f} s; floor {floor:.3f} s"
+    )
     print(f"other processes kept {other:.1%} of the cores busy over {wall:.0f} s")
     for k, v in times.items():
         print(f"  {k}: {' '.join(f'{t:.3f}' for t in v)} s")
-    rows = [[k, f"{med[k]:.3f}", f"{med[k] / floor:.2f}", f"{2 * nbytes / med[k] / 1e9:.2f}"]
-            for k in ("pipelined", "serial", "in-memory")]
+    rows = [
+        [k, f"{med[k]:.3f}", f"{med[k] / floor:.2f}", f"{2 * nbytes / med[k] / 1e9:.2f}"]
+        for k in ("pipelined", "serial", "in-memory")
+    ]
     rows.append(["floor", f"{floor:.3f}", "1.00", f"{2 * nbytes / floor / 1e9:.2f}"])
     print(markdown_table(["step", "s (median)", "x floor", "GB/s moved (read + write)"], rows))
 

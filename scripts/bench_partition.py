@@ -37,9 +37,18 @@ def _row(model: str, topo_name: str, solver: str, limit: float, dp_step: float |
     wall = watch.s
     step = plan.predicted_step_time_s
     status, _, note = plan.solver.status.partition("; ")
-    return {"model": model, "topology": topo_name, "solver": plan.solver.name, "asked": solver,
-            "status": status + (" (fallback)" if note else ""), "gap": plan.solver.gap, "wall_s": wall, "stages": plan.num_stages,
-            "step_s": step, "vs_dp": step / dp_step if dp_step else 1.0}
+    return {
+        "model": model,
+        "topology": topo_name,
+        "solver": plan.solver.name,
+        "asked": solver,
+        "status": status + (" (fallback)" if note else ""),
+        "gap": plan.solver.gap,
+        "wall_s": wall,
+        "stages": plan.num_stages,
+        "step_s": step,
+        "vs_dp": step / dp_step if dp_step else 1.0,
+    }
 
 
 def _rows(limit: float) -> list[dict]:
@@ -57,10 +66,22 @@ def _line(r: dict, md: bool) -> str:
     if "error" in r:
         cells = [r["model"], r["topology"], r["solver"], r["error"], "", "", "", "", ""]
     else:
-        cells = [r["model"], r["topology"], f"{r['asked']} -> {r['solver']}", r["status"], f"{r['gap']:.4f}",
-                 f"{r['wall_s']:.2f}", str(r["stages"]), f"{r['step_s']:.2f}", f"{r['vs_dp']:.4f}"]
-    return "| " + " | ".join(cells) + " |" if md else "  ".join(f"{c:<22}" if i < 3 else f"{c:>10}"
-                                                            for i, c in enumerate(cells))
+        cells = [
+            r["model"],
+            r["topology"],
+            f"{r['asked']} -> {r['solver']}",
+            r["status"],
+            f"{r['gap']:.4f}",
+            f"{r['wall_s']:.2f}",
+            str(r["stages"]),
+            f"{r['step_s']:.2f}",
+            f"{r['vs_dp']:.4f}",
+        ]
+    return (
+        "| " + " | ".join(cells) + " |"
+        if md
+        else "  ".join(f"{c:<22}" if i < 3 else f"{c:>10}" for i, c in enumerate(cells))
+    )
 
 
 def main() -> None:
@@ -69,8 +90,11 @@ def main() -> None:
     p.add_argument("--time-limit", type=float, default=2.0)
     args = p.parse_args()
     head = ["model", "topology", "solver", "status", "gap", "wall s", "S", "step s", "vs dp"]
-    print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.processor() or platform.machine()}"
-          f", {os.cpu_count()} cores, gurobi license: {_license()}, time limit {args.time_limit} s")
+    print(
+        f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+        f"{platform.processor() or platform.machine()}"
+        f", {os.cpu_count()} cores, gurobi license: {_license()}, time limit {args.time_limit} s"
+    )
     print("| " + " | ".join(head) + " |" if args.markdown else "  ".join(head))
     if args.markdown:
         print("|" + "---|" * len(head))

@@ -16,20 +16,24 @@ from pathlib import Path
 
 import torch
 import yaml
+from benchlib import cpu_mark, cpu_model, markdown_table, other_share
 from torch import nn
 
-from benchlib import cpu_mark, cpu_model, markdown_table, other_share
 from foundation.timing import Stopwatch
 from mobiuspipe.config import RunConfig, config_from_dict
+from mobiuspipe.config_plan import gpt_spec, plan_from_config
 from mobiuspipe.dataset import ByteData
 from mobiuspipe.models.gpt import build_layers, lm_loss
-from mobiuspipe.config_plan import gpt_spec, plan_from_config
 
 SIZES = {
-    "tiny": {"model": {"num_blocks": 6, "d_model": 64, "num_heads": 4, "seq_len": 64},
-             "data": {"batch_size": 8, "num_microbatches": 4}},
-    "small": {"model": {"num_blocks": 8, "d_model": 256, "num_heads": 8, "seq_len": 128},
-              "data": {"batch_size": 8, "num_microbatches": 4}},
+    "tiny": {
+        "model": {"num_blocks": 6, "d_model": 64, "num_heads": 4, "seq_len": 64},
+        "data": {"batch_size": 8, "num_microbatches": 4},
+    },
+    "small": {
+        "model": {"num_blocks": 8, "d_model": 256, "num_heads": 8, "seq_len": 128},
+        "data": {"batch_size": 8, "num_microbatches": 4},
+    },
 }
 """The model sizes measured: the examples/tiny-gpt.yaml model and a wider, deeper one."""
 
@@ -66,9 +70,12 @@ class Row:
 
 def run_dict(size: str, num_gpus: int, steps: int, out_dir: str | None = None) -> dict:
     """The YAML-able run config of `size` on `num_gpus` ranks, 4 stages, 1 thread per rank."""
-    return {**SIZES[size], "train": {"steps": steps, "out_dir": out_dir, "log_every": steps},
-            "plan": {"num_gpus": num_gpus, "num_stages": 4, "mapping": "cross"},
-            "runtime": {"threads": 1}}
+    return {
+        **SIZES[size],
+        "train": {"steps": steps, "out_dir": out_dir, "log_every": steps},
+        "plan": {"num_gpus": num_gpus, "num_stages": 4, "mapping": "cross"},
+        "runtime": {"threads": 1},
+    }
 
 
 def steady(values: list[float], warmup: int) -> float:
@@ -88,8 +95,7 @@ def plain_run(cfg: RunConfig, threads: int, chunks: int) -> tuple[list[float], f
         layers = build_layers(spec, cfg.train.seed)
         model = nn.Sequential(*(layers[l] for l in range(spec.num_layers)))
         t = cfg.train
-        opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.betas, eps=t.eps,
-                                weight_decay=t.weight_decay)
+        opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
         data = ByteData(cfg.data.text_path, cfg.model.seq_len, t.seed)
         times, loss = [], 0.0
         for step in range(t.steps):
@@ -112,8 +118,18 @@ def torchrun_metrics(d: dict, nproc: int, folder: Path, timeout: float) -> list[
     """Run mobiuspipe.train under torchrun with config `d`; the per-step records of metrics.jsonl."""
     cfg_path = folder / "run.yaml"
     cfg_path.write_text(yaml.safe_dump(d))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "-m", "mobiuspipe.train", "--config", str(cfg_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        "-m",
+        "mobiuspipe.train",
+        "--config",
+        str(cfg_path),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-3000:]}")
@@ -135,8 +151,15 @@ def pipeline_row(size: str, key: str, nproc: int, args: argparse.Namespace, tmp:
     w = args.warmup
     split = tuple(steady([r[k] for r in recs], w) for k in ("compute_s", "load_s", "comm_s"))
     cfg = config_from_dict(d)
-    return Row(size, key, steady([r["step_s"] for r in recs], w), tokens_per_step(cfg), recs[-1]["loss"],
-               split, plan_from_config(cfg).predicted_step_time_s)
+    return Row(
+        size,
+        key,
+        steady([r["step_s"] for r in recs], w),
+        tokens_per_step(cfg),
+        recs[-1]["loss"],
+        split,
+        plan_from_config(cfg).predicted_step_time_s,
+    )
 
 
 def plain_row(size: str, key: str, cfg: RunConfig, threads: int, chunks: int, warmup: int) -> Row:
@@ -149,9 +172,13 @@ def bench_size(size: str, args: argparse.Namespace, tmp: Path) -> list[Row]:
     """Rows (a)..(e) of one model size, measured one after the other, each with the others' CPU share."""
     cfg = config_from_dict(run_dict(size, 1, args.steps))
     m, w = cfg.data.num_microbatches, args.warmup
-    jobs = {"a": lambda: plain_row(size, "a", cfg, 1, 1, w), "b": lambda: plain_row(size, "b", cfg, 1, m, w),
-            "c": lambda: plain_row(size, "c", cfg, 2, 1, w),
-            "d": lambda: pipeline_row(size, "d", 2, args, tmp), "e": lambda: pipeline_row(size, "e", 1, args, tmp)}
+    jobs = {
+        "a": lambda: plain_row(size, "a", cfg, 1, 1, w),
+        "b": lambda: plain_row(size, "b", cfg, 1, m, w),
+        "c": lambda: plain_row(size, "c", cfg, 2, 1, w),
+        "d": lambda: pipeline_row(size, "d", 2, args, tmp),
+        "e": lambda: pipeline_row(size, "e", 1, args, tmp),
+    }
     rows = []
     for key, job in jobs.items():
         mark = cpu_mark()
@@ -167,14 +194,32 @@ def cells(row: Row, ref: dict[str, Row]) -> list[str]:
     ms = lambda s: f"{s * 1e3:.1f}"  # noqa: E731
     split = " / ".join(ms(s) for s in row.split_s) if row.split_s else "-"
     pred = f"{ms(row.predicted_s)} ({row.step_s / row.predicted_s:.2f}x)" if row.predicted_s else "-"
-    return [row.size, f"({row.key}) {ROWS[row.key]}", ms(row.step_s), f"{row.tokens_per_s:,.0f}",
-            f"{row.tokens_per_s / a.tokens_per_s:.2f}", f"{row.tokens_per_s / c.tokens_per_s:.2f}",
-            split, pred, f"{row.last_loss:.3f}", f"{100 * row.other_cpu:.0f}%"]
+    return [
+        row.size,
+        f"({row.key}) {ROWS[row.key]}",
+        ms(row.step_s),
+        f"{row.tokens_per_s:,.0f}",
+        f"{row.tokens_per_s / a.tokens_per_s:.2f}",
+        f"{row.tokens_per_s / c.tokens_per_s:.2f}",
+        split,
+        pred,
+        f"{row.last_loss:.3f}",
+        f"{100 * row.other_cpu:.0f}%",
+    ]
 
 
-HEADER = ["size", "row", "step ms (median)", "tokens/s", "speed vs (a)", "speed vs (c)",
-          "compute / load / comm ms", "predicted ms (measured/pred.)", "last loss",
-          "other CPU"]
+HEADER = [
+    "size",
+    "row",
+    "step ms (median)",
+    "tokens/s",
+    "speed vs (a)",
+    "speed vs (c)",
+    "compute / load / comm ms",
+    "predicted ms (measured/pred.)",
+    "last loss",
+    "other CPU",
+]
 
 
 def text_table(rows: list[list[str]]) -> str:
@@ -188,9 +233,11 @@ def machine() -> list[str]:
     """CPU model, cores, torch version, date and load average: where and when the figures were taken."""
     cpu = cpu_model()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    return [f"date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
-            f"machine: {cpu}, {os.cpu_count()} cores, gpu {gpu}, {platform.system()} {platform.release()}",
-            f"python {platform.python_version()}, torch {torch.__version__}"]
+    return [
+        f"date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
+        f"machine: {cpu}, {os.cpu_count()} cores, gpu {gpu}, {platform.system()} {platform.release()}",
+        f"python {platform.python_version()}, torch {torch.__version__}",
+    ]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -217,8 +264,10 @@ def main(argv: list[str] | None = None) -> int:
         for size in args.sizes:
             rows += bench_size(size, args, Path(tmp))
     share, wall = other_share(mark)
-    info.append(f"other processes kept {100 * share:.1f}% of the {os.cpu_count()} cores busy during the "
-                f"{wall:.0f} s run (column 'other CPU': near 0% = a quiet machine)")
+    info.append(
+        f"other processes kept {100 * share:.1f}% of the {os.cpu_count()} cores busy during the "
+        f"{wall:.0f} s run (column 'other CPU': near 0% = a quiet machine)"
+    )
     ref = {f"{r.size}/{r.key}": r for r in rows}
     table = [cells(r, ref) for r in rows]
     print("\n".join(info))

@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from benchlib import cpu_mark, cpu_model, fio_gbps, markdown_table, other_share
+
 from foundation.units import MiB
 from topology import load_topology
 from topology.probe import NO_CUDA_NOTE, probe
@@ -24,9 +25,9 @@ REPO = Path(__file__).resolve().parents[1]
 TOOLS = ("mobiuspipe", "fio", "dd")
 WHAT = {
     "mobiuspipe": "topology.probe.probe(size_mb=N, repeats=1): O_DIRECT 1 MiB os.write then fsync; "
-                  "O_DIRECT 1 MiB os.readv",
+    "O_DIRECT 1 MiB os.readv",
     "fio": "fio --rw=write|read --bs=1M --direct=1 --ioengine=psync --numjobs=1 --iodepth=1 "
-           "--end_fsync=1 (write) --fallocate=none; bw_bytes",
+    "--end_fsync=1 (write) --fallocate=none; bw_bytes",
     "dd": "dd bs=1M oflag=direct conv=fsync (write, from /dev/zero); dd bs=1M iflag=direct (read, to /dev/null)",
 }
 """What each tool runs once per repeat: a write of a new N MiB file, then a read of that file."""
@@ -64,8 +65,10 @@ def dd_gbps(args: list[str], size_mb: int) -> float:
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "LC_ALL": "C"})
     found = re.search(r"^(\d+) bytes .* copied, ([0-9.e+-]+) s", out.stderr, re.M)
     if out.returncode != 0 or not found or int(found[1]) != size_mb * MiB:
-        raise RuntimeError(f"{' '.join(cmd)}: expected {size_mb * MiB} bytes copied, found exit "
-                           f"{out.returncode}: {out.stderr.strip()[-500:]}")
+        raise RuntimeError(
+            f"{' '.join(cmd)}: expected {size_mb * MiB} bytes copied, found exit "
+            f"{out.returncode}: {out.stderr.strip()[-500:]}"
+        )
     return gbps(int(found[1]), float(found[2]))
 
 
@@ -91,19 +94,25 @@ def bench(folder: Path, tools: list[str], size_mb: int, repeats: int) -> tuple[d
     work = Path(tempfile.mkdtemp(prefix=".bench-probe-", dir=folder))
     try:
         for r in range(repeats):
-            for tool in tools[r % len(tools):] + tools[:r % len(tools)]:
+            for tool in tools[r % len(tools) :] + tools[: r % len(tools)]:
                 write, read = RUNNERS[tool](work, size_mb, notes)
                 runs[tool][0].append(write)
                 runs[tool][1].append(read)
-                print(f"repeat {r + 1}/{repeats} {tool}: write {write:.3f} GB/s, read {read:.3f} GB/s",
-                      file=sys.stderr)
+                print(f"repeat {r + 1}/{repeats} {tool}: write {write:.3f} GB/s, read {read:.3f} GB/s", file=sys.stderr)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return runs, notes
 
 
-HEADER = ["tool", "write GB/s best", "write median", "read GB/s best", "read median",
-          "mobiuspipe/tool write, best (median)", "mobiuspipe/tool read, best (median)"]
+HEADER = [
+    "tool",
+    "write GB/s best",
+    "write median",
+    "read GB/s best",
+    "read median",
+    "mobiuspipe/tool write, best (median)",
+    "mobiuspipe/tool read, best (median)",
+]
 
 
 def cells(tool: str, runs: dict) -> list[str]:
@@ -141,8 +150,10 @@ def disk(folder: Path) -> str:
     """Device, filesystem type, size, free space and mount point of `folder` (df -T), and its queue flags."""
     out = subprocess.run(["df", "-T", "-B1", str(folder)], capture_output=True, text=True, check=True)
     dev, fstype, size, _used, free, _pct, mount = out.stdout.splitlines()[-1].split(None, 6)
-    return (f"disk: {folder} is on {dev} ({fstype}, {int(size) / 1e9:.0f} GB, {int(free) / 1e9:.0f} GB free, "
-            f"mounted on {mount}){block_queue(dev)}")
+    return (
+        f"disk: {folder} is on {dev} ({fstype}, {int(size) / 1e9:.0f} GB, {int(free) / 1e9:.0f} GB free, "
+        f"mounted on {mount}){block_queue(dev)}"
+    )
 
 
 def tool_version(cmd: list[str]) -> str:
@@ -152,11 +163,16 @@ def tool_version(cmd: list[str]) -> str:
 
 def machine(folder: Path, tools: list[str]) -> list[str]:
     """Date, CPU, kernel, the disk under `folder` and the tool versions: where and when the figures were taken."""
-    versions = [tool_version(["fio", "--version"]) if "fio" in tools else "fio not installed",
-                tool_version(["dd", "--version"])]
-    return [f"date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
-            f"machine: {cpu_model()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}",
-            disk(folder), f"yardsticks: {', '.join(versions)}"]
+    versions = [
+        tool_version(["fio", "--version"]) if "fio" in tools else "fio not installed",
+        tool_version(["dd", "--version"]),
+    ]
+    return [
+        f"date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
+        f"machine: {cpu_model()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}",
+        disk(folder),
+        f"yardsticks: {', '.join(versions)}",
+    ]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -179,19 +195,33 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # so cleanup runs
     tools = [t for t in TOOLS if t != "fio" or shutil.which("fio")]
     if "fio" not in tools:
-        print("fio not found on PATH: measuring against dd only (install fio, e.g. apt-get install fio, for the "
-              "main yardstick)", file=sys.stderr)
+        print(
+            "fio not found on PATH: measuring against dd only (install fio, e.g. apt-get install fio, for the "
+            "main yardstick)",
+            file=sys.stderr,
+        )
     info = machine(args.dir.resolve(), tools)
     mark = cpu_mark()
     runs, notes = bench(args.dir.resolve(), tools, args.size_mb, args.repeats)
     share, wall = other_share(mark)
-    print("\n".join(info + [f"other processes kept {100 * share:.1f}% of the {os.cpu_count()} cores busy during the "
-                             f"{wall:.0f} s run (near 0% = a quiet machine)"]))
-    print(f"{args.size_mb} MiB per write and read, 1 MiB blocks, direct I/O, 1 job, queue depth 1; "
-          f"{args.repeats} repeats per tool, order rotated; GB/s = 1e9 B/s")
+    print(
+        "\n".join(
+            info
+            + [
+                f"other processes kept {100 * share:.1f}% of the {os.cpu_count()} cores busy during the "
+                f"{wall:.0f} s run (near 0% = a quiet machine)"
+            ]
+        )
+    )
+    print(
+        f"{args.size_mb} MiB per write and read, 1 MiB blocks, direct I/O, 1 job, queue depth 1; "
+        f"{args.repeats} repeats per tool, order rotated; GB/s = 1e9 B/s"
+    )
     for tool in tools:
-        print(f"{tool}: {WHAT[tool]}\n  write runs {' '.join(f'{v:.3f}' for v in runs[tool][0])}, "
-              f"read runs {' '.join(f'{v:.3f}' for v in runs[tool][1])}")
+        print(
+            f"{tool}: {WHAT[tool]}\n  write runs {' '.join(f'{v:.3f}' for v in runs[tool][0])}, "
+            f"read runs {' '.join(f'{v:.3f}' for v in runs[tool][1])}"
+        )
     print("".join(f"note: {n}\n" for n in sorted(notes)))
     table = [cells(t, runs) for t in tools]
     print(text_table(table))

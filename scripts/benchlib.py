@@ -13,6 +13,7 @@ from foundation.units import MiB
 
 __all__ = ["cpu_model", "markdown_table", "cpu_mark", "other_share", "fio_gbps"]
 
+
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo (platform.processor() where it is missing)."""
     try:
@@ -64,13 +65,25 @@ def fio_gbps(path: Path, rw: str, size_mb: int, options: list[str]) -> float:
     """GB/s (1e9 B/s) that fio itself reports (bw_bytes) for one sequential `rw` pass ('read'/'write') of
     size_mb MiB over path in 1 MiB blocks with O_DIRECT and one job; options add the engine, queue depth,
     fsync and so on. Raises RuntimeError if fio fails or moves any other byte count."""
-    cmd = ["fio", f"--name={rw}", f"--filename={path}", f"--rw={rw}", "--bs=1M", f"--size={size_mb}M",
-           "--direct=1", "--numjobs=1", "--output-format=json", *options]
+    cmd = [
+        "fio",
+        f"--name={rw}",
+        f"--filename={path}",
+        f"--rw={rw}",
+        "--bs=1M",
+        f"--size={size_mb}M",
+        "--direct=1",
+        "--numjobs=1",
+        "--output-format=json",
+        *options,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if out.returncode != 0 or "{" not in out.stdout:
         raise RuntimeError(f"{' '.join(cmd)} failed (exit {out.returncode}): {out.stderr.strip()[-500:]}")
-    job = json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0]
+    job = json.loads(out.stdout[out.stdout.index("{") :])["jobs"][0]
     if job["error"] or job[rw]["io_bytes"] != size_mb * MiB:
-        raise RuntimeError(f"fio {rw}: expected {size_mb * MiB} bytes moved without error, found "
-                           f"{job[rw]['io_bytes']} bytes, error {job['error']}")
+        raise RuntimeError(
+            f"fio {rw}: expected {size_mb * MiB} bytes moved without error, found "
+            f"{job[rw]['io_bytes']} bytes, error {job['error']}"
+        )
     return job[rw]["bw_bytes"] / 1e9

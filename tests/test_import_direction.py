@@ -11,8 +11,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-ALLOWED = {"foundation": set(), "topology": {"foundation"}, "partition": {"foundation", "topology"},
-           "mobiuspipe": {"foundation", "topology", "partition"}}
+ALLOWED = {
+    "foundation": set(),
+    "topology": {"foundation"},
+    "partition": {"foundation", "topology"},
+    "mobiuspipe": {"foundation", "topology", "partition"},
+}
 
 
 def _imported_packages(path: Path) -> set[str]:
@@ -29,15 +33,16 @@ def _imported_packages(path: Path) -> set[str]:
 def test_imports_flow_one_way(package):
     files = sorted((ROOT / package).rglob("*.py"))
     assert files, f"package {package} has no modules"
-    wrong = {str(f.relative_to(ROOT)): sorted(_imported_packages(f) - ALLOWED[package] - {package})
-             for f in files}
+    wrong = {str(f.relative_to(ROOT)): sorted(_imported_packages(f) - ALLOWED[package] - {package}) for f in files}
     assert not {f: w for f, w in wrong.items() if w}, f"{package} imports against the flow"
 
 
 def test_checker_sees_a_wrong_way_import(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("import os\nfrom mobiuspipe.engine import Engine\nimport partition.plan as p\n"
-                   "from foundation.loader import load_file\n")
+    bad.write_text(
+        "import os\nfrom mobiuspipe.engine import Engine\nimport partition.plan as p\n"
+        "from foundation.loader import load_file\n"
+    )
     assert _imported_packages(bad) == {"mobiuspipe", "partition", "foundation"}
 
 
@@ -47,19 +52,21 @@ def test_foundation_is_the_bottom_layer():
 
 
 LOADED = {  # a package's modules, and the top-level packages importing them must not load
-    "foundation": ("foundation, foundation.errors, foundation.loader, foundation.units, foundation.timing",
-                   {"topology", "partition", "mobiuspipe", "torch"}),
-    "topology": ("topology, topology.report, topology.report_svg, topology.layout, topology.presets, "
-                 "topology.discover, topology.sysfs, topology.nvml, topology.probe, topology.pci",
-                 {"partition", "mobiuspipe", "torch"}),
+    "foundation": (
+        "foundation, foundation.errors, foundation.loader, foundation.units, foundation.timing",
+        {"topology", "partition", "mobiuspipe", "torch"},
+    ),
+    "topology": (
+        "topology, topology.report, topology.report_svg, topology.layout, topology.presets, "
+        "topology.discover, topology.sysfs, topology.nvml, topology.probe, topology.pci",
+        {"partition", "mobiuspipe", "torch"},
+    ),
 }
 
 
 @pytest.mark.parametrize("package", sorted(LOADED))
 def test_importing_a_lower_layer_loads_nothing_above_it(package):
     modules, above = LOADED[package]
-    code = (f"import sys, {modules}\n"
-            f"print(sorted(m for m in sys.modules if m.split('.')[0] in {sorted(above)!r}))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
-                         cwd=ROOT)
+    code = f"import sys, {modules}\nprint(sorted(m for m in sys.modules if m.split('.')[0] in {sorted(above)!r}))\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"

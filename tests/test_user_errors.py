@@ -13,13 +13,36 @@ from partition.errors import PlanFileError, PlanInfeasibleError, ProfileFileErro
 from partition.hf import ModelConfigError
 from topology.errors import TopologyError
 
-USER_FIXABLE = [ConfigError, ArenaError, PeerLostError, WorldSizeError, SwapIOError, TopologyError, PlanInfeasibleError,
-                UnknownModelError, PlanFileError, ProfileFileError, ModelConfigError, CliError, PipelineError]
-OTHER_BASES = {ConfigError: ValueError, ArenaError: RuntimeError, PeerLostError: RuntimeError,
-               WorldSizeError: RuntimeError, SwapIOError: RuntimeError, TopologyError: ValueError,
-               PlanInfeasibleError: ValueError, UnknownModelError: KeyError, PlanFileError: ValueError,
-               ProfileFileError: ValueError, ModelConfigError: ValueError, CliError: ValueError,
-               PipelineError: ValueError}
+USER_FIXABLE = [
+    ConfigError,
+    ArenaError,
+    PeerLostError,
+    WorldSizeError,
+    SwapIOError,
+    TopologyError,
+    PlanInfeasibleError,
+    UnknownModelError,
+    PlanFileError,
+    ProfileFileError,
+    ModelConfigError,
+    CliError,
+    PipelineError,
+]
+OTHER_BASES = {
+    ConfigError: ValueError,
+    ArenaError: RuntimeError,
+    PeerLostError: RuntimeError,
+    WorldSizeError: RuntimeError,
+    SwapIOError: RuntimeError,
+    TopologyError: ValueError,
+    PlanInfeasibleError: ValueError,
+    UnknownModelError: KeyError,
+    PlanFileError: ValueError,
+    ProfileFileError: ValueError,
+    ModelConfigError: ValueError,
+    CliError: ValueError,
+    PipelineError: ValueError,
+}
 
 
 @pytest.mark.parametrize("error", USER_FIXABLE, ids=lambda e: e.__name__)

@@ -58,22 +58,33 @@ def merge(scan: SysfsScan | None, nv: NvmlScan, notes: list[str] | None = None) 
     gpus = tuple(_gpu(i, bus, pci.get(bus), by_bus.get(bus), owner, rcs, notes) for i, bus in enumerate(buses))
     rc_objs = tuple(RootComplex(name, numa, gbps) for name, (numa, gbps) in rcs.items())
     topo = Topology(
-        name=socket.gethostname() or "this-machine", gpus=gpus, root_complexes=rc_objs,
+        name=socket.gethostname() or "this-machine",
+        gpus=gpus,
+        root_complexes=rc_objs,
         source="discovered:" + "+".join(s for s, ok in (("nvml", nv.available), ("sysfs", bool(pci))) if ok),
-        host_memory_bytes=scan.host_memory_bytes if scan else 0, switches=switches,
-        nvme=_nvme(scan, rcs), nvlinks=_nvlinks(nv, buses, gpus), p2p=_p2p(nv, buses), notes=())
+        host_memory_bytes=scan.host_memory_bytes if scan else 0,
+        switches=switches,
+        nvme=_nvme(scan, rcs),
+        nvlinks=_nvlinks(nv, buses, gpus),
+        p2p=_p2p(nv, buses),
+        notes=(),
+    )
     notes += _cross_check(topo, nv, buses)
     if os.environ.get("CUDA_VISIBLE_DEVICES"):
-        notes.append("CUDA_VISIBLE_DEVICES is set: gpu indices here are PCI bus order over ALL GPUs; "
-                     "match them to ranks by the uuid column")
+        notes.append(
+            "CUDA_VISIBLE_DEVICES is set: gpu indices here are PCI bus order over ALL GPUs; "
+            "match them to ranks by the uuid column"
+        )
     return Topology(**{**topo.__dict__, "notes": tuple(dict.fromkeys(notes))})
 
 
 def _no_gpu(scan: SysfsScan | None, nv: NvmlScan) -> TopologyError:
     nvml = "NVML lists no GPU" if nv.available else (nv.notes[0] if nv.notes else "NVML is not available")
     where = f"sysfs at {scan.root} lists no NVIDIA GPU (class 0x03, vendor 0x10de)" if scan else "no sysfs tree"
-    return TopologyError(f"no GPU found: {nvml}; {where}. On a machine without GPUs (or to plan for another "
-                         f"one) give a layout: --layout {' | '.join(PRESETS)} or --layout server.yaml")
+    return TopologyError(
+        f"no GPU found: {nvml}; {where}. On a machine without GPUs (or to plan for another "
+        f"one) give a layout: --layout {' | '.join(PRESETS)} or --layout server.yaml"
+    )
 
 
 def _link(gen: int, width: int) -> float:
@@ -120,33 +131,56 @@ def _tree_from_levels(nv: NvmlScan, buses: list[str]) -> tuple[dict, tuple[Switc
     return rcs, (), owner
 
 
-def _gpu(i: int, bus: str, d: PciDevice | None, n: NvmlGpu | None, owner: dict[str, str], rcs: dict,
-         notes: list[str]) -> Gpu:
+def _gpu(
+    i: int, bus: str, d: PciDevice | None, n: NvmlGpu | None, owner: dict[str, str], rcs: dict, notes: list[str]
+) -> Gpu:
     gen = (n.max_gen if n and n.max_gen else 0) or (d.link_gen if d else 0)
     width = (n.max_width if n and n.max_width else 0) or (d.link_width if d else 0)
     if not (gen and width):
-        notes.append(f"PCIe generation/width of some GPUs unknown: assuming gen {DEFAULT_LINK[0]} "
-                     f"x{DEFAULT_LINK[1]}; --probe measures the real bandwidth")
+        notes.append(
+            f"PCIe generation/width of some GPUs unknown: assuming gen {DEFAULT_LINK[0]} "
+            f"x{DEFAULT_LINK[1]}; --probe measures the real bandwidth"
+        )
     if n:
         name = n.name
     else:
-        notes.append("GPU names and memory unknown without NVML: memory_bytes is 0; edit a saved layout "
-                     "or install the NVIDIA driver")
+        notes.append(
+            "GPU names and memory unknown without NVML: memory_bytes is 0; edit a saved layout "
+            "or install the NVIDIA driver"
+        )
         assert d is not None  # merge() passes only buses that sysfs or NVML lists
         name = f"NVIDIA GPU {d.device:#06x}"
     rc = owner[bus]
-    return Gpu(index=i, name=name, memory_bytes=n.memory_bytes if n else 0,
-               pci_bus_id=bus, root_complex=rc, numa_node=d.numa_node if d else rcs[rc][0],
-               link_gbps=_link(gen, width), uuid=n.uuid if n else "", switch=d.switches[0] if d and d.switches else "",
-               pcie_gen=gen, pcie_width=width,
-               cpu_affinity=(n.cpu_affinity if n and n.cpu_affinity else (d.local_cpulist if d else "")))
+    return Gpu(
+        index=i,
+        name=name,
+        memory_bytes=n.memory_bytes if n else 0,
+        pci_bus_id=bus,
+        root_complex=rc,
+        numa_node=d.numa_node if d else rcs[rc][0],
+        link_gbps=_link(gen, width),
+        uuid=n.uuid if n else "",
+        switch=d.switches[0] if d and d.switches else "",
+        pcie_gen=gen,
+        pcie_width=width,
+        cpu_affinity=(n.cpu_affinity if n and n.cpu_affinity else (d.local_cpulist if d else "")),
+    )
 
 
 def _nvme(scan: SysfsScan | None, rcs: dict) -> tuple[Nvme, ...]:
     drives = [d for d in (scan.devices if scan else ()) if d.kind == "nvme" and _root(d) in rcs]
-    return tuple(Nvme(name=d.name or d.bdf, pci_bus_id=d.bdf, root_complex=_root(d), numa_node=d.numa_node,
-                      link_gbps=_link(d.link_gen, d.link_width), switch=d.switches[0] if d.switches else "",
-                      model=d.model) for d in drives)
+    return tuple(
+        Nvme(
+            name=d.name or d.bdf,
+            pci_bus_id=d.bdf,
+            root_complex=_root(d),
+            numa_node=d.numa_node,
+            link_gbps=_link(d.link_gen, d.link_width),
+            switch=d.switches[0] if d.switches else "",
+            model=d.model,
+        )
+        for d in drives
+    )
 
 
 def _nvlinks(nv: NvmlScan, buses: list[str], gpus: tuple[Gpu, ...]) -> tuple[NvLink, ...]:
@@ -174,10 +208,15 @@ def _cross_check(t: Topology, nv: NvmlScan, buses: list[str]) -> list[str]:
     if not nv.available or not nv.levels:
         return []
     pos = {g.bus_id: k for k, g in enumerate(nv.gpus)}
-    odd = [(a, b) for a in range(t.num_gpus) for b in range(a + 1, t.num_gpus)
-           if buses[a] in pos and buses[b] in pos and nv.levels[pos[buses[a]]][pos[buses[b]]] == 50
-           and t.shared(a, b)]
+    odd = [
+        (a, b)
+        for a in range(t.num_gpus)
+        for b in range(a + 1, t.num_gpus)
+        if buses[a] in pos and buses[b] in pos and nv.levels[pos[buses[a]]][pos[buses[b]]] == 50 and t.shared(a, b)
+    ]
     if not odd:
         return []
-    return [f"NVML labels {len(odd)} GPU pair(s) SYS (e.g. gpus {odd[0][0]} and {odd[0][1]}) that sysfs puts under "
-            f"one root complex: a VM or a hidden PCIe tree; contention groups follow sysfs, --probe measures it"]
+    return [
+        f"NVML labels {len(odd)} GPU pair(s) SYS (e.g. gpus {odd[0][0]} and {odd[0][1]}) that sysfs puts under "
+        f"one root complex: a VM or a hidden PCIe tree; contention groups follow sysfs, --probe measures it"
+    ]

@@ -78,7 +78,8 @@ class _Query:
         mismatch = getattr(nvml, "NVMLLibraryMismatchError", None)
         found = (getattr(nvml, "NVMLError", None), mismatch)
         self.errors: tuple[type[BaseException], ...] = tuple(
-            e for e in found if isinstance(e, type) and issubclass(e, BaseException))
+            e for e in found if isinstance(e, type) and issubclass(e, BaseException)
+        )
         self.errors += (ctypes.ArgumentError, UnicodeDecodeError)
         self.notes: dict[tuple[str, str], str] = {}
 
@@ -99,8 +100,9 @@ def read_nvml(nvml=None) -> NvmlScan:
         try:
             import pynvml as nvml
         except ImportError as e:
-            return _unavailable(f"NVML not available (pynvml not importable: {e}): using sysfs only; "
-                                f"pip install nvidia-ml-py")
+            return _unavailable(
+                f"NVML not available (pynvml not importable: {e}): using sysfs only; pip install nvidia-ml-py"
+            )
     q = _Query(nvml)
     try:
         nvml.nvmlInit()
@@ -143,12 +145,18 @@ def _scan(nv, q: _Query) -> NvmlScan:
         if bus:
             found.append((i, h, bus))
         else:
-            q.notes.setdefault(("gpu", str(i)), f"NVML gpu {i}: no handle or PCI bus id; left out (sysfs may "
-                                                f"still list it)")
+            q.notes.setdefault(
+                ("gpu", str(i)), f"NVML gpu {i}: no handle or PCI bus id; left out (sysfs may still list it)"
+            )
     gpus = tuple(_gpu(nv, q, i, h, bus) for i, h, bus in found)
     handles = [h for _, h, _ in found]
-    return NvmlScan(available=True, gpus=gpus, p2p=_p2p(nv, q, handles), levels=_levels(nv, q, handles),
-                    notes=tuple(q.notes.values()))
+    return NvmlScan(
+        available=True,
+        gpus=gpus,
+        p2p=_p2p(nv, q, handles),
+        levels=_levels(nv, q, handles),
+        notes=tuple(q.notes.values()),
+    )
 
 
 def _bus_id(nv, q: _Query, h) -> str:
@@ -165,12 +173,16 @@ def _bus_id(nv, q: _Query, h) -> str:
 def _gpu(nv, q: _Query, i: int, h, bus: str) -> NvmlGpu:
     memory = q("memory info", nv.nvmlDeviceGetMemoryInfo, h, default=None)
     return NvmlGpu(
-        index=i, name=_text(q("name", nv.nvmlDeviceGetName, h, default="")),
+        index=i,
+        name=_text(q("name", nv.nvmlDeviceGetName, h, default="")),
         uuid=_text(q("uuid", nv.nvmlDeviceGetUUID, h, default="")),
-        memory_bytes=int(getattr(memory, "total", 0) or 0), bus_id=bus,
+        memory_bytes=int(getattr(memory, "total", 0) or 0),
+        bus_id=bus,
         max_gen=int(q("max PCIe link generation", nv.nvmlDeviceGetMaxPcieLinkGeneration, h, default=0)),
         max_width=int(q("max PCIe link width", nv.nvmlDeviceGetMaxPcieLinkWidth, h, default=0)),
-        cpu_affinity=_cpu_affinity(nv, q, h), nvlinks=_nvlinks(nv, q, h))
+        cpu_affinity=_cpu_affinity(nv, q, h),
+        nvlinks=_nvlinks(nv, q, h),
+    )
 
 
 def _cpu_affinity(nv, q: _Query, h) -> str:
@@ -212,8 +224,11 @@ def _nvlinks(nv, q: _Query, h) -> tuple[tuple[str, int], ...]:
             if remote:
                 per[remote] += 1
             else:
-                q.notes.setdefault(("NVLink remote", ""), "NVML NVLink remote end has no readable bus id "
-                                   "(an NVSwitch, or hidden in a VM): those links are not counted")
+                q.notes.setdefault(
+                    ("NVLink remote", ""),
+                    "NVML NVLink remote end has no readable bus id "
+                    "(an NVSwitch, or hidden in a VM): those links are not counted",
+                )
     return tuple(sorted(per.items()))
 
 
@@ -224,8 +239,10 @@ def _link_count(nv, q: _Query, h) -> int | None:
         return None
     v = values[0]
     if getattr(v, "nvmlReturn", 0) != 0:
-        q.notes.setdefault(("NVLink link count", "nvmlReturn"), f"NVML NVLink link count: field returned "
-                           f"code {v.nvmlReturn}; probing links up to the first invalid index")
+        q.notes.setdefault(
+            ("NVLink link count", "nvmlReturn"),
+            f"NVML NVLink link count: field returned code {v.nvmlReturn}; probing links up to the first invalid index",
+        )
         return None
     return int(getattr(v.value, _VALUE_MEMBER.get(getattr(v, "valueType", 1), "uiVal")))
 
@@ -251,8 +268,7 @@ def _p2p(nv, q: _Query, handles: list) -> tuple[tuple[str, ...], ...]:
         s = q("P2P read status", nv.nvmlDeviceGetP2PStatus, a, b, _P2P_READ, default=None)
         return P2P_LABELS[s] if isinstance(s, int) and 0 <= s < len(P2P_LABELS) else "U"
 
-    return tuple(tuple("X" if i == j else status(a, b) for j, b in enumerate(handles))
-                 for i, a in enumerate(handles))
+    return tuple(tuple("X" if i == j else status(a, b) for j, b in enumerate(handles)) for i, a in enumerate(handles))
 
 
 def _levels(nv, q: _Query, handles: list) -> tuple[tuple[int, ...], ...]:
@@ -260,8 +276,9 @@ def _levels(nv, q: _Query, handles: list) -> tuple[tuple[int, ...], ...]:
     lv = [[0] * n for _ in range(n)]
     for i in range(n):
         for j in range(i + 1, n):
-            level = q("topology common ancestor", nv.nvmlDeviceGetTopologyCommonAncestor, handles[i], handles[j],
-                      default=-1)
+            level = q(
+                "topology common ancestor", nv.nvmlDeviceGetTopologyCommonAncestor, handles[i], handles[j], default=-1
+            )
             lv[i][j] = lv[j][i] = int(level)
     return tuple(tuple(row) for row in lv)
 

@@ -12,8 +12,14 @@ from topology.errors import TopologyError
 
 __all__ = ["normalize_bus_id", "pcie_gbps", "gen_from_speed", "LANE_GBPS"]
 
-LANE_GBPS = {1: 2.5 * 0.8 / 8, 2: 5.0 * 0.8 / 8, 3: 8.0 * 128 / 130 / 8, 4: 16.0 * 128 / 130 / 8,
-             5: 32.0 * 128 / 130 / 8, 6: 64.0 * 242 / 256 / 8}
+LANE_GBPS = {
+    1: 2.5 * 0.8 / 8,
+    2: 5.0 * 0.8 / 8,
+    3: 8.0 * 128 / 130 / 8,
+    4: 16.0 * 128 / 130 / 8,
+    5: 32.0 * 128 / 130 / 8,
+    6: 64.0 * 242 / 256 / 8,
+}
 """Per-lane payload GB/s: transfer rate (GT/s) x line-code efficiency (8b/10b up to gen 2, 128b/130b for
 gen 3-5, gen 6 FLIT mode 242/256) / 8 bits."""
 
@@ -25,8 +31,10 @@ def normalize_bus_id(text: str) -> str:
     """ "00000000:3B:00.0", "0000:3b:00.0" or "3b:00.0" -> "0000:3b:00.0"; TopologyError otherwise."""
     m = _BUS_RE.match(text.strip()) if isinstance(text, str) else None
     if not m:
-        raise TopologyError(f"PCI bus id {text!r} is malformed; expected DOMAIN:BUS:DEVICE.FUNCTION "
-                            f"such as 0000:3b:00.0 or 00000000:3B:00.0")
+        raise TopologyError(
+            f"PCI bus id {text!r} is malformed; expected DOMAIN:BUS:DEVICE.FUNCTION "
+            f"such as 0000:3b:00.0 or 00000000:3B:00.0"
+        )
     domain, bus, dev, fn = m.groups()
     return f"{int(domain or '0', 16):04x}:{int(bus, 16):02x}:{int(dev, 16):02x}.{fn}"
 

@@ -9,8 +9,7 @@ from topology.errors import TopologyError
 from topology.pci import pcie_gbps
 from topology.types import Gpu, NvLink, RootComplex, Switch, Topology
 
-__all__ = ["PCIE3_X16_GBPS", "PCIE4_X16_GBPS", "RTX_3090_TI", "RTX_3090_TI_BYTES", "PRESETS", "preset",
-           "cpu_standin"]
+__all__ = ["PCIE3_X16_GBPS", "PCIE4_X16_GBPS", "RTX_3090_TI", "RTX_3090_TI_BYTES", "PRESETS", "preset", "cpu_standin"]
 
 PCIE3_X16_GBPS = pcie_gbps(3, 16)
 """PCIe 3.0 x16, one direction: 8 GT/s x 16 lanes x 128b/130b encoding / 8 bits = 15.75 GB/s."""
@@ -25,9 +24,18 @@ NVLINK3_LINK_GBPS = 14.0625
 
 
 def _gpu(i: int, name: str, bus: int, rc: str, numa: int, gen: int, switch: str = "") -> Gpu:
-    return Gpu(index=i, name=name, memory_bytes=RTX_3090_TI_BYTES, pci_bus_id=f"0000:{bus:02x}:00.0",
-               root_complex=rc, numa_node=numa, link_gbps=pcie_gbps(gen, 16), switch=switch, pcie_gen=gen,
-               pcie_width=16)
+    return Gpu(
+        index=i,
+        name=name,
+        memory_bytes=RTX_3090_TI_BYTES,
+        pci_bus_id=f"0000:{bus:02x}:00.0",
+        root_complex=rc,
+        numa_node=numa,
+        link_gbps=pcie_gbps(gen, 16),
+        switch=switch,
+        pcie_gen=gen,
+        pcie_width=16,
+    )
 
 
 def _two_root_complexes(name: str, split: tuple[int, int]) -> Topology:
@@ -38,10 +46,11 @@ def _two_root_complexes(name: str, split: tuple[int, int]) -> Topology:
     """
     rcs = (RootComplex("rc0", 0, PCIE3_X16_GBPS), RootComplex("rc1", 1, PCIE3_X16_GBPS))
     switches = tuple(Switch(f"sw{r}", f"rc{r}", PCIE3_X16_GBPS) for r in (0, 1) if split[r] > 1)
-    buses = {"2+2": (0x1a, 0x1b, 0x88, 0x89), "3+1": (0x1a, 0x1b, 0x1c, 0x88)}[name]
+    buses = {"2+2": (0x1A, 0x1B, 0x88, 0x89), "3+1": (0x1A, 0x1B, 0x1C, 0x88)}[name]
     owners = [0] * split[0] + [1] * split[1]
-    gpus = tuple(_gpu(i, RTX_3090_TI, buses[i], f"rc{r}", r, 3, f"sw{r}" if split[r] > 1 else "")
-                 for i, r in enumerate(owners))
+    gpus = tuple(
+        _gpu(i, RTX_3090_TI, buses[i], f"rc{r}", r, 3, f"sw{r}" if split[r] > 1 else "") for i, r in enumerate(owners)
+    )
     return Topology(name=name, gpus=gpus, root_complexes=rcs, source=f"preset:{name}", switches=switches)
 
 
@@ -49,7 +58,7 @@ def _single_root_complex() -> Topology:
     """Four RTX 3090 Ti on PCIe 3.0 x16 under one root complex: two switches of two, on two root ports."""
     rc = RootComplex("rc0", 0, 2 * PCIE3_X16_GBPS)
     switches = (Switch("sw0", "rc0", PCIE3_X16_GBPS), Switch("sw1", "rc0", PCIE3_X16_GBPS))
-    gpus = tuple(_gpu(i, RTX_3090_TI, 0x1a + i, "rc0", 0, 3, f"sw{i // 2}") for i in range(4))
+    gpus = tuple(_gpu(i, RTX_3090_TI, 0x1A + i, "rc0", 0, 3, f"sw{i // 2}") for i in range(4))
     return Topology(name="4", gpus=gpus, root_complexes=(rc,), source="preset:4", switches=switches)
 
 
@@ -57,31 +66,36 @@ def _eight_dual_socket() -> Topology:
     """Eight RTX 3090 on PCIe 4.0 x16, two sockets, two switches of two GPUs on each socket's root complex."""
     rcs = (RootComplex("rc0", 0, 2 * PCIE4_X16_GBPS), RootComplex("rc1", 1, 2 * PCIE4_X16_GBPS))
     switches = tuple(Switch(f"sw{k}", f"rc{k // 2}", PCIE4_X16_GBPS) for k in range(4))
-    gpus = tuple(_gpu(i, RTX_3090, 0x1a + i if i < 4 else 0x80 + i, f"rc{i // 4}", i // 4, 4, f"sw{i // 2}")
-                 for i in range(8))
+    gpus = tuple(
+        _gpu(i, RTX_3090, 0x1A + i if i < 4 else 0x80 + i, f"rc{i // 4}", i // 4, 4, f"sw{i // 2}") for i in range(8)
+    )
     gpus = tuple(Gpu(**{**g.__dict__, "memory_bytes": RTX_3090_TI_BYTES}) for g in gpus)
-    return Topology(name="8-dual-socket", gpus=gpus, root_complexes=rcs, source="preset:8-dual-socket",
-                    switches=switches)
+    return Topology(
+        name="8-dual-socket", gpus=gpus, root_complexes=rcs, source="preset:8-dual-socket", switches=switches
+    )
 
 
 def _two_nvlink_pairs() -> Topology:
     """Four RTX 3090 on PCIe 4.0 x16 root ports, two per socket, each pair joined by a 4-link NVLink bridge."""
     rcs = (RootComplex("rc0", 0, 2 * PCIE4_X16_GBPS), RootComplex("rc1", 1, 2 * PCIE4_X16_GBPS))
-    gpus = tuple(_gpu(i, RTX_3090, (0x1a, 0x3d, 0x88, 0xb1)[i], f"rc{i // 2}", i // 2, 4) for i in range(4))
+    gpus = tuple(_gpu(i, RTX_3090, (0x1A, 0x3D, 0x88, 0xB1)[i], f"rc{i // 2}", i // 2, 4) for i in range(4))
     links = (NvLink(0, 1, 4, 4 * NVLINK3_LINK_GBPS), NvLink(2, 3, 4, 4 * NVLINK3_LINK_GBPS))
     pair = lambda a, b: "X" if a == b else ("OK" if a // 2 == b // 2 else "GNS")  # noqa: E731
     p2p = tuple(tuple(pair(a, b) for b in range(4)) for a in range(4))
-    return Topology(name="2x2-nvlink", gpus=gpus, root_complexes=rcs, source="preset:2x2-nvlink",
-                    nvlinks=links, p2p=p2p)
+    return Topology(
+        name="2x2-nvlink", gpus=gpus, root_complexes=rcs, source="preset:2x2-nvlink", nvlinks=links, p2p=p2p
+    )
 
 
-PRESETS: Mapping[str, Topology] = MappingProxyType({
-    "2+2": _two_root_complexes("2+2", (2, 2)),
-    "3+1": _two_root_complexes("3+1", (3, 1)),
-    "4": _single_root_complex(),
-    "8-dual-socket": _eight_dual_socket(),
-    "2x2-nvlink": _two_nvlink_pairs(),
-})
+PRESETS: Mapping[str, Topology] = MappingProxyType(
+    {
+        "2+2": _two_root_complexes("2+2", (2, 2)),
+        "3+1": _two_root_complexes("3+1", (3, 1)),
+        "4": _single_root_complex(),
+        "8-dual-socket": _eight_dual_socket(),
+        "2x2-nvlink": _two_nvlink_pairs(),
+    }
+)
 """Built-in topologies by name (read-only). Iterating yields the names."""
 
 
@@ -91,8 +105,8 @@ def preset(name: str) -> Topology:
         return PRESETS[name]
     except KeyError:
         raise TopologyError(
-            f"unknown topology preset {name!r}; known presets: {sorted(PRESETS)} "
-            f"(or give a .yaml/.json layout file)") from None
+            f"unknown topology preset {name!r}; known presets: {sorted(PRESETS)} (or give a .yaml/.json layout file)"
+        ) from None
 
 
 def cpu_standin(num_gpus: int, memory_bytes: int, link_gbps: float = 10.0) -> Topology:
@@ -109,7 +123,16 @@ def cpu_standin(num_gpus: int, memory_bytes: int, link_gbps: float = 10.0) -> To
     if link_gbps <= 0:
         raise TopologyError(f"cpu_standin needs link_gbps > 0, found {link_gbps}")
     rc = RootComplex("host", 0, float(link_gbps) * num_gpus)
-    gpus = tuple(Gpu(index=i, name="cpu-standin", memory_bytes=memory_bytes, pci_bus_id=f"cpu:{i}",
-                     root_complex="host", numa_node=0, link_gbps=float(link_gbps))
-                 for i in range(num_gpus))
+    gpus = tuple(
+        Gpu(
+            index=i,
+            name="cpu-standin",
+            memory_bytes=memory_bytes,
+            pci_bus_id=f"cpu:{i}",
+            root_complex="host",
+            numa_node=0,
+            link_gbps=float(link_gbps),
+        )
+        for i in range(num_gpus)
+    )
     return Topology(name=f"cpu-standin-{num_gpus}", gpus=gpus, root_complexes=(rc,), source="cpu-standin")

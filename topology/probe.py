@@ -25,12 +25,13 @@ _SPACE_MARGIN = 1.1
 """The SSD probe needs size_mb * this much free space in its folder."""
 _BARRIER_TIMEOUT_S = 120.0
 NO_CUDA_NOTE = "no CUDA GPU: host<->GPU and GPU<->GPU bandwidths not measured"
-BUFFERED_NOTE = ("{folder}: the filesystem refused O_DIRECT, so the SSD probe used buffered I/O (fsync after "
-                 "writing, POSIX_FADV_DONTNEED before reading): the read figure may include the page cache")
+BUFFERED_NOTE = (
+    "{folder}: the filesystem refused O_DIRECT, so the SSD probe used buffered I/O (fsync after "
+    "writing, POSIX_FADV_DONTNEED before reading): the read figure may include the page cache"
+)
 
 
-def probe(t: Topology, ssd_dir: str | Path | None, *, size_mb: int = 256, repeats: int = 3,
-          devices=None) -> Topology:
+def probe(t: Topology, ssd_dir: str | Path | None, *, size_mb: int = 256, repeats: int = 3, devices=None) -> Topology:
     """`t` with `measured` filled in, each gpu's link_gbps set to its host->gpu bandwidth alone and each root
     complex's uplink_gbps to what its whole group moved at once (switch uplinks are kept: not measured).
 
@@ -52,8 +53,16 @@ def probe(t: Topology, ssd_dir: str | Path | None, *, size_mb: int = 256, repeat
         ssd = _probe_ssd(Path(ssd_dir), size_mb, repeats, notes)
     h2d, group, d2d = _probe_gpus(t, size_mb, repeats, devices, notes)
     adam = probe_host_adam(notes, repeats=repeats)
-    m = Measured(h2d_gbps=h2d, h2d_group_gbps=group, d2d_gbps=d2d, ssd_dir=str(ssd_dir or ""),
-                 ssd_read_gbps=ssd[0], ssd_write_gbps=ssd[1], host_adam_params_per_s=adam, notes=tuple(notes))
+    m = Measured(
+        h2d_gbps=h2d,
+        h2d_group_gbps=group,
+        d2d_gbps=d2d,
+        ssd_dir=str(ssd_dir or ""),
+        ssd_read_gbps=ssd[0],
+        ssd_write_gbps=ssd[1],
+        host_adam_params_per_s=adam,
+        notes=tuple(notes),
+    )
     return _fold_measured(t, m)
 
 
@@ -63,10 +72,14 @@ def _fold_measured(t: Topology, m: Measured) -> Topology:
     n = t.num_gpus
     for name, values in (("h2d_gbps", m.h2d_gbps), ("h2d_group_gbps", m.h2d_group_gbps)):
         if values and len(values) != n:
-            raise TopologyError(f"measured.{name} has {len(values)} values but topology {t.name!r} has {n} gpus; "
-                                f"expected one per gpu (0 = not measured)")
-    gpus = tuple(dataclasses.replace(g, link_gbps=float(m.h2d_gbps[g.index]))
-                 if m.h2d_gbps and m.h2d_gbps[g.index] > 0 else g for g in t.gpus)
+            raise TopologyError(
+                f"measured.{name} has {len(values)} values but topology {t.name!r} has {n} gpus; "
+                f"expected one per gpu (0 = not measured)"
+            )
+    gpus = tuple(
+        dataclasses.replace(g, link_gbps=float(m.h2d_gbps[g.index])) if m.h2d_gbps and m.h2d_gbps[g.index] > 0 else g
+        for g in t.gpus
+    )
     rcs = []
     for rc in t.root_complexes:
         members = [g.index for g in t.gpus if g.root_complex == rc.name]
@@ -86,8 +99,12 @@ def _probe_ssd(folder: Path, size_mb: int, repeats: int, notes: list[str]) -> tu
     try:
         fd, name = tempfile.mkstemp(prefix=".mobiuspipe-probe-", suffix=".bin", dir=folder)
     except OSError as e:
-        raise _folder_error(folder, "a folder where a file can be created", f"{e.strerror} (errno {e.errno})",
-                            "check its permissions or choose another ssd_dir") from e
+        raise _folder_error(
+            folder,
+            "a folder where a file can be created",
+            f"{e.strerror} (errno {e.errno})",
+            "check its permissions or choose another ssd_dir",
+        ) from e
     os.close(fd)
     path = Path(name)
     buf = mmap.mmap(-1, MiB)  # anonymous mmap: page aligned, as O_DIRECT needs
@@ -112,18 +129,27 @@ def _folder_error(folder: Path, expected: str, found: str, fix: str) -> Topology
 def _check_folder(folder: Path, size_mb: int) -> None:
     """TopologyError unless `folder` is an existing, writable directory with room for the probe file."""
     if not folder.exists():
-        raise _folder_error(folder, "an existing directory", "nothing there",
-                            f"create it (mkdir -p {folder}) or choose another ssd_dir")
+        raise _folder_error(
+            folder, "an existing directory", "nothing there", f"create it (mkdir -p {folder}) or choose another ssd_dir"
+        )
     if not folder.is_dir():
         raise _folder_error(folder, "a directory", "a file", "give the folder on the SSD, not a file")
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise _folder_error(folder, "a writable directory", "no write permission for this user",
-                            f"chmod u+wx {folder} or choose another ssd_dir")
+        raise _folder_error(
+            folder,
+            "a writable directory",
+            "no write permission for this user",
+            f"chmod u+wx {folder} or choose another ssd_dir",
+        )
     need = int(size_mb * _SPACE_MARGIN * MiB)
     free = shutil.disk_usage(folder).free
     if free < need:
-        raise _folder_error(folder, f"{need / GiB:.2f} GiB free ({size_mb} MiB probe file + 10%)",
-                            f"{free / GiB:.2f} GiB free", "free some space, choose another ssd_dir or lower size_mb")
+        raise _folder_error(
+            folder,
+            f"{need / GiB:.2f} GiB free ({size_mb} MiB probe file + 10%)",
+            f"{free / GiB:.2f} GiB free",
+            "free some space, choose another ssd_dir or lower size_mb",
+        )
 
 
 def _direct_ok(path: Path, buf: mmap.mmap) -> bool:
@@ -150,9 +176,11 @@ def _direct_ok(path: Path, buf: mmap.mmap) -> bool:
 
 
 def _io_error(path: Path, what: str, offset: int, e: OSError) -> TopologyError:
-    return TopologyError(f"SSD probe: {what} of {path} failed at offset {offset}: errno {e.errno} ({e.strerror}); "
-                         f"expected {MiB} bytes per block; fix: check the drive and its free space, or choose "
-                         f"another ssd_dir")
+    return TopologyError(
+        f"SSD probe: {what} of {path} failed at offset {offset}: errno {e.errno} ({e.strerror}); "
+        f"expected {MiB} bytes per block; fix: check the drive and its free space, or choose "
+        f"another ssd_dir"
+    )
 
 
 def _write_file(path: Path, buf: mmap.mmap, blocks: int, direct: bool) -> float:
@@ -166,9 +194,11 @@ def _write_file(path: Path, buf: mmap.mmap, blocks: int, direct: bool) -> float:
             except OSError as e:
                 raise _io_error(path, "write", k * MiB, e) from e
             if n != MiB:
-                raise TopologyError(f"SSD probe: short write to {path} at offset {k * MiB}: {n} of {MiB} bytes "
-                                    "written, errno none (a short write sets no errno; the usual cause is a full disk, "
-                                    "ENOSPC); fix: free space on the drive or choose another ssd_dir")
+                raise TopologyError(
+                    f"SSD probe: short write to {path} at offset {k * MiB}: {n} of {MiB} bytes "
+                    "written, errno none (a short write sets no errno; the usual cause is a full disk, "
+                    "ENOSPC); fix: free space on the drive or choose another ssd_dir"
+                )
         os.fsync(fd)
         return watch.s
     finally:
@@ -188,9 +218,11 @@ def _read_file(path: Path, buf: mmap.mmap, blocks: int, direct: bool) -> float:
             except OSError as e:
                 raise _io_error(path, "read", k * MiB, e) from e
             if n != MiB:
-                raise TopologyError(f"SSD probe: short read of {path} at offset {k * MiB}: {n} of {MiB} bytes; "
-                                    f"expected the file just written; fix: check the drive, or another process "
-                                    f"truncated the file")
+                raise TopologyError(
+                    f"SSD probe: short read of {path} at offset {k * MiB}: {n} of {MiB} bytes; "
+                    f"expected the file just written; fix: check the drive, or another process "
+                    f"truncated the file"
+                )
         return watch.s
     finally:
         os.close(fd)
@@ -216,8 +248,9 @@ def _probe_gpus(t: Topology, size_mb: int, repeats: int, devices, notes: list[st
     for members in t.contention_groups():
         for g, v in zip(members, _h2d_together(torch, [devs[g] for g in members], nbytes, repeats)):
             group[g] = v
-    d2d = tuple(tuple(0.0 if a == b else _d2d(torch, devs[a], devs[b], nbytes, repeats) for b in range(n))
-                for a in range(n))
+    d2d = tuple(
+        tuple(0.0 if a == b else _d2d(torch, devs[a], devs[b], nbytes, repeats) for b in range(n)) for a in range(n)
+    )
     torch.cuda.empty_cache()
     return alone, tuple(group), d2d
 
@@ -237,16 +270,20 @@ def _cuda_devices(torch, t: Topology, devices, notes: list[str]) -> list[int]:
         if all(g.uuid for g in t.gpus) and all(cuda):
             missing = [g.index for g in t.gpus if _norm_uuid(g.uuid) not in cuda]
             if missing:
-                raise TopologyError(f"probe: topology gpus {missing} have UUIDs CUDA does not see (CUDA sees "
-                                    f"{count} devices); expected every topology gpu visible; fix: check "
-                                    f"CUDA_VISIBLE_DEVICES or pass devices=[cuda index per gpu]")
+                raise TopologyError(
+                    f"probe: topology gpus {missing} have UUIDs CUDA does not see (CUDA sees "
+                    f"{count} devices); expected every topology gpu visible; fix: check "
+                    f"CUDA_VISIBLE_DEVICES or pass devices=[cuda index per gpu]"
+                )
             return [cuda.index(_norm_uuid(g.uuid)) for g in t.gpus]
         notes.append("no GPU UUIDs to match: topology gpu i measured on CUDA device i")
         devs = list(range(t.num_gpus))
     if len(devs) != t.num_gpus or len(set(devs)) != len(devs) or not all(0 <= d < count for d in devs):
-        raise TopologyError(f"probe: expected {t.num_gpus} distinct CUDA devices in 0..{count - 1}, one per "
-                            f"topology gpu, found {devs}; fix: pass devices=[cuda index per gpu] or set "
-                            f"CUDA_VISIBLE_DEVICES to the topology's gpus")
+        raise TopologyError(
+            f"probe: expected {t.num_gpus} distinct CUDA devices in 0..{count - 1}, one per "
+            f"topology gpu, found {devs}; fix: pass devices=[cuda index per gpu] or set "
+            f"CUDA_VISIBLE_DEVICES to the topology's gpus"
+        )
     return devs
 
 

@@ -5,8 +5,21 @@ from __future__ import annotations
 from foundation.units import fmt_bytes
 from topology.types import Topology
 
-__all__ = ["to_json_dict", "render_tree", "render_matrix", "render_text", "group_sizes", "loads_gbps",
-           "memory_text", "link_text", "level_matrix", "summary", "ranges", "LEGEND", "P2P_LEGEND"]
+__all__ = [
+    "to_json_dict",
+    "render_tree",
+    "render_matrix",
+    "render_text",
+    "group_sizes",
+    "loads_gbps",
+    "memory_text",
+    "link_text",
+    "level_matrix",
+    "summary",
+    "ranges",
+    "LEGEND",
+    "P2P_LEGEND",
+]
 
 LEGEND = (
     ("X", "Self"),
@@ -20,8 +33,14 @@ LEGEND = (
 """The `nvidia-smi topo -m` legend of current drivers, word for word."""
 
 P2P_LEGEND = (
-    ("X", "Self"), ("OK", "Status Ok"), ("CNS", "Chipset not supported"), ("GNS", "GPU not supported"),
-    ("TNS", "Topology not supported"), ("NS", "Not supported"), ("DR", "Disabled by regkey"), ("U", "Unknown"),
+    ("X", "Self"),
+    ("OK", "Status Ok"),
+    ("CNS", "Chipset not supported"),
+    ("GNS", "GPU not supported"),
+    ("TNS", "Topology not supported"),
+    ("NS", "Not supported"),
+    ("DR", "Disabled by regkey"),
+    ("U", "Unknown"),
 )
 """The `nvidia-smi topo -p2p r` legend."""
 
@@ -47,8 +66,12 @@ def to_json_dict(t: Topology) -> dict:
     d = t.to_dict()
     for g in d["gpus"]:
         g["load_gbps_alone"], g["load_gbps_group"] = loads_gbps(t, g["index"])
-    head = {"name": d.pop("name"), "source": d.pop("source"), "gpus": d.pop("gpus"),
-            "contention_groups": t.contention_groups()}
+    head = {
+        "name": d.pop("name"),
+        "source": d.pop("source"),
+        "gpus": d.pop("gpus"),
+        "contention_groups": t.contention_groups(),
+    }
     return {**head, **d, "matrix": level_matrix(t)}
 
 
@@ -169,8 +192,11 @@ def render_tree(t: Topology) -> str:
     """lstopo-like: socket -> root complex -> switch -> GPU / NVMe, then NVLinks, groups, memory, probe, notes."""
     lines = [f"topology {t.name} ({t.source}): " + ", ".join(summary(t)), *_pcie_tree(t)]
     lines += [f"NVLink: gpu {x.a} <-> gpu {x.b}  NV{x.links}  {x.gbps:.2f} GB/s" for x in t.nvlinks]
-    lines.append("contention groups: " + " ".join(str(g) for g in t.contention_groups())
-                 + "  (gpus that share a root complex uplink)")
+    lines.append(
+        "contention groups: "
+        + " ".join(str(g) for g in t.contention_groups())
+        + "  (gpus that share a root complex uplink)"
+    )
     lines.append(f"host memory: {memory_text(t.host_memory_bytes)}")
     lines += _measured(t)
     if t.notes:
@@ -183,9 +209,12 @@ def _grid(names: list[str], rows: list[list[str]], extra: list[str], extra_rows:
     cell = lambda c: f" {c:<7}" if c == "X" else f"{c:<8}"  # noqa: E731
     widths = [max(len(h), *(len(r[k]) for r in extra_rows)) + 4 for k, h in enumerate(extra)] if extra else []
     head = " " * 8 + "".join(f"{n:<8}" for n in names) + "".join(h.ljust(w) for h, w in zip(extra, widths))
-    body = [f"{names[a]:<8}" + "".join(cell(c) for c in row) + "".join(x.ljust(w) for x, w in
-                                                                    zip(extra_rows[a] if extra else [], widths))
-            for a, row in enumerate(rows)]
+    body = [
+        f"{names[a]:<8}"
+        + "".join(cell(c) for c in row)
+        + "".join(x.ljust(w) for x, w in zip(extra_rows[a] if extra else [], widths))
+        for a, row in enumerate(rows)
+    ]
     return [line.rstrip() for line in [head, *body]]
 
 

@@ -13,8 +13,14 @@ from topology.types import Topology
 __all__ = ["svg_topology", "svg_text"]
 
 FONT = "DejaVu Sans, Helvetica, Arial, sans-serif"
-PALETTE = (("#e8f0fe", "#1a73e8"), ("#feefe3", "#e8710a"), ("#f3e8fd", "#9334e6"), ("#e4f7fb", "#12859a"),
-           ("#fde7f3", "#c5297f"), ("#f5ece6", "#8d5b3a"))
+PALETTE = (
+    ("#e8f0fe", "#1a73e8"),
+    ("#feefe3", "#e8710a"),
+    ("#f3e8fd", "#9334e6"),
+    ("#e4f7fb", "#12859a"),
+    ("#fde7f3", "#c5297f"),
+    ("#f5ece6", "#8d5b3a"),
+)
 """(light fill, strong colour) per contention group; group i takes PALETTE[i % 6]."""
 GREY = ("#f1f3f4", "#5f6368")
 NVLINK = "#76b900"
@@ -54,7 +60,7 @@ def _gbps(x: float) -> str:
 def _short(name: str, limit: int = 18) -> str:
     for prefix in ("NVIDIA ", "GeForce ", "Tesla "):
         name = name.removeprefix(prefix)
-    return name if len(name) <= limit else name[:limit - 1] + "\u2026"
+    return name if len(name) <= limit else name[: limit - 1] + "\u2026"
 
 
 def _gpu_box(t: Topology, i: int, colours: tuple[str, str]) -> _Box:
@@ -116,15 +122,20 @@ def _place(b: _Box, x: float, y: float) -> None:
         cx += c.w + GAP
 
 
-def _text(x: float, y: float, s: str, size: float = 11, fill: str = "#202124", weight: str = "normal",
-          anchor: str = "start") -> str:
-    return (f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" fill="{fill}" font-weight="{weight}" '
-            f'text-anchor="{anchor}">{escape(s)}</text>')
+def _text(
+    x: float, y: float, s: str, size: float = 11, fill: str = "#202124", weight: str = "normal", anchor: str = "start"
+) -> str:
+    return (
+        f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" fill="{fill}" font-weight="{weight}" '
+        f'text-anchor="{anchor}">{escape(s)}</text>'
+    )
 
 
 def _rect(x: float, y: float, w: float, h: float, fill: str, stroke: str, width: float = 1.5, rx: int = 8) -> str:
-    return (f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}" rx="{rx}" fill="{fill}" '
-            f'stroke="{stroke}" stroke-width="{width}"/>')
+    return (
+        f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}" rx="{rx}" fill="{fill}" '
+        f'stroke="{stroke}" stroke-width="{width}"/>'
+    )
 
 
 def _draw(b: _Box) -> list[str]:
@@ -133,23 +144,42 @@ def _draw(b: _Box) -> list[str]:
     if b.kind == "gpu":
         out = [_rect(b.x, b.y, b.w, b.h, strong, strong, 1.5, 6)]
         out += [_text(b.x + b.w / 2, b.y + 18, b.lines[0], 13, "#ffffff", "bold", "middle")]
-        out += [_text(b.x + b.w / 2, b.y + 34 + 14 * k, s, 11 if k < 2 else 10, "#ffffff", anchor="middle")
-                for k, s in enumerate(b.lines[1:])]
+        out += [
+            _text(b.x + b.w / 2, b.y + 34 + 14 * k, s, 11 if k < 2 else 10, "#ffffff", anchor="middle")
+            for k, s in enumerate(b.lines[1:])
+        ]
         return out
     if b.kind == "nvme":
-        return [_rect(b.x, b.y, b.w, b.h, light, strong, 1.2, 6),
-                *(_text(b.x + b.w / 2, b.y + 17 + 15 * k, s, 12 if k == 0 else 10, strong, "bold" if k == 0
-                        else "normal", "middle") for k, s in enumerate(b.lines))]
+        return [
+            _rect(b.x, b.y, b.w, b.h, light, strong, 1.2, 6),
+            *(
+                _text(
+                    b.x + b.w / 2,
+                    b.y + 17 + 15 * k,
+                    s,
+                    12 if k == 0 else 10,
+                    strong,
+                    "bold" if k == 0 else "normal",
+                    "middle",
+                )
+                for k, s in enumerate(b.lines)
+            ),
+        ]
     fill, width = (light, 2.0) if b.kind == "rc" else ("#ffffff", 1.2)
-    out = [_rect(b.x, b.y, b.w, b.h, fill, strong, width),
-           _text(b.x + PAD, b.y + 17, b.lines[0], 12.5, strong, "bold"), _text(b.x + PAD, b.y + 32, b.lines[1], 10.5)]
+    out = [
+        _rect(b.x, b.y, b.w, b.h, fill, strong, width),
+        _text(b.x + PAD, b.y + 17, b.lines[0], 12.5, strong, "bold"),
+        _text(b.x + PAD, b.y + 32, b.lines[1], 10.5),
+    ]
     if not b.children:
         return out + [_text(b.x + PAD, b.y + HEAD + 8, "(nothing attached)", 10, "#80868b")]
     centres = [c.x + c.w / 2 for c in b.children]
     bar = b.y + HEAD + 2
     if len(centres) > 1:
-        out.append(f'<line x1="{centres[0]:.1f}" y1="{bar}" x2="{centres[-1]:.1f}" y2="{bar}" stroke="{strong}" '
-                   f'stroke-width="3" stroke-linecap="round"/>')
+        out.append(
+            f'<line x1="{centres[0]:.1f}" y1="{bar}" x2="{centres[-1]:.1f}" y2="{bar}" stroke="{strong}" '
+            f'stroke-width="3" stroke-linecap="round"/>'
+        )
     for c, cx in zip(b.children, centres):
         out.append(f'<line x1="{cx:.1f}" y1="{bar}" x2="{cx:.1f}" y2="{c.y}" stroke="{strong}" stroke-width="1.5"/>')
         out.append(_text(cx + 5, (bar + c.y) / 2 + 4, c.up, 10, "#3c4043"))
@@ -173,18 +203,25 @@ def _sockets(t: Topology, rcs: list[_Box], top: float) -> tuple[list[str], float
         socket_boxes.append((name, x, x + wide))
         x += wide + SOCKET_GAP
     for k, (name, x0, x1) in enumerate(socket_boxes):
-        out += [_rect(x0, top, x1 - x0, SOCKET_H, GREY[0], GREY[1], 1.5),
-                _text((x0 + x1) / 2, top + 19, name, 12.5, "#202124", "bold", "middle"),
-                _text((x0 + x1) / 2, top + 34, "host memory \u00b7 PCIe host bridges", 10, "#5f6368", anchor="middle")]
+        out += [
+            _rect(x0, top, x1 - x0, SOCKET_H, GREY[0], GREY[1], 1.5),
+            _text((x0 + x1) / 2, top + 19, name, 12.5, "#202124", "bold", "middle"),
+            _text((x0 + x1) / 2, top + 34, "host memory \u00b7 PCIe host bridges", 10, "#5f6368", anchor="middle"),
+        ]
         if k:
             prev = socket_boxes[k - 1][2]
-            out += [f'<line x1="{prev}" y1="{top + SOCKET_H / 2}" x2="{x0}" y2="{top + SOCKET_H / 2}" '
-                    f'stroke="{GREY[1]}" stroke-width="3"/>',
-                    _text((prev + x0) / 2, top + SOCKET_H / 2 - 6, "UPI/QPI", 9.5, "#5f6368", anchor="middle")]
+            out += [
+                f'<line x1="{prev}" y1="{top + SOCKET_H / 2}" x2="{x0}" y2="{top + SOCKET_H / 2}" '
+                f'stroke="{GREY[1]}" stroke-width="3"/>',
+                _text((prev + x0) / 2, top + SOCKET_H / 2 - 6, "UPI/QPI", 9.5, "#5f6368", anchor="middle"),
+            ]
     for b in rcs:
         cx = b.x + b.w / 2
-        out += [f'<line x1="{cx:.1f}" y1="{top + SOCKET_H}" x2="{cx:.1f}" y2="{b.y}" stroke="{b.colours[1]}" '
-                f'stroke-width="3"/>', _text(cx + 6, b.y - SOCKET_WIRE / 2 + 4, b.up, 10, "#3c4043")]
+        out += [
+            f'<line x1="{cx:.1f}" y1="{top + SOCKET_H}" x2="{cx:.1f}" y2="{b.y}" stroke="{b.colours[1]}" '
+            f'stroke-width="3"/>',
+            _text(cx + 6, b.y - SOCKET_WIRE / 2 + 4, b.up, 10, "#3c4043"),
+        ]
     return out, x - SOCKET_GAP + MARGIN
 
 
@@ -210,16 +247,26 @@ def _nvlinks(t: Topology, gpus: dict[int, _Box], y0: float) -> tuple[list[str], 
         lanes[lane].append((lo, hi))
         y = y0 + LANE_H * lane
         ya, yb = (gpus[i].y + gpus[i].h for i in (link.a, link.b))
-        out += [f'<path d="M{xs[0]:.1f},{ya:.1f} V{y:.1f} H{xs[1]:.1f} V{yb:.1f}" fill="none" stroke="{NVLINK}" '
-                f'stroke-width="6" stroke-linejoin="round" stroke-linecap="round"/>',
-                _text((lo + hi) / 2, y + 16, f"NV{link.links} {link.gbps:.0f} GB/s", 11, "#3b6e00", "bold", "middle")]
+        out += [
+            f'<path d="M{xs[0]:.1f},{ya:.1f} V{y:.1f} H{xs[1]:.1f} V{yb:.1f}" fill="none" stroke="{NVLINK}" '
+            f'stroke-width="6" stroke-linejoin="round" stroke-linecap="round"/>',
+            _text((lo + hi) / 2, y + 16, f"NV{link.links} {link.gbps:.0f} GB/s", 11, "#3b6e00", "bold", "middle"),
+        ]
     return out, y0 + LANE_H * len(lanes) + (8 if lanes else -12)
 
 
 def _footer(t: Topology, rcs: list[_Box], y: float) -> tuple[list[str], float]:
     """One row per run of GPUs with equal figures: a bar alone (light) over a bar with the group copying (solid)."""
-    out = [_text(MARGIN, y + 4, "host \u2192 GPU bandwidth: alone (light bar) vs its whole contention group copying "
-                 "at once (solid bar)", 12, "#202124", "bold")]
+    out = [
+        _text(
+            MARGIN,
+            y + 4,
+            "host \u2192 GPU bandwidth: alone (light bar) vs its whole contention group copying at once (solid bar)",
+            12,
+            "#202124",
+            "bold",
+        )
+    ]
     scale = BAR_W / max(loads_gbps(t, i)[0] for i in range(t.num_gpus))
     colour = {rc.name: b.colours for rc, b in zip(t.root_complexes, rcs)}
     y += 14
@@ -234,20 +281,31 @@ def _footer(t: Topology, rcs: list[_Box], y: float) -> tuple[list[str], float]:
             who = f"{'GPU' if len(run) == 1 else 'GPUs'} {ranges(run)} ({t.gpus[run[0]].root_complex})"
             every = "both" if len(group) == 2 else f"all {len(group)}"
             busy = f"{_gbps(grouped)} while {every} copy" if len(group) > 1 else "no other GPU shares its uplink"
-            out += [_rect(MARGIN, y + 3, 12, 12, strong, strong, 1, 2), _text(MARGIN + 18, y + 13, who, 11),
-                    _rect(MARGIN + 150, y + 2, alone * scale, 7, light, strong, 0.8, 1),
-                    _rect(MARGIN + 150, y + 10, grouped * scale, 7, strong, strong, 0.8, 1),
-                    _text(MARGIN + 160 + BAR_W, y + 13, f"{_gbps(alone)} alone, {busy}", 11)]
+            out += [
+                _rect(MARGIN, y + 3, 12, 12, strong, strong, 1, 2),
+                _text(MARGIN + 18, y + 13, who, 11),
+                _rect(MARGIN + 150, y + 2, alone * scale, 7, light, strong, 0.8, 1),
+                _rect(MARGIN + 150, y + 10, grouped * scale, 7, strong, strong, 0.8, 1),
+                _text(MARGIN + 160 + BAR_W, y + 13, f"{_gbps(alone)} alone, {busy}", 11),
+            ]
             y += ROW_H
     return out, y
 
 
 def _legend(t: Topology, y: float) -> list[str]:
     nvlink = "; thick green: NVLink" if t.nvlinks else ""
-    return [_text(MARGIN, y + 8, "Colour = contention group: the GPUs under one root complex share its uplink.",
-                  10, "#5f6368"),
-            _text(MARGIN, y + 22, f"Lines: PCIe links labelled with their bandwidth (GB/s, one direction){nvlink}.",
-                  10, "#5f6368")]
+    return [
+        _text(
+            MARGIN, y + 8, "Colour = contention group: the GPUs under one root complex share its uplink.", 10, "#5f6368"
+        ),
+        _text(
+            MARGIN,
+            y + 22,
+            f"Lines: PCIe links labelled with their bandwidth (GB/s, one direction){nvlink}.",
+            10,
+            "#5f6368",
+        ),
+    ]
 
 
 def svg_text(t: Topology, title: str | None = None) -> str:
@@ -262,12 +320,23 @@ def svg_text(t: Topology, title: str | None = None) -> str:
     body += links + footer + _legend(t, y + 4)
     width = max(width, 780.0)
     height = y + 42
-    head = [_text(MARGIN, 30, title or f"topology {t.name}", 17, "#202124", "bold"),
-            _text(MARGIN, 50, f"{t.source} \u00b7 " + " \u00b7 ".join(summary(t))
-                  + f" \u00b7 host memory {memory_text(t.host_memory_bytes)}", 11.5, "#5f6368")]
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
-            f'viewBox="0 0 {width:.0f} {height:.0f}" font-family="{FONT}">\n'
-            f'<rect width="100%" height="100%" fill="#ffffff"/>\n' + "\n".join(head + body) + "\n</svg>\n")
+    head = [
+        _text(MARGIN, 30, title or f"topology {t.name}", 17, "#202124", "bold"),
+        _text(
+            MARGIN,
+            50,
+            f"{t.source} \u00b7 "
+            + " \u00b7 ".join(summary(t))
+            + f" \u00b7 host memory {memory_text(t.host_memory_bytes)}",
+            11.5,
+            "#5f6368",
+        ),
+    ]
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
+        f'viewBox="0 0 {width:.0f} {height:.0f}" font-family="{FONT}">\n'
+        f'<rect width="100%" height="100%" fill="#ffffff"/>\n' + "\n".join(head + body) + "\n</svg>\n"
+    )
 
 
 def svg_topology(t: Topology, path: str | Path, title: str | None = None) -> Path:

@@ -94,9 +94,11 @@ def read_sysfs(root: str | Path = "/sys") -> SysfsScan:
     base = Path(root)
     pci_dir = base / "bus" / "pci" / "devices"
     if not pci_dir.is_dir():
-        raise TopologyError(f"{root} is not a sysfs tree: expected {pci_dir} to be a directory, found "
-                            f"{'nothing' if not pci_dir.exists() else 'a file'}; point --sysfs-root at a /sys "
-                            f"copy (e.g. made by `cp -a` or hwloc-gather-topology)")
+        raise TopologyError(
+            f"{root} is not a sysfs tree: expected {pci_dir} to be a directory, found "
+            f"{'nothing' if not pci_dir.exists() else 'a file'}; point --sysfs-root at a /sys "
+            f"copy (e.g. made by `cp -a` or hwloc-gather-topology)"
+        )
     notes: list[str] = []
     devices_dir = os.path.realpath(base / "devices")
     nvme_names = _nvme_names(base)
@@ -109,30 +111,41 @@ def read_sysfs(root: str | Path = "/sys") -> SysfsScan:
     return SysfsScan(str(root), devices, numa, memory, tuple(dict.fromkeys(notes)))
 
 
-def _device(base: Path, devices_dir: str, entry: Path, nvme_names: dict[str, str],
-            notes: list[str]) -> PciDevice | None:
+def _device(
+    base: Path, devices_dir: str, entry: Path, nvme_names: dict[str, str], notes: list[str]
+) -> PciDevice | None:
     path = os.path.realpath(entry)
     kind = _kind(_hex(path, "class", 0), _hex(path, "vendor", 0))
     if not kind:
         return None
     root, dirs = _pci_path(devices_dir, path)
     if not root:
-        notes.append(f"PCIe path of {entry.name} unknown: {entry} does not link into "
-                     f"{devices_dir}/pciDDDD:BB/...; its root complex and switches are left unknown")
+        notes.append(
+            f"PCIe path of {entry.name} unknown: {entry} does not link into "
+            f"{devices_dir}/pciDDDD:BB/...; its root complex and switches are left unknown"
+        )
     bridges = dirs[:-1]
     top_port = os.path.basename(bridges[0]) if bridges else ""
     ups = _upstream_ports(len(bridges))
     name = (_nvme_child(path) or nvme_names.get(path, "")) if kind == "nvme" else ""
     gen, width = _link(path)
     return PciDevice(
-        bdf=normalize_bus_id(os.path.basename(path)), kind=kind, vendor=_hex(path, "vendor", 0),
-        device=_hex(path, "device", 0), numa_node=_int(path, "numa_node", -1),
-        link_gen=gen, link_width=width, root=root,
+        bdf=normalize_bus_id(os.path.basename(path)),
+        kind=kind,
+        vendor=_hex(path, "vendor", 0),
+        device=_hex(path, "device", 0),
+        numa_node=_int(path, "numa_node", -1),
+        link_gen=gen,
+        link_width=width,
+        root=root,
         switches=tuple(os.path.basename(bridges[i]) for i in ups),
         switch_links=tuple(_link(bridges[i]) for i in ups),
-        top_link=_link(dirs[min(1, len(bridges))]), top_port=top_port,
-        local_cpulist=_read(os.path.join(path, "local_cpulist")), name=name,
-        model=_nvme_model(base, path, name) if kind == "nvme" else "")
+        top_link=_link(dirs[min(1, len(bridges))]),
+        top_port=top_port,
+        local_cpulist=_read(os.path.join(path, "local_cpulist")),
+        name=name,
+        model=_nvme_model(base, path, name) if kind == "nvme" else "",
+    )
 
 
 def _kind(cls: int, vendor: int) -> str:
@@ -147,8 +160,8 @@ def _pci_path(devices_dir: str, path: str) -> tuple[str, list[str]]:
     roots = [i for i, c in enumerate(rel) if _ROOT_RE.match(c)]
     if rel[0] == os.pardir or not roots:
         return "", [path]
-    dirs, cur = [], os.path.join(devices_dir, *rel[:roots[-1] + 1])
-    for comp in rel[roots[-1] + 1:]:
+    dirs, cur = [], os.path.join(devices_dir, *rel[: roots[-1] + 1])
+    for comp in rel[roots[-1] + 1 :]:
         cur = os.path.join(cur, comp)
         if _BDF_RE.match(comp):
             dirs.append(cur)
@@ -202,8 +215,9 @@ def _nvme_model(base: Path, path: str, name: str) -> str:
 
 def _numa_cpus(base: Path) -> dict[int, str]:
     node_dir = base / "devices" / "system" / "node"
-    nodes = sorted(int(n[4:]) for n in (os.listdir(node_dir) if node_dir.is_dir() else ())
-                   if re.fullmatch(r"node\d+", n))
+    nodes = sorted(
+        int(n[4:]) for n in (os.listdir(node_dir) if node_dir.is_dir() else ()) if re.fullmatch(r"node\d+", n)
+    )
     return {n: _read(str(node_dir / f"node{n}" / "cpulist")) for n in nodes}
 
 

@@ -235,8 +235,10 @@ def _check(t: Topology) -> None:
             raise TopologyError(f"topology {t.name!r}: gpu #{i} has index {g.index}; indices must be 0..N-1 in order")
         _refers(t, f"gpu {i}", g.root_complex, rcs, g.switch, sws)
         if g.memory_bytes < 0 or g.link_gbps <= 0:
-            raise TopologyError(f"topology {t.name!r}: gpu {i} needs memory_bytes >= 0 (0 = unknown) and "
-                                f"link_gbps > 0, found {g.memory_bytes} and {g.link_gbps}")
+            raise TopologyError(
+                f"topology {t.name!r}: gpu {i} needs memory_bytes >= 0 (0 = unknown) and "
+                f"link_gbps > 0, found {g.memory_bytes} and {g.link_gbps}"
+            )
     for s in t.switches:
         _refers(t, f"switch {s.name!r}", s.root_complex, rcs, s.parent, sws)
     for s in t.switches:
@@ -262,19 +264,21 @@ def _unique(t: Topology, what: str, names: list[str]) -> set[str]:
 
 def _refers(t: Topology, who: str, rc: str, rcs: set[str], switch: str, sws: set[str]) -> None:
     if rc not in rcs:
-        raise TopologyError(f"topology {t.name!r}: {who} references root complex {rc!r}, which does not exist; "
-                            f"known: {sorted(rcs)}")
+        raise TopologyError(
+            f"topology {t.name!r}: {who} references root complex {rc!r}, which does not exist; known: {sorted(rcs)}"
+        )
     if switch and switch not in sws:
-        raise TopologyError(f"topology {t.name!r}: {who} references switch {switch!r}, which does not exist; "
-                            f"known: {sorted(sws)}")
+        raise TopologyError(
+            f"topology {t.name!r}: {who} references switch {switch!r}, which does not exist; known: {sorted(sws)}"
+        )
 
 
 def _check_pairs(t: Topology) -> None:
     n = t.num_gpus
     for link in t.nvlinks:
         if not (0 <= link.a < n and 0 <= link.b < n) or link.a == link.b or link.links < 1 or link.gbps <= 0:
-            raise TopologyError(f"topology {t.name!r}: nvlink {link} needs two distinct gpus in 0..{n - 1}, "
-                                f"links >= 1 and gbps > 0")
+            raise TopologyError(
+                f"topology {t.name!r}: nvlink {link} needs two distinct gpus in 0..{n - 1}, links >= 1 and gbps > 0"
+            )
     if t.p2p and (len(t.p2p) != n or any(len(row) != n for row in t.p2p)):
-        raise TopologyError(f"topology {t.name!r}: p2p must be a {n} x {n} matrix of statuses, "
-                            f"found {len(t.p2p)} rows")
+        raise TopologyError(f"topology {t.name!r}: p2p must be a {n} x {n} matrix of statuses, found {len(t.p2p)} rows")

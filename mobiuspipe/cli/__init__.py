@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mobiuspipe.cli import env, partition, profile, simulate, topology, train
 from foundation.errors import UserError
+from mobiuspipe.cli import env, partition, profile, simulate, topology, train
 
 __all__ = ["main", "build_parser"]
 

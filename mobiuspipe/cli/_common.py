@@ -39,7 +39,9 @@ def write_output(what: str, path: str, write) -> None:
     try:
         write()
     except OSError as e:
-        raise CliError(f"cannot write the {what} to {path}: {e.strerror or e}; "
-                       f"expected a writable file path (does its folder exist?)") from e
+        raise CliError(
+            f"cannot write the {what} to {path}: {e.strerror or e}; "
+            f"expected a writable file path (does its folder exist?)"
+        ) from e
     except RenderError as e:
         raise CliError(str(e)) from e

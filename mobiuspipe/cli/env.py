@@ -51,22 +51,34 @@ def _importable(module: str) -> bool:
 
 def _solvers() -> dict[str, str]:
     """dp is built in; highs is usable when highspy imports; gurobi's licence is not probed (no optimize())."""
-    return {"dp": "built in",
-            "highs": "usable" if _importable("highspy") else NOT_INSTALLED,
-            "gurobi": GUROBI_NOTE if _importable("gurobipy") else NOT_INSTALLED}
+    return {
+        "dp": "built in",
+        "highs": "usable" if _importable("highspy") else NOT_INSTALLED,
+        "gurobi": GUROBI_NOTE if _importable("gurobipy") else NOT_INSTALLED,
+    }
 
 
 def _cuda() -> dict:
     try:
         import torch
     except ImportError:
-        return {"available": False, "device_count": 0, "devices": [], "cuda_version": None,
-                "torch_threads": None, "note": "torch not installed"}
+        return {
+            "available": False,
+            "device_count": 0,
+            "devices": [],
+            "cuda_version": None,
+            "torch_threads": None,
+            "note": "torch not installed",
+        }
     available = torch.cuda.is_available()
     count = torch.cuda.device_count() if available else 0
-    return {"available": available, "device_count": count,
-            "devices": [torch.cuda.get_device_name(i) for i in range(count)],
-            "cuda_version": torch.version.cuda, "torch_threads": torch.get_num_threads()}
+    return {
+        "available": available,
+        "device_count": count,
+        "devices": [torch.cuda.get_device_name(i) for i in range(count)],
+        "cuda_version": torch.version.cuda,
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def _nvml() -> dict:
@@ -84,8 +96,11 @@ def _nvml() -> dict:
             pynvml.nvmlShutdown()
     except Exception as e:  # noqa: BLE001 - NVML raises one class per failure cause; report which, never crash `env`
         return {"ok": False, "error": type(e).__name__, "message": str(e)}
-    return {"ok": True, "driver_version": driver.decode() if isinstance(driver, bytes) else driver,
-            "device_count": count}
+    return {
+        "ok": True,
+        "driver_version": driver.decode() if isinstance(driver, bytes) else driver,
+        "device_count": count,
+    }
 
 
 def collect_env() -> dict:
@@ -120,7 +135,10 @@ def render_env(d: dict) -> str:
     rows = [("python", f"{d['python']['version']} ({d['python']['executable']})")]
     rows += list(d["packages"].items())
     rows.append(("solvers", "; ".join(f"{k}: {v}" for k, v in d["solvers"].items())))
-    rows += [("cuda", _cuda_line(d["cuda"])), ("nvml", _nvml_line(d["nvml"])),
-             ("cpus", f"{d['cpu_count']} (torch threads {d['torch_threads']})")]
+    rows += [
+        ("cuda", _cuda_line(d["cuda"])),
+        ("nvml", _nvml_line(d["nvml"])),
+        ("cpus", f"{d['cpu_count']} (torch threads {d['torch_threads']})"),
+    ]
     width = max(len(k) for k, _ in rows) + 2
     return "".join(f"{k:<{width}}{v}\n" for k, v in rows)

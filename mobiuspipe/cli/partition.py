@@ -27,28 +27,57 @@ def register(sub) -> None:
     p = sub.add_parser("partition", help="cut a model into stages, map them to gpus and predict the step")
     p.add_argument("--model", help="model name, e.g. gpt3-175b (an unknown name lists them all)")
     p.add_argument("--topology", help='preset name ("2+2", "3+1") or a .yaml/.json layout file')
-    p.add_argument("--config", metavar="RUN.yaml",
-                   help="plan a training run's model on its devices instead (then write it with -o for plan.file)")
+    p.add_argument(
+        "--config",
+        metavar="RUN.yaml",
+        help="plan a training run's model on its devices instead (then write it with -o for plan.file)",
+    )
     p.add_argument("--microbatch-size", type=positive_int, default=1, help="sequences per microbatch (1)")
     p.add_argument("--microbatches", type=positive_int, default=4, help="microbatches per step (4)")
-    p.add_argument("--stages", type=int, default=None,
-                   help="number of stages S (gpus <= S <= layers); default: search every S, keep the fastest")
-    p.add_argument("--mapping", choices=("cross", "round-robin", "search"), default="cross",
-                   help="stage->gpu rule: cross (least contention), round-robin, search (every cyclic gpu order, "
-                        "up to 4 gpus; the fastest wins) (cross)")
+    p.add_argument(
+        "--stages",
+        type=int,
+        default=None,
+        help="number of stages S (gpus <= S <= layers); default: search every S, keep the fastest",
+    )
+    p.add_argument(
+        "--mapping",
+        choices=("cross", "round-robin", "search"),
+        default="cross",
+        help="stage->gpu rule: cross (least contention), round-robin, search (every cyclic gpu order, "
+        "up to 4 gpus; the fastest wins) (cross)",
+    )
     p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="fp16", help="parameter dtype (fp16)")
-    p.add_argument("--reserve-gib", type=non_negative_float, default=1.0,
-                   help="GiB of each gpu kept out of the plan for the CUDA context and allocator (1.0)")
-    p.add_argument("--solver", choices=("auto", "highs", "gurobi", "dp"), default="auto",
-                   help="auto: Gurobi when its license admits the model, else HiGHS; dp: the exact DP alone (auto)")
-    p.add_argument("--time-limit", type=non_negative_float, default=2.0, metavar="S",
-                   help="seconds the MIP may take in all; on a time-out the best plan found is kept with its gap (2)")
-    p.add_argument("--gap", type=non_negative_float, default=0.01,
-                   help="relative MIP gap to stop at (0.01 = 1%%)")
-    p.add_argument("--profile", metavar="FILE",
-                   help="use this profile (from `mobiuspipe profile -o`) instead of the analytic one of --model")
-    p.add_argument("--compare", action="store_true",
-                   help="also predict sequential mapping, DeepSpeed ZeRO-3 offload and GPipe on the same topology")
+    p.add_argument(
+        "--reserve-gib",
+        type=non_negative_float,
+        default=1.0,
+        help="GiB of each gpu kept out of the plan for the CUDA context and allocator (1.0)",
+    )
+    p.add_argument(
+        "--solver",
+        choices=("auto", "highs", "gurobi", "dp"),
+        default="auto",
+        help="auto: Gurobi when its license admits the model, else HiGHS; dp: the exact DP alone (auto)",
+    )
+    p.add_argument(
+        "--time-limit",
+        type=non_negative_float,
+        default=2.0,
+        metavar="S",
+        help="seconds the MIP may take in all; on a time-out the best plan found is kept with its gap (2)",
+    )
+    p.add_argument("--gap", type=non_negative_float, default=0.01, help="relative MIP gap to stop at (0.01 = 1%%)")
+    p.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="use this profile (from `mobiuspipe profile -o`) instead of the analytic one of --model",
+    )
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="also predict sequential mapping, DeepSpeed ZeRO-3 offload and GPipe on the same topology",
+    )
     p.add_argument("-o", "--output", metavar="PLAN", help="write the plan here (.yaml, or .json by suffix)")
     p.add_argument("--timeline", metavar="FILE.svg", help="write an SVG Gantt chart of the predicted step")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
@@ -60,8 +89,10 @@ def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
     if args.config:
         return _config_plan(args)
     if not (args.model and args.topology):
-        raise CliError("partition needs --model and --topology (e.g. --model gpt3-175b --topology 2+2), "
-                       "or --config FILE.yaml to plan a training run's model")
+        raise CliError(
+            "partition needs --model and --topology (e.g. --model gpt3-175b --topology 2+2), "
+            "or --config FILE.yaml to plan a training run's model"
+        )
     spec = get_model(args.model)
     topo = load_topology(args.topology)
     try:
@@ -70,13 +101,26 @@ def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
         raise CliError(f"topology {topo.name!r}, gpu 0: {e}") from e
     smallest = min(g.memory_bytes for g in topo.gpus)
     if args.reserve_gib * GiB >= smallest:
-        raise CliError(f"--reserve-gib {args.reserve_gib:g} leaves no memory: the smallest gpu of topology "
-                       f"{topo.name!r} has {smallest / GiB:.2f} GiB; expected a reserve below that (default 1.0)")
-    profile = (load_profile(args.profile) if args.profile
-               else analytic_profile(spec, device, microbatch_size=args.microbatch_size, dtype=args.dtype))
-    plan = make_plan(profile, topo, args.microbatches, num_stages=args.stages, mapping=args.mapping,
-                     reserve_bytes=int(args.reserve_gib * GiB), solver=args.solver, time_limit_s=args.time_limit,
-                     gap=args.gap)
+        raise CliError(
+            f"--reserve-gib {args.reserve_gib:g} leaves no memory: the smallest gpu of topology "
+            f"{topo.name!r} has {smallest / GiB:.2f} GiB; expected a reserve below that (default 1.0)"
+        )
+    profile = (
+        load_profile(args.profile)
+        if args.profile
+        else analytic_profile(spec, device, microbatch_size=args.microbatch_size, dtype=args.dtype)
+    )
+    plan = make_plan(
+        profile,
+        topo,
+        args.microbatches,
+        num_stages=args.stages,
+        mapping=args.mapping,
+        reserve_bytes=int(args.reserve_gib * GiB),
+        solver=args.solver,
+        time_limit_s=args.time_limit,
+        gap=args.gap,
+    )
     return plan, topo, profile
 
 
@@ -84,8 +128,10 @@ def _config_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
     """The plan `mobiuspipe train` would make at start-up for this config (model, devices, stages, mapping)."""
     given = [f for f in ("model", "topology", "stages") if getattr(args, f) is not None]
     if given:
-        raise CliError(f"--config takes the model, devices and stages from the config file; "
-                       f"found also --{', --'.join(given)}: drop them or drop --config")
+        raise CliError(
+            f"--config takes the model, devices and stages from the config file; "
+            f"found also --{', --'.join(given)}: drop them or drop --config"
+        )
     from mobiuspipe.config import load_config
     from mobiuspipe.config_plan import gpt_profile, plan_from_config, standin_topology
 
@@ -94,23 +140,48 @@ def _config_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
 
 
 def _stage_json(plan: Plan) -> list[dict]:
-    return [{"layers": [s.first, s.last], "gpu": s.gpu, "param_count": s.param_count, "param_bytes": s.param_bytes,
-             "activation_bytes": s.activation_bytes, "output_bytes": s.output_bytes, "fwd_s": s.fwd_s,
-             "bwd_s": s.bwd_s, "load_s": s.load_s, "load_gbps": s.load_gbps} for s in plan.stages]
+    return [
+        {
+            "layers": [s.first, s.last],
+            "gpu": s.gpu,
+            "param_count": s.param_count,
+            "param_bytes": s.param_bytes,
+            "activation_bytes": s.activation_bytes,
+            "output_bytes": s.output_bytes,
+            "fwd_s": s.fwd_s,
+            "bwd_s": s.bwd_s,
+            "load_s": s.load_s,
+            "load_gbps": s.load_gbps,
+        }
+        for s in plan.stages
+    ]
 
 
 def plan_to_json(plan: Plan) -> dict:
     """The `partition --json` document (DESIGN.md contract plus the plan's memory and per-stage costs)."""
     return {
-        "model": plan.model, "topology": plan.topology, "num_layers": plan.num_layers, "num_gpus": plan.num_gpus,
-        "num_stages": plan.num_stages, "num_microbatches": plan.num_microbatches,
-        "microbatch_size": plan.microbatch_size, "dtype": plan.dtype, "mapping": plan.mapping_rule,
+        "model": plan.model,
+        "topology": plan.topology,
+        "num_layers": plan.num_layers,
+        "num_gpus": plan.num_gpus,
+        "num_stages": plan.num_stages,
+        "num_microbatches": plan.num_microbatches,
+        "microbatch_size": plan.microbatch_size,
+        "dtype": plan.dtype,
+        "mapping": plan.mapping_rule,
         "mapping_score": plan.mapping_score,
-        "stages": _stage_json(plan), "predicted_step_time_s": plan.predicted_step_time_s,
-        "slot_bytes": plan.slot_bytes, "arena_bytes": plan.arena_bytes, "activation_bytes": plan.activation_bytes,
+        "stages": _stage_json(plan),
+        "predicted_step_time_s": plan.predicted_step_time_s,
+        "slot_bytes": plan.slot_bytes,
+        "arena_bytes": plan.arena_bytes,
+        "activation_bytes": plan.activation_bytes,
         "gpu_memory_bytes": plan.gpu_memory_bytes,
-        "solver": {"name": plan.solver.name, "status": plan.solver.status, "gap": plan.solver.gap,
-                   "wall_s": plan.solver.wall_s},
+        "solver": {
+            "name": plan.solver.name,
+            "status": plan.solver.status,
+            "gap": plan.solver.gap,
+            "wall_s": plan.solver.wall_s,
+        },
     }
 
 
@@ -132,9 +203,20 @@ _COLUMNS = ("j", "layers", "#layers", "gpu", "params", "activations", "fwd ms/mb
 
 
 def _table(plan: Plan) -> list[str]:
-    rows = [(str(j), f"{s.first}-{s.last}", str(s.last - s.first + 1), str(s.gpu), fmt_bytes(s.param_bytes),
-             fmt_bytes(s.activation_bytes), f"{s.fwd_s * 1e3:.2f}", f"{s.bwd_s * 1e3:.2f}",
-             f"{s.load_s * 1e3:.1f}") for j, s in enumerate(plan.stages)]
+    rows = [
+        (
+            str(j),
+            f"{s.first}-{s.last}",
+            str(s.last - s.first + 1),
+            str(s.gpu),
+            fmt_bytes(s.param_bytes),
+            fmt_bytes(s.activation_bytes),
+            f"{s.fwd_s * 1e3:.2f}",
+            f"{s.bwd_s * 1e3:.2f}",
+            f"{s.load_s * 1e3:.1f}",
+        )
+        for j, s in enumerate(plan.stages)
+    ]
     widths = [max(len(c), *(len(r[k]) for r in rows)) for k, c in enumerate(_COLUMNS)]
     return ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in (_COLUMNS, *rows)]
 
@@ -153,8 +235,10 @@ def run(args: argparse.Namespace, out) -> int:
         write_output("plan", args.output, lambda: save_plan(plan, args.output))
         notes.append(f"plan written to {args.output}")
     if args.timeline:
-        title = (f"{plan.model} on {plan.topology}: {plan.num_stages} stages on {plan.num_gpus} gpus, "
-                 f"predicted step {plan.predicted_step_time_s:.3f} s")
+        title = (
+            f"{plan.model} on {plan.topology}: {plan.num_stages} stages on {plan.num_gpus} gpus, "
+            f"predicted step {plan.predicted_step_time_s:.3f} s"
+        )
         write_output("timeline", args.timeline, lambda: svg_timeline(sim, topo.num_gpus, Path(args.timeline), title))
         notes.append(f"timeline written to {args.timeline}")
     doc, extra = plan_to_json(plan), ""

@@ -29,17 +29,36 @@ MEASURED_MAX_PARAMS = 1_000_000_000
 def register(sub) -> None:
     """Add the `profile` subcommand to the CLI's subparsers."""
     p = sub.add_parser("profile", help="per-layer time and bytes of a model (analytic, or --measured here)")
-    p.add_argument("--model", required=True, metavar="NAME_OR_CONFIG_JSON",
-                   help="model name (gpt3-175b, llama2-70b, ...) or a Hugging Face config.json (or its folder)")
-    p.add_argument("--gpu", default=None, metavar="NAME",
-                   help=f"device type of the analytic profile ({DEFAULT_GPU!r}); an unknown name lists them")
+    p.add_argument(
+        "--model",
+        required=True,
+        metavar="NAME_OR_CONFIG_JSON",
+        help="model name (gpt3-175b, llama2-70b, ...) or a Hugging Face config.json (or its folder)",
+    )
+    p.add_argument(
+        "--gpu",
+        default=None,
+        metavar="NAME",
+        help=f"device type of the analytic profile ({DEFAULT_GPU!r}); an unknown name lists them",
+    )
     p.add_argument("--microbatch-size", type=positive_int, default=1, help="sequences per microbatch (1)")
-    p.add_argument("--seq-len", type=positive_int, default=None,
-                   help="tokens per sequence (default: the model's; a gpt's position table follows it)")
-    p.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default=None,
-                   help="parameter dtype (fp16; bf16 for --measured on a CPU, where fp16 takes a slow path)")
-    p.add_argument("--measured", action="store_true",
-                   help="run the runtime's GPT layers on this machine's device (gpt family, <= 1e9 parameters)")
+    p.add_argument(
+        "--seq-len",
+        type=positive_int,
+        default=None,
+        help="tokens per sequence (default: the model's; a gpt's position table follows it)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=tuple(DTYPE_BYTES),
+        default=None,
+        help="parameter dtype (fp16; bf16 for --measured on a CPU, where fp16 takes a slow path)",
+    )
+    p.add_argument(
+        "--measured",
+        action="store_true",
+        help="run the runtime's GPT layers on this machine's device (gpt family, <= 1e9 parameters)",
+    )
     p.add_argument("-o", "--output", metavar="PROFILE", help="write the profile here (.yaml, or .json by suffix)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     p.set_defaults(func=run)
@@ -66,12 +85,16 @@ def _check_measurable(spec: ModelSpec, args: argparse.Namespace) -> None:
     if args.gpu:
         raise CliError(f"--measured profiles this machine's device, not --gpu {args.gpu!r}: drop one of them")
     if spec.family != "gpt" or spec.ffn != 4 * spec.d_model:
-        raise CliError(f"--measured runs the runtime's GPT layers (4*d_model MLP); model {spec.name!r} is a "
-                       f"{spec.family} spec with MLP width {spec.ffn}: drop --measured for its analytic profile")
+        raise CliError(
+            f"--measured runs the runtime's GPT layers (4*d_model MLP); model {spec.name!r} is a "
+            f"{spec.family} spec with MLP width {spec.ffn}: drop --measured for its analytic profile"
+        )
     if spec.param_count > MEASURED_MAX_PARAMS:
-        raise CliError(f"--measured builds the model on this machine; {spec.name!r} has {spec.param_count / 1e9:.2f}e9 "
-                       f"parameters, above the {MEASURED_MAX_PARAMS / 1e9:g}e9 limit: drop --measured, or pick a "
-                       f"smaller model (e.g. gpt3-350m)")
+        raise CliError(
+            f"--measured builds the model on this machine; {spec.name!r} has {spec.param_count / 1e9:.2f}e9 "
+            f"parameters, above the {MEASURED_MAX_PARAMS / 1e9:g}e9 limit: drop --measured, or pick a "
+            f"smaller model (e.g. gpt3-350m)"
+        )
 
 
 def _measured(spec: ModelSpec, args: argparse.Namespace) -> tuple[Profile, str]:
@@ -85,9 +108,11 @@ def _measured(spec: ModelSpec, args: argparse.Namespace) -> tuple[Profile, str]:
     device, device_name = ("cuda", torch.cuda.get_device_name()) if cuda else ("cpu", "cpu-standin")
     dtype = args.dtype or ("fp16" if cuda else "bf16")
     if dtype == "fp16" and not cuda:
-        raise CliError("--measured --dtype fp16 on a CPU: fp16 matmuls take a slow reference path there (a "
-                       "backward 100x slower than bf16), so the times would mean nothing; use --dtype bf16 "
-                       "(also 2 bytes) or fp32")
+        raise CliError(
+            "--measured --dtype fp16 on a CPU: fp16 matmuls take a slow reference path there (a "
+            "backward 100x slower than bf16), so the times would mean nothing; use --dtype bf16 "
+            "(also 2 bytes) or fp32"
+        )
     last = spec.num_layers - 1
     built = build_layers(spec, seed=0, which=[0, 1, last])  # the blocks are identical: build one
     layers = [built[0]] + [built[1]] * spec.num_blocks + [built[last]]
@@ -97,9 +122,17 @@ def _measured(spec: ModelSpec, args: argparse.Namespace) -> tuple[Profile, str]:
     shape = (args.microbatch_size, spec.seq_len)
     tokens = torch.randint(spec.vocab_size, shape, generator=g)
     targets = torch.randint(spec.vocab_size, shape, generator=g).to(device)
-    m = measure_layers(layers, tokens, device=device, name=spec.name, device_name=device_name,
-                       dtype_name=dtype, microbatch_size=args.microbatch_size, seq_len=spec.seq_len,
-                       loss_fn=lambda logits: lm_loss(logits.float(), targets))
+    m = measure_layers(
+        layers,
+        tokens,
+        device=device,
+        name=spec.name,
+        device_name=device_name,
+        dtype_name=dtype,
+        microbatch_size=args.microbatch_size,
+        seq_len=spec.seq_len,
+        loss_fn=lambda logits: lm_loss(logits.float(), targets),
+    )
     return m.profile, f"measured on {device}, {len(m.measured)} of {spec.num_layers} layers run"
 
 
@@ -110,19 +143,35 @@ def render_profile(profile: Profile, how: str) -> str:
     """A header line, then one row per run of identical layers (numbers per layer), then the totals."""
     rows, first = [], 0
     for layer, n in compress(profile):
-        rows.append((f"{first}-{first + n - 1}", layer.name, str(n), f"{layer.param_count / 1e6:.2f}M",
-                     fmt_bytes(layer.param_bytes), fmt_bytes(layer.activation_bytes), fmt_bytes(layer.output_bytes),
-                     f"{layer.fwd_s * 1e3:.3f}", f"{layer.bwd_s * 1e3:.3f}"))
+        rows.append(
+            (
+                f"{first}-{first + n - 1}",
+                layer.name,
+                str(n),
+                f"{layer.param_count / 1e6:.2f}M",
+                fmt_bytes(layer.param_bytes),
+                fmt_bytes(layer.activation_bytes),
+                fmt_bytes(layer.output_bytes),
+                f"{layer.fwd_s * 1e3:.3f}",
+                f"{layer.bwd_s * 1e3:.3f}",
+            )
+        )
         first += n
     widths = [max(len(c), *(len(r[k]) for r in rows)) for k, c in enumerate(_COLUMNS)]
     p = profile
     total = sum(x.param_count for x in p.layers)
     step = sum(x.fwd_s + x.bwd_s for x in p.layers)
-    lines = [f"profile: {p.model} on {p.device} ({how}), {p.dtype}, microbatch {p.microbatch_size} x "
-             f"{p.seq_len} tokens, {p.num_layers} layers", ""]
+    lines = [
+        f"profile: {p.model} on {p.device} ({how}), {p.dtype}, microbatch {p.microbatch_size} x "
+        f"{p.seq_len} tokens, {p.num_layers} layers",
+        "",
+    ]
     lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in (_COLUMNS, *rows)]
-    lines += ["", f"total: {total / 1e9:.3f}e9 parameters, {fmt_bytes(sum(x.param_bytes for x in p.layers))}; "
-                  f"fwd+bwd of one microbatch {step * 1e3:.2f} ms (numbers per layer, run rows repeat them)"]
+    lines += [
+        "",
+        f"total: {total / 1e9:.3f}e9 parameters, {fmt_bytes(sum(x.param_bytes for x in p.layers))}; "
+        f"fwd+bwd of one microbatch {step * 1e3:.2f} ms (numbers per layer, run rows repeat them)",
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -16,17 +16,24 @@ def register(sub) -> None:
     from topology.presets import PRESETS
 
     p = sub.add_parser("topology", help="gpus, PCIe tree, NVLinks and contention groups of a machine or layout")
-    p.add_argument("--layout", metavar="NAME_OR_FILE",
-                   help=f"preset ({', '.join(PRESETS)}) or a .yaml/.json layout file; default: discover this "
-                        f"machine (NVML + sysfs)")
+    p.add_argument(
+        "--layout",
+        metavar="NAME_OR_FILE",
+        help=f"preset ({', '.join(PRESETS)}) or a .yaml/.json layout file; default: discover this "
+        f"machine (NVML + sysfs)",
+    )
     p.add_argument("--sysfs-root", metavar="DIR", help="discover from a copy of /sys instead of the live one")
     p.add_argument("--save", metavar="FILE.yaml", help="write the topology as a layout file (.yaml or .json)")
-    p.add_argument("--probe", action="store_true",
-                   help="measure host<->GPU (alone and per contention group), GPU<->GPU and SSD bandwidth, "
-                        "and write the numbers into the topology")
+    p.add_argument(
+        "--probe",
+        action="store_true",
+        help="measure host<->GPU (alone and per contention group), GPU<->GPU and SSD bandwidth, "
+        "and write the numbers into the topology",
+    )
     p.add_argument("--ssd-dir", default=".", metavar="DIR", help="folder whose SSD --probe measures (.)")
-    p.add_argument("--probe-mb", type=positive_int, default=256, metavar="MB",
-                   help="MiB each --probe transfer moves (256)")
+    p.add_argument(
+        "--probe-mb", type=positive_int, default=256, metavar="MB", help="MiB each --probe transfer moves (256)"
+    )
     view = p.add_mutually_exclusive_group()
     view.add_argument("--json", action="store_true", help="print one JSON document (tree, groups, matrix, ...)")
     view.add_argument("--matrix", action="store_true", help="print only the nvidia-smi topo -m style matrix")

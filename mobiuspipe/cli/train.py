@@ -16,8 +16,7 @@ def register(sub) -> None:
     """Add the `train` subcommand to the CLI's subparsers."""
     p = sub.add_parser("train", help="launch torchrun on a YAML run config")
     p.add_argument("--config", required=True, help="YAML run config (see examples/tiny-gpt.yaml)")
-    p.add_argument("--nproc", type=positive_int, default=None,
-                   help="ranks to start (default: the plan's gpu count)")
+    p.add_argument("--nproc", type=positive_int, default=None, help="ranks to start (default: the plan's gpu count)")
     p.set_defaults(func=run)
 
 
@@ -36,8 +35,18 @@ def run(args: argparse.Namespace, out) -> int:
 
     config = load_config(args.config)  # a bad config fails here, before any process starts
     nproc = args.nproc or _plan_gpus(config)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone",
-           "-m", "mobiuspipe.train", "--config", config.source]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--standalone",
+        "-m",
+        "mobiuspipe.train",
+        "--config",
+        config.source,
+    ]
     print(f"mobiuspipe: launching {shlex.join(cmd)}", file=sys.stderr, flush=True)
     out.flush()
     return subprocess.run(cmd, check=False).returncode

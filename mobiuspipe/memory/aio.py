@@ -28,7 +28,7 @@ _HINTS = {
     errno_mod.EIO: "the device reported an I/O error: check `dmesg` and the drive's health (smartctl -a)",
     errno_mod.EFBIG: "the file exceeds a size limit: check `ulimit -f` and the filesystem's maximum file size",
     errno_mod.EINVAL: "the filesystem refused this direct I/O (alignment or O_DIRECT support): "
-                      "set MOBIUSPIPE_IO_DIRECT=0 or use a folder on ext4/xfs",
+    "set MOBIUSPIPE_IO_DIRECT=0 or use a folder on ext4/xfs",
     errno_mod.EBADF: "the file was closed while I/O was in flight (a bug: please report it)",
 }
 
@@ -51,7 +51,7 @@ def aligned_empty(nbytes: int, pin: bool | None = None) -> torch.Tensor:
     padded = round_up(max(nbytes, 1), align)
     raw = torch.empty(padded + align, dtype=torch.uint8, pin_memory=pin)
     skip = (-raw.data_ptr()) % align
-    buf = raw[skip:skip + padded]
+    buf = raw[skip : skip + padded]
     if align == HUGE_PAGE:
         _advise_huge_pages(buf)
     return buf[:nbytes]
@@ -69,8 +69,9 @@ def _advise_huge_pages(t: torch.Tensor) -> None:
         _LIBC.madvise(ctypes.c_void_p(t.data_ptr()), ctypes.c_size_t(t.numel()), _MADV_HUGEPAGE)
 
 
-def swap_error(op: str, path: str, offset: int, nbytes: int, status: int, done: int = 0,
-               at: int | None = None) -> SwapIOError:
+def swap_error(
+    op: str, path: str, offset: int, nbytes: int, status: int, done: int = 0, at: int | None = None
+) -> SwapIOError:
     """The SwapIOError for a failed `op` ('read', 'write', ...) of nbytes at offset of path, which failed
     at file offset `at` (default: offset) with an errno or the engine's SHORT_READ/SHORT_WRITE status."""
     at = offset if at is None else at
@@ -78,13 +79,21 @@ def swap_error(op: str, path: str, offset: int, nbytes: int, status: int, done: 
     if at != offset:
         where += f" at offset {at}"
     if status == SHORT_READ:
-        return SwapIOError(f"{where}: the file ends at offset {at} ({done} of {nbytes} bytes read); it was "
-                           "truncated or never fully written: restore it or start the job's swap folder afresh",
-                           path, at, 0)
+        return SwapIOError(
+            f"{where}: the file ends at offset {at} ({done} of {nbytes} bytes read); it was "
+            "truncated or never fully written: restore it or start the job's swap folder afresh",
+            path,
+            at,
+            0,
+        )
     if status == SHORT_WRITE:
-        return SwapIOError(f"{where}: the write made no progress ({done} of {nbytes} bytes written); the disk "
-                           "is probably full: free space there or move the swap folder", path, at,
-                           errno_mod.ENOSPC)
+        return SwapIOError(
+            f"{where}: the write made no progress ({done} of {nbytes} bytes written); the disk "
+            "is probably full: free space there or move the swap folder",
+            path,
+            at,
+            errno_mod.ENOSPC,
+        )
     name = errno_mod.errorcode.get(status, f"errno {status}")
     hint = _HINTS.get(status, "check the disk and the file's permissions")
     return SwapIOError(f"{where} with {name} ({os.strerror(status)}): {hint}", path, at, status)
@@ -114,8 +123,10 @@ class IOEngine:
         if backend not in BACKENDS:
             raise ValueError(f"I/O backend must be one of {BACKENDS}, not {backend!r}")
         if backend in ("uring", "threads") and not _ext.HAVE_C:
-            raise RuntimeError(f"I/O backend {backend!r} needs the C++ extension, which is missing "
-                               f"({_ext.WHY_NOT}): build it with `python -m mobiuspipe._build`")
+            raise RuntimeError(
+                f"I/O backend {backend!r} needs the C++ extension, which is missing "
+                f"({_ext.WHY_NOT}): build it with `python -m mobiuspipe._build`"
+            )
         if backend == "python" or not _ext.HAVE_C:
             self._io = PyAsyncIO(queue_depth, block_bytes)
             why = "asked for" if backend == "python" else f"the C++ extension is missing: {_ext.WHY_NOT}"
@@ -128,8 +139,9 @@ class IOEngine:
         self.supports_direct = self.backend != "python"
         self.checksum_algo = "crc32" if self.backend == "python" else "crc32c"  # what wait_checked returns
 
-    def submit(self, fd: int, t: torch.Tensor, offset: int, write: bool, direct: bool, path: str,
-               checksum: bool = False) -> Ticket:
+    def submit(
+        self, fd: int, t: torch.Tensor, offset: int, write: bool, direct: bool, path: str, checksum: bool = False
+    ) -> Ticket:
         """Queue the read (into t) or write (of t) of t's bytes at offset of fd; path names it in errors.
         checksum: also compute the bytes' checksum (self.checksum_algo) in the I/O threads."""
         if direct and not self.supports_direct:
@@ -146,8 +158,15 @@ class IOEngine:
         """wait(), returning (byte count, checksum of the bytes; 0 unless submitted with checksum=True)."""
         status, fail_offset, done, crc = self._io.wait(ticket.id)
         if status != 0:
-            raise swap_error(ticket.op, ticket.path, ticket.offset, ticket.nbytes, status, done,
-                             at=fail_offset if fail_offset >= 0 else None)
+            raise swap_error(
+                ticket.op,
+                ticket.path,
+                ticket.offset,
+                ticket.nbytes,
+                status,
+                done,
+                at=fail_offset if fail_offset >= 0 else None,
+            )
         return done, crc
 
     def done(self, ticket: Ticket) -> bool:

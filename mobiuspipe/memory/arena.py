@@ -52,11 +52,15 @@ class DeviceArena:
     def acquire(self, nbytes: int, what: str) -> Slot:
         """A free slot holding nbytes of `what`; ArenaError if it cannot (with the numbers)."""
         if nbytes > self.slot_bytes:
-            raise ArenaError(f"{what} needs {nbytes} bytes but an arena slot has {self.slot_bytes}: the plan does not "
-                             f"match the model; re-plan with `mobiuspipe partition` for this model")
+            raise ArenaError(
+                f"{what} needs {nbytes} bytes but an arena slot has {self.slot_bytes}: the plan does not "
+                f"match the model; re-plan with `mobiuspipe partition` for this model"
+            )
         if not self._free:
-            raise ArenaError(f"{what}: all {self.budget_bytes // self.slot_bytes} arena slots are in use "
-                             f"({self.in_use_bytes} of {self.budget_bytes} bytes); a stage was not released")
+            raise ArenaError(
+                f"{what}: all {self.budget_bytes // self.slot_bytes} arena slots are in use "
+                f"({self.in_use_bytes} of {self.budget_bytes} bytes); a stage was not released"
+            )
         slot = self._free.pop()
         slot.used = nbytes
         self.in_use_bytes += nbytes

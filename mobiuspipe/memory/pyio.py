@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-SHORT_READ = -1   # status: the file ended before the requested bytes (as in csrc/io/async_io.h)
+SHORT_READ = -1  # status: the file ended before the requested bytes (as in csrc/io/async_io.h)
 SHORT_WRITE = -2  # status: a write made no progress
 
 
@@ -43,8 +43,7 @@ class PyAsyncIO:
         self._next = 1
         self._fault: tuple[int, int, int] | None = None
 
-    def submit(self, fd: int, t: torch.Tensor, offset: int, write: bool, direct: bool,
-               checksum: bool = False) -> int:
+    def submit(self, fd: int, t: torch.Tensor, offset: int, write: bool, direct: bool, checksum: bool = False) -> int:
         if direct:
             raise ValueError("the Python I/O engine does not do O_DIRECT")
         if t.device.type != "cpu" or not t.is_contiguous():
@@ -59,7 +58,7 @@ class PyAsyncIO:
         if not starts:
             req.event.set()
         for at in starts:
-            piece = buf[at:at + self.block_bytes]
+            piece = buf[at : at + self.block_bytes]
             self._pool.submit(self._run, req, fd, piece, offset + at, write)
         return ticket
 

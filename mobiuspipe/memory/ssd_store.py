@@ -42,8 +42,10 @@ def checksum(t: torch.Tensor, algo: str) -> int:
         return 0
     if algo == "crc32c":
         if not _ext.HAVE_C:
-            raise SwapIOError("this tensor was stored with a crc32c checksum, which needs the C++ extension "
-                              f"({_ext.WHY_NOT}): build it with `python -m mobiuspipe._build`")
+            raise SwapIOError(
+                "this tensor was stored with a crc32c checksum, which needs the C++ extension "
+                f"({_ext.WHY_NOT}): build it with `python -m mobiuspipe._build`"
+            )
         return int(_ext.C.crc32c(_bytes(t)))
     return zlib.crc32(_bytes(t).numpy().data)
 
@@ -80,8 +82,15 @@ class SSDStore:
     a tensor is verified with the algorithm it was stored with.
     """
 
-    def __init__(self, folder: str | os.PathLike, *, backend: str | None = None, queue_depth: int = 32,
-                 block_bytes: int = 1 << 20, direct: bool | None = None):
+    def __init__(
+        self,
+        folder: str | os.PathLike,
+        *,
+        backend: str | None = None,
+        queue_depth: int = 32,
+        block_bytes: int = 1 << 20,
+        direct: bool | None = None,
+    ):
         self.folder = os.path.abspath(folder)
         os.makedirs(self.folder, exist_ok=True)
         self._lock_fd = _lock_folder(self.folder)
@@ -124,9 +133,12 @@ class SSDStore:
         """Raise SwapIOError(ENOSPC) now if the folder's disk has less than nbytes free for `what`."""
         free = shutil.disk_usage(self.folder).free
         if free < nbytes:
-            raise SwapIOError(f"{what} needs {fmt_bytes(nbytes)} in {self.folder}, but its disk has only "
-                              f"{fmt_bytes(free)} free: free space there or use a folder on a bigger disk",
-                              self.folder, errno=errno.ENOSPC)
+            raise SwapIOError(
+                f"{what} needs {fmt_bytes(nbytes)} in {self.folder}, but its disk has only "
+                f"{fmt_bytes(free)} free: free space there or use a folder on a bigger disk",
+                self.folder,
+                errno=errno.ENOSPC,
+            )
 
     # ------------------------------------------------------------------ writes
     def put(self, key: str, t: torch.Tensor) -> None:
@@ -188,16 +200,19 @@ class SSDStore:
         entry = self._entry(key)
         path = os.path.join(self.folder, entry.file)
         if entry.damaged:
-            raise SwapIOError(f"tensor {key!r} ({path}) cannot be trusted: {entry.damaged}; write it again",
-                              path)
+            raise SwapIOError(f"tensor {key!r} ({path}) cannot be trusted: {entry.damaged}; write it again", path)
         out = self._target(key, entry, out)
         fd = self._open(path, write=False)
         try:
             size = os.fstat(fd).st_size
             if size < entry.nbytes:
-                raise SwapIOError(f"read of tensor {key!r} failed: {path} is {size} bytes, but it holds "
-                                  f"{entry.nbytes} bytes of data: the file was truncated; restore it or "
-                                  "write the tensor again", path, size)
+                raise SwapIOError(
+                    f"read of tensor {key!r} failed: {path} is {size} bytes, but it holds "
+                    f"{entry.nbytes} bytes of data: the file was truncated; restore it or "
+                    "write the tensor again",
+                    path,
+                    size,
+                )
             by_engine = entry.algo == self.engine.checksum_algo  # else verified here, with the stored algorithm
             ticket = self.engine.submit(fd, out, 0, False, self.direct, path, checksum=by_engine)
         except BaseException:
@@ -212,10 +227,14 @@ class SSDStore:
             if not by_engine:
                 got = checksum(out, entry.algo)
             if got != entry.crc:
-                raise SwapIOError(f"checksum mismatch reading tensor {key!r} from {path}: stored {entry.algo} "
-                                  f"{entry.crc:#010x}, read {got:#010x}; the file was changed or damaged on "
-                                  "disk (or written after the last flush by a run that crashed): the tensor "
-                                  "cannot be trusted; restore it or write it again", path, 0)
+                raise SwapIOError(
+                    f"checksum mismatch reading tensor {key!r} from {path}: stored {entry.algo} "
+                    f"{entry.crc:#010x}, read {got:#010x}; the file was changed or damaged on "
+                    "disk (or written after the last flush by a run that crashed): the tensor "
+                    "cannot be trusted; restore it or write it again",
+                    path,
+                    0,
+                )
             return out
 
         return self._track(key, StoreFuture(finish, lambda: self.engine.done(ticket)))
@@ -269,8 +288,9 @@ class SSDStore:
     def _entry(self, key: str) -> Entry:
         entry = self.index.entries.get(key)
         if entry is None:
-            raise KeyError(f"no tensor {key!r} in the SSD store {self.folder} (it holds "
-                           f"{len(self.index.entries)} tensors)")
+            raise KeyError(
+                f"no tensor {key!r} in the SSD store {self.folder} (it holds {len(self.index.entries)} tensors)"
+            )
         return entry
 
     def _track(self, key: str, fut: StoreFuture[_T]) -> StoreFuture[_T]:
@@ -292,9 +312,11 @@ class SSDStore:
             return aligned_empty(entry.nbytes).view(dtype).view(entry.shape)
         n = out.numel() * out.element_size()
         if out.dtype != dtype or n != entry.nbytes or out.device.type != "cpu" or not out.is_contiguous():
-            raise ValueError(f"out for tensor {key!r} must be a contiguous CPU {entry.dtype} tensor of "
-                             f"{entry.nbytes} bytes; got {_dtype_name(out.dtype)} of {n} bytes on "
-                             f"{out.device} (contiguous={out.is_contiguous()})")
+            raise ValueError(
+                f"out for tensor {key!r} must be a contiguous CPU {entry.dtype} tensor of "
+                f"{entry.nbytes} bytes; got {_dtype_name(out.dtype)} of {n} bytes on "
+                f"{out.device} (contiguous={out.is_contiguous()})"
+            )
         return out
 
     def _open(self, path: str, write: bool) -> int:
@@ -302,12 +324,16 @@ class SSDStore:
         try:
             return os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o600)
         except FileNotFoundError as exc:
-            raise SwapIOError(f"{path} is missing: the store's index names it, but the file was deleted or "
-                              "moved; restore it or write the tensor again", path,
-                              errno=exc.errno or errno.ENOENT) from exc
+            raise SwapIOError(
+                f"{path} is missing: the store's index names it, but the file was deleted or "
+                "moved; restore it or write the tensor again",
+                path,
+                errno=exc.errno or errno.ENOENT,
+            ) from exc
         except OSError as exc:
-            raise swap_error("open for write" if write else "open for read", path, 0, 0,
-                             exc.errno or errno.EIO) from exc
+            raise swap_error(
+                "open for write" if write else "open for read", path, 0, 0, exc.errno or errno.EIO
+            ) from exc
 
     def _allocate(self, fd: int, path: str, nbytes: int) -> None:
         """Reserve the file's blocks now, so a full disk fails here and not halfway through a write."""
@@ -325,8 +351,10 @@ class SSDStore:
         if not self.engine.supports_direct:
             if self.engine.requested == "python":
                 return False, ""
-            return False, (f"buffered I/O: the {self.engine.backend!r} I/O engine does not do O_DIRECT "
-                           f"({self.engine.fallback_reason})")
+            return False, (
+                f"buffered I/O: the {self.engine.backend!r} I/O engine does not do O_DIRECT "
+                f"({self.engine.fallback_reason})"
+            )
         why = _direct_refused(self.folder, self.engine)
         if why:
             return False, f"O_DIRECT refused ({why}): using buffered I/O (the page cache keeps a copy)"
@@ -361,8 +389,11 @@ def _lock_folder(folder: str) -> int:
     except BlockingIOError:
         holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
-        raise SwapIOError(f"the SSD store folder {folder} is in use by another process (pid {holder}); "
-                          "give each job its own folder", folder, errno=errno.EBUSY) from None
+        raise SwapIOError(
+            f"the SSD store folder {folder} is in use by another process (pid {holder}); give each job its own folder",
+            folder,
+            errno=errno.EBUSY,
+        ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd
@@ -370,8 +401,9 @@ def _lock_folder(folder: str) -> int:
 
 def _host_tensor(t: torch.Tensor, key: str) -> torch.Tensor:
     if t.device.type != "cpu":
-        raise ValueError(f"tensor {key!r} is on {t.device}: the SSD store takes CPU tensors (copy it to host "
-                         "memory first)")
+        raise ValueError(
+            f"tensor {key!r} is on {t.device}: the SSD store takes CPU tensors (copy it to host memory first)"
+        )
     return t.detach().contiguous()
 
 

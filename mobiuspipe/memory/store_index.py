@@ -53,22 +53,31 @@ def load(folder: str) -> Index:
         with open(path) as f:
             doc = json.load(f)
         if doc.get("format") != FORMAT or doc.get("version") != VERSION:
-            raise ValueError(f"format {doc.get('format')!r} version {doc.get('version')!r}, expected "
-                             f"{FORMAT!r} version {VERSION}")
+            raise ValueError(
+                f"format {doc.get('format')!r} version {doc.get('version')!r}, expected {FORMAT!r} version {VERSION}"
+            )
         entries = {k: Entry(**e) for k, e in doc["entries"].items()}
         return Index(entries, dict(doc.get("meta", {})), int(doc["next_file"]))
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise SwapIOError(f"{path} is not a readable store index ({type(exc).__name__}: {exc}): the folder "
-                          "was not written by this version of mobiuspipe, or the index is damaged; move the "
-                          "folder away to start afresh", path) from exc
+        raise SwapIOError(
+            f"{path} is not a readable store index ({type(exc).__name__}: {exc}): the folder "
+            "was not written by this version of mobiuspipe, or the index is damaged; move the "
+            "folder away to start afresh",
+            path,
+        ) from exc
 
 
 def save(folder: str, index: Index) -> None:
     """Write the index atomically: a reader sees the old one or the new one, never a mix."""
     path = os.path.join(folder, INDEX)
     tmp = f"{path}.tmp{os.getpid()}"
-    doc = {"format": FORMAT, "version": VERSION, "next_file": index.next_file, "meta": index.meta,
-           "entries": {k: asdict(e) for k, e in index.entries.items()}}
+    doc = {
+        "format": FORMAT,
+        "version": VERSION,
+        "next_file": index.next_file,
+        "meta": index.meta,
+        "entries": {k: asdict(e) for k, e in index.entries.items()},
+    }
     try:
         with open(tmp, "w") as f:
             json.dump(doc, f)
@@ -77,8 +86,9 @@ def save(folder: str, index: Index) -> None:
         os.replace(tmp, path)
         fsync_dir(folder)
     except OSError as exc:
-        raise SwapIOError(f"cannot write the store index {path}: {exc}; the previous index is kept",
-                          path, errno=exc.errno or 0) from exc
+        raise SwapIOError(
+            f"cannot write the store index {path}: {exc}; the previous index is kept", path, errno=exc.errno or 0
+        ) from exc
 
 
 def fsync_dir(folder: str) -> None:

@@ -13,15 +13,25 @@ from mobiuspipe import _ext
 IMPLS = ("auto", "c", "torch")
 
 
-def _adamw_torch(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int,
-                 lr: float, beta1: float, beta2: float, eps: float, wd: float) -> None:
+def _adamw_torch(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    wd: float,
+) -> None:
     """The pure-PyTorch update, the same operations as torch.optim.AdamW's single-tensor path."""
     g = g.to(p.dtype)
     p.mul_(1 - lr * wd)
     m.lerp_(g, 1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    step_size = lr / (1 - beta1 ** step)
-    bc2_sqrt = math.sqrt(1 - beta2 ** step)
+    step_size = lr / (1 - beta1**step)
+    bc2_sqrt = math.sqrt(1 - beta2**step)
     denom = (v.sqrt() / bc2_sqrt).add_(eps)
     p.addcdiv_(m, denom, value=-step_size)
 
@@ -35,15 +45,34 @@ def check_adamw_args(lr: float, betas: tuple[float, float], eps: float, weight_d
 
 
 def _kernel_applies(p: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None) -> bool:
-    return (_ext.HAVE_C and p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous()
-            and g.is_contiguous() and g.device.type == "cpu"
-            and g.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and (out is None or out.is_contiguous()))
+    return (
+        _ext.HAVE_C
+        and p.device.type == "cpu"
+        and p.dtype == torch.float32
+        and p.is_contiguous()
+        and g.is_contiguous()
+        and g.device.type == "cpu"
+        and g.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and (out is None or out.is_contiguous())
+    )
 
 
-def adamw_update(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None,
-                 step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, *,
-                 impl: str = "auto", simd: str = "auto") -> None:
+def adamw_update(
+    p: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    out: torch.Tensor | None,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    *,
+    impl: str = "auto",
+    simd: str = "auto",
+) -> None:
     """One AdamW step of p, m, v in place (step counts from 1); out, if given, receives the new p in its
     bf16/fp16 dtype. impl "auto" uses the C++ kernel where it applies, "c" requires it, "torch" never."""
     args = (step, lr, beta1, beta2, eps, weight_decay)
@@ -66,9 +95,17 @@ class CPUAdam(torch.optim.Optimizer):
     "auto", "avx512", "avx2" or "scalar" (env MOBIUSPIPE_ADAM_SIMD) picks the kernel's code path.
     """
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, *, impl: str | None = None,
-                 simd: str | None = None):
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        impl: str | None = None,
+        simd: str | None = None,
+    ):
         check_adamw_args(lr, betas, eps, weight_decay)
         self.impl = impl or os.environ.get("MOBIUSPIPE_ADAM_IMPL", "auto")
         if self.impl not in IMPLS:
@@ -96,8 +133,21 @@ class CPUAdam(torch.optim.Optimizer):
         st["step"] += 1
         step = int(st["step"].item())
         beta1, beta2 = group["betas"]
-        adamw_update(p, st["exp_avg"], st["exp_avg_sq"], g, out, step, group["lr"], beta1, beta2,
-                     group["eps"], group["weight_decay"], impl=self.impl, simd=self.simd)
+        adamw_update(
+            p,
+            st["exp_avg"],
+            st["exp_avg_sq"],
+            g,
+            out,
+            step,
+            group["lr"],
+            beta1,
+            beta2,
+            group["eps"],
+            group["weight_decay"],
+            impl=self.impl,
+            simd=self.simd,
+        )
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -75,35 +75,62 @@ class OutOfCoreAdam:
         self.numels = {n: math.prod(s) for n, s in self.shapes.items()}
         self.group_elems: int = meta["group_elems"]
         self.step_count: int = meta["step"]
-        self.lr, self.betas, self.eps, self.weight_decay = (meta["lr"], tuple(meta["betas"]), meta["eps"],
-                                                            meta["weight_decay"])
+        self.lr, self.betas, self.eps, self.weight_decay = (
+            meta["lr"],
+            tuple(meta["betas"]),
+            meta["eps"],
+            meta["weight_decay"],
+        )
         self.impl, self.simd = impl, simd
         self.groups = plan_groups([(n, self.numels[n]) for n in self.names], self.group_elems)
         # elements per section of each group's record: the group's size, padded to ELEM_ALIGN
         self.section_elems = [round_up(max(s.group_off + s.numel for s in g), ELEM_ALIGN) for g in self.groups]
-        self.slots = [aligned_empty(BYTES_PER_ELEM * self.group_elems).view(torch.float32)
-                      for _ in range(min(slots, max(len(self.groups), 1)))]
+        self.slots = [
+            aligned_empty(BYTES_PER_ELEM * self.group_elems).view(torch.float32)
+            for _ in range(min(slots, max(len(self.groups), 1)))
+        ]
         self.io_note = store.engine.register(self.slots)  # "" when the slots are io_uring fixed buffers
         self.broken = ""  # why the states on disk are inconsistent (a step failed halfway), or ""
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def create(cls, store: SSDStore, params: dict[str, torch.Tensor], *, lr: float = 1e-3,
-               betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-               host_budget_bytes: int = 256 << 20, slots: int = 4, prefix: str = "adam",
-               impl: str = "auto", simd: str = "auto") -> OutOfCoreAdam:
+    def create(
+        cls,
+        store: SSDStore,
+        params: dict[str, torch.Tensor],
+        *,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        host_budget_bytes: int = 256 << 20,
+        slots: int = 4,
+        prefix: str = "adam",
+        impl: str = "auto",
+        simd: str = "auto",
+    ) -> OutOfCoreAdam:
         """Write the initial master weights (zero moments) of params {name: tensor} into store."""
         if not params:
             raise ValueError("OutOfCoreAdam.create needs at least one parameter")
         check_adamw_args(lr, betas, eps, weight_decay)
         if prefix in store.meta:
-            raise ValueError(f"the store {store.folder} already holds an optimizer under {prefix!r}: resume it "
-                             "with OutOfCoreAdam.open(), or pick another prefix")
+            raise ValueError(
+                f"the store {store.folder} already holds an optimizer under {prefix!r}: resume it "
+                "with OutOfCoreAdam.open(), or pick another prefix"
+            )
         total = sum(p.numel() for p in params.values())
         group_elems = min(_group_elems(host_budget_bytes, slots), round_up(total, ELEM_ALIGN))
-        meta = dict(prefix=prefix, names=list(params), shapes=[list(p.shape) for p in params.values()],
-                    group_elems=group_elems, step=0, lr=lr, betas=list(betas), eps=eps,
-                    weight_decay=weight_decay)
+        meta = dict(
+            prefix=prefix,
+            names=list(params),
+            shapes=[list(p.shape) for p in params.values()],
+            group_elems=group_elems,
+            step=0,
+            lr=lr,
+            betas=list(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+        )
         opt = cls(store, meta, slots, impl, simd)
         need = BYTES_PER_ELEM * sum(opt.section_elems)
         store.check_space(need, f"the optimizer states of {len(params)} parameters")
@@ -112,20 +139,32 @@ class OutOfCoreAdam:
         return opt
 
     @classmethod
-    def open(cls, store: SSDStore, *, host_budget_bytes: int = 256 << 20, slots: int = 4,
-             prefix: str = "adam", impl: str = "auto", simd: str = "auto") -> OutOfCoreAdam:
+    def open(
+        cls,
+        store: SSDStore,
+        *,
+        host_budget_bytes: int = 256 << 20,
+        slots: int = 4,
+        prefix: str = "adam",
+        impl: str = "auto",
+        simd: str = "auto",
+    ) -> OutOfCoreAdam:
         """Resume the optimizer a store holds (saved by flush()); hyper-parameters come with it."""
         meta = store.meta.get(prefix)
         if meta is None:
-            raise KeyError(f"the store {store.folder} holds no optimizer under {prefix!r} (it has "
-                           f"{sorted(store.meta)}); create one with OutOfCoreAdam.create()")
+            raise KeyError(
+                f"the store {store.folder} holds no optimizer under {prefix!r} (it has "
+                f"{sorted(store.meta)}); create one with OutOfCoreAdam.create()"
+            )
         if meta.get("broken"):
             raise RuntimeError(meta["broken"])
         budget = BYTES_PER_ELEM * meta["group_elems"] * slots
         if budget > host_budget_bytes:
-            raise ValueError(f"the stored groups of {meta['group_elems']} elements need {fmt_bytes(budget)} "
-                             f"for {slots} slots, over host_budget_bytes {fmt_bytes(host_budget_bytes)}: "
-                             "raise the budget or use fewer slots (at least 3)")
+            raise ValueError(
+                f"the stored groups of {meta['group_elems']} elements need {fmt_bytes(budget)} "
+                f"for {slots} slots, over host_budget_bytes {fmt_bytes(host_budget_bytes)}: "
+                "raise the budget or use fewer slots (at least 3)"
+            )
         return cls(store, meta, slots, impl, simd)
 
     def _key(self, i: int) -> str:
@@ -134,8 +173,8 @@ class OutOfCoreAdam:
     def _sections(self, i: int, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Group i's record in a slot and its three sections (weights, exp_avg, exp_avg_sq)."""
         n = self.section_elems[i]
-        rec = slot[:3 * n]
-        return rec, rec[:n], rec[n:2 * n], rec[2 * n:]
+        rec = slot[: 3 * n]
+        return rec, rec[:n], rec[n : 2 * n], rec[2 * n :]
 
     def _write_initial(self, params: dict[str, torch.Tensor]) -> None:
         flat = {n: p.detach().reshape(-1) for n, p in params.items()}
@@ -147,14 +186,19 @@ class OutOfCoreAdam:
             rec, p, _, _ = self._sections(i, slot)
             rec.zero_()
             for s in segs:
-                p[s.group_off:s.group_off + s.numel].copy_(flat[s.name][s.param_off:s.param_off + s.numel])
+                p[s.group_off : s.group_off + s.numel].copy_(flat[s.name][s.param_off : s.param_off + s.numel])
             pending.append(self.store.put_async(self._key(i), rec))
         for f in pending:
             f.result()
 
     # ------------------------------------------------------------------ the step
-    def step(self, grads: dict[str, torch.Tensor], low_precision_out: dict[str, torch.Tensor] | None = None,
-             *, pipelined: bool = True) -> None:
+    def step(
+        self,
+        grads: dict[str, torch.Tensor],
+        low_precision_out: dict[str, torch.Tensor] | None = None,
+        *,
+        pipelined: bool = True,
+    ) -> None:
         """One AdamW step of every parameter from grads {name: gradient}; each tensor of
         low_precision_out {name: bf16/fp16 tensor} receives that parameter's updated weights.
         pipelined=False runs read, update and write-back of each group one after the other."""
@@ -168,10 +212,12 @@ class OutOfCoreAdam:
         try:
             run(lambda i, slot: self._update(i, slot, g_flat, o_flat))
         except BaseException as exc:
-            self.broken = (f"step {self.step_count} of the out-of-core optimizer in {self.store.folder} failed "
-                           f"({type(exc).__name__}: {exc}); some groups on disk took the step and others did "
-                           "not: restore the folder from a copy taken after a flush, or create the optimizer "
-                           "anew")
+            self.broken = (
+                f"step {self.step_count} of the out-of-core optimizer in {self.store.folder} failed "
+                f"({type(exc).__name__}: {exc}); some groups on disk took the step and others did "
+                "not: restore the folder from a copy taken after a flush, or create the optimizer "
+                "anew"
+            )
             self.store.meta[self.prefix]["broken"] = self.broken  # open() refuses it, even after a restart
             raise
         self._save_meta()
@@ -181,11 +227,24 @@ class OutOfCoreAdam:
         b1, b2 = self.betas
         for s in self.groups[i]:
             a, b = s.group_off, s.group_off + s.numel
-            g = grads[s.name][s.param_off:s.param_off + s.numel]
+            g = grads[s.name][s.param_off : s.param_off + s.numel]
             o = outs.get(s.name)
-            o = None if o is None else o[s.param_off:s.param_off + s.numel]
-            adamw_update(p[a:b], m[a:b], v[a:b], g, o, self.step_count, self.lr, b1, b2, self.eps,
-                         self.weight_decay, impl=self.impl, simd=self.simd)
+            o = None if o is None else o[s.param_off : s.param_off + s.numel]
+            adamw_update(
+                p[a:b],
+                m[a:b],
+                v[a:b],
+                g,
+                o,
+                self.step_count,
+                self.lr,
+                b1,
+                b2,
+                self.eps,
+                self.weight_decay,
+                impl=self.impl,
+                simd=self.simd,
+            )
 
     def _read(self, i: int) -> StoreFuture[torch.Tensor]:
         rec, _, _, _ = self._sections(i, self.slots[i % len(self.slots)])
@@ -205,7 +264,8 @@ class OutOfCoreAdam:
         k, n = len(self.slots), len(self.groups)
         ahead = k - 1 if k < n else n  # with a slot per group, read them all at once
         futures: dict[tuple[str, int], StoreFuture[torch.Tensor | None]] = {
-            ("r", i): self._read(i) for i in range(ahead)}
+            ("r", i): self._read(i) for i in range(ahead)
+        }
         try:
             for i in range(n):
                 futures.pop(("r", i)).result()
@@ -226,15 +286,14 @@ class OutOfCoreAdam:
     def read_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """Every parameter's {"param", "exp_avg", "exp_avg_sq"} as fp32 tensors of its shape (allocates the
         whole model's states in memory: for checkpoints, checks and tests)."""
-        out = {n: {k: torch.empty(self.shapes[n]) for k in ("param", "exp_avg", "exp_avg_sq")}
-               for n in self.names}
+        out = {n: {k: torch.empty(self.shapes[n]) for k in ("param", "exp_avg", "exp_avg_sq")} for n in self.names}
         for i, segs in enumerate(self.groups):
             self._read(i).result()
             _, p, m, v = self._sections(i, self.slots[i % len(self.slots)])
             for s in segs:
                 for key, src in (("param", p), ("exp_avg", m), ("exp_avg_sq", v)):
                     dst = out[s.name][key].view(-1)
-                    dst[s.param_off:s.param_off + s.numel] = src[s.group_off:s.group_off + s.numel]
+                    dst[s.param_off : s.param_off + s.numel] = src[s.group_off : s.group_off + s.numel]
         return out
 
     def flush(self) -> None:
@@ -247,31 +306,38 @@ class OutOfCoreAdam:
 
     def _save_meta(self) -> None:
         """Step count and hyper-parameters (a schedule may have changed lr) into the store's metadata."""
-        self.store.meta[self.prefix].update(step=self.step_count, lr=self.lr, betas=list(self.betas),
-                                            eps=self.eps, weight_decay=self.weight_decay)
+        self.store.meta[self.prefix].update(
+            step=self.step_count, lr=self.lr, betas=list(self.betas), eps=self.eps, weight_decay=self.weight_decay
+        )
 
     # ------------------------------------------------------------------ checks
     def _check_grads(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         missing = [n for n in self.names if n not in grads]
         extra = [n for n in grads if n not in self.numels]
         if missing or extra:
-            raise ValueError(f"step() needs a gradient for every parameter: missing {missing[:5]}, unknown "
-                             f"{extra[:5]} (of {len(self.names)} parameters)")
+            raise ValueError(
+                f"step() needs a gradient for every parameter: missing {missing[:5]}, unknown "
+                f"{extra[:5]} (of {len(self.names)} parameters)"
+            )
         return {n: _flat(g, n, self.numels[n], GRAD_DTYPES, "gradient") for n, g in grads.items()}
 
     def _check_outputs(self, outs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         extra = [n for n in outs if n not in self.numels]
         if extra:
             raise ValueError(f"low_precision_out names unknown parameters {extra[:5]}")
-        return {n: _flat(o, n, self.numels[n], (torch.bfloat16, torch.float16), "low-precision output")
-                for n, o in outs.items()}
+        return {
+            n: _flat(o, n, self.numels[n], (torch.bfloat16, torch.float16), "low-precision output")
+            for n, o in outs.items()
+        }
 
 
 def _flat(t: torch.Tensor, name: str, numel: int, dtypes: tuple, what: str) -> torch.Tensor:
     if t.numel() != numel or t.dtype not in dtypes or t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError(f"the {what} of {name!r} must be a contiguous CPU tensor of {numel} elements in "
-                         f"{[str(d) for d in dtypes]}; got {t.numel()} elements, {t.dtype}, on {t.device}, "
-                         f"contiguous={t.is_contiguous()}")
+        raise ValueError(
+            f"the {what} of {name!r} must be a contiguous CPU tensor of {numel} elements in "
+            f"{[str(d) for d in dtypes]}; got {t.numel()} elements, {t.dtype}, on {t.device}, "
+            f"contiguous={t.is_contiguous()}"
+        )
     return t.view(-1)
 
 
@@ -282,8 +348,10 @@ def _group_elems(host_budget_bytes: int, slots: int) -> int:
     g = host_budget_bytes // (slots * BYTES_PER_ELEM) // ELEM_ALIGN * ELEM_ALIGN
     if g < ELEM_ALIGN:
         least = slots * BYTES_PER_ELEM * ELEM_ALIGN
-        raise ValueError(f"host_budget_bytes {host_budget_bytes} is too small for {slots} slots: it needs at "
-                         f"least {least} bytes ({fmt_bytes(least)})")
+        raise ValueError(
+            f"host_budget_bytes {host_budget_bytes} is too small for {slots} slots: it needs at "
+            f"least {least} bytes ({fmt_bytes(least)})"
+        )
     return g
 
 

@@ -13,15 +13,15 @@ __all__ = ["Kind", "Action"]
 
 
 class Kind(Enum):
-    LOAD = "L"          # start copying stage j's weights into a free arena slot (prefetch)
-    FWD = "F"           # forward of (j, i); saves the stage input to host for the backward's recompute
-    SEND_ACT = "SA"     # send the output of (j, i) to the gpu of stage j+1
-    RECV_ACT = "RA"     # receive the input of (j, i) from the gpu of stage j-1
-    BWD = "B"           # recompute (j, i) with grad, then backward; gradients accumulate in the arena
-    SEND_GRAD = "SG"    # send the gradient of (j, i)'s input to the gpu of stage j-1
-    RECV_GRAD = "RG"    # receive the gradient of (j, i)'s output from the gpu of stage j+1
-    OFFLOAD = "O"       # copy stage j's gradients to host, free the gradient slot, start its host update
-    RELEASE = "R"       # free stage j's weight slot
+    LOAD = "L"  # start copying stage j's weights into a free arena slot (prefetch)
+    FWD = "F"  # forward of (j, i); saves the stage input to host for the backward's recompute
+    SEND_ACT = "SA"  # send the output of (j, i) to the gpu of stage j+1
+    RECV_ACT = "RA"  # receive the input of (j, i) from the gpu of stage j-1
+    BWD = "B"  # recompute (j, i) with grad, then backward; gradients accumulate in the arena
+    SEND_GRAD = "SG"  # send the gradient of (j, i)'s input to the gpu of stage j-1
+    RECV_GRAD = "RG"  # receive the gradient of (j, i)'s output from the gpu of stage j+1
+    OFFLOAD = "O"  # copy stage j's gradients to host, free the gradient slot, start its host update
+    RELEASE = "R"  # free stage j's weight slot
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,10 @@ def check_schedules(mapping: list[int], microbatches: int, schedules: list[list[
 
 
 def _fail(g: int, k: int, acts: list[Action], why: str) -> ScheduleError:
-    window = " ".join(("[" + str(a) + "]") if n == k else str(a) for n, a in enumerate(acts[max(0, k - 6):k + 4],
-                                                                                       start=max(0, k - 6)))
+    window = " ".join(
+        ("[" + str(a) + "]") if n == k else str(a)
+        for n, a in enumerate(acts[max(0, k - 6) : k + 4], start=max(0, k - 6))
+    )
     return ScheduleError(f"gpu {g}, action {k} ({acts[k]}): {why}\n  ... {window} ...")
 
 
@@ -103,11 +105,19 @@ def _check_pair_order(mapping: list[int], schedules: list[list[Action]]) -> None
         for h in range(len(schedules)):
             if h == g:
                 continue
-            sent = [(a.kind, a.stage, a.microbatch) for a in acts
-                    if a.kind in _PEER and mapping[a.stage + _PEER[a.kind][1]] == h]
-            taken = [_sender(a) for a in schedules[h] if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD)
-                     and mapping[_sender(a)[1]] == g]
+            sent = [
+                (a.kind, a.stage, a.microbatch)
+                for a in acts
+                if a.kind in _PEER and mapping[a.stage + _PEER[a.kind][1]] == h
+            ]
+            taken = [
+                _sender(a)
+                for a in schedules[h]
+                if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD) and mapping[_sender(a)[1]] == g
+            ]
             if sent != taken:
                 k = next(i for i, (x, y) in enumerate(zip(sent + [None], taken + [None])) if x != y)
-                raise ScheduleError(f"gpu {g} -> gpu {h}: message {k} is sent as {sent[k:k + 1]} but received as "
-                                    f"{taken[k:k + 1]}; NCCL would pair them wrongly")
+                raise ScheduleError(
+                    f"gpu {g} -> gpu {h}: message {k} is sent as {sent[k : k + 1]} but received as "
+                    f"{taken[k : k + 1]}; NCCL would pair them wrongly"
+                )

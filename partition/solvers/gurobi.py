@@ -42,12 +42,10 @@ def gurobi_available() -> bool:
 
 def fits_license(model: MipModel) -> bool:
     lic = _license()
-    return lic == "full" or (lic == "size-limited" and model.num_vars <= SIZE_LIMIT
-                             and model.num_rows <= SIZE_LIMIT)
+    return lic == "full" or (lic == "size-limited" and model.num_vars <= SIZE_LIMIT and model.num_rows <= SIZE_LIMIT)
 
 
-def solve_gurobi(model: MipModel, time_limit_s: float, rel_gap: float,
-                 start: list[float] | None = None) -> MipResult:
+def solve_gurobi(model: MipModel, time_limit_s: float, rel_gap: float, start: list[float] | None = None) -> MipResult:
     """Solve with Gurobi; the caller checked fits_license(model)."""
     import gurobipy as gp
     from gurobipy import GRB
@@ -58,9 +56,15 @@ def solve_gurobi(model: MipModel, time_limit_s: float, rel_gap: float,
     env.start()
     m = gp.Model(env=env)
     m.Params.TimeLimit, m.Params.MIPGap, m.Params.Threads = float(time_limit_s), float(rel_gap), 1
-    x = [m.addVar(lb=lo if lo != -INF else -GRB.INFINITY, ub=hi if hi != INF else GRB.INFINITY,
-                  vtype=GRB.INTEGER if integer else GRB.CONTINUOUS, obj=c)
-         for lo, hi, integer, c in zip(model.lb, model.ub, model.integer, model.cost)]
+    x = [
+        m.addVar(
+            lb=lo if lo != -INF else -GRB.INFINITY,
+            ub=hi if hi != INF else GRB.INFINITY,
+            vtype=GRB.INTEGER if integer else GRB.CONTINUOUS,
+            obj=c,
+        )
+        for lo, hi, integer, c in zip(model.lb, model.ub, model.integer, model.cost)
+    ]
     for coeffs, lo, hi in model.rows:
         expr = gp.quicksum(v * x[k] for k, v in coeffs.items())
         if lo == hi:
@@ -75,7 +79,8 @@ def solve_gurobi(model: MipModel, time_limit_s: float, rel_gap: float,
             var.Start = v
     m.optimize()
     name = {GRB.OPTIMAL: "optimal", GRB.TIME_LIMIT: "time_limit", GRB.INFEASIBLE: "infeasible"}.get(
-        m.Status, f"status {m.Status}")
+        m.Status, f"status {m.Status}"
+    )
     if m.SolCount == 0:
         return MipResult("gurobi", name, INF, -INF, INF, None, watch.s)
     bound, gap = (m.ObjBound, m.MIPGap) if m.IsMIP else (m.ObjVal, 0.0)  # an LP has neither attribute

@@ -28,13 +28,11 @@ def _lp(model: MipModel, highspy):
         starts.append(len(index))
     lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = starts, index, value
     lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = n, model.num_rows
-    lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
-                       for i in model.integer]
+    lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous for i in model.integer]
     return lp
 
 
-def solve_highs(model: MipModel, time_limit_s: float, rel_gap: float,
-                start: list[float] | None = None) -> MipResult:
+def solve_highs(model: MipModel, time_limit_s: float, rel_gap: float, start: list[float] | None = None) -> MipResult:
     """Solve with a time limit and a relative gap; `start` is a MIP start (ignored if infeasible)."""
     import highspy
 
@@ -54,8 +52,18 @@ def solve_highs(model: MipModel, time_limit_s: float, rel_gap: float,
     info = h.getInfo()
     sol = h.getSolution()
     has_x = bool(sol.value_valid) and info.primal_solution_status == 2
-    name = {highspy.HighsModelStatus.kOptimal: "optimal", highspy.HighsModelStatus.kTimeLimit: "time_limit",
-            highspy.HighsModelStatus.kInfeasible: "infeasible"}.get(status, h.modelStatusToString(status))
+    name = {
+        highspy.HighsModelStatus.kOptimal: "optimal",
+        highspy.HighsModelStatus.kTimeLimit: "time_limit",
+        highspy.HighsModelStatus.kInfeasible: "infeasible",
+    }.get(status, h.modelStatusToString(status))
     obj = info.objective_function_value if has_x else INF
-    return MipResult("highs", name, obj, info.mip_dual_bound, info.mip_gap if has_x else INF,
-                     tuple(sol.col_value) if has_x else None, watch.s)
+    return MipResult(
+        "highs",
+        name,
+        obj,
+        info.mip_dual_bound,
+        info.mip_gap if has_x else INF,
+        tuple(sol.col_value) if has_x else None,
+        watch.s,
+    )

@@ -10,8 +10,18 @@ from dataclasses import dataclass, field
 import pytest
 
 from foundation.errors import UserError
-from foundation.loader import (Builder, Checked, InvalidValues, Problem, at_least, from_plain, load_file,
-                               positive, save_file, to_plain)
+from foundation.loader import (
+    Builder,
+    Checked,
+    InvalidValues,
+    Problem,
+    at_least,
+    from_plain,
+    load_file,
+    positive,
+    save_file,
+    to_plain,
+)
 from foundation.units import as_bytes
 
 
@@ -54,8 +64,13 @@ class Shelf(Checked):
         return at_least(self, "capacity_bytes", 0, "a shelf holds no negative bytes")
 
 
-GOOD = {"name": "top", "boxes": [{"label": "a", "weight_kg": 1.5}, {"label": "b", "weight_kg": 2, "size": [3, 4]}],
-        "capacity_bytes": "2GiB", "lid": {"colour": "blue"}, "rows": [["x", "y"], []]}
+GOOD = {
+    "name": "top",
+    "boxes": [{"label": "a", "weight_kg": 1.5}, {"label": "b", "weight_kg": 2, "size": [3, 4]}],
+    "capacity_bytes": "2GiB",
+    "lid": {"colour": "blue"},
+    "rows": [["x", "y"], []],
+}
 
 
 def _load(data, **kw):
@@ -86,34 +101,52 @@ def test_unknown_key_suggests_the_closest():
 
 
 def test_every_problem_at_once_on_one_line():
-    data = {"name": 5, "boxes": [{"label": "a", "weight_kg": -1}, {"label": "b"}, "c"], "colour": 1,
-            "capacity_bytes": "lots", "lid": {"colour": True}}
+    data = {
+        "name": 5,
+        "boxes": [{"label": "a", "weight_kg": -1}, {"label": "b"}, "c"],
+        "colour": 1,
+        "capacity_bytes": "lots",
+        "lid": {"colour": True},
+    }
     message = _error(data)
     assert "\n" not in message
     head, *items = re.split(r" \(\d+\) ", message)
     assert head == "shelf <dict>: 7 errors:"
     keys = [item.split(":")[0] for item in items]
-    assert keys == ["name", "boxes[0].weight_kg", "boxes[1].weight_kg", "boxes[2]", "colour", "capacity_bytes",
-                    "lid.colour"]
+    assert keys == [
+        "name",
+        "boxes[0].weight_kg",
+        "boxes[1].weight_kg",
+        "boxes[2]",
+        "colour",
+        "capacity_bytes",
+        "lid.colour",
+    ]
     assert "boxes[0].weight_kg: expected a finite number > 0, found number -1.0; fix: weigh it again" in message
     assert "boxes[1].weight_kg: expected a number (a required key), found nothing: the key is missing" in message
     assert "boxes[2]: expected a mapping with keys among label, weight_kg, size, found string 'c'" in message
 
 
-@pytest.mark.parametrize("data, needle", [
-    ({**GOOD, "name": True}, "name: expected a string, found boolean True; fix: yes/no/on/off/true/false"),
-    ({**GOOD, "boxes": [{"label": "a", "weight_kg": "2.5"}]}, "found string '2.5'; fix: remove the quotes"),
-    ({**GOOD, "boxes": [{"label": "a", "weight_kg": False}]}, "found boolean False; fix: true/false is not a"),
-    ({**GOOD, "boxes": [{"label": "a", "weight_kg": 1, "size": [1]}]}, "boxes[0].size: expected a list of 2 integers"),
-    ({**GOOD, "boxes": {"label": "a"}}, "boxes: expected a list of mappings, found mapping"),
-    ({**GOOD, "rows": [["x", 3]]}, "rows[0][1]: expected a string, found integer 3"),
-    ({**GOOD, "rows": "x"}, "rows: expected a list of lists of strings, found string 'x'"),
-    ({**GOOD, "lid": "blue"}, "lid: expected a mapping with keys among colour, found string 'blue'"),
-    ({**GOOD, "note": 3}, "note: expected a string or null, found integer 3"),
-    ({**GOOD, "where": "x"}, "where: expected one of the keys"),
-    ([1, 2], "(top level): expected a mapping with keys among name, boxes"),
-    (None, "(top level): expected a mapping"),
-])
+@pytest.mark.parametrize(
+    "data, needle",
+    [
+        ({**GOOD, "name": True}, "name: expected a string, found boolean True; fix: yes/no/on/off/true/false"),
+        ({**GOOD, "boxes": [{"label": "a", "weight_kg": "2.5"}]}, "found string '2.5'; fix: remove the quotes"),
+        ({**GOOD, "boxes": [{"label": "a", "weight_kg": False}]}, "found boolean False; fix: true/false is not a"),
+        (
+            {**GOOD, "boxes": [{"label": "a", "weight_kg": 1, "size": [1]}]},
+            "boxes[0].size: expected a list of 2 integers",
+        ),
+        ({**GOOD, "boxes": {"label": "a"}}, "boxes: expected a list of mappings, found mapping"),
+        ({**GOOD, "rows": [["x", 3]]}, "rows[0][1]: expected a string, found integer 3"),
+        ({**GOOD, "rows": "x"}, "rows: expected a list of lists of strings, found string 'x'"),
+        ({**GOOD, "lid": "blue"}, "lid: expected a mapping with keys among colour, found string 'blue'"),
+        ({**GOOD, "note": 3}, "note: expected a string or null, found integer 3"),
+        ({**GOOD, "where": "x"}, "where: expected one of the keys"),
+        ([1, 2], "(top level): expected a mapping with keys among name, boxes"),
+        (None, "(top level): expected a mapping"),
+    ],
+)
 def test_wrong_types_name_the_key_the_expected_type_and_a_fix(data, needle):
     message = _error(data)
     assert needle in message and "; fix: " in message
@@ -160,6 +193,7 @@ def test_builder_collects_problems_across_several_builds():
 
 # ---- files ----
 
+
 def _write(tmp_path, text: str, name: str = "shelf.yaml"):
     path = tmp_path / name
     path.write_text(text, encoding="utf-8")
@@ -197,11 +231,14 @@ def test_exponent_without_a_dot_is_a_float_in_yaml_and_json_floats_stay_floats(t
     assert shelf.boxes[0].weight_kg == 1e-05
 
 
-@pytest.mark.parametrize("text, name, needle", [
-    ("name: [a\n", "s.yaml", "expected valid YAML, found while parsing"),
-    ('{"name": "a",}', "s.json", "expected valid JSON, found Expecting property name"),
-    (b"\xff\xfe", "s.yaml", "expected UTF-8 text, found byte 0xff at offset 0"),
-])
+@pytest.mark.parametrize(
+    "text, name, needle",
+    [
+        ("name: [a\n", "s.yaml", "expected valid YAML, found while parsing"),
+        ('{"name": "a",}', "s.json", "expected valid JSON, found Expecting property name"),
+        (b"\xff\xfe", "s.yaml", "expected UTF-8 text, found byte 0xff at offset 0"),
+    ],
+)
 def test_unreadable_files(tmp_path, text, name, needle):
     path = tmp_path / name
     path.write_bytes(text if isinstance(text, bytes) else text.encode())
@@ -214,9 +251,19 @@ def test_missing_file_and_folder(tmp_path):
     assert "cannot be read (Is a directory)" in _file_error(tmp_path)
 
 
-AWKWARD = Shelf(name="1e5", boxes=(Box("yes", 1e-05, (0, 2**40)), Box("null", 5e-324, (-3, 7)),
-                                   Box("0x1F", 1 / 3, (1, 1)), Box("3.0", 1e16, (1, 1))),
-                capacity_bytes=2**45, lid=Lid("on"), rows=(("1e-3", "~", "", "a: b"), ()), note="é")
+AWKWARD = Shelf(
+    name="1e5",
+    boxes=(
+        Box("yes", 1e-05, (0, 2**40)),
+        Box("null", 5e-324, (-3, 7)),
+        Box("0x1F", 1 / 3, (1, 1)),
+        Box("3.0", 1e16, (1, 1)),
+    ),
+    capacity_bytes=2**45,
+    lid=Lid("on"),
+    rows=(("1e-3", "~", "", "a: b"), ()),
+    note="é",
+)
 
 
 @pytest.mark.parametrize("suffix", [".yaml", ".yml", ".json"])
@@ -244,6 +291,9 @@ def test_path_fields_start_at_the_files_folder(tmp_path):
     job = load_file(Job, path, what="job", error=ShelfError, fix="x")
     assert job.script == str(tmp_path / "run.sh")
     path.write_text("script: nope.sh\n")
-    with pytest.raises(ShelfError, match=r"script: expected an existing file.*nope\.sh.*which does not exist; fix: "
-                                         r"point it at an existing script"):
+    with pytest.raises(
+        ShelfError,
+        match=r"script: expected an existing file.*nope\.sh.*which does not exist; fix: "
+        r"point it at an existing script",
+    ):
         load_file(Job, path, what="job", error=ShelfError, fix="x")

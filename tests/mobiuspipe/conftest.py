@@ -12,14 +12,15 @@ import yaml
 from torch import nn
 
 from mobiuspipe.config import RunConfig
+from mobiuspipe.config_plan import gpt_spec
 from mobiuspipe.dataset import ByteData
 from mobiuspipe.models.gpt import build_layers, lm_loss
 from mobiuspipe.optim import CPUAdam
-from mobiuspipe.config_plan import gpt_spec
 
 
-def reference_run(cfg: RunConfig, microbatched: bool = True,
-                  optimizer=CPUAdam) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference_run(
+    cfg: RunConfig, microbatched: bool = True, optimizer=CPUAdam
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Losses of every step and the final weights by "layer.param", with no pipeline.
 
     microbatched=True accumulates the gradients of loss_i / M over the same microbatches as the pipeline
@@ -56,8 +57,9 @@ def _reference_run(cfg: RunConfig, microbatched: bool, optimizer) -> tuple[list[
             total += loss.item()
         opt.step()
         losses.append(total)
-    weights = {f"{l}.{name}": p.detach().clone() for l in range(spec.num_layers)
-               for name, p in layers[l].named_parameters()}
+    weights = {
+        f"{l}.{name}": p.detach().clone() for l in range(spec.num_layers) for name, p in layers[l].named_parameters()
+    }
     return losses, weights
 
 
@@ -75,8 +77,17 @@ def write_config(tmp_path: Path, d: dict) -> Path:
 
 def torchrun(config: Path, nproc: int, timeout: float = 240) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node nproc -m mobiuspipe.train --config config`, bounded in time."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "mobiuspipe.train", "--config", str(config)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "mobiuspipe.train",
+        "--config",
+        str(config),
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 

@@ -62,9 +62,9 @@ def test_crc32c_known_value_paths_agree_and_combine():
     for n in [0, 1, 7, 8, 9, 63, 4097, 3 * 4096 - 1, 3 * 4096, 3 * 4096 + 11, 100_003, (1 << 20) + 5]:
         data = torch.randint(0, 256, (n + 3,), dtype=torch.uint8, generator=g)[3:]  # unaligned start
         assert _ext.C.crc32c(data) == _ext.C.crc32c(data, reference=True)
-        head = _ext.C.crc32c(data[:n // 3])
-        assert _ext.C.crc32c(data[n // 3:], head) == _ext.C.crc32c(data)  # continues a running checksum
-        tail = _ext.C.crc32c(data[n // 3:])
+        head = _ext.C.crc32c(data[: n // 3])
+        assert _ext.C.crc32c(data[n // 3 :], head) == _ext.C.crc32c(data)  # continues a running checksum
+        tail = _ext.C.crc32c(data[n // 3 :])
         assert _ext.C.crc32c_combine(head, tail, n - n // 3) == _ext.C.crc32c(data)  # joins two checksums
 
 
@@ -235,8 +235,9 @@ except SwapIOError as e:
     print(e.errno, e.offset)
     print(e)
 """
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "big")], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "big")], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     first, message = out.stdout.split("\n", 1)
     err, offset = map(int, first.split())
@@ -275,7 +276,7 @@ def test_registered_buffers_round_trip_and_resume_short_transfers(tmp_path):
         pytest.skip(f"io_uring refused to register buffers here: {why}")
     assert io.register(bufs) == "this engine's registered buffers are already taken"
     with _opened(tmp_path / "f", True) as fd:
-        src, dst = bufs[0][ALIGN:], bufs[1][:3 * BLOCK]  # views inside the registered memory
+        src, dst = bufs[0][ALIGN:], bufs[1][: 3 * BLOCK]  # views inside the registered memory
         src.copy_(_random_bytes(3 * BLOCK, seed=8))
         io.inject_fault(1, 0, short_bytes=3 * ALIGN)
         io.wait(io.submit(fd, src, 0, True, True, "f"))
@@ -292,8 +293,7 @@ def test_registered_buffers_round_trip_and_resume_short_transfers(tmp_path):
 def test_python_and_cpp_share_the_engine_constants():
     from mobiuspipe.memory import pyio
 
-    assert (_ext.C.IO_ALIGN, _ext.C.IO_SHORT_READ, _ext.C.IO_SHORT_WRITE) == (ALIGN, pyio.SHORT_READ,
-                                                                                pyio.SHORT_WRITE)
+    assert (_ext.C.IO_ALIGN, _ext.C.IO_SHORT_READ, _ext.C.IO_SHORT_WRITE) == (ALIGN, pyio.SHORT_READ, pyio.SHORT_WRITE)
 
 
 def test_huge_page_alignment_can_be_turned_off(monkeypatch):

@@ -69,8 +69,9 @@ def test_env_text(capsys):
 
 
 def test_module_entry_runs_env():
-    done = subprocess.run([sys.executable, "-m", "mobiuspipe", "env", "--json"], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "mobiuspipe", "env", "--json"], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert "solvers" in json.loads(done.stdout)
 
@@ -88,8 +89,20 @@ def test_topology_json_contract(capsys, name):
 def test_partition_json_contract(planned):
     d, _, _, err = planned
     assert err == ""
-    assert {"model", "num_gpus", "num_stages", "stages", "predicted_step_time_s", "solver", "mapping",
-            "num_microbatches", "slot_bytes", "arena_bytes", "activation_bytes", "gpu_memory_bytes"} <= set(d)
+    assert {
+        "model",
+        "num_gpus",
+        "num_stages",
+        "stages",
+        "predicted_step_time_s",
+        "solver",
+        "mapping",
+        "num_microbatches",
+        "slot_bytes",
+        "arena_bytes",
+        "activation_bytes",
+        "gpu_memory_bytes",
+    } <= set(d)
     assert set(d["solver"]) == {"name", "status", "gap", "wall_s"}
     assert d["model"] == "gpt3-175b" and d["num_gpus"] == 4
     assert d["num_stages"] == len(d["stages"]) > d["num_gpus"]
@@ -111,8 +124,9 @@ def test_partition_stages_cover_every_layer_in_order(planned):
 def test_plan_file_matches_the_json(planned):
     d, path, _, _ = planned
     plan = load_plan(path)
-    assert [{"layers": [s.first, s.last], "gpu": s.gpu} for s in plan.stages] == \
-           [{"layers": s["layers"], "gpu": s["gpu"]} for s in d["stages"]]
+    assert [{"layers": [s.first, s.last], "gpu": s.gpu} for s in plan.stages] == [
+        {"layers": s["layers"], "gpu": s["gpu"]} for s in d["stages"]
+    ]
     assert plan.predicted_step_time_s == d["predicted_step_time_s"]
 
 
@@ -122,15 +136,28 @@ def test_timeline_svg_is_well_formed(planned):
 
 
 def test_partition_text_has_header_table_and_timeline(tmp_path, capsys):
-    argv = ["partition", "--model", "gpt3-13b", "--topology", "2+2", "--stages", "8", "--microbatches", "2",
-            "-o", str(tmp_path / "plan.json")]
+    argv = [
+        "partition",
+        "--model",
+        "gpt3-13b",
+        "--topology",
+        "2+2",
+        "--stages",
+        "8",
+        "--microbatches",
+        "2",
+        "-o",
+        str(tmp_path / "plan.json"),
+    ]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert out.startswith("plan: gpt3-13b on topology 2+2: 8 stages on 4 gpus, cross mapping (contention 3.00), 2 microbatches")
+    assert out.startswith(
+        "plan: gpt3-13b on topology 2+2: 8 stages on 4 gpus, cross mapping (contention 3.00), 2 microbatches"
+    )
     assert "predicted step time" in out and "solver " in out
     lines = out.splitlines()
     head = next(k for k, line in enumerate(lines) if line.split()[:2] == ["j", "layers"])
-    assert [line.split()[0] for line in lines[head + 1:head + 9]] == [str(j) for j in range(8)]
+    assert [line.split()[0] for line in lines[head + 1 : head + 9]] == [str(j) for j in range(8)]
     for g in range(4):
         assert sum(line.startswith(f"gpu {g} compute") for line in lines) == 1
     assert load_plan(tmp_path / "plan.json").num_stages == 8  # .json suffix -> JSON, read back
@@ -149,8 +176,11 @@ def test_unknown_topology():
     assert_user_error(["partition", "--model", "gpt3-1.3b", "--topology", "5+5"], "5+5", "2+2")
 
 
-@pytest.mark.parametrize("text", ["gpus: [\n  - name: x\n", "name: box\ngpus: []\nroot_complexes: []\n", "- 1\n"],
-                         ids=["bad-yaml", "empty-lists", "not-a-mapping"])
+@pytest.mark.parametrize(
+    "text",
+    ["gpus: [\n  - name: x\n", "name: box\ngpus: []\nroot_complexes: []\n", "- 1\n"],
+    ids=["bad-yaml", "empty-lists", "not-a-mapping"],
+)
 def test_malformed_layout_file(tmp_path, text):
     path = tmp_path / "box.yaml"
     path.write_text(text)
@@ -168,7 +198,20 @@ def test_unknown_gpu_name_in_layout(tmp_path):
 
 
 def test_unwritable_output(tmp_path):
-    assert_user_error(["partition", "--model", "gpt3-13b", "--topology", "2+2", "--stages", "8", "-o", str(tmp_path / "no" / "plan.yaml")], "cannot write")
+    assert_user_error(
+        [
+            "partition",
+            "--model",
+            "gpt3-13b",
+            "--topology",
+            "2+2",
+            "--stages",
+            "8",
+            "-o",
+            str(tmp_path / "no" / "plan.yaml"),
+        ],
+        "cannot write",
+    )
 
 
 def test_too_large_reserve():

@@ -40,18 +40,38 @@ def test_analytic_table_has_one_row_per_run():
     assert code == 0, err
     assert "gpt3-175b on NVIDIA GeForce RTX 3090 Ti (analytic" in out
     rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
-    assert [(r[0], r[1], r[2]) for r in rows] == [("0-0", "embedding", "1"), ("1-96", "block", "96"),
-                                                 ("97-97", "head", "1")]
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        ("0-0", "embedding", "1"),
+        ("1-96", "block", "96"),
+        ("97-97", "head", "1"),
+    ]
     assert "175.222e9 parameters" in out
 
 
 def test_json_document_loads_back(tmp_path):
-    code, out, err = run(["profile", "--model", "llama2-70b", "--gpu", "H100 PCIe", "--microbatch-size", "2",
-                          "--dtype", "bf16", "--json"])
+    code, out, err = run(
+        [
+            "profile",
+            "--model",
+            "llama2-70b",
+            "--gpu",
+            "H100 PCIe",
+            "--microbatch-size",
+            "2",
+            "--dtype",
+            "bf16",
+            "--json",
+        ]
+    )
     assert code == 0 and err == ""
     d = json.loads(out)
-    assert (d["model"], d["device"], d["dtype"], d["microbatch_size"], d["seq_len"]) == \
-        ("llama2-70b", "NVIDIA H100 PCIe", "bf16", 2, 4096)
+    assert (d["model"], d["device"], d["dtype"], d["microbatch_size"], d["seq_len"]) == (
+        "llama2-70b",
+        "NVIDIA H100 PCIe",
+        "bf16",
+        2,
+        4096,
+    )
     assert len(d["layers"]) == 82 and [r["count"] for r in d["runs"]] == [1, 80, 1]
     assert sum(x["param_count"] for x in d["layers"]) == MODELS["llama2-70b"].param_count
     path = tmp_path / "p.json"
@@ -61,8 +81,9 @@ def test_json_document_loads_back(tmp_path):
 
 def test_output_file_and_json_stdout_stays_clean(tmp_path):
     path = tmp_path / "prof.yaml"
-    code, out, err = run(["profile", "--model", str(DATA / "mistral-7b.json"), "--seq-len", "4096", "-o", str(path),
-                          "--json"])
+    code, out, err = run(
+        ["profile", "--model", str(DATA / "mistral-7b.json"), "--seq-len", "4096", "-o", str(path), "--json"]
+    )
     assert code == 0
     d = json.loads(out)
     assert load_profile(path).to_dict() == {k: v for k, v in d.items() if k != "runs"}
@@ -72,8 +93,9 @@ def test_output_file_and_json_stdout_stays_clean(tmp_path):
 
 def test_measured_tiny_gpt2_config(tmp_path):
     path = tmp_path / "m.yaml"
-    code, out, err = run(["profile", "--model", str(DATA / "tiny-gpt2"), "--measured", "--dtype", "fp32",
-                          "-o", str(path)])
+    code, out, err = run(
+        ["profile", "--model", str(DATA / "tiny-gpt2"), "--measured", "--dtype", "fp32", "-o", str(path)]
+    )
     assert code == 0, err
     assert "3 of 8 layers run" in out
     p = load_profile(path)
@@ -90,16 +112,21 @@ def test_measured_on_cpu_defaults_to_bf16_and_refuses_fp16():
     assert code == 2 and "bf16" in err
 
 
-@pytest.mark.parametrize("argv,needles", [
-    (["--model", "gpt3-7b"], ["unknown model 'gpt3-7b'", "gpt3-175b", "llama2-70b"]),
-    (["--model", str(DATA / "no-ffn-llama.json")], ["no-ffn-llama.json", "missing 'intermediate_size'",
-                                                    "MLP width"]),
-    (["--model", "gpt3-125m", "--gpu", "RTX 2080"], ["--gpu", "RTX 2080", "RTX 3090 Ti"]),
-    (["--model", "gpt3-1.3b", "--measured"], ["gpt3-1.3b", "1e9", "drop --measured"]),
-    (["--model", "llama2-7b", "--measured"], ["llama", "drop --measured"]),
-    (["--model", str(DATA / "tiny-gpt2"), "--measured", "--gpu", "RTX 4090"], ["--gpu", "this machine"]),
-    (["--model", "gpt3-125m", "-o", "/nonexistent/dir/p.yaml"], ["cannot write the profile", "p.yaml"]),
-])
+@pytest.mark.parametrize(
+    "argv,needles",
+    [
+        (["--model", "gpt3-7b"], ["unknown model 'gpt3-7b'", "gpt3-175b", "llama2-70b"]),
+        (
+            ["--model", str(DATA / "no-ffn-llama.json")],
+            ["no-ffn-llama.json", "missing 'intermediate_size'", "MLP width"],
+        ),
+        (["--model", "gpt3-125m", "--gpu", "RTX 2080"], ["--gpu", "RTX 2080", "RTX 3090 Ti"]),
+        (["--model", "gpt3-1.3b", "--measured"], ["gpt3-1.3b", "1e9", "drop --measured"]),
+        (["--model", "llama2-7b", "--measured"], ["llama", "drop --measured"]),
+        (["--model", str(DATA / "tiny-gpt2"), "--measured", "--gpu", "RTX 4090"], ["--gpu", "this machine"]),
+        (["--model", "gpt3-125m", "-o", "/nonexistent/dir/p.yaml"], ["cannot write the profile", "p.yaml"]),
+    ],
+)
 def test_user_errors_are_one_line(argv, needles):
     code, out, err = run(["profile", *argv])
     assert code == 2 and out == ""

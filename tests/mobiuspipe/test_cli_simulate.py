@@ -139,4 +139,3 @@ def test_missing_plan_file(tmp_path):
         run(["simulate", "--plan", str(tmp_path / "none.yaml")])
     with pytest.raises(SystemExit):
         parser().parse_args(["simulate"])  # --plan is required
-

@@ -1,5 +1,6 @@
 """Tests of the run config: loading, defaults, round trip, and every kind of error it reports."""
 
+import ast
 import dataclasses
 import pickle
 import re
@@ -7,9 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from mobiuspipe.config import (DataConfig, ModelConfig, PlanConfig, RunConfig, RuntimeConfig,
-                               TrainConfig, config_from_dict, load_config)
 from foundation.loader import InvalidValues
+from mobiuspipe.config import (
+    DataConfig,
+    ModelConfig,
+    PlanConfig,
+    RunConfig,
+    RuntimeConfig,
+    TrainConfig,
+    config_from_dict,
+    load_config,
+)
 from mobiuspipe.errors import ConfigError
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-gpt.yaml"
@@ -35,10 +44,10 @@ def test_example_loads_with_expected_values():
     assert cfg.source == str(EXAMPLE)
     assert cfg.model == ModelConfig(vocab_size=256, num_blocks=6, d_model=64, num_heads=4, seq_len=64)
     assert cfg.data == DataConfig(path=None, batch_size=8, num_microbatches=4)
-    assert cfg.train == TrainConfig(steps=20, lr=3e-3, betas=(0.9, 0.95), eps=1e-8,
-                                    weight_decay=0.0, seed=0, log_every=1, out_dir=None)
-    assert cfg.plan == PlanConfig(file=None, num_gpus=2, num_stages=4, mapping="cross",
-                                  device_memory_mb=64.0)
+    assert cfg.train == TrainConfig(
+        steps=20, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, seed=0, log_every=1, out_dir=None
+    )
+    assert cfg.plan == PlanConfig(file=None, num_gpus=2, num_stages=4, mapping="cross", device_memory_mb=64.0)
     assert cfg.runtime == RuntimeConfig(comm_timeout_s=60.0, threads=1)
     assert cfg.num_layers == 8 and cfg.microbatch_size == 2
     assert cfg.data.text_path.endswith("sample.txt")
@@ -52,12 +61,20 @@ def test_sections_are_frozen():
 
 def test_every_field_has_a_docstring():
     source = Path(__file__).resolve().parents[2] / "mobiuspipe" / "config.py"
-    lines = source.read_text().splitlines()
+    classes = {n.name: n for n in ast.parse(source.read_text()).body if isinstance(n, ast.ClassDef)}
     for cls in (ModelConfig, DataConfig, TrainConfig, PlanConfig, RuntimeConfig, RunConfig):
+        body = classes[cls.__name__].body
+        documented = {
+            stmt.target.id
+            for stmt, nxt in zip(body, body[1:])
+            if isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        }
         for f in dataclasses.fields(cls):
-            at = next(i for i, line in enumerate(lines) if line.startswith(f"    {f.name}:"))
-            after = next(line for line in lines[at + 1:] if not line.startswith("        "))
-            assert after.strip().startswith('"""'), f"{cls.__name__}.{f.name} has no docstring"
+            assert f.name in documented, f"{cls.__name__}.{f.name} has no docstring"
 
 
 @pytest.mark.parametrize("text", ["", "# only a comment\n", "model: {}\ntrain:\n"])
@@ -81,8 +98,13 @@ def test_exponent_without_dot_is_a_float(tmp_path):
 
 def test_round_trip(tmp_path):
     (tmp_path / "text.txt").write_text("hello")
-    cfg = load_config(write(tmp_path, "data: {path: text.txt, batch_size: 6, num_microbatches: 3}\n"
-                                      "train: {betas: [0.5, 0.75], out_dir: runs/x}\n"))
+    cfg = load_config(
+        write(
+            tmp_path,
+            "data: {path: text.txt, batch_size: 6, num_microbatches: 3}\n"
+            "train: {betas: [0.5, 0.75], out_dir: runs/x}\n",
+        )
+    )
     plain = cfg.to_dict()
     assert "source" not in plain and plain["train"]["betas"] == [0.5, 0.75]
     assert config_from_dict(plain, source=cfg.source) == cfg
@@ -96,8 +118,7 @@ def test_relative_paths_resolve_against_config_folder(tmp_path, monkeypatch):
     (folder / "data").mkdir(parents=True)
     (folder / "data" / "text.txt").write_text("abc")
     (folder / "plan.yaml").write_text("stages: []\n")
-    path = write(folder, "data:\n  path: data/text.txt\nplan:\n  file: plan.yaml\n"
-                         "train:\n  out_dir: runs\n")
+    path = write(folder, "data:\n  path: data/text.txt\nplan:\n  file: plan.yaml\ntrain:\n  out_dir: runs\n")
     monkeypatch.chdir(tmp_path)
     cfg = load_config(path.relative_to(tmp_path))
     assert cfg.data.path == str(folder / "data" / "text.txt")
@@ -128,53 +149,62 @@ def test_source_is_not_a_yaml_key(tmp_path):
     assert "unknown key 'source'" in load_error(tmp_path, "source: x.yaml\n")
 
 
-@pytest.mark.parametrize("text, key, hint", [
-    ("model:\n  d_model: '64'\n", "model.d_model", "remove the quotes"),
-    ("train:\n  lr: fast\n", "train.lr", "expected a number"),
-    ("train:\n  steps: 2.5\n", "train.steps", "expected an integer"),
-    ("plan:\n  mapping: 3\n", "plan.mapping", "expected a string"),
-    ("train:\n  betas: [0.9]\n", "train.betas", "a list of 2 numbers"),
-    ("train:\n  betas: 0.9\n", "train.betas", "a list of 2 numbers"),
-    ("data:\n  path: 7\n", "data.path", "a string or null"),
-    ("train: 5\n", "train", "expected a mapping"),
-])
+@pytest.mark.parametrize(
+    "text, key, hint",
+    [
+        ("model:\n  d_model: '64'\n", "model.d_model", "remove the quotes"),
+        ("train:\n  lr: fast\n", "train.lr", "expected a number"),
+        ("train:\n  steps: 2.5\n", "train.steps", "expected an integer"),
+        ("plan:\n  mapping: 3\n", "plan.mapping", "expected a string"),
+        ("train:\n  betas: [0.9]\n", "train.betas", "a list of 2 numbers"),
+        ("train:\n  betas: 0.9\n", "train.betas", "a list of 2 numbers"),
+        ("data:\n  path: 7\n", "data.path", "a string or null"),
+        ("train: 5\n", "train", "expected a mapping"),
+    ],
+)
 def test_wrong_type(tmp_path, text, key, hint):
     message = load_error(tmp_path, text)
     assert key in message and hint in message and "fix:" in message
 
 
-@pytest.mark.parametrize("text, key", [
-    ("model:\n  num_blocks: true\n", "model.num_blocks"),
-    ("train:\n  lr: false\n", "train.lr"),
-])
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("model:\n  num_blocks: true\n", "model.num_blocks"),
+        ("train:\n  lr: false\n", "train.lr"),
+    ],
+)
 def test_bool_is_not_a_number(tmp_path, text, key):
     message = load_error(tmp_path, text)
     assert key in message and "found boolean" in message
 
 
-@pytest.mark.parametrize("section, values, key, found", [
-    ("train", "lr: 0", "train.lr", "0.0"),
-    ("train", "lr: -0.1", "train.lr", "-0.1"),
-    ("train", "lr: .nan", "train.lr", "nan"),
-    ("train", "weight_decay: -0.01", "train.weight_decay", "-0.01"),
-    ("train", "eps: -1.0e-8", "train.eps", "-1e-08"),
-    ("train", "betas: [0.9, 1.0]", "train.betas", "[0.9, 1.0]"),
-    ("train", "betas: [-0.1, 0.9]", "train.betas", "[-0.1, 0.9]"),
-    ("train", "steps: 0", "train.steps", "0"),
-    ("data", "batch_size: 0", "data.batch_size", "0"),
-    ("data", "num_microbatches: 0", "data.num_microbatches", "0"),
-    ("data", "batch_size: 6", "data.batch_size", "batch_size 6 with num_microbatches 4"),
-    ("model", "d_model: 66", "model.d_model", "d_model 66 with num_heads 4"),
-    ("plan", "num_gpus: 0", "plan.num_gpus", "0"),
-    ("plan", "num_gpus: 3\n  num_stages: 2", "plan.num_stages", "more gpus than stages"),
-    ("plan", "num_stages: 9", "plan.num_stages", "9 stages for 8 layers"),
-    ("plan", "mapping: ring", "plan.mapping", "'ring'"),
-    ("plan", "device_memory_mb: 0", "plan.device_memory_mb", "0.0"),
-    ("runtime", "comm_timeout_s: -1", "runtime.comm_timeout_s", "-1.0"),
-    ("runtime", "threads: 0", "runtime.threads", "0"),
-    ("model", "vocab_size: 0", "model.vocab_size", "0"),
-    ("model", "vocab_size: 65537", "model.vocab_size", "65537"),
-])
+@pytest.mark.parametrize(
+    "section, values, key, found",
+    [
+        ("train", "lr: 0", "train.lr", "0.0"),
+        ("train", "lr: -0.1", "train.lr", "-0.1"),
+        ("train", "lr: .nan", "train.lr", "nan"),
+        ("train", "weight_decay: -0.01", "train.weight_decay", "-0.01"),
+        ("train", "eps: -1.0e-8", "train.eps", "-1e-08"),
+        ("train", "betas: [0.9, 1.0]", "train.betas", "[0.9, 1.0]"),
+        ("train", "betas: [-0.1, 0.9]", "train.betas", "[-0.1, 0.9]"),
+        ("train", "steps: 0", "train.steps", "0"),
+        ("data", "batch_size: 0", "data.batch_size", "0"),
+        ("data", "num_microbatches: 0", "data.num_microbatches", "0"),
+        ("data", "batch_size: 6", "data.batch_size", "batch_size 6 with num_microbatches 4"),
+        ("model", "d_model: 66", "model.d_model", "d_model 66 with num_heads 4"),
+        ("plan", "num_gpus: 0", "plan.num_gpus", "0"),
+        ("plan", "num_gpus: 3\n  num_stages: 2", "plan.num_stages", "more gpus than stages"),
+        ("plan", "num_stages: 9", "plan.num_stages", "9 stages for 8 layers"),
+        ("plan", "mapping: ring", "plan.mapping", "'ring'"),
+        ("plan", "device_memory_mb: 0", "plan.device_memory_mb", "0.0"),
+        ("runtime", "comm_timeout_s: -1", "runtime.comm_timeout_s", "-1.0"),
+        ("runtime", "threads: 0", "runtime.threads", "0"),
+        ("model", "vocab_size: 0", "model.vocab_size", "0"),
+        ("model", "vocab_size: 65537", "model.vocab_size", "65537"),
+    ],
+)
 def test_impossible_value(tmp_path, section, values, key, found):
     message = load_error(tmp_path, f"{section}:\n  {values}\n")
     assert key in message and found in message and "fix:" in message
@@ -218,14 +248,24 @@ def test_top_level_not_a_mapping(tmp_path, text):
 
 
 def test_several_errors_reported_together(tmp_path):
-    message = load_error(tmp_path, "model:\n  num_blockz: 4\n  d_model: 66\ntrain:\n  lr: -1\n"
-                                   "  eps: -1\ndata:\n  batch_size: 0\nruntime:\n  threads: true\n"
-                                   "plan:\n  mapping: ring\n")
+    message = load_error(
+        tmp_path,
+        "model:\n  num_blockz: 4\n  d_model: 66\ntrain:\n  lr: -1\n"
+        "  eps: -1\ndata:\n  batch_size: 0\nruntime:\n  threads: true\n"
+        "plan:\n  mapping: ring\n",
+    )
     assert message.count("\n") == 0  # one line, as the CLI prints it
     head, *items = re.split(r" \(\d+\) ", message)
     assert head.endswith("7 errors:") and "run.yaml" in head and len(items) == 7
-    for key in ("model.num_blockz", "model.d_model", "train.lr", "train.eps", "data.batch_size",
-                "runtime.threads", "plan.mapping"):
+    for key in (
+        "model.num_blockz",
+        "model.d_model",
+        "train.lr",
+        "train.eps",
+        "data.batch_size",
+        "runtime.threads",
+        "plan.mapping",
+    ):
         assert sum(item.startswith(key + ": expected") for item in items) == 1, key
     assert "did you mean 'num_blocks'" in message
 

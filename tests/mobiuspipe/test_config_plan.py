@@ -5,16 +5,20 @@ from __future__ import annotations
 import pytest
 
 from mobiuspipe.config import config_from_dict
+from mobiuspipe.config_plan import gpt_spec, plan_for_config
 from mobiuspipe.errors import ConfigError
 from mobiuspipe.models.gpt import build_layers
-from mobiuspipe.config_plan import gpt_spec, plan_for_config
 from partition.models import layer_param_counts
 from partition.plan import save_plan
 
 
 def _cfg(**plan):
-    return config_from_dict({"model": {"num_blocks": 3, "d_model": 12, "num_heads": 3, "seq_len": 9},
-                             "plan": {"num_gpus": 2, "num_stages": 3, **plan}})
+    return config_from_dict(
+        {
+            "model": {"num_blocks": 3, "d_model": 12, "num_heads": 3, "seq_len": 9},
+            "plan": {"num_gpus": 2, "num_stages": 3, **plan},
+        }
+    )
 
 
 def test_analytic_parameter_counts_equal_the_real_layers():
@@ -39,8 +43,12 @@ def test_too_small_device_memory_is_infeasible():
 
 
 def test_plan_file_for_another_model_is_refused(tmp_path):
-    other = config_from_dict({"model": {"num_blocks": 3, "d_model": 16, "num_heads": 2, "seq_len": 9},
-                              "plan": {"num_gpus": 2, "num_stages": 3}})
+    other = config_from_dict(
+        {
+            "model": {"num_blocks": 3, "d_model": 16, "num_heads": 2, "seq_len": 9},
+            "plan": {"num_gpus": 2, "num_stages": 3},
+        }
+    )
     save_plan(plan_for_config(other), tmp_path / "plan.yaml")
     with pytest.raises(ConfigError, match=r"stage 0 \(layers 0\.\.\d+\) has \d+ parameters .* another model"):
         plan_for_config(_cfg(file=str(tmp_path / "plan.yaml")))
@@ -48,8 +56,12 @@ def test_plan_file_for_another_model_is_refused(tmp_path):
 
 def test_plan_file_with_other_microbatches_is_refused(tmp_path):
     save_plan(plan_for_config(_cfg()), tmp_path / "plan.yaml")
-    cfg = config_from_dict({"model": {"num_blocks": 3, "d_model": 12, "num_heads": 3, "seq_len": 9},
-                            "data": {"batch_size": 6, "num_microbatches": 3},
-                            "plan": {"num_gpus": 2, "num_stages": 3, "file": str(tmp_path / "plan.yaml")}})
+    cfg = config_from_dict(
+        {
+            "model": {"num_blocks": 3, "d_model": 12, "num_heads": 3, "seq_len": 9},
+            "data": {"batch_size": 6, "num_microbatches": 3},
+            "plan": {"num_gpus": 2, "num_stages": 3, "file": str(tmp_path / "plan.yaml")},
+        }
+    )
     with pytest.raises(ConfigError, match="the plan is for 4 microbatches, data.num_microbatches is 3"):
         plan_for_config(cfg)

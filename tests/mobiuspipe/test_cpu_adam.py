@@ -162,7 +162,7 @@ def test_non_contiguous_and_closure_use_the_fallback():
 
     def closure():
         opt.zero_grad()
-        loss = (p ** 2).sum()
+        loss = (p**2).sum()
         loss.backward()
         return loss
 
@@ -186,17 +186,19 @@ def test_unknown_simd_path_is_refused():
 
 
 def test_missing_extension_warns_once_and_falls_back():
-    code = ("import sys, warnings\n"
-            "sys.modules['mobiuspipe._C'] = None\n"  # what a failed build looks like to the import
-            "with warnings.catch_warnings(record=True) as w:\n"
-            "    warnings.simplefilter('always')\n"
-            "    from mobiuspipe import _ext\n"
-            "    from mobiuspipe.optim import CPUAdam\n"
-            "    import mobiuspipe._ext\n"
-            "import torch\n"
-            "p = torch.nn.Parameter(torch.ones(3)); p.grad = torch.ones(3)\n"
-            "CPUAdam([p]).step()\n"
-            "print(_ext.HAVE_C, len([x for x in w if 'C++ extension' in str(x.message)]), float(p[0]))\n")
+    code = (
+        "import sys, warnings\n"
+        "sys.modules['mobiuspipe._C'] = None\n"  # what a failed build looks like to the import
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    from mobiuspipe import _ext\n"
+        "    from mobiuspipe.optim import CPUAdam\n"
+        "    import mobiuspipe._ext\n"
+        "import torch\n"
+        "p = torch.nn.Parameter(torch.ones(3)); p.grad = torch.ones(3)\n"
+        "CPUAdam([p]).step()\n"
+        "print(_ext.HAVE_C, len([x for x in w if 'C++ extension' in str(x.message)]), float(p[0]))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     have, nwarn, p0 = out.stdout.split()
@@ -210,11 +212,11 @@ def test_unaligned_views_of_a_flat_buffer(path):
     sizes, offsets = [17, 1023, 40_001], [1, 19, 1045]
     flat = torch.randn(42_000, generator=torch.Generator().manual_seed(3))
     gflat = torch.randn(42_000, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
-    ours = [torch.nn.Parameter(flat[o:o + n]) for o, n in zip(offsets, sizes)]
+    ours = [torch.nn.Parameter(flat[o : o + n]) for o, n in zip(offsets, sizes)]
     refs = [torch.nn.Parameter(p.detach().double().clone()) for p in ours]
     opt, ref = CPUAdam(ours, lr=1e-2, impl=impl, simd=simd), torch.optim.AdamW(refs, lr=1e-2)
     for _ in range(2):
-        grads = {p: gflat[o + 1:o + 1 + n] for p, o, n in zip(ours, offsets, sizes)}
+        grads = {p: gflat[o + 1 : o + 1 + n] for p, o, n in zip(ours, offsets, sizes)}
         for p, r in zip(ours, refs):
             r.grad = grads[p].double()
         opt.step_fused({}, grads=grads)

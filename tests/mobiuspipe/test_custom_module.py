@@ -65,8 +65,18 @@ def _assert_same(losses, weights, ref_losses, ref_weights):
 @pytest.mark.slow
 def test_example_on_two_ranks_equals_plain_pytorch(tmp_path):
     steps = 6
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(EXAMPLE),
-           "--steps", str(steps), "--out", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(EXAMPLE),
+        "--steps",
+        str(steps),
+        "--out",
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "4 stages on 2 ranks" in proc.stdout
@@ -78,8 +88,14 @@ def test_example_on_two_ranks_equals_plain_pytorch(tmp_path):
 def test_in_process_pipeline_equals_plain_pytorch():
     ex = _example()
     torch.set_num_threads(1)
-    with Pipeline(ex.layer_factories(), F.mse_loss, optimizer=ex.optimizer, sample=ex.batch(0),
-                  num_microbatches=ex.MICROBATCHES, num_stages=ex.STAGES) as pipe:
+    with Pipeline(
+        ex.layer_factories(),
+        F.mse_loss,
+        optimizer=ex.optimizer,
+        sample=ex.batch(0),
+        num_microbatches=ex.MICROBATCHES,
+        num_stages=ex.STAGES,
+    ) as pipe:
         assert pipe.plan.num_stages == 4 and pipe.plan.num_gpus == 1
         losses = [pipe.train_batch(*ex.batch(step)).loss for step in range(3)]
         weights = pipe.state_dict()
@@ -153,4 +169,6 @@ def test_mistakes_are_named():
 
 def test_readme_shows_the_example_as_it_is():
     readme = (EXAMPLE.parents[1] / "README.md").read_text()
-    assert "```python\n" + EXAMPLE.read_text() + "```" in readme
+    assert "```python\n" + EXAMPLE.read_text() + "```" in readme, (
+        "README's listing under '### 4. Your own model' differs from examples/custom_module.py: paste the file there"
+    )

@@ -17,12 +17,14 @@ from mobiuspipe.optim import CPUAdam
 
 
 def _cfg(blocks: int, d: int, heads: int, seq: int, batch: int, m: int, stages: int, seed: int, wd: float):
-    return config_from_dict({
-        "model": {"num_blocks": blocks, "d_model": d, "num_heads": heads, "seq_len": seq, "vocab_size": 256},
-        "data": {"batch_size": batch, "num_microbatches": m},
-        "train": {"steps": 3, "lr": 0.01, "seed": seed, "weight_decay": wd},
-        "plan": {"num_gpus": 1, "num_stages": stages, "device_memory_mb": 256},
-    })
+    return config_from_dict(
+        {
+            "model": {"num_blocks": blocks, "d_model": d, "num_heads": heads, "seq_len": seq, "vocab_size": 256},
+            "data": {"batch_size": batch, "num_microbatches": m},
+            "train": {"steps": 3, "lr": 0.01, "seed": seed, "weight_decay": wd},
+            "plan": {"num_gpus": 1, "num_stages": stages, "device_memory_mb": 256},
+        }
+    )
 
 
 def _run_local(cfg) -> tuple[list[float], dict[str, torch.Tensor], int, int]:
@@ -39,8 +41,9 @@ def _engine_run(cfg) -> tuple[list[float], dict[str, torch.Tensor], int, int]:
     optimizer = partial(CPUAdam, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
     data = ByteData(cfg.data.text_path, cfg.model.seq_len, cfg.train.seed)
     losses, peak = [], 0
-    with Pipeline(layer_factories(gpt_spec(cfg), t.seed), lm_loss, plan=plan_for_config(cfg),
-                  optimizer=optimizer) as pipe:
+    with Pipeline(
+        layer_factories(gpt_spec(cfg), t.seed), lm_loss, plan=plan_for_config(cfg), optimizer=optimizer
+    ) as pipe:
         for step in range(cfg.train.steps):
             r = pipe.train_batch(*data.batch(step, cfg.data.batch_size))
             losses.append(r.loss)
@@ -55,9 +58,17 @@ def test_local_pipeline_equals_plain_pytorch(seed, reference):
     heads = rnd.choice([1, 2, 3])
     blocks = rnd.randint(1, 4)
     m = rnd.choice([1, 2, 3])
-    cfg = _cfg(blocks=blocks, d=heads * rnd.choice([5, 8, 11]), heads=heads, seq=rnd.choice([7, 16, 33]),
-               batch=m * rnd.randint(1, 3), m=m, stages=rnd.randint(1, blocks + 2), seed=seed,
-               wd=rnd.choice([0.0, 0.1]))
+    cfg = _cfg(
+        blocks=blocks,
+        d=heads * rnd.choice([5, 8, 11]),
+        heads=heads,
+        seq=rnd.choice([7, 16, 33]),
+        batch=m * rnd.randint(1, 3),
+        m=m,
+        stages=rnd.randint(1, blocks + 2),
+        seed=seed,
+        wd=rnd.choice([0.0, 0.1]),
+    )
     losses, weights, peak, budget = _run_local(cfg)
     ref_losses, ref_weights = reference(cfg)
     assert losses == pytest.approx(ref_losses, rel=1e-5)

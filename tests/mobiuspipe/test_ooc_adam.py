@@ -16,8 +16,7 @@ from mobiuspipe.optim.ooc_adam import OutOfCoreAdam, plan_groups
 
 SHAPES = {"emb": (37, 29), "one": (1,), "seven": (7,), "odd": (1023,), "over": (1025,), "big": (100_003,)}
 BUDGET = 4 * 12 * 8192  # 4 slots of 8192 elements: "big" spans 13 groups, small ones share a group
-IMPLS = [pytest.param("c", marks=pytest.mark.skipif(not _ext.HAVE_C, reason="C++ extension not built")),
-         "torch"]
+IMPLS = [pytest.param("c", marks=pytest.mark.skipif(not _ext.HAVE_C, reason="C++ extension not built")), "torch"]
 
 
 def _params(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -59,13 +58,11 @@ def test_equals_in_memory_adamw(tmp_path, impl, grad_dtype, wd, pipelined):
     backend = None if pipelined else ("threads" if _ext.HAVE_C else "python")
     params = _params()
     refs = {n: torch.nn.Parameter(p.clone()) for n, p in params.items()}
-    exact = torch.optim.AdamW([torch.nn.Parameter(p.double()) for p in params.values()], lr=1e-2,
-                              weight_decay=wd)
+    exact = torch.optim.AdamW([torch.nn.Parameter(p.double()) for p in params.values()], lr=1e-2, weight_decay=wd)
     mem = CPUAdam(list(refs.values()), lr=1e-2, weight_decay=wd, impl=impl)
     gen = torch.Generator().manual_seed(1)
     with _store(tmp_path, backend=backend) as store:
-        opt = OutOfCoreAdam.create(store, params, lr=1e-2, weight_decay=wd, host_budget_bytes=BUDGET,
-                                   impl=impl)
+        opt = OutOfCoreAdam.create(store, params, lr=1e-2, weight_decay=wd, host_budget_bytes=BUDGET, impl=impl)
         assert len(opt.groups) > len(opt.slots)  # the pipeline really cycles its slots
         for _ in range(3):
             grads = _grads(gen, grad_dtype)
@@ -81,8 +78,9 @@ def test_equals_in_memory_adamw(tmp_path, impl, grad_dtype, wd, pipelined):
         assert torch.equal(state[n]["exp_avg"], mem.state[r]["exp_avg"]), n
         assert torch.equal(state[n]["exp_avg_sq"], mem.state[r]["exp_avg_sq"]), n
         assert torch.equal(outs[n], r.detach().bfloat16()), n
-        torch.testing.assert_close(state[n]["param"].double(), x.detach(), rtol=1e-6,
-                                   atol=1e-6 * float(x.detach().abs().max()))
+        torch.testing.assert_close(
+            state[n]["param"].double(), x.detach(), rtol=1e-6, atol=1e-6 * float(x.detach().abs().max())
+        )
 
 
 def test_resume_after_flush_continues_the_same_run(tmp_path):

@@ -20,20 +20,26 @@ def _load_run(out):
     return losses, weights
 
 
-@pytest.mark.parametrize("stages,gpus,microbatches,mapping", [
-    (4, 2, 4, "cross"),
-    (5, 2, 3, "round-robin"),
-    (3, 3, 2, "cross"),
-])
+@pytest.mark.parametrize(
+    "stages,gpus,microbatches,mapping",
+    [
+        (4, 2, 4, "cross"),
+        (5, 2, 3, "round-robin"),
+        (3, 3, 2, "cross"),
+    ],
+)
 def test_pipeline_equals_plain_pytorch(tmp_path, launch, reference, stages, gpus, microbatches, mapping):
     write_config, torchrun = launch
-    cfg_path = write_config(tmp_path, {
-        "model": {"num_blocks": 3, "d_model": 24, "num_heads": 3, "seq_len": 19},
-        "data": {"batch_size": 2 * microbatches, "num_microbatches": microbatches},
-        "train": {"steps": 4, "lr": 0.01, "weight_decay": 0.05, "seed": stages, "out_dir": str(tmp_path / "out")},
-        "plan": {"num_gpus": gpus, "num_stages": stages, "mapping": mapping},
-        "runtime": {"comm_timeout_s": 60},
-    })
+    cfg_path = write_config(
+        tmp_path,
+        {
+            "model": {"num_blocks": 3, "d_model": 24, "num_heads": 3, "seq_len": 19},
+            "data": {"batch_size": 2 * microbatches, "num_microbatches": microbatches},
+            "train": {"steps": 4, "lr": 0.01, "weight_decay": 0.05, "seed": stages, "out_dir": str(tmp_path / "out")},
+            "plan": {"num_gpus": gpus, "num_stages": stages, "mapping": mapping},
+            "runtime": {"comm_timeout_s": 60},
+        },
+    )
     proc = torchrun(cfg_path, gpus)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     losses, weights = _load_run(tmp_path / "out")
@@ -51,8 +57,9 @@ def test_pipeline_equals_plain_pytorch(tmp_path, launch, reference, stages, gpus
 
 def test_world_size_differs_from_plan(tmp_path, launch):
     write_config, torchrun = launch
-    cfg_path = write_config(tmp_path, {"plan": {"num_gpus": 2, "num_stages": 4},
-                                       "train": {"steps": 1, "out_dir": str(tmp_path / "out")}})
+    cfg_path = write_config(
+        tmp_path, {"plan": {"num_gpus": 2, "num_stages": 4}, "train": {"steps": 1, "out_dir": str(tmp_path / "out")}}
+    )
     proc = torchrun(cfg_path, 3, timeout=120)
     assert proc.returncode != 0
     assert "mobiuspipe.train: error: the plan has 2 gpus but torchrun started 3 ranks" in proc.stderr
@@ -70,8 +77,14 @@ def test_run_follows_a_plan_file(tmp_path, launch, reference):
     planning = write_config(tmp_path, {"model": model, "plan": {"num_stages": 5, "mapping": "round-robin"}})
     assert cli(["partition", "--config", str(planning), "-o", str(tmp_path / "plan.yaml")]) == 0
     (tmp_path / "run.yaml").unlink()
-    cfg_path = write_config(tmp_path, {"model": model, "plan": {"file": "plan.yaml", "num_stages": 2},
-                                       "train": {"steps": 2, "out_dir": str(tmp_path / "out")}})
+    cfg_path = write_config(
+        tmp_path,
+        {
+            "model": model,
+            "plan": {"file": "plan.yaml", "num_stages": 2},
+            "train": {"steps": 2, "out_dir": str(tmp_path / "out")},
+        },
+    )
     proc = torchrun(cfg_path, 2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert load_plan(tmp_path / "out" / "plan.yaml") == load_plan(tmp_path / "plan.yaml")

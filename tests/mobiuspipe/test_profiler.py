@@ -19,8 +19,16 @@ FAST = dict(warmup=1, min_repeats=3, max_repeats=10)
 
 
 def _kw(**more) -> dict[str, Any]:
-    return dict(device="cpu", name=SPEC.name, device_name="cpu-standin", dtype_name="fp32", microbatch_size=B,
-                seq_len=SPEC.seq_len, **FAST, **more)
+    return dict(
+        device="cpu",
+        name=SPEC.name,
+        device_name="cpu-standin",
+        dtype_name="fp32",
+        microbatch_size=B,
+        seq_len=SPEC.seq_len,
+        **FAST,
+        **more,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +37,9 @@ def measured():
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(SPEC.vocab_size, (B, SPEC.seq_len), generator=g)
     targets = torch.randint(SPEC.vocab_size, (B, SPEC.seq_len), generator=g)
-    return measure_layers([layers[l] for l in range(SPEC.num_layers)], tokens,
-                          **_kw(loss_fn=lambda logits: lm_loss(logits, targets)))
+    return measure_layers(
+        [layers[l] for l in range(SPEC.num_layers)], tokens, **_kw(loss_fn=lambda logits: lm_loss(logits, targets))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +95,17 @@ def test_activation_bytes_against_the_analytic_estimate(measured, analytic):
 
 def test_saved_bytes_of_a_known_module():
     layer = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
-    p = measure_profile([layer], torch.randn(3, 4), device="cpu", name="m", device_name="cpu-standin",
-                        dtype_name="fp32", microbatch_size=3, seq_len=1, **FAST)
+    p = measure_profile(
+        [layer],
+        torch.randn(3, 4),
+        device="cpu",
+        name="m",
+        device_name="cpu-standin",
+        dtype_name="fp32",
+        microbatch_size=3,
+        seq_len=1,
+        **FAST,
+    )
     x = p.layers[0]
     assert isinstance(p, Profile) and x.name == "sequential"
     assert x.activation_bytes == 3 * 4 * 4 + 3 * 8 * 4  # Linear's input and ReLU's output; the weight is a param

@@ -21,10 +21,21 @@ def _free_port() -> int:
 
 
 def _rank(rank: int, port: int, config) -> subprocess.Popen:
-    env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    return subprocess.Popen([sys.executable, "-m", "mobiuspipe.train", "--config", str(config)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = {
+        **os.environ,
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "mobiuspipe.train", "--config", str(config)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_survivor_names_the_dead_rank(tmp_path, launch):

@@ -28,7 +28,8 @@ def test_gpu_schedule_text_form():
     s = build_schedule([0, 1, 0, 1], 0, 2)
     assert " ".join(map(str, s)) == (
         "L0 L2 F0.0 SA0.0 F0.1 SA0.1 R0 RA2.0 F2.0 SA2.0 RA2.1 F2.1 SA2.1 L0 RG2.0 B2.0 SG2.0 RG2.1 B2.1 SG2.1 "
-        "O2 R2 RG0.0 B0.0 RG0.1 B0.1 O0 R0")
+        "O2 R2 RG0.0 B0.0 RG0.1 B0.1 O0 R0"
+    )
 
 
 def _scheds():
@@ -62,8 +63,15 @@ def test_deadlock_is_caught():
     mapping = [0, 1]
     s = [build_schedule(mapping, g, 1) for g in range(2)]
     # gpu 0 waits for a gradient before it sends its activation: each waits on the other
-    s[0] = [Action(Kind.LOAD, 0), Action(Kind.FWD, 0, 0), Action(Kind.RECV_GRAD, 0, 0), Action(Kind.SEND_ACT, 0, 0),
-            Action(Kind.BWD, 0, 0), Action(Kind.OFFLOAD, 0), Action(Kind.RELEASE, 0)]
+    s[0] = [
+        Action(Kind.LOAD, 0),
+        Action(Kind.FWD, 0, 0),
+        Action(Kind.RECV_GRAD, 0, 0),
+        Action(Kind.SEND_ACT, 0, 0),
+        Action(Kind.BWD, 0, 0),
+        Action(Kind.OFFLOAD, 0),
+        Action(Kind.RELEASE, 0),
+    ]
     with pytest.raises(ScheduleError, match="deadlock"):
         check_schedules(mapping, 1, s)
 
@@ -72,8 +80,8 @@ def test_receives_out_of_send_order_are_caught():
     mapping = [0, 1, 0, 1]
     s = [build_schedule(mapping, g, 2) for g in range(2)]
     a = s[1].index(Action(Kind.RECV_ACT, 1, 0))
-    s[1][a:a + 6] = s[1][a + 3:a + 6] + s[1][a:a + 3]  # rank 1 runs microbatch 1 of stage 1 before 0: fine by
-    assert [str(x) for x in s[1][a:a + 6]] == ["RA1.1", "F1.1", "SA1.1", "RA1.0", "F1.0", "SA1.0"]  # tag only
+    s[1][a : a + 6] = s[1][a + 3 : a + 6] + s[1][a : a + 3]  # rank 1 runs microbatch 1 of stage 1 before 0: fine by
+    assert [str(x) for x in s[1][a : a + 6]] == ["RA1.1", "F1.1", "SA1.1", "RA1.0", "F1.0", "SA1.0"]  # tag only
     with pytest.raises(ScheduleError, match="NCCL would pair them wrongly"):
         check_schedules(mapping, 2, s)
 
@@ -84,8 +92,10 @@ def _runs(seq) -> list[tuple[int, str]]:
 
 
 def _builder_visits(mapping, gpus, m):
-    return {g: _runs([(a.stage, a.kind.value) for a in build_schedule(mapping, g, m)
-                      if a.kind in (Kind.FWD, Kind.BWD)]) for g in range(gpus)}
+    return {
+        g: _runs([(a.stage, a.kind.value) for a in build_schedule(mapping, g, m) if a.kind in (Kind.FWD, Kind.BWD)])
+        for g in range(gpus)
+    }
 
 
 def _timeline_visits(mapping, gpus, m, rng):

@@ -19,8 +19,10 @@ from mobiuspipe.errors import SwapIOError
 from mobiuspipe.memory import ssd_store
 from mobiuspipe.memory.ssd_store import SSDStore
 
-BACKENDS = [pytest.param(b, marks=pytest.mark.skipif(not _ext.HAVE_C, reason="C++ extension not built"))
-            for b in ("uring", "threads")] + ["python"]
+BACKENDS = [
+    pytest.param(b, marks=pytest.mark.skipif(not _ext.HAVE_C, reason="C++ extension not built"))
+    for b in ("uring", "threads")
+] + ["python"]
 
 
 def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -177,7 +179,7 @@ def test_a_full_disk_fails_at_allocation_with_enospc(tmp_path):
     probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True, timeout=30)
     if probe.returncode != 0:
         pytest.skip(f"user namespaces unavailable: {probe.stderr.decode().strip()}")
-    cmd = f"mount -t tmpfs -o size=1m none {mnt} && exec {sys.executable} -c \"$0\""
+    cmd = f'mount -t tmpfs -o size=1m none {mnt} && exec {sys.executable} -c "$0"'
     out = subprocess.run(["unshare", "-rm", "sh", "-c", cmd, code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert f"ERR {errno.ENOSPC} allocation of " in out.stdout and "disk is full" in out.stdout
@@ -252,7 +254,8 @@ def test_the_store_without_the_extension(tmp_path):
             s.put("t", t)
             print(s.engine.backend, s.direct, s.info("t").algo, bool(torch.equal(s.get("t"), t)))
     """)
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "job")], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "job")], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["python", "False", "crc32", "True"]

@@ -73,8 +73,9 @@ def test_profile_round_trips():
     assert Profile.from_dict(p.to_dict()) == p
 
 
-TINY_LLAMA = ModelSpec("tl", num_blocks=2, d_model=8, num_heads=4, seq_len=5, vocab_size=16, family="llama",
-                       ffn_dim=12, num_kv_heads=2)
+TINY_LLAMA = ModelSpec(
+    "tl", num_blocks=2, d_model=8, num_heads=4, seq_len=5, vocab_size=16, family="llama", ffn_dim=12, num_kv_heads=2
+)
 
 
 def test_tiny_llama_by_hand():

@@ -6,8 +6,15 @@ import pytest
 
 from foundation.units import GiB
 from partition.analytic import analytic_profile
-from partition.baselines import (BaselineResult, gpipe, gpipe_stage_bytes, predict, sequential_mapping,
-                                 zero_gpu_bytes, zero_offload)
+from partition.baselines import (
+    BaselineResult,
+    gpipe,
+    gpipe_stage_bytes,
+    predict,
+    sequential_mapping,
+    zero_gpu_bytes,
+    zero_offload,
+)
 from partition.costmodel import LayerArrays
 from partition.hardware import device_spec
 from partition.models import get_model
@@ -19,8 +26,14 @@ from topology.types import Gpu, RootComplex, Topology
 
 def _profile(*layers):
     """layers: (param_count, activation_bytes, output_bytes, fwd_s, bwd_s); fp16, so 2 bytes per parameter."""
-    return Profile("hand", "dev", "fp16", 1, 1, tuple(
-        LayerProfile(f"l{i}", n, 2 * n, a, o, 0.0, 0.0, f, b) for i, (n, a, o, f, b) in enumerate(layers)))
+    return Profile(
+        "hand",
+        "dev",
+        "fp16",
+        1,
+        1,
+        tuple(LayerProfile(f"l{i}", n, 2 * n, a, o, 0.0, 0.0, f, b) for i, (n, a, o, f, b) in enumerate(layers)),
+    )
 
 
 def _box(groups, memory=32 * GiB, gbps=16.0):
@@ -30,12 +43,22 @@ def _box(groups, memory=32 * GiB, gbps=16.0):
         rcs.append(RootComplex(f"rc{r}", r, gbps))
         for _ in range(count):
             i = len(gpus)
-            gpus.append(Gpu(index=i, name="t", memory_bytes=memory, pci_bus_id=f"0000:{i:02x}:00.0",
-                            root_complex=f"rc{r}", numa_node=r, link_gbps=gbps))
+            gpus.append(
+                Gpu(
+                    index=i,
+                    name="t",
+                    memory_bytes=memory,
+                    pci_bus_id=f"0000:{i:02x}:00.0",
+                    root_complex=f"rc{r}",
+                    numa_node=r,
+                    link_gbps=gbps,
+                )
+            )
     return Topology(name="box", gpus=tuple(gpus), root_complexes=tuple(rcs), source="test")
 
 
 # ---- GPipe ----
+
 
 def test_gpipe_step_is_the_pipeline_formula():
     # 4 layers of F 1, B 2 on 2 gpus: stages of 2 layers, F_j = 2, a backward visit F_j + B_j = 6 per microbatch.
@@ -84,6 +107,7 @@ def test_gpipe_175b_does_not_fit_on_2_plus_2(gpt3_175b):
 
 # ---- ZeRO-3 offload ----
 
+
 def test_zero_offload_one_gpu_by_hand():
     # Two layers of 4e9 parameters (8 GB fp16), F 1, B 1; one gpu on a 16 GB/s link: a fetch takes 0.5 s.
     # gather F0 [0, .5], F1 [.5, 1] (one layer ahead); compute F0 [.5, 1.5], F1 [1.5, 2.5]; B1 uses the resident
@@ -121,6 +145,7 @@ def test_zero_offload_memory_accumulates_gradients_when_a_big_microstep_does_not
 
 # ---- sequential mapping and the paper's case ----
 
+
 def test_sequential_mapping_is_the_planner_with_round_robin():
     prof = analytic_profile(get_model("gpt3-125m"), device_spec("NVIDIA GeForce RTX 3090 Ti"))
     topo = preset("3+1")
@@ -139,9 +164,11 @@ def test_gpt3_175b_on_2_plus_2_mobiuspipe_vs_baselines(gpt3_175b):
     mine = predict(plan, topo).step_time_s
     seq = sequential_mapping(gpt3_175b, topo, 4, num_stages=plan.num_stages, reserve_bytes=GiB)
     zero = zero_offload(gpt3_175b, topo, 4, reserve_bytes=GiB)
-    print(f"\ngpt3-175b on 2+2, M=4: mobiuspipe {mine:.1f} s, sequential {seq.step_time_s:.1f} s, "
-          f"ZeRO-3 offload {zero.step_time_s:.1f} s ({zero.step_time_s / mine:.2f}x), GPipe: "
-          f"{gpipe(gpt3_175b, topo, 4, GiB).reason}")
+    print(
+        f"\ngpt3-175b on 2+2, M=4: mobiuspipe {mine:.1f} s, sequential {seq.step_time_s:.1f} s, "
+        f"ZeRO-3 offload {zero.step_time_s:.1f} s ({zero.step_time_s / mine:.2f}x), GPipe: "
+        f"{gpipe(gpt3_175b, topo, 4, GiB).reason}"
+    )
     assert isinstance(zero, BaselineResult) and zero.step_time_s > mine
     assert seq.step_time_s >= mine * (1 - 1e-3)
     adam = sum(s.param_count for s in plan.stages) / HOST_ADAM_PARAMS_PER_S

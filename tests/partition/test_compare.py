@@ -24,8 +24,12 @@ def _planned(model: str):
 def test_compare_small_model():
     prof, topo, plan = _planned("gpt3-125m")
     results = compare(plan, topo, prof)
-    assert [r.name for r in results] == ["mobiuspipe (cross mapping)", "mobiuspipe, sequential mapping",
-                                         "DeepSpeed ZeRO-3 offload", "GPipe (all in gpu memory)"]
+    assert [r.name for r in results] == [
+        "mobiuspipe (cross mapping)",
+        "mobiuspipe, sequential mapping",
+        "DeepSpeed ZeRO-3 offload",
+        "GPipe (all in gpu memory)",
+    ]
     assert all(r.step_time_s and r.step_time_s > 0 for r in results)  # 125M parameters fit everywhere
     d = compare_json(plan, topo, prof, results)
     assert d["systems"][0]["speedup"] == 1.0

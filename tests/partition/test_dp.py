@@ -13,15 +13,30 @@ from partition.profile import LayerProfile, Profile
 
 def _profile(params, acts, outs, fwds, bwds) -> Profile:
     layers = tuple(
-        LayerProfile(name=f"l{i}", param_count=int(p) // 2, param_bytes=int(p), activation_bytes=int(a),
-                     output_bytes=int(o), fwd_flops=0.0, bwd_flops=0.0, fwd_s=float(f), bwd_s=float(b))
-        for i, (p, a, o, f, b) in enumerate(zip(params, acts, outs, fwds, bwds)))
+        LayerProfile(
+            name=f"l{i}",
+            param_count=int(p) // 2,
+            param_bytes=int(p),
+            activation_bytes=int(a),
+            output_bytes=int(o),
+            fwd_flops=0.0,
+            bwd_flops=0.0,
+            fwd_s=float(f),
+            bwd_s=float(b),
+        )
+        for i, (p, a, o, f, b) in enumerate(zip(params, acts, outs, fwds, bwds))
+    )
     return Profile(model="rand", device="dev", dtype="fp16", microbatch_size=1, seq_len=1, layers=layers)
 
 
 def _random_profile(rng: np.random.Generator, L: int) -> Profile:
-    return _profile(rng.integers(1, 1000, L), rng.integers(0, 1000, L), rng.integers(0, 600, L),
-                    rng.uniform(1e-4, 1e-2, L), rng.uniform(1e-4, 2e-2, L))
+    return _profile(
+        rng.integers(1, 1000, L),
+        rng.integers(0, 1000, L),
+        rng.integers(0, 600, L),
+        rng.uniform(1e-4, 1e-2, L),
+        rng.uniform(1e-4, 2e-2, L),
+    )
 
 
 def _enumerate(arr: LayerArrays, memory: int, m: int, gbps: float, s: int):
@@ -59,8 +74,7 @@ def _check_solution(arr, memory, m, gbps, sol, s):
 def _memories(arr: LayerArrays, rng: np.random.Generator) -> list[int]:
     """Budgets from 'nothing fits' through 'some cuts fit' to 'everything fits'."""
     L = arr.num_layers
-    need = sorted({ARENA_SLOTS * arr.params(a, b) + arr.activations(a, b)
-                   for a in range(L) for b in range(a, L)})
+    need = sorted({ARENA_SLOTS * arr.params(a, b) + arr.activations(a, b) for a in range(L) for b in range(a, L)})
     picks = [need[0] - 1, need[0], need[-1]]
     picks += [int(x) for x in rng.choice(need, size=min(4, len(need)), replace=False)]
     picks += [int(x) + 1 for x in rng.choice(need, size=min(2, len(need)), replace=False)]

@@ -10,8 +10,15 @@ from partition.hf import ModelConfigError, read_hf_config, spec_from_hf_dict
 from partition.models import MODELS, get_model
 
 DATA = Path(__file__).parent / "data"
-LLAMA_TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "max_position_embeddings": 32,
-              "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 97}
+LLAMA_TINY = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "max_position_embeddings": 32,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "vocab_size": 97,
+}
 
 
 def test_llama2_7b_config_equals_the_table_entry():
@@ -40,8 +47,15 @@ def test_gpt2_config_with_null_n_inner():
 
 
 def test_gpt2_124m_shape_counts_like_gpt2():
-    d = {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "n_positions": 1024,
-         "vocab_size": 50257, "n_inner": None}
+    d = {
+        "model_type": "gpt2",
+        "n_layer": 12,
+        "n_embd": 768,
+        "n_head": 12,
+        "n_positions": 1024,
+        "vocab_size": 50257,
+        "n_inner": None,
+    }
     spec = spec_from_hf_dict(d, "gpt2")
     assert spec.param_count - 50257 * 768 == 124_439_808  # GPT-2 small, tied head: the well-known 124M
 
@@ -67,13 +81,16 @@ def test_every_gpt2_field_is_required(key):
         spec_from_hf_dict(d, "x")
 
 
-@pytest.mark.parametrize("change,needle", [
-    ({"hidden_size": "64"}, "'hidden_size' (the model width d) must be a positive integer, found '64'"),
-    ({"num_hidden_layers": 0}, "num_hidden_layers"),
-    ({"num_attention_heads": 5}, "multiple of num_heads"),
-    ({"num_key_value_heads": 3}, "num_kv_heads"),
-    ({"head_dim": 32}, "'head_dim' 32"),
-])
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        ({"hidden_size": "64"}, "'hidden_size' (the model width d) must be a positive integer, found '64'"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers"),
+        ({"num_attention_heads": 5}, "multiple of num_heads"),
+        ({"num_key_value_heads": 3}, "num_kv_heads"),
+        ({"head_dim": 32}, "'head_dim' 32"),
+    ],
+)
 def test_bad_values(change, needle):
     with pytest.raises(ModelConfigError, match=None) as err:
         spec_from_hf_dict({**LLAMA_TINY, **change}, "x", "cfg.json")

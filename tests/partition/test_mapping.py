@@ -15,15 +15,23 @@ def _rc(topo, g):
 def _total(topo, mapping):
     """Sum of contention(i, j) = shared / |i - j| over pairs i < j less than N apart, written out directly."""
     n = topo.num_gpus
-    return sum(1.0 / (j - i) for i in range(len(mapping)) for j in range(i + 1, min(len(mapping), i + n))
-               if mapping[i] != mapping[j] and _rc(topo, mapping[i]) == _rc(topo, mapping[j]))
+    return sum(
+        1.0 / (j - i)
+        for i in range(len(mapping))
+        for j in range(i + 1, min(len(mapping), i + n))
+        if mapping[i] != mapping[j] and _rc(topo, mapping[i]) == _rc(topo, mapping[j])
+    )
 
 
 def _cyclic(topo, pi):
     """Total contention over one period of the endless mapping pi, pi, pi, ..."""
     n = len(pi)
-    return sum(1.0 / d for j in range(n) for d in range(1, n)
-               if pi[j] != pi[(j + d) % n] and _rc(topo, pi[j]) == _rc(topo, pi[(j + d) % n]))
+    return sum(
+        1.0 / d
+        for j in range(n)
+        for d in range(1, n)
+        if pi[j] != pi[(j + d) % n] and _rc(topo, pi[j]) == _rc(topo, pi[(j + d) % n])
+    )
 
 
 def test_round_robin():

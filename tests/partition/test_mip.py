@@ -15,8 +15,18 @@ from topology import preset
 def _profile(rng, L: int, identical: bool) -> Profile:
     def layer(k):
         p = int(rng.integers(1, 40)) * 2**26
-        return LayerProfile(f"l{k}", p // 2, p, int(rng.integers(1, 30)) * 2**26, 2**24, 1.0, 2.0,
-                            float(rng.uniform(0.01, 0.2)), float(rng.uniform(0.02, 0.4)))
+        return LayerProfile(
+            f"l{k}",
+            p // 2,
+            p,
+            int(rng.integers(1, 30)) * 2**26,
+            2**24,
+            1.0,
+            2.0,
+            float(rng.uniform(0.01, 0.2)),
+            float(rng.uniform(0.02, 0.4)),
+        )
+
     block = layer(0)
     layers = [layer(1)] + [block if identical else layer(k + 2) for k in range(L - 2)] + [layer(L)]
     return Profile("rand", "dev", "fp16", 1, 16, tuple(layers))
@@ -100,8 +110,9 @@ def test_mip_and_dp_agree_where_the_step_is_the_bottleneck(seed):
 
     rng = np.random.default_rng(200 + seed)
     L, n, m = int(rng.integers(4, 12)), int(rng.integers(2, 5)), int(rng.integers(1, 6))
-    layers = tuple(LayerProfile(f"l{k}", 0, 0, 0, 0, 1.0, 2.0, f, 2 * f)
-                   for k, f in enumerate(rng.uniform(0.01, 1.0, L)))
+    layers = tuple(
+        LayerProfile(f"l{k}", 0, 0, 0, 0, 1.0, 2.0, f, 2 * f) for k, f in enumerate(rng.uniform(0.01, 1.0, L))
+    )
     prof = Profile("bottleneck", "dev", "fp32", 1, 8, layers)
     mapping = list(range(n))
     data = stage_data(cpu_standin(n, 2**30), mapping, prof)

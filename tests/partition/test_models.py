@@ -8,9 +8,20 @@ from partition.models import MODELS, ModelSpec, get_model, layer_param_counts
 
 # Nominal sizes (the names) with a tied head, as the papers count them.
 NOMINAL = {
-    "gpt3-125m": 125e6, "gpt3-350m": 350e6, "gpt3-760m": 760e6, "gpt3-1.3b": 1.3e9, "gpt3-2.7b": 2.7e9,
-    "gpt3-6.7b": 6.7e9, "gpt3-13b": 13e9, "gpt3-175b": 175e9, "gpt3-33b": 33e9, "gpt3-65b": 65e9,
-    "gpt3-135b": 135e9, "gpt3-276b": 276e9, "gpt3-412b": 412e9, "gpt3-805b": 805e9,
+    "gpt3-125m": 125e6,
+    "gpt3-350m": 350e6,
+    "gpt3-760m": 760e6,
+    "gpt3-1.3b": 1.3e9,
+    "gpt3-2.7b": 2.7e9,
+    "gpt3-6.7b": 6.7e9,
+    "gpt3-13b": 13e9,
+    "gpt3-175b": 175e9,
+    "gpt3-33b": 33e9,
+    "gpt3-65b": 65e9,
+    "gpt3-135b": 135e9,
+    "gpt3-276b": 276e9,
+    "gpt3-412b": 412e9,
+    "gpt3-805b": 805e9,
 }
 
 
@@ -29,7 +40,12 @@ def test_table_has_every_model():
         assert spec.d_model % spec.num_heads == 0
         if name in NOMINAL:
             assert spec.family == "gpt" and spec.seq_len == 2048 and spec.vocab_size == 50257
-            assert (spec.ffn_dim, spec.num_kv_heads, spec.ffn, spec.kv_heads) == (0, 0, 4 * spec.d_model, spec.num_heads)
+            assert (spec.ffn_dim, spec.num_kv_heads, spec.ffn, spec.kv_heads) == (
+                0,
+                0,
+                4 * spec.d_model,
+                spec.num_heads,
+            )
         else:
             assert spec.family == "llama" and spec.seq_len == 4096 and spec.vocab_size == 32000
 
@@ -42,13 +58,21 @@ def test_llama2_totals(name):
 def test_llama2_exact_and_shapes():
     assert MODELS["llama2-7b"].param_count == 6_738_415_616  # the count of the released checkpoint
     s70 = MODELS["llama2-70b"]
-    assert (s70.num_blocks, s70.d_model, s70.num_heads, s70.kv_heads, s70.ffn, s70.head_dim) == (80, 8192, 64, 8, 28672, 128)
+    assert (s70.num_blocks, s70.d_model, s70.num_heads, s70.kv_heads, s70.ffn, s70.head_dim) == (
+        80,
+        8192,
+        64,
+        8,
+        28672,
+        128,
+    )
     assert MODELS["llama2-13b"].num_layers == 42
 
 
 def test_llama_layer_structure():
-    spec = ModelSpec("tl", num_blocks=2, d_model=8, num_heads=4, seq_len=5, vocab_size=16, family="llama",
-                     ffn_dim=12, num_kv_heads=2)
+    spec = ModelSpec(
+        "tl", num_blocks=2, d_model=8, num_heads=4, seq_len=5, vocab_size=16, family="llama", ffn_dim=12, num_kv_heads=2
+    )
     # embedding V*d (no position table); block 2d + q d*d + k,v d*(kv*hd) + o d*d + 3*d*f; head d + V*d
     block = 2 * 8 + 64 + 2 * 8 * (2 * 2) + 64 + 3 * 8 * 12
     assert layer_param_counts(spec) == [16 * 8, block, block, 8 + 16 * 8]
@@ -63,14 +87,17 @@ def test_gpt_with_own_mlp_width():
     assert layer_param_counts(same) == layer_param_counts(ModelSpec("g", 1, 8, 2, 4, 16))
 
 
-@pytest.mark.parametrize("kw,needle", [
-    ({"family": "bert"}, "family"),
-    ({"ffn_dim": -1}, "ffn_dim"),
-    ({"num_kv_heads": 1.5}, "num_kv_heads"),
-    ({"num_kv_heads": 1}, "grouped-query"),                       # gpt has no GQA
-    ({"family": "llama"}, "ffn_dim"),                             # llama needs its MLP width
-    ({"family": "llama", "ffn_dim": 8, "num_kv_heads": 3}, "multiple of num_kv_heads"),
-])
+@pytest.mark.parametrize(
+    "kw,needle",
+    [
+        ({"family": "bert"}, "family"),
+        ({"ffn_dim": -1}, "ffn_dim"),
+        ({"num_kv_heads": 1.5}, "num_kv_heads"),
+        ({"num_kv_heads": 1}, "grouped-query"),  # gpt has no GQA
+        ({"family": "llama"}, "ffn_dim"),  # llama needs its MLP width
+        ({"family": "llama", "ffn_dim": 8, "num_kv_heads": 3}, "multiple of num_kv_heads"),
+    ],
+)
 def test_spec_rejects_bad_family_fields(kw, needle):
     with pytest.raises(ValueError, match=needle):
         ModelSpec(**{**dict(name="x", num_blocks=2, d_model=8, num_heads=2, seq_len=4, vocab_size=16), **kw})
@@ -109,8 +136,9 @@ def test_fixed_shapes():
     assert MODELS["gpt3-175b"].num_layers == 98
 
 
-@pytest.mark.parametrize("field,value", [("num_blocks", 0), ("d_model", -8), ("num_heads", 2.0),
-                                         ("seq_len", True), ("vocab_size", None)])
+@pytest.mark.parametrize(
+    "field,value", [("num_blocks", 0), ("d_model", -8), ("num_heads", 2.0), ("seq_len", True), ("vocab_size", None)]
+)
 def test_spec_rejects_bad_numbers(field, value):
     kw = dict(name="x", num_blocks=2, d_model=8, num_heads=2, seq_len=4, vocab_size=16)
     with pytest.raises(ValueError, match=field):

@@ -16,17 +16,40 @@ def _plan(rng: np.random.Generator | None = None, mapping=(0, 1, 0, 1, 0), num_g
     stages, first = [], 0
     for g in mapping:
         n = int(rng.integers(1, 4))
-        stages.append(StagePlan(first=first, last=first + n - 1, gpu=g, param_count=int(rng.integers(1, 10**9)),
-                                param_bytes=int(rng.integers(1, 10**10)), activation_bytes=int(rng.integers(0, 10**9)),
-                                output_bytes=int(rng.integers(1, 10**8)), fwd_s=float(rng.uniform(1e-6, 1.0)),
-                                bwd_s=float(rng.uniform(1e-6, 2.0)), load_gbps=float(rng.uniform(1.0, 32.0))))
+        stages.append(
+            StagePlan(
+                first=first,
+                last=first + n - 1,
+                gpu=g,
+                param_count=int(rng.integers(1, 10**9)),
+                param_bytes=int(rng.integers(1, 10**10)),
+                activation_bytes=int(rng.integers(0, 10**9)),
+                output_bytes=int(rng.integers(1, 10**8)),
+                fwd_s=float(rng.uniform(1e-6, 1.0)),
+                bwd_s=float(rng.uniform(1e-6, 2.0)),
+                load_gbps=float(rng.uniform(1.0, 32.0)),
+            )
+        )
         first += n
     slot = max(s.param_bytes for s in stages)
-    return Plan(model="gpt3-175b", topology="2+2", num_layers=first, num_gpus=num_gpus, num_microbatches=7,
-                microbatch_size=3, dtype="fp16", mapping_rule="cross", mapping_score=0.5, stages=tuple(stages), slot_bytes=slot,
-                arena_bytes=3 * slot, activation_bytes=max(s.activation_bytes for s in stages),
-                gpu_memory_bytes=24 * 2**30, predicted_step_time_s=float(rng.uniform(0.1, 500.0)),
-                solver=SolverInfo("dp", "optimal", 0.0, float(rng.uniform(0, 2))))
+    return Plan(
+        model="gpt3-175b",
+        topology="2+2",
+        num_layers=first,
+        num_gpus=num_gpus,
+        num_microbatches=7,
+        microbatch_size=3,
+        dtype="fp16",
+        mapping_rule="cross",
+        mapping_score=0.5,
+        stages=tuple(stages),
+        slot_bytes=slot,
+        arena_bytes=3 * slot,
+        activation_bytes=max(s.activation_bytes for s in stages),
+        gpu_memory_bytes=24 * 2**30,
+        predicted_step_time_s=float(rng.uniform(0.1, 500.0)),
+        solver=SolverInfo("dp", "optimal", 0.0, float(rng.uniform(0, 2))),
+    )
 
 
 @pytest.mark.parametrize("suffix", [".yaml", ".json", ".yml"])
@@ -45,11 +68,14 @@ def test_round_trip_exact(tmp_path, suffix, seed):
 def test_round_trip_awkward_floats(tmp_path, suffix):
     """Floats whose shortest repr has no '.', tiny and huge values, and integral floats survive exactly."""
     plan = _plan()
-    odd = [1e-05, 2e-07, 1e+16, 5e-324, 3.0, 0.1 + 0.2, 1 / 3]
-    stages = tuple(dataclasses.replace(s, fwd_s=odd[j], bwd_s=odd[-1 - j], load_gbps=odd[(j + 2) % len(odd)])
-                   for j, s in enumerate(plan.stages))
-    plan = dataclasses.replace(plan, stages=stages, predicted_step_time_s=1e-05,
-                               solver=SolverInfo("dp", "optimal", 1e-09, 2e-06))
+    odd = [1e-05, 2e-07, 1e16, 5e-324, 3.0, 0.1 + 0.2, 1 / 3]
+    stages = tuple(
+        dataclasses.replace(s, fwd_s=odd[j], bwd_s=odd[-1 - j], load_gbps=odd[(j + 2) % len(odd)])
+        for j, s in enumerate(plan.stages)
+    )
+    plan = dataclasses.replace(
+        plan, stages=stages, predicted_step_time_s=1e-05, solver=SolverInfo("dp", "optimal", 1e-09, 2e-06)
+    )
     path = tmp_path / f"plan{suffix}"
     save_plan(plan, path)
     back = load_plan(path)
@@ -114,11 +140,20 @@ def test_missing_stages(tmp_path):
     assert "bad.yaml: stages: expected a list of mappings (a required key)" in msg
 
 
-@pytest.mark.parametrize("where,key,value", [
-    ("top", "num_gpus", "two"), ("top", "num_gpus", True), ("top", "num_layers", 3.5),
-    ("top", "predicted_step_time_s", "fast"), ("top", "model", 175), ("stage", "gpu", 1.0),
-    ("stage", "fwd_s", None), ("stage", "first", [0]), ("solver", "gap", "0"),
-])
+@pytest.mark.parametrize(
+    "where,key,value",
+    [
+        ("top", "num_gpus", "two"),
+        ("top", "num_gpus", True),
+        ("top", "num_layers", 3.5),
+        ("top", "predicted_step_time_s", "fast"),
+        ("top", "model", 175),
+        ("stage", "gpu", 1.0),
+        ("stage", "fwd_s", None),
+        ("stage", "first", [0]),
+        ("solver", "gap", "0"),
+    ],
+)
 def test_wrong_type(tmp_path, where, key, value):
     d = _plan().to_dict()
     target = d if where == "top" else d["stages"][1] if where == "stage" else d["solver"]
@@ -187,13 +222,20 @@ def test_constructing_an_invalid_plan_raises():
         dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, gpu=0) for s in plan.stages))
 
 
-@pytest.mark.parametrize("text,expect", [
-    ("model: [unclosed\n", "expected valid YAML"), ("a: b: c\n", "expected valid YAML"),
-    ("{ \"json\": \n", "expected valid YAML"),
-    ("just a string\n", "(top level): expected a mapping"), ("just a string\n", "found string 'just a string'"),
-    ("", "(top level): expected a mapping"), ("", "found null"),
-    ("- 1\n- 2\n", "(top level): expected a mapping"), ("- 1\n- 2\n", "found list [1, 2]"),
-])
+@pytest.mark.parametrize(
+    "text,expect",
+    [
+        ("model: [unclosed\n", "expected valid YAML"),
+        ("a: b: c\n", "expected valid YAML"),
+        ('{ "json": \n', "expected valid YAML"),
+        ("just a string\n", "(top level): expected a mapping"),
+        ("just a string\n", "found string 'just a string'"),
+        ("", "(top level): expected a mapping"),
+        ("", "found null"),
+        ("- 1\n- 2\n", "(top level): expected a mapping"),
+        ("- 1\n- 2\n", "found list [1, 2]"),
+    ],
+)
 def test_not_yaml_or_not_a_mapping(tmp_path, text, expect):
     path = tmp_path / "broken.yaml"
     path.write_text(text)
@@ -251,10 +293,17 @@ def test_every_inconsistency_of_a_plan_at_once(tmp_path):
     assert "(4) num_stages: expected 5, the number of stages listed" in msg and "found integer 4" in msg
 
 
-@pytest.mark.parametrize("suffix, text, needle", [
-    (".yaml", "model: a\nmodel: b\n", "model: expected each key once per mapping, found it at line 1 and again at line 2"),
-    (".json", '{"solver": {"gap": 0, "gap": 1}}', "solver.gap: expected each key once per object, found it twice"),
-])
+@pytest.mark.parametrize(
+    "suffix, text, needle",
+    [
+        (
+            ".yaml",
+            "model: a\nmodel: b\n",
+            "model: expected each key once per mapping, found it at line 1 and again at line 2",
+        ),
+        (".json", '{"solver": {"gap": 0, "gap": 1}}', "solver.gap: expected each key once per object, found it twice"),
+    ],
+)
 def test_duplicate_keys_in_a_plan(tmp_path, suffix, text, needle):
     path = tmp_path / f"dup{suffix}"
     path.write_text(text)

@@ -9,8 +9,7 @@ import yaml
 from partition.analytic import analytic_profile
 from partition.hardware import device_spec
 from partition.models import MODELS, ModelSpec
-from partition.profile import (Profile, ProfileFileError, compress, expand, load_profile, runs_to_list,
-                               save_profile)
+from partition.profile import Profile, ProfileFileError, compress, expand, load_profile, runs_to_list, save_profile
 
 TI = device_spec("RTX 3090 Ti")
 SMALL = ModelSpec("small", num_blocks=5, d_model=64, num_heads=4, seq_len=32, vocab_size=97)
@@ -82,20 +81,26 @@ def _write(tmp_path, d, name="bad.yaml"):
     return path
 
 
-@pytest.mark.parametrize("edit,needles", [
-    (lambda d: d.pop("dtype"), ["dtype: expected a string (a required key), found nothing"]),
-    (lambda d: d.update(colour="red"), ["unknown key 'colour'", "microbatch_size"]),
-    (lambda d: d.update(microbatch_size=0), ["microbatch_size: expected an integer >= 1, found integer 0"]),
-    (lambda d: d.update(seq_len="32"), ["seq_len: expected an integer, found string '32'"]),
-    (lambda d: d.update(layers=[]), ["layers: expected a non-empty list"]),
-    (lambda d: d.pop("layers"), ["layers: expected a list of mappings (a required key), found nothing"]),
-    (lambda d: d["layers"][2].update(fwd_s="fast"), ["layers[2].fwd_s: expected a number", "'fast'"]),
-    (lambda d: d["layers"][1].update(param_bytes=-4), ["layers[1].param_bytes: expected an integer >= 0"]),
-    (lambda d: d["layers"][1].update(param_count=True), ["layers[1].param_count: expected an integer"]),
-    (lambda d: d["layers"][0].pop("output_bytes"), ["layers[0].output_bytes: expected an integer (a required key)"]),
-    (lambda d: d["layers"].__setitem__(3, [1, 2]), ["layers[3]: expected a mapping"]),
-    (lambda d: d["layers"][0].update(bwd_s=float("nan")), ["layers[0].bwd_s: expected a finite number >= 0"]),
-])
+@pytest.mark.parametrize(
+    "edit,needles",
+    [
+        (lambda d: d.pop("dtype"), ["dtype: expected a string (a required key), found nothing"]),
+        (lambda d: d.update(colour="red"), ["unknown key 'colour'", "microbatch_size"]),
+        (lambda d: d.update(microbatch_size=0), ["microbatch_size: expected an integer >= 1, found integer 0"]),
+        (lambda d: d.update(seq_len="32"), ["seq_len: expected an integer, found string '32'"]),
+        (lambda d: d.update(layers=[]), ["layers: expected a non-empty list"]),
+        (lambda d: d.pop("layers"), ["layers: expected a list of mappings (a required key), found nothing"]),
+        (lambda d: d["layers"][2].update(fwd_s="fast"), ["layers[2].fwd_s: expected a number", "'fast'"]),
+        (lambda d: d["layers"][1].update(param_bytes=-4), ["layers[1].param_bytes: expected an integer >= 0"]),
+        (lambda d: d["layers"][1].update(param_count=True), ["layers[1].param_count: expected an integer"]),
+        (
+            lambda d: d["layers"][0].pop("output_bytes"),
+            ["layers[0].output_bytes: expected an integer (a required key)"],
+        ),
+        (lambda d: d["layers"].__setitem__(3, [1, 2]), ["layers[3]: expected a mapping"]),
+        (lambda d: d["layers"][0].update(bwd_s=float("nan")), ["layers[0].bwd_s: expected a finite number >= 0"]),
+    ],
+)
 def test_malformed_files_name_file_and_key(tmp_path, prof, edit, needles):
     d = prof.to_dict()
     edit(d)
@@ -153,6 +158,7 @@ def test_every_problem_of_a_profile_at_once(tmp_path, prof):
 def test_duplicate_keys_in_a_profile(tmp_path):
     path = tmp_path / "dup.yaml"
     path.write_text("model: a\ndevice: b\nmodel: c\n")
-    with pytest.raises(ProfileFileError, match="model: expected each key once per mapping, found it at line 1 and "
-                                               "again at line 3"):
+    with pytest.raises(
+        ProfileFileError, match="model: expected each key once per mapping, found it at line 1 and again at line 3"
+    ):
         load_profile(path)

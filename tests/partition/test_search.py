@@ -55,8 +55,10 @@ def test_gpt3_175b_on_paper_servers(gpt3_175b, topo_name):
     with Stopwatch() as watch:
         plan = make_plan(gpt3_175b, topo, 4)
     wall = watch.s
-    print(f"make_plan(gpt3-175b, {topo_name}, M=4): {wall:.3f} s, S={plan.num_stages}, "
-          f"step {plan.predicted_step_time_s:.2f} s")
+    print(
+        f"make_plan(gpt3-175b, {topo_name}, M=4): {wall:.3f} s, S={plan.num_stages}, "
+        f"step {plan.predicted_step_time_s:.2f} s"
+    )
     assert wall < 5.0
     assert plan.num_stages > topo.num_gpus
     assert plan.model == "gpt3-175b" and plan.topology == topo_name and plan.dtype == "fp16"
@@ -81,8 +83,9 @@ def test_sweep_picks_the_fastest_stage_count():
     assert times[plan.num_stages] == plan.predicted_step_time_s
 
 
-@pytest.mark.parametrize("num_stages,rule,mb", [(4, "cross", 1), (5, "cross", 3), (7, "round-robin", 5),
-                                                 (11, "cross", 2)])
+@pytest.mark.parametrize(
+    "num_stages,rule,mb", [(4, "cross", 1), (5, "cross", 3), (7, "round-robin", 5), (11, "cross", 2)]
+)
 def test_fixed_stage_count_uses_the_dp_cut(num_stages, rule, mb):
     prof = analytic_profile(SMALL, TI, microbatch_size=mb)
     topo = preset("3+1")
@@ -102,10 +105,18 @@ def test_fixed_stage_count_uses_the_dp_cut(num_stages, rule, mb):
 def test_random_profiles_on_cpu_standin(seed):
     rng = np.random.default_rng(seed)
     L = int(rng.integers(3, 12)) | 1
-    layers = tuple(LayerProfile(f"l{i}", int(n), 2 * int(n), int(a), int(o), 0.0, 0.0, float(f), float(b))
-                   for i, (n, a, o, f, b) in enumerate(zip(rng.integers(1000, 90000, L), rng.integers(0, 50000, L),
-                                                           rng.integers(0, 9000, L), rng.uniform(1e-5, 1e-3, L),
-                                                           rng.uniform(1e-5, 2e-3, L))))
+    layers = tuple(
+        LayerProfile(f"l{i}", int(n), 2 * int(n), int(a), int(o), 0.0, 0.0, float(f), float(b))
+        for i, (n, a, o, f, b) in enumerate(
+            zip(
+                rng.integers(1000, 90000, L),
+                rng.integers(0, 50000, L),
+                rng.integers(0, 9000, L),
+                rng.uniform(1e-5, 1e-3, L),
+                rng.uniform(1e-5, 2e-3, L),
+            )
+        )
+    )
     prof = Profile("rand", "cpu-standin", "fp16", 1, 1, layers)
     n = int(rng.integers(1, 4))
     topo = cpu_standin(n, int(ARENA_SLOTS * 2 * 90000 + 70000))
@@ -139,8 +150,10 @@ def test_reserve_makes_it_infeasible():
 
 def test_merged_stage_fits_when_no_single_layer_does():
     """A_j counts a stage's boundary outputs only: a layer with a huge output fits merged with its consumer."""
-    layers = (LayerProfile("big-out", 5, 10, 0, 1000, 0.0, 0.0, 1.0, 1.0),
-              LayerProfile("tiny-out", 5, 10, 0, 1, 0.0, 0.0, 1.0, 1.0))
+    layers = (
+        LayerProfile("big-out", 5, 10, 0, 1000, 0.0, 0.0, 1.0, 1.0),
+        LayerProfile("tiny-out", 5, 10, 0, 1, 0.0, 0.0, 1.0, 1.0),
+    )
     prof = Profile("merge", "dev", "fp16", 1, 1, layers)
     topo = cpu_standin(1, ARENA_SLOTS * 20 + 1)
     plan = make_plan(prof, topo, 1)

@@ -77,8 +77,12 @@ def test_two_gpus_four_stages_unhidden_load_stalls():
     # mapping [0, 1, 0, 1]; every stage F 1, B 2 (a backward visit takes 3 per microbatch), comm .5,
     # offload .5. Stage 2's load takes 4 s, longer than stage 0's forward visit (2 s): it cannot hide.
     # s3's update is 4 s, so the host Adam queue is visible too.
-    stages = [_st(0, 1.0, 2.0, 1.0, 0.5, 0.25, 0.5), _st(1, 1.0, 2.0, 1.0, 0.5, 0.25, 0.5),
-              _st(0, 1.0, 2.0, 4.0, 0.5, 0.25, 0.5), _st(1, 1.0, 2.0, 1.0, 0.5, 4.0, 0.0)]
+    stages = [
+        _st(0, 1.0, 2.0, 1.0, 0.5, 0.25, 0.5),
+        _st(1, 1.0, 2.0, 1.0, 0.5, 0.25, 0.5),
+        _st(0, 1.0, 2.0, 4.0, 0.5, 0.25, 0.5),
+        _st(1, 1.0, 2.0, 1.0, 0.5, 4.0, 0.0),
+    ]
     res = simulate(stages, num_gpus=2, microbatches=2)
     # gpu0 visits F0 F2 B2 B0, gpu1 visits F1 F3 B3 B1 (slots alternate 0, 1, 1 (resident), 0).
     # gpu0: load s0 [0, 1] (slot 0); F(0,0) [1, 2], F(0,1) [2, 3]; slot 0 free at 3.
@@ -130,8 +134,12 @@ def test_two_gpus_four_stages_unhidden_load_stalls():
 
 def test_load_hidden_when_shorter_than_previous_visit():
     """The same plan with stage 2's load at 1 s: it hides under stage 0's forward, F(2,0) starts on arrival."""
-    stages = [_st(0, 1.0, 2.0, 1.0, 0.5, 0.25, 0.5), _st(1, 1.0, 2.0, 1.0, 0.5, 0.25, 0.5),
-              _st(0, 1.0, 2.0, 1.0, 0.5, 0.25, 0.5), _st(1, 1.0, 2.0, 1.0, 0.5, 0.25, 0.0)]
+    stages = [
+        _st(0, 1.0, 2.0, 1.0, 0.5, 0.25, 0.5),
+        _st(1, 1.0, 2.0, 1.0, 0.5, 0.25, 0.5),
+        _st(0, 1.0, 2.0, 1.0, 0.5, 0.25, 0.5),
+        _st(1, 1.0, 2.0, 1.0, 0.5, 0.25, 0.0),
+    ]
     res = simulate(stages, num_gpus=2, microbatches=2)
     assert _loads(res, 2) == [(1.0, 2.0)]
     assert _ev(res, "F", 2, 0) == (4.0, 5.0)  # input arrival 3.5 + .5, weights there since 2
@@ -139,8 +147,11 @@ def test_load_hidden_when_shorter_than_previous_visit():
 
 def test_prefetch_waits_for_slot_release():
     """Three stages on one gpu: the third load needs the first stage's slot, freed when its visit ends."""
-    stages = [_st(0, 2.0, 1.0, 0.5, 0.0, 0.0, 0.0), _st(0, 2.0, 1.0, 0.5, 0.0, 0.0, 0.0),
-              _st(0, 2.0, 1.0, 0.5, 0.0, 0.0, 0.0)]
+    stages = [
+        _st(0, 2.0, 1.0, 0.5, 0.0, 0.0, 0.0),
+        _st(0, 2.0, 1.0, 0.5, 0.0, 0.0, 0.0),
+        _st(0, 2.0, 1.0, 0.5, 0.0, 0.0, 0.0),
+    ]
     res = simulate(stages, num_gpus=1, microbatches=1)
     # visits F0 F1 F2 B2 B1 B0 use slots 0 1 0 0(resident) 1 0.
     # load s0 [0, .5] (slot 0), s1 [.5, 1] (slot 1); F0 [.5, 2.5] frees slot 0 -> load s2 [2.5, 3];
@@ -254,21 +265,47 @@ def test_next_backward_waits_for_the_gradient_slot():
 
 # ---- shared links (topology given) ----
 
+
 def _box(rcs, link=16.0, switches=()):
     """gpus per root complex: rcs = {"rc0": (uplink GB/s, [gpu, ...])}; switches = (name, rc, GB/s, [gpus])."""
     on_switch = {g: name for name, _, _, gs in switches for g in gs}
     gpus = sorted((g, rc) for rc, (_, gs) in rcs.items() for g in gs)
     roots = tuple(RootComplex(r, 0, up) for r, (up, _) in rcs.items())
-    return Topology(name="box", source="test", root_complexes=roots,
-                    switches=tuple(Switch(n, rc, up) for n, rc, up, _ in switches),
-                    gpus=tuple(Gpu(index=g, name="t", memory_bytes=2**30, pci_bus_id=f"0000:{g:02x}:00.0",
-                                   root_complex=rc, numa_node=0, link_gbps=link, switch=on_switch.get(g, ""))
-                               for g, rc in gpus))
+    return Topology(
+        name="box",
+        source="test",
+        root_complexes=roots,
+        switches=tuple(Switch(n, rc, up) for n, rc, up, _ in switches),
+        gpus=tuple(
+            Gpu(
+                index=g,
+                name="t",
+                memory_bytes=2**30,
+                pci_bus_id=f"0000:{g:02x}:00.0",
+                root_complex=rc,
+                numa_node=0,
+                link_gbps=link,
+                switch=on_switch.get(g, ""),
+            )
+            for g, rc in gpus
+        ),
+    )
 
 
 def _fst(gpu, param, grad=0, fwd=1.0, bwd=1.0, load=0.0, offload=0.0, act=0, out=0):
-    return SimStage(gpu=gpu, fwd_s=fwd, bwd_s=bwd, load_s=load, offload_s=offload, update_s=0.0, comm_s=0.0,
-                    param_bytes=param, grad_bytes=grad, activation_bytes=act, output_bytes=out)
+    return SimStage(
+        gpu=gpu,
+        fwd_s=fwd,
+        bwd_s=bwd,
+        load_s=load,
+        offload_s=offload,
+        update_s=0.0,
+        comm_s=0.0,
+        param_bytes=param,
+        grad_bytes=grad,
+        activation_bytes=act,
+        output_bytes=out,
+    )
 
 
 def _bytes(res):
@@ -281,8 +318,10 @@ def test_two_gpus_under_one_uplink_each_get_half():
     # F(0,0) [1, 2]; F(1,0) [2, 3]; B(1,0) resident [3, 5]; offload s1 alone on the d2h side: 4e9 / 16e9 -> [5, 5.25];
     # B(0,0) [5, 7]; offload s0 [7, 7.25]. Static load_s = 0.5 (the link alone) gives 6.75 instead.
     topo = _box({"rc0": (16.0, [0, 1])})
-    stages = [_fst(0, 8_000_000_000, 4_000_000_000, load=0.5, offload=0.25),
-              _fst(1, 8_000_000_000, 4_000_000_000, load=0.5, offload=0.25)]
+    stages = [
+        _fst(0, 8_000_000_000, 4_000_000_000, load=0.5, offload=0.25),
+        _fst(1, 8_000_000_000, 4_000_000_000, load=0.5, offload=0.25),
+    ]
     res = simulate(stages, 2, 1, topology=topo)
     assert _loads(res, 0) == [(0.0, 1.0)] and _loads(res, 1) == [(0.0, 1.0)]
     assert _ev(res, "F", 0, 0) == (1.0, 2.0) and _ev(res, "F", 1, 0) == (2.0, 3.0)
@@ -312,12 +351,16 @@ def test_a_flow_that_ends_hands_its_share_to_the_next_load():
     # (6 GB each) had 4 GB left at 0.5: they end at 0.5 + 4/4 = 1.5, when s2 has 1 GB left; alone on the
     # uplink it gets its whole 12 GB/s link: 1.5 + 1/12.
     topo = _box({"rc0": (12.0, [0, 1, 2])}, link=12.0)
-    stages = [_fst(0, 2_000_000_000, fwd=4.0), _fst(1, 6_000_000_000, fwd=4.0), _fst(0, 5_000_000_000, fwd=4.0),
-              _fst(2, 6_000_000_000, fwd=4.0)]
+    stages = [
+        _fst(0, 2_000_000_000, fwd=4.0),
+        _fst(1, 6_000_000_000, fwd=4.0),
+        _fst(0, 5_000_000_000, fwd=4.0),
+        _fst(2, 6_000_000_000, fwd=4.0),
+    ]
     res = simulate(stages, 3, 1, topology=topo)
     assert _loads(res, 0)[0] == (0.0, 0.5)
     assert _loads(res, 1)[0] == (0.0, 1.5) and _loads(res, 3) == [(0.0, 1.5)]
-    (start, end), = _loads(res, 2)
+    ((start, end),) = _loads(res, 2)
     assert start == 0.5 and end == pytest.approx(1.5 + 1 / 12, rel=1e-12)
 
 
@@ -363,8 +406,10 @@ def test_flows_equal_static_when_nothing_is_shared():
     rng = np.random.default_rng(3)
     for n, mapping in ((1, [0, 0, 0]), (2, [0, 1, 0, 1, 1]), (3, [2, 0, 1, 0, 2, 1, 0])):
         topo = cpu_standin(n, 2**30, link_gbps=10.0)
-        stages = [dataclasses.replace(s, param_bytes=int(s.load_s * 1e10), grad_bytes=int(s.offload_s * 1e10))
-                  for s in _random_stages(rng, n, mapping)]
+        stages = [
+            dataclasses.replace(s, param_bytes=int(s.load_s * 1e10), grad_bytes=int(s.offload_s * 1e10))
+            for s in _random_stages(rng, n, mapping)
+        ]
         flows, static = simulate(stages, n, 3, topology=topo), simulate(stages, n, 3)
         assert [e[:4] for e in flows.events] == [e[:4] for e in static.events]
         times = lambda r: [t for e in r.events for t in e[4:]]  # noqa: E731
@@ -378,9 +423,14 @@ def test_invariants_with_shared_links(seed):
     for _ in range(10):
         s = int(rng.integers(4, 12))
         mapping = [j % 4 for j in range(s)]
-        stages = [dataclasses.replace(x, param_bytes=int(rng.integers(1, 8)) * 2_000_000_000,
-                                      grad_bytes=int(rng.integers(1, 8)) * 1_000_000_000)
-                  for x in _random_stages(rng, 4, mapping)]
+        stages = [
+            dataclasses.replace(
+                x,
+                param_bytes=int(rng.integers(1, 8)) * 2_000_000_000,
+                grad_bytes=int(rng.integers(1, 8)) * 1_000_000_000,
+            )
+            for x in _random_stages(rng, 4, mapping)
+        ]
         m = int(rng.choice([1, 2, 4]))
         res = simulate(stages, 4, m, topology=topo)
         _check_invariants(res, stages, 4, m)
@@ -413,29 +463,34 @@ def test_bytes_are_needed_with_a_topology():
 
 # ---- what the result reports ----
 
+
 def test_busy_fraction_and_peak_memory_one_stage():
     # test_one_gpu_one_stage_two_microbatches: the weight slot is held [0, 8.5], the gradient slot from B(0,0)
     # at 2.5 to the offload's end at 8.75: two slots of 100 bytes at once, plus 7 bytes of activations.
-    st = dataclasses.replace(_st(0, 1.0, 2.0, 0.5, 0.25, 0.125, 0.0), param_bytes=100, grad_bytes=100,
-                             activation_bytes=7)
+    st = dataclasses.replace(
+        _st(0, 1.0, 2.0, 0.5, 0.25, 0.125, 0.0), param_bytes=100, grad_bytes=100, activation_bytes=7
+    )
     res = simulate([st], num_gpus=1, microbatches=2)
     assert res.busy_fraction == (8.0 / 8.875,)
     assert res.peak_arena_bytes == (200,) and res.activation_bytes == (7,) and res.peak_memory_bytes == (207,)
     assert res.link_bytes == (("gpu0", "h2d", 100), ("gpu0", "d2h", 100))
     assert res.stage_bytes == ((100, 100),) and res.link_model == "static"
     d = res.to_dict()
-    assert d["busy_fraction"] == [8.0 / 8.875] and d["link_bytes"][0] == {"link": "gpu0", "direction": "h2d",
-                                                                           "bytes": 100}
+    assert d["busy_fraction"] == [8.0 / 8.875] and d["link_bytes"][0] == {
+        "link": "gpu0",
+        "direction": "h2d",
+        "bytes": 100,
+    }
 
 
 def test_peak_arena_reaches_three_slots():
     # test_next_backward_waits_for_the_gradient_slot: s0 in slot 0 from 0, s1 in slot 1 from 0.5; F0 ends at 1.5
     # and frees slot 0; s0 is reloaded into it at 1.5; at 2.5 B1 takes the gradient slot: three slots (the
     # slot size is the larger stage, 300 bytes). Activations: the larger of the gpu's stages.
-    st = [dataclasses.replace(_st(0, 1.0, 1.0, 0.5, 4.0, 0.0, 0.0), param_bytes=300, grad_bytes=300,
-                              activation_bytes=5),
-          dataclasses.replace(_st(0, 1.0, 1.0, 0.5, 4.0, 0.0, 0.0), param_bytes=200, grad_bytes=200,
-                              activation_bytes=9)]
+    st = [
+        dataclasses.replace(_st(0, 1.0, 1.0, 0.5, 4.0, 0.0, 0.0), param_bytes=300, grad_bytes=300, activation_bytes=5),
+        dataclasses.replace(_st(0, 1.0, 1.0, 0.5, 4.0, 0.0, 0.0), param_bytes=200, grad_bytes=200, activation_bytes=9),
+    ]
     res = simulate(st, 1, 1)
     assert res.peak_arena_bytes == (900,) and res.activation_bytes == (9,)
     two = simulate([dataclasses.replace(s, gpu=g) for g, s in enumerate(st)], 2, 1)
@@ -449,11 +504,17 @@ def test_sim_stages_carry_the_plans_bytes():
     from partition.search import make_plan, sim_stages
 
     topo = preset("2+2")
-    plan = make_plan(analytic_profile(get_model("gpt3-125m"), device_spec(topo.gpus[0].name)), topo, 4,
-                     reserve_bytes=2**30, solver="dp")
+    plan = make_plan(
+        analytic_profile(get_model("gpt3-125m"), device_spec(topo.gpus[0].name)),
+        topo,
+        4,
+        reserve_bytes=2**30,
+        solver="dp",
+    )
     st = sim_stages(plan.stages, topo)
-    assert [(s.param_bytes, s.grad_bytes, s.activation_bytes, s.output_bytes) for s in st] == \
-        [(p.param_bytes, p.param_bytes, p.activation_bytes, p.output_bytes) for p in plan.stages]
+    assert [(s.param_bytes, s.grad_bytes, s.activation_bytes, s.output_bytes) for s in st] == [
+        (p.param_bytes, p.param_bytes, p.activation_bytes, p.output_bytes) for p in plan.stages
+    ]
     res = simulate(st, 4, 4, topology=topo)
     assert max(res.peak_arena_bytes) <= plan.arena_bytes and max(res.activation_bytes) <= plan.activation_bytes
     assert all(0 < f <= 1 for f in res.busy_fraction)

@@ -17,14 +17,23 @@ SVG = "{http://www.w3.org/2000/svg}"
 
 def hand_result() -> SimResult:
     """gpu 0: F of stage 0 in [0, 0.5), B in [0.5, 1.0); gpu 1 idle; one load, one offload, one update."""
-    events = (("load", 0, 0, -1, 0.0, 0.2), ("F", 0, 0, 0, 0.0, 0.5), ("B", 0, 0, 0, 0.5, 1.0),
-              ("offload", 0, 0, -1, 0.7, 0.9), ("update", 0, 0, -1, 0.9, 1.0))
+    events = (
+        ("load", 0, 0, -1, 0.0, 0.2),
+        ("F", 0, 0, 0, 0.0, 0.5),
+        ("B", 0, 0, 0, 0.5, 1.0),
+        ("offload", 0, 0, -1, 0.7, 0.9),
+        ("update", 0, 0, -1, 0.9, 1.0),
+    )
     return SimResult(step_time_s=1.0, compute_busy_s=(1.0, 0.0), events=events)
 
 
 def four_stage_result() -> SimResult:
-    stages = [SimStage(gpu=j % 2, fwd_s=0.01 * (j + 1), bwd_s=0.02, load_s=0.005, offload_s=0.005,
-                       update_s=0.003, comm_s=0.001) for j in range(4)]
+    stages = [
+        SimStage(
+            gpu=j % 2, fwd_s=0.01 * (j + 1), bwd_s=0.02, load_s=0.005, offload_s=0.005, update_s=0.003, comm_s=0.001
+        )
+        for j in range(4)
+    ]
     return simulate(stages, num_gpus=2, microbatches=3)
 
 
@@ -90,8 +99,9 @@ def test_svg_axis_in_seconds_for_long_steps(tmp_path: Path):
 
 
 def test_chrome_trace_has_a_process_per_gpu_and_the_host(tmp_path: Path):
-    result = SimResult(step_time_s=1.0, compute_busy_s=(1.0, 0.0), events=hand_result().events,
-                       stage_bytes=((4_000_000, 8_000_000),))
+    result = SimResult(
+        step_time_s=1.0, compute_busy_s=(1.0, 0.0), events=hand_result().events, stage_bytes=((4_000_000, 8_000_000),)
+    )
     doc = json.loads(chrome_trace(result, tmp_path / "t.json").read_text())
     meta = [e for e in doc["traceEvents"] if e["ph"] == "M"]
     names = {(e["pid"], e["args"]["name"]) for e in meta if e["name"] == "process_name"}

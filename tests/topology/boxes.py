@@ -33,8 +33,16 @@ def switch(us, speed, width, downstream, ids=PLX):
 
 
 def gpu(bdf, model, speed: str | None = GEN4, width: int | None = 16, audio=True):
-    return dict(bdf=bdf, cls=0x030000, ids=(0x10DE, MODELS[model][1]), speed=speed, width=width, model=model,
-                audio=audio, children=())
+    return dict(
+        bdf=bdf,
+        cls=0x030000,
+        ids=(0x10DE, MODELS[model][1]),
+        speed=speed,
+        width=width,
+        model=model,
+        audio=audio,
+        children=(),
+    )
 
 
 def nvme(bdf, name, model, ids, speed=GEN4, width=4):
@@ -47,8 +55,9 @@ def _other(bdf, cls, ids, speed, width, *children):
 
 def _pair(rp, us, ds, gpus, model="3090", rp_ids=AMD_RP):
     """Root port -> gen4 switch -> two GPUs: ds = downstream port bdfs, gpus = gpu bdfs."""
-    return port(rp, GEN4, 16, switch(us, GEN4, 16, [(d, gpu(g, model)) for d, g in zip(ds, gpus)], ids=BRCM),
-                ids=rp_ids)
+    return port(
+        rp, GEN4, 16, switch(us, GEN4, 16, [(d, gpu(g, model)) for d, g in zip(ds, gpus)], ids=BRCM), ids=rp_ids
+    )
 
 
 def _child(us, ds, gpus):
@@ -60,83 +69,282 @@ BOXES = {
     "2+2": dict(  # dual Xeon SP (gen3), old kernel speed strings, a PLX switch per socket with two 3090 Ti
         nodes={0: ("0-11,24-35", 96 * GiB), 1: ("12-23,36-47", 96 * GiB)},
         roots={
-            "pci0000:00": (0, [port("0000:00:1c.0", OLD3, 1, _other(
-                "0000:02:00.0", 0x060400, (0x1A03, 0x1150), "5 GT/s", 1,
-                _other("0000:03:00.0", 0x030000, (0x1A03, 0x2000), None, None)))]),
-            "pci0000:17": (0, [port("0000:17:00.0", OLD3, 4, nvme("0000:18:00.0", "nvme0", "Samsung SSD 980 PRO 1TB",
-                                                                   (0x144D, 0xA80A), OLD4))]),
-            "pci0000:3a": (0, [port("0000:3a:00.0", OLD3, 16, switch("0000:3b:00.0", OLD3, 16, [
-                ("0000:3c:08.0", gpu("0000:3d:00.0", "3090 Ti", OLD4)),
-                ("0000:3c:10.0", gpu("0000:3e:00.0", "3090 Ti", OLD4))]))]),
-            "pci0000:ae": (1, [port("0000:ae:00.0", OLD3, 16, switch("0000:af:00.0", OLD3, 16, [
-                ("0000:b0:08.0", gpu("0000:b1:00.0", "3090 Ti", OLD4)),
-                ("0000:b0:10.0", gpu("0000:b2:00.0", "3090 Ti", OLD4))]))]),
+            "pci0000:00": (
+                0,
+                [
+                    port(
+                        "0000:00:1c.0",
+                        OLD3,
+                        1,
+                        _other(
+                            "0000:02:00.0",
+                            0x060400,
+                            (0x1A03, 0x1150),
+                            "5 GT/s",
+                            1,
+                            _other("0000:03:00.0", 0x030000, (0x1A03, 0x2000), None, None),
+                        ),
+                    )
+                ],
+            ),
+            "pci0000:17": (
+                0,
+                [
+                    port(
+                        "0000:17:00.0",
+                        OLD3,
+                        4,
+                        nvme("0000:18:00.0", "nvme0", "Samsung SSD 980 PRO 1TB", (0x144D, 0xA80A), OLD4),
+                    )
+                ],
+            ),
+            "pci0000:3a": (
+                0,
+                [
+                    port(
+                        "0000:3a:00.0",
+                        OLD3,
+                        16,
+                        switch(
+                            "0000:3b:00.0",
+                            OLD3,
+                            16,
+                            [
+                                ("0000:3c:08.0", gpu("0000:3d:00.0", "3090 Ti", OLD4)),
+                                ("0000:3c:10.0", gpu("0000:3e:00.0", "3090 Ti", OLD4)),
+                            ],
+                        ),
+                    )
+                ],
+            ),
+            "pci0000:ae": (
+                1,
+                [
+                    port(
+                        "0000:ae:00.0",
+                        OLD3,
+                        16,
+                        switch(
+                            "0000:af:00.0",
+                            OLD3,
+                            16,
+                            [
+                                ("0000:b0:08.0", gpu("0000:b1:00.0", "3090 Ti", OLD4)),
+                                ("0000:b0:10.0", gpu("0000:b2:00.0", "3090 Ti", OLD4)),
+                            ],
+                        ),
+                    )
+                ],
+            ),
         },
-        levels=("PIX SYS SYS", "SYS SYS", "PIX"), p2p="GNS", nvlinks=(), nvlink_hw=4, link_count_field=True),
+        levels=("PIX SYS SYS", "SYS SYS", "PIX"),
+        p2p="GNS",
+        nvlinks=(),
+        nvlink_hw=4,
+        link_count_field=True,
+    ),
     "3+1": dict(  # dual Xeon (gen4): 3 GPUs + an NVMe under one switch on socket 0, 1 GPU on an x8 root port
         nodes={0: ("0-15,32-47", 128 * GiB), 1: ("16-31,48-63", 128 * GiB)},
         roots={
-            "pci0000:4a": (0, [port("0000:4a:02.0", GEN4, 16, switch("0000:4b:00.0", GEN4, 16, [
-                ("0000:4c:00.0", gpu("0000:4d:00.0", "3090")), ("0000:4c:04.0", gpu("0000:4e:00.0", "3090")),
-                ("0000:4c:08.0", gpu("0000:4f:00.0", "3090")),
-                ("0000:4c:0c.0", nvme("0000:50:00.0", "nvme0", "INTEL SSDPF2KX038TZ", (0x8086, 0x0B60)))],
-                ids=BRCM))]),
+            "pci0000:4a": (
+                0,
+                [
+                    port(
+                        "0000:4a:02.0",
+                        GEN4,
+                        16,
+                        switch(
+                            "0000:4b:00.0",
+                            GEN4,
+                            16,
+                            [
+                                ("0000:4c:00.0", gpu("0000:4d:00.0", "3090")),
+                                ("0000:4c:04.0", gpu("0000:4e:00.0", "3090")),
+                                ("0000:4c:08.0", gpu("0000:4f:00.0", "3090")),
+                                (
+                                    "0000:4c:0c.0",
+                                    nvme("0000:50:00.0", "nvme0", "INTEL SSDPF2KX038TZ", (0x8086, 0x0B60)),
+                                ),
+                            ],
+                            ids=BRCM,
+                        ),
+                    )
+                ],
+            ),
             "pci0000:e2": (1, [port("0000:e2:02.0", GEN4, 8, gpu("0000:e3:00.0", "3090"))]),
         },
-        levels=("PIX PIX SYS", "PIX SYS", "SYS"), p2p="GNS", nvlinks=(), nvlink_hw=4, link_count_field=True),
+        levels=("PIX PIX SYS", "PIX SYS", "SYS"),
+        p2p="GNS",
+        nvlinks=(),
+        nvlink_hw=4,
+        link_count_field=True,
+    ),
     "8-dual-socket": dict(  # dual EPYC: per socket two root ports on one root bus, a switch with 2 GPUs on each
         nodes={0: ("0-31,64-95", 256 * GiB), 1: ("32-63,96-127", 256 * GiB)},
         roots={
-            "pci0000:00": (0, [port("0000:00:01.1", GEN4, 4, nvme("0000:01:00.0", "nvme0", "SAMSUNG MZQL23T8HCLS-00A07",
-                                                                   (0x144D, 0xA80A)), ids=AMD_RP)]),
-            "pci0000:40": (0, [_pair("0000:40:01.1", "0000:41:00.0", ["0000:42:00.0", "0000:42:01.0"],
-                                     ["0000:43:00.0", "0000:44:00.0"]),
-                               _pair("0000:40:03.1", "0000:45:00.0", ["0000:46:00.0", "0000:46:01.0"],
-                                     ["0000:47:00.0", "0000:48:00.0"])]),
-            "pci0000:c0": (1, [_pair("0000:c0:01.1", "0000:c1:00.0", ["0000:c2:00.0", "0000:c2:01.0"],
-                                     ["0000:c3:00.0", "0000:c4:00.0"]),
-                               _pair("0000:c0:03.1", "0000:c5:00.0", ["0000:c6:00.0", "0000:c6:01.0"],
-                                     ["0000:c7:00.0", "0000:c8:00.0"])]),
-            "pci0000:e0": (1, [port("0000:e0:03.1", GEN4, 4, nvme("0000:e1:00.0", "nvme1", "SAMSUNG MZWLJ3T8HBLS-00007",
-                                                                   (0x144D, 0xA824)), ids=AMD_RP)]),
+            "pci0000:00": (
+                0,
+                [
+                    port(
+                        "0000:00:01.1",
+                        GEN4,
+                        4,
+                        nvme("0000:01:00.0", "nvme0", "SAMSUNG MZQL23T8HCLS-00A07", (0x144D, 0xA80A)),
+                        ids=AMD_RP,
+                    )
+                ],
+            ),
+            "pci0000:40": (
+                0,
+                [
+                    _pair(
+                        "0000:40:01.1",
+                        "0000:41:00.0",
+                        ["0000:42:00.0", "0000:42:01.0"],
+                        ["0000:43:00.0", "0000:44:00.0"],
+                    ),
+                    _pair(
+                        "0000:40:03.1",
+                        "0000:45:00.0",
+                        ["0000:46:00.0", "0000:46:01.0"],
+                        ["0000:47:00.0", "0000:48:00.0"],
+                    ),
+                ],
+            ),
+            "pci0000:c0": (
+                1,
+                [
+                    _pair(
+                        "0000:c0:01.1",
+                        "0000:c1:00.0",
+                        ["0000:c2:00.0", "0000:c2:01.0"],
+                        ["0000:c3:00.0", "0000:c4:00.0"],
+                    ),
+                    _pair(
+                        "0000:c0:03.1",
+                        "0000:c5:00.0",
+                        ["0000:c6:00.0", "0000:c6:01.0"],
+                        ["0000:c7:00.0", "0000:c8:00.0"],
+                    ),
+                ],
+            ),
+            "pci0000:e0": (
+                1,
+                [
+                    port(
+                        "0000:e0:03.1",
+                        GEN4,
+                        4,
+                        nvme("0000:e1:00.0", "nvme1", "SAMSUNG MZWLJ3T8HBLS-00007", (0x144D, 0xA824)),
+                        ids=AMD_RP,
+                    )
+                ],
+            ),
         },
-        levels=("PIX PHB PHB SYS SYS SYS SYS", "PHB PHB SYS SYS SYS SYS", "PIX SYS SYS SYS SYS",
-                "SYS SYS SYS SYS", "PIX PHB PHB", "PHB PHB", "PIX"),
-        p2p="GNS", nvlinks=(), nvlink_hw=4, link_count_field=True),
+        levels=(
+            "PIX PHB PHB SYS SYS SYS SYS",
+            "PHB PHB SYS SYS SYS SYS",
+            "PIX SYS SYS SYS SYS",
+            "SYS SYS SYS SYS",
+            "PIX PHB PHB",
+            "PHB PHB",
+            "PIX",
+        ),
+        p2p="GNS",
+        nvlinks=(),
+        nvlink_hw=4,
+        link_count_field=True,
+    ),
     "nvlink-pair": dict(  # Threadripper Pro: 4 GPUs on 4 root buses of one socket, two NVLink bridges (NV4)
         nodes={0: ("0-63", 256 * GiB)},
-        roots={f"pci0000:{b:02x}": (0, [port(f"0000:{b:02x}:01.1", GEN4, 16, gpu(f"0000:{b + 1:02x}:00.0", "3090"),
-                                             ids=AMD_RP)]) for b in (0x00, 0x20, 0x40, 0x60)},
-        levels=("NODE NODE NODE", "NODE NODE", "NODE"), p2p=("OK GNS GNS", "GNS GNS", "OK"),
-        nvlinks=((0, 1, 4), (2, 3, 4)), nvlink_hw=4, link_count_field=True),
+        roots={
+            f"pci0000:{b:02x}": (
+                0,
+                [port(f"0000:{b:02x}:01.1", GEN4, 16, gpu(f"0000:{b + 1:02x}:00.0", "3090"), ids=AMD_RP)],
+            )
+            for b in (0x00, 0x20, 0x40, 0x60)
+        },
+        levels=("NODE NODE NODE", "NODE NODE", "NODE"),
+        p2p=("OK GNS GNS", "GNS GNS", "OK"),
+        nvlinks=((0, 1, 4), (2, 3, 4)),
+        nvlink_hw=4,
+        link_count_field=True,
+    ),
     "4-pxb": dict(  # one socket: a parent switch over two x8-uplinked child switches of two GPUs (PIX / PXB)
         nodes={0: ("0-23", 128 * GiB)},
-        roots={"pci0000:16": (0, [port("0000:16:00.0", GEN4, 16, switch("0000:17:00.0", GEN4, 16, [
-            ("0000:18:00.0",
-             _child("0000:19:00.0", ["0000:1a:00.0", "0000:1a:08.0"], ["0000:1b:00.0", "0000:1c:00.0"])),
-            ("0000:18:08.0",
-             _child("0000:1d:00.0", ["0000:1e:00.0", "0000:1e:08.0"], ["0000:1f:00.0", "0000:20:00.0"])),
-        ], ids=BRCM))])},
-        levels=("PIX PXB PXB", "PXB PXB", "PIX"), p2p="GNS", nvlinks=(), nvlink_hw=4, link_count_field=True),
+        roots={
+            "pci0000:16": (
+                0,
+                [
+                    port(
+                        "0000:16:00.0",
+                        GEN4,
+                        16,
+                        switch(
+                            "0000:17:00.0",
+                            GEN4,
+                            16,
+                            [
+                                (
+                                    "0000:18:00.0",
+                                    _child(
+                                        "0000:19:00.0",
+                                        ["0000:1a:00.0", "0000:1a:08.0"],
+                                        ["0000:1b:00.0", "0000:1c:00.0"],
+                                    ),
+                                ),
+                                (
+                                    "0000:18:08.0",
+                                    _child(
+                                        "0000:1d:00.0",
+                                        ["0000:1e:00.0", "0000:1e:08.0"],
+                                        ["0000:1f:00.0", "0000:20:00.0"],
+                                    ),
+                                ),
+                            ],
+                            ids=BRCM,
+                        ),
+                    )
+                ],
+            )
+        },
+        levels=("PIX PXB PXB", "PXB PXB", "PIX"),
+        p2p="GNS",
+        nvlinks=(),
+        nvlink_hw=4,
+        link_count_field=True,
+    ),
     "vm": dict(  # 4 passed-through GPUs straight on the root bus: no bridges, numa -1, no link files
         nodes={0: ("0-15", 64 * GiB)},
-        roots={"pci0000:00": (-1, [gpu(f"0000:00:{s:02x}.0", "A6000", None, None, audio=False)
-                                   for s in (5, 6, 7, 8)])},
-        levels=("SYS SYS SYS", "SYS SYS", "SYS"), p2p="NS", nvlinks=(), nvlink_hw=0, link_count_field=False),
+        roots={"pci0000:00": (-1, [gpu(f"0000:00:{s:02x}.0", "A6000", None, None, audio=False) for s in (5, 6, 7, 8)])},
+        levels=("SYS SYS SYS", "SYS SYS", "SYS"),
+        p2p="NS",
+        nvlinks=(),
+        nvlink_hw=0,
+        link_count_field=False,
+    ),
 }
 
 FAKES = {  # failure fakes: (box, changes to the box's NVML behaviour)
     "no-library": ("2+2", dict(faults={"nvmlInit": "LibraryNotFound"})),
     "no-driver": ("2+2", dict(faults={"nvmlInit": "DriverNotLoaded"})),
-    "unsupported": ("2+2", dict(faults={"nvmlDeviceGetMaxPcieLinkGeneration": "NotSupported",
-                                        "nvmlDeviceGetCpuAffinity": "NotSupported",
-                                        "nvmlDeviceGetFieldValues": "NotSupported"})),
+    "unsupported": (
+        "2+2",
+        dict(
+            faults={
+                "nvmlDeviceGetMaxPcieLinkGeneration": "NotSupported",
+                "nvmlDeviceGetCpuAffinity": "NotSupported",
+                "nvmlDeviceGetFieldValues": "NotSupported",
+            }
+        ),
+    ),
     "nvlink-unbounded": ("nvlink-pair", dict(nvlink_hw=2, link_count_field=False)),
 }
 
 
 def walk(box: dict):
     """(path components from the root bus, node, parent node or None, numa node) for every function."""
+
     def down(parts, node, parent, numa):
         here = parts + [node["bdf"]]
         yield here, node, parent, numa
@@ -171,9 +379,15 @@ def write_sysfs(name: str, root: Path) -> Path:
 def _write_function(root: Path, parts: list[str], node: dict, numa: int, cpus: str) -> None:
     d = root.joinpath("devices", *parts)
     d.mkdir(parents=True, exist_ok=True)
-    files = {"class": f"0x{node['cls']:06x}", "vendor": f"0x{node['ids'][0]:04x}",
-             "device": f"0x{node['ids'][1]:04x}", "numa_node": str(numa), "local_cpulist": cpus,
-             "max_link_speed": node["speed"], "max_link_width": node["width"]}
+    files = {
+        "class": f"0x{node['cls']:06x}",
+        "vendor": f"0x{node['ids'][0]:04x}",
+        "device": f"0x{node['ids'][1]:04x}",
+        "numa_node": str(numa),
+        "local_cpulist": cpus,
+        "max_link_speed": node["speed"],
+        "max_link_width": node["width"],
+    }
     for fname, text in files.items():
         if text is not None:
             (d / fname).write_text(f"{text}\n")
@@ -203,10 +417,24 @@ def nvml_gpus(name: str) -> list[dict]:
         if parent and _gen(parent["speed"]):
             gen, width = min(gen, _gen(parent["speed"])), min(width, parent["width"])
         bus, dev = int(node["bdf"][5:7], 16), int(node["bdf"][8:10], 16)
-        out.append(dict(bdf=node["bdf"], name=full, memory=memory, gen=gen, width=width, cpus=_cpulist(box, numa),
-                        uuid="GPU-" + str(uuid.uuid5(uuid.NAMESPACE_URL, f"{name}/{node['bdf']}")),
-                        pci=SimpleNamespace(busId=f"00000000:{bus:02X}:{dev:02X}.0", domain=0, bus=bus, device=dev,
-                                            pciDeviceId=devid << 16 | 0x10DE)))
+        out.append(
+            dict(
+                bdf=node["bdf"],
+                name=full,
+                memory=memory,
+                gen=gen,
+                width=width,
+                cpus=_cpulist(box, numa),
+                uuid="GPU-" + str(uuid.uuid5(uuid.NAMESPACE_URL, f"{name}/{node['bdf']}")),
+                pci=SimpleNamespace(
+                    busId=f"00000000:{bus:02X}:{dev:02X}.0",
+                    domain=0,
+                    bus=bus,
+                    device=dev,
+                    pciDeviceId=devid << 16 | 0x10DE,
+                ),
+            )
+        )
     return out
 
 
@@ -317,9 +545,15 @@ class FakeNvml:
         out = []
         for field_id, scope in fields:
             known = field_id == pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT and self.link_field
-            out.append(SimpleNamespace(fieldId=field_id, scopeId=scope, valueType=pynvml.NVML_VALUE_TYPE_UNSIGNED_INT,
-                                       nvmlReturn=0 if known else pynvml.NVML_ERROR_NOT_SUPPORTED,
-                                       value=SimpleNamespace(uiVal=self.nvlink_hw if known else 0)))
+            out.append(
+                SimpleNamespace(
+                    fieldId=field_id,
+                    scopeId=scope,
+                    valueType=pynvml.NVML_VALUE_TYPE_UNSIGNED_INT,
+                    nvmlReturn=0 if known else pynvml.NVML_ERROR_NOT_SUPPORTED,
+                    value=SimpleNamespace(uiVal=self.nvlink_hw if known else 0),
+                )
+            )
         return out
 
     def nvmlDeviceGetNvLinkState(self, h, link):

@@ -13,13 +13,16 @@ from topology.pci import pcie_gbps
 GEN3, GEN4 = pcie_gbps(3, 16), pcie_gbps(4, 16)
 
 
-@pytest.mark.parametrize("box,groups,switches,levels0,contended", [
-    ("2+2", [[0, 1], [2, 3]], 2, ["X", "PIX", "SYS", "SYS"], GEN3 / 2),
-    ("3+1", [[0, 1, 2], [3]], 1, ["X", "PIX", "PIX", "SYS"], GEN4 / 3),
-    ("8-dual-socket", [[0, 1, 2, 3], [4, 5, 6, 7]], 4, ["X", "PIX", "PHB", "PHB"] + ["SYS"] * 4, GEN4 / 2),
-    ("nvlink-pair", [[0], [1], [2], [3]], 0, ["X", "NV4", "NODE", "NODE"], GEN4),
-    ("vm", [[0, 1, 2, 3]], 0, ["X", "PHB", "PHB", "PHB"], GEN3),
-])
+@pytest.mark.parametrize(
+    "box,groups,switches,levels0,contended",
+    [
+        ("2+2", [[0, 1], [2, 3]], 2, ["X", "PIX", "SYS", "SYS"], GEN3 / 2),
+        ("3+1", [[0, 1, 2], [3]], 1, ["X", "PIX", "PIX", "SYS"], GEN4 / 3),
+        ("8-dual-socket", [[0, 1, 2, 3], [4, 5, 6, 7]], 4, ["X", "PIX", "PHB", "PHB"] + ["SYS"] * 4, GEN4 / 2),
+        ("nvlink-pair", [[0], [1], [2], [3]], 0, ["X", "NV4", "NODE", "NODE"], GEN4),
+        ("vm", [[0, 1, 2, 3]], 0, ["X", "PHB", "PHB", "PHB"], GEN3),
+    ],
+)
 def test_boxes(sysfs_box, nvml_box, box, groups, switches, levels0, contended):
     t = discover(sysfs_box(box), nvml_box(box))
     assert t.source == "discovered:nvml+sysfs"

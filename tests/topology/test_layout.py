@@ -17,14 +17,23 @@ def _full() -> Topology:
     """2+2 with every optional part filled in: nested switch, NVMe, NVLink, P2P, measurements, notes."""
     t = preset("2+2")
     return replace(
-        t, host_memory_bytes=512 * 2**30, notes=("no NVML: names from sysfs",),
+        t,
+        host_memory_bytes=512 * 2**30,
+        notes=("no NVML: names from sysfs",),
         switches=t.switches + (Switch("sw0b", "rc0", 7.88, parent="sw0"),),
         nvme=(Nvme("nvme0", "0000:3d:00.0", "rc0", 0, 7.88, switch="sw0b", model="Samsung 980 PRO"),),
         nvlinks=(NvLink(0, 1, 4, 56.25),),
         p2p=tuple(tuple("X" if a == b else "GNS" for b in range(4)) for a in range(4)),
-        measured=Measured(h2d_gbps=(12.0, 12.5, 11.5, 13.0), h2d_group_gbps=(6.0, 6.5, 5.5, 6.0),
-                          d2d_gbps=tuple(tuple(0.0 if a == b else 9.5 for b in range(4)) for a in range(4)),
-                          ssd_dir="/scratch", ssd_read_gbps=3.2, ssd_write_gbps=2.1, notes=("p2p not measured",)))
+        measured=Measured(
+            h2d_gbps=(12.0, 12.5, 11.5, 13.0),
+            h2d_group_gbps=(6.0, 6.5, 5.5, 6.0),
+            d2d_gbps=tuple(tuple(0.0 if a == b else 9.5 for b in range(4)) for a in range(4)),
+            ssd_dir="/scratch",
+            ssd_read_gbps=3.2,
+            ssd_write_gbps=2.1,
+            notes=("p2p not measured",),
+        ),
+    )
 
 
 TOPOLOGIES = [*PRESETS.values(), _full(), cpu_standin(1, 1234567), cpu_standin(4, 3 * 2**30, link_gbps=12.5)]
@@ -69,10 +78,18 @@ def test_hand_written_layout_with_defaults(tmp_path):
     assert t.source == f"file:{path}"
 
 
-@pytest.mark.parametrize("text, expected", [
-    (25769803776, 25769803776), ("24GiB", 24 * 2**30), ("24 GB", 24 * 10**9), ("1.5tib", 3 * 2**39),
-    ("512 MiB", 2**29), ("0.1GB", 10**8), ("7B", 7),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (25769803776, 25769803776),
+        ("24GiB", 24 * 2**30),
+        ("24 GB", 24 * 10**9),
+        ("1.5tib", 3 * 2**39),
+        ("512 MiB", 2**29),
+        ("0.1GB", 10**8),
+        ("7B", 7),
+    ],
+)
 def test_parse_bytes(text, expected):
     assert parse_bytes(text, "f.yaml", "k") == expected
 
@@ -99,14 +116,22 @@ _P2P = [["X" if a == b else "GNS" for b in range(4)] for a in range(4)]
 _LINK = {"a": 0, "b": 1, "links": 4, "gbps": 56.25}
 
 BAD = [  # (dotted key, value or ... to delete, message fragment)
-    ("gpus[2].memroy_bytes", 1, r"gpus\[2\]\.memroy_bytes: expected one of the keys of gpus\[2\]: .*found unknown "
-                                r"key 'memroy_bytes'; fix: did you mean 'memory_bytes'"),
+    (
+        "gpus[2].memroy_bytes",
+        1,
+        r"gpus\[2\]\.memroy_bytes: expected one of the keys of gpus\[2\]: .*found unknown "
+        r"key 'memroy_bytes'; fix: did you mean 'memory_bytes'",
+    ),
     ("contention", 1, r"contention: expected one of the keys of the top level.*found unknown key 'contention'"),
     ("gpus[2].memory_bytes", [24], r"gpus\[2\]\.memory_bytes: expected bytes.*found list \[24\]"),
     ("gpus[0].memory_bytes", -1, r"gpus\[0\]\.memory_bytes: expected bytes: an integer >= 0.*found integer -1"),
     ("gpus[1].link_gbps", "fast", r"gpus\[1\]\.link_gbps: expected a number, found string 'fast'"),
-    ("gpus[1].link_gbps", 0, r"gpus\[1\]\.link_gbps: expected a bandwidth in GB/s, a finite number > 0, found number "
-                             r"0\.0"),
+    (
+        "gpus[1].link_gbps",
+        0,
+        r"gpus\[1\]\.link_gbps: expected a bandwidth in GB/s, a finite number > 0, found number "
+        r"0\.0",
+    ),
     ("gpus[0].name", "", r"gpus\[0\]\.name: expected a non-empty string, found string ''"),
     ("root_complexes[0].numa_node", 0.5, r"root_complexes\[0\]\.numa_node: expected an integer, found number 0\.5"),
     ("root_complexes[0].name", 5, r"root_complexes\[0\]\.name: expected a string, found integer 5"),
@@ -114,27 +139,47 @@ BAD = [  # (dotted key, value or ... to delete, message fragment)
     ("root_complexes[1].uplink_gbps", -2.0, r"root_complexes\[1\]\.uplink_gbps: expected a bandwidth.*> 0"),
     ("gpus", {}, r"gpus: expected a list of mappings, found mapping \{\}"),
     ("gpus", [], r"gpus: expected a non-empty list of gpus, found an empty list"),
-    ("gpus[3].pci_bus_id", ..., r"gpus\[3\]\.pci_bus_id: expected a string \(a required key\), found nothing: the "
-                                r"key is missing"),
+    (
+        "gpus[3].pci_bus_id",
+        ...,
+        r"gpus\[3\]\.pci_bus_id: expected a string \(a required key\), found nothing: the "
+        r"key is missing",
+    ),
     ("name", ..., r": name: expected a string \(a required key\), found nothing"),
     ("name", "", r": name: expected a non-empty string"),
     ("root_complexes[1].uplink_gbps", ..., r"root_complexes\[1\]\.uplink_gbps: expected a number \(a required key\)"),
-    ("gpus[3].root_complex", "rc7", r"gpus\[3\]\.root_complex: expected one of the root_complexes.*found string "
-                                    r"'rc7'"),
+    (
+        "gpus[3].root_complex",
+        "rc7",
+        r"gpus\[3\]\.root_complex: expected one of the root_complexes.*found string "
+        r"'rc7'",
+    ),
     ("gpus[1].index", 5, r"gpus\[1\]\.index: expected 1"),
     ("root_complexes[1].name", "rc0", r"root_complexes\[1\]\.name: expected a name no other root complex has.*'rc0'"),
     # switches
-    ("switches[0].parent", "sw9", r"switches\[0\]\.parent: expected one of the switches \['sw0', 'sw1'\] or \"\" "
-                                  r"for none, found string 'sw9'"),
+    (
+        "switches[0].parent",
+        "sw9",
+        r"switches\[0\]\.parent: expected one of the switches \['sw0', 'sw1'\] or \"\" "
+        r"for none, found string 'sw9'",
+    ),
     ("switches[1].root_complex", "rc9", r"switches\[1\]\.root_complex: expected one of the root_complexes.*'rc9'"),
     ("switches[0].parent", "sw0", r"switches\[0\]\.parent: expected a switch that is not below 'sw0' \(parents form"),
     ("switches[1].name", "sw0", r"switches\[1\]\.name: expected a name no other switch has.*found string 'sw0'"),
     ("switches[1].uplink_gbps", 0, r"switches\[1\]\.uplink_gbps: expected a bandwidth in GB/s, a finite number > 0"),
-    ("switches[0].colour", "red", r"switches\[0\]\.colour: expected one of the keys of switches\[0\].*found unknown "
-                                  r"key 'colour'"),
+    (
+        "switches[0].colour",
+        "red",
+        r"switches\[0\]\.colour: expected one of the keys of switches\[0\].*found unknown "
+        r"key 'colour'",
+    ),
     ("switches", {"name": "sw0"}, r"switches: expected a list"),
-    ("gpus[0].switch", "sw7", r"gpus\[0\]\.switch: expected one of the switches \['sw0', 'sw1'\].*found string "
-                              r"'sw7'"),
+    (
+        "gpus[0].switch",
+        "sw7",
+        r"gpus\[0\]\.switch: expected one of the switches \['sw0', 'sw1'\].*found string "
+        r"'sw7'",
+    ),
     ("gpus[2].switch", "sw0", r"gpus\[2\]\.root_complex: expected 'rc0', the root complex of its switch 'sw0'.*'rc1'"),
     # nvme
     ("nvme", [{**_NVME, "root_complex": "rc5"}], r"nvme\[0\]\.root_complex: expected one of the root_complexes"),
@@ -160,8 +205,12 @@ BAD = [  # (dotted key, value or ... to delete, message fragment)
     ("measured", {"d2d_gbps": [[0.0] * 4] * 3}, r"measured\.d2d_gbps: expected \[\] \(not measured\) or 4 rows"),
     ("measured", {"ssd_read_gbps": "quick"}, r"measured\.ssd_read_gbps: expected a number, found string 'quick'"),
     ("measured", {"ssd_read_gbps": -1.0}, r"measured\.ssd_read_gbps: expected a finite number >= 0"),
-    ("measured", {"h2d_gbpz": []}, r"measured\.h2d_gbpz: expected one of the keys of measured.*found unknown key "
-                                   r"'h2d_gbpz'; fix: did you mean 'h2d_gbps'"),
+    (
+        "measured",
+        {"h2d_gbpz": []},
+        r"measured\.h2d_gbpz: expected one of the keys of measured.*found unknown key "
+        r"'h2d_gbpz'; fix: did you mean 'h2d_gbps'",
+    ),
     ("notes", "one", r"notes: expected a list of strings, found string 'one'"),
 ]
 
@@ -192,8 +241,11 @@ def test_nonexistent_path(tmp_path):
 
 
 def test_unknown_preset_name():
-    with pytest.raises(TopologyError, match=r"'2\+3' is neither a preset nor an existing file; known presets: "
-                                            r"\['2\+2', '2x2-nvlink', '3\+1', '4', '8-dual-socket'\]"):
+    with pytest.raises(
+        TopologyError,
+        match=r"'2\+3' is neither a preset nor an existing file; known presets: "
+        r"\['2\+2', '2x2-nvlink', '3\+1', '4', '8-dual-socket'\]",
+    ):
         load_topology("2+3")
 
 
@@ -266,11 +318,17 @@ def test_every_problem_of_a_layout_at_once(tmp_path):
         load_topology(_write(tmp_path, d))
 
 
-@pytest.mark.parametrize("name, text, needle", [
-    ("dup.yaml", "name: a\nname: b\ngpus: []\n", "name: expected each key once per mapping, found it at line 1 and "
-                                                  "again at line 2"),
-    ("dup.json", '{"name": "a", "gpus": [{"index": 0, "index": 1}]}', "gpus[0].index: expected each key once"),
-])
+@pytest.mark.parametrize(
+    "name, text, needle",
+    [
+        (
+            "dup.yaml",
+            "name: a\nname: b\ngpus: []\n",
+            "name: expected each key once per mapping, found it at line 1 and again at line 2",
+        ),
+        ("dup.json", '{"name": "a", "gpus": [{"index": 0, "index": 1}]}', "gpus[0].index: expected each key once"),
+    ],
+)
 def test_duplicate_keys_in_a_layout(tmp_path, name, text, needle):
     path = tmp_path / name
     path.write_text(text)

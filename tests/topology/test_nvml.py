@@ -12,22 +12,37 @@ from topology.nvml import _remote_bus, cpulist, read_nvml
 
 NAMES = {"10": "PIX", "20": "PXB", "30": "PHB", "40": "NODE", "50": "SYS", "0": "X", "-1": "?"}
 BUSES = {
-    "2+2": "3d 3e b1 b2", "3+1": "4d 4e 4f e3", "8-dual-socket": "43 44 47 48 c3 c4 c7 c8",
-    "nvlink-pair": "01 21 41 61", "4-pxb": "1b 1c 1f 20",
+    "2+2": "3d 3e b1 b2",
+    "3+1": "4d 4e 4f e3",
+    "8-dual-socket": "43 44 47 48 c3 c4 c7 c8",
+    "nvlink-pair": "01 21 41 61",
+    "4-pxb": "1b 1c 1f 20",
 }
 LEVELS = {  # nvidia-smi topo -m rows, as each box was recorded
     "2+2": ["X PIX SYS SYS", "PIX X SYS SYS", "SYS SYS X PIX", "SYS SYS PIX X"],
     "3+1": ["X PIX PIX SYS", "PIX X PIX SYS", "PIX PIX X SYS", "SYS SYS SYS X"],
-    "8-dual-socket": ["X PIX PHB PHB SYS SYS SYS SYS", "PIX X PHB PHB SYS SYS SYS SYS",
-                      "PHB PHB X PIX SYS SYS SYS SYS", "PHB PHB PIX X SYS SYS SYS SYS",
-                      "SYS SYS SYS SYS X PIX PHB PHB", "SYS SYS SYS SYS PIX X PHB PHB",
-                      "SYS SYS SYS SYS PHB PHB X PIX", "SYS SYS SYS SYS PHB PHB PIX X"],
+    "8-dual-socket": [
+        "X PIX PHB PHB SYS SYS SYS SYS",
+        "PIX X PHB PHB SYS SYS SYS SYS",
+        "PHB PHB X PIX SYS SYS SYS SYS",
+        "PHB PHB PIX X SYS SYS SYS SYS",
+        "SYS SYS SYS SYS X PIX PHB PHB",
+        "SYS SYS SYS SYS PIX X PHB PHB",
+        "SYS SYS SYS SYS PHB PHB X PIX",
+        "SYS SYS SYS SYS PHB PHB PIX X",
+    ],
     "nvlink-pair": ["X NODE NODE NODE", "NODE X NODE NODE", "NODE NODE X NODE", "NODE NODE NODE X"],
     "4-pxb": ["X PIX PXB PXB", "PIX X PXB PXB", "PXB PXB X PIX", "PXB PXB PIX X"],
     "vm": ["X SYS SYS SYS", "SYS X SYS SYS", "SYS SYS X SYS", "SYS SYS SYS X"],
 }
-PCIE = {"2+2": (3, 16), "3+1": (4, 16), "8-dual-socket": (4, 16), "nvlink-pair": (4, 16), "4-pxb": (4, 16),
-        "vm": (4, 16)}
+PCIE = {
+    "2+2": (3, 16),
+    "3+1": (4, 16),
+    "8-dual-socket": (4, 16),
+    "nvlink-pair": (4, 16),
+    "4-pxb": (4, 16),
+    "vm": (4, 16),
+}
 
 
 def _labels(levels):
@@ -76,10 +91,18 @@ def test_cpu_affinity_over_64_cpus(nvml_box, monkeypatch):
 def test_nvlink_pairs_bounded_by_link_count(nvml_box):
     fake = nvml_box("nvlink-pair")
     scan = read_nvml(fake)
-    assert [g.nvlinks for g in scan.gpus] == [(("0000:21:00.0", 4),), (("0000:01:00.0", 4),),
-                                              (("0000:61:00.0", 4),), (("0000:41:00.0", 4),)]
-    assert [row for row in scan.p2p] == [("X", "OK", "GNS", "GNS"), ("OK", "X", "GNS", "GNS"),
-                                         ("GNS", "GNS", "X", "OK"), ("GNS", "GNS", "OK", "X")]
+    assert [g.nvlinks for g in scan.gpus] == [
+        (("0000:21:00.0", 4),),
+        (("0000:01:00.0", 4),),
+        (("0000:61:00.0", 4),),
+        (("0000:41:00.0", 4),),
+    ]
+    assert [row for row in scan.p2p] == [
+        ("X", "OK", "GNS", "GNS"),
+        ("OK", "X", "GNS", "GNS"),
+        ("GNS", "GNS", "X", "OK"),
+        ("GNS", "GNS", "OK", "X"),
+    ]
     links = [args[1] for fn, args in fake.calls if fn == "nvmlDeviceGetNvLinkState"]
     assert links == [0, 1, 2, 3] * 4  # the link count field said 4: index 4 (InvalidArgument) never asked
     assert {str(args[1]) for fn, args in fake.calls if fn == "nvmlDeviceGetFieldValues"} == {"[(91, 0)]"}
@@ -102,8 +125,9 @@ def test_nvlink_not_supported_is_quiet(nvml_box):
     assert len(scan.notes) == 1 and "field returned code 3" in scan.notes[0]
 
 
-@pytest.mark.parametrize("name, text", [("no-library", "NVML Shared Library Not Found"),
-                                        ("no-driver", "Driver Not Loaded")])
+@pytest.mark.parametrize(
+    "name, text", [("no-library", "NVML Shared Library Not Found"), ("no-driver", "Driver Not Loaded")]
+)
 def test_no_library_or_driver(name, text, nvml_box):
     fake = nvml_box(name)
     scan = read_nvml(fake)
@@ -135,17 +159,29 @@ def test_unsupported_fields_are_unknown_and_noted_once(nvml_box):
     assert scan.available and len(scan.gpus) == 4
     assert {(g.max_gen, g.max_width, g.cpu_affinity, g.nvlinks) for g in scan.gpus} == {(0, 16, "", ())}
     assert sorted(n.split(":")[0] for n in scan.notes) == [
-        "NVML CPU affinity", "NVML NVLink link count", "NVML max PCIe link generation"]
+        "NVML CPU affinity",
+        "NVML NVLink link count",
+        "NVML max PCIe link generation",
+    ]
     assert all("NVMLError_NotSupported (Not Supported)" in n for n in scan.notes)
     links = [args[1] for fn, args in fake.calls if fn == "nvmlDeviceGetNvLinkState"]
     assert links == [0, 1, 2, 3, 4] * 4  # fell back to NVML_NVLINK_MAX_LINKS, stopped at InvalidArgument
 
 
-@pytest.mark.parametrize("error", ["NotSupported", "NoPermission", "InvalidArgument", "FunctionNotFound",
-                                   "Unknown", "GpuIsLost"])
+@pytest.mark.parametrize(
+    "error", ["NotSupported", "NoPermission", "InvalidArgument", "FunctionNotFound", "Unknown", "GpuIsLost"]
+)
 def test_each_field_error_class(error, nvml_box):
-    faults = {fn: error for fn in ("nvmlDeviceGetName", "nvmlDeviceGetUUID", "nvmlDeviceGetMemoryInfo",
-                                   "nvmlDeviceGetMaxPcieLinkWidth", "nvmlDeviceGetTopologyCommonAncestor")}
+    faults = {
+        fn: error
+        for fn in (
+            "nvmlDeviceGetName",
+            "nvmlDeviceGetUUID",
+            "nvmlDeviceGetMemoryInfo",
+            "nvmlDeviceGetMaxPcieLinkWidth",
+            "nvmlDeviceGetTopologyCommonAncestor",
+        )
+    }
     scan = read_nvml(nvml_box("3+1", faults=faults))
     g = scan.gpus[0]
     assert (g.name, g.uuid, g.memory_bytes, g.max_width, g.bus_id) == ("", "", 0, 0, "0000:4d:00.0")
@@ -176,8 +212,12 @@ def test_p2p_argument_error_is_unknown(nvml_box):
 
 def test_p2p_status_labels(nvml_box):
     scan = read_nvml(nvml_box("3+1", p2p=("OK CNS GNS", "TNS DR", "NS")))
-    assert scan.p2p == (("X", "OK", "CNS", "GNS"), ("OK", "X", "TNS", "DR"), ("CNS", "TNS", "X", "NS"),
-                        ("GNS", "DR", "NS", "X"))
+    assert scan.p2p == (
+        ("X", "OK", "CNS", "GNS"),
+        ("OK", "X", "TNS", "DR"),
+        ("CNS", "TNS", "X", "NS"),
+        ("GNS", "DR", "NS", "X"),
+    )
     fake = nvml_box("3+1", p2p="U")
     fake.p2p[0][1] = 7  # out of range: unknown
     assert {x for row in read_nvml(fake).p2p for x in row} == {"X", "U"}

@@ -22,15 +22,35 @@ def test_pcie_x16_bandwidths():
 
 
 SHAPES = {  # name: (gpu name, pcie gen, root complexes (name, numa, uplink), contention groups, switch per gpu)
-    "2+2": (RTX_3090_TI, 3, [("rc0", 0, PCIE3_X16_GBPS), ("rc1", 1, PCIE3_X16_GBPS)], [[0, 1], [2, 3]],
-            ["sw0", "sw0", "sw1", "sw1"]),
-    "3+1": (RTX_3090_TI, 3, [("rc0", 0, PCIE3_X16_GBPS), ("rc1", 1, PCIE3_X16_GBPS)], [[0, 1, 2], [3]],
-            ["sw0", "sw0", "sw0", ""]),
+    "2+2": (
+        RTX_3090_TI,
+        3,
+        [("rc0", 0, PCIE3_X16_GBPS), ("rc1", 1, PCIE3_X16_GBPS)],
+        [[0, 1], [2, 3]],
+        ["sw0", "sw0", "sw1", "sw1"],
+    ),
+    "3+1": (
+        RTX_3090_TI,
+        3,
+        [("rc0", 0, PCIE3_X16_GBPS), ("rc1", 1, PCIE3_X16_GBPS)],
+        [[0, 1, 2], [3]],
+        ["sw0", "sw0", "sw0", ""],
+    ),
     "4": (RTX_3090_TI, 3, [("rc0", 0, 2 * PCIE3_X16_GBPS)], [[0, 1, 2, 3]], ["sw0", "sw0", "sw1", "sw1"]),
-    "8-dual-socket": (RTX_3090, 4, [("rc0", 0, 2 * PCIE4_X16_GBPS), ("rc1", 1, 2 * PCIE4_X16_GBPS)],
-                      [[0, 1, 2, 3], [4, 5, 6, 7]], ["sw0", "sw0", "sw1", "sw1", "sw2", "sw2", "sw3", "sw3"]),
-    "2x2-nvlink": (RTX_3090, 4, [("rc0", 0, 2 * PCIE4_X16_GBPS), ("rc1", 1, 2 * PCIE4_X16_GBPS)],
-                   [[0, 1], [2, 3]], ["", "", "", ""]),
+    "8-dual-socket": (
+        RTX_3090,
+        4,
+        [("rc0", 0, 2 * PCIE4_X16_GBPS), ("rc1", 1, 2 * PCIE4_X16_GBPS)],
+        [[0, 1, 2, 3], [4, 5, 6, 7]],
+        ["sw0", "sw0", "sw1", "sw1", "sw2", "sw2", "sw3", "sw3"],
+    ),
+    "2x2-nvlink": (
+        RTX_3090,
+        4,
+        [("rc0", 0, 2 * PCIE4_X16_GBPS), ("rc1", 1, 2 * PCIE4_X16_GBPS)],
+        [[0, 1], [2, 3]],
+        ["", "", "", ""],
+    ),
 }
 
 

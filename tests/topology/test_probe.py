@@ -158,9 +158,15 @@ def test_bad_arguments(tmp_path, kw):
 
 def test_fold_writes_measurements_into_links():
     t = preset("3+1")  # rc0: gpus 0-2 behind switch sw0; rc1: gpu 3
-    m = Measured(h2d_gbps=(12.0, 12.5, 11.5, 13.0), h2d_group_gbps=(4.0, 4.5, 3.5, 12.9),
-                 d2d_gbps=tuple(tuple(0.0 if a == b else 9.0 for b in range(4)) for a in range(4)),
-                 ssd_dir="/x", ssd_read_gbps=3.2, ssd_write_gbps=2.1, notes=("n",))
+    m = Measured(
+        h2d_gbps=(12.0, 12.5, 11.5, 13.0),
+        h2d_group_gbps=(4.0, 4.5, 3.5, 12.9),
+        d2d_gbps=tuple(tuple(0.0 if a == b else 9.0 for b in range(4)) for a in range(4)),
+        ssd_dir="/x",
+        ssd_read_gbps=3.2,
+        ssd_write_gbps=2.1,
+        notes=("n",),
+    )
     f = _fold_measured(t, m)
     assert [g.link_gbps for g in f.gpus] == [12.0, 12.5, 11.5, 13.0]
     assert [r.uplink_gbps for r in f.root_complexes] == [pytest.approx(12.0), 12.9]
@@ -212,8 +218,7 @@ def test_gpu_probe(tmp_path):
     m = _measured(f)
     assert len(m.h2d_gbps) == n and all(v > 0 for v in m.h2d_gbps)
     assert len(m.h2d_group_gbps) == n and all(v > 0 for v in m.h2d_group_gbps)
-    assert all(m.d2d_gbps[a][a] == 0 and all(v > 0 for b, v in enumerate(m.d2d_gbps[a]) if b != a)
-               for a in range(n))
+    assert all(m.d2d_gbps[a][a] == 0 and all(v > 0 for b, v in enumerate(m.d2d_gbps[a]) if b != a) for a in range(n))
     assert [g.link_gbps for g in f.gpus] == list(m.h2d_gbps)
     assert f.root_complexes[0].uplink_gbps == pytest.approx(sum(m.h2d_group_gbps))
     assert NO_CUDA_NOTE not in m.notes

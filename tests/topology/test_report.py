@@ -20,16 +20,28 @@ def _full():
     """2+2 with a nested switch, NVMe drives, NVLinks, P2P statuses, measurements, notes and an empty root complex."""
     t = preset("2+2")
     return replace(
-        t, name="full", host_memory_bytes=512 * 2**30, notes=("no NVML: names from sysfs",),
+        t,
+        name="full",
+        host_memory_bytes=512 * 2**30,
+        notes=("no NVML: names from sysfs",),
         root_complexes=t.root_complexes + (RootComplex("rc2", 0, 7.88),),
         switches=t.switches + (Switch("sw0b", "rc0", 7.88, parent="sw0"),),
-        nvme=(Nvme("nvme0", "0000:3d:00.0", "rc0", 0, 7.88, switch="sw0b", model="Samsung SSD 980 PRO"),
-              Nvme("nvme1", "0000:5e:00.0", "rc2", 0, 3.94)),
+        nvme=(
+            Nvme("nvme0", "0000:3d:00.0", "rc0", 0, 7.88, switch="sw0b", model="Samsung SSD 980 PRO"),
+            Nvme("nvme1", "0000:5e:00.0", "rc2", 0, 3.94),
+        ),
         nvlinks=(NvLink(0, 1, 4, 56.25), NvLink(1, 2, 2, 28.125)),
         p2p=tuple(tuple("X" if a == b else "OK" if {a, b} == {0, 1} else "GNS" for b in range(4)) for a in range(4)),
-        measured=Measured(h2d_gbps=(12.0, 12.5, 11.5, 13.0), h2d_group_gbps=(6.0, 6.5, 5.5, 6.0),
-                          d2d_gbps=tuple(tuple(0.0 if a == b else 9.5 for b in range(4)) for a in range(4)),
-                          ssd_dir="/scratch", ssd_read_gbps=3.2, ssd_write_gbps=2.1, notes=("p2p not measured",)))
+        measured=Measured(
+            h2d_gbps=(12.0, 12.5, 11.5, 13.0),
+            h2d_group_gbps=(6.0, 6.5, 5.5, 6.0),
+            d2d_gbps=tuple(tuple(0.0 if a == b else 9.5 for b in range(4)) for a in range(4)),
+            ssd_dir="/scratch",
+            ssd_read_gbps=3.2,
+            ssd_write_gbps=2.1,
+            notes=("p2p not measured",),
+        ),
+    )
 
 
 ALL = [*PRESETS.values(), cpu_standin(1, 512 * 2**20), cpu_standin(3, 2**30), _full()]
@@ -40,10 +52,15 @@ MATRICES = {  # hand-written nvidia-smi topo -m cells, row by row
     "3+1": ["X PIX PIX SYS", "PIX X PIX SYS", "PIX PIX X SYS", "SYS SYS SYS X"],
     "4": ["X PIX PHB PHB", "PIX X PHB PHB", "PHB PHB X PIX", "PHB PHB PIX X"],
     "8-dual-socket": [
-        "X PIX PHB PHB SYS SYS SYS SYS", "PIX X PHB PHB SYS SYS SYS SYS",
-        "PHB PHB X PIX SYS SYS SYS SYS", "PHB PHB PIX X SYS SYS SYS SYS",
-        "SYS SYS SYS SYS X PIX PHB PHB", "SYS SYS SYS SYS PIX X PHB PHB",
-        "SYS SYS SYS SYS PHB PHB X PIX", "SYS SYS SYS SYS PHB PHB PIX X"],
+        "X PIX PHB PHB SYS SYS SYS SYS",
+        "PIX X PHB PHB SYS SYS SYS SYS",
+        "PHB PHB X PIX SYS SYS SYS SYS",
+        "PHB PHB PIX X SYS SYS SYS SYS",
+        "SYS SYS SYS SYS X PIX PHB PHB",
+        "SYS SYS SYS SYS PIX X PHB PHB",
+        "SYS SYS SYS SYS PHB PHB X PIX",
+        "SYS SYS SYS SYS PHB PHB PIX X",
+    ],
     "2x2-nvlink": ["X NV4 SYS SYS", "NV4 X SYS SYS", "SYS SYS X NV4", "SYS SYS NV4 X"],
     "cpu-standin-3": ["X PHB PHB", "PHB X PHB", "PHB PHB X"],
     "full": ["X NV4 SYS SYS", "NV4 X NV2 SYS", "SYS NV2 X PIX", "SYS SYS PIX X"],
@@ -111,10 +128,15 @@ def test_tree_names_every_part(t):
 def test_tree_nests_socket_root_complex_switch_gpu():
     lines = render_tree(preset("2+2")).splitlines()
     assert lines[0] == "topology 2+2 (preset:2+2): 4 GPUs, 2 root complexes, 2 PCIe switches, no GPU peer-to-peer"
-    assert lines[1:4] == ["socket 0 (NUMA node 0)", "  rc0  root complex  uplink 15.75 GB/s  shared by gpus 0, 1",
-                          "    sw0  PCIe switch  uplink 15.75 GB/s"]
-    assert lines[4] == ("      gpu 0  NVIDIA GeForce RTX 3090 Ti  24.0 GiB  0000:1a:00.0  gen3 x16 15.75 GB/s  "
-                        "h2d 15.75 GB/s alone, 7.88 with 2 copying")
+    assert lines[1:4] == [
+        "socket 0 (NUMA node 0)",
+        "  rc0  root complex  uplink 15.75 GB/s  shared by gpus 0, 1",
+        "    sw0  PCIe switch  uplink 15.75 GB/s",
+    ]
+    assert lines[4] == (
+        "      gpu 0  NVIDIA GeForce RTX 3090 Ti  24.0 GiB  0000:1a:00.0  gen3 x16 15.75 GB/s  "
+        "h2d 15.75 GB/s alone, 7.88 with 2 copying"
+    )
     assert lines[6] == "socket 1 (NUMA node 1)"
     assert lines[-1] == "host memory: unknown"
 
@@ -148,10 +170,10 @@ def test_matrix_levels(t):
     lines = render_matrix(t).splitlines()
     n = t.num_gpus
     assert lines[0].split() == [f"GPU{i}" for i in range(n)] + ["CPU", "Affinity", "NUMA", "Affinity"]
-    cells = [line.split()[1:n + 1] for line in lines[1:n + 1]]
+    cells = [line.split()[1 : n + 1] for line in lines[1 : n + 1]]
     assert cells == [row.split() for row in MATRICES[t.name]]
-    assert [line.split()[0] for line in lines[1:n + 1]] == [f"GPU{i}" for i in range(n)]
-    assert [line.split()[-1] for line in lines[1:n + 1]] == [str(g.numa_node) for g in t.gpus]
+    assert [line.split()[0] for line in lines[1 : n + 1]] == [f"GPU{i}" for i in range(n)]
+    assert [line.split()[-1] for line in lines[1 : n + 1]] == [str(g.numa_node) for g in t.gpus]
 
 
 def test_matrix_layout_and_legend():
@@ -175,7 +197,7 @@ def test_matrix_cpu_affinity_and_p2p():
     assert lines[start + 1] == "        GPU0    GPU1    GPU2    GPU3"
     assert lines[start + 2] == "GPU0     X      OK      GNS     GNS"
     assert lines[start + 5] == "GPU3    GNS     GNS     OK       X"
-    assert lines[-len(P2P_LEGEND):] == [f"  {k:<4} = {v}" for k, v in P2P_LEGEND]
+    assert lines[-len(P2P_LEGEND) :] == [f"  {k:<4} = {v}" for k, v in P2P_LEGEND]
 
 
 def test_text_is_tree_then_matrix():

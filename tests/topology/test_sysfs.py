@@ -49,8 +49,10 @@ GPUS = {
 NVMES = {
     "2+2": [("18:00.0", "nvme0", "pci0000:17", "-", "3x4", 0, "Samsung SSD 980 PRO 1TB")],
     "3+1": [("50:00.0", "nvme0", "pci0000:4a", "4b:00.0", "4x4", 0, "INTEL SSDPF2KX038TZ")],
-    "8-dual-socket": [("01:00.0", "nvme0", "pci0000:00", "-", "4x4", 0, "SAMSUNG MZQL23T8HCLS-00A07"),
-                      ("e1:00.0", "nvme1", "pci0000:e0", "-", "4x4", 1, "SAMSUNG MZWLJ3T8HBLS-00007")],
+    "8-dual-socket": [
+        ("01:00.0", "nvme0", "pci0000:00", "-", "4x4", 0, "SAMSUNG MZQL23T8HCLS-00A07"),
+        ("e1:00.0", "nvme1", "pci0000:e0", "-", "4x4", 1, "SAMSUNG MZWLJ3T8HBLS-00007"),
+    ],
 }
 MEMORY_GIB = {"2+2": 192, "3+1": 256, "8-dual-socket": 512, "nvlink-pair": 256, "4-pxb": 128, "vm": 64}
 
@@ -83,10 +85,14 @@ def test_gpus_roots_switches_links(box, sysfs_box):
 @pytest.mark.parametrize("box", sorted(GPUS))
 def test_nvme_numa_and_memory(box, sysfs_box, boxes):
     scan = read_sysfs(sysfs_box(box))
-    drives = [(d.bdf, d.name, d.root, ",".join(d.switches) or "-", f"{d.link_gen}x{d.link_width}", d.numa_node,
-               d.model) for d in scan.devices if d.kind == "nvme"]
-    assert drives == [(_bdf(b), n, r, _bdf(s) or "-", link, numa, m)
-                      for b, n, r, s, link, numa, m in NVMES.get(box, [])]
+    drives = [
+        (d.bdf, d.name, d.root, ",".join(d.switches) or "-", f"{d.link_gen}x{d.link_width}", d.numa_node, d.model)
+        for d in scan.devices
+        if d.kind == "nvme"
+    ]
+    assert drives == [
+        (_bdf(b), n, r, _bdf(s) or "-", link, numa, m) for b, n, r, s, link, numa, m in NVMES.get(box, [])
+    ]
     assert scan.numa_cpus == {n: cpus for n, (cpus, _) in boxes.BOXES[box]["nodes"].items()}
     assert scan.host_memory_bytes == MEMORY_GIB[box] << 30
     assert scan.devices == tuple(sorted(scan.devices, key=lambda d: d.bdf))
@@ -96,8 +102,12 @@ def test_nvme_numa_and_memory(box, sysfs_box, boxes):
 def test_cpulists_follow_the_socket(sysfs_box):
     scan = read_sysfs(sysfs_box("2+2"))
     assert {d.bdf: d.local_cpulist for d in scan.devices} == {
-        "0000:18:00.0": "0-11,24-35", "0000:3d:00.0": "0-11,24-35", "0000:3e:00.0": "0-11,24-35",
-        "0000:b1:00.0": "12-23,36-47", "0000:b2:00.0": "12-23,36-47"}
+        "0000:18:00.0": "0-11,24-35",
+        "0000:3d:00.0": "0-11,24-35",
+        "0000:3e:00.0": "0-11,24-35",
+        "0000:b1:00.0": "12-23,36-47",
+        "0000:b2:00.0": "12-23,36-47",
+    }
 
 
 def test_only_nvidia_gpus_and_nvme_are_listed(sysfs_box):
