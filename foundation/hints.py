@@ -152,7 +152,7 @@ def coerce(value: Any, hint: Any) -> Any:
         if items is None:
             raise Mismatch
         return tuple(coerce(v, a) for v, a in zip(value, items))
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         if isinstance(value, hint):
             return value
         raise Mismatch

@@ -24,6 +24,7 @@ import os
 import types
 import typing
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from foundation.checked import (
@@ -218,10 +219,10 @@ class Builder:
             try:
                 raw = meta["convert"](raw)
             except ValueError as err:
-                fix = meta.get("fix") or f"write e.g. `{field.name}: {example(hint)}`"
+                fix = meta.get("fix") or f"write e.g. `{key.rsplit('.', 1)[-1]}: {example(hint)}`"
                 self.problems.append(Problem(key, str(err), found_text(raw), fix))
                 return INVALID
-        if dataclasses.is_dataclass(inner):
+        if isinstance(inner, type) and dataclasses.is_dataclass(inner):
             return self.build(inner, raw, key)
         if typing.get_origin(inner) is tuple:
             return self._items(inner, raw, key, field)
@@ -312,7 +313,7 @@ def to_plain(obj: Any) -> Any:
     return obj
 
 
-def save_file(obj: Any, path: str | os.PathLike, header: str = "") -> os.PathLike:
+def save_file(obj: Any, path: str | os.PathLike, header: str = "") -> Path:
     """Write a dataclass (or plain data) as YAML, or JSON when the suffix is .json; load_file reads it back
     equal. OSError when the file cannot be written."""
     return write_file(to_plain(obj), path, header)

@@ -49,10 +49,10 @@ def as_bytes(value: Any) -> int:
             raise ValueError(_MEMORY_EXPECTED)
         return value
     match = _MEMORY_RE.match(value) if isinstance(value, str) else None
-    unit = MEMORY_UNITS.get(match.group(2).upper()) if match else None
-    if unit is None:
+    if match is None or match.group(2).upper() not in MEMORY_UNITS:
         raise ValueError(_MEMORY_EXPECTED)
+    unit = MEMORY_UNITS[match.group(2).upper()]
     exact = Decimal(match.group(1)) * unit
     if exact != exact.to_integral_value():
-        raise ValueError(f"a whole number of bytes ({value.strip()} is {exact.normalize():f} bytes)")
+        raise ValueError(f"a whole number of bytes ({str(value).strip()} is {exact.normalize():f} bytes)")
     return int(exact)

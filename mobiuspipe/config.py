@@ -108,7 +108,7 @@ class DataConfig(Section):
         """The file to train on: `path`, or the sample text shipped in the package."""
         if self.path is not None:
             return self.path
-        return str(resources.files("mobiuspipe").joinpath("data", "sample.txt"))
+        return str(resources.files("mobiuspipe") / "data" / "sample.txt")
 
     def check_values(self) -> list[Problem]:
         return [

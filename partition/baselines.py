@@ -238,7 +238,7 @@ def zero_offload(profile: Profile, topo: Topology, microbatches: int, reserve_by
     tasks = _zero_graph(arr, topo, k, passes).run()
     last, adam = arr.num_layers - 1, tasks[("adam",)]
     fwd, bwd = tasks[("compute", 0, "F", last)].end, tasks[("compute", passes - 1, "B", 0)].end
-    busy = sum(t.end - t.start for key, t in tasks.items() if key[0] == "compute")
+    busy = sum(t.end - t.start for key, t in tasks.items() if isinstance(key, tuple) and key[0] == "compute")
     samples = n * passes * k
     notes = (
         f"{n} gpus x {passes} micro-step(s) of {k} microbatch(es)"

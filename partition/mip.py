@@ -22,10 +22,11 @@ unique. Bounds: every time lies in [0, T_start] where T_start is the warm start'
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from foundation.units import GiB
-from partition.costmodel import ARENA_SLOTS
+from partition.costmodel import ARENA_SLOTS, WEIGHT_SLOTS
 from partition.order import gpu_visits
 from partition.profile import LayerProfile, Profile, compress
 from partition.solvers import INF, MipModel
@@ -188,7 +189,9 @@ def build_mip(
     """The model for a fixed stage count S = len(mapping); times bounded by horizon_s (a start's value)."""
     s, m = len(mapping), MipModel()
     b = _Builder(m, profile, s, max_layers_per_stage(profile, memory_bytes))
-    t = {(k, j): m.var(f"{k}{j}", 0.0, horizon_s) for k in ("TF", "EF", "TB", "EB", "LF", "LB") for j in range(s)}
+    t: dict[tuple, int] = {
+        (k, j): m.var(f"{k}{j}", 0.0, horizon_s) for k in ("TF", "EF", "TB", "EB", "LF", "LB") for j in range(s)
+    }
     t[("T",)] = m.var("T", 0.0, horizon_s, cost=1.0)
     slot = m.var("W", 0.0, INF)
     f = [b.stage("F", j) for j in range(s)]
@@ -222,7 +225,7 @@ def _timeline_rows(m: MipModel, t: dict, f, bw, p, data: StageData, mapping: lis
         _gpu_rows(m, t, visits, u, off)
 
 
-def _gpu_rows(m: MipModel, t: dict, visits: list[tuple[int, str]], u, off) -> None:
+def _gpu_rows(m: MipModel, t: dict, visits: Sequence[tuple[int, str]], u, off) -> None:
     """Order on one gpu, its gradient slot, its copy engine and its two weight slots."""
     key = lambda v: ("TF", "EF", "LF") if v[1] == "F" else ("TB", "EB", "LB")  # noqa: E731
     for k, v in enumerate(visits):
@@ -240,8 +243,9 @@ def _gpu_rows(m: MipModel, t: dict, visits: list[tuple[int, str]], u, off) -> No
             m.row({load: 1.0, prev_load: -1.0}, 0.0, 0.0)
             continue
         _at_least(m, load, _v(prev_load), u[v[0]])
-        if k >= 2:
-            _at_least(m, load, _v(t[(key(visits[k - 2])[1], visits[k - 2][0])]), u[v[0]])
+        if k >= WEIGHT_SLOTS:
+            freed = visits[k - WEIGHT_SLOTS]  # the visit whose weight slot this load takes over
+            _at_least(m, load, _v(t[(key(freed)[1], freed[0])]), u[v[0]])
 
 
 def cuts_of(layout: MipLayout, x: tuple[float, ...]) -> list[int]:

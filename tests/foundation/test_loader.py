@@ -167,7 +167,7 @@ def test_error_is_the_callers_class_and_checked_classes_raise_their_own():
     with pytest.raises(ShelfError, match="Box: 2 errors: .*label: expected a string.*size: expected a list"):
         Box(7, 1.0, (1,))  # type: ignore[arg-type]
     again = pickle.loads(pickle.dumps(InvalidShelf("Box", [Problem("k", "e", "f", "x")])))
-    assert isinstance(again, ShelfError) and again.problems == (Problem("k", "e", "f", "x"),)
+    assert isinstance(again, InvalidShelf) and again.problems == (Problem("k", "e", "f", "x"),)
 
 
 def test_checks_for_classes_the_caller_does_not_own():
