@@ -43,6 +43,7 @@ from mobiuspipe.ranks import join_group, leave_group, rank_info
 from mobiuspipe.schedule import build_schedule, check_schedules
 from mobiuspipe.stage import Stage
 from partition.costmodel import ARENA_SLOTS
+from partition.plan import Plan
 from topology import Topology
 
 __all__ = ["Pipeline", "StepResult"]
@@ -98,25 +99,9 @@ class Pipeline:
             check_world(given, self.info)  # before any process starts waiting for the others
         self._owns_group = join_group(self.info, comm_timeout_s)
         try:
-            if given is None:
-                if sample is None:
-                    raise PipelineError(
-                        "a Pipeline needs a plan (a Plan or a plan file) or a sample batch (x, y) "
-                        "to profile its layers and plan from: pass plan=... or sample=(x, y)"
-                    )
-                self.plan = plan_from_profile(
-                    makers,
-                    loss_fn,
-                    sample,
-                    self.info,
-                    num_microbatches=num_microbatches or 4,
-                    num_stages=num_stages,
-                    mapping=mapping,
-                    topology=topology,
-                )
-            else:
-                self.plan = given
-                same_plan_everywhere(given, self.info)
+            self.plan = self._agree_on_plan(
+                given, makers, loss_fn, sample, num_microbatches, num_stages, mapping, topology
+            )
             self.engine = self._build_engine(
                 makers, loss_fn, optimizer or partial(CPUAdam), num_microbatches, comm_timeout_s
             )
@@ -125,6 +110,29 @@ class Pipeline:
             raise
         self.step = 0
         self._closed = False
+
+    def _agree_on_plan(
+        self, given: Plan | None, makers, loss_fn, sample, num_microbatches, num_stages, mapping, topology
+    ) -> Plan:
+        """The given plan, checked to be every rank's, or the plan rank 0 makes from a profile of the layers."""
+        if given is not None:
+            same_plan_everywhere(given, self.info)
+            return given
+        if sample is None:
+            raise PipelineError(
+                "a Pipeline needs a plan (a Plan or a plan file) or a sample batch (x, y) to "
+                "profile its layers and plan from: pass plan=... or sample=(x, y)"
+            )
+        return plan_from_profile(
+            makers,
+            loss_fn,
+            sample,
+            self.info,
+            num_microbatches=num_microbatches or 4,
+            num_stages=num_stages,
+            mapping=mapping,
+            topology=topology,
+        )
 
     @property
     def rank(self) -> int:
