@@ -35,7 +35,7 @@ def contestants(t: torch.Tensor) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
     if not _ext.HAVE_C:

@@ -134,7 +134,7 @@ def fio_contestant(engine: str, qd: int, extra: tuple[str, ...] = ()):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     ap.add_argument("--dir", default=".", help="folder on the disk to measure (default: the current one)")
     ap.add_argument("--size-mb", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=5)
