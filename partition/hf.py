@@ -46,10 +46,9 @@ SUPPORTED = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gp
 """model_type -> spec family."""
 
 
-def _int(d: dict, key: str, meaning: str, where: str, optional: bool = False) -> int | None:
-    if key not in d or (optional and d[key] is None):
-        if optional:
-            return None
+def _int(d: dict, key: str, meaning: str, where: str) -> int:
+    """The required positive integer `d[key]`; ModelConfigError names the key when it is missing or not one."""
+    if key not in d:
         raise ModelConfigError(f"{where}: missing {key!r} ({meaning})")
     v = d[key]
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -57,10 +56,17 @@ def _int(d: dict, key: str, meaning: str, where: str, optional: bool = False) ->
     return v
 
 
+def _opt_int(d: dict, key: str, meaning: str, where: str) -> int | None:
+    """`d[key]` as _int reads it, or None when the key is missing or null."""
+    if d.get(key) is None:
+        return None
+    return _int(d, key, meaning, where)
+
+
 def _llama_spec(d: dict, name: str, where: str) -> ModelSpec:
     n = {k: _int(d, k, m, where) for k, m in _LLAMA.items()}
-    kv = _int(d, "num_key_value_heads", "the number of key/value heads", where, optional=True)
-    head_dim = _int(d, "head_dim", "the width of one attention head", where, optional=True)
+    kv = _opt_int(d, "num_key_value_heads", "the number of key/value heads", where)
+    head_dim = _opt_int(d, "head_dim", "the width of one attention head", where)
     if head_dim is not None and head_dim * n["num_attention_heads"] != n["hidden_size"]:
         raise ModelConfigError(
             f"{where}: 'head_dim' {head_dim} x 'num_attention_heads' {n['num_attention_heads']} != 'hidden_size' "
@@ -81,7 +87,7 @@ def _llama_spec(d: dict, name: str, where: str) -> ModelSpec:
 
 def _gpt2_spec(d: dict, name: str, where: str) -> ModelSpec:
     n = {k: _int(d, k, m, where) for k, m in _GPT2.items()}
-    inner = _int(d, "n_inner", "the MLP width; null means 4 * n_embd", where, optional=True)
+    inner = _opt_int(d, "n_inner", "the MLP width; null means 4 * n_embd", where)
     return ModelSpec(
         name=name,
         num_blocks=n["n_layer"],

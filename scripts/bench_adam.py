@@ -34,8 +34,9 @@ def _torch_adamw(p: torch.nn.Parameter) -> tuple[torch.optim.Optimizer, str]:
 def _deepspeed(n: int, g: torch.Tensor, mixed: bool, gen: torch.Generator):
     """DeepSpeedCPUAdam on its own copy (mixed: upcast grads, step, downcast weights, as for torch), or None."""
     try:
-        import deepspeed
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        # deepspeed is an optional peer, not installed in the dev venv: pyright cannot resolve it
+        import deepspeed  # pyright: ignore[reportMissingImports]
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # pyright: ignore[reportMissingImports]
     except Exception as exc:  # noqa: BLE001 - not installed, or its op does not build here
         print(f"# DeepSpeedCPUAdam not measured: {type(exc).__name__}: {exc}")
         return None
@@ -102,7 +103,7 @@ def _bench(fns: dict, rounds: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     ap.add_argument("--numel", type=int, default=50_000_000)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=7)

@@ -105,7 +105,7 @@ def part_steps(work: Path, numel: int, rounds: int) -> dict[str, list[float]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     ap.add_argument("--dir", default=".")
     ap.add_argument("--size-mb", type=int, default=256)
     ap.add_argument("--numel", type=int, default=50_000_000)

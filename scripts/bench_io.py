@@ -86,8 +86,9 @@ def store_contestant(folder: Path, qd: int):
 def deepspeed_contestant(qd: int, overlap: bool):
     """DeepSpeed's aio_handle (async_pwrite/async_pread + wait) on its own pinned buffers, or None."""
     try:
-        import deepspeed
-        from deepspeed.ops.op_builder import AsyncIOBuilder
+        # deepspeed is an optional peer, not installed in the dev venv: pyright cannot resolve it
+        import deepspeed  # pyright: ignore[reportMissingImports]
+        from deepspeed.ops.op_builder import AsyncIOBuilder  # pyright: ignore[reportMissingImports]
 
         aio = AsyncIOBuilder().load(verbose=False)
     except Exception as exc:  # noqa: BLE001 - not installed, or its op does not build here
@@ -134,7 +135,7 @@ def fio_contestant(engine: str, qd: int, extra: tuple[str, ...] = ()):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     ap.add_argument("--dir", default=".", help="folder on the disk to measure (default: the current one)")
     ap.add_argument("--size-mb", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=5)

@@ -39,7 +39,7 @@ def fio_pass(path: Path, rw: str, extra: tuple[str, ...]) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     ap.add_argument("--dir", default=".")
     ap.add_argument("--numel", type=int, default=100_000_000)
     ap.add_argument("--budget-mb", type=int, default=256)

@@ -85,7 +85,7 @@ def _line(r: dict, md: bool) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--time-limit", type=float, default=2.0)
     args = p.parse_args()

@@ -149,7 +149,8 @@ def pipeline_row(size: str, key: str, nproc: int, args: argparse.Namespace, tmp:
     d = run_dict(size, nproc, args.steps, str(folder / "out"))
     recs = torchrun_metrics(d, nproc, folder, args.timeout)
     w = args.warmup
-    split = tuple(steady([r[k] for r in recs], w) for k in ("compute_s", "load_s", "comm_s"))
+    compute, load, comm = (steady([r[k] for r in recs], w) for k in ("compute_s", "load_s", "comm_s"))
+    split = (compute, load, comm)
     cfg = config_from_dict(d)
     return Row(
         size,

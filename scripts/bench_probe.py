@@ -40,6 +40,8 @@ def gbps(nbytes: int, seconds: float) -> float:
 def run_probe(folder: Path, size_mb: int, notes: set[str]) -> tuple[float, float]:
     """(write, read) GB/s of one mobiuspipe SSD probe (repeats=1) in `folder`; its notes other than no-CUDA."""
     m = probe(load_topology("2+2"), folder, size_mb=size_mb, repeats=1).measured
+    if m is None:
+        raise RuntimeError("topology.probe.probe returned a topology without its measurements")
     notes.update(n for n in m.notes if n != NO_CUDA_NOTE)
     return m.ssd_write_gbps, m.ssd_read_gbps
 
