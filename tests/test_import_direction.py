@@ -1,4 +1,4 @@
-"""Imports flow one way: foundation -> topology -> partition -> mobiuspipe (DESIGN.md), checked by reading every
+"""Imports flow one way: foundation -> topology -> partition -> mobiuspipe (docs/design.md), checked by reading every
 import: foundation, the bottom layer, imports none of the others, and every package may import it."""
 
 from __future__ import annotations

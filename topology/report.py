@@ -61,7 +61,7 @@ def level_matrix(t: Topology) -> list[list[str]]:
 
 
 def to_json_dict(t: Topology) -> dict:
-    """The `topology --json` document: the DESIGN.md contract (gpus, contention_groups, source), everything of
+    """The `topology --json` document: the docs/design.md contract (gpus, contention_groups, source), everything of
     `t.to_dict()`, per gpu `load_gbps_alone` / `load_gbps_group` (GB/s) and the level `matrix`."""
     d = t.to_dict()
     for g in d["gpus"]:

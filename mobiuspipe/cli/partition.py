@@ -158,7 +158,7 @@ def _stage_json(plan: Plan) -> list[dict]:
 
 
 def plan_to_json(plan: Plan) -> dict:
-    """The `partition --json` document (DESIGN.md contract plus the plan's memory and per-stage costs)."""
+    """The `partition --json` document (docs/design.md contract plus the plan's memory and per-stage costs)."""
     return {
         "model": plan.model,
         "topology": plan.topology,
