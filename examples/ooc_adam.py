@@ -8,10 +8,10 @@ from __future__ import annotations
 import shutil
 import sys
 import tempfile
-import time
 
 import torch
 
+from foundation.timing import Stopwatch
 from mobiuspipe.memory.ssd_store import SSDStore
 from mobiuspipe.optim.ooc_adam import OutOfCoreAdam
 
@@ -30,9 +30,9 @@ def main() -> None:
         bf16 = {k: torch.empty(p.shape, dtype=torch.bfloat16) for k, p in params.items()}
         for _ in range(3):
             grads = {k: torch.randn(p.shape).bfloat16() for k, p in params.items()}  # as offloaded by a GPU
-            t0 = time.perf_counter()
-            opt.step(grads, bf16)  # fp32 states stream through the budget; bf16 weights come out
-            print(f"step {opt.step_count}: {time.perf_counter() - t0:.3f} s, {2 * 12 * n / 1e9:.2f} GB read + written")
+            with Stopwatch() as sw:
+                opt.step(grads, bf16)  # fp32 states stream through the budget; bf16 weights come out
+            print(f"step {opt.step_count}: {sw.s:.3f} s, {2 * 12 * n / 1e9:.2f} GB read + written")
         opt.flush()  # states, checksums and the step count are durable from here
     with SSDStore(f"{folder}/job") as store:  # a new process would do the same
         opt = OutOfCoreAdam.open(store, host_budget_bytes=64 << 20)

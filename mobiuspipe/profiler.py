@@ -20,7 +20,6 @@ next layer is fed that layer's recorded output. `measure_layers` returns which l
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,6 +27,7 @@ import torch
 import torch.utils.flop_counter as flop_counter
 from torch import nn
 
+from foundation.timing import Stopwatch
 from partition.profile import LayerProfile, Profile
 
 __all__ = ["Measurement", "measure_layers", "measure_profile"]
@@ -110,13 +110,13 @@ class _Run:
 
     def timed(self) -> tuple[float, float]:
         _sync(self.device)
-        t0 = time.perf_counter()
-        y = self.forward()
-        _sync(self.device)
-        t1 = time.perf_counter()
-        self.backward(y)
-        _sync(self.device)
-        return t1 - t0, time.perf_counter() - t1
+        with Stopwatch() as fwd:
+            y = self.forward()
+            _sync(self.device)
+        with Stopwatch() as bwd:
+            self.backward(y)
+            _sync(self.device)
+        return fwd.s, bwd.s
 
     def flops(self) -> tuple[float, float]:
         with flop_counter.FlopCounterMode(display=False, custom_mapping=_cpu_flash_flops()) as f:
