@@ -41,10 +41,11 @@ from dataclasses import dataclass
 from foundation.units import GiB
 from partition.costmodel import LayerArrays
 from partition.errors import PlanInfeasibleError
+from partition.flows import FlowNet, TaskGraph
 from partition.plan import Plan, StagePlan
 from partition.profile import Profile
 from partition.search import host_adam_rate, make_plan, sim_stages
-from partition.simulate import FlowNet, SimResult, TaskGraph, link_paths, simulate
+from partition.simulate import SimResult, link_paths, simulate
 from topology import Topology
 
 __all__ = [

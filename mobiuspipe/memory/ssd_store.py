@@ -9,7 +9,6 @@ files changed since then failing their checksum on read (an error), never silent
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import shutil
 import warnings
@@ -23,7 +22,8 @@ from foundation.units import fmt_bytes
 from mobiuspipe import _ext
 from mobiuspipe.errors import SwapIOError
 from mobiuspipe.memory import store_index
-from mobiuspipe.memory.aio import ALIGN, IOEngine, aligned_empty, round_up, swap_error
+from mobiuspipe.memory.aio import IOEngine, aligned_empty, round_up, swap_error
+from mobiuspipe.memory.store_folder import direct_refused, lock_folder
 from mobiuspipe.memory.store_index import Entry
 
 __all__ = ["SSDStore", "StoreFuture", "checksum"]
@@ -93,7 +93,7 @@ class SSDStore:
     ):
         self.folder = os.path.abspath(folder)
         os.makedirs(self.folder, exist_ok=True)
-        self._lock_fd = _lock_folder(self.folder)
+        self._lock_fd = lock_folder(self.folder)
         try:
             self.engine = IOEngine(backend, queue_depth, block_bytes)
             self.index = store_index.load(self.folder)
@@ -355,48 +355,10 @@ class SSDStore:
                 f"buffered I/O: the {self.engine.backend!r} I/O engine does not do O_DIRECT "
                 f"({self.engine.fallback_reason})"
             )
-        why = _direct_refused(self.folder, self.engine)
+        why = direct_refused(self.folder, self.engine)
         if why:
             return False, f"O_DIRECT refused ({why}): using buffered I/O (the page cache keeps a copy)"
         return True, ""
-
-
-def _direct_refused(folder: str, engine: IOEngine) -> str:
-    """Why folder's filesystem refuses an aligned O_DIRECT write ('' when it accepts it)."""
-    path = os.path.join(folder, ".direct-probe")
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
-    except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            return f"open with O_DIRECT: {exc.strerror}, as on tmpfs"
-        raise
-    try:
-        engine.wait(engine.submit(fd, aligned_empty(ALIGN), 0, True, True, path))
-        return ""
-    except SwapIOError as exc:
-        if exc.errno == errno.EINVAL:
-            return "an aligned O_DIRECT write failed with EINVAL"
-        raise
-    finally:
-        os.close(fd)
-        os.unlink(path)
-
-
-def _lock_folder(folder: str) -> int:
-    fd = os.open(os.path.join(folder, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise SwapIOError(
-            f"the SSD store folder {folder} is in use by another process (pid {holder}); give each job its own folder",
-            folder,
-            errno=errno.EBUSY,
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    return fd
 
 
 def _host_tensor(t: torch.Tensor, key: str) -> torch.Tensor:

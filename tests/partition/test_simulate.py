@@ -9,7 +9,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from partition.simulate import FlowNet, SimStage, TaskGraph, link_paths, simulate
+from partition.flows import FlowNet, TaskGraph
+from partition.simulate import SimStage, link_paths, simulate
 from topology import cpu_standin, preset
 from topology.types import Gpu, RootComplex, Switch, Topology
 
