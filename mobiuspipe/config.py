@@ -10,6 +10,8 @@ from typing import Any
 from foundation.loader import Checked, Problem, at_least, dump_text, from_plain, load_file, positive, rule, to_plain
 from mobiuspipe.errors import ConfigError, InvalidConfig
 
+PRECISIONS = ("fp32", "bf16", "fp16")
+"""Training precisions: the dtype of the weights and gradients on the device (master weights stay fp32)."""
 MAPPINGS = ("cross", "round-robin", "search")
 """The stage->gpu mappings a plan may ask for."""
 MAX_VOCAB = 65536
@@ -132,6 +134,9 @@ class TrainConfig(Section):
     """AdamW term added to the denominator for numerical stability (dimensionless); >= 0."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay (fraction of lr * weight per step); >= 0."""
+    precision: str = "bf16"
+    """Dtype of the weights and gradients on the device: "bf16" (default), "fp16" (with dynamic loss
+    scaling) or "fp32"; the master weights and Adam moments stay fp32 on the host. The plan's dtype."""
     seed: int = 0
     """Seed of every random generator (weights init, data order); same seed, same run."""
     log_every: int = 1
@@ -154,6 +159,13 @@ class TrainConfig(Section):
             *positive(self, "eps", "use a small non-negative number such as 1.0e-8", zero_ok=True),
             *positive(self, "weight_decay", "use 0.0 (none) or a small value such as 0.01", zero_ok=True),
             *at_least(self, "log_every", 1, "log every 1 or more steps"),
+            *rule(
+                self.precision in PRECISIONS,
+                "precision",
+                "one of " + ", ".join(PRECISIONS),
+                repr(self.precision),
+                "use `precision: bf16` (or fp16 / fp32)",
+            ),
             *rule(
                 self.out_dir != "",
                 "out_dir",

@@ -9,7 +9,7 @@ from foundation.units import MiB
 from mobiuspipe.config import RunConfig
 from mobiuspipe.errors import ConfigError
 from partition import make_plan
-from partition.analytic import analytic_profile
+from partition.analytic import analytic_profile, dtype_bytes
 from partition.hardware import device_spec
 from partition.models import ModelSpec, layer_param_counts
 from partition.plan import Plan, load_plan
@@ -48,9 +48,11 @@ def standin_topology(cfg: RunConfig) -> Topology:
 
 
 def gpt_profile(cfg: RunConfig) -> Profile:
-    """The analytic profile of the config's model, fp32, on this machine's gpu type (or the CPU stand-in)."""
+    """The analytic profile of the config's model in train.precision, on this gpu type (or the CPU stand-in)."""
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu-standin"
-    return analytic_profile(gpt_spec(cfg), device_spec(device), microbatch_size=cfg.microbatch_size, dtype="fp32")
+    return analytic_profile(
+        gpt_spec(cfg), device_spec(device), microbatch_size=cfg.microbatch_size, dtype=cfg.train.precision
+    )
 
 
 def plan_from_config(cfg: RunConfig, solver: str = "dp") -> Plan:
@@ -75,11 +77,17 @@ def _check_matches(plan: Plan, spec: ModelSpec, cfg: RunConfig) -> None:
             f"{where}: the plan has {plan.num_layers} layers but the model has {spec.num_layers}; "
             f"make a plan for this model or remove plan.file to plan at start-up"
         )
+    if plan.dtype != cfg.train.precision:
+        raise ConfigError(
+            f"{where}: the plan is for {plan.dtype} weights but train.precision is {cfg.train.precision}; make "
+            f"them equal (re-plan with `mobiuspipe partition --config ...` or set train.precision: {plan.dtype})"
+        )
+    size = dtype_bytes(plan.dtype)
     for j, s in enumerate(plan.stages):
         n = sum(counts[s.first : s.last + 1])
-        if s.param_count != n or n * 4 > plan.slot_bytes:
+        if s.param_count != n or n * size > plan.slot_bytes:
             raise ConfigError(
-                f"{where}: stage {j} (layers {s.first}..{s.last}) has {n} parameters ({n * 4} fp32 "
+                f"{where}: stage {j} (layers {s.first}..{s.last}) has {n} parameters ({n * size} {plan.dtype} "
                 f"bytes) in this model, the plan says {s.param_count} in a {plan.slot_bytes}-byte slot; "
                 f"the plan was made for another model or dtype: re-plan or remove plan.file"
             )

@@ -71,10 +71,17 @@ class Engine:
         comm: Comm,
         loss_fn: LossFn,
         num_microbatches: int,
+        dtype: torch.dtype = torch.float32,
+        defer_updates: bool = False,
     ):
         self.mapping, self.rank, self.stages, self.schedule = mapping, rank, stages, schedule
         self.device, self.arena, self.comm, self.loss_fn = device, arena, comm, loss_fn
-        self.num_microbatches = num_microbatches
+        self.num_microbatches, self.dtype = num_microbatches, dtype
+        self.defer_updates = defer_updates
+        """fp16: hold the host updates until every rank knows no gradient overflowed (start_updates)."""
+        self.loss_scale = 1.0
+        """The factor the loss is multiplied by before backward (fp16 loss scaling)."""
+        self.deferred: list[Stage] = []
         self.last = len(mapping) - 1
         self.updater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-optimizer")
         self._specs: dict[tuple, dict[MessageKey, TensorSpec]] = {}  # batch shape -> specs of its messages
@@ -126,14 +133,31 @@ class Engine:
         self.state.times.load_s += sw.s
 
     def _offload(self, a: Action) -> None:
+        stage = self.stages[a.stage]
         with Stopwatch() as sw:
-            self.stages[a.stage].offload_and_update(self.arena, self.updater)
+            stage.offload(self.arena)
         self.state.times.load_s += sw.s
+        if self.defer_updates:
+            self.deferred.append(stage)
+        else:
+            stage.start_update(self.updater)
+
+    def overflowed(self) -> bool:
+        """Whether a gradient offloaded in this step (and held back) is inf or nan on this rank."""
+        return not all(s.grads_finite() for s in self.deferred)
+
+    def start_updates(self, apply: bool) -> None:
+        """Start the held-back host updates (gradients divided by the loss scale), or drop them (skipped step)."""
+        for stage in self.deferred:
+            if apply:
+                stage.start_update(self.updater, self.loss_scale)
+        self.deferred = []
 
     # -- compute -------------------------------------------------------------------------------
     def _input(self, j: int, i: int) -> torch.Tensor:
         if j == 0:
-            return self.state.xs[i].to(self.device.torch_device)
+            x = self.state.xs[i]
+            return x.to(self.device.torch_device, dtype=self.dtype if x.is_floating_point() else x.dtype)
         return self.state.inbox.pop((Kind.RECV_ACT, j, i))
 
     def _fwd(self, a: Action) -> None:
@@ -165,9 +189,9 @@ class Engine:
                 x.requires_grad_(True)
             out = stage.forward(x, with_grad=True)
             if j == self.last:
-                loss = self._loss(out, st.ys[i].to(out.device))
+                loss = self._loss(out.float(), st.ys[i].to(out.device))  # the loss in fp32 (a no-op in fp32)
                 st.loss += float(loss.detach())
-                loss.backward()
+                (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
             else:
                 out.backward(st.inbox.pop((Kind.RECV_GRAD, j, i)))
             if j > 0:

@@ -26,13 +26,18 @@ class StepMetrics:
     comm_s: float
     arena_peak_bytes: int
     arena_budget_bytes: int
+    loss_scale: float | None = None
+    """fp16: the loss scale of the step (None without loss scaling)."""
+    skipped: bool = False
+    """fp16: the step's gradients overflowed on some rank, so the update was skipped."""
 
     def line(self, steps: int) -> str:
+        scale = "" if self.loss_scale is None else f"  scale {self.loss_scale:g}"
         return (
             f"step {self.step + 1}/{steps}  loss {self.loss:.4f}  {self.tokens_per_s:,.0f} tok/s  "
             f"step {self.step_s * 1e3:.0f} ms (compute {self.compute_s * 1e3:.0f} / load {self.load_s * 1e3:.0f}"
             f" / comm {self.comm_s * 1e3:.0f})  arena peak {self.arena_peak_bytes / MiB:.2f}"
-            f" of {self.arena_budget_bytes / MiB:.2f} MiB"
+            f" of {self.arena_budget_bytes / MiB:.2f} MiB{scale}{'  (overflow: step skipped)' if self.skipped else ''}"
         )
 
 

@@ -31,14 +31,18 @@ from mobiuspipe.engine import Engine, LossFn, StepTimes
 from mobiuspipe.errors import PipelineError
 from mobiuspipe.memory.arena import DeviceArena
 from mobiuspipe.optim import CPUAdam
+from mobiuspipe.optim.loss_scale import LossScaler
 from mobiuspipe.pipeline_plan import (
+    PlanRequest,
     PlanSource,
     check_layers,
+    check_precision,
     check_world,
     plan_from_profile,
     read_plan,
     same_plan_everywhere,
 )
+from mobiuspipe.profiler import TORCH_DTYPES
 from mobiuspipe.ranks import join_group, leave_group, rank_info
 from mobiuspipe.schedule import build_schedule, check_schedules
 from mobiuspipe.stage import Stage
@@ -64,6 +68,10 @@ class StepResult:
     times: StepTimes
     arena_peak_bytes: int
     arena_budget_bytes: int
+    loss_scale: float | None = None
+    """fp16: the scale the loss was multiplied by in this step; None without loss scaling."""
+    skipped: bool = False
+    """fp16: a gradient overflowed on some rank, so no weight changed in this step."""
 
 
 class Pipeline:
@@ -81,6 +89,8 @@ class Pipeline:
         num_stages: int | None = None,
         mapping: str = "cross",
         topology: Topology | str | None = None,
+        precision: str | None = None,
+        loss_scaler: LossScaler | None = None,
         comm_timeout_s: float = 60.0,
     ):
         """Build this rank's stages.
@@ -90,6 +100,9 @@ class Pipeline:
           the fastest count), mapping ("cross", "round-robin", "search") on `topology` (a Topology, preset
           name or layout file; default one CPU stand-in or the gpu of each rank).
         optimizer: makes each stage's optimizer from its parameters (default CPUAdam with its defaults).
+        precision: "fp32", "bf16" or "fp16", the dtype of the weights and gradients on the device (the master
+          weights and the optimizer stay fp32 on the host); default the plan's dtype (fp32 when planning).
+        loss_scaler: fp16 only; default LossScaler() (dynamic loss scaling, torch.amp's default rule).
         comm_timeout_s: a receive waiting longer fails, naming the rank that stopped answering.
         """
         makers = _factories(layers)
@@ -99,9 +112,10 @@ class Pipeline:
             check_world(given, self.info)  # before any process starts waiting for the others
         self._owns_group = join_group(self.info, comm_timeout_s)
         try:
-            self.plan = self._agree_on_plan(
-                given, makers, loss_fn, sample, num_microbatches, num_stages, mapping, topology
-            )
+            request = PlanRequest(num_microbatches or 4, num_stages, mapping, topology, precision or "fp32")
+            self.plan = self._agree_on_plan(given, makers, loss_fn, sample, request)
+            self.precision = check_precision(self.plan, precision)
+            self.scaler = _scaler(self.precision, loss_scaler)
             self.engine = self._build_engine(
                 makers, loss_fn, optimizer or partial(CPUAdam), num_microbatches, comm_timeout_s
             )
@@ -111,9 +125,7 @@ class Pipeline:
         self.step = 0
         self._closed = False
 
-    def _agree_on_plan(
-        self, given: Plan | None, makers, loss_fn, sample, num_microbatches, num_stages, mapping, topology
-    ) -> Plan:
+    def _agree_on_plan(self, given: Plan | None, makers, loss_fn, sample, request: PlanRequest) -> Plan:
         """The given plan, checked to be every rank's, or the plan rank 0 makes from a profile of the layers."""
         if given is not None:
             same_plan_everywhere(given, self.info)
@@ -123,16 +135,7 @@ class Pipeline:
                 "a Pipeline needs a plan (a Plan or a plan file) or a sample batch (x, y) to "
                 "profile its layers and plan from: pass plan=... or sample=(x, y)"
             )
-        return plan_from_profile(
-            makers,
-            loss_fn,
-            sample,
-            self.info,
-            num_microbatches=num_microbatches or 4,
-            num_stages=num_stages,
-            mapping=mapping,
-            topology=topology,
-        )
+        return plan_from_profile(makers, loss_fn, sample, self.info, request)
 
     @property
     def rank(self) -> int:
@@ -149,14 +152,12 @@ class Pipeline:
     ) -> Engine:
         plan, rank = self.plan, self.info.rank
         mine = plan.stages_of(rank)
-        layers = {l: _build(makers[l], l) for j in mine for l in range(plan.stages[j].first, plan.stages[j].last + 1)}
+        layers = {l: _build(makers[l], l) for j in mine for l in plan.stages[j].layers}
         check_layers(plan, len(makers), layers, rank, num_microbatches)
         device = Device(self.info.local_rank)
+        dtype = TORCH_DTYPES[self.precision]
         stages = {
-            j: Stage(
-                j, {l: layers[l] for l in range(plan.stages[j].first, plan.stages[j].last + 1)}, device, make_optimizer
-            )
-            for j in mine
+            j: Stage(j, {l: layers[l] for l in plan.stages[j].layers}, device, make_optimizer, dtype) for j in mine
         }
         m = plan.num_microbatches
         schedules = [build_schedule(plan.mapping, g, m) for g in range(plan.num_gpus)]
@@ -171,6 +172,8 @@ class Pipeline:
             comm=Comm(rank, comm_timeout_s),
             loss_fn=loss_fn,
             num_microbatches=m,
+            dtype=dtype,
+            defer_updates=self.scaler is not None,
         )
 
     def train_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> StepResult:
@@ -185,6 +188,8 @@ class Pipeline:
         self._check_batch(x, y)
         engine = self.engine
         engine.arena.reset_peak()
+        scale = self.scaler.scale if self.scaler else None
+        engine.loss_scale = scale or 1.0
         loss, times = engine.run_step(self.step, x, y)
         (loss,) = self._reduce([loss], torch.distributed.ReduceOp.SUM, f"the loss of step {self.step}")
         c, ld, cm, peak = self._reduce(
@@ -192,9 +197,22 @@ class Pipeline:
             torch.distributed.ReduceOp.MAX,
             f"the metrics of step {self.step}",
         )
-        result = StepResult(self.step, loss, StepTimes(c, ld, cm), int(peak), engine.arena.budget_bytes)
+        skipped = self._skip_on_overflow()
+        result = StepResult(self.step, loss, StepTimes(c, ld, cm), int(peak), engine.arena.budget_bytes, scale, skipped)
         self.step += 1
         return result
+
+    def _skip_on_overflow(self) -> bool:
+        """fp16: start the held-back updates unless a gradient overflowed on any rank (then the step is
+        skipped on every rank and the scale backs off); True when skipped."""
+        if self.scaler is None:
+            return False
+        (overflow,) = self._reduce(
+            [float(self.engine.overflowed())], torch.distributed.ReduceOp.MAX, f"the overflow flag of step {self.step}"
+        )
+        self.engine.start_updates(apply=not overflow)
+        self.scaler.update(bool(overflow))
+        return bool(overflow)
 
     def _check_batch(self, x: torch.Tensor, y: torch.Tensor) -> None:
         if self._closed:
@@ -243,6 +261,15 @@ class Pipeline:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _scaler(precision: str, given: LossScaler | None) -> LossScaler | None:
+    """The loss scaler fp16 trains with; an error for a scaler given to another precision."""
+    if precision == "fp16":
+        return given or LossScaler()
+    if given is not None:
+        raise PipelineError(f"a loss_scaler was given but the precision is {precision}: only fp16 scales its loss")
+    return None
 
 
 def _factories(layers: nn.Sequential | Sequence[LayerSpec]) -> list[Callable[[], nn.Module]]:

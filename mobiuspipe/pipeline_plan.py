@@ -7,24 +7,28 @@ a profile is made on rank 0 (timings differ between processes) and broadcast to 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
 import pickle
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from mobiuspipe.errors import PipelineError, WorldSizeError
-from mobiuspipe.profiler import measure_profile
+from mobiuspipe.profiler import TORCH_DTYPES, measure_profile
 from mobiuspipe.ranks import RankInfo
 from partition import make_plan
 from partition.plan import Plan, load_plan
 from topology import Topology, cpu_standin, load_topology
 
 __all__ = [
+    "PlanRequest",
+    "check_precision",
     "PlanSource",
     "STANDIN_MEMORY_BYTES",
     "read_plan",
@@ -60,19 +64,24 @@ def check_world(plan: Plan, info: RankInfo) -> None:
     )
 
 
+def check_precision(plan: Plan, precision: str | None) -> str:
+    """The training precision: the plan's dtype, which an explicitly asked precision must equal."""
+    if precision is not None and precision != plan.dtype:
+        raise PipelineError(
+            f"the plan is for {plan.dtype} weights but the precision asked for is {precision}: make a plan for "
+            f"{precision} (`mobiuspipe partition --dtype {precision} ...`) or train in {plan.dtype}"
+        )
+    return plan.dtype
+
+
 def check_layers(
     plan: Plan, num_layers: int, layers: dict[int, nn.Module], rank: int, num_microbatches: int | None
 ) -> None:
-    """The plan must cut these layers (this rank's stages have the plan's parameter counts) in fp32."""
+    """The plan must cut these layers: this rank's stages have the plan's parameter counts."""
     if plan.num_layers != num_layers:
         raise PipelineError(
             f"the plan cuts {plan.num_layers} layers but the pipeline was given {num_layers}: make "
             f"a plan for these layers (or give no plan and a sample batch to plan from a profile)"
-        )
-    if plan.dtype != "fp32":
-        raise PipelineError(
-            f"the plan is for {plan.dtype} weights but the runtime trains in fp32: re-plan with "
-            f"`mobiuspipe partition --dtype fp32 ...`"
         )
     if num_microbatches is not None and num_microbatches != plan.num_microbatches:
         raise PipelineError(
@@ -82,9 +91,10 @@ def check_layers(
     for j in plan.stages_of(rank):
         s = plan.stages[j]
         n = sum(p.numel() for l in range(s.first, s.last + 1) for p in layers[l].parameters())
-        if n != s.param_count or n * 4 > plan.slot_bytes:
+        nbytes = n * TORCH_DTYPES[plan.dtype].itemsize
+        if n != s.param_count or nbytes > plan.slot_bytes:
             raise PipelineError(
-                f"stage {j} (layers {s.first}..{s.last}) has {n} parameters ({n * 4} fp32 bytes) "
+                f"stage {j} (layers {s.first}..{s.last}) has {n} parameters ({nbytes} {plan.dtype} bytes) "
                 f"in these layers, the plan says {s.param_count} in a {plan.slot_bytes}-byte slot: "
                 f"the plan was made for other layers or another dtype; re-plan for these layers"
             )
@@ -106,25 +116,32 @@ def same_plan_everywhere(plan: Plan, info: RankInfo) -> None:
         )
 
 
+@dataclass(frozen=True)
+class PlanRequest:
+    """What a Pipeline that plans for itself asks of the plan."""
+
+    num_microbatches: int = 4
+    num_stages: int | None = None
+    """None: the fastest stage count."""
+    mapping: str = "cross"
+    topology: Topology | str | None = None
+    """A Topology, a preset name or a layout file; None: one stand-in (or this rank's gpu) per rank."""
+    precision: str = "fp32"
+
+
 def plan_from_profile(
     layers: list[Callable[[], nn.Module]],
     loss_fn,
     sample: tuple[torch.Tensor, torch.Tensor],
     info: RankInfo,
-    *,
-    num_microbatches: int,
-    num_stages: int | None,
-    mapping: str,
-    topology: Topology | str | None,
+    request: PlanRequest,
 ) -> Plan:
     """Rank 0 measures every layer on one microbatch of `sample` and plans; every rank gets its plan (or its
     error: a rank 0 that cannot plan fails every rank with the same message)."""
     result: list[object] = [None]
     if info.rank == 0:
         try:
-            result[0] = _measure_and_plan(
-                layers, loss_fn, sample, info, num_microbatches, num_stages, mapping, topology
-            )
+            result[0] = _measure_and_plan(layers, loss_fn, sample, info, request)
         except Exception as e:  # noqa: BLE001 - handed to the other ranks below, then raised here too
             result[0] = e if _picklable(e) else PipelineError(f"rank 0 could not plan: {type(e).__name__}: {e}")
     if info.world_size > 1:
@@ -145,35 +162,29 @@ def _picklable(e: Exception) -> bool:
         return False
 
 
-def _measure_and_plan(
-    layers,
-    loss_fn,
-    sample,
-    info: RankInfo,
-    m: int,
-    num_stages: int | None,
-    mapping: str,
-    topology: Topology | str | None,
-) -> dict:
+def _measure_and_plan(layers, loss_fn, sample, info: RankInfo, request: PlanRequest) -> dict:
     x, y = sample
+    m, dtype = request.num_microbatches, TORCH_DTYPES[request.precision]
     if x.shape[0] % m:
         raise PipelineError(f"the sample batch has {x.shape[0]} rows, not a multiple of num_microbatches={m}")
     xm, ym = x[: x.shape[0] // m], y[: y.shape[0] // m]
+    xm = xm.to(dtype) if xm.is_floating_point() else xm
     device = torch.device("cuda", info.local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    built = [make() for make in layers]
+    # measured in the training dtype, on copies: the layers given keep their fp32 weights for the master copy
+    built = [make() if dtype == torch.float32 else copy.deepcopy(make()).to(dtype) for make in layers]
     profile = measure_profile(
         built,
         xm,
         device=device,
         name="pipeline",
         device_name=_device_name(device),
-        dtype_name="fp32",
+        dtype_name=request.precision,
         microbatch_size=xm.shape[0],
         seq_len=xm.shape[1] if xm.dim() > 1 else 1,
-        loss_fn=lambda out: loss_fn(out, ym.to(out.device)),
+        loss_fn=lambda out: loss_fn(out.float(), ym.to(out.device)),
     )
-    topo = _topology(topology, info, device)
-    return make_plan(profile, topo, m, num_stages=num_stages, mapping=mapping, solver="dp").to_dict()
+    topo = _topology(request.topology, info, device)
+    return make_plan(profile, topo, m, num_stages=request.num_stages, mapping=request.mapping, solver="dp").to_dict()
 
 
 def _device_name(device: torch.device) -> str:

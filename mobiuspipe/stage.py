@@ -1,10 +1,13 @@
 """One stage of the pipeline: its layers, its weights in the host tier, its view of the device arena.
 
-The host tier holds the stage's fp32 master weights as ONE flat tensor (pinned on CUDA) and the
-optimizer over it. LOAD copies that tensor into an arena slot; the layers then run on views of the slot
-through torch.func.functional_call, so no module ever owns device memory. The gradients of all of the
-stage's microbatches accumulate into a second slot, which OFFLOAD copies back to the host tier.
-Buffers (masks, rotary tables, ...) are small and stay on the device for the whole run.
+The host tier holds the stage's fp32 master weights as ONE flat tensor (pinned on CUDA), the optimizer
+over it, and, in bf16/fp16 training, the low-precision copy of the weights. LOAD copies the weights in
+the training dtype into an arena slot; the layers then run on views of the slot through
+torch.func.functional_call, so no module ever owns device memory. The gradients of all of the stage's
+microbatches accumulate (in the training dtype) into a second slot, which OFFLOAD copies to the host
+tier. The host update steps the fp32 master weights and writes the next low-precision copy in the same
+pass where the optimizer can (CPUAdam.step_fused). Buffers (masks, rotary tables, ...) are small and
+stay on the device for the whole run, floating ones in the training dtype.
 """
 
 from __future__ import annotations
@@ -45,18 +48,22 @@ class ParamSlice:
 class Stage:
     """Stage `index`: its layers (by layer number), master weights on host, its optimizer, its arena slots."""
 
-    def __init__(self, index: int, layers: dict[int, nn.Module], device: Device, make_optimizer):
-        self.index = index
+    def __init__(self, index: int, layers: dict[int, nn.Module], device: Device, make_optimizer, dtype=torch.float32):
+        self.index, self.dtype = index, dtype
         self.order = sorted(layers)
         self.params = _param_slices(layers, self.order)
         self.numel = sum(p.numel for p in self.params)
-        self.nbytes = self.numel * 4
+        self.nbytes = self.numel * dtype.itemsize
         flat = [p.detach().reshape(-1).float() for l in self.order for _, p in layers[l].named_parameters()]
         self.master = nn.Parameter(device.pin(torch.cat(flat) if flat else torch.zeros(0)))
-        self.master_grad = device.pin(torch.zeros_like(self.master.data))
-        self.master.grad = self.master_grad
+        self.host_weights = self.master.data if dtype == torch.float32 else device.pin(self.master.data.to(dtype))
+        """The weights LOAD copies into the arena: the master itself in fp32, else its low-precision copy."""
+        self.host_grads = device.pin(torch.zeros(self.numel, dtype=dtype))
+        """The gradients OFFLOAD copies out of the arena, in the training dtype."""
+        if dtype == torch.float32:
+            self.master.grad = self.host_grads
         self.optimizer = make_optimizer([self.master])
-        self.buffers = {l: {n: b.to(device.torch_device) for n, b in layers[l].named_buffers()} for l in self.order}
+        self.buffers = {l: {n: _buffer_on(b, device, dtype) for n, b in layers[l].named_buffers()} for l in self.order}
         self._persistent = {l: _persistent_buffer_names(layers[l]) for l in self.order}
         self.layers = {l: layers[l].to("meta") for l in self.order}  # shapes only; weights live in the tiers
         self.weights: Slot | None = None
@@ -70,7 +77,7 @@ class Stage:
         """Start copying the master weights into a free slot (after this stage's pending update)."""
         self.wait_update()
         self.weights = arena.acquire(self.nbytes, f"stage {self.index} weights")
-        self.loading = device.copy_async(self.weights.view(torch.float32, self.numel), self.master.data)
+        self.loading = device.copy_async(self.weights.view(self.dtype, self.numel), self.host_weights)
 
     def release(self, arena: DeviceArena) -> None:
         arena.release(_held(self.weights, self.index, "weights"))
@@ -85,22 +92,43 @@ class Stage:
     def begin_backward(self, arena: DeviceArena) -> None:
         """Take a gradient slot, zero it, and make the weight leaves accumulate into it."""
         self.grads = arena.acquire(self.nbytes, f"stage {self.index} gradients")
-        gflat = self.grads.view(torch.float32, self.numel)
+        gflat = self.grads.view(self.dtype, self.numel)
         gflat.zero_()
-        wflat = _held(self.weights, self.index, "weights").view(torch.float32, self.numel)
+        wflat = _held(self.weights, self.index, "weights").view(self.dtype, self.numel)
         self._leaves = []
         for p in self.params:
             w = p.of(wflat).detach().requires_grad_(True)
             w.grad = p.of(gflat)
             self._leaves.append(w)
 
-    def offload_and_update(self, arena: DeviceArena, updater: Executor) -> None:
-        """Copy the accumulated gradients to host, free their slot, and start the host update on `updater`."""
+    def offload(self, arena: DeviceArena) -> None:
+        """Copy the accumulated gradients to the host tier and free their slot."""
         grads = _held(self.grads, self.index, "gradients")
-        self.master_grad.copy_(grads.view(torch.float32, self.numel))
+        self.host_grads.copy_(grads.view(self.dtype, self.numel))
         arena.release(grads)
         self.grads, self._leaves = None, []
-        self.updating = updater.submit(self.optimizer.step)
+
+    def grads_finite(self) -> bool:
+        """Whether the offloaded gradients hold no inf or nan (an fp16 overflow)."""
+        return bool(torch.isfinite(self.host_grads).all())
+
+    def start_update(self, updater: Executor, grad_scale: float = 1.0) -> None:
+        """Start the host update of the offloaded gradients (divided by grad_scale) on `updater`."""
+        self.updating = updater.submit(self._update, grad_scale)
+
+    def _update(self, grad_scale: float) -> None:
+        """One optimizer step of the master weights; the low-precision copy follows in the same pass."""
+        if self.dtype == torch.float32:
+            self.optimizer.step()  # master.grad is host_grads
+            return
+        grad = self.host_grads if grad_scale == 1.0 else self.host_grads.float().mul_(1.0 / grad_scale)
+        step_fused = getattr(self.optimizer, "step_fused", None)
+        if step_fused is not None:
+            step_fused({self.master: self.host_weights}, grads={self.master: grad})
+            return
+        self.master.grad = grad.float()
+        self.optimizer.step()
+        self.host_weights.copy_(self.master.data)
 
     def wait_update(self) -> None:
         if self.updating is not None:
@@ -113,7 +141,7 @@ class Stage:
         if with_grad:
             weights = self._leaves
         else:
-            wflat = _held(self.weights, self.index, "weights").view(torch.float32, self.numel)
+            wflat = _held(self.weights, self.index, "weights").view(self.dtype, self.numel)
             weights = [p.of(wflat) for p in self.params]
         out = {l: dict(self.buffers[l]) for l in self.order}
         for p, t in zip(self.params, weights):
@@ -139,6 +167,11 @@ class Stage:
                 }
             )
         return out
+
+
+def _buffer_on(b: torch.Tensor, device: Device, dtype: torch.dtype) -> torch.Tensor:
+    """A layer's buffer on the device; floating ones in the training dtype, as module.to(dtype) would."""
+    return b.to(device.torch_device, dtype=dtype if b.is_floating_point() else b.dtype)
 
 
 def _held(slot: Slot | None, j: int, what: str) -> Slot:

@@ -43,6 +43,7 @@ def train(cfg: RunConfig) -> None:
         plan=plan,
         optimizer=optimizer,
         num_microbatches=cfg.data.num_microbatches,
+        precision=t.precision,
         comm_timeout_s=cfg.runtime.comm_timeout_s,
     ) as pipe:
         _training_loop(cfg, pipe)
@@ -77,6 +78,8 @@ def _training_loop(cfg: RunConfig, pipe: Pipeline) -> None:
                 r.times.comm_s,
                 r.arena_peak_bytes,
                 r.arena_budget_bytes,
+                r.loss_scale,
+                r.skipped,
             )
         )
     report.close()
@@ -89,7 +92,8 @@ def _banner(cfg: RunConfig, plan: Plan) -> str:
     return (
         f"mobiuspipe: {plan.model}, {plan.num_layers} layers in {plan.num_stages} stages on {plan.num_gpus} "
         f"ranks (stage -> rank {plan.mapping}, {plan.mapping_rule} mapping; plan {source}); "
-        f"{plan.num_microbatches} microbatches of {plan.microbatch_size}; device arena "
+        f"{plan.num_microbatches} microbatches of {plan.microbatch_size}; {plan.dtype} weights, fp32 master; "
+        f"device arena "
         f"{fmt_bytes(plan.arena_bytes)} per rank ({ARENA_SLOTS} slots of {fmt_bytes(plan.slot_bytes)})"
     )
 

@@ -41,6 +41,11 @@ class StagePlan(_PlanPart):
     """Host->gpu bandwidth this stage's loads get under the mapping's contention, GB/s."""
 
     @property
+    def layers(self) -> range:
+        """The layer indices of the stage, first..last."""
+        return range(self.first, self.last + 1)
+
+    @property
     def load_s(self) -> float:
         return self.param_bytes / (self.load_gbps * 1e9)
 

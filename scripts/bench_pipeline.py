@@ -43,6 +43,7 @@ ROWS = {
     "c": "plain PyTorch, 1 proc, 2 threads, full batch",
     "d": "mobiuspipe, 2 ranks x 1 thread, 4 stages, cross",
     "e": "mobiuspipe, 1 rank x 1 thread, 4 stages",
+    "f": "as (d), bf16 weights and gradients (fp32 master)",
 }
 """What each row of the table measures."""
 
@@ -68,11 +69,11 @@ class Row:
         return self.tokens / self.step_s
 
 
-def run_dict(size: str, num_gpus: int, steps: int, out_dir: str | None = None) -> dict:
+def run_dict(size: str, num_gpus: int, steps: int, out_dir: str | None = None, precision: str = "fp32") -> dict:
     """The YAML-able run config of `size` on `num_gpus` ranks, 4 stages, 1 thread per rank."""
     return {
         **SIZES[size],
-        "train": {"steps": steps, "out_dir": out_dir, "log_every": steps},
+        "train": {"steps": steps, "out_dir": out_dir, "log_every": steps, "precision": precision},
         "plan": {"num_gpus": num_gpus, "num_stages": 4, "mapping": "cross"},
         "runtime": {"threads": 1},
     }
@@ -142,11 +143,11 @@ def tokens_per_step(cfg: RunConfig) -> int:
     return cfg.data.batch_size * cfg.model.seq_len
 
 
-def pipeline_row(size: str, key: str, nproc: int, args: argparse.Namespace, tmp: Path) -> Row:
-    """Measure mobiuspipe on `nproc` ranks (row `key`)."""
+def pipeline_row(size: str, key: str, nproc: int, args: argparse.Namespace, tmp: Path, precision: str = "fp32") -> Row:
+    """Measure mobiuspipe on `nproc` ranks (row `key`) in `precision` (fp32: the arithmetic of plain torch)."""
     folder = tmp / f"{size}-{key}"
     folder.mkdir()
-    d = run_dict(size, nproc, args.steps, str(folder / "out"))
+    d = run_dict(size, nproc, args.steps, str(folder / "out"), precision)
     recs = torchrun_metrics(d, nproc, folder, args.timeout)
     w = args.warmup
     compute, load, comm = (steady([r[k] for r in recs], w) for k in ("compute_s", "load_s", "comm_s"))
@@ -170,7 +171,7 @@ def plain_row(size: str, key: str, cfg: RunConfig, threads: int, chunks: int, wa
 
 
 def bench_size(size: str, args: argparse.Namespace, tmp: Path) -> list[Row]:
-    """Rows (a)..(e) of one model size, measured one after the other, each with the others' CPU share."""
+    """Rows (a)..(f) of one model size, measured one after the other, each with the others' CPU share."""
     cfg = config_from_dict(run_dict(size, 1, args.steps))
     m, w = cfg.data.num_microbatches, args.warmup
     jobs = {
@@ -179,6 +180,7 @@ def bench_size(size: str, args: argparse.Namespace, tmp: Path) -> list[Row]:
         "c": lambda: plain_row(size, "c", cfg, 2, 1, w),
         "d": lambda: pipeline_row(size, "d", 2, args, tmp),
         "e": lambda: pipeline_row(size, "e", 1, args, tmp),
+        "f": lambda: pipeline_row(size, "f", 2, args, tmp, "bf16"),
     }
     rows = []
     for key, job in jobs.items():

@@ -16,6 +16,7 @@ def _cfg(**plan):
     return config_from_dict(
         {
             "model": {"num_blocks": 3, "d_model": 12, "num_heads": 3, "seq_len": 9},
+            "train": {"precision": "fp32"},
             "plan": {"num_gpus": 2, "num_stages": 3, **plan},
         }
     )
@@ -46,6 +47,7 @@ def test_plan_file_for_another_model_is_refused(tmp_path):
     other = config_from_dict(
         {
             "model": {"num_blocks": 3, "d_model": 16, "num_heads": 2, "seq_len": 9},
+            "train": {"precision": "fp32"},
             "plan": {"num_gpus": 2, "num_stages": 3},
         }
     )
@@ -60,8 +62,28 @@ def test_plan_file_with_other_microbatches_is_refused(tmp_path):
         {
             "model": {"num_blocks": 3, "d_model": 12, "num_heads": 3, "seq_len": 9},
             "data": {"batch_size": 6, "num_microbatches": 3},
+            "train": {"precision": "fp32"},
             "plan": {"num_gpus": 2, "num_stages": 3, "file": str(tmp_path / "plan.yaml")},
         }
     )
     with pytest.raises(ConfigError, match="the plan is for 4 microbatches, data.num_microbatches is 3"):
         plan_for_config(cfg)
+
+
+def test_plan_file_of_another_precision_is_refused(tmp_path):
+    save_plan(plan_for_config(_cfg()), tmp_path / "plan.yaml")
+    cfg = config_from_dict(
+        {
+            "model": {"num_blocks": 3, "d_model": 12, "num_heads": 3, "seq_len": 9},
+            "train": {"precision": "bf16"},
+            "plan": {"num_gpus": 2, "num_stages": 3, "file": str(tmp_path / "plan.yaml")},
+        }
+    )
+    with pytest.raises(ConfigError, match="the plan is for fp32 weights but train.precision is bf16"):
+        plan_for_config(cfg)
+
+
+def test_a_bf16_plan_counts_two_bytes_per_parameter():
+    plan = plan_for_config(config_from_dict({**_cfg().to_dict(), "train": {"precision": "bf16"}}))
+    assert plan.dtype == "bf16" and plan.slot_bytes == max(s.param_count for s in plan.stages) * 2
+    assert all(s.param_bytes == s.param_count * 2 for s in plan.stages)

@@ -21,7 +21,7 @@ def _cfg(blocks: int, d: int, heads: int, seq: int, batch: int, m: int, stages: 
         {
             "model": {"num_blocks": blocks, "d_model": d, "num_heads": heads, "seq_len": seq, "vocab_size": 256},
             "data": {"batch_size": batch, "num_microbatches": m},
-            "train": {"steps": 3, "lr": 0.01, "seed": seed, "weight_decay": wd},
+            "train": {"steps": 3, "lr": 0.01, "seed": seed, "weight_decay": wd, "precision": "fp32"},
             "plan": {"num_gpus": 1, "num_stages": stages, "device_memory_mb": 256},
         }
     )

@@ -35,7 +35,14 @@ def test_pipeline_equals_plain_pytorch(tmp_path, launch, reference, stages, gpus
         {
             "model": {"num_blocks": 3, "d_model": 24, "num_heads": 3, "seq_len": 19},
             "data": {"batch_size": 2 * microbatches, "num_microbatches": microbatches},
-            "train": {"steps": 4, "lr": 0.01, "weight_decay": 0.05, "seed": stages, "out_dir": str(tmp_path / "out")},
+            "train": {
+                "steps": 4,
+                "lr": 0.01,
+                "weight_decay": 0.05,
+                "seed": stages,
+                "precision": "fp32",
+                "out_dir": str(tmp_path / "out"),
+            },
             "plan": {"num_gpus": gpus, "num_stages": stages, "mapping": mapping},
             "runtime": {"comm_timeout_s": 60},
         },
@@ -74,7 +81,10 @@ def test_run_follows_a_plan_file(tmp_path, launch, reference):
 
     write_config, torchrun = launch
     model = {"num_blocks": 4, "d_model": 16, "num_heads": 2, "seq_len": 11}
-    planning = write_config(tmp_path, {"model": model, "plan": {"num_stages": 5, "mapping": "round-robin"}})
+    planning = write_config(
+        tmp_path,
+        {"model": model, "train": {"precision": "fp32"}, "plan": {"num_stages": 5, "mapping": "round-robin"}},
+    )
     assert cli(["partition", "--config", str(planning), "-o", str(tmp_path / "plan.yaml")]) == 0
     (tmp_path / "run.yaml").unlink()
     cfg_path = write_config(
@@ -82,7 +92,7 @@ def test_run_follows_a_plan_file(tmp_path, launch, reference):
         {
             "model": model,
             "plan": {"file": "plan.yaml", "num_stages": 2},
-            "train": {"steps": 2, "out_dir": str(tmp_path / "out")},
+            "train": {"steps": 2, "precision": "fp32", "out_dir": str(tmp_path / "out")},
         },
     )
     proc = torchrun(cfg_path, 2)
