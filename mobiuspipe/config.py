@@ -12,6 +12,8 @@ from mobiuspipe.errors import ConfigError, InvalidConfig
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 """Training precisions: the dtype of the weights and gradients on the device (master weights stay fp32)."""
+DEFAULT_GPUS = 2
+"""CPU stand-ins a run plans for when the config names neither a topology nor plan.num_gpus."""
 MAPPINGS = ("cross", "round-robin", "search")
 """The stage->gpu mappings a plan may ask for."""
 MAX_VOCAB = 65536
@@ -188,10 +190,16 @@ class PlanConfig(Section):
     )
     """A plan written by `mobiuspipe partition -o plan.yaml`; None = plan at start-up; a relative
     path is resolved against the config file's folder and stored absolute."""
-    num_gpus: int = 2
-    """Gpus (torchrun ranks) the stages are spread over (count)."""
+    topology: str | None = None
+    """The machine to plan for: a preset name ("2+2", "3+1", ...; `mobiuspipe topology --layout NAME`
+    shows one) or a layout file from `mobiuspipe topology --save` (relative to the config file's folder);
+    the run has one rank per gpu of it, and on a CPU-only machine each rank is a stand-in for one of its
+    gpus, so cross mapping follows its root complexes. None = num_gpus CPU stand-ins of device_memory_mb."""
+    num_gpus: int | None = None
+    """Gpus (torchrun ranks) the stages are spread over (count); None = the topology's gpu count, or 2
+    without a topology; with a topology it must equal its gpu count."""
     num_stages: int = 4
-    """Stages the layers are cut into (count); >= num_gpus and <= model.num_blocks + 2."""
+    """Stages the layers are cut into (count); >= the gpu count and <= model.num_blocks + 2."""
     mapping: str = "cross"
     """How stages are assigned to gpus: "cross" (Mobius cross mapping), "round-robin", or "search" (every
     cyclic gpu order, up to 4 gpus; the fastest predicted wins)."""
@@ -199,11 +207,12 @@ class PlanConfig(Section):
     """Memory budget of each CPU stand-in device (MiB); on CUDA the real GPU memory is used."""
 
     def check_values(self) -> list[Problem]:
-        gpus, stages = self.num_gpus, self.num_stages
+        gpus = DEFAULT_GPUS if self.num_gpus is None else self.num_gpus
+        stages = self.num_stages
         return [
-            *at_least(self, "num_gpus", 1, "use at least 1 gpu"),
+            *rule(gpus >= 1, "num_gpus", "an integer >= 1 or null", repr(self.num_gpus), "use at least 1 gpu"),
             *rule(
-                stages >= gpus,
+                stages >= gpus or self.topology is not None,  # with a topology: checked once it is read
                 "num_stages",
                 "num_stages >= num_gpus (each gpu needs at least one stage)",
                 f"num_stages {stages} with num_gpus {gpus}: more gpus than stages",

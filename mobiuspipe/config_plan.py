@@ -3,10 +3,12 @@ and the plan itself (read from plan.file and checked against the model, or made 
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from foundation.units import MiB
-from mobiuspipe.config import RunConfig
+from mobiuspipe.config import DEFAULT_GPUS, RunConfig
 from mobiuspipe.errors import ConfigError
 from partition import make_plan
 from partition.analytic import analytic_profile, dtype_bytes
@@ -14,9 +16,9 @@ from partition.hardware import device_spec
 from partition.models import ModelSpec, layer_param_counts
 from partition.plan import Plan, load_plan
 from partition.profile import Profile
-from topology import Topology, cpu_standin
+from topology import Topology, cpu_standin, load_topology
 
-__all__ = ["gpt_spec", "plan_for_config", "plan_from_config", "standin_topology", "gpt_profile"]
+__all__ = ["gpt_spec", "plan_for_config", "plan_from_config", "run_topology", "num_ranks", "gpt_profile"]
 
 
 def gpt_spec(cfg: RunConfig) -> ModelSpec:
@@ -42,9 +44,36 @@ def plan_for_config(cfg: RunConfig) -> Plan:
     return plan_from_config(cfg)
 
 
-def standin_topology(cfg: RunConfig) -> Topology:
-    """The devices a run plans for: plan.num_gpus CPU stand-ins of plan.device_memory_mb each."""
-    return cpu_standin(cfg.plan.num_gpus, int(cfg.plan.device_memory_mb * MiB))
+def run_topology(cfg: RunConfig) -> Topology:
+    """The machine a run plans for: plan.topology (a preset or a layout file), else plan.num_gpus CPU
+    stand-ins of plan.device_memory_mb each; ConfigError when the gpu or stage count does not fit it."""
+    p = cfg.plan
+    if p.topology is None:
+        return cpu_standin(DEFAULT_GPUS if p.num_gpus is None else p.num_gpus, int(p.device_memory_mb * MiB))
+    topo = load_topology(_beside_config(p.topology, cfg.source))
+    if p.num_gpus is not None and p.num_gpus != topo.num_gpus:
+        raise ConfigError(
+            f"config {cfg.source}: plan.num_gpus is {p.num_gpus} but plan.topology {p.topology!r} has "
+            f"{topo.num_gpus} gpus; remove plan.num_gpus (the topology sets it) or set it to {topo.num_gpus}"
+        )
+    if p.num_stages < topo.num_gpus:
+        raise ConfigError(
+            f"config {cfg.source}: plan.num_stages is {p.num_stages} but plan.topology {p.topology!r} has "
+            f"{topo.num_gpus} gpus, each needing a stage; raise plan.num_stages to at least {topo.num_gpus}"
+        )
+    return topo
+
+
+def _beside_config(spec: str, source: str) -> str:
+    """A layout file path made absolute against the config's folder; a preset name as it is."""
+    if not spec.endswith((".yaml", ".yml", ".json")) or os.path.isabs(spec) or not os.path.isabs(source):
+        return spec
+    return os.path.join(os.path.dirname(source), spec)
+
+
+def num_ranks(cfg: RunConfig) -> int:
+    """Ranks the run needs: its plan file's gpu count, else its topology's (see run_topology)."""
+    return load_plan(cfg.plan.file).num_gpus if cfg.plan.file else run_topology(cfg).num_gpus
 
 
 def gpt_profile(cfg: RunConfig) -> Profile:
@@ -61,7 +90,7 @@ def plan_from_config(cfg: RunConfig, solver: str = "dp") -> Plan:
     --config` passes its --solver and writes the result for plan.file."""
     return make_plan(
         gpt_profile(cfg),
-        standin_topology(cfg),
+        run_topology(cfg),
         cfg.data.num_microbatches,
         num_stages=cfg.plan.num_stages,
         mapping=cfg.plan.mapping,

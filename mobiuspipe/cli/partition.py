@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -126,17 +127,19 @@ def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
 
 def _config_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
     """The plan `mobiuspipe train` would make at start-up for this config (model, devices, stages, mapping)."""
-    given = [f for f in ("model", "topology", "stages") if getattr(args, f) is not None]
+    given = [f for f in ("model", "stages") if getattr(args, f) is not None]
     if given:
         raise CliError(
-            f"--config takes the model, devices and stages from the config file; "
+            f"--config takes the model and stages from the config file; "
             f"found also --{', --'.join(given)}: drop them or drop --config"
         )
     from mobiuspipe.config import load_config
-    from mobiuspipe.config_plan import gpt_profile, plan_from_config, standin_topology
+    from mobiuspipe.config_plan import gpt_profile, plan_from_config, run_topology
 
     cfg = load_config(args.config)
-    return plan_from_config(cfg, args.solver), standin_topology(cfg), gpt_profile(cfg)
+    if args.topology is not None:  # plan the run for another machine than its config names
+        cfg = dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, topology=args.topology, num_gpus=None))
+    return plan_from_config(cfg, args.solver), run_topology(cfg), gpt_profile(cfg)
 
 
 def _stage_json(plan: Plan) -> list[dict]:

@@ -20,21 +20,17 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _plan_gpus(config) -> int:
-    """Ranks to launch: the plan file's gpu count when the config names one, else plan.num_gpus."""
-    if config.plan.file:
-        from partition.plan import load_plan
-
-        return load_plan(config.plan.file).num_gpus
-    return config.plan.num_gpus
-
-
 def run(args: argparse.Namespace, out) -> int:
     """Run torchrun; its ranks write straight to this process's stdout and stderr (`out` is flushed first)."""
     from mobiuspipe.config import load_config
 
     config = load_config(args.config)  # a bad config fails here, before any process starts
-    nproc = args.nproc or _plan_gpus(config)
+    if args.nproc is None:
+        from mobiuspipe.config_plan import num_ranks
+
+        nproc = num_ranks(config)
+    else:
+        nproc = args.nproc
     cmd = [
         sys.executable,
         "-m",

@@ -241,6 +241,10 @@ def test_partition_from_a_run_config(tmp_path, capsys):
     assert doc["num_stages"] == 3 and doc["num_gpus"] == 2 and doc["model"] == "gpt-6x64"
     assert main(["partition", "--config", str(cfg), "--model", "gpt3-175b"]) == 2
     assert "drop them or drop --config" in capsys.readouterr().err
+    cfg.write_text("plan: {num_stages: 8}\n")  # the same run planned for a 2+2 server
+    assert main(["partition", "--config", str(cfg), "--topology", "2+2", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["num_gpus"] == 4 and [s["gpu"] for s in doc["stages"]] == [0, 2, 1, 3] * 2
     assert main(["partition"]) == 2
     assert "partition needs --model and --topology" in capsys.readouterr().err
 

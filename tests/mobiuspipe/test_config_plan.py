@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from mobiuspipe.config import config_from_dict
-from mobiuspipe.config_plan import gpt_spec, plan_for_config
+from mobiuspipe.config import config_from_dict, load_config
+from mobiuspipe.config_plan import gpt_spec, num_ranks, plan_for_config, run_topology
 from mobiuspipe.errors import ConfigError
 from mobiuspipe.models.gpt import build_layers
 from partition.models import layer_param_counts
 from partition.plan import save_plan
+from topology import TopologyError, preset, save_topology
 
 
 def _cfg(**plan):
@@ -87,3 +88,38 @@ def test_a_bf16_plan_counts_two_bytes_per_parameter():
     plan = plan_for_config(config_from_dict({**_cfg().to_dict(), "train": {"precision": "bf16"}}))
     assert plan.dtype == "bf16" and plan.slot_bytes == max(s.param_count for s in plan.stages) * 2
     assert all(s.param_bytes == s.param_count * 2 for s in plan.stages)
+
+
+def _on(topology, **plan):
+    return config_from_dict(
+        {
+            "model": {"num_blocks": 6, "d_model": 12, "num_heads": 3, "seq_len": 9},
+            "train": {"precision": "fp32"},
+            "plan": {"topology": topology, "num_stages": 8, **plan},
+        }
+    )
+
+
+def test_a_preset_topology_gives_its_gpus_and_a_real_cross_mapping():
+    cross = plan_for_config(_on("2+2"))
+    assert cross.num_gpus == 4 and cross.topology == "2+2"
+    assert cross.mapping == [0, 2, 1, 3] * 2  # neighbours under different root complexes
+    rr = plan_for_config(_on("2+2", mapping="round-robin"))
+    assert rr.mapping == [0, 1, 2, 3] * 2 and rr.mapping_score > cross.mapping_score
+    assert num_ranks(_on("3+1")) == 4 and run_topology(_on("3+1")).name == "3+1"
+
+
+def test_a_layout_file_beside_the_config(tmp_path):
+    save_topology(preset("2+2"), tmp_path / "server.yaml")
+    path = tmp_path / "run.yaml"
+    path.write_text("train: {precision: fp32}\nplan: {topology: server.yaml, num_stages: 4}\n")
+    assert plan_for_config(load_config(path)).mapping == [0, 2, 1, 3]
+
+
+def test_topology_mistakes_are_named():
+    with pytest.raises(ConfigError, match="plan.num_gpus is 2 but plan.topology '2\\+2' has 4 gpus"):
+        run_topology(_on("2+2", num_gpus=2))
+    with pytest.raises(ConfigError, match="plan.num_stages is 3 but plan.topology '2\\+2' has 4 gpus"):
+        run_topology(_on("2+2", num_stages=3))
+    with pytest.raises(TopologyError):
+        run_topology(_on("5+5"))

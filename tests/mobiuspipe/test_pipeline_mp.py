@@ -101,3 +101,24 @@ def test_run_follows_a_plan_file(tmp_path, launch, reference):
     assert load_plan(tmp_path / "plan.yaml").num_stages == 5
     losses, _ = _load_run(tmp_path / "out")
     assert losses == pytest.approx(reference(load_config(cfg_path))[0], rel=1e-5)
+
+
+def test_cpu_run_follows_a_preset_topology(tmp_path, launch, reference):
+    """plan.topology 2+2 on a CPU-only machine: 4 ranks, stand-ins shaped like its gpus, real cross mapping."""
+    write_config, torchrun = launch
+    cfg_path = write_config(
+        tmp_path,
+        {
+            "model": {"num_blocks": 2, "d_model": 16, "num_heads": 2, "seq_len": 9},
+            "data": {"batch_size": 4, "num_microbatches": 2},
+            "train": {"steps": 2, "precision": "fp32", "out_dir": str(tmp_path / "out")},
+            "plan": {"topology": "2+2", "num_stages": 4},
+        },
+    )
+    proc = torchrun(cfg_path, 4)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from partition.plan import load_plan
+
+    assert load_plan(tmp_path / "out" / "plan.yaml").mapping == [0, 2, 1, 3]
+    losses, _ = _load_run(tmp_path / "out")
+    assert losses == pytest.approx(reference(load_config(cfg_path))[0], rel=1e-5)
