@@ -12,6 +12,8 @@ from mobiuspipe.errors import ConfigError, InvalidConfig
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 """Training precisions: the dtype of the weights and gradients on the device (master weights stay fp32)."""
+OPTIMIZER_TIERS = ("host", "ssd")
+"""Where the master weights and Adam moments may live."""
 DEFAULT_GPUS = 2
 """CPU stand-ins a run plans for when the config names neither a topology nor plan.num_gpus."""
 MAPPINGS = ("cross", "round-robin", "search")
@@ -230,6 +232,41 @@ class PlanConfig(Section):
 
 
 @dataclass(frozen=True, kw_only=True)
+class MemoryConfig(Section):
+    """Where each stage's fp32 master weights and Adam moments live (the weights the device loads and the
+    gradients it offloads stay in host memory)."""
+
+    optimizer: str = "host"
+    """"host": in host memory (12 bytes per parameter); "ssd": in an SSD store under ssd_dir, stepped by
+    the out-of-core Adam through host_budget_mb of host memory per rank."""
+    ssd_dir: str | None = None
+    """Folder of the ssd tier, relative to the current folder; each rank keeps its store in ssd_dir/rank{r},
+    which must not hold an earlier run's states (resuming from them is not supported yet)."""
+    host_budget_mb: float = 1024.0
+    """Host memory per rank for the out-of-core Adam's read / update / write slots (MiB), shared by the
+    rank's stages."""
+
+    def check_values(self) -> list[Problem]:
+        return [
+            *rule(
+                self.optimizer in OPTIMIZER_TIERS,
+                "optimizer",
+                "one of " + ", ".join(OPTIMIZER_TIERS),
+                repr(self.optimizer),
+                "use `optimizer: host` or `optimizer: ssd` (with ssd_dir)",
+            ),
+            *rule(
+                self.optimizer != "ssd" or bool(self.ssd_dir),
+                "ssd_dir",
+                "a folder when optimizer is ssd",
+                repr(self.ssd_dir),
+                "set `ssd_dir:` to a folder on an NVMe drive, e.g. /nvme/mobiuspipe",
+            ),
+            *positive(self, "host_budget_mb", "use a positive budget in MiB, e.g. 1024.0"),
+        ]
+
+
+@dataclass(frozen=True, kw_only=True)
 class RuntimeConfig(Section):
     """How the ranks run: communication timeout and CPU threads."""
 
@@ -257,6 +294,8 @@ class RunConfig(Section):
     """The optimizer and the loop."""
     plan: PlanConfig = field(default_factory=PlanConfig)
     """Stages and their gpus."""
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    """Where the optimizer states live."""
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     """Timeouts and threads of the ranks."""
     source: str = field(default="<defaults>", metadata={"in_file": False})

@@ -18,6 +18,7 @@ this same class.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -25,13 +26,17 @@ from functools import partial
 import torch
 from torch import nn
 
+from foundation.units import MiB
 from mobiuspipe.comm import Comm
+from mobiuspipe.config import MemoryConfig
 from mobiuspipe.device import Device
 from mobiuspipe.engine import Engine, LossFn, StepTimes
 from mobiuspipe.errors import PipelineError
 from mobiuspipe.memory.arena import DeviceArena
+from mobiuspipe.memory.ssd_store import SSDStore
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.optim.loss_scale import LossScaler
+from mobiuspipe.optim.ooc_adam import least_budget_bytes
 from mobiuspipe.pipeline_plan import (
     PlanRequest,
     PlanSource,
@@ -46,6 +51,7 @@ from mobiuspipe.profiler import TORCH_DTYPES
 from mobiuspipe.ranks import join_group, leave_group, rank_info
 from mobiuspipe.schedule import build_schedule, check_schedules
 from mobiuspipe.stage import Stage
+from mobiuspipe.stage_states import AdamHyper, SsdTier
 from partition.costmodel import ARENA_SLOTS
 from partition.plan import Plan
 from topology import Topology
@@ -91,6 +97,7 @@ class Pipeline:
         topology: Topology | str | None = None,
         precision: str | None = None,
         loss_scaler: LossScaler | None = None,
+        memory: MemoryConfig | None = None,
         comm_timeout_s: float = 60.0,
     ):
         """Build this rank's stages.
@@ -103,6 +110,8 @@ class Pipeline:
         precision: "fp32", "bf16" or "fp16", the dtype of the weights and gradients on the device (the master
           weights and the optimizer stay fp32 on the host); default the plan's dtype (fp32 when planning).
         loss_scaler: fp16 only; default LossScaler() (dynamic loss scaling, torch.amp's default rule).
+        memory: where the master weights and Adam moments live (MemoryConfig: "host", or "ssd" under
+          ssd_dir with host_budget_mb per rank); default host.
         comm_timeout_s: a receive waiting longer fails, naming the rank that stopped answering.
         """
         makers = _factories(layers)
@@ -116,10 +125,15 @@ class Pipeline:
             self.plan = self._agree_on_plan(given, makers, loss_fn, sample, request)
             self.precision = check_precision(self.plan, precision)
             self.scaler = _scaler(self.precision, loss_scaler)
+            self.memory = memory or MemoryConfig()
+            self.store: SSDStore | None = None
             self.engine = self._build_engine(
                 makers, loss_fn, optimizer or partial(CPUAdam), num_microbatches, comm_timeout_s
             )
         except BaseException:
+            store = getattr(self, "store", None)
+            if store is not None:
+                store.close()
             leave_group(self._owns_group)
             raise
         self.step = 0
@@ -156,8 +170,9 @@ class Pipeline:
         check_layers(plan, len(makers), layers, rank, num_microbatches)
         device = Device(self.info.local_rank)
         dtype = TORCH_DTYPES[self.precision]
+        ssd = self._ssd_tier(make_optimizer, len(mine))
         stages = {
-            j: Stage(j, {l: layers[l] for l in plan.stages[j].layers}, device, make_optimizer, dtype) for j in mine
+            j: Stage(j, {l: layers[l] for l in plan.stages[j].layers}, device, make_optimizer, dtype, ssd) for j in mine
         }
         m = plan.num_microbatches
         schedules = [build_schedule(plan.mapping, g, m) for g in range(plan.num_gpus)]
@@ -175,6 +190,36 @@ class Pipeline:
             dtype=dtype,
             defer_updates=self.scaler is not None,
         )
+
+    def _ssd_tier(self, make_optimizer: OptimizerFactory, num_stages: int) -> SsdTier | None:
+        """This rank's SSD store (memory.ssd_dir/rank{r}) when the optimizer states go to SSD, else None."""
+        mem = self.memory
+        if mem.optimizer == "host":
+            return None
+        if not mem.ssd_dir:
+            raise PipelineError("memory.optimizer is ssd but memory.ssd_dir is not set: name a folder on an NVMe drive")
+        try:
+            hyper = AdamHyper.of(make_optimizer)
+        except ValueError as e:
+            raise PipelineError(str(e)) from e
+        self.store = SSDStore(os.path.join(mem.ssd_dir, f"rank{self.info.rank}"))
+        if self.store.meta:
+            folder = self.store.folder
+            self.store.close()
+            raise PipelineError(
+                f"{folder} holds the optimizer states of an earlier run ({sorted(self.store.meta)}); resuming "
+                f"from them is not supported yet: remove the folder or choose another memory.ssd_dir"
+            )
+        budget = int(mem.host_budget_mb * MiB) // max(num_stages, 1)
+        if budget < least_budget_bytes():
+            self.store.close()
+            need = least_budget_bytes() * num_stages / MiB
+            raise PipelineError(
+                f"memory.host_budget_mb {mem.host_budget_mb:g} gives each of rank {self.info.rank}'s {num_stages} "
+                f"stages {budget} bytes, below the {least_budget_bytes()} the out-of-core Adam needs: raise "
+                f"host_budget_mb to at least {need:g}"
+            )
+        return SsdTier(self.store, budget, hyper)
 
     def train_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> StepResult:
         """train_batch(*batch)."""
@@ -253,6 +298,8 @@ class Pipeline:
         self._closed = True
         try:
             self.engine.finish()
+            if self.store is not None:
+                self.store.close()  # flushes the index: the states on disk are the last step's
         finally:
             leave_group(self._owns_group)
 

@@ -21,6 +21,7 @@ from torch.func import functional_call
 
 from mobiuspipe.device import CopyHandle, Device
 from mobiuspipe.memory.arena import DeviceArena, Slot
+from mobiuspipe.stage_states import HostStates, SsdStates, SsdTier
 
 __all__ = ["Stage", "ParamSlice"]
 
@@ -48,21 +49,32 @@ class ParamSlice:
 class Stage:
     """Stage `index`: its layers (by layer number), master weights on host, its optimizer, its arena slots."""
 
-    def __init__(self, index: int, layers: dict[int, nn.Module], device: Device, make_optimizer, dtype=torch.float32):
+    def __init__(
+        self,
+        index: int,
+        layers: dict[int, nn.Module],
+        device: Device,
+        make_optimizer,
+        dtype=torch.float32,
+        ssd: SsdTier | None = None,
+    ):
         self.index, self.dtype = index, dtype
         self.order = sorted(layers)
         self.params = _param_slices(layers, self.order)
         self.numel = sum(p.numel for p in self.params)
         self.nbytes = self.numel * dtype.itemsize
-        flat = [p.detach().reshape(-1).float() for l in self.order for _, p in layers[l].named_parameters()]
-        self.master = nn.Parameter(device.pin(torch.cat(flat) if flat else torch.zeros(0)))
-        self.host_weights = self.master.data if dtype == torch.float32 else device.pin(self.master.data.to(dtype))
-        """The weights LOAD copies into the arena: the master itself in fp32, else its low-precision copy."""
+        parts = [p.detach().reshape(-1).float() for l in self.order for _, p in layers[l].named_parameters()]
+        flat = torch.cat(parts) if parts else torch.zeros(0)
         self.host_grads = device.pin(torch.zeros(self.numel, dtype=dtype))
         """The gradients OFFLOAD copies out of the arena, in the training dtype."""
-        if dtype == torch.float32:
-            self.master.grad = self.host_grads
-        self.optimizer = make_optimizer([self.master])
+        if ssd is None:
+            lowp = None if dtype == torch.float32 else device.pin(flat.to(dtype))
+            self.states: HostStates | SsdStates = HostStates(flat, device.pin, make_optimizer, lowp, self.host_grads)
+        else:
+            lowp = device.pin(flat.to(dtype))
+            self.states = SsdStates(flat, ssd, f"stage{index}", lowp, self.host_grads)
+        self.host_weights = self.states.weights
+        """The weights LOAD copies into the arena, in the training dtype (fp32 on the host tier: the master)."""
         self.buffers = {l: {n: _buffer_on(b, device, dtype) for n, b in layers[l].named_buffers()} for l in self.order}
         self._persistent = {l: _persistent_buffer_names(layers[l]) for l in self.order}
         self.layers = {l: layers[l].to("meta") for l in self.order}  # shapes only; weights live in the tiers
@@ -117,18 +129,8 @@ class Stage:
         self.updating = updater.submit(self._update, grad_scale)
 
     def _update(self, grad_scale: float) -> None:
-        """One optimizer step of the master weights; the low-precision copy follows in the same pass."""
-        if self.dtype == torch.float32:
-            self.optimizer.step()  # master.grad is host_grads
-            return
-        grad = self.host_grads if grad_scale == 1.0 else self.host_grads.float().mul_(1.0 / grad_scale)
-        step_fused = getattr(self.optimizer, "step_fused", None)
-        if step_fused is not None:
-            step_fused({self.master: self.host_weights}, grads={self.master: grad})
-            return
-        self.master.grad = grad.float()
-        self.optimizer.step()
-        self.host_weights.copy_(self.master.data)
+        """One optimizer step of the master weights; the loaded weights follow in the same pass."""
+        self.states.step(grad_scale)
 
     def wait_update(self) -> None:
         if self.updating is not None:
@@ -157,7 +159,8 @@ class Stage:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Master weights and persistent buffers (host copies) named as nn.Sequential(*layers).state_dict()."""
-        out = {p.key: p.of(self.master.data).clone() for p in self.params}
+        master = self.states.master_weights()
+        out = {p.key: p.of(master).clone() for p in self.params}
         for l in self.order:
             out.update(
                 {

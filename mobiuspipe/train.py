@@ -44,6 +44,7 @@ def train(cfg: RunConfig) -> None:
         optimizer=optimizer,
         num_microbatches=cfg.data.num_microbatches,
         precision=t.precision,
+        memory=cfg.memory,
         comm_timeout_s=cfg.runtime.comm_timeout_s,
     ) as pipe:
         _training_loop(cfg, pipe)

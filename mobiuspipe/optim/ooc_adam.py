@@ -200,7 +200,7 @@ class OutOfCoreAdam:
         pipelined: bool = True,
     ) -> None:
         """One AdamW step of every parameter from grads {name: gradient}; each tensor of
-        low_precision_out {name: bf16/fp16 tensor} receives that parameter's updated weights.
+        low_precision_out {name: bf16/fp16/fp32 tensor} receives that parameter's updated weights.
         pipelined=False runs read, update and write-back of each group one after the other."""
         lpo = low_precision_out or {}
         g_flat = self._check_grads(grads)
@@ -230,12 +230,13 @@ class OutOfCoreAdam:
             g = grads[s.name][s.param_off : s.param_off + s.numel]
             o = outs.get(s.name)
             o = None if o is None else o[s.param_off : s.param_off + s.numel]
+            fused = o if o is not None and o.dtype != torch.float32 else None  # the kernel emits bf16/fp16
             adamw_update(
                 p[a:b],
                 m[a:b],
                 v[a:b],
                 g,
-                o,
+                fused,
                 self.step_count,
                 self.lr,
                 b1,
@@ -245,6 +246,8 @@ class OutOfCoreAdam:
                 impl=self.impl,
                 simd=self.simd,
             )
+            if o is not None and fused is None:
+                o.copy_(p[a:b])  # an fp32 copy of the weights, e.g. for an fp32 device
 
     def _read(self, i: int) -> StoreFuture[torch.Tensor]:
         rec, _, _, _ = self._sections(i, self.slots[i % len(self.slots)])
@@ -326,7 +329,7 @@ class OutOfCoreAdam:
         if extra:
             raise ValueError(f"low_precision_out names unknown parameters {extra[:5]}")
         return {
-            n: _flat(o, n, self.numels[n], (torch.bfloat16, torch.float16), "low-precision output")
+            n: _flat(o, n, self.numels[n], (torch.bfloat16, torch.float16, torch.float32), "weights output")
             for n, o in outs.items()
         }
 
@@ -341,13 +344,18 @@ def _flat(t: torch.Tensor, name: str, numel: int, dtypes: tuple, what: str) -> t
     return t.view(-1)
 
 
+def least_budget_bytes(slots: int = 4) -> int:
+    """The smallest host budget OutOfCoreAdam takes: `slots` slots of one 4 KiB-aligned group each."""
+    return slots * BYTES_PER_ELEM * ELEM_ALIGN
+
+
 def _group_elems(host_budget_bytes: int, slots: int) -> int:
     """G: the largest multiple of ELEM_ALIGN whose `slots` slots of 12 * G bytes fit the host budget."""
     if slots < 3:
         raise ValueError(f"slots must be >= 3 (read ahead, update, write back), not {slots}")
     g = host_budget_bytes // (slots * BYTES_PER_ELEM) // ELEM_ALIGN * ELEM_ALIGN
     if g < ELEM_ALIGN:
-        least = slots * BYTES_PER_ELEM * ELEM_ALIGN
+        least = least_budget_bytes(slots)
         raise ValueError(
             f"host_budget_bytes {host_budget_bytes} is too small for {slots} slots: it needs at "
             f"least {least} bytes ({fmt_bytes(least)})"

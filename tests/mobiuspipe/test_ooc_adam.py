@@ -152,8 +152,18 @@ def test_argument_checks(tmp_path):
             opt.step({n: g for n, g in grads.items() if n != "big"})
         with pytest.raises(ValueError, match="gradient of 'one' must be .* 1 elements"):
             opt.step({**grads, "one": torch.ones(2)})
-        with pytest.raises(ValueError, match="low-precision output of 'seven'"):
-            opt.step(grads, {"seven": torch.empty(7)})
+        with pytest.raises(ValueError, match="weights output of 'seven'"):
+            opt.step(grads, {"seven": torch.empty(7, dtype=torch.int32)})
         with pytest.raises(ValueError, match="over host_budget_bytes"):
             OutOfCoreAdam.open(store, host_budget_bytes=BUDGET // 2)
         assert opt.step_count == 0  # nothing ran
+
+
+def test_fp32_weights_out_equal_the_stored_master(tmp_path):
+    with SSDStore(tmp_path / "job") as store:
+        opt = OutOfCoreAdam.create(store, _params(), host_budget_bytes=BUDGET)
+        outs = {n: torch.empty(p.shape) for n, p in _params().items()}
+        opt.step(_grads(torch.Generator().manual_seed(3), torch.bfloat16), outs)
+        state = opt.read_state()
+        for n, out in outs.items():
+            assert torch.equal(out, state[n]["param"]), n
