@@ -64,21 +64,38 @@ class TensorSpec:
 
 
 class Comm:
-    """Point-to-point traffic of one rank; sends are asynchronous and flushed by flush()."""
+    """Point-to-point traffic of one rank. Sends are asynchronous: a sent tensor is held until its send has
+    completed, and dropped then (at the next send or receive), so the device does not keep a stage's
+    outputs until the end of the step; flush() waits for the rest."""
 
     def __init__(self, rank: int, timeout_s: float):
         self.rank = rank
         self.timeout = timedelta(seconds=timeout_s)
-        self._sends: list[tuple[object, torch.Tensor, int, str]] = []
+        self._sends: list[tuple[dist.Work, torch.Tensor, int, str]] = []
 
     def send(self, t: torch.Tensor, dst: int, tag: int, what: str) -> None:
+        self._release_sent()
         t = t.contiguous()
-        self._sends.append((dist.isend(t, dst, tag=tag), t, dst, what))
+        work = dist.isend(t, dst, tag=tag)
+        if work is None:  # this rank is not in the default group: a bug in the launch, not in the data
+            raise RuntimeError(f"rank {self.rank}: isend of {what} to rank {dst} returned no request")
+        self._sends.append((work, t, dst, what))
 
     def recv(self, spec: TensorSpec, device: torch.device, src: int, tag: int, what: str) -> torch.Tensor:
+        self._release_sent()
         buf = torch.empty(spec.shape, dtype=spec.dtype, device=device)
         self._wait(dist.irecv(buf, src, tag=tag), f"rank {src}", f"receiving {what} from rank {src}")
         return buf
+
+    def _release_sent(self) -> None:
+        """Drop the tensors whose sends have completed (their errors, if any, raise here)."""
+        pending = []
+        for work, t, dst, what in self._sends:
+            if work.is_completed():
+                self._wait(work, f"rank {dst}", f"sending {what} to rank {dst}")
+            else:
+                pending.append((work, t, dst, what))
+        self._sends = pending
 
     def flush(self) -> None:
         """Wait until every send of this rank has been taken by its receiver."""
