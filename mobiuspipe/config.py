@@ -12,7 +12,7 @@ from mobiuspipe.errors import ConfigError, InvalidConfig
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 """Training precisions: the dtype of the weights and gradients on the device (master weights stay fp32)."""
-OPTIMIZER_TIERS = ("host", "ssd")
+OPTIMIZER_TIERS = ("host", "ssd", "auto")
 """Where the master weights and Adam moments may live."""
 DEFAULT_GPUS = 2
 """CPU stand-ins a run plans for when the config names neither a topology nor plan.num_gpus."""
@@ -238,13 +238,15 @@ class MemoryConfig(Section):
 
     optimizer: str = "host"
     """"host": in host memory (12 bytes per parameter); "ssd": in an SSD store under ssd_dir, stepped by
-    the out-of-core Adam through host_budget_mb of host memory per rank."""
+    the out-of-core Adam through host_budget_mb of host memory per rank; "auto": in host memory while
+    they fit in host_budget_mb, the largest stages on SSD otherwise (a quarter of the budget then
+    streams them)."""
     ssd_dir: str | None = None
     """Folder of the ssd tier, relative to the current folder; each rank keeps its store in ssd_dir/rank{r},
     which must not hold an earlier run's states (resuming from them is not supported yet)."""
     host_budget_mb: float = 1024.0
-    """Host memory per rank for the out-of-core Adam's read / update / write slots (MiB), shared by the
-    rank's stages."""
+    """Host memory per rank for the optimizer states (MiB): with ssd, the out-of-core Adam's read / update /
+    write slots, shared by the rank's stages; with auto, the states kept in memory and those slots."""
 
     def check_values(self) -> list[Problem]:
         return [
@@ -253,12 +255,12 @@ class MemoryConfig(Section):
                 "optimizer",
                 "one of " + ", ".join(OPTIMIZER_TIERS),
                 repr(self.optimizer),
-                "use `optimizer: host` or `optimizer: ssd` (with ssd_dir)",
+                "use `optimizer: host`, `ssd` or `auto` (the last two with ssd_dir)",
             ),
             *rule(
-                self.optimizer != "ssd" or bool(self.ssd_dir),
+                self.optimizer == "host" or bool(self.ssd_dir),
                 "ssd_dir",
-                "a folder when optimizer is ssd",
+                "a folder when optimizer is ssd or auto",
                 repr(self.ssd_dir),
                 "set `ssd_dir:` to a folder on an NVMe drive, e.g. /nvme/mobiuspipe",
             ),

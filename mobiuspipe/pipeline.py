@@ -48,10 +48,10 @@ from mobiuspipe.pipeline_plan import (
     same_plan_everywhere,
 )
 from mobiuspipe.profiler import TORCH_DTYPES
-from mobiuspipe.ranks import join_group, leave_group, rank_info
+from mobiuspipe.ranks import gather_all, join_group, leave_group, rank_info
 from mobiuspipe.schedule import build_schedule, check_schedules
 from mobiuspipe.stage import Stage
-from mobiuspipe.stage_states import AdamHyper, SsdTier
+from mobiuspipe.stage_states import AdamHyper, Placement, SsdTier, place_states
 from partition.costmodel import ARENA_SLOTS
 from partition.plan import Plan
 from topology import Topology
@@ -110,8 +110,10 @@ class Pipeline:
         precision: "fp32", "bf16" or "fp16", the dtype of the weights and gradients on the device (the master
           weights and the optimizer stay fp32 on the host); default the plan's dtype (fp32 when planning).
         loss_scaler: fp16 only; default LossScaler() (dynamic loss scaling, torch.amp's default rule).
-        memory: where the master weights and Adam moments live (MemoryConfig: "host", or "ssd" under
-          ssd_dir with host_budget_mb per rank); default host.
+        memory: where the master weights and Adam moments live (MemoryConfig: "host"; "ssd" under ssd_dir
+          with host_budget_mb per rank; "auto": in memory while they fit host_budget_mb, the largest stages
+          on SSD otherwise); default host. `self.placement` says where this rank's stages went,
+          `self.state_tiers` where every stage of the job went.
         comm_timeout_s: a receive waiting longer fails, naming the rank that stopped answering.
         """
         makers = _factories(layers)
@@ -170,9 +172,10 @@ class Pipeline:
         check_layers(plan, len(makers), layers, rank, num_microbatches)
         device = Device(self.info.local_rank)
         dtype = TORCH_DTYPES[self.precision]
-        ssd = self._ssd_tier(make_optimizer, len(mine))
+        tiers = self._state_tiers(make_optimizer, {j: plan.stages[j].param_count for j in mine})
         stages = {
-            j: Stage(j, {l: layers[l] for l in plan.stages[j].layers}, device, make_optimizer, dtype, ssd) for j in mine
+            j: Stage(j, {l: layers[l] for l in plan.stages[j].layers}, device, make_optimizer, dtype, tiers[j])
+            for j in mine
         }
         m = plan.num_microbatches
         schedules = [build_schedule(plan.mapping, g, m) for g in range(plan.num_gpus)]
@@ -191,13 +194,27 @@ class Pipeline:
             defer_updates=self.scaler is not None,
         )
 
-    def _ssd_tier(self, make_optimizer: OptimizerFactory, num_stages: int) -> SsdTier | None:
-        """This rank's SSD store (memory.ssd_dir/rank{r}) when the optimizer states go to SSD, else None."""
+    def _state_tiers(self, make_optimizer: OptimizerFactory, params: dict[int, int]) -> dict[int, SsdTier | None]:
+        """Stage j -> its SSD tier (the rank's store, memory.ssd_dir/rank{r}) or None (host), by memory.optimizer.
+        Every rank learns every stage's tier (self.state_tiers), or every rank raises the first rank's error."""
         mem = self.memory
-        if mem.optimizer == "host":
-            return None
+        try:
+            mine: Placement | str = place_states(
+                mem.optimizer, params, int(mem.host_budget_mb * MiB), least_budget_bytes()
+            )
+        except ValueError as e:
+            mine = str(e)
+        every = gather_all(self.info, mine)
+        failed = [(r, p) for r, p in enumerate(every) if isinstance(p, str)]
+        if failed:
+            r, why = failed[0]
+            raise PipelineError(f"memory.optimizer {mem.optimizer}, rank {r}: {why}")
+        self.placement = every[self.info.rank]
+        self.state_tiers = {j: t for p in every for j, t in p.tiers.items()}
+        if not self.placement.on_ssd:
+            return {j: None for j in params}
         if not mem.ssd_dir:
-            raise PipelineError("memory.optimizer is ssd but memory.ssd_dir is not set: name a folder on an NVMe drive")
+            raise PipelineError(f"memory.optimizer {mem.optimizer} puts states on SSD but memory.ssd_dir is not set")
         try:
             hyper = AdamHyper.of(make_optimizer)
         except ValueError as e:
@@ -210,16 +227,8 @@ class Pipeline:
                 f"{folder} holds the optimizer states of an earlier run ({sorted(self.store.meta)}); resuming "
                 f"from them is not supported yet: remove the folder or choose another memory.ssd_dir"
             )
-        budget = int(mem.host_budget_mb * MiB) // max(num_stages, 1)
-        if budget < least_budget_bytes():
-            self.store.close()
-            need = least_budget_bytes() * num_stages / MiB
-            raise PipelineError(
-                f"memory.host_budget_mb {mem.host_budget_mb:g} gives each of rank {self.info.rank}'s {num_stages} "
-                f"stages {budget} bytes, below the {least_budget_bytes()} the out-of-core Adam needs: raise "
-                f"host_budget_mb to at least {need:g}"
-            )
-        return SsdTier(self.store, budget, hyper)
+        tier = SsdTier(self.store, self.placement.slot_bytes, hyper)
+        return {j: tier if t == "ssd" else None for j, t in self.placement.tiers.items()}
 
     def train_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> StepResult:
         """train_batch(*batch)."""

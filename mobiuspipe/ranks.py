@@ -9,13 +9,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from mobiuspipe.errors import WorldSizeError
 
-__all__ = ["RankInfo", "rank_info", "join_group", "leave_group"]
+__all__ = ["RankInfo", "rank_info", "join_group", "leave_group", "gather_all"]
 
 
 @dataclass(frozen=True)
@@ -60,3 +61,12 @@ def leave_group(owned: bool) -> None:
     """Destroy the process group if join_group made it."""
     if owned and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def gather_all(info: RankInfo, obj: Any) -> list[Any]:
+    """Every rank's obj (picklable), in rank order, on every rank; [obj] in a job of one rank."""
+    if info.world_size == 1:
+        return [obj]
+    out: list[Any] = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out

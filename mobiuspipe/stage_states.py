@@ -15,7 +15,7 @@ from torch import nn
 from mobiuspipe.memory.ssd_store import SSDStore
 from mobiuspipe.optim.ooc_adam import OutOfCoreAdam
 
-__all__ = ["HostStates", "SsdStates", "SsdTier", "AdamHyper"]
+__all__ = ["HostStates", "SsdStates", "SsdTier", "AdamHyper", "Placement", "place_states", "HOST_STATE_BYTES"]
 
 
 @dataclass(frozen=True)
@@ -106,3 +106,46 @@ class SsdStates:
 
     def master_weights(self) -> torch.Tensor:
         return self.optimizer.read_state()["w"]["param"]
+
+
+HOST_STATE_BYTES = 12
+"""Host bytes per parameter of a stage whose states live in memory: fp32 master + exp_avg + exp_avg_sq."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where each of a rank's stages keeps its states, and the host bytes each ssd stage streams through."""
+
+    tiers: dict[int, str]
+    """Stage j -> "host" or "ssd"."""
+    slot_bytes: int
+    """Host budget of each ssd stage's out-of-core Adam (0 when no stage is on ssd)."""
+
+    @property
+    def on_ssd(self) -> list[int]:
+        return sorted(j for j, t in self.tiers.items() if t == "ssd")
+
+
+def place_states(mode: str, params: dict[int, int], budget_bytes: int, least_slot_bytes: int) -> Placement:
+    """Tiers of stages {j: parameter count} under a host budget. "host": all in memory; "ssd": all on SSD,
+    sharing the budget; "auto": all in memory if their 12 bytes per parameter fit the budget, else the
+    largest move to SSD, one by one, until the ssd stages' share of what the rest leave (their streaming
+    slots) is at least a quarter of the budget and least_slot_bytes each. ValueError when even all on SSD
+    do not fit."""
+    if mode == "host" or not params:
+        return Placement({j: "host" for j in params}, 0)
+    if mode == "auto" and sum(HOST_STATE_BYTES * n for n in params.values()) <= budget_bytes:
+        return Placement({j: "host" for j in params}, 0)
+    largest = sorted(params, key=lambda j: (-params[j], j))
+    first = len(largest) if mode == "ssd" else 1
+    for k in range(first, len(largest) + 1):
+        host = sum(HOST_STATE_BYTES * params[j] for j in largest[k:])
+        slot = (budget_bytes - host) // k
+        if slot >= max(least_slot_bytes, budget_bytes // 4 // k):
+            return Placement({j: "ssd" if j in largest[:k] else "host" for j in params}, slot)
+    n = len(params)
+    raise ValueError(
+        f"a host budget of {budget_bytes} bytes gives each of {n} stages on SSD {budget_bytes // n} bytes, below "
+        f"the {least_slot_bytes} the out-of-core Adam needs: raise memory.host_budget_mb to at least "
+        f"{least_slot_bytes * n / 2**20:g}"
+    )

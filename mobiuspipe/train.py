@@ -59,7 +59,7 @@ def _training_loop(cfg: RunConfig, pipe: Pipeline) -> None:
         cfg.train.steps, cfg.train.log_every, str(out) if out and rank == 0 else None, sys.stdout if rank == 0 else None
     )
     if rank == 0:
-        print(_banner(cfg, plan), flush=True)
+        print(_banner(cfg, plan) + "; " + _states_line(cfg, pipe.state_tiers), flush=True)
     if out and rank == 0:
         (out / "config.yaml").write_text(cfg.to_yaml())
         save_plan(plan, out / "plan.yaml")
@@ -97,6 +97,21 @@ def _banner(cfg: RunConfig, plan: Plan) -> str:
         f"device arena "
         f"{fmt_bytes(plan.arena_bytes)} per rank ({ARENA_SLOTS} slots of {fmt_bytes(plan.slot_bytes)})"
     )
+
+
+def _states_line(cfg: RunConfig, tiers: dict[int, str]) -> str:
+    """Where the master weights and Adam moments of each stage went, e.g. "optimizer states (auto): host
+    for stages 0, 3; ssd for stages 1, 2 (under /nvme/run, 1024 MiB host budget per rank)"."""
+    mem = cfg.memory
+    parts = []
+    for tier in ("host", "ssd"):
+        stages = sorted(j for j, t in tiers.items() if t == tier)
+        if stages:
+            parts.append(f"{tier} for stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}")
+    where = (
+        f" (under {mem.ssd_dir}, {mem.host_budget_mb:g} MiB host budget per rank)" if "ssd" in tiers.values() else ""
+    )
+    return f"optimizer states ({mem.optimizer}): {'; '.join(parts)}{where}"
 
 
 def _save_weights(pipe: Pipeline, folder: Path) -> None:
