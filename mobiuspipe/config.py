@@ -196,7 +196,8 @@ class PlanConfig(Section):
     """The machine to plan for: a preset name ("2+2", "3+1", ...; `mobiuspipe topology --layout NAME`
     shows one) or a layout file from `mobiuspipe topology --save` (relative to the config file's folder);
     the run has one rank per gpu of it, and on a CPU-only machine each rank is a stand-in for one of its
-    gpus, so cross mapping follows its root complexes. None = num_gpus CPU stand-ins of device_memory_mb."""
+    gpus, so cross mapping follows its root complexes. None = with GPUs, this host's discovered topology
+    (the first num_gpus CUDA devices, default all); without, num_gpus CPU stand-ins of device_memory_mb."""
     num_gpus: int | None = None
     """Gpus (torchrun ranks) the stages are spread over (count); None = the topology's gpu count, or 2
     without a topology; with a topology it must equal its gpu count."""

@@ -10,6 +10,7 @@ import torch
 from foundation.units import MiB
 from mobiuspipe.config import DEFAULT_GPUS, RunConfig
 from mobiuspipe.errors import ConfigError
+from mobiuspipe.machine import discovered_topology
 from partition import make_plan
 from partition.analytic import analytic_profile, dtype_bytes
 from partition.hardware import device_spec
@@ -45,9 +46,12 @@ def plan_for_config(cfg: RunConfig) -> Plan:
 
 
 def run_topology(cfg: RunConfig) -> Topology:
-    """The machine a run plans for: plan.topology (a preset or a layout file), else plan.num_gpus CPU
-    stand-ins of plan.device_memory_mb each; ConfigError when the gpu or stage count does not fit it."""
+    """The machine a run plans for: plan.topology (a preset or a layout file); else, with GPUs, this host's
+    discovered topology narrowed to the first plan.num_gpus (default: all) CUDA devices; else plan.num_gpus
+    CPU stand-ins of plan.device_memory_mb each. ConfigError when the gpu or stage count does not fit it."""
     p = cfg.plan
+    if p.topology is None and torch.cuda.is_available():
+        return discovered_topology(torch.cuda.device_count() if p.num_gpus is None else p.num_gpus)
     if p.topology is None:
         return cpu_standin(DEFAULT_GPUS if p.num_gpus is None else p.num_gpus, int(p.device_memory_mb * MiB))
     topo = load_topology(_beside_config(p.topology, cfg.source))

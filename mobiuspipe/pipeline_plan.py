@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mobiuspipe.errors import PipelineError, WorldSizeError
+from mobiuspipe.machine import discovered_topology
 from mobiuspipe.profiler import TORCH_DTYPES, measure_profile
 from mobiuspipe.ranks import RankInfo
 from partition import make_plan
@@ -192,10 +193,12 @@ def _device_name(device: torch.device) -> str:
 
 
 def _topology(topology: Topology | str | None, info: RankInfo, device: torch.device) -> Topology:
-    """The given topology (a preset name or layout file), else one stand-in per rank with this device's memory."""
+    """The given topology (a preset name or layout file), else the discovered gpus of the job's ranks, else
+    one stand-in per rank with this device's memory."""
     if isinstance(topology, Topology):
         return topology
     if topology is not None:
         return load_topology(topology)
-    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else STANDIN_MEMORY_BYTES
-    return cpu_standin(info.world_size, memory)
+    if device.type == "cuda":
+        return discovered_topology(info.world_size)
+    return cpu_standin(info.world_size, STANDIN_MEMORY_BYTES)
