@@ -13,7 +13,7 @@ from mobiuspipe.errors import ConfigError, InvalidConfig
 PRECISIONS = ("fp32", "bf16", "fp16")
 """Training precisions: the dtype of the weights and gradients on the device (master weights stay fp32)."""
 OPTIMIZER_TIERS = ("host", "ssd", "auto")
-"""Where the master weights and Adam moments may live."""
+"""Where the optimizer states (memory.optimizer) and the device weights (memory.weights) may live."""
 DEFAULT_GPUS = 2
 """CPU stand-ins a run plans for when the config names neither a topology nor plan.num_gpus."""
 MAPPINGS = ("cross", "round-robin", "search")
@@ -234,20 +234,23 @@ class PlanConfig(Section):
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryConfig(Section):
-    """Where each stage's fp32 master weights and Adam moments live (the weights the device loads and the
-    gradients it offloads stay in host memory)."""
+    """Where each stage's states live, host memory or an SSD store, under a host budget per rank (see
+    mobiuspipe/state_placement.py for the bytes each choice keeps in memory)."""
 
     optimizer: str = "host"
-    """"host": in host memory (12 bytes per parameter); "ssd": in an SSD store under ssd_dir, stepped by
-    the out-of-core Adam through host_budget_mb of host memory per rank; "auto": in host memory while
-    they fit in host_budget_mb, the largest stages on SSD otherwise (a quarter of the budget then
-    streams them)."""
+    """The fp32 master weights and Adam moments (12 bytes per parameter). "host": in host memory; "ssd": in
+    an SSD store under ssd_dir, stepped by the out-of-core Adam through a share of host_budget_mb; "auto":
+    in host memory while everything fits in host_budget_mb, the largest stages on SSD otherwise."""
+    weights: str = "host"
+    """The weights the device loads and the gradients it offloads (2 + 2 bytes per parameter in bf16/fp16).
+    "host": in host memory; "ssd": in the SSD store too, streamed through staging buffers (needs optimizer:
+    ssd, whose update writes them); "auto": in host memory while they fit, after the optimizer states."""
     ssd_dir: str | None = None
     """Folder of the ssd tier, relative to the current folder; each rank keeps its store in ssd_dir/rank{r},
     which must not hold an earlier run's states (resuming from them is not supported yet)."""
     host_budget_mb: float = 1024.0
-    """Host memory per rank for the optimizer states (MiB): with ssd, the out-of-core Adam's read / update /
-    write slots, shared by the rank's stages; with auto, the states kept in memory and those slots."""
+    """Host memory per rank for the states (MiB): what stays in memory plus the streaming slots of the
+    stages on SSD. With optimizer and weights on host it is not enforced."""
 
     def check_values(self) -> list[Problem]:
         return [
@@ -257,6 +260,27 @@ class MemoryConfig(Section):
                 "one of " + ", ".join(OPTIMIZER_TIERS),
                 repr(self.optimizer),
                 "use `optimizer: host`, `ssd` or `auto` (the last two with ssd_dir)",
+            ),
+            *rule(
+                self.weights in OPTIMIZER_TIERS,
+                "weights",
+                "one of " + ", ".join(OPTIMIZER_TIERS),
+                repr(self.weights),
+                "use `weights: host`, `ssd` or `auto` (the last two with ssd_dir)",
+            ),
+            *rule(
+                self.weights != "ssd" or self.optimizer == "ssd",
+                "weights",
+                "host or auto unless optimizer is ssd (its update writes the weights on SSD)",
+                repr(self.weights),
+                "set `optimizer: ssd` too, or `weights: auto`",
+            ),
+            *rule(
+                self.weights != "auto" or self.optimizer != "host",
+                "weights",
+                "host when optimizer is host (weights go to SSD only after the optimizer states)",
+                repr(self.weights),
+                "set `optimizer: auto` or `ssd`, or `weights: host`",
             ),
             *rule(
                 self.optimizer == "host" or bool(self.ssd_dir),

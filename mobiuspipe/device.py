@@ -8,6 +8,7 @@ its future plays the event. Both follow the same rule: issue the copy, then wait
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -38,10 +39,12 @@ class Device:
             torch.cuda.set_device(self.torch_device)
             self._stream = torch.cuda.Stream(self.torch_device)
             self._pool = None
+            self._loader: ThreadPoolExecutor | None = None  # runs stream_in's jobs; made on first use
         else:
             self.torch_device = torch.device("cpu")
             self._stream = None
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="copy-stream")
+            self._loader = None
 
     def pin(self, t: torch.Tensor) -> torch.Tensor:
         """Page-locked host memory where CUDA exists (fast async copies); a plain CPU tensor otherwise."""
@@ -60,10 +63,39 @@ class Device:
             raise RuntimeError("Device has neither a CUDA copy stream nor a copy thread")
         return CopyHandle(future=self._pool.submit(dst.copy_, src))
 
+    def stream_in(self, job: Callable[[Callable[[torch.Tensor, torch.Tensor], object]], None]) -> CopyHandle:
+        """Run job(copy) off the compute thread, where copy(dst, src) moves host memory src into device
+        memory dst and returns once src may be reused (a loader fills a few staging buffers in turn); the
+        handle's wait() orders later compute after every copy."""
+        if self._stream is None:
+            if self._pool is None:
+                raise RuntimeError("Device has neither a CUDA copy stream nor a copy thread")
+            return CopyHandle(future=self._pool.submit(job, lambda dst, src: dst.copy_(src)))
+        stream = self._stream
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream())  # dst may be in use until now (the compute thread's stream)
+
+        def on_stream() -> None:
+            stream.wait_event(ready)
+
+            def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+                with torch.cuda.stream(stream):
+                    dst.copy_(src, non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record(stream)
+                done.synchronize()  # src is a staging buffer the job refills next
+
+            job(copy)
+
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ssd-loader")
+        return CopyHandle(future=self._loader.submit(on_stream))
+
     def synchronize(self) -> None:
         if self.is_cuda:
             torch.cuda.synchronize(self.torch_device)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        for pool in (self._pool, self._loader):
+            if pool is not None:
+                pool.shutdown(wait=True)

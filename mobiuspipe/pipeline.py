@@ -36,7 +36,6 @@ from mobiuspipe.memory.arena import DeviceArena
 from mobiuspipe.memory.ssd_store import SSDStore
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.optim.loss_scale import LossScaler
-from mobiuspipe.optim.ooc_adam import least_budget_bytes
 from mobiuspipe.pipeline_plan import (
     PlanRequest,
     PlanSource,
@@ -51,7 +50,8 @@ from mobiuspipe.profiler import TORCH_DTYPES
 from mobiuspipe.ranks import gather_all, join_group, leave_group, rank_info
 from mobiuspipe.schedule import build_schedule, check_schedules
 from mobiuspipe.stage import Stage
-from mobiuspipe.stage_states import AdamHyper, Placement, SsdTier, place_states
+from mobiuspipe.stage_states import AdamHyper, SsdTier, least_share
+from mobiuspipe.state_placement import Placement, place_states
 from partition.costmodel import ARENA_SLOTS
 from partition.plan import Plan
 from topology import Topology
@@ -173,8 +173,17 @@ class Pipeline:
         device = Device(self.info.local_rank)
         dtype = TORCH_DTYPES[self.precision]
         tiers = self._state_tiers(make_optimizer, {j: plan.stages[j].param_count for j in mine})
+        on_ssd = self.placement.weights
         stages = {
-            j: Stage(j, {l: layers[l] for l in plan.stages[j].layers}, device, make_optimizer, dtype, tiers[j])
+            j: Stage(
+                j,
+                {l: layers[l] for l in plan.stages[j].layers},
+                device,
+                make_optimizer,
+                dtype,
+                tiers[j],
+                on_ssd[j] == "ssd",
+            )
             for j in mine
         }
         m = plan.num_microbatches
@@ -195,12 +204,13 @@ class Pipeline:
         )
 
     def _state_tiers(self, make_optimizer: OptimizerFactory, params: dict[int, int]) -> dict[int, SsdTier | None]:
-        """Stage j -> its SSD tier (the rank's store, memory.ssd_dir/rank{r}) or None (host), by memory.optimizer.
-        Every rank learns every stage's tier (self.state_tiers), or every rank raises the first rank's error."""
-        mem = self.memory
+        """Stage j -> its SSD tier (the rank's store, memory.ssd_dir/rank{r}) or None (host), by memory.optimizer
+        and memory.weights. Every rank learns every stage's tiers (self.state_tiers), or every rank raises
+        the first failing rank's error."""
+        mem, b = self.memory, TORCH_DTYPES[self.precision].itemsize
         try:
             mine: Placement | str = place_states(
-                mem.optimizer, params, int(mem.host_budget_mb * MiB), least_budget_bytes()
+                mem.optimizer, mem.weights, params, int(mem.host_budget_mb * MiB), least_share(b), b
             )
         except ValueError as e:
             mine = str(e)
@@ -210,7 +220,7 @@ class Pipeline:
             r, why = failed[0]
             raise PipelineError(f"memory.optimizer {mem.optimizer}, rank {r}: {why}")
         self.placement = every[self.info.rank]
-        self.state_tiers = {j: t for p in every for j, t in p.tiers.items()}
+        self.state_tiers = {j: (p.optimizer[j], p.weights[j]) for p in every for j in p.optimizer}
         if not self.placement.on_ssd:
             return {j: None for j in params}
         if not mem.ssd_dir:
@@ -228,7 +238,7 @@ class Pipeline:
                 f"from them is not supported yet: remove the folder or choose another memory.ssd_dir"
             )
         tier = SsdTier(self.store, self.placement.slot_bytes, hyper)
-        return {j: tier if t == "ssd" else None for j, t in self.placement.tiers.items()}
+        return {j: tier if t == "ssd" else None for j, t in self.placement.optimizer.items()}
 
     def train_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> StepResult:
         """train_batch(*batch)."""

@@ -1,10 +1,10 @@
-"""One stage of the pipeline: its layers, its weights in the host tier, its view of the device arena.
+"""One stage of the pipeline: its layers, its states in the host or SSD tier, its view of the device arena.
 
-The host tier holds the stage's fp32 master weights as ONE flat tensor (pinned on CUDA), the optimizer
-over it, and, in bf16/fp16 training, the low-precision copy of the weights. LOAD copies the weights in
-the training dtype into an arena slot; the layers then run on views of the slot through
+The stage's weights are ONE flat tensor: the fp32 master, the optimizer over it and, in bf16/fp16
+training, the low-precision copy live in host memory (pinned on CUDA) or in the SSD store (stage_states).
+LOAD copies the weights in the training dtype into an arena slot; the layers then run on views of the slot through
 torch.func.functional_call, so no module ever owns device memory. The gradients of all of the stage's
-microbatches accumulate (in the training dtype) into a second slot, which OFFLOAD copies to the host
+microbatches accumulate (in the training dtype) into a second slot, which OFFLOAD hands to the states
 tier. The host update steps the fp32 master weights and writes the next low-precision copy in the same
 pass where the optimizer can (CPUAdam.step_fused). Buffers (masks, rotary tables, ...) are small and
 stay on the device for the whole run, floating ones in the training dtype.
@@ -21,7 +21,7 @@ from torch.func import functional_call
 
 from mobiuspipe.device import CopyHandle, Device
 from mobiuspipe.memory.arena import DeviceArena, Slot
-from mobiuspipe.stage_states import HostStates, SsdStates, SsdTier
+from mobiuspipe.stage_states import HostStates, SsdStates, SsdStreamStates, SsdTier, StageStates
 
 __all__ = ["Stage", "ParamSlice"]
 
@@ -57,6 +57,7 @@ class Stage:
         make_optimizer,
         dtype=torch.float32,
         ssd: SsdTier | None = None,
+        weights_on_ssd: bool = False,
     ):
         self.index, self.dtype = index, dtype
         self.order = sorted(layers)
@@ -65,16 +66,14 @@ class Stage:
         self.nbytes = self.numel * dtype.itemsize
         parts = [p.detach().reshape(-1).float() for l in self.order for _, p in layers[l].named_parameters()]
         flat = torch.cat(parts) if parts else torch.zeros(0)
-        self.host_grads = device.pin(torch.zeros(self.numel, dtype=dtype))
-        """The gradients OFFLOAD copies out of the arena, in the training dtype."""
+        self.states: StageStates
+        """Where the master weights, moments, device-dtype weights and offloaded gradients live."""
         if ssd is None:
-            lowp = None if dtype == torch.float32 else device.pin(flat.to(dtype))
-            self.states: HostStates | SsdStates = HostStates(flat, device.pin, make_optimizer, lowp, self.host_grads)
+            self.states = HostStates(flat, dtype, device.pin, make_optimizer)
+        elif not weights_on_ssd:
+            self.states = SsdStates(flat, dtype, device.pin, ssd, f"stage{index}")
         else:
-            lowp = device.pin(flat.to(dtype))
-            self.states = SsdStates(flat, ssd, f"stage{index}", lowp, self.host_grads)
-        self.host_weights = self.states.weights
-        """The weights LOAD copies into the arena, in the training dtype (fp32 on the host tier: the master)."""
+            self.states = SsdStreamStates(flat, dtype, ssd, f"stage{index}")
         self.buffers = {l: {n: _buffer_on(b, device, dtype) for n, b in layers[l].named_buffers()} for l in self.order}
         self._persistent = {l: _persistent_buffer_names(layers[l]) for l in self.order}
         self.layers = {l: layers[l].to("meta") for l in self.order}  # shapes only; weights live in the tiers
@@ -89,7 +88,7 @@ class Stage:
         """Start copying the master weights into a free slot (after this stage's pending update)."""
         self.wait_update()
         self.weights = arena.acquire(self.nbytes, f"stage {self.index} weights")
-        self.loading = device.copy_async(self.weights.view(self.dtype, self.numel), self.host_weights)
+        self.loading = self.states.load_into(self.weights.view(self.dtype, self.numel), device)
 
     def release(self, arena: DeviceArena) -> None:
         arena.release(_held(self.weights, self.index, "weights"))
@@ -116,13 +115,13 @@ class Stage:
     def offload(self, arena: DeviceArena) -> None:
         """Copy the accumulated gradients to the host tier and free their slot."""
         grads = _held(self.grads, self.index, "gradients")
-        self.host_grads.copy_(grads.view(self.dtype, self.numel))
+        self.states.take_grads(grads.view(self.dtype, self.numel))
         arena.release(grads)
         self.grads, self._leaves = None, []
 
     def grads_finite(self) -> bool:
         """Whether the offloaded gradients hold no inf or nan (an fp16 overflow)."""
-        return bool(torch.isfinite(self.host_grads).all())
+        return self.states.grads_finite()
 
     def start_update(self, updater: Executor, grad_scale: float = 1.0) -> None:
         """Start the host update of the offloaded gradients (divided by grad_scale) on `updater`."""

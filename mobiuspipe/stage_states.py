@@ -1,7 +1,8 @@
-"""Where a stage's fp32 master weights and optimizer states live: the host tier (an optimizer over a flat fp32
-parameter in memory) or the ssd tier (OutOfCoreAdam over a per-rank SSDStore, streamed through a fixed host
-budget). Both step from the gradients the stage offloaded and write the weights the next LOAD copies to the
-device (bf16/fp16, or fp32) in the same pass; both give the same bits (the same AdamW kernel).
+"""Where a stage's states live: all in host memory (HostStates: an optimizer over a flat fp32 parameter);
+the fp32 master and moments in the rank's SSD store (SsdStates: OutOfCoreAdam through a fixed host budget);
+or those and the device-dtype weights and gradients too (SsdStreamStates). Each loads the weights into the
+arena, takes the offloaded gradients, steps, and writes the next device weights (bf16/fp16, or fp32) in
+the same pass; all give the same bits (the same AdamW kernel, elementwise).
 """
 
 from __future__ import annotations
@@ -12,10 +13,25 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mobiuspipe.device import CopyHandle, Device
+from mobiuspipe.memory.aio import ALIGN
 from mobiuspipe.memory.ssd_store import SSDStore
+from mobiuspipe.memory.weight_stream import BUFFERS, SsdWeights
 from mobiuspipe.optim.ooc_adam import OutOfCoreAdam
+from mobiuspipe.optim.ooc_groups import BYTES_PER_ELEM, ELEM_ALIGN, least_budget_bytes
 
-__all__ = ["HostStates", "SsdStates", "SsdTier", "AdamHyper", "Placement", "place_states", "HOST_STATE_BYTES"]
+ADAM_SLOTS = 4
+"""Group slots of each stage's out-of-core Adam (read ahead, update, write back, one spare)."""
+
+
+def least_share(dtype_bytes: int) -> int:
+    """The least host budget of a stage on SSD: the out-of-core Adam's slots of one 4 KiB-aligned group each,
+    and the weight stream's staging buffers of one group (a group of 1024 elements of dtype_bytes <= 4 fits
+    one 4 KiB page)."""
+    return least_budget_bytes(ADAM_SLOTS) + BUFFERS * ALIGN * max(1, -(-ELEM_ALIGN * dtype_bytes // ALIGN))
+
+
+__all__ = ["least_share", "HostStates", "SsdStates", "SsdStreamStates", "StageStates", "SsdTier", "AdamHyper"]
 
 
 @dataclass(frozen=True)
@@ -44,7 +60,7 @@ class AdamHyper:
 
 @dataclass(frozen=True)
 class SsdTier:
-    """One rank's store and the host memory each of its stages' out-of-core optimizers may use."""
+    """One rank's store and the host memory each of its stages on SSD may use."""
 
     store: SSDStore
     host_budget_bytes: int
@@ -53,17 +69,29 @@ class SsdTier:
 
 class HostStates:
     """The master weights as one flat fp32 parameter in host memory (pinned on CUDA), stepped by the
-    optimizer the factory makes; the fp32 master is itself what fp32 training loads."""
+    optimizer the factory makes; the fp32 master is itself what fp32 training loads. The device-dtype
+    weights (bf16/fp16) and the offloaded gradients are host tensors too."""
 
-    def __init__(self, flat: torch.Tensor, pin, make_optimizer, weights: torch.Tensor | None, grads: torch.Tensor):
+    def __init__(self, flat: torch.Tensor, dtype: torch.dtype, pin, make_optimizer):
         self.master = nn.Parameter(pin(flat))
-        self.loads_master = weights is None
+        self.loads_master = dtype == torch.float32
         """fp32 training: the device loads the master itself and master.grad is the offloaded gradient buffer."""
-        self.weights = self.master.data if weights is None else weights
-        self.grads = grads
-        if weights is None:
-            self.master.grad = grads
+        self.weights = self.master.data if self.loads_master else pin(flat.to(dtype))
+        self.grads = pin(torch.zeros(flat.numel(), dtype=dtype))
+        if self.loads_master:
+            self.master.grad = self.grads
         self.optimizer = make_optimizer([self.master])
+
+    def load_into(self, dst: torch.Tensor, device: Device) -> CopyHandle:
+        """Start copying the weights the device computes with into dst (its arena slot, flat)."""
+        return device.copy_async(dst, self.weights)
+
+    def take_grads(self, src: torch.Tensor) -> None:
+        """Copy the stage's accumulated gradients (flat, device dtype) off the device."""
+        self.grads.copy_(src)
+
+    def grads_finite(self) -> bool:
+        return bool(torch.isfinite(self.grads).all())
 
     def step(self, grad_scale: float) -> None:
         if self.loads_master:
@@ -82,23 +110,14 @@ class HostStates:
         return self.master.data
 
 
-class SsdStates:
+class SsdStates(HostStates):
     """The master weights and both moments in the rank's SSD store (records `{prefix}/g...`), stepped by
-    OutOfCoreAdam through the tier's host budget; only the loaded weights and the gradients stay in memory."""
+    OutOfCoreAdam through the tier's host budget; the device-dtype weights and gradients stay in memory."""
 
-    def __init__(self, flat: torch.Tensor, tier: SsdTier, prefix: str, weights: torch.Tensor, grads: torch.Tensor):
-        h = tier.hyper
-        self.optimizer = OutOfCoreAdam.create(
-            tier.store,
-            {"w": flat},
-            lr=h.lr,
-            betas=h.betas,
-            eps=h.eps,
-            weight_decay=h.weight_decay,
-            host_budget_bytes=tier.host_budget_bytes,
-            prefix=prefix,
-        )
-        self.weights, self.grads = weights, grads
+    def __init__(self, flat: torch.Tensor, dtype: torch.dtype, pin, tier: SsdTier, prefix: str):
+        self.weights = pin(flat.to(dtype))
+        self.grads = pin(torch.zeros(flat.numel(), dtype=dtype))
+        self.optimizer = _ooc_adam(flat, tier, prefix, tier.host_budget_bytes)
 
     def step(self, grad_scale: float) -> None:
         grad = self.grads if grad_scale == 1.0 else self.grads.float().mul_(1.0 / grad_scale)
@@ -108,44 +127,51 @@ class SsdStates:
         return self.optimizer.read_state()["w"]["param"]
 
 
-HOST_STATE_BYTES = 12
-"""Host bytes per parameter of a stage whose states live in memory: fp32 master + exp_avg + exp_avg_sq."""
+class SsdStreamStates:
+    """Everything on SSD: the optimizer states as in SsdStates, and the device-dtype weights and gradients
+    as records too (SsdWeights), streamed through staging buffers carved from the stage's budget."""
+
+    def __init__(self, flat: torch.Tensor, dtype: torch.dtype, tier: SsdTier, prefix: str):
+        adam = ADAM_SLOTS * BYTES_PER_ELEM  # host bytes per group element: the Adam's slots, then the buffers
+        adam_budget = tier.host_budget_bytes * adam // (adam + BUFFERS * dtype.itemsize)
+        self.optimizer = _ooc_adam(flat, tier, prefix, adam_budget)
+        self.stream = SsdWeights(tier.store, f"{prefix}/lowp", flat.to(dtype), self.optimizer.group_elems)
+
+    def load_into(self, dst: torch.Tensor, device: Device) -> CopyHandle:
+        return device.stream_in(lambda copy: self.stream.load_into(dst, copy))
+
+    def take_grads(self, src: torch.Tensor) -> None:
+        self.stream.save_grads(src)
+
+    def grads_finite(self) -> bool:
+        return self.stream.finite
+
+    def step(self, grad_scale: float) -> None:
+        self.stream.grad_scale = grad_scale
+        try:
+            self.optimizer.step_streamed(self.stream)
+        except BaseException:
+            self.stream.abandon_update()
+            raise
+        self.stream.finish_update()
+
+    def master_weights(self) -> torch.Tensor:
+        return self.optimizer.read_state()["w"]["param"]
 
 
-@dataclass(frozen=True)
-class Placement:
-    """Where each of a rank's stages keeps its states, and the host bytes each ssd stage streams through."""
-
-    tiers: dict[int, str]
-    """Stage j -> "host" or "ssd"."""
-    slot_bytes: int
-    """Host budget of each ssd stage's out-of-core Adam (0 when no stage is on ssd)."""
-
-    @property
-    def on_ssd(self) -> list[int]:
-        return sorted(j for j, t in self.tiers.items() if t == "ssd")
+StageStates = HostStates | SsdStates | SsdStreamStates
 
 
-def place_states(mode: str, params: dict[int, int], budget_bytes: int, least_slot_bytes: int) -> Placement:
-    """Tiers of stages {j: parameter count} under a host budget. "host": all in memory; "ssd": all on SSD,
-    sharing the budget; "auto": all in memory if their 12 bytes per parameter fit the budget, else the
-    largest move to SSD, one by one, until the ssd stages' share of what the rest leave (their streaming
-    slots) is at least a quarter of the budget and least_slot_bytes each. ValueError when even all on SSD
-    do not fit."""
-    if mode == "host" or not params:
-        return Placement({j: "host" for j in params}, 0)
-    if mode == "auto" and sum(HOST_STATE_BYTES * n for n in params.values()) <= budget_bytes:
-        return Placement({j: "host" for j in params}, 0)
-    largest = sorted(params, key=lambda j: (-params[j], j))
-    first = len(largest) if mode == "ssd" else 1
-    for k in range(first, len(largest) + 1):
-        host = sum(HOST_STATE_BYTES * params[j] for j in largest[k:])
-        slot = (budget_bytes - host) // k
-        if slot >= max(least_slot_bytes, budget_bytes // 4 // k):
-            return Placement({j: "ssd" if j in largest[:k] else "host" for j in params}, slot)
-    n = len(params)
-    raise ValueError(
-        f"a host budget of {budget_bytes} bytes gives each of {n} stages on SSD {budget_bytes // n} bytes, below "
-        f"the {least_slot_bytes} the out-of-core Adam needs: raise memory.host_budget_mb to at least "
-        f"{least_slot_bytes * n / 2**20:g}"
+def _ooc_adam(flat: torch.Tensor, tier: SsdTier, prefix: str, budget: int) -> OutOfCoreAdam:
+    h = tier.hyper
+    return OutOfCoreAdam.create(
+        tier.store,
+        {"w": flat},
+        lr=h.lr,
+        betas=h.betas,
+        eps=h.eps,
+        weight_decay=h.weight_decay,
+        host_budget_bytes=budget,
+        slots=ADAM_SLOTS,
+        prefix=prefix,
     )

@@ -99,19 +99,26 @@ def _banner(cfg: RunConfig, plan: Plan) -> str:
     )
 
 
-def _states_line(cfg: RunConfig, tiers: dict[int, str]) -> str:
-    """Where the master weights and Adam moments of each stage went, e.g. "optimizer states (auto): host
-    for stages 0, 3; ssd for stages 1, 2 (under /nvme/run, 1024 MiB host budget per rank)"."""
+def _states_line(cfg: RunConfig, tiers: dict[int, tuple[str, str]]) -> str:
+    """Where each stage's optimizer states and weights went, e.g. "optimizer states (auto): host for stages
+    1, 2, 3; ssd for stage 0; weights (host): host for stages 0, 1, 2, 3 (under /nvme/run, 1024 MiB host
+    budget per rank)"."""
     mem = cfg.memory
+    line = "; ".join(
+        f"{what} ({mode}): {_by_tier({j: t[k] for j, t in tiers.items()})}"
+        for k, (what, mode) in enumerate((("optimizer states", mem.optimizer), ("weights", mem.weights)))
+    )
+    on_ssd = any("ssd" in t for t in tiers.values())
+    return line + (f" (under {mem.ssd_dir}, {mem.host_budget_mb:g} MiB host budget per rank)" if on_ssd else "")
+
+
+def _by_tier(tiers: dict[int, str]) -> str:
     parts = []
     for tier in ("host", "ssd"):
         stages = sorted(j for j, t in tiers.items() if t == tier)
         if stages:
             parts.append(f"{tier} for stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}")
-    where = (
-        f" (under {mem.ssd_dir}, {mem.host_budget_mb:g} MiB host budget per rank)" if "ssd" in tiers.values() else ""
-    )
-    return f"optimizer states ({mem.optimizer}): {'; '.join(parts)}{where}"
+    return "; ".join(parts)
 
 
 def _save_weights(pipe: Pipeline, folder: Path) -> None:

@@ -1,7 +1,8 @@
 """The SSD tier: a folder of tensors (one file each, O_DIRECT where the filesystem allows), put/get with
 async variants returning futures, a checksum per tensor verified on every read, an atomically written index.
 
-One store per job folder (a lock keeps a second process out). Not thread-safe: use it from one thread.
+One store per job folder (a lock keeps a second process out). Threads may use one store for different
+keys at once (the index is changed under a lock); operations on one key must be ordered by the caller.
 The index on disk is the state at the last flush() or close(); a crash after it leaves tensors whose
 files changed since then failing their checksum on read (an error), never silently wrong data.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import threading
 import warnings
 import zlib
 from collections.abc import Callable
@@ -106,6 +108,8 @@ class SSDStore:
             warnings.warn(f"SSD store {self.folder}: {self.note}", RuntimeWarning, stacklevel=2)
         self._inflight: dict[str, StoreFuture[torch.Tensor | None]] = {}
         self._dirty: set[str] = set()
+        self._mutex = threading.Lock()
+        """Held while the index, the in-flight table or the dirty set change (never during I/O)."""
         self._closed = False
 
     # ------------------------------------------------------------------ queries
@@ -150,8 +154,9 @@ class SSDStore:
         self._check_open()
         t = _host_tensor(t, key)
         self._settle(key)
-        old = self.index.entries.get(key)
-        name = old.file if old else self.index.new_file()
+        with self._mutex:
+            old = self.index.entries.get(key)
+            name = old.file if old else self.index.new_file()
         path = os.path.join(self.folder, name)
         nbytes = t.numel() * t.element_size()
         fd = self._open(path, write=True)
@@ -171,8 +176,9 @@ class SSDStore:
                 raise
             finally:
                 os.close(fd)
-                self.index.entries[key] = entry
-                self._dirty.add(name)
+                with self._mutex:
+                    self.index.entries[key] = entry
+                    self._dirty.add(name)
 
         return self._track(key, StoreFuture(finish, lambda: self.engine.done(ticket)))
 
@@ -242,7 +248,9 @@ class SSDStore:
     # ------------------------------------------------------------------ durability
     def wait_all(self) -> None:
         """Wait for every pending put/get (their errors stay with their futures)."""
-        for key in list(self._inflight):
+        with self._mutex:
+            keys = list(self._inflight)
+        for key in keys:
             self._settle(key)
 
     def flush(self) -> None:
@@ -261,8 +269,9 @@ class SSDStore:
                 raise swap_error("fsync", path, 0, 0, exc.errno or errno.EIO) from exc
             finally:
                 os.close(fd)
-        self._dirty.clear()
-        store_index.save(self.folder, self.index)
+        with self._mutex:
+            self._dirty.clear()
+            store_index.save(self.folder, self.index)
 
     def close(self) -> None:
         """flush(), then release the folder."""
@@ -294,12 +303,14 @@ class SSDStore:
         return entry
 
     def _track(self, key: str, fut: StoreFuture[_T]) -> StoreFuture[_T]:
-        self._inflight[key] = fut
+        with self._mutex:
+            self._inflight[key] = fut
         return fut
 
     def _settle(self, key: str) -> None:
         """Let the previous operation on key end first (its error stays with its future)."""
-        fut = self._inflight.pop(key, None)
+        with self._mutex:
+            fut = self._inflight.pop(key, None)
         if fut is not None:
             try:
                 fut.result()

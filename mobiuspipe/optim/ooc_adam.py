@@ -15,48 +15,36 @@ update is elementwise, so the result equals an in-memory AdamW step bit for bit 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from foundation.units import fmt_bytes
-from mobiuspipe.memory.aio import ALIGN, aligned_empty, round_up
+from mobiuspipe.memory.aio import aligned_empty, round_up
 from mobiuspipe.memory.ssd_store import SSDStore, StoreFuture
 from mobiuspipe.optim.cpu_adam import adamw_update, check_adamw_args
+from mobiuspipe.optim.ooc_groups import (
+    BYTES_PER_ELEM,
+    ELEM_ALIGN,
+    Segment,
+    group_elems_for,
+    least_budget_bytes,
+    plan_groups,
+)
 
-__all__ = ["OutOfCoreAdam"]
+__all__ = ["OutOfCoreAdam", "GroupStream", "plan_groups", "least_budget_bytes"]
 
-ELEM_ALIGN = ALIGN // 4  # fp32 elements: every section of a record starts on a 4 KiB boundary
-BYTES_PER_ELEM = 12  # fp32 master weight + exp_avg + exp_avg_sq
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@dataclass(frozen=True)
-class Segment:
-    """The part of parameter `name` in one group: elements [param_off, param_off + numel) of the
-    parameter sit at [group_off, group_off + numel) of the group."""
+class GroupStream(Protocol):
+    """Where step_streamed takes each group's gradient and puts its updated weights."""
 
-    name: str
-    param_off: int
-    group_off: int
-    numel: int
+    def grad(self, i: int) -> torch.Tensor: ...
 
+    def out(self, i: int) -> torch.Tensor: ...
 
-def plan_groups(numels: list[tuple[str, int]], group_elems: int) -> list[list[Segment]]:
-    """Cut the flat space of the parameters (in order) into groups of group_elems elements."""
-    groups: list[list[Segment]] = []
-    flat = 0
-    for name, n in numels:
-        done = 0
-        while done < n:
-            g, at = divmod(flat, group_elems)
-            take = min(n - done, group_elems - at)
-            while len(groups) <= g:
-                groups.append([])
-            groups[g].append(Segment(name, done, at, take))
-            done += take
-            flat += take
-    return groups
+    def written(self, i: int) -> None: ...
 
 
 class OutOfCoreAdam:
@@ -119,7 +107,7 @@ class OutOfCoreAdam:
                 "with OutOfCoreAdam.open(), or pick another prefix"
             )
         total = sum(p.numel() for p in params.values())
-        group_elems = min(_group_elems(host_budget_bytes, slots), round_up(total, ELEM_ALIGN))
+        group_elems = min(group_elems_for(host_budget_bytes, slots), round_up(total, ELEM_ALIGN))
         meta = dict(
             prefix=prefix,
             names=list(params),
@@ -202,15 +190,32 @@ class OutOfCoreAdam:
         """One AdamW step of every parameter from grads {name: gradient}; each tensor of
         low_precision_out {name: bf16/fp16/fp32 tensor} receives that parameter's updated weights.
         pipelined=False runs read, update and write-back of each group one after the other."""
-        lpo = low_precision_out or {}
         g_flat = self._check_grads(grads)
-        o_flat = self._check_outputs(lpo)
+        o_flat = self._check_outputs(low_precision_out or {})
+        self._run_step(lambda i, slot: self._update(i, slot, g_flat, o_flat), pipelined)
+
+    def step_streamed(self, stream: GroupStream, *, pipelined: bool = True) -> None:
+        """One AdamW step of a one-parameter optimizer whose gradient and updated weights do not fit in
+        memory either: group i takes stream.grad(i) and writes into stream.out(i) (both group-sized, in
+        the stream's dtypes), then stream.written(i) is called; groups come in order."""
+        if len(self.names) != 1:
+            raise ValueError(f"step_streamed needs an optimizer of one (flat) parameter, not {len(self.names)}")
+
+        def update(i: int, slot: torch.Tensor) -> None:
+            (seg,) = self.groups[i]  # one parameter: one segment per group, at its start
+            self._kernel(i, slot, seg, stream.grad(i)[: seg.numel], stream.out(i)[: seg.numel])
+            stream.written(i)
+
+        self._run_step(update, pipelined)
+
+    def _run_step(self, update, pipelined: bool) -> None:
+        """Count the step, run update(i, slot) over every group, and mark the states broken if it fails."""
         if self.broken:
             raise RuntimeError(self.broken)
         self.step_count += 1
         run = self._run_pipelined if pipelined else self._run_serial
         try:
-            run(lambda i, slot: self._update(i, slot, g_flat, o_flat))
+            run(update)
         except BaseException as exc:
             self.broken = (
                 f"step {self.step_count} of the out-of-core optimizer in {self.store.folder} failed "
@@ -223,31 +228,34 @@ class OutOfCoreAdam:
         self._save_meta()
 
     def _update(self, i: int, slot: torch.Tensor, grads: dict, outs: dict) -> None:
+        for s in self.groups[i]:
+            o = outs.get(s.name)
+            g = grads[s.name][s.param_off : s.param_off + s.numel]
+            self._kernel(i, slot, s, g, None if o is None else o[s.param_off : s.param_off + s.numel])
+
+    def _kernel(self, i: int, slot: torch.Tensor, s: Segment, g: torch.Tensor, o: torch.Tensor | None) -> None:
+        """AdamW on segment s of group i (in its slot) from gradient g; o (if any) receives the new weights."""
         _, p, m, v = self._sections(i, slot)
         b1, b2 = self.betas
-        for s in self.groups[i]:
-            a, b = s.group_off, s.group_off + s.numel
-            g = grads[s.name][s.param_off : s.param_off + s.numel]
-            o = outs.get(s.name)
-            o = None if o is None else o[s.param_off : s.param_off + s.numel]
-            fused = o if o is not None and o.dtype != torch.float32 else None  # the kernel emits bf16/fp16
-            adamw_update(
-                p[a:b],
-                m[a:b],
-                v[a:b],
-                g,
-                fused,
-                self.step_count,
-                self.lr,
-                b1,
-                b2,
-                self.eps,
-                self.weight_decay,
-                impl=self.impl,
-                simd=self.simd,
-            )
-            if o is not None and fused is None:
-                o.copy_(p[a:b])  # an fp32 copy of the weights, e.g. for an fp32 device
+        a, b = s.group_off, s.group_off + s.numel
+        fused = o if o is not None and o.dtype != torch.float32 else None  # the kernel emits bf16/fp16
+        adamw_update(
+            p[a:b],
+            m[a:b],
+            v[a:b],
+            g,
+            fused,
+            self.step_count,
+            self.lr,
+            b1,
+            b2,
+            self.eps,
+            self.weight_decay,
+            impl=self.impl,
+            simd=self.simd,
+        )
+        if o is not None and fused is None:
+            o.copy_(p[a:b])  # an fp32 copy of the weights, e.g. for an fp32 device
 
     def _read(self, i: int) -> StoreFuture[torch.Tensor]:
         rec, _, _, _ = self._sections(i, self.slots[i % len(self.slots)])
@@ -342,25 +350,6 @@ def _flat(t: torch.Tensor, name: str, numel: int, dtypes: tuple, what: str) -> t
             f"contiguous={t.is_contiguous()}"
         )
     return t.view(-1)
-
-
-def least_budget_bytes(slots: int = 4) -> int:
-    """The smallest host budget OutOfCoreAdam takes: `slots` slots of one 4 KiB-aligned group each."""
-    return slots * BYTES_PER_ELEM * ELEM_ALIGN
-
-
-def _group_elems(host_budget_bytes: int, slots: int) -> int:
-    """G: the largest multiple of ELEM_ALIGN whose `slots` slots of 12 * G bytes fit the host budget."""
-    if slots < 3:
-        raise ValueError(f"slots must be >= 3 (read ahead, update, write back), not {slots}")
-    g = host_budget_bytes // (slots * BYTES_PER_ELEM) // ELEM_ALIGN * ELEM_ALIGN
-    if g < ELEM_ALIGN:
-        least = least_budget_bytes(slots)
-        raise ValueError(
-            f"host_budget_bytes {host_budget_bytes} is too small for {slots} slots: it needs at "
-            f"least {least} bytes ({fmt_bytes(least)})"
-        )
-    return g
 
 
 def _drain(futures) -> None:

@@ -1,0 +1,151 @@
+"""A stage's device-dtype weights and its gradients kept in the SSD store, group by group, and moved through
+a few group-sized staging buffers: no copy of the stage's size stays in host memory.
+
+Records (dtype = the device's: bf16, fp16 or fp32), one per group of the stage's out-of-core Adam (group i
+covers elements [i * G, i * G + n_i) of the stage's flat weights), each padded to 4 KiB for O_DIRECT:
+  `{prefix}/w{i:06d}`  the weights the next LOAD copies to the device (written by the Adam update)
+  `{prefix}/d{i:06d}`  the gradient OFFLOAD took off the device (read by the Adam update)
+LOAD reads the w records ahead into the buffers and copies each into its place in the arena slot; OFFLOAD
+copies slices of the gradient slot into the buffers and writes the d records; the update (a GroupStream of
+OutOfCoreAdam.step_streamed) reads d records one group ahead and writes w records behind itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from mobiuspipe.memory.aio import ALIGN, aligned_empty, round_up
+from mobiuspipe.memory.ssd_store import SSDStore, StoreFuture
+
+__all__ = ["SsdWeights", "BUFFERS"]
+
+BUFFERS = 4
+"""Group-sized staging buffers per stage: reads ahead while loading; two for gradients and two for
+weights while updating."""
+
+Copy = Callable[[torch.Tensor, torch.Tensor], object]
+"""copy(dst on the device, src in a staging buffer): returns once src may be reused."""
+
+
+class SsdWeights:
+    """The weights and gradients of one stage in the store (see the module docstring)."""
+
+    def __init__(self, store: SSDStore, prefix: str, weights: torch.Tensor, group_elems: int):
+        """Write the initial weights (flat, in the device dtype) as the stage's w records."""
+        self.store, self.prefix, self.dtype = store, prefix, weights.dtype
+        numel = weights.numel()
+        self.groups = [(a, min(group_elems, numel - a)) for a in range(0, numel, group_elems)]
+        per = ALIGN // self.dtype.itemsize
+        self.record_elems = [round_up(n, per) for _, n in self.groups]
+        size = max(self.record_elems, default=per) * self.dtype.itemsize
+        self.buffers = [aligned_empty(size).view(self.dtype) for _ in range(BUFFERS)]
+        self.grad_scale = 1.0
+        self.finite = True
+        self._reads: dict[int, StoreFuture[torch.Tensor]] = {}
+        self._writes: dict[int, StoreFuture[None]] = {}
+        store.check_space(2 * size * len(self.groups), f"the weights and gradients of {prefix}")
+        self._put_all("w", lambda i, buf: buf.copy_(self._slice(weights, i)))
+
+    # -- LOAD and OFFLOAD ---------------------------------------------------------------------------
+    def load_into(self, dst: torch.Tensor, copy: Copy) -> None:
+        """Read every w record, in order and ahead, and copy each into its place in dst (flat)."""
+        n, k = len(self.groups), len(self.buffers)
+        reads = {i: self._get("w", i, i % k) for i in range(min(k, n))}
+        try:
+            for i in range(n):
+                buf = reads.pop(i).result()
+                copy(self._slice(dst, i), buf[: self.groups[i][1]])
+                if i + k < n:
+                    reads[i + k] = self._get("w", i + k, (i + k) % k)
+        except BaseException:
+            _drain(reads.values())
+            raise
+
+    def save_grads(self, src: torch.Tensor) -> None:
+        """Write src (the stage's flat gradient, in the device dtype) as the d records; note whether it is
+        all finite (an fp16 overflow check that needs no second read)."""
+        self.finite = True
+
+        def fill(i: int, buf: torch.Tensor) -> None:
+            part = self._slice(src, i)
+            buf.copy_(part)
+            self.finite = self.finite and bool(torch.isfinite(part).all())
+
+        self._put_all("d", fill)
+
+    # -- the GroupStream of the Adam update -----------------------------------------------------------
+    def grad(self, i: int) -> torch.Tensor:
+        """Group i's gradient (divided by grad_scale, in fp32, when it is not 1); reads group i + 1 ahead."""
+        if i == 0:
+            self._reads = {0: self._get("d", 0, 0)}
+        buf = self._reads.pop(i).result()[: self.groups[i][1]]
+        if i + 1 < len(self.groups):  # its buffer held group i - 1's gradient, whose update has ended
+            self._reads[i + 1] = self._get("d", i + 1, (i + 1) % 2)
+        return buf if self.grad_scale == 1.0 else buf.float().mul_(1.0 / self.grad_scale)
+
+    def out(self, i: int) -> torch.Tensor:
+        """Where group i's updated weights go: a buffer whose write of group i - 2 has ended."""
+        if (w := self._writes.pop(i - 2, None)) is not None:
+            w.result()
+        return self.buffers[2 + i % 2][: self.record_elems[i]]
+
+    def written(self, i: int) -> None:
+        self._writes[i] = self.store.put_async(self._key("w", i), self.buffers[2 + i % 2][: self.record_elems[i]])
+
+    def finish_update(self) -> None:
+        """Wait for the last writes of the update."""
+        pending = [*self._reads.values(), *self._writes.values()]
+        self._reads, self._writes = {}, {}
+        for f in pending:
+            f.result()
+
+    def abandon_update(self) -> None:
+        """After a failed update: let every read and write in flight end, dropping their errors."""
+        pending = [*self._reads.values(), *self._writes.values()]
+        self._reads, self._writes = {}, {}
+        _drain(pending)
+
+    def read_weights(self) -> torch.Tensor:
+        """The stage's weights as one flat tensor (allocates the stage's size: for checks and checkpoints)."""
+        out = torch.empty(sum(n for _, n in self.groups), dtype=self.dtype)
+        self.load_into(out, lambda d, s: d.copy_(s))
+        return out
+
+    # -- records ----------------------------------------------------------------------------------------
+    def _key(self, kind: str, i: int) -> str:
+        return f"{self.prefix}/{kind}{i:06d}"
+
+    def _slice(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        a, n = self.groups[i]
+        return flat[a : a + n]
+
+    def _get(self, kind: str, i: int, b: int) -> StoreFuture[torch.Tensor]:
+        return self.store.get_async(self._key(kind, i), out=self.buffers[b][: self.record_elems[i]])
+
+    def _put_all(self, kind: str, fill: Callable[[int, torch.Tensor], object]) -> None:
+        """fill(i, buffer) then write it as record i, for every group, BUFFERS writes in flight."""
+        k, writes = len(self.buffers), {}
+        try:
+            for i in range(len(self.groups)):
+                if (w := writes.pop(i - k, None)) is not None:
+                    w.result()
+                buf = self.buffers[i % k][: self.record_elems[i]]
+                buf[self.groups[i][1] :].zero_()  # the padding: stored bytes are fully defined
+                fill(i, buf[: self.groups[i][1]])
+                writes[i] = self.store.put_async(self._key(kind, i), buf)
+            for w in writes.values():
+                w.result()
+        except BaseException:
+            _drain(writes.values())  # the buffers must be idle before anyone reuses them
+            raise
+
+
+def _drain(futures) -> None:
+    """Wait for every future, dropping errors (one is already on its way up, or will be re-raised)."""
+    for f in list(futures):
+        try:
+            f.result()
+        except Exception:  # noqa: BLE001  the first error is already being raised; these would hide it
+            pass
