@@ -39,8 +39,9 @@ from mobiuspipe.optim.loss_scale import LossScaler
 from mobiuspipe.pipeline_plan import (
     PlanRequest,
     PlanSource,
-    check_layers,
+    check_cut,
     check_precision,
+    check_stage_layers,
     check_world,
     plan_from_profile,
     read_plan,
@@ -168,24 +169,16 @@ class Pipeline:
     ) -> Engine:
         plan, rank = self.plan, self.info.rank
         mine = plan.stages_of(rank)
-        layers = {l: _build(makers[l], l) for j in mine for l in plan.stages[j].layers}
-        check_layers(plan, len(makers), layers, rank, num_microbatches)
+        check_cut(plan, len(makers), num_microbatches)
         device = Device(self.info.local_rank)
         dtype = TORCH_DTYPES[self.precision]
         tiers = self._state_tiers(make_optimizer, {j: plan.stages[j].param_count for j in mine})
-        on_ssd = self.placement.weights
-        stages = {
-            j: Stage(
-                j,
-                {l: layers[l] for l in plan.stages[j].layers},
-                device,
-                make_optimizer,
-                dtype,
-                tiers[j],
-                on_ssd[j] == "ssd",
-            )
-            for j in mine
-        }
+        stages = {}
+        for j in mine:  # one stage's layers at a time: they become its states before the next is built
+            layers = {l: _build(makers[l], l) for l in plan.stages[j].layers}
+            check_stage_layers(plan, j, layers)
+            on_ssd = self.placement.weights[j] == "ssd"
+            stages[j] = Stage(j, layers, device, make_optimizer, dtype, tiers[j], on_ssd)
         m = plan.num_microbatches
         schedules = [build_schedule(plan.mapping, g, m) for g in range(plan.num_gpus)]
         check_schedules(plan.mapping, m, schedules)

@@ -34,7 +34,8 @@ __all__ = [
     "STANDIN_MEMORY_BYTES",
     "read_plan",
     "check_world",
-    "check_layers",
+    "check_cut",
+    "check_stage_layers",
     "same_plan_everywhere",
     "plan_from_profile",
 ]
@@ -75,10 +76,8 @@ def check_precision(plan: Plan, precision: str | None) -> str:
     return plan.dtype
 
 
-def check_layers(
-    plan: Plan, num_layers: int, layers: dict[int, nn.Module], rank: int, num_microbatches: int | None
-) -> None:
-    """The plan must cut these layers: this rank's stages have the plan's parameter counts."""
+def check_cut(plan: Plan, num_layers: int, num_microbatches: int | None) -> None:
+    """The plan must cut this many layers into the asked number of microbatches."""
     if plan.num_layers != num_layers:
         raise PipelineError(
             f"the plan cuts {plan.num_layers} layers but the pipeline was given {num_layers}: make "
@@ -89,16 +88,19 @@ def check_layers(
             f"the plan is for {plan.num_microbatches} microbatches, {num_microbatches} were asked "
             f"for: make them equal or re-plan with --microbatches {num_microbatches}"
         )
-    for j in plan.stages_of(rank):
-        s = plan.stages[j]
-        n = sum(p.numel() for l in range(s.first, s.last + 1) for p in layers[l].parameters())
-        nbytes = n * TORCH_DTYPES[plan.dtype].itemsize
-        if n != s.param_count or nbytes > plan.slot_bytes:
-            raise PipelineError(
-                f"stage {j} (layers {s.first}..{s.last}) has {n} parameters ({nbytes} {plan.dtype} bytes) "
-                f"in these layers, the plan says {s.param_count} in a {plan.slot_bytes}-byte slot: "
-                f"the plan was made for other layers or another dtype; re-plan for these layers"
-            )
+
+
+def check_stage_layers(plan: Plan, j: int, layers: dict[int, nn.Module]) -> None:
+    """Stage j's layers have the plan's parameter count, and fit its slot."""
+    s = plan.stages[j]
+    n = sum(p.numel() for l in range(s.first, s.last + 1) for p in layers[l].parameters())
+    nbytes = n * TORCH_DTYPES[plan.dtype].itemsize
+    if n != s.param_count or nbytes > plan.slot_bytes:
+        raise PipelineError(
+            f"stage {j} (layers {s.first}..{s.last}) has {n} parameters ({nbytes} {plan.dtype} bytes) "
+            f"in these layers, the plan says {s.param_count} in a {plan.slot_bytes}-byte slot: "
+            f"the plan was made for other layers or another dtype; re-plan for these layers"
+        )
 
 
 def same_plan_everywhere(plan: Plan, info: RankInfo) -> None:
