@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 from foundation.timing import Stopwatch
 from foundation.units import GiB
+from partition.bounds import StepBound, step_bound
 from partition.costmodel import ARENA_SLOTS, LayerArrays
 from partition.dp import solve_dp
 from partition.errors import PlanInfeasibleError
 from partition.mapping import mapping_candidates, mapping_score, peer_gbps, stage_contention
 from partition.plan import Plan, SolverInfo, StagePlan
 from partition.profile import Profile
-from partition.simulate import SimStage, simulate
+from partition.simulate import SimResult, SimStage, simulate
+from partition.tiers import HostBudget, MemoryPlan, SsdInfo, place_tiers, ssd_info
 from topology import Topology
 
-__all__ = ["make_plan", "sim_stages", "HOST_ADAM_PARAMS_PER_S", "host_adam_rate"]
+__all__ = ["make_plan", "sim_stages", "predict_step", "Prediction", "HOST_ADAM_PARAMS_PER_S", "host_adam_rate"]
 
 HOST_ADAM_PARAMS_PER_S = 1.0e9
 """Parameters per second the host's Adam updates when the topology has no measurement (`topology --probe`
@@ -39,6 +42,7 @@ def make_plan(
     solver: str = "auto",
     time_limit_s: float = 2.0,
     gap: float = 0.01,
+    host_budget: HostBudget | None = None,
 ) -> Plan:
     """Cut the profiled layers into stages, map them to gpus and predict the step; the fastest plan wins.
 
@@ -47,6 +51,9 @@ def make_plan(
     MIP (partition.mip) re-cuts the best MIP_CANDIDATES stage counts, warm-started from the DP, within
     time_limit_s of solver time in all and to a relative gap. The candidates are simulated again with
     shared links (partition.simulate with the topology) and the least predicted step wins.
+
+    host_budget: the host memory the states must fit (partition.tiers); states that do not fit go to the
+    SSD and the final simulation streams their traffic under the updates. None: unlimited, all in memory.
     """
     watch = Stopwatch()
     _check_memory_known(topo)
@@ -62,14 +69,45 @@ def make_plan(
             profile, topo, arr, candidates, microbatches, mapping, memory, solver, time_limit_s, gap
         )
         candidates = candidates + found
-    best = min((_shared(p, topo) for p in candidates), key=lambda p: (p.predicted_step_time_s, p.num_stages))
+    best = min(_shared(candidates, topo, host_budget), key=lambda p: (p.predicted_step_time_s, p.num_stages))
     return dataclasses.replace(best, solver=dataclasses.replace(info, wall_s=round(watch.s, 6)))
 
 
-def _shared(plan: Plan, topo: Topology) -> Plan:
-    """The plan with its step predicted by the shared-link simulation."""
-    sim = simulate(sim_stages(plan.stages, topo), topo.num_gpus, plan.num_microbatches, topology=topo)
-    return dataclasses.replace(plan, predicted_step_time_s=sim.step_time_s)
+def _shared(plans: list[Plan], topo: Topology, budget: HostBudget | None) -> list[Plan]:
+    """The plans whose states fit the budget, each with its step predicted by the shared-link simulation
+    with its SSD traffic; the first plan's PlanInfeasibleError when none fits."""
+    out, errors = [], []
+    for plan in plans:
+        try:
+            out.append(predict_step(plan, topo, budget or HostBudget(None, "unlimited")).plan)
+        except PlanInfeasibleError as e:
+            errors.append(e)
+    if not out:
+        raise errors[0]
+    return out
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A plan's predicted step with its memory tiers: the plan (predicted_step_time_s set), where its states
+    live, the SSD it streams them through, the simulated step and the resource that bounds it."""
+
+    plan: Plan
+    memory: MemoryPlan
+    ssd: SsdInfo
+    sim: SimResult
+    bound: StepBound
+
+
+def predict_step(plan: Plan, topo: Topology, budget: HostBudget) -> Prediction:
+    """Place the plan's states under `budget` (partition.tiers) and simulate its step on `topo` with shared
+    links and the SSD traffic of the states on the SSD; PlanInfeasibleError when the states cannot fit."""
+    memory = place_tiers(plan, budget)
+    ssd = ssd_info(topo)
+    stages = sim_stages(plan.stages, topo, memory)
+    sim = simulate(stages, topo.num_gpus, plan.num_microbatches, topology=topo, ssd=ssd.link)
+    bound = step_bound(sim, stages, topo, ssd.link)
+    return Prediction(dataclasses.replace(plan, predicted_step_time_s=sim.step_time_s), memory, ssd, sim, bound)
 
 
 MIP_CANDIDATES = 3
@@ -246,12 +284,13 @@ def _plan_of(
     )
 
 
-def sim_stages(stages: tuple[StagePlan, ...], topo: Topology) -> list[SimStage]:
+def sim_stages(stages: tuple[StagePlan, ...], topo: Topology, memory: MemoryPlan | None = None) -> list[SimStage]:
     """The simulator's view of a plan's stages on a topology.
 
     Static times (for simulate() without a topology): a load at the stage's planned load_gbps, an offload
     at the gpu's own link speed. Bytes (for simulate(..., topology=topo)): a load moves param_bytes, an
-    offload the gradients, which have the parameters' dtype, so also param_bytes.
+    offload the gradients, which have the parameters' dtype, so also param_bytes. With `memory` (the
+    plan's tiers), each stage's SSD traffic per step (simulate(..., ssd=...) streams it under its update).
     """
     out = []
     for j, s in enumerate(stages):
@@ -270,6 +309,8 @@ def sim_stages(stages: tuple[StagePlan, ...], topo: Topology) -> list[SimStage]:
                 grad_bytes=s.param_bytes,
                 activation_bytes=s.activation_bytes,
                 output_bytes=s.output_bytes,
+                ssd_read_bytes=memory.stages[j].ssd_read_bytes if memory else 0,
+                ssd_write_bytes=memory.stages[j].ssd_write_bytes if memory else 0,
             )
         )
     return out

@@ -13,7 +13,14 @@ Resources and rules (times in seconds, bytes, GB/s = 1e9 bytes/s):
             backward (no reload). The runtime issues LOAD k right after RELEASE k-2, so this is its order.
   offload   one gpu->host engine per gpu: after B(j, M-1) the stage's gradients go to host. One gradient
             slot: a backward visit starts after the previous offload ended.
-  update    the host CPU runs one stage's Adam at a time, in the order the gradients arrived.
+  update    the host CPU runs one stage's Adam at a time, in the order the gradients arrived. A stage with
+            state on the SSD (ssd_read_bytes / ssd_write_bytes > 0) streams it through the update: the update
+            takes max(update_s, ssd_s), ssd_s = ssd_read_bytes / R + ssd_write_bytes / W (R, W the SsdLink's
+            GB/s; one drive serves its reads and writes in turn, so their times add). The SSD serves only
+            updates, which run one at a time, so it is one more resource in the update chain: exact for the
+            model. Several ranks' updates sharing the drive at once would move the same bytes in the same
+            drive time; the drive's own PCIe path is not shared with the gpus' flows (a few GB/s of NVMe next
+            to 16-32 GB/s links).
   comm      activations between gpus take the stage's fixed comm_s (partition.search.sim_stages).
 
 Durations of loads and offloads (the link model):
@@ -33,7 +40,8 @@ their fixed comm_s but their bytes are counted in link traffic); the stage input
 for the recompute; the next step's loads waiting for this step's updates.
 
 Reported: step time = when the last update (or the last compute) ends; per gpu its compute busy seconds
-and fraction; bytes per link (gpu link, switch and root complex uplinks, NVLink); per gpu the peak of the
+and fraction; bytes per link (gpu link, switch and root complex uplinks, NVLink, then the SSD's reads and
+writes when a stage has state there); per gpu the peak of the
 device arena in use (weight slots between a load's start and the visit's release, the gradient slot
 between a backward visit's first microbatch and its offload's end, times the slot size W = the largest
 stage's param_bytes) and the largest activation bytes of its stages.
@@ -50,7 +58,19 @@ from partition.flows import FlowNet, Link, TaskGraph
 from partition.order import visits_of
 from topology import Topology
 
-__all__ = ["SimStage", "SimResult", "link_paths", "simulate"]
+__all__ = ["SimStage", "SimResult", "SsdLink", "link_paths", "simulate", "update_seconds"]
+
+
+@dataclass(frozen=True)
+class SsdLink:
+    """The SSD tier's drive (or array behind one folder): sequential read and write bandwidth, GB/s."""
+
+    read_gbps: float
+    write_gbps: float
+
+    def seconds(self, read_bytes: int, write_bytes: int) -> float:
+        """Drive time to read and write these bytes: reads and writes take turns, so their times add."""
+        return read_bytes / (self.read_gbps * 1e9) + write_bytes / (self.write_gbps * 1e9)
 
 
 @dataclass(frozen=True)
@@ -75,6 +95,10 @@ class SimStage:
     """Live activation bytes while the stage runs backward on one microbatch."""
     output_bytes: int = 0
     """Bytes of the stage's output for one microbatch (sent to the next stage, its gradient sent back)."""
+    ssd_read_bytes: int = 0
+    """Bytes the stage's update reads from the SSD per step (its states, or gradients, on the ssd tier)."""
+    ssd_write_bytes: int = 0
+    """Bytes the stage writes to the SSD per step (its updated states, or its offloaded gradients)."""
 
 
 @dataclass(frozen=True)
@@ -133,11 +157,21 @@ def link_paths(topo: Topology) -> tuple[dict[Link, float], dict[tuple[int, str],
     return caps, paths
 
 
-def simulate(stages: list[SimStage], num_gpus: int, microbatches: int, topology: Topology | None = None) -> SimResult:
-    """Event times of one step (see the module docstring); with a topology, loads and offloads share links.
+def simulate(
+    stages: list[SimStage],
+    num_gpus: int,
+    microbatches: int,
+    topology: Topology | None = None,
+    ssd: SsdLink | None = None,
+) -> SimResult:
+    """Event times of one step (see the module docstring); with a topology, loads and offloads share links;
+    with an SsdLink, the updates of stages with SSD bytes stream them.
 
-    Raises RuntimeError if the schedule cannot make progress (a stage on a gpu that does not exist: a bug).
+    Raises ValueError for stages with SSD bytes but no SsdLink, RuntimeError if the schedule cannot make
+    progress (a stage on a gpu that does not exist: a bug).
     """
+    if ssd is None and any(s.ssd_read_bytes or s.ssd_write_bytes for s in stages):
+        raise ValueError("stages move bytes to or from the SSD but simulate() got no ssd=SsdLink(...)")
     if topology is not None:
         _check_bytes(stages, topology, num_gpus)
         caps, paths = link_paths(topology)
@@ -155,7 +189,7 @@ def simulate(stages: list[SimStage], num_gpus: int, microbatches: int, topology:
             graph.add(("arrive", "B", j, i), [("B", j + 1, i)], stages[j].comm_s)
     tasks = graph.run()
     events = _events(tasks, stages)
-    events += _host_updates([e for e in events if e[0] == "offload"], stages)
+    events += _host_updates([e for e in events if e[0] == "offload"], stages, ssd)
     busy = tuple(sum(e[5] - e[4] for e in events if e[1] == g and e[0] in ("F", "B")) for g in range(num_gpus))
     if topology is not None:
         moves += _activation_moves(stages, microbatches, topology, paths)
@@ -164,7 +198,7 @@ def simulate(stages: list[SimStage], num_gpus: int, microbatches: int, topology:
         step_time_s=max((e[5] for e in events), default=0.0),
         compute_busy_s=busy,
         events=tuple(events),
-        link_bytes=_traffic(moves, topology, num_gpus),
+        link_bytes=_traffic(moves, topology, num_gpus) + _ssd_traffic(stages),
         peak_arena_bytes=tuple(_peak(tasks, spans[g]) * slot for g in range(num_gpus)),
         activation_bytes=tuple(
             max((s.activation_bytes for s in stages if s.gpu == g), default=0) for g in range(num_gpus)
@@ -237,12 +271,19 @@ def _events(tasks: dict, stages: list[SimStage]) -> list[tuple[str, int, int, in
     return sorted(out, key=lambda e: (e[4], e[1], order[e[0]], e[2], e[3]))
 
 
-def _host_updates(offloads: list, stages: list[SimStage]) -> list[tuple[str, int, int, int, float, float]]:
+def update_seconds(stage: SimStage, ssd: SsdLink | None) -> float:
+    """How long stage j's update takes: its Adam, or its SSD traffic streamed under it when that is longer."""
+    if ssd is None or not (stage.ssd_read_bytes or stage.ssd_write_bytes):
+        return stage.update_s
+    return max(stage.update_s, ssd.seconds(stage.ssd_read_bytes, stage.ssd_write_bytes))
+
+
+def _host_updates(offloads: list, stages: list[SimStage], ssd: SsdLink | None) -> list:
     """One Adam at a time on the host, in the order the gradients arrived."""
     free, out = 0.0, []
     for _, g, j, _, _start, stop in sorted(offloads, key=lambda e: (e[5], e[4], e[1], e[2])):
         t0 = max(free, stop)
-        free = t0 + stages[j].update_s
+        free = t0 + update_seconds(stages[j], ssd)
         out.append(("update", g, j, -1, t0, free))
     return out
 
@@ -270,6 +311,12 @@ def _activation_moves(stages: list[SimStage], m: int, topo: Topology, paths: dic
         else:
             out += [(n, paths[(a, "d2h")] + paths[(b, "h2d")]), (n, paths[(b, "d2h")] + paths[(a, "h2d")])]
     return out
+
+
+def _ssd_traffic(stages: list[SimStage]) -> tuple[tuple[str, str, int], ...]:
+    """("ssd", "read"/"write", bytes) when any stage moves bytes to or from the SSD, else nothing."""
+    read, write = sum(s.ssd_read_bytes for s in stages), sum(s.ssd_write_bytes for s in stages)
+    return (("ssd", "read", read), ("ssd", "write", write)) if read or write else ()
 
 
 def _traffic(moves: list, topo: Topology | None, num_gpus: int) -> tuple[tuple[str, str, int], ...]:

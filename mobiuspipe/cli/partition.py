@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 from foundation.units import GiB, fmt_bytes
@@ -15,8 +16,9 @@ from partition.hardware import device_spec
 from partition.models import get_model
 from partition.plan import Plan, save_plan
 from partition.profile import Profile, load_profile
-from partition.search import make_plan, sim_stages
-from partition.simulate import SimResult, simulate
+from partition.search import Prediction, make_plan, predict_step
+from partition.simulate import SimResult
+from partition.tiers import HostBudget, host_budget
 from partition.trace import ascii_timeline, svg_timeline
 from topology import Topology, load_topology
 
@@ -56,6 +58,13 @@ def register(sub) -> None:
         help="GiB of each gpu kept out of the plan for the CUDA context and allocator (1.0)",
     )
     p.add_argument(
+        "--host-memory-gb",
+        metavar="GB",
+        help="host memory (GiB, 2^30 bytes, as DRAM is sized) of the whole server for weights, gradients and "
+        "optimizer states; what does not fit goes to the SSD, optimizer states first (default: the topology's "
+        "host memory when it records it, else unlimited)",
+    )
+    p.add_argument(
         "--solver",
         choices=("auto", "highs", "gurobi", "dp"),
         default="auto",
@@ -83,6 +92,24 @@ def register(sub) -> None:
     p.add_argument("--timeline", metavar="FILE.svg", help="write an SVG Gantt chart of the predicted step")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     p.set_defaults(func=run)
+
+
+def budget_of(args: argparse.Namespace, topo: Topology) -> HostBudget:
+    """The host budget of --host-memory-gb (GiB), else the topology's; CliError for a value that is not > 0."""
+    text = getattr(args, "host_memory_gb", None)
+    if text is None:
+        return host_budget(topo)
+    try:
+        gib = float(text)
+    except ValueError:
+        gib = math.nan
+    if not (math.isfinite(gib) and gib > 0):
+        raise CliError(
+            f"--host-memory-gb: expected a positive number of GiB, the host memory of the whole server, found "
+            f"{text!r}: give the server's DRAM (e.g. --host-memory-gb 512), or leave the option out to use the "
+            f"topology's (unlimited when it does not record it)"
+        )
+    return host_budget(topo, int(gib * GiB))
 
 
 def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
@@ -121,6 +148,7 @@ def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
         solver=args.solver,
         time_limit_s=args.time_limit,
         gap=args.gap,
+        host_budget=budget_of(args, topo),
     )
     return plan, topo, profile
 
@@ -160,9 +188,10 @@ def _stage_json(plan: Plan) -> list[dict]:
     ]
 
 
-def plan_to_json(plan: Plan) -> dict:
-    """The `partition --json` document (docs/design.md contract plus the plan's memory and per-stage costs)."""
-    return {
+def plan_to_json(plan: Plan, pred: Prediction | None = None) -> dict:
+    """The `partition --json` document (docs/design.md contract plus the plan's memory and per-stage costs);
+    with a prediction, `memory`: the bytes per tier, the tier of each state kind, the SSD and the bound."""
+    doc = {
         "model": plan.model,
         "topology": plan.topology,
         "num_layers": plan.num_layers,
@@ -186,6 +215,39 @@ def plan_to_json(plan: Plan) -> dict:
             "wall_s": plan.solver.wall_s,
         },
     }
+    if pred is not None:
+        ssd = {"read_gbps": pred.ssd.link.read_gbps, "write_gbps": pred.ssd.link.write_gbps}
+        ssd |= {"measured": pred.ssd.measured, "note": pred.ssd.note}
+        doc["memory"] = {**pred.memory.to_dict(), "ssd": ssd, **pred.bound.to_dict()}
+    return doc
+
+
+def _memory_lines(pred: Prediction) -> list[str]:
+    """The memory/tier section: bytes per tier, the tier of each kind, the SSD and what bounds the step."""
+    mem, ssd, bound = pred.memory, pred.ssd, pred.bound
+    budget = f"{fmt_bytes(mem.budget.bytes)} ({mem.budget.source})" if mem.budget.bytes else mem.budget.source
+    kinds = ", ".join(
+        f"{k} {mem.tier(k)}" + (f" ({mem.on_ssd(k)} of {len(mem.stages)} stages on ssd)" if "+" in mem.tier(k) else "")
+        for k in ("weights", "optimizer", "gradients")
+    )
+    busy = ", ".join(
+        f"{k.replace('_', ' ')} {v:.1f} s" + (f" ({bound.names[k]})" if k in ("compute", "pcie") else "")
+        for k, v in bound.busy_s.items()
+    )
+    name = bound.bound_by.replace("_", " ")
+    name += f" ({bound.bound_link})" if bound.bound_by in ("compute", "pcie") else ""
+    return [
+        f"memory: device {fmt_bytes(mem.device_bytes)}, host {fmt_bytes(mem.host_bytes)}, "
+        f"ssd {fmt_bytes(mem.ssd_bytes)}; host budget {budget}",
+        f"tiers: {kinds}",
+        f"ssd: {ssd.link.read_gbps:g} GB/s read, {ssd.link.write_gbps:g} GB/s write ({ssd.note}); "
+        + (
+            f"a step reads {fmt_bytes(mem.ssd_read_bytes)} and writes {fmt_bytes(mem.ssd_write_bytes)}"
+            if mem.ssd_bytes
+            else "unused: every state fits the host budget"
+        ),
+        f"step bound by {name}: busy {bound.share:.0%} of the step; busy seconds: {busy}",
+    ]
 
 
 def _header(plan: Plan) -> list[str]:
@@ -224,15 +286,23 @@ def _table(plan: Plan) -> list[str]:
     return ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in (_COLUMNS, *rows)]
 
 
-def render_plan(plan: Plan, sim: SimResult, width: int = 100) -> str:
-    """Header, one row per stage, then the ASCII timeline of the predicted step."""
-    return "\n".join(_header(plan) + [""] + _table(plan) + [""]) + "\n" + ascii_timeline(sim, plan.num_gpus, width)
+def render_plan(plan: Plan, sim: SimResult, width: int = 100, pred: Prediction | None = None) -> str:
+    """Header (and with a prediction the memory/tier section), one row per stage, then the ASCII timeline."""
+    head = _header(plan) + (_memory_lines(pred) if pred else [])
+    return "\n".join(head + [""] + _table(plan) + [""]) + "\n" + ascii_timeline(sim, plan.num_gpus, width)
+
+
+_COMPARE_NOTE = (
+    "compare: every system with its states in host memory (the host budget and its SSD traffic are not "
+    "applied to the comparison)"
+)
 
 
 def run(args: argparse.Namespace, out) -> int:
     """Plan, write -o/--timeline files, print the plan to `out`; errors propagate to the CLI's handler."""
     plan, topo, profile = make_cli_plan(args)
-    sim = simulate(sim_stages(plan.stages, topo), topo.num_gpus, plan.num_microbatches, topology=topo)
+    pred = predict_step(plan, topo, budget_of(args, topo))
+    plan, sim = pred.plan, pred.sim
     notes = []
     if args.output:
         write_output("plan", args.output, lambda: save_plan(plan, args.output))
@@ -244,13 +314,16 @@ def run(args: argparse.Namespace, out) -> int:
         )
         write_output("timeline", args.timeline, lambda: svg_timeline(sim, topo.num_gpus, Path(args.timeline), title))
         notes.append(f"timeline written to {args.timeline}")
-    doc, extra = plan_to_json(plan), ""
+    doc, extra = plan_to_json(plan, pred), ""
     if args.compare:
         results = compare(plan, topo, profile)
         doc["compare"] = compare_json(plan, topo, profile, results)
         extra = "\n" + compare_text(plan, topo, profile, results)
+        if pred.memory.ssd_bytes:
+            doc["compare"]["note"] = _COMPARE_NOTE
+            extra += _COMPARE_NOTE + "\n"
     if args.json:
         out.write(json.dumps(doc, indent=2) + "\n")
     else:
-        out.write(render_plan(plan, sim) + extra + "".join(n + "\n" for n in notes))
+        out.write(render_plan(plan, sim, pred=pred) + extra + "".join(n + "\n" for n in notes))
     return 0
