@@ -20,9 +20,11 @@ from mobiuspipe.config_plan import gpt_spec, plan_for_config
 from mobiuspipe.dataset import ByteData
 from mobiuspipe.memory.arena import DeviceArena
 from mobiuspipe.memory.ledger import DeviceLedger
+from mobiuspipe.metrics import device_peak_line
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
 from partition import make_plan
+from partition.device_peak import planned_device_bytes
 from partition.profile import LayerProfile, Profile
 from topology import cpu_standin
 
@@ -202,18 +204,37 @@ def _gpt_run(steps: int = 2):
     with Pipeline(layer_factories(gpt_spec(cfg), t.seed), lm_loss, plan=plan, optimizer=opt) as pipe:
         results = [pipe.train_batch(*data.batch(s, 6)) for s in range(steps)]
         assert pipe.engine.ledger.bytes == 0
-        return results, pipe.state_dict()
+        return results, pipe.state_dict(), plan
 
 
 def test_gpt_peak_covers_the_arena_and_counting_changes_no_bit(monkeypatch):
-    results, weights = _gpt_run()
+    results, weights, plan = _gpt_run()
     for r in results:
         assert r.arena_peak_bytes <= r.arena_budget_bytes
         # above the arena by at least the 3 microbatches' tokens kept for recompute (6 rows of 17 int64)
         assert r.device_peak_bytes >= r.arena_peak_bytes + 6 * 17 * 8
+    assert planned_device_bytes(plan) == [plan.arena_bytes + max(s.activation_bytes for s in plan.stages)]
     monkeypatch.setattr(mobiuspipe.engine, "counting_saved", lambda ledger: contextlib.nullcontext())
-    plain, plain_weights = _gpt_run()
+    plain, plain_weights, _ = _gpt_run()
     assert [r.loss for r in plain] == [r.loss for r in results]
     assert plain_weights.keys() == weights.keys()
     assert all(torch.equal(plain_weights[k], weights[k]) for k in weights)
     assert all(p.device_peak_bytes < r.device_peak_bytes for p, r in zip(plain, results))  # autograd was counted
+
+
+def test_planned_figure_per_gpu_and_the_end_of_run_line():
+    plan = make_plan(_mlp_profile(), cpu_standin(2, 1 << 20), 3, num_stages=3, mapping="round-robin", solver="dp")
+    assert plan.mapping == [0, 1, 0]
+    slots = plan.arena_bytes  # 3 slots of the largest stage's 160 parameter bytes
+    assert slots == 3 * 160
+    # A_j: the layers' activations + the input (from the layer before) + the output
+    a0, a1, a2 = 64 + 0 + 64, 64 + 64 + 64, 24 + 64 + 24
+    assert [s.activation_bytes for s in plan.stages] == [a0, a1, a2]
+    assert planned_device_bytes(plan) == [slots + max(a0, a2), slots + a1]
+    line = device_peak_line([1536, 600], [1024, 700], "ledger", {"arena": 1000, "saved": 536})
+    assert line == (
+        "device peak, measured (ledger) vs planned (arena + largest stage activations): "
+        "rank 0 1.50 KiB vs 1.00 KiB: measured larger by 512 B (+50% of plan); "
+        "rank 1 600 B vs 700 B: planned larger by 100 B (-14% of plan); "
+        "rank 0 at its peak held arena 1000 B, saved 536 B"
+    )
