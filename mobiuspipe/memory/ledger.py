@@ -15,7 +15,7 @@ import torch
 
 __all__ = ["DeviceLedger", "KIND_ORDER", "byte_range"]
 
-StorageKey = tuple[str, int]
+StorageKey = tuple[torch.device, int]
 """(device, data pointer) of a storage."""
 Span = tuple[StorageKey, int, int]
 """A held tensor's storage and the byte range [start, end) it spans there."""
@@ -27,11 +27,11 @@ def byte_range(t: torch.Tensor) -> Span | None:
     if t.numel() == 0:
         return None
     if t.layout != torch.strided:  # sparse and other layouts: their own bytes, as if in a storage of their own
-        return (str(t.device), id(t)), 0, t.numel() * t.element_size()
+        return (t.device, id(t)), 0, t.numel() * t.element_size()
+    size = t.element_size()
     span = 1 + sum((int(n) - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
-    start = int(t.storage_offset()) * t.element_size()
-    storage = (str(t.device), t.untyped_storage().data_ptr())
-    return storage, start, start + span * t.element_size()
+    start = int(t.storage_offset()) * size
+    return (t.device, t.data_ptr() - start), start, start + span * size  # data_ptr() - start: the storage's
 
 
 def _union(ranges: list[tuple[int, int]]) -> int:
@@ -65,7 +65,7 @@ class _Tally:
 
     def _recount(self, storage: StorageKey) -> None:
         ranges = self.ranges[storage]
-        now = _union(ranges)
+        now = ranges[0][1] - ranges[0][0] if len(ranges) == 1 else _union(ranges)
         self.bytes += now - self.covered.get(storage, 0)
         if ranges:
             self.covered[storage] = now
