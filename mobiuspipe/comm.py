@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from mobiuspipe.errors import PeerLostError, PipelineError
+from mobiuspipe.memory.ledger import DeviceLedger
 
 __all__ = ["Comm", "TensorSpec"]
 
@@ -66,11 +67,13 @@ class TensorSpec:
 class Comm:
     """Point-to-point traffic of one rank. Sends are asynchronous: a sent tensor is held until its send has
     completed, and dropped then (at the next send or receive), so the device does not keep a stage's
-    outputs until the end of the step; flush() waits for the rest."""
+    outputs until the end of the step; flush() waits for the rest. A ledger, if given, counts each tensor in
+    flight (("sending", n)) until its send has completed."""
 
-    def __init__(self, rank: int, timeout_s: float):
+    def __init__(self, rank: int, timeout_s: float, ledger: DeviceLedger | None = None):
         self.rank = rank
         self.timeout = timedelta(seconds=timeout_s)
+        self.ledger = ledger
         self._sends: list[tuple[dist.Work, torch.Tensor, int, str]] = []
 
     def send(self, t: torch.Tensor, dst: int, tag: int, what: str) -> None:
@@ -79,6 +82,8 @@ class Comm:
         work = dist.isend(t, dst, tag=tag)
         if work is None:  # this rank is not in the default group: a bug in the launch, not in the data
             raise RuntimeError(f"rank {self.rank}: isend of {what} to rank {dst} returned no request")
+        if self.ledger is not None:
+            self.ledger.hold(("sending", id(work)), t)
         self._sends.append((work, t, dst, what))
 
     def recv(self, spec: TensorSpec, device: torch.device, src: int, tag: int, what: str) -> torch.Tensor:
@@ -93,6 +98,7 @@ class Comm:
         for work, t, dst, what in self._sends:
             if work.is_completed():
                 self._wait(work, f"rank {dst}", f"sending {what} to rank {dst}")
+                self._forget(work)
             else:
                 pending.append((work, t, dst, what))
         self._sends = pending
@@ -102,6 +108,11 @@ class Comm:
         sends, self._sends = self._sends, []
         for work, _, dst, what in sends:
             self._wait(work, f"rank {dst}", f"sending {what} to rank {dst}")
+            self._forget(work)
+
+    def _forget(self, work) -> None:
+        if self.ledger is not None:
+            self.ledger.drop(("sending", id(work)))
 
     def send_spec(self, spec: TensorSpec, device: torch.device, dst: int, tag: int, what: str) -> None:
         """Send the header that tells the receiver the shape and dtype of the next tensor."""

@@ -4,6 +4,11 @@ The state of a step (the stage inputs saved to host for the recompute, received 
 gradients, outputs waiting to be sent, the loss, the times) lives in one StepState. Each method times
 itself into the compute / load / comm buckets. Shapes and dtypes of the tensors between ranks are learned
 on the first step of each batch shape: the sender puts a small header (TensorSpec) ahead of each tensor.
+Every tensor the engine holds on the device is held in its DeviceLedger too, under a key whose kind says
+why: "inputs" (a stage's input while it computes, a microbatch's targets), "saved" (stage inputs kept on
+the device for the recompute: the CPU stand-in; CUDA keeps them on the host), "inbox", "outbox", "output"
+(a stage's output during its backward), "autograd" (saved for backward), "buffers"; the arena and Comm
+add "arena" and "sending". DevicePeak turns it into the step's measured device peak.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from mobiuspipe.comm import Comm, TensorSpec
 from mobiuspipe.device import Device
 from mobiuspipe.errors import PipelineError
 from mobiuspipe.memory.arena import DeviceArena
+from mobiuspipe.memory.ledger import DeviceLedger
+from mobiuspipe.memory.measure import DevicePeak, counting_saved
 from mobiuspipe.schedule.actions import Action, Kind
 from mobiuspipe.stage import Stage
 
@@ -73,6 +80,7 @@ class Engine:
         num_microbatches: int,
         dtype: torch.dtype = torch.float32,
         defer_updates: bool = False,
+        ledger: DeviceLedger | None = None,
     ):
         self.mapping, self.rank, self.stages, self.schedule = mapping, rank, stages, schedule
         self.device, self.arena, self.comm, self.loss_fn = device, arena, comm, loss_fn
@@ -83,6 +91,13 @@ class Engine:
         """The factor the loss is multiplied by before backward (fp16 loss scaling)."""
         self.deferred: list[Stage] = []
         self.last = len(mapping) - 1
+        self.ledger = ledger or DeviceLedger()
+        """The tensors this rank holds on its device (the arena and comm, given the same ledger, add theirs)."""
+        self.peak = DevicePeak(device.torch_device, self.ledger)
+        for j, s in stages.items():
+            for l, buffers in s.buffers.items():
+                for n, b in buffers.items():
+                    self.ledger.hold(("buffers", j, l, n), b)
         self.updater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-optimizer")
         self._specs: dict[tuple, dict[MessageKey, TensorSpec]] = {}  # batch shape -> specs of its messages
         self._dispatch = {
@@ -104,11 +119,13 @@ class Engine:
         specs = self._specs.setdefault(shape, {})
         m = self.num_microbatches
         self.state = StepState(step, x.chunk(m), y.chunk(m), specs, learning)
+        self.peak.start_step()
         for a in self.schedule:
             self._dispatch[a.kind](a)
         with Stopwatch() as sw:
             self.comm.flush()
         self.state.times.comm_s += sw.s
+        self.peak.end_step()
         return self.state.loss, self.state.times
 
     def finish(self) -> None:
@@ -155,18 +172,36 @@ class Engine:
 
     # -- compute -------------------------------------------------------------------------------
     def _input(self, j: int, i: int) -> torch.Tensor:
+        """Stage j's input for microbatch i on the device, held in the ledger as ("inputs", j, i)."""
         if j == 0:
             x = self.state.xs[i]
-            return x.to(self.device.torch_device, dtype=self.dtype if x.is_floating_point() else x.dtype)
-        return self.state.inbox.pop((Kind.RECV_ACT, j, i))
+            x = x.to(self.device.torch_device, dtype=self.dtype if x.is_floating_point() else x.dtype)
+        else:
+            x = self._take((Kind.RECV_ACT, j, i))
+        self.ledger.hold(("inputs", j, i), x)
+        return x
+
+    def _take(self, key: MessageKey) -> torch.Tensor:
+        """A received tensor out of the inbox (and out of the ledger's "inbox": the taker holds it now)."""
+        t = self.state.inbox.pop(key)
+        self.ledger.drop(("inbox", *key))
+        return t
 
     def _fwd(self, a: Action) -> None:
         j, i, stage, st = a.stage, a.microbatch, self.stages[a.stage], self.state
         self._ready(stage)
         x = self._input(j, i)
         st.saved[(j, i)] = x.to("cpu", copy=True) if self.device.is_cuda else x  # host checkpoint
-        if j == self.last:
-            return  # the last stage's forward is fused into its backward (loss and gradient at once)
+        if not self.device.is_cuda:
+            self.ledger.hold(("saved", j, i), x)  # the CPU stand-in's host checkpoint is "on the device"
+        try:
+            if j < self.last:  # the last stage's forward is fused into its backward (loss and gradient at once)
+                self._fwd_no_grad(j, i, stage, x)
+        finally:
+            self.ledger.drop(("inputs", j, i))
+
+    def _fwd_no_grad(self, j: int, i: int, stage: Stage, x: torch.Tensor) -> None:
+        st = self.state
         with Stopwatch() as sw, torch.no_grad():
             out = stage.forward(x, with_grad=False)
         if not out.is_floating_point():
@@ -176,6 +211,7 @@ class Engine:
                 f"back; make the layer that produces it part of the next stage's first layer"
             )
         st.outbox[(Kind.SEND_ACT, j, i)] = out
+        self.ledger.hold(("outbox", Kind.SEND_ACT, j, i), out)
         st.times.compute_s += sw.s
 
     def _bwd(self, a: Action) -> None:
@@ -185,18 +221,37 @@ class Engine:
             stage.begin_backward(self.arena)
         with Stopwatch() as sw:
             x = st.saved.pop((j, i)).to(self.device.torch_device)
+            self.ledger.hold(("inputs", j, i), x)
+            if not self.device.is_cuda:
+                self.ledger.drop(("saved", j, i))
             if j > 0:
                 x.requires_grad_(True)
-            out = stage.forward(x, with_grad=True)
-            if j == self.last:
-                loss = self._loss(out.float(), st.ys[i].to(out.device))  # the loss in fp32 (a no-op in fp32)
-                st.loss += float(loss.detach())
-                (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
-            else:
-                out.backward(st.inbox.pop((Kind.RECV_GRAD, j, i)))
+            try:
+                self._fwd_bwd(j, i, stage, x)
+            finally:
+                self.ledger.drop_kind("autograd")
+                self.ledger.drop_kind("output")
             if j > 0:
-                st.outbox[(Kind.SEND_GRAD, j, i)] = self._input_grad(x, stage)
+                st.outbox[(Kind.SEND_GRAD, j, i)] = g = self._input_grad(x, stage)
+                self.ledger.hold(("outbox", Kind.SEND_GRAD, j, i), g)
+            self.ledger.drop(("inputs", j, i))
         st.times.compute_s += sw.s
+
+    def _fwd_bwd(self, j: int, i: int, stage: Stage, x: torch.Tensor) -> None:
+        """Stage j's forward with grad (its saved tensors and output held in the ledger), then its backward."""
+        st = self.state
+        with counting_saved(self.ledger):
+            out = stage.forward(x, with_grad=True)
+            self.ledger.hold(("output", j, i), out)
+            loss = self._last_loss(out, i) if j == self.last else None
+        if loss is not None:
+            st.loss += float(loss.detach())
+            (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
+            self.ledger.drop(("inputs", "targets", i))
+        else:
+            key = (Kind.RECV_GRAD, j, i)
+            out.backward(st.inbox.pop(key))
+            self.ledger.drop(("inbox", *key))
 
     @staticmethod
     def _input_grad(x: torch.Tensor, stage: Stage) -> torch.Tensor:
@@ -207,6 +262,12 @@ class Engine:
                 f"cut there; re-plan so that those layers join a neighbouring stage"
             )
         return x.grad
+
+    def _last_loss(self, out: torch.Tensor, i: int) -> torch.Tensor:
+        """The loss of microbatch i in fp32 (a no-op in fp32), its targets held as ("inputs", "targets", i)."""
+        y = self.state.ys[i].to(out.device)
+        self.ledger.hold(("inputs", "targets", i), y)
+        return self._loss(out.float(), y)
 
     def _loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The microbatch's share of the step's loss: loss_fn(out, y) / num_microbatches."""
@@ -234,6 +295,8 @@ class Engine:
         if self.mapping[dst_stage] == self.rank:  # same gpu: hand over without the network
             recv_kind = Kind.RECV_ACT if a.kind is Kind.SEND_ACT else Kind.RECV_GRAD
             st.inbox[(recv_kind, dst_stage, a.microbatch)] = t
+            self.ledger.hold(("inbox", recv_kind, dst_stage, a.microbatch), t)
+            self.ledger.drop(("outbox", a.kind, a.stage, a.microbatch))
             return
         what = f"{what} of stage {a.stage} microbatch {a.microbatch} (step {st.step})"
         dst = self.mapping[dst_stage]
@@ -242,6 +305,7 @@ class Engine:
                 spec = TensorSpec.of(t, what)
                 self.comm.send_spec(spec, t.device, dst, self._tag(a.kind, a.stage, a.microbatch, True), what)
             self.comm.send(t, dst, self._tag(a.kind, a.stage, a.microbatch, False), what)
+        self.ledger.drop(("outbox", a.kind, a.stage, a.microbatch))  # Comm holds it while in flight
         st.times.comm_s += sw.s
 
     def _recv(self, a: Action, src_stage: int, what: str) -> None:
@@ -258,6 +322,7 @@ class Engine:
             st.inbox[key] = self.comm.recv(
                 st.specs[key], dev, src, self._tag(send_kind, tag_stage, a.microbatch, False), what
             )
+        self.ledger.hold(("inbox", *key), st.inbox[key])
         st.times.comm_s += sw.s
 
     def _send_act(self, a: Action) -> None:

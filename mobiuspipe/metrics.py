@@ -8,9 +8,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TextIO
 
-from foundation.units import MiB
+from foundation.units import MiB, fmt_bytes
 
-__all__ = ["StepMetrics", "Reporter"]
+__all__ = ["StepMetrics", "Reporter", "device_peak_line"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,9 @@ class StepMetrics:
     """fp16: the loss scale of the step (None without loss scaling)."""
     skipped: bool = False
     """fp16: the step's gradients overflowed on some rank, so the update was skipped."""
+    device_peak_bytes: int = 0
+    """The largest measured device peak over ranks in the step (arena in use + activations + buffers +
+    messages; StepResult.device_peak_bytes)."""
 
     def line(self, steps: int) -> str:
         scale = "" if self.loss_scale is None else f"  scale {self.loss_scale:g}"
@@ -70,3 +73,26 @@ class Reporter:
     def close(self) -> None:
         if self.file:
             self.file.close()
+
+
+def device_peak_line(measured: list[int], planned: list[int], source: str, parts: dict[str, int]) -> str:
+    """One line comparing each rank's measured device peak over the run with the plan's figure for its gpu
+    (partition.device_peak), saying which is larger and by how much; `parts` explains the largest rank's
+    peak (the ledger's bytes by kind)."""
+    ranks = [
+        f"rank {g} {fmt_bytes(m)} vs {fmt_bytes(p)}: {_larger(m, p)}" for g, (m, p) in enumerate(zip(measured, planned))
+    ]
+    top = max(range(len(measured)), key=lambda g: measured[g])
+    held = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
+    return (
+        f"device peak, measured ({source}) vs planned (arena + largest stage activations): {'; '.join(ranks)}; "
+        f"rank {top} at its peak held {held}"
+    )
+
+
+def _larger(measured: int, planned: int) -> str:
+    if measured == planned:
+        return "equal"
+    who = "measured" if measured > planned else "planned"
+    rel = f" ({(measured - planned) / planned:+.0%} of plan)" if planned else ""
+    return f"{who} larger by {fmt_bytes(abs(measured - planned))}{rel}"

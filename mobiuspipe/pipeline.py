@@ -33,6 +33,7 @@ from mobiuspipe.device import Device
 from mobiuspipe.engine import Engine, LossFn, StepTimes
 from mobiuspipe.errors import PipelineError
 from mobiuspipe.memory.arena import DeviceArena
+from mobiuspipe.memory.ledger import DeviceLedger
 from mobiuspipe.memory.ssd_store import SSDStore
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.optim.loss_scale import LossScaler
@@ -68,7 +69,8 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 @dataclass(frozen=True)
 class StepResult:
     """One optimizer step: the batch's loss (every rank gets it), where the slowest rank spent its time,
-    and the largest device arena peak over ranks against the arena's budget."""
+    the largest device arena peak over ranks against the arena's budget, and the largest measured device
+    peak over ranks."""
 
     step: int
     loss: float
@@ -79,6 +81,10 @@ class StepResult:
     """fp16: the scale the loss was multiplied by in this step; None without loss scaling."""
     skipped: bool = False
     """fp16: a gradient overflowed on some rank, so no weight changed in this step."""
+    device_peak_bytes: int = 0
+    """The most bytes a rank held on its device during the step (arena in use, activations, buffers, messages;
+    the largest over ranks), as measured by mobiuspipe.memory.measure.DevicePeak: the ledger on the CPU
+    stand-in, CUDA's max_memory_allocated on a gpu."""
 
 
 class Pipeline:
@@ -182,18 +188,20 @@ class Pipeline:
         m = plan.num_microbatches
         schedules = [build_schedule(plan.mapping, g, m) for g in range(plan.num_gpus)]
         check_schedules(plan.mapping, m, schedules)
+        ledger = DeviceLedger()  # the arena, comm and engine count what they hold on the device
         return Engine(
             mapping=plan.mapping,
             rank=rank,
             stages=stages,
             schedule=schedules[rank],
             device=device,
-            arena=DeviceArena(plan.slot_bytes, ARENA_SLOTS, device.torch_device),
-            comm=Comm(rank, comm_timeout_s),
+            arena=DeviceArena(plan.slot_bytes, ARENA_SLOTS, device.torch_device, ledger),
+            comm=Comm(rank, comm_timeout_s, ledger),
             loss_fn=loss_fn,
             num_microbatches=m,
             dtype=dtype,
             defer_updates=self.scaler is not None,
+            ledger=ledger,
         )
 
     def _state_tiers(self, make_optimizer: OptimizerFactory, params: dict[int, int]) -> dict[int, SsdTier | None]:
@@ -249,13 +257,22 @@ class Pipeline:
         engine.loss_scale = scale or 1.0
         loss, times = engine.run_step(self.step, x, y)
         (loss,) = self._reduce([loss], torch.distributed.ReduceOp.SUM, f"the loss of step {self.step}")
-        c, ld, cm, peak = self._reduce(
-            [times.compute_s, times.load_s, times.comm_s, engine.arena.peak_bytes],
+        c, ld, cm, peak, device_peak = self._reduce(
+            [times.compute_s, times.load_s, times.comm_s, engine.arena.peak_bytes, engine.peak.step_bytes],
             torch.distributed.ReduceOp.MAX,
             f"the metrics of step {self.step}",
         )
         skipped = self._skip_on_overflow()
-        result = StepResult(self.step, loss, StepTimes(c, ld, cm), int(peak), engine.arena.budget_bytes, scale, skipped)
+        result = StepResult(
+            self.step,
+            loss,
+            StepTimes(c, ld, cm),
+            int(peak),
+            engine.arena.budget_bytes,
+            scale,
+            skipped,
+            int(device_peak),
+        )
         self.step += 1
         return result
 

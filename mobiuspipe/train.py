@@ -21,11 +21,13 @@ from foundation.units import fmt_bytes
 from mobiuspipe.config import RunConfig, load_config
 from mobiuspipe.config_plan import gpt_spec, plan_for_config
 from mobiuspipe.dataset import ByteData
-from mobiuspipe.metrics import Reporter, StepMetrics
+from mobiuspipe.metrics import Reporter, StepMetrics, device_peak_line
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.pipeline import Pipeline
+from mobiuspipe.ranks import gather_all
 from partition.costmodel import ARENA_SLOTS
+from partition.device_peak import planned_device_bytes
 from partition.plan import Plan, save_plan
 
 __all__ = ["main", "train"]
@@ -81,11 +83,24 @@ def _training_loop(cfg: RunConfig, pipe: Pipeline) -> None:
                 r.arena_budget_bytes,
                 r.loss_scale,
                 r.skipped,
+                r.device_peak_bytes,
             )
         )
+    _report_device_peak(pipe)
     report.close()
     if out:
         _save_weights(pipe, out / "weights")
+
+
+def _report_device_peak(pipe: Pipeline) -> None:
+    """Every rank sends its measured device peak over the run (and what its ledger held then); rank 0 prints
+    them against the plan's figure per gpu in one line."""
+    peak = pipe.engine.peak
+    every = gather_all(pipe.info, (peak.run_bytes, peak.run_parts))
+    if pipe.rank == 0:
+        measured = [b for b, _ in every]
+        parts = max(every, key=lambda e: e[0])[1]
+        print(device_peak_line(measured, planned_device_bytes(pipe.plan), peak.source, parts), flush=True)
 
 
 def _banner(cfg: RunConfig, plan: Plan) -> str:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from mobiuspipe.errors import ArenaError
+from mobiuspipe.memory.ledger import DeviceLedger
 
 __all__ = ["DeviceArena", "Slot"]
 
@@ -30,9 +31,10 @@ class Slot:
 
 
 class DeviceArena:
-    """num_slots slots of slot_bytes each, on `device` (device memory on CUDA, a CPU buffer otherwise)."""
+    """num_slots slots of slot_bytes each, on `device` (device memory on CUDA, a CPU buffer otherwise). A
+    ledger, if given, counts the bytes in use of each slot (("arena", slot index))."""
 
-    def __init__(self, slot_bytes: int, num_slots: int, device: torch.device):
+    def __init__(self, slot_bytes: int, num_slots: int, device: torch.device, ledger: DeviceLedger | None = None):
         self.slot_bytes = _round_up(slot_bytes, 64)
         self.budget_bytes = self.slot_bytes * num_slots
         self.buffer = torch.empty(self.budget_bytes, dtype=torch.uint8, device=device)
@@ -40,6 +42,7 @@ class DeviceArena:
         self._free.reverse()
         self.in_use_bytes = 0
         self.peak_bytes = 0
+        self.ledger = ledger
 
     def _slot_tensor(self, i: int) -> torch.Tensor:
         """Slot i of the buffer as its own tensor: same memory, but its own autograd version counter, so a
@@ -67,9 +70,13 @@ class DeviceArena:
         self.peak_bytes = max(self.peak_bytes, self.in_use_bytes)
         if self.in_use_bytes > self.budget_bytes:  # cannot happen with fixed slots; checked anyway
             raise ArenaError(f"arena over budget: {self.in_use_bytes} > {self.budget_bytes} bytes")
+        if self.ledger is not None:
+            self.ledger.hold(("arena", slot.index), slot.data[:nbytes])
         return slot
 
     def release(self, slot: Slot) -> None:
+        if self.ledger is not None:
+            self.ledger.drop(("arena", slot.index))
         self.in_use_bytes -= slot.used
         slot.used = 0
         self._free.append(slot)

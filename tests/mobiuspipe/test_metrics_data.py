@@ -33,6 +33,7 @@ def test_plain_lines_when_not_a_terminal(tmp_path):
     assert "loss 2.5000" in lines[0] and "tok/s" in lines[0] and "arena peak 3.00 of 4.00 MiB" in lines[0]
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3] and rows[0]["compute_s"] == 0.1
+    assert rows[0]["device_peak_bytes"] == 0  # a field of its own (the default when not measured)
 
 
 def test_bar_on_a_terminal():

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mobiuspipe.config import load_config
+from partition.plan import load_plan
 
 pytestmark = pytest.mark.slow
 
@@ -60,6 +61,23 @@ def test_pipeline_equals_plain_pytorch(tmp_path, launch, reference, stages, gpus
         torch.testing.assert_close(weights[k], ref_weights[k], rtol=1e-5, atol=1e-6, msg=k)
     metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert all(0 < m["arena_peak_bytes"] <= m["arena_budget_bytes"] for m in metrics)
+    _check_device_peak(proc.stdout, metrics, load_plan(tmp_path / "out" / "plan.yaml"))
+
+
+def _check_device_peak(stdout: str, metrics: list[dict], plan) -> None:
+    """Each step's measured device peak is above its arena peak (a stage computes on an input while the arena is
+    at its peak); rank 0's last line compares every rank's peak over the run with the plan's figure."""
+    from foundation.units import fmt_bytes
+    from partition.device_peak import planned_device_bytes
+
+    assert all(m["device_peak_bytes"] > m["arena_peak_bytes"] for m in metrics)
+    lines = [x for x in stdout.splitlines() if x.startswith("device peak, measured (ledger) vs planned")]
+    assert len(lines) == 1, stdout[-3000:]
+    planned = planned_device_bytes(plan)
+    for g in range(plan.num_gpus):
+        assert f"rank {g} " in lines[0] and f" vs {fmt_bytes(planned[g])}: " in lines[0]
+    assert f"{fmt_bytes(max(m['device_peak_bytes'] for m in metrics))} vs " in lines[0]  # the largest rank's
+    assert lines[0].count("larger by") + lines[0].count(": equal") == plan.num_gpus
 
 
 def test_world_size_differs_from_plan(tmp_path, launch):
