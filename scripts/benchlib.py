@@ -22,7 +22,9 @@ __all__ = [
     "cpu_mark",
     "cpu_model",
     "fio_buffers",
+    "fio_command",
     "fio_gbps",
+    "fio_seconds",
     "fio_rw",
     "markdown_table",
     "other_share",
@@ -145,15 +147,15 @@ def buffer_kind(addr: int, nbytes: int) -> str:
     return "4k" if share == 0 else f"mixed ({share:.0%} huge)"
 
 
-def physical_runs(addr: int, nbytes: int, block: int) -> float | None:
+def physical_runs(addr: int, nbytes: int, block: int, pid: int | str = "self") -> float | None:
     """Mean number of physically contiguous runs of memory in each `block` bytes of the touched memory
-    [addr, addr + nbytes) (page-aligned): 1 for huge pages, up to block / 4096 for scattered 4 KiB pages.
-    A direct I/O hands the device one segment per run. From /proc/self/pagemap; None where the kernel
-    hides page frame numbers (not root)."""
+    [addr, addr + nbytes) (page-aligned) of process pid: 1 for huge pages, up to block / 4096 for scattered
+    4 KiB pages. A direct I/O hands the device one segment per run. From /proc/PID/pagemap; None where the
+    kernel hides page frame numbers (not root)."""
     page = os.sysconf("SC_PAGE_SIZE")
     pages = nbytes // page
     try:
-        with open("/proc/self/pagemap", "rb") as f:
+        with open(f"/proc/{pid}/pagemap", "rb") as f:
             f.seek(addr // page * 8)
             raw = f.read(pages * 8)
     except OSError:
@@ -234,6 +236,47 @@ def fio_buffers(kind: str, buffer_bytes: int) -> Iterator[FioBuffers]:
 FIO_MODES = ("read", "write", "readwrite-at-once")
 
 
+def fio_command(
+    path: Path,
+    nbytes: int,
+    block: int,
+    qd: int,
+    iomem: str,
+    mode: str,
+    *,
+    engine: str = "io_uring",
+    extra: tuple[str, ...] = (),
+    fsync: bool = False,
+) -> list[str]:
+    """The fio command line of fio_rw (which says what the arguments mean); JSON on stdout."""
+    if mode not in FIO_MODES:
+        raise ValueError(f"mode must be one of {FIO_MODES}, not {mode!r}")
+    cmd = ["fio", "--output-format=json", f"--filename={path}", f"--bs={block}", f"--size={nbytes}", "--direct=1"]
+    cmd += [f"--ioengine={engine}", f"--iodepth={qd}", f"--iomem={iomem}", *extra]  # global: before any --name
+    jobs = [("read", 0), ("write", nbytes)] if mode == "readwrite-at-once" else [(mode, 0)]
+    for rw, offset in jobs:
+        cmd += [f"--name={rw}", f"--rw={rw}", f"--offset={offset}"]
+        cmd += ["--end_fsync=1"] if rw == "write" and fsync else []
+    return cmd
+
+
+def fio_seconds(cmd: list[str], returncode: int, stdout: str, stderr: str, nbytes: int) -> float:
+    """The longest job's runtime (fio's own clock) in the output of fio_command's cmd; RuntimeError if fio
+    failed or any job moved other than nbytes."""
+    if returncode != 0 or "{" not in stdout:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {returncode}): {stderr.strip()[-500:]}")
+    seconds = 0.0
+    for job in json.loads(stdout[stdout.index("{") :])["jobs"]:
+        rw = job["jobname"]
+        if job["error"] or job[rw]["io_bytes"] != nbytes:
+            raise RuntimeError(
+                f"fio {rw}: expected {nbytes} bytes moved without error, found {job[rw]['io_bytes']} bytes, "
+                f"error {job['error']}: {' '.join(cmd)}"
+            )
+        seconds = max(seconds, job["job_runtime"] / 1e3)
+    return seconds
+
+
 def fio_rw(
     path: Path,
     nbytes: int,
@@ -253,33 +296,6 @@ def fio_rw(
     other writes [nbytes, 2 nbytes) of the same file (nbytes each way). fsync: the write ends with an
     fsync that fio times. Files missing or short are laid out by fio before its clock starts.
     Raises RuntimeError if fio fails or moves any other byte count."""
-    if mode not in FIO_MODES:
-        raise ValueError(f"mode must be one of {FIO_MODES}, not {mode!r}")
-    common = [
-        f"--filename={path}",
-        f"--bs={block}",
-        f"--size={nbytes}",
-        "--direct=1",
-        f"--ioengine={engine}",
-        f"--iodepth={qd}",
-        f"--iomem={iomem}",
-        *extra,
-    ]
-    jobs = [("read", 0), ("write", nbytes)] if mode == "readwrite-at-once" else [(mode, 0)]
-    cmd = ["fio", "--output-format=json", *common]  # options before the first --name are global
-    for rw, offset in jobs:
-        cmd += [f"--name={rw}", f"--rw={rw}", f"--offset={offset}"]
-        cmd += ["--end_fsync=1"] if rw == "write" and fsync else []
+    cmd = fio_command(path, nbytes, block, qd, iomem, mode, engine=engine, extra=extra, fsync=fsync)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if out.returncode != 0 or "{" not in out.stdout:
-        raise RuntimeError(f"{' '.join(cmd)} failed (exit {out.returncode}): {out.stderr.strip()[-500:]}")
-    seconds = 0.0
-    for job in json.loads(out.stdout[out.stdout.index("{") :])["jobs"]:
-        rw = job["jobname"]
-        if job["error"] or job[rw]["io_bytes"] != nbytes:
-            raise RuntimeError(
-                f"fio {rw}: expected {nbytes} bytes moved without error, found {job[rw]['io_bytes']} bytes, "
-                f"error {job['error']}: {' '.join(cmd)}"
-            )
-        seconds = max(seconds, job["job_runtime"] / 1e3)
-    return seconds
+    return fio_seconds(cmd, out.returncode, out.stdout, out.stderr, nbytes)
