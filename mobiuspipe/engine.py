@@ -128,10 +128,14 @@ class Engine:
         self.peak.end_step()
         return self.state.loss, self.state.times
 
-    def finish(self) -> None:
-        """Wait for every pending host update (call before reading weights or exiting)."""
+    def wait_updates(self) -> None:
+        """Wait for every host update started so far."""
         for s in self.stages.values():
             s.wait_update()
+
+    def finish(self) -> None:
+        """Wait for every pending host update (call before reading weights or exiting)."""
+        self.wait_updates()
         self.updater.shutdown(wait=True)
         self.device.close()
 

@@ -106,6 +106,7 @@ class Pipeline:
         loss_scaler: LossScaler | None = None,
         memory: MemoryConfig | None = None,
         comm_timeout_s: float = 60.0,
+        overlap_updates: bool = True,
     ):
         """Build this rank's stages.
 
@@ -122,6 +123,8 @@ class Pipeline:
           on SSD otherwise); default host. `self.placement` says where this rank's stages went,
           `self.state_tiers` where every stage of the job went.
         comm_timeout_s: a receive waiting longer fails, naming the rank that stopped answering.
+        overlap_updates: False starts the host updates only after the step's backward and waits for them
+          before train_batch returns (the serialized baseline the overlap is measured against).
         """
         makers = _factories(layers)
         self.info = rank_info()
@@ -135,6 +138,7 @@ class Pipeline:
             self.precision = check_precision(self.plan, precision)
             self.scaler = _scaler(self.precision, loss_scaler)
             self.memory = memory or MemoryConfig()
+            self.overlap_updates = overlap_updates
             self.store: SSDStore | None = None
             self.engine = self._build_engine(
                 makers, loss_fn, optimizer or partial(CPUAdam), num_microbatches, comm_timeout_s
@@ -200,7 +204,7 @@ class Pipeline:
             loss_fn=loss_fn,
             num_microbatches=m,
             dtype=dtype,
-            defer_updates=self.scaler is not None,
+            defer_updates=self.scaler is not None or not self.overlap_updates,
             ledger=ledger,
         )
 
@@ -263,6 +267,9 @@ class Pipeline:
             f"the metrics of step {self.step}",
         )
         skipped = self._skip_on_overflow()
+        if not self.overlap_updates:
+            engine.start_updates(apply=not skipped)  # a no-op after _skip_on_overflow started them
+            engine.wait_updates()
         result = StepResult(
             self.step,
             loss,

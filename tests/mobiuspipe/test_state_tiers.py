@@ -19,7 +19,7 @@ from mobiuspipe.optim import CPUAdam
 from mobiuspipe.optim.loss_scale import LossScaler
 
 
-def _run(precision: str, memory: MemoryConfig | None, steps: int = 3):
+def _run(precision: str, memory: MemoryConfig | None, steps: int = 3, overlap: bool = True):
     torch.set_num_threads(1)
     cfg = config_from_dict(
         {
@@ -41,6 +41,7 @@ def _run(precision: str, memory: MemoryConfig | None, steps: int = 3):
         optimizer=opt,
         memory=memory,
         loss_scaler=scaler,
+        overlap_updates=overlap,
     ) as pipe:
         results = [pipe.train_batch(*data.batch(s, 6)) for s in range(steps)]
         losses = [(r.loss, r.skipped) for r in results]
@@ -139,3 +140,13 @@ def test_auto_run_puts_the_largest_stage_on_ssd_and_stays_bit_identical(tmp_path
     index = json.dumps(json.loads((tmp_path / "rank0" / "index.json").read_text()))
     for j, tier in tiers.items():
         assert (f"stage{j}" in index) == (tier == "ssd"), (j, tier)
+
+
+def test_serialized_updates_give_the_same_bits(tmp_path):
+    """overlap_updates=False (the updates after the backward, awaited in train_batch) only moves time."""
+    host_losses, host_weights, _ = _run("bf16", None)
+    memory = MemoryConfig(optimizer="ssd", weights="ssd", ssd_dir=str(tmp_path), host_budget_mb=0.25)
+    losses, weights, _ = _run("bf16", memory, overlap=False)
+    assert losses == host_losses
+    for k in host_weights:
+        assert torch.equal(weights[k], host_weights[k]), k

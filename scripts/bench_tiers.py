@@ -1,0 +1,145 @@
+"""Step time with every state on SSD against its floor, the overlap of the updates with the backward, and bf16 vs
+fp32, measured in one run on one rank (a CPU stand-in) of a GPT cut into several stages.
+
+Rows (median step time over --steps steps after one warm-up step, each row a fresh Pipeline):
+  host fp32 / host bf16   every state in host memory: the compute of the step (the yardstick), and bf16's cost
+  ssd                     memory.optimizer and memory.weights ssd under --budget-mb: the updates overlap the
+                          backward of earlier stages
+  ssd serialized          the same with overlap_updates=False: every update after the backward
+The floor of the ssd step is max(host fp32 step, the I/O floor), where the I/O floor is the largest of three
+lower bounds measured by fio on the same disk with the engine's kind of buffer pages: reading the step's R
+bytes, writing its W bytes, and reading and writing min(R, W) bytes at once. R and W are what the ssd step
+moved (/proc/self/io). Bar (issue 10): ssd <= 1.2x its floor; the overlap gain is serialized / ssd
+(Fuyou reports 1.09-1.38x).
+
+  .venv/bin/python scripts/bench_tiers.py --ssd-dir /path/on/nvme
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from functools import partial
+from pathlib import Path
+
+import torch
+from benchlib import buffer_kind, fio_buffers, fio_rw, markdown_table
+
+from foundation.timing import Stopwatch
+from mobiuspipe import Pipeline
+from mobiuspipe.config import MemoryConfig, config_from_dict
+from mobiuspipe.config_plan import gpt_spec, plan_for_config
+from mobiuspipe.dataset import ByteData
+from mobiuspipe.models.gpt import layer_factories, lm_loss
+from mobiuspipe.optim import CPUAdam
+
+MiB = 1 << 20
+
+
+def _io_bytes() -> tuple[int, int]:
+    """Bytes this process has read from and written to storage so far (/proc/self/io)."""
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(fields["read_bytes"]), int(fields["write_bytes"])
+
+
+def _config(args: argparse.Namespace, precision: str) -> dict:
+    return {
+        "model": {"num_blocks": args.blocks, "d_model": args.d_model, "num_heads": args.d_model // 64, "seq_len": 64},
+        "data": {"batch_size": 4, "num_microbatches": 4},
+        "train": {"lr": 1e-4, "precision": precision, "seed": 1},
+        "plan": {"num_gpus": 1, "num_stages": args.stages, "device_memory_mb": args.device_mb},
+    }
+
+
+def run(args: argparse.Namespace, precision: str, memory: MemoryConfig | None, overlap: bool = True) -> dict:
+    """Median step seconds and the storage bytes read and written per step."""
+    cfg = config_from_dict(_config(args, precision))
+    data = ByteData(cfg.data.text_path, cfg.model.seq_len, 1)
+    opt = partial(CPUAdam, lr=1e-4)
+    layers = layer_factories(gpt_spec(cfg), 1)
+    times, io = [], []
+    with Pipeline(
+        layers, lm_loss, plan=plan_for_config(cfg), optimizer=opt, memory=memory, overlap_updates=overlap
+    ) as p:
+        for s in range(args.steps + 1):
+            before = _io_bytes()
+            with Stopwatch() as sw:
+                p.train_batch(*data.batch(s, 4))
+                p.engine.wait_updates()  # a step ends when its updates have: the next step needs them
+            after = _io_bytes()
+            if s:  # the first step learns the shapes and touches every buffer: not timed
+                times.append(sw.s)
+                io.append((after[0] - before[0], after[1] - before[1]))
+        slots = [st.states.optimizer.slots[0] for st in p.engine.stages.values() if hasattr(st.states, "stream")]
+    kind = buffer_kind(slots[0].data_ptr(), slots[0].numel() * slots[0].element_size()) if slots else ""
+    return {
+        "step_s": statistics.median(times),
+        "read": int(statistics.median(r for r, _ in io)),
+        "written": int(statistics.median(w for _, w in io)),
+        "pages": kind,
+        "params": sum(st.numel for st in p.engine.stages.values()),
+    }
+
+
+def io_floor(folder: Path, read: int, written: int, pages: str) -> tuple[float, str]:
+    """The largest of fio's times to read `read` bytes, write `written`, and do min of both at once."""
+    qd, block = 8, MiB
+    read, written = (max(block, n // block * block) for n in (read, written))  # whole requests, rounded down
+    both = min(read, written)
+    with fio_buffers("huge" if pages == "huge" else "4k", 2 * qd * block) as fio:
+        f = folder / "fio.dat"
+        fio_rw(f, 2 * max(read, written), block, qd, fio.iomem, "write")  # lays the file out
+        t = max(
+            fio_rw(f, read, block, qd, fio.iomem, "read"),
+            fio_rw(f, written, block, qd, fio.iomem, "write"),
+            fio_rw(f, both, block, qd, fio.iomem, "readwrite-at-once"),
+        )
+        f.unlink()
+        return t, fio.note
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--blocks", type=int, default=8)
+    p.add_argument("--stages", type=int, default=6)
+    p.add_argument("--device-mb", type=float, default=512.0)
+    p.add_argument("--budget-mb", type=float, default=160.0, help="host_budget_mb of the ssd rows")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--ssd-dir", default=None, help="a folder on the disk to measure (default: a temp folder)")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(dir=args.ssd_dir) as tmp:
+        rows = {"host fp32": run(args, "fp32", None), "host bf16": run(args, "bf16", None)}
+        for name, overlap in (("ssd", True), ("ssd serialized", False)):
+            mem = MemoryConfig(
+                optimizer="ssd", weights="ssd", ssd_dir=str(Path(tmp) / name), host_budget_mb=args.budget_mb
+            )
+            rows[name] = run(args, "fp32", mem, overlap)
+        ssd = rows["ssd"]
+        t_io, note = io_floor(Path(tmp), ssd["read"], ssd["written"], ssd["pages"])
+    host = rows["host fp32"]["step_s"]
+    floor = max(host, t_io)
+    table = [
+        [
+            name,
+            f"{r['step_s']:.3f}",
+            f"{r['read'] / MiB:.0f}",
+            f"{r['written'] / MiB:.0f}",
+            f"{r['step_s'] / floor:.2f}x",
+        ]
+        for name, r in rows.items()
+    ]
+    print(f"GPT {args.blocks}x{args.d_model}: {ssd['params'] / 1e6:.1f}M parameters in {args.stages} stages, one rank")
+    print(markdown_table(["row", "step s", "read MiB", "written MiB", "vs floor"], table))
+    print(
+        f"floor {floor:.3f} s = max(host fp32 step {host:.3f} s, I/O floor {t_io:.3f} s: fio on {note}; the "
+        f"Adam slots' pages: {ssd['pages']}); ssd step {ssd['step_s'] / floor:.2f}x the floor (bar 1.2x); overlap "
+        f"gain {rows['ssd serialized']['step_s'] / ssd['step_s']:.2f}x (serialized / overlapped); bf16 / fp32 "
+        f"with host states {rows['host bf16']['step_s'] / host:.2f}x"
+    )
+
+
+if __name__ == "__main__":
+    main()
