@@ -3,8 +3,8 @@
 Trains a GPT of the given size under torchrun with memory.optimizer and memory.weights set to auto (or the
 tiers given) and a per-rank host_budget_mb, then reads the largest peak RSS of any rank (the ranks are the
 launcher's children: RUSAGE_CHILDREN's ru_maxrss, taken in a fresh process) and splits it into
-  budget    host_budget_mb: the states kept in memory and the SSD stages' streaming shares (a run that
-            keeps everything in memory counts its 16 bytes per parameter instead)
+  states    host_budget_mb: the states kept in memory and the SSD stages' streaming shares (a run that
+            keeps everything in memory counts its 16 bytes per parameter, shared by the ranks, instead)
   arena     the plan's device arena, which on a CPU stand-in is host memory too (on a GPU it is not)
   overhead  the rest: the interpreter, torch, gloo, the activations and each stage's build-time copy.
 With --baseline, the same run on a model of a few thousand parameters measures the overhead that does not
@@ -71,14 +71,15 @@ def measure(d_model: int, blocks: int, budget_mb: float, args: argparse.Namespac
         peak = int(out.stdout.split("MAXRSS_KIB")[-1].split()[0]) * 1024
         banner = next((line for line in out.stdout.splitlines() if "optimizer states (" in line), "")
     params = sum(layer_param_counts(gpt_spec(cfg)))
-    budget = int(budget_mb * MiB) if "ssd" in banner else 16 * params  # all in memory: what they take
+    in_memory = int(budget_mb * MiB) if "ssd" in banner else 16 * params // args.ranks  # all in memory: their size
     return {
         "params": params,
         "fp32_state_bytes": 16 * params,
         "peak_rss_bytes": peak,
-        "budget_bytes": budget,
+        "budget_bytes": int(budget_mb * MiB),
+        "in_memory_bytes": in_memory,
         "arena_bytes": plan.arena_bytes,
-        "overhead_bytes": peak - budget - plan.arena_bytes,
+        "overhead_bytes": peak - in_memory - plan.arena_bytes,
         "wall_s": sw.s,
         "placement": banner.split("; optimizer states")[-1].strip(),
     }
@@ -111,7 +112,7 @@ def main() -> None:
         print(
             f"{name}: {r['params'] / 1e6:.1f}M parameters ({r['fp32_state_bytes'] / MiB:.0f} MiB of fp32 states, "
             f"{r['fp32_state_bytes'] / args.ranks / r['budget_bytes']:.1f}x the per-rank budget); peak RSS of the "
-            f"largest rank {r['peak_rss_bytes'] / MiB:.0f} MiB = budget {r['budget_bytes'] / MiB:.0f} + arena "
+            f"largest rank {r['peak_rss_bytes'] / MiB:.0f} MiB = states {r['in_memory_bytes'] / MiB:.0f} + arena "
             f"{r['arena_bytes'] / MiB:.0f} + overhead {r['overhead_bytes'] / MiB:.0f} MiB; {r['wall_s']:.0f} s; "
             f"{r['placement']}"
         )

@@ -26,5 +26,5 @@ def test_peak_rss_is_the_budget_plus_a_fixed_overhead(tmp_path):
     assert run["fp32_state_bytes"] / 2 > 6 * run["budget_bytes"]  # each rank's states: over 6x its budget
     assert "weights (auto): ssd for stages" in run["placement"]
     stage_build = 3 * 4 * run["params"] / 8  # a stage's fp32 layers, flat copy and device-dtype copy
-    fixed = base["peak_rss_bytes"] - base["arena_bytes"]
+    fixed = base["peak_rss_bytes"] - base["arena_bytes"]  # its states: a few KiB
     assert run["peak_rss_bytes"] <= run["budget_bytes"] + run["arena_bytes"] + fixed + stage_build + 8 * MiB
