@@ -17,6 +17,8 @@ from mobiuspipe.errors import ConfigError, PipelineError
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.optim.loss_scale import LossScaler
+from mobiuspipe.stage_states import least_share
+from partition.placement import LEAST_SHARE_BYTES
 
 
 def _run(precision: str, memory: MemoryConfig | None, steps: int = 3):
@@ -45,6 +47,13 @@ def _run(precision: str, memory: MemoryConfig | None, steps: int = 3):
         results = [pipe.train_batch(*data.batch(s, 6)) for s in range(steps)]
         losses = [(r.loss, r.skipped) for r in results]
         return losses, pipe.state_dict(), pipe.placement
+
+
+def test_the_planners_least_share_is_the_runtimes():
+    """partition.placement.LEAST_SHARE_BYTES (what the planner assumes) is what the runtime derives from its
+    out-of-core Adam's group layout and weight-stream buffers, for every training dtype."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert least_share(dtype.itemsize) == LEAST_SHARE_BYTES
 
 
 @pytest.mark.parametrize("weights", ["host", "ssd"])
@@ -96,7 +105,7 @@ def test_ssd_tier_mistakes(tmp_path):
 def test_torchrun_entry_with_auto_states_equals_plain_pytorch(tmp_path, launch, reference):
     """auto under 0.2 MiB (fp32: 12 + 4 + 4 bytes per parameter in memory): neither rank's two stages fit
     (rank 0: 13,824 and 7,224 parameters, rank 1: 7,224 and 6,192), so both move their optimizer states to
-    SSD and then the weights of their largest stage (hand-computed in test_state_placement's terms)."""
+    SSD and then the weights of their largest stage (hand-computed in tests/partition/test_placement.py's terms)."""
     write_config, torchrun = launch
     cfg_path = write_config(
         tmp_path,
@@ -128,7 +137,7 @@ def test_torchrun_entry_with_auto_states_equals_plain_pytorch(tmp_path, launch, 
 def test_auto_run_puts_the_largest_stage_on_ssd_and_stays_bit_identical(tmp_path):
     host_losses, host_weights, _ = _run("bf16", None)
     # stages of 13,776, 7,224, 7,224 and 6,192 parameters, 16 bytes each in memory: 0.45 MiB holds the last two
-    # and the weights, gradients and streaming shares of the first two (test_state_placement's terms)
+    # and the weights, gradients and streaming shares of the first two (tests/partition/test_placement.py's terms)
     memory = MemoryConfig(optimizer="auto", ssd_dir=str(tmp_path), host_budget_mb=0.45)
     losses, weights, placement = _run("bf16", memory)
     assert losses == host_losses
