@@ -235,7 +235,7 @@ class PlanConfig(Section):
 @dataclass(frozen=True, kw_only=True)
 class MemoryConfig(Section):
     """Where each stage's states live, host memory or an SSD store, under a host budget per rank (see
-    mobiuspipe/state_placement.py for the bytes each choice keeps in memory)."""
+    partition/placement.py for the bytes each choice keeps in memory)."""
 
     optimizer: str = "host"
     """The fp32 master weights and Adam moments (12 bytes per parameter). "host": in host memory; "ssd": in

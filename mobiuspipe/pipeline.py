@@ -53,8 +53,8 @@ from mobiuspipe.ranks import gather_all, join_group, leave_group, rank_info
 from mobiuspipe.schedule import build_schedule, check_schedules
 from mobiuspipe.stage import Stage
 from mobiuspipe.stage_states import AdamHyper, SsdTier, least_share
-from mobiuspipe.state_placement import Placement, place_states
 from partition.costmodel import ARENA_SLOTS
+from partition.placement import Placement, place_states
 from partition.plan import Plan
 from topology import Topology
 

@@ -5,7 +5,8 @@ Legend (one step; units in brackets):
   T        the simulated step time                                                         [s]
   C_g      gpu g's compute busy seconds (SimResult.compute_busy_s)                          [s]
   L_k      link k's busy seconds: bytes it moved / its capacity (GB/s * 1e9)                [s]
-  D        the SSD's busy seconds: sum over stages of read bytes / R + write bytes / W      [s]
+  D        the SSD's busy seconds: bytes the step reads / R + bytes it writes / W (updates,  [s]
+           loads and offloads: SimResult.link_bytes' "ssd" rows)
   U        the host Adam's busy seconds: sum over stages of update_s                         [s]
 
 Each resource is busy at most T, so T >= max(C_g, L_k, D, U); the step is "bound by" the resource with
@@ -63,7 +64,8 @@ def step_bound(sim: SimResult, stages: list[SimStage], topo: Topology | None, ss
     busy = {"compute": max(sim.compute_busy_s, default=0.0)}
     names = {"compute": f"gpu {g}"}
     busy["pcie"], names["pcie"] = _busiest_link(sim, stages, topo)
-    busy["ssd"] = sum(ssd.seconds(s.ssd_read_bytes, s.ssd_write_bytes) for s in stages) if ssd else 0.0
+    moved = {d: b for n, d, b in sim.link_bytes if n == "ssd"}
+    busy["ssd"] = ssd.seconds(moved.get("read", 0), moved.get("write", 0)) if ssd else 0.0
     names["ssd"] = "ssd"
     busy["host_adam"], names["host_adam"] = sum(s.update_s for s in stages), "host"
     return StepBound(sim.step_time_s, busy, names)

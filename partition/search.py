@@ -290,7 +290,8 @@ def sim_stages(stages: tuple[StagePlan, ...], topo: Topology, memory: MemoryPlan
     Static times (for simulate() without a topology): a load at the stage's planned load_gbps, an offload
     at the gpu's own link speed. Bytes (for simulate(..., topology=topo)): a load moves param_bytes, an
     offload the gradients, which have the parameters' dtype, so also param_bytes. With `memory` (the
-    plan's tiers), each stage's SSD traffic per step (simulate(..., ssd=...) streams it under its update).
+    plan's tiers), each stage's SSD traffic per step: its update's (streamed under the update), and with its
+    weights on the SSD, its loads' reads and its offload's write (simulate(..., ssd=...)).
     """
     out = []
     for j, s in enumerate(stages):
@@ -309,8 +310,9 @@ def sim_stages(stages: tuple[StagePlan, ...], topo: Topology, memory: MemoryPlan
                 grad_bytes=s.param_bytes,
                 activation_bytes=s.activation_bytes,
                 output_bytes=s.output_bytes,
-                ssd_read_bytes=memory.stages[j].ssd_read_bytes if memory else 0,
-                ssd_write_bytes=memory.stages[j].ssd_write_bytes if memory else 0,
+                ssd_read_bytes=memory.stages[j].update_read_bytes if memory else 0,
+                ssd_write_bytes=memory.stages[j].update_write_bytes if memory else 0,
+                ssd_weights=memory is not None and memory.stages[j].weights == "ssd",
             )
         )
     return out

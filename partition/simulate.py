@@ -11,16 +11,26 @@ Resources and rules (times in seconds, bytes, GB/s = 1e9 bytes/s):
             visit starts when the previous load ended and the slot's previous holder (visit k-2) was
             released (its last microbatch computed). A gpu's last forward stage stays resident into its
             backward (no reload). The runtime issues LOAD k right after RELEASE k-2, so this is its order.
+            A stage with its weights on the SSD (ssd_weights) streams each load from the drive: the load
+            also reads param_bytes from the SSD (see the link model).
   offload   one gpu->host engine per gpu: after B(j, M-1) the stage's gradients go to host. One gradient
-            slot: a backward visit starts after the previous offload ended.
+            slot: a backward visit starts after the previous offload ended. With ssd_weights the offload
+            also writes grad_bytes to the SSD.
   update    the host CPU runs one stage's Adam at a time, in the order the gradients arrived. A stage with
             state on the SSD (ssd_read_bytes / ssd_write_bytes > 0) streams it through the update: the update
             takes max(update_s, ssd_s), ssd_s = ssd_read_bytes / R + ssd_write_bytes / W (R, W the SsdLink's
-            GB/s; one drive serves its reads and writes in turn, so their times add). The SSD serves only
-            updates, which run one at a time, so it is one more resource in the update chain: exact for the
-            model. Several ranks' updates sharing the drive at once would move the same bytes in the same
-            drive time; the drive's own PCIe path is not shared with the gpus' flows (a few GB/s of NVMe next
-            to 16-32 GB/s links).
+            GB/s; one drive serves its reads and writes in turn, so their times add). Updates run one at a
+            time, so among themselves the SSD is one more resource in the update chain.
+  ssd       loads and offloads of ssd_weights stages share the drive among themselves: without a topology
+            a load takes max(load_s, param_bytes / R) and an offload max(offload_s, grad_bytes / W); with a
+            topology the load's flow also crosses the link ("ssd", "read") of R GB/s and the offload's the
+            link ("ssd", "write") of W GB/s, shared by processor sharing like any link. Approximations: the
+            update's SSD streaming and the loads' and offloads' do not slow each other down when they overlap
+            in time, nor do reads and writes (two links, where the drive takes turns), so the events can end
+            before the drive has served every byte. The step is therefore never shorter than the drive's busy
+            seconds D = all bytes read / R + all bytes written / W (a floor, the same D as partition.bounds');
+            the drive's own PCIe path is not shared with the gpus' flows (a few GB/s of NVMe next to 16-32
+            GB/s links).
   comm      activations between gpus take the stage's fixed comm_s (partition.search.sim_stages).
 
 Durations of loads and offloads (the link model):
@@ -39,9 +49,9 @@ Not modelled (small next to a stage's weights, or outside one step): activations
 their fixed comm_s but their bytes are counted in link traffic); the stage inputs the runtime saves to host
 for the recompute; the next step's loads waiting for this step's updates.
 
-Reported: step time = when the last update (or the last compute) ends; per gpu its compute busy seconds
+Reported: step time = when the last update (or the last compute) ends, at least D; per gpu its compute busy seconds
 and fraction; bytes per link (gpu link, switch and root complex uplinks, NVLink, then the SSD's reads and
-writes when a stage has state there); per gpu the peak of the
+writes, of updates, loads and offloads alike, when a stage has state there); per gpu the peak of the
 device arena in use (weight slots between a load's start and the visit's release, the gradient slot
 between a backward visit's first microbatch and its offload's end, times the slot size W = the largest
 stage's param_bytes) and the largest activation bytes of its stages.
@@ -58,7 +68,12 @@ from partition.flows import FlowNet, Link, TaskGraph
 from partition.order import visits_of
 from topology import Topology
 
-__all__ = ["SimStage", "SimResult", "SsdLink", "link_paths", "simulate", "update_seconds"]
+__all__ = ["SimStage", "SimResult", "SsdLink", "link_paths", "simulate", "update_seconds", "SSD_READ", "SSD_WRITE"]
+
+SSD_READ: Link = ("ssd", "read")
+"""The drive's read link: loads of stages with their weights on the SSD cross it."""
+SSD_WRITE: Link = ("ssd", "write")
+"""The drive's write link: offloads of stages with their gradients on the SSD cross it."""
 
 
 @dataclass(frozen=True)
@@ -96,9 +111,12 @@ class SimStage:
     output_bytes: int = 0
     """Bytes of the stage's output for one microbatch (sent to the next stage, its gradient sent back)."""
     ssd_read_bytes: int = 0
-    """Bytes the stage's update reads from the SSD per step (its states, or gradients, on the ssd tier)."""
+    """Bytes the stage's update reads from the SSD per step (its states, and gradients when on the ssd tier)."""
     ssd_write_bytes: int = 0
-    """Bytes the stage writes to the SSD per step (its updated states, or its offloaded gradients)."""
+    """Bytes the stage's update writes to the SSD per step (its updated states, and weights when on the SSD)."""
+    ssd_weights: bool = False
+    """The weights and gradients are on the SSD: each load reads param_bytes from it, the offload writes
+    grad_bytes to it (besides the update's ssd_read_bytes / ssd_write_bytes)."""
 
 
 @dataclass(frozen=True)
@@ -170,11 +188,13 @@ def simulate(
     Raises ValueError for stages with SSD bytes but no SsdLink, RuntimeError if the schedule cannot make
     progress (a stage on a gpu that does not exist: a bug).
     """
-    if ssd is None and any(s.ssd_read_bytes or s.ssd_write_bytes for s in stages):
+    if ssd is None and any(s.ssd_read_bytes or s.ssd_write_bytes or s.ssd_weights for s in stages):
         raise ValueError("stages move bytes to or from the SSD but simulate() got no ssd=SsdLink(...)")
     if topology is not None:
         _check_bytes(stages, topology, num_gpus)
         caps, paths = link_paths(topology)
+        if ssd is not None:
+            caps |= {SSD_READ: ssd.read_gbps, SSD_WRITE: ssd.write_gbps}
         graph = TaskGraph(FlowNet(caps))
     else:
         paths = {(g, d): ((f"gpu{g}", d),) for g in range(num_gpus) for d in ("h2d", "d2h")}
@@ -182,7 +202,7 @@ def simulate(
     moves: list[tuple[int, tuple[Link, ...]]] = []
     spans: dict[int, list[tuple[Hashable, Hashable]]] = {}
     for g in range(num_gpus):
-        spans[g] = _add_gpu(graph, stages, g, microbatches, paths, topology is not None, moves)
+        spans[g] = _add_gpu(graph, stages, g, microbatches, paths, topology is not None, moves, ssd)
     for j in range(len(stages) - 1):
         for i in range(microbatches):
             graph.add(("arrive", "F", j + 1, i), [("F", j, i)], stages[j].comm_s)
@@ -194,11 +214,13 @@ def simulate(
     if topology is not None:
         moves += _activation_moves(stages, microbatches, topology, paths)
     slot = max((s.param_bytes for s in stages), default=0)
+    ssd_rows = _ssd_traffic(stages, moves)
+    drive_s = ssd.seconds(ssd_rows[0][2], ssd_rows[1][2]) if ssd and ssd_rows else 0.0
     return SimResult(
-        step_time_s=max((e[5] for e in events), default=0.0),
+        step_time_s=max(max((e[5] for e in events), default=0.0), drive_s),
         compute_busy_s=busy,
         events=tuple(events),
-        link_bytes=_traffic(moves, topology, num_gpus) + _ssd_traffic(stages),
+        link_bytes=_traffic(moves, topology, num_gpus) + ssd_rows,
         peak_arena_bytes=tuple(_peak(tasks, spans[g]) * slot for g in range(num_gpus)),
         activation_bytes=tuple(
             max((s.activation_bytes for s in stages if s.gpu == g), default=0) for g in range(num_gpus)
@@ -221,10 +243,10 @@ def _check_bytes(stages: list[SimStage], topology: Topology, num_gpus: int) -> N
 
 
 def _add_gpu(
-    graph: TaskGraph, stages: list[SimStage], g: int, m: int, paths: dict, flows: bool, moves: list
+    graph: TaskGraph, stages: list[SimStage], g: int, m: int, paths: dict, flows: bool, moves: list, ssd
 ) -> list[tuple[Hashable, Hashable]]:
     """Gpu g's loads, computations and offloads, chained as the runtime orders them; returns its arena spans
-    (task whose start takes a slot, task whose end frees it)."""
+    (task whose start takes a slot, task whose end frees it). Moves of ssd_weights stages cross the SSD."""
     visits, last = visits_of([s.gpu for s in stages], g), len(stages) - 1
     prev_op = prev_load = prev_off = load = None
     slot_of: list[int] = []
@@ -238,10 +260,11 @@ def _add_gpu(
         else:
             slot = (slot_of[-1] + 1) % WEIGHT_SLOTS if slot_of else 0
             slot_of.append(slot)
-            move = (st.param_bytes, paths[(g, "h2d")])
+            move = (st.param_bytes, paths[(g, "h2d")] + ((SSD_READ,) if st.ssd_weights else ()))
             moves.append(move)
+            dur = max(st.load_s, ssd.seconds(st.param_bytes, 0)) if st.ssd_weights else st.load_s
             load = prev_load = taken[slot] = graph.add(
-                ("load", g, j, k), (prev_load, holder[slot]), st.load_s, (move,) if flows else ()
+                ("load", g, j, k), (prev_load, holder[slot]), dur, (move,) if flows else ()
             )
         first = None
         for i in range(m):
@@ -253,9 +276,10 @@ def _add_gpu(
         if not (k + 1 < len(visits) and visits[k + 1][0] == j):
             spans.append((taken[slot_of[k]], prev_op))  # RELEASE
         if phase == "B":
-            move = (st.grad_bytes, paths[(g, "d2h")])
+            move = (st.grad_bytes, paths[(g, "d2h")] + ((SSD_WRITE,) if st.ssd_weights else ()))
             moves.append(move)
-            prev_off = graph.add(("offload", g, j), (prev_op, prev_off), st.offload_s, (move,) if flows else ())
+            dur = max(st.offload_s, ssd.seconds(0, st.grad_bytes)) if st.ssd_weights else st.offload_s
+            prev_off = graph.add(("offload", g, j), (prev_op, prev_off), dur, (move,) if flows else ())
             spans.append((first, prev_off))  # the gradient slot
     return spans
 
@@ -313,9 +337,11 @@ def _activation_moves(stages: list[SimStage], m: int, topo: Topology, paths: dic
     return out
 
 
-def _ssd_traffic(stages: list[SimStage]) -> tuple[tuple[str, str, int], ...]:
-    """("ssd", "read"/"write", bytes) when any stage moves bytes to or from the SSD, else nothing."""
-    read, write = sum(s.ssd_read_bytes for s in stages), sum(s.ssd_write_bytes for s in stages)
+def _ssd_traffic(stages: list[SimStage], moves: list) -> tuple[tuple[str, str, int], ...]:
+    """("ssd", "read"/"write", bytes) of the updates, loads and offloads when any moves bytes to or from the
+    SSD, else nothing."""
+    read = sum(s.ssd_read_bytes for s in stages) + sum(n for n, path in moves if SSD_READ in path)
+    write = sum(s.ssd_write_bytes for s in stages) + sum(n for n, path in moves if SSD_WRITE in path)
     return (("ssd", "read", read), ("ssd", "write", write)) if read or write else ()
 
 

@@ -1,34 +1,40 @@
-"""Memory tiers of a plan: where each state kind of each stage lives (device, host, ssd) under a host budget.
+"""Memory tiers of a plan: where each stage's states live under a host budget, by the runtime's own rule.
 
-Legend (stage j of a plan; units in brackets):
+Legend (stage j of a plan, gpu g; units in brackets):
   N_j      parameter count of stage j                                                    [-]
-  P_j      parameter bytes of stage j in the plan's dtype (StagePlan.param_bytes)        [bytes]
+  b        bytes per parameter of the plan's dtype: 2 (fp16, bf16) or 4 (fp32)             [bytes]
+  P_j      b N_j: stage j's weights in the plan's dtype (StagePlan.param_bytes)           [bytes]
   A_j      live activation bytes of stage j's backward on one microbatch                  [bytes]
   I_j      stage j's input for one microbatch: stage j-1's output bytes (0 for j = 0)     [bytes]
   M        microbatches per step                                                          [-]
   W        one weight slot of the device arena: max_j P_j                                 [bytes]
+  G        gpus of the plan                                                               [-]
   H        host budget: host memory the whole server gives the job (None = unlimited)     [bytes]
-  S        STREAM_BYTES: host memory per gpu the out-of-core Adam streams SSD states through [bytes]
+  H_g      gpu g's share of H: floor(H / G), the same for every gpu                       [bytes]
+  S_g      saved stage inputs of gpu g: the sum of M I_j over its stages                  [bytes]
+  L_j      LOADs of stage j per step: 2 (forward, backward), 1 for its gpu's last forward stage,
+           which stays resident into its backward (partition.order)                       [-]
 
-State kinds, as the runtime keeps them (mobiuspipe/stage.py, mobiuspipe/stage_states.py):
-  weights       the copy the device loads, P_j, in host memory. In fp32 with the optimizer states in host
-                memory the fp32 master is that copy (0 extra bytes).
-  optimizer     fp32 master + Adam exp_avg + exp_avg_sq: OPTIMIZER_BYTES_PER_PARAM * N_j, host or ssd.
-  gradients     the gradients the device offloads after the stage's last microbatch, P_j (the training
-                dtype), host or ssd.
-  saved inputs  the stage inputs the forward saves for the recompute, M * I_j, host.
-  streaming     S per gpu once any state is on the SSD, host.
+State kinds, as the runtime keeps them (partition.placement, mobiuspipe/stage_states.py):
+  optimizer     fp32 master + Adam exp_avg + exp_avg_sq, 12 N_j: host or ssd.
+  weights       the device-dtype weights P_j and the offloaded gradients P_j together: host or ssd (ssd only
+                where the optimizer is). In fp32 with the optimizer in memory the master is the loaded copy:
+                P_j (the gradients) in memory.
+  saved inputs  the stage inputs the forward saves for the recompute, M I_j: host.
+  streaming     the share of its gpu's budget each stage on the SSD streams through (Placement.slot_bytes): host.
 Device bytes of gpu g: the arena (ARENA_SLOTS * W) + the largest A_j of its stages; of stage j while it
-runs backward: its weights and gradient slots and activations, 2 * P_j + A_j.
+runs backward: its weights and gradient slots and activations, 2 P_j + A_j.
 
-Placement: all in host memory if that fits H. Otherwise states move to the SSD in this order until the
-host bytes fit: the optimizer states of each stage, largest N_j first (as memory.optimizer auto does),
-then the gradients of each stage, largest first. Weights and saved inputs stay in host memory (the loads
-stream from it): PlanInfeasibleError when they alone do not fit.
+Placement, per gpu g (a rank of the runtime): S_g comes out of H_g first; then
+place_states("auto", "auto", {j: N_j of g's stages}, H_g - S_g, LEAST_SHARE_BYTES, b) decides, exactly as a
+rank whose memory.host_budget_mb is H_g - S_g: all in memory if it fits, else, largest stage first, the
+optimizer states and then the weights to the SSD (partition.placement). Unlimited H: all in memory.
+PlanInfeasibleError when some gpu's share cannot hold its saved inputs and its stages' least shares.
 
-SSD traffic per step of stage j: optimizer on ssd: read 12 N_j and write 12 N_j (the out-of-core Adam
-reads, updates and writes master and moments once); gradients on ssd: write P_j (offload) and read P_j
-(update). The simulator streams this traffic under the stage's update (partition.simulate.SsdLink).
+SSD traffic per step of stage j: optimizer on ssd: the update reads 12 N_j and writes 12 N_j; weights on
+ssd: each of the L_j LOADs reads P_j, the OFFLOAD writes the gradients P_j, the update reads them (P_j) and
+writes the next weights (P_j). The simulator streams the update's part under the update and the loads'
+and offloads' part in the loads and offloads (partition.simulate).
 """
 
 from __future__ import annotations
@@ -36,37 +42,37 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from foundation.units import GiB
+from foundation.units import GiB, fmt_bytes
+from partition.analytic import dtype_bytes
 from partition.costmodel import ARENA_SLOTS
 from partition.errors import PlanInfeasibleError
+from partition.order import visits_of
+from partition.placement import LEAST_SHARE_BYTES, STATE_BYTES, Placement, host_bytes, place_states
 from partition.plan import Plan
 from partition.simulate import SsdLink
 from topology import Topology
 
 __all__ = [
-    "OPTIMIZER_BYTES_PER_PARAM",
-    "STREAM_BYTES",
     "SSD_READ_GBPS",
     "SSD_WRITE_GBPS",
+    "KINDS",
     "HostBudget",
     "SsdInfo",
     "StageTiers",
+    "GpuShare",
     "MemoryPlan",
     "host_budget",
     "ssd_info",
     "place_tiers",
+    "loads_per_step",
 ]
 
-OPTIMIZER_BYTES_PER_PARAM = 12
-"""fp32 master weights + Adam exp_avg + exp_avg_sq, bytes per parameter (stage_states.HOST_STATE_BYTES)."""
-STREAM_BYTES = 1 * GiB
-"""S: host memory per gpu the out-of-core Adam streams through (memory.host_budget_mb's default, 1024 MiB)."""
 SSD_READ_GBPS = 3.0
 """Sequential read of one NVMe drive when the topology was not probed (a PCIe 3.0 x4 drive's ~3.5 GB/s, less)."""
 SSD_WRITE_GBPS = 2.0
 """Sequential write of one NVMe drive when the topology was not probed (sustained, past the SLC cache)."""
-KINDS = ("weights", "optimizer", "gradients")
-"""The state kinds that have a tier, in the order reports list them."""
+KINDS = ("optimizer", "weights")
+"""The state kinds that have a tier, in the order they move to the SSD."""
 
 
 @dataclass(frozen=True)
@@ -88,21 +94,38 @@ class SsdInfo:
 
 @dataclass(frozen=True)
 class StageTiers:
-    """Stage j's tier per state kind, its bytes per tier and its SSD traffic per step."""
+    """Stage j's tier per state kind, its bytes per tier and its SSD traffic per step (legend)."""
 
+    gpu: int
     optimizer: str
-    gradients: str
+    weights: str
+    loads: int
+    """L_j."""
     device_bytes: int
     host_bytes: int
+    """Its states, saved inputs and streaming share in host memory."""
     ssd_bytes: int
-    ssd_read_bytes: int
-    ssd_write_bytes: int
+    load_read_bytes: int
+    """Bytes each LOAD reads from the SSD (P_j with the weights on ssd, else 0)."""
+    offload_write_bytes: int
+    """Bytes the OFFLOAD writes to the SSD (P_j with the weights on ssd, else 0)."""
+    update_read_bytes: int
+    update_write_bytes: int
+
+    @property
+    def ssd_read_bytes(self) -> int:
+        return self.loads * self.load_read_bytes + self.update_read_bytes
+
+    @property
+    def ssd_write_bytes(self) -> int:
+        return self.offload_write_bytes + self.update_write_bytes
 
     def to_dict(self) -> dict:
         return {
-            "weights": "host",
+            "gpu": self.gpu,
             "optimizer": self.optimizer,
-            "gradients": self.gradients,
+            "weights": self.weights,
+            "loads": self.loads,
             "device_bytes": self.device_bytes,
             "host_bytes": self.host_bytes,
             "ssd_bytes": self.ssd_bytes,
@@ -112,17 +135,41 @@ class StageTiers:
 
 
 @dataclass(frozen=True)
+class GpuShare:
+    """Gpu g's part of the budget: H_g, S_g, what is left for states (the runtime's memory.host_budget_mb that
+    makes the same choice) and the placement made under it."""
+
+    share_bytes: int | None
+    saved_inputs_bytes: int
+    placement: Placement
+
+    @property
+    def state_budget_bytes(self) -> int | None:
+        return None if self.share_bytes is None else self.share_bytes - self.saved_inputs_bytes
+
+    def to_dict(self, g: int) -> dict:
+        return {
+            "gpu": g,
+            "host_share_bytes": self.share_bytes,
+            "saved_inputs_bytes": self.saved_inputs_bytes,
+            "state_budget_bytes": self.state_budget_bytes,
+            "stream_share_bytes": self.placement.slot_bytes,
+        }
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
-    """A plan's tiers: per stage, per kind, and the job's totals per tier (bytes)."""
+    """A plan's tiers: per stage, per gpu, per kind, and the job's totals per tier (bytes)."""
 
     stages: tuple[StageTiers, ...]
+    gpus: tuple[GpuShare, ...]
     budget: HostBudget
     device_bytes: int
     """Sum over gpus of the arena and the gpu's largest activations."""
     host_by_kind: dict[str, int]
-    """Host bytes of weights, optimizer, gradients, saved_inputs and streaming."""
+    """Host bytes of optimizer, weights (with the gradients), saved_inputs and streaming."""
     ssd_by_kind: dict[str, int]
-    """SSD bytes of optimizer and gradients."""
+    """SSD bytes of optimizer and weights (with the gradients)."""
 
     @property
     def host_bytes(self) -> int:
@@ -142,12 +189,12 @@ class MemoryPlan:
 
     def tier(self, kind: str) -> str:
         """ "host", "ssd", or "host+ssd" when the kind's stages are split between them."""
-        used = {"host"} if kind == "weights" else {getattr(s, kind) for s in self.stages}
+        used = {getattr(s, kind) for s in self.stages}
         return "+".join(t for t in ("host", "ssd") if t in used)
 
     def on_ssd(self, kind: str) -> int:
         """How many stages keep `kind` on the SSD."""
-        return 0 if kind == "weights" else sum(getattr(s, kind) == "ssd" for s in self.stages)
+        return sum(getattr(s, kind) == "ssd" for s in self.stages)
 
     def to_dict(self) -> dict:
         return {
@@ -161,6 +208,7 @@ class MemoryPlan:
             "ssd_bytes_by_kind": dict(self.ssd_by_kind),
             "ssd_read_bytes": self.ssd_read_bytes,
             "ssd_write_bytes": self.ssd_write_bytes,
+            "gpus": [s.to_dict(g) for g, s in enumerate(self.gpus)],
             "stages": [s.to_dict() for s in self.stages],
         }
 
@@ -190,55 +238,73 @@ def ssd_info(topo: Topology) -> SsdInfo:
     )
 
 
+def loads_per_step(mapping: list[int]) -> list[int]:
+    """L_j of every stage: its gpu's visits in order, a LOAD at each visit but the resident backward."""
+    loads = [0] * len(mapping)
+    for g in set(mapping):
+        visits = visits_of(mapping, g)
+        for k, (j, _) in enumerate(visits):
+            loads[j] += k == 0 or visits[k - 1].stage != j
+    return loads
+
+
 def place_tiers(plan: Plan, budget: HostBudget) -> MemoryPlan:
-    """The tiers of the legend's placement rule for `plan` under `budget`; PlanInfeasibleError when even
-    every optimizer state and gradient on the SSD leaves more host bytes than the budget."""
-    n = plan.num_stages
-    opt, grad = ["host"] * n, ["host"] * n
-    limit = math.inf if budget.bytes is None else budget.bytes
-    largest = sorted(range(n), key=lambda j: (-plan.stages[j].param_count, j))
-    moves = [(opt, j) for j in largest] + [(grad, j) for j in largest]
-    memory = _memory(plan, budget, opt, grad)
-    for tiers, j in moves:
-        if memory.host_bytes <= limit:
-            return memory
-        tiers[j] = "ssd"
-        memory = _memory(plan, budget, opt, grad)
-    if memory.host_bytes <= limit:
-        return memory
-    raise _too_small(plan, budget, memory)
+    """The tiers of the legend's placement rule for `plan` under `budget`; PlanInfeasibleError when some gpu's
+    share does not hold its saved inputs and the least streaming shares of its stages all on the SSD."""
+    b = dtype_bytes(plan.dtype)
+    saved = [plan.num_microbatches * plan.stages[j - 1].output_bytes if j else 0 for j in range(plan.num_stages)]
+    share = None if budget.bytes is None else budget.bytes // plan.num_gpus
+    gpus = []
+    for g in range(plan.num_gpus):
+        mine = plan.stages_of(g)
+        saved_g = sum(saved[j] for j in mine)
+        params = {j: plan.stages[j].param_count for j in mine}
+        if share is None:
+            placement = place_states("host", "host", params, 0, LEAST_SHARE_BYTES, b)
+        else:
+            try:
+                placement = place_states("auto", "auto", params, share - saved_g, LEAST_SHARE_BYTES, b)
+            except ValueError:
+                raise _too_small(plan, budget, share, saved) from None
+        gpus.append(GpuShare(share, saved_g, placement))
+    return _memory(plan, budget, tuple(gpus), saved)
 
 
-def _memory(plan: Plan, budget: HostBudget, opt: list[str], grad: list[str]) -> MemoryPlan:
-    """Bytes per stage, kind and tier for the given optimizer and gradient tiers of each stage."""
-    fp32 = plan.dtype == "fp32"
-    host: dict[str, int] = dict.fromkeys(("weights", "optimizer", "gradients", "saved_inputs", "streaming"), 0)
-    ssd: dict[str, int] = dict.fromkeys(("optimizer", "gradients"), 0)
+def _memory(plan: Plan, budget: HostBudget, gpus: tuple[GpuShare, ...], saved: list[int]) -> MemoryPlan:
+    """Bytes per stage, kind and tier of the gpus' placements."""
+    b, loads = dtype_bytes(plan.dtype), loads_per_step(plan.mapping)
+    host: dict[str, int] = dict.fromkeys(("optimizer", "weights", "saved_inputs", "streaming"), 0)
+    ssd: dict[str, int] = dict.fromkeys(KINDS, 0)
     rows = []
     for j, s in enumerate(plan.stages):
-        states = OPTIMIZER_BYTES_PER_PARAM * s.param_count
-        saved = plan.num_microbatches * plan.stages[j - 1].output_bytes if j > 0 else 0
-        weights = 0 if fp32 and opt[j] == "host" else s.param_bytes
-        kinds = {"optimizer": (opt[j], states), "gradients": (grad[j], s.param_bytes)}
-        host["weights"] += weights
-        host["saved_inputs"] += saved
-        for kind, (tier, nbytes) in kinds.items():
-            (host if tier == "host" else ssd)[kind] += nbytes
-        on_ssd = sum(b for t, b in kinds.values() if t == "ssd")
+        p = gpus[s.gpu].placement
+        opt, wts, n = p.optimizer[j], p.weights[j], s.param_count
+        states = STATE_BYTES * n if opt == "host" else 0
+        stream = p.slot_bytes if opt == "ssd" else 0
+        in_memory = {"optimizer": states, "weights": host_bytes(n, opt, wts, b) - states}
+        on_ssd = {"optimizer": STATE_BYTES * n - states, "weights": 2 * s.param_bytes if wts == "ssd" else 0}
+        for k in KINDS:
+            host[k] += in_memory[k]
+            ssd[k] += on_ssd[k]
+        host["saved_inputs"] += saved[j]
+        host["streaming"] += stream
+        moved = s.param_bytes if wts == "ssd" else 0
         rows.append(
             StageTiers(
-                optimizer=opt[j],
-                gradients=grad[j],
+                gpu=s.gpu,
+                optimizer=opt,
+                weights=wts,
+                loads=loads[j],
                 device_bytes=2 * s.param_bytes + s.activation_bytes,
-                host_bytes=weights + saved + sum(b for t, b in kinds.values() if t == "host"),
-                ssd_bytes=on_ssd,
-                ssd_read_bytes=on_ssd,
-                ssd_write_bytes=on_ssd,
+                host_bytes=sum(in_memory.values()) + saved[j] + stream,
+                ssd_bytes=sum(on_ssd.values()),
+                load_read_bytes=moved,
+                offload_write_bytes=moved,
+                update_read_bytes=on_ssd["optimizer"] + moved,
+                update_write_bytes=on_ssd["optimizer"] + moved,
             )
         )
-    if ssd["optimizer"] or ssd["gradients"]:
-        host["streaming"] = STREAM_BYTES * plan.num_gpus
-    return MemoryPlan(tuple(rows), budget, _device_bytes(plan), host, ssd)
+    return MemoryPlan(tuple(rows), gpus, budget, _device_bytes(plan), host, ssd)
 
 
 def _device_bytes(plan: Plan) -> int:
@@ -247,11 +313,16 @@ def _device_bytes(plan: Plan) -> int:
     return sum(arena + max(plan.stages[j].activation_bytes for j in plan.stages_of(g)) for g in range(plan.num_gpus))
 
 
-def _too_small(plan: Plan, budget: HostBudget, memory: MemoryPlan) -> PlanInfeasibleError:
-    need = memory.host_bytes
-    parts = ", ".join(f"{k.replace('_', ' ')} {v / GiB:.1f} GiB" for k, v in memory.host_by_kind.items() if v)
+def _too_small(plan: Plan, budget: HostBudget, share: int, saved: list[int]) -> PlanInfeasibleError:
+    """The error naming the gpu that needs the most: its saved inputs and its stages' least shares."""
+    need = {g: sum(saved[j] for j in plan.stages_of(g)) for g in range(plan.num_gpus)}
+    least = {g: len(plan.stages_of(g)) * LEAST_SHARE_BYTES for g in need}
+    g = max(need, key=lambda k: need[k] + least[k])
+    total = plan.num_gpus * (need[g] + least[g])
     return PlanInfeasibleError(
-        f"{plan.model} needs {need / GiB:.1f} GiB of host memory even with every optimizer state and gradient "
-        f"on the SSD ({parts}), but the host budget ({budget.source}) is {(budget.bytes or 0) / GiB:.1f} GiB: "
-        f"give more host memory (--host-memory-gb {math.ceil(need / GiB)}), fewer microbatches, or a smaller model"
+        f"{plan.model}: gpu {g} needs {fmt_bytes(need[g] + least[g])} of host memory even with every state on the "
+        f"SSD (saved stage inputs {fmt_bytes(need[g])}, the least streaming share of its {len(plan.stages_of(g))} "
+        f"stages {fmt_bytes(least[g])}), but its share of the host budget ({budget.source}: "
+        f"{fmt_bytes(budget.bytes or 0)} over {plan.num_gpus} gpus) is {fmt_bytes(share)}: give more host memory "
+        f"(--host-memory-gb {math.ceil(total / GiB)}), fewer microbatches, or a smaller model"
     )

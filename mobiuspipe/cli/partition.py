@@ -60,9 +60,11 @@ def register(sub) -> None:
     p.add_argument(
         "--host-memory-gb",
         metavar="GB",
-        help="host memory (GiB, 2^30 bytes, as DRAM is sized) of the whole server for weights, gradients and "
-        "optimizer states; what does not fit goes to the SSD, optimizer states first (default: the topology's "
-        "host memory when it records it, else unlimited)",
+        help="host memory (GiB, 2^30 bytes, as DRAM is sized) of the whole server, split evenly over its gpus; "
+        "each gpu's share holds its saved stage inputs, then its stages' states as a rank with that "
+        "memory.host_budget_mb would: what does not fit goes to the SSD, optimizer states first, then the "
+        "weights with their gradients, largest stages first (default: the topology's host memory when it "
+        "records it, else unlimited)",
     )
     p.add_argument(
         "--solver",
@@ -225,10 +227,14 @@ def plan_to_json(plan: Plan, pred: Prediction | None = None) -> dict:
 def _memory_lines(pred: Prediction) -> list[str]:
     """The memory/tier section: bytes per tier, the tier of each kind, the SSD and what bounds the step."""
     mem, ssd, bound = pred.memory, pred.ssd, pred.bound
-    budget = f"{fmt_bytes(mem.budget.bytes)} ({mem.budget.source})" if mem.budget.bytes else mem.budget.source
+    budget = mem.budget.source
+    if mem.budget.bytes:
+        per_gpu = fmt_bytes(mem.budget.bytes // len(mem.gpus))
+        budget = f"{fmt_bytes(mem.budget.bytes)} ({mem.budget.source}), {per_gpu} per gpu"
     kinds = ", ".join(
-        f"{k} {mem.tier(k)}" + (f" ({mem.on_ssd(k)} of {len(mem.stages)} stages on ssd)" if "+" in mem.tier(k) else "")
-        for k in ("weights", "optimizer", "gradients")
+        f"{name} {mem.tier(k)}"
+        + (f" ({mem.on_ssd(k)} of {len(mem.stages)} stages on ssd)" if "+" in mem.tier(k) else "")
+        for k, name in (("optimizer", "optimizer"), ("weights", "weights and gradients"))
     )
     busy = ", ".join(
         f"{k.replace('_', ' ')} {v:.1f} s" + (f" ({bound.names[k]})" if k in ("compute", "pcie") else "")

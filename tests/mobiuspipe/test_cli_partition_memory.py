@@ -29,15 +29,22 @@ def run(argv: list[str], capsys) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
-def test_175b_on_512_gib_puts_the_optimizer_states_on_ssd(big):
+def test_175b_on_512_gib_puts_the_optimizer_states_and_some_weights_on_ssd(big):
     mem = big["memory"]
-    assert mem["tiers"]["optimizer"] == "ssd" and mem["tiers"]["weights"] == "host"
+    assert mem["tiers"] == {"optimizer": "ssd", "weights": "host+ssd"}
     assert mem["host_budget_bytes"] == 512 * GiB and mem["host_budget_source"] == "--host-memory-gb"
+    assert [g["host_share_bytes"] for g in mem["gpus"]] == [128 * GiB] * 4  # split evenly over the 4 gpus
     assert mem["host_bytes"] <= 512 * GiB
     params = sum(s["param_count"] for s in big["stages"])
     assert mem["ssd_bytes_by_kind"]["optimizer"] == 12 * params
-    assert mem["ssd_bytes"] == sum(mem["ssd_bytes_by_kind"].values()) >= 12 * params
-    assert mem["ssd_read_bytes"] == mem["ssd_write_bytes"] == mem["ssd_bytes"]
+    moved = [s for s, r in zip(big["stages"], mem["stages"]) if r["weights"] == "ssd"]
+    assert mem["ssd_bytes_by_kind"]["weights"] == sum(2 * s["param_bytes"] for s in moved)  # weights + gradients
+    assert mem["ssd_bytes"] == sum(mem["ssd_bytes_by_kind"].values())
+    # updates: 12 bytes per parameter each way; weights on the SSD: each load reads them, the offload writes the
+    # gradients, the update reads those and writes the next weights
+    loads = sum(r["loads"] * s["param_bytes"] for s, r in zip(big["stages"], mem["stages"]) if r["weights"] == "ssd")
+    assert mem["ssd_read_bytes"] == 12 * params + loads + sum(s["param_bytes"] for s in moved)
+    assert mem["ssd_write_bytes"] == 12 * params + sum(2 * s["param_bytes"] for s in moved)
     ssd_s = mem["ssd_read_bytes"] / 3e9 + mem["ssd_write_bytes"] / 2e9  # unprobed defaults
     assert (
         mem["ssd"]
@@ -56,22 +63,24 @@ def test_175b_on_512_gib_puts_the_optimizer_states_on_ssd(big):
 def test_memory_totals_add_up(big):
     mem = big["memory"]
     assert mem["host_bytes"] == sum(mem["host_bytes_by_kind"].values())
-    assert mem["host_bytes_by_kind"]["weights"] == sum(s["param_bytes"] for s in big["stages"])
     assert mem["device_bytes"] <= big["num_gpus"] * big["gpu_memory_bytes"]
     rows = mem["stages"]
-    assert len(rows) == big["num_stages"]
-    streaming = mem["host_bytes_by_kind"]["streaming"]
-    assert sum(r["host_bytes"] for r in rows) + streaming == mem["host_bytes"]
+    assert len(rows) == big["num_stages"] and [r["gpu"] for r in rows] == [s["gpu"] for s in big["stages"]]
+    assert sum(r["host_bytes"] for r in rows) == mem["host_bytes"]
     assert sum(r["ssd_bytes"] for r in rows) == mem["ssd_bytes"]
     assert {r["optimizer"] for r in rows} == {"ssd"}
-    on_ssd = sum(r["gradients"] == "ssd" for r in rows)
-    assert mem["tiers"]["gradients"] == ("host+ssd" if 0 < on_ssd < len(rows) else rows[0]["gradients"])
+    kept = sum(s["param_bytes"] for s, r in zip(big["stages"], rows) if r["weights"] == "host")
+    assert mem["host_bytes_by_kind"]["weights"] == 2 * kept  # fp16 weights and gradients of the stages kept
+    for g in mem["gpus"]:  # each gpu: saved inputs, then states and streaming shares, within its share
+        mine = [r for r in rows if r["gpu"] == g["gpu"]]
+        assert g["state_budget_bytes"] == g["host_share_bytes"] - g["saved_inputs_bytes"]
+        assert sum(r["host_bytes"] for r in mine) <= g["host_share_bytes"]
 
 
 def test_contract_fields_are_kept(big):
     assert {"model", "num_gpus", "num_stages", "stages", "predicted_step_time_s", "solver"} <= set(big)
     assert {"device_bytes", "host_bytes", "ssd_bytes", "tiers", "bound_by"} <= set(big["memory"])
-    assert set(big["memory"]["tiers"]) == {"weights", "optimizer", "gradients"}
+    assert set(big["memory"]["tiers"]) == {"optimizer", "weights"}
 
 
 def test_no_budget_on_a_preset_is_unlimited_and_all_in_memory(capsys):
@@ -101,8 +110,9 @@ def test_text_has_the_memory_section(capsys):
     code, out, err = run(BIG + ["--host-memory-gb", "512"], capsys)
     assert code == 0, err
     lines = out.splitlines()
-    assert lines[4].startswith("memory: device ") and "host budget 512.00 GiB (--host-memory-gb)" in lines[4]
-    assert lines[5].startswith("tiers: weights host, optimizer ssd, gradients ")
+    assert lines[4].startswith("memory: device ")
+    assert lines[4].endswith("host budget 512.00 GiB (--host-memory-gb), 128.00 GiB per gpu")
+    assert lines[5].startswith("tiers: optimizer ssd, weights and gradients host+ssd (")
     assert lines[6].startswith("ssd: 3 GB/s read, 2 GB/s write (unprobed") and "a step reads" in lines[6]
     assert lines[7].startswith("step bound by ssd: busy ")
 
@@ -115,11 +125,11 @@ def test_a_bad_host_memory_is_one_clear_line(value, capsys):
     assert err.count("\n") == 1 and f"found {value!r}" in err and "leave the option out" in err
 
 
-def test_a_budget_below_the_weights_is_infeasible(capsys):
-    code, out, err = run(BIG + ["--host-memory-gb", "100"], capsys)
+def test_a_budget_below_the_saved_inputs_is_infeasible(capsys):
+    code, out, err = run(BIG + ["--host-memory-gb", "10"], capsys)
     assert code == 2 and out == "" and err.count("\n") == 1
-    assert "of host memory even with every optimizer state and gradient on the SSD" in err
-    assert "is 100.0 GiB" in err and "weights 326.4 GiB" in err and "--host-memory-gb 349" in err
+    assert "of host memory even with every state on the SSD (saved stage inputs" in err
+    assert "(--host-memory-gb: 10.00 GiB over 4 gpus) is 2.50 GiB" in err and "--host-memory-gb 19)" in err
 
 
 def test_compare_says_it_keeps_the_states_in_memory(capsys):

@@ -9,6 +9,7 @@ from functools import partial
 import pytest
 import torch
 
+from foundation.units import MiB
 from mobiuspipe import Pipeline
 from mobiuspipe.config import MemoryConfig, config_from_dict, load_config
 from mobiuspipe.config_plan import gpt_spec, plan_for_config
@@ -17,6 +18,9 @@ from mobiuspipe.errors import ConfigError, PipelineError
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.optim.loss_scale import LossScaler
+from mobiuspipe.stage_states import least_share
+from partition.placement import LEAST_SHARE_BYTES
+from partition.tiers import HostBudget, place_tiers
 
 
 def _run(precision: str, memory: MemoryConfig | None, steps: int = 3, overlap: bool = True):
@@ -45,18 +49,25 @@ def _run(precision: str, memory: MemoryConfig | None, steps: int = 3, overlap: b
     ) as pipe:
         results = [pipe.train_batch(*data.batch(s, 6)) for s in range(steps)]
         losses = [(r.loss, r.skipped) for r in results]
-        return losses, pipe.state_dict(), pipe.placement
+        return losses, pipe.state_dict(), pipe.placement, pipe.plan
+
+
+def test_the_planners_least_share_is_the_runtimes():
+    """partition.placement.LEAST_SHARE_BYTES (what the planner assumes) is what the runtime derives from its
+    out-of-core Adam's group layout and weight-stream buffers, for every training dtype."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert least_share(dtype.itemsize) == LEAST_SHARE_BYTES
 
 
 @pytest.mark.parametrize("weights", ["host", "ssd"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_states_on_ssd_are_bit_identical_to_host(tmp_path, precision, weights):
-    host_losses, host_weights, _ = _run(precision, None)
+    host_losses, host_weights, *_ = _run(precision, None)
     # ~8k parameters per stage: each stage's share (64 KiB and up) streams it in groups of 1024 elements;
     # with the weights in memory, 4 stages x 8k x (4 + 4) bytes of weights and gradients stay there too
     budget = 0.25 if weights == "ssd" else 0.6
     memory = MemoryConfig(optimizer="ssd", weights=weights, ssd_dir=str(tmp_path), host_budget_mb=budget)
-    ssd_losses, ssd_weights, placement = _run(precision, memory)
+    ssd_losses, ssd_weights, placement, _ = _run(precision, memory)
     assert set(placement.weights.values()) == {weights}
     assert ssd_losses == host_losses
     assert [skipped for _, skipped in ssd_losses] == ([True, True, False] if precision == "fp16" else [False] * 3)
@@ -97,7 +108,7 @@ def test_ssd_tier_mistakes(tmp_path):
 def test_torchrun_entry_with_auto_states_equals_plain_pytorch(tmp_path, launch, reference):
     """auto under 0.2 MiB (fp32: 12 + 4 + 4 bytes per parameter in memory): neither rank's two stages fit
     (rank 0: 13,824 and 7,224 parameters, rank 1: 7,224 and 6,192), so both move their optimizer states to
-    SSD and then the weights of their largest stage (hand-computed in test_state_placement's terms)."""
+    SSD and then the weights of their largest stage (hand-computed in tests/partition/test_placement.py's terms)."""
     write_config, torchrun = launch
     cfg_path = write_config(
         tmp_path,
@@ -127,11 +138,11 @@ def test_torchrun_entry_with_auto_states_equals_plain_pytorch(tmp_path, launch, 
 
 
 def test_auto_run_puts_the_largest_stage_on_ssd_and_stays_bit_identical(tmp_path):
-    host_losses, host_weights, _ = _run("bf16", None)
+    host_losses, host_weights, *_ = _run("bf16", None)
     # stages of 13,776, 7,224, 7,224 and 6,192 parameters, 16 bytes each in memory: 0.45 MiB holds the last two
-    # and the weights, gradients and streaming shares of the first two (test_state_placement's terms)
+    # and the weights, gradients and streaming shares of the first two (tests/partition/test_placement.py's terms)
     memory = MemoryConfig(optimizer="auto", ssd_dir=str(tmp_path), host_budget_mb=0.45)
-    losses, weights, placement = _run("bf16", memory)
+    losses, weights, placement, _ = _run("bf16", memory)
     assert losses == host_losses
     for k in host_weights:
         assert torch.equal(weights[k], host_weights[k]), k
@@ -144,9 +155,32 @@ def test_auto_run_puts_the_largest_stage_on_ssd_and_stays_bit_identical(tmp_path
 
 def test_serialized_updates_give_the_same_bits(tmp_path):
     """overlap_updates=False (the updates after the backward, awaited in train_batch) only moves time."""
-    host_losses, host_weights, _ = _run("bf16", None)
+    host_losses, host_weights, *_ = _run("bf16", None)
     memory = MemoryConfig(optimizer="ssd", weights="ssd", ssd_dir=str(tmp_path), host_budget_mb=0.25)
-    losses, weights, _ = _run("bf16", memory, overlap=False)
+    losses, weights, *_ = _run("bf16", memory, overlap=False)
     assert losses == host_losses
     for k in host_weights:
         assert torch.equal(weights[k], host_weights[k]), k
+
+
+@pytest.mark.parametrize(
+    ("budget_mb", "optimizer", "weights"),
+    [
+        (0.45, ["ssd", "ssd", "host", "host"], ["host"] * 4),  # the auto run above
+        (0.3, ["ssd"] * 4, ["ssd", "ssd", "ssd", "host"]),  # then the weights of all but the smallest stage
+    ],
+)
+def test_the_planner_predicts_the_pipelines_placement(tmp_path, budget_mb, optimizer, weights):
+    """partition.tiers places the states as the runtime does. The run has one rank, so the planner's gpu 0 is
+    that rank and the server budget is not split. To compare the budgets: the runtime gives
+    memory.host_budget_mb to the states alone, while the planner takes the stage inputs saved for the
+    recompute out of a gpu's share first; so the planner gets host_budget_mb plus those saved inputs."""
+    memory = MemoryConfig(optimizer="auto", weights="auto", ssd_dir=str(tmp_path), host_budget_mb=budget_mb)
+    _, _, placement, plan = _run("bf16", memory, steps=1)
+    assert list(placement.optimizer.values()) == optimizer and list(placement.weights.values()) == weights
+    saved = sum(plan.num_microbatches * plan.stages[j - 1].output_bytes for j in range(1, plan.num_stages))
+    budget = int(budget_mb * MiB)  # as the Pipeline reads memory.host_budget_mb
+    mem = place_tiers(plan, HostBudget(budget + saved, "the run's host_budget_mb + its saved inputs"))
+    assert mem.gpus[0].saved_inputs_bytes == saved and mem.gpus[0].state_budget_bytes == budget
+    assert mem.gpus[0].placement == placement  # the same tiers and the same streaming share
+    assert [s.optimizer for s in mem.stages] == optimizer and [s.weights for s in mem.stages] == weights

@@ -86,9 +86,37 @@ def test_compute_and_pcie_bounds_without_ssd():
     assert b.bound_by == "pcie" and b.bound_link == "gpu0 h2d" and b.busy_s["pcie"] == 40.0
 
 
+def test_weights_on_the_ssd_stream_each_load_and_offload():
+    # one stage, 3e9 bytes of weights and gradients on the SSD: the load takes max(.5, 3e9 / 3 GB/s) [0, 1];
+    # F [1, 2], B [2, 4]; the offload max(.5, 3e9 / 2 GB/s) [4, 5.5]; the update (no SSD bytes of its own here)
+    st = [dataclasses.replace(_st(0), param_bytes=3 * 10**9, grad_bytes=3 * 10**9, ssd_weights=True)]
+    res = simulate(st, 1, 1, ssd=SSD)
+    assert _ev(res, "load", 0) == (0.0, 1.0) and _ev(res, "offload", 0) == (4.0, 5.5)
+    assert _ev(res, "update", 0) == (5.5, 6.5) and res.step_time_s == 6.5
+    assert ("ssd", "read", 3 * 10**9) in res.link_bytes and ("ssd", "write", 3 * 10**9) in res.link_bytes
+    assert step_bound(res, st, None, SSD).busy_s["ssd"] == 2.5  # 1 s of reads + 1.5 s of writes
+
+
+def test_the_step_lasts_at_least_the_drives_busy_seconds():
+    # two gpus each load a stage of 3e9 bytes from the SSD at once [0, 1] (the static model does not share the
+    # drive between them); F0 [1, 1.25], F1 [1.25, 1.5], B1 [1.5, 2], offload1 [2, 3.5], B0 [2, 2.5], offload0
+    # [2.5, 4], updates [3.5, 3.75] and [4, 4.25]. The drive reads 6e9 (2 s) and writes 6e9 (3 s): 5 s > 4.25.
+    one = dataclasses.replace(
+        _st(0, fwd=0.25, bwd=0.25, update=0.25), param_bytes=3 * 10**9, grad_bytes=3 * 10**9, ssd_weights=True
+    )
+    res = simulate([one, dataclasses.replace(one, gpu=1)], 2, 1, ssd=SSD)
+    assert _ev(res, "offload", 0) == (2.5, 4.0) and _ev(res, "update", 0) == (4.0, 4.25)
+    assert res.step_time_s == 5.0
+
+
 def test_ssd_bytes_need_a_link():
     with pytest.raises(ValueError, match="ssd=SsdLink"):
         simulate([_st(0, 1, 1)], 1, 1)
+
+
+def _need_per_gpu(memory) -> list[int]:
+    """Host bytes each gpu's stages need (all in memory)."""
+    return [sum(s.host_bytes for s in memory.stages if s.gpu == g) for g in range(len(memory.gpus))]
 
 
 def test_predict_streams_the_placed_states_on_a_topology():
@@ -96,19 +124,35 @@ def test_predict_streams_the_placed_states_on_a_topology():
     plan = make_plan(analytic_profile(get_model("gpt3-1.3b"), device_spec(topo.gpus[0].name)), topo, 4, solver="dp")
     free = predict_step(plan, topo, HostBudget(None, "unlimited"))
     assert free.memory.ssd_bytes == 0 and free.plan.predicted_step_time_s == plan.predicted_step_time_s
-    tight = predict_step(plan, topo, HostBudget(free.memory.host_bytes - 1, "given"))
-    assert tight.memory.tier("optimizer") == "host+ssd" and tight.memory.on_ssd("optimizer") >= 1
+    need = _need_per_gpu(free.memory)  # each gpu's share is a quarter of the server's budget
+    tight = predict_step(plan, topo, HostBudget(4 * max(need) - 1, "given"))
+    # gpu 0 needs the most and moves the optimizer states of its largest stages: one stage's 12 N (1.3e9) is less
+    # than the quarter of gpu 0's budget a stage on SSD streams through (1.6e9), so two move
+    assert tight.memory.tier("optimizer") == "host+ssd" and tight.memory.on_ssd("optimizer") == 2
     st = sim_stages(plan.stages, topo, tight.memory)
     j = next(k for k, s in enumerate(tight.memory.stages) if s.optimizer == "ssd")
+    assert plan.stages[j].gpu == need.index(max(need)) == 0 and not st[j].ssd_weights
     assert st[j].ssd_read_bytes == st[j].ssd_write_bytes == 12 * plan.stages[j].param_count
     updates = {e[2]: e[5] - e[4] for e in tight.sim.events if e[0] == "update"}
     assert updates[j] == pytest.approx(SsdLink(3.0, 2.0).seconds(st[j].ssd_read_bytes, st[j].ssd_write_bytes))
     assert tight.plan.predicted_step_time_s > free.plan.predicted_step_time_s
-    kinds = tight.memory.host_by_kind  # weights + gradients + saved inputs + streaming: every state on the SSD
-    rest = kinds["weights"] + kinds["gradients"] + kinds["saved_inputs"] + kinds["streaming"]
-    out = predict_step(plan, topo, HostBudget(rest, "given"))
-    assert out.memory.tier("optimizer") == "ssd" and out.memory.tier("gradients") == "host"
-    assert out.bound.bound_by == "ssd" and out.bound.busy_s["ssd"] == pytest.approx(
-        12 * sum(s.param_count for s in plan.stages) * (1 / 3e9 + 1 / 2e9)
+    # a share that holds the saved inputs and little else: every state of every stage on the SSD
+    saved = max(g.saved_inputs_bytes for g in tight.memory.gpus)
+    out = predict_step(plan, topo, HostBudget(4 * (saved + 2**20), "given"))
+    mem = out.memory
+    assert mem.tier("optimizer") == mem.tier("weights") == "ssd"
+    st = sim_stages(plan.stages, topo, mem)
+    loads = [e for e in out.sim.events if e[0] == "load"]
+    assert len(loads) == sum(s.loads for s in mem.stages)
+    for e in loads:  # each load streams its stage's weights from the drive
+        assert e[5] - e[4] >= plan.stages[e[2]].param_bytes / 3e9 * (1 - 1e-9)
+    drive = dict((d, b) for n, d, b in out.sim.link_bytes if n == "ssd")
+    assert drive == {"read": mem.ssd_read_bytes, "write": mem.ssd_write_bytes}
+    params, b = sum(s.param_count for s in plan.stages), 2
+    assert mem.ssd_write_bytes == (12 + 2 * b) * params
+    assert mem.ssd_read_bytes == (12 + b) * params + sum(
+        s.loads * p.param_bytes for s, p in zip(mem.stages, plan.stages)
     )
+    assert out.bound.bound_by == "ssd"
+    assert out.bound.busy_s["ssd"] == pytest.approx(mem.ssd_read_bytes / 3e9 + mem.ssd_write_bytes / 2e9)
     assert out.plan.predicted_step_time_s >= out.bound.busy_s["ssd"]

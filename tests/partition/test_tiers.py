@@ -1,4 +1,5 @@
-"""The memory tiers of a plan against byte totals worked out by hand, and the placement rule on odd sizes."""
+"""The memory tiers of a plan against byte totals worked out by hand: the server budget split per gpu, the saved
+inputs first, then the runtime's placement rule (partition.placement) on each gpu's stages, at odd sizes."""
 
 import dataclasses
 
@@ -6,21 +7,22 @@ import pytest
 
 from foundation.units import GiB
 from partition.errors import PlanInfeasibleError
+from partition.placement import LEAST_SHARE_BYTES
 from partition.plan import Plan, SolverInfo, StagePlan
-from partition.simulate import SsdLink
+from partition.simulate import SimStage, SsdLink, simulate
 from partition.tiers import (
     SSD_READ_GBPS,
     SSD_WRITE_GBPS,
-    STREAM_BYTES,
     HostBudget,
     host_budget,
+    loads_per_step,
     place_tiers,
     ssd_info,
 )
 from topology import preset
 from topology.types import Measured
 
-# Three stages on two gpus, odd parameter counts (about 1, 3 and 2 billion), fp16 (2 bytes each).
+# Three stages on two gpus (0, 1, 0), odd parameter counts (about 1, 3 and 2 billion), fp16 (2 bytes each).
 N = (1_000_000_007, 3_000_000_001, 1_999_999_999)
 ACT = (100, 300, 200)
 OUT = (11, 13, 17)
@@ -66,82 +68,124 @@ def _plan(dtype: str = "fp16", counts=N) -> Plan:
 
 
 UNLIMITED = HostBudget(None, "unlimited")
-SAVED = M * (OUT[0] + OUT[1])  # stage 0 saves no input; stages 1 and 2 save their input per microbatch
-ALL = sum(N)
+N0, N1, N2 = N
+ALL = sum(N)  # 6,000,000,007
+SAVED0, SAVED1 = M * OUT[1], M * OUT[0]  # gpu 0 keeps stage 2's input (52), gpu 1 stage 1's (44)
+
+
+def _split(per_gpu: int) -> HostBudget:
+    """A server budget whose even split gives each of the 2 gpus `per_gpu` bytes."""
+    return HostBudget(2 * per_gpu, "given")
+
+
+def _tiers(mem, kind):
+    return [getattr(s, kind) for s in mem.stages]
+
+
+def test_loads_per_step_follow_the_visit_order():
+    # gpu 0 visits F0 F2 B2 B0: stage 2 stays resident into its backward; gpu 1 visits F1 B1
+    assert loads_per_step([0, 1, 0]) == [2, 1, 1]
+    assert loads_per_step([0, 1, 0, 1]) == [2, 2, 1, 1]
+    st = [SimStage(gpu=g, fwd_s=1, bwd_s=1, load_s=0.5, offload_s=0.5, update_s=1, comm_s=0) for g in (0, 1, 0, 1)]
+    events = simulate(st, 2, 2).events
+    assert [sum(e[0] == "load" and e[2] == j for e in events) for j in range(4)] == [2, 2, 1, 1]
 
 
 def test_unlimited_keeps_everything_in_memory_and_counts_every_kind():
     mem = place_tiers(_plan(), UNLIMITED)
     assert mem.host_by_kind == {
-        "weights": 2 * ALL,
         "optimizer": 12 * ALL,
-        "gradients": 2 * ALL,
-        "saved_inputs": SAVED,
+        "weights": 4 * ALL,  # fp16 weights and gradients, 2 + 2 bytes
+        "saved_inputs": SAVED0 + SAVED1,
         "streaming": 0,
     }
-    assert mem.host_bytes == 16 * ALL + SAVED
+    assert mem.host_bytes == 16 * ALL + 96
     assert mem.ssd_bytes == 0 and mem.ssd_read_bytes == 0 and mem.ssd_write_bytes == 0
     slot = 2 * N[1]
     assert mem.device_bytes == (3 * slot + max(ACT[0], ACT[2])) + (3 * slot + ACT[1])
     assert [s.device_bytes for s in mem.stages] == [2 * 2 * n + a for n, a in zip(N, ACT)]
-    assert [s.host_bytes for s in mem.stages] == [16 * N[0], 16 * N[1] + M * OUT[0], 16 * N[2] + M * OUT[1]]
-    assert {k: mem.tier(k) for k in ("weights", "optimizer", "gradients")} == dict.fromkeys(
-        ("weights", "optimizer", "gradients"), "host"
-    )
+    assert [s.host_bytes for s in mem.stages] == [16 * N0, 16 * N1 + M * OUT[0], 16 * N2 + M * OUT[1]]
+    assert [s.loads for s in mem.stages] == [2, 1, 1] and [s.gpu for s in mem.stages] == [0, 1, 0]
+    assert mem.to_dict()["tiers"] == {"optimizer": "host", "weights": "host"}
+    assert [g.share_bytes for g in mem.gpus] == [None, None]
 
 
-def test_a_budget_that_fits_exactly_moves_nothing():
-    exact = 16 * ALL + SAVED
-    assert place_tiers(_plan(), HostBudget(exact, "given")).ssd_bytes == 0
-    assert place_tiers(_plan(), HostBudget(exact - 1, "given")).ssd_bytes > 0
-
-
-def test_the_largest_stage_moves_first_then_the_next():
-    # One byte short: the largest stage (1, 3e9+1 parameters) moves its optimizer states, and the
-    # streaming slots (1 GiB per gpu) come in.
-    mem = place_tiers(_plan(), HostBudget(16 * ALL + SAVED - 1, "given"))
-    assert [s.optimizer for s in mem.stages] == ["host", "ssd", "host"]
-    assert [s.gradients for s in mem.stages] == ["host"] * 3
-    assert mem.ssd_by_kind == {"optimizer": 12 * N[1], "gradients": 0}
-    assert mem.host_bytes == 16 * ALL + SAVED - 12 * N[1] + 2 * STREAM_BYTES
-    assert mem.stages[1].ssd_read_bytes == mem.stages[1].ssd_write_bytes == 12 * N[1]
+def test_a_share_that_fits_exactly_moves_nothing():
+    need0 = 16 * (N0 + N2) + SAVED0  # 48,000,000,148: gpu 0 needs more than gpu 1 (48,000,000,060)
+    assert place_tiers(_plan(), _split(need0)).ssd_bytes == 0
+    # an odd server budget splits down: each gpu gets need0 - 1
+    mem = place_tiers(_plan(), HostBudget(2 * need0 - 1, "given"))
+    assert [g.share_bytes for g in mem.gpus] == [need0 - 1] * 2
+    assert [g.state_budget_bytes for g in mem.gpus] == [need0 - 1 - SAVED0, need0 - 1 - SAVED1]
+    # gpu 0's largest stage (2) moves its optimizer states; what stays (16 N0 + 4 N2) leaves it 12 N2 - 1 to
+    # stream through (at least a quarter of the 16 (N0 + N2) - 1 bytes for states); gpu 1 still fits
+    assert _tiers(mem, "optimizer") == ["host", "host", "ssd"] and _tiers(mem, "weights") == ["host"] * 3
+    assert mem.gpus[0].placement.slot_bytes == 12 * N2 - 1 and mem.gpus[1].placement.slot_bytes == 0
+    assert mem.host_by_kind == {
+        "optimizer": 12 * (N0 + N1),
+        "weights": 4 * ALL,
+        "saved_inputs": 96,
+        "streaming": 12 * N2 - 1,
+    }
+    assert mem.ssd_by_kind == {"optimizer": 12 * N2, "weights": 0}
+    s2 = mem.stages[2]
+    assert (s2.ssd_read_bytes, s2.ssd_write_bytes, s2.host_bytes) == (12 * N2, 12 * N2, 4 * N2 + SAVED0 + 12 * N2 - 1)
     assert mem.tier("optimizer") == "host+ssd" and mem.on_ssd("optimizer") == 1
-    # Just below what one move leaves: stage 2 (2e9-1) goes next, then stage 0.
-    two = place_tiers(_plan(), HostBudget(mem.host_bytes - 1, "given"))
-    assert [s.optimizer for s in two.stages] == ["host", "ssd", "ssd"]
-    three = place_tiers(_plan(), HostBudget(two.host_bytes - 1, "given"))
-    assert [s.optimizer for s in three.stages] == ["ssd"] * 3 and three.tier("optimizer") == "ssd"
-    assert [s.gradients for s in three.stages] == ["host"] * 3
 
 
-def test_gradients_follow_the_optimizer_states_largest_first():
-    states_out = 4 * ALL + SAVED + 2 * STREAM_BYTES  # weights + gradients + saved inputs + streaming
-    assert place_tiers(_plan(), HostBudget(states_out, "given")).tier("gradients") == "host"
-    mem = place_tiers(_plan(), HostBudget(states_out - 1, "given"))
-    assert [s.gradients for s in mem.stages] == ["host", "ssd", "host"]
-    assert mem.host_bytes == states_out - 2 * N[1]
-    assert mem.ssd_bytes == 12 * ALL + 2 * N[1]
-    assert mem.stages[1].ssd_read_bytes == mem.stages[1].ssd_write_bytes == 14 * N[1]
-    assert mem.ssd_read_bytes == 12 * ALL + 2 * N[1]
-    assert mem.to_dict()["tiers"] == {"weights": "host", "optimizer": "ssd", "gradients": "host+ssd"}
+def test_weights_follow_the_optimizer_states_largest_first():
+    # gpu 0 has 15e9 bytes for states: both stages' optimizer states out leave (15e9 - 4 (N0 + N2)) / 2 =
+    # 1,499,999,988 each, under a quarter of 15e9 over 2 (1,875,000,000): stage 2's weights move, and
+    # (15e9 - 4 N0) / 2 = 5,499,999,986 each is enough. gpu 1 (15,000,000,008 for states): N1 on SSD with its
+    # weights in memory leaves 3,000,000,004, under a quarter (3,750,000,002): everything of stage 1 moves.
+    mem = place_tiers(_plan(), _split(15 * 10**9 + SAVED0))
+    assert _tiers(mem, "optimizer") == ["ssd"] * 3 and _tiers(mem, "weights") == ["host", "ssd", "ssd"]
+    assert [g.placement.slot_bytes for g in mem.gpus] == [5_499_999_986, 15 * 10**9 + SAVED0 - SAVED1]
+    assert mem.to_dict()["tiers"] == {"optimizer": "ssd", "weights": "host+ssd"} and mem.on_ssd("weights") == 2
+    assert mem.ssd_by_kind == {"optimizer": 12 * ALL, "weights": 4 * (N1 + N2)}  # weights + gradients records
+    # stage 0: the update's 12 N0 each way; stages 1 and 2 (one load each): + the load's 2 N, the gradients
+    # written at the offload and read by the update, 2 N each, and the next weights written by the update, 2 N
+    assert [(s.ssd_read_bytes, s.ssd_write_bytes) for s in mem.stages] == [
+        (12 * N0, 12 * N0),
+        (16 * N1, 16 * N1),
+        (16 * N2, 16 * N2),
+    ]
+    assert [(s.load_read_bytes, s.offload_write_bytes, s.update_read_bytes) for s in mem.stages[1:]] == [
+        (2 * N1, 2 * N1, 14 * N1),
+        (2 * N2, 2 * N2, 14 * N2),
+    ]
 
 
-def test_weights_alone_over_the_budget_is_infeasible_with_the_numbers():
-    floor = 2 * ALL + SAVED + 2 * STREAM_BYTES  # weights, saved inputs, streaming: never on the SSD
-    assert place_tiers(_plan(), HostBudget(floor, "given")).tier("gradients") == "ssd"
+def test_everything_on_the_ssd_fills_each_share_with_streaming():
+    # 5e9 for gpu 0's states: stage 0's weights move too; its two loads each read 2 N0
+    mem = place_tiers(_plan(), _split(5 * 10**9 + SAVED0))
+    assert _tiers(mem, "optimizer") == _tiers(mem, "weights") == ["ssd"] * 3
+    assert mem.host_bytes == 2 * (5 * 10**9 + SAVED0)  # every byte of each share: saved inputs + streaming
+    assert mem.host_by_kind == {"optimizer": 0, "weights": 0, "saved_inputs": 96, "streaming": mem.host_bytes - 96}
+    assert mem.stages[0].ssd_read_bytes == 12 * N0 + 2 * 2 * N0 + 2 * N0 and mem.ssd_write_bytes == 16 * ALL
+    assert mem.ssd_read_bytes == 16 * ALL + 2 * N0
+
+
+def test_a_share_below_the_saved_inputs_and_least_shares_is_infeasible_with_the_numbers():
+    least = SAVED0 + 2 * LEAST_SHARE_BYTES  # gpu 0: its saved inputs and 64 KiB for each of its 2 stages
+    mem = place_tiers(_plan(), _split(least))
+    assert [g.placement.slot_bytes for g in mem.gpus] == [LEAST_SHARE_BYTES, least - SAVED1]
     with pytest.raises(PlanInfeasibleError) as e:
-        place_tiers(_plan(), HostBudget(floor - 1, "--host-memory-gb"))
+        place_tiers(_plan(), HostBudget(2 * least - 1, "--host-memory-gb"))
     msg = str(e.value)
-    assert "needs 13.2 GiB of host memory" in msg and "is 13.2 GiB" in msg  # 12e9 B + 2 GiB = 13.18 GiB
-    assert "--host-memory-gb 14" in msg and "weights 11.2 GiB" in msg
+    assert "gpu 0 needs 128.05 KiB of host memory even with every state on the SSD" in msg
+    assert "saved stage inputs 52 B" in msg and "of its 2 stages 128.00 KiB" in msg
+    assert "(--host-memory-gb: 256.10 KiB over 2 gpus) is 128.05 KiB" in msg and "--host-memory-gb 1)" in msg
 
 
 def test_fp32_weights_are_the_master_while_the_states_are_in_memory():
     mem = place_tiers(_plan("fp32"), UNLIMITED)
-    assert mem.host_by_kind["weights"] == 0 and mem.host_bytes == 16 * ALL + SAVED  # 12 + 4 gradients
-    moved = place_tiers(_plan("fp32"), HostBudget(mem.host_bytes - 1, "given"))
-    assert moved.host_by_kind["weights"] == 4 * N[1]  # stage 1's states left: it needs its own fp32 copy
-    assert moved.host_bytes == 16 * ALL + SAVED - 12 * N[1] + 4 * N[1] + 2 * STREAM_BYTES
+    assert mem.host_by_kind["weights"] == 4 * ALL and mem.host_bytes == 16 * ALL + 96  # 12 + 4 gradients
+    moved = place_tiers(_plan("fp32"), _split(16 * (N0 + N2) + SAVED0 - 1))
+    assert _tiers(moved, "optimizer") == ["host", "host", "ssd"]
+    assert moved.host_by_kind["weights"] == 4 * ALL + 4 * N2  # stage 2's states left: it needs its own fp32 copy
+    # the stage streams what is left: 16 (N0 + N2) - 1 - (16 N0 + 8 N2)
+    assert moved.gpus[0].placement.slot_bytes == 8 * N2 - 1
 
 
 def test_host_budget_sources():

@@ -1,5 +1,7 @@
-"""Where each of a rank's stages keeps its optimizer states (fp32 master + both moments) and its device-dtype
-weights and gradients, host memory or the SSD store, under the rank's host budget (memory.host_budget_mb).
+"""Where a gpu's stages keep their optimizer states and their device-dtype weights and gradients: host or SSD.
+
+The one placement rule: the runtime applies it per rank under memory.host_budget_mb
+(mobiuspipe.pipeline), the planner per gpu under its share of the server's host budget (partition.tiers).
 
 Host bytes per parameter n of a stage (b = bytes of the training dtype, B = its share of the budget):
   optimizer host (weights host):  12 n  + b n gradients + b n weights (none in fp32: the master is loaded)
@@ -14,11 +16,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Placement", "place_states", "host_bytes", "TIERS", "STATE_BYTES"]
+from foundation.units import KiB
+
+__all__ = ["Placement", "place_states", "host_bytes", "TIERS", "STATE_BYTES", "LEAST_SHARE_BYTES"]
 
 TIERS = ("host", "ssd", "auto")
 STATE_BYTES = 12
 """Bytes per parameter of the optimizer states: fp32 master + exp_avg + exp_avg_sq."""
+LEAST_SHARE_BYTES = 4 * STATE_BYTES * KiB + 4 * 4 * KiB
+"""The least host share of a stage on SSD, for every training dtype (fp32, bf16, fp16): the out-of-core Adam's
+4 group slots of one 4 KiB-aligned group (1024 elements x 12 bytes each) and the weight stream's 4 staging
+buffers of one group (1024 elements of <= 4 bytes: one 4 KiB page each) = 64 KiB. The runtime derives it
+from its group layout (mobiuspipe.stage_states.least_share); tests/mobiuspipe/test_state_tiers.py checks
+the two agree."""
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,10 @@
 
 import pytest
 
-from mobiuspipe.stage_states import least_share
-from mobiuspipe.state_placement import host_bytes, place_states
+from partition.placement import LEAST_SHARE_BYTES, host_bytes, place_states
 
 PARAMS = {0: 1000, 2: 50_000, 4: 20_000}
-LEAST = least_share(2)  # 64 KiB: the Adam's 4 slots of one 4 KiB-aligned group, and 4 staging pages
+LEAST = LEAST_SHARE_BYTES  # 64 KiB: the Adam's 4 slots of one 4 KiB-aligned group, and 4 staging pages
 
 
 def test_host_bytes_per_choice():
