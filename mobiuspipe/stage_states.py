@@ -141,9 +141,11 @@ class SsdStreamStates:
         return device.stream_in(lambda copy: self.stream.load_into(dst, copy))
 
     def take_grads(self, src: torch.Tensor) -> None:
-        self.stream.save_grads(src)
+        self.stream.save_grads(src, check_finite=src.dtype == torch.float16)  # only fp16 asks grads_finite
 
     def grads_finite(self) -> bool:
+        if self.stream.finite is None:
+            raise RuntimeError("the gradient's finiteness is checked on the way to SSD in fp16 training only")
         return self.stream.finite
 
     def step(self, grad_scale: float) -> None:

@@ -42,7 +42,8 @@ class SsdWeights:
         size = max(self.record_elems, default=per) * self.dtype.itemsize
         self.buffers = [aligned_empty(size).view(self.dtype) for _ in range(BUFFERS)]
         self.grad_scale = 1.0
-        self.finite = True
+        self.finite: bool | None = None
+        """Whether the last saved gradient was all finite; None when save_grads was not asked to check."""
         self._reads: dict[int, StoreFuture[torch.Tensor]] = {}
         self._writes: dict[int, StoreFuture[None]] = {}
         store.check_space(2 * size * len(self.groups), f"the weights and gradients of {prefix}")
@@ -63,15 +64,17 @@ class SsdWeights:
             _drain(reads.values())
             raise
 
-    def save_grads(self, src: torch.Tensor) -> None:
-        """Write src (the stage's flat gradient, in the device dtype) as the d records; note whether it is
-        all finite (an fp16 overflow check that needs no second read)."""
-        self.finite = True
+    def save_grads(self, src: torch.Tensor, check_finite: bool) -> None:
+        """Write src (the stage's flat gradient, in the device dtype) as the d records; with check_finite,
+        note whether it is all finite on the way (fp16's overflow check, which then needs no second read; a
+        pass over the gradient that the other dtypes do not pay)."""
+        self.finite = True if check_finite else None
 
         def fill(i: int, buf: torch.Tensor) -> None:
             part = self._slice(src, i)
             buf.copy_(part)
-            self.finite = self.finite and bool(torch.isfinite(part).all())
+            if self.finite is not None:
+                self.finite = self.finite and bool(torch.isfinite(part).all())
 
         self._put_all("d", fill)
 
