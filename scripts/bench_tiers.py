@@ -1,7 +1,7 @@
 """Step time with every state on SSD against its floor, the overlap of the updates with the backward, and bf16 vs
 fp32, measured in one run on one rank (a CPU stand-in) of a GPT cut into several stages.
 
-Rows (median step time over --steps steps after one warm-up step, each row a fresh Pipeline):
+Rows (median step time over --steps steps after one warm-up step, each row a fresh Pipeline; bf16: 2 steps):
   host fp32 / host bf16   every state in host memory: the compute of the step (the yardstick), and bf16's cost
   ssd                     memory.optimizer and memory.weights ssd under --budget-mb: the updates overlap the
                           backward of earlier stages
@@ -52,8 +52,10 @@ def _config(args: argparse.Namespace, precision: str) -> dict:
     }
 
 
-def run(args: argparse.Namespace, precision: str, memory: MemoryConfig | None, overlap: bool = True) -> dict:
-    """Median step seconds and the storage bytes read and written per step."""
+def run(
+    args: argparse.Namespace, precision: str, memory: MemoryConfig | None, overlap: bool = True, steps: int = 0
+) -> dict:
+    """Median step seconds over `steps` (default --steps) and the storage bytes read and written per step."""
     cfg = config_from_dict(_config(args, precision))
     data = ByteData(cfg.data.text_path, cfg.model.seq_len, 1)
     opt = partial(CPUAdam, lr=1e-4)
@@ -62,7 +64,7 @@ def run(args: argparse.Namespace, precision: str, memory: MemoryConfig | None, o
     with Pipeline(
         layers, lm_loss, plan=plan_for_config(cfg), optimizer=opt, memory=memory, overlap_updates=overlap
     ) as p:
-        for s in range(args.steps + 1):
+        for s in range((steps or args.steps) + 1):
             before = _io_bytes()
             with Stopwatch() as sw:
                 p.train_batch(*data.batch(s, 4))
@@ -106,12 +108,12 @@ def main() -> None:
     p.add_argument("--stages", type=int, default=6)
     p.add_argument("--device-mb", type=float, default=512.0)
     p.add_argument("--budget-mb", type=float, default=160.0, help="host_budget_mb of the ssd rows")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=6, help="timed steps per row (the bf16 row: 2)")
     p.add_argument("--ssd-dir", default=None, help="a folder on the disk to measure (default: a temp folder)")
     args = p.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(dir=args.ssd_dir) as tmp:
-        rows = {"host fp32": run(args, "fp32", None), "host bf16": run(args, "bf16", None)}
+        rows = {"host fp32": run(args, "fp32", None), "host bf16": run(args, "bf16", None, steps=2)}
         for name, overlap in (("ssd", True), ("ssd serialized", False)):
             mem = MemoryConfig(
                 optimizer="ssd", weights="ssd", ssd_dir=str(Path(tmp) / name), host_budget_mb=args.budget_mb
