@@ -42,9 +42,9 @@ from foundation.units import GiB
 from partition.costmodel import LayerArrays
 from partition.errors import PlanInfeasibleError
 from partition.flows import FlowNet, TaskGraph
-from partition.plan import Plan, StagePlan
+from partition.plan import Plan
 from partition.profile import Profile
-from partition.search import host_adam_rate, make_plan, sim_stages
+from partition.search import host_adam_rate, make_plan, sim_stages, stage_plan
 from partition.simulate import SimResult, link_paths, simulate
 from topology import Topology
 
@@ -147,21 +147,7 @@ def gpipe(profile: Profile, topo: Topology, microbatches: int, reserve_bytes: in
         )
     work = lambda a, b: (2 * arr.fwd(a, b) + arr.bwd(a, b)) if mem(a, b) <= memory else math.inf  # noqa: E731
     _, ranges = _minmax_cut(arr.num_layers, n, work)
-    stages = tuple(
-        StagePlan(
-            first=a,
-            last=b,
-            gpu=j,
-            param_count=arr.param_count(a, b),
-            param_bytes=arr.params(a, b),
-            activation_bytes=arr.activations(a, b),
-            output_bytes=int(arr.O[b]),
-            fwd_s=arr.fwd(a, b),
-            bwd_s=arr.bwd(a, b),
-            load_gbps=1.0,
-        )
-        for j, (a, b) in enumerate(ranges)
-    )
+    stages = tuple(stage_plan(arr, a, b, j, 1.0) for j, (a, b) in enumerate(ranges))
     resident = [
         dataclasses.replace(s, load_s=0.0, offload_s=0.0, update_s=0.0, param_bytes=0, grad_bytes=0)
         for s in sim_stages(stages, topo)

@@ -247,21 +247,7 @@ def _plan_of(
     rule: str,
     memory: int,
 ) -> Plan:
-    stages = tuple(
-        StagePlan(
-            first=a,
-            last=b,
-            gpu=m[j],
-            param_count=arr.param_count(a, b),
-            param_bytes=arr.params(a, b),
-            activation_bytes=arr.activations(a, b),
-            output_bytes=int(arr.O[b]),
-            fwd_s=arr.fwd(a, b),
-            bwd_s=arr.bwd(a, b),
-            load_gbps=gbps[j],
-        )
-        for j, (a, b) in enumerate(ranges)
-    )
+    stages = tuple(stage_plan(arr, a, b, m[j], gbps[j]) for j, (a, b) in enumerate(ranges))
     slot = max(s.param_bytes for s in stages)
     sim = simulate(sim_stages(stages, topo), topo.num_gpus, microbatches, topology=topo)
     return Plan(
@@ -316,3 +302,19 @@ def sim_stages(stages: tuple[StagePlan, ...], topo: Topology, memory: MemoryPlan
             )
         )
     return out
+
+
+def stage_plan(arr: LayerArrays, a: int, b: int, gpu: int, load_gbps: float) -> StagePlan:
+    """The plan entry of the stage of layers a..b on `gpu`, its weights arriving at load_gbps (GB/s)."""
+    return StagePlan(
+        first=a,
+        last=b,
+        gpu=gpu,
+        param_count=arr.param_count(a, b),
+        param_bytes=arr.params(a, b),
+        activation_bytes=arr.activations(a, b),
+        output_bytes=int(arr.O[b]),
+        fwd_s=arr.fwd(a, b),
+        bwd_s=arr.bwd(a, b),
+        load_gbps=load_gbps,
+    )
