@@ -1,7 +1,8 @@
 """Step time with every state on SSD against its floor, the overlap of the updates with the backward, and bf16 vs
 fp32, measured in one run on one rank (a CPU stand-in) of a GPT cut into several stages.
 
-Rows (median step time over --steps steps after one warm-up step, each row a fresh Pipeline; bf16: 2 steps):
+Rows (median step time over --steps steps after one warm-up step; the fp32 rows are three Pipelines alive at
+once, stepped in turn, so that the machine's drift touches them alike; bf16 then alone, 2 steps):
   host fp32 / host bf16   every state in host memory: the compute of the step (the yardstick), and bf16's cost
   ssd                     memory.optimizer and memory.weights ssd under --budget-mb: the updates overlap the
                           backward of earlier stages
@@ -52,36 +53,53 @@ def _config(args: argparse.Namespace, precision: str) -> dict:
     }
 
 
-def run(
-    args: argparse.Namespace, precision: str, memory: MemoryConfig | None, overlap: bool = True, steps: int = 0
-) -> dict:
-    """Median step seconds over `steps` (default --steps) and the storage bytes read and written per step."""
+def _pipeline(args: argparse.Namespace, precision: str, memory: MemoryConfig | None, overlap: bool) -> Pipeline:
     cfg = config_from_dict(_config(args, precision))
-    data = ByteData(cfg.data.text_path, cfg.model.seq_len, 1)
-    opt = partial(CPUAdam, lr=1e-4)
     layers = layer_factories(gpt_spec(cfg), 1)
-    times, io = [], []
-    with Pipeline(
-        layers, lm_loss, plan=plan_for_config(cfg), optimizer=opt, memory=memory, overlap_updates=overlap
-    ) as p:
-        for s in range((steps or args.steps) + 1):
-            before = _io_bytes()
-            with Stopwatch() as sw:
-                p.train_batch(*data.batch(s, 4))
-                p.engine.wait_updates()  # a step ends when its updates have: the next step needs them
-            after = _io_bytes()
-            if s:  # the first step learns the shapes and touches every buffer: not timed
-                times.append(sw.s)
-                io.append((after[0] - before[0], after[1] - before[1]))
-        slots = [st.states.optimizer.slots[0] for st in p.engine.stages.values() if hasattr(st.states, "stream")]
-    kind = buffer_kind(slots[0].data_ptr(), slots[0].numel() * slots[0].element_size()) if slots else ""
-    return {
-        "step_s": statistics.median(times),
-        "read": int(statistics.median(r for r, _ in io)),
-        "written": int(statistics.median(w for _, w in io)),
-        "pages": kind,
-        "params": sum(st.numel for st in p.engine.stages.values()),
-    }
+    opt = partial(CPUAdam, lr=1e-4)
+    return Pipeline(layers, lm_loss, plan=plan_for_config(cfg), optimizer=opt, memory=memory, overlap_updates=overlap)
+
+
+def _step(p: Pipeline, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int, int]:
+    """Seconds of one step (its updates included: the next step needs them) and the bytes it read and wrote."""
+    before = _io_bytes()
+    with Stopwatch() as sw:
+        p.train_batch(x, y)
+        p.engine.wait_updates()
+    after = _io_bytes()
+    return sw.s, after[0] - before[0], after[1] - before[1]
+
+
+def run(args: argparse.Namespace, rows: dict[str, tuple[str, MemoryConfig | None, bool]], steps: int) -> dict:
+    """Each row {name: (precision, memory, overlap)} a Pipeline, all alive at once and stepped in turn (row by
+    row within each step, so that the machine's drift touches every row alike); per row the median step
+    seconds over `steps` steps after one untimed step, the bytes read and written per step, and the pages
+    of its out-of-core Adam's slots."""
+    data = ByteData(config_from_dict(_config(args, "fp32")).data.text_path, 64, 1)
+    pipes = {name: _pipeline(args, *spec) for name, spec in rows.items()}
+    samples: dict[str, list[tuple[float, int, int]]] = {name: [] for name in rows}
+    try:
+        for s in range(steps + 1):
+            x, y = data.batch(s, 4)
+            for name, p in pipes.items():
+                sample = _step(p, x, y)
+                if s:  # the first step learns the shapes and touches every buffer: not timed
+                    samples[name].append(sample)
+        out = {}
+        for name, p in pipes.items():
+            slots = [st.states.optimizer.slots[0] for st in p.engine.stages.values() if hasattr(st.states, "stream")]
+            kind = buffer_kind(slots[0].data_ptr(), slots[0].numel() * slots[0].element_size()) if slots else ""
+            out[name] = {
+                "step_s": statistics.median(t for t, _, _ in samples[name]),
+                "read": int(statistics.median(r for _, r, _ in samples[name])),
+                "written": int(statistics.median(w for _, _, w in samples[name])),
+                "pages": kind,
+                "params": sum(st.numel for st in p.engine.stages.values()),
+            }
+        return out
+    finally:
+        for p in pipes.values():
+            p.close()
 
 
 def io_floor(folder: Path, read: int, written: int, pages: str) -> tuple[float, str]:
@@ -113,12 +131,13 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(dir=args.ssd_dir) as tmp:
-        rows = {"host fp32": run(args, "fp32", None), "host bf16": run(args, "bf16", None, steps=2)}
-        for name, overlap in (("ssd", True), ("ssd serialized", False)):
-            mem = MemoryConfig(
-                optimizer="ssd", weights="ssd", ssd_dir=str(Path(tmp) / name), host_budget_mb=args.budget_mb
-            )
-            rows[name] = run(args, "fp32", mem, overlap)
+
+        def on_ssd(name: str) -> MemoryConfig:
+            return MemoryConfig(optimizer="ssd", weights="ssd", ssd_dir=f"{tmp}/{name}", host_budget_mb=args.budget_mb)
+
+        fp32 = {"host fp32": ("fp32", None, True), "ssd": ("fp32", on_ssd("a"), True)}
+        rows = run(args, {**fp32, "ssd serialized": ("fp32", on_ssd("b"), False)}, args.steps)
+        rows["host bf16"] = run(args, {"host bf16": ("bf16", None, True)}, 2)["host bf16"]
         ssd = rows["ssd"]
         t_io, note = io_floor(Path(tmp), ssd["read"], ssd["written"], ssd["pages"])
     host = rows["host fp32"]["step_s"]
