@@ -9,11 +9,10 @@ from typing import Any
 
 from foundation.loader import Checked, Problem, at_least, dump_text, from_plain, load_file, positive, rule, to_plain
 from mobiuspipe.errors import ConfigError, InvalidConfig
+from partition.placement import TIERS  # where memory.optimizer and memory.weights may put states
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 """Training precisions: the dtype of the weights and gradients on the device (master weights stay fp32)."""
-OPTIMIZER_TIERS = ("host", "ssd", "auto")
-"""Where the optimizer states (memory.optimizer) and the device weights (memory.weights) may live."""
 DEFAULT_GPUS = 2
 """CPU stand-ins a run plans for when the config names neither a topology nor plan.num_gpus."""
 MAPPINGS = ("cross", "round-robin", "search")
@@ -255,16 +254,16 @@ class MemoryConfig(Section):
     def check_values(self) -> list[Problem]:
         return [
             *rule(
-                self.optimizer in OPTIMIZER_TIERS,
+                self.optimizer in TIERS,
                 "optimizer",
-                "one of " + ", ".join(OPTIMIZER_TIERS),
+                "one of " + ", ".join(TIERS),
                 repr(self.optimizer),
                 "use `optimizer: host`, `ssd` or `auto` (the last two with ssd_dir)",
             ),
             *rule(
-                self.weights in OPTIMIZER_TIERS,
+                self.weights in TIERS,
                 "weights",
-                "one of " + ", ".join(OPTIMIZER_TIERS),
+                "one of " + ", ".join(TIERS),
                 repr(self.weights),
                 "use `weights: host`, `ssd` or `auto` (the last two with ssd_dir)",
             ),

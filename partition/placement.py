@@ -21,6 +21,7 @@ from foundation.units import KiB
 __all__ = ["Placement", "place_states", "host_bytes", "TIERS", "STATE_BYTES", "LEAST_SHARE_BYTES"]
 
 TIERS = ("host", "ssd", "auto")
+"""Where a kind of state may live: memory.optimizer and memory.weights take one of these."""
 STATE_BYTES = 12
 """Bytes per parameter of the optimizer states: fp32 master + exp_avg + exp_avg_sq."""
 LEAST_SHARE_BYTES = 4 * STATE_BYTES * KiB + 4 * 4 * KiB
