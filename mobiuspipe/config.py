@@ -9,6 +9,7 @@ from typing import Any
 
 from foundation.loader import Checked, Problem, at_least, dump_text, from_plain, load_file, positive, rule, to_plain
 from mobiuspipe.errors import ConfigError, InvalidConfig
+from mobiuspipe.lr_schedule import SCHEDULES, lr_at
 from partition.placement import TIERS  # where memory.optimizer and memory.weights may put states
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -130,7 +131,14 @@ class TrainConfig(Section):
     steps: int = 20
     """Optimizer steps to run (count)."""
     lr: float = 3e-3
-    """AdamW learning rate (per step, dimensionless); > 0."""
+    """AdamW learning rate (per step, dimensionless); > 0. The peak of the schedule."""
+    lr_schedule: str = "constant"
+    """"constant", "linear" or "cosine" decay from lr to min_lr over the steps after warmup
+    (mobiuspipe/lr_schedule.py has the formulas)."""
+    warmup_steps: int = 0
+    """Steps of linear warmup from lr / warmup_steps up to lr (count); 0 = none."""
+    min_lr: float = 0.0
+    """The rate the linear and cosine schedules end at, in [0, lr]."""
     betas: tuple[float, float] = (0.9, 0.95)
     """AdamW decay rates of the first and second moment estimates; each in [0, 1)."""
     eps: float = 1e-8
@@ -148,10 +156,35 @@ class TrainConfig(Section):
     """Folder for metrics.jsonl and the resolved config, relative to the current directory;
     None = write nothing."""
 
+    def lr_of(self, step: int) -> float:
+        """The learning rate of optimizer step `step` under this schedule."""
+        return lr_at(step, self.lr, self.lr_schedule, self.warmup_steps, self.steps, self.min_lr)
+
     def check_values(self) -> list[Problem]:
         return [
             *at_least(self, "steps", 1, "run at least 1 step, e.g. 20"),
             *positive(self, "lr", "use a positive learning rate such as 0.003"),
+            *rule(
+                self.lr_schedule in SCHEDULES,
+                "lr_schedule",
+                "one of " + ", ".join(SCHEDULES),
+                repr(self.lr_schedule),
+                "use `lr_schedule: cosine` (or linear, constant)",
+            ),
+            *rule(
+                0 <= self.warmup_steps <= self.steps,
+                "warmup_steps",
+                f"a count in [0, steps = {self.steps}]",
+                repr(self.warmup_steps),
+                "use fewer warmup steps than the run has steps",
+            ),
+            *rule(
+                0 <= self.min_lr and (self.lr <= 0 or self.min_lr <= self.lr),  # a bad lr is reported alone
+                "min_lr",
+                f"a rate in [0, lr = {self.lr:g}]",
+                repr(self.min_lr),
+                "use e.g. a tenth of lr",
+            ),
             *rule(
                 all(0 <= b < 1 for b in self.betas),
                 "betas",

@@ -89,6 +89,8 @@ class Engine:
         """fp16: hold the host updates until every rank knows no gradient overflowed (start_updates)."""
         self.loss_scale = 1.0
         """The factor the loss is multiplied by before backward (fp16 loss scaling)."""
+        self.lr: float | None = None
+        """The learning rate the updates of this step use (bound when each starts); None: the optimizer's own."""
         self.deferred: list[Stage] = []
         self.last = len(mapping) - 1
         self.ledger = ledger or DeviceLedger()
@@ -161,7 +163,7 @@ class Engine:
         if self.defer_updates:
             self.deferred.append(stage)
         else:
-            stage.start_update(self.updater)
+            stage.start_update(self.updater, lr=self.lr)
 
     def overflowed(self) -> bool:
         """Whether a gradient offloaded in this step (and held back) is inf or nan on this rank."""
@@ -171,7 +173,7 @@ class Engine:
         """Start the held-back host updates (gradients divided by the loss scale), or drop them (skipped step)."""
         for stage in self.deferred:
             if apply:
-                stage.start_update(self.updater, self.loss_scale)
+                stage.start_update(self.updater, self.loss_scale, self.lr)
         self.deferred = []
 
     # -- compute -------------------------------------------------------------------------------

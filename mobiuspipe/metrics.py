@@ -33,11 +33,14 @@ class StepMetrics:
     device_peak_bytes: int = 0
     """The largest measured device peak over ranks in the step (arena in use + activations + buffers +
     messages; StepResult.device_peak_bytes)."""
+    lr: float | None = None
+    """The learning rate of the step's updates (train.lr_schedule); None when the loop did not set one."""
 
     def line(self, steps: int) -> str:
         scale = "" if self.loss_scale is None else f"  scale {self.loss_scale:g}"
+        lr = "" if self.lr is None else f"  lr {self.lr:.3g}"
         return (
-            f"step {self.step + 1}/{steps}  loss {self.loss:.4f}  {self.tokens_per_s:,.0f} tok/s  "
+            f"step {self.step + 1}/{steps}  loss {self.loss:.4f}{lr}  {self.tokens_per_s:,.0f} tok/s  "
             f"step {self.step_s * 1e3:.0f} ms (compute {self.compute_s * 1e3:.0f} / load {self.load_s * 1e3:.0f}"
             f" / comm {self.comm_s * 1e3:.0f})  arena peak {self.arena_peak_bytes / MiB:.2f}"
             f" of {self.arena_budget_bytes / MiB:.2f} MiB{scale}{'  (overflow: step skipped)' if self.skipped else ''}"

@@ -18,6 +18,7 @@ this same class.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -244,6 +245,13 @@ class Pipeline:
             )
         tier = SsdTier(self.store, self.placement.slot_bytes, hyper)
         return {j: tier if t == "ssd" else None for j, t in self.placement.optimizer.items()}
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the updates of the next train_batch calls (each update takes the rate set
+        when it starts, so a change never reaches an update still running from an earlier step)."""
+        if not (lr > 0 and math.isfinite(lr)):
+            raise PipelineError(f"set_lr needs a positive, finite learning rate, not {lr!r}")
+        self.engine.lr = lr
 
     def train_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> StepResult:
         """train_batch(*batch)."""

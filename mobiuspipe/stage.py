@@ -123,13 +123,10 @@ class Stage:
         """Whether the offloaded gradients hold no inf or nan (an fp16 overflow)."""
         return self.states.grads_finite()
 
-    def start_update(self, updater: Executor, grad_scale: float = 1.0) -> None:
-        """Start the host update of the offloaded gradients (divided by grad_scale) on `updater`."""
-        self.updating = updater.submit(self._update, grad_scale)
-
-    def _update(self, grad_scale: float) -> None:
-        """One optimizer step of the master weights; the loaded weights follow in the same pass."""
-        self.states.step(grad_scale)
+    def start_update(self, updater: Executor, grad_scale: float = 1.0, lr: float | None = None) -> None:
+        """Start the host update of the offloaded gradients (divided by grad_scale) on `updater`, at learning
+        rate lr (None: the optimizer's own)."""
+        self.updating = updater.submit(self.states.step, grad_scale, lr)
 
     def wait_update(self) -> None:
         if self.updating is not None:

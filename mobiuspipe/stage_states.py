@@ -93,7 +93,11 @@ class HostStates:
     def grads_finite(self) -> bool:
         return bool(torch.isfinite(self.grads).all())
 
-    def step(self, grad_scale: float) -> None:
+    def step(self, grad_scale: float, lr: float | None = None) -> None:
+        """One update from the offloaded gradients divided by grad_scale, at lr (None: the optimizer's own)."""
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
         if self.loads_master:
             self.optimizer.step()
             return
@@ -119,7 +123,9 @@ class SsdStates(HostStates):
         self.grads = pin(torch.zeros(flat.numel(), dtype=dtype))
         self.optimizer = _ooc_adam(flat, tier, prefix, tier.host_budget_bytes)
 
-    def step(self, grad_scale: float) -> None:
+    def step(self, grad_scale: float, lr: float | None = None) -> None:
+        if lr is not None:
+            self.optimizer.lr = lr
         grad = self.grads if grad_scale == 1.0 else self.grads.float().mul_(1.0 / grad_scale)
         self.optimizer.step({"w": grad}, {"w": self.weights})
 
@@ -148,7 +154,9 @@ class SsdStreamStates:
             raise RuntimeError("the gradient's finiteness is checked on the way to SSD in fp16 training only")
         return self.stream.finite
 
-    def step(self, grad_scale: float) -> None:
+    def step(self, grad_scale: float, lr: float | None = None) -> None:
+        if lr is not None:
+            self.optimizer.lr = lr
         self.stream.grad_scale = grad_scale
         try:
             self.optimizer.step_streamed(self.stream)

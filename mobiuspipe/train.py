@@ -69,6 +69,8 @@ def _training_loop(cfg: RunConfig, pipe: Pipeline) -> None:
     for step in range(cfg.train.steps):
         sw = Stopwatch()
         x, y = data.batch(step, cfg.data.batch_size)
+        lr = cfg.train.lr_of(step)
+        pipe.set_lr(lr)
         r = pipe.train_batch(x, y)
         report(
             StepMetrics(
@@ -84,6 +86,7 @@ def _training_loop(cfg: RunConfig, pipe: Pipeline) -> None:
                 r.loss_scale,
                 r.skipped,
                 r.device_peak_bytes,
+                lr,
             )
         )
     _report_device_peak(pipe)

@@ -48,6 +48,8 @@ def _reference_run(cfg: RunConfig, microbatched: bool, optimizer) -> tuple[list[
     losses = []
     for step in range(cfg.train.steps):
         x, y = data.batch(step, cfg.data.batch_size)
+        for group in opt.param_groups:
+            group["lr"] = cfg.train.lr_of(step)
         opt.zero_grad()
         chunks = cfg.data.num_microbatches if microbatched else 1
         total = 0.0

@@ -137,7 +137,7 @@ def test_missing_relative_path_names_key_and_resolved_path(tmp_path):
 def test_unknown_key_suggests_closest(tmp_path):
     message = load_error(tmp_path, "train:\n  lrr: 0.1\n")
     assert "train.lrr" in message and "did you mean 'lr'" in message
-    assert "steps, lr, betas, eps, weight_decay, precision, seed, log_every, out_dir" in message
+    assert "steps, lr, lr_schedule, warmup_steps, min_lr, betas, eps, weight_decay, precision, seed" in message
 
 
 def test_unknown_section_suggests_closest(tmp_path):
