@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
-from foundation.loader import Checked, Problem, at_least, dump_text, from_plain, load_file, positive, rule, to_plain
-from mobiuspipe.errors import ConfigError, InvalidConfig
+from foundation.loader import Problem, at_least, dump_text, from_plain, load_file, positive, rule, to_plain
+from mobiuspipe.config_memory import MemoryConfig
+from mobiuspipe.config_section import Section
+from mobiuspipe.errors import ConfigError
 from mobiuspipe.lr_schedule import SCHEDULES, lr_at
-from partition.placement import TIERS  # where memory.optimizer and memory.weights may put states
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 """Training precisions: the dtype of the weights and gradients on the device (master weights stay fp32)."""
@@ -20,12 +21,6 @@ MAPPINGS = ("cross", "round-robin", "search")
 """The stage->gpu mappings a plan may ask for."""
 MAX_VOCAB = 65536
 """Largest vocabulary: token ids must fit in 16 bits."""
-
-
-class Section(Checked):
-    """A config section: its problems raise InvalidConfig, a ConfigError."""
-
-    invalid = InvalidConfig
 
 
 def _divisor_at_most(n: int, cap: int) -> int:
@@ -261,67 +256,6 @@ class PlanConfig(Section):
                 "use `mapping: cross` or `mapping: round-robin`",
             ),
             *positive(self, "device_memory_mb", "use a positive budget in MiB, e.g. 64.0"),
-        ]
-
-
-@dataclass(frozen=True, kw_only=True)
-class MemoryConfig(Section):
-    """Where each stage's states live, host memory or an SSD store, under a host budget per rank (see
-    partition/placement.py for the bytes each choice keeps in memory)."""
-
-    optimizer: str = "host"
-    """The fp32 master weights and Adam moments (12 bytes per parameter). "host": in host memory; "ssd": in
-    an SSD store under ssd_dir, stepped by the out-of-core Adam through a share of host_budget_mb; "auto":
-    in host memory while everything fits in host_budget_mb, the largest stages on SSD otherwise."""
-    weights: str = "host"
-    """The weights the device loads and the gradients it offloads (2 + 2 bytes per parameter in bf16/fp16).
-    "host": in host memory; "ssd": in the SSD store too, streamed through staging buffers (needs optimizer:
-    ssd, whose update writes them); "auto": in host memory while they fit, after the optimizer states."""
-    ssd_dir: str | None = None
-    """Folder of the ssd tier, relative to the current folder; each rank keeps its store in ssd_dir/rank{r},
-    which must not hold an earlier run's states (resuming from them is not supported yet)."""
-    host_budget_mb: float = 1024.0
-    """Host memory per rank for the states (MiB): what stays in memory plus the streaming slots of the
-    stages on SSD. With optimizer and weights on host it is not enforced."""
-
-    def check_values(self) -> list[Problem]:
-        return [
-            *rule(
-                self.optimizer in TIERS,
-                "optimizer",
-                "one of " + ", ".join(TIERS),
-                repr(self.optimizer),
-                "use `optimizer: host`, `ssd` or `auto` (the last two with ssd_dir)",
-            ),
-            *rule(
-                self.weights in TIERS,
-                "weights",
-                "one of " + ", ".join(TIERS),
-                repr(self.weights),
-                "use `weights: host`, `ssd` or `auto` (the last two with ssd_dir)",
-            ),
-            *rule(
-                self.weights != "ssd" or self.optimizer == "ssd",
-                "weights",
-                "host or auto unless optimizer is ssd (its update writes the weights on SSD)",
-                repr(self.weights),
-                "set `optimizer: ssd` too, or `weights: auto`",
-            ),
-            *rule(
-                self.weights != "auto" or self.optimizer != "host",
-                "weights",
-                "host when optimizer is host (weights go to SSD only after the optimizer states)",
-                repr(self.weights),
-                "set `optimizer: auto` or `ssd`, or `weights: host`",
-            ),
-            *rule(
-                self.optimizer == "host" or bool(self.ssd_dir),
-                "ssd_dir",
-                "a folder when optimizer is ssd or auto",
-                repr(self.ssd_dir),
-                "set `ssd_dir:` to a folder on an NVMe drive, e.g. /nvme/mobiuspipe",
-            ),
-            *positive(self, "host_budget_mb", "use a positive budget in MiB, e.g. 1024.0"),
         ]
 
 
