@@ -161,9 +161,9 @@ class SsdStreamStates:
         try:
             self.optimizer.step_streamed(self.stream)
         except BaseException:
-            self.stream.abandon_update()
+            self.stream.end_update(failed=True)
             raise
-        self.stream.finish_update()
+        self.stream.end_update(failed=False)
 
     def master_weights(self) -> torch.Tensor:
         return self.optimizer.read_state()["w"]["param"]

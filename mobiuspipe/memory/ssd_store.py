@@ -28,7 +28,7 @@ from mobiuspipe.memory.aio import IOEngine, aligned_empty, round_up, swap_error
 from mobiuspipe.memory.store_folder import direct_refused, lock_folder
 from mobiuspipe.memory.store_index import Entry
 
-__all__ = ["SSDStore", "StoreFuture", "checksum"]
+__all__ = ["SSDStore", "StoreFuture", "checksum", "drain"]
 
 T_co = TypeVar("T_co", covariant=True)  # what a future's result() returns: the tensor read, or None
 _T = TypeVar("_T", bound="torch.Tensor | None")  # the same, for one call of _track
@@ -73,6 +73,16 @@ class StoreFuture(Generic[T_co]):
         if isinstance(self._outcome, BaseException):
             raise self._outcome
         return self._outcome[0]
+
+
+def drain(futures) -> None:
+    """Wait for every future, dropping their errors: for clean-up while another error is on its way up
+    (buffers must be idle before anyone reuses them, and these errors would hide the first one)."""
+    for f in list(futures):
+        try:
+            f.result()
+        except Exception:  # noqa: BLE001  see the docstring
+            pass
 
 
 class SSDStore:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from mobiuspipe.memory.aio import ALIGN, aligned_empty, round_up
-from mobiuspipe.memory.ssd_store import SSDStore, StoreFuture
+from mobiuspipe.memory.ssd_store import SSDStore, StoreFuture, drain
 
 __all__ = ["SsdWeights", "BUFFERS"]
 
@@ -61,7 +61,7 @@ class SsdWeights:
                 if i + k < n:
                     reads[i + k] = self._get("w", i + k, (i + k) % k)
         except BaseException:
-            _drain(reads.values())
+            drain(reads.values())
             raise
 
     def save_grads(self, src: torch.Tensor, check_finite: bool) -> None:
@@ -97,24 +97,16 @@ class SsdWeights:
     def written(self, i: int) -> None:
         self._writes[i] = self.store.put_async(self._key("w", i), self.buffers[2 + i % 2][: self.record_elems[i]])
 
-    def finish_update(self) -> None:
-        """Wait for the last writes of the update."""
+    def end_update(self, failed: bool) -> None:
+        """Let every read and write of the update end: raising the first error, or after a failed update
+        dropping theirs (that failure is already on its way up)."""
         pending = [*self._reads.values(), *self._writes.values()]
         self._reads, self._writes = {}, {}
+        if failed:
+            drain(pending)
+            return
         for f in pending:
             f.result()
-
-    def abandon_update(self) -> None:
-        """After a failed update: let every read and write in flight end, dropping their errors."""
-        pending = [*self._reads.values(), *self._writes.values()]
-        self._reads, self._writes = {}, {}
-        _drain(pending)
-
-    def read_weights(self) -> torch.Tensor:
-        """The stage's weights as one flat tensor (allocates the stage's size: for checks and checkpoints)."""
-        out = torch.empty(sum(n for _, n in self.groups), dtype=self.dtype)
-        self.load_into(out, lambda d, s: d.copy_(s))
-        return out
 
     # -- records ----------------------------------------------------------------------------------------
     def _key(self, kind: str, i: int) -> str:
@@ -141,14 +133,5 @@ class SsdWeights:
             for w in writes.values():
                 w.result()
         except BaseException:
-            _drain(writes.values())  # the buffers must be idle before anyone reuses them
+            drain(writes.values())  # the buffers must be idle before anyone reuses them
             raise
-
-
-def _drain(futures) -> None:
-    """Wait for every future, dropping errors (one is already on its way up, or will be re-raised)."""
-    for f in list(futures):
-        try:
-            f.result()
-        except Exception:  # noqa: BLE001  the first error is already being raised; these would hide it
-            pass

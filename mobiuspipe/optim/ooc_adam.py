@@ -21,7 +21,7 @@ import torch
 
 from foundation.units import fmt_bytes
 from mobiuspipe.memory.aio import aligned_empty, round_up
-from mobiuspipe.memory.ssd_store import SSDStore, StoreFuture
+from mobiuspipe.memory.ssd_store import SSDStore, StoreFuture, drain
 from mobiuspipe.optim.cpu_adam import adamw_update, check_adamw_args
 from mobiuspipe.optim.ooc_groups import (
     BYTES_PER_ELEM,
@@ -288,7 +288,7 @@ class OutOfCoreAdam:
                         futures.pop(("w", i - 1)).result()
                     futures[("r", nxt)] = self._read(nxt)
         except BaseException:
-            _drain(futures.values())  # the slots must be idle before anyone reuses them
+            drain(futures.values())  # the slots must be idle before anyone reuses them
             raise
         for f in futures.values():
             f.result()
@@ -350,12 +350,3 @@ def _flat(t: torch.Tensor, name: str, numel: int, dtypes: tuple, what: str) -> t
             f"contiguous={t.is_contiguous()}"
         )
     return t.view(-1)
-
-
-def _drain(futures) -> None:
-    """Wait for every future, dropping their errors (an error is already on its way up)."""
-    for f in futures:
-        try:
-            f.result()
-        except Exception:  # noqa: BLE001  the first error is already being raised; these would hide it
-            pass

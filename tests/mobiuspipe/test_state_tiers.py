@@ -3,6 +3,7 @@ weights are bit-identical to the same run with the states in host memory, in fp3
 
 from __future__ import annotations
 
+import errno
 import json
 from functools import partial
 
@@ -14,7 +15,7 @@ from mobiuspipe import Pipeline
 from mobiuspipe.config import MemoryConfig, config_from_dict, load_config
 from mobiuspipe.config_plan import gpt_spec, plan_for_config
 from mobiuspipe.dataset import ByteData
-from mobiuspipe.errors import ConfigError, PipelineError
+from mobiuspipe.errors import ConfigError, PipelineError, SwapIOError
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.optim.loss_scale import LossScaler
@@ -184,3 +185,33 @@ def test_the_planner_predicts_the_pipelines_placement(tmp_path, budget_mb, optim
     assert mem.gpus[0].saved_inputs_bytes == saved and mem.gpus[0].state_budget_bytes == budget
     assert mem.gpus[0].placement == placement  # the same tiers and the same streaming share
     assert [s.optimizer for s in mem.stages] == optimizer and [s.weights for s in mem.stages] == weights
+
+
+def test_a_failed_disk_write_stops_the_run_with_the_io_error(tmp_path):
+    """An I/O error while the weights and states stream from SSD (a load, an offload or an update) reaches the
+    caller as the SwapIOError, closing the Pipeline does not hang, and the store records no stage as
+    stepped past the others without marking it broken."""
+    cfg = config_from_dict(
+        {
+            "model": {"num_blocks": 3, "d_model": 24, "num_heads": 3, "seq_len": 17},
+            "data": {"batch_size": 6, "num_microbatches": 3},
+            "train": {"precision": "bf16", "seed": 5},
+            "plan": {"num_gpus": 1, "num_stages": 4, "device_memory_mb": 256},
+        }
+    )
+    memory = MemoryConfig(optimizer="ssd", weights="ssd", ssd_dir=str(tmp_path), host_budget_mb=0.25)
+    data = ByteData(cfg.data.text_path, cfg.model.seq_len, 5)
+    pipe = Pipeline(layer_factories(gpt_spec(cfg), 5), lm_loss, plan=plan_for_config(cfg), memory=memory)
+    pipe.train_batch(*data.batch(0, 6))
+    pipe.engine.wait_updates()
+    assert pipe.store is not None
+    pipe.store.engine.inject_fault(3, errno.EIO)  # the fourth piece of I/O from now fails
+    with pytest.raises(SwapIOError, match="Input/output error|EIO|I/O error"):
+        for s in range(1, 4):
+            pipe.train_batch(*data.batch(s, 6))
+        pipe.engine.wait_updates()
+    pipe.close()  # does not hang on I/O left in flight
+    meta = json.loads((tmp_path / "rank0" / "index.json").read_text())["meta"]
+    # no stage is recorded as stepped past another unless its states are marked broken (open() refuses them)
+    steps = {m["step"] for m in meta.values() if not m.get("broken")}
+    assert len(steps) <= 1 and len(meta) == 4, meta
