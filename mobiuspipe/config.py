@@ -9,7 +9,8 @@ from typing import Any
 
 from foundation.loader import Problem, at_least, dump_text, from_plain, load_file, positive, rule, to_plain
 from mobiuspipe.config_memory import MemoryConfig
-from mobiuspipe.config_section import Section
+from mobiuspipe.config_model import ModelConfig
+from mobiuspipe.config_section import Section, divisible
 from mobiuspipe.errors import ConfigError
 from mobiuspipe.lr_schedule import SCHEDULES, lr_at
 
@@ -19,69 +20,6 @@ DEFAULT_GPUS = 2
 """CPU stand-ins a run plans for when the config names neither a topology nor plan.num_gpus."""
 MAPPINGS = ("cross", "round-robin", "search")
 """The stage->gpu mappings a plan may ask for."""
-MAX_VOCAB = 65536
-"""Largest vocabulary: token ids must fit in 16 bits."""
-
-
-def _divisor_at_most(n: int, cap: int) -> int:
-    """The largest divisor of `n` that is <= `cap` (at least 1)."""
-    return max(d for d in range(1, max(1, min(n, cap)) + 1) if n % d == 0)
-
-
-def _divisible(a_name: str, a: int, b_name: str, b: int) -> list[Problem]:
-    """`a` must be a multiple of `b` (both >= 1 or no problem is reported here)."""
-    if a < 1 or b < 1 or a % b == 0:
-        return []
-    return [
-        Problem(
-            a_name,
-            f"{a_name} divisible by {b_name}",
-            f"{a_name} {a} with {b_name} {b} ({a} % {b} = {a % b})",
-            f"use {a_name} {-(-a // b) * b} (a multiple of {b}) or {b_name} {_divisor_at_most(a, b)} (divides {a})",
-        )
-    ]
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelConfig(Section):
-    """The GPT model: one embedding layer, `num_blocks` transformer blocks, one head."""
-
-    vocab_size: int = 256
-    """Distinct token ids (count); 256 = byte-level tokens, one per byte value; at most 65536."""
-    num_blocks: int = 6
-    """Transformer blocks (count); the model has num_blocks + 2 layers: embedding, blocks, head."""
-    d_model: int = 64
-    """Width of the hidden state (features per token); a multiple of num_heads."""
-    num_heads: int = 4
-    """Attention heads per block (count); each head gets d_model // num_heads features."""
-    seq_len: int = 64
-    """Context length: tokens per training sequence (tokens)."""
-
-    @property
-    def num_layers(self) -> int:
-        """Layers the partitioner can cut between: embedding + blocks + head."""
-        return self.num_blocks + 2
-
-    @property
-    def head_dim(self) -> int:
-        """Features per attention head."""
-        return self.d_model // self.num_heads
-
-    def check_values(self) -> list[Problem]:
-        return [
-            *rule(
-                1 <= self.vocab_size <= MAX_VOCAB,
-                "vocab_size",
-                f"an integer in 1..{MAX_VOCAB}",
-                repr(self.vocab_size),
-                "use 256 for byte-level tokens",
-            ),
-            *at_least(self, "num_blocks", 1, "use at least 1 transformer block"),
-            *at_least(self, "d_model", 1, "use a width such as 64"),
-            *at_least(self, "num_heads", 1, "use at least 1 attention head"),
-            *at_least(self, "seq_len", 1, "use a context length such as 64"),
-            *_divisible("d_model", self.d_model, "num_heads", self.num_heads),
-        ]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,7 +53,7 @@ class DataConfig(Section):
         return [
             *at_least(self, "batch_size", 1, "use at least 1 sequence per step, e.g. 8"),
             *at_least(self, "num_microbatches", 1, "use at least 1 microbatch, e.g. 4"),
-            *_divisible("batch_size", self.batch_size, "num_microbatches", self.num_microbatches),
+            *divisible("batch_size", self.batch_size, "num_microbatches", self.num_microbatches),
         ]
 
 
@@ -140,6 +78,13 @@ class TrainConfig(Section):
     """AdamW term added to the denominator for numerical stability (dimensionless); >= 0."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay (fraction of lr * weight per step); >= 0."""
+    max_grad_norm: float | None = None
+    """Clip the gradients to this global L2 norm (over every stage and rank) before each update, as
+    torch.nn.utils.clip_grad_norm_ does; None = no clipping. Clipping makes every update wait for the
+    whole backward (no overlap of the updates with it)."""
+    accumulation_steps: int = 1
+    """Pipeline passes per optimizer step (count): each pass is data.batch_size sequences, their gradients
+    summed before one update, so a step trains on accumulation_steps * batch_size sequences."""
     precision: str = "bf16"
     """Dtype of the weights and gradients on the device: "bf16" (default), "fp16" (with dynamic loss
     scaling) or "fp32"; the master weights and Adam moments stay fp32 on the host. The plan's dtype."""
@@ -150,6 +95,13 @@ class TrainConfig(Section):
     out_dir: str | None = None
     """Folder for metrics.jsonl and the resolved config, relative to the current directory;
     None = write nothing."""
+    export_dir: str | None = None
+    """A new (or empty) folder the fine-tuned model is written to at the end of the run, as a Hugging Face
+    folder that from_pretrained loads (safetensors shards, config.json, the source's tokenizer files);
+    model.hf only; relative to the current directory. None = no export (`mobiuspipe export` can make one
+    later from out_dir)."""
+    export_dtype: str = "fp32"
+    """Dtype of the exported weights: "fp32" (the master weights as they are), "bf16" or "fp16"."""
 
     def lr_of(self, step: int) -> float:
         """The learning rate of optimizer step `step` under this schedule."""
@@ -189,6 +141,14 @@ class TrainConfig(Section):
             ),
             *positive(self, "eps", "use a small non-negative number such as 1.0e-8", zero_ok=True),
             *positive(self, "weight_decay", "use 0.0 (none) or a small value such as 0.01", zero_ok=True),
+            *rule(
+                self.max_grad_norm is None or self.max_grad_norm > 0,
+                "max_grad_norm",
+                "a positive norm or null",
+                repr(self.max_grad_norm),
+                "use e.g. 1.0, or null for no clipping",
+            ),
+            *at_least(self, "accumulation_steps", 1, "use 1 (no accumulation) or more passes per step"),
             *at_least(self, "log_every", 1, "log every 1 or more steps"),
             *rule(
                 self.precision in PRECISIONS,
@@ -196,6 +156,13 @@ class TrainConfig(Section):
                 "one of " + ", ".join(PRECISIONS),
                 repr(self.precision),
                 "use `precision: bf16` (or fp16 / fp32)",
+            ),
+            *rule(
+                self.export_dtype in PRECISIONS,
+                "export_dtype",
+                "one of " + ", ".join(PRECISIONS),
+                repr(self.export_dtype),
+                "use `export_dtype: fp32` (or bf16 / fp16)",
             ),
             *rule(
                 self.out_dir != "",
@@ -306,12 +273,20 @@ class RunConfig(Section):
 
     def check_values(self) -> list[Problem]:
         stages, layers = self.plan.num_stages, self.model.num_layers
-        return rule(
+        export = rule(
+            self.train.export_dir is None or self.model.hf is not None,
+            "train.export_dir",
+            "an export folder only with model.hf (the export writes a Hugging Face folder)",
+            f"export_dir {self.train.export_dir!r} for the built-in GPT",
+            "remove train.export_dir (the run's weights are in out_dir/weights) or train a model.hf",
+        )
+        return export + rule(
             stages <= layers,
             "plan.num_stages",
-            f"at most model.num_blocks + 2 = {layers} stages (a stage needs at least one layer)",
+            f"at most {layers} stages, the model's layers (blocks + 2; a stage needs at least one layer)",
             f"{stages} stages for {layers} layers",
-            f"lower plan.num_stages to {layers} or raise model.num_blocks to {stages - 2}",
+            f"lower plan.num_stages to {layers}"
+            + ("" if self.model.hf else f" or raise model.num_blocks to {stages - 2}"),
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -19,25 +19,17 @@ from partition.plan import Plan, load_plan
 from partition.profile import Profile
 from topology import Topology, cpu_standin, load_topology
 
-__all__ = ["gpt_spec", "plan_for_config", "plan_from_config", "run_topology", "num_ranks", "gpt_profile"]
+__all__ = ["model_spec", "plan_for_config", "plan_from_config", "run_topology", "num_ranks", "gpt_profile"]
 
 
-def gpt_spec(cfg: RunConfig) -> ModelSpec:
-    """The partition package's description of the config's GPT."""
-    m = cfg.model
-    return ModelSpec(
-        name=f"gpt-{m.num_blocks}x{m.d_model}",
-        num_blocks=m.num_blocks,
-        d_model=m.d_model,
-        num_heads=m.num_heads,
-        seq_len=m.seq_len,
-        vocab_size=m.vocab_size,
-    )
+def model_spec(cfg: RunConfig) -> ModelSpec:
+    """The partition package's description of the config's model (the built-in GPT or model.hf's)."""
+    return cfg.model.spec()
 
 
 def plan_for_config(cfg: RunConfig) -> Plan:
     """The config's plan file checked against the model, or a plan made for CPU stand-in devices."""
-    spec = gpt_spec(cfg)
+    spec = model_spec(cfg)
     if cfg.plan.file:
         plan = load_plan(cfg.plan.file)
         _check_matches(plan, spec, cfg)
@@ -84,7 +76,7 @@ def gpt_profile(cfg: RunConfig) -> Profile:
     """The analytic profile of the config's model in train.precision, on this gpu type (or the CPU stand-in)."""
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu-standin"
     return analytic_profile(
-        gpt_spec(cfg), device_spec(device), microbatch_size=cfg.microbatch_size, dtype=cfg.train.precision
+        model_spec(cfg), device_spec(device), microbatch_size=cfg.microbatch_size, dtype=cfg.train.precision
     )
 
 

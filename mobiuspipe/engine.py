@@ -13,6 +13,7 @@ add "arena" and "sending". DevicePeak turns it into the step's measured device p
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -57,6 +58,9 @@ class StepState:
     learning: bool
     """True on the first step of a batch shape: every message travels after its TensorSpec header."""
     saved: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    rng: dict[tuple[int, int], tuple] = field(default_factory=dict)
+    """The random state each (stage, microbatch) forward started from, so that its recompute in the backward
+    draws the same dropout masks (as torch.utils.checkpoint does)."""
     inbox: dict[MessageKey, torch.Tensor] = field(default_factory=dict)
     outbox: dict[tuple[Kind, int, int], torch.Tensor] = field(default_factory=dict)
     loss: float = 0.0
@@ -89,8 +93,17 @@ class Engine:
         """fp16: hold the host updates until every rank knows no gradient overflowed (start_updates)."""
         self.loss_scale = 1.0
         """The factor the loss is multiplied by before backward (fp16 loss scaling)."""
+        self.passes = 1
+        """Pipeline passes per optimizer step (gradient accumulation): each microbatch's loss is divided by
+        num_microbatches * passes."""
+        self.accumulate = False
+        """OFFLOAD adds to the gradients the tiers hold (every pass of an accumulated step but the first)."""
+        self.want_norm = False
+        """OFFLOAD has the tiers note their gradients' squared norm (gradient clipping, on the last pass)."""
         self.lr: float | None = None
         """The learning rate the updates of this step use (bound when each starts); None: the optimizer's own."""
+        self.held: set[int] = set()
+        """Stages whose updates wait for start_updates even without defer_updates (tied parameters)."""
         self.deferred: list[Stage] = []
         self.last = len(mapping) - 1
         self.ledger = ledger or DeviceLedger()
@@ -158,9 +171,9 @@ class Engine:
     def _offload(self, a: Action) -> None:
         stage = self.stages[a.stage]
         with Stopwatch() as sw:
-            stage.offload(self.arena)
+            stage.offload(self.arena, self.accumulate, self.want_norm)
         self.state.times.load_s += sw.s
-        if self.defer_updates:
+        if self.defer_updates or a.stage in self.held:
             self.deferred.append(stage)
         else:
             stage.start_update(self.updater, lr=self.lr)
@@ -169,12 +182,17 @@ class Engine:
         """Whether a gradient offloaded in this step (and held back) is inf or nan on this rank."""
         return not all(s.grads_finite() for s in self.deferred)
 
-    def start_updates(self, apply: bool) -> None:
-        """Start the held-back host updates (gradients divided by the loss scale), or drop them (skipped step)."""
+    def start_updates(self, apply: bool, grad_scale: float | None = None) -> None:
+        """Start the held-back host updates (gradients divided by grad_scale, default the loss scale), or drop
+        them (a skipped step, or a pass of an accumulated step that is not its last)."""
         for stage in self.deferred:
             if apply:
-                stage.start_update(self.updater, self.loss_scale, self.lr)
+                stage.start_update(self.updater, self.loss_scale if grad_scale is None else grad_scale, self.lr)
         self.deferred = []
+
+    def grad_sumsq(self) -> float:
+        """The squared norm of the gradients this rank offloaded in this step (each stage's, summed)."""
+        return sum(s.states.sumsq or 0.0 for s in self.stages.values())
 
     # -- compute -------------------------------------------------------------------------------
     def _input(self, j: int, i: int) -> torch.Tensor:
@@ -202,6 +220,7 @@ class Engine:
             self.ledger.hold(("saved", j, i), x)  # the CPU stand-in's host checkpoint is "on the device"
         try:
             if j < self.last:  # the last stage's forward is fused into its backward (loss and gradient at once)
+                st.rng[(j, i)] = self._rng_state()
                 self._fwd_no_grad(j, i, stage, x)
         finally:
             self.ledger.drop(("inputs", j, i))
@@ -233,7 +252,8 @@ class Engine:
             if j > 0:
                 x.requires_grad_(True)
             try:
-                self._fwd_bwd(j, i, stage, x)
+                with self._replaying(st.rng.pop((j, i), None)):
+                    self._fwd_bwd(j, i, stage, x)
             finally:
                 self.ledger.drop_kind("autograd")
                 self.ledger.drop_kind("output")
@@ -258,6 +278,16 @@ class Engine:
             key = (Kind.RECV_GRAD, j, i)
             out.backward(st.inbox.pop(key))
             self.ledger.drop(("inbox", *key))
+
+    def _rng_state(self) -> tuple:
+        dev = self.device.torch_device
+        return torch.get_rng_state(), (torch.cuda.get_rng_state(dev) if self.device.is_cuda else None)
+
+    def _replaying(self, state: tuple | None):
+        """A context in which the random generators start from `state` and are put back after (no-op for None)."""
+        if state is None:
+            return contextlib.nullcontext()
+        return _replay(state, self.device.torch_device if self.device.is_cuda else None)
 
     @staticmethod
     def _input_grad(x: torch.Tensor, stage: Stage) -> torch.Tensor:
@@ -288,7 +318,7 @@ class Engine:
                 f"the loss function returned {found}; expected a floating-point scalar tensor "
                 f"(the mean loss of the microbatch), e.g. F.cross_entropy(out, y)"
             )
-        return loss.reshape(()) / self.num_microbatches
+        return loss.reshape(()) / (self.num_microbatches * self.passes)
 
     # -- communication -------------------------------------------------------------------------
     def _tag(self, kind: Kind, j: int, i: int, header: bool) -> int:
@@ -342,3 +372,13 @@ class Engine:
 
     def _recv_grad(self, a: Action) -> None:
         self._recv(a, a.stage + 1, "output gradient")
+
+
+@contextlib.contextmanager
+def _replay(state: tuple, cuda: torch.device | None):
+    """Run with the CPU (and CUDA) random state of an earlier forward; the current state comes back after."""
+    with torch.random.fork_rng(devices=[cuda] if cuda is not None else []):
+        torch.set_rng_state(state[0])
+        if cuda is not None:
+            torch.cuda.set_rng_state(state[1], cuda)
+        yield

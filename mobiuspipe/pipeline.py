@@ -19,7 +19,6 @@ this same class.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -27,12 +26,12 @@ from functools import partial
 import torch
 from torch import nn
 
-from foundation.units import MiB
 from mobiuspipe.comm import Comm
 from mobiuspipe.config import MemoryConfig
 from mobiuspipe.device import Device
 from mobiuspipe.engine import Engine, LossFn, StepTimes
 from mobiuspipe.errors import PipelineError
+from mobiuspipe.layers import LayerSpec, build, factories
 from mobiuspipe.memory.arena import DeviceArena
 from mobiuspipe.memory.ledger import DeviceLedger
 from mobiuspipe.memory.ssd_store import SSDStore
@@ -49,20 +48,19 @@ from mobiuspipe.pipeline_plan import (
     read_plan,
     same_plan_everywhere,
 )
+from mobiuspipe.pipeline_tiers import agree_on_tiers
 from mobiuspipe.profiler import TORCH_DTYPES
-from mobiuspipe.ranks import gather_all, join_group, leave_group, rank_info
+from mobiuspipe.ranks import join_group, leave_group, rank_info
 from mobiuspipe.schedule import build_schedule, check_schedules
 from mobiuspipe.stage import Stage
-from mobiuspipe.stage_states import AdamHyper, SsdTier, least_share
+from mobiuspipe.stage_states import SsdTier
+from mobiuspipe.tied import TiedGrads
 from partition.costmodel import ARENA_SLOTS
-from partition.placement import Placement, place_states
 from partition.plan import Plan
 from topology import Topology
 
 __all__ = ["Pipeline", "StepResult"]
 
-LayerSpec = nn.Module | Callable[[], nn.Module]
-"""A layer, or a factory that builds it."""
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 """Makes the optimizer of one stage from its (one, flat, fp32, host) parameter."""
 
@@ -86,6 +84,8 @@ class StepResult:
     """The most bytes a rank held on its device during the step (arena in use, activations, buffers, messages;
     the largest over ranks), as measured by mobiuspipe.memory.measure.DevicePeak: the ledger on the CPU
     stand-in, CUDA's max_memory_allocated on a gpu."""
+    grad_norm: float | None = None
+    """With max_grad_norm: the global L2 norm of the step's gradients before clipping; None without."""
 
 
 class Pipeline:
@@ -108,6 +108,9 @@ class Pipeline:
         memory: MemoryConfig | None = None,
         comm_timeout_s: float = 60.0,
         overlap_updates: bool = True,
+        tied: Sequence[tuple[str, str]] = (),
+        accumulation_steps: int = 1,
+        max_grad_norm: float | None = None,
     ):
         """Build this rank's stages.
 
@@ -126,8 +129,22 @@ class Pipeline:
         comm_timeout_s: a receive waiting longer fails, naming the rank that stopped answering.
         overlap_updates: False starts the host updates only after the step's backward and waits for them
           before train_batch returns (the serialized baseline the overlap is measured against).
+        tied: pairs of parameters, named as state_dict() names them ("0.wte.weight", "13.lm_head.weight"),
+          that are one parameter of the model (tied embeddings): each half's stage keeps a copy, both copies
+          must start equal, and both update with the sum of the two gradients (mobiuspipe.tied).
+        accumulation_steps: pipeline passes per optimizer step; a batch is that many passes of the plan's
+          microbatches, their gradients summed in the states' tiers before one update.
+        max_grad_norm: clip the gradients so that their global L2 norm (over every stage and rank, a tied pair
+          counted once) is at most this, as torch.nn.utils.clip_grad_norm_ does; None = no clipping. Every
+          update then waits for the whole backward.
         """
-        makers = _factories(layers)
+        if accumulation_steps < 1 or (max_grad_norm is not None and not max_grad_norm > 0):
+            raise PipelineError(
+                f"accumulation_steps {accumulation_steps!r} must be >= 1 and max_grad_norm {max_grad_norm!r} "
+                f"positive (or None for no clipping)"
+            )
+        self.accumulation_steps, self.max_grad_norm = accumulation_steps, max_grad_norm
+        makers = factories(layers)
         self.info = rank_info()
         given = None if plan is None else read_plan(plan)
         if given is not None:
@@ -144,6 +161,10 @@ class Pipeline:
             self.engine = self._build_engine(
                 makers, loss_fn, optimizer or partial(CPUAdam), num_microbatches, comm_timeout_s
             )
+            self.ties = TiedGrads(tied, self.plan, self.engine.stages, self.info) if tied else None
+            if self.ties is not None:
+                self.engine.held = self.ties.held_stages
+            self.engine.passes = accumulation_steps
         except BaseException:
             store = getattr(self, "store", None)
             if store is not None:
@@ -186,7 +207,7 @@ class Pipeline:
         tiers = self._state_tiers(make_optimizer, {j: plan.stages[j].param_count for j in mine})
         stages = {}
         for j in mine:  # one stage's layers at a time: they become its states before the next is built
-            layers = {l: _build(makers[l], l) for l in plan.stages[j].layers}
+            layers = {l: build(makers[l], l) for l in plan.stages[j].layers}
             check_stage_layers(plan, j, layers)
             on_ssd = self.placement.weights[j] == "ssd"
             stages[j] = Stage(j, layers, device, make_optimizer, dtype, tiers[j], on_ssd)
@@ -205,46 +226,16 @@ class Pipeline:
             loss_fn=loss_fn,
             num_microbatches=m,
             dtype=dtype,
-            defer_updates=self.scaler is not None or not self.overlap_updates,
+            defer_updates=self._hold_updates,
             ledger=ledger,
         )
 
     def _state_tiers(self, make_optimizer: OptimizerFactory, params: dict[int, int]) -> dict[int, SsdTier | None]:
-        """Stage j -> its SSD tier (the rank's store, memory.ssd_dir/rank{r}) or None (host), by memory.optimizer
-        and memory.weights. Every rank learns every stage's tiers (self.state_tiers), or every rank raises
-        the first failing rank's error."""
-        mem, b = self.memory, TORCH_DTYPES[self.precision].itemsize
-        try:
-            mine: Placement | str = place_states(
-                mem.optimizer, mem.weights, params, int(mem.host_budget_mb * MiB), least_share(b), b
-            )
-        except ValueError as e:
-            mine = str(e)
-        every = gather_all(self.info, mine)
-        failed = [(r, p) for r, p in enumerate(every) if isinstance(p, str)]
-        if failed:
-            r, why = failed[0]
-            raise PipelineError(f"memory.optimizer {mem.optimizer}, rank {r}: {why}")
-        self.placement = every[self.info.rank]
-        self.state_tiers = {j: (p.optimizer[j], p.weights[j]) for p in every for j in p.optimizer}
-        if not self.placement.on_ssd:
-            return {j: None for j in params}
-        if not mem.ssd_dir:
-            raise PipelineError(f"memory.optimizer {mem.optimizer} puts states on SSD but memory.ssd_dir is not set")
-        try:
-            hyper = AdamHyper.of(make_optimizer)
-        except ValueError as e:
-            raise PipelineError(str(e)) from e
-        self.store = SSDStore(os.path.join(mem.ssd_dir, f"rank{self.info.rank}"))
-        if self.store.meta:
-            folder = self.store.folder
-            self.store.close()
-            raise PipelineError(
-                f"{folder} holds the optimizer states of an earlier run ({sorted(self.store.meta)}); resuming "
-                f"from them is not supported yet: remove the folder or choose another memory.ssd_dir"
-            )
-        tier = SsdTier(self.store, self.placement.slot_bytes, hyper)
-        return {j: tier if t == "ssd" else None for j, t in self.placement.optimizer.items()}
+        """Stage j -> its SSD tier or None (host), agreed with every rank (mobiuspipe.pipeline_tiers)."""
+        self.placement, self.state_tiers, self.store, tiers = agree_on_tiers(
+            self.info, self.memory, TORCH_DTYPES[self.precision].itemsize, make_optimizer, params
+        )
+        return tiers
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of the updates of the next train_batch calls (each update takes the rate set
@@ -267,7 +258,8 @@ class Pipeline:
         engine.arena.reset_peak()
         scale = self.scaler.scale if self.scaler else None
         engine.loss_scale = scale or 1.0
-        loss, times = engine.run_step(self.step, x, y)
+        loss, times = self._passes(x, y)
+        tied_sumsq = self.ties.sum(engine.comm, engine.device.torch_device, self.step) if self.ties else 0.0
         (loss,) = self._reduce([loss], torch.distributed.ReduceOp.SUM, f"the loss of step {self.step}")
         c, ld, cm, peak, device_peak = self._reduce(
             [times.compute_s, times.load_s, times.comm_s, engine.arena.peak_bytes, engine.peak.step_bytes],
@@ -275,8 +267,10 @@ class Pipeline:
             f"the metrics of step {self.step}",
         )
         skipped = self._skip_on_overflow()
+        norm, grad_scale = self._clip(tied_sumsq, scale or 1.0)
+        skipped = skipped or not math.isfinite(norm)  # an inf/nan gradient: no weight changes
+        engine.start_updates(apply=not skipped, grad_scale=grad_scale)  # the updates held back, if any
         if not self.overlap_updates:
-            engine.start_updates(apply=not skipped)  # a no-op after _skip_on_overflow started them
             engine.wait_updates()
         result = StepResult(
             self.step,
@@ -287,30 +281,69 @@ class Pipeline:
             scale,
             skipped,
             int(device_peak),
+            None if self.max_grad_norm is None else norm,
         )
         self.step += 1
         return result
 
+    def _passes(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, StepTimes]:
+        """Run the step's pipeline passes (accumulation_steps of them), the gradients of each added to the
+        tiers' after the first; the updates start (or are held) in the last. This rank's loss and times."""
+        engine, k = self.engine, self.accumulation_steps
+        loss, times = 0.0, StepTimes()
+        for p, (xp, yp) in enumerate(zip(x.chunk(k), y.chunk(k))):
+            last = p == k - 1
+            engine.accumulate, engine.want_norm = p > 0, last and self.max_grad_norm is not None
+            engine.defer_updates = not last or self._hold_updates
+            part, t = engine.run_step(self.step, xp, yp)
+            if not last:
+                engine.deferred = []  # no update yet: their gradients wait in the tiers for the next pass
+            loss += part
+            times = StepTimes(times.compute_s + t.compute_s, times.load_s + t.load_s, times.comm_s + t.comm_s)
+        return loss, times
+
+    @property
+    def _hold_updates(self) -> bool:
+        """Whether every update of a step waits for its whole backward (fp16's overflow check, clipping's norm,
+        or the serialized baseline)."""
+        return self.scaler is not None or self.max_grad_norm is not None or not self.overlap_updates
+
+    def _clip(self, tied_sumsq: float, loss_scale: float) -> tuple[float, float]:
+        """(the global gradient norm, what the updates divide the gradients by): the loss scale, times
+        1 / clip_grad_norm_'s coefficient max_norm / (norm + 1e-6) when that is below 1. The norm is rounded to
+        float32 so that tiers whose float64 sums round differently still agree. (0.0, scale) without clipping."""
+        if self.max_grad_norm is None:
+            return 0.0, loss_scale
+        (total,) = self._reduce(
+            [self.engine.grad_sumsq() + tied_sumsq],
+            torch.distributed.ReduceOp.SUM,
+            f"the grad norm of step {self.step}",
+        )
+        norm = float(torch.tensor(math.sqrt(max(total, 0.0)) / loss_scale, dtype=torch.float32))
+        coef = self.max_grad_norm / (norm + 1e-6)
+        return norm, loss_scale / coef if coef < 1.0 else loss_scale
+
     def _skip_on_overflow(self) -> bool:
-        """fp16: start the held-back updates unless a gradient overflowed on any rank (then the step is
-        skipped on every rank and the scale backs off); True when skipped."""
+        """fp16: whether a gradient overflowed on any rank (then the step is skipped on every rank and the
+        scale backs off)."""
         if self.scaler is None:
             return False
         (overflow,) = self._reduce(
             [float(self.engine.overflowed())], torch.distributed.ReduceOp.MAX, f"the overflow flag of step {self.step}"
         )
-        self.engine.start_updates(apply=not overflow)
         self.scaler.update(bool(overflow))
         return bool(overflow)
 
     def _check_batch(self, x: torch.Tensor, y: torch.Tensor) -> None:
         if self._closed:
             raise PipelineError("train_batch on a closed Pipeline: make a new one")
-        want = self.plan.num_microbatches * self.plan.microbatch_size
+        k, m, b = self.accumulation_steps, self.plan.num_microbatches, self.plan.microbatch_size
+        want = k * m * b
         if x.dim() == 0 or x.shape[0] != want or y.dim() == 0 or y.shape[0] != want:
+            passes = f"{k} passes of " if k > 1 else ""
             raise PipelineError(
-                f"a batch needs {want} rows along dimension 0 (the plan's {self.plan.num_microbatches} "
-                f"microbatches of {self.plan.microbatch_size}); found inputs of shape "
+                f"a batch needs {want} rows along dimension 0 ({passes}the plan's {m} "
+                f"microbatches of {b}); found inputs of shape "
                 f"{tuple(x.shape)} and targets of shape {tuple(y.shape)}: batch the data to that "
                 f"size or re-plan with --microbatches/--microbatch-size"
             )
@@ -361,38 +394,3 @@ def _scaler(precision: str, given: LossScaler | None) -> LossScaler | None:
     if given is not None:
         raise PipelineError(f"a loss_scaler was given but the precision is {precision}: only fp16 scales its loss")
     return None
-
-
-def _factories(layers: nn.Sequential | Sequence[LayerSpec]) -> list[Callable[[], nn.Module]]:
-    """Every layer as a factory (a module becomes a factory that returns it)."""
-    if isinstance(layers, nn.Module) and not isinstance(layers, nn.Sequential):
-        raise PipelineError(
-            f"layers is a single {type(layers).__name__}; expected an nn.Sequential or a list of "
-            f"layers (or of factories that build them): the pipeline cuts between layers"
-        )
-    items = list(layers)
-    if not items:
-        raise PipelineError("layers is empty; expected at least one layer")
-    out = []
-    for l, item in enumerate(items):
-        if isinstance(item, nn.Module):
-            out.append(partial(_same, item))
-        elif callable(item):
-            out.append(item)
-        else:
-            raise PipelineError(
-                f"layer {l} is a {type(item).__name__}; expected an nn.Module or a zero-argument "
-                f"callable that returns one"
-            )
-    return out
-
-
-def _same(module: nn.Module) -> nn.Module:
-    return module
-
-
-def _build(make: Callable[[], nn.Module], l: int) -> nn.Module:
-    layer = make()
-    if not isinstance(layer, nn.Module):
-        raise PipelineError(f"the factory of layer {l} returned a {type(layer).__name__}; expected an nn.Module")
-    return layer

@@ -112,10 +112,11 @@ class Stage:
             w.grad = p.of(gflat)
             self._leaves.append(w)
 
-    def offload(self, arena: DeviceArena) -> None:
-        """Copy the accumulated gradients to the host tier and free their slot."""
+    def offload(self, arena: DeviceArena, accumulate: bool = False, norm: bool = False) -> None:
+        """Copy the accumulated gradients to the host tier (or add them to its gradients: accumulate) and free
+        their slot; with norm the tier notes the squared norm of its gradients (states.sumsq)."""
         grads = _held(self.grads, self.index, "gradients")
-        self.states.take_grads(grads.view(self.dtype, self.numel))
+        self.states.take_grads(grads.view(self.dtype, self.numel), accumulate, norm)
         arena.release(grads)
         self.grads, self._leaves = None, []
 

@@ -16,7 +16,7 @@ from torch import nn
 from mobiuspipe.device import CopyHandle, Device
 from mobiuspipe.memory.aio import ALIGN
 from mobiuspipe.memory.ssd_store import SSDStore
-from mobiuspipe.memory.weight_stream import BUFFERS, SsdWeights
+from mobiuspipe.memory.weight_stream import BUFFERS, SsdWeights, sum_of_squares
 from mobiuspipe.optim.ooc_adam import OutOfCoreAdam
 from mobiuspipe.optim.ooc_groups import BYTES_PER_ELEM, ELEM_ALIGN, least_budget_bytes
 
@@ -78,6 +78,8 @@ class HostStates:
         """fp32 training: the device loads the master itself and master.grad is the offloaded gradient buffer."""
         self.weights = self.master.data if self.loads_master else pin(flat.to(dtype))
         self.grads = pin(torch.zeros(flat.numel(), dtype=dtype))
+        self.sumsq: float | None = None
+        """The squared L2 norm of the gradients take_grads last took, when asked for it."""
         if self.loads_master:
             self.master.grad = self.grads
         self.optimizer = make_optimizer([self.master])
@@ -86,12 +88,26 @@ class HostStates:
         """Start copying the weights the device computes with into dst (its arena slot, flat)."""
         return device.copy_async(dst, self.weights)
 
-    def take_grads(self, src: torch.Tensor) -> None:
-        """Copy the stage's accumulated gradients (flat, device dtype) off the device."""
-        self.grads.copy_(src)
+    def take_grads(self, src: torch.Tensor, accumulate: bool = False, norm: bool = False) -> None:
+        """Copy the stage's accumulated gradients (flat, device dtype) off the device, or add them to the
+        ones taken before (accumulate: gradient accumulation over pipeline passes); with norm, note the
+        squared L2 norm of the result in self.sumsq (float64)."""
+        if accumulate:
+            self.grads.add_(src)
+        else:
+            self.grads.copy_(src)
+        self.sumsq = sum_of_squares(self.grads) if norm else None
 
     def grads_finite(self) -> bool:
         return bool(torch.isfinite(self.grads).all())
+
+    def grad_slice(self, offset: int, n: int) -> torch.Tensor:
+        """A copy of elements offset .. offset + n of the offloaded gradients (device dtype)."""
+        return self.grads[offset : offset + n].clone()
+
+    def add_grads(self, offset: int, t: torch.Tensor) -> None:
+        """Add t into the offloaded gradients from element offset on (a tied parameter's other half)."""
+        self.grads[offset : offset + t.numel()].add_(t)
 
     def step(self, grad_scale: float, lr: float | None = None) -> None:
         """One update from the offloaded gradients divided by grad_scale, at lr (None: the optimizer's own)."""
@@ -99,6 +115,8 @@ class HostStates:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
         if self.loads_master:
+            if grad_scale != 1.0:
+                self.grads.mul_(1.0 / grad_scale)  # master.grad is this buffer
             self.optimizer.step()
             return
         grad = self.grads if grad_scale == 1.0 else self.grads.float().mul_(1.0 / grad_scale)
@@ -121,6 +139,7 @@ class SsdStates(HostStates):
     def __init__(self, flat: torch.Tensor, dtype: torch.dtype, pin, tier: SsdTier, prefix: str):
         self.weights = pin(flat.to(dtype))
         self.grads = pin(torch.zeros(flat.numel(), dtype=dtype))
+        self.sumsq: float | None = None
         self.optimizer = _ooc_adam(flat, tier, prefix, tier.host_budget_bytes)
 
     def step(self, grad_scale: float, lr: float | None = None) -> None:
@@ -142,17 +161,26 @@ class SsdStreamStates:
         adam_budget = tier.host_budget_bytes * adam // (adam + BUFFERS * dtype.itemsize)
         self.optimizer = _ooc_adam(flat, tier, prefix, adam_budget)
         self.stream = SsdWeights(tier.store, f"{prefix}/lowp", flat.to(dtype), self.optimizer.group_elems)
+        self.sumsq: float | None = None
 
     def load_into(self, dst: torch.Tensor, device: Device) -> CopyHandle:
         return device.stream_in(lambda copy: self.stream.load_into(dst, copy))
 
-    def take_grads(self, src: torch.Tensor) -> None:
-        self.stream.save_grads(src, check_finite=src.dtype == torch.float16)  # only fp16 asks grads_finite
+    def take_grads(self, src: torch.Tensor, accumulate: bool = False, norm: bool = False) -> None:
+        fp16 = src.dtype == torch.float16  # only fp16 asks grads_finite
+        self.stream.save_grads(src, check_finite=fp16, accumulate=accumulate, norm=norm)
+        self.sumsq = self.stream.sumsq
 
     def grads_finite(self) -> bool:
         if self.stream.finite is None:
             raise RuntimeError("the gradient's finiteness is checked on the way to SSD in fp16 training only")
         return self.stream.finite
+
+    def grad_slice(self, offset: int, n: int) -> torch.Tensor:
+        return self.stream.read_grads(offset, n)
+
+    def add_grads(self, offset: int, t: torch.Tensor) -> None:
+        self.stream.add_grads(offset, t)
 
     def step(self, grad_scale: float, lr: float | None = None) -> None:
         if lr is not None:

@@ -1,13 +1,17 @@
 """The torchrun entry: `torchrun --nproc_per_node N -m mobiuspipe.train --config FILE.yaml`.
 
-Each rank is one gpu of the plan: the built-in GPT goes through the public Pipeline (mobiuspipe.pipeline),
-which builds only this rank's stages, keeps their weights in the host tier and runs its schedule every
-step; rank 0 reports. Errors a user can fix print one line and exit 2.
+Each rank is one gpu of the plan: the model (model.hf's Hugging Face model, or the built-in GPT) goes
+through the public Pipeline (mobiuspipe.pipeline), which builds only this rank's stages, keeps their
+weights in their tiers and runs its schedule every step; rank 0 reports. At the end every rank writes its
+stages' weights (out_dir/weights) and its shards of the export (train.export_dir). Errors a user can fix
+print one line and exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
 from functools import partial
 from pathlib import Path
@@ -19,12 +23,16 @@ from foundation.errors import UserError
 from foundation.timing import Stopwatch
 from foundation.units import fmt_bytes
 from mobiuspipe.config import RunConfig, load_config
-from mobiuspipe.config_plan import gpt_spec, plan_for_config
+from mobiuspipe.config_plan import model_spec, plan_for_config
 from mobiuspipe.dataset import ByteData
 from mobiuspipe.metrics import Reporter, StepMetrics, device_peak_line
 from mobiuspipe.models.gpt import layer_factories, lm_loss
+from mobiuspipe.models.hf import HFModel, open_hf
+from mobiuspipe.models.hf import layer_factories as hf_layer_factories
+from mobiuspipe.models.hf_export import check_export_dir, finish_export, partial_dir, write_shard
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.pipeline import Pipeline
+from mobiuspipe.profiler import TORCH_DTYPES
 from mobiuspipe.ranks import gather_all
 from partition.costmodel import ARENA_SLOTS
 from partition.device_peak import planned_device_bytes
@@ -34,13 +42,20 @@ __all__ = ["main", "train"]
 
 
 def train(cfg: RunConfig) -> None:
-    """Train the config's GPT for cfg.train.steps steps as this rank of the job (the group must not exist yet)."""
+    """Train the config's model for cfg.train.steps steps as this rank of the job (the group must not exist yet)."""
     torch.set_num_threads(cfg.runtime.threads)
+    torch.manual_seed(cfg.train.seed)  # dropout masks (the recompute replays each forward's)
     t = cfg.train
     optimizer = partial(CPUAdam, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
+    hf = open_hf(cfg.model.hf, cfg.model.seq_len) if cfg.model.hf else None
+    export = Path(t.export_dir) if t.export_dir else None
+    if export is not None:
+        check_export_dir(export, "train.export_dir")  # before any work, not after the run
+        if int(os.environ.get("RANK", "0")) == 0:
+            shutil.rmtree(partial_dir(export), ignore_errors=True)  # an earlier run's remains
     plan = plan_for_config(cfg)
     with Pipeline(
-        layer_factories(gpt_spec(cfg), t.seed),
+        hf_layer_factories(hf) if hf else layer_factories(model_spec(cfg), t.seed),
         lm_loss,
         plan=plan,
         optimizer=optimizer,
@@ -48,8 +63,23 @@ def train(cfg: RunConfig) -> None:
         precision=t.precision,
         memory=cfg.memory,
         comm_timeout_s=cfg.runtime.comm_timeout_s,
+        tied=hf.tied_params() if hf else (),
+        accumulation_steps=t.accumulation_steps,
+        max_grad_norm=t.max_grad_norm,
     ) as pipe:
         _training_loop(cfg, pipe)
+        if hf is not None and export is not None:
+            _export(pipe, hf, export, TORCH_DTYPES[t.export_dtype])
+
+
+def _export(pipe: Pipeline, hf: HFModel, to: Path, dtype: torch.dtype) -> None:
+    """Every rank writes its stages' shards; rank 0 writes the index and config and renames the folder."""
+    folder, stages = partial_dir(to), pipe.plan.num_stages
+    mine = {j: write_shard(hf, j, stages, w, folder, dtype) for j, w in pipe.stage_state_dicts().items()}
+    every = gather_all(pipe.info, mine)
+    if pipe.rank == 0:
+        finish_export(hf, {j: names for d in every for j, names in d.items()}, stages, to, dtype)
+        print(f"mobiuspipe: exported the fine-tuned model to {to} ({dtype}; from_pretrained loads it)", flush=True)
 
 
 def _training_loop(cfg: RunConfig, pipe: Pipeline) -> None:
@@ -65,10 +95,11 @@ def _training_loop(cfg: RunConfig, pipe: Pipeline) -> None:
     if out and rank == 0:
         (out / "config.yaml").write_text(cfg.to_yaml())
         save_plan(plan, out / "plan.yaml")
-    tokens = cfg.data.batch_size * cfg.model.seq_len
+    rows = cfg.train.accumulation_steps * cfg.data.batch_size  # sequences per optimizer step
+    tokens = rows * cfg.model.seq_len
     for step in range(cfg.train.steps):
         sw = Stopwatch()
-        x, y = data.batch(step, cfg.data.batch_size)
+        x, y = data.batch(step, rows)
         lr = cfg.train.lr_of(step)
         pipe.set_lr(lr)
         r = pipe.train_batch(x, y)

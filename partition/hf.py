@@ -7,8 +7,10 @@ Supported `model_type`s and the keys read (all positive integers unless said oth
                          hidden_size / num_attention_heads
   gpt2                   (family "gpt")    n_layer, n_embd, n_head, n_positions, vocab_size; n_inner
                          optional or null (null = 4 * n_embd)
-Counted as the runtime would train them: the head untied (tie_word_embeddings is not read); qwen2's
-q/k/v biases (d + 2*k*hd per block, under 0.1% of a block) are left out.
+Counted as the runtime trains them (mobiuspipe.models.hf), parameter for parameter: qwen2's q/k/v biases
+counted; a tied head (tie_word_embeddings) counted in full, as its stage holds its own copy; gpt2's
+position table has n_positions rows whatever the sequence length; llama/mistral with attention_bias or
+mlp_bias are refused.
 The model's name is the folder's name for `folder/config.json` (or a folder), else the file's stem.
 """
 
@@ -72,6 +74,12 @@ def _llama_spec(d: dict, name: str, where: str) -> ModelSpec:
             f"{where}: 'head_dim' {head_dim} x 'num_attention_heads' {n['num_attention_heads']} != 'hidden_size' "
             f"{n['hidden_size']}; only models whose heads split hidden_size exactly are supported"
         )
+    for key in ("attention_bias", "mlp_bias"):
+        if d.get(key):
+            raise ModelConfigError(
+                f"{where}: {key!r} is true; llama-family models with biases in their projections are not supported "
+                f"(supported: {', '.join(SUPPORTED)} as their reference checkpoints are, without these biases)"
+            )
     return ModelSpec(
         name=name,
         num_blocks=n["num_hidden_layers"],
@@ -82,6 +90,7 @@ def _llama_spec(d: dict, name: str, where: str) -> ModelSpec:
         family="llama",
         ffn_dim=n["intermediate_size"],
         num_kv_heads=kv or 0,
+        qkv_bias=d["model_type"] == "qwen2",
     )
 
 
@@ -97,6 +106,7 @@ def _gpt2_spec(d: dict, name: str, where: str) -> ModelSpec:
         vocab_size=n["vocab_size"],
         family="gpt",
         ffn_dim=inner or 0,
+        positions=n["n_positions"],
     )
 
 

@@ -4,8 +4,9 @@ Layers of a spec with L blocks (V = vocab_size, T = seq_len, d = d_model, f = ff
 a = num_heads, k = kv_heads, hd = d / a). A "gpt" spec must match the PyTorch GPT the runtime builds
 (mobiuspipe.models.gpt), parameter for parameter:
 
-family "gpt" (biases everywhere, LayerNorm, GELU MLP, learned positions, untied head; f = 4d by default)
-  layer 0        embedding  token table V x d + position table T x d, no bias        V*d + T*d
+family "gpt" (biases everywhere, LayerNorm, GELU MLP, learned positions, untied head; f = 4d by default;
+P = positions, the position table's rows, T by default; GPT-2's n_positions)
+  layer 0        embedding  token table V x d + position table P x d, no bias        V*d + P*d
   layers 1..L    block      LayerNorm(d) 2d + Linear(d,3d) 3d^2+3d + Linear(d,d) d^2+d
                             + LayerNorm(d) 2d + Linear(d,f) d*f+f + Linear(f,d) f*d+d  4d^2 + 2df + f + 9d
                                                                        (f = 4d: 12d^2 + 13d)
@@ -15,6 +16,7 @@ family "llama" (no biases, RMSNorm, SwiGLU MLP, rotary positions (no table), gro
   layer 0        embedding  token table V x d                                          V*d
   layers 1..L    block      RMSNorm d + q d*d + k d*(k*hd) + v d*(k*hd) + o d*d
                             + RMSNorm d + gate d*f + up d*f + down f*d                 2d^2 + 2d*k*hd + 3df + 2d
+                            (qkv_bias, Qwen2: + q/k/v biases d + 2*k*hd)
   layer L+1      head       RMSNorm d + Linear(d,V, bias=False) V*d (untied)           V*d + d
 """
 
@@ -46,7 +48,7 @@ class ModelSpec:
     num_heads: int
     """Attention (query) heads a; d_model must be a multiple of it."""
     seq_len: int
-    """Tokens per sequence s (T); for "gpt" also the size of the position table."""
+    """Tokens per sequence s (T); for "gpt" also the size of the position table unless `positions` says."""
     vocab_size: int
     """Vocabulary size V."""
     family: str = "gpt"
@@ -55,6 +57,10 @@ class ModelSpec:
     """MLP width f; 0 means 4 * d_model (gpt only: a llama spec must give it)."""
     num_kv_heads: int = 0
     """Key/value heads k (grouped-query attention, llama only); 0 means num_heads."""
+    positions: int = 0
+    """Rows of the position table P ("gpt" only; GPT-2's n_positions); 0 means seq_len."""
+    qkv_bias: bool = False
+    """The q, k and v projections have biases ("llama" only: Qwen2)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -63,7 +69,7 @@ class ModelSpec:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"model {self.name!r}: {f} must be a positive integer, found {v!r}")
-        for f in ("ffn_dim", "num_kv_heads"):
+        for f in ("ffn_dim", "num_kv_heads", "positions"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"model {self.name!r}: {f} must be an integer >= 0 (0 = the default), found {v!r}")
@@ -137,9 +143,11 @@ def layer_param_counts(spec: ModelSpec) -> list[int]:
     """Parameters of each layer, embedding first, head last (see the module docstring)."""
     d, v, t, f = spec.d_model, spec.vocab_size, spec.seq_len, spec.ffn
     if spec.family == "llama":
-        embedding, block, head = v * d, block_matmul_params(spec) + 2 * d, v * d + d
+        bias = d + 2 * spec.kv_heads * spec.head_dim if spec.qkv_bias else 0
+        embedding, block, head = v * d, block_matmul_params(spec) + 2 * d + bias, v * d + d
     else:
-        embedding, block, head = v * d + t * d, block_matmul_params(spec) + f + 9 * d, v * d + 2 * d
+        p = spec.positions or t
+        embedding, block, head = v * d + p * d, block_matmul_params(spec) + f + 9 * d, v * d + 2 * d
     return [embedding] + [block] * spec.num_blocks + [head]
 
 

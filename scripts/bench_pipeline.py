@@ -21,7 +21,7 @@ from torch import nn
 
 from foundation.timing import Stopwatch
 from mobiuspipe.config import RunConfig, config_from_dict
-from mobiuspipe.config_plan import gpt_spec, plan_from_config
+from mobiuspipe.config_plan import model_spec, plan_from_config
 from mobiuspipe.dataset import ByteData
 from mobiuspipe.models.gpt import build_layers, lm_loss
 
@@ -92,7 +92,7 @@ def plain_run(cfg: RunConfig, threads: int, chunks: int) -> tuple[list[float], f
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        spec = gpt_spec(cfg)
+        spec = model_spec(cfg)
         layers = build_layers(spec, cfg.train.seed)
         model = nn.Sequential(*(layers[l] for l in range(spec.num_layers)))
         t = cfg.train

@@ -30,7 +30,7 @@ from benchlib import buffer_kind, fio_buffers, fio_rw, markdown_table
 from foundation.timing import Stopwatch
 from mobiuspipe import Pipeline
 from mobiuspipe.config import MemoryConfig, config_from_dict
-from mobiuspipe.config_plan import gpt_spec, plan_for_config
+from mobiuspipe.config_plan import model_spec, plan_for_config
 from mobiuspipe.dataset import ByteData
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
@@ -55,7 +55,7 @@ def _config(args: argparse.Namespace, precision: str) -> dict:
 
 def _pipeline(args: argparse.Namespace, precision: str, memory: MemoryConfig | None, overlap: bool) -> Pipeline:
     cfg = config_from_dict(_config(args, precision))
-    layers = layer_factories(gpt_spec(cfg), 1)
+    layers = layer_factories(model_spec(cfg), 1)
     opt = partial(CPUAdam, lr=1e-4)
     return Pipeline(layers, lm_loss, plan=plan_for_config(cfg), optimizer=opt, memory=memory, overlap_updates=overlap)
 

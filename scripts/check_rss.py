@@ -26,7 +26,7 @@ import yaml
 
 from foundation.timing import Stopwatch
 from mobiuspipe.config import config_from_dict
-from mobiuspipe.config_plan import gpt_spec, plan_for_config
+from mobiuspipe.config_plan import model_spec, plan_for_config
 from partition.models import layer_param_counts
 
 MiB = 1 << 20
@@ -70,7 +70,7 @@ def measure(d_model: int, blocks: int, budget_mb: float, args: argparse.Namespac
             raise SystemExit(f"the run failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
         peak = int(out.stdout.split("MAXRSS_KIB")[-1].split()[0]) * 1024
         banner = next((line for line in out.stdout.splitlines() if "optimizer states (" in line), "")
-    params = sum(layer_param_counts(gpt_spec(cfg)))
+    params = sum(layer_param_counts(model_spec(cfg)))
     in_memory = int(budget_mb * MiB) if "ssd" in banner else 16 * params // args.ranks  # all in memory: their size
     return {
         "params": params,

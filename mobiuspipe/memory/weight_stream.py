@@ -19,6 +19,12 @@ import torch
 from mobiuspipe.memory.aio import ALIGN, aligned_empty, round_up
 from mobiuspipe.memory.ssd_store import SSDStore, StoreFuture, drain
 
+
+def sum_of_squares(t: torch.Tensor) -> float:
+    """The squared L2 norm of t, summed in float64."""
+    return float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2 if t.numel() else 0.0
+
+
 __all__ = ["SsdWeights", "BUFFERS"]
 
 BUFFERS = 4
@@ -44,6 +50,8 @@ class SsdWeights:
         self.grad_scale = 1.0
         self.finite: bool | None = None
         """Whether the last saved gradient was all finite; None when save_grads was not asked to check."""
+        self.sumsq: float | None = None
+        """The last saved gradient's squared L2 norm; None when save_grads was not asked for it."""
         self._reads: dict[int, StoreFuture[torch.Tensor]] = {}
         self._writes: dict[int, StoreFuture[None]] = {}
         store.check_space(2 * size * len(self.groups), f"the weights and gradients of {prefix}")
@@ -64,19 +72,55 @@ class SsdWeights:
             drain(reads.values())
             raise
 
-    def save_grads(self, src: torch.Tensor, check_finite: bool) -> None:
-        """Write src (the stage's flat gradient, in the device dtype) as the d records; with check_finite,
-        note whether it is all finite on the way (fp16's overflow check, which then needs no second read; a
-        pass over the gradient that the other dtypes do not pay)."""
+    def save_grads(self, src: torch.Tensor, check_finite: bool, accumulate: bool = False, norm: bool = False) -> None:
+        """Write src (the stage's flat gradient, in the device dtype) as the d records, or add it to them
+        (accumulate: each record read, added to, written); on the way, with check_finite, note whether the
+        result is all finite (fp16's overflow check, which then needs no second read; a pass the other
+        dtypes do not pay), and with norm its squared L2 norm (self.sumsq, float64)."""
         self.finite = True if check_finite else None
+        self.sumsq = 0.0 if norm else None
 
         def fill(i: int, buf: torch.Tensor) -> None:
             part = self._slice(src, i)
-            buf.copy_(part)
+            if accumulate:
+                self.store.get(self._key("d", i), out=self.buffers[i % len(self.buffers)][: self.record_elems[i]])
+                buf.add_(part)
+            else:
+                buf.copy_(part)
             if self.finite is not None:
-                self.finite = self.finite and bool(torch.isfinite(part).all())
+                self.finite = self.finite and bool(torch.isfinite(buf).all())
+            if self.sumsq is not None:
+                self.sumsq += sum_of_squares(buf)
 
         self._put_all("d", fill)
+
+    def read_grads(self, offset: int, n: int) -> torch.Tensor:
+        """A copy of elements offset .. offset + n of the saved gradient (between OFFLOAD and the update)."""
+        out = torch.empty(n, dtype=self.dtype)
+        for i, lo, hi in self._overlaps(offset, n):
+            a = self.groups[i][0]
+            out[lo - offset : hi - offset] = self._get("d", i, 0).result()[lo - a : hi - a]
+        return out
+
+    def add_grads(self, offset: int, t: torch.Tensor) -> None:
+        """Add t into elements offset .. offset + len(t) of the saved gradient (read, add, write each group it
+        touches; the finiteness note, if kept, covers the sums)."""
+        for i, lo, hi in self._overlaps(offset, t.numel()):
+            a = self.groups[i][0]
+            buf = self._get("d", i, 0).result()
+            part = buf[lo - a : hi - a]
+            part.add_(t[lo - offset : hi - offset])
+            if self.finite is not None:
+                self.finite = self.finite and bool(torch.isfinite(part).all())
+            self.store.put(self._key("d", i), buf)
+
+    def _overlaps(self, offset: int, n: int) -> list[tuple[int, int, int]]:
+        """(group i, lo, hi) for each group overlapping elements [offset, offset + n): [lo, hi) is the overlap."""
+        return [
+            (i, max(a, offset), min(a + m, offset + n))
+            for i, (a, m) in enumerate(self.groups)
+            if a < offset + n and offset < a + m
+        ]
 
     # -- the GroupStream of the Adam update -----------------------------------------------------------
     def grad(self, i: int) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import yaml
 from torch import nn
 
 from mobiuspipe.config import RunConfig
-from mobiuspipe.config_plan import gpt_spec
+from mobiuspipe.config_plan import model_spec
 from mobiuspipe.dataset import ByteData
 from mobiuspipe.models.gpt import build_layers, lm_loss
 from mobiuspipe.optim import CPUAdam
@@ -39,7 +40,7 @@ def reference_run(
 
 
 def _reference_run(cfg: RunConfig, microbatched: bool, optimizer) -> tuple[list[float], dict[str, torch.Tensor]]:
-    spec = gpt_spec(cfg)
+    spec = model_spec(cfg)
     layers = build_layers(spec, cfg.train.seed)
     model = nn.Sequential(*(layers[l] for l in range(spec.num_layers)))
     t = cfg.train
@@ -97,3 +98,20 @@ def torchrun(config: Path, nproc: int, timeout: float = 240) -> subprocess.Compl
 def launch():
     """(write_config, torchrun) helpers."""
     return write_config, torchrun
+
+
+def _load_hf_fixtures():
+    name = "mobiuspipe_test_hf_fixtures"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("hf_fixtures.py"))
+        assert spec is not None and spec.loader is not None  # a .py path always has a source loader
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@pytest.fixture
+def hf_kit():
+    """The hf_fixtures module: VOCAB, hf_config(), save_model(), train_plain(), random_batches()."""
+    return _load_hf_fixtures()

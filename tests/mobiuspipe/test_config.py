@@ -60,8 +60,13 @@ def test_sections_are_frozen():
 
 
 def test_every_field_has_a_docstring():
-    source = Path(__file__).resolve().parents[2] / "mobiuspipe" / "config.py"
-    classes = {n.name: n for n in ast.parse(source.read_text()).body if isinstance(n, ast.ClassDef)}
+    folder = Path(__file__).resolve().parents[2] / "mobiuspipe"
+    classes = {
+        n.name: n
+        for name in ("config.py", "config_model.py")
+        for n in ast.parse((folder / name).read_text()).body
+        if isinstance(n, ast.ClassDef)
+    }
     for cls in (ModelConfig, DataConfig, TrainConfig, PlanConfig, RuntimeConfig, RunConfig):
         body = classes[cls.__name__].body
         documented = {
@@ -137,7 +142,7 @@ def test_missing_relative_path_names_key_and_resolved_path(tmp_path):
 def test_unknown_key_suggests_closest(tmp_path):
     message = load_error(tmp_path, "train:\n  lrr: 0.1\n")
     assert "train.lrr" in message and "did you mean 'lr'" in message
-    assert "steps, lr, lr_schedule, warmup_steps, min_lr, betas, eps, weight_decay, precision, seed" in message
+    assert "steps, lr, lr_schedule, warmup_steps, min_lr, betas, eps, weight_decay, max_grad_norm" in message
 
 
 def test_unknown_section_suggests_closest(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mobiuspipe.config import config_from_dict, load_config
-from mobiuspipe.config_plan import gpt_spec, num_ranks, plan_for_config, run_topology
+from mobiuspipe.config_plan import model_spec, num_ranks, plan_for_config, run_topology
 from mobiuspipe.errors import ConfigError
 from mobiuspipe.models.gpt import build_layers
 from partition.models import layer_param_counts
@@ -25,7 +25,7 @@ def _cfg(**plan):
 
 def test_analytic_parameter_counts_equal_the_real_layers():
     cfg = _cfg()
-    spec = gpt_spec(cfg)
+    spec = model_spec(cfg)
     layers = build_layers(spec, seed=0)
     real = [sum(p.numel() for p in layers[l].parameters()) for l in range(spec.num_layers)]
     assert real == layer_param_counts(spec)

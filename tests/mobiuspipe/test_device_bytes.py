@@ -16,7 +16,7 @@ import mobiuspipe.engine
 from mobiuspipe import Pipeline
 from mobiuspipe.comm import Comm
 from mobiuspipe.config import config_from_dict
-from mobiuspipe.config_plan import gpt_spec, plan_for_config
+from mobiuspipe.config_plan import model_spec, plan_for_config
 from mobiuspipe.dataset import ByteData
 from mobiuspipe.memory.arena import DeviceArena
 from mobiuspipe.memory.ledger import DeviceLedger
@@ -201,7 +201,7 @@ def _gpt_run(steps: int = 2):
     opt = partial(CPUAdam, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
     data = ByteData(cfg.data.text_path, cfg.model.seq_len, t.seed)
     plan = plan_for_config(cfg)
-    with Pipeline(layer_factories(gpt_spec(cfg), t.seed), lm_loss, plan=plan, optimizer=opt) as pipe:
+    with Pipeline(layer_factories(model_spec(cfg), t.seed), lm_loss, plan=plan, optimizer=opt) as pipe:
         results = [pipe.train_batch(*data.batch(s, 6)) for s in range(steps)]
         assert pipe.engine.ledger.bytes == 0
         return results, pipe.state_dict(), plan

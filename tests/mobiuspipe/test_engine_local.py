@@ -10,7 +10,7 @@ import torch
 
 from mobiuspipe import Pipeline
 from mobiuspipe.config import config_from_dict
-from mobiuspipe.config_plan import gpt_spec, plan_for_config
+from mobiuspipe.config_plan import model_spec, plan_for_config
 from mobiuspipe.dataset import ByteData
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
@@ -42,7 +42,7 @@ def _engine_run(cfg) -> tuple[list[float], dict[str, torch.Tensor], int, int]:
     data = ByteData(cfg.data.text_path, cfg.model.seq_len, cfg.train.seed)
     losses, peak = [], 0
     with Pipeline(
-        layer_factories(gpt_spec(cfg), t.seed), lm_loss, plan=plan_for_config(cfg), optimizer=optimizer
+        layer_factories(model_spec(cfg), t.seed), lm_loss, plan=plan_for_config(cfg), optimizer=optimizer
     ) as pipe:
         for step in range(cfg.train.steps):
             r = pipe.train_batch(*data.batch(step, cfg.data.batch_size))

@@ -21,7 +21,7 @@ CHILD = textwrap.dedent(
     import torch
     from mobiuspipe import Pipeline
     from mobiuspipe.config import MemoryConfig, config_from_dict
-    from mobiuspipe.config_plan import gpt_spec, plan_for_config
+    from mobiuspipe.config_plan import model_spec, plan_for_config
     from mobiuspipe.dataset import ByteData
     from mobiuspipe.models.gpt import layer_factories, lm_loss
     from mobiuspipe.optim import CPUAdam
@@ -37,7 +37,7 @@ CHILD = textwrap.dedent(
     memory = MemoryConfig(optimizer="ssd", weights="ssd", ssd_dir=folder, host_budget_mb=0.25)
     data = ByteData(cfg.data.text_path, cfg.model.seq_len, 5)
     opt = partial(CPUAdam, lr=0.01, weight_decay=0.05)
-    layers = layer_factories(gpt_spec(cfg), 5)
+    layers = layer_factories(model_spec(cfg), 5)
     with Pipeline(layers, lm_loss, plan=plan_for_config(cfg), optimizer=opt, memory=memory) as pipe:
         for s in range(steps):
             print(json.dumps(pipe.train_batch(*data.batch(s, 6)).loss), flush=True)

@@ -9,7 +9,7 @@ import torch
 
 from mobiuspipe import Pipeline
 from mobiuspipe.config import MemoryConfig, config_from_dict
-from mobiuspipe.config_plan import gpt_spec, plan_for_config
+from mobiuspipe.config_plan import model_spec, plan_for_config
 from mobiuspipe.dataset import ByteData
 from mobiuspipe.errors import ConfigError, PipelineError
 from mobiuspipe.lr_schedule import lr_at
@@ -66,7 +66,7 @@ def _run(cfg, memory=None):
     data = ByteData(cfg.data.text_path, cfg.model.seq_len, t.seed)
     opt = partial(CPUAdam, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
     plan = plan_for_config(cfg)
-    with Pipeline(layer_factories(gpt_spec(cfg), t.seed), lm_loss, plan=plan, optimizer=opt, memory=memory) as pipe:
+    with Pipeline(layer_factories(model_spec(cfg), t.seed), lm_loss, plan=plan, optimizer=opt, memory=memory) as pipe:
         losses = []
         for step in range(t.steps):
             pipe.set_lr(t.lr_of(step))

@@ -22,7 +22,7 @@ from torch import nn
 
 from mobiuspipe import Pipeline
 from mobiuspipe.config import config_from_dict
-from mobiuspipe.config_plan import gpt_spec, plan_for_config
+from mobiuspipe.config_plan import model_spec, plan_for_config
 from mobiuspipe.dataset import ByteData
 from mobiuspipe.errors import PipelineError
 from mobiuspipe.models.gpt import build_layers, layer_factories, lm_loss
@@ -81,7 +81,7 @@ def _gpt(precision: str, stages: int = 4, steps: int = 4):
 def test_gpt_pipeline_equals_the_precision_recipe(precision):
     torch.set_num_threads(1)
     cfg, batches, opt = _gpt(precision)
-    spec = gpt_spec(cfg)
+    spec = model_spec(cfg)
     plan = plan_for_config(cfg)
     assert plan.dtype == precision and plan.slot_bytes == max(s.param_count for s in plan.stages) * 2
     with Pipeline(layer_factories(spec, cfg.train.seed), lm_loss, plan=plan, optimizer=opt) as pipe:
@@ -105,7 +105,7 @@ def test_fp16_overflow_skips_the_same_steps_and_backs_off():
     gradients fit, then grows again after growth_interval good steps."""
     torch.set_num_threads(1)
     cfg, batches, opt = _gpt("fp16", stages=3, steps=6)
-    spec = gpt_spec(cfg)
+    spec = model_spec(cfg)
 
     def scaler():
         return LossScaler(scale=2.0**40, backoff_factor=2.0**-12, growth_interval=2)
@@ -151,7 +151,7 @@ def test_a_float_input_model_in_bf16_with_a_plan_from_its_profile():
 
 def test_precision_and_plan_must_agree():
     cfg, _, opt = _gpt("bf16")
-    spec = gpt_spec(cfg)
+    spec = model_spec(cfg)
     with pytest.raises(PipelineError, match="the plan is for bf16 weights but the precision asked for is fp32"):
         Pipeline(layer_factories(spec, 3), lm_loss, plan=plan_for_config(cfg), precision="fp32")
     with pytest.raises(PipelineError, match="only fp16 scales its loss"):
@@ -177,7 +177,7 @@ def test_bf16_on_two_ranks_equals_the_recipe(tmp_path, launch):
     for f in sorted((tmp_path / "out" / "weights").glob("stage*.pt")):
         weights.update(torch.load(f))
     cfg = config_from_dict(d)
-    spec = gpt_spec(cfg)
+    spec = model_spec(cfg)
     data = ByteData(cfg.data.text_path, cfg.model.seq_len, cfg.train.seed)
     t = cfg.train
     opt = partial(CPUAdam, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)

@@ -1,0 +1,62 @@
+"""`mobiuspipe export`: a finished run's weights (OUT_DIR/weights) as a Hugging Face folder from_pretrained loads."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+from mobiuspipe.cli._common import CliError
+
+__all__ = ["register", "run"]
+
+
+def register(sub) -> None:
+    """Add the `export` subcommand to the CLI's subparsers."""
+    p = sub.add_parser("export", help="write a run's fine-tuned Hugging Face model as safetensors + config.json")
+    p.add_argument("--run", required=True, help="the run's train.out_dir (holds config.yaml, plan.yaml, weights/)")
+    p.add_argument("--to", required=True, help="a new or empty folder to write the model into")
+    p.add_argument(
+        "--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="dtype of the written weights (fp32)"
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace, out) -> int:
+    """Write one shard per stage (one stage's weights in memory at a time), then the index and config."""
+    import torch
+
+    from mobiuspipe.config import load_config
+    from mobiuspipe.models.hf import open_hf
+    from mobiuspipe.models.hf_export import check_export_dir, finish_export, partial_dir, write_shard
+    from mobiuspipe.profiler import TORCH_DTYPES
+    from partition.plan import load_plan
+
+    run_dir, to = Path(args.run), Path(args.to)
+    cfg = load_config(_need(run_dir / "config.yaml", "its resolved config"))
+    if cfg.model.hf is None:
+        raise CliError(
+            f"--run {run_dir}: the run trained the built-in GPT, not a Hugging Face model; its weights are in "
+            f"{run_dir / 'weights'} (torch.load each stage{{j}}.pt)"
+        )
+    plan = load_plan(_need(run_dir / "plan.yaml", "its plan"))
+    files = [_need(run_dir / "weights" / f"stage{j}.pt", f"stage {j}'s weights") for j in range(plan.num_stages)]
+    check_export_dir(to, "--to")
+    hf, dtype = open_hf(cfg.model.hf, cfg.model.seq_len), TORCH_DTYPES[args.dtype]
+    folder = partial_dir(to)
+    shutil.rmtree(folder, ignore_errors=True)  # an earlier, interrupted export's remains
+    shards = {}
+    for j, file in enumerate(files):
+        shards[j] = write_shard(hf, j, plan.num_stages, torch.load(file, weights_only=True), folder, dtype)
+    finish_export(hf, shards, plan.num_stages, to, dtype)
+    print(f"mobiuspipe: exported {run_dir} to {to} ({args.dtype}, {plan.num_stages} shards)", file=out)
+    return 0
+
+
+def _need(path: Path, what: str) -> Path:
+    if not path.is_file():
+        raise CliError(
+            f"--run: {path} is missing ({what}); give the out_dir of a finished `mobiuspipe train` run, which "
+            f"writes config.yaml, plan.yaml and weights/stage{{j}}.pt"
+        )
+    return path

@@ -1,0 +1,92 @@
+"""Fine-tuned weights written back as a Hugging Face folder that `from_pretrained` loads: one safetensors
+shard per stage (each rank writes its own), the index, config.json (with the saved dtype) and the source
+folder's tokenizer and generation files.
+
+A tied head's copy is left out (save_pretrained stores the table once, as the embedding; from_pretrained
+ties them again). The folder is written beside its destination and renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from mobiuspipe.errors import ConfigError
+from mobiuspipe.models.hf import HFModel, hf_key
+from mobiuspipe.models.hf_weights import INDEX
+
+__all__ = ["SIDE_FILES", "check_export_dir", "partial_dir", "write_shard", "finish_export"]
+
+SIDE_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+"""Files of the source folder an export copies as they are (those present)."""
+
+
+def check_export_dir(to: Path, key: str) -> None:
+    """An export may go to a new or empty folder only (ConfigError naming `key` otherwise)."""
+    if to.exists() and (not to.is_dir() or any(to.iterdir())):
+        raise ConfigError(
+            f"{key}: {to} exists and is not an empty folder; the export will not overwrite it: give a new "
+            f"folder or remove it"
+        )
+    parent = to.parent if to.parent.exists() else None
+    if parent is not None and not parent.is_dir():
+        raise ConfigError(f"{key}: {to.parent} is not a folder; give a path inside a folder")
+
+
+def partial_dir(to: Path) -> Path:
+    """Where the export is written before it is renamed to `to`."""
+    return to.with_name(f".{to.name}.partial")
+
+
+def shard_name(j: int, num_stages: int) -> str:
+    return f"model-{j + 1:05d}-of-{num_stages:05d}.safetensors"
+
+
+def write_shard(
+    m: HFModel, j: int, num_stages: int, weights: dict[str, torch.Tensor], folder: Path, dtype: torch.dtype
+) -> dict[str, int]:
+    """Write stage j's weights ("layer.name" -> tensor) as its shard in `folder`; returns checkpoint name ->
+    bytes of what it wrote."""
+    heads = {b for _, b in m.tied_params()}
+    out = {}
+    for key, t in weights.items():
+        l, name = key.split(".", 1)
+        if key not in heads:
+            out[hf_key(m, int(l), name)] = t.detach().to("cpu", dtype).contiguous()
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(folder / shard_name(j, num_stages)), metadata={"format": "pt"})
+    return {k: t.numel() * t.element_size() for k, t in out.items()}
+
+
+def finish_export(m: HFModel, shards: dict[int, dict[str, int]], num_stages: int, to: Path, dtype: torch.dtype) -> None:
+    """Write the index (from every stage's names and bytes), config.json and the side files next to the
+    shards in partial_dir(to), then rename it to `to`."""
+    folder = partial_dir(to)
+    missing = [j for j in range(num_stages) if j not in shards]
+    if missing:
+        raise RuntimeError(f"export to {to}: no shard was written for stages {missing}")
+    weight_map = {k: shard_name(j, num_stages) for j, names in shards.items() for k in names}
+    total = sum(b for names in shards.values() for b in names.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    config = json.loads((m.folder / "config.json").read_text())
+    config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for side in SIDE_FILES:
+        if (m.folder / side).is_file():
+            shutil.copy2(m.folder / side, folder / side)
+    if to.exists():
+        to.rmdir()  # checked empty before the run
+    folder.replace(to)

@@ -1,0 +1,72 @@
+"""Small random Hugging Face models saved to local folders, and plain transformers training: the yardstick
+the pipeline's Hugging Face path must equal."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mobiuspipe.models.gpt import lm_loss
+
+VOCAB = 301
+"""Above 256 so that byte-level data fits, and odd."""
+
+
+def hf_config(kind: str, **over):
+    """A tiny config of `kind` (gpt2, llama, mistral, qwen2) with odd sizes and no dropout."""
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+    if kind == "gpt2":
+        d: dict = dict(vocab_size=VOCAB, n_embd=24, n_layer=3, n_head=3, n_positions=48, n_inner=40)
+        d.update(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        return GPT2Config(**{**d, **over})
+    d: dict = dict(vocab_size=VOCAB, hidden_size=24, intermediate_size=37, num_hidden_layers=3, num_attention_heads=4)
+    d.update(num_key_value_heads=2, max_position_embeddings=48, bos_token_id=0, eos_token_id=0)
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[kind]
+    if kind == "mistral":
+        d["sliding_window"] = 48
+    if kind == "qwen2":
+        d["tie_word_embeddings"] = True  # as Qwen2-0.5B: a tied llama-family head
+    return cls(**{**d, **over})
+
+
+def save_model(kind: str, folder: Path, seed: int = 0, **over):
+    """A random model of `kind` saved by save_pretrained into folder; returns the model (train mode)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(kind, **over), attn_implementation="sdpa")
+    model.save_pretrained(str(folder))
+    return model.train()
+
+
+def train_plain(
+    model, batches, microbatches: int, lr: float, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, max_norm=None
+):
+    """Losses per step (and the gradient norms before clipping) of transformers' model trained with
+    torch.optim.AdamW on (x, y) batches, gradients accumulated over the microbatches as the pipeline does
+    (microbatches = every microbatch of the step, all accumulation passes), clipped by clip_grad_norm_."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    losses, norms = [], []
+    for x, y in batches:
+        opt.zero_grad()
+        total = 0.0
+        for xi, yi in zip(x.chunk(microbatches), y.chunk(microbatches)):
+            loss = lm_loss(model(xi).logits, yi) / microbatches
+            loss.backward()
+            total += loss.item()
+        if max_norm is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        opt.step()
+        losses.append(total)
+    return (losses, norms) if max_norm is not None else losses
+
+
+def random_batches(steps: int, batch: int, seq_len: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        s = torch.randint(0, VOCAB, (batch, seq_len + 1), generator=g)
+        out.append((s[:, :-1].contiguous(), s[:, 1:].contiguous()))
+    return out

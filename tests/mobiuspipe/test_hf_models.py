@@ -1,0 +1,226 @@
+"""Hugging Face models cut into layers: the same logits as transformers, layer by layer loading, training
+through the Pipeline equal to transformers + AdamW (tied embeddings included), export, bad folders."""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from mobiuspipe import Pipeline
+from mobiuspipe.models import hf_weights
+from mobiuspipe.models.gpt import lm_loss
+from mobiuspipe.models.hf import SUPPORTED, layer_factories, open_hf
+from mobiuspipe.models.hf_export import finish_export, partial_dir, write_shard
+from mobiuspipe.optim import CPUAdam
+from partition.hf import ModelConfigError
+
+VOCAB = 301  # hf_fixtures.VOCAB
+KINDS = ("gpt2", "llama", "mistral", "qwen2")
+
+
+def _logits(layers, x):
+    with torch.no_grad():
+        return nn.Sequential(*layers).eval()(x)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_layers_give_transformers_logits(tmp_path, hf_kit, kind):
+    model = hf_kit.save_model(kind, tmp_path / kind, seed=3).eval()
+    m = open_hf(tmp_path / kind, 19)
+    x = torch.randint(0, VOCAB, (3, 19))
+    with torch.no_grad():
+        want = model(x).logits
+    got = _logits([f() for f in layer_factories(m)], x)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert sum(p.numel() for f in layer_factories(m) for p in f().parameters()) == m.spec.param_count
+    assert (m.tied_params() != []) == (kind in ("gpt2", "qwen2"))
+
+
+def test_each_layer_reads_only_its_tensors_from_shards(tmp_path, hf_kit, monkeypatch):
+    model = hf_kit.save_model("llama", tmp_path / "m").eval()
+    model.save_pretrained(str(tmp_path / "sharded"), max_shard_size="20KB")
+    assert (tmp_path / "sharded" / hf_weights.INDEX).is_file()
+    m = open_hf(tmp_path / "sharded", 16)
+    read: list[str] = []
+    real = hf_weights.safe_open
+
+    class Recording:
+        def __init__(self, *a, **k):
+            self.f = real(*a, **k)
+
+        def __enter__(self):
+            self.inner = self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def get_tensor(self, key):
+            read.append(key)
+            return self.inner.get_tensor(key)
+
+    monkeypatch.setattr(hf_weights, "safe_open", Recording)
+    layers = []
+    for l, make in enumerate(layer_factories(m)):
+        read.clear()
+        layers.append(make())
+        prefix = {0: "model.embed_tokens.", m.num_layers - 1: ""}.get(l, f"model.layers.{l - 1}.")
+        assert read and all(k.startswith(prefix) or k in ("model.norm.weight", "lm_head.weight") for k in read)
+        assert len(read) == len(list(layers[-1].parameters()))
+    x = torch.randint(0, VOCAB, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(_logits(layers, x), model(x).logits, rtol=0, atol=1e-6)
+
+
+def test_gpt2_checkpoint_without_the_base_prefix(tmp_path, hf_kit):
+    """GPT-2's original checkpoint names tensors "h.0...." (no "transformer."), and stores no lm_head."""
+    model = hf_kit.save_model("gpt2", tmp_path / "m").eval()
+    bare = {k.removeprefix("transformer."): v for k, v in load_file(tmp_path / "m" / "model.safetensors").items()}
+    bare.pop("lm_head.weight", None)
+    save_file(bare, str(tmp_path / "m" / "model.safetensors"))
+    m = open_hf(tmp_path / "m", 16)
+    x = torch.randint(0, VOCAB, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(_logits([f() for f in layer_factories(m)], x), model(x).logits, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_pipeline_training_equals_transformers_and_export_loads(tmp_path, hf_kit, kind):
+    """One rank, 3 stages (the tied embedding's halves in stages 0 and 2): losses within 1e-5 relative of
+    transformers + AdamW, and the exported folder loads with from_pretrained giving the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    model = hf_kit.save_model(kind, tmp_path / "src", seed=5)
+    m = open_hf(tmp_path / "src", 13)
+    batches = hf_kit.random_batches(4, 8, 13, seed=7)
+    want = hf_kit.train_plain(model, batches, microbatches=4, lr=3e-3)
+    opt = partial(CPUAdam, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    with Pipeline(
+        layer_factories(m),
+        lm_loss,
+        sample=batches[0],
+        num_microbatches=4,
+        num_stages=3,
+        optimizer=opt,
+        tied=m.tied_params(),
+    ) as pipe:
+        got = [pipe.train_batch(x, y).loss for x, y in batches]
+        weights = pipe.stage_state_dicts()
+    assert max(abs(a - b) / abs(a) for a, b in zip(want, got)) < 1e-5, (want, got)
+    for a, b in m.tied_params():
+        assert torch.equal(pipe.state_dict()[a], pipe.state_dict()[b])  # the halves stayed one parameter
+    to = tmp_path / "export"
+    shards = {j: write_shard(m, j, 3, w, partial_dir(to), torch.float32) for j, w in weights.items()}
+    finish_export(m, shards, 3, to, torch.float32)
+    back = AutoModelForCausalLM.from_pretrained(str(to), attn_implementation="sdpa").eval()
+    x = torch.randint(0, VOCAB, (2, 13))
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, model.eval()(x).logits, rtol=1e-4, atol=1e-4)
+    index = json.loads((to / hf_weights.INDEX).read_text())
+    assert "lm_head.weight" not in index["weight_map"] or not m.tied
+
+
+def test_missing_config_or_weights(tmp_path, hf_kit):
+    with pytest.raises(ModelConfigError, match="has no config.json"):
+        open_hf(tmp_path, 16)
+    hf_kit.save_model("llama", tmp_path / "m")
+    (tmp_path / "m" / "model.safetensors").unlink()
+    (tmp_path / "m" / "pytorch_model.bin").write_bytes(b"x")
+    with pytest.raises(ModelConfigError, match=r"no model.safetensors.*found: pytorch_model.bin.*save_pretrained"):
+        open_hf(tmp_path / "m", 16)
+
+
+def test_unsupported_architecture_is_named_with_the_list(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 8}))
+    with pytest.raises(ModelConfigError) as e:
+        open_hf(tmp_path, 16)
+    assert "'bert' is not supported" in str(e.value)
+    assert all(k in str(e.value) for k in SUPPORTED)
+
+
+def test_sequence_longer_than_positions_or_window(tmp_path, hf_kit):
+    hf_kit.save_model("gpt2", tmp_path / "g")
+    with pytest.raises(ModelConfigError, match="model.seq_len 49 exceeds the model's 48 positions"):
+        open_hf(tmp_path / "g", 49)
+    hf_kit.save_model("mistral", tmp_path / "w", sliding_window=16)
+    with pytest.raises(ModelConfigError, match="sliding-window attention over 16 tokens"):
+        open_hf(tmp_path / "w", 17)
+
+
+def test_checkpoint_of_another_shape_or_missing_tensor(tmp_path, hf_kit):
+    hf_kit.save_model("llama", tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 38}))
+    m = open_hf(tmp_path / "m", 16)
+    with pytest.raises(ModelConfigError, match=r"of shape \(37, 24\), config.json implies \(38, 24\)"):
+        layer_factories(m)[1]()
+    tensors = load_file(tmp_path / "m" / "model.safetensors")
+    tensors.pop("model.norm.weight")
+    save_file(tensors, str(tmp_path / "m" / "model.safetensors"))
+    head = layer_factories(open_hf(tmp_path / "m", 16))[-1]
+    with pytest.raises(ModelConfigError, match="no tensor 'model.norm.weight'"):
+        head()
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "qwen2"])
+def test_clipping_and_accumulation_equal_transformers(tmp_path, hf_kit, kind):
+    """Two accumulation passes of 3 microbatches and a global norm clip (a tied pair counted once) equal
+    transformers with the 6 microbatches accumulated and clip_grad_norm_; the norms reported match its."""
+    model = hf_kit.save_model(kind, tmp_path / "src", seed=8)
+    m = open_hf(tmp_path / "src", 9)
+    batches = hf_kit.random_batches(3, 12, 9, seed=3)
+    want, want_norms = hf_kit.train_plain(model, batches, microbatches=6, lr=1e-2, max_norm=0.3)
+    opt = partial(CPUAdam, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    sample = (batches[0][0][:6], batches[0][1][:6])
+    with Pipeline(
+        layer_factories(m),
+        lm_loss,
+        sample=sample,
+        num_microbatches=3,
+        num_stages=3,
+        optimizer=opt,
+        tied=m.tied_params(),
+        accumulation_steps=2,
+        max_grad_norm=0.3,
+    ) as pipe:
+        results = [pipe.train_batch(x, y) for x, y in batches]
+    assert [r.loss for r in results] == pytest.approx(want, rel=1e-5)
+    assert [r.grad_norm for r in results] == pytest.approx(want_norms, rel=1e-5)
+    assert all(n > 0.3 for n in want_norms)  # every step clipped
+
+
+@pytest.mark.parametrize("precision,passes,clip", [("fp32", 1, None), ("bf16", 1, None), ("fp32", 2, 0.2)])
+def test_tied_halves_on_ssd_are_bit_identical_to_host(tmp_path, hf_kit, precision, passes, clip):
+    """The tied table's gradient exchange, accumulation and the clipping norm read the gradients where their
+    tier keeps them: weights and states streamed from SSD give the bits of host memory."""
+    from mobiuspipe.config import MemoryConfig
+
+    hf_kit.save_model("gpt2", tmp_path / "src", seed=2)
+    m = open_hf(tmp_path / "src", 9)
+    batches = hf_kit.random_batches(2, 4 * passes, 9, seed=4)
+    runs = []
+    for memory in (None, MemoryConfig(optimizer="ssd", weights="ssd", ssd_dir=str(tmp_path / "ssd"))):
+        with Pipeline(
+            layer_factories(m),
+            lm_loss,
+            sample=(batches[0][0][:4], batches[0][1][:4]),
+            num_microbatches=2,
+            num_stages=3,
+            precision=precision,
+            memory=memory,
+            tied=m.tied_params(),
+            accumulation_steps=passes,
+            max_grad_norm=clip,
+        ) as pipe:
+            results = [pipe.train_batch(x, y) for x, y in batches]
+            runs.append(([(r.loss, r.grad_norm) for r in results], pipe.state_dict()))
+    (host_losses, host), (ssd_losses, ssd) = runs
+    assert host_losses == ssd_losses
+    assert all(torch.equal(host[k], ssd[k]) for k in host)
+    a, b = m.tied_params()[0]
+    assert torch.equal(ssd[a], ssd[b])
