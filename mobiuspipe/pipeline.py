@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -31,6 +30,7 @@ from mobiuspipe.config import MemoryConfig
 from mobiuspipe.device import Device
 from mobiuspipe.engine import Engine, LossFn, StepTimes
 from mobiuspipe.errors import PipelineError
+from mobiuspipe.evaluate import eval_loss
 from mobiuspipe.layers import LayerSpec, build, factories
 from mobiuspipe.memory.arena import DeviceArena
 from mobiuspipe.memory.ledger import DeviceLedger
@@ -54,6 +54,7 @@ from mobiuspipe.ranks import join_group, leave_group, rank_info
 from mobiuspipe.schedule import build_schedule, check_schedules
 from mobiuspipe.stage import Stage
 from mobiuspipe.stage_states import SsdTier
+from mobiuspipe.step_result import StepResult
 from mobiuspipe.tied import TiedGrads
 from partition.costmodel import ARENA_SLOTS
 from partition.plan import Plan
@@ -63,29 +64,6 @@ __all__ = ["Pipeline", "StepResult"]
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 """Makes the optimizer of one stage from its (one, flat, fp32, host) parameter."""
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """One optimizer step: the batch's loss (every rank gets it), where the slowest rank spent its time,
-    the largest device arena peak over ranks against the arena's budget, and the largest measured device
-    peak over ranks."""
-
-    step: int
-    loss: float
-    times: StepTimes
-    arena_peak_bytes: int
-    arena_budget_bytes: int
-    loss_scale: float | None = None
-    """fp16: the scale the loss was multiplied by in this step; None without loss scaling."""
-    skipped: bool = False
-    """fp16: a gradient overflowed on some rank, so no weight changed in this step."""
-    device_peak_bytes: int = 0
-    """The most bytes a rank held on its device during the step (arena in use, activations, buffers, messages;
-    the largest over ranks), as measured by mobiuspipe.memory.measure.DevicePeak: the ledger on the CPU
-    stand-in, CUDA's max_memory_allocated on a gpu."""
-    grad_norm: float | None = None
-    """With max_grad_norm: the global L2 norm of the step's gradients before clipping; None without."""
 
 
 class Pipeline:
@@ -323,6 +301,15 @@ class Pipeline:
         coef = self.max_grad_norm / (norm + 1e-6)
         return norm, loss_scale / coef if coef < 1.0 else loss_scale
 
+    def eval_batch(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """The batch's mean loss under the current weights (after every pending update), forward only: no
+        gradient, no update, dropout off (mobiuspipe.evaluate); every rank calls it with the same batch of the
+        plan's microbatches and gets the loss."""
+        self._check_batch(x, y, passes=1)
+        what = f"evaluation after step {self.step}"
+        (loss,) = self._reduce([eval_loss(self.engine, x, y, what)], torch.distributed.ReduceOp.SUM, what)
+        return loss
+
     def _skip_on_overflow(self) -> bool:
         """fp16: whether a gradient overflowed on any rank (then the step is skipped on every rank and the
         scale backs off)."""
@@ -334,10 +321,10 @@ class Pipeline:
         self.scaler.update(bool(overflow))
         return bool(overflow)
 
-    def _check_batch(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def _check_batch(self, x: torch.Tensor, y: torch.Tensor, passes: int | None = None) -> None:
         if self._closed:
             raise PipelineError("train_batch on a closed Pipeline: make a new one")
-        k, m, b = self.accumulation_steps, self.plan.num_microbatches, self.plan.microbatch_size
+        k, m, b = passes or self.accumulation_steps, self.plan.num_microbatches, self.plan.microbatch_size
         want = k * m * b
         if x.dim() == 0 or x.shape[0] != want or y.dim() == 0 or y.shape[0] != want:
             passes = f"{k} passes of " if k > 1 else ""

@@ -14,7 +14,7 @@ from torch import nn
 from mobiuspipe import Pipeline
 from mobiuspipe.models import hf_weights
 from mobiuspipe.models.gpt import lm_loss
-from mobiuspipe.models.hf import SUPPORTED, layer_factories, open_hf
+from mobiuspipe.models.hf import SUPPORTED, hf_key, layer_factories, open_hf
 from mobiuspipe.models.hf_export import finish_export, partial_dir, write_shard
 from mobiuspipe.optim import CPUAdam
 from partition.hf import ModelConfigError
@@ -224,3 +224,23 @@ def test_tied_halves_on_ssd_are_bit_identical_to_host(tmp_path, hf_kit, precisio
     assert all(torch.equal(host[k], ssd[k]) for k in host)
     a, b = m.tied_params()[0]
     assert torch.equal(ssd[a], ssd[b])
+
+
+def test_eval_batch_is_the_models_eval_loss(tmp_path, hf_kit):
+    """Forward only, dropout off, after the pending updates: transformers' loss in eval mode, and no weight
+    or later training loss changes."""
+    model = hf_kit.save_model("gpt2", tmp_path / "src", seed=6, resid_pdrop=0.3, embd_pdrop=0.2)
+    m = open_hf(tmp_path / "src", 10)
+    (x, y), (hx, hy) = hf_kit.random_batches(2, 6, 10, seed=9)
+    with Pipeline(
+        layer_factories(m), lm_loss, sample=(x, y), num_microbatches=3, num_stages=4, tied=m.tied_params()
+    ) as pipe:
+        before = pipe.eval_batch(hx, hy)
+        pipe.train_batch(x, y)
+        after = pipe.eval_batch(hx, hy)
+        weights = pipe.state_dict()
+    with torch.no_grad():
+        assert before == pytest.approx(float(lm_loss(model.eval()(hx).logits, hy)), rel=1e-6)
+        model.load_state_dict({hf_key(m, int(k.split(".")[0]), k.split(".", 1)[1]): v for k, v in weights.items()})
+        assert after == pytest.approx(float(lm_loss(model(hx).logits, hy)), rel=1e-6)
+    assert after != before
