@@ -327,9 +327,9 @@ class Pipeline:
         k, m, b = passes or self.accumulation_steps, self.plan.num_microbatches, self.plan.microbatch_size
         want = k * m * b
         if x.dim() == 0 or x.shape[0] != want or y.dim() == 0 or y.shape[0] != want:
-            passes = f"{k} passes of " if k > 1 else ""
+            of = f"{k} passes of " if k > 1 else ""
             raise PipelineError(
-                f"a batch needs {want} rows along dimension 0 ({passes}the plan's {m} "
+                f"a batch needs {want} rows along dimension 0 ({of}the plan's {m} "
                 f"microbatches of {b}); found inputs of shape "
                 f"{tuple(x.shape)} and targets of shape {tuple(y.shape)}: batch the data to that "
                 f"size or re-plan with --microbatches/--microbatch-size"
