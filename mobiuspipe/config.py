@@ -150,6 +150,8 @@ class TrainConfig(Section):
     out_dir: str | None = None
     """Folder for metrics.jsonl and the resolved config, relative to the current directory;
     None = write nothing."""
+    tensorboard: bool = True
+    """With out_dir: rank 0 also writes TensorBoard event files there (`tensorboard --logdir OUT_DIR`)."""
 
     def lr_of(self, step: int) -> float:
         """The learning rate of optimizer step `step` under this schedule."""
