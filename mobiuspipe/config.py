@@ -102,6 +102,8 @@ class TrainConfig(Section):
     later from out_dir)."""
     export_dtype: str = "fp32"
     """Dtype of the exported weights: "fp32" (the master weights as they are), "bf16" or "fp16"."""
+    tensorboard: bool = True
+    """With out_dir: rank 0 also writes TensorBoard event files there (`tensorboard --logdir OUT_DIR`)."""
 
     def lr_of(self, step: int) -> float:
         """The learning rate of optimizer step `step` under this schedule."""

@@ -1,21 +1,32 @@
-"""Per-step metrics of a training run: a progress bar on a terminal, plain lines otherwise, and a JSONL file."""
+"""Per-step metrics of a training run: a progress bar on a terminal, plain lines otherwise, metrics.jsonl and
+TensorBoard event files."""
 
 from __future__ import annotations
 
 import json
+import math
+import shutil
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from foundation.units import MiB, fmt_bytes
+from mobiuspipe.flops import rate
+from mobiuspipe.tb_events import EventLog
+from mobiuspipe.usage import RankStep
 
-__all__ = ["StepMetrics", "Reporter", "device_peak_line"]
+if TYPE_CHECKING:
+    from mobiuspipe.pipeline import StepResult
+
+__all__ = ["StepMetrics", "Reporter", "device_peak_line", "step_metrics", "perplexity"]
 
 
 @dataclass(frozen=True)
 class StepMetrics:
-    """What one step did; times are the largest over ranks, arena bytes the largest peak over ranks."""
+    """What one step did. step_s is rank 0's wall time (tokens_per_s, tflops and eta_s follow from it);
+    compute_s, load_s and comm_s are each the largest over ranks (possibly of different ranks: `ranks` has
+    each rank's own); arena and device bytes are the largest peak over ranks."""
 
     step: int
     loss: float
@@ -35,47 +46,175 @@ class StepMetrics:
     messages; StepResult.device_peak_bytes)."""
     lr: float | None = None
     """The learning rate of the step's updates (train.lr_schedule); None when the loop did not set one."""
+    ranks: tuple[RankStep, ...] = ()
+    """Each rank's own figures of the step, by rank (empty when not gathered)."""
+    flops_per_step: float = 0.0
+    """Model FLOPs of the step: forward + backward, recompute not counted (mobiuspipe.flops)."""
+    tflops: float | None = None
+    """flops_per_step / step_s / 1e12."""
+    mfu: float | None = None
+    """tflops over the sum of the ranks' device peaks (partition/hardware.py); None for a device not listed."""
+    host_rss_bytes: int | None = None
+    """The largest resident memory (RSS) of a rank's process at the end of the step."""
+    ssd_bytes: int | None = None
+    """Bytes on disk of the run's SSD stores (memory.ssd_dir/rank*), summed over ranks; None without any."""
+    eta_s: float | None = None
+    """Seconds left: the mean step_s so far without the first step (warm-up) times the steps left; the
+    Reporter fills it in; None at the first step."""
 
     def line(self, steps: int) -> str:
-        scale = "" if self.loss_scale is None else f"  scale {self.loss_scale:g}"
-        lr = "" if self.lr is None else f"  lr {self.lr:.3g}"
-        return (
-            f"step {self.step + 1}/{steps}  loss {self.loss:.4f}{lr}  {self.tokens_per_s:,.0f} tok/s  "
-            f"step {self.step_s * 1e3:.0f} ms (compute {self.compute_s * 1e3:.0f} / load {self.load_s * 1e3:.0f}"
-            f" / comm {self.comm_s * 1e3:.0f})  arena peak {self.arena_peak_bytes / MiB:.2f}"
-            f" of {self.arena_budget_bytes / MiB:.2f} MiB{scale}{'  (overflow: step skipped)' if self.skipped else ''}"
+        head = [f"step {self.step + 1}/{steps}", f"loss {self.loss:.4f}"]
+        head += [] if self.lr is None else [f"lr {self.lr:.3g}"]
+        head += [] if self.eta_s is None else [f"ETA {_clock(self.eta_s)}"]
+        head.append(f"{self.tokens_per_s:,.0f} tok/s")
+        if self.tflops is not None:
+            head.append(f"{self.tflops:.3g} TFLOPS" + ("" if self.mfu is None else f" MFU {100 * self.mfu:.3g}%"))
+        tail = [] if self.loss_scale is None else [f"scale {self.loss_scale:g}"]
+        tail += ["(overflow: step skipped)"] if self.skipped else []
+        return "  ".join([*head, self._times(), self._memory(), *tail])
+
+    def _times(self) -> str:
+        ms = lambda s: f"{s * 1e3:.0f}"  # noqa: E731
+        if self.ranks:
+            r = self.ranks[0]
+            parts, who = (r.compute_s, r.load_s, r.comm_s), "rank 0: "
+        else:
+            parts, who = (self.compute_s, self.load_s, self.comm_s), "max over ranks: "
+        return f"step {ms(self.step_s)} ms ({who}compute {ms(parts[0])} / load {ms(parts[1])} / comm {ms(parts[2])})"
+
+    def _memory(self) -> str:
+        n = len(self.ranks)
+        who = f"max over {n} rank{'s' if n != 1 else ''}" if n else "max over ranks"
+        mem = (
+            f"{who}: device peak {fmt_bytes(self.device_peak_bytes)}, arena peak "
+            f"{self.arena_peak_bytes / MiB:.2f} of {self.arena_budget_bytes / MiB:.2f} MiB"
         )
+        mem += "" if self.host_rss_bytes is None else f", host RSS {fmt_bytes(self.host_rss_bytes)}"
+        return mem + ("" if self.ssd_bytes is None else f"; ssd {fmt_bytes(self.ssd_bytes)} in all")
+
+
+def step_metrics(
+    r: StepResult, lr: float | None, ranks: list[RankStep], tokens: int, step_flops: float, peaks: list[float | None]
+) -> StepMetrics:
+    """The metrics of step r from every rank's own figures (rank 0's wall time is the step's), the step's
+    tokens and model FLOPs and the ranks' device peaks (TFLOPS, None where unknown)."""
+    step_s = ranks[0].step_s
+    tflops, mfu = rate(step_flops, step_s, peaks)
+    on_ssd = [x.ssd_bytes for x in ranks if x.ssd_bytes is not None]
+    return StepMetrics(
+        r.step,
+        r.loss,
+        tokens / step_s,
+        step_s,
+        r.times.compute_s,
+        r.times.load_s,
+        r.times.comm_s,
+        r.arena_peak_bytes,
+        r.arena_budget_bytes,
+        r.loss_scale,
+        r.skipped,
+        r.device_peak_bytes,
+        lr,
+        ranks=tuple(ranks),
+        flops_per_step=step_flops,
+        tflops=tflops,
+        mfu=mfu,
+        host_rss_bytes=max(x.host_rss_bytes for x in ranks),
+        ssd_bytes=sum(on_ssd) if on_ssd else None,
+    )
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss) of a mean cross-entropy loss in nats; inf where that overflows a float."""
+    return math.exp(loss) if loss < 709.0 else math.inf
 
 
 class Reporter:
-    """Shows each step on `stream` (a bar when it is a terminal; None = silent) and appends it to
-    out_dir/metrics.jsonl."""
+    """Shows each step on `stream` (a bar when it is a terminal; None = silent), appends it to
+    out_dir/metrics.jsonl and, with `tensorboard`, to TensorBoard event files in out_dir (out_dir None =
+    no files). Use it as a context manager, or call close()."""
 
-    def __init__(self, steps: int, log_every: int, out_dir: str | None, stream: TextIO | None = sys.stdout):
+    def __init__(
+        self,
+        steps: int,
+        log_every: int,
+        out_dir: str | None,
+        stream: TextIO | None = sys.stdout,
+        tensorboard: bool = True,
+    ):
         self.steps, self.log_every, self.stream = steps, log_every, stream
         self.tty = stream is not None and stream.isatty()
         self.file = None
+        self.events: EventLog | None = None
         if out_dir:
             Path(out_dir).mkdir(parents=True, exist_ok=True)
             self.file = open(Path(out_dir) / "metrics.jsonl", "w")
+            self.events = EventLog(out_dir) if tensorboard else None
+        self._timed, self._timed_s, self._first, self._bar_open = 0, 0.0, True, False
 
     def __call__(self, m: StepMetrics) -> None:
-        if self.file:
-            self.file.write(json.dumps(asdict(m)) + "\n")
-            self.file.flush()
+        m = replace(m, eta_s=self._eta(m))
+        self._record({"kind": "train", **asdict(m)})
         last = m.step + 1 == self.steps
         if self.stream is None:
             return
         if self.tty:
             done = int(30 * (m.step + 1) / self.steps)
-            self.stream.write(f"\r[{'#' * done}{'.' * (30 - done)}] {m.line(self.steps)}" + ("\n" if last else ""))
+            width = shutil.get_terminal_size().columns - 1  # a wrapped line would break the \r redraw
+            self.stream.write(f"\r[{'#' * done}{'.' * (30 - done)}] {m.line(self.steps)}"[: width + 1])
+            self.stream.write("\n" if last else "")
+            self._bar_open = not last
         elif (m.step + 1) % self.log_every == 0 or last:
             self.stream.write(m.line(self.steps) + "\n")
         self.stream.flush()
 
+    def eval(self, step: int, loss: float) -> None:
+        """Report an evaluation after training step `step` (0-based, as the step records): its mean loss and
+        perplexity, on the stream, in metrics.jsonl as {"kind": "eval", "step", "loss", "perplexity"}, and in
+        TensorBoard as eval/loss and eval/perplexity."""
+        ppl = perplexity(loss)
+        self._record({"kind": "eval", "step": step, "loss": loss, "perplexity": ppl})
+        if self.stream is None:
+            return
+        line = f"eval after step {step + 1}: loss {loss:.4f}  perplexity {ppl:.4g}"
+        self.stream.write(("\n" if self._bar_open else "") + line + "\n")
+        self._bar_open = False
+        self.stream.flush()
+
+    def _eta(self, m: StepMetrics) -> float | None:
+        """Seconds left after step m from the mean time of the steps reported so far but the first."""
+        if not self._first:
+            self._timed, self._timed_s = self._timed + 1, self._timed_s + m.step_s
+        self._first = False
+        return None if self._timed == 0 else self._timed_s / self._timed * max(0, self.steps - m.step - 1)
+
+    def _record(self, record: dict[str, Any]) -> None:
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        if self.events:
+            self.events.add(record)
+
     def close(self) -> None:
+        """Close metrics.jsonl and the event files (flushed). Idempotent."""
         if self.file:
             self.file.close()
+            self.file = None
+        if self.events:
+            self.events.close()
+            self.events = None
+
+    def __enter__(self) -> Reporter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _clock(seconds: float) -> str:
+    """H:MM:SS."""
+    m, s = divmod(round(seconds), 60)
+    return f"{m // 60}:{m % 60:02d}:{s:02d}"
 
 
 def device_peak_line(measured: list[int], planned: list[int], source: str, parts: dict[str, int]) -> str:

@@ -25,7 +25,8 @@ from foundation.units import fmt_bytes
 from mobiuspipe.config import RunConfig, load_config
 from mobiuspipe.config_plan import model_spec, plan_for_config
 from mobiuspipe.dataset import ByteData
-from mobiuspipe.metrics import Reporter, StepMetrics, device_peak_line
+from mobiuspipe.flops import device_name, flops_per_token, peak_tflops
+from mobiuspipe.metrics import Reporter, device_peak_line, step_metrics
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.models.hf import HFModel, open_hf
 from mobiuspipe.models.hf import layer_factories as hf_layer_factories
@@ -34,6 +35,7 @@ from mobiuspipe.optim import CPUAdam
 from mobiuspipe.pipeline import Pipeline
 from mobiuspipe.profiler import TORCH_DTYPES
 from mobiuspipe.ranks import gather_all
+from mobiuspipe.usage import RankStep, folder_bytes, host_rss_bytes
 from partition.costmodel import ARENA_SLOTS
 from partition.device_peak import planned_device_bytes
 from partition.plan import Plan, save_plan
@@ -87,43 +89,50 @@ def _training_loop(cfg: RunConfig, pipe: Pipeline) -> None:
     rank, plan = pipe.rank, pipe.plan
     data = ByteData(cfg.data.text_path, cfg.model.seq_len, cfg.train.seed)
     out = Path(cfg.train.out_dir) if cfg.train.out_dir else None
-    report = Reporter(
-        cfg.train.steps, cfg.train.log_every, str(out) if out and rank == 0 else None, sys.stdout if rank == 0 else None
-    )
     if rank == 0:
         print(_banner(cfg, plan) + "; " + _states_line(cfg, pipe.state_tiers), flush=True)
     if out and rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(cfg.to_yaml())
         save_plan(plan, out / "plan.yaml")
     rows = cfg.train.accumulation_steps * cfg.data.batch_size  # sequences per optimizer step
     tokens = rows * cfg.model.seq_len
-    for step in range(cfg.train.steps):
-        sw = Stopwatch()
-        x, y = data.batch(step, rows)
-        lr = cfg.train.lr_of(step)
-        pipe.set_lr(lr)
-        r = pipe.train_batch(x, y)
-        report(
-            StepMetrics(
-                step,
-                r.loss,
-                tokens / sw.s,
-                sw.s,
-                r.times.compute_s,
-                r.times.load_s,
-                r.times.comm_s,
-                r.arena_peak_bytes,
-                r.arena_budget_bytes,
-                r.loss_scale,
-                r.skipped,
-                r.device_peak_bytes,
-                lr,
-            )
-        )
+    step_flops = flops_per_token(model_spec(cfg)) * tokens
+    peaks = gather_all(pipe.info, peak_tflops(device_name(pipe.info.local_rank)))
+    with Reporter(
+        cfg.train.steps,
+        cfg.train.log_every,
+        str(out) if out and rank == 0 else None,
+        sys.stdout if rank == 0 else None,
+        cfg.train.tensorboard,
+    ) as report:
+        for step in range(cfg.train.steps):
+            sw = Stopwatch()
+            x, y = data.batch(step, rows)
+            lr = cfg.train.lr_of(step)
+            pipe.set_lr(lr)
+            r = pipe.train_batch(x, y)
+            ranks = gather_all(pipe.info, _own_figures(pipe, sw.s))  # every rank, every step: a collective
+            if rank == 0:
+                report(step_metrics(r, lr, ranks, tokens, step_flops, peaks))
     _report_device_peak(pipe)
-    report.close()
     if out:
         _save_weights(pipe, out / "weights")
+
+
+def _own_figures(pipe: Pipeline, step_s: float) -> RankStep:
+    """This rank's own times, device peak, RSS and SSD bytes of the step train_batch just ran."""
+    times = pipe.engine.state.times  # this rank's; StepResult.times holds the largest of each over ranks
+    store = pipe.store
+    return RankStep(
+        step_s,
+        times.compute_s,
+        times.load_s,
+        times.comm_s,
+        pipe.engine.peak.step_bytes,
+        host_rss_bytes(),
+        None if store is None else folder_bytes(store.folder),
+    )
 
 
 def _report_device_peak(pipe: Pipeline) -> None:

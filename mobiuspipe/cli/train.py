@@ -1,4 +1,10 @@
-"""`mobiuspipe train`: check a YAML run config, then launch torchrun with one rank per planned gpu."""
+"""`mobiuspipe train`: check a YAML run config, then launch torchrun with one rank per planned gpu.
+
+On one machine torchrun runs `--standalone`. Across machines (--nnodes N > 1) the same command runs on
+every host with its own --node-rank, and torchrun's c10d rendezvous at --rdzv-endpoint HOST:PORT (a
+port on one of the hosts) gathers the N hosts; each starts nproc / N ranks. The c10d rendezvous numbers
+the hosts itself (by host name; torchrun says it ignores --node_rank), so any host may get rank 0.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +13,38 @@ import shlex
 import subprocess
 import sys
 
-from mobiuspipe.cli._common import positive_int
+from mobiuspipe.cli._common import CliError, positive_int
 
-__all__ = ["register", "run"]
+__all__ = ["register", "run", "torchrun_command"]
+
+DEFAULT_RDZV_ID = "mobiuspipe"
+"""The rendezvous id when --rdzv-id is not given: jobs sharing an endpoint need different ids."""
 
 
 def register(sub) -> None:
     """Add the `train` subcommand to the CLI's subparsers."""
     p = sub.add_parser("train", help="launch torchrun on a YAML run config")
     p.add_argument("--config", required=True, help="YAML run config (see examples/tiny-gpt.yaml)")
-    p.add_argument("--nproc", type=positive_int, default=None, help="ranks to start (default: the plan's gpu count)")
+    p.add_argument(
+        "--nproc",
+        type=positive_int,
+        default=None,
+        help="ranks to start over all nodes (default: the plan's gpu count); each node starts nproc / nnodes",
+    )
+    p.add_argument("--nnodes", type=positive_int, default=1, help="machines the job spans (default 1)")
+    p.add_argument("--node-rank", type=int, default=0, help="this machine's number, 0 .. nnodes - 1")
+    p.add_argument(
+        "--rdzv-endpoint", default=None, metavar="HOST:PORT", help="the rendezvous: a port on one host (nnodes > 1)"
+    )
+    p.add_argument(
+        "--rdzv-id", default=DEFAULT_RDZV_ID, help=f"the job's id, the same on every node (default {DEFAULT_RDZV_ID})"
+    )
+    p.add_argument(
+        "--local-addr",
+        default=None,
+        metavar="ADDR",
+        help="this host's address as the other hosts reach it (default: its host name, which they must resolve)",
+    )
     p.set_defaults(func=run)
 
 
@@ -31,18 +59,65 @@ def run(args: argparse.Namespace, out) -> int:
         nproc = num_ranks(config)
     else:
         nproc = args.nproc
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--standalone",
-        "-m",
-        "mobiuspipe.train",
-        "--config",
-        config.source,
-    ]
+    cmd = torchrun_command(config.source, nproc, args)
     print(f"mobiuspipe: launching {shlex.join(cmd)}", file=sys.stderr, flush=True)
     out.flush()
     return subprocess.run(cmd, check=False).returncode
+
+
+def torchrun_command(config: str, nproc: int, args: argparse.Namespace) -> list[str]:
+    """The torchrun command line for `nproc` ranks over args.nnodes nodes (standalone on one node); CliError
+    for node options that do not fit together."""
+    head = [sys.executable, "-m", "torch.distributed.run"]
+    tail = ["-m", "mobiuspipe.train", "--config", config]
+    if args.nnodes == 1 and args.rdzv_endpoint is None:
+        if args.node_rank != 0:
+            raise CliError(f"--node-rank is {args.node_rank} on a job of one node: give --nnodes N (> 1) as well")
+        return [*head, "--nproc_per_node", str(nproc), "--standalone", *tail]
+    per_node = _per_node(nproc, args.nnodes)
+    if not 0 <= args.node_rank < args.nnodes:
+        raise CliError(
+            f"--node-rank must be in 0 .. {args.nnodes - 1} (--nnodes {args.nnodes}), found {args.node_rank}: "
+            f"number the machines 0, 1, ... and give each its own"
+        )
+    nodes = [
+        "--nnodes",
+        str(args.nnodes),
+        "--node_rank",
+        str(args.node_rank),
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        _endpoint(args.rdzv_endpoint),
+        "--rdzv_id",
+        args.rdzv_id,
+        *([] if args.local_addr is None else ["--local_addr", args.local_addr]),
+    ]
+    return [*head, *nodes, "--nproc_per_node", str(per_node), *tail]
+
+
+def _per_node(nproc: int, nnodes: int) -> int:
+    """Ranks each node starts; CliError unless nnodes divides nproc."""
+    if nproc % nnodes:
+        fits = [n for n in range(1, nproc + 1) if nproc % n == 0]
+        raise CliError(
+            f"the plan has {nproc} gpus (ranks), which --nnodes {nnodes} does not divide ({nproc} % {nnodes} = "
+            f"{nproc % nnodes}): every node starts the same number of ranks; use --nnodes "
+            f"{' / '.join(map(str, fits))}, or plan for a multiple of {nnodes} gpus (plan.num_gpus)"
+        )
+    return nproc // nnodes
+
+
+def _endpoint(text: str | None) -> str:
+    """HOST:PORT checked; CliError when it is missing or not of that form."""
+    if text is None:
+        raise CliError(
+            "--nnodes > 1 needs --rdzv-endpoint HOST:PORT, the same on every node: the address of one of the "
+            "hosts and a free TCP port there (e.g. --rdzv-endpoint 10.0.0.1:29400)"
+        )
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise CliError(
+            f"--rdzv-endpoint must be HOST:PORT with a port in 1..65535 (e.g. 10.0.0.1:29400), found {text!r}"
+        )
+    return text

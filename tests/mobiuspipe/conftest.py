@@ -115,3 +115,35 @@ def _load_hf_fixtures():
 def hf_kit():
     """The hf_fixtures module: VOCAB, hf_config(), save_model(), train_plain(), random_batches()."""
     return _load_hf_fixtures()
+
+
+def events_equal_metrics(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    """Read folder's TensorBoard event files (tensorboard's EventAccumulator) and require every scalar to be
+    the value of its metrics.jsonl record at its step, as float32: tag GROUP/KEY is the record's KEY, rank{r}/KEY
+    the record's ranks[r][KEY]. Returns tag -> [(step, value)]."""
+    import json
+
+    import numpy as np
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    acc.Reload()
+    events = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    for tag, points in events.items():
+        group, key = tag.split("/")
+        kind = "eval" if group == "eval" else "train"
+        want = []
+        for rec in records:
+            if rec["kind"] == kind:
+                source = rec["ranks"][int(group[4:])] if group.startswith("rank") else rec
+                if source.get(key) is not None:
+                    want.append((rec["step"], float(np.float32(source[key]))))
+        assert points == want, tag
+    return events
+
+
+@pytest.fixture
+def read_events():
+    """events_equal_metrics(folder) -> tag -> [(step, value)], after checking them against metrics.jsonl."""
+    return events_equal_metrics

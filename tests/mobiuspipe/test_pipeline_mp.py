@@ -29,7 +29,7 @@ def _load_run(out):
         (3, 3, 2, "cross"),
     ],
 )
-def test_pipeline_equals_plain_pytorch(tmp_path, launch, reference, stages, gpus, microbatches, mapping):
+def test_pipeline_equals_plain_pytorch(tmp_path, launch, reference, read_events, stages, gpus, microbatches, mapping):
     write_config, torchrun = launch
     cfg_path = write_config(
         tmp_path,
@@ -62,6 +62,22 @@ def test_pipeline_equals_plain_pytorch(tmp_path, launch, reference, stages, gpus
     metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert all(0 < m["arena_peak_bytes"] <= m["arena_budget_bytes"] for m in metrics)
     _check_device_peak(proc.stdout, metrics, load_plan(tmp_path / "out" / "plan.yaml"))
+    _check_report(proc.stdout, metrics, read_events(tmp_path / "out"), gpus)
+
+
+def _check_report(stdout: str, metrics: list[dict], events: dict, gpus: int) -> None:
+    """The event files hold every step (read_events checked each value against metrics.jsonl), each rank's
+    own figures among them; each step line's parts are rank 0's and add up to at most its total."""
+    assert [s for s, _ in events["train/loss"]] == [0, 1, 2, 3]
+    assert all(f"rank{g}/compute_s" in events for g in range(gpus)) and f"rank{gpus}/compute_s" not in events
+    assert all(len(m["ranks"]) == gpus and m["mfu"] > 0 and m["host_rss_bytes"] > 0 for m in metrics)
+    lines = [x for x in stdout.splitlines() if x.startswith("step ")]
+    assert len(lines) == 4 and all(f"max over {gpus} ranks: device peak" in x for x in lines)
+    for line, m in zip(lines, metrics):
+        total, parts = line.split("  step ")[1].split(" ms (rank 0: ")
+        compute, load, comm = (int(p.split()[1]) for p in parts.split(")")[0].split(" / "))
+        assert compute + load + comm <= int(total) + 2  # rounded to ms
+        assert int(total) == round(m["step_s"] * 1e3) and compute == round(m["ranks"][0]["compute_s"] * 1e3)
 
 
 def _check_device_peak(stdout: str, metrics: list[dict], plan) -> None:

@@ -10,7 +10,7 @@ from functools import partial
 import pytest
 import torch
 
-from foundation.units import MiB
+from foundation.units import MiB, fmt_bytes
 from mobiuspipe import Pipeline
 from mobiuspipe.config import MemoryConfig, config_from_dict, load_config
 from mobiuspipe.config_plan import model_spec, plan_for_config
@@ -128,7 +128,11 @@ def test_torchrun_entry_with_auto_states_equals_plain_pytorch(tmp_path, launch, 
         "optimizer states (auto): ssd for stages 0, 1, 2, 3; weights (auto): host for stages 2, 3; ssd for stages 0, 1"
     )
     assert line in proc.stdout, proc.stdout[-2000:]
-    losses = [json.loads(line)["loss"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    for m in metrics:  # on disk: at least the fp32 master weights and both Adam moments of all 34,464 parameters
+        assert m["ssd_bytes"] == sum(r["ssd_bytes"] for r in m["ranks"]) >= 3 * 4 * 34_464
+    assert f"; ssd {fmt_bytes(metrics[-1]['ssd_bytes'])} in all" in proc.stdout
+    losses = [m["loss"] for m in metrics]
     weights = {}
     for f in sorted((tmp_path / "out" / "weights").glob("stage*.pt")):
         weights.update(torch.load(f))
