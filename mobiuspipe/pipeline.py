@@ -218,8 +218,8 @@ class Pipeline:
     def set_lr(self, lr: float) -> None:
         """The learning rate of the updates of the next train_batch calls (each update takes the rate set
         when it starts, so a change never reaches an update still running from an earlier step)."""
-        if not (lr > 0 and math.isfinite(lr)):
-            raise PipelineError(f"set_lr needs a positive, finite learning rate, not {lr!r}")
+        if not (lr >= 0 and math.isfinite(lr)):  # 0: a schedule's last step decaying to min_lr 0
+            raise PipelineError(f"set_lr needs a finite learning rate >= 0, not {lr!r}")
         self.engine.lr = lr
 
     def train_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> StepResult:

@@ -72,8 +72,10 @@ def _run(cfg, memory=None):
             pipe.set_lr(t.lr_of(step))
             losses.append(pipe.train_batch(*data.batch(step, cfg.data.batch_size)).loss)
         weights = pipe.state_dict()
-        with pytest.raises(PipelineError, match="positive, finite learning rate"):
-            pipe.set_lr(0.0)
+        for bad in (-1e-3, float("nan")):
+            with pytest.raises(PipelineError, match="finite learning rate >= 0"):
+                pipe.set_lr(bad)
+        pipe.set_lr(0.0)  # a schedule decaying to min_lr 0 ends there
     return losses, weights
 
 
