@@ -75,9 +75,9 @@ class StepMetrics:
 
     def _times(self) -> str:
         ms = lambda s: f"{s * 1e3:.0f}"  # noqa: E731
-        if self.ranks:
-            r = self.ranks[0]
-            parts, who = (r.compute_s, r.load_s, r.comm_s), "rank 0: "
+        own = self.ranks[0] if self.ranks else None
+        if own is not None and own.compute_s is not None and own.load_s is not None and own.comm_s is not None:
+            parts, who = (own.compute_s, own.load_s, own.comm_s), "rank 0: "
         else:
             parts, who = (self.compute_s, self.load_s, self.comm_s), "max over ranks: "
         return f"step {ms(self.step_s)} ms ({who}compute {ms(parts[0])} / load {ms(parts[1])} / comm {ms(parts[2])})"

@@ -112,7 +112,8 @@ def _training_loop(cfg: RunConfig, pipe: Pipeline) -> None:
             lr = cfg.train.lr_of(step)
             pipe.set_lr(lr)
             r = pipe.train_batch(x, y)
-            ranks = gather_all(pipe.info, _own_figures(pipe, sw.s))  # every rank, every step: a collective
+            own = _own_figures(pipe, sw.s, one_pass=cfg.train.accumulation_steps == 1)
+            ranks = gather_all(pipe.info, own)  # every rank, every step: a collective
             if rank == 0:
                 report(step_metrics(r, lr, ranks, tokens, step_flops, peaks))
     _report_device_peak(pipe)
@@ -120,15 +121,16 @@ def _training_loop(cfg: RunConfig, pipe: Pipeline) -> None:
         _save_weights(pipe, out / "weights")
 
 
-def _own_figures(pipe: Pipeline, step_s: float) -> RankStep:
-    """This rank's own times, device peak, RSS and SSD bytes of the step train_batch just ran."""
-    times = pipe.engine.state.times  # this rank's; StepResult.times holds the largest of each over ranks
+def _own_figures(pipe: Pipeline, step_s: float, one_pass: bool) -> RankStep:
+    """This rank's own times (when the step was one pipeline pass), device peak, RSS and SSD bytes of the step
+    train_batch just ran."""
+    # The engine's times are this rank's, of its last pass; StepResult.times holds the largest over ranks.
+    t = pipe.engine.state.times
+    parts = (t.compute_s, t.load_s, t.comm_s) if one_pass else (None, None, None)
     store = pipe.store
     return RankStep(
         step_s,
-        times.compute_s,
-        times.load_s,
-        times.comm_s,
+        *parts,
         pipe.engine.peak.step_bytes,
         host_rss_bytes(),
         None if store is None else folder_bytes(store.folder),

@@ -11,15 +11,17 @@ __all__ = ["RankStep", "host_rss_bytes", "folder_bytes"]
 @dataclass(frozen=True)
 class RankStep:
     """One rank's own figures of one step; the parts add up to at most step_s (the rest is the loop's own
-    work: the batch, waiting for the loss and the step's reductions)."""
+    work: the batch, waiting for the loss and the step's reductions). The parts are None where the loop
+    cannot see them: a step of several pipeline passes (train.accumulation_steps > 1), whose StepResult
+    holds only the largest sums over ranks."""
 
     step_s: float
     """Wall time of the step on this rank: the batch, set_lr and train_batch."""
-    compute_s: float
+    compute_s: float | None
     """Seconds in the stages' forward and backward."""
-    load_s: float
+    load_s: float | None
     """Seconds waiting for weights to reach the arena (and gradients to leave it, and host updates)."""
-    comm_s: float
+    comm_s: float | None
     """Seconds blocked in send/recv."""
     device_peak_bytes: int
     """The most bytes this rank held on its device in the step (StepResult.device_peak_bytes, own rank)."""

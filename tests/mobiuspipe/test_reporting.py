@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -85,6 +86,13 @@ def test_the_line_shows_eta_rate_and_memory_of_one_rank_or_says_max():
     assert "max over 2 ranks: device peak 1.95 KiB, arena peak 3.00 of 4.00 MiB, host RSS 310.00 MiB" in lines[1]
     assert lines[1].endswith("; ssd 8.00 KiB in all  scale 1024  (overflow: step skipped)")
     assert lines[3] == "eval after step 3: loss 2.5000  perplexity 12.18"
+
+
+def test_without_rank_0s_own_parts_the_line_says_max():
+    """A step of several pipeline passes: the loop sees no rank's own split, only StepResult's largest parts."""
+    ranks = [dataclasses.replace(r, compute_s=None, load_s=None, comm_s=None) for r in _ranks(1)]
+    line = step_metrics(_result(1), 1e-3, ranks, 512, 2e9, [0.05, 0.05]).line(4)
+    assert "step 500 ms (max over ranks: compute 400 / load 1020 / comm 100)" in line
 
 
 def test_an_eval_during_the_bar_starts_a_new_line():
