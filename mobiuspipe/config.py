@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from importlib import resources
 from typing import Any
 
 from foundation.loader import Problem, at_least, dump_text, from_plain, load_file, positive, rule, to_plain
+from mobiuspipe.config_data import DataConfig
 from mobiuspipe.config_memory import MemoryConfig
-from mobiuspipe.config_section import Section
+from mobiuspipe.config_section import Section, divisible
 from mobiuspipe.errors import ConfigError
 from mobiuspipe.lr_schedule import SCHEDULES, lr_at
 
@@ -21,25 +21,6 @@ MAPPINGS = ("cross", "round-robin", "search")
 """The stage->gpu mappings a plan may ask for."""
 MAX_VOCAB = 65536
 """Largest vocabulary: token ids must fit in 16 bits."""
-
-
-def _divisor_at_most(n: int, cap: int) -> int:
-    """The largest divisor of `n` that is <= `cap` (at least 1)."""
-    return max(d for d in range(1, max(1, min(n, cap)) + 1) if n % d == 0)
-
-
-def _divisible(a_name: str, a: int, b_name: str, b: int) -> list[Problem]:
-    """`a` must be a multiple of `b` (both >= 1 or no problem is reported here)."""
-    if a < 1 or b < 1 or a % b == 0:
-        return []
-    return [
-        Problem(
-            a_name,
-            f"{a_name} divisible by {b_name}",
-            f"{a_name} {a} with {b_name} {b} ({a} % {b} = {a % b})",
-            f"use {a_name} {-(-a // b) * b} (a multiple of {b}) or {b_name} {_divisor_at_most(a, b)} (divides {a})",
-        )
-    ]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,42 +61,7 @@ class ModelConfig(Section):
             *at_least(self, "d_model", 1, "use a width such as 64"),
             *at_least(self, "num_heads", 1, "use at least 1 attention head"),
             *at_least(self, "seq_len", 1, "use a context length such as 64"),
-            *_divisible("d_model", self.d_model, "num_heads", self.num_heads),
-        ]
-
-
-@dataclass(frozen=True, kw_only=True)
-class DataConfig(Section):
-    """The training text and how it is cut into batches and microbatches."""
-
-    path: str | None = field(
-        default=None,
-        metadata={"path_fix": "correct the path, or remove data.path to train on the packaged sample text"},
-    )
-    """A text file read as bytes (any encoding); None = mobiuspipe/data/sample.txt shipped in the
-    package; a relative path is resolved against the config file's folder and stored absolute."""
-    batch_size: int = 8
-    """Sequences per optimizer step (sequences); a multiple of num_microbatches."""
-    num_microbatches: int = 4
-    """Microbatches each batch is split into for the pipeline (count)."""
-
-    @property
-    def microbatch_size(self) -> int:
-        """Sequences per microbatch."""
-        return self.batch_size // self.num_microbatches
-
-    @property
-    def text_path(self) -> str:
-        """The file to train on: `path`, or the sample text shipped in the package."""
-        if self.path is not None:
-            return self.path
-        return str(resources.files("mobiuspipe") / "data" / "sample.txt")
-
-    def check_values(self) -> list[Problem]:
-        return [
-            *at_least(self, "batch_size", 1, "use at least 1 sequence per step, e.g. 8"),
-            *at_least(self, "num_microbatches", 1, "use at least 1 microbatch, e.g. 4"),
-            *_divisible("batch_size", self.batch_size, "num_microbatches", self.num_microbatches),
+            *divisible("d_model", self.d_model, "num_heads", self.num_heads),
         ]
 
 
@@ -282,7 +228,7 @@ class RunConfig(Section):
     model: ModelConfig = field(default_factory=ModelConfig)
     """The model to train."""
     data: DataConfig = field(default_factory=DataConfig)
-    """The training text and batching."""
+    """The training and held-out data, the tokenizer and the batches."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """The optimizer and the loop."""
     plan: PlanConfig = field(default_factory=PlanConfig)

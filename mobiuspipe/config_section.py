@@ -1,14 +1,34 @@
-"""The base of every run-config section: a checked frozen dataclass whose problems raise InvalidConfig."""
+"""The base of every run-config section (a checked frozen dataclass whose problems raise InvalidConfig) and the
+value rules several sections share."""
 
 from __future__ import annotations
 
-from foundation.loader import Checked
+from foundation.loader import Checked, Problem
 from mobiuspipe.errors import InvalidConfig
 
-__all__ = ["Section"]
+__all__ = ["Section", "divisible"]
 
 
 class Section(Checked):
     """A config section: its problems raise InvalidConfig, a ConfigError."""
 
     invalid = InvalidConfig
+
+
+def divisor_at_most(n: int, cap: int) -> int:
+    """The largest divisor of `n` that is <= `cap` (at least 1)."""
+    return max(d for d in range(1, max(1, min(n, cap)) + 1) if n % d == 0)
+
+
+def divisible(a_name: str, a: int, b_name: str, b: int) -> list[Problem]:
+    """`a` must be a multiple of `b` (both >= 1 or no problem is reported here)."""
+    if a < 1 or b < 1 or a % b == 0:
+        return []
+    return [
+        Problem(
+            a_name,
+            f"{a_name} divisible by {b_name}",
+            f"{a_name} {a} with {b_name} {b} ({a} % {b} = {a % b})",
+            f"use {a_name} {-(-a // b) * b} (a multiple of {b}) or {b_name} {divisor_at_most(a, b)} (divides {a})",
+        )
+    ]

@@ -20,7 +20,7 @@ from foundation.timing import Stopwatch
 from foundation.units import fmt_bytes
 from mobiuspipe.config import RunConfig, load_config
 from mobiuspipe.config_plan import gpt_spec, plan_for_config
-from mobiuspipe.dataset import ByteData
+from mobiuspipe.dataset import PackedTokens, open_data, open_eval
 from mobiuspipe.metrics import Reporter, StepMetrics, device_peak_line
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
@@ -38,6 +38,8 @@ def train(cfg: RunConfig) -> None:
     torch.set_num_threads(cfg.runtime.threads)
     t = cfg.train
     optimizer = partial(CPUAdam, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
+    data = open_data(cfg.data, cfg.model.seq_len, t.seed, cfg.model.vocab_size)  # before the group exists:
+    open_eval(cfg.data, cfg.model.seq_len, cfg.model.vocab_size)  # bad data stops every rank alike
     plan = plan_for_config(cfg)
     with Pipeline(
         layer_factories(gpt_spec(cfg), t.seed),
@@ -49,19 +51,18 @@ def train(cfg: RunConfig) -> None:
         memory=cfg.memory,
         comm_timeout_s=cfg.runtime.comm_timeout_s,
     ) as pipe:
-        _training_loop(cfg, pipe)
+        _training_loop(cfg, pipe, data)
 
 
-def _training_loop(cfg: RunConfig, pipe: Pipeline) -> None:
+def _training_loop(cfg: RunConfig, pipe: Pipeline, data: PackedTokens) -> None:
     """Every step on this rank; rank 0 reports and writes out_dir; every rank writes its stages' weights."""
     rank, plan = pipe.rank, pipe.plan
-    data = ByteData(cfg.data.text_path, cfg.model.seq_len, cfg.train.seed)
     out = Path(cfg.train.out_dir) if cfg.train.out_dir else None
     report = Reporter(
         cfg.train.steps, cfg.train.log_every, str(out) if out and rank == 0 else None, sys.stdout if rank == 0 else None
     )
     if rank == 0:
-        print(_banner(cfg, plan) + "; " + _states_line(cfg, pipe.state_tiers), flush=True)
+        print(f"{_banner(cfg, plan)}; {_states_line(cfg, pipe.state_tiers)}; data: {data.describe()}", flush=True)
     if out and rank == 0:
         (out / "config.yaml").write_text(cfg.to_yaml())
         save_plan(plan, out / "plan.yaml")

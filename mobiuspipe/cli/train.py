@@ -1,4 +1,4 @@
-"""`mobiuspipe train`: check a YAML run config, then launch torchrun with one rank per planned gpu."""
+"""`mobiuspipe train`: check a YAML run config and its data, then launch torchrun with one rank per planned gpu."""
 
 from __future__ import annotations
 
@@ -23,8 +23,11 @@ def register(sub) -> None:
 def run(args: argparse.Namespace, out) -> int:
     """Run torchrun; its ranks write straight to this process's stdout and stderr (`out` is flushed first)."""
     from mobiuspipe.config import load_config
+    from mobiuspipe.dataset import open_data, open_eval
 
-    config = load_config(args.config)  # a bad config fails here, before any process starts
+    config = load_config(args.config)  # a bad config or bad data fails here, before any process starts
+    open_data(config.data, config.model.seq_len, config.train.seed, config.model.vocab_size)
+    open_eval(config.data, config.model.seq_len, config.model.vocab_size)
     if args.nproc is None:
         from mobiuspipe.config_plan import num_ranks
 

@@ -2,6 +2,7 @@
 
 import ast
 import dataclasses
+import inspect
 import pickle
 import re
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 from foundation.loader import InvalidValues
 from mobiuspipe.config import (
     DataConfig,
+    MemoryConfig,
     ModelConfig,
     PlanConfig,
     RunConfig,
@@ -60,9 +62,9 @@ def test_sections_are_frozen():
 
 
 def test_every_field_has_a_docstring():
-    source = Path(__file__).resolve().parents[2] / "mobiuspipe" / "config.py"
-    classes = {n.name: n for n in ast.parse(source.read_text()).body if isinstance(n, ast.ClassDef)}
-    for cls in (ModelConfig, DataConfig, TrainConfig, PlanConfig, RuntimeConfig, RunConfig):
+    for cls in (ModelConfig, DataConfig, TrainConfig, PlanConfig, MemoryConfig, RuntimeConfig, RunConfig):
+        source = Path(inspect.getsourcefile(cls) or "")
+        classes = {n.name: n for n in ast.parse(source.read_text()).body if isinstance(n, ast.ClassDef)}
         body = classes[cls.__name__].body
         documented = {
             stmt.target.id
