@@ -1,4 +1,4 @@
-"""The `mobiuspipe` command: env, topology, partition, simulate, train (and profile); user errors exit 2.
+"""The `mobiuspipe` command: env, topology, partition, simulate, tokenize, train (and profile); user errors exit 2.
 
 Each subcommand is one module here with the same two functions: `register(sub)` adds its parser to the
 subparsers and sets `func` to the module's `run(args, out) -> exit code`, which prints its report (or
@@ -11,11 +11,11 @@ import argparse
 import sys
 
 from foundation.errors import UserError
-from mobiuspipe.cli import env, partition, profile, simulate, topology, train
+from mobiuspipe.cli import env, partition, profile, simulate, tokenize, topology, train
 
 __all__ = ["main", "build_parser"]
 
-SUBCOMMANDS = (env, topology, partition, profile, simulate, train)
+SUBCOMMANDS = (env, topology, partition, profile, simulate, tokenize, train)
 """The subcommand modules, in the order `mobiuspipe --help` lists them."""
 
 

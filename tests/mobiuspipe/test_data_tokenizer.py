@@ -1,5 +1,6 @@
 """Text and JSONL through a local tokenizer folder equal calling the tokenizer directly, documents ended by the
-end-of-text token; a pipelined run on tokenized data equals plain PyTorch."""
+end-of-text token; `mobiuspipe tokenize` writes the same ids as a token file; a pipelined run on tokenized data
+equals plain PyTorch."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import json
 import random
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer
 
 from mobiuspipe import Pipeline
+from mobiuspipe.cli import main
 from mobiuspipe.config import config_from_dict
 from mobiuspipe.config_data import DataConfig
 from mobiuspipe.config_plan import gpt_spec, plan_for_config
@@ -102,6 +105,63 @@ def test_held_out_jsonl_goes_through_the_same_tokenizer(tmp_path, tokenizer_dir)
     assert data is not None and data.tokens.tolist() == _direct(folder, held, "<|endoftext|>")
     first = next(data.eval_batches(4))[0]
     assert first[1].tolist() == data.tokens[6:12].tolist()
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+def test_tokenize_command_writes_what_training_reads(tmp_path, tokenizer_dir, dtype, capsys):
+    folder = tokenizer_dir(tmp_path / "tok", eos="<|endoftext|>")
+    docs_a, docs_b = _docs(6, 700), _docs(7, 33)
+    _jsonl(tmp_path / "a.jsonl", docs_a)
+    _jsonl(tmp_path / "b.jsonl", docs_b)
+    out = tmp_path / "train.bin"
+    argv = ["tokenize", "--tokenizer", str(folder), "--input", str(tmp_path / "a.jsonl"), "--input"]
+    assert main([*argv, str(tmp_path / "b.jsonl"), "-o", str(out), "--dtype", dtype, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    expected = _direct(folder, docs_a + docs_b, "<|endoftext|>")
+    assert np.fromfile(out, dtype=dtype).tolist() == expected
+    assert report["tokens"] == len(expected) and [i["tokens"] for i in report["inputs"]][1] == len(
+        _direct(folder, docs_b, "<|endoftext|>")
+    )
+    common = {"tokenizer": str(folder), "batch_size": 3, "num_microbatches": 3, "token_dtype": dtype}
+    from_bin = open_data(DataConfig(tokens=str(out), **common), 11, seed=7, vocab_size=300)
+    from_jsonl = open_data(DataConfig(path=str(tmp_path / "a.jsonl"), **common), 11, seed=7, vocab_size=300)
+    n = len(from_jsonl.tokens)
+    assert np.array_equal(np.asarray(from_bin.tokens[:n]), from_jsonl.tokens)
+
+
+def test_tokenize_command_refuses_ids_the_dtype_cannot_hold(tmp_path, capsys):
+    from tokenizers import models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(70001)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    (tmp_path / "a.txt").write_text("w1 w70000 w5")
+    out = tmp_path / "o.bin"
+    args = ["tokenize", "--tokenizer", str(tmp_path / "tok"), "--input", str(tmp_path / "a.txt"), "-o", str(out)]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "--dtype" in err and "uint16 (ids below 65,536) for 70,001 ids" in err and "use --dtype uint32" in err
+    assert not out.exists()
+    assert main([*args, "--dtype", "uint32"]) == 0
+    assert np.fromfile(out, dtype=np.uint32).tolist() == [1, 70000, 5]
+    assert "wrote 3 tokens (uint32) from 1 file(s)" in capsys.readouterr().out
+
+
+def test_tokenize_command_errors_are_one_line_and_leave_no_file(tmp_path, tokenizer_dir, capsys):
+    folder = tokenizer_dir(tmp_path / "tok")
+    _jsonl(tmp_path / "a.jsonl", _docs(10, 800))
+    (tmp_path / "b.jsonl").write_text('{"text": "ok"}\n{"body": "no text"}\n')
+    out = tmp_path / "o.bin"
+    base = ["tokenize", "--tokenizer", str(folder), "--input", str(tmp_path / "a.jsonl"), "-o"]
+    assert main([*base, str(out), "--input", str(tmp_path / "b.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--input: expected a 'text' key" in err and "line 2 of" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "b.jsonl", "tok"]  # no o.bin, no o.bin.tmp
+    assert main([*base, str(out), "--input", str(tmp_path / "none.jsonl")]) == 2
+    assert "--input: expected a readable file, found " in capsys.readouterr().err
+    assert main([*base, str(tmp_path / "no" / "o.bin")]) == 2
+    assert "cannot write the token file to" in capsys.readouterr().err
 
 
 def test_a_pipelined_run_on_tokenized_jsonl_equals_plain_pytorch(tmp_path, tokenizer_dir, reference):
