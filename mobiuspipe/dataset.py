@@ -46,8 +46,10 @@ class PackedTokens:
 
     def indices(self, step: int, batch_size: int) -> np.ndarray:
         """The sequence numbers of step `step`'s batch: places step*B .. step*B + B - 1, wrapping into new epochs."""
-        places = step * batch_size + np.arange(batch_size)
+        places = step * batch_size + np.arange(batch_size, dtype=np.int64)
         epochs, positions = np.divmod(places, self.num_sequences)
+        if not self.shuffle:
+            return positions
         out = np.empty(batch_size, np.int64)
         for e in np.unique(epochs):
             mine = epochs == e
@@ -98,10 +100,12 @@ def _tokenizer(data: DataConfig, vocab_size: int) -> TextTokenizer | None:
 
 
 def _read(data: DataConfig, path: str, key: str, vocab_size: int, token_file: bool) -> tuple[np.ndarray, str]:
-    """The token ids of one source and what they are: a token file, text or JSONL tokenized, or text as bytes."""
+    """The token ids of one source and what they are: a token file, text or JSONL tokenized, or text as bytes.
+    A tokenizer that is set is checked even when this source does not need it."""
+    tok = _tokenizer(data, vocab_size)
     if token_file:
         tokens, what = open_token_file(path, data.token_dtype, key), f"token file {path} ({data.token_dtype})"
-    elif (tok := _tokenizer(data, vocab_size)) is not None:
+    elif tok is not None:
         tokens, what = tokenize_file(tok, path, data.field, key), f"{path} through {tok.describe()}"
         return tokens, what  # the tokenizer's vocabulary was checked: no id exceeds it
     else:

@@ -62,6 +62,9 @@ def test_config_problems_name_the_key_and_the_fix(tmp_path, data, message):
 def test_a_tokenizer_larger_than_the_model_is_refused(tmp_path, tokenizer_dir):
     tokenizer_dir(tmp_path / "tok", vocab_size=300)
     (tmp_path / "a.txt").write_text("the cat")
+    np.arange(40, dtype=np.uint16).tofile(tmp_path / "t.bin")
+    with pytest.raises(ConfigError, match=r"data\.tokenizer: .* 300 token ids"):  # set, though the .bin needs none
+        _open(tmp_path, {"tokens": "t.bin", "tokenizer": "tok"}, vocab_size=257)
     with pytest.raises(ConfigError) as e:
         _open(tmp_path, {"path": "a.txt", "tokenizer": "tok"}, vocab_size=257)
     assert str(e.value) == (
