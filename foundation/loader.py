@@ -13,7 +13,7 @@ what was found and the fix. Field metadata tunes a field:
   "fix": str            the fix shown when "convert" fails
   "path_fix": str       the field holds a file path: made absolute against the file's folder, it must
                         exist, else this fix is shown
-  "dir_fix": str        the same for a folder
+  "folder_fix": str     the same for a folder path: it must be an existing folder
   "in_file": False      the field is not a key of the file (pass it in `extra`)
 """
 
@@ -232,9 +232,9 @@ class Builder:
         except Mismatch:
             self._wrong_type(hint, raw, key, field)
             return INVALID
-        if "path_fix" in meta or "dir_fix" in meta:
-            return self._path(made, key, meta.get("path_fix") or meta["dir_fix"], folder="dir_fix" in meta)
-        return made
+        if "path_fix" in meta:
+            return self._path(made, key, meta["path_fix"])
+        return self._path(made, key, meta["folder_fix"], folder=True) if "folder_fix" in meta else made
 
     def _wrong_type(self, hint: Any, raw: Any, key: str, field: dataclasses.Field | None) -> None:
         """Record that `raw` at `key` is not of type `hint`, with a fix for a key or for a list item."""
@@ -254,12 +254,13 @@ class Builder:
         return INVALID if any(v is INVALID for v in made) else made
 
     def _path(self, value: str, key: str, fix: str, folder: bool = False) -> str:
-        """A relative path made absolute against the file's folder; the file (or folder) must exist."""
+        """A relative path made absolute against the file's folder; the file (or `folder`) must exist."""
         path = os.path.normpath(os.path.join(self.base_dir, os.path.expanduser(value)))
         if not (os.path.isdir(path) if folder else os.path.isfile(path)):
-            what = "which does not exist"
             if os.path.exists(path):
                 what = "a file" if folder else "a folder"
+            else:
+                what = "which does not exist"
             self.problems.append(
                 Problem(
                     key,

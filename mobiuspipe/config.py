@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from importlib import resources
 from typing import Any
 
 from foundation.loader import Problem, at_least, dump_text, from_plain, load_file, positive, rule, to_plain
+from mobiuspipe.config_data import DataConfig
 from mobiuspipe.config_memory import MemoryConfig
 from mobiuspipe.config_model import ModelConfig
-from mobiuspipe.config_section import Section, divisible
+from mobiuspipe.config_section import Section
 from mobiuspipe.errors import ConfigError
 from mobiuspipe.lr_schedule import SCHEDULES, lr_at
 
@@ -20,41 +20,6 @@ DEFAULT_GPUS = 2
 """CPU stand-ins a run plans for when the config names neither a topology nor plan.num_gpus."""
 MAPPINGS = ("cross", "round-robin", "search")
 """The stage->gpu mappings a plan may ask for."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class DataConfig(Section):
-    """The training text and how it is cut into batches and microbatches."""
-
-    path: str | None = field(
-        default=None,
-        metadata={"path_fix": "correct the path, or remove data.path to train on the packaged sample text"},
-    )
-    """A text file read as bytes (any encoding); None = mobiuspipe/data/sample.txt shipped in the
-    package; a relative path is resolved against the config file's folder and stored absolute."""
-    batch_size: int = 8
-    """Sequences per optimizer step (sequences); a multiple of num_microbatches."""
-    num_microbatches: int = 4
-    """Microbatches each batch is split into for the pipeline (count)."""
-
-    @property
-    def microbatch_size(self) -> int:
-        """Sequences per microbatch."""
-        return self.batch_size // self.num_microbatches
-
-    @property
-    def text_path(self) -> str:
-        """The file to train on: `path`, or the sample text shipped in the package."""
-        if self.path is not None:
-            return self.path
-        return str(resources.files("mobiuspipe") / "data" / "sample.txt")
-
-    def check_values(self) -> list[Problem]:
-        return [
-            *at_least(self, "batch_size", 1, "use at least 1 sequence per step, e.g. 8"),
-            *at_least(self, "num_microbatches", 1, "use at least 1 microbatch, e.g. 4"),
-            *divisible("batch_size", self.batch_size, "num_microbatches", self.num_microbatches),
-        ]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,6 +57,14 @@ class TrainConfig(Section):
     """Seed of every random generator (weights init, data order); same seed, same run."""
     log_every: int = 1
     """Log the loss every this many steps (steps)."""
+    eval_every: int = 0
+    """With data.eval_path: evaluate on the held-out data every this many optimizer steps and after the last
+    (steps); 0 = after the last step only. Each evaluation reports the mean loss and its perplexity."""
+    eval_batches: int | None = None
+    """Held-out batches (of data.batch_size sequences) per evaluation (count); None = every full batch."""
+    eval_at_start: bool = False
+    """With data.eval_path: also evaluate before the first step (the starting weights' loss, e.g. the
+    pretrained model's), recorded as step -1."""
     out_dir: str | None = None
     """Folder for metrics.jsonl and the resolved config, relative to the current directory;
     None = write nothing."""
@@ -152,6 +125,14 @@ class TrainConfig(Section):
             ),
             *at_least(self, "accumulation_steps", 1, "use 1 (no accumulation) or more passes per step"),
             *at_least(self, "log_every", 1, "log every 1 or more steps"),
+            *at_least(self, "eval_every", 0, "evaluate every 1 or more steps, or 0 for after the last only"),
+            *rule(
+                self.eval_batches is None or self.eval_batches >= 1,
+                "eval_batches",
+                "a count >= 1 or null (every full batch)",
+                repr(self.eval_batches),
+                "use e.g. 4, or null",
+            ),
             *rule(
                 self.precision in PRECISIONS,
                 "precision",
@@ -251,7 +232,7 @@ class RunConfig(Section):
     model: ModelConfig = field(default_factory=ModelConfig)
     """The model to train."""
     data: DataConfig = field(default_factory=DataConfig)
-    """The training text and batching."""
+    """The training and held-out data, the tokenizer and the batches."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """The optimizer and the loop."""
     plan: PlanConfig = field(default_factory=PlanConfig)
@@ -282,13 +263,25 @@ class RunConfig(Section):
             f"export_dir {self.train.export_dir!r} for the built-in GPT",
             "remove train.export_dir (the run's weights are in out_dir/weights) or train a model.hf",
         )
-        return export + rule(
-            stages <= layers,
-            "plan.num_stages",
-            f"at most {layers} stages, the model's layers (blocks + 2; a stage needs at least one layer)",
-            f"{stages} stages for {layers} layers",
-            f"lower plan.num_stages to {layers}"
-            + ("" if self.model.hf else f" or raise model.num_blocks to {stages - 2}"),
+        t = self.train
+        evaluate = rule(
+            (t.eval_every == 0 and not t.eval_at_start) or self.data.eval_path is not None,
+            "train.eval_every" if t.eval_every else "train.eval_at_start",
+            "held-out data (data.eval_path) to evaluate on",
+            f"eval_every {t.eval_every}, eval_at_start {t.eval_at_start} without data.eval_path",
+            "set data.eval_path to a held-out text or token file, or remove train.eval_every and eval_at_start",
+        )
+        return (
+            export
+            + evaluate
+            + rule(
+                stages <= layers,
+                "plan.num_stages",
+                f"at most {layers} stages, the model's layers (blocks + 2; a stage needs at least one layer)",
+                f"{stages} stages for {layers} layers",
+                f"lower plan.num_stages to {layers}"
+                + ("" if self.model.hf else f" or raise model.num_blocks to {stages - 2}"),
+            )
         )
 
     def to_dict(self) -> dict[str, Any]:

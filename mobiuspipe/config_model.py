@@ -27,7 +27,7 @@ class ModelConfig(Section):
 
     hf: str | None = field(
         default=None,
-        metadata={"dir_fix": "give a folder written by save_pretrained (config.json + model.safetensors)"},
+        metadata={"folder_fix": "give a folder written by save_pretrained (config.json + model.safetensors)"},
     )
     """A Hugging Face model folder (GPT-2, Llama, Mistral or Qwen2: config.json and safetensors weights, as
     save_pretrained writes them) to fine-tune from its weights; relative to the config file's folder. Its

@@ -1,4 +1,5 @@
-"""The base of every run-config section: a checked frozen dataclass whose problems raise InvalidConfig."""
+"""The base of every run-config section (a checked frozen dataclass whose problems raise InvalidConfig) and the
+value rules several sections share."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ class Section(Checked):
     invalid = InvalidConfig
 
 
-def _divisor_at_most(n: int, cap: int) -> int:
+def divisor_at_most(n: int, cap: int) -> int:
     """The largest divisor of `n` that is <= `cap` (at least 1)."""
     return max(d for d in range(1, max(1, min(n, cap)) + 1) if n % d == 0)
 
@@ -28,6 +29,6 @@ def divisible(a_name: str, a: int, b_name: str, b: int) -> list[Problem]:
             a_name,
             f"{a_name} divisible by {b_name}",
             f"{a_name} {a} with {b_name} {b} ({a} % {b} = {a % b})",
-            f"use {a_name} {-(-a // b) * b} (a multiple of {b}) or {b_name} {_divisor_at_most(a, b)} (divides {a})",
+            f"use {a_name} {-(-a // b) * b} (a multiple of {b}) or {b_name} {divisor_at_most(a, b)} (divides {a})",
         )
     ]

@@ -58,6 +58,8 @@ class StepMetrics:
     """The largest resident memory (RSS) of a rank's process at the end of the step."""
     ssd_bytes: int | None = None
     """Bytes on disk of the run's SSD stores (memory.ssd_dir/rank*), summed over ranks; None without any."""
+    grad_norm: float | None = None
+    """With train.max_grad_norm: the global gradient norm before clipping (StepResult.grad_norm)."""
     eta_s: float | None = None
     """Seconds left: the mean step_s so far without the first step (warm-up) times the steps left; the
     Reporter fills it in; None at the first step."""
@@ -65,6 +67,7 @@ class StepMetrics:
     def line(self, steps: int) -> str:
         head = [f"step {self.step + 1}/{steps}", f"loss {self.loss:.4f}"]
         head += [] if self.lr is None else [f"lr {self.lr:.3g}"]
+        head += [] if self.grad_norm is None else [f"grad norm {self.grad_norm:.3g}"]
         head += [] if self.eta_s is None else [f"ETA {_clock(self.eta_s)}"]
         head.append(f"{self.tokens_per_s:,.0f} tok/s")
         if self.tflops is not None:
@@ -75,8 +78,8 @@ class StepMetrics:
 
     def _times(self) -> str:
         ms = lambda s: f"{s * 1e3:.0f}"  # noqa: E731
-        own = self.ranks[0] if self.ranks else None
-        if own is not None and own.compute_s is not None and own.load_s is not None and own.comm_s is not None:
+        if self.ranks:  # rank 0's own split of rank 0's wall time
+            own = self.ranks[0]
             parts, who = (own.compute_s, own.load_s, own.comm_s), "rank 0: "
         else:
             parts, who = (self.compute_s, self.load_s, self.comm_s), "max over ranks: "
@@ -121,6 +124,7 @@ def step_metrics(
         mfu=mfu,
         host_rss_bytes=max(x.host_rss_bytes for x in ranks),
         ssd_bytes=sum(on_ssd) if on_ssd else None,
+        grad_norm=r.grad_norm,
     )
 
 
@@ -169,14 +173,15 @@ class Reporter:
         self.stream.flush()
 
     def eval(self, step: int, loss: float) -> None:
-        """Report an evaluation after training step `step` (0-based, as the step records): its mean loss and
-        perplexity, on the stream, in metrics.jsonl as {"kind": "eval", "step", "loss", "perplexity"}, and in
-        TensorBoard as eval/loss and eval/perplexity."""
+        """Report an evaluation after training step `step` (0-based, as the step records; -1 = before the first
+        step): its mean loss and perplexity, on the stream, in metrics.jsonl as {"kind": "eval", "step",
+        "loss", "perplexity"}, and in TensorBoard as eval/loss and eval/perplexity."""
         ppl = perplexity(loss)
         self._record({"kind": "eval", "step": step, "loss": loss, "perplexity": ppl})
         if self.stream is None:
             return
-        line = f"eval after step {step + 1}: loss {loss:.4f}  perplexity {ppl:.4g}"
+        when = f"after step {step + 1}" if step >= 0 else "before training"
+        line = f"eval {when}: loss {loss:.4f}  perplexity {ppl:.4g}"
         self.stream.write(("\n" if self._bar_open else "") + line + "\n")
         self._bar_open = False
         self.stream.flush()

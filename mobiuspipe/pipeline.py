@@ -236,11 +236,11 @@ class Pipeline:
         engine.arena.reset_peak()
         scale = self.scaler.scale if self.scaler else None
         engine.loss_scale = scale or 1.0
-        loss, times = self._passes(x, y)
+        loss, times, own_peak = self._passes(x, y)
         tied_sumsq = self.ties.sum(engine.comm, engine.device.torch_device, self.step) if self.ties else 0.0
         (loss,) = self._reduce([loss], torch.distributed.ReduceOp.SUM, f"the loss of step {self.step}")
         c, ld, cm, peak, device_peak = self._reduce(
-            [times.compute_s, times.load_s, times.comm_s, engine.arena.peak_bytes, engine.peak.step_bytes],
+            [times.compute_s, times.load_s, times.comm_s, engine.arena.peak_bytes, own_peak],
             torch.distributed.ReduceOp.MAX,
             f"the metrics of step {self.step}",
         )
@@ -260,15 +260,18 @@ class Pipeline:
             skipped,
             int(device_peak),
             None if self.max_grad_norm is None else norm,
+            times,
+            own_peak,
         )
         self.step += 1
         return result
 
-    def _passes(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, StepTimes]:
+    def _passes(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, StepTimes, int]:
         """Run the step's pipeline passes (accumulation_steps of them), the gradients of each added to the
-        tiers' after the first; the updates start (or are held) in the last. This rank's loss and times."""
+        tiers' after the first; the updates start (or are held) in the last. This rank's loss, its times
+        summed over the passes and its largest measured device peak of a pass."""
         engine, k = self.engine, self.accumulation_steps
-        loss, times = 0.0, StepTimes()
+        loss, times, peak = 0.0, StepTimes(), 0
         for p, (xp, yp) in enumerate(zip(x.chunk(k), y.chunk(k))):
             last = p == k - 1
             engine.accumulate, engine.want_norm = p > 0, last and self.max_grad_norm is not None
@@ -278,7 +281,8 @@ class Pipeline:
                 engine.deferred = []  # no update yet: their gradients wait in the tiers for the next pass
             loss += part
             times = StepTimes(times.compute_s + t.compute_s, times.load_s + t.load_s, times.comm_s + t.comm_s)
-        return loss, times
+            peak = max(peak, engine.peak.step_bytes)
+        return loss, times, peak
 
     @property
     def _hold_updates(self) -> bool:

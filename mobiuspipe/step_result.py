@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mobiuspipe.engine import StepTimes
 
@@ -11,9 +11,9 @@ __all__ = ["StepResult"]
 
 @dataclass(frozen=True)
 class StepResult:
-    """One optimizer step: the batch's loss (every rank gets it), where the slowest rank spent its time,
-    the largest device arena peak over ranks against the arena's budget, and the largest measured device
-    peak over ranks."""
+    """One optimizer step: the batch's loss (every rank gets it), the largest time of each part over ranks
+    (summed over the step's passes), the largest device arena peak over ranks against the arena's budget, the
+    largest measured device peak over ranks, and this rank's own times and device peak."""
 
     step: int
     loss: float
@@ -30,3 +30,7 @@ class StepResult:
     stand-in, CUDA's max_memory_allocated on a gpu."""
     grad_norm: float | None = None
     """With max_grad_norm: the global L2 norm of the step's gradients before clipping; None without."""
+    own_times: StepTimes = field(default_factory=StepTimes)
+    """This rank's own compute, load and comm seconds, summed over the step's pipeline passes."""
+    own_device_peak_bytes: int = 0
+    """This rank's measured device peak: the largest of the step's passes."""

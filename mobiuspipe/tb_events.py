@@ -15,6 +15,7 @@ __all__ = ["TAG_GROUPS", "EventLog", "scalars"]
 TAG_GROUPS = {
     "loss": "train",
     "lr": "train",
+    "grad_norm": "train",
     "tokens_per_s": "train",
     "tflops": "train",
     "mfu": "train",

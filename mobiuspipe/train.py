@@ -24,7 +24,7 @@ from foundation.timing import Stopwatch
 from foundation.units import fmt_bytes
 from mobiuspipe.config import RunConfig, load_config
 from mobiuspipe.config_plan import model_spec, plan_for_config
-from mobiuspipe.dataset import ByteData
+from mobiuspipe.dataset import PackedTokens, open_run_data
 from mobiuspipe.flops import device_name, flops_per_token, peak_tflops
 from mobiuspipe.metrics import Reporter, device_peak_line, step_metrics
 from mobiuspipe.models.gpt import layer_factories, lm_loss
@@ -35,12 +35,13 @@ from mobiuspipe.optim import CPUAdam
 from mobiuspipe.pipeline import Pipeline
 from mobiuspipe.profiler import TORCH_DTYPES
 from mobiuspipe.ranks import gather_all
+from mobiuspipe.step_result import StepResult
 from mobiuspipe.usage import RankStep, folder_bytes, host_rss_bytes
 from partition.costmodel import ARENA_SLOTS
 from partition.device_peak import planned_device_bytes
 from partition.plan import Plan, save_plan
 
-__all__ = ["main", "train"]
+__all__ = ["main", "open_run", "train"]
 
 
 def train(cfg: RunConfig) -> None:
@@ -49,12 +50,10 @@ def train(cfg: RunConfig) -> None:
     torch.manual_seed(cfg.train.seed)  # dropout masks (the recompute replays each forward's)
     t = cfg.train
     optimizer = partial(CPUAdam, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
-    hf = open_hf(cfg.model.hf, cfg.model.seq_len) if cfg.model.hf else None
+    hf, data, held_out = open_run(cfg)  # before the group exists: bad input stops every rank alike
     export = Path(t.export_dir) if t.export_dir else None
-    if export is not None:
-        check_export_dir(export, "train.export_dir")  # before any work, not after the run
-        if int(os.environ.get("RANK", "0")) == 0:
-            shutil.rmtree(partial_dir(export), ignore_errors=True)  # an earlier run's remains
+    if export is not None and int(os.environ.get("RANK", "0")) == 0:
+        shutil.rmtree(partial_dir(export), ignore_errors=True)  # an earlier run's remains
     plan = plan_for_config(cfg)
     with Pipeline(
         hf_layer_factories(hf) if hf else layer_factories(model_spec(cfg), t.seed),
@@ -69,9 +68,19 @@ def train(cfg: RunConfig) -> None:
         accumulation_steps=t.accumulation_steps,
         max_grad_norm=t.max_grad_norm,
     ) as pipe:
-        _training_loop(cfg, pipe)
+        _training_loop(cfg, pipe, data, held_out)
         if hf is not None and export is not None:
             _export(pipe, hf, export, TORCH_DTYPES[t.export_dtype])
+
+
+def open_run(cfg: RunConfig) -> tuple[HFModel | None, PackedTokens, PackedTokens | None]:
+    """What a run reads before any work, each checked (UserError naming the key and the fix): the Hugging Face
+    model folder (config and weight index, not the weights), the export folder, the training and held-out
+    data. `mobiuspipe train` calls it before launching torchrun, and each rank at start-up."""
+    hf = open_hf(cfg.model.hf, cfg.model.seq_len) if cfg.model.hf else None
+    if cfg.train.export_dir:
+        check_export_dir(Path(cfg.train.export_dir), "train.export_dir")  # before any work, not after the run
+    return (hf, *open_run_data(cfg))
 
 
 def _export(pipe: Pipeline, hf: HFModel, to: Path, dtype: torch.dtype) -> None:
@@ -84,13 +93,13 @@ def _export(pipe: Pipeline, hf: HFModel, to: Path, dtype: torch.dtype) -> None:
         print(f"mobiuspipe: exported the fine-tuned model to {to} ({dtype}; from_pretrained loads it)", flush=True)
 
 
-def _training_loop(cfg: RunConfig, pipe: Pipeline) -> None:
-    """Every step on this rank; rank 0 reports and writes out_dir; every rank writes its stages' weights."""
+def _training_loop(cfg: RunConfig, pipe: Pipeline, data: PackedTokens, held_out: PackedTokens | None) -> None:
+    """Every step on this rank, and the evaluations on the held-out data; rank 0 reports and writes out_dir;
+    every rank writes its stages' weights."""
     rank, plan = pipe.rank, pipe.plan
-    data = ByteData(cfg.data.text_path, cfg.model.seq_len, cfg.train.seed)
     out = Path(cfg.train.out_dir) if cfg.train.out_dir else None
     if rank == 0:
-        print(_banner(cfg, plan) + "; " + _states_line(cfg, pipe.state_tiers), flush=True)
+        print(f"{_banner(cfg, plan)}; {_states_line(cfg, pipe.state_tiers)}; data: {data.describe()}", flush=True)
     if out and rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(cfg.to_yaml())
@@ -106,32 +115,46 @@ def _training_loop(cfg: RunConfig, pipe: Pipeline) -> None:
         sys.stdout if rank == 0 else None,
         cfg.train.tensorboard,
     ) as report:
+        if held_out is not None and cfg.train.eval_at_start:
+            report.eval(-1, evaluate(pipe, held_out, cfg.data.batch_size, cfg.train.eval_batches))
         for step in range(cfg.train.steps):
             sw = Stopwatch()
             x, y = data.batch(step, rows)
             lr = cfg.train.lr_of(step)
             pipe.set_lr(lr)
             r = pipe.train_batch(x, y)
-            own = _own_figures(pipe, sw.s, one_pass=cfg.train.accumulation_steps == 1)
+            own = _own_figures(pipe, r, sw.s)
             ranks = gather_all(pipe.info, own)  # every rank, every step: a collective
             if rank == 0:
                 report(step_metrics(r, lr, ranks, tokens, step_flops, peaks))
+            if held_out is not None and _evaluates_after(step, cfg.train.eval_every, cfg.train.steps):
+                report.eval(step, evaluate(pipe, held_out, cfg.data.batch_size, cfg.train.eval_batches))
     _report_device_peak(pipe)
     if out:
         _save_weights(pipe, out / "weights")
 
 
-def _own_figures(pipe: Pipeline, step_s: float, one_pass: bool) -> RankStep:
-    """This rank's own times (when the step was one pipeline pass), device peak, RSS and SSD bytes of the step
-    train_batch just ran."""
-    # The engine's times are this rank's, of its last pass; StepResult.times holds the largest over ranks.
-    t = pipe.engine.state.times
-    parts = (t.compute_s, t.load_s, t.comm_s) if one_pass else (None, None, None)
-    store = pipe.store
+def _evaluates_after(step: int, every: int, steps: int) -> bool:
+    """Whether an evaluation follows optimizer step `step` (0-based): every `every` steps and after the last."""
+    return step + 1 == steps or (every > 0 and (step + 1) % every == 0)
+
+
+def evaluate(pipe: Pipeline, held_out: PackedTokens, batch_size: int, max_batches: int | None) -> float:
+    """The mean loss of the pipeline's current weights over the held-out batches (each one pipeline forward
+    on every rank; the full batches hold equally many tokens, so the mean of their means is the token mean)."""
+    losses = [pipe.eval_batch(x, y) for x, y in held_out.eval_batches(batch_size, max_batches)]
+    return sum(losses) / len(losses)
+
+
+def _own_figures(pipe: Pipeline, r: StepResult, step_s: float) -> RankStep:
+    """This rank's own times (summed over the step's passes), device peak, RSS and SSD bytes of step r."""
+    t, store = r.own_times, pipe.store
     return RankStep(
         step_s,
-        *parts,
-        pipe.engine.peak.step_bytes,
+        t.compute_s,
+        t.load_s,
+        t.comm_s,
+        r.own_device_peak_bytes,
         host_rss_bytes(),
         None if store is None else folder_bytes(store.folder),
     )

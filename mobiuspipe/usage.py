@@ -11,20 +11,19 @@ __all__ = ["RankStep", "host_rss_bytes", "folder_bytes"]
 @dataclass(frozen=True)
 class RankStep:
     """One rank's own figures of one step; the parts add up to at most step_s (the rest is the loop's own
-    work: the batch, waiting for the loss and the step's reductions). The parts are None where the loop
-    cannot see them: a step of several pipeline passes (train.accumulation_steps > 1), whose StepResult
-    holds only the largest sums over ranks."""
+    work: the batch, waiting for the loss and the step's reductions). Each part is summed over the step's
+    pipeline passes (train.accumulation_steps)."""
 
     step_s: float
     """Wall time of the step on this rank: the batch, set_lr and train_batch."""
-    compute_s: float | None
+    compute_s: float
     """Seconds in the stages' forward and backward."""
-    load_s: float | None
+    load_s: float
     """Seconds waiting for weights to reach the arena (and gradients to leave it, and host updates)."""
-    comm_s: float | None
+    comm_s: float
     """Seconds blocked in send/recv."""
     device_peak_bytes: int
-    """The most bytes this rank held on its device in the step (StepResult.device_peak_bytes, own rank)."""
+    """The most bytes this rank held on its device in the step (StepResult.own_device_peak_bytes)."""
     host_rss_bytes: int
     """Resident memory of this rank's process at the end of the step (Linux /proc; 0 where unreadable)."""
     ssd_bytes: int | None

@@ -22,7 +22,7 @@ from torch import nn
 from foundation.timing import Stopwatch
 from mobiuspipe.config import RunConfig, config_from_dict
 from mobiuspipe.config_plan import model_spec, plan_from_config
-from mobiuspipe.dataset import ByteData
+from mobiuspipe.dataset import open_data
 from mobiuspipe.models.gpt import build_layers, lm_loss
 
 SIZES = {
@@ -97,7 +97,7 @@ def plain_run(cfg: RunConfig, threads: int, chunks: int) -> tuple[list[float], f
         model = nn.Sequential(*(layers[l] for l in range(spec.num_layers)))
         t = cfg.train
         opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
-        data = ByteData(cfg.data.text_path, cfg.model.seq_len, t.seed)
+        data = open_data(cfg.data, cfg.model.seq_len, t.seed, cfg.model.vocab_size)
         times, loss = [], 0.0
         for step in range(t.steps):
             watch = Stopwatch()

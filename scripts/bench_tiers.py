@@ -31,7 +31,7 @@ from foundation.timing import Stopwatch
 from mobiuspipe import Pipeline
 from mobiuspipe.config import MemoryConfig, config_from_dict
 from mobiuspipe.config_plan import model_spec, plan_for_config
-from mobiuspipe.dataset import ByteData
+from mobiuspipe.dataset import open_data
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
 
@@ -75,7 +75,8 @@ def run(args: argparse.Namespace, rows: dict[str, tuple[str, MemoryConfig | None
     row within each step, so that the machine's drift touches every row alike); per row the median step
     seconds over `steps` steps after one untimed step, the bytes read and written per step, and the pages
     of its out-of-core Adam's slots."""
-    data = ByteData(config_from_dict(_config(args, "fp32")).data.text_path, 64, 1)
+    cfg = config_from_dict(_config(args, "fp32"))
+    data = open_data(cfg.data, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size)
     pipes = {name: _pipeline(args, *spec) for name, spec in rows.items()}
     samples: dict[str, list[tuple[float, int, int]]] = {name: [] for name in rows}
     try:

@@ -1,4 +1,6 @@
-"""The `mobiuspipe` command: env, topology, partition, simulate, train, export (and profile); user errors exit 2.
+"""The `mobiuspipe` command: env, topology, partition, simulate, tokenize, train, export (and profile).
+
+User errors exit 2.
 
 Each subcommand is one module here with the same two functions: `register(sub)` adds its parser to the
 subparsers and sets `func` to the module's `run(args, out) -> exit code`, which prints its report (or
@@ -11,11 +13,11 @@ import argparse
 import sys
 
 from foundation.errors import UserError
-from mobiuspipe.cli import env, export, partition, profile, simulate, topology, train
+from mobiuspipe.cli import env, export, partition, profile, simulate, tokenize, topology, train
 
 __all__ = ["main", "build_parser"]
 
-SUBCOMMANDS = (env, topology, partition, profile, simulate, train, export)
+SUBCOMMANDS = (env, topology, partition, profile, simulate, tokenize, train, export)
 """The subcommand modules, in the order `mobiuspipe --help` lists them."""
 
 

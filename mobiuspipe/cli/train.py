@@ -1,4 +1,4 @@
-"""`mobiuspipe train`: check a YAML run config, then launch torchrun with one rank per planned gpu.
+"""`mobiuspipe train`: check a YAML run config and its data, then launch torchrun with one rank per planned gpu.
 
 On one machine torchrun runs `--standalone`. Across machines (--nnodes N > 1) the same command runs on
 every host with its own --node-rank, and torchrun's c10d rendezvous at --rdzv-endpoint HOST:PORT (a
@@ -51,8 +51,10 @@ def register(sub) -> None:
 def run(args: argparse.Namespace, out) -> int:
     """Run torchrun; its ranks write straight to this process's stdout and stderr (`out` is flushed first)."""
     from mobiuspipe.config import load_config
+    from mobiuspipe.train import open_run
 
-    config = load_config(args.config)  # a bad config fails here, before any process starts
+    config = load_config(args.config)  # a bad config, model folder or data fails here, before any process starts
+    open_run(config)
     if args.nproc is None:
         from mobiuspipe.config_plan import num_ranks
 

@@ -297,3 +297,21 @@ def test_path_fields_start_at_the_files_folder(tmp_path):
         r"point it at an existing script",
     ):
         load_file(Job, path, what="job", error=ShelfError, fix="x")
+
+
+@dataclass(frozen=True)
+class Library:
+    folder: str = field(metadata={"folder_fix": "point it at the folder of books"})
+
+
+def test_folder_fields_start_at_the_files_folder_and_must_be_folders(tmp_path):
+    (tmp_path / "books").mkdir()
+    (tmp_path / "note.txt").write_text("x")
+    path = _write(tmp_path, "folder: books\n", "shelf.yaml")
+    assert load_file(Library, path, what="shelf", error=ShelfError, fix="x").folder == str(tmp_path / "books")
+    for name, found in (("note.txt", "a file"), ("nope", "which does not exist")):
+        path.write_text(f"folder: {name}\n")
+        with pytest.raises(
+            ShelfError, match=rf"folder: expected an existing folder.*{found}; fix: point it at the folder of books"
+        ):
+            load_file(Library, path, what="shelf", error=ShelfError, fix="x")

@@ -14,7 +14,7 @@ from torch import nn
 
 from mobiuspipe.config import RunConfig
 from mobiuspipe.config_plan import model_spec
-from mobiuspipe.dataset import ByteData
+from mobiuspipe.dataset import open_data
 from mobiuspipe.models.gpt import build_layers, lm_loss
 from mobiuspipe.optim import CPUAdam
 
@@ -45,7 +45,7 @@ def _reference_run(cfg: RunConfig, microbatched: bool, optimizer) -> tuple[list[
     model = nn.Sequential(*(layers[l] for l in range(spec.num_layers)))
     t = cfg.train
     opt = optimizer(model.parameters(), lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
-    data = ByteData(cfg.data.text_path, cfg.model.seq_len, cfg.train.seed)
+    data = open_data(cfg.data, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size)
     losses = []
     for step in range(cfg.train.steps):
         x, y = data.batch(step, cfg.data.batch_size)
@@ -147,3 +147,40 @@ def events_equal_metrics(folder: Path) -> dict[str, list[tuple[int, float]]]:
 def read_events():
     """events_equal_metrics(folder) -> tag -> [(step, value)], after checking them against metrics.jsonl."""
     return events_equal_metrics
+
+
+CORPUS = [
+    "the cat sat on the mat",
+    "a quick brown fox jumps over the lazy dog",
+    "pipelines stream weights from the host, stage by stage",
+    "Ünïcode wörds and numbers 12345 too",
+]
+"""Lines a test tokenizer is trained on."""
+
+
+def build_tokenizer(
+    folder: Path, *, specials=("<|endoftext|>",), eos: str | None = None, vocab_size: int = 300
+) -> Path:
+    """A byte-level BPE tokenizer trained on CORPUS, saved into `folder` as save_pretrained writes it
+    (tokenizer.json, and tokenizer_config.json naming `eos` when given); `folder`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials), initial_alphabet=alphabet)
+    tok.train_from_iterator(CORPUS * 3, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    if eos is None:
+        tok.save(str(folder / "tokenizer.json"))
+    else:
+        PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos).save_pretrained(str(folder))
+    return folder
+
+
+@pytest.fixture
+def tokenizer_dir():
+    """build_tokenizer(folder, specials=..., eos=..., vocab_size=...) -> folder."""
+    return build_tokenizer

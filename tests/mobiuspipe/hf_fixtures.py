@@ -42,11 +42,20 @@ def save_model(kind: str, folder: Path, seed: int = 0, **over):
 
 
 def train_plain(
-    model, batches, microbatches: int, lr: float, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, max_norm=None
+    model,
+    batches,
+    microbatches: int,
+    lr: float,
+    betas=(0.9, 0.95),
+    eps=1e-8,
+    weight_decay=0.0,
+    max_norm=None,
+    after=None,
 ):
     """Losses per step (and the gradient norms before clipping) of transformers' model trained with
     torch.optim.AdamW on (x, y) batches, gradients accumulated over the microbatches as the pipeline does
-    (microbatches = every microbatch of the step, all accumulation passes), clipped by clip_grad_norm_."""
+    (microbatches = every microbatch of the step, all accumulation passes), clipped by clip_grad_norm_;
+    after(step, model) is called after each step's update."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     losses, norms = [], []
     for x, y in batches:
@@ -60,6 +69,8 @@ def train_plain(
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
         opt.step()
         losses.append(total)
+        if after is not None:
+            after(len(losses) - 1, model)
     return (losses, norms) if max_norm is not None else losses
 
 

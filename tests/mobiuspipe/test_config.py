@@ -2,6 +2,7 @@
 
 import ast
 import dataclasses
+import inspect
 import pickle
 import re
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 from foundation.loader import InvalidValues
 from mobiuspipe.config import (
     DataConfig,
+    MemoryConfig,
     ModelConfig,
     PlanConfig,
     RunConfig,
@@ -60,14 +62,9 @@ def test_sections_are_frozen():
 
 
 def test_every_field_has_a_docstring():
-    folder = Path(__file__).resolve().parents[2] / "mobiuspipe"
-    classes = {
-        n.name: n
-        for name in ("config.py", "config_model.py")
-        for n in ast.parse((folder / name).read_text()).body
-        if isinstance(n, ast.ClassDef)
-    }
-    for cls in (ModelConfig, DataConfig, TrainConfig, PlanConfig, RuntimeConfig, RunConfig):
+    for cls in (ModelConfig, DataConfig, TrainConfig, PlanConfig, MemoryConfig, RuntimeConfig, RunConfig):
+        source = Path(inspect.getsourcefile(cls) or "")
+        classes = {n.name: n for n in ast.parse(source.read_text()).body if isinstance(n, ast.ClassDef)}
         body = classes[cls.__name__].body
         documented = {
             stmt.target.id
@@ -302,3 +299,15 @@ def test_invalid_values_pickles():
         RuntimeConfig(threads=0)
     again = pickle.loads(pickle.dumps(info.value))
     assert str(again) == str(info.value) and again.problems == info.value.problems
+
+
+def test_evaluation_needs_held_out_data(tmp_path):
+    for train in ({"eval_every": 5}, {"eval_at_start": True}):
+        with pytest.raises(ConfigError) as e:
+            config_from_dict({"train": train})
+        key = "train.eval_every" if "eval_every" in train else "train.eval_at_start"
+        assert f"{key}: expected held-out data (data.eval_path) to evaluate on" in str(e.value)
+    with pytest.raises(ConfigError, match=r"train.eval_batches: expected a count >= 1 or null \(every full"):
+        config_from_dict({"train": {"eval_batches": 0}})
+    with pytest.raises(ConfigError, match=r"train.eval_every: expected an integer >= 0, found integer -1"):
+        config_from_dict({"train": {"eval_every": -1}})

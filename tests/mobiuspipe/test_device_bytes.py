@@ -17,7 +17,7 @@ from mobiuspipe import Pipeline
 from mobiuspipe.comm import Comm
 from mobiuspipe.config import config_from_dict
 from mobiuspipe.config_plan import model_spec, plan_for_config
-from mobiuspipe.dataset import ByteData
+from mobiuspipe.dataset import open_data
 from mobiuspipe.memory.arena import DeviceArena
 from mobiuspipe.memory.ledger import DeviceLedger
 from mobiuspipe.metrics import device_peak_line
@@ -199,7 +199,7 @@ def _gpt_run(steps: int = 2):
     )
     t = cfg.train
     opt = partial(CPUAdam, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
-    data = ByteData(cfg.data.text_path, cfg.model.seq_len, t.seed)
+    data = open_data(cfg.data, cfg.model.seq_len, t.seed, cfg.model.vocab_size)
     plan = plan_for_config(cfg)
     with Pipeline(layer_factories(model_spec(cfg), t.seed), lm_loss, plan=plan, optimizer=opt) as pipe:
         results = [pipe.train_batch(*data.batch(s, 6)) for s in range(steps)]

@@ -11,7 +11,7 @@ import torch
 from mobiuspipe import Pipeline
 from mobiuspipe.config import config_from_dict
 from mobiuspipe.config_plan import model_spec, plan_for_config
-from mobiuspipe.dataset import ByteData
+from mobiuspipe.dataset import open_data
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
 
@@ -39,7 +39,7 @@ def _run_local(cfg) -> tuple[list[float], dict[str, torch.Tensor], int, int]:
 def _engine_run(cfg) -> tuple[list[float], dict[str, torch.Tensor], int, int]:
     t = cfg.train
     optimizer = partial(CPUAdam, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
-    data = ByteData(cfg.data.text_path, cfg.model.seq_len, cfg.train.seed)
+    data = open_data(cfg.data, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size)
     losses, peak = [], 0
     with Pipeline(
         layer_factories(model_spec(cfg), t.seed), lm_loss, plan=plan_for_config(cfg), optimizer=optimizer

@@ -1,20 +1,45 @@
 """A Hugging Face GPT-2 (tied embeddings, their halves on different ranks) and a Llama fine-tuned by the torchrun
-entry (2 ranks, 4 stages, fp32) equal transformers + torch.optim.AdamW on the same batches; the run's export
-and `mobiuspipe export` load with from_pretrained and give the trained model's logits."""
+entry (2 ranks, 4 stages, fp32, a token file in order) equal transformers + torch.optim.AdamW on the same
+batches, its evaluations on the held-out file equal transformers' eval loss, and the run's export and
+`mobiuspipe export` load with from_pretrained and give the trained model's logits."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from mobiuspipe.cli import main as cli_main
-from mobiuspipe.config import load_config
-from mobiuspipe.dataset import ByteData
+from mobiuspipe.models.gpt import lm_loss
 from partition.plan import load_plan
 
 pytestmark = pytest.mark.slow
+
+T = 17
+"""seq_len of these runs."""
+
+
+def _token_file(path, count: int, vocab: int, seed: int) -> np.ndarray:
+    ids = np.random.default_rng(seed).integers(0, vocab, count).astype(np.uint16)
+    ids.tofile(path)
+    return ids
+
+
+def _in_order(ids: np.ndarray, first: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences first .. first + rows - 1 by the issue's rule: sequence n is ids[n*T : n*T + T + 1]."""
+    seqs = torch.from_numpy(np.stack([ids[n * T : n * T + T + 1] for n in range(first, first + rows)]).astype(np.int64))
+    return seqs[:, :-1], seqs[:, 1:]
+
+
+def _eval_loss(model, batches) -> float:
+    """transformers' model in eval mode: the mean over the held-out batches of each batch's mean loss."""
+    model.eval()
+    with torch.no_grad():
+        losses = [float(lm_loss(model(x).logits, y)) for x, y in batches]
+    model.train()
+    return sum(losses) / len(losses)
 
 
 @pytest.mark.parametrize("kind,passes,clip", [("gpt2", 2, 0.3), ("llama", 1, None)])
@@ -25,12 +50,21 @@ def test_hf_model_trains_as_transformers_does(tmp_path, launch, hf_kit, kind, pa
 
     write_config, torchrun = launch
     model = hf_kit.save_model(kind, tmp_path / "src", seed=11)
+    rows = 8 * passes  # sequences per optimizer step
+    train_ids = _token_file(tmp_path / "train.bin", 3 * rows * T + 1 + 5, hf_kit.VOCAB, seed=4)
+    eval_ids = _token_file(tmp_path / "eval.bin", 2 * 8 * T + 1 + 3, hf_kit.VOCAB, seed=5)
     out, export = tmp_path / "out", tmp_path / "export"
     cfg_path = write_config(
         tmp_path,
         {
-            "model": {"hf": str(tmp_path / "src"), "seq_len": 17},
-            "data": {"batch_size": 8, "num_microbatches": 4},
+            "model": {"hf": str(tmp_path / "src"), "seq_len": T},
+            "data": {
+                "tokens": str(tmp_path / "train.bin"),
+                "eval_path": str(tmp_path / "eval.bin"),
+                "shuffle": False,
+                "batch_size": 8,
+                "num_microbatches": 4,
+            },
             "train": {
                 "steps": 3,
                 "lr": 0.004,
@@ -40,6 +74,8 @@ def test_hf_model_trains_as_transformers_does(tmp_path, launch, hf_kit, kind, pa
                 "export_dir": str(export),
                 "accumulation_steps": passes,
                 "max_grad_norm": clip,
+                "eval_every": 2,
+                "eval_at_start": True,
             },
             "plan": {"num_gpus": 2, "num_stages": 4, "mapping": "cross"},
         },
@@ -49,13 +85,24 @@ def test_hf_model_trains_as_transformers_does(tmp_path, launch, hf_kit, kind, pa
     plan = load_plan(out / "plan.yaml")
     if kind == "gpt2":  # the tied table's halves: the embedding's stage and the head's, on different ranks
         assert plan.mapping[0] != plan.mapping[-1]
-    cfg = load_config(cfg_path)
-    data = ByteData(cfg.data.text_path, 17, cfg.train.seed)
-    batches = [data.batch(s, 8 * passes) for s in range(3)]
-    want = hf_kit.train_plain(model, batches, microbatches=4 * passes, lr=0.004, max_norm=clip)
-    want = want[0] if clip else want
-    got = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    held_out = [_in_order(eval_ids, 8 * k, 8) for k in range(2)]
+    evals = {-1: _eval_loss(model, held_out)}  # the pretrained weights, through both ranks' stages
+
+    def evaluate(step, trained):
+        if step in (1, 2):  # eval_every 2 over 3 steps: after step 2 and after the last
+            evals[step] = _eval_loss(trained, held_out)
+
+    batches = [_in_order(train_ids, s * rows, rows) for s in range(3)]
+    want = hf_kit.train_plain(model, batches, microbatches=4 * passes, lr=0.004, max_norm=clip, after=evaluate)
+    want, want_norms = want if clip else (want, None)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    got = [r["loss"] for r in records if r["kind"] == "train"]
     assert got == pytest.approx(want, rel=1e-5)
+    norms = [r["grad_norm"] for r in records if r["kind"] == "train"]
+    assert norms == (pytest.approx(want_norms, rel=1e-5) if clip else [None] * 3)
+    got_evals = {r["step"]: r["loss"] for r in records if r["kind"] == "eval"}
+    assert got_evals == pytest.approx(evals, rel=1e-5) and set(got_evals) == {-1, 1, 2}
+    assert "eval before training: loss" in proc.stdout and "eval after step 2: loss" in proc.stdout
 
     assert cli_main(["export", "--run", str(out), "--to", str(tmp_path / "again")]) == 0
     x = torch.randint(0, hf_kit.VOCAB, (2, 17))

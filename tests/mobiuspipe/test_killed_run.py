@@ -22,7 +22,7 @@ CHILD = textwrap.dedent(
     from mobiuspipe import Pipeline
     from mobiuspipe.config import MemoryConfig, config_from_dict
     from mobiuspipe.config_plan import model_spec, plan_for_config
-    from mobiuspipe.dataset import ByteData
+    from mobiuspipe.dataset import open_data
     from mobiuspipe.models.gpt import layer_factories, lm_loss
     from mobiuspipe.optim import CPUAdam
 
@@ -35,7 +35,7 @@ CHILD = textwrap.dedent(
         "plan": {"num_gpus": 1, "num_stages": 4, "device_memory_mb": 256},
     })
     memory = MemoryConfig(optimizer="ssd", weights="ssd", ssd_dir=folder, host_budget_mb=0.25)
-    data = ByteData(cfg.data.text_path, cfg.model.seq_len, 5)
+    data = open_data(cfg.data, cfg.model.seq_len, 5, cfg.model.vocab_size)
     opt = partial(CPUAdam, lr=0.01, weight_decay=0.05)
     layers = layer_factories(model_spec(cfg), 5)
     with Pipeline(layers, lm_loss, plan=plan_for_config(cfg), optimizer=opt, memory=memory) as pipe:

@@ -10,7 +10,7 @@ import torch
 from mobiuspipe import Pipeline
 from mobiuspipe.config import MemoryConfig, config_from_dict
 from mobiuspipe.config_plan import model_spec, plan_for_config
-from mobiuspipe.dataset import ByteData
+from mobiuspipe.dataset import open_data
 from mobiuspipe.errors import ConfigError, PipelineError
 from mobiuspipe.lr_schedule import lr_at
 from mobiuspipe.models.gpt import layer_factories, lm_loss
@@ -63,7 +63,7 @@ def _cfg():
 def _run(cfg, memory=None):
     t = cfg.train
     torch.set_num_threads(cfg.runtime.threads)  # as train() does, and as the reference does
-    data = ByteData(cfg.data.text_path, cfg.model.seq_len, t.seed)
+    data = open_data(cfg.data, cfg.model.seq_len, t.seed, cfg.model.vocab_size)
     opt = partial(CPUAdam, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
     plan = plan_for_config(cfg)
     with Pipeline(layer_factories(model_spec(cfg), t.seed), lm_loss, plan=plan, optimizer=opt, memory=memory) as pipe:

@@ -23,7 +23,7 @@ from torch import nn
 from mobiuspipe import Pipeline
 from mobiuspipe.config import config_from_dict
 from mobiuspipe.config_plan import model_spec, plan_for_config
-from mobiuspipe.dataset import ByteData
+from mobiuspipe.dataset import open_data
 from mobiuspipe.errors import PipelineError
 from mobiuspipe.models.gpt import build_layers, layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
@@ -70,7 +70,7 @@ def _gpt(precision: str, stages: int = 4, steps: int = 4):
             "plan": {"num_gpus": 1, "num_stages": stages, "device_memory_mb": 256},
         }
     )
-    data = ByteData(cfg.data.text_path, cfg.model.seq_len, cfg.train.seed)
+    data = open_data(cfg.data, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size)
     batches = [data.batch(s, cfg.data.batch_size) for s in range(steps)]
     t = cfg.train
     opt = partial(CPUAdam, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
@@ -178,7 +178,7 @@ def test_bf16_on_two_ranks_equals_the_recipe(tmp_path, launch):
         weights.update(torch.load(f))
     cfg = config_from_dict(d)
     spec = model_spec(cfg)
-    data = ByteData(cfg.data.text_path, cfg.model.seq_len, cfg.train.seed)
+    data = open_data(cfg.data, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size)
     t = cfg.train
     opt = partial(CPUAdam, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
     layers = build_layers(spec, t.seed)

@@ -88,11 +88,14 @@ def test_the_line_shows_eta_rate_and_memory_of_one_rank_or_says_max():
     assert lines[3] == "eval after step 3: loss 2.5000  perplexity 12.18"
 
 
-def test_without_rank_0s_own_parts_the_line_says_max():
-    """A step of several pipeline passes: the loop sees no rank's own split, only StepResult's largest parts."""
-    ranks = [dataclasses.replace(r, compute_s=None, load_s=None, comm_s=None) for r in _ranks(1)]
-    line = step_metrics(_result(1), 1e-3, ranks, 512, 2e9, [0.05, 0.05]).line(4)
+def test_without_the_ranks_figures_the_line_says_max_and_shows_the_grad_norm():
+    """StepMetrics built without gathered figures: StepResult's largest parts; a clipped run's norm shows."""
+    r = dataclasses.replace(_result(1), grad_norm=0.8125)
+    m = step_metrics(r, 1e-3, _ranks(1), 512, 2e9, [0.05, 0.05])
+    line = dataclasses.replace(m, ranks=()).line(4)
     assert "step 500 ms (max over ranks: compute 400 / load 1020 / comm 100)" in line
+    assert "lr 0.001  grad norm 0.812  " in line and m.grad_norm == 0.8125
+    assert "grad norm" not in step_metrics(_result(1), 1e-3, _ranks(1), 512, 2e9, [0.05, 0.05]).line(4)
 
 
 def test_an_eval_during_the_bar_starts_a_new_line():

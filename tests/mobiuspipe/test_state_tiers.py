@@ -14,7 +14,7 @@ from foundation.units import MiB, fmt_bytes
 from mobiuspipe import Pipeline
 from mobiuspipe.config import MemoryConfig, config_from_dict, load_config
 from mobiuspipe.config_plan import model_spec, plan_for_config
-from mobiuspipe.dataset import ByteData
+from mobiuspipe.dataset import open_data
 from mobiuspipe.errors import ConfigError, PipelineError, SwapIOError
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
@@ -36,7 +36,7 @@ def _run(precision: str, memory: MemoryConfig | None, steps: int = 3, overlap: b
     )
     t = cfg.train
     opt = partial(CPUAdam, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
-    data = ByteData(cfg.data.text_path, cfg.model.seq_len, t.seed)
+    data = open_data(cfg.data, cfg.model.seq_len, t.seed, cfg.model.vocab_size)
     # fp16: scales of 2^40 and 2^28 overflow, so the first two steps are skipped (on both tiers alike)
     scaler = LossScaler(scale=2.0**40, backoff_factor=2.0**-12, growth_interval=2) if precision == "fp16" else None
     with Pipeline(
@@ -204,7 +204,7 @@ def test_a_failed_disk_write_stops_the_run_with_the_io_error(tmp_path):
         }
     )
     memory = MemoryConfig(optimizer="ssd", weights="ssd", ssd_dir=str(tmp_path), host_budget_mb=0.25)
-    data = ByteData(cfg.data.text_path, cfg.model.seq_len, 5)
+    data = open_data(cfg.data, cfg.model.seq_len, 5, cfg.model.vocab_size)
     pipe = Pipeline(layer_factories(model_spec(cfg), 5), lm_loss, plan=plan_for_config(cfg), memory=memory)
     pipe.train_batch(*data.batch(0, 6))
     pipe.engine.wait_updates()

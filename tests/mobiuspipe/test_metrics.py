@@ -1,15 +1,10 @@
-"""Step reporting (terminal bar vs plain lines, JSONL) and the byte-level data sampler."""
+"""Step reporting: terminal bar vs plain lines, and metrics.jsonl."""
 
 from __future__ import annotations
 
 import io
 import json
 
-import pytest
-import torch
-
-from mobiuspipe.dataset import ByteData
-from mobiuspipe.errors import ConfigError
 from mobiuspipe.metrics import Reporter, StepMetrics
 
 
@@ -44,24 +39,3 @@ def test_bar_on_a_terminal():
     text = out.getvalue()
     assert text.startswith("\r[###############...............] step 1/2")
     assert text.endswith("\n") and text.count("\n") == 1
-
-
-def test_batches_are_shifted_bytes_and_reproducible(tmp_path):
-    f = tmp_path / "t.txt"
-    f.write_bytes(bytes(range(200)))
-    d = ByteData(str(f), seq_len=9, seed=3)
-    x, y = d.batch(5, 4)
-    assert x.shape == y.shape == (4, 9) and x.dtype == torch.int64
-    assert torch.equal(x[:, 1:], y[:, :-1]) and torch.equal(y - x, torch.ones_like(x))
-    x2, _ = ByteData(str(f), seq_len=9, seed=3).batch(5, 4)
-    assert torch.equal(x, x2)
-    assert not torch.equal(x, d.batch(6, 4)[0])
-
-
-def test_short_or_missing_text_is_a_config_error(tmp_path):
-    f = tmp_path / "t.txt"
-    f.write_bytes(b"abc")
-    with pytest.raises(ConfigError, match="has 3 bytes, expected at least seq_len \\+ 2 = 11"):
-        ByteData(str(f), seq_len=9, seed=0)
-    with pytest.raises(ConfigError, match="cannot read"):
-        ByteData(str(tmp_path / "none.txt"), seq_len=9, seed=0)
