@@ -131,6 +131,51 @@ class HostStates:
     def master_weights(self) -> torch.Tensor:
         return self.master.data
 
+    def export_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """A copy of what the next step depends on: {"master": fp32 flat, "opt/KEY": the optimizer's state
+        tensors (AdamW: step, exp_avg, exp_avg_sq)} and the optimizer's param_groups (hyper-parameters)."""
+        sd = self.optimizer.state_dict()
+        own = sd["state"].get(0, {})
+        tensors = {"master": self.master.data.clone()}
+        tensors.update({f"opt/{k}": _tensor(v).clone() for k, v in own.items()})
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
+        return tensors, {"param_groups": groups}
+
+    def import_state(self, tensors: dict[str, torch.Tensor], extra: dict) -> None:
+        """Set the states export_state gave (the device-dtype weights follow from the master)."""
+        self.master.data.copy_(tensors["master"])
+        if not self.loads_master:
+            self.weights.copy_(self.master.data)
+        state = {k[4:]: v for k, v in tensors.items() if k.startswith("opt/")}
+        sd = self.optimizer.state_dict()
+        groups = extra.get("param_groups") or [
+            {k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]
+        ]
+        for group, now in zip(groups, sd["param_groups"]):
+            group["params"] = now["params"]
+        self.optimizer.load_state_dict({"state": {0: state} if state else {}, "param_groups": groups})
+
+
+def _tensor(v) -> torch.Tensor:
+    """An optimizer state value as a tensor (torch keeps AdamW's step as a tensor; some keep a number)."""
+    return v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=torch.float64)
+
+
+def _export_ooc(opt: OutOfCoreAdam) -> tuple[dict[str, torch.Tensor], dict]:
+    """An out-of-core AdamW's states in export_state's form (read from the store, fp32 flat)."""
+    state = opt.read_state()["w"]
+    tensors = {"master": state["param"], "opt/exp_avg": state["exp_avg"], "opt/exp_avg_sq": state["exp_avg_sq"]}
+    tensors["opt/step"] = torch.tensor(float(opt.step_count), dtype=torch.float32)
+    return tensors, {}
+
+
+def _import_ooc(opt: OutOfCoreAdam, tensors: dict[str, torch.Tensor]) -> None:
+    """Write export_state's form into an out-of-core AdamW's records and step count."""
+    m = tensors["master"]
+    moments = {k: tensors.get(f"opt/{k}", torch.zeros_like(m)) for k in ("exp_avg", "exp_avg_sq")}
+    step = int(tensors["opt/step"].item()) if "opt/step" in tensors else 0
+    opt.write_state({"w": {"param": m, **moments}}, step)
+
 
 class SsdStates(HostStates):
     """The master weights and both moments in the rank's SSD store (records `{prefix}/g...`), stepped by
@@ -150,6 +195,13 @@ class SsdStates(HostStates):
 
     def master_weights(self) -> torch.Tensor:
         return self.optimizer.read_state()["w"]["param"]
+
+    def export_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        return _export_ooc(self.optimizer)
+
+    def import_state(self, tensors: dict[str, torch.Tensor], extra: dict) -> None:
+        _import_ooc(self.optimizer, tensors)
+        self.weights.copy_(tensors["master"])
 
 
 class SsdStreamStates:
@@ -195,6 +247,13 @@ class SsdStreamStates:
 
     def master_weights(self) -> torch.Tensor:
         return self.optimizer.read_state()["w"]["param"]
+
+    def export_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        return _export_ooc(self.optimizer)
+
+    def import_state(self, tensors: dict[str, torch.Tensor], extra: dict) -> None:
+        _import_ooc(self.optimizer, tensors)
+        self.stream.rewrite(tensors["master"].to(self.stream.dtype))
 
 
 StageStates = HostStates | SsdStates | SsdStreamStates

@@ -57,6 +57,10 @@ class SsdWeights:
         store.check_space(2 * size * len(self.groups), f"the weights and gradients of {prefix}")
         self._put_all("w", lambda i, buf: buf.copy_(self._slice(weights, i)))
 
+    def rewrite(self, weights: torch.Tensor) -> None:
+        """Write `weights` (flat, the device dtype) as the w records again (resuming from a checkpoint)."""
+        self._put_all("w", lambda i, buf: buf.copy_(self._slice(weights, i)))
+
     # -- LOAD and OFFLOAD ---------------------------------------------------------------------------
     def load_into(self, dst: torch.Tensor, copy: Copy) -> None:
         """Read every w record, in order and ahead, and copy each into its place in dst (flat)."""

@@ -307,6 +307,25 @@ class OutOfCoreAdam:
                     dst[s.param_off : s.param_off + s.numel] = src[s.group_off : s.group_off + s.numel]
         return out
 
+    def write_state(self, state: dict[str, dict[str, torch.Tensor]], step: int) -> None:
+        """The inverse of read_state: every parameter's {"param", "exp_avg", "exp_avg_sq"} (fp32, its numel)
+        written into the store's records, and the step count set (resuming from a checkpoint)."""
+        pending: list[StoreFuture[None]] = []
+        for i, segs in enumerate(self.groups):
+            if len(pending) >= len(self.slots):
+                pending.pop(0).result()
+            rec, p, m, v = self._sections(i, self.slots[i % len(self.slots)])
+            rec.zero_()
+            for s in segs:
+                for key, dst in (("param", p), ("exp_avg", m), ("exp_avg_sq", v)):
+                    src = state[s.name][key].reshape(-1)
+                    dst[s.group_off : s.group_off + s.numel].copy_(src[s.param_off : s.param_off + s.numel])
+            pending.append(self.store.put_async(self._key(i), rec))
+        for f in pending:
+            f.result()
+        self.step_count, self.broken = step, ""
+        self._save_meta()
+
     def flush(self) -> None:
         """Make the states, the step count and the current hyper-parameters durable (the store's flush).
         Refused after a failed step: a checkpoint of half-stepped states would resume silently wrong."""

@@ -1,0 +1,216 @@
+"""Checkpoints of a Pipeline: each rank's stages' states, random state and loop position in a step-N folder.
+
+Layout of CHECKPOINT_DIR/step-N (N = optimizer steps done; the run resumes at step index N):
+  rank{r}.safetensors   rank r's tensors: "stage{j}/master" (fp32 master weights, flat), "stage{j}/opt/KEY"
+                        (optimizer states: AdamW's step, exp_avg, exp_avg_sq), "rng/torch" (the CPU generator),
+                        "rng/cuda" (the rank's gpu generator, on CUDA); the header's metadata "state" is JSON:
+                        {"step", "scaler", "stages": {j: extra}} (extra: the optimizer's param_groups)
+  complete              JSON written last, by rank 0 once every rank reported its file written and fsynced:
+                        {"step", "world_size", "plan": the plan's identity, "files": {name: [bytes, sha256]}}
+A folder counts only with its `complete`. The ranks write into CHECKPOINT_DIR/.partial-step-N; rank 0 writes
+`complete` (temporary name, fsync, rename), renames the folder to step-N and fsyncs CHECKPOINT_DIR, so a crash
+at any point leaves the previous checkpoints as they were.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from foundation.errors import UserError
+from mobiuspipe.ranks import gather_all
+
+if TYPE_CHECKING:
+    from mobiuspipe.pipeline import Pipeline
+
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "plan_identity"]
+
+PREFIX = "step-"
+COMPLETE = "complete"
+
+
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint could not be written or read: names the file or rank and the fix."""
+
+
+def plan_identity(pipe: Pipeline) -> dict[str, Any]:
+    """What a checkpoint must agree on with the run resuming it: the model, the stages and where they run."""
+    p = pipe.plan
+    return {
+        "model": p.model,
+        "num_layers": p.num_layers,
+        "stages": [[s.first, s.last] for s in p.stages],
+        "mapping": list(p.mapping),
+        "num_gpus": p.num_gpus,
+        "dtype": p.dtype,
+    }
+
+
+def save_checkpoint(pipe: Pipeline, root: Path, keep: int) -> Path:
+    """Write this rank's part of the checkpoint of pipe's current step (every rank calls it at the same step,
+    after train_batch); rank 0 commits it and keeps the newest `keep`. Returns the committed folder."""
+    step, rank = pipe.step, pipe.rank
+    partial, final = root / f".partial-{PREFIX}{step}", root / f"{PREFIX}{step}"
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # an earlier attempt's remains
+        partial.mkdir(parents=True)
+    gather_all(pipe.info, None)  # the folder exists before any rank writes into it
+    written = _write_rank(pipe, partial / f"rank{rank}.safetensors")
+    every = gather_all(pipe.info, written)
+    failed = [(r, w) for r, w in enumerate(every) if isinstance(w, str)]
+    if failed:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        r, why = failed[0]
+        raise CheckpointError(f"checkpoint of step {step}: rank {r} could not write its file: {why}")
+    if rank == 0:
+        files = {f"rank{r}.safetensors": w for r, w in enumerate(every)}
+        _commit(partial, final, {"step": step, "world_size": pipe.info.world_size, "plan": plan_identity(pipe)}, files)
+        _prune(root, keep)
+    gather_all(pipe.info, None)  # no rank goes on (or reads it) before it is committed
+    return final
+
+
+def _write_rank(pipe: Pipeline, path: Path) -> tuple[int, str] | str:
+    """Write this rank's tensors and state to path (fsynced); (bytes, sha256), or why it failed."""
+    tensors, stages = {}, {}
+    for j, stage in pipe.engine.stages.items():
+        stage.wait_update()
+        t, extra = stage.states.export_state()
+        tensors.update({f"stage{j}/{k}": v.contiguous() for k, v in t.items()})
+        stages[str(j)] = extra
+    tensors["rng/torch"] = torch.get_rng_state()
+    if pipe.engine.device.is_cuda:
+        tensors["rng/cuda"] = torch.cuda.get_rng_state(pipe.engine.device.torch_device)
+    scaler = asdict(pipe.scaler) if pipe.scaler is not None else None
+    state = {"step": pipe.step, "scaler": scaler, "stages": stages}
+    try:
+        save_file(tensors, str(path), metadata={"state": json.dumps(state)})
+        _fsync(path)
+        return path.stat().st_size, _sha256(path)
+    except OSError as e:
+        return f"{path}: {e.strerror or e} (errno {e.errno}); free space or fix the folder, then resume"
+
+
+def _commit(partial: Path, final: Path, head: dict, files: dict[str, tuple[int, str]]) -> None:
+    """Write `complete` last (tmp, fsync, rename), then move the folder into place and fsync its parent."""
+    tmp = partial / f".{COMPLETE}.tmp"
+    tmp.write_text(json.dumps({**head, "files": files}, indent=1))
+    _fsync(tmp)
+    tmp.replace(partial / COMPLETE)
+    _fsync(partial)
+    if final.exists():  # a checkpoint of this step from an earlier attempt: replaced whole
+        shutil.rmtree(final)
+    partial.replace(final)
+    _fsync(final.parent)
+
+
+def _prune(root: Path, keep: int) -> None:
+    """Remove all but the newest `keep` complete checkpoints (incomplete ones of older steps too)."""
+    done = sorted(_steps(root, complete_only=True))
+    for step in done[:-keep] if keep > 0 else []:
+        shutil.rmtree(root / f"{PREFIX}{step}", ignore_errors=True)
+
+
+def _steps(root: Path, complete_only: bool) -> list[int]:
+    out = []
+    for d in root.glob(f"{PREFIX}*") if root.is_dir() else []:
+        tail = d.name[len(PREFIX) :]
+        if tail.isdigit() and (not complete_only or (d / COMPLETE).is_file()):
+            out.append(int(tail))
+    return out
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The complete checkpoint of the most steps under root; None when there is none."""
+    steps = _steps(root, complete_only=True)
+    return root / f"{PREFIX}{max(steps)}" if steps else None
+
+
+def load_checkpoint(pipe: Pipeline, folder: Path) -> int:
+    """Restore this rank's stages, scaler and random state from folder (checked against the run); the step
+    the run resumes at."""
+    head = _read_complete(folder)
+    _check_fits(head, pipe, folder)
+    name = f"rank{pipe.rank}.safetensors"
+    path = folder / name
+    size, digest = head["files"][name]
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {folder}: {name} is missing; resume from an older checkpoint")
+    if path.stat().st_size != size or _sha256(path) != digest:
+        raise CheckpointError(
+            f"checkpoint {folder}: {path} is corrupted (expected {size} bytes with sha256 {digest[:12]}..., "
+            f"found {path.stat().st_size} bytes{'' if path.stat().st_size != size else ' with another sha256'}); "
+            f"remove {folder} to resume from the one before it"
+        )
+    tensors = load_file(str(path))
+    with safe_open(str(path), "pt") as f:
+        state = json.loads((f.metadata() or {})["state"])
+    for j, stage in pipe.engine.stages.items():
+        stage.wait_update()
+        own = {k[len(f"stage{j}/") :]: v for k, v in tensors.items() if k.startswith(f"stage{j}/")}
+        stage.states.import_state(own, state["stages"][str(j)])
+    if pipe.scaler is not None and state["scaler"] is not None:
+        for k, v in state["scaler"].items():
+            setattr(pipe.scaler, k, v)
+    torch.set_rng_state(tensors["rng/torch"])
+    if "rng/cuda" in tensors and pipe.engine.device.is_cuda:
+        torch.cuda.set_rng_state(tensors["rng/cuda"], pipe.engine.device.torch_device)
+    pipe.step = state["step"]
+    return pipe.step
+
+
+def _read_complete(folder: Path) -> dict:
+    marker = folder / COMPLETE
+    if not marker.is_file():
+        raise CheckpointError(
+            f"checkpoint {folder}: no `{COMPLETE}` marker, so it was never finished (a crash while writing); "
+            "resume from another checkpoint (--resume auto takes the newest complete one)"
+        )
+    try:
+        return json.loads(marker.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {folder}: {marker} is unreadable ({e}); resume from another") from e
+
+
+def _check_fits(head: dict, pipe: Pipeline, folder: Path) -> None:
+    """The checkpoint's world size and plan must be this run's."""
+    if head["world_size"] != pipe.info.world_size:
+        raise CheckpointError(
+            f"checkpoint {folder} was written by {head['world_size']} ranks, this run has {pipe.info.world_size}; "
+            f"launch {head['world_size']} ranks (its plan.yaml) or start a new run in another folder"
+        )
+    mine = plan_identity(pipe)
+    differs = [k for k in mine if head["plan"].get(k) != mine[k]]
+    if differs:
+        what = "; ".join(f"{k}: checkpoint {head['plan'].get(k)!r}, this run {mine[k]!r}" for k in differs)
+        raise CheckpointError(
+            f"checkpoint {folder} is of another model or plan ({what}); resume with the plan it was made with "
+            "(set plan.file to the run's plan.yaml) or start a new run in another folder"
+        )
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    """Make a file's bytes (or a folder's entries) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
