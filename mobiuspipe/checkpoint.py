@@ -5,6 +5,7 @@ Layout of CHECKPOINT_DIR/step-N (N = optimizer steps done; the run resumes at st
                         (optimizer states: AdamW's step, exp_avg, exp_avg_sq), "rng/torch" (the CPU generator),
                         "rng/cuda" (the rank's gpu generator, on CUDA); the header's metadata "state" is JSON:
                         {"step", "scaler", "stages": {j: extra}} (extra: the optimizer's param_groups)
+  plan.yaml, config.yaml the plan the run followed and its resolved config (rank 0)
   complete              JSON written last, by rank 0 once every rank reported its file written and fsynced:
                         {"step", "world_size", "plan": the plan's identity, "files": {name: [bytes, sha256]}}
 A folder counts only with its `complete`. The ranks write into CHECKPOINT_DIR/.partial-step-N; rank 0 writes
@@ -28,6 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from foundation.errors import UserError
 from mobiuspipe.ranks import gather_all
+from partition.plan import save_plan
 
 if TYPE_CHECKING:
     from mobiuspipe.pipeline import Pipeline
@@ -55,9 +57,10 @@ def plan_identity(pipe: Pipeline) -> dict[str, Any]:
     }
 
 
-def save_checkpoint(pipe: Pipeline, root: Path, keep: int) -> Path:
+def save_checkpoint(pipe: Pipeline, root: Path, keep: int, config_yaml: str | None = None) -> Path:
     """Write this rank's part of the checkpoint of pipe's current step (every rank calls it at the same step,
-    after train_batch); rank 0 commits it and keeps the newest `keep`. Returns the committed folder."""
+    after train_batch); rank 0 adds the plan (plan.yaml) and the run's resolved config (config.yaml, when
+    given), commits it and keeps the newest `keep`. Returns the committed folder."""
     step, rank = pipe.step, pipe.rank
     partial, final = root / f".partial-{PREFIX}{step}", root / f"{PREFIX}{step}"
     if rank == 0:
@@ -73,6 +76,9 @@ def save_checkpoint(pipe: Pipeline, root: Path, keep: int) -> Path:
         r, why = failed[0]
         raise CheckpointError(f"checkpoint of step {step}: rank {r} could not write its file: {why}")
     if rank == 0:
+        save_plan(pipe.plan, partial / "plan.yaml")
+        if config_yaml is not None:
+            (partial / "config.yaml").write_text(config_yaml)
         files = {f"rank{r}.safetensors": w for r, w in enumerate(every)}
         _commit(partial, final, {"step": step, "world_size": pipe.info.world_size, "plan": plan_identity(pipe)}, files)
         _prune(root, keep)
@@ -115,10 +121,12 @@ def _commit(partial: Path, final: Path, head: dict, files: dict[str, tuple[int, 
 
 
 def _prune(root: Path, keep: int) -> None:
-    """Remove all but the newest `keep` complete checkpoints (incomplete ones of older steps too)."""
+    """Remove all but the newest `keep` complete checkpoints, and the unfinished writes crashes left."""
     done = sorted(_steps(root, complete_only=True))
     for step in done[:-keep] if keep > 0 else []:
         shutil.rmtree(root / f"{PREFIX}{step}", ignore_errors=True)
+    for stale in root.glob(f".partial-{PREFIX}*"):  # a write a crash interrupted
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def _steps(root: Path, complete_only: bool) -> list[int]:

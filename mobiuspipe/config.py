@@ -77,6 +77,26 @@ class TrainConfig(Section):
     """Dtype of the exported weights: "fp32" (the master weights as they are), "bf16" or "fp16"."""
     tensorboard: bool = True
     """With out_dir: rank 0 also writes TensorBoard event files there (`tensorboard --logdir OUT_DIR`)."""
+    checkpoint_every: int = 0
+    """Write a checkpoint every this many optimizer steps (steps); 0 = only when the run is stopped by
+    SIGTERM or SIGINT. Each holds every rank's master weights, optimizer states, loss scaler, random state
+    and step, so that `resume` continues the run bit-identically."""
+    checkpoint_dir: str | None = None
+    """Folder of the checkpoints (step-N folders); None = OUT_DIR/checkpoints. Relative to the current
+    directory."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept (count, >= 1): older ones are removed once a newer one is committed."""
+    resume: str | None = None
+    """"auto": continue from the newest complete checkpoint in the checkpoint folder (start at step 0 when
+    there is none: what a job restarted by `torchrun --max-restarts` needs); a step-N folder: continue from
+    it; None = start at step 0. `mobiuspipe train --resume` sets it."""
+
+    @property
+    def checkpoint_root(self) -> str | None:
+        """The folder checkpoints go in: checkpoint_dir, else OUT_DIR/checkpoints; None without either."""
+        if self.checkpoint_dir:
+            return self.checkpoint_dir
+        return os.path.join(self.out_dir, "checkpoints") if self.out_dir else None
 
     def lr_of(self, step: int) -> float:
         """The learning rate of optimizer step `step` under this schedule."""
@@ -125,6 +145,8 @@ class TrainConfig(Section):
             ),
             *at_least(self, "accumulation_steps", 1, "use 1 (no accumulation) or more passes per step"),
             *at_least(self, "log_every", 1, "log every 1 or more steps"),
+            *at_least(self, "checkpoint_every", 0, "checkpoint every 1 or more steps, or 0 for only on a stop"),
+            *at_least(self, "keep_checkpoints", 1, "keep at least the newest checkpoint, e.g. 2"),
             *at_least(self, "eval_every", 0, "evaluate every 1 or more steps, or 0 for after the last only"),
             *rule(
                 self.eval_batches is None or self.eval_batches >= 1,
@@ -271,9 +293,18 @@ class RunConfig(Section):
             f"eval_every {t.eval_every}, eval_at_start {t.eval_at_start} without data.eval_path",
             "set data.eval_path to a held-out text or token file, or remove train.eval_every and eval_at_start",
         )
+        wants = t.checkpoint_every > 0 or t.resume is not None
+        checkpoints = rule(
+            not wants or t.checkpoint_root is not None,
+            "train.checkpoint_every" if t.checkpoint_every else "train.resume",
+            "a folder for the checkpoints (train.out_dir or train.checkpoint_dir)",
+            f"checkpoint_every {t.checkpoint_every}, resume {t.resume!r} with neither",
+            "set train.out_dir (checkpoints go to OUT_DIR/checkpoints) or train.checkpoint_dir",
+        )
         return (
             export
             + evaluate
+            + checkpoints
             + rule(
                 stages <= layers,
                 "plan.num_stages",

@@ -60,6 +60,9 @@ class StepMetrics:
     """Bytes on disk of the run's SSD stores (memory.ssd_dir/rank*), summed over ranks; None without any."""
     grad_norm: float | None = None
     """With train.max_grad_norm: the global gradient norm before clipping (StepResult.grad_norm)."""
+    checkpoint_s: float | None = None
+    """Seconds rank 0 spent writing the checkpoint after the step before this one (not in either step_s);
+    None when none was written then."""
     eta_s: float | None = None
     """Seconds left: the mean step_s so far without the first step (warm-up) times the steps left; the
     Reporter fills it in; None at the first step."""
@@ -73,6 +76,7 @@ class StepMetrics:
         if self.tflops is not None:
             head.append(f"{self.tflops:.3g} TFLOPS" + ("" if self.mfu is None else f" MFU {100 * self.mfu:.3g}%"))
         tail = [] if self.loss_scale is None else [f"scale {self.loss_scale:g}"]
+        tail += [] if self.checkpoint_s is None else [f"checkpoint {self.checkpoint_s * 1e3:.0f} ms"]
         tail += ["(overflow: step skipped)"] if self.skipped else []
         return "  ".join([*head, self._times(), self._memory(), *tail])
 
@@ -97,7 +101,13 @@ class StepMetrics:
 
 
 def step_metrics(
-    r: StepResult, lr: float | None, ranks: list[RankStep], tokens: int, step_flops: float, peaks: list[float | None]
+    r: StepResult,
+    lr: float | None,
+    ranks: list[RankStep],
+    tokens: int,
+    step_flops: float,
+    peaks: list[float | None],
+    checkpoint_s: float | None = None,
 ) -> StepMetrics:
     """The metrics of step r from every rank's own figures (rank 0's wall time is the step's), the step's
     tokens and model FLOPs and the ranks' device peaks (TFLOPS, None where unknown)."""
@@ -125,12 +135,28 @@ def step_metrics(
         host_rss_bytes=max(x.host_rss_bytes for x in ranks),
         ssd_bytes=sum(on_ssd) if on_ssd else None,
         grad_norm=r.grad_norm,
+        checkpoint_s=checkpoint_s,
     )
 
 
 def perplexity(loss: float) -> float:
     """exp(loss) of a mean cross-entropy loss in nats; inf where that overflows a float."""
     return math.exp(loss) if loss < 709.0 else math.inf
+
+
+def _open_records(path: Path, first_step: int) -> TextIO:
+    """metrics.jsonl for appending, holding only the records of steps before first_step (a resumed run's
+    earlier part; none for a new run)."""
+    keep = []
+    if first_step > 0 and path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] < first_step:
+                    keep.append(line + "\n")
+            except (ValueError, KeyError, TypeError):
+                continue  # a line torn by the crash the run resumes from
+    path.write_text("".join(keep))
+    return open(path, "a")
 
 
 class Reporter:
@@ -145,15 +171,17 @@ class Reporter:
         out_dir: str | None,
         stream: TextIO | None = sys.stdout,
         tensorboard: bool = True,
+        first_step: int = 0,
     ):
+        """first_step > 0: a resumed run; the records of earlier steps in out_dir stay, later ones go."""
         self.steps, self.log_every, self.stream = steps, log_every, stream
         self.tty = stream is not None and stream.isatty()
         self.file = None
         self.events: EventLog | None = None
         if out_dir:
             Path(out_dir).mkdir(parents=True, exist_ok=True)
-            self.file = open(Path(out_dir) / "metrics.jsonl", "w")
-            self.events = EventLog(out_dir) if tensorboard else None
+            self.file = _open_records(Path(out_dir) / "metrics.jsonl", first_step)
+            self.events = EventLog(out_dir, first_step) if tensorboard else None
         self._timed, self._timed_s, self._first, self._bar_open = 0, 0.0, True, False
 
     def __call__(self, m: StepMetrics) -> None:

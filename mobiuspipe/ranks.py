@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import PrefixStore
+from torch.distributed.rendezvous import rendezvous as env_rendezvous
 
 from mobiuspipe.errors import WorldSizeError
 
@@ -53,7 +55,13 @@ def join_group(info: RankInfo, timeout_s: float) -> bool:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(info.local_rank)  # before any collective: NCCL uses the current device
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world = next(env_rendezvous("env://", timeout=timeout))
+    # A job torchrun restarts (--max-restarts) meets again in the same store: without a prefix of its own,
+    # a restarted rank can read the address its dead peer left there and wait on it forever.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = PrefixStore(f"mobiuspipe/attempt{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return True
 
 

@@ -26,6 +26,7 @@ TAG_GROUPS = {
     "compute_s": "time",
     "load_s": "time",
     "comm_s": "time",
+    "checkpoint_s": "time",
     "device_peak_bytes": "memory",
     "arena_peak_bytes": "memory",
     "host_rss_bytes": "memory",
@@ -58,14 +59,16 @@ def _number(value: Any) -> bool:
 
 class EventLog:
     """A SummaryWriter on `folder`; event files of an earlier run there are removed first (as metrics.jsonl is
-    overwritten), so TensorBoard shows this run alone."""
+    overwritten), so TensorBoard shows this run alone (a resumed run keeps them up to its first step)."""
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, first_step: int = 0):
+        """first_step > 0: a resumed run; the earlier files stay and TensorBoard drops their later steps."""
         from torch.utils.tensorboard import SummaryWriter  # imports tensorboard (a second): only when asked
 
-        for old in Path(folder).glob(EVENTS_PREFIX + "*"):
-            old.unlink()
-        self.writer = SummaryWriter(log_dir=str(folder))
+        if first_step == 0:
+            for old in Path(folder).glob(EVENTS_PREFIX + "*"):
+                old.unlink()
+        self.writer = SummaryWriter(log_dir=str(folder), purge_step=first_step or None)
 
     def add(self, record: dict[str, Any]) -> None:
         """Every scalar of the record at its step, flushed (TensorBoard shows a running job's steps)."""

@@ -10,6 +10,7 @@ print one line and exit 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import sys
@@ -35,13 +36,14 @@ from mobiuspipe.optim import CPUAdam
 from mobiuspipe.pipeline import Pipeline
 from mobiuspipe.profiler import TORCH_DTYPES
 from mobiuspipe.ranks import gather_all
+from mobiuspipe.run_checkpoints import StopSignals, checkpoint_if_due, resume_run
 from mobiuspipe.step_result import StepResult
 from mobiuspipe.usage import RankStep, folder_bytes, host_rss_bytes
 from partition.costmodel import ARENA_SLOTS
 from partition.device_peak import planned_device_bytes
 from partition.plan import Plan, save_plan
 
-__all__ = ["main", "open_run", "train"]
+__all__ = ["main", "open_run", "train", "with_resume"]
 
 
 def train(cfg: RunConfig) -> None:
@@ -68,9 +70,16 @@ def train(cfg: RunConfig) -> None:
         accumulation_steps=t.accumulation_steps,
         max_grad_norm=t.max_grad_norm,
     ) as pipe:
-        _training_loop(cfg, pipe, data, held_out)
-        if hf is not None and export is not None:
+        done = _training_loop(cfg, pipe, data, held_out)
+        if hf is not None and export is not None and done:
             _export(pipe, hf, export, TORCH_DTYPES[t.export_dtype])
+
+
+def with_resume(cfg: RunConfig, resume: str | None) -> RunConfig:
+    """cfg with train.resume set from the command line (checked like the file's), or as it is."""
+    if resume is None:
+        return cfg
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=resume))
 
 
 def open_run(cfg: RunConfig) -> tuple[HFModel | None, PackedTokens, PackedTokens | None]:
@@ -93,9 +102,9 @@ def _export(pipe: Pipeline, hf: HFModel, to: Path, dtype: torch.dtype) -> None:
         print(f"mobiuspipe: exported the fine-tuned model to {to} ({dtype}; from_pretrained loads it)", flush=True)
 
 
-def _training_loop(cfg: RunConfig, pipe: Pipeline, data: PackedTokens, held_out: PackedTokens | None) -> None:
+def _training_loop(cfg: RunConfig, pipe: Pipeline, data: PackedTokens, held_out: PackedTokens | None) -> bool:
     """Every step on this rank, and the evaluations on the held-out data; rank 0 reports and writes out_dir;
-    every rank writes its stages' weights."""
+    every rank writes its stages' weights. False when a signal stopped the run (after a checkpoint)."""
     rank, plan = pipe.rank, pipe.plan
     out = Path(cfg.train.out_dir) if cfg.train.out_dir else None
     if rank == 0:
@@ -104,34 +113,52 @@ def _training_loop(cfg: RunConfig, pipe: Pipeline, data: PackedTokens, held_out:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(cfg.to_yaml())
         save_plan(plan, out / "plan.yaml")
-    rows = cfg.train.accumulation_steps * cfg.data.batch_size  # sequences per optimizer step
+    signals = StopSignals()
+    try:
+        done = _steps(cfg, pipe, data, held_out, signals)
+    finally:
+        signals.close()
+    _report_device_peak(pipe)
+    if out and done:
+        _save_weights(pipe, out / "weights")
+    return done
+
+
+def _steps(
+    cfg: RunConfig, pipe: Pipeline, data: PackedTokens, held_out: PackedTokens | None, signals: StopSignals
+) -> bool:
+    """The steps from where the run resumes; True when every step ran, False when a signal stopped it."""
+    t, rank, out = cfg.train, pipe.rank, cfg.train.out_dir
+    rows = t.accumulation_steps * cfg.data.batch_size  # sequences per optimizer step
     tokens = rows * cfg.model.seq_len
     step_flops = flops_per_token(model_spec(cfg)) * tokens
     peaks = gather_all(pipe.info, peak_tflops(device_name(pipe.info.local_rank)))
+    start = resume_run(t, pipe)
     with Reporter(
-        cfg.train.steps,
-        cfg.train.log_every,
-        str(out) if out and rank == 0 else None,
-        sys.stdout if rank == 0 else None,
-        cfg.train.tensorboard,
+        t.steps, t.log_every, out if rank == 0 else None, sys.stdout if rank == 0 else None, t.tensorboard, start
     ) as report:
-        if held_out is not None and cfg.train.eval_at_start:
-            report.eval(-1, evaluate(pipe, held_out, cfg.data.batch_size, cfg.train.eval_batches))
-        for step in range(cfg.train.steps):
+        if held_out is not None and t.eval_at_start and start == 0:
+            report.eval(-1, evaluate(pipe, held_out, cfg.data.batch_size, t.eval_batches))
+        saved_s = None  # the last checkpoint's seconds, reported with the step after it
+        for step in range(start, t.steps):
             sw = Stopwatch()
             x, y = data.batch(step, rows)
-            lr = cfg.train.lr_of(step)
+            lr = t.lr_of(step)
             pipe.set_lr(lr)
             r = pipe.train_batch(x, y)
             own = _own_figures(pipe, r, sw.s)
-            ranks = gather_all(pipe.info, own)  # every rank, every step: a collective
-            if rank == 0:
-                report(step_metrics(r, lr, ranks, tokens, step_flops, peaks))
-            if held_out is not None and _evaluates_after(step, cfg.train.eval_every, cfg.train.steps):
-                report.eval(step, evaluate(pipe, held_out, cfg.data.batch_size, cfg.train.eval_batches))
-    _report_device_peak(pipe)
-    if out:
-        _save_weights(pipe, out / "weights")
+            every = gather_all(pipe.info, (own, signals.received))  # every rank, every step: a collective
+            stop = next((s for _, s in every if s), None)
+            if rank == 0:  # the step's record before its checkpoint: a resumed run finds every earlier step's
+                report(step_metrics(r, lr, [o for o, _ in every], tokens, step_flops, peaks, saved_s))
+            if held_out is not None and _evaluates_after(step, t.eval_every, t.steps):
+                report.eval(step, evaluate(pipe, held_out, cfg.data.batch_size, t.eval_batches))
+            saved_s = checkpoint_if_due(t, pipe, stop is not None, cfg.to_yaml())
+            if stop is not None:
+                if rank == 0:
+                    print(f"mobiuspipe: stopped by {stop} after step {step + 1} of {t.steps}", flush=True)
+                return False
+    return True
 
 
 def _evaluates_after(step: int, every: int, steps: int) -> bool:
@@ -217,9 +244,10 @@ def _save_weights(pipe: Pipeline, folder: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="mobiuspipe.train", description=(__doc__ or "").partition("\n")[0])
     p.add_argument("--config", required=True, help="YAML run config (see examples/tiny-gpt.yaml)")
+    p.add_argument("--resume", default=None, metavar="auto|PATH", help="train.resume: auto or a step-N folder")
     args = p.parse_args(argv)
     try:
-        train(load_config(args.config))
+        train(with_resume(load_config(args.config), args.resume))
     except UserError as e:
         print(f"mobiuspipe.train: error: {e}", file=sys.stderr, flush=True)
         return 2

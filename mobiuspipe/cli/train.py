@@ -31,6 +31,19 @@ def register(sub) -> None:
         default=None,
         help="ranks to start over all nodes (default: the plan's gpu count); each node starts nproc / nnodes",
     )
+    p.add_argument(
+        "--resume",
+        default=None,
+        metavar="auto|PATH",
+        help="continue from the newest complete checkpoint (auto) or from a step-N folder (train.resume)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="torchrun restarts the job this many times after a rank fails; with --resume auto each restart "
+        "continues from the newest checkpoint (default 0)",
+    )
     p.add_argument("--nnodes", type=positive_int, default=1, help="machines the job spans (default 1)")
     p.add_argument("--node-rank", type=int, default=0, help="this machine's number, 0 .. nnodes - 1")
     p.add_argument(
@@ -51,9 +64,10 @@ def register(sub) -> None:
 def run(args: argparse.Namespace, out) -> int:
     """Run torchrun; its ranks write straight to this process's stdout and stderr (`out` is flushed first)."""
     from mobiuspipe.config import load_config
-    from mobiuspipe.train import open_run
+    from mobiuspipe.train import open_run, with_resume
 
-    config = load_config(args.config)  # a bad config, model folder or data fails here, before any process starts
+    config = with_resume(load_config(args.config), args.resume)  # a bad config, model folder or data fails
+    # here, before any process starts
     open_run(config)
     if args.nproc is None:
         from mobiuspipe.config_plan import num_ranks
@@ -72,6 +86,8 @@ def torchrun_command(config: str, nproc: int, args: argparse.Namespace) -> list[
     for node options that do not fit together."""
     head = [sys.executable, "-m", "torch.distributed.run"]
     tail = ["-m", "mobiuspipe.train", "--config", config]
+    tail += [] if args.resume is None else ["--resume", args.resume]
+    head += [] if not args.max_restarts else ["--max-restarts", str(args.max_restarts)]
     if args.nnodes == 1 and args.rdzv_endpoint is None:
         if args.node_rank != 0:
             raise CliError(f"--node-rank is {args.node_rank} on a job of one node: give --nnodes N (> 1) as well")

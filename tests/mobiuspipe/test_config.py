@@ -311,3 +311,14 @@ def test_evaluation_needs_held_out_data(tmp_path):
         config_from_dict({"train": {"eval_batches": 0}})
     with pytest.raises(ConfigError, match=r"train.eval_every: expected an integer >= 0, found integer -1"):
         config_from_dict({"train": {"eval_every": -1}})
+
+
+def test_checkpoints_need_a_folder_and_sane_counts():
+    for train in ({"checkpoint_every": 5}, {"resume": "auto"}):
+        with pytest.raises(ConfigError, match=r"expected a folder for the checkpoints \(train.out_dir or"):
+            config_from_dict({"train": train})
+    cfg = config_from_dict({"train": {"checkpoint_every": 5, "out_dir": "runs/x"}})
+    assert cfg.train.checkpoint_root == "runs/x/checkpoints"
+    assert config_from_dict({"train": {"checkpoint_dir": "/ck", "resume": "auto"}}).train.checkpoint_root == "/ck"
+    with pytest.raises(ConfigError, match=r"train.keep_checkpoints: expected an integer >= 1, found integer 0"):
+        config_from_dict({"train": {"keep_checkpoints": 0}})

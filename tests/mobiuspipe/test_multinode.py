@@ -21,7 +21,8 @@ from mobiuspipe.cli.train import torchrun_command
 
 
 def _args(**kw) -> argparse.Namespace:
-    d = {"nnodes": 1, "node_rank": 0, "rdzv_endpoint": None, "rdzv_id": "mobiuspipe", "local_addr": None} | kw
+    d = {"nnodes": 1, "node_rank": 0, "rdzv_endpoint": None, "rdzv_id": "mobiuspipe", "local_addr": None}
+    d |= {"resume": None, "max_restarts": 0} | kw
     return argparse.Namespace(**d)
 
 
@@ -125,3 +126,9 @@ def test_two_nodes_train_as_one_node_with_two_ranks(tmp_path, launch):
     (losses, weights), (ref_losses, ref_weights) = _run(tmp_path / "two"), _run(tmp_path / "one")
     assert len(losses) == 3 and losses == ref_losses  # the same ranks, plan and arithmetic: bit for bit
     assert weights.keys() == ref_weights.keys() and all(torch.equal(weights[k], ref_weights[k]) for k in weights)
+
+
+def test_resume_and_restarts_reach_torchrun_and_the_entry():
+    cmd = torchrun_command("run.yaml", 2, _args(resume="auto", max_restarts=3))
+    assert cmd[cmd.index("--max-restarts") + 1] == "3" and cmd.index("--max-restarts") < cmd.index("-m", 3)
+    assert cmd[-2:] == ["--resume", "auto"]
