@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from foundation.checked import Problem, format_problems, rule
 from foundation.units import MiB
 from mobiuspipe.config import DEFAULT_GPUS, RunConfig
 from mobiuspipe.errors import ConfigError
@@ -19,7 +20,15 @@ from partition.plan import Plan, load_plan
 from partition.profile import Profile
 from topology import Topology, cpu_standin, load_topology
 
-__all__ = ["model_spec", "plan_for_config", "plan_from_config", "run_topology", "num_ranks", "gpt_profile"]
+__all__ = [
+    "model_spec",
+    "plan_for_config",
+    "plan_problems",
+    "plan_from_config",
+    "run_topology",
+    "num_ranks",
+    "gpt_profile",
+]
 
 
 def model_spec(cfg: RunConfig) -> ModelSpec:
@@ -29,10 +38,11 @@ def model_spec(cfg: RunConfig) -> ModelSpec:
 
 def plan_for_config(cfg: RunConfig) -> Plan:
     """The config's plan file checked against the model, or a plan made for CPU stand-in devices."""
-    spec = model_spec(cfg)
     if cfg.plan.file:
         plan = load_plan(cfg.plan.file)
-        _check_matches(plan, spec, cfg)
+        problems = plan_problems(plan, cfg)
+        if problems:
+            raise ConfigError(format_problems(f"config {cfg.source}", problems))
         return plan
     return plan_from_config(cfg)
 
@@ -94,30 +104,72 @@ def plan_from_config(cfg: RunConfig, solver: str = "dp") -> Plan:
     )
 
 
-def _check_matches(plan: Plan, spec: ModelSpec, cfg: RunConfig) -> None:
-    where = f"plan.file ({cfg.plan.file})"
-    counts = layer_param_counts(spec)
+def plan_problems(plan: Plan, cfg: RunConfig) -> list[Problem]:
+    """Everything in which plan.file's plan does not fit the config: the model (name, layers, each stage's
+    parameters), train.precision, the microbatches (count and size); each Problem names the config key."""
+    spec, file = model_spec(cfg), cfg.plan.file
+    replan = f"re-plan for this config: `mobiuspipe partition --config {cfg.source} -o {file}`"
+    made = f"as in plan.file {file}"
+    problems = rule(
+        plan.model == spec.name,
+        "plan.file",
+        f"a plan for this config's model {spec.name!r}",
+        f"a plan for {plan.model!r}",
+        replan,
+    )
     if plan.num_layers != spec.num_layers:
-        raise ConfigError(
-            f"{where}: the plan has {plan.num_layers} layers but the model has {spec.num_layers}; "
-            f"make a plan for this model or remove plan.file to plan at start-up"
-        )
-    if plan.dtype != cfg.train.precision:
-        raise ConfigError(
-            f"{where}: the plan is for {plan.dtype} weights but train.precision is {cfg.train.precision}; make "
-            f"them equal (re-plan with `mobiuspipe partition --config ...` or set train.precision: {plan.dtype})"
-        )
-    size = dtype_bytes(plan.dtype)
+        problems += [
+            Problem(
+                "plan.file",
+                f"a plan cutting the model's {spec.num_layers} layers",
+                f"a plan for {plan.num_layers} layers",
+                f"{replan}, or remove plan.file to plan at start-up",
+            )
+        ]
+    else:
+        problems += _stage_problems(plan, spec, replan)
+    problems += rule(
+        plan.dtype == cfg.train.precision,
+        "train.precision",
+        f"{plan.dtype} ({made})",
+        cfg.train.precision,
+        f"{replan}, or set train.precision: {plan.dtype}",
+    )
+    return problems + _microbatch_problems(plan, cfg, made, replan)
+
+
+def _stage_problems(plan: Plan, spec: ModelSpec, replan: str) -> list[Problem]:
+    """Stages whose parameters in this model differ from the plan's or overflow its slot (one Problem)."""
+    counts, size = layer_param_counts(spec), dtype_bytes(plan.dtype)
+    wrong = []
     for j, s in enumerate(plan.stages):
         n = sum(counts[s.first : s.last + 1])
         if s.param_count != n or n * size > plan.slot_bytes:
-            raise ConfigError(
-                f"{where}: stage {j} (layers {s.first}..{s.last}) has {n} parameters ({n * size} {plan.dtype} "
-                f"bytes) in this model, the plan says {s.param_count} in a {plan.slot_bytes}-byte slot; "
-                f"the plan was made for another model or dtype: re-plan or remove plan.file"
-            )
-    if plan.num_microbatches != cfg.data.num_microbatches:
-        raise ConfigError(
-            f"{where}: the plan is for {plan.num_microbatches} microbatches, data.num_microbatches is "
-            f"{cfg.data.num_microbatches}; make them equal"
-        )
+            wrong.append(f"stage {j} (layers {s.first}..{s.last}) has {n} parameters here, {s.param_count} in the plan")
+    shown = "; ".join(wrong[:3]) + (f"; and {len(wrong) - 3} more stages" if len(wrong) > 3 else "")
+    return rule(
+        not wrong,
+        "plan.file",
+        f"each stage's parameters as this model has them, within the plan's {plan.slot_bytes}-byte slot",
+        f"{shown} (a plan for another model or dtype)",
+        f"{replan}, or remove plan.file to plan at start-up",
+    )
+
+
+def _microbatch_problems(plan: Plan, cfg: RunConfig, made: str, replan: str) -> list[Problem]:
+    """data.num_microbatches and the microbatch size (data.batch_size / num_microbatches) against the plan's;
+    both give the same fix, the settings that make the plan's microbatches."""
+    d, count, size = cfg.data, plan.num_microbatches, plan.microbatch_size
+    batch = count * size
+    settings = [f"data.num_microbatches: {count}"] * (d.num_microbatches != count)
+    settings += [f"data.batch_size: {batch}"] * (d.batch_size != batch)
+    fix = f"{replan}, or set {' and '.join(settings)}"
+    return rule(
+        d.num_microbatches == count, "data.num_microbatches", f"{count} ({made})", str(d.num_microbatches), fix
+    ) + rule(
+        cfg.microbatch_size == size,
+        "data.batch_size",
+        f"microbatches of {size} sequences ({made}: data.batch_size {batch} in {count} microbatches)",
+        f"data.batch_size {d.batch_size} in {d.num_microbatches} microbatches of {cfg.microbatch_size}",
+        fix,
+    )

@@ -4,7 +4,7 @@ Each rank is one gpu of the plan: the model (model.hf's Hugging Face model, or t
 through the public Pipeline (mobiuspipe.pipeline), which builds only this rank's stages, keeps their
 weights in their tiers and runs its schedule every step; rank 0 reports. At the end every rank writes its
 stages' weights (out_dir/weights) and its shards of the export (train.export_dir). Errors a user can fix
-print one line and exit 2.
+print one line and exit 2; those found at start-up, alike on every rank, print on each host's first rank only.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from foundation.errors import UserError
 from foundation.timing import Stopwatch
 from foundation.units import fmt_bytes
 from mobiuspipe.config import RunConfig, load_config
-from mobiuspipe.config_plan import model_spec, plan_for_config
+from mobiuspipe.config_plan import model_spec
 from mobiuspipe.dataset import PackedTokens, open_run_data
 from mobiuspipe.flops import device_name, flops_per_token, peak_tflops
 from mobiuspipe.metrics import Reporter, device_peak_line, step_metrics
@@ -34,6 +34,7 @@ from mobiuspipe.models.hf import layer_factories as hf_layer_factories
 from mobiuspipe.models.hf_export import check_export_dir, finish_export, partial_dir, write_shard
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.pipeline import Pipeline
+from mobiuspipe.preflight import at_start_up, rank_checks, report
 from mobiuspipe.profiler import TORCH_DTYPES
 from mobiuspipe.ranks import gather_all
 from mobiuspipe.run_checkpoints import StopSignals, checkpoint_if_due, resume_run
@@ -52,11 +53,12 @@ def train(cfg: RunConfig) -> None:
     torch.manual_seed(cfg.train.seed)  # dropout masks (the recompute replays each forward's)
     t = cfg.train
     optimizer = partial(CPUAdam, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
-    hf, data, held_out = open_run(cfg)  # before the group exists: bad input stops every rank alike
+    with at_start_up():  # before the group exists: bad input stops every rank alike
+        hf, data, held_out = open_run(cfg)
+        plan = rank_checks(cfg)
     export = Path(t.export_dir) if t.export_dir else None
     if export is not None and int(os.environ.get("RANK", "0")) == 0:
         shutil.rmtree(partial_dir(export), ignore_errors=True)  # an earlier run's remains
-    plan = plan_for_config(cfg)
     with Pipeline(
         hf_layer_factories(hf) if hf else layer_factories(model_spec(cfg), t.seed),
         lm_loss,
@@ -247,10 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", default=None, metavar="auto|PATH", help="train.resume: auto or a step-N folder")
     args = p.parse_args(argv)
     try:
-        train(with_resume(load_config(args.config), args.resume))
+        with at_start_up():
+            cfg = with_resume(load_config(args.config), args.resume)
+        train(cfg)
     except UserError as e:
-        print(f"mobiuspipe.train: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return report(e, "mobiuspipe.train")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""`mobiuspipe train`: check a YAML run config and its data, then launch torchrun with one rank per planned gpu.
+"""`mobiuspipe train`: check a run config, its data, plan and folders, then launch torchrun, one rank per planned gpu.
 
 On one machine torchrun runs `--standalone`. Across machines (--nnodes N > 1) the same command runs on
 every host with its own --node-rank, and torchrun's c10d rendezvous at --rdzv-endpoint HOST:PORT (a
@@ -64,17 +64,13 @@ def register(sub) -> None:
 def run(args: argparse.Namespace, out) -> int:
     """Run torchrun; its ranks write straight to this process's stdout and stderr (`out` is flushed first)."""
     from mobiuspipe.config import load_config
+    from mobiuspipe.preflight import launch_checks
     from mobiuspipe.train import open_run, with_resume
 
-    config = with_resume(load_config(args.config), args.resume)  # a bad config, model folder or data fails
-    # here, before any process starts
+    # a bad config, model folder, data, plan or out_dir fails here, before any process starts
+    config = with_resume(load_config(args.config), args.resume)
     open_run(config)
-    if args.nproc is None:
-        from mobiuspipe.config_plan import num_ranks
-
-        nproc = num_ranks(config)
-    else:
-        nproc = args.nproc
+    nproc = launch_checks(config, args.nproc)
     cmd = torchrun_command(config.source, nproc, args)
     print(f"mobiuspipe: launching {shlex.join(cmd)}", file=sys.stderr, flush=True)
     out.flush()

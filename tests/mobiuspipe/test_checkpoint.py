@@ -133,3 +133,24 @@ def test_damaged_unfinished_or_foreign_checkpoints_are_named(tmp_path):
     with _pipeline(_cfg("fp32", blocks=4), None) as pipe:
         with pytest.raises(CheckpointError, match=r"is of another model or plan \(model: checkpoint 'gpt-3x24'"):
             load_checkpoint(pipe, old)
+
+
+def test_train_checks_the_resume_folder_before_launching(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "run.yaml").write_text(f"train: {{out_dir: {tmp_path / 'out'}}}\n")
+    (tmp_path / "out" / "checkpoints" / "step-4").mkdir(parents=True)  # never finished: no `complete`
+    for given, found in (("step-4", "a folder without its `complete` marker"), ("step-9", "no folder")):
+        out = subprocess.run(
+            [sys.executable, "-m", "mobiuspipe", "train", "--config", str(tmp_path / "run.yaml")]
+            + ["--resume", str(tmp_path / "out" / "checkpoints" / given)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 2 and "launching" not in out.stderr, out.stderr
+        assert (
+            f"train.resume: expected a checkpoint folder (OUT_DIR/checkpoints/step-N holding `complete`), found {found}"
+            in out.stderr
+        )

@@ -67,7 +67,11 @@ def test_plan_file_with_other_microbatches_is_refused(tmp_path):
             "plan": {"num_gpus": 2, "num_stages": 3, "file": str(tmp_path / "plan.yaml")},
         }
     )
-    with pytest.raises(ConfigError, match="the plan is for 4 microbatches, data.num_microbatches is 3"):
+    with pytest.raises(
+        ConfigError,
+        match=r"data\.num_microbatches: expected 4 \(as in plan\.file .*\), found 3; fix: "
+        r".*set data\.num_microbatches: 4 and data\.batch_size: 8$",
+    ):
         plan_for_config(cfg)
 
 
@@ -80,7 +84,11 @@ def test_plan_file_of_another_precision_is_refused(tmp_path):
             "plan": {"num_gpus": 2, "num_stages": 3, "file": str(tmp_path / "plan.yaml")},
         }
     )
-    with pytest.raises(ConfigError, match="the plan is for fp32 weights but train.precision is bf16"):
+    with pytest.raises(
+        ConfigError,
+        match=r"train\.precision: expected fp32 \(as in plan\.file .*\), found bf16; "
+        r"fix: .*set train\.precision: fp32$",
+    ):
         plan_for_config(cfg)
 
 
