@@ -1,4 +1,5 @@
-"""A rank that dies mid-run: the survivor stops within the timeout, naming the lost rank, instead of hanging."""
+"""A rank that dies mid-run, or hangs (stopped, alive): the survivor stops within the communication timeout,
+naming the lost rank, instead of hanging."""
 
 from __future__ import annotations
 
@@ -38,9 +39,10 @@ def _rank(rank: int, port: int, config) -> subprocess.Popen:
     )
 
 
-def test_survivor_names_the_dead_rank(tmp_path, launch):
+@pytest.mark.parametrize("how,timeout", [(signal.SIGKILL, 20), (signal.SIGSTOP, 8)])
+def test_survivor_names_the_dead_or_hung_rank(tmp_path, launch, how, timeout):
     write_config, _ = launch
-    cfg = write_config(tmp_path, {"train": {"steps": 100000}, "runtime": {"comm_timeout_s": 20}})
+    cfg = write_config(tmp_path, {"train": {"steps": 100000}, "runtime": {"comm_timeout_s": timeout}})
     port = _free_port()
     r0, r1 = _rank(0, port, cfg), _rank(1, port, cfg)
     try:
@@ -50,17 +52,18 @@ def test_survivor_names_the_dead_rank(tmp_path, launch):
         assert banner.startswith("mobiuspipe: gpt-6x64"), banner + stderr0.read()
         first = stdout0.readline()  # rank 0 has finished one step: both ranks are mid-run
         assert first.startswith("step 1/"), first + stderr0.read()
-        r1.send_signal(signal.SIGKILL)
+        r1.send_signal(how)
         t0 = time.monotonic()
         _, err = r0.communicate(timeout=60)
         waited = time.monotonic() - t0
     finally:
         for p in (r0, r1):
             if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
                 p.kill()
             p.wait()
     assert r0.returncode == 2, err[-2000:]
-    assert waited < 20 + 10
+    assert waited < timeout + 10
     line = [x for x in err.splitlines() if x.startswith("mobiuspipe.train: error:")]
     assert line and ("rank 1" in line[0] or "another rank" in line[0]), err[-2000:]
     assert "rank 0:" in line[0]
@@ -78,6 +81,7 @@ def test_ranks_with_different_plans_stop_before_work(tmp_path):
     finally:
         for p in procs:
             if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
                 p.kill()
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 2 and "follow a different plan than rank 0" in err, err[-2000:]

@@ -1,0 +1,99 @@
+"""Faults around checkpoints: a full disk or an I/O error while a checkpoint is written, and an I/O error of
+the SSD tier during training, are named errors (the file, the rank, the fix); the unfinished checkpoint is
+removed and the previous one still resumes the run bit-identically."""
+
+from __future__ import annotations
+
+import errno
+import os
+from functools import partial
+
+import pytest
+import torch
+
+import mobiuspipe.checkpoint as checkpoint
+from mobiuspipe import Pipeline
+from mobiuspipe.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from mobiuspipe.config import MemoryConfig, config_from_dict
+from mobiuspipe.config_plan import model_spec, plan_for_config
+from mobiuspipe.dataset import open_data
+from mobiuspipe.errors import SwapIOError
+from mobiuspipe.models.gpt import layer_factories, lm_loss
+from mobiuspipe.optim import CPUAdam
+
+CFG = config_from_dict(
+    {
+        "model": {"num_blocks": 3, "d_model": 24, "num_heads": 3, "seq_len": 17},
+        "data": {"batch_size": 6, "num_microbatches": 3},
+        "train": {"lr": 0.01, "seed": 5, "precision": "bf16"},
+        "plan": {"num_gpus": 1, "num_stages": 4, "device_memory_mb": 256},
+    }
+)
+DATA = open_data(CFG.data, CFG.model.seq_len, 5, CFG.model.vocab_size)
+
+
+def _pipe(memory=None) -> Pipeline:
+    opt = partial(CPUAdam, lr=0.01, weight_decay=0.05)
+    return Pipeline(
+        layer_factories(model_spec(CFG), 5), lm_loss, plan=plan_for_config(CFG), optimizer=opt, memory=memory
+    )
+
+
+def _train(pipe, steps) -> list[float]:
+    return [pipe.train_batch(*DATA.batch(s, 6)).loss for s in steps]
+
+
+def _reference(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    with _pipe() as pipe:
+        return _train(pipe, range(steps)), pipe.state_dict()
+
+
+@pytest.mark.parametrize("code,where", [(errno.ENOSPC, "save_file"), (errno.EIO, "_fsync")])
+def test_a_failed_checkpoint_write_is_named_and_the_previous_one_resumes(tmp_path, monkeypatch, code, where):
+    want_losses, want = _reference(4)
+    root = tmp_path / "ckpt"
+    with _pipe() as pipe:
+        _train(pipe, range(2))
+        good = save_checkpoint(pipe, root, keep=3)
+        _train(pipe, [2])
+        real = getattr(checkpoint, where)
+
+        def failing(*args, **kw):
+            raise OSError(code, os.strerror(code))
+
+        monkeypatch.setattr(checkpoint, where, failing)
+        with pytest.raises(CheckpointError) as e:
+            save_checkpoint(pipe, root, keep=3)
+        monkeypatch.setattr(checkpoint, where, real)
+    message = str(e.value)
+    assert message.startswith("checkpoint of step 3: rank 0 could not write its file: ")
+    assert str(root / ".partial-step-3" / "rank0.safetensors") in message and f"(errno {code})" in message
+    assert "free space or fix the folder, then resume" in message
+    assert sorted(p.name for p in root.iterdir()) == ["step-2"] and latest_checkpoint(root) == good
+    with _pipe() as pipe:
+        assert load_checkpoint(pipe, good) == 2
+        assert _train(pipe, range(2, 4)) == want_losses[2:]
+        got = pipe.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_an_ssd_tier_error_stops_the_run_and_the_last_checkpoint_resumes(tmp_path):
+    """The SSD tier's EIO mid-run is a SwapIOError; a new run on a fresh store resumes the checkpoint."""
+    want_losses, want = _reference(4)
+    memory = MemoryConfig(optimizer="ssd", weights="ssd", ssd_dir=str(tmp_path / "ssd"), host_budget_mb=0.25)
+    root = tmp_path / "ckpt"
+    pipe = _pipe(memory)
+    _train(pipe, range(2))
+    good = save_checkpoint(pipe, root, keep=3)
+    assert pipe.store is not None
+    pipe.store.engine.inject_fault(3, errno.EIO)
+    with pytest.raises(SwapIOError):
+        _train(pipe, range(2, 4))
+        pipe.engine.wait_updates()
+    pipe.close()
+    again = MemoryConfig(optimizer="ssd", weights="ssd", ssd_dir=str(tmp_path / "ssd2"), host_budget_mb=0.25)
+    with _pipe(again) as pipe:
+        assert load_checkpoint(pipe, good) == 2
+        assert _train(pipe, range(2, 4)) == want_losses[2:]
+        got = pipe.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
