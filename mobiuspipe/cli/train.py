@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import signal
 import subprocess
 import sys
 
@@ -74,7 +75,19 @@ def run(args: argparse.Namespace, out) -> int:
     cmd = torchrun_command(config.source, nproc, args)
     print(f"mobiuspipe: launching {shlex.join(cmd)}", file=sys.stderr, flush=True)
     out.flush()
-    return subprocess.run(cmd, check=False).returncode
+    return _wait_for(subprocess.Popen(cmd))
+
+
+def _wait_for(torchrun: subprocess.Popen) -> int:
+    """torchrun's exit code. Ctrl-C reaches torchrun and its ranks from the terminal (they checkpoint and stop),
+    so this process ignores SIGINT and passes a SIGTERM on to torchrun instead of dying first."""
+    old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    old_term = signal.signal(signal.SIGTERM, lambda signum, frame: torchrun.send_signal(signal.SIGTERM))
+    try:
+        return torchrun.wait()
+    finally:
+        signal.signal(signal.SIGINT, old_int)
+        signal.signal(signal.SIGTERM, old_term)
 
 
 def torchrun_command(config: str, nproc: int, args: argparse.Namespace) -> list[str]:

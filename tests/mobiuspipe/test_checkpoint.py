@@ -88,6 +88,9 @@ def test_a_resumed_run_continues_bit_identically(tmp_path, precision, tier):
         again = _steps(pipe, data, range(2, STEPS))
         got = pipe.state_dict()
     assert again == rest and len(first) == 2
+    torch.manual_seed(7)
+    with _pipeline(cfg, _memory(tier, tmp_path / "c")) as pipe:  # writing a checkpoint changes nothing
+        assert _steps(pipe, data, range(STEPS)) == first + rest
     assert got.keys() == want.keys()
     for k in want:
         assert torch.equal(got[k], want[k]), k
