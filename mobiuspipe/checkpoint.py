@@ -19,7 +19,7 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +34,18 @@ from partition.plan import save_plan
 if TYPE_CHECKING:
     from mobiuspipe.pipeline import Pipeline
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "plan_identity"]
+__all__ = [
+    "CheckpointError",
+    "Snapshot",
+    "save_checkpoint",
+    "begin_checkpoint",
+    "write_snapshot",
+    "commit_checkpoint",
+    "partial_file",
+    "load_checkpoint",
+    "latest_checkpoint",
+    "plan_identity",
+]
 
 PREFIX = "step-"
 COMPLETE = "complete"
@@ -57,25 +68,52 @@ def plan_identity(pipe: Pipeline) -> dict[str, Any]:
     }
 
 
+@dataclass
+class Snapshot:
+    """One rank's part of a checkpoint, copied out of the live states (the training may go on meanwhile)."""
+
+    step: int
+    tensors: dict[str, torch.Tensor]
+    state: dict[str, Any]
+
+
 def save_checkpoint(pipe: Pipeline, root: Path, keep: int, config_yaml: str | None = None) -> Path:
     """Write this rank's part of the checkpoint of pipe's current step (every rank calls it at the same step,
     after train_batch); rank 0 adds the plan (plan.yaml) and the run's resolved config (config.yaml, when
     given), commits it and keeps the newest `keep`. Returns the committed folder."""
-    step, rank = pipe.step, pipe.rank
-    partial, final = root / f".partial-{PREFIX}{step}", root / f"{PREFIX}{step}"
-    if rank == 0:
+    snap = begin_checkpoint(pipe, root)
+    written = write_snapshot(snap, partial_file(root, snap.step, pipe.rank))
+    return commit_checkpoint(pipe, root, snap.step, gather_all(pipe.info, written), keep, config_yaml)
+
+
+def begin_checkpoint(pipe: Pipeline, root: Path) -> Snapshot:
+    """Rank 0 makes the step's folder (every rank waits for it); this rank's snapshot of its states."""
+    partial = root / f".partial-{PREFIX}{pipe.step}"
+    if pipe.rank == 0:
         shutil.rmtree(partial, ignore_errors=True)  # an earlier attempt's remains
         partial.mkdir(parents=True)
     gather_all(pipe.info, None)  # the folder exists before any rank writes into it
-    written = _write_rank(pipe, partial / f"rank{rank}.safetensors")
-    every = gather_all(pipe.info, written)
+    return snapshot(pipe)
+
+
+def partial_file(root: Path, step: int, rank: int) -> Path:
+    """Where rank's file of the checkpoint of `step` is written before the commit."""
+    return root / f".partial-{PREFIX}{step}" / f"rank{rank}.safetensors"
+
+
+def commit_checkpoint(
+    pipe: Pipeline, root: Path, step: int, every: list, keep: int, config_yaml: str | None = None
+) -> Path:
+    """With every rank's write_snapshot result (gathered): rank 0 commits the checkpoint of `step` and keeps
+    the newest `keep`; CheckpointError on every rank when a rank failed (the unfinished folder is removed)."""
+    partial, final = root / f".partial-{PREFIX}{step}", root / f"{PREFIX}{step}"
     failed = [(r, w) for r, w in enumerate(every) if isinstance(w, str)]
     if failed:
-        if rank == 0:
+        if pipe.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
         r, why = failed[0]
         raise CheckpointError(f"checkpoint of step {step}: rank {r} could not write its file: {why}")
-    if rank == 0:
+    if pipe.rank == 0:
         save_plan(pipe.plan, partial / "plan.yaml")
         if config_yaml is not None:
             (partial / "config.yaml").write_text(config_yaml)
@@ -86,8 +124,8 @@ def save_checkpoint(pipe: Pipeline, root: Path, keep: int, config_yaml: str | No
     return final
 
 
-def _write_rank(pipe: Pipeline, path: Path) -> tuple[int, str] | str:
-    """Write this rank's tensors and state to path (fsynced); (bytes, sha256), or why it failed."""
+def snapshot(pipe: Pipeline) -> Snapshot:
+    """Copies of this rank's stages' states (after their pending updates), random state, scaler and step."""
     tensors, stages = {}, {}
     for j, stage in pipe.engine.stages.items():
         stage.wait_update()
@@ -98,9 +136,13 @@ def _write_rank(pipe: Pipeline, path: Path) -> tuple[int, str] | str:
     if pipe.engine.device.is_cuda:
         tensors["rng/cuda"] = torch.cuda.get_rng_state(pipe.engine.device.torch_device)
     scaler = asdict(pipe.scaler) if pipe.scaler is not None else None
-    state = {"step": pipe.step, "scaler": scaler, "stages": stages}
+    return Snapshot(pipe.step, tensors, {"step": pipe.step, "scaler": scaler, "stages": stages})
+
+
+def write_snapshot(snap: Snapshot, path: Path) -> tuple[int, str] | str:
+    """Write a snapshot to path and fsync it (safe in a thread of its own); (bytes, sha256), or why it failed."""
     try:
-        save_file(tensors, str(path), metadata={"state": json.dumps(state)})
+        save_file(snap.tensors, str(path), metadata={"state": json.dumps(snap.state)})
         _fsync(path)
         return path.stat().st_size, _sha256(path)
     except OSError as e:

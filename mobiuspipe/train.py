@@ -37,7 +37,7 @@ from mobiuspipe.pipeline import Pipeline
 from mobiuspipe.preflight import at_start_up, rank_checks, report
 from mobiuspipe.profiler import TORCH_DTYPES
 from mobiuspipe.ranks import gather_all
-from mobiuspipe.run_checkpoints import StopSignals, checkpoint_if_due, resume_run
+from mobiuspipe.run_checkpoints import Checkpointer, StopSignals, resume_run
 from mobiuspipe.step_result import StepResult
 from mobiuspipe.usage import RankStep, folder_bytes, host_rss_bytes
 from partition.costmodel import ARENA_SLOTS
@@ -130,12 +130,29 @@ def _steps(
     cfg: RunConfig, pipe: Pipeline, data: PackedTokens, held_out: PackedTokens | None, signals: StopSignals
 ) -> bool:
     """The steps from where the run resumes; True when every step ran, False when a signal stopped it."""
+    start = resume_run(cfg.train, pipe)
+    checkpoints = Checkpointer(cfg.train, pipe, cfg.to_yaml())
+    try:
+        return _run_steps(cfg, pipe, data, held_out, signals, checkpoints, start)
+    finally:
+        checkpoints.close()
+
+
+def _run_steps(
+    cfg: RunConfig,
+    pipe: Pipeline,
+    data: PackedTokens,
+    held_out: PackedTokens | None,
+    signals: StopSignals,
+    checkpoints: Checkpointer,
+    start: int,
+) -> bool:
+    """Steps start .. train.steps - 1 (see _steps)."""
     t, rank, out = cfg.train, pipe.rank, cfg.train.out_dir
     rows = t.accumulation_steps * cfg.data.batch_size  # sequences per optimizer step
     tokens = rows * cfg.model.seq_len
     step_flops = flops_per_token(model_spec(cfg)) * tokens
     peaks = gather_all(pipe.info, peak_tflops(device_name(pipe.info.local_rank)))
-    start = resume_run(t, pipe)
     with Reporter(
         t.steps, t.log_every, out if rank == 0 else None, sys.stdout if rank == 0 else None, t.tensorboard, start
     ) as report:
@@ -149,17 +166,18 @@ def _steps(
             pipe.set_lr(lr)
             r = pipe.train_batch(x, y)
             own = _own_figures(pipe, r, sw.s)
-            every = gather_all(pipe.info, (own, signals.received))  # every rank, every step: a collective
-            stop = next((s for _, s in every if s), None)
+            every = gather_all(pipe.info, (own, signals.received, checkpoints.status()))  # a collective
+            stop = next((s for _, s, _ in every if s), None)
             if rank == 0:  # the step's record before its checkpoint: a resumed run finds every earlier step's
-                report(step_metrics(r, lr, [o for o, _ in every], tokens, step_flops, peaks, saved_s))
+                report(step_metrics(r, lr, [o for o, _, _ in every], tokens, step_flops, peaks, saved_s))
             if held_out is not None and _evaluates_after(step, t.eval_every, t.steps):
                 report.eval(step, evaluate(pipe, held_out, cfg.data.batch_size, t.eval_batches))
-            saved_s = checkpoint_if_due(t, pipe, stop is not None, cfg.to_yaml())
+            saved_s = checkpoints.after_step([c for _, _, c in every], stop is not None)
             if stop is not None:
                 if rank == 0:
                     print(f"mobiuspipe: stopped by {stop} after step {step + 1} of {t.steps}", flush=True)
                 return False
+        checkpoints.finish()
     return True
 
 
