@@ -6,8 +6,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from foundation.loader import Builder, Checked, Problem, at_least, found_text, positive, read_file, save_file, to_plain
+from foundation.loader import (
+    Builder,
+    Checked,
+    Problem,
+    at_least,
+    found_text,
+    positive,
+    read_file,
+    save_file,
+    to_plain,
+)
 from partition.errors import InvalidPlan, PlanFileError
+from topology.layout import LAYOUT_CHECKS, layout_defaults
+from topology.types import Topology
 
 __all__ = ["StagePlan", "SolverInfo", "Plan", "load_plan", "save_plan"]
 
@@ -96,6 +108,10 @@ class Plan(_PlanPart):
     """Usable memory per gpu the plan was made for (after the reserve)."""
     predicted_step_time_s: float
     solver: SolverInfo
+    layout: Topology | None = None
+    """The machine the plan was made on (`topology` is its name), written as a layout file holds it
+    (topology/layout.py), so that the plan file alone says where it runs; None in plans written before plans
+    recorded it (then `mobiuspipe simulate` needs --topology unless `topology` names a preset)."""
 
     @property
     def num_stages(self) -> int:
@@ -114,7 +130,7 @@ class Plan(_PlanPart):
             _stage_problems(self)
             if self.stages
             else [Problem("stages", "at least one stage", "an empty list", _WRITE_FIX)]
-        )
+        ) + _layout_problems(self, self.layout)
 
     def to_dict(self) -> dict:
         """Plain data of every field, and `num_stages` for readers; from_dict takes it back exactly."""
@@ -123,9 +139,11 @@ class Plan(_PlanPart):
     @classmethod
     def from_dict(cls, d: Any, where: str = "plan") -> Plan:
         """The plan in plain data `d` (what to_dict gives); PlanFileError naming `where` lists every problem."""
-        builder = Builder(where, PlanFileError)
+        builder = Builder(where, PlanFileError, checks=LAYOUT_CHECKS)
         data = dict(d) if isinstance(d, dict) else {}
         written, listed = data.pop("num_stages", None), data.get("stages")
+        if data.get("layout") is not None:
+            data["layout"] = layout_defaults(data["layout"], f"plan:{where}")
         plan = builder.build(cls, data if isinstance(d, dict) else d)
         if written is not None and isinstance(listed, list) and (type(written) is not int or written != len(listed)):
             builder.add(
@@ -139,6 +157,25 @@ class Plan(_PlanPart):
                 ]
             )
         return builder.finish(plan)
+
+
+def _layout_problems(p: Plan, t: Topology | None) -> list[Problem]:
+    """The recorded machine `t` (p.layout) agrees with the plan: its name and its gpu count."""
+    if t is None:
+        return []
+    fix = "the plan and its layout were edited apart: remake the plan with `mobiuspipe partition ... -o FILE`"
+    return [
+        *(
+            []
+            if t.name == p.topology
+            else [Problem("layout.name", f"{p.topology!r}, the plan's topology", found_text(t.name), fix)]
+        ),
+        *(
+            []
+            if t.num_gpus == p.num_gpus
+            else [Problem("layout.gpus", f"{p.num_gpus} gpus (num_gpus)", f"{t.num_gpus} gpus", fix)]
+        ),
+    ]
 
 
 def _stage_problems(p: Plan) -> list[Problem]:

@@ -56,7 +56,7 @@ from topology.errors import TopologyError
 from topology.presets import PRESETS
 from topology.types import P2P_STATUSES, Gpu, Measured, NvLink, Nvme, RootComplex, Switch, Topology
 
-__all__ = ["topology_from_dict", "load_topology", "save_topology", "parse_bytes"]
+__all__ = ["topology_from_dict", "load_topology", "save_topology", "parse_bytes", "LAYOUT_CHECKS", "layout_defaults"]
 
 _SUFFIXES = (".yaml", ".yml", ".json")
 _HEADER = '# mobiuspipe topology layout: memory in bytes ("24GiB" also accepted), bandwidth in GB/s\n'
@@ -287,7 +287,7 @@ def _p2p(p2p: tuple[tuple[str, ...], ...], n: int) -> list[Problem]:
     ]
 
 
-_CHECKS = {
+LAYOUT_CHECKS = {
     RootComplex: _part_check(RootComplex, "uplink_gbps"),
     Switch: _part_check(Switch, "uplink_gbps"),
     Gpu: _part_check(Gpu, "link_gbps"),
@@ -296,12 +296,14 @@ _CHECKS = {
     Measured: _measured,
     Topology: _topology,
 }
+"""The checks of a layout's parts for foundation.loader (`checks=`): a file that embeds a layout (a plan) uses them
+with layout_defaults to read it as strictly as a layout file."""
 
 
 # ---- reading and writing ----
 
 
-def _with_defaults(d: Any, source: str) -> Any:
+def layout_defaults(d: Any, source: str) -> Any:
     """The layout with its optional defaults: source, and per gpu index (its position) and numa_node (that
     of its root complex)."""
     if not isinstance(d, dict):
@@ -330,7 +332,7 @@ def _gpu_defaults(g: Any, i: int, numa: dict[str, int]) -> Any:
 
 
 def _layout(d: Any, where: str, source: str) -> Topology:
-    return from_plain(Topology, _with_defaults(d, source), where=where, error=TopologyError, checks=_CHECKS)
+    return from_plain(Topology, layout_defaults(d, source), where=where, error=TopologyError, checks=LAYOUT_CHECKS)
 
 
 def topology_from_dict(d: Any, where: str) -> Topology:
