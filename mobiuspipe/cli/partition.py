@@ -13,7 +13,7 @@ from mobiuspipe.cli._common import CliError, non_negative_float, positive_int, w
 from partition.analytic import analytic_profile
 from partition.compare import compare, compare_json, compare_text
 from partition.hardware import device_spec
-from partition.models import get_model
+from partition.models import ModelSpec, get_model
 from partition.plan import Plan, save_plan
 from partition.profile import Profile, load_profile
 from partition.search import Prediction, make_plan, predict_step
@@ -136,7 +136,7 @@ def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
             f"{topo.name!r} has {smallest / GiB:.2f} GiB; expected a reserve below that (default 1.0)"
         )
     profile = (
-        load_profile(args.profile)
+        _given_profile(args.profile, spec)
         if args.profile
         else analytic_profile(spec, device, microbatch_size=args.microbatch_size, dtype=args.dtype)
     )
@@ -153,6 +153,18 @@ def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
         host_budget=budget_of(args, topo),
     )
     return plan, topo, profile
+
+
+def _given_profile(path: str, spec: ModelSpec) -> Profile:
+    """The profile file at `path`, which must be one of --model's: its model name and its layer count."""
+    profile = load_profile(path)
+    if profile.model.lower() != spec.name.lower() or profile.num_layers != spec.num_layers:
+        raise CliError(
+            f"--profile {path} is a profile of model {profile.model!r} ({profile.num_layers} layers), but --model "
+            f"is {spec.name!r} ({spec.num_layers} layers): give --model {profile.model} to plan the profiled "
+            f"model, or profile {spec.name} with `mobiuspipe profile --model {spec.name} -o FILE` and pass that"
+        )
+    return profile
 
 
 def _config_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
