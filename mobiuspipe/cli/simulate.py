@@ -14,7 +14,8 @@ from mobiuspipe.cli._common import CliError, write_output
 from partition.baselines import predict
 from partition.plan import Plan, load_plan
 from partition.simulate import SimResult, link_paths
-from partition.trace import chrome_trace, png_timeline, svg_timeline
+from partition.trace import chrome_trace, svg_timeline
+from partition.trace_png import png_timeline
 from topology import PRESETS, Topology, cpu_standin, load_topology
 
 __all__ = ["register", "run", "simulate_json", "render_simulation"]
@@ -35,7 +36,7 @@ def register(sub) -> None:
         "be that machine)",
     )
     p.add_argument("--trace", metavar="OUT.json", help="write a Chrome trace (chrome://tracing, ui.perfetto.dev)")
-    p.add_argument("--png", metavar="OUT.png", help="write a Gantt chart as PNG (needs rsvg-convert)")
+    p.add_argument("--png", metavar="OUT.png", help="write a Gantt chart as PNG (drawn with matplotlib)")
     p.add_argument("--svg", metavar="OUT.svg", help="write a Gantt chart as SVG")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the report")
     p.set_defaults(func=run)
