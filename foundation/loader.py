@@ -15,6 +15,7 @@ what was found and the fix. Field metadata tunes a field:
                         exist, else this fix is shown
   "folder_fix": str     the same for a folder path: it must be an existing folder
   "in_file": False      the field is not a key of the file (pass it in `extra`)
+  "example": str        the value shown in the fix when the key is missing (default: one of its type)
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def _missing_key(f: dataclasses.Field, hint: Any, prefix: str) -> Problem:
         join_key(prefix, f.name),
         f"{describe(hint)} (a required key)",
         "nothing: the key is missing",
-        f"add `{f.name}: {example(hint)}`" + (f" under {prefix}" if prefix else ""),
+        f"add `{f.name}: {f.metadata.get('example') or example(hint)}`" + (f" under {prefix}" if prefix else ""),
     )
 
 

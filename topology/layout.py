@@ -1,6 +1,6 @@
 """Layout files: a Topology read from and written to YAML or JSON by the one strict loader (foundation.loader).
 
-A layout file holds what `Topology.to_dict()` produces:
+A layout file holds what `Topology.to_dict()` produces (README.md shows this same schema, and a test loads it):
 
     name: my-server                  # required
     source: file:my-server.yaml      # optional; default "file:<path>"
@@ -14,20 +14,27 @@ A layout file holds what `Topology.to_dict()` produces:
         memory_bytes: 24GiB          # an int of bytes, or a string "24GiB" (2**30) / "24GB" (10**9)
         pci_bus_id: "0000:1a:00.0"
         root_complex: rc0            # must name one of root_complexes
-        link_gbps: 15.75
+        link_gbps: 15.75             # GB/s of the gpu's own PCIe link, one direction
         switch: sw0                  # optional; "" (default) = directly on a root port
         index: 0                     # optional; default its position, and must equal it
         numa_node: 0                 # optional; default the numa node of its root complex
         # optional too: uuid, pcie_gen, pcie_width, cpu_affinity ("0-11,24-35")
+      - {name: NVIDIA GeForce RTX 3090 Ti, memory_bytes: 24GiB, pci_bus_id: "0000:1b:00.0",
+         root_complex: rc0, link_gbps: 15.75, switch: sw0}
     nvlinks: [{a: 0, b: 1, links: 4, gbps: 56.0}]            # optional
     p2p: [[X, OK], [OK, X]]          # optional nvidia-smi P2P statuses per gpu pair; [] = none
-    nvme: []                         # optional: {name, pci_bus_id, root_complex, numa_node, link_gbps, ...}
-    measured: null                   # optional: what `mobiuspipe topology --probe` measured
+    nvme:                            # optional: drives for the SSD tier (switch, model: optional)
+      - {name: nvme0, pci_bus_id: "0000:3d:00.0", root_complex: rc0, numa_node: 0, link_gbps: 7.88}
+    measured: null                   # optional: what `mobiuspipe topology --probe` measured: h2d_gbps,
+                                     # h2d_group_gbps (per gpu), d2d_gbps (gpu x gpu), ssd_dir, ssd_read_gbps,
+                                     # ssd_write_gbps, host_adam_params_per_s, notes
+    notes: []                        # optional: what discovery could not find out
 
 Memory strings take B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), with an
 optional space and a decimal number ("1.5 TiB"); they must come to a whole number of bytes.
-Bandwidths are GB/s (1e9 bytes per second). Every problem of a file is reported at once, each with its
-dotted key (`gpus[2].memory_bytes`), what was expected, what was found and the fix.
+Bandwidths are GB/s (1e9 bytes per second). Every problem of a file is reported at once, in one error, each
+with its dotted key (`gpus[2].memory_bytes`), what was expected, what was found and the fix: all the missing
+keys of every part, not the first alone.
 """
 
 from __future__ import annotations
@@ -324,11 +331,13 @@ def _numa_nodes(rcs: Any) -> dict[str, int]:
 
 
 def _gpu_defaults(g: Any, i: int, numa: dict[str, int]) -> Any:
-    """A gpu's mapping with `index` and `numa_node` filled in where it leaves them out."""
+    """A gpu's mapping with `index` and `numa_node` filled in where it leaves them out. When its root complex's
+    numa node cannot be known (the gpu names none, an unknown one, or one that is itself malformed), that is the
+    problem reported, not the optional numa_node: the 0 put in its place never makes a file valid."""
     if not isinstance(g, dict):
         return g
     rc = g.get("root_complex")
-    return {"index": i, **({"numa_node": numa[rc]} if isinstance(rc, str) and rc in numa else {}), **g}
+    return {"index": i, "numa_node": numa.get(rc, 0) if isinstance(rc, str) else 0, **g}
 
 
 def _layout(d: Any, where: str, source: str) -> Topology:
