@@ -13,7 +13,11 @@ what was found and the fix. Field metadata tunes a field:
   "fix": str            the fix shown when "convert" fails
   "path_fix": str       the field holds a file path: made absolute against the file's folder, it must
                         exist, else this fix is shown
+  "path_suffixes": tuple  with "path_fix": only a value ending in one of these is a path (e.g. a layout
+                        file); any other (e.g. a preset name) is left as written
   "folder_fix": str     the same for a folder path: it must be an existing folder
+  "out_path": True      the field holds a path the program writes (it need not exist yet): made absolute
+                        against the file's folder; "" is left as written (for the class's own check)
   "in_file": False      the field is not a key of the file (pass it in `extra`)
   "example": str        the value shown in the fix when the key is missing (default: one of its type)
 """
@@ -233,9 +237,11 @@ class Builder:
         except Mismatch:
             self._wrong_type(hint, raw, key, field)
             return INVALID
-        if "path_fix" in meta:
+        if "path_fix" in meta and made.endswith(meta.get("path_suffixes", "")):
             return self._path(made, key, meta["path_fix"])
-        return self._path(made, key, meta["folder_fix"], folder=True) if "folder_fix" in meta else made
+        if "folder_fix" in meta:
+            return self._path(made, key, meta["folder_fix"], folder=True)
+        return self._absolute(made) if meta.get("out_path") and made else made
 
     def _wrong_type(self, hint: Any, raw: Any, key: str, field: dataclasses.Field | None) -> None:
         """Record that `raw` at `key` is not of type `hint`, with a fix for a key or for a list item."""
@@ -254,9 +260,13 @@ class Builder:
         made = tuple(self.value(h, v, f"{key}[{i}]") for i, (h, v) in enumerate(zip(items, raw)))
         return INVALID if any(v is INVALID for v in made) else made
 
+    def _absolute(self, value: str) -> str:
+        """`value` with `~` expanded, made absolute against the file's folder (base_dir)."""
+        return os.path.normpath(os.path.join(self.base_dir, os.path.expanduser(value)))
+
     def _path(self, value: str, key: str, fix: str, folder: bool = False) -> str:
         """A relative path made absolute against the file's folder; the file (or `folder`) must exist."""
-        path = os.path.normpath(os.path.join(self.base_dir, os.path.expanduser(value)))
+        path = self._absolute(value)
         if not (os.path.isdir(path) if folder else os.path.isfile(path)):
             if os.path.exists(path):
                 what = "a file" if folder else "a folder"

@@ -1,4 +1,15 @@
-"""The training run's configuration: one frozen, checked dataclass per section, loaded from YAML."""
+"""The training run's configuration: one frozen, checked dataclass per section, loaded from YAML.
+
+Paths: every path in a config file is relative to the folder of that file, whatever the current folder, and
+the loaded config holds it absolute (`~` expanded). That is true of what the run reads (data.path,
+data.tokens, data.tokenizer, data.eval_path, model.hf, plan.file, plan.topology when it names a layout file:
+they must exist when the config is loaded; field metadata `path_fix` or `folder_fix`, see foundation/loader.py)
+and of what it writes (train.out_dir, train.export_dir, memory.ssd_dir: metadata WRITTEN_PATH, they need not
+exist). A path given on the command line (`partition --topology`, `export --to`, ...) is relative to the
+current folder. A config built from a dict (config_from_dict) takes its relative paths from `base_dir`, the
+current folder by default; sections built in Python keep their paths as given. A new path key follows the
+same rule: give its field one of those metadata.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +21,7 @@ from foundation.loader import Problem, at_least, dump_text, from_plain, load_fil
 from mobiuspipe.config_data import DataConfig
 from mobiuspipe.config_memory import MemoryConfig
 from mobiuspipe.config_model import ModelConfig
-from mobiuspipe.config_section import Section
+from mobiuspipe.config_section import WRITTEN_PATH, Section
 from mobiuspipe.errors import ConfigError
 from mobiuspipe.lr_schedule import SCHEDULES, lr_at
 
@@ -65,13 +76,13 @@ class TrainConfig(Section):
     eval_at_start: bool = False
     """With data.eval_path: also evaluate before the first step (the starting weights' loss, e.g. the
     pretrained model's), recorded as step -1."""
-    out_dir: str | None = None
-    """Folder for metrics.jsonl and the resolved config, relative to the current directory;
-    None = write nothing."""
-    export_dir: str | None = None
+    out_dir: str | None = field(default=None, metadata=WRITTEN_PATH)
+    """Folder for metrics.jsonl, the resolved config and plan, TensorBoard files and the weights, relative to
+    the config file's folder (made if missing); None = write nothing."""
+    export_dir: str | None = field(default=None, metadata=WRITTEN_PATH)
     """A new (or empty) folder the fine-tuned model is written to at the end of the run, as a Hugging Face
     folder that from_pretrained loads (safetensors shards, config.json, the source's tokenizer files);
-    model.hf only; relative to the current directory. None = no export (`mobiuspipe export` can make one
+    model.hf only; relative to the config file's folder. None = no export (`mobiuspipe export` can make one
     later from out_dir)."""
     export_dtype: str = "fp32"
     """Dtype of the exported weights: "fp32" (the master weights as they are), "bf16" or "fp16"."""
@@ -169,9 +180,16 @@ class PlanConfig(Section):
     )
     """A plan written by `mobiuspipe partition -o plan.yaml`; None = plan at start-up; a relative
     path is resolved against the config file's folder and stored absolute."""
-    topology: str | None = None
+    topology: str | None = field(
+        default=None,
+        metadata={
+            "path_fix": "correct the path, or save a layout with `mobiuspipe topology --save FILE.yaml`",
+            "path_suffixes": (".yaml", ".yml", ".json"),
+        },
+    )
     """The machine to plan for: a preset name ("2+2", "3+1", ...; `mobiuspipe topology --layout NAME`
-    shows one) or a layout file from `mobiuspipe topology --save` (relative to the config file's folder);
+    shows one) or a layout file (a name ending .yaml, .yml or .json) from `mobiuspipe topology --save`
+    (relative to the config file's folder);
     the run has one rank per gpu of it, and on a CPU-only machine each rank is a stand-in for one of its
     gpus, so cross mapping follows its root complexes. None = with GPUs, this host's discovered topology
     (the first num_gpus CUDA devices, default all); without, num_gpus CPU stand-ins of device_memory_mb."""

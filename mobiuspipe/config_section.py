@@ -6,7 +6,11 @@ from __future__ import annotations
 from foundation.loader import Checked, Problem
 from mobiuspipe.errors import InvalidConfig
 
-__all__ = ["Section", "divisible"]
+__all__ = ["Section", "divisible", "WRITTEN_PATH"]
+
+WRITTEN_PATH = {"out_path": True}
+"""Field metadata of a path the run writes (out_dir, export_dir, ssd_dir): relative to the config file's folder,
+made absolute when the config is loaded, and it need not exist yet (the rule: mobiuspipe/config.py)."""
 
 
 class Section(Checked):

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 from pathlib import Path
 
 from foundation.units import GiB, fmt_bytes
@@ -20,7 +21,7 @@ from partition.search import Prediction, make_plan, predict_step
 from partition.simulate import SimResult
 from partition.tiers import HostBudget, host_budget
 from partition.trace import ascii_timeline, svg_timeline
-from topology import Topology, load_topology
+from topology import PRESETS, Topology, load_topology
 
 __all__ = ["register", "run", "plan_to_json", "render_plan"]
 
@@ -180,7 +181,8 @@ def _config_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
 
     cfg = load_config(args.config)
     if args.topology is not None:  # plan the run for another machine than its config names
-        cfg = dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, topology=args.topology, num_gpus=None))
+        topology = args.topology if args.topology in PRESETS else os.path.abspath(args.topology)  # cwd-relative
+        cfg = dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, topology=topology, num_gpus=None))
     return plan_from_config(cfg, args.solver), run_topology(cfg), gpt_profile(cfg)
 
 
