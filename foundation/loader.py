@@ -4,10 +4,10 @@
     save_file(plan, "plan.json")                         # JSON by suffix; load_file gives back an equal Plan
 
 Building checks, for every key of every mapping: unknown keys (with the closest valid one), missing
-required keys, types (see foundation.hints), then impossible values (a Checked class's check_values(),
-or a check passed in `checks` for a class the caller does not own). One exception of the caller's
-class is raised naming the file (or "<dict>"), and for each problem the dotted key, what was expected,
-what was found and the fix. Field metadata tunes a field:
+required keys, types (see foundation.hints; an integer must fit in 64 bits), then impossible values (a
+Checked class's check_values(), or a check passed in `checks` for a class the caller does not own). One
+exception of the caller's class is raised naming the file (or "<dict>"), and for each problem the dotted
+key, what was expected, what was found and the fix. Field metadata tunes a field:
   "convert": callable   raw value -> field value, ValueError(what was expected) when it cannot
                         (e.g. foundation.units.as_bytes for "24GiB")
   "fix": str            the fix shown when "convert" fails
@@ -237,6 +237,17 @@ class Builder:
         except Mismatch:
             self._wrong_type(hint, raw, key, field)
             return INVALID
+        if inner is int and not -(2**63) <= made < 2**63:  # what torch, numpy and the C++ side can hold
+            name = key.rsplit(".", 1)[-1]
+            self.problems.append(
+                Problem(
+                    key,
+                    "an integer of 64 bits, between -2**63 and 2**63 - 1",
+                    found_text(raw),
+                    f"write a smaller {name}",
+                )
+            )
+            return INVALID
         if "path_fix" in meta and made.endswith(meta.get("path_suffixes", "")):
             return self._path(made, key, meta["path_fix"])
         if "folder_fix" in meta:
@@ -264,8 +275,9 @@ class Builder:
         """`value` with `~` expanded, made absolute against the file's folder (base_dir)."""
         return os.path.normpath(os.path.join(self.base_dir, os.path.expanduser(value)))
 
-    def _path(self, value: str, key: str, fix: str, folder: bool = False) -> str:
-        """A relative path made absolute against the file's folder; the file (or `folder`) must exist."""
+    def _path(self, value: str, key: str, fix: str, folder: bool = False) -> Any:
+        """A relative path made absolute against the file's folder; the file (or `folder`) must exist, else
+        INVALID (the problem recorded): nothing is built on a path that is not there."""
         path = self._absolute(value)
         if not (os.path.isdir(path) if folder else os.path.isfile(path)):
             if os.path.exists(path):
@@ -280,6 +292,7 @@ class Builder:
                     fix,
                 )
             )
+            return INVALID
         return path
 
 

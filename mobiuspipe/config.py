@@ -13,6 +13,7 @@ same rule: give its field one of those metadata.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +22,7 @@ from foundation.loader import Problem, at_least, dump_text, from_plain, load_fil
 from mobiuspipe.config_data import DataConfig
 from mobiuspipe.config_memory import MemoryConfig
 from mobiuspipe.config_model import ModelConfig
-from mobiuspipe.config_section import WRITTEN_PATH, Section
+from mobiuspipe.config_section import WRITTEN_PATH, Section, mebibytes
 from mobiuspipe.errors import ConfigError
 from mobiuspipe.lr_schedule import SCHEDULES, lr_at
 
@@ -31,6 +32,8 @@ DEFAULT_GPUS = 2
 """CPU stand-ins a run plans for when the config names neither a topology nor plan.num_gpus."""
 MAPPINGS = ("cross", "round-robin", "search")
 """The stage->gpu mappings a plan may ask for."""
+MAX_THREADS = 1024
+"""The most torch threads a rank may ask for (more is a typo: torch would start them all)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,11 +131,18 @@ class TrainConfig(Section):
             *positive(self, "eps", "use a small non-negative number such as 1.0e-8", zero_ok=True),
             *positive(self, "weight_decay", "use 0.0 (none) or a small value such as 0.01", zero_ok=True),
             *rule(
-                self.max_grad_norm is None or self.max_grad_norm > 0,
+                self.max_grad_norm is None or 0 < self.max_grad_norm < math.inf,
                 "max_grad_norm",
-                "a positive norm or null",
+                "a positive finite norm or null",
                 repr(self.max_grad_norm),
                 "use e.g. 1.0, or null for no clipping",
+            ),
+            *rule(
+                0 <= self.seed < 2**32,
+                "seed",
+                "a seed in [0, 2**32 - 1]",
+                repr(self.seed),
+                "use e.g. `seed: 0`",
             ),
             *at_least(self, "accumulation_steps", 1, "use 1 (no accumulation) or more passes per step"),
             *at_least(self, "log_every", 1, "log every 1 or more steps"),
@@ -209,6 +219,7 @@ class PlanConfig(Section):
         stages = self.num_stages
         return [
             *rule(gpus >= 1, "num_gpus", "an integer >= 1 or null", repr(self.num_gpus), "use at least 1 gpu"),
+            *at_least(self, "num_stages", 1, "use at least 1 stage per gpu, e.g. 4"),
             *rule(
                 stages >= gpus or self.topology is not None,  # with a topology: checked once it is read
                 "num_stages",
@@ -223,7 +234,7 @@ class PlanConfig(Section):
                 repr(self.mapping),
                 "use `mapping: cross` or `mapping: round-robin`",
             ),
-            *positive(self, "device_memory_mb", "use a positive budget in MiB, e.g. 64.0"),
+            *mebibytes(self, "device_memory_mb", "use a positive budget in MiB, e.g. 64.0"),
         ]
 
 
@@ -238,8 +249,20 @@ class RuntimeConfig(Section):
 
     def check_values(self) -> list[Problem]:
         return [
-            *positive(self, "comm_timeout_s", "use a positive number of seconds, e.g. 60.0"),
-            *at_least(self, "threads", 1, "use at least 1 thread"),
+            *rule(
+                0 < self.comm_timeout_s <= 1e9,
+                "comm_timeout_s",
+                "a number of seconds > 0 and at most 1e9 (about 32 years)",
+                repr(self.comm_timeout_s),
+                "use e.g. 60.0",
+            ),
+            *rule(
+                1 <= self.threads <= MAX_THREADS,
+                "threads",
+                f"a thread count in [1, {MAX_THREADS}]",
+                repr(self.threads),
+                "use 1, or the cores a rank may use",
+            ),
         ]
 
 

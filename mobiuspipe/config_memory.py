@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from foundation.loader import Problem, positive, rule
-from mobiuspipe.config_section import WRITTEN_PATH, Section
+from foundation.loader import Problem, rule
+from mobiuspipe.config_section import WRITTEN_PATH, Section, mebibytes
 from partition.placement import TIERS  # where memory.optimizer and memory.weights may put states
 
 __all__ = ["MemoryConfig"]
@@ -69,5 +69,5 @@ class MemoryConfig(Section):
                 repr(self.ssd_dir),
                 "set `ssd_dir:` to a folder on an NVMe drive, e.g. /nvme/mobiuspipe",
             ),
-            *positive(self, "host_budget_mb", "use a positive budget in MiB, e.g. 1024.0"),
+            *mebibytes(self, "host_budget_mb", "use a positive budget in MiB, e.g. 1024.0"),
         ]

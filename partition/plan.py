@@ -12,12 +12,16 @@ from foundation.loader import (
     Problem,
     at_least,
     found_text,
+    non_empty,
     positive,
     read_file,
+    rule,
     save_file,
     to_plain,
 )
+from partition.analytic import DTYPE_BYTES
 from partition.errors import InvalidPlan, PlanFileError
+from partition.mapping import MAPPING_RULES
 from topology.layout import LAYOUT_CHECKS, layout_defaults
 from topology.types import Topology
 
@@ -80,7 +84,16 @@ class SolverInfo(_PlanPart):
     wall_s: float
 
     def check_values(self) -> list[Problem]:
-        return positive(self, "wall_s", _WRITE_FIX, zero_ok=True)
+        return [
+            *positive(self, "wall_s", _WRITE_FIX, zero_ok=True),
+            *rule(
+                self.gap >= 0,  # False for NaN; inf: no bound was proved
+                "gap",
+                "a relative gap >= 0 (inf when no bound was proved)",
+                found_text(self.gap),
+                _WRITE_FIX,
+            ),
+        ]
 
 
 @dataclass(frozen=True)
@@ -126,11 +139,12 @@ class Plan(_PlanPart):
         return [j for j, s in enumerate(self.stages) if s.gpu == gpu]
 
     def check_values(self) -> list[Problem]:
-        return (
+        stages = (
             _stage_problems(self)
             if self.stages
             else [Problem("stages", "at least one stage", "an empty list", _WRITE_FIX)]
-        ) + _layout_problems(self, self.layout)
+        )
+        return _field_problems(self) + stages + _layout_problems(self, self.layout)
 
     def to_dict(self) -> dict:
         """Plain data of every field, and `num_stages` for readers; from_dict takes it back exactly."""
@@ -157,6 +171,32 @@ class Plan(_PlanPart):
                 ]
             )
         return builder.finish(plan)
+
+
+def _field_problems(p: Plan) -> list[Problem]:
+    """Each field on its own: names said, counts and bytes in range, times finite, a known dtype and rule."""
+    return [
+        *(q for name in ("model", "topology") for q in non_empty(p, name, _WRITE_FIX)),
+        *(q for name in ("num_gpus", "num_microbatches", "microbatch_size") for q in at_least(p, name, 1, _WRITE_FIX)),
+        *(
+            q
+            for name in ("slot_bytes", "arena_bytes", "activation_bytes", "gpu_memory_bytes")
+            for q in at_least(p, name, 0, _WRITE_FIX)
+        ),
+        *(
+            q
+            for name in ("mapping_score", "predicted_step_time_s")
+            for q in positive(p, name, _WRITE_FIX, zero_ok=True)
+        ),
+        *rule(p.dtype in DTYPE_BYTES, "dtype", f"one of {', '.join(DTYPE_BYTES)}", found_text(p.dtype), _WRITE_FIX),
+        *rule(
+            p.mapping_rule in MAPPING_RULES,
+            "mapping_rule",
+            f"one of {', '.join(MAPPING_RULES)}",
+            found_text(p.mapping_rule),
+            _WRITE_FIX,
+        ),
+    ]
 
 
 def _layout_problems(p: Plan, t: Topology | None) -> list[Problem]:
