@@ -102,8 +102,13 @@ def _json_duplicates(data: Any, path: str) -> Iterator[Problem]:
             yield from _json_duplicates(item, f"{path}[{i}]")
 
 
-def _yaml_reason(err: yaml.YAMLError) -> str:
+def _yaml_reason(err: yaml.YAMLError, text: str) -> str:
     """A YAML error on one line, with its line and column."""
+    if isinstance(err, yaml.reader.ReaderError):  # a control character YAML does not allow, before any parsing
+        before = text[: err.position]
+        line, column = before.count("\n") + 1, err.position - (before.rfind("\n") + 1) + 1
+        char = chr(err.character) if isinstance(err.character, int) else err.character
+        return f"the character {char!r} (not allowed in YAML) at line {line}, column {column}"
     if isinstance(err, yaml.MarkedYAMLError) and err.problem_mark is not None:
         mark = err.problem_mark
         context = f"{err.context}, " if err.context else ""
@@ -112,16 +117,17 @@ def _yaml_reason(err: yaml.YAMLError) -> str:
 
 
 def _parse_yaml(text: str, where: str, error: type[Exception]) -> Any:
-    loader = StrictLoader(text)
     try:
-        data = loader.get_single_data()
+        loader = StrictLoader(text)  # its reader already refuses control characters
+        try:
+            data = loader.get_single_data()
+        finally:
+            loader.dispose()
     except yaml.YAMLError as err:
         raise error(
-            f"{where}: expected valid YAML, found {_yaml_reason(err)}; fix: correct the syntax "
+            f"{where}: expected valid YAML, found {_yaml_reason(err, text)}; fix: correct the syntax "
             "there (indent with spaces, `key: value`)"
         ) from None
-    finally:
-        loader.dispose()
     if loader.duplicates:
         raise error(format_problems(where, loader.duplicates))
     return data
@@ -159,7 +165,13 @@ def read_file(path: str | os.PathLike, *, where: str, error: type[Exception], fi
     except OSError as err:
         raise error(f"{where}: cannot be read ({err.strerror or err}); fix: {fix}") from None
     parse = _parse_json if Path(path).suffix == ".json" else _parse_yaml
-    return parse(text, where, error)
+    try:
+        return parse(text, where, error)
+    except RecursionError:  # the YAML and JSON readers recurse once per level of nesting
+        raise error(
+            f"{where}: expected lists and mappings nested a few levels deep, found nesting deeper than the "
+            f"reader can follow (hundreds of levels); fix: correct the file, whose keys nest only a few levels"
+        ) from None
 
 
 def dump_text(data: Any, suffix: str, header: str = "") -> str:

@@ -113,7 +113,10 @@ def found_text(value: Any) -> str:
     if value is None:
         return "null"
     kind = next((name for t, name in _KINDS if isinstance(value, t)), type(value).__name__)
-    text = repr(value)
+    try:
+        text = repr(value)
+    except RecursionError:  # lists in lists thousands deep (plain data given in code; files stop sooner)
+        return f"{kind} nested too deeply to show"
     return f"{kind} {text if len(text) <= 60 else text[:57] + '...'}"
 
 

@@ -4,17 +4,22 @@
     save_file(plan, "plan.json")                         # JSON by suffix; load_file gives back an equal Plan
 
 Building checks, for every key of every mapping: unknown keys (with the closest valid one), missing
-required keys, types (see foundation.hints), then impossible values (a Checked class's check_values(),
-or a check passed in `checks` for a class the caller does not own). One exception of the caller's
-class is raised naming the file (or "<dict>"), and for each problem the dotted key, what was expected,
-what was found and the fix. Field metadata tunes a field:
+required keys, types (see foundation.hints; an integer must fit in 64 bits), then impossible values (a
+Checked class's check_values(), or a check passed in `checks` for a class the caller does not own). One
+exception of the caller's class is raised naming the file (or "<dict>"), and for each problem the dotted
+key, what was expected, what was found and the fix. Field metadata tunes a field:
   "convert": callable   raw value -> field value, ValueError(what was expected) when it cannot
                         (e.g. foundation.units.as_bytes for "24GiB")
   "fix": str            the fix shown when "convert" fails
   "path_fix": str       the field holds a file path: made absolute against the file's folder, it must
                         exist, else this fix is shown
+  "path_suffixes": tuple  with "path_fix": only a value ending in one of these is a path (e.g. a layout
+                        file); any other (e.g. a preset name) is left as written
   "folder_fix": str     the same for a folder path: it must be an existing folder
+  "out_path": True      the field holds a path the program writes (it need not exist yet): made absolute
+                        against the file's folder; "" is left as written (for the class's own check)
   "in_file": False      the field is not a key of the file (pass it in `extra`)
+  "example": str        the value shown in the fix when the key is missing (default: one of its type)
 """
 
 from __future__ import annotations
@@ -119,7 +124,7 @@ def _missing_key(f: dataclasses.Field, hint: Any, prefix: str) -> Problem:
         join_key(prefix, f.name),
         f"{describe(hint)} (a required key)",
         "nothing: the key is missing",
-        f"add `{f.name}: {example(hint)}`" + (f" under {prefix}" if prefix else ""),
+        f"add `{f.name}: {f.metadata.get('example') or example(hint)}`" + (f" under {prefix}" if prefix else ""),
     )
 
 
@@ -232,9 +237,22 @@ class Builder:
         except Mismatch:
             self._wrong_type(hint, raw, key, field)
             return INVALID
-        if "path_fix" in meta:
+        if inner is int and not -(2**63) <= made < 2**63:  # what torch, numpy and the C++ side can hold
+            name = key.rsplit(".", 1)[-1]
+            self.problems.append(
+                Problem(
+                    key,
+                    "an integer of 64 bits, between -2**63 and 2**63 - 1",
+                    found_text(raw),
+                    f"write a smaller {name}",
+                )
+            )
+            return INVALID
+        if "path_fix" in meta and made.endswith(meta.get("path_suffixes", "")):
             return self._path(made, key, meta["path_fix"])
-        return self._path(made, key, meta["folder_fix"], folder=True) if "folder_fix" in meta else made
+        if "folder_fix" in meta:
+            return self._path(made, key, meta["folder_fix"], folder=True)
+        return self._absolute(made) if meta.get("out_path") and made else made
 
     def _wrong_type(self, hint: Any, raw: Any, key: str, field: dataclasses.Field | None) -> None:
         """Record that `raw` at `key` is not of type `hint`, with a fix for a key or for a list item."""
@@ -253,9 +271,14 @@ class Builder:
         made = tuple(self.value(h, v, f"{key}[{i}]") for i, (h, v) in enumerate(zip(items, raw)))
         return INVALID if any(v is INVALID for v in made) else made
 
-    def _path(self, value: str, key: str, fix: str, folder: bool = False) -> str:
-        """A relative path made absolute against the file's folder; the file (or `folder`) must exist."""
-        path = os.path.normpath(os.path.join(self.base_dir, os.path.expanduser(value)))
+    def _absolute(self, value: str) -> str:
+        """`value` with `~` expanded, made absolute against the file's folder (base_dir)."""
+        return os.path.normpath(os.path.join(self.base_dir, os.path.expanduser(value)))
+
+    def _path(self, value: str, key: str, fix: str, folder: bool = False) -> Any:
+        """A relative path made absolute against the file's folder; the file (or `folder`) must exist, else
+        INVALID (the problem recorded): nothing is built on a path that is not there."""
+        path = self._absolute(value)
         if not (os.path.isdir(path) if folder else os.path.isfile(path)):
             if os.path.exists(path):
                 what = "a file" if folder else "a folder"
@@ -269,6 +292,7 @@ class Builder:
                     fix,
                 )
             )
+            return INVALID
         return path
 
 

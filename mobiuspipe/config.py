@@ -1,7 +1,20 @@
-"""The training run's configuration: one frozen, checked dataclass per section, loaded from YAML."""
+"""The training run's configuration: one frozen, checked dataclass per section, loaded from YAML.
+
+Paths: every path in a config file is relative to the folder of that file, whatever the current folder, and
+the loaded config holds it absolute (`~` expanded). That is true of what the run reads (data.path,
+data.tokens, data.tokenizer, data.eval_path, model.hf, plan.file, plan.topology when it names a layout file:
+they must exist when the config is loaded; field metadata `path_fix` or `folder_fix`, see foundation/loader.py)
+and of what it writes (train.out_dir, train.export_dir, train.checkpoint_dir, memory.ssd_dir: metadata
+WRITTEN_PATH, they need not exist); train.resume alone is relative to the current folder, as --resume is.
+A path given on the command line (`partition --topology`, `export --to`, ...) is relative to the current
+folder. A config built from a dict (config_from_dict) takes its relative paths from `base_dir`, the
+current folder by default; sections built in Python keep their paths as given. A new path key follows the
+same rule: give its field one of those metadata.
+"""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,7 +23,7 @@ from foundation.loader import Problem, at_least, dump_text, from_plain, load_fil
 from mobiuspipe.config_data import DataConfig
 from mobiuspipe.config_memory import MemoryConfig
 from mobiuspipe.config_model import ModelConfig
-from mobiuspipe.config_section import Section
+from mobiuspipe.config_section import WRITTEN_PATH, Section, mebibytes
 from mobiuspipe.errors import ConfigError
 from mobiuspipe.lr_schedule import SCHEDULES, lr_at
 
@@ -20,6 +33,8 @@ DEFAULT_GPUS = 2
 """CPU stand-ins a run plans for when the config names neither a topology nor plan.num_gpus."""
 MAPPINGS = ("cross", "round-robin", "search")
 """The stage->gpu mappings a plan may ask for."""
+MAX_THREADS = 1024
+"""The most torch threads a rank may ask for (more is a typo: torch would start them all)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,13 +80,13 @@ class TrainConfig(Section):
     eval_at_start: bool = False
     """With data.eval_path: also evaluate before the first step (the starting weights' loss, e.g. the
     pretrained model's), recorded as step -1."""
-    out_dir: str | None = None
-    """Folder for metrics.jsonl and the resolved config, relative to the current directory;
-    None = write nothing."""
-    export_dir: str | None = None
+    out_dir: str | None = field(default=None, metadata=WRITTEN_PATH)
+    """Folder for metrics.jsonl, the resolved config and plan, TensorBoard files and the weights, relative to
+    the config file's folder (made if missing); None = write nothing."""
+    export_dir: str | None = field(default=None, metadata=WRITTEN_PATH)
     """A new (or empty) folder the fine-tuned model is written to at the end of the run, as a Hugging Face
     folder that from_pretrained loads (safetensors shards, config.json, the source's tokenizer files);
-    model.hf only; relative to the current directory. None = no export (`mobiuspipe export` can make one
+    model.hf only; relative to the config file's folder. None = no export (`mobiuspipe export` can make one
     later from out_dir)."""
     export_dtype: str = "fp32"
     """Dtype of the exported weights: "fp32" (the master weights as they are), "bf16" or "fp16"."""
@@ -81,15 +96,17 @@ class TrainConfig(Section):
     """Write a checkpoint every this many optimizer steps (steps); 0 = only when the run is stopped by
     SIGTERM or SIGINT. Each holds every rank's master weights, optimizer states, loss scaler, random state
     and step, so that `resume` continues the run bit-identically."""
-    checkpoint_dir: str | None = None
-    """Folder of the checkpoints (step-N folders); None = OUT_DIR/checkpoints. Relative to the current
-    directory."""
+    checkpoint_dir: str | None = field(default=None, metadata=WRITTEN_PATH)
+    """Folder of the checkpoints (step-N folders), relative to the config file's folder; None =
+    OUT_DIR/checkpoints."""
     keep_checkpoints: int = 2
     """Complete checkpoints kept (count, >= 1): older ones are removed once a newer one is committed."""
     resume: str | None = None
     """"auto": continue from the newest complete checkpoint in the checkpoint folder (start at step 0 when
     there is none: what a job restarted by `torchrun --max-restarts` needs); a step-N folder: continue from
-    it; None = start at step 0. `mobiuspipe train --resume` sets it."""
+    it (absolute, or relative to the current directory as `--resume PATH` is: the one path key not relative to
+    the config file, since the command line usually names it); None = start at step 0. `mobiuspipe train
+    --resume` sets it."""
 
     @property
     def checkpoint_root(self) -> str | None:
@@ -137,11 +154,18 @@ class TrainConfig(Section):
             *positive(self, "eps", "use a small non-negative number such as 1.0e-8", zero_ok=True),
             *positive(self, "weight_decay", "use 0.0 (none) or a small value such as 0.01", zero_ok=True),
             *rule(
-                self.max_grad_norm is None or self.max_grad_norm > 0,
+                self.max_grad_norm is None or 0 < self.max_grad_norm < math.inf,
                 "max_grad_norm",
-                "a positive norm or null",
+                "a positive finite norm or null",
                 repr(self.max_grad_norm),
                 "use e.g. 1.0, or null for no clipping",
+            ),
+            *rule(
+                0 <= self.seed < 2**32,
+                "seed",
+                "a seed in [0, 2**32 - 1]",
+                repr(self.seed),
+                "use e.g. `seed: 0`",
             ),
             *at_least(self, "accumulation_steps", 1, "use 1 (no accumulation) or more passes per step"),
             *at_least(self, "log_every", 1, "log every 1 or more steps"),
@@ -191,9 +215,16 @@ class PlanConfig(Section):
     )
     """A plan written by `mobiuspipe partition -o plan.yaml`; None = plan at start-up; a relative
     path is resolved against the config file's folder and stored absolute."""
-    topology: str | None = None
+    topology: str | None = field(
+        default=None,
+        metadata={
+            "path_fix": "correct the path, or save a layout with `mobiuspipe topology --save FILE.yaml`",
+            "path_suffixes": (".yaml", ".yml", ".json"),
+        },
+    )
     """The machine to plan for: a preset name ("2+2", "3+1", ...; `mobiuspipe topology --layout NAME`
-    shows one) or a layout file from `mobiuspipe topology --save` (relative to the config file's folder);
+    shows one) or a layout file (a name ending .yaml, .yml or .json) from `mobiuspipe topology --save`
+    (relative to the config file's folder);
     the run has one rank per gpu of it, and on a CPU-only machine each rank is a stand-in for one of its
     gpus, so cross mapping follows its root complexes. None = with GPUs, this host's discovered topology
     (the first num_gpus CUDA devices, default all); without, num_gpus CPU stand-ins of device_memory_mb."""
@@ -213,6 +244,7 @@ class PlanConfig(Section):
         stages = self.num_stages
         return [
             *rule(gpus >= 1, "num_gpus", "an integer >= 1 or null", repr(self.num_gpus), "use at least 1 gpu"),
+            *at_least(self, "num_stages", 1, "use at least 1 stage per gpu, e.g. 4"),
             *rule(
                 stages >= gpus or self.topology is not None,  # with a topology: checked once it is read
                 "num_stages",
@@ -227,7 +259,7 @@ class PlanConfig(Section):
                 repr(self.mapping),
                 "use `mapping: cross` or `mapping: round-robin`",
             ),
-            *positive(self, "device_memory_mb", "use a positive budget in MiB, e.g. 64.0"),
+            *mebibytes(self, "device_memory_mb", "use a positive budget in MiB, e.g. 64.0"),
         ]
 
 
@@ -242,8 +274,20 @@ class RuntimeConfig(Section):
 
     def check_values(self) -> list[Problem]:
         return [
-            *positive(self, "comm_timeout_s", "use a positive number of seconds, e.g. 60.0"),
-            *at_least(self, "threads", 1, "use at least 1 thread"),
+            *rule(
+                0 < self.comm_timeout_s <= 1e9,
+                "comm_timeout_s",
+                "a number of seconds > 0 and at most 1e9 (about 32 years)",
+                repr(self.comm_timeout_s),
+                "use e.g. 60.0",
+            ),
+            *rule(
+                1 <= self.threads <= MAX_THREADS,
+                "threads",
+                f"a thread count in [1, {MAX_THREADS}]",
+                repr(self.threads),
+                "use 1, or the cores a rank may use",
+            ),
         ]
 
 

@@ -3,10 +3,10 @@ host budget per rank; the rule that places them is partition/placement.py."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from foundation.loader import Problem, positive, rule
-from mobiuspipe.config_section import Section
+from foundation.loader import Problem, rule
+from mobiuspipe.config_section import WRITTEN_PATH, Section, mebibytes
 from partition.placement import TIERS  # where memory.optimizer and memory.weights may put states
 
 __all__ = ["MemoryConfig"]
@@ -25,8 +25,8 @@ class MemoryConfig(Section):
     """The weights the device loads and the gradients it offloads (2 + 2 bytes per parameter in bf16/fp16).
     "host": in host memory; "ssd": in the SSD store too, streamed through staging buffers (needs optimizer:
     ssd, whose update writes them); "auto": in host memory while they fit, after the optimizer states."""
-    ssd_dir: str | None = None
-    """Folder of the ssd tier, relative to the current folder; each rank keeps its store in ssd_dir/rank{r},
+    ssd_dir: str | None = field(default=None, metadata=WRITTEN_PATH)
+    """Folder of the ssd tier, relative to the config file's folder; each rank keeps its store in ssd_dir/rank{r},
     which must not hold an earlier run's states (resuming from them is not supported yet)."""
     host_budget_mb: float = 1024.0
     """Host memory per rank for the states (MiB): what stays in memory plus the streaming slots of the
@@ -69,5 +69,5 @@ class MemoryConfig(Section):
                 repr(self.ssd_dir),
                 "set `ssd_dir:` to a folder on an NVMe drive, e.g. /nvme/mobiuspipe",
             ),
-            *positive(self, "host_budget_mb", "use a positive budget in MiB, e.g. 1024.0"),
+            *mebibytes(self, "host_budget_mb", "use a positive budget in MiB, e.g. 1024.0"),
         ]

@@ -7,7 +7,7 @@ from functools import lru_cache
 
 from foundation.loader import Problem, at_least, rule
 from mobiuspipe.config_section import Section, divisible
-from partition.hf import read_hf_config
+from partition.hf import ModelConfigError, read_hf_config
 from partition.models import ModelSpec
 
 MAX_VOCAB = 65536
@@ -86,4 +86,18 @@ class ModelConfig(Section):
             *at_least(self, "num_heads", 1, "use at least 1 attention head"),
             *at_least(self, "seq_len", 1, "use a context length such as 64"),
             *divisible("d_model", self.d_model, "num_heads", self.num_heads),
+            *self._hf_problems(),
         ]
+
+    def _hf_problems(self) -> list[Problem]:
+        """With hf: its config.json must describe a model mobiuspipe can cut (read once, as spec() reads it)."""
+        if self.hf is None:
+            return []
+        try:
+            _hf_spec(self.hf)
+        except ModelConfigError as e:
+            fix = "give a folder written by save_pretrained (config.json + model.safetensors) of a supported model"
+            return [
+                Problem("hf", "a Hugging Face model folder whose config.json describes a supported model", str(e), fix)
+            ]
+        return []

@@ -3,8 +3,6 @@ and the plan itself (read from plan.file and checked against the model, or made 
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from foundation.checked import Problem, format_problems, rule
@@ -56,7 +54,7 @@ def run_topology(cfg: RunConfig) -> Topology:
         return discovered_topology(torch.cuda.device_count() if p.num_gpus is None else p.num_gpus)
     if p.topology is None:
         return cpu_standin(DEFAULT_GPUS if p.num_gpus is None else p.num_gpus, int(p.device_memory_mb * MiB))
-    topo = load_topology(_beside_config(p.topology, cfg.source))
+    topo = load_topology(p.topology)  # a layout file's path is absolute: load_config made it so
     if p.num_gpus is not None and p.num_gpus != topo.num_gpus:
         raise ConfigError(
             f"config {cfg.source}: plan.num_gpus is {p.num_gpus} but plan.topology {p.topology!r} has "
@@ -68,13 +66,6 @@ def run_topology(cfg: RunConfig) -> Topology:
             f"{topo.num_gpus} gpus, each needing a stage; raise plan.num_stages to at least {topo.num_gpus}"
         )
     return topo
-
-
-def _beside_config(spec: str, source: str) -> str:
-    """A layout file path made absolute against the config's folder; a preset name as it is."""
-    if not spec.endswith((".yaml", ".yml", ".json")) or os.path.isabs(spec) or not os.path.isabs(source):
-        return spec
-    return os.path.join(os.path.dirname(source), spec)
 
 
 def num_ranks(cfg: RunConfig) -> int:

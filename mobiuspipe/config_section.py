@@ -3,10 +3,14 @@ value rules several sections share."""
 
 from __future__ import annotations
 
-from foundation.loader import Checked, Problem
+from foundation.loader import Checked, Problem, found_text, rule
 from mobiuspipe.errors import InvalidConfig
 
-__all__ = ["Section", "divisible"]
+__all__ = ["Section", "divisible", "mebibytes", "WRITTEN_PATH"]
+
+WRITTEN_PATH = {"out_path": True}
+"""Field metadata of a path the run writes (out_dir, export_dir, ssd_dir): relative to the config file's folder,
+made absolute when the config is loaded, and it need not exist yet (the rule: mobiuspipe/config.py)."""
 
 
 class Section(Checked):
@@ -32,3 +36,13 @@ def divisible(a_name: str, a: int, b_name: str, b: int) -> list[Problem]:
             f"use {a_name} {-(-a // b) * b} (a multiple of {b}) or {b_name} {divisor_at_most(a, b)} (divides {a})",
         )
     ]
+
+
+MAX_MIB = 2.0**40
+"""The largest memory figure a config may give, in MiB (1 EiB): its bytes must fit a 64-bit integer."""
+
+
+def mebibytes(obj: object, name: str, fix: str) -> list[Problem]:
+    """Field `name` of `obj` is a memory figure in MiB: > 0 and at most MAX_MIB (its bytes fit 64 bits)."""
+    value = getattr(obj, name)
+    return rule(0 < value <= MAX_MIB, name, "a number of MiB > 0 and at most 2**40 (1 EiB)", found_text(value), fix)

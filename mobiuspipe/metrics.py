@@ -68,7 +68,8 @@ class StepMetrics:
     Reporter fills it in; None at the first step."""
 
     def line(self, steps: int) -> str:
-        head = [f"step {self.step + 1}/{steps}", f"loss {self.loss:.4f}"]
+        """The step line: `step S [K/N]`, S the 0-based step of the metrics.jsonl record, K = S + 1 of N steps."""
+        head = [f"step {self.step} [{self.step + 1}/{steps}]", f"loss {self.loss:.4f}"]
         head += [] if self.lr is None else [f"lr {self.lr:.3g}"]
         head += [] if self.grad_norm is None else [f"grad norm {self.grad_norm:.3g}"]
         head += [] if self.eta_s is None else [f"ETA {_clock(self.eta_s)}"]
@@ -208,7 +209,7 @@ class Reporter:
         self._record({"kind": "eval", "step": step, "loss": loss, "perplexity": ppl})
         if self.stream is None:
             return
-        when = f"after step {step + 1}" if step >= 0 else "before training"
+        when = f"after step {step}" if step >= 0 else "before training"  # the record's own step number
         line = f"eval {when}: loss {loss:.4f}  perplexity {ppl:.4g}"
         self.stream.write(("\n" if self._bar_open else "") + line + "\n")
         self._bar_open = False

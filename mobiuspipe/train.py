@@ -175,7 +175,7 @@ def _run_steps(
             saved_s = checkpoints.after_step([c for _, _, c in every], stop is not None)
             if stop is not None:
                 if rank == 0:
-                    print(f"mobiuspipe: stopped by {stop} after step {step + 1} of {t.steps}", flush=True)
+                    print(f"mobiuspipe: stopped by {stop} after step {step} [{step + 1}/{t.steps}]", flush=True)
                 return False
         checkpoints.finish()
     return True

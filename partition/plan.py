@@ -6,8 +6,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from foundation.loader import Builder, Checked, Problem, at_least, found_text, positive, read_file, save_file, to_plain
+from foundation.loader import (
+    Builder,
+    Checked,
+    Problem,
+    at_least,
+    found_text,
+    non_empty,
+    positive,
+    read_file,
+    rule,
+    save_file,
+    to_plain,
+)
+from partition.analytic import DTYPE_BYTES
 from partition.errors import InvalidPlan, PlanFileError
+from partition.mapping import MAPPING_RULES
+from topology.layout import LAYOUT_CHECKS, layout_defaults
+from topology.types import Topology
 
 __all__ = ["StagePlan", "SolverInfo", "Plan", "load_plan", "save_plan"]
 
@@ -68,7 +84,16 @@ class SolverInfo(_PlanPart):
     wall_s: float
 
     def check_values(self) -> list[Problem]:
-        return positive(self, "wall_s", _WRITE_FIX, zero_ok=True)
+        return [
+            *positive(self, "wall_s", _WRITE_FIX, zero_ok=True),
+            *rule(
+                self.gap >= 0,  # False for NaN; inf: no bound was proved
+                "gap",
+                "a relative gap >= 0 (inf when no bound was proved)",
+                found_text(self.gap),
+                _WRITE_FIX,
+            ),
+        ]
 
 
 @dataclass(frozen=True)
@@ -96,6 +121,10 @@ class Plan(_PlanPart):
     """Usable memory per gpu the plan was made for (after the reserve)."""
     predicted_step_time_s: float
     solver: SolverInfo
+    layout: Topology | None = None
+    """The machine the plan was made on (`topology` is its name), written as a layout file holds it
+    (topology/layout.py), so that the plan file alone says where it runs; None in plans written before plans
+    recorded it (then `mobiuspipe simulate` needs --topology unless `topology` names a preset)."""
 
     @property
     def num_stages(self) -> int:
@@ -110,11 +139,12 @@ class Plan(_PlanPart):
         return [j for j, s in enumerate(self.stages) if s.gpu == gpu]
 
     def check_values(self) -> list[Problem]:
-        return (
+        stages = (
             _stage_problems(self)
             if self.stages
             else [Problem("stages", "at least one stage", "an empty list", _WRITE_FIX)]
         )
+        return _field_problems(self) + stages + _layout_problems(self, self.layout)
 
     def to_dict(self) -> dict:
         """Plain data of every field, and `num_stages` for readers; from_dict takes it back exactly."""
@@ -123,9 +153,11 @@ class Plan(_PlanPart):
     @classmethod
     def from_dict(cls, d: Any, where: str = "plan") -> Plan:
         """The plan in plain data `d` (what to_dict gives); PlanFileError naming `where` lists every problem."""
-        builder = Builder(where, PlanFileError)
+        builder = Builder(where, PlanFileError, checks=LAYOUT_CHECKS)
         data = dict(d) if isinstance(d, dict) else {}
         written, listed = data.pop("num_stages", None), data.get("stages")
+        if data.get("layout") is not None:
+            data["layout"] = layout_defaults(data["layout"], f"plan:{where}")
         plan = builder.build(cls, data if isinstance(d, dict) else d)
         if written is not None and isinstance(listed, list) and (type(written) is not int or written != len(listed)):
             builder.add(
@@ -139,6 +171,51 @@ class Plan(_PlanPart):
                 ]
             )
         return builder.finish(plan)
+
+
+def _field_problems(p: Plan) -> list[Problem]:
+    """Each field on its own: names said, counts and bytes in range, times finite, a known dtype and rule."""
+    return [
+        *(q for name in ("model", "topology") for q in non_empty(p, name, _WRITE_FIX)),
+        *(q for name in ("num_gpus", "num_microbatches", "microbatch_size") for q in at_least(p, name, 1, _WRITE_FIX)),
+        *(
+            q
+            for name in ("slot_bytes", "arena_bytes", "activation_bytes", "gpu_memory_bytes")
+            for q in at_least(p, name, 0, _WRITE_FIX)
+        ),
+        *(
+            q
+            for name in ("mapping_score", "predicted_step_time_s")
+            for q in positive(p, name, _WRITE_FIX, zero_ok=True)
+        ),
+        *rule(p.dtype in DTYPE_BYTES, "dtype", f"one of {', '.join(DTYPE_BYTES)}", found_text(p.dtype), _WRITE_FIX),
+        *rule(
+            p.mapping_rule in MAPPING_RULES,
+            "mapping_rule",
+            f"one of {', '.join(MAPPING_RULES)}",
+            found_text(p.mapping_rule),
+            _WRITE_FIX,
+        ),
+    ]
+
+
+def _layout_problems(p: Plan, t: Topology | None) -> list[Problem]:
+    """The recorded machine `t` (p.layout) agrees with the plan: its name and its gpu count."""
+    if t is None:
+        return []
+    fix = "the plan and its layout were edited apart: remake the plan with `mobiuspipe partition ... -o FILE`"
+    return [
+        *(
+            []
+            if t.name == p.topology
+            else [Problem("layout.name", f"{p.topology!r}, the plan's topology", found_text(t.name), fix)]
+        ),
+        *(
+            []
+            if t.num_gpus == p.num_gpus
+            else [Problem("layout.gpus", f"{p.num_gpus} gpus (num_gpus)", f"{t.num_gpus} gpus", fix)]
+        ),
+    ]
 
 
 def _stage_problems(p: Plan) -> list[Problem]:

@@ -253,6 +253,7 @@ def _plan_of(
     return Plan(
         model=profile.model,
         topology=topo.name,
+        layout=topo,
         num_layers=arr.num_layers,
         num_gpus=topo.num_gpus,
         num_microbatches=microbatches,

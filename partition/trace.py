@@ -1,22 +1,19 @@
-"""Pictures of one simulated step: an ASCII timeline, an SVG (or PNG) Gantt chart and a Chrome trace."""
+"""Pictures of one simulated step: an ASCII timeline, an SVG Gantt chart (PNG: trace_png.py) and a Chrome trace."""
 
 from __future__ import annotations
 
 import json
 import math
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 from xml.sax.saxutils import escape
 
 from partition.simulate import SimResult
 
-__all__ = ["ascii_timeline", "svg_timeline", "png_timeline", "chrome_trace", "lanes", "RenderError"]
+__all__ = ["ascii_timeline", "svg_timeline", "chrome_trace", "lanes", "fill_hsl", "RenderError"]
 
 
 class RenderError(RuntimeError):
-    """A picture could not be made (no converter on PATH, or the converter failed); the message says what to do."""
+    """A picture could not be made (its drawing library is missing or failed); the message says what to do."""
 
 
 Event = tuple[str, int, int, int, float, float]
@@ -97,13 +94,20 @@ def ascii_timeline(result: SimResult, num_gpus: int, width: int = 100) -> str:
 _LEFT, _RIGHT, _TOP, _LANE, _GAP, _PLOT_W = 120, 30, 50, 16, 4, 1000
 
 
-def _fill(kind: str, stage: int) -> str:
-    """Stage colours spread by the golden angle; forward light, backward dark, loads in between."""
-    hue = round(stage * 137.508 % 360)
+def fill_hsl(kind: str, stage: int) -> tuple[int, int, int]:
+    """(hue in degrees, saturation %, lightness %) of an event: stage colours spread by the golden angle; forward
+    light, backward dark, loads in between; offloads and updates grey."""
     light = {"F": 80, "B": 42, "load": 62}.get(kind)
     if light is None:
+        return (0, 0, 55 if kind == "offload" else 30)
+    return (round(stage * 137.508 % 360), 65, light)
+
+
+def _fill(kind: str, stage: int) -> str:
+    if kind not in ("F", "B", "load"):
         return "#8c8c8c" if kind == "offload" else "#4d4d4d"
-    return f"hsl({hue},65%,{light}%)"
+    h, s, l = fill_hsl(kind, stage)
+    return f"hsl({h},{s}%,{l}%)"
 
 
 def _rect(x: float, y: float, w: float, h: float, fill: str, tip: str = "") -> str:
@@ -195,27 +199,6 @@ def svg_timeline(result: SimResult, num_gpus: int, path: str | Path, title: str 
     ]
     path = Path(path)
     path.write_text('<?xml version="1.0" encoding="UTF-8"?>\n' + "\n".join(parts) + "\n", encoding="utf-8")
-    return path
-
-
-def png_timeline(result: SimResult, num_gpus: int, path: str | Path, title: str = "") -> Path:
-    """The SVG Gantt chart converted to PNG by rsvg-convert; RenderError when it is missing or fails."""
-    exe = shutil.which("rsvg-convert")
-    if exe is None:
-        raise RenderError(
-            f"cannot write {path}: the PNG is converted from the SVG by rsvg-convert, which is not on "
-            f"PATH; install it (apt install librsvg2-bin, brew install librsvg) or write an SVG "
-            f"instead (--svg)"
-        )
-    path = Path(path)
-    with tempfile.TemporaryDirectory() as tmp:
-        svg = svg_timeline(result, num_gpus, Path(tmp) / "step.svg", title)
-        done = subprocess.run([exe, "-b", "white", "-o", str(path), str(svg)], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RenderError(
-            f"rsvg-convert could not write {path} (exit {done.returncode}): "
-            f"{done.stderr.strip() or 'no message'}; write an SVG instead (--svg)"
-        )
     return path
 
 

@@ -22,8 +22,17 @@ P2P_STATUSES = ("X", "OK", "NS", "GNS", "CNS", "TNS", "DR", "U")
 """nvidia-smi topo -p2p statuses: self, ok, not supported, GPU / chipset / topology not supported,
 disabled by regkey, unknown."""
 
-_MEMORY = {"convert": as_bytes, "fix": 'write bytes, or a size with its unit such as "24GiB" or "24GB"'}
+_MEMORY = {
+    "convert": as_bytes,
+    "fix": 'write bytes, or a size with its unit such as "24GiB" or "24GB"',
+    "example": "24GiB",
+}
 """Field metadata of a memory size: a layout file may write "24GiB" (foundation.loader converts it)."""
+
+
+def _example(text: str) -> dict:
+    """Field metadata: the value the loader's fix suggests when a layout file leaves the key out."""
+    return {"example": text}
 
 
 @dataclass(frozen=True)
@@ -33,11 +42,11 @@ class Gpu:
     index: int
     name: str
     memory_bytes: int = field(metadata=_MEMORY)
-    pci_bus_id: str
-    root_complex: str
+    pci_bus_id: str = field(metadata=_example('"0000:1a:00.0"'))
+    root_complex: str = field(metadata=_example("rc0"))
     """Name of the RootComplex this GPU's PCIe path leads to."""
     numa_node: int
-    link_gbps: float
+    link_gbps: float = field(metadata=_example("15.75"))
     """Bandwidth of this GPU's own PCIe link (host<->GPU, one direction), GB/s; measured when probed."""
     uuid: str = ""
     switch: str = ""
@@ -53,8 +62,8 @@ class RootComplex:
     """A CPU's PCIe root (host bridge): the GPUs under it share its uplink to host memory (contention)."""
 
     name: str
-    numa_node: int
-    uplink_gbps: float
+    numa_node: int = field(metadata=_example("0"))
+    uplink_gbps: float = field(metadata=_example("15.75"))
     """Bandwidth all devices under this root complex share towards host memory, GB/s."""
 
 

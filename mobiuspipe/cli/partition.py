@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 from pathlib import Path
 
 from foundation.units import GiB, fmt_bytes
@@ -13,14 +14,14 @@ from mobiuspipe.cli._common import CliError, non_negative_float, positive_int, w
 from partition.analytic import analytic_profile
 from partition.compare import compare, compare_json, compare_text
 from partition.hardware import device_spec
-from partition.models import get_model
+from partition.models import ModelSpec, get_model
 from partition.plan import Plan, save_plan
 from partition.profile import Profile, load_profile
 from partition.search import Prediction, make_plan, predict_step
 from partition.simulate import SimResult
 from partition.tiers import HostBudget, host_budget
 from partition.trace import ascii_timeline, svg_timeline
-from topology import Topology, load_topology
+from topology import PRESETS, Topology, load_topology
 
 __all__ = ["register", "run", "plan_to_json", "render_plan"]
 
@@ -136,7 +137,7 @@ def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
             f"{topo.name!r} has {smallest / GiB:.2f} GiB; expected a reserve below that (default 1.0)"
         )
     profile = (
-        load_profile(args.profile)
+        _given_profile(args.profile, spec)
         if args.profile
         else analytic_profile(spec, device, microbatch_size=args.microbatch_size, dtype=args.dtype)
     )
@@ -155,6 +156,18 @@ def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
     return plan, topo, profile
 
 
+def _given_profile(path: str, spec: ModelSpec) -> Profile:
+    """The profile file at `path`, which must be one of --model's: its model name and its layer count."""
+    profile = load_profile(path)
+    if profile.model.lower() != spec.name.lower() or profile.num_layers != spec.num_layers:
+        raise CliError(
+            f"--profile {path} is a profile of model {profile.model!r} ({profile.num_layers} layers), but --model "
+            f"is {spec.name!r} ({spec.num_layers} layers): give --model {profile.model} to plan the profiled "
+            f"model, or profile {spec.name} with `mobiuspipe profile --model {spec.name} -o FILE` and pass that"
+        )
+    return profile
+
+
 def _config_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
     """The plan `mobiuspipe train` would make at start-up for this config (model, devices, stages, mapping)."""
     given = [f for f in ("model", "stages") if getattr(args, f) is not None]
@@ -168,7 +181,8 @@ def _config_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
 
     cfg = load_config(args.config)
     if args.topology is not None:  # plan the run for another machine than its config names
-        cfg = dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, topology=args.topology, num_gpus=None))
+        topology = args.topology if args.topology in PRESETS else os.path.abspath(args.topology)  # cwd-relative
+        cfg = dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, topology=topology, num_gpus=None))
     return plan_from_config(cfg, args.solver), run_topology(cfg), gpt_profile(cfg)
 
 

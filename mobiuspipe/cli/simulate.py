@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from functools import partial
@@ -13,7 +14,8 @@ from mobiuspipe.cli._common import CliError, write_output
 from partition.baselines import predict
 from partition.plan import Plan, load_plan
 from partition.simulate import SimResult, link_paths
-from partition.trace import chrome_trace, png_timeline, svg_timeline
+from partition.trace import chrome_trace, svg_timeline
+from partition.trace_png import png_timeline
 from topology import PRESETS, Topology, cpu_standin, load_topology
 
 __all__ = ["register", "run", "simulate_json", "render_simulation"]
@@ -30,23 +32,34 @@ def register(sub) -> None:
     p.add_argument(
         "--topology",
         metavar="NAME_OR_FILE",
-        help="preset name or .yaml/.json layout file (default: the plan's topology, if it is a preset)",
+        help="preset name or .yaml/.json layout file (default: the machine recorded in the plan; given, it must "
+        "be that machine)",
     )
     p.add_argument("--trace", metavar="OUT.json", help="write a Chrome trace (chrome://tracing, ui.perfetto.dev)")
-    p.add_argument("--png", metavar="OUT.png", help="write a Gantt chart as PNG (needs rsvg-convert)")
+    p.add_argument("--png", metavar="OUT.png", help="write a Gantt chart as PNG (drawn with matplotlib)")
     p.add_argument("--svg", metavar="OUT.svg", help="write a Gantt chart as SVG")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the report")
     p.set_defaults(func=run)
 
 
 def _topology(plan: Plan, spec: str | None) -> Topology:
-    """--topology, else the plan's own: a preset, or the CPU stand-ins a run config plans for."""
+    """The machine the plan was made on (plan.layout); --topology must be that machine. A plan file written
+    before plans recorded their machine: --topology, else its preset or the CPU stand-ins it names."""
+    if plan.layout is not None:
+        if spec is not None and not _same_machine(load_topology(spec), plan.layout):
+            raise CliError(
+                f"--topology {spec} is not the machine the plan was made on ({plan.layout.name!r}, recorded in the "
+                f"plan file): leave --topology out to simulate on the plan's machine, or make a plan for {spec} "
+                f"with `mobiuspipe partition ... --topology {spec} -o FILE` and simulate that"
+            )
+        return plan.layout
     if spec is None and plan.topology == f"cpu-standin-{plan.num_gpus}":
         return cpu_standin(plan.num_gpus, plan.gpu_memory_bytes)
     if spec is None and plan.topology not in PRESETS:
         raise CliError(
-            f"the plan was made for topology {plan.topology!r}, which is not a preset: give its layout "
-            f"file with --topology (save one with `mobiuspipe topology --save server.yaml`)"
+            f"the plan was made for topology {plan.topology!r}, which is not a preset, and the plan file does not "
+            f"record its layout (written by an older mobiuspipe): give its layout file with --topology (save one "
+            f"with `mobiuspipe topology --save server.yaml`), or remake the plan with `mobiuspipe partition ... -o`"
         )
     topo = load_topology(spec or plan.topology)
     if topo.num_gpus != plan.num_gpus:
@@ -55,6 +68,11 @@ def _topology(plan: Plan, spec: str | None) -> Topology:
             f"give the topology the plan was made for (--topology)"
         )
     return topo
+
+
+def _same_machine(a: Topology, b: Topology) -> bool:
+    """The same machine, wherever each description was read from (a preset, a layout file, a plan)."""
+    return dataclasses.replace(a, source="") == dataclasses.replace(b, source="")
 
 
 def run(args: argparse.Namespace, out) -> int:

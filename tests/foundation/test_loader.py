@@ -315,3 +315,62 @@ def test_folder_fields_start_at_the_files_folder_and_must_be_folders(tmp_path):
             ShelfError, match=rf"folder: expected an existing folder.*{found}; fix: point it at the folder of books"
         ):
             load_file(Library, path, what="shelf", error=ShelfError, fix="x")
+
+
+@dataclass(frozen=True)
+class Report:
+    out: str = field(default="", metadata={"out_path": True})
+    machine: str = field(default="", metadata={"path_fix": "save one", "path_suffixes": (".yaml",)})
+
+
+def test_written_paths_and_names_or_paths_start_at_the_files_folder(tmp_path):
+    (tmp_path / "box.yaml").write_text("x: 1\n")
+    path = _write(tmp_path, "out: runs/a\nmachine: box.yaml\n", "report.yaml")
+    got = load_file(Report, path, what="report", error=ShelfError, fix="x")
+    assert got.out == str(tmp_path / "runs" / "a") and not (tmp_path / "runs").exists()  # need not exist
+    assert got.machine == str(tmp_path / "box.yaml")
+    path.write_text("out: ''\nmachine: 2+2\n")  # "" is left for the class to judge; a name is not a path
+    assert load_file(Report, path, what="report", error=ShelfError, fix="x") == Report("", "2+2")
+    path.write_text("machine: gone.yaml\n")
+    with pytest.raises(ShelfError, match=r"machine: expected an existing file.*gone\.yaml.*fix: save one"):
+        load_file(Report, path, what="report", error=ShelfError, fix="x")
+
+
+@dataclass(frozen=True)
+class Counted:
+    count: int = field(metadata={"example": "42"})
+
+
+def test_a_missing_keys_fix_shows_the_fields_example():
+    with pytest.raises(ShelfError, match=r"count: expected an integer \(a required key\).*fix: add `count: 42`"):
+        from_plain(Counted, {}, where="c", error=ShelfError)
+
+
+def test_an_integer_must_fit_in_64_bits():
+    assert from_plain(Counted, {"count": 2**63 - 1}, where="c", error=ShelfError).count == 2**63 - 1
+    for big in (2**63, -(2**63) - 1, 10**30):
+        with pytest.raises(ShelfError, match=r"count: expected an integer of 64 bits.*fix: write a smaller count"):
+            from_plain(Counted, {"count": big}, where="c", error=ShelfError)
+
+
+def test_a_control_character_is_a_yaml_error_with_its_place(tmp_path):
+    path = _write(tmp_path, "label: ok\nweight_kg: 1\x08\n", "box.yaml")
+    with pytest.raises(ShelfError, match=r"box\.yaml: expected valid YAML, found the character '\\x08' .* line 2, col"):
+        load_file(Box, path, what="box", error=ShelfError, fix="x")
+
+
+def test_nothing_is_built_on_a_missing_path(tmp_path):
+    """A class's own check never sees a path that is not there (it might open it): the path's problem is reported."""
+    opened = []
+
+    @dataclass(frozen=True)
+    class Opens(Checked):
+        script: str = field(metadata={"path_fix": "point it at a script"})
+
+        def check_values(self) -> list[Problem]:
+            opened.append(self.script)
+            return []
+
+    with pytest.raises(ShelfError, match="script: expected an existing file"):
+        from_plain(Opens, {"script": "nope.sh"}, where="o", error=ShelfError, base_dir=str(tmp_path))
+    assert opened == []

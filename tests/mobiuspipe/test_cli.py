@@ -249,6 +249,21 @@ def test_partition_from_a_run_config(tmp_path, capsys):
     assert "partition needs --model and --topology" in capsys.readouterr().err
 
 
+def test_a_path_on_the_command_line_is_relative_to_the_current_folder(tmp_path, monkeypatch, capsys):
+    """--topology FILE with --config: from the current folder, not the config's (the config's own paths are)."""
+    from topology import save_topology
+
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "run.yaml").write_text("plan: {num_stages: 8, topology: box.yaml}\n")
+    save_topology(preset("3+1"), tmp_path / "configs" / "box.yaml")  # the config's own: beside it
+    save_topology(preset("2+2"), tmp_path / "box.yaml")  # the command line's: in the current folder
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["partition", "--config", "configs/run.yaml", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["topology"] == "3+1"
+    assert cli.main(["partition", "--config", "configs/run.yaml", "--topology", "box.yaml", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["topology"] == "2+2"
+
+
 def test_partition_compare_json_and_text(capsys):
     assert cli.main(["partition", "--model", "gpt3-13b", "--topology", "3+1", "--compare", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)

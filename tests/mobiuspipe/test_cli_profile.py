@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from foundation.errors import UserError
+from mobiuspipe import cli
 from mobiuspipe.cli.profile import register
 from partition.models import MODELS
 from partition.profile import load_profile
@@ -138,3 +139,17 @@ def test_user_errors_are_one_line(argv, needles):
 def test_bad_numbers_are_argparse_errors():
     code, _, err = run(["profile", "--model", "gpt3-125m", "--microbatch-size", "0"])
     assert code == 2 and "positive integer" in err
+
+
+def test_partition_with_a_profile_of_another_model_names_both(tmp_path):
+    path = tmp_path / "p.yaml"
+    assert run(["profile", "--model", "gpt3-350m", "-o", str(path)])[0] == 0
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(["partition", "--model", "gpt3-125m", "--topology", "2+2", "--profile", str(path)])
+    assert code == 2 and out.getvalue() == "" and err.getvalue().count("\n") == 1, err.getvalue()
+    for needle in ("model 'gpt3-350m' (26 layers)", "--model is 'gpt3-125m' (14 layers)", "--model gpt3-350m"):
+        assert needle in err.getvalue()
+    assert "mobiuspipe profile --model gpt3-125m -o FILE" in err.getvalue()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(["partition", "--model", "GPT3-350M", "--topology", "2+2", "--profile", str(path)]) == 0

@@ -5,7 +5,6 @@ import contextlib
 import dataclasses
 import io
 import json
-import shutil
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -22,7 +21,7 @@ from partition.hardware import device_spec
 from partition.models import get_model
 from partition.plan import save_plan
 from partition.search import make_plan
-from topology import cpu_standin, preset, save_topology
+from topology import cpu_standin, load_topology, preset, save_topology
 
 
 def parser() -> argparse.ArgumentParser:
@@ -87,20 +86,20 @@ def test_json_is_one_document(small, plan_file, tmp_path, capsys):
     assert sum(e["ph"] == "X" for e in events) == len(sim.events)
 
 
-def test_pictures(plan_file, tmp_path):
-    svg = tmp_path / "step.svg"
+def test_pictures(plan_file, tmp_path, monkeypatch):
+    svg, png = tmp_path / "step.svg", tmp_path / "step.png"
     code, out = run(["simulate", "--plan", str(plan_file), "--svg", str(svg)])
     assert code == 0 and f"SVG timeline written to {svg}" in out
     assert ET.parse(svg).getroot().tag.endswith("svg")
-    if shutil.which("rsvg-convert"):
-        png = tmp_path / "step.png"
-        assert run(["simulate", "--plan", str(plan_file), "--png", str(png)])[0] == 0
-        assert png.read_bytes()[:4] == b"\x89PNG"
+    monkeypatch.setenv("PATH", str(tmp_path))  # a fresh machine: no converter program on PATH
+    code, out = run(["simulate", "--plan", str(plan_file), "--png", str(png)])
+    assert code == 0 and f"PNG timeline written to {png}" in out
+    assert png.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_png_without_converter_is_a_user_error(plan_file, tmp_path, monkeypatch):
-    monkeypatch.setenv("PATH", str(tmp_path))
-    with pytest.raises(CliError, match="rsvg-convert.*--svg"):
+def test_png_without_matplotlib_is_a_user_error(plan_file, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(CliError, match="matplotlib.*--svg"):
         run(["simulate", "--plan", str(plan_file), "--png", str(tmp_path / "x.png")])
 
 
@@ -109,17 +108,48 @@ def test_unwritable_trace_is_a_user_error(plan_file, tmp_path):
         run(["simulate", "--plan", str(plan_file), "--trace", str(tmp_path / "no" / "such" / "t.json")])
 
 
-def test_topology_must_match_the_plan(plan_file, tmp_path):
-    with pytest.raises(CliError, match="plan is for 4 gpus but topology '8-dual-socket' has 8"):
+def test_topology_must_be_the_plans_machine(plan_file, tmp_path):
+    with pytest.raises(CliError, match="--topology 8-dual-socket is not the machine the plan was made on .'2\\+2'"):
         run(["simulate", "--plan", str(plan_file), "--topology", "8-dual-socket"])
     layout = tmp_path / "server.yaml"
-    save_topology(preset("3+1"), layout)  # a layout file with the same gpu count is accepted
-    assert run(["simulate", "--plan", str(plan_file), "--topology", str(layout)])[0] == 0
+    save_topology(preset("3+1"), layout)  # the same gpu count, another machine
+    with pytest.raises(CliError, match="leave --topology out .* make a plan for .*server.yaml"):
+        run(["simulate", "--plan", str(plan_file), "--topology", str(layout)])
+    save_topology(preset("2+2"), layout)  # the plan's machine, read from a file
+    assert run(["simulate", "--plan", str(plan_file), "--topology", str(layout)]) == run(
+        ["simulate", "--plan", str(plan_file)]
+    )
 
 
-def test_plan_for_a_layout_file_needs_topology(small, tmp_path):
+def test_a_plan_made_on_a_layout_file_simulates_on_that_machine(small, tmp_path):
+    """The layout file is gone: the plan file alone says where it runs (its links, not the preset's)."""
+    slow = dataclasses.replace(
+        preset("2+2"),
+        name="server-7",
+        root_complexes=tuple(dataclasses.replace(r, uplink_gbps=4.0) for r in preset("2+2").root_complexes),
+    )
+    layout = tmp_path / "server-7.yaml"
+    save_topology(slow, layout)
+    plan = make_plan(small[0], load_topology(str(layout)), 4, reserve_bytes=GiB, solver="dp")
+    layout.unlink()
     path = tmp_path / "plan.yaml"
-    save_plan(dataclasses.replace(small[2], topology="server-7"), path)
+    save_plan(plan, path)
+    d = json.loads(run(["simulate", "--plan", str(path), "--json"])[1])
+    assert d["topology"] == "server-7" and d["step_time_s"] == predict(plan, slow).step_time_s
+    rc0 = next(r for r in d["link_bytes"] if r["link"] == "rc0" and r["direction"] == "h2d")
+    assert rc0["gbps"] == 4.0
+
+
+def test_an_old_plan_file_without_its_layout(small, tmp_path):
+    """Plans written before plans recorded their machine: a preset by name, else --topology (any of its size)."""
+    old = dataclasses.replace(small[2], layout=None)
+    path = tmp_path / "plan.yaml"
+    save_plan(old, path)
+    assert run(["simulate", "--plan", str(path)]) == run(["simulate", "--plan", str(path), "--topology", "2+2"])
+    with pytest.raises(CliError, match="plan is for 4 gpus but topology '8-dual-socket' has 8"):
+        run(["simulate", "--plan", str(path), "--topology", "8-dual-socket"])
+    assert run(["simulate", "--plan", str(path), "--topology", "3+1"])[0] == 0
+    save_plan(dataclasses.replace(old, topology="server-7"), path)
     with pytest.raises(CliError, match="made for topology 'server-7', which is not a preset.*--topology"):
         run(["simulate", "--plan", str(path)])
     assert run(["simulate", "--plan", str(path), "--topology", "2+2"])[0] == 0

@@ -22,6 +22,7 @@ from mobiuspipe.config import (
     load_config,
 )
 from mobiuspipe.errors import ConfigError
+from topology import preset, save_topology
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-gpt.yaml"
 
@@ -116,18 +117,48 @@ def test_round_trip(tmp_path):
 
 
 def test_relative_paths_resolve_against_config_folder(tmp_path, monkeypatch):
+    """Every path of a config file, read or written, starts at the file's folder, whatever the current one."""
     folder = tmp_path / "configs"
     (folder / "data").mkdir(parents=True)
     (folder / "data" / "text.txt").write_text("abc")
     (folder / "plan.yaml").write_text("stages: []\n")
-    path = write(folder, "data:\n  path: data/text.txt\nplan:\n  file: plan.yaml\ntrain:\n  out_dir: runs\n")
+    save_topology(preset("2+2"), folder / "server.yaml")
+    hf = Path(__file__).resolve().parents[1] / "partition" / "data" / "tiny-gpt2"  # a config.json to read
+    path = write(
+        folder,
+        f"model:\n  hf: {hf}\n  seq_len: 16\n"
+        "data:\n  path: data/text.txt\nplan:\n  file: plan.yaml\n  topology: server.yaml\n  num_stages: 4\n"
+        "train:\n  out_dir: runs\n  export_dir: ../exported\n"
+        "memory:\n  optimizer: ssd\n  ssd_dir: swap/job\n",
+    )
     monkeypatch.chdir(tmp_path)
     cfg = load_config(path.relative_to(tmp_path))
     assert cfg.data.path == str(folder / "data" / "text.txt")
-    assert cfg.plan.file == str(folder / "plan.yaml")
+    assert cfg.plan.file == str(folder / "plan.yaml") and cfg.plan.topology == str(folder / "server.yaml")
     assert cfg.data.text_path == cfg.data.path
-    assert cfg.train.out_dir == "runs"  # relative to the current directory, left as written
+    assert cfg.train.out_dir == str(folder / "runs") and cfg.train.export_dir == str(tmp_path / "exported")
+    assert cfg.memory.ssd_dir == str(folder / "swap" / "job")  # written paths need not exist yet
+    assert not (folder / "runs").exists() and not (folder / "swap").exists()
     assert cfg.source == str(path)
+
+
+def test_written_paths_expand_home_and_keep_presets_and_absolute_paths(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    path = write(tmp_path, "plan: {topology: 2+2}\ntrain: {out_dir: ~/runs/x}\nmemory: {ssd_dir: /nvme/job}\n")
+    cfg = load_config(path)
+    assert cfg.train.out_dir == str(tmp_path / "home" / "runs" / "x") and cfg.memory.ssd_dir == "/nvme/job"
+    assert cfg.plan.topology == "2+2"  # a preset name is not a path
+    assert "train.out_dir: expected a folder name or null" in load_error(tmp_path, "train: {out_dir: ''}\n")
+    message = load_error(tmp_path, "plan: {topology: layouts/box.yaml}\n")
+    assert "plan.topology: expected an existing file" in message and str(tmp_path / "layouts" / "box.yaml") in message
+    assert "mobiuspipe topology --save FILE.yaml" in message
+
+
+def test_a_config_from_a_dict_takes_paths_from_base_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert config_from_dict({"train": {"out_dir": "runs"}}).train.out_dir == str(tmp_path / "runs")
+    other = config_from_dict({"train": {"out_dir": "runs"}}, base_dir=str(tmp_path / "b"))
+    assert other.train.out_dir == str(tmp_path / "b" / "runs")
 
 
 def test_missing_relative_path_names_key_and_resolved_path(tmp_path):
@@ -317,8 +348,8 @@ def test_checkpoints_need_a_folder_and_sane_counts():
     for train in ({"checkpoint_every": 5}, {"resume": "auto"}):
         with pytest.raises(ConfigError, match=r"expected a folder for the checkpoints \(train.out_dir or"):
             config_from_dict({"train": train})
-    cfg = config_from_dict({"train": {"checkpoint_every": 5, "out_dir": "runs/x"}})
-    assert cfg.train.checkpoint_root == "runs/x/checkpoints"
+    cfg = config_from_dict({"train": {"checkpoint_every": 5, "out_dir": "/r/x"}})
+    assert cfg.train.checkpoint_root == "/r/x/checkpoints"
     assert config_from_dict({"train": {"checkpoint_dir": "/ck", "resume": "auto"}}).train.checkpoint_root == "/ck"
     with pytest.raises(ConfigError, match=r"train.keep_checkpoints: expected an integer >= 1, found integer 0"):
         config_from_dict({"train": {"keep_checkpoints": 0}})

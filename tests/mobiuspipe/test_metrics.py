@@ -24,7 +24,7 @@ def test_plain_lines_when_not_a_terminal(tmp_path):
         r(_m(s))
     r.close()
     lines = out.getvalue().splitlines()
-    assert [x.split()[1] for x in lines] == ["2/4", "4/4"]
+    assert [x.split()[:3] for x in lines] == [["step", "1", "[2/4]"], ["step", "3", "[4/4]"]]  # record step, count
     assert "loss 2.5000" in lines[0] and "tok/s" in lines[0] and "arena peak 3.00 of 4.00 MiB" in lines[0]
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3] and rows[0]["compute_s"] == 0.1
@@ -37,5 +37,5 @@ def test_bar_on_a_terminal():
     r(_m(0))
     r(_m(1))
     text = out.getvalue()
-    assert text.startswith("\r[###############...............] step 1/2")
+    assert text.startswith("\r[###############...............] step 0 [1/2]")
     assert text.endswith("\n") and text.count("\n") == 1

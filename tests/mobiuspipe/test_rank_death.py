@@ -51,7 +51,7 @@ def test_survivor_names_the_dead_or_hung_rank(tmp_path, launch, how, timeout):
         banner = stdout0.readline()
         assert banner.startswith("mobiuspipe: gpt-6x64"), banner + stderr0.read()
         first = stdout0.readline()  # rank 0 has finished one step: both ranks are mid-run
-        assert first.startswith("step 1/"), first + stderr0.read()
+        assert first.startswith("step 0 [1/"), first + stderr0.read()
         r1.send_signal(how)
         t0 = time.monotonic()
         _, err = r0.communicate(timeout=60)

@@ -85,7 +85,25 @@ def test_the_line_shows_eta_rate_and_memory_of_one_rank_or_says_max():
     assert "step 500 ms (rank 0: compute 300 / load 10 / comm 100)" in lines[1]
     assert "max over 2 ranks: device peak 1.95 KiB, arena peak 3.00 of 4.00 MiB, host RSS 310.00 MiB" in lines[1]
     assert lines[1].endswith("; ssd 8.00 KiB in all  scale 1024  (overflow: step skipped)")
-    assert lines[3] == "eval after step 3: loss 2.5000  perplexity 12.18"
+    assert lines[0].startswith("step 0 [1/4]  loss 5.0000") and lines[2].startswith("step 2 [3/4]  ")
+    assert lines[3] == "eval after step 2: loss 2.5000  perplexity 12.18"  # the step number of its record
+
+
+def test_the_console_shows_the_step_numbers_of_the_records(tmp_path):
+    """A reader matching a console line to its metrics.jsonl record finds the same step number in both."""
+    out = io.StringIO()
+    with Reporter(steps=3, log_every=1, out_dir=str(tmp_path), stream=out) as report:
+        report.eval(-1, 4.0)
+        for s in range(3):
+            report(step_metrics(_result(s), None, _ranks(s), 512, 2e9, [0.05, 0.05]))
+            report.eval(s, 3.0 - s)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("eval before training: ") and rows[0] == {**rows[0], "kind": "eval", "step": -1}
+    for line, row in zip(lines[1:], rows[1:]):
+        shown = line.split()[1] if row["kind"] == "train" else line.split(":")[0].split()[-1]
+        assert int(shown) == row["step"], (line, row)
+    assert lines[1].startswith("step 0 [1/3]  ") and lines[-1].startswith("eval after step 2: ")
 
 
 def test_without_the_ranks_figures_the_line_says_max_and_shows_the_grad_norm():
@@ -107,7 +125,7 @@ def test_an_eval_during_the_bar_starts_a_new_line():
     with Reporter(steps=4, log_every=1, out_dir=None, stream=out) as report:
         report(step_metrics(_result(0), None, _ranks(0), 512, 2e9, [None, 0.05]))
         report.eval(0, 3000.0)
-    assert out.getvalue().endswith("\neval after step 1: loss 3000.0000  perplexity inf\n")
+    assert out.getvalue().endswith("\neval after step 0: loss 3000.0000  perplexity inf\n")
     assert "MFU" not in out.getvalue()  # a device the hardware table does not know
 
 

@@ -315,3 +315,22 @@ def test_exponent_without_a_dot_is_a_float(tmp_path):
     path = tmp_path / "exp.yaml"
     path.write_text(yaml.safe_dump(d, sort_keys=False).replace(f"gap: {d['solver']['gap']}", "gap: 1e-3"))
     assert load_plan(path).solver.gap == 0.001
+
+
+def test_impossible_values_of_a_plan_at_once(tmp_path):
+    """Found by fuzzing: values a plan file held that the simulator or the runtime could not use."""
+    d = _plan().to_dict()
+    d.update(num_microbatches=0, microbatch_size=-1, mapping_score=float("nan"), predicted_step_time_s=-1.0)
+    d.update(arena_bytes=-1, dtype="fp8", mapping_rule="", model="")
+    msg = _load_err(_write(tmp_path, d))
+    for key in ("num_microbatches", "microbatch_size", "mapping_score", "predicted_step_time_s", "arena_bytes"):
+        assert f") {key}: expected" in msg, key
+    assert "dtype: expected one of fp16, bf16, fp32, found string 'fp8'" in msg
+    assert "mapping_rule: expected one of cross, round-robin, search" in msg and "model: expected a non-empty" in msg
+    d = _plan().to_dict()
+    d["solver"]["gap"] = float("nan")
+    msg = _load_err(_write(tmp_path, d))
+    assert "solver.gap: expected a relative gap >= 0 (inf when no bound was proved), found number nan" in msg
+    d = _plan().to_dict()
+    d["solver"]["gap"] = float("inf")  # no bound proved: a plan all the same
+    assert load_plan(_write(tmp_path, d, "inf.yaml")).solver.gap == float("inf")

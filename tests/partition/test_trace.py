@@ -1,8 +1,9 @@
-"""Pictures of a simulated step: the ASCII timeline's rows and characters, the SVG's well-formedness."""
+"""Pictures of a simulated step: the ASCII timeline's rows and characters, the SVG's well-formedness, the PNG."""
 
 import ast
+import colorsys
 import json
-import shutil
+import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -10,7 +11,8 @@ import pytest
 
 import partition.trace
 from partition.simulate import SimResult, SimStage, simulate
-from partition.trace import RenderError, ascii_timeline, chrome_trace, lanes, png_timeline, svg_timeline
+from partition.trace import RenderError, ascii_timeline, chrome_trace, fill_hsl, lanes, svg_timeline
+from partition.trace_png import png_timeline
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -128,15 +130,24 @@ def test_chrome_trace_of_a_simulated_step(tmp_path: Path):
     assert max(e["ts"] + e["dur"] for e in xs) == pytest.approx(result.step_time_s * 1e6)
 
 
-@pytest.mark.skipif(shutil.which("rsvg-convert") is None, reason="rsvg-convert is not installed")
-def test_png_timeline(tmp_path: Path):
+def test_png_timeline_is_drawn_without_any_program_on_path(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing on PATH: matplotlib draws it in-process
     path = png_timeline(four_stage_result(), 2, tmp_path / "step.png", title="four stages")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from matplotlib.image import imread
+
+    pixels = imread(path)
+    assert pixels.shape[1] == 1200 and pixels.shape[0] > 200  # 12 x (1.6 + 0.3 per lane) inches at 100 dpi
+    colours = {tuple(round(float(c) * 255) for c in px[:3]) for px in pixels.reshape(-1, pixels.shape[2])}
+    for kind, j in (("F", 0), ("B", 1), ("load", 2), ("update", 3)):  # a block of each kind is drawn
+        h, sat, light = fill_hsl(kind, j)
+        want = tuple(round(c * 255) for c in colorsys.hls_to_rgb(h / 360, light / 100, sat / 100))
+        assert any(max(abs(a - b) for a, b in zip(want, c)) <= 2 for c in colours), (kind, want)
 
 
-def test_png_without_rsvg_convert_says_use_svg(tmp_path: Path, monkeypatch):
-    monkeypatch.setenv("PATH", str(tmp_path))  # nothing on PATH
-    with pytest.raises(RenderError, match=r"rsvg-convert.*not on PATH.*--svg"):
+def test_png_without_matplotlib_says_use_svg(tmp_path: Path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails as if it were not installed
+    with pytest.raises(RenderError, match=r"matplotlib, which is not installed.*scripts/setup.sh.*--svg"):
         png_timeline(four_stage_result(), 2, tmp_path / "step.png")
     assert not (tmp_path / "step.png").exists()
 
