@@ -102,7 +102,7 @@ def test_hf_model_trains_as_transformers_does(tmp_path, launch, hf_kit, kind, pa
     assert norms == (pytest.approx(want_norms, rel=1e-5) if clip else [None] * 3)
     got_evals = {r["step"]: r["loss"] for r in records if r["kind"] == "eval"}
     assert got_evals == pytest.approx(evals, rel=1e-5) and set(got_evals) == {-1, 1, 2}
-    assert "eval before training: loss" in proc.stdout and "eval after step 2: loss" in proc.stdout
+    assert "eval before training: loss" in proc.stdout and "eval after step 1: loss" in proc.stdout
 
     assert cli_main(["export", "--run", str(out), "--to", str(tmp_path / "again")]) == 0
     x = torch.randint(0, hf_kit.VOCAB, (2, 17))
