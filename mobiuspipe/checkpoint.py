@@ -77,13 +77,15 @@ class Snapshot:
     state: dict[str, Any]
 
 
-def save_checkpoint(pipe: Pipeline, root: Path, keep: int, config_yaml: str | None = None) -> Path:
+def save_checkpoint(
+    pipe: Pipeline, root: Path, keep: int, config_yaml: str | None = None, run: dict | None = None
+) -> Path:
     """Write this rank's part of the checkpoint of pipe's current step (every rank calls it at the same step,
     after train_batch); rank 0 adds the plan (plan.yaml) and the run's resolved config (config.yaml, when
     given), commits it and keeps the newest `keep`. Returns the committed folder."""
     snap = begin_checkpoint(pipe, root)
     written = write_snapshot(snap, partial_file(root, snap.step, pipe.rank))
-    return commit_checkpoint(pipe, root, snap.step, gather_all(pipe.info, written), keep, config_yaml)
+    return commit_checkpoint(pipe, root, snap.step, gather_all(pipe.info, written), keep, config_yaml, run)
 
 
 def begin_checkpoint(pipe: Pipeline, root: Path) -> Snapshot:
@@ -102,10 +104,17 @@ def partial_file(root: Path, step: int, rank: int) -> Path:
 
 
 def commit_checkpoint(
-    pipe: Pipeline, root: Path, step: int, every: list, keep: int, config_yaml: str | None = None
+    pipe: Pipeline,
+    root: Path,
+    step: int,
+    every: list,
+    keep: int,
+    config_yaml: str | None = None,
+    run: dict | None = None,
 ) -> Path:
     """With every rank's write_snapshot result (gathered): rank 0 commits the checkpoint of `step` and keeps
-    the newest `keep`; CheckpointError on every rank when a rank failed (the unfinished folder is removed)."""
+    the newest `keep`; CheckpointError on every rank when a rank failed (the unfinished folder is removed).
+    `run`: what else a resumed run must share with this one (its data and batches), kept in `complete`."""
     partial, final = root / f".partial-{PREFIX}{step}", root / f"{PREFIX}{step}"
     failed = [(r, w) for r, w in enumerate(every) if isinstance(w, str)]
     if failed:
@@ -118,7 +127,8 @@ def commit_checkpoint(
         if config_yaml is not None:
             (partial / "config.yaml").write_text(config_yaml)
         files = {f"rank{r}.safetensors": w for r, w in enumerate(every)}
-        _commit(partial, final, {"step": step, "world_size": pipe.info.world_size, "plan": plan_identity(pipe)}, files)
+        head = {"step": step, "world_size": pipe.info.world_size, "plan": plan_identity(pipe), "run": run}
+        _commit(partial, final, head, files)
         _prune(root, keep)
     gather_all(pipe.info, None)  # no rank goes on (or reads it) before it is committed
     return final
@@ -186,11 +196,12 @@ def latest_checkpoint(root: Path) -> Path | None:
     return root / f"{PREFIX}{max(steps)}" if steps else None
 
 
-def load_checkpoint(pipe: Pipeline, folder: Path) -> int:
-    """Restore this rank's stages, scaler and random state from folder (checked against the run); the step
-    the run resumes at."""
+def load_checkpoint(pipe: Pipeline, folder: Path, run: dict | None = None) -> int:
+    """Restore this rank's stages, scaler and random state from folder (checked against the run's plan and,
+    when both have one, its `run` identity); the step the run resumes at."""
     head = _read_complete(folder)
     _check_fits(head, pipe, folder)
+    _check_run(head.get("run"), run, folder)
     name = f"rank{pipe.rank}.safetensors"
     path = folder / name
     size, digest = head["files"][name]
@@ -246,6 +257,19 @@ def _check_fits(head: dict, pipe: Pipeline, folder: Path) -> None:
         raise CheckpointError(
             f"checkpoint {folder} is of another model or plan ({what}); resume with the plan it was made with "
             "(set plan.file to the run's plan.yaml) or start a new run in another folder"
+        )
+
+
+def _check_run(theirs: dict | None, mine: dict | None, folder: Path) -> None:
+    """The checkpoint's data and batches must be this run's: else its steps would go on with other data."""
+    if theirs is None or mine is None:
+        return
+    differs = [k for k in mine if theirs.get(k) != mine[k]]
+    if differs:
+        what = "; ".join(f"{k}: checkpoint {theirs.get(k)!r}, this run {mine[k]!r}" for k in differs)
+        raise CheckpointError(
+            f"checkpoint {folder} was made with other data or batches ({what}); resume with the settings of its "
+            "config.yaml, or start a new run in another folder"
         )
 
 

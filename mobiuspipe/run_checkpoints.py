@@ -18,11 +18,11 @@ from mobiuspipe.checkpoint import (
     partial_file,
     write_snapshot,
 )
-from mobiuspipe.config import TrainConfig
+from mobiuspipe.config import RunConfig, TrainConfig
 from mobiuspipe.pipeline import Pipeline
 from mobiuspipe.ranks import gather_all
 
-__all__ = ["StopSignals", "resume_run", "Checkpointer"]
+__all__ = ["StopSignals", "resume_run", "run_identity", "Checkpointer"]
 
 
 class StopSignals:
@@ -43,7 +43,24 @@ class StopSignals:
             signal.signal(s, old)
 
 
-def resume_run(t: TrainConfig, pipe: Pipeline) -> int:
+def run_identity(cfg: RunConfig) -> dict:
+    """What a resumed run must share with the checkpoint besides the plan: the seed, the data (by file name and
+    size, so that a moved folder still resumes) and how they are cut into sequences and steps."""
+    d = cfg.data
+    source = Path(d.tokens or d.text_path)
+    return {
+        "seed": cfg.train.seed,
+        "data": source.name,
+        "data_bytes": source.stat().st_size if source.is_file() else None,
+        "tokenizer": Path(d.tokenizer).name if d.tokenizer else None,
+        "shuffle": d.shuffle,
+        "seq_len": cfg.model.seq_len,
+        "batch_size": d.batch_size,
+        "accumulation_steps": cfg.train.accumulation_steps,
+    }
+
+
+def resume_run(t: TrainConfig, pipe: Pipeline, run: dict | None = None) -> int:
     """Restore the checkpoint train.resume names (rank 0 chooses, every rank loads its own part); the step
     the loop starts at (0 without one). Every rank raises the first failing rank's error."""
     if t.resume is None:
@@ -56,7 +73,7 @@ def resume_run(t: TrainConfig, pipe: Pipeline) -> int:
             print(f"mobiuspipe: no complete checkpoint under {root}: starting at step 0", flush=True)
         return 0
     try:
-        outcome: int | str = load_checkpoint(pipe, folder)
+        outcome: int | str = load_checkpoint(pipe, folder, run)
     except UserError as e:
         outcome = str(e)
     every = gather_all(pipe.info, outcome)
@@ -75,8 +92,8 @@ class Checkpointer:
     ride on the loop's per-step gather (`status`); once every rank has written, rank 0 commits. A new
     checkpoint, a stop and the end of the run first finish the one in flight."""
 
-    def __init__(self, t: TrainConfig, pipe: Pipeline, config_yaml: str):
-        self.t, self.pipe, self.config_yaml = t, pipe, config_yaml
+    def __init__(self, t: TrainConfig, pipe: Pipeline, config_yaml: str, run: dict | None = None):
+        self.t, self.pipe, self.config_yaml, self.run = t, pipe, config_yaml, run
         self.root = Path(t.checkpoint_root) if t.checkpoint_root else None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="mobiuspipe-checkpoint")
         self.pending: tuple[int, Future] | None = None
@@ -118,7 +135,7 @@ class Checkpointer:
     def _commit(self, every: list) -> Path:
         assert self.pending is not None and self.root is not None
         step, self.pending = self.pending[0], None
-        return commit_checkpoint(self.pipe, self.root, step, every, self.t.keep_checkpoints, self.config_yaml)
+        return commit_checkpoint(self.pipe, self.root, step, every, self.t.keep_checkpoints, self.config_yaml, self.run)
 
     def close(self) -> None:
         """Stop the writer thread (a write in flight finishes; an uncommitted one stays unfinished on disk)."""

@@ -37,7 +37,7 @@ from mobiuspipe.pipeline import Pipeline
 from mobiuspipe.preflight import at_start_up, rank_checks, report
 from mobiuspipe.profiler import TORCH_DTYPES
 from mobiuspipe.ranks import gather_all
-from mobiuspipe.run_checkpoints import Checkpointer, StopSignals, resume_run
+from mobiuspipe.run_checkpoints import Checkpointer, StopSignals, resume_run, run_identity
 from mobiuspipe.step_result import StepResult
 from mobiuspipe.usage import RankStep, folder_bytes, host_rss_bytes
 from partition.costmodel import ARENA_SLOTS
@@ -130,8 +130,9 @@ def _steps(
     cfg: RunConfig, pipe: Pipeline, data: PackedTokens, held_out: PackedTokens | None, signals: StopSignals
 ) -> bool:
     """The steps from where the run resumes; True when every step ran, False when a signal stopped it."""
-    start = resume_run(cfg.train, pipe)
-    checkpoints = Checkpointer(cfg.train, pipe, cfg.to_yaml())
+    run = run_identity(cfg)
+    start = resume_run(cfg.train, pipe, run)
+    checkpoints = Checkpointer(cfg.train, pipe, cfg.to_yaml(), run)
     try:
         return _run_steps(cfg, pipe, data, held_out, signals, checkpoints, start)
     finally:

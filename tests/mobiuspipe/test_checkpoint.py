@@ -157,3 +157,24 @@ def test_train_checks_the_resume_folder_before_launching(tmp_path):
             f"train.resume: expected a checkpoint folder (OUT_DIR/checkpoints/step-N holding `complete`), found {found}"
             in out.stderr
         )
+
+
+def test_a_checkpoint_of_other_data_or_batches_is_named(tmp_path):
+    """The loop stores run_identity (seed, data file name and size, batches) in `complete` and checks it."""
+    from mobiuspipe.run_checkpoints import run_identity
+
+    cfg = _cfg("fp32")
+    data = open_data(cfg.data, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size)
+    run = run_identity(cfg)
+    assert run["data"] == "sample.txt" and run["data_bytes"] > 0 and run["seed"] == 5
+    with _pipeline(cfg, None) as pipe:
+        _steps(pipe, data, [0])
+        folder = save_checkpoint(pipe, tmp_path / "ckpt", keep=1, run=run)
+    other = run | {"seed": 6, "batch_size": 12}
+    with _pipeline(cfg, None) as pipe:
+        with pytest.raises(CheckpointError) as e:
+            load_checkpoint(pipe, folder, other)
+        assert load_checkpoint(pipe, folder, run) == 1
+    assert "was made with other data or batches (seed: checkpoint 5, this run 6; batch_size: checkpoint 6" in str(
+        e.value
+    )
