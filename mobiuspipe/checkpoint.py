@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from foundation.errors import UserError
+from mobiuspipe.memory.store_index import fsync_path
 from mobiuspipe.ranks import gather_all
 from partition.plan import save_plan
 
@@ -153,7 +153,7 @@ def write_snapshot(snap: Snapshot, path: Path) -> tuple[int, str] | str:
     """Write a snapshot to path and fsync it (safe in a thread of its own); (bytes, sha256), or why it failed."""
     try:
         save_file(snap.tensors, str(path), metadata={"state": json.dumps(snap.state)})
-        _fsync(path)
+        fsync_path(path)
         return path.stat().st_size, _sha256(path)
     except OSError as e:
         return f"{path}: {e.strerror or e} (errno {e.errno}); free space or fix the folder, then resume"
@@ -163,13 +163,13 @@ def _commit(partial: Path, final: Path, head: dict, files: dict[str, tuple[int, 
     """Write `complete` last (tmp, fsync, rename), then move the folder into place and fsync its parent."""
     tmp = partial / f".{COMPLETE}.tmp"
     tmp.write_text(json.dumps({**head, "files": files}, indent=1))
-    _fsync(tmp)
+    fsync_path(tmp)
     tmp.replace(partial / COMPLETE)
-    _fsync(partial)
+    fsync_path(partial)
     if final.exists():  # a checkpoint of this step from an earlier attempt: replaced whole
         shutil.rmtree(final)
     partial.replace(final)
-    _fsync(final.parent)
+    fsync_path(final.parent)
 
 
 def _prune(root: Path, keep: int) -> None:
@@ -279,12 +279,3 @@ def _sha256(path: Path) -> str:
         while chunk := f.read(1 << 22):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    """Make a file's bytes (or a folder's entries) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

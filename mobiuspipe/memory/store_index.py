@@ -84,16 +84,16 @@ def save(folder: str, index: Index) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        fsync_dir(folder)
+        fsync_path(folder)
     except OSError as exc:
         raise SwapIOError(
             f"cannot write the store index {path}: {exc}; the previous index is kept", path, errno=exc.errno or 0
         ) from exc
 
 
-def fsync_dir(folder: str) -> None:
-    """Make a rename or a new file in folder durable."""
-    fd = os.open(folder, os.O_RDONLY)
+def fsync_path(path: str | os.PathLike) -> None:
+    """Make a file's bytes, or a folder's entries (a rename or a new file in it), durable."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:

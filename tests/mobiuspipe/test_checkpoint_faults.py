@@ -48,7 +48,7 @@ def _reference(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
         return _train(pipe, range(steps)), pipe.state_dict()
 
 
-@pytest.mark.parametrize("code,where", [(errno.ENOSPC, "save_file"), (errno.EIO, "_fsync")])
+@pytest.mark.parametrize("code,where", [(errno.ENOSPC, "save_file"), (errno.EIO, "fsync_path")])
 def test_a_failed_checkpoint_write_is_named_and_the_previous_one_resumes(tmp_path, monkeypatch, code, where):
     want_losses, want = _reference(4)
     root = tmp_path / "ckpt"
