@@ -79,10 +79,10 @@ def instrumented(pipe: Pipeline, parts: dict) -> Iterator[None]:
     """save_checkpoint's steps timed into parts (seconds summed over calls) by wrapping what it calls: the
     module's own functions and each stage's export_state. Undone at exit; mobiuspipe's code is unchanged."""
     names = {"save_file": "save_file", "_sha256": "sha256", "_commit": "commit", "_prune": "prune"}
-    old = {k: getattr(ckpt, k) for k in [*names, "_fsync"]}
+    old = {k: getattr(ckpt, k) for k in [*names, "fsync_path"]}
     for k, part in names.items():
         setattr(ckpt, k, _timed(old[k], parts, part))
-    ckpt._fsync = _timed(old["_fsync"], parts, "fsync", lambda path: Path(path).suffix == ".safetensors")
+    ckpt.fsync_path = _timed(old["fsync_path"], parts, "fsync", lambda path: Path(path).suffix == ".safetensors")
     for stage in pipe.engine.stages.values():
         stage.states.export_state = _timed(stage.states.export_state, parts, "export")
     try:
