@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from foundation.errors import UserError
 from mobiuspipe.memory.store_index import fsync_path
@@ -213,9 +213,9 @@ def load_checkpoint(pipe: Pipeline, folder: Path, run: dict | None = None) -> in
             f"found {path.stat().st_size} bytes{'' if path.stat().st_size != size else ' with another sha256'}); "
             f"remove {folder} to resume from the one before it"
         )
-    tensors = load_file(str(path))
-    with safe_open(str(path), "pt") as f:
+    with safe_open(str(path), "pt") as f:  # one open for the tensors and the state in the header
         state = json.loads((f.metadata() or {})["state"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
     for j, stage in pipe.engine.stages.items():
         stage.wait_update()
         own = {k[len(f"stage{j}/") :]: v for k, v in tensors.items() if k.startswith(f"stage{j}/")}

@@ -159,3 +159,28 @@ def test_host_rss_and_folder_bytes(tmp_path):
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "b").write_bytes(b"x" * 50_000)  # not directly in the folder: not counted
     assert 10_000 <= folder_bytes(str(tmp_path)) < 50_000
+
+
+def test_a_resumed_run_keeps_the_earlier_records_and_replaces_the_later(tmp_path, read_events):
+    """A run that crashed after step 3 resumes at step 2 (its checkpoint): metrics.jsonl keeps steps 0-1 (and the
+    eval after step 1), drops the rest, and TensorBoard shows the resumed run's values from step 2 on."""
+    with Reporter(steps=4, log_every=1, out_dir=str(tmp_path), stream=None) as report:
+        for s in range(4):
+            report(step_metrics(_result(s), 1e-3, _ranks(s), 512, 2e9, [0.05, 0.05]))
+            if s == 1:
+                report.eval(s, 3.0 - s)
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"kind": "train", "st')  # a line torn by the crash
+    with Reporter(steps=4, log_every=1, out_dir=str(tmp_path), stream=None, first_step=2) as report:
+        for s in range(2, 4):
+            report(step_metrics(dataclasses.replace(_result(s), loss=9.0 + s), 1e-3, _ranks(s), 512, 2e9, [0.05]))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"], r["loss"]) for r in rows] == [
+        ("train", 0, 5.0),
+        ("train", 1, 4.0),
+        ("eval", 1, 2.0),
+        ("train", 2, 11.0),
+        ("train", 3, 12.0),
+    ]
+    events = read_events(tmp_path)  # each tag's points equal metrics.jsonl's: the first run's steps 2-3 are gone
+    assert events["train/loss"] == [(0, 5.0), (1, 4.0), (2, 11.0), (3, 12.0)]
