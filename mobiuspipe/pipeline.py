@@ -21,10 +21,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from functools import partial
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from mobiuspipe import checkpoint
 from mobiuspipe.comm import Comm
 from mobiuspipe.config import MemoryConfig
 from mobiuspipe.device import Device
@@ -344,6 +346,14 @@ class Pipeline:
             return values
         t = torch.tensor(values, dtype=torch.float64, device=self.engine.device.torch_device)
         return self.engine.comm.all_reduce(t, op, what).tolist()
+
+    def save_checkpoint(self, root, keep: int = 2) -> Path:
+        """Every rank, at the same step: this step's checkpoint in root/step-N (mobiuspipe.checkpoint)."""
+        return checkpoint.save_checkpoint(self, Path(root), keep)
+
+    def load_checkpoint(self, folder) -> int:
+        """Every rank: restore a checkpoint's states, scaler, random state and step; the step to go on at."""
+        return checkpoint.load_checkpoint(self, Path(folder))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's weights (host copies, after every pending update), named as in

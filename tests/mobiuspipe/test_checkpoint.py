@@ -79,12 +79,12 @@ def test_a_resumed_run_continues_bit_identically(tmp_path, precision, tier):
     torch.manual_seed(7)
     with _pipeline(cfg, _memory(tier, tmp_path / "a")) as pipe:
         first = _steps(pipe, data, range(2))
-        folder = save_checkpoint(pipe, tmp_path / "ckpt", keep=2)
+        folder = pipe.save_checkpoint(tmp_path / "ckpt")  # the Pipeline's own, as users call it
         rest = _steps(pipe, data, range(2, STEPS))
         want = pipe.state_dict()
     torch.manual_seed(123)  # the resumed run's random state comes from the checkpoint
     with _pipeline(cfg, _memory(tier, tmp_path / "b")) as pipe:
-        assert load_checkpoint(pipe, folder) == 2
+        assert pipe.load_checkpoint(folder) == 2
         again = _steps(pipe, data, range(2, STEPS))
         got = pipe.state_dict()
     assert again == rest and len(first) == 2
