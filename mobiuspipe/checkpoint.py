@@ -4,10 +4,15 @@ Layout of CHECKPOINT_DIR/step-N (N = optimizer steps done; the run resumes at st
   rank{r}.safetensors   rank r's tensors: "stage{j}/master" (fp32 master weights, flat), "stage{j}/opt/KEY"
                         (optimizer states: AdamW's step, exp_avg, exp_avg_sq), "rng/torch" (the CPU generator),
                         "rng/cuda" (the rank's gpu generator, on CUDA); the header's metadata "state" is JSON:
-                        {"step", "scaler", "stages": {j: extra}} (extra: the optimizer's param_groups)
+                        {"step", "scaler", "stages": {j: extra}} (extra: the optimizer's param_groups, or for
+                        states in the SSD store the description of their records and "dir")
+  rank{r}/stage{j}/     states in the SSD store: hard links to the store's record files (no bytes copied; the
+                        store writes a linked record to a new file), each checked by the crc32c in the metadata.
+                        Where the filesystem cannot link them (another device), they go into the .safetensors.
   plan.yaml, config.yaml the plan the run followed and its resolved config (rank 0)
-  complete              JSON written last, by rank 0 once every rank reported its file written and fsynced:
-                        {"step", "world_size", "plan": the plan's identity, "files": {name: [bytes, sha256]}}
+  complete              JSON written last, by rank 0 once every rank reported its files written and fsynced:
+                        {"step", "world_size", "plan": the plan's identity, "run": the run's identity,
+                        "files": {name: [bytes, "crc32c:HEX"]}}
 A folder counts only with its `complete`. The ranks write into CHECKPOINT_DIR/.partial-step-N; rank 0 writes
 `complete` (temporary name, fsync, rename), renames the folder to step-N and fsyncs CHECKPOINT_DIR, so a crash
 at any point leaves the previous checkpoints as they were.
@@ -15,10 +20,10 @@ at any point leaves the previous checkpoints as they were.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
-from dataclasses import asdict, dataclass
+import zlib
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +32,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from foundation.errors import UserError
+from mobiuspipe import _ext
 from mobiuspipe.memory.store_index import fsync_path
+from mobiuspipe.optim.ooc_links import RecordError
 from mobiuspipe.ranks import gather_all
 from partition.plan import save_plan
 
@@ -42,6 +49,7 @@ __all__ = [
     "write_snapshot",
     "commit_checkpoint",
     "partial_file",
+    "prune",
     "load_checkpoint",
     "latest_checkpoint",
     "plan_identity",
@@ -75,6 +83,8 @@ class Snapshot:
     step: int
     tensors: dict[str, torch.Tensor]
     state: dict[str, Any]
+    linked: list[Path] = field(default_factory=list)
+    """Files hard-linked into the checkpoint (SSD records): fsynced with the rank's file."""
 
 
 def save_checkpoint(
@@ -95,7 +105,7 @@ def begin_checkpoint(pipe: Pipeline, root: Path) -> Snapshot:
         shutil.rmtree(partial, ignore_errors=True)  # an earlier attempt's remains
         partial.mkdir(parents=True)
     gather_all(pipe.info, None)  # the folder exists before any rank writes into it
-    return snapshot(pipe)
+    return snapshot(pipe, partial)
 
 
 def partial_file(root: Path, step: int, rank: int) -> Path:
@@ -108,12 +118,13 @@ def commit_checkpoint(
     root: Path,
     step: int,
     every: list,
-    keep: int,
+    keep: int | None,
     config_yaml: str | None = None,
     run: dict | None = None,
 ) -> Path:
     """With every rank's write_snapshot result (gathered): rank 0 commits the checkpoint of `step` and keeps
-    the newest `keep`; CheckpointError on every rank when a rank failed (the unfinished folder is removed).
+    the newest `keep` (None: prune() is called later); CheckpointError on every rank when a rank failed (the
+    unfinished folder is removed).
     `run`: what else a resumed run must share with this one (its data and batches), kept in `complete`."""
     partial, final = root / f".partial-{PREFIX}{step}", root / f"{PREFIX}{step}"
     failed = [(r, w) for r, w in enumerate(every) if isinstance(w, str)]
@@ -129,32 +140,40 @@ def commit_checkpoint(
         files = {f"rank{r}.safetensors": w for r, w in enumerate(every)}
         head = {"step": step, "world_size": pipe.info.world_size, "plan": plan_identity(pipe), "run": run}
         _commit(partial, final, head, files)
-        _prune(root, keep)
+        if keep is not None:
+            prune(root, keep)
     gather_all(pipe.info, None)  # no rank goes on (or reads it) before it is committed
     return final
 
 
-def snapshot(pipe: Pipeline) -> Snapshot:
-    """Copies of this rank's stages' states (after their pending updates), random state, scaler and step."""
-    tensors, stages = {}, {}
+def snapshot(pipe: Pipeline, folder: Path) -> Snapshot:
+    """Copies of this rank's stages' states (after their pending updates; states on SSD linked into folder
+    where it can), random state, scaler and step."""
+    tensors, stages, linked = {}, {}, []
     for j, stage in pipe.engine.stages.items():
         stage.wait_update()
-        t, extra = stage.states.export_state()
+        rel = f"rank{pipe.rank}/stage{j}"
+        t, extra = stage.states.export_state(folder / rel)
         tensors.update({f"stage{j}/{k}": v.contiguous() for k, v in t.items()})
+        if "records" in extra:
+            extra["dir"] = rel
+            linked += [folder / rel / r["file"] for r in extra["records"]["records"].values()]
         stages[str(j)] = extra
     tensors["rng/torch"] = torch.get_rng_state()
     if pipe.engine.device.is_cuda:
         tensors["rng/cuda"] = torch.cuda.get_rng_state(pipe.engine.device.torch_device)
     scaler = asdict(pipe.scaler) if pipe.scaler is not None else None
-    return Snapshot(pipe.step, tensors, {"step": pipe.step, "scaler": scaler, "stages": stages})
+    return Snapshot(pipe.step, tensors, {"step": pipe.step, "scaler": scaler, "stages": stages}, linked)
 
 
 def write_snapshot(snap: Snapshot, path: Path) -> tuple[int, str] | str:
-    """Write a snapshot to path and fsync it (safe in a thread of its own); (bytes, sha256), or why it failed."""
+    """Write a snapshot to path and fsync it and the files linked (safe in a thread of its own); (bytes,
+    checksum), or why it failed."""
     try:
         save_file(snap.tensors, str(path), metadata={"state": json.dumps(snap.state)})
-        fsync_path(path)
-        return path.stat().st_size, _sha256(path)
+        for f in [*snap.linked, *sorted({f.parent for f in snap.linked}), path]:
+            fsync_path(f)
+        return path.stat().st_size, _digest(path)
     except OSError as e:
         return f"{path}: {e.strerror or e} (errno {e.errno}); free space or fix the folder, then resume"
 
@@ -172,13 +191,16 @@ def _commit(partial: Path, final: Path, head: dict, files: dict[str, tuple[int, 
     fsync_path(final.parent)
 
 
-def _prune(root: Path, keep: int) -> None:
-    """Remove all but the newest `keep` complete checkpoints, and the unfinished writes crashes left."""
+def prune(root: Path, keep: int) -> None:
+    """Remove all but the newest `keep` complete checkpoints (keep 0: none), and the unfinished writes that
+    crashes left of steps up to the newest (a later one may be in flight)."""
     done = sorted(_steps(root, complete_only=True))
     for step in done[:-keep] if keep > 0 else []:
         shutil.rmtree(root / f"{PREFIX}{step}", ignore_errors=True)
-    for stale in root.glob(f".partial-{PREFIX}*"):  # a write a crash interrupted
-        shutil.rmtree(stale, ignore_errors=True)
+    for stale in root.glob(f".partial-{PREFIX}*"):
+        tail = stale.name[len(f".partial-{PREFIX}") :]
+        if done and tail.isdigit() and int(tail) <= done[-1]:
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def _steps(root: Path, complete_only: bool) -> list[int]:
@@ -207,10 +229,10 @@ def load_checkpoint(pipe: Pipeline, folder: Path, run: dict | None = None) -> in
     size, digest = head["files"][name]
     if not path.is_file():
         raise CheckpointError(f"checkpoint {folder}: {name} is missing; resume from an older checkpoint")
-    if path.stat().st_size != size or _sha256(path) != digest:
+    if path.stat().st_size != size or _digest(path, digest.split(":")[0]) != digest:
         raise CheckpointError(
-            f"checkpoint {folder}: {path} is corrupted (expected {size} bytes with sha256 {digest[:12]}..., "
-            f"found {path.stat().st_size} bytes{'' if path.stat().st_size != size else ' with another sha256'}); "
+            f"checkpoint {folder}: {path} is corrupted (expected {size} bytes with {digest}, found "
+            f"{path.stat().st_size} bytes{'' if path.stat().st_size != size else ' with another checksum'}); "
             f"remove {folder} to resume from the one before it"
         )
     with safe_open(str(path), "pt") as f:  # one open for the tensors and the state in the header
@@ -219,7 +241,14 @@ def load_checkpoint(pipe: Pipeline, folder: Path, run: dict | None = None) -> in
     for j, stage in pipe.engine.stages.items():
         stage.wait_update()
         own = {k[len(f"stage{j}/") :]: v for k, v in tensors.items() if k.startswith(f"stage{j}/")}
-        stage.states.import_state(own, state["stages"][str(j)])
+        extra = state["stages"][str(j)]
+        try:
+            stage.states.import_state(own, extra, folder / extra["dir"] if "dir" in extra else None)
+        except RecordError as e:
+            raise CheckpointError(
+                f"checkpoint {folder}: stage {j}'s states are damaged: {e}; remove {folder} to resume from the one "
+                "before it"
+            ) from e
     if pipe.scaler is not None and state["scaler"] is not None:
         for k, v in state["scaler"].items():
             setattr(pipe.scaler, k, v)
@@ -273,9 +302,17 @@ def _check_run(theirs: dict | None, mine: dict | None, folder: Path) -> None:
         )
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
+def _digest(path: Path, algo: str | None = None) -> str:
+    """ "ALGO:HEX" of the file's bytes: crc32c (the C++ extension's; zlib's crc32 without it) by default."""
+    algo = algo or ("crc32c" if _ext.HAVE_C else "crc32")
+    if algo == "crc32c" and not _ext.HAVE_C:
+        raise CheckpointError(
+            f"{path} was checked with crc32c, which needs the C++ extension ({_ext.WHY_NOT}): build it with "
+            "`python -m mobiuspipe._build`"
+        )
+    crc = 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(1 << 24):
+            t = torch.frombuffer(bytearray(chunk), dtype=torch.uint8)
+            crc = int(_ext.C.crc32c(t, crc)) if algo == "crc32c" else zlib.crc32(chunk, crc)
+    return f"{algo}:{crc:08x}"

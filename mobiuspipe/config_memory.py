@@ -26,8 +26,9 @@ class MemoryConfig(Section):
     "host": in host memory; "ssd": in the SSD store too, streamed through staging buffers (needs optimizer:
     ssd, whose update writes them); "auto": in host memory while they fit, after the optimizer states."""
     ssd_dir: str | None = field(default=None, metadata=WRITTEN_PATH)
-    """Folder of the ssd tier, relative to the config file's folder; each rank keeps its store in ssd_dir/rank{r},
-    which must not hold an earlier run's states (resuming from them is not supported yet)."""
+    """Folder of the ssd tier, relative to the config file's folder; each rank keeps its store in ssd_dir/rank{r}.
+    A run starts it afresh (what an earlier run left there is discarded: runs resume from their checkpoints);
+    checkpoints on the same filesystem hard-link its files instead of copying them."""
     host_budget_mb: float = 1024.0
     """Host memory per rank for the states (MiB): what stays in memory plus the streaming slots of the
     stages on SSD. With optimizer and weights on host it is not enforced."""

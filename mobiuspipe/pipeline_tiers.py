@@ -4,6 +4,7 @@ rank to its stages, gathered so that every rank knows every stage's tiers, and t
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 
 from foundation.units import MiB
@@ -47,11 +48,8 @@ def agree_on_tiers(
     except ValueError as e:
         raise PipelineError(str(e)) from e
     store = SSDStore(os.path.join(mem.ssd_dir, f"rank{info.rank}"))
-    if store.meta:
-        store.close()
-        raise PipelineError(
-            f"{store.folder} holds the optimizer states of an earlier run ({sorted(store.meta)}); resuming "
-            f"from them is not supported yet: remove the folder or choose another memory.ssd_dir"
-        )
+    if store.meta:  # swap space an earlier run (or attempt) left: a run resumes from its checkpoints instead
+        warnings.warn(f"discarding the optimizer states an earlier run left in {store.folder}", stacklevel=2)
+        store.clear()
     tier = SsdTier(store, placement.slot_bytes, hyper)
     return placement, state_tiers, store, {j: tier if t == "ssd" else None for j, t in placement.optimizer.items()}

@@ -16,6 +16,7 @@ from mobiuspipe.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     partial_file,
+    prune,
     write_snapshot,
 )
 from mobiuspipe.config import RunConfig, TrainConfig
@@ -135,7 +136,10 @@ class Checkpointer:
     def _commit(self, every: list) -> Path:
         assert self.pending is not None and self.root is not None
         step, self.pending = self.pending[0], None
-        return commit_checkpoint(self.pipe, self.root, step, every, self.t.keep_checkpoints, self.config_yaml, self.run)
+        folder = commit_checkpoint(self.pipe, self.root, step, every, None, self.config_yaml, self.run)
+        if self.pipe.rank == 0:  # off the loop: removing a big checkpoint takes a while
+            self.pool.submit(prune, self.root, self.t.keep_checkpoints)
+        return folder
 
     def close(self) -> None:
         """Stop the writer thread (a write in flight finishes; an uncommitted one stays unfinished on disk)."""

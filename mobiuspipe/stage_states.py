@@ -7,8 +7,11 @@ the same pass; all give the same bits (the same AdamW kernel, elementwise).
 
 from __future__ import annotations
 
+import shutil
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -19,6 +22,7 @@ from mobiuspipe.memory.ssd_store import SSDStore
 from mobiuspipe.memory.weight_stream import BUFFERS, SsdWeights, sum_of_squares
 from mobiuspipe.optim.ooc_adam import OutOfCoreAdam
 from mobiuspipe.optim.ooc_groups import BYTES_PER_ELEM, ELEM_ALIGN, least_budget_bytes
+from mobiuspipe.optim.ooc_links import adopt_records, link_records
 
 ADAM_SLOTS = 4
 """Group slots of each stage's out-of-core Adam (read ahead, update, write back, one spare)."""
@@ -131,9 +135,10 @@ class HostStates:
     def master_weights(self) -> torch.Tensor:
         return self.master.data
 
-    def export_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+    def export_state(self, link_dir: Path | None = None) -> tuple[dict[str, torch.Tensor], dict]:
         """A copy of what the next step depends on: {"master": fp32 flat, "opt/KEY": the optimizer's state
-        tensors (AdamW: step, exp_avg, exp_avg_sq)} and the optimizer's param_groups (hyper-parameters)."""
+        tensors (AdamW: step, exp_avg, exp_avg_sq)} and the optimizer's param_groups (hyper-parameters).
+        States on SSD are hard-linked into link_dir instead where it can (see SsdStates)."""
         sd = self.optimizer.state_dict()
         own = sd["state"].get(0, {})
         tensors = {"master": self.master.data.clone()}
@@ -141,8 +146,9 @@ class HostStates:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
         return tensors, {"param_groups": groups}
 
-    def import_state(self, tensors: dict[str, torch.Tensor], extra: dict) -> None:
-        """Set the states export_state gave (the device-dtype weights follow from the master)."""
+    def import_state(self, tensors: dict[str, torch.Tensor], extra: dict, link_dir: Path | None = None) -> None:
+        """Set the states export_state gave (the device-dtype weights follow from the master); link_dir: where
+        export_state linked the files of states on SSD."""
         self.master.data.copy_(tensors["master"])
         if not self.loads_master:
             self.weights.copy_(self.master.data)
@@ -161,16 +167,33 @@ def _tensor(v) -> torch.Tensor:
     return v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=torch.float64)
 
 
-def _export_ooc(opt: OutOfCoreAdam) -> tuple[dict[str, torch.Tensor], dict]:
-    """An out-of-core AdamW's states in export_state's form (read from the store, fp32 flat)."""
+def _export_ooc(opt: OutOfCoreAdam, link_dir: Path | None) -> tuple[dict[str, torch.Tensor], dict]:
+    """An out-of-core AdamW's states in export_state's form: its records hard-linked into link_dir (no
+    bytes copied), or where that cannot be (another filesystem), read from the store (fp32 flat)."""
+    if link_dir is not None:
+        try:
+            return {}, {"records": link_records(opt, link_dir)}
+        except OSError as e:
+            shutil.rmtree(link_dir, ignore_errors=True)
+            warnings.warn(
+                f"the checkpoint folder {link_dir.parent} cannot hard-link the SSD store's files ({e.strerror or e}): "
+                "its states are copied through memory; a checkpoint folder on the store's filesystem costs no copy",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     state = opt.read_state()["w"]
     tensors = {"master": state["param"], "opt/exp_avg": state["exp_avg"], "opt/exp_avg_sq": state["exp_avg_sq"]}
     tensors["opt/step"] = torch.tensor(float(opt.step_count), dtype=torch.float32)
     return tensors, {}
 
 
-def _import_ooc(opt: OutOfCoreAdam, tensors: dict[str, torch.Tensor]) -> None:
-    """Write export_state's form into an out-of-core AdamW's records and step count."""
+def _import_ooc(opt: OutOfCoreAdam, tensors: dict[str, torch.Tensor], extra: dict, link_dir: Path | None) -> None:
+    """Set an out-of-core AdamW's records and step count from export_state's form."""
+    if "records" in extra:
+        if link_dir is None:
+            raise ValueError("the states were linked into a checkpoint folder: pass it to import_state")
+        adopt_records(opt, link_dir, extra["records"])
+        return
     m = tensors["master"]
     moments = {k: tensors.get(f"opt/{k}", torch.zeros_like(m)) for k in ("exp_avg", "exp_avg_sq")}
     step = int(tensors["opt/step"].item()) if "opt/step" in tensors else 0
@@ -194,14 +217,14 @@ class SsdStates(HostStates):
         self.optimizer.step({"w": grad}, {"w": self.weights})
 
     def master_weights(self) -> torch.Tensor:
-        return self.optimizer.read_state()["w"]["param"]
+        return self.optimizer.read_state(("param",))["w"]["param"]
 
-    def export_state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        return _export_ooc(self.optimizer)
+    def export_state(self, link_dir: Path | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+        return _export_ooc(self.optimizer, link_dir)
 
-    def import_state(self, tensors: dict[str, torch.Tensor], extra: dict) -> None:
-        _import_ooc(self.optimizer, tensors)
-        self.weights.copy_(tensors["master"])
+    def import_state(self, tensors: dict[str, torch.Tensor], extra: dict, link_dir: Path | None = None) -> None:
+        _import_ooc(self.optimizer, tensors, extra, link_dir)
+        self.weights.copy_(self.master_weights())
 
 
 class SsdStreamStates:
@@ -246,14 +269,14 @@ class SsdStreamStates:
         self.stream.end_update(failed=False)
 
     def master_weights(self) -> torch.Tensor:
-        return self.optimizer.read_state()["w"]["param"]
+        return self.optimizer.read_state(("param",))["w"]["param"]
 
-    def export_state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        return _export_ooc(self.optimizer)
+    def export_state(self, link_dir: Path | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+        return _export_ooc(self.optimizer, link_dir)
 
-    def import_state(self, tensors: dict[str, torch.Tensor], extra: dict) -> None:
-        _import_ooc(self.optimizer, tensors)
-        self.stream.rewrite(tensors["master"].to(self.stream.dtype))
+    def import_state(self, tensors: dict[str, torch.Tensor], extra: dict, link_dir: Path | None = None) -> None:
+        _import_ooc(self.optimizer, tensors, extra, link_dir)
+        self.stream.rewrite(self.master_weights().to(self.stream.dtype))
 
 
 StageStates = HostStates | SsdStates | SsdStreamStates

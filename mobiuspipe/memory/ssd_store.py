@@ -4,7 +4,8 @@ async variants returning futures, a checksum per tensor verified on every read, 
 One store per job folder (a lock keeps a second process out). Threads may use one store for different
 keys at once (the index is changed under a lock); operations on one key must be ordered by the caller.
 The index on disk is the state at the last flush() or close(); a crash after it leaves tensors whose
-files changed since then failing their checksum on read (an error), never silently wrong data.
+files changed since then failing their checksum on read (an error), never silently wrong data. A file with a
+second name (a checkpoint's hard link, link_to/adopt) is never written in place.
 """
 
 from __future__ import annotations
@@ -14,75 +15,22 @@ import os
 import shutil
 import threading
 import warnings
-import zlib
-from collections.abc import Callable
-from typing import Generic, TypeVar
+from dataclasses import replace
+from typing import TypeVar
 
 import torch
 
 from foundation.units import fmt_bytes
-from mobiuspipe import _ext
 from mobiuspipe.errors import SwapIOError
 from mobiuspipe.memory import store_index
 from mobiuspipe.memory.aio import IOEngine, aligned_empty, round_up, swap_error
-from mobiuspipe.memory.store_folder import direct_refused, lock_folder
+from mobiuspipe.memory.store_folder import direct_refused, lock_folder, remove_orphans
+from mobiuspipe.memory.store_future import StoreFuture, checksum, drain
 from mobiuspipe.memory.store_index import Entry
 
 __all__ = ["SSDStore", "StoreFuture", "checksum", "drain"]
 
-T_co = TypeVar("T_co", covariant=True)  # what a future's result() returns: the tensor read, or None
-_T = TypeVar("_T", bound="torch.Tensor | None")  # the same, for one call of _track
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
-
-
-def checksum(t: torch.Tensor, algo: str) -> int:
-    """CRC of a contiguous CPU tensor's bytes: 'crc32c' (C++ extension) or 'crc32' (zlib)."""
-    if t.numel() == 0:
-        return 0
-    if algo == "crc32c":
-        if not _ext.HAVE_C:
-            raise SwapIOError(
-                "this tensor was stored with a crc32c checksum, which needs the C++ extension "
-                f"({_ext.WHY_NOT}): build it with `python -m mobiuspipe._build`"
-            )
-        return int(_ext.C.crc32c(_bytes(t)))
-    return zlib.crc32(_bytes(t).numpy().data)
-
-
-class StoreFuture(Generic[T_co]):
-    """The pending result of put_async/get_async: result() waits, then returns or raises SwapIOError."""
-
-    def __init__(self, finish: Callable[[], T_co], ready: Callable[[], bool]):
-        self._finish, self._ready = finish, ready
-        self._outcome: tuple[T_co] | BaseException | None = None  # (value,) or the error, once settled
-
-    def done(self) -> bool:
-        """Whether the I/O has ended (result() then does not block)."""
-        return self._outcome is not None or self._ready()
-
-    def result(self) -> T_co:
-        """The tensor read (get) or None (put); raises the I/O's SwapIOError. Safe to call twice."""
-        if self._outcome is None:
-            try:
-                self._outcome = (self._finish(),)
-            except BaseException as exc:  # noqa: BLE001  kept, and raised again on every call
-                self._outcome = exc
-        if isinstance(self._outcome, BaseException):
-            raise self._outcome
-        return self._outcome[0]
-
-
-def drain(futures) -> None:
-    """Wait for every future, dropping their errors: for clean-up while another error is on its way up
-    (buffers must be idle before anyone reuses them, and these errors would hide the first one)."""
-    for f in list(futures):
-        try:
-            f.result()
-        except Exception:  # noqa: BLE001  see the docstring
-            pass
+_T = TypeVar("_T", bound="torch.Tensor | None")  # what one tracked future returns: the tensor read, or None
 
 
 class SSDStore:
@@ -109,6 +57,7 @@ class SSDStore:
         try:
             self.engine = IOEngine(backend, queue_depth, block_bytes)
             self.index = store_index.load(self.folder)
+            remove_orphans(self.folder, {e.file for e in self.index.entries.values()})
             self.direct, self.note = self._choose_direct(direct)
         except BaseException:
             os.close(self._lock_fd)  # releases the folder
@@ -118,11 +67,11 @@ class SSDStore:
             warnings.warn(f"SSD store {self.folder}: {self.note}", RuntimeWarning, stacklevel=2)
         self._inflight: dict[str, StoreFuture[torch.Tensor | None]] = {}
         self._dirty: set[str] = set()
+        self._retired: list[str] = []  # files no entry names any more, unlinked once the index says so
         self._mutex = threading.Lock()
         """Held while the index, the in-flight table or the dirty set change (never during I/O)."""
         self._closed = False
 
-    # ------------------------------------------------------------------ queries
     def keys(self) -> list[str]:
         """Keys stored or being written."""
         return sorted(set(self.index.entries) | set(self._inflight))
@@ -166,7 +115,10 @@ class SSDStore:
         self._settle(key)
         with self._mutex:
             old = self.index.entries.get(key)
-            name = old.file if old else self.index.new_file()
+            shared = old is not None and _links(os.path.join(self.folder, old.file)) > 1  # a checkpoint's too
+            name = old.file if old and not shared else self.index.new_file()  # a shared file stays as it is
+            if old and shared:
+                self._retired.append(old.file)
         path = os.path.join(self.folder, name)
         nbytes = t.numel() * t.element_size()
         fd = self._open(path, write=True)
@@ -199,10 +151,46 @@ class SSDStore:
         entry = self._entry(key)
         del self.index.entries[key]
         self._dirty.discard(entry.file)
+        _unlink(os.path.join(self.folder, entry.file))
+
+    def clear(self) -> None:
+        """Remove every tensor and the metadata, and write the (empty) index."""
+        for key in self.keys():
+            self.delete(key)
+        self.index.meta.clear()
+        self.flush()
+
+    # ------------------------------------------------------------------ links (checkpoints)
+    def link_to(self, key: str, path: str) -> Entry:
+        """Hard-link key's file at path (a checkpoint's copy that costs no bytes); while a second link exists,
+        the file is never written in place: the next put of key goes to a new file. OSError when path's
+        filesystem cannot link it (another device: EXDEV). Call flush() first (the bytes durable)."""
+        self._check_open()
+        self._settle(key)
+        entry = self._entry(key)
+        if entry.damaged:
+            raise SwapIOError(f"tensor {key!r} cannot be trusted: {entry.damaged}", entry.file)
+        os.link(os.path.join(self.folder, entry.file), path)
+        return replace(entry)
+
+    def adopt(self, key: str, path: str, entry: Entry) -> None:
+        """Make the file at path (described by entry: dtype, shape, nbytes, checksum) key's tensor: linked in
+        when path's filesystem allows, else copied; the file at path is never written. flush() after."""
+        self._check_open()
+        self._settle(key)
+        with self._mutex:
+            name = self.index.new_file()
+        dst = os.path.join(self.folder, name)
         try:
-            os.unlink(os.path.join(self.folder, entry.file))
-        except FileNotFoundError:
-            pass
+            os.link(path, dst)
+        except OSError:  # another filesystem, or one without hard links
+            shutil.copyfile(path, dst)
+        with self._mutex:
+            old = self.index.entries.get(key)
+            if old is not None:
+                self._retired.append(old.file)
+            self.index.entries[key] = replace(entry, file=name, damaged="")
+            self._dirty.add(name)
 
     # ------------------------------------------------------------------ reads
     def get(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -282,6 +270,9 @@ class SSDStore:
         with self._mutex:
             self._dirty.clear()
             store_index.save(self.folder, self.index)
+            retired, self._retired = self._retired, []
+        for name in retired:
+            _unlink(os.path.join(self.folder, name))
 
     def close(self) -> None:
         """flush(), then release the folder."""
@@ -299,7 +290,6 @@ class SSDStore:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ helpers
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"the SSD store {self.folder} is closed")
@@ -380,6 +370,21 @@ class SSDStore:
         if why:
             return False, f"O_DIRECT refused ({why}): using buffered I/O (the page cache keeps a copy)"
         return True, ""
+
+
+def _links(path: str) -> int:
+    """How many names the file has (0 when it does not exist)."""
+    try:
+        return os.stat(path).st_nlink
+    except FileNotFoundError:
+        return 0
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _host_tensor(t: torch.Tensor, key: str) -> torch.Tensor:

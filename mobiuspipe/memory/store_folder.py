@@ -1,4 +1,5 @@
-"""The SSD store's folder: the lock that keeps a second process out, and the probe for O_DIRECT."""
+"""The SSD store's folder: the lock that keeps a second process out, the probe for O_DIRECT, and the removal
+of data files a crash left unnamed by the index."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import os
 from mobiuspipe.errors import SwapIOError
 from mobiuspipe.memory.aio import ALIGN, IOEngine, aligned_empty
 
-__all__ = ["direct_refused", "lock_folder"]
+__all__ = ["direct_refused", "lock_folder", "remove_orphans"]
 
 
 def direct_refused(folder: str, engine: IOEngine) -> str:
@@ -49,3 +50,12 @@ def lock_folder(folder: str) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd
+
+
+def remove_orphans(folder: str, named: set[str]) -> None:
+    """Unlink the data files (*.bin) of folder that the index does not name: a run that crashed before its
+    index was written left them. A new file must never take over such a file, which a checkpoint may have
+    linked (unlinking keeps the checkpoint's name)."""
+    for name in os.listdir(folder):
+        if name.endswith(".bin") and name not in named:
+            os.unlink(os.path.join(folder, name))

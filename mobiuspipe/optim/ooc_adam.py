@@ -35,6 +35,8 @@ from mobiuspipe.optim.ooc_groups import (
 __all__ = ["OutOfCoreAdam", "GroupStream", "plan_groups", "least_budget_bytes"]
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+STATE_PARTS = ("param", "exp_avg", "exp_avg_sq")
+"""The sections of a record, in order: fp32 master weights and AdamW's two moments."""
 
 
 class GroupStream(Protocol):
@@ -294,15 +296,17 @@ class OutOfCoreAdam:
             f.result()
 
     # ------------------------------------------------------------------ reading states back
-    def read_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Every parameter's {"param", "exp_avg", "exp_avg_sq"} as fp32 tensors of its shape (allocates the
-        whole model's states in memory: for checkpoints, checks and tests)."""
-        out = {n: {k: torch.empty(self.shapes[n]) for k in ("param", "exp_avg", "exp_avg_sq")} for n in self.names}
+    def read_state(self, parts: tuple[str, ...] = STATE_PARTS) -> dict[str, dict[str, torch.Tensor]]:
+        """Every parameter's `parts` of {"param", "exp_avg", "exp_avg_sq"} as fp32 tensors of its shape
+        (allocates them for the whole model in memory: for exports, checks and tests)."""
+        out = {n: {k: torch.empty(self.shapes[n]) for k in parts} for n in self.names}
         for i, segs in enumerate(self.groups):
             self._read(i).result()
             _, p, m, v = self._sections(i, self.slots[i % len(self.slots)])
             for s in segs:
-                for key, src in (("param", p), ("exp_avg", m), ("exp_avg_sq", v)):
+                for key, src in zip(STATE_PARTS, (p, m, v)):
+                    if key not in parts:
+                        continue
                     dst = out[s.name][key].view(-1)
                     dst[s.param_off : s.param_off + s.numel] = src[s.group_off : s.group_off + s.numel]
         return out

@@ -21,12 +21,16 @@ pytestmark = pytest.mark.slow
 STEPS = 10
 
 
-def _config(tmp_path: Path, name: str, precision: str, write_config) -> Path:
+def _config(tmp_path: Path, name: str, precision: str, write_config, ssd: bool = False) -> Path:
     folder = tmp_path / name
     folder.mkdir()
+    # ssd: every state in each rank's SSD store, whose files the checkpoints hard-link; a restarted job finds
+    # the killed attempt's store and starts it afresh from the checkpoint
+    memory = {"optimizer": "ssd", "weights": "ssd", "ssd_dir": str(folder / "ssd"), "host_budget_mb": 1.0}
     return write_config(
         folder,
         {
+            **({"memory": memory} if ssd else {}),
             "model": {"num_blocks": 4, "d_model": 32, "num_heads": 4, "seq_len": 32},
             "data": {"batch_size": 4, "num_microbatches": 2},
             "train": {
@@ -93,14 +97,14 @@ def _same(a, b) -> None:
         assert torch.equal(a[1][k], b[1][k]), k
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_a_killed_rank_restarts_and_resumes_bit_identically(tmp_path, launch, precision):
+@pytest.mark.parametrize("precision,ssd", [("fp32", False), ("bf16", True)])
+def test_a_killed_rank_restarts_and_resumes_bit_identically(tmp_path, launch, precision, ssd):
     write_config, torchrun = launch
-    whole = _config(tmp_path, "whole", precision, write_config)
+    whole = _config(tmp_path, "whole", precision, write_config, ssd)
     proc = torchrun(whole, 2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
-    cut = _config(tmp_path, "cut", precision, write_config)
+    cut = _config(tmp_path, "cut", precision, write_config, ssd)
     out = cut.parent / "out"
     job = _launch(cut, "--max-restarts", "1")
     try:
