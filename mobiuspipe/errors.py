@@ -38,5 +38,10 @@ class SwapIOError(UserError, RuntimeError):
         self.errno = errno
 
 
+class StartUpError(UserError, RuntimeError):
+    """A rank of the job `mobiuspipe train` launched stopped at start-up with a mistake: its message, which
+    `mobiuspipe train` prints once and exits 2 with."""
+
+
 class PipelineError(UserError, ValueError):
     """A Pipeline was given layers, a plan, a loss or a batch that do not fit together."""

@@ -4,7 +4,9 @@ a mistake found at start-up is reported: one line per host, exit 2.
 `mobiuspipe train` runs these checks before it starts torchrun (`launch_checks`), and every rank again at
 start-up, before the process group exists (`rank_checks`). Every rank then finds the same mistakes from
 the same config and files; `at_start_up()` marks them so that `report` prints them on the host's first
-rank only while the other ranks exit quietly with the same code.
+rank only while the other ranks exit quietly with the same code. Under `mobiuspipe train` (ERRORS_ENV set)
+no rank prints one: each writes it into that folder, and `mobiuspipe train` prints it once, after torchrun
+has stopped, and exits 2 (`start_up_error`).
 """
 
 from __future__ import annotations
@@ -28,12 +30,24 @@ from mobiuspipe.errors import ConfigError
 from mobiuspipe.ranks import rank_info
 from partition.plan import Plan, load_plan
 
-__all__ = ["check_writable", "launch_checks", "rank_checks", "at_start_up", "report", "USER_ERROR_EXIT"]
+__all__ = [
+    "check_writable",
+    "launch_checks",
+    "rank_checks",
+    "at_start_up",
+    "report",
+    "start_up_error",
+    "USER_ERROR_EXIT",
+    "ERRORS_ENV",
+]
 
 USER_ERROR_EXIT = 2
 """The exit code of a mistake the user can fix (a bug keeps Python's traceback and exit 1)."""
 QUIET_WAIT_S = 10.0
 """How long a rank other than the host's first waits for that rank to report a start-up mistake (seconds)."""
+ERRORS_ENV = "MOBIUSPIPE_START_UP_ERRORS"
+"""The environment variable naming the folder where ranks leave their start-up mistakes for `mobiuspipe train`
+(a file `rank{RANK}` each, holding the message)."""
 _AT_START_UP = "_mobiuspipe_at_start_up"
 """The attribute at_start_up() sets on the errors it lets through."""
 
@@ -156,25 +170,51 @@ def _raise(cfg: RunConfig, problems: list[Problem]) -> None:
 
 
 @contextmanager
-def at_start_up() -> Iterator[None]:
-    """Marks the user errors raised inside as start-up mistakes, which every rank finds alike (the same config
-    and files, before any rank talks to another): `report` prints them once per host."""
+def at_start_up(kind: type[UserError] = UserError) -> Iterator[None]:
+    """Marks the user errors (of `kind`) raised inside as start-up mistakes, which every rank finds alike (the
+    same config and files, before any rank talks to another; or a mistake the ranks have agreed on, as in the
+    checkpoint a run resumes from): `report` prints them once per host."""
     try:
         yield
-    except UserError as e:
+    except kind as e:
         setattr(e, _AT_START_UP, True)
         raise
 
 
 def report(e: UserError, prog: str) -> int:
     """Print `e` as one line on stderr (`PROG: error: ...`) and return the exit code 2. A start-up mistake
-    (at_start_up) is printed by the host's first rank (LOCAL_RANK 0, or no launcher); another rank waits for
-    it: when that rank exits, torchrun stops the others with SIGTERM, and this one exits 2 without a word.
+    (at_start_up) under `mobiuspipe train` is written into its ERRORS_ENV folder instead (it prints it). Under
+    plain torchrun it is printed by the host's first rank (LOCAL_RANK 0, or no launcher); another rank waits
+    for it: when that rank exits, torchrun stops the others with SIGTERM, and this one exits 2 without a word.
     Only if that does not happen within QUIET_WAIT_S (the mistake is this rank's alone) does it print too."""
-    if getattr(e, _AT_START_UP, False) and os.environ.get("LOCAL_RANK", "0") != "0":
-        _await_first_rank()
+    if getattr(e, _AT_START_UP, False):
+        if _leave_for_launcher(str(e)):
+            return USER_ERROR_EXIT
+        if os.environ.get("LOCAL_RANK", "0") != "0":
+            _await_first_rank()
     print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
     return USER_ERROR_EXIT
+
+
+def _leave_for_launcher(message: str) -> bool:
+    """Write a start-up mistake into the ERRORS_ENV folder as rank{RANK} (temporary name, then rename); False
+    without that folder, or when the write fails (the rank then prints the mistake itself)."""
+    folder = os.environ.get(ERRORS_ENV)
+    if not folder:
+        return False
+    path = Path(folder) / f"rank{os.environ.get('RANK', '0')}"
+    try:
+        path.with_suffix(".tmp").write_text(message)
+        path.with_suffix(".tmp").replace(path)
+    except OSError:  # the launcher's folder is gone: say it here rather than not at all
+        return False
+    return True
+
+
+def start_up_error(folder: Path) -> str | None:
+    """The start-up mistake the ranks left in `folder` (ERRORS_ENV): the lowest rank's; None when none did."""
+    ranks = [int(p.name[4:]) for p in folder.glob("rank*") if p.name[4:].isdigit()]
+    return (folder / f"rank{min(ranks)}").read_text() if ranks else None
 
 
 def _await_first_rank() -> None:

@@ -4,7 +4,9 @@ Each rank is one gpu of the plan: the model (model.hf's Hugging Face model, or t
 through the public Pipeline (mobiuspipe.pipeline), which builds only this rank's stages, keeps their
 weights in their tiers and runs its schedule every step; rank 0 reports. At the end every rank writes its
 stages' weights (out_dir/weights) and its shards of the export (train.export_dir). Errors a user can fix
-print one line and exit 2; those found at start-up, alike on every rank, print on each host's first rank only.
+print one line and exit 2; those found at start-up, alike on every rank (a bad config, data, plan, or the
+checkpoint to resume from), print on each host's first rank only, or under `mobiuspipe train` go to it (it prints
+them once and exits 2: mobiuspipe.preflight).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from foundation.errors import UserError
 from foundation.timing import Stopwatch
 from foundation.units import fmt_bytes
+from mobiuspipe.checkpoint import CheckpointError
 from mobiuspipe.config import RunConfig, load_config
 from mobiuspipe.config_plan import model_spec
 from mobiuspipe.dataset import PackedTokens, open_run_data
@@ -131,7 +134,8 @@ def _steps(
 ) -> bool:
     """The steps from where the run resumes; True when every step ran, False when a signal stopped it."""
     run = run_identity(cfg)
-    start = resume_run(cfg.train, pipe, run)
+    with at_start_up(CheckpointError):  # every rank raises the same one (not so a lost peer's PeerLostError)
+        start = resume_run(cfg.train, pipe, run)
     checkpoints = Checkpointer(cfg.train, pipe, cfg.to_yaml(), run)
     try:
         return _run_steps(cfg, pipe, data, held_out, signals, checkpoints, start)

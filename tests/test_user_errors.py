@@ -8,7 +8,15 @@ import pytest
 from foundation.errors import UserError
 from mobiuspipe import cli
 from mobiuspipe.cli._common import CliError
-from mobiuspipe.errors import ArenaError, ConfigError, PeerLostError, PipelineError, SwapIOError, WorldSizeError
+from mobiuspipe.errors import (
+    ArenaError,
+    ConfigError,
+    PeerLostError,
+    PipelineError,
+    StartUpError,
+    SwapIOError,
+    WorldSizeError,
+)
 from partition.errors import PlanFileError, PlanInfeasibleError, ProfileFileError, UnknownModelError
 from partition.hf import ModelConfigError
 from topology.errors import TopologyError
@@ -27,6 +35,7 @@ USER_FIXABLE = [
     ModelConfigError,
     CliError,
     PipelineError,
+    StartUpError,
 ]
 OTHER_BASES = {
     ConfigError: ValueError,
@@ -42,6 +51,7 @@ OTHER_BASES = {
     ModelConfigError: ValueError,
     CliError: ValueError,
     PipelineError: ValueError,
+    StartUpError: RuntimeError,
 }
 
 

@@ -1,5 +1,10 @@
 """`mobiuspipe train`: check a run config, its data, plan and folders, then launch torchrun, one rank per planned gpu.
 
+A mistake a rank finds at start-up (one `mobiuspipe train` could not see: a rank-only setting, the checkpoint
+to resume from) is left in a folder named in the ranks' environment (mobiuspipe.preflight.ERRORS_ENV); once
+torchrun has stopped, `mobiuspipe train` prints it as one line and exits 2. With --max-restarts it stops
+torchrun as soon as such a mistake appears, since each restart would fail the same way.
+
 On one machine torchrun runs `--standalone`. Across machines (--nnodes N > 1) the same command runs on
 every host with its own --node-rank, and torchrun's c10d rendezvous at --rdzv-endpoint HOST:PORT (a
 port on one of the hosts) gathers the N hosts; each starts nproc / N ranks. The c10d rendezvous numbers
@@ -9,15 +14,20 @@ the hosts itself (by host name; torchrun says it ignores --node_rank), so any ho
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import signal
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 from mobiuspipe.cli._common import CliError, positive_int
 
 __all__ = ["register", "run", "torchrun_command"]
 
+POLL_S = 0.1
+"""With --max-restarts: how often to look for a rank's start-up mistake while torchrun runs (seconds)."""
 DEFAULT_RDZV_ID = "mobiuspipe"
 """The rendezvous id when --rdzv-id is not given: jobs sharing an endpoint need different ids."""
 
@@ -63,9 +73,11 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace, out) -> int:
-    """Run torchrun; its ranks write straight to this process's stdout and stderr (`out` is flushed first)."""
+    """Run torchrun; its ranks write straight to this process's stdout and stderr (`out` is flushed first).
+    torchrun's exit code, or StartUpError (exit 2) with a rank's start-up mistake."""
     from mobiuspipe.config import load_config
-    from mobiuspipe.preflight import launch_checks
+    from mobiuspipe.errors import StartUpError
+    from mobiuspipe.preflight import ERRORS_ENV, launch_checks, start_up_error
     from mobiuspipe.train import open_run, with_resume
 
     # a bad config, model folder, data, plan or out_dir fails here, before any process starts
@@ -75,15 +87,31 @@ def run(args: argparse.Namespace, out) -> int:
     cmd = torchrun_command(config.source, nproc, args)
     print(f"mobiuspipe: launching {shlex.join(cmd)}", file=sys.stderr, flush=True)
     out.flush()
-    return _wait_for(subprocess.Popen(cmd))
+    with tempfile.TemporaryDirectory(prefix="mobiuspipe-start-up-") as errors:
+        torchrun = subprocess.Popen(cmd, env={**os.environ, ERRORS_ENV: errors})
+        code = _wait_for(torchrun, Path(errors) if args.max_restarts else None)
+        mistake = start_up_error(Path(errors)) if code != 0 else None
+    if mistake is not None:
+        raise StartUpError(mistake)
+    return code
 
 
-def _wait_for(torchrun: subprocess.Popen) -> int:
+def _wait_for(torchrun: subprocess.Popen, errors: Path | None) -> int:
     """torchrun's exit code. Ctrl-C reaches torchrun and its ranks from the terminal (they checkpoint and stop),
-    so this process ignores SIGINT and passes a SIGTERM on to torchrun instead of dying first."""
+    so this process ignores SIGINT and passes a SIGTERM on to torchrun instead of dying first. With `errors`
+    (the ranks' start-up mistakes folder) it stops torchrun once a mistake is there, before it restarts."""
+    from mobiuspipe.preflight import start_up_error
+
     old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
     old_term = signal.signal(signal.SIGTERM, lambda signum, frame: torchrun.send_signal(signal.SIGTERM))
     try:
+        while errors is not None:
+            try:
+                return torchrun.wait(timeout=POLL_S)
+            except subprocess.TimeoutExpired:
+                if start_up_error(errors) is not None:  # every restart would fail the same way
+                    torchrun.send_signal(signal.SIGTERM)
+                    errors = None
         return torchrun.wait()
     finally:
         signal.signal(signal.SIGINT, old_int)
