@@ -1,0 +1,140 @@
+"""Activation policies of a stage and what each one costs: the bytes held from a microbatch's forward to its
+backward, the bytes live while the backward runs, the forward time redone, and the transfer time to and from
+the tier that holds the bytes, exposed beyond the compute the schedule overlaps it with.
+
+Legend (stage j = layers a..b, one microbatch unless marked; units in brackets):
+  A_l, O_l, F_l, B_l  per-layer saved-activation bytes, output bytes, forward and backward time (profile)
+                      [bytes, bytes, s, s]
+  I_j        = O_{a-1}, the stage input (stage 0: the token ids, `input_bytes`)                 [bytes]
+  K          the kept layers, whose saved activations live from F to B (keep: all, recompute: none)
+  seg        a maximal run of the stage's layers outside K, recomputed in B from its saved input; s0 its
+             first layer
+  H_j        = sum_{l in K} A_l + sum_seg O_{s0-1}: held per microbatch from F(j,i) to B(j,i)   [bytes]
+  T_j        = max_seg sum_{l in seg} A_l + I_j + O_b: live while B(j,i) runs besides H_j       [bytes]
+             (recompute: today's A_j of partition.costmodel)
+  R_j        = sum_{l not in K} F_l: the forward redone in each B                              [s]
+  F_j, B_j   = sum_l F_l, sum_l B_l                                                            [s]
+  out, in_   bandwidth from the device to the tier and back (the share of a shared link)        [GB/s]
+  W_out      = F_j: a swap-out of microbatch i overlaps the forward of microbatch i+1            [s]
+  W_in       = B_j + R_j: a swap-in of microbatch i overlaps the backward of microbatch i+1      [s]
+  X_j        = M * (max(0, H_j / out - W_out) + max(0, H_j / in_ - W_in)): exposed transfer time   [s]
+             (tier device: 0, nothing moves)
+  C_j        = M * (F_j + B_j + R_j) + X_j: stage j's compute per step under the policy          [s]
+A policy never changes the math: every option computes the same gradients (the runtime's tests hold them to
+bit-identical results); it trades device bytes (H_j, T_j) for time (R_j, X_j).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from partition.costmodel import LayerArrays
+
+__all__ = ["MODES", "TIERS", "ActivationPolicy", "PolicyCost", "Link", "kept_layers_order", "policy_cost", "options"]
+
+MODES = ("recompute", "selective", "keep")
+"""recompute: only the stage input is held; keep: every layer's saved activations; selective: some layers'."""
+TIERS = ("device", "host", "ssd", "peer")
+"""Where the held bytes live between F and B."""
+
+
+@dataclass(frozen=True)
+class ActivationPolicy:
+    """A stage's activation policy: its mode, the kept layers (absolute indices; selective only) and its tier."""
+
+    mode: str = "recompute"
+    keep_layers: tuple[int, ...] = ()
+    tier: str = "device"
+
+    def kept(self, a: int, b: int) -> frozenset[int]:
+        """K for stage a..b."""
+        if self.mode == "keep":
+            return frozenset(range(a, b + 1))
+        return frozenset(self.keep_layers) if self.mode == "selective" else frozenset()
+
+
+@dataclass(frozen=True)
+class Link:
+    """Bandwidth from the device to a tier and back, as this stage's gpu gets it [GB/s]."""
+
+    out_gbps: float
+    in_gbps: float
+
+
+@dataclass(frozen=True)
+class PolicyCost:
+    """One option for a stage and its figures (symbols of the module legend)."""
+
+    policy: ActivationPolicy
+    held_bytes: int  # H_j
+    work_bytes: int  # T_j
+    recompute_s: float  # R_j
+    exposed_s: float  # X_j
+    compute_s: float  # C_j
+
+
+def _segments(a: int, b: int, kept: frozenset[int]) -> list[tuple[int, int]]:
+    """The maximal runs (first, last) of layers a..b outside kept."""
+    out: list[tuple[int, int]] = []
+    for layer in range(a, b + 1):
+        if layer in kept:
+            continue
+        if out and out[-1][1] == layer - 1:
+            out[-1] = (out[-1][0], layer)
+        else:
+            out.append((layer, layer))
+    return out
+
+
+def _output(arr: LayerArrays, layer: int, input_bytes: int) -> int:
+    """O_layer, where layer -1 is the model's input."""
+    return int(arr.O[layer]) if layer >= 0 else input_bytes
+
+
+def policy_cost(
+    arr: LayerArrays, a: int, b: int, m: int, policy: ActivationPolicy, link: Link | None, input_bytes: int = 0
+) -> PolicyCost:
+    """The figures of `policy` for stage a..b with m microbatches; link: the bandwidth to the policy's tier
+    (None for tier device)."""
+    kept = policy.kept(a, b)
+    segs = _segments(a, b, kept)
+    held = sum(int(arr.A[x + 1] - arr.A[x]) for x in kept) + sum(_output(arr, s0 - 1, input_bytes) for s0, _ in segs)
+    work = max((int(arr.A[e + 1] - arr.A[s]) for s, e in segs), default=0)
+    work += _output(arr, a - 1, input_bytes) + int(arr.O[b])
+    recompute = sum(float(arr.F[e + 1] - arr.F[s]) for s, e in segs)
+    fwd, bwd = float(arr.F[b + 1] - arr.F[a]), float(arr.B[b + 1] - arr.B[a])
+    exposed = 0.0
+    if policy.tier != "device":
+        if link is None:
+            raise ValueError(f"tier {policy.tier!r} needs the link's bandwidth to it")
+        out_s, in_s = held / (link.out_gbps * 1e9), held / (link.in_gbps * 1e9)
+        exposed = m * (max(0.0, out_s - fwd) + max(0.0, in_s - (bwd + recompute)))
+    return PolicyCost(policy, held, work, recompute, exposed, m * (fwd + bwd + recompute) + exposed)
+
+
+def kept_layers_order(arr: LayerArrays, a: int, b: int) -> list[int]:
+    """Stage a..b's layers, the best to keep first: the most forward time saved per byte held (Fuyou's order;
+    a layer holding nothing comes first, ties by index)."""
+
+    def score(layer: int) -> float:
+        held = int(arr.A[layer + 1] - arr.A[layer])
+        fwd = float(arr.F[layer + 1] - arr.F[layer])
+        return float("inf") if held == 0 else fwd / held
+
+    return sorted(range(a, b + 1), key=lambda x: (-score(x), x))
+
+
+def options(
+    arr: LayerArrays, a: int, b: int, m: int, links: dict[str, Link | None], input_bytes: int = 0
+) -> list[PolicyCost]:
+    """Every option for stage a..b: recompute, selective with the first k of kept_layers_order (k = 1 ..
+    n-1), keep; each on every tier of `links` (tier -> its Link; None for device). Ordered as listed."""
+    order = kept_layers_order(arr, a, b)
+    policies = [("recompute", ())]
+    policies += [("selective", tuple(sorted(order[:k]))) for k in range(1, b - a + 1)]
+    policies.append(("keep", ()))
+    return [
+        policy_cost(arr, a, b, m, ActivationPolicy(mode, kept, tier), link, input_bytes)
+        for mode, kept in policies
+        for tier, link in links.items()
+    ]

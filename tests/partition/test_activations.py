@@ -1,0 +1,111 @@
+"""Activation policies' figures (partition.activations) against hand-computed values on a 4-layer stage."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from partition.activations import ActivationPolicy, Link, kept_layers_order, options, policy_cost
+from partition.costmodel import LayerArrays
+
+# layer:          0     1     2     3
+A = np.array([1000, 4000, 2000, 3000])  # saved-activation bytes
+O = np.array([100, 200, 300, 400])  # output bytes
+F = np.array([1.0, 4.0, 1.0, 6.0])  # forward s
+B = np.array([2.0, 8.0, 2.0, 12.0])  # backward s
+
+
+def _arrays() -> LayerArrays:
+    def pre(v):
+        return np.concatenate([[0], np.cumsum(v)])
+
+    zeros = np.zeros(4)
+    return LayerArrays(P=pre(zeros), A=pre(A), F=pre(F), B=pre(B), O=O, N=pre(zeros))
+
+
+def test_recompute_holds_the_input_and_redoes_the_forward():
+    c = policy_cost(_arrays(), 1, 3, 2, ActivationPolicy("recompute"), None)
+    assert c.held_bytes == 100  # O_0, the stage input
+    assert c.work_bytes == 4000 + 2000 + 3000 + 100 + 400  # today's A_j
+    assert c.recompute_s == 11.0 and c.exposed_s == 0.0
+    assert c.compute_s == 2 * (11 + 22 + 11)
+
+
+def test_keep_holds_every_layer_and_redoes_nothing():
+    c = policy_cost(_arrays(), 1, 3, 2, ActivationPolicy("keep"), None)
+    assert (c.held_bytes, c.work_bytes, c.recompute_s) == (9000, 100 + 400, 0.0)
+    assert c.compute_s == 2 * (11 + 22)
+
+
+def test_selective_splits_the_stage_into_recomputed_segments():
+    # keep layer 2: segments 1..1 (input O_0) and 3..3 (input O_2)
+    c = policy_cost(_arrays(), 0, 3, 3, ActivationPolicy("selective", (2,)), None, input_bytes=50)
+    assert c.held_bytes == 2000 + 50 + 300
+    assert c.work_bytes == max(1000 + 4000, 3000) + 50 + 400
+    assert c.recompute_s == 1 + 4 + 6
+
+
+def test_a_swap_is_exposed_only_beyond_its_window():
+    link = Link(out_gbps=9000 / 20e9, in_gbps=9000 / 30e9)  # 20 s out, 30 s back
+    c = policy_cost(_arrays(), 1, 3, 2, ActivationPolicy("keep", tier="host"), link)
+    # window out = F_j = 11 s -> 9 s exposed; window in = B_j + R_j = 22 s -> 8 s exposed; per microbatch
+    assert c.exposed_s == pytest.approx(2 * (9 + 8))
+    assert c.compute_s == pytest.approx(2 * 33 + 34)
+    with pytest.raises(ValueError, match="needs the link's bandwidth"):
+        policy_cost(_arrays(), 1, 3, 2, ActivationPolicy("keep", tier="ssd"), None)
+
+
+def test_options_order_and_count():
+    arr = _arrays()
+    # forward seconds per byte: layer 0 1/1000, 1 1/1000, 2 1/2000, 3 2/1000 -> 3, 0, 1, 2
+    assert kept_layers_order(arr, 0, 3) == [3, 0, 1, 2]
+    got = options(arr, 0, 3, 2, {"device": None, "host": Link(10.0, 10.0)})
+    assert len(got) == (1 + 3 + 1) * 2
+    assert [c.policy.keep_layers for c in got if c.policy.tier == "device"] == [(), (3,), (0, 3), (0, 1, 3), ()]
+    held = [c.held_bytes for c in got if c.policy.tier == "device"]
+    assert held == sorted(held)  # each option holds more than the one before
+    recompute = [c.recompute_s for c in got if c.policy.tier == "device"]
+    assert recompute == sorted(recompute, reverse=True)
+
+
+def _naive(a_, o_, f_, a, b, kept, input_bytes):
+    """H, T, R by walking the layers one by one: a recomputed layer whose predecessor is kept (or which
+    starts the stage) saves its input; runs of recomputed layers are live together in B."""
+    held = work = run = 0
+    recompute = 0.0
+    for layer in range(a, b + 1):
+        if layer in kept:
+            held += a_[layer]
+            run = 0
+            continue
+        if layer == a or layer - 1 in kept:
+            held += o_[layer - 1] if layer > 0 else input_bytes
+        run += a_[layer]
+        work = max(work, run)
+        recompute += f_[layer]
+    return held, work + (o_[a - 1] if a > 0 else input_bytes) + o_[b], recompute
+
+
+def test_random_stages_against_a_naive_walk():
+    rng = np.random.default_rng(13)
+    for _ in range(200):
+        n = int(rng.integers(1, 9))
+        a_, o_ = rng.integers(0, 5000, n), rng.integers(1, 500, n)
+        f_ = rng.random(n)
+        arr = LayerArrays(
+            P=np.zeros(n + 1),
+            A=np.concatenate([[0], np.cumsum(a_)]),
+            F=np.concatenate([[0], np.cumsum(f_)]),
+            B=np.zeros(n + 1),
+            O=o_,
+            N=np.zeros(n + 1),
+        )
+        a = int(rng.integers(0, n))
+        b = int(rng.integers(a, n))
+        kept = tuple(
+            sorted(int(x) for x in rng.choice(np.arange(a, b + 1), int(rng.integers(0, b - a + 2)), replace=False))
+        )
+        c = policy_cost(arr, a, b, 1, ActivationPolicy("selective", kept), None, input_bytes=77)
+        h, t, r = _naive(a_, o_, f_, a, b, set(kept), 77)
+        assert (c.held_bytes, c.work_bytes) == (h, t)
+        assert c.recompute_s == pytest.approx(r)
