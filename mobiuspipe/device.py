@@ -28,6 +28,13 @@ class CopyHandle:
         if self._event is not None:
             torch.cuda.current_stream().wait_event(self._event)
 
+    def synchronize(self) -> None:
+        """Block this thread until the copy has ended (its source may then be refilled by the host)."""
+        if self._future is not None:
+            self._future.result()
+        if self._event is not None:
+            self._event.synchronize()
+
 
 class Device:
     """One gpu (or its CPU stand-in): where the arena lives and how copies reach it."""

@@ -1,0 +1,163 @@
+"""Swap tiers of held activations: what moves a microbatch's held tensors off the device after its forward
+(SWAP_OUT) and back before its backward (SWAP_IN): kept on the device, pinned host memory, SSD (swap_ssd) or
+a peer gpu's region (swap_peer).
+
+Every tier follows CUDA's rules, also on the CPU stand-in (where each move is a real copy into separate
+memory, so the ledger's device bytes really go): start_out issues the copies on the copy stream; finish_out
+returns once the device tensors may be freed (the compute stream is ordered after the copies); start_in
+issues the copies back into fresh device tensors; finish_in orders the compute stream after them and returns
+those tensors (contiguous, of the held tensors' dtypes, shapes and values). Keys are (stage, microbatch); one
+key is out at most once at a time.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from mobiuspipe.device import CopyHandle, Device
+
+__all__ = ["Swap", "DeviceSwap", "CopySwap", "HostSwap", "BufferPool"]
+
+Key = tuple[int, int]
+
+
+class Swap:
+    """The interface of a tier (DeviceSwap keeps the tensors where they are)."""
+
+    name = "device"
+
+    def __init__(self) -> None:
+        self._kept: dict[Key, list[torch.Tensor]] = {}
+
+    def start_out(self, key: Key, tensors: list[torch.Tensor]) -> None:
+        """Begin moving tensors (the held set of key) to the tier."""
+        if key in self._kept:
+            raise RuntimeError(f"activations {key} are already swapped out")
+        self._kept[key] = tensors
+
+    def finish_out(self, key: Key) -> None:
+        """Return once key's device tensors may be freed."""
+
+    def start_in(self, key: Key) -> None:
+        """Begin moving key's tensors back to the device."""
+
+    def finish_in(self, key: Key) -> list[torch.Tensor]:
+        """key's tensors on the device, usable by the compute stream."""
+        return self._kept.pop(key)
+
+    def bytes_held(self) -> int:
+        """Bytes the tier holds now (host, SSD or peer memory; the device's for DeviceSwap)."""
+        return sum(_nbytes(t) for ts in self._kept.values() for t in ts)
+
+    def close(self) -> None:
+        """Drop whatever the tier holds."""
+        self._kept.clear()
+
+
+DeviceSwap = Swap
+
+
+class BufferPool:
+    """Host buffers by size, reused: the held sets of a stage have the same sizes every microbatch."""
+
+    def __init__(self, allocate):
+        self._allocate = allocate  # nbytes -> a uint8 host tensor
+        self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        free = self._free[nbytes]
+        return free.pop() if free else self._allocate(nbytes)
+
+    def give(self, buf: torch.Tensor) -> None:
+        self._free[buf.numel()].append(buf)
+
+
+class CopySwap(Swap):
+    """A tier whose held tensors are copies in memory off the device: _take(t) gives (token, a view of t's
+    dtype and shape where the copy goes), _give(token, view) frees it, _copy(dst, src) copies on the copy
+    stream."""
+
+    def __init__(self, device: Device):
+        super().__init__()
+        self.device = device
+        self._out: dict[Key, tuple[list[torch.Tensor], list[CopyHandle]]] = {}
+        self._held: dict[Key, list[tuple[object, torch.Tensor]]] = {}  # (token, typed view)
+        self._in: dict[Key, tuple[list[torch.Tensor], list[CopyHandle]]] = {}
+
+    def start_out(self, key: Key, tensors: list[torch.Tensor]) -> None:
+        if key in self._held:
+            raise RuntimeError(f"activations {key} are already swapped out")
+        held: list[tuple[object, torch.Tensor]] = []
+        try:
+            for t in tensors:
+                held.append(self._take(t))
+        except BaseException:
+            for token, view in held:  # a failed swap-out takes nothing
+                self._give(token, view)
+            raise
+        self._held[key] = held
+        self._out[key] = (tensors, [self._copy(v, t) for (_, v), t in zip(held, tensors)])  # the device
+        # tensors live until the copies end
+
+    def finish_out(self, key: Key) -> None:
+        _, handles = self._out.pop(key)
+        for h in handles:
+            h.wait()
+
+    def start_in(self, key: Key) -> None:
+        if key in self._out:
+            self.finish_out(key)
+        dev = [torch.empty_like(v, device=self.device.torch_device) for _, v in self._held[key]]
+        self._in[key] = (dev, [self._copy(d, v) for d, (_, v) in zip(dev, self._held[key])])
+
+    def finish_in(self, key: Key) -> list[torch.Tensor]:
+        if key not in self._in:
+            self.start_in(key)
+        dev, handles = self._in.pop(key)
+        for h in handles:
+            h.wait()
+        for token, view in self._held.pop(key):  # later copies into it are ordered after on the copy stream
+            self._give(token, view)
+        return dev
+
+    def bytes_held(self) -> int:
+        return sum(_nbytes(v) for held in self._held.values() for _, v in held)
+
+    def close(self) -> None:
+        for key in list(self._out):
+            self.finish_out(key)
+        self._held.clear()
+        self._in.clear()
+
+    def _take(self, like: torch.Tensor) -> tuple[object, torch.Tensor]:
+        raise NotImplementedError
+
+    def _give(self, token: object, view: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:
+        return self.device.copy_async(dst, src)
+
+
+class HostSwap(CopySwap):
+    """Held tensors in (pinned) host memory: copied out on the copy stream, prefetched back before B."""
+
+    name = "host"
+
+    def __init__(self, device: Device):
+        super().__init__(device)
+        self.pool = BufferPool(lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=device.is_cuda))
+
+    def _take(self, like: torch.Tensor) -> tuple[object, torch.Tensor]:
+        buf = self.pool.take(_nbytes(like))
+        return buf, buf.view(like.dtype).view(like.shape)
+
+    def _give(self, token: object, view: torch.Tensor) -> None:
+        assert isinstance(token, torch.Tensor)
+        self.pool.give(token)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -1,0 +1,114 @@
+"""The peer swap tier: held activations parked in a region of another gpu's memory that the plan gives
+spare (MPress's D2D swap). Over NVLink or PCIe peer-to-peer the copy goes device to device; otherwise it is
+staged through this rank's pinned host memory (device -> host -> peer and back).
+
+The region is allocated by the peer's rank and shared at start-up: on CUDA through an IPC handle
+(`share_region` / `open_shared`); on the CPU stand-in it is a file in shared memory (/dev/shm) that both
+ranks map (`shm_region`), so the bytes really sit in the peer's memory. A first-fit allocator places each
+held tensor in the region; a region too small for what is held at once is an error naming the sizes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from foundation.units import fmt_bytes
+from mobiuspipe.device import CopyHandle, Device
+from mobiuspipe.memory.swap import BufferPool, CopySwap, _nbytes
+
+__all__ = ["PeerSwap", "RegionFull", "shm_region", "share_region", "open_shared"]
+
+ALIGN = 256
+"""Byte alignment of each tensor in the region (CUDA's allocation granularity for coalesced copies)."""
+
+
+class RegionFull(RuntimeError):
+    """The peer region cannot hold what is parked at once."""
+
+
+class _Ranges:
+    """First-fit byte ranges of a region of `size` bytes."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.free: list[tuple[int, int]] = [(0, size)]  # (start, length), sorted by start
+
+    def take(self, n: int) -> int:
+        n = -(-max(n, 1) // ALIGN) * ALIGN
+        for k, (start, length) in enumerate(self.free):
+            if length >= n:
+                self.free[k : k + 1] = [(start + n, length - n)] if length > n else []
+                return start
+        held = self.size - sum(length for _, length in self.free)
+        raise RegionFull(
+            f"the peer region of {fmt_bytes(self.size)} holds {fmt_bytes(held)} already and has no free range "
+            f"of {fmt_bytes(n)}: plan a larger region, or park fewer microbatches on the peer"
+        )
+
+    def give(self, start: int, n: int) -> None:
+        n = -(-max(n, 1) // ALIGN) * ALIGN
+        merged = sorted([*self.free, (start, n)])
+        self.free = []
+        for s, length in merged:
+            if self.free and self.free[-1][0] + self.free[-1][1] == s:
+                self.free[-1] = (self.free[-1][0], self.free[-1][1] + length)
+            else:
+                self.free.append((s, length))
+
+
+class PeerSwap(CopySwap):
+    """Held tensors parked in `region` (a uint8 tensor on the peer gpu, or its CPU stand-in); staged: copy
+    through pinned host memory (no peer-to-peer path between the two gpus)."""
+
+    name = "peer"
+
+    def __init__(self, device: Device, region: torch.Tensor, staged: bool):
+        super().__init__(device)
+        self.region, self.staged = region, staged
+        self.ranges = _Ranges(region.numel())
+        self.pool = BufferPool(lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=device.is_cuda))
+
+    def _take(self, like: torch.Tensor) -> tuple[object, torch.Tensor]:
+        n = _nbytes(like)
+        off = self.ranges.take(n)
+        return off, self.region[off : off + n].view(like.dtype).view(like.shape)
+
+    def _give(self, token: object, view: torch.Tensor) -> None:
+        assert isinstance(token, int)
+        self.ranges.give(token, _nbytes(view))
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:
+        """dst.copy_(src) on the copy stream, directly or through a host buffer (both copies on the one copy
+        stream, so they run in order and the buffer is free once the second has ended)."""
+        if not self.staged:
+            return self.device.copy_async(dst, src)
+        buf = self.pool.take(_nbytes(src))
+        view = buf.view(src.dtype).view(src.shape)
+        self.device.copy_async(view, src)
+        done = self.device.copy_async(dst, view)
+        self.pool.give(buf)  # reused only by later copies on the same stream
+        return done
+
+    def close(self) -> None:
+        super().close()
+        self.ranges = _Ranges(self.region.numel())
+
+
+def shm_region(path: str, nbytes: int) -> torch.Tensor:
+    """The CPU stand-in of a peer region: nbytes of shared memory in the file `path` (under /dev/shm),
+    mapped by the peer's rank and by the rank that parks there (created when missing)."""
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def share_region(nbytes: int, device: torch.device) -> tuple[torch.Tensor, object]:
+    """On the peer's rank (CUDA): a region of nbytes and what another process needs to open it (picklable)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    region = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return region, reduce_tensor(region)
+
+
+def open_shared(handle) -> torch.Tensor:
+    """On the parking rank (CUDA): the region share_region made in another process."""
+    rebuild, args = handle
+    return rebuild(*args)
