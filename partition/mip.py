@@ -35,9 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from foundation.units import GiB
-from partition.costmodel import WEIGHT_SLOTS
 from partition.mip_cuts import Cuts, Lin
-from partition.order import gpu_visits
+from partition.order import Visit, freed_by, gpu_visits
 from partition.profile import Profile
 from partition.solvers import INF, MipModel
 
@@ -222,7 +221,7 @@ def _key(v) -> tuple[str, str, str]:
     return ("TF", "EF", "LF") if v[1] == "F" else ("TB", "EB", "LB")
 
 
-def _gpu_rows(m: MipModel, t: dict, st: _Stages, visits: Sequence[tuple[int, str]]) -> None:
+def _gpu_rows(m: MipModel, t: dict, st: _Stages, visits: Sequence[Visit]) -> None:
     """Order on one gpu, its gradient slot, its copy engine, its memory and its step end."""
     for k, v in enumerate(visits):
         start, _, load = (t[(x, v[0])] for x in _key(v))
@@ -243,14 +242,15 @@ def _gpu_rows(m: MipModel, t: dict, st: _Stages, visits: Sequence[tuple[int, str
     _at_least(m, t[("T",)], _v(t[("EB", last)]), st.off[last])
 
 
-def _load_rows(m: MipModel, t: dict, st: _Stages, visits: Sequence[tuple[int, str]], k: int) -> None:
-    """Visit k's load: after the previous load (copy engine), after visit k-2 ended (its memory freed),
+def _load_rows(m: MipModel, t: dict, st: _Stages, visits: Sequence[Visit], k: int) -> None:
+    """Visit k's load: after the previous load (copy engine), after the visit that frees its slot ended,
     and its rest after visit k-1 ended (partial prefetch)."""
     (j, _), prev = visits[k], visits[k - 1]
     load, prev_load = t[(_key(visits[k])[2], j)], t[(_key(prev)[2], prev[0])]
     _at_least(m, load, _v(prev_load), st.u[j])
-    if k >= WEIGHT_SLOTS:
-        freed = visits[k - WEIGHT_SLOTS]
+    f = freed_by(list(visits), k)
+    if f is not None:
+        freed = visits[f]
         _at_least(m, load, _v(t[(_key(freed)[1], freed[0])]), st.u[j])
     rest = st.rest(j, prev[0], prev[1])
     if m.activity(rest[0])[1] + rest[1] > 0:  # some cut within bounds leaves a rest

@@ -17,9 +17,11 @@ Each gpu runs its visits F(j0) .. F(jk), B(jk) .. B(j0) (partition.order). Rules
   gpu        a visit starts after the gpu's previous visit ended; a backward visit also after the previous
              backward visit's offload (one gradient slot)
   weights    a visit starts after its load ended; the load of visit v starts after the load of visit v-1
-             (one copy engine) and after visit v-2 ended (its memory freed): LV_v >= max(LV_{v-1}, E_{v-2})
-             + u_v. It prefetches X_v = min(P_v, free_{v-1}) bytes while visit v-1 computes, and loads the
-             rest after visit v-1 ended: LV_v >= E_{v-1} + (P_v - free_{v-1}) / r_v (the Mobius paper's
+             (one copy engine) and after the visit before the previous load ended (two weight slots; that
+             is visit v-2, or v-3 right after the resident backward visit, partition.order.freed_by):
+             LV_v >= max(LV_{v-1}, E_{freed}) + u_v, as the runtime (and partition.simulate) orders loads.
+             It prefetches X_v = min(P_v, free_{v-1}) bytes while visit v-1 computes, and loads the rest
+             after visit v-1 ended: LV_v >= E_{v-1} + (P_v - free_{v-1}) / r_v (the Mobius paper's
              partial prefetch, P <= G - S; its other bound P <= B D is implied: bytes prefetched beyond
              what fits in visit v-1 only move the same load earlier, the two rows give the same LV_v).
              When the whole stage fits (free_{v-1} >= P_v) that row lies before E_{v-1} and binds nothing.
@@ -33,8 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from partition.costmodel import WEIGHT_SLOTS
-from partition.order import gpu_visits
+from partition.order import freed_by, gpu_visits
 
 __all__ = ["StageTimes", "aggregate_step", "aggregate_times"]
 
@@ -107,7 +108,8 @@ def _loads(st: list[StageTimes], mapping: list[int], end: dict, load_end: dict):
             load_end[v] = load_end[prev]
         else:
             copy_free = load_end[prev] if prev else 0.0
-            slot_free = end[vs[k - WEIGHT_SLOTS]] if k >= WEIGHT_SLOTS else 0.0
+            freed = freed_by(order[g], k)
+            slot_free = end[vs[freed]] if freed is not None else 0.0
             load_end[v] = max(copy_free, slot_free) + st[v[1]].u
             if prev:
                 load_end[v] = max(load_end[v], end[prev] + _rest(st[prev[1]], prev[0], st[v[1]]))

@@ -84,8 +84,10 @@ def solve_gurobi(model: MipModel, time_limit_s: float, rel_gap: float, start: li
             var.Start = v
     m.optimize()
     infeasible = (GRB.INFEASIBLE,) + ((GRB.INF_OR_UNBD,) if model.bounded_below else ())
-    name = "infeasible" if m.Status in infeasible else {GRB.OPTIMAL: "optimal", GRB.TIME_LIMIT: "time_limit"}.get(
-        m.Status, f"status {m.Status}"
+    name = (
+        "infeasible"
+        if m.Status in infeasible
+        else {GRB.OPTIMAL: "optimal", GRB.TIME_LIMIT: "time_limit"}.get(m.Status, f"status {m.Status}")
     )
     if m.SolCount == 0:
         return MipResult("gurobi", name, INF, -INF, INF, None, watch.s)
