@@ -43,14 +43,16 @@ class CountsResult:
 
     @property
     def status(self) -> str:
-        """"optimal" when every count was solved to the gap or cut off, else the statuses joined."""
+        """ "optimal" when every count was solved to the gap, cut off or proven infeasible, else the statuses
+        joined."""
         got = {s.result.status for s in self.solutions}
-        return "optimal" if got <= {"optimal", "cutoff"} else "+".join(sorted(got))
+        return "optimal" if got <= {"optimal", "cutoff", "infeasible"} and self.best < INF else "+".join(sorted(got))
 
     @property
     def size(self) -> tuple[int, int]:
         """(variables, constraints) of the largest model solved."""
-        return max((s.num_vars for s in self.solutions), default=0), max((s.num_rows for s in self.solutions), default=0)
+        sizes = [(s.num_vars, s.num_rows) for s in self.solutions]
+        return max((v for v, _ in sizes), default=0), max((r for _, r in sizes), default=0)
 
 
 def solve_counts(
