@@ -19,7 +19,9 @@ forward stage, which stays resident into the backward.
 
 Memory rule. The device arena holds three slots of W bytes: the computing stage, the prefetched next
 stage of the same gpu, and the computing stage's gradients. With fixed slots there is no fragmentation,
-so a plan is feasible iff, for every stage j:  3*W + A_j <= G.
+so a plan is feasible iff, for every stage j:  3*W + A_j <= G. (The Mobius MIP, partition.mip, uses the
+paper's per-stage rule with partial prefetch, which admits more cuts; the plan search keeps only the cuts
+this rule, the runtime's, admits.)
 
 Stage cost used by the DP (the busier of the gpu's compute and copy engines for that stage):
   c_j = max(M*(2*F_j + B_j), 2*U_j)

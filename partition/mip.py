@@ -1,39 +1,61 @@
 """The Mobius MIP: cut the layers into S stages (S fixed per solve) minimizing the step time T of the
-aggregated timeline (partition.timeline), under the memory rule, for a given stage -> gpu mapping.
+aggregated timeline (partition.timeline), under per-stage memory with partial prefetch, for a given mapping.
 
-Legend (units in brackets; stage j = layers p_j .. p_{j+1}-1):
-  L, S, M     layers, stages, microbatches                                            [-]
-  runs r      maximal runs of identical consecutive layers (layer-similarity compression): start a_r,
-              length n_r, per-layer q_r of each quantity q, Qpre_r = sum of q over the layers before a_r
-  w[c,r]      binary: cut c (c = 1..S-1, p_c = first layer of stage c) lies in run r               [-]
-  o[c,r]      integer offset of cut c inside run r, 0 <= o <= (n_r - 1) w[c,r]                     [layers]
-  p_c         = sum_r a_r w[c,r] + o[c,r];  p_{c+1} >= p_c + 1 (each stage non-empty, ordered)     [layers]
-  Q(p_c)      = sum_r Qpre_r w[c,r] + q_r o[c,r]  (prefix sum, linear);  Q_j = Q(p_{j+1}) - Q(p_j)
-  f_j = F_j, b_j = F_j + B_j                      per-microbatch forward / backward+recompute      [s]
-  u_j = P_j / (beta_j 1e9), o_j = P_j / (link_j 1e9)   load and offload time; beta_j from the mapping [s]
-  d_j = O_max / (peer_gbps 1e9)                    activation transfer (all boundary outputs of a transformer
-                                                   are equal) [s]
-  W           weight slot >= P_j;  memory: 3 W + A_j + 2 O_max <= G          [GiB inside the model]
-  TF,EF,TB,EB,LF,LB, T   the timeline variables of partition.timeline, same rules as "at least" rows [s]
+Legend (units in brackets; stage j = layers p_j .. p_{j+1}-1; the cut variables are partition.mip_cuts'):
+  L, S, M     layers, stages, microbatches                                                         [-]
+  Q_j         stage j's sum of a per-layer quantity, linear in the cut variables (partition.mip_cuts)
+  F_j, B_j    forward and backward seconds per microbatch; f_j = F_j, b_j = F_j + B_j (recompute)   [s]
+  P_j, A_j    parameter and activation bytes                                                       [GiB]
+  c           = 2 O_max: the input and output buffers of any stage                                 [GiB]
+  G           usable gpu memory                                                                     [GiB]
+  S_F(j)      = P_j + A_j + c: memory while stage j computes its forward (weights, activations)    [GiB]
+  S_B(j)      = 2 P_j + A_j + c: while it computes its backward (+ the gradients it accumulates)   [GiB]
+  memory      S_B(j) <= G for every stage (S_F(j) <= S_B(j)); the paper's S <= G
+  u_j, o_j    = P_j / beta_j, P_j / link_j: load and gradient offload seconds (GiB -> bytes / 1e9)  [s]
+  d_j         = O_max / peer_gbps: activation transfer to the next stage's gpu                     [s]
+  TF,EF,TB,EB,LF,LB, T   the timeline variables of partition.timeline, its rules as "at least" rows [s]
+Partial prefetch (the paper's P <= G - S): while visit v-1 computes, the next visit v of the same gpu
+prefetches what fits, min(P_v, G - S_{v-1}); the rest loads after v-1 ended, on the critical path:
+  LV_v >= E_{v-1} + (P_v - (G - S_{v-1})) / beta_v        (one row, left out when P_v <= G - S_{v-1} for
+                                                          every cut within bounds)
+The paper's other bound, prefetch <= bandwidth x duration of v-1, is implied (partition.timeline).
 Objective: min T. For fixed cuts the LP optimum equals partition.timeline.aggregate_step, so the MIP
-optimum equals the best enumerated cut (tests check this). Symmetry: the cut order makes each cut set
-unique. Bounds: every time lies in [0, T_start] where T_start is the warm start's value.
+optimum equals the best enumerated cut (tests check this). Rows the timeline implies are left out: a
+backward visit's "after the previous visit" (its "after the previous offload" is stronger), T >= EB_j + o_j
+except for each gpu's last backward visit (the offload rows chain the others to it), the resident visit's
+"after its load" (it starts after the forward that used the same load); the resident backward visit
+shares its load variable with its forward. Rows the variable bounds imply are never added (MipModel.row).
+Bounds: every time lies in [0, T_start] where T_start is the warm start's value.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from foundation.units import GiB
-from partition.costmodel import ARENA_SLOTS, WEIGHT_SLOTS
-from partition.order import gpu_visits
-from partition.profile import LayerProfile, Profile, compress
+from partition.mip_cuts import Cuts, Lin
+from partition.order import Visit, freed_by, gpu_visits
+from partition.profile import Profile
 from partition.solvers import INF, MipModel
 
-__all__ = ["StageData", "MipLayout", "build_mip", "cuts_of", "start_of", "memory_need", "max_layers_per_stage"]
+__all__ = [
+    "StageData",
+    "MipLayout",
+    "build_mip",
+    "cuts_of",
+    "start_of",
+    "memory_need",
+    "max_layers_per_stage",
+    "stage_memory",
+    "GIB",
+]
 
-Lin = dict  # {var index: coefficient}; the constant travels separately
+GIB = float(GiB)
+"""Bytes enter the model in GiB, so that byte and second coefficients are of similar size (numerics)."""
+
+Term = tuple[Lin, float]
 
 
 @dataclass(frozen=True)
@@ -49,42 +71,32 @@ class StageData:
 class MipLayout:
     """Where the variables of a built model sit, to read a solution back or write a start."""
 
-    runs: tuple[tuple[int, int], ...]  # (a_r, n_r)
-    w: tuple[tuple[int, ...], ...]  # w[c-1][r]
-    o: tuple[tuple[int, ...], ...]  # o[c-1][r]
+    cuts: Cuts
     times: dict  # ("TF", j) -> var, ..., ("T",) -> var
-    slot: int
 
 
-def _runs(profile: Profile) -> list[tuple[int, int, LayerProfile]]:
-    """(first layer a_r, length n_r, the layer) of each run of identical layers."""
-    out, a = [], 0
-    for layer, n in compress(profile):
-        out.append((a, n, layer))
-        a += n
-    return out
+def memory_need(profile: Profile) -> int:
+    """c of the legend, in bytes: 2 O_max (input and output buffers of any stage)."""
+    return 2 * max(x.output_bytes for x in profile.layers)
+
+
+def stage_memory(params: float, activations: float, phase: str) -> float:
+    """S_F or S_B of the legend without c: weights (and in the backward their gradients) + activations."""
+    return (1 if phase == "F" else 2) * params + activations
 
 
 def max_layers_per_stage(profile: Profile, memory_bytes: int) -> int:
-    """k_max: the most consecutive layers any stage can hold under the memory rule (with W = its own P)."""
-    ls, best = profile.layers, 1
+    """k_max: the most consecutive layers any stage can hold under the memory rule S_B(j) <= G."""
+    ls, best, room = profile.layers, 1, memory_bytes - memory_need(profile)
     for a in range(len(ls)):
         p = act = 0
         for b in range(a, len(ls)):
             p, act = p + ls[b].param_bytes, act + ls[b].activation_bytes
-            if ARENA_SLOTS * p + act + memory_need(profile) > memory_bytes:
+            if stage_memory(p, act, "B") > room:
                 break
             best = max(best, b - a + 1)
     return best
 
-
-def memory_need(profile: Profile) -> int:
-    """The constant part of the MIP's memory rule: 2 O_max (input and output buffers of any stage)."""
-    return 2 * max(x.output_bytes for x in profile.layers)
-
-
-GIB = float(GiB)
-"""Bytes enter the model in GiB, so that byte and second coefficients are of similar size (numerics)."""
 
 _Q = {
     "F": lambda x: x.fwd_s,
@@ -94,74 +106,11 @@ _Q = {
 }
 
 
-class _Builder:
-    """Adds the cut variables and returns, for any quantity, stage j's value as (Lin, const)."""
-
-    def __init__(self, model: MipModel, profile: Profile, s: int, k_max: int):
-        self.m, self.s, self.L = model, s, profile.num_layers
-        self.runs = _runs(profile)
-        self.lo = [max(c, self.L - (s - c) * k_max) for c in range(1, s)]  # tight bounds on cut c's position
-        self.hi = [min(self.L - (s - c), c * k_max) for c in range(1, s)]
-        self.total = {q: sum(fn(x) for x in profile.layers) for q, fn in _Q.items()}
-        self.pre = {q: [sum(fn(x) for x in profile.layers[:a]) for a, _, _ in self.runs] for q, fn in _Q.items()}
-        self.w = [
-            [model.var(f"w[{c},{r}]", 0, 1 if self._meets(c, r) else 0, True) for r in range(len(self.runs))]
-            for c in range(1, s)
-        ]
-        self.o = [
-            [model.var(f"o[{c},{r}]", 0, n - 1, True) for r, (_, n, _) in enumerate(self.runs)] for c in range(1, s)
-        ]
-        for c in range(s - 1):
-            model.row({k: 1.0 for k in self.w[c]}, 1.0, 1.0)
-            for r, (_, n, _) in enumerate(self.runs):
-                model.row({self.o[c][r]: 1.0, self.w[c][r]: -(n - 1)}, hi=0.0)
-        for c in range(s - 2):
-            model.row(_sub(self._pos(c + 1), self._pos(c)), lo=1.0)
-        for c in range(s - 1):
-            model.row(self._pos(c), lo=float(self.lo[c]), hi=float(self.hi[c]))
-
-    def _meets(self, c: int, r: int) -> bool:
-        """Can cut c (1-based) lie in run r, given its position bounds?"""
-        a, n, _ = self.runs[r]
-        return a <= self.hi[c - 1] and self.lo[c - 1] <= a + n - 1
-
-    def _pos(self, c: int) -> Lin:
-        lin: Lin = {}
-        for r, (a, _, _) in enumerate(self.runs):
-            lin[self.w[c][r]] = float(a)
-            lin[self.o[c][r]] = 1.0
-        return lin
-
-    def _prefix(self, q: str, c: int) -> tuple[Lin, float]:
-        """Q(p_c) for cut index c in 0..S (0 and S are the fixed ends)."""
-        if c == 0:
-            return {}, 0.0
-        if c == self.s:
-            return {}, self.total[q]
-        lin: Lin = {}
-        for r, (_, _, layer) in enumerate(self.runs):
-            lin[self.w[c - 1][r]] = self.pre[q][r]
-            lin[self.o[c - 1][r]] = _Q[q](layer)
-        return lin, 0.0
-
-    def stage(self, q: str, j: int) -> tuple[Lin, float]:
-        hi, chi = self._prefix(q, j + 1)
-        lo, clo = self._prefix(q, j)
-        return _sub(hi, lo), chi - clo
-
-
-def _sub(a: Lin, b: Lin) -> Lin:
-    out = dict(a)
-    for k, v in b.items():
-        out[k] = out.get(k, 0.0) - v
-    return out
-
-
-def _scaled(x: tuple[Lin, float], k: float) -> tuple[Lin, float]:
+def _scaled(x: Term, k: float) -> Term:
     return {i: v * k for i, v in x[0].items()}, x[1] * k
 
 
-def _plus(*xs: tuple[Lin, float]) -> tuple[Lin, float]:
+def _plus(*xs: Term) -> Term:
     lin: Lin = {}
     const = 0.0
     for x, c in xs:
@@ -171,7 +120,7 @@ def _plus(*xs: tuple[Lin, float]) -> tuple[Lin, float]:
     return lin, const
 
 
-def _at_least(m: MipModel, var: int, *terms: tuple[Lin, float]) -> None:
+def _at_least(m: MipModel, var: int, *terms: Term) -> None:
     """var >= sum(terms)."""
     lin, const = _plus(*terms)
     row = {k: -v for k, v in lin.items()}
@@ -179,8 +128,32 @@ def _at_least(m: MipModel, var: int, *terms: tuple[Lin, float]) -> None:
     m.row(row, lo=const)
 
 
-def _v(var: int) -> tuple[Lin, float]:
+def _v(var: int) -> Term:
     return {var: 1.0}, 0.0
+
+
+class _Stages:
+    """Stage j's timeline and memory terms as linear forms of the cut variables."""
+
+    def __init__(self, cuts: Cuts, data: StageData, room_gib: float):
+        s = cuts.s
+        q = {k: [cuts.stage(fn, j) for j in range(s)] for k, fn in _Q.items()}
+        self.f = q["F"]
+        self.b = [_plus(q["F"][j], q["B"][j]) for j in range(s)]
+        self.p, self.a, self.room, self.cuts = q["P"], q["A"], room_gib, cuts
+        self.u = [_scaled(self.p[j], GIB / (data.load_gbps[j] * 1e9)) for j in range(s)]
+        self.off = [_scaled(self.p[j], GIB / (data.link_gbps[j] * 1e9)) for j in range(s)]
+        self.d = data.comm_s
+        self.load_gbps = data.load_gbps
+
+    def used(self, j: int, phase: str) -> Term:
+        """S_F(j) or S_B(j) - c [GiB]."""
+        return _plus(_scaled(self.p[j], stage_memory(1.0, 0.0, phase)), self.a[j])
+
+    def rest(self, j: int, prev: int, phase: str) -> Term:
+        """(P_j - (G - S_prev)) / beta_j: the load of stage j left after visit (prev, phase) ended [s]."""
+        over = _plus(self.p[j], self.used(prev, phase), ({}, -self.room))
+        return _scaled(over, GIB / (self.load_gbps[j] * 1e9))
 
 
 def build_mip(
@@ -188,85 +161,114 @@ def build_mip(
 ) -> tuple[MipModel, MipLayout]:
     """The model for a fixed stage count S = len(mapping); times bounded by horizon_s (a start's value)."""
     s, m = len(mapping), MipModel()
-    b = _Builder(m, profile, s, max_layers_per_stage(profile, memory_bytes))
-    t: dict[tuple, int] = {
-        (k, j): m.var(f"{k}{j}", 0.0, horizon_s) for k in ("TF", "EF", "TB", "EB", "LF", "LB") for j in range(s)
-    }
-    t[("T",)] = m.var("T", 0.0, horizon_s, cost=1.0)
-    slot = m.var("W", 0.0, INF)
-    f = [b.stage("F", j) for j in range(s)]
-    bw = [_plus(b.stage("F", j), b.stage("B", j)) for j in range(s)]
-    p = [b.stage("P", j) for j in range(s)]
-    for j in range(s):
-        _at_least(m, slot, p[j])
-        lin, const = _plus(_scaled(_v(slot), ARENA_SLOTS), b.stage("A", j))
-        m.row(lin, hi=(memory_bytes - memory_need(profile)) / GIB - const)
-    _timeline_rows(m, t, f, bw, p, data, mapping, microbatches)
-    layout = MipLayout(tuple((a, n) for a, n, _ in b.runs), tuple(map(tuple, b.w)), tuple(map(tuple, b.o)), t, slot)
-    return m, layout
-
-
-def _timeline_rows(m: MipModel, t: dict, f, bw, p, data: StageData, mapping: list[int], mb: int) -> None:
-    s = len(mapping)
-    u = [_scaled(p[j], GIB / (data.load_gbps[j] * 1e9)) for j in range(s)]
-    off = [_scaled(p[j], GIB / (data.link_gbps[j] * 1e9)) for j in range(s)]
-    d = data.comm_s
-    for j in range(s):
-        _at_least(m, t[("EF", j)], _v(t[("TF", j)]), _scaled(f[j], mb))
-        _at_least(m, t[("EB", j)], _v(t[("TB", j)]), _scaled(bw[j], mb))
-        _at_least(m, t[("T",)], _v(t[("EB", j)]), off[j])
-        if j > 0:
-            _at_least(m, t[("TF", j)], _v(t[("TF", j - 1)]), f[j - 1], ({}, d[j - 1]))
-            _at_least(m, t[("EF", j)], _v(t[("EF", j - 1)]), ({}, d[j - 1]), f[j])
-        if j < s - 1:
-            _at_least(m, t[("TB", j)], _v(t[("TB", j + 1)]), bw[j + 1], ({}, d[j]))
-            _at_least(m, t[("EB", j)], _v(t[("EB", j + 1)]), ({}, d[j]), bw[j])
+    cuts = Cuts(m, profile, s, max_layers_per_stage(profile, memory_bytes))
+    st = _Stages(cuts, data, (memory_bytes - memory_need(profile)) / GIB)
+    t = _time_vars(m, mapping, horizon_s)
+    _stage_rows(m, st)
+    _pipeline_rows(m, t, st, microbatches)
     for visits in gpu_visits(mapping).values():
-        _gpu_rows(m, t, visits, u, off)
+        _gpu_rows(m, t, st, visits)
+    return m, MipLayout(cuts, t)
 
 
-def _gpu_rows(m: MipModel, t: dict, visits: Sequence[tuple[int, str]], u, off) -> None:
-    """Order on one gpu, its gradient slot, its copy engine and its two weight slots."""
-    key = lambda v: ("TF", "EF", "LF") if v[1] == "F" else ("TB", "EB", "LB")  # noqa: E731
+def _time_vars(m: MipModel, mapping: list[int], horizon_s: float) -> dict:
+    """TF..LB per stage and T; the gpu's last forward stage has one load variable for both its visits."""
+    t: dict[tuple, int] = {}
+    last_fwd = {max(j for j, h in enumerate(mapping) if h == g) for g in set(mapping)}
+    for j in range(len(mapping)):
+        for k in ("TF", "EF", "TB", "EB", "LF", "LB"):
+            t[(k, j)] = t[("LF", j)] if k == "LB" and j in last_fwd else m.var(f"{k}{j}", 0.0, horizon_s)
+    t[("T",)] = m.var("T", 0.0, horizon_s, cost=1.0)
+    return t
+
+
+def _stage_rows(m: MipModel, st: _Stages) -> None:
+    """Each stage non-empty and within memory: one ranged row on its length when its memory is a multiple
+    of it (both cuts in one run), else two rows."""
+    for j in range(st.cuts.s):
+        length, (mem, const) = st.cuts.length(j), st.used(j, "B")
+        k = _ratio(mem, length[0])
+        if k is not None and k > 0:
+            top = math.floor((st.room - const) / k + 1e-9)
+            m.row(length[0], lo=1.0 - length[1], hi=float(top))
+            continue
+        m.row(length[0], lo=1.0 - length[1])
+        m.row(mem, hi=st.room - const)
+
+
+def _ratio(a: Lin, b: Lin) -> float | None:
+    """k with a = k b, or None."""
+    if not b or a.keys() != b.keys():
+        return None
+    k = next(a[i] / b[i] for i in b)
+    return k if all(math.isclose(a[i], k * b[i], rel_tol=1e-12) for i in b) else None
+
+
+def _pipeline_rows(m: MipModel, t: dict, st: _Stages, mb: int) -> None:
+    s = len(st.f)
+    for j in range(s):
+        _at_least(m, t[("EF", j)], _v(t[("TF", j)]), _scaled(st.f[j], mb))
+        _at_least(m, t[("EB", j)], _v(t[("TB", j)]), _scaled(st.b[j], mb))
+        if j > 0:
+            _at_least(m, t[("TF", j)], _v(t[("TF", j - 1)]), st.f[j - 1], ({}, st.d[j - 1]))
+            _at_least(m, t[("EF", j)], _v(t[("EF", j - 1)]), ({}, st.d[j - 1]), st.f[j])
+        if j < s - 1:
+            _at_least(m, t[("TB", j)], _v(t[("TB", j + 1)]), st.b[j + 1], ({}, st.d[j]))
+            _at_least(m, t[("EB", j)], _v(t[("EB", j + 1)]), ({}, st.d[j]), st.b[j])
+
+
+def _key(v) -> tuple[str, str, str]:
+    return ("TF", "EF", "LF") if v[1] == "F" else ("TB", "EB", "LB")
+
+
+def _gpu_rows(m: MipModel, t: dict, st: _Stages, visits: Sequence[Visit]) -> None:
+    """Order on one gpu, its gradient slot, its copy engine, its memory and its step end."""
     for k, v in enumerate(visits):
-        start, _, load = (t[(x, v[0])] for x in key(v))
-        _at_least(m, start, _v(load))
+        start, _, load = (t[(x, v[0])] for x in _key(v))
         if k == 0:
-            _at_least(m, load, u[v[0]])
+            _at_least(m, start, _v(load))
+            _at_least(m, load, st.u[v[0]])
             continue
         prev = visits[k - 1]
-        _, prev_end, prev_load = (t[(x, prev[0])] for x in key(prev))
-        _at_least(m, start, _v(prev_end))
+        prev_end = t[(_key(prev)[1], prev[0])]
         if v[1] == "B" and prev[1] == "B":
-            _at_least(m, start, _v(prev_end), off[prev[0]])
-        if prev[0] == v[0]:  # resident: same weights as the previous visit
-            m.row({load: 1.0, prev_load: -1.0}, 0.0, 0.0)
-            continue
-        _at_least(m, load, _v(prev_load), u[v[0]])
-        if k >= WEIGHT_SLOTS:
-            freed = visits[k - WEIGHT_SLOTS]  # the visit whose weight slot this load takes over
-            _at_least(m, load, _v(t[(key(freed)[1], freed[0])]), u[v[0]])
+            _at_least(m, start, _v(prev_end), st.off[prev[0]])
+        else:
+            _at_least(m, start, _v(prev_end))
+        if prev[0] != v[0]:  # not the resident backward visit
+            _at_least(m, start, _v(load))
+            _load_rows(m, t, st, visits, k)
+    last = visits[-1][0]
+    _at_least(m, t[("T",)], _v(t[("EB", last)]), st.off[last])
+
+
+def _load_rows(m: MipModel, t: dict, st: _Stages, visits: Sequence[Visit], k: int) -> None:
+    """Visit k's load: after the previous load (copy engine), after the visit that frees its slot ended,
+    and its rest after visit k-1 ended (partial prefetch)."""
+    (j, _), prev = visits[k], visits[k - 1]
+    load, prev_load = t[(_key(visits[k])[2], j)], t[(_key(prev)[2], prev[0])]
+    _at_least(m, load, _v(prev_load), st.u[j])
+    f = freed_by(list(visits), k)
+    if f is not None:
+        freed = visits[f]
+        _at_least(m, load, _v(t[(_key(freed)[1], freed[0])]), st.u[j])
+    rest = st.rest(j, prev[0], prev[1])
+    if m.activity(rest[0])[1] + rest[1] > 0:  # some cut within bounds leaves a rest
+        _at_least(m, load, _v(t[(_key(prev)[1], prev[0])]), rest)
 
 
 def cuts_of(layout: MipLayout, x: tuple[float, ...]) -> list[int]:
     """Cut positions p_0 = 0 < p_1 < ... < p_S = L read from a solution."""
-    pos = [0]
-    for wc, oc in zip(layout.w, layout.o):
-        pos.append(sum(round(x[wi]) * a + round(x[oi]) for wi, oi, (a, _) in zip(wc, oc, layout.runs)))
-    last = layout.runs[-1]
-    return pos + [last[0] + last[1]]
+    return layout.cuts.positions(x)
 
 
 def start_of(
-    layout: MipLayout, cuts: list[int], model: MipModel, timeline: dict[str, list[float]], slot: float, total: float
+    layout: MipLayout, cuts: list[int], model: MipModel, timeline: dict[str, list[float]], total: float
 ) -> list[float]:
     """A full MIP start (cut variables and timeline values) for the given cuts."""
     x = [0.0] * model.num_vars
-    for c, p in enumerate(cuts[1:-1]):
-        r = max(k for k, (a, _) in enumerate(layout.runs) if a <= p)
-        x[layout.w[c][r]] = 1.0
-        x[layout.o[c][r]] = float(p - layout.runs[r][0])
+    for cut, p in zip(layout.cuts.cuts, cuts):
+        cut.start(p, x)
     for (name, *j), var in layout.times.items():
         x[var] = total if name == "T" else timeline[name][j[0]]
-    x[layout.slot] = slot
     return x

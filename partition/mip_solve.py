@@ -11,12 +11,11 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
-from partition.costmodel import ARENA_SLOTS
 from partition.mapping import peer_gbps, stage_contention
-from partition.mip import GIB, StageData, build_mip, cuts_of, memory_need, start_of
+from partition.mip import StageData, build_mip, cuts_of, memory_need, stage_memory, start_of
 from partition.profile import Profile
 from partition.solvers import INF, MipModel, MipResult
-from partition.solvers.gurobi import SIZE_LIMIT, fits_license, solve_gurobi
+from partition.solvers.gurobi import SIZE_LIMIT, fits_license, gurobi_size, solve_gurobi
 from partition.solvers.highs import solve_highs
 from partition.timeline import StageTimes, aggregate_step, aggregate_times
 from topology import Topology
@@ -40,21 +39,30 @@ def stage_data(topo: Topology, mapping: list[int], profile: Profile) -> StageDat
     return StageData(load, link, comm)
 
 
-def stage_times(profile: Profile, cuts: list[int], data: StageData) -> list[StageTimes]:
-    out = []
+def stage_times(profile: Profile, cuts: list[int], data: StageData, memory_bytes: float = INF) -> list[StageTimes]:
+    """The timeline's stage times for these cuts; with memory_bytes (G), the free memory of each visit
+    (G - S_F(j), G - S_B(j) of partition.mip), so that loads prefetch only what fits."""
+    out, room = [], memory_bytes - memory_need(profile)
     for j in range(len(cuts) - 1):
         ls = profile.layers[cuts[j] : cuts[j + 1]]
         f, b, p = sum(x.fwd_s for x in ls), sum(x.bwd_s for x in ls), sum(x.param_bytes for x in ls)
-        out.append(StageTimes(f, f + b, p / (data.load_gbps[j] * 1e9), p / (data.link_gbps[j] * 1e9), data.comm_s[j]))
+        a, rate = sum(x.activation_bytes for x in ls), data.load_gbps[j] * 1e9
+        free = {ph: room - stage_memory(p, a, ph) for ph in "FB"}
+        out.append(StageTimes(f, f + b, p / rate, p / (data.link_gbps[j] * 1e9), data.comm_s[j], rate, **_free(free)))
     return out
 
 
+def _free(free: dict[str, float]) -> dict[str, float]:
+    return {"free_f": free["F"], "free_b": free["B"]}
+
+
 def mip_feasible(profile: Profile, cuts: list[int], memory_bytes: int) -> bool:
-    """The MIP's memory rule: 3 W + A_j + 2 O_max <= G for every stage."""
+    """The MIP's memory rule: S_B(j) = 2 P_j + A_j + 2 O_max <= G for every stage."""
+    room = memory_bytes - memory_need(profile)
     stages = [profile.layers[cuts[j] : cuts[j + 1]] for j in range(len(cuts) - 1)]
-    slot = max(sum(x.param_bytes for x in ls) for ls in stages)
-    fixed = memory_need(profile)
-    return all(ARENA_SLOTS * slot + sum(x.activation_bytes for x in ls) + fixed <= memory_bytes for ls in stages)
+    return all(
+        stage_memory(sum(x.param_bytes for x in ls), sum(x.activation_bytes for x in ls), "B") <= room for ls in stages
+    )
 
 
 def enumerate_best(
@@ -66,7 +74,7 @@ def enumerate_best(
     for inner in itertools.combinations(range(1, L), s - 1):
         cuts = [0, *inner, L]
         if mip_feasible(profile, cuts, memory_bytes):
-            t = aggregate_step(stage_times(profile, cuts, data), mapping, m)
+            t = aggregate_step(stage_times(profile, cuts, data, memory_bytes), mapping, m)
             if t < best[0]:
                 best = (t, cuts)
     return best
@@ -78,6 +86,9 @@ class StageCountSolution:
     result: MipResult
     num_vars: int
     num_rows: int
+    """Constraints, a ranged row counted as two (as Gurobi's size-limited license counts them)."""
+    bound: float = -INF
+    """A proven lower bound on T over every cut into these stages (the cutoff when none beats it)."""
 
 
 def _solve(model: MipModel, solver: str, time_limit_s: float, gap: float, start) -> MipResult:
@@ -89,8 +100,9 @@ def _solve(model: MipModel, solver: str, time_limit_s: float, gap: float, start)
         except Exception as e:  # noqa: BLE001 - a license that expired or changed since the probe: fall back, and say why
             why = f"gurobi failed ({str(e).splitlines()[0]}), solved by HiGHS"
     elif solver == "gurobi":
+        nvars, nrows = gurobi_size(model)
         why = (
-            f"gurobi's license does not admit {model.num_vars} variables x {model.num_rows} rows "
+            f"gurobi's license does not admit {nvars} variables x {nrows} rows "
             f"(size-limited: {SIZE_LIMIT} each, or none), solved by HiGHS"
         )
     else:
@@ -109,16 +121,25 @@ def solve_stage_count(
     solver: str = "auto",
     time_limit_s: float = 2.0,
     gap: float = 0.01,
+    cutoff: float = INF,
 ) -> StageCountSolution:
-    """Best cut into len(mapping) stages; start_cuts (e.g. the DP's) warm-starts and bounds the solve."""
-    start, horizon = None, INF
+    """Best cut into len(mapping) stages; start_cuts (e.g. the DP's) warm-starts and bounds the solve.
+
+    cutoff: search only cuts with T <= cutoff (e.g. below the best of another stage count); when there
+    is none but start_cuts fit, the status is "cutoff" and the bound the cutoff."""
+    start, start_t, values = None, INF, {}
     if start_cuts is not None and mip_feasible(profile, start_cuts, memory_bytes):
-        horizon, values = aggregate_times(stage_times(profile, start_cuts, data), mapping, m)
-        horizon *= 1 + 1e-9
+        start_t, values = aggregate_times(stage_times(profile, start_cuts, data, memory_bytes), mapping, m)
+        start_t *= 1 + 1e-9
+    horizon = min(start_t, cutoff)
     model, layout = build_mip(profile, mapping, m, data, memory_bytes, horizon)
-    if start_cuts is not None and horizon < INF:
-        slot = max(sum(x.param_bytes for x in profile.layers[a:b]) for a, b in zip(start_cuts, start_cuts[1:]))
-        start = start_of(layout, start_cuts, model, values, slot / GIB, horizon)
+    if start_cuts is not None and start_t <= horizon < INF:
+        start = start_of(layout, start_cuts, model, values, start_t)
     res = _solve(model, solver, time_limit_s, gap, start)
-    cuts = cuts_of(layout, res.x) if res.x is not None else None
-    return StageCountSolution(cuts, res, model.num_vars, model.num_rows)
+    size = gurobi_size(model)
+    if res.x is not None:
+        return StageCountSolution(cuts_of(layout, res.x), res, *size, res.bound)
+    if res.status == "infeasible":
+        res = dataclasses.replace(res, status="cutoff") if start_t < INF else res
+        return StageCountSolution(None, res, *size, horizon)
+    return StageCountSolution(None, res, *size)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["Visit", "visits_of", "gpu_visits"]
+__all__ = ["Visit", "visits_of", "gpu_visits", "freed_by"]
 
 
 class Visit(NamedTuple):
@@ -31,3 +31,11 @@ def visits_of(mapping: list[int], gpu: int) -> list[Visit]:
 def gpu_visits(mapping: list[int]) -> dict[int, list[Visit]]:
     """Per gpu that holds a stage (ascending), its visits in order."""
     return {g: visits_of(mapping, g) for g in sorted(set(mapping))}
+
+
+def freed_by(visits: list[Visit], k: int) -> int | None:
+    """The visit whose end frees the weight slot the load of visit k takes (two weight slots: the slot of the
+    load before the previous one), or None when a slot is still free. The previous load is visit k-1's, or
+    visit k-2's when k-1 is the resident backward visit; its slot was last used by the visit just before it."""
+    prev_load = k - 2 if k >= 2 and visits[k - 1].stage == visits[k - 2].stage else k - 1
+    return prev_load - 1 if prev_load >= 1 else None

@@ -82,6 +82,10 @@ class SolverInfo(_PlanPart):
     status: str
     gap: float
     wall_s: float
+    num_vars: int = 0
+    """Variables of the largest MIP solved (0: no MIP ran)."""
+    num_rows: int = 0
+    """Constraints of the largest MIP solved, a ranged row counted as two (as Gurobi counts them)."""
 
     def check_values(self) -> list[Problem]:
         return [

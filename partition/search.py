@@ -155,29 +155,33 @@ def _mip_plans(
     time_limit_s: float,
     gap: float,
 ) -> tuple[list[Plan], SolverInfo]:
-    """The MIP's cut for each candidate's stage count; the solver info summarizes every solve."""
-    from partition.mip_solve import solve_stage_count, stage_data  # the solvers load only when used
+    """The MIP's cut for each candidate's stage count (partition.mip_counts), kept where the runtime's arena
+    of fixed slots holds it; the solver info summarizes the whole search."""
+    from partition.mip_counts import CountCandidate, solve_counts  # the solvers load only when used
+    from partition.mip_solve import stage_data
 
-    found, used, gaps, statuses, notes = [], set(), [], set(), []
-    watch = Stopwatch()
-    for k, plan in enumerate(ranked):
-        m = plan.mapping
-        cuts = [s.first for s in plan.stages] + [plan.num_layers]
-        left = max(0.05, time_limit_s - watch.s) / (len(ranked) - k)
-        res = solve_stage_count(profile, m, microbatches, stage_data(topo, m, profile), memory, cuts, solver, left, gap)
-        used.add(res.result.solver)
-        statuses.add(res.result.status)
-        notes += [res.result.note] if res.result.note and res.result.note not in notes else []
-        if res.cuts is None:
-            continue
-        gaps.append(res.result.gap)
-        ranges = [(a, b - 1) for a, b in zip(res.cuts, res.cuts[1:])]
-        found.append(
-            _plan_of(profile, topo, arr, ranges, m, [s.load_gbps for s in plan.stages], microbatches, mapping, memory)
-        )
-    status = "optimal" if statuses == {"optimal"} else "+".join(sorted(statuses))
-    status += f"; {notes[0]}" if notes else ""  # the first note says it; later ones differ only in sizes
-    return found, SolverInfo("+".join(sorted(used)), status, max(gaps, default=float("inf")), 0.0)
+    cands = [
+        CountCandidate(p.mapping, stage_data(topo, p.mapping, profile), [s.first for s in p.stages] + [p.num_layers])
+        for p in ranked
+    ]
+    res = solve_counts(profile, cands, microbatches, memory, solver, time_limit_s, gap)
+    found = []
+    for plan, sol in zip(ranked, res.solutions):
+        ranges = [(a, b - 1) for a, b in zip(sol.cuts, sol.cuts[1:])] if sol.cuts else []
+        if ranges and _arena_fits(arr, ranges, memory):
+            gbps = [s.load_gbps for s in plan.stages]
+            found.append(_plan_of(profile, topo, arr, ranges, plan.mapping, gbps, microbatches, mapping, memory))
+    notes = list(dict.fromkeys(s.result.note for s in res.solutions if s.result.note))
+    status = res.status + (f"; {notes[0]}" if notes else "")  # the first note says it; later ones differ in sizes
+    used = "+".join(sorted({s.result.solver for s in res.solutions}))
+    return found, SolverInfo(used, status, res.gap, 0.0, *res.size)
+
+
+def _arena_fits(arr: LayerArrays, ranges: list[tuple[int, int]], memory: int) -> bool:
+    """The runtime's arena rule, ARENA_SLOTS x the largest stage + each stage's activations <= G. The MIP's
+    per-stage rule with partial prefetch admits more cuts, which the runtime cannot run yet."""
+    slot = max(arr.params(a, b) for a, b in ranges)
+    return all(ARENA_SLOTS * slot + arr.activations(a, b) <= memory for a, b in ranges)
 
 
 def _check_memory_known(topo: Topology) -> None:

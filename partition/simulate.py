@@ -13,6 +13,11 @@ Resources and rules (times in seconds, bytes, GB/s = 1e9 bytes/s):
             backward (no reload). The runtime issues LOAD k right after RELEASE k-2, so this is its order.
             A stage with its weights on the SSD (ssd_weights) streams each load from the drive: the load
             also reads param_bytes from the SSD (see the link model).
+            With memory_bytes G (partial prefetch, the Mobius paper's and partition.timeline's rule): while
+            visit k-1 computes, the load of visit k moves only what fits in the memory it leaves free,
+            X = min(P, max(0, G - S_{k-1})) with S = param_bytes + activation_bytes (+ grad_bytes in the
+            backward); the rest, P - X, is a second load after visit k-1's last microbatch. Without G (or
+            when X = P) a load is one task, as above.
   offload   one gpu->host engine per gpu: after B(j, M-1) the stage's gradients go to host. One gradient
             slot: a backward visit starts after the previous offload ended. With ssd_weights the offload
             also writes grad_bytes to the SSD.
@@ -181,9 +186,11 @@ def simulate(
     microbatches: int,
     topology: Topology | None = None,
     ssd: SsdLink | None = None,
+    memory_bytes: int | None = None,
 ) -> SimResult:
     """Event times of one step (see the module docstring); with a topology, loads and offloads share links;
-    with an SsdLink, the updates of stages with SSD bytes stream them.
+    with an SsdLink, the updates of stages with SSD bytes stream them; with memory_bytes, loads prefetch only
+    what fits (partial prefetch).
 
     Raises ValueError for stages with SSD bytes but no SsdLink, RuntimeError if the schedule cannot make
     progress (a stage on a gpu that does not exist: a bug).
@@ -202,7 +209,7 @@ def simulate(
     moves: list[tuple[int, tuple[Link, ...]]] = []
     spans: dict[int, list[tuple[Hashable, Hashable]]] = {}
     for g in range(num_gpus):
-        spans[g] = _add_gpu(graph, stages, g, microbatches, paths, topology is not None, moves, ssd)
+        spans[g] = _add_gpu(graph, stages, g, microbatches, paths, topology is not None, moves, ssd, memory_bytes)
     for j in range(len(stages) - 1):
         for i in range(microbatches):
             graph.add(("arrive", "F", j + 1, i), [("F", j, i)], stages[j].comm_s)
@@ -243,7 +250,7 @@ def _check_bytes(stages: list[SimStage], topology: Topology, num_gpus: int) -> N
 
 
 def _add_gpu(
-    graph: TaskGraph, stages: list[SimStage], g: int, m: int, paths: dict, flows: bool, moves: list, ssd
+    graph: TaskGraph, stages: list[SimStage], g: int, m: int, paths: dict, flows: bool, moves: list, ssd, memory
 ) -> list[tuple[Hashable, Hashable]]:
     """Gpu g's loads, computations and offloads, chained as the runtime orders them; returns its arena spans
     (task whose start takes a slot, task whose end frees it). Moves of ssd_weights stages cross the SSD."""
@@ -260,12 +267,11 @@ def _add_gpu(
         else:
             slot = (slot_of[-1] + 1) % WEIGHT_SLOTS if slot_of else 0
             slot_of.append(slot)
-            move = (st.param_bytes, paths[(g, "h2d")] + ((SSD_READ,) if st.ssd_weights else ()))
-            moves.append(move)
-            dur = max(st.load_s, ssd.seconds(st.param_bytes, 0)) if st.ssd_weights else st.load_s
-            load = prev_load = taken[slot] = graph.add(
-                ("load", g, j, k), (prev_load, holder[slot]), dur, (move,) if flows else ()
-            )
+            share = _prefetch_share(stages, visits, k, memory)
+            load = taken[slot] = _load(graph, (g, j, k), st, share, (prev_load, holder[slot]), paths, flows, moves, ssd)
+            if share < 1.0:
+                load = _load(graph, (g, j, k, "rest"), st, 1.0 - share, (load, prev_op), paths, flows, moves, ssd)
+            prev_load = load
         first = None
         for i in range(m):
             wait = None if (phase == "F" and j == 0) or (phase == "B" and j == last) else ("arrive", phase, j, i)
@@ -282,6 +288,28 @@ def _add_gpu(
             prev_off = graph.add(("offload", g, j), (prev_op, prev_off), dur, (move,) if flows else ())
             spans.append((first, prev_off))  # the gradient slot
     return spans
+
+
+def _prefetch_share(stages: list[SimStage], visits: list, k: int, memory: int | None) -> float:
+    """The fraction of visit k's weights its gpu can load while visit k-1 computes (1 without a memory)."""
+    st = stages[visits[k][0]]
+    if memory is None or k == 0 or st.param_bytes <= 0:
+        return 1.0
+    j, phase = visits[k - 1]
+    p = stages[j]
+    used = p.param_bytes + p.activation_bytes + (p.grad_bytes if phase == "B" else 0)
+    return min(1.0, max(0.0, (memory - used) / st.param_bytes))
+
+
+def _load(graph: TaskGraph, key: tuple, st: SimStage, share: float, deps, paths, flows, moves, ssd) -> Hashable:
+    """A load of `share` of stage st's weights onto gpu key[0] after deps; its bytes join `moves`."""
+    nbytes = round(st.param_bytes * share)
+    move = (nbytes, paths[(key[0], "h2d")] + ((SSD_READ,) if st.ssd_weights else ()))
+    moves.append(move)
+    dur = st.load_s * share
+    if st.ssd_weights:
+        dur = max(dur, ssd.seconds(nbytes, 0))
+    return graph.add(("load", *key), deps, dur, (move,) if flows else ())
 
 
 def _events(tasks: dict, stages: list[SimStage]) -> list[tuple[str, int, int, int, float, float]]:

@@ -8,14 +8,24 @@ Legend (stage j, per ONE microbatch unless marked; seconds unless marked):
   TF_j,EF_j  start of stage j's first forward microbatch, end of its last one
   TB_j,EB_j  the same for the backward
   LF_j,LB_j  when stage j's weights are resident for its forward / backward visit
+  r_j      host->gpu rate of stage j's loads = beta_j 1e9                                  [bytes/s]
+  free_v   memory free while visit v computes = G - S_v, S_F(j) = P_j + A_j, S_B(j) = 2 P_j + A_j
+           (weights, and in the backward their gradients, + activations and buffers)     [bytes]
 Each gpu runs its visits F(j0) .. F(jk), B(jk) .. B(j0) (partition.order). Rules, all "at least":
   pipeline   TF_j >= TF_{j-1} + f_{j-1} + d_{j-1};   EF_j >= TF_j + M f_j;   EF_j >= EF_{j-1} + d_{j-1} + f_j
              TB_j >= TB_{j+1} + b_{j+1} + d_j;      EB_j >= TB_j + M b_j;   EB_j >= EB_{j+1} + d_j + b_j
   gpu        a visit starts after the gpu's previous visit ended; a backward visit also after the previous
              backward visit's offload (one gradient slot)
   weights    a visit starts after its load ended; the load of visit v starts after the load of visit v-1
-             (one copy engine) and after visit v-2 ended (two weight slots); the gpu's last forward stage
-             stays resident for its backward (no load)
+             (one copy engine) and after the visit before the previous load ended (two weight slots; that
+             is visit v-2, or v-3 right after the resident backward visit, partition.order.freed_by):
+             LV_v >= max(LV_{v-1}, E_{freed}) + u_v, as the runtime (and partition.simulate) orders loads.
+             It prefetches X_v = min(P_v, free_{v-1}) bytes while visit v-1 computes, and loads the rest
+             after visit v-1 ended: LV_v >= E_{v-1} + (P_v - free_{v-1}) / r_v (the Mobius paper's
+             partial prefetch, P <= G - S; its other bound P <= B D is implied: bytes prefetched beyond
+             what fits in visit v-1 only move the same load earlier, the two rows give the same LV_v).
+             When the whole stage fits (free_{v-1} >= P_v) that row lies before E_{v-1} and binds nothing.
+             The gpu's last forward stage stays resident for its backward (no load)
   step       T >= EB_j + o_j for every j
 This is exact for a pipeline of identical microbatches (the classic flow-shop recurrence) and an
 approximation when a gpu's visit is delayed mid-stream; partition.simulate times every microbatch.
@@ -25,8 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from partition.costmodel import WEIGHT_SLOTS
-from partition.order import gpu_visits
+from partition.order import freed_by, gpu_visits
 
 __all__ = ["StageTimes", "aggregate_step", "aggregate_times"]
 
@@ -40,6 +49,12 @@ class StageTimes:
     u: float
     o: float
     d: float
+    rate: float = float("inf")
+    """r_j: bytes per second of its loads (with u = P_j / r_j); inf with free_* inf: whole-stage prefetch."""
+    free_f: float = float("inf")
+    """free_v of its forward visit [bytes]: what the next visit on its gpu can prefetch meanwhile."""
+    free_b: float = float("inf")
+    """free_v of its backward visit [bytes]."""
 
 
 def aggregate_step(st: list[StageTimes], mapping: list[int], m: int) -> float:
@@ -93,8 +108,20 @@ def _loads(st: list[StageTimes], mapping: list[int], end: dict, load_end: dict):
             load_end[v] = load_end[prev]
         else:
             copy_free = load_end[prev] if prev else 0.0
-            slot_free = end[vs[k - WEIGHT_SLOTS]] if k >= WEIGHT_SLOTS else 0.0
+            freed = freed_by(order[g], k)
+            slot_free = end[vs[freed]] if freed is not None else 0.0
             load_end[v] = max(copy_free, slot_free) + st[v[1]].u
+            if prev:
+                load_end[v] = max(load_end[v], end[prev] + _rest(st[prev[1]], prev[0], st[v[1]]))
         return max(t, load_end[v])
 
     return ready
+
+
+def _rest(cur: StageTimes, phase: str, nxt: StageTimes) -> float:
+    """(P_next - free_cur) / r_next: how long the part of the next stage that does not fit while the current
+    visit computes takes to load after it (negative when all of it fits; -inf when memory is not modelled)."""
+    free = cur.free_f if phase == "F" else cur.free_b
+    if free == float("inf"):
+        return -float("inf")
+    return nxt.u - free / nxt.rate

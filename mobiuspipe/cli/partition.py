@@ -229,6 +229,8 @@ def plan_to_json(plan: Plan, pred: Prediction | None = None) -> dict:
             "status": plan.solver.status,
             "gap": plan.solver.gap,
             "wall_s": plan.solver.wall_s,
+            "num_vars": plan.solver.num_vars,
+            "num_rows": plan.solver.num_rows,
         },
     }
     if pred is not None:

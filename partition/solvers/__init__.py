@@ -12,7 +12,8 @@ INF = math.inf
 
 @dataclass
 class MipModel:
-    """min cost . x  s.t.  lo <= A x <= hi, lb <= x <= ub, some x integer. Rows are sparse dicts."""
+    """min cost . x  s.t.  lo <= A x <= hi, lb <= x <= ub, some x integer. Rows are sparse dicts; a row
+    that the bounds imply is never added (so the row count is what a solver gets)."""
 
     names: list[str] = field(default_factory=list)
     lb: list[float] = field(default_factory=list)
@@ -30,8 +31,20 @@ class MipModel:
         return len(self.names) - 1
 
     def row(self, coeffs: dict[int, float], lo: float = -INF, hi: float = INF) -> None:
+        """Add lo <= coeffs . x <= hi, unless the variables' bounds already imply it (then it is left out)."""
         coeffs = {k: v for k, v in coeffs.items() if v != 0.0}
+        least, most = self.activity(coeffs)
+        if lo <= least and most <= hi:
+            return
         self.rows.append((coeffs, lo, hi))
+
+    def activity(self, coeffs: dict[int, float]) -> tuple[float, float]:
+        """The least and the largest value coeffs . x takes within the variables' bounds."""
+        least = most = 0.0
+        for k, v in coeffs.items():
+            a, b = v * self.lb[k], v * self.ub[k]
+            least, most = least + min(a, b), most + max(a, b)
+        return least, most
 
     @property
     def num_vars(self) -> int:
@@ -40,6 +53,16 @@ class MipModel:
     @property
     def num_rows(self) -> int:
         return len(self.rows)
+
+    @property
+    def num_ranged(self) -> int:
+        """Rows with two different finite sides (a solver without ranged rows takes each as two)."""
+        return sum(1 for _, lo, hi in self.rows if -INF < lo < hi < INF)
+
+    @property
+    def bounded_below(self) -> bool:
+        """True when the objective cannot go to -inf (every cost >= 0 on a variable bounded below)."""
+        return all(c >= 0 and lo > -INF for c, lo in zip(self.cost, self.lb) if c != 0)
 
 
 @dataclass(frozen=True)

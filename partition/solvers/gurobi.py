@@ -11,7 +11,7 @@ import functools
 from foundation.timing import Stopwatch
 from partition.solvers import INF, MipModel, MipResult
 
-__all__ = ["gurobi_available", "fits_license", "solve_gurobi", "SIZE_LIMIT"]
+__all__ = ["gurobi_available", "fits_license", "gurobi_size", "solve_gurobi", "SIZE_LIMIT"]
 
 SIZE_LIMIT = 2000
 """Variables and constraints the size-limited (pip) license allows."""
@@ -42,7 +42,12 @@ def gurobi_available() -> bool:
 
 def fits_license(model: MipModel) -> bool:
     lic = _license()
-    return lic == "full" or (lic == "size-limited" and model.num_vars <= SIZE_LIMIT and model.num_rows <= SIZE_LIMIT)
+    return lic == "full" or (lic == "size-limited" and max(gurobi_size(model)) <= SIZE_LIMIT)
+
+
+def gurobi_size(model: MipModel) -> tuple[int, int]:
+    """(variables, constraints) of the model as solve_gurobi hands it over: a ranged row is two constraints."""
+    return model.num_vars, model.num_rows + model.num_ranged
 
 
 def solve_gurobi(model: MipModel, time_limit_s: float, rel_gap: float, start: list[float] | None = None) -> MipResult:
@@ -78,8 +83,11 @@ def solve_gurobi(model: MipModel, time_limit_s: float, rel_gap: float, start: li
         for var, v in zip(x, start):
             var.Start = v
     m.optimize()
-    name = {GRB.OPTIMAL: "optimal", GRB.TIME_LIMIT: "time_limit", GRB.INFEASIBLE: "infeasible"}.get(
-        m.Status, f"status {m.Status}"
+    infeasible = (GRB.INFEASIBLE,) + ((GRB.INF_OR_UNBD,) if model.bounded_below else ())
+    name = (
+        "infeasible"
+        if m.Status in infeasible
+        else {GRB.OPTIMAL: "optimal", GRB.TIME_LIMIT: "time_limit"}.get(m.Status, f"status {m.Status}")
     )
     if m.SolCount == 0:
         return MipResult("gurobi", name, INF, -INF, INF, None, watch.s)

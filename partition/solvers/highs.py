@@ -58,12 +58,13 @@ def solve_highs(model: MipModel, time_limit_s: float, rel_gap: float, start: lis
         highspy.HighsModelStatus.kInfeasible: "infeasible",
     }.get(status, h.modelStatusToString(status))
     obj = info.objective_function_value if has_x else INF
+    lp = not any(model.integer)  # an LP has no MIP bound: its optimum is the bound
     return MipResult(
         "highs",
         name,
         obj,
-        info.mip_dual_bound,
-        info.mip_gap if has_x else INF,
+        obj if lp and name == "optimal" else info.mip_dual_bound,
+        0.0 if lp and name == "optimal" else (info.mip_gap if has_x else INF),
         tuple(sol.col_value) if has_x else None,
         watch.s,
     )
