@@ -1,7 +1,9 @@
 """Typed actions of a Mobius schedule, with a compact string form ("F2.1" = forward of stage 2, microbatch 1).
 
 Glossary: stage j (a contiguous range of layers), microbatch i, gpu g. Weights move host -> device arena
-(LOAD, RELEASE); gradients move device -> host (OFFLOAD, which also starts the stage's host update).
+(LOAD, RELEASE); gradients move device -> host (OFFLOAD, which also starts the stage's host update); a
+stage whose held activations live off the device starts their copy out in F and moves them back for B
+(SWAP_OUT, SWAP_IN).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ class Kind(Enum):
     RECV_GRAD = "RG"  # receive the gradient of (j, i)'s output from the gpu of stage j+1
     OFFLOAD = "O"  # copy stage j's gradients to host, free the gradient slot, start its host update
     RELEASE = "R"  # free stage j's weight slot
+    SWAP_OUT = "SO"  # the copy of (j, i)'s held activations to their tier has ended: their device bytes go
+    SWAP_IN = "SI"  # start copying (j, i)'s held activations back to the device (B(j, i) waits for it)
 
 
 @dataclass(frozen=True)

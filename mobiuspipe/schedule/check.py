@@ -1,4 +1,5 @@
-"""Check schedules before they run: slots, order within a gpu, matched sends and receives, no deadlock."""
+"""Check schedules before they run: slots, order within a gpu (swaps included), matched sends and receives,
+no deadlock."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from partition.costmodel import WEIGHT_SLOTS
 __all__ = ["ScheduleError", "check_schedules"]
 
 _PEER = {Kind.SEND_ACT: (Kind.RECV_ACT, +1), Kind.SEND_GRAD: (Kind.RECV_GRAD, -1)}
+_SWAPS = (Kind.SWAP_OUT, Kind.SWAP_IN)
 
 
 class ScheduleError(RuntimeError):
@@ -33,9 +35,12 @@ def _fail(g: int, k: int, acts: list[Action], why: str) -> ScheduleError:
 def _check_local(mapping: list[int], g: int, m: int, acts: list[Action]) -> None:
     resident: set[int] = set()
     seen: set[tuple[Kind, int, int]] = set()
+    swapped = {a.stage for a in acts if a.kind in _SWAPS}
     for k, a in enumerate(acts):
         if mapping[a.stage] != g:
             raise _fail(g, k, acts, f"stage {a.stage} belongs to gpu {mapping[a.stage]}")
+        if a.kind in _SWAPS and a.stage == len(mapping) - 1:
+            raise _fail(g, k, acts, "the last stage's forward is fused into its backward: it holds nothing to swap")
         if a.kind is Kind.LOAD:
             if a.stage in resident or len(resident) >= WEIGHT_SLOTS:
                 raise _fail(g, k, acts, f"no free weight slot (resident: {sorted(resident)})")
@@ -44,7 +49,7 @@ def _check_local(mapping: list[int], g: int, m: int, acts: list[Action]) -> None
             resident.discard(a.stage)
         elif a.kind in (Kind.FWD, Kind.BWD) and a.stage not in resident:
             raise _fail(g, k, acts, "stage used before it is loaded")
-        for need in _needs(a, len(mapping), m):
+        for need in _needs(a, len(mapping), m) + _swap_needs(a, swapped):
             if need not in seen:
                 raise _fail(g, k, acts, f"runs before {need[0].value}{need[1]}.{need[2]}")
         key = (a.kind, a.stage, a.microbatch)
@@ -55,6 +60,17 @@ def _check_local(mapping: list[int], g: int, m: int, acts: list[Action]) -> None
         missing = [i for i in range(m) if (Kind.FWD, j, i) not in seen or (Kind.BWD, j, i) not in seen]
         if missing or (Kind.OFFLOAD, j, -1) not in seen:
             raise ScheduleError(f"gpu {g}: stage {j} misses microbatches {missing} or its offload")
+
+
+def _swap_needs(a: Action, swapped: set[int]) -> list[tuple[Kind, int, int]]:
+    """What a swap needs before it, and what the backward of a swapped stage needs (so every microbatch of a
+    stage that swaps has its swap out and in, in order)."""
+    j, i = a.stage, a.microbatch
+    if a.kind is Kind.SWAP_OUT:
+        return [(Kind.FWD, j, i)]
+    if a.kind is Kind.SWAP_IN:
+        return [(Kind.SWAP_OUT, j, i)]
+    return [(Kind.SWAP_IN, j, i)] if a.kind is Kind.BWD and j in swapped else []
 
 
 def _needs(a: Action, num_stages: int, m: int) -> list[tuple[Kind, int, int]]:
