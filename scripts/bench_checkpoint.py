@@ -6,6 +6,7 @@ import argparse
 import datetime
 import hashlib
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -35,12 +36,15 @@ from mobiuspipe.optim import CPUAdam
 REPO = Path(__file__).resolve().parents[1]
 KEEP = 2  # train.keep_checkpoints' default: from the third checkpoint on, each one also removes the oldest
 FIO = ["--ioengine=psync", "--iodepth=1", "--fallocate=none", "--direct=0", "--end_fsync=1"]  # --direct=0 wins
-PARTS = ("export", "save_file", "fsync", "sha256", "commit", "prune")
+PARTS = ("export", "save_file", "fsync", "fsync links", "checksum", "commit", "prune")
 WHAT_PARTS = {
-    "export": "stage.states.export_state: a clone of the host states, or the read-back of the SSD tier's",
+    "export": "stage.states.export_state: a clone of the host states; on the ssd tier, hard links of the store's "
+    "record files into rank0/stage{j}/ (no bytes copied)",
     "save_file": "safetensors.torch.save_file: header + buffered writes of every tensor (page cache)",
     "fsync": "os.fsync of rank0.safetensors: the page cache to the disk",
-    "sha256": "hashlib.sha256 of rank0.safetensors, re-read from the page cache",
+    "fsync links": "os.fsync of the linked record files and their folders (ssd tier)",
+    "checksum": "checkpoint._digest: crc32c (mobiuspipe's, 3 streams) of rank0.safetensors, re-read from the "
+    "page cache",
     "commit": "`complete` (write, fsync, rename), fsync of the folder, rename to step-N, fsync of the root",
     "prune": "rmtree of the checkpoints beyond keep=2",
 }
@@ -78,11 +82,12 @@ def _timed(fn: Callable, into: dict, name: str, when: Callable[..., bool] = lamb
 def instrumented(pipe: Pipeline, parts: dict) -> Iterator[None]:
     """save_checkpoint's steps timed into parts (seconds summed over calls) by wrapping what it calls: the
     module's own functions and each stage's export_state. Undone at exit; mobiuspipe's code is unchanged."""
-    names = {"save_file": "save_file", "_sha256": "sha256", "_commit": "commit", "_prune": "prune"}
+    names = {"save_file": "save_file", "_digest": "checksum", "_commit": "commit", "prune": "prune"}
     old = {k: getattr(ckpt, k) for k in [*names, "fsync_path"]}
     for k, part in names.items():
         setattr(ckpt, k, _timed(old[k], parts, part))
-    ckpt.fsync_path = _timed(old["fsync_path"], parts, "fsync", lambda path: Path(path).suffix == ".safetensors")
+    fsync = _timed(old["fsync_path"], parts, "fsync", lambda path: Path(path).suffix == ".safetensors")
+    ckpt.fsync_path = _timed(fsync, parts, "fsync links", _linked)
     for stage in pipe.engine.stages.values():
         stage.states.export_state = _timed(stage.states.export_state, parts, "export")
     try:
@@ -94,6 +99,12 @@ def instrumented(pipe: Pipeline, parts: dict) -> Iterator[None]:
             del stage.states.export_state
 
 
+def _linked(path) -> bool:
+    """A linked record file (CHECKPOINT/rank{r}/stage{j}/FILE) or its folder (CHECKPOINT/rank{r}/stage{j})."""
+    p = Path(path)
+    return any(re.fullmatch(r"rank\d+", q.name) for q in (p.parent, p.parent.parent))
+
+
 def _step(pipe: Pipeline, data, s: int) -> float:
     """Seconds of one step, its host updates included (as in bench_tiers: the next step needs them)."""
     with Stopwatch() as sw:
@@ -102,11 +113,13 @@ def _step(pipe: Pipeline, data, s: int) -> float:
     return sw.s
 
 
-def _save(pipe: Pipeline, root: Path, parts: dict) -> tuple[float, int]:
-    """(seconds of one save_checkpoint, bytes of the files of the folder it committed)."""
+def _save(pipe: Pipeline, root: Path, parts: dict) -> tuple[float, tuple[int, int]]:
+    """(seconds of one save_checkpoint, (bytes of every file of the folder it committed, bytes of those among
+    them that it wrote: all but the hard-linked records))."""
     with instrumented(pipe, parts), Stopwatch() as sw:
         folder = ckpt.save_checkpoint(pipe, root, KEEP)
-    return sw.s, sum(f.stat().st_size for f in folder.iterdir())
+    files = [f for f in folder.rglob("*") if f.is_file()]
+    return sw.s, (sum(f.stat().st_size for f in files), sum(f.stat().st_size for f in files if f.parent == folder))
 
 
 def _fio(work: Path, nbytes: int) -> float:
@@ -126,7 +139,7 @@ def bench_tier(args, memory: MemoryConfig | None, work: Path, every: list[int]) 
     cfg = config_from_dict(_config(args))
     data = open_data(cfg.data, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size)
     variants = [0, *every]
-    out: dict = {v: {"steps": [], "saves": [], "bytes": 0, "parts": defaultdict(float)} for v in variants}
+    out: dict = {v: {"steps": [], "saves": [], "bytes": (0, 0), "parts": defaultdict(float)} for v in variants}
     root, fio, s = work / "checkpoints", [], 0
     with _pipeline(args, memory) as pipe:
         for _ in range(2):  # warm-up: shapes learned, buffers touched, one checkpoint's paths taken
@@ -143,7 +156,7 @@ def bench_tier(args, memory: MemoryConfig | None, work: Path, every: list[int]) 
                         seconds, row["bytes"] = _save(pipe, root, row["parts"])
                         row["saves"].append(seconds)
                 print(f"  repeat {r + 1}: {_name(v)} done", file=sys.stderr, flush=True)
-            fio.append(_fio(work, max(o["bytes"] for o in out.values())))
+            fio.append(_fio(work, max(o["bytes"][0] for o in out.values())))
         out["params"] = sum(st.numel for st in pipe.engine.stages.values())
     return out, fio
 
@@ -153,8 +166,8 @@ def _name(v: int) -> str:
 
 
 def hash_costs(nbytes: int) -> dict[str, float]:
-    """Median seconds (of 3) to sha256 and to crc32c (mobiuspipe's, 3 streams) nbytes already in memory: what
-    sha256 costs without re-reading the file, and what a cheaper checksum would cost."""
+    """Median seconds (of 3) to crc32c (mobiuspipe's, 3 streams, the checkpoint's checksum) and to sha256 (the
+    one before) nbytes already in memory: what the checksum costs without re-reading the file."""
     buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
     runs: dict[str, list[float]] = {"sha256": [], "crc32c": []}
     for _ in range(3):
@@ -169,7 +182,8 @@ def hash_costs(nbytes: int) -> dict[str, float]:
 
 HEAD1 = ["tier", "variant", "steps", "median step s", "checkpoints", "mean checkpoint s", "s per step", "x none"]
 HEAD1 += ["x none, checkpoints only"]
-HEAD2 = ["tier", "checkpoint MB", "mean checkpoint s", "GB/s", "fio GB/s (median)", "x fio", "floor s", "x floor"]
+HEAD2 = ["tier", "checkpoint MB", "written MB", "mean checkpoint s", "GB/s", "fio GB/s (median)", "x fio", "floor s"]
+HEAD2 += ["x floor"]
 
 
 def step_rows(tier: str, out: dict, every: list[int]) -> list[list[str]]:
@@ -190,14 +204,15 @@ def step_rows(tier: str, out: dict, every: list[int]) -> list[list[str]]:
 
 
 def rate_row(tier: str, out: dict, every: list[int], fio: list[float]) -> tuple[list[str], list[str]]:
-    """Table 2 (the write rate against fio and the floor) and table 3 (where the checkpoint's seconds go)."""
+    """Table 2 (the rate against fio and the floor: of every byte in the checkpoint, linked ones included) and
+    table 3 (where the checkpoint's seconds go)."""
     saves = [t for v in every for t in out[v]["saves"]]
-    nbytes = out[every[0]]["bytes"]
+    nbytes, written = out[every[0]]["bytes"]
     mean_s, gbps = statistics.mean(saves), statistics.median(fio)
     floor = nbytes / (gbps * 1e9)
     rate = nbytes / mean_s / 1e9
-    row2 = [tier, f"{nbytes / 1e6:.0f}", f"{mean_s:.3f}", f"{rate:.3f}", f"{gbps:.3f}", f"{rate / gbps:.2f}"]
-    row2 += [f"{floor:.3f}", f"{mean_s / floor:.2f}"]
+    row2 = [tier, f"{nbytes / 1e6:.0f}", f"{written / 1e6:.3f}", f"{mean_s:.3f}", f"{rate:.3f}", f"{gbps:.3f}"]
+    row2 += [f"{rate / gbps:.2f}", f"{floor:.3f}", f"{mean_s / floor:.2f}"]
     parts = {p: sum(out[v]["parts"][p] for v in every) / len(saves) for p in PARTS}
     other = mean_s - sum(parts.values())
     row3 = [tier] + [f"{t:.3f} ({t / mean_s:.0%})" for t in [*parts.values(), other]]
@@ -205,15 +220,15 @@ def rate_row(tier: str, out: dict, every: list[int], fio: list[float]) -> tuple[
 
 
 def section(args, info: list[str], tables: list[list[list[str]]], results: dict, hashes: dict) -> str:
-    """The run as Markdown: the machine and command, the three tables, what sha256 costs and what each part is;
-    under a heading and with the machine in a code block for BENCHMARKS.md with --markdown."""
+    """The run as Markdown: the machine and command, the three tables, what the checksum costs and what each part
+    is; under a heading and with the machine in a code block for BENCHMARKS.md with --markdown."""
     out, _ = results[args.tiers[0]]
-    nbytes, saves = out[args.every[0]]["bytes"], sum(len(out[v]["saves"]) for v in args.every)
-    in_ckpt = sum(out[v]["parts"]["sha256"] for v in args.every) / saves
+    nbytes, saves = out[args.every[0]]["bytes"][1], sum(len(out[v]["saves"]) for v in args.every)
+    in_ckpt = sum(out[v]["parts"]["checksum"] for v in args.every) / saves
     side = (
-        f"sha256 of the {nbytes / 1e6:.0f} MB file inside the checkpoint ({args.tiers[0]}, re-read from the page "
-        f"cache): {in_ckpt:.3f} s; of the same bytes already in memory (median of 3): {hashes['sha256']:.3f} s; crc32c "
-        f"(mobiuspipe, 3 streams) of them: {hashes['crc32c']:.3f} s"
+        f"crc32c of rank0.safetensors inside the checkpoint ({args.tiers[0]}, {nbytes / 1e6:.0f} MB, re-read from the "
+        f"page cache): {in_ckpt:.3f} s; of the same bytes already in memory (median of 3): {hashes['crc32c']:.3f} s; "
+        f"sha256 (the checksum before crc32c) of them: {hashes['sha256']:.3f} s"
     )
     what = "\n".join(f"- {p}: {w}" for p, w in WHAT_PARTS.items())
     heads = [HEAD1, HEAD2, ["tier", *PARTS, "other"]]
@@ -259,7 +274,7 @@ def run(args: argparse.Namespace) -> tuple[dict, dict]:
             results[tier] = bench_tier(args, mem, work / tier, args.every)
             shutil.rmtree(work / tier)
             shutil.rmtree(work / "store", ignore_errors=True)
-        hashes = hash_costs(results[args.tiers[0]][0][args.every[0]]["bytes"])
+        hashes = hash_costs(results[args.tiers[0]][0][args.every[0]]["bytes"][1])
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return results, hashes

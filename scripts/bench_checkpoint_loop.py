@@ -1,9 +1,11 @@
 """What a checkpoint costs the training loop: the synchronous save_checkpoint against the loop's background
-writer (Checkpointer: a snapshot, then a thread writes), on one Pipeline, in one run."""
+writer (Checkpointer: a snapshot, then a thread writes), on one Pipeline, in one run; states in host memory
+(--tier host) or the optimizer's in the SSD store (--tier ssd, linked into the checkpoint)."""
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import shutil
 import statistics
 import sys
@@ -11,11 +13,11 @@ import tempfile
 from pathlib import Path
 
 from bench_checkpoint import _config, _pipeline, _step
-from benchlib import cpu_model, markdown_table
+from benchlib import cpu_mark, cpu_model, markdown_table, other_share
 
 from foundation.timing import Stopwatch
 from mobiuspipe import checkpoint as ckpt
-from mobiuspipe.config import TrainConfig, config_from_dict
+from mobiuspipe.config import MemoryConfig, TrainConfig, config_from_dict
 from mobiuspipe.dataset import open_data
 from mobiuspipe.run_checkpoints import Checkpointer
 
@@ -29,8 +31,8 @@ def block(pipe, data, s: int, steps: int, every: int, mode: str, root: Path) -> 
         TrainConfig(checkpoint_every=every, checkpoint_dir=str(root), keep_checkpoints=KEEP), pipe, ""
     )
     stalls = []
-    try:
-        with Stopwatch() as wall:
+    with Stopwatch() as wall:
+        try:
             for k in range(1, steps + 1):
                 _step(pipe, data, s + k)
                 if mode == "background":
@@ -41,8 +43,8 @@ def block(pipe, data, s: int, steps: int, every: int, mode: str, root: Path) -> 
                         ckpt.save_checkpoint(pipe, root, KEEP)
                     stalls.append(sw.s)
             writer.finish()
-    finally:
-        writer.close()
+        finally:
+            writer.close()  # waits for the writer thread's last prune: the wall includes it
     return stalls, wall.s
 
 
@@ -54,17 +56,22 @@ def main() -> int:
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--blocks", type=int, default=8)
     p.add_argument("--stages", type=int, default=6)
+    p.add_argument("--tier", choices=["host", "ssd"], default="host")
     p.add_argument("--folder", default=str(Path(__file__).resolve().parents[1]))
     args = p.parse_args()
-    args.tiers = "host"
     work = Path(tempfile.mkdtemp(prefix=".bench-ckpt-loop-", dir=args.folder))
+    mem = None
+    if args.tier == "ssd":  # as bench_checkpoint's ssd tier; the checkpoints on the same filesystem
+        mem = MemoryConfig(optimizer="ssd", ssd_dir=str(work / "store"), host_budget_mb=256.0)
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    mark = cpu_mark()
     modes = ["none", "sync", "background"]
     stalls: dict[str, list[float]] = {m: [] for m in modes}
     walls: dict[str, list[float]] = {m: [] for m in modes}
     try:
         cfg = config_from_dict(_config(args))
         data = open_data(cfg.data, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size)
-        with _pipeline(args, None) as pipe:
+        with _pipeline(args, mem) as pipe:
             s = 0
             for _ in range(2):  # warm-up
                 _step(pipe, data, s)
@@ -90,7 +97,9 @@ def main() -> int:
         for m in modes
     ]
     head = ["checkpoints", "count", "mean loop stall s", f"median s per {args.steps} steps", "x none"]
-    print(f"machine: {cpu_model()}; command: {' '.join(['python', *sys.argv])}")
+    share, seconds = other_share(mark)
+    print(f"command: {' '.join(['python', *sys.argv])}; date: {date}; machine: {cpu_model()}")
+    print(f"other processes kept {share:.0%} of the cores busy during the {seconds:.0f} s run")
     print(markdown_table(head, rows))
     return 0
 
