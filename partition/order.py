@@ -5,14 +5,21 @@ F(J[0]) .. F(J[-1]), B(J[-1]) .. B(J[0]); each visit runs all microbatches of on
 Two successive visits of the same stage (only F(J[-1]), B(J[-1])) share its weights: the gpu's last
 forward stage stays resident into its backward. The runtime's schedule (mobiuspipe.schedule.builders),
 the aggregated timeline the MIP optimizes (partition.timeline) and the simulator (partition.simulate)
-all take their order from here.
+all take their order from here; steps_of spells out the runtime's whole action list as plain tuples
+(the schedule builder turns them into typed actions, partition.lifetimes walks the bytes they hold).
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["Visit", "visits_of", "gpu_visits"]
+__all__ = ["Visit", "Step", "visits_of", "gpu_visits", "steps_of"]
+
+
+Step = tuple[str, int, int]
+"""One action of a gpu's step as plain data: (kind, stage j, microbatch i), i = -1 for the stage-wide kinds.
+Kinds (mobiuspipe.schedule.actions.Kind's values): L load, R release, O offload (stage-wide); F forward,
+B backward, SA / RA send / receive the activation, SG / RG send / receive the gradient (per microbatch)."""
 
 
 class Visit(NamedTuple):
@@ -31,3 +38,29 @@ def visits_of(mapping: list[int], gpu: int) -> list[Visit]:
 def gpu_visits(mapping: list[int]) -> dict[int, list[Visit]]:
     """Per gpu that holds a stage (ascending), its visits in order."""
     return {g: visits_of(mapping, g) for g in sorted(set(mapping))}
+
+
+def steps_of(mapping: list[int], gpu: int, microbatches: int) -> list[Step]:
+    """Gpu's actions of one step in the order it runs them: at the start of each visit the next visit's stage
+    is loaded (prefetch); per microbatch RA F SA (forward) or RG B SG (backward), the receive and send left
+    out at the pipeline's ends; OFFLOAD after a backward visit; RELEASE unless the next visit keeps the stage."""
+    last = len(mapping) - 1
+    visits = visits_of(mapping, gpu)
+    out: list[Step] = [("L", visits[0].stage, -1)] if visits else []
+    for k, (j, phase) in enumerate(visits):
+        nxt = visits[k + 1].stage if k + 1 < len(visits) else None
+        if nxt is not None and nxt != j:
+            out.append(("L", nxt, -1))
+        for i in range(microbatches):
+            out += _microbatch(j, i, phase, last)
+        if phase == "B":
+            out.append(("O", j, -1))
+        if nxt != j:
+            out.append(("R", j, -1))
+    return out
+
+
+def _microbatch(j: int, i: int, phase: str, last: int) -> list[Step]:
+    if phase == "F":
+        return ([("RA", j, i)] if j > 0 else []) + [("F", j, i)] + ([("SA", j, i)] if j < last else [])
+    return ([("RG", j, i)] if j < last else []) + [("B", j, i)] + ([("SG", j, i)] if j > 0 else [])
