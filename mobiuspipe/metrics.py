@@ -261,7 +261,7 @@ def device_peak_line(measured: list[int], planned: list[int], source: str, parts
     top = max(range(len(measured)), key=lambda g: measured[g])
     held = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
     return (
-        f"device peak, measured ({source}) vs planned (arena + largest stage activations): {'; '.join(ranks)}; "
+        f"device peak, measured ({source}) vs planned (lifetime walk): {'; '.join(ranks)}; "
         f"rank {top} at its peak held {held}"
     )
 

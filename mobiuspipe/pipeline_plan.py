@@ -8,6 +8,7 @@ a profile is made on rank 0 (timings differ between processes) and broadcast to 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import os
@@ -186,6 +187,7 @@ def _measure_and_plan(layers, loss_fn, sample, info: RankInfo, request: PlanRequ
         seq_len=xm.shape[1] if xm.dim() > 1 else 1,
         loss_fn=lambda out: loss_fn(out.float(), ym.to(out.device)),
     )
+    profile = dataclasses.replace(profile, target_bytes=ym.numel() * ym.element_size())
     topo = _topology(request.topology, info, device)
     return make_plan(profile, topo, m, num_stages=request.num_stages, mapping=request.mapping, solver="dp").to_dict()
 

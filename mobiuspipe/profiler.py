@@ -245,6 +245,7 @@ def measure_layers(
         microbatch_size=microbatch_size,
         seq_len=seq_len,
         layers=tuple(out_layers),
+        input_bytes=sample_input.numel() * sample_input.element_size(),
     )
     return Measurement(profile=profile, source=tuple(source))
 

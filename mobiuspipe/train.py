@@ -220,7 +220,8 @@ def _report_device_peak(pipe: Pipeline) -> None:
     if pipe.rank == 0:
         measured = [b for b, _ in every]
         parts = max(every, key=lambda e: e[0])[1]
-        print(device_peak_line(measured, planned_device_bytes(pipe.plan), peak.source, parts), flush=True)
+        planned = planned_device_bytes(pipe.plan, standin=not pipe.engine.device.is_cuda)
+        print(device_peak_line(measured, planned, peak.source, parts), flush=True)
 
 
 def _banner(cfg: RunConfig, plan: Plan) -> str:

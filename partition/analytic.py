@@ -42,6 +42,7 @@ Per layer l (names "embedding", "block", "head"):
                     embedding  s*b*h*e                     (the summed embeddings, input of the first block)
                     head       s*b*h*e + s*b*V*4           (the normalized input, fp32 logits for the loss)
   output_bytes      embedding, block  s*b*h*e ;  head  s*b*V*e
+Per microbatch: input_bytes and target_bytes 8*s*b (int64 token ids).
 LayerNorm, RMSNorm, SiLU/GELU and bias FLOPs are left out (under 1% of a block for h >= 512). The
 s^2 terms assume attention keeps its score matrix; a fused (flash) kernel keeps O(s) instead.
 """
@@ -54,6 +55,8 @@ from partition.profile import LayerProfile, Profile
 
 __all__ = ["DTYPE_BYTES", "analytic_profile", "dtype_bytes"]
 
+TOKEN_BYTES = 8
+"""Bytes of one token id of the input and of the targets (int64, as the data loaders give them)."""
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 """e of the legend for each accepted dtype."""
 
@@ -117,4 +120,6 @@ def analytic_profile(
         microbatch_size=b,
         seq_len=s,
         layers=(embedding, *blocks, head),
+        input_bytes=TOKEN_BYTES * s * b,
+        target_bytes=TOKEN_BYTES * s * b,
     )

@@ -1,28 +1,57 @@
-"""The plan's device-memory figure per gpu: what the cost model says a gpu holds at its peak.
+"""The plan's device-memory figure per gpu: the peak of the lifetime walk (partition.lifetimes) over its step.
 
-Legend (the cost model's symbols, partition/costmodel.py; units in brackets):
+Legend (partition.lifetimes has the walk's; units in brackets):
   W     plan.slot_bytes: one slot of the device arena = the largest stage's parameter bytes    [bytes]
   S     ARENA_SLOTS: slots in the arena (two weight slots, one gradient slot)                  [-]
+  P_j   plan.stages[j].param_bytes                                                            [bytes]
   A_j   plan.stages[j].activation_bytes: live activations while stage j runs backward on one
         microbatch, its input and output buffers included                                     [bytes]
-  D_g   = S * W + max over the stages j of gpu g of A_j: the left side of the memory rule
-        (S*W + A_j <= G) at gpu g's worst stage; the plan's prediction of gpu g's device peak  [bytes]
+  I_j   stage j's input per microbatch: stage j-1's output_bytes; I_0 = plan.input_bytes        [bytes]
+  Y     plan.target_bytes: one microbatch of the loss's targets                                [bytes]
+  H_j   bytes (j, i) keeps on the device from its forward to its backward                     [bytes]
+  D_g   the walk's peak on gpu g: the arena, the held inputs, the messages queued in and out, and
+        the computing stage's A_j                                                             [bytes]
 
-The arena counts whole (S * W, as preallocated); the stage inputs kept for the recompute are not counted
-(on a gpu they live on the host), nor are the messages waiting on the device for other microbatches. The
-runtime measures the real peak (mobiuspipe.memory.measure) and the torchrun entry compares the two.
+Two runtime paths, each walked as it runs:
+  a gpu (CUDA, NCCL; the default): H_j = 0 (Engine._fwd copies the stage input to the host), the arena
+      S * W whole (preallocated; the allocator's max_memory_allocated sees all of it), sends released
+      once the schedules prove them taken;
+  the CPU stand-in (standin=True), as its DeviceLedger counts: H_j = I_j (the input stays on the
+      "device"), the arena's slots in use (P_j each), sends held to the step's end (gloo's send requests
+      report completion only once waited on: Comm.flush).
+D_g >= S * W + max A_j of gpu g's stages (costmodel's memory rule S*W + A_j <= G) on a gpu: the rule
+leaves out the queued messages (and, on the stand-in, the held inputs). The runtime measures the real peak
+(mobiuspipe.memory.measure) and the torchrun entry compares the two.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from partition.lifetimes import StageBytes, device_peaks
 from partition.plan import Plan
 
-__all__ = ["planned_device_bytes"]
+__all__ = ["planned_device_bytes", "stage_bytes"]
 
 
-def planned_device_bytes(plan: Plan) -> list[int]:
-    """D_g of the legend for every gpu g of the plan, in gpu order."""
-    worst = [0] * plan.num_gpus
-    for s in plan.stages:
-        worst[s.gpu] = max(worst[s.gpu], s.activation_bytes)
-    return [plan.arena_bytes + a for a in worst]
+def stage_bytes(plan: Plan, held: Sequence[int] | None = None) -> list[StageBytes]:
+    """The walk's bytes of each stage of the plan; held: H_j per stage (None: I_j, the input stays)."""
+    last = plan.num_stages - 1
+    out = []
+    for j, s in enumerate(plan.stages):
+        inp = plan.stages[j - 1].output_bytes if j > 0 else plan.input_bytes
+        work = s.activation_bytes + (plan.input_bytes if j == 0 else 0) + (plan.target_bytes if j == last else 0)
+        out.append(
+            StageBytes(inp, s.output_bytes if j < last else 0, work, inp if held is None else held[j], s.param_bytes)
+        )
+    return out
+
+
+def planned_device_bytes(plan: Plan, standin: bool = False, held: Sequence[int] | None = None) -> list[int]:
+    """D_g of the legend for every gpu g of the plan, in gpu order, on a gpu or (standin) on the CPU
+    stand-in; held: H_j per stage (another activation policy's), instead of the path's own."""
+    if held is None and not standin:
+        held = [0] * plan.num_stages
+    arena = None if standin else plan.arena_bytes
+    peaks = device_peaks(plan.mapping, plan.num_microbatches, stage_bytes(plan, held), arena, sends_until_flush=standin)
+    return peaks + [arena or 0] * (plan.num_gpus - len(peaks))

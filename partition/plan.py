@@ -129,6 +129,10 @@ class Plan(_PlanPart):
     """The machine the plan was made on (`topology` is its name), written as a layout file holds it
     (topology/layout.py), so that the plan file alone says where it runs; None in plans written before plans
     recorded it (then `mobiuspipe simulate` needs --topology unless `topology` names a preset)."""
+    input_bytes: int = 0
+    """Bytes of one microbatch of the model's input (the profile's; 0 in plans written before plans had it)."""
+    target_bytes: int = 0
+    """Bytes of one microbatch of the loss's targets (the profile's; 0 in plans written before plans had it)."""
 
     @property
     def num_stages(self) -> int:
@@ -184,7 +188,14 @@ def _field_problems(p: Plan) -> list[Problem]:
         *(q for name in ("num_gpus", "num_microbatches", "microbatch_size") for q in at_least(p, name, 1, _WRITE_FIX)),
         *(
             q
-            for name in ("slot_bytes", "arena_bytes", "activation_bytes", "gpu_memory_bytes")
+            for name in (
+                "slot_bytes",
+                "arena_bytes",
+                "activation_bytes",
+                "gpu_memory_bytes",
+                "input_bytes",
+                "target_bytes",
+            )
             for q in at_least(p, name, 0, _WRITE_FIX)
         ),
         *(

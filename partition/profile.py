@@ -89,6 +89,11 @@ class Profile(_ProfilePart):
     microbatch_size: int
     seq_len: int
     layers: tuple[LayerProfile, ...]
+    input_bytes: int = 0
+    """Bytes of one microbatch of the model's input (the first stage's input: token ids for a language
+    model); 0 in profiles written before profiles recorded it."""
+    target_bytes: int = 0
+    """Bytes of one microbatch of the loss's targets; 0 in profiles written before profiles recorded it."""
 
     @property
     def num_layers(self) -> int:
@@ -99,6 +104,7 @@ class Profile(_ProfilePart):
             *(p for name in ("model", "device", "dtype") for p in non_empty(self, name, _WRITE_FIX)),
             *at_least(self, "microbatch_size", 1, _WRITE_FIX),
             *at_least(self, "seq_len", 1, _WRITE_FIX),
+            *(p for name in ("input_bytes", "target_bytes") for p in at_least(self, name, 0, _WRITE_FIX)),
             *([] if self.layers else [Problem("layers", "a non-empty list of layers", "an empty list", _WRITE_FIX)]),
         ]
 

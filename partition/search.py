@@ -272,6 +272,8 @@ def _plan_of(
         gpu_memory_bytes=memory,
         predicted_step_time_s=sim.step_time_s,
         solver=SolverInfo("dp", "optimal", 0.0, 0.0),
+        input_bytes=profile.input_bytes,
+        target_bytes=profile.target_bytes,
     )
 
 

@@ -213,7 +213,7 @@ def test_gpt_peak_covers_the_arena_and_counting_changes_no_bit(monkeypatch):
         assert r.arena_peak_bytes <= r.arena_budget_bytes
         # above the arena by at least the 3 microbatches' tokens kept for recompute (6 rows of 17 int64)
         assert r.device_peak_bytes >= r.arena_peak_bytes + 6 * 17 * 8
-    assert planned_device_bytes(plan) == [plan.arena_bytes + max(s.activation_bytes for s in plan.stages)]
+    assert planned_device_bytes(plan)[0] >= plan.arena_bytes + max(s.activation_bytes for s in plan.stages)
     monkeypatch.setattr(mobiuspipe.engine, "counting_saved", lambda ledger: contextlib.nullcontext())
     plain, plain_weights, _ = _gpt_run()
     assert [r.loss for r in plain] == [r.loss for r in results]
@@ -230,11 +230,46 @@ def test_planned_figure_per_gpu_and_the_end_of_run_line():
     # A_j: the layers' activations + the input (from the layer before) + the output
     a0, a1, a2 = 64 + 0 + 64, 64 + 64 + 64, 24 + 64 + 24
     assert [s.activation_bytes for s in plan.stages] == [a0, a1, a2]
-    assert planned_device_bytes(plan) == [slots + max(a0, a2), slots + a1]
+    # on a gpu the walk adds the messages to the memory rule's arena + A_j: on gpu 0 at B0.0, the gradient
+    # received for (0,0) (64 B) and stage 2's three input gradients sent to gpu 1 (64 B and an 80-byte header
+    # each: RG0.0 proves only that gpu 1 took the first, and Comm drops it at its next call); on gpu 1 at
+    # B1.0, the gradient received for (1,0) and the three activations sent to stage 2 (the input's ids,
+    # plan.input_bytes, are 0 in this hand profile)
+    assert planned_device_bytes(plan) == [slots + a0 + 64 + 3 * 144, slots + a1 + 64 + 3 * 144]
     line = device_peak_line([1536, 600], [1024, 700], "ledger", {"arena": 1000, "saved": 536})
     assert line == (
-        "device peak, measured (ledger) vs planned (arena + largest stage activations): "
+        "device peak, measured (ledger) vs planned (lifetime walk): "
         "rank 0 1.50 KiB vs 1.00 KiB: measured larger by 512 B (+50% of plan); "
         "rank 1 600 B vs 700 B: planned larger by 100 B (-14% of plan); "
         "rank 0 at its peak held arena 1000 B, saved 536 B"
     )
+
+
+@pytest.mark.parametrize(
+    "precision,model,batch,microbatches",
+    [
+        ("fp32", {"num_blocks": 3, "d_model": 24, "num_heads": 3, "seq_len": 17}, 6, 3),
+        ("bf16", {"num_blocks": 5, "d_model": 40, "num_heads": 5, "seq_len": 23}, 10, 5),
+    ],
+)
+def test_measured_peak_is_under_the_walk_and_within_10_percent(precision, model, batch, microbatches):
+    """One rank, 4 stages planned from a measured profile (Pipeline(sample=...)): the ledger's peak over 3
+    steps is at most the plan's stand-in walk and above 90% of it (measured 0.98-0.99 when written)."""
+    torch.set_num_threads(1)
+    cfg = config_from_dict(
+        {
+            "model": model,
+            "data": {"batch_size": batch, "num_microbatches": microbatches},
+            "train": {"steps": 3, "seed": 5, "precision": precision},
+        }
+    )
+    data = open_data(cfg.data, cfg.model.seq_len, 5, cfg.model.vocab_size)
+    factories = layer_factories(model_spec(cfg), 5)
+    sample = data.batch(0, batch)
+    kw = {"num_microbatches": microbatches, "num_stages": 4, "precision": precision}
+    with Pipeline(factories, lm_loss, sample=sample, optimizer=partial(CPUAdam, lr=0.01), **kw) as pipe:
+        for s in range(3):
+            pipe.train_batch(*data.batch(s, batch))
+        measured, plan = pipe.engine.peak.run_bytes, pipe.plan
+    [walk] = planned_device_bytes(plan, standin=True)
+    assert 0.9 * walk < measured <= walk, (measured, walk, pipe.engine.peak.run_parts)
