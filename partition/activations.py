@@ -30,7 +30,17 @@ from dataclasses import dataclass
 
 from partition.costmodel import LayerArrays
 
-__all__ = ["MODES", "TIERS", "ActivationPolicy", "PolicyCost", "Link", "kept_layers_order", "policy_cost", "options"]
+__all__ = [
+    "MODES",
+    "TIERS",
+    "ActivationPolicy",
+    "PolicyCost",
+    "Link",
+    "kept_layers_order",
+    "policy_cost",
+    "fused_cost",
+    "options",
+]
 
 MODES = ("recompute", "selective", "keep")
 """recompute: only the stage input is held; keep: every layer's saved activations; selective: some layers'."""
@@ -138,3 +148,11 @@ def options(
         for mode, kept in policies
         for tier, link in links.items()
     ]
+
+
+def fused_cost(arr: LayerArrays, a: int, b: int, m: int, input_bytes: int = 0) -> PolicyCost:
+    """The last stage's only option: its forward runs with grad inside its backward (the loss needs both at
+    once), so it holds nothing between them and recomputes nothing (recorded as keep, on the device)."""
+    work = int(arr.A[b + 1] - arr.A[a]) + _output(arr, a - 1, input_bytes) + int(arr.O[b])
+    fwd, bwd = float(arr.F[b + 1] - arr.F[a]), float(arr.B[b + 1] - arr.B[a])
+    return PolicyCost(ActivationPolicy("keep"), 0, work, 0.0, 0.0, m * (fwd + bwd))

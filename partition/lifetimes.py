@@ -96,9 +96,10 @@ def device_peak(
     stages: Sequence[StageBytes],
     arena: int | None = None,
     sends_until_flush: bool = False,
+    swapped: frozenset[int] = frozenset(),
 ) -> int:
     """D_g: the most bytes gpu holds at any moment of the step (the arena alone for a gpu without stages)."""
-    timeline = device_timeline(mapping, gpu, microbatches, stages, arena, sends_until_flush)
+    timeline = device_timeline(mapping, gpu, microbatches, stages, arena, sends_until_flush, swapped)
     return max((b for _, b in timeline), default=arena or 0)
 
 
@@ -108,9 +109,13 @@ def device_peaks(
     stages: Sequence[StageBytes],
     arena: int | None = None,
     sends_until_flush: bool = False,
+    swapped: frozenset[int] = frozenset(),
 ) -> list[int]:
     """D_g for every gpu 0 .. max(mapping)."""
-    return [device_peak(mapping, g, microbatches, stages, arena, sends_until_flush) for g in range(max(mapping) + 1)]
+    return [
+        device_peak(mapping, g, microbatches, stages, arena, sends_until_flush, swapped)
+        for g in range(max(mapping) + 1)
+    ]
 
 
 class _Walk:
