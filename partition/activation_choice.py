@@ -17,14 +17,15 @@ import dataclasses
 from dataclasses import dataclass
 
 from foundation.units import fmt_bytes
-from partition.activations import ActivationPolicy, Link, PolicyCost, fused_cost, options
+from partition.activations import MODES, ActivationPolicy, Link, PolicyCost, fused_cost, options
 from partition.costmodel import LayerArrays
 from partition.device_peak import stage_bytes
-from partition.lifetimes import device_peaks
+from partition.lifetimes import device_peak
 from partition.plan import Plan
 from partition.profile import Profile
+from topology.types import Topology
 
-__all__ = ["Considered", "Choice", "choose_activations"]
+__all__ = ["Considered", "Choice", "choose_activations", "runtime_links", "with_activations"]
 
 
 @dataclass(frozen=True)
@@ -40,11 +41,12 @@ class Considered:
 
 @dataclass(frozen=True)
 class Choice:
-    """The chosen policy of every stage, with its figures, every gpu's peak D_g, and every option weighed."""
+    """The chosen policy of every stage, with its figures, every gpu's peak D_g, and (with explain) every
+    option weighed."""
 
     costs: tuple[PolicyCost, ...]
     peaks: tuple[int, ...]
-    considered: tuple[Considered, ...]
+    considered: tuple[Considered, ...] = ()
 
     @property
     def policies(self) -> tuple[ActivationPolicy, ...]:
@@ -60,38 +62,91 @@ class _Walker:
         self.extra = [b.work - s.activation_bytes for b, s in zip(self.base, plan.stages)]  # Y, I_0
 
     def peaks(self, costs: list[PolicyCost]) -> list[int]:
+        """D_g of every gpu of the plan."""
+        return [self.peak(costs, g) for g in range(self.plan.num_gpus)]
+
+    def peak(self, costs: list[PolicyCost], gpu: int) -> int:
+        """D_g of one gpu (only its stages' choices count)."""
         plan = self.plan
+        arena = None if self.standin else plan.arena_bytes
+        if gpu not in plan.mapping:
+            return arena or 0
         stages = [
             dataclasses.replace(b, held=c.held_bytes, work=c.work_bytes + e)
             for b, c, e in zip(self.base, costs, self.extra)
         ]
         swapped = frozenset(j for j, c in enumerate(costs) if c.policy.tier != "device")
-        arena = None if self.standin else plan.arena_bytes
-        peaks = device_peaks(plan.mapping, plan.num_microbatches, stages, arena, self.standin, swapped)
-        return peaks + [arena or 0] * (plan.num_gpus - len(peaks))
+        return device_peak(plan.mapping, gpu, plan.num_microbatches, stages, arena, self.standin, swapped)
+
+
+def runtime_links(topo: Topology) -> tuple[dict[str, Link | None], dict[str, tuple[str, ...]], bool]:
+    """(links, the modes each tier runs, standin) of what the runtime runs on topo today: on the CPU stand-in
+    every mode on the device; on a gpu, recompute with its input copied to the host (Engine's path) and keep
+    or selective on the device. The swap tiers (mobiuspipe.memory.swap) join when the engine runs them."""
+    if all(g.name == "cpu-standin" for g in topo.gpus):
+        return {"device": None}, {"device": MODES}, True
+    gbps = min(g.link_gbps for g in topo.gpus)
+    return {"device": None, "host": Link(gbps, gbps)}, {"device": ("selective", "keep"), "host": ("recompute",)}, False
+
+
+def with_activations(
+    plan: Plan, profile: Profile, topo: Topology, budget_bytes: int, explain: bool = False
+) -> tuple[Plan, Choice]:
+    """The plan with each stage's chosen policy recorded (activations, kept_layers, activation_tier,
+    held_bytes, recompute_s, work_bytes), and the choice (with explain: every option weighed)."""
+    links, modes, standin = runtime_links(topo)
+    choice = choose_activations(plan, profile, budget_bytes, links, standin, modes, explain)
+    stages = tuple(
+        dataclasses.replace(
+            s,
+            activations=c.policy.mode,
+            kept_layers=c.policy.keep_layers,
+            activation_tier=c.policy.tier,
+            held_bytes=c.held_bytes,
+            recompute_s=c.recompute_s,
+            work_bytes=c.work_bytes,
+        )
+        for s, c in zip(plan.stages, choice.costs)
+    )
+    return dataclasses.replace(plan, stages=stages), choice
 
 
 def choose_activations(
-    plan: Plan, profile: Profile, budget_bytes: int, links: dict[str, Link | None], standin: bool = False
+    plan: Plan,
+    profile: Profile,
+    budget_bytes: int,
+    links: dict[str, Link | None],
+    standin: bool = False,
+    modes: dict[str, tuple[str, ...]] | None = None,
+    explain: bool = True,
 ) -> Choice:
     """Each stage's policy under budget_bytes per gpu; links: the tiers the runtime may use, each with its
-    bandwidth from the device (None for "device"). ValueError when even moving every held byte off the
-    device does not fit."""
+    bandwidth from the device (None for "device"); modes: the modes each tier may run (default all);
+    explain: weigh every option against the choice (Choice.considered; one walk per option).
+    ValueError when even moving every held byte off the device does not fit."""
     arr, m = LayerArrays.of(profile), plan.num_microbatches
     walker = _Walker(plan, standin)
     last = plan.num_stages - 1
     opts = [
         [fused_cost(arr, s.first, s.last, m, plan.input_bytes)]
         if j == last
-        else options(arr, s.first, s.last, m, links, plan.input_bytes)
+        else [
+            c
+            for c in options(arr, s.first, s.last, m, links, plan.input_bytes)
+            if modes is None or c.policy.mode in modes.get(c.policy.tier, ())
+        ]
         for j, s in enumerate(plan.stages)
     ]
     home = "device" if standin or "host" not in links else "host"
-    costs = [next((c for c in o if c.policy == ActivationPolicy(tier=home)), o[0]) for o in opts]
+    costs = [
+        next((c for c in o if c.policy == ActivationPolicy(tier=home)), min(o, key=lambda c: c.held_bytes))
+        for o in opts
+    ]
     costs = _fit(walker, opts, costs, budget_bytes)
     costs = _improve(walker, opts, costs, budget_bytes)
     peaks = walker.peaks(costs)
-    return Choice(tuple(costs), tuple(peaks), tuple(_weigh(walker, plan, opts, costs, budget_bytes)))
+    weighed = _weigh(walker, plan, opts, costs, budget_bytes) if explain else []
+    return Choice(tuple(costs), tuple(peaks), tuple(weighed))
 
 
 def _fit(walker: _Walker, opts: list[list[PolicyCost]], costs: list[PolicyCost], budget: int) -> list[PolicyCost]:
@@ -130,7 +185,7 @@ def _improve(walker: _Walker, opts: list[list[PolicyCost]], costs: list[PolicyCo
             if gain <= 1e-12:
                 return costs
             trial = costs[:j] + [opts[j][k]] + costs[j + 1 :]
-            if max(walker.peaks(trial)) <= budget:
+            if walker.peak(trial, walker.plan.stages[j].gpu) <= budget:
                 costs = trial
                 break
         else:
@@ -145,7 +200,7 @@ def _weigh(
     for j, o in enumerate(opts):
         g = plan.stages[j].gpu
         for c in o:
-            peak = walker.peaks(costs[:j] + [c] + costs[j + 1 :])[g]
+            peak = walker.peak(costs[:j] + [c] + costs[j + 1 :], g)
             rows.append(Considered(j, c, peak, _verdict(c, costs[j], peak, budget, g, len(o))))
     return rows
 

@@ -40,7 +40,8 @@ def stage_bytes(plan: Plan, held: Sequence[int] | None = None) -> list[StageByte
     out = []
     for j, s in enumerate(plan.stages):
         inp = plan.stages[j - 1].output_bytes if j > 0 else plan.input_bytes
-        work = s.activation_bytes + (plan.input_bytes if j == 0 else 0) + (plan.target_bytes if j == last else 0)
+        live = s.work_bytes if s.work_bytes >= 0 else s.activation_bytes
+        work = live + (plan.input_bytes if j == 0 else 0) + (plan.target_bytes if j == last else 0)
         out.append(
             StageBytes(inp, s.output_bytes if j < last else 0, work, inp if held is None else held[j], s.param_bytes)
         )
@@ -49,9 +50,15 @@ def stage_bytes(plan: Plan, held: Sequence[int] | None = None) -> list[StageByte
 
 def planned_device_bytes(plan: Plan, standin: bool = False, held: Sequence[int] | None = None) -> list[int]:
     """D_g of the legend for every gpu g of the plan, in gpu order, on a gpu or (standin) on the CPU
-    stand-in; held: H_j per stage (another activation policy's), instead of the path's own."""
+    stand-in; held: H_j per stage (another activation policy's), instead of the plan's (its activation
+    choice's held_bytes; in plans before the choice, the path's own)."""
+    chosen = [s.held_bytes for s in plan.stages]
+    if held is None and min(chosen) >= 0:
+        held = chosen
     if held is None and not standin:
         held = [0] * plan.num_stages
+    swapped = frozenset(j for j, s in enumerate(plan.stages) if s.activation_tier not in ("auto", "device"))
     arena = None if standin else plan.arena_bytes
-    peaks = device_peaks(plan.mapping, plan.num_microbatches, stage_bytes(plan, held), arena, sends_until_flush=standin)
+    stages = stage_bytes(plan, held)
+    peaks = device_peaks(plan.mapping, plan.num_microbatches, stages, arena, standin, swapped)
     return peaks + [arena or 0] * (plan.num_gpus - len(peaks))

@@ -38,6 +38,7 @@ ledger does not), the stages' registered buffers (not in the plan), and send hea
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -79,11 +80,11 @@ def device_timeline(
     other gpus are held to the step's end (see the legend); swapped: the stages whose held bytes swap out
     between F and B (partition.order.steps_of)."""
     steps = steps_of(mapping, gpu, microbatches, swapped)
-    releases = {} if sends_until_flush else _send_releases(mapping, gpu, microbatches, swapped)
+    releases = {} if sends_until_flush else _send_releases(tuple(mapping), gpu, microbatches)
     walk = _Walk(arena)
     out = []
-    for n, (kind, j, i) in enumerate(steps):
-        for key in releases.get(n, ()):
+    for kind, j, i in steps:
+        for key in releases.get((kind, j, i), ()):
             walk.drop(key)
         out.append(((kind, j, i), _step(walk, mapping, gpu, (kind, j, i), stages)))
     return out
@@ -190,20 +191,23 @@ def _size(s: StageBytes, kind: str) -> int:
     return s.output if kind == "SA" else s.input
 
 
-def _partner(mapping: list[int], step: Step) -> tuple[int, Step]:
+def _partner(mapping: Sequence[int], step: Step) -> tuple[int, Step]:
     """The other end of a message step: (its gpu, its step there)."""
     kind, j, i = step
     other = {"SA": ("RA", j + 1), "RA": ("SA", j - 1), "SG": ("RG", j - 1), "RG": ("SG", j + 1)}[kind]
     return mapping[other[1]], (other[0], other[1], i)
 
 
-def _send_releases(mapping: list[int], gpu: int, microbatches: int, swapped: frozenset[int]) -> dict[int, list[tuple]]:
-    """For gpu's sends to other gpus: index of the action whose comm call drops each (the step's end: len)."""
-    steps = {g: steps_of(mapping, g, microbatches, swapped) for g in sorted(set(mapping))}
+@functools.lru_cache(maxsize=64)
+def _send_releases(mapping: tuple[int, ...], gpu: int, microbatches: int) -> dict[Step | None, list[tuple]]:
+    """For gpu's sends to other gpus: the message action whose comm call drops each (None: the step's end).
+    Swaps are no messages, so they change nothing here. Cached: the activation choice walks the same
+    schedules many times (do not change what it returns)."""
+    steps = {g: steps_of(list(mapping), g, microbatches) for g in sorted(set(mapping))}
     index = {g: {s: n for n, s in enumerate(st)} for g, st in steps.items()}
     mine = steps.get(gpu, [])
     remote = [n for n, s in enumerate(mine) if s[0] in ("SA", "RA", "SG", "RG") and _partner(mapping, s)[0] != gpu]
-    out: dict[int, list[tuple]] = {}
+    out: dict[Step | None, list[tuple]] = {}
     for p in (n for n in remote if mine[n][0] in ("SA", "SG")):
         h, taken = _partner(mapping, mine[p])
         r = index[h][taken]
@@ -211,12 +215,12 @@ def _send_releases(mapping: list[int], gpu: int, microbatches: int, swapped: fro
             (n for n in remote if n > p and mine[n][0] in ("RA", "RG") and _sent_after(mapping, index, mine[n], h, r)),
             None,
         )
-        at = next((n for n in remote if known is not None and n > known), len(mine))
+        at = next((mine[n] for n in remote if known is not None and n > known), None)
         out.setdefault(at, []).append(("sending", *mine[p]))
     return out
 
 
-def _sent_after(mapping: list[int], index: dict, recv: Step, h: int, r: int) -> bool:
+def _sent_after(mapping: Sequence[int], index: dict, recv: Step, h: int, r: int) -> bool:
     """Whether the message `recv` takes was sent by gpu h after h's action r."""
     src, send = _partner(mapping, recv)
     return src == h and index[h][send] > r

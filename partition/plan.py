@@ -19,6 +19,7 @@ from foundation.loader import (
     save_file,
     to_plain,
 )
+from partition.activations import MODES, TIERS
 from partition.analytic import DTYPE_BYTES
 from partition.errors import InvalidPlan, PlanFileError
 from partition.mapping import MAPPING_RULES
@@ -55,6 +56,20 @@ class StagePlan(_PlanPart):
     """Backward seconds per microbatch (without the recomputed forward)."""
     load_gbps: float
     """Host->gpu bandwidth this stage's loads get under the mapping's contention, GB/s."""
+    activations: str = "recompute"
+    """Its activation policy (partition.activations): recompute (the forward again in the backward, from the
+    stage input), keep (every layer's saved activations from F to B) or selective (kept_layers' only)."""
+    kept_layers: tuple[int, ...] = ()
+    """selective: the layers (model indices) whose saved activations are kept."""
+    activation_tier: str = "auto"
+    """Where the held activations live from F to B: device, host, ssd or peer; auto (plans made before the
+    choice): the runtime's own path (the device on the CPU stand-in, the host on a gpu)."""
+    held_bytes: int = -1
+    """H_j: bytes held per microbatch from F to B under the policy (-1 in plans made before the choice)."""
+    recompute_s: float = -1.0
+    """R_j: seconds of forward redone per microbatch in the backward (-1: fwd_s, plans before the choice)."""
+    work_bytes: int = -1
+    """T_j: bytes live while B runs besides the held ones (-1: activation_bytes, plans before the choice)."""
 
     @property
     def layers(self) -> range:
@@ -68,6 +83,28 @@ class StagePlan(_PlanPart):
     def check_values(self) -> list[Problem]:
         counts = ("param_count", "param_bytes", "activation_bytes", "output_bytes")  # first, gpu: Plan checks
         return [
+            *rule(
+                self.activations in MODES,
+                "activations",
+                f"one of {', '.join(MODES)}",
+                repr(self.activations),
+                _WRITE_FIX,
+            ),
+            *rule(
+                self.activation_tier in ("auto", *TIERS),
+                "activation_tier",
+                f"one of auto, {', '.join(TIERS)}",
+                repr(self.activation_tier),
+                _WRITE_FIX,
+            ),
+            *rule(
+                all(self.first <= x <= self.last for x in self.kept_layers)
+                and (self.activations == "selective" or not self.kept_layers),
+                "kept_layers",
+                f"layers of the stage ({self.first}..{self.last}), given only when activations is selective",
+                found_text(list(self.kept_layers)),
+                _WRITE_FIX,
+            ),
             *(p for name in counts for p in at_least(self, name, 0, _WRITE_FIX)),
             *(p for name in ("fwd_s", "bwd_s") for p in positive(self, name, _WRITE_FIX, zero_ok=True)),
             *positive(self, "load_gbps", _WRITE_FIX, what="a bandwidth in GB/s, a finite number"),

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from foundation.timing import Stopwatch
 from foundation.units import GiB
+from partition.activation_choice import with_activations
 from partition.bounds import StepBound, step_bound
 from partition.costmodel import ARENA_SLOTS, LayerArrays
 from partition.dp import solve_dp
@@ -43,6 +44,7 @@ def make_plan(
     time_limit_s: float = 2.0,
     gap: float = 0.01,
     host_budget: HostBudget | None = None,
+    activations: str = "auto",
 ) -> Plan:
     """Cut the profiled layers into stages, map them to gpus and predict the step; the fastest plan wins.
 
@@ -54,6 +56,9 @@ def make_plan(
 
     host_budget: the host memory the states must fit (partition.tiers); states that do not fit go to the
     SSD and the final simulation streams their traffic under the updates. None: unlimited, all in memory.
+    activations: "auto" chooses each stage's activation policy under the memory (partition.activation_choice);
+    "recompute" plans every stage to recompute from its input (the runtime's path before the choice), as
+    does "auto" when even that exceeds the memory on the lifetime walk (the memory rule alone decides then).
     """
     watch = Stopwatch()
     _check_memory_known(topo)
@@ -70,6 +75,11 @@ def make_plan(
         )
         candidates = candidates + found
     best = min(_shared(candidates, topo, host_budget), key=lambda p: (p.predicted_step_time_s, p.num_stages))
+    if activations == "auto":
+        try:
+            best, _ = with_activations(best, profile, topo, memory)
+        except ValueError:  # the walk exceeds the memory even recomputing: kept as the memory rule planned it
+            pass
     return dataclasses.replace(best, solver=dataclasses.replace(info, wall_s=round(watch.s, 6)))
 
 
