@@ -9,7 +9,10 @@ from foundation.loader import Problem, rule
 from mobiuspipe.config_section import WRITTEN_PATH, Section, mebibytes
 from partition.placement import TIERS  # where memory.optimizer and memory.weights may put states
 
-__all__ = ["MemoryConfig"]
+__all__ = ["MemoryConfig", "ACTIVATION_MODES"]
+
+ACTIVATION_MODES = ("recompute", "keep")
+"""memory.activations: one mode for every stage (Pipeline(activations=...) also takes per-stage selective)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +35,10 @@ class MemoryConfig(Section):
     host_budget_mb: float = 1024.0
     """Host memory per rank for the states (MiB): what stays in memory plus the streaming slots of the
     stages on SSD. With optimizer and weights on host it is not enforced."""
+    activations: str = "recompute"
+    """How each stage keeps what its backward needs. "recompute": the stage input only, the forward is run
+    again in the backward; "keep": the forward's saved activations stay on the device until the backward (no
+    recompute, more device memory). Both give the same numbers bit for bit."""
 
     def check_values(self) -> list[Problem]:
         return [
@@ -69,6 +76,13 @@ class MemoryConfig(Section):
                 "a folder when optimizer is ssd or auto",
                 repr(self.ssd_dir),
                 "set `ssd_dir:` to a folder on an NVMe drive, e.g. /nvme/mobiuspipe",
+            ),
+            *rule(
+                self.activations in ACTIVATION_MODES,
+                "activations",
+                "one of " + ", ".join(ACTIVATION_MODES),
+                repr(self.activations),
+                "use `activations: recompute` (least device memory) or `keep` (no recompute)",
             ),
             *mebibytes(self, "host_budget_mb", "use a positive budget in MiB, e.g. 1024.0"),
         ]

@@ -1,73 +1,39 @@
 """Runs one rank's schedule for one step: a dispatch table from action kind to a small method.
 
-The state of a step (the stage inputs saved to host for the recompute, received activations and
-gradients, outputs waiting to be sent, the loss, the times) lives in one StepState. Each method times
-itself into the compute / load / comm buckets. Shapes and dtypes of the tensors between ranks are learned
-on the first step of each batch shape: the sender puts a small header (TensorSpec) ahead of each tensor.
-Every tensor the engine holds on the device is held in its DeviceLedger too, under a key whose kind says
-why: "inputs" (a stage's input while it computes, a microbatch's targets), "saved" (stage inputs kept on
-the device for the recompute: the CPU stand-in; CUDA keeps them on the host), "inbox", "outbox", "output"
-(a stage's output during its backward), "autograd" (saved for backward), "buffers"; the arena and Comm
-add "arena" and "sending". DevicePeak turns it into the step's measured device peak.
+The state of a step (the stage inputs saved to host for the recompute, the graphs kept from a forward to its
+backward, received activations and gradients, outputs waiting to be sent, the loss, the times) lives in one
+StepState; F and B are in mobiuspipe.compute. Each method times itself into the compute / load / comm
+buckets. Shapes and dtypes of the tensors between ranks are learned on the first step of each batch shape:
+the sender puts a small header (TensorSpec) ahead of each tensor. Every tensor the engine holds on the device
+is held in its DeviceLedger too, under a key whose kind says why: "inputs" (a stage's input while it
+computes, a microbatch's targets), "saved" (stage inputs kept on the device for the recompute: the CPU
+stand-in; CUDA keeps them on the host), "kept" (what a keep or selective stage holds from F to B: the saved
+tensors of its kept graphs, the inputs of its segments), "inbox", "outbox", "output" (a stage's output
+during its backward), "autograd" (saved for backward), "buffers"; the arena and Comm add "arena" and
+"sending". DevicePeak turns it into the step's measured device peak.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
 
 from foundation.timing import Stopwatch
+from mobiuspipe.activations import StageMode, parts_of
 from mobiuspipe.comm import Comm, TensorSpec
+from mobiuspipe.compute import Compute, LossFn, MessageKey, StepState, StepTimes
 from mobiuspipe.device import Device
-from mobiuspipe.errors import PipelineError
 from mobiuspipe.memory.arena import DeviceArena
 from mobiuspipe.memory.ledger import DeviceLedger
-from mobiuspipe.memory.measure import DevicePeak, counting_saved
+from mobiuspipe.memory.measure import DevicePeak
 from mobiuspipe.schedule.actions import Action, Kind
 from mobiuspipe.stage import Stage
 
-__all__ = ["Engine", "StepTimes"]
-
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-MessageKey = tuple[Kind, int, int]
-"""(receive kind, stage, microbatch) of a message a rank takes in."""
+__all__ = ["Engine", "StepTimes", "LossFn"]
 
 
-@dataclass
-class StepTimes:
-    """Seconds this rank spent computing, waiting for loads, and waiting on communication."""
-
-    compute_s: float = 0.0
-    load_s: float = 0.0
-    comm_s: float = 0.0
-
-
-@dataclass
-class StepState:
-    """Everything one step of one rank holds between its actions."""
-
-    step: int
-    xs: tuple[torch.Tensor, ...]
-    ys: tuple[torch.Tensor, ...]
-    specs: dict[MessageKey, TensorSpec]
-    """Shapes of the messages this rank receives for this batch shape (filled on its first step)."""
-    learning: bool
-    """True on the first step of a batch shape: every message travels after its TensorSpec header."""
-    saved: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    rng: dict[tuple[int, int], tuple] = field(default_factory=dict)
-    """The random state each (stage, microbatch) forward started from, so that its recompute in the backward
-    draws the same dropout masks (as torch.utils.checkpoint does)."""
-    inbox: dict[MessageKey, torch.Tensor] = field(default_factory=dict)
-    outbox: dict[tuple[Kind, int, int], torch.Tensor] = field(default_factory=dict)
-    loss: float = 0.0
-    times: StepTimes = field(default_factory=StepTimes)
-
-
-class Engine:
+class Engine(Compute):
     """One rank: its stages, arena, comm; run_step() executes the schedule once."""
 
     def __init__(
@@ -85,6 +51,7 @@ class Engine:
         dtype: torch.dtype = torch.float32,
         defer_updates: bool = False,
         ledger: DeviceLedger | None = None,
+        activations: dict[int, StageMode] | None = None,
     ):
         self.mapping, self.rank, self.stages, self.schedule = mapping, rank, stages, schedule
         self.device, self.arena, self.comm, self.loss_fn = device, arena, comm, loss_fn
@@ -106,6 +73,14 @@ class Engine:
         """Stages whose updates wait for start_updates even without defer_updates (tied parameters)."""
         self.deferred: list[Stage] = []
         self.last = len(mapping) - 1
+        modes = activations or {}
+        self.parts = {
+            j: parts_of(s.order, modes[j])
+            for j, s in stages.items()
+            if j < self.last and modes.get(j, StageMode()).mode != "recompute"
+        }
+        """The kept and recomputed parts of this rank's keep and selective stages (the last stage's forward
+        is fused into its backward under every mode, so it has none)."""
         self.ledger = ledger or DeviceLedger()
         """The tensors this rank holds on its device (the arena and comm, given the same ledger, add theirs)."""
         self.peak = DevicePeak(device.torch_device, self.ledger)
@@ -163,11 +138,6 @@ class Engine:
     def _release(self, a: Action) -> None:
         self.stages[a.stage].release(self.arena)
 
-    def _ready(self, stage: Stage) -> None:
-        with Stopwatch() as sw:
-            stage.wait_loaded()
-        self.state.times.load_s += sw.s
-
     def _offload(self, a: Action) -> None:
         stage = self.stages[a.stage]
         with Stopwatch() as sw:
@@ -193,132 +163,6 @@ class Engine:
     def grad_sumsq(self) -> float:
         """The squared norm of the gradients this rank offloaded in this step (each stage's, summed)."""
         return sum(s.states.sumsq or 0.0 for s in self.stages.values())
-
-    # -- compute -------------------------------------------------------------------------------
-    def _input(self, j: int, i: int) -> torch.Tensor:
-        """Stage j's input for microbatch i on the device, held in the ledger as ("inputs", j, i)."""
-        if j == 0:
-            x = self.state.xs[i]
-            x = x.to(self.device.torch_device, dtype=self.dtype if x.is_floating_point() else x.dtype)
-        else:
-            x = self._take((Kind.RECV_ACT, j, i))
-        self.ledger.hold(("inputs", j, i), x)
-        return x
-
-    def _take(self, key: MessageKey) -> torch.Tensor:
-        """A received tensor out of the inbox (and out of the ledger's "inbox": the taker holds it now)."""
-        t = self.state.inbox.pop(key)
-        self.ledger.drop(("inbox", *key))
-        return t
-
-    def _fwd(self, a: Action) -> None:
-        j, i, stage, st = a.stage, a.microbatch, self.stages[a.stage], self.state
-        self._ready(stage)
-        x = self._input(j, i)
-        st.saved[(j, i)] = x.to("cpu", copy=True) if self.device.is_cuda else x  # host checkpoint
-        if not self.device.is_cuda:
-            self.ledger.hold(("saved", j, i), x)  # the CPU stand-in's host checkpoint is "on the device"
-        try:
-            if j < self.last:  # the last stage's forward is fused into its backward (loss and gradient at once)
-                st.rng[(j, i)] = self._rng_state()
-                self._fwd_no_grad(j, i, stage, x)
-        finally:
-            self.ledger.drop(("inputs", j, i))
-
-    def _fwd_no_grad(self, j: int, i: int, stage: Stage, x: torch.Tensor) -> None:
-        st = self.state
-        with Stopwatch() as sw, torch.no_grad():
-            out = stage.forward(x, with_grad=False)
-        if not out.is_floating_point():
-            raise PipelineError(
-                f"stage {j} (layers {stage.order[0]}..{stage.order[-1]}) outputs a {out.dtype} "
-                f"tensor: tensors between stages must be floating point so that gradients flow "
-                f"back; make the layer that produces it part of the next stage's first layer"
-            )
-        st.outbox[(Kind.SEND_ACT, j, i)] = out
-        self.ledger.hold(("outbox", Kind.SEND_ACT, j, i), out)
-        st.times.compute_s += sw.s
-
-    def _bwd(self, a: Action) -> None:
-        j, i, stage, st = a.stage, a.microbatch, self.stages[a.stage], self.state
-        self._ready(stage)
-        if stage.grads is None:
-            stage.begin_backward(self.arena)
-        with Stopwatch() as sw:
-            x = st.saved.pop((j, i)).to(self.device.torch_device)
-            self.ledger.hold(("inputs", j, i), x)
-            if not self.device.is_cuda:
-                self.ledger.drop(("saved", j, i))
-            if j > 0:
-                x.requires_grad_(True)
-            try:
-                with self._replaying(st.rng.pop((j, i), None)):
-                    self._fwd_bwd(j, i, stage, x)
-            finally:
-                self.ledger.drop_kind("autograd")
-                self.ledger.drop_kind("output")
-            if j > 0:
-                st.outbox[(Kind.SEND_GRAD, j, i)] = g = self._input_grad(x, stage)
-                self.ledger.hold(("outbox", Kind.SEND_GRAD, j, i), g)
-            self.ledger.drop(("inputs", j, i))
-        st.times.compute_s += sw.s
-
-    def _fwd_bwd(self, j: int, i: int, stage: Stage, x: torch.Tensor) -> None:
-        """Stage j's forward with grad (its saved tensors and output held in the ledger), then its backward."""
-        st = self.state
-        with counting_saved(self.ledger):
-            out = stage.forward(x, with_grad=True)
-            self.ledger.hold(("output", j, i), out)
-            loss = self._last_loss(out, i) if j == self.last else None
-        if loss is not None:
-            st.loss += float(loss.detach())
-            (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
-            self.ledger.drop(("inputs", "targets", i))
-        else:
-            key = (Kind.RECV_GRAD, j, i)
-            out.backward(st.inbox.pop(key))
-            self.ledger.drop(("inbox", *key))
-
-    def _rng_state(self) -> tuple:
-        dev = self.device.torch_device
-        return torch.get_rng_state(), (torch.cuda.get_rng_state(dev) if self.device.is_cuda else None)
-
-    def _replaying(self, state: tuple | None):
-        """A context in which the random generators start from `state` and are put back after (no-op for None)."""
-        if state is None:
-            return contextlib.nullcontext()
-        return _replay(state, self.device.torch_device if self.device.is_cuda else None)
-
-    @staticmethod
-    def _input_grad(x: torch.Tensor, stage: Stage) -> torch.Tensor:
-        if x.grad is None:
-            raise PipelineError(
-                f"stage {stage.index} (layers {stage.order[0]}..{stage.order[-1]}) got no gradient "
-                f"for its input: its output does not depend on its input, so the pipeline cannot "
-                f"cut there; re-plan so that those layers join a neighbouring stage"
-            )
-        return x.grad
-
-    def _last_loss(self, out: torch.Tensor, i: int) -> torch.Tensor:
-        """The loss of microbatch i in fp32 (a no-op in fp32), its targets held as ("inputs", "targets", i)."""
-        y = self.state.ys[i].to(out.device)
-        self.ledger.hold(("inputs", "targets", i), y)
-        return self._loss(out.float(), y)
-
-    def _loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The microbatch's share of the step's loss: loss_fn(out, y) / num_microbatches."""
-        loss = self.loss_fn(out, y)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-            found = (
-                f"a {loss.dtype} tensor of shape {tuple(loss.shape)}"
-                if isinstance(loss, torch.Tensor)
-                else type(loss).__name__
-            )
-            raise PipelineError(
-                f"the loss function returned {found}; expected a floating-point scalar tensor "
-                f"(the mean loss of the microbatch), e.g. F.cross_entropy(out, y)"
-            )
-        return loss.reshape(()) / (self.num_microbatches * self.passes)
 
     # -- communication -------------------------------------------------------------------------
     def _tag(self, kind: Kind, j: int, i: int, header: bool) -> int:
@@ -372,13 +216,3 @@ class Engine:
 
     def _recv_grad(self, a: Action) -> None:
         self._recv(a, a.stage + 1, "output gradient")
-
-
-@contextlib.contextmanager
-def _replay(state: tuple, cuda: torch.device | None):
-    """Run with the CPU (and CUDA) random state of an earlier forward; the current state comes back after."""
-    with torch.random.fork_rng(devices=[cuda] if cuda is not None else []):
-        torch.set_rng_state(state[0])
-        if cuda is not None:
-            torch.cuda.set_rng_state(state[1], cuda)
-        yield

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from mobiuspipe import checkpoint
+from mobiuspipe.activations import ActivationsSpec, stage_modes
 from mobiuspipe.comm import Comm
 from mobiuspipe.config import MemoryConfig
 from mobiuspipe.device import Device
@@ -38,7 +39,7 @@ from mobiuspipe.memory.arena import DeviceArena
 from mobiuspipe.memory.ledger import DeviceLedger
 from mobiuspipe.memory.ssd_store import SSDStore
 from mobiuspipe.optim import CPUAdam
-from mobiuspipe.optim.loss_scale import LossScaler
+from mobiuspipe.optim.loss_scale import LossScaler, scaler_for
 from mobiuspipe.pipeline_plan import (
     PlanRequest,
     PlanSource,
@@ -91,6 +92,7 @@ class Pipeline:
         tied: Sequence[tuple[str, str]] = (),
         accumulation_steps: int = 1,
         max_grad_norm: float | None = None,
+        activations: ActivationsSpec = None,
     ):
         """Build this rank's stages.
 
@@ -117,6 +119,9 @@ class Pipeline:
         max_grad_norm: clip the gradients so that their global L2 norm (over every stage and rank, a tied pair
           counted once) is at most this, as torch.nn.utils.clip_grad_norm_ does; None = no clipping. Every
           update then waits for the whole backward.
+        activations: "recompute" (the stage input is saved, the forward rerun in the backward), "keep" (the
+          forward's graph stays on the device until the backward) or {stage: "recompute" | "keep" | ("selective",
+          [layer indices])} (mobiuspipe.activations); default memory.activations. Same numbers bit for bit.
         """
         if accumulation_steps < 1 or (max_grad_norm is not None and not max_grad_norm > 0):
             raise PipelineError(
@@ -134,8 +139,9 @@ class Pipeline:
             request = PlanRequest(num_microbatches or 4, num_stages, mapping, topology, precision or "fp32")
             self.plan = self._agree_on_plan(given, makers, loss_fn, sample, request)
             self.precision = check_precision(self.plan, precision)
-            self.scaler = _scaler(self.precision, loss_scaler)
+            self.scaler = scaler_for(self.precision, loss_scaler)
             self.memory = memory or MemoryConfig()
+            self.activations = stage_modes(self.memory.activations if activations is None else activations, self.plan)
             self.overlap_updates = overlap_updates
             self.store: SSDStore | None = None
             self.engine = self._build_engine(
@@ -208,6 +214,7 @@ class Pipeline:
             dtype=dtype,
             defer_updates=self._hold_updates,
             ledger=ledger,
+            activations=self.activations,
         )
 
     def _state_tiers(self, make_optimizer: OptimizerFactory, params: dict[int, int]) -> dict[int, SsdTier | None]:
@@ -386,12 +393,3 @@ class Pipeline:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _scaler(precision: str, given: LossScaler | None) -> LossScaler | None:
-    """The loss scaler fp16 trains with; an error for a scaler given to another precision."""
-    if precision == "fp16":
-        return given or LossScaler()
-    if given is not None:
-        raise PipelineError(f"a loss_scaler was given but the precision is {precision}: only fp16 scales its loss")
-    return None

@@ -12,6 +12,7 @@ stay on the device for the whole run, floating ones in the training dtype.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
@@ -82,6 +83,9 @@ class Stage:
         self.loading: CopyHandle | None = None
         self.updating: Future | None = None
         self._leaves: list[torch.Tensor] = []
+        self._forward_leaves: list[torch.Tensor] = []
+        """Weight leaves of the graphs a keep or selective forward visit keeps until the backward (views of that
+        visit's slot, whose bytes are never read again: their .grad is all the backward touches)."""
 
     # -- weights: host tier <-> arena -------------------------------------------------------------
     def load(self, arena: DeviceArena, device: Device) -> None:
@@ -106,11 +110,10 @@ class Stage:
         gflat = self.grads.view(self.dtype, self.numel)
         gflat.zero_()
         wflat = _held(self.weights, self.index, "weights").view(self.dtype, self.numel)
-        self._leaves = []
-        for p in self.params:
-            w = p.of(wflat).detach().requires_grad_(True)
-            w.grad = p.of(gflat)
-            self._leaves.append(w)
+        self._leaves = _leaves_of(self.params, wflat)
+        for leaves in (self._leaves, self._forward_leaves):
+            for p, w in zip(self.params, leaves):
+                w.grad = p.of(gflat)
 
     def offload(self, arena: DeviceArena, accumulate: bool = False, norm: bool = False) -> None:
         """Copy the accumulated gradients to the host tier (or add them to its gradients: accumulate) and free
@@ -118,7 +121,7 @@ class Stage:
         grads = _held(self.grads, self.index, "gradients")
         self.states.take_grads(grads.view(self.dtype, self.numel), accumulate, norm)
         arena.release(grads)
-        self.grads, self._leaves = None, []
+        self.grads, self._leaves, self._forward_leaves = None, [], []
 
     def grads_finite(self) -> bool:
         """Whether the offloaded gradients hold no inf or nan (an fp16 overflow)."""
@@ -135,22 +138,33 @@ class Stage:
             self.updating = None
 
     # -- compute ----------------------------------------------------------------------------------
-    def _tensors(self, with_grad: bool) -> dict[int, dict[str, torch.Tensor]]:
+    def weight_bytes(self) -> torch.Tensor:
+        """The arena slot that holds the stage's weights now (uint8)."""
+        return _held(self.weights, self.index, "weights").data
+
+    def _tensors(self, with_grad: bool, kept: bool) -> dict[int, dict[str, torch.Tensor]]:
         """Per layer, its parameters (arena views, or the grad-collecting leaves) and its buffers."""
-        if with_grad:
+        wflat = _held(self.weights, self.index, "weights").view(self.dtype, self.numel)
+        if kept:
+            if not self._forward_leaves:  # the first kept forward of the visit
+                self._forward_leaves = _leaves_of(self.params, wflat)
+            weights = self._forward_leaves
+        elif with_grad:
             weights = self._leaves
         else:
-            wflat = _held(self.weights, self.index, "weights").view(self.dtype, self.numel)
             weights = [p.of(wflat) for p in self.params]
         out = {l: dict(self.buffers[l]) for l in self.order}
         for p, t in zip(self.params, weights):
             out[p.layer][p.name] = t
         return out
 
-    def forward(self, x: torch.Tensor, with_grad: bool) -> torch.Tensor:
-        """Run the stage's layers on x with the weights in the arena (leaves that collect grads if with_grad)."""
-        tensors = self._tensors(with_grad)
-        for l in self.order:
+    def forward(
+        self, x: torch.Tensor, with_grad: bool, layers: Sequence[int] | None = None, kept: bool = False
+    ) -> torch.Tensor:
+        """Run the stage's layers (or some of them, in order) on x with the weights in the arena: leaves that
+        collect grads if with_grad; kept: the leaves of a forward whose graph is kept until the backward."""
+        tensors = self._tensors(with_grad, kept)
+        for l in self.order if layers is None else layers:
             x = functional_call(self.layers[l], tensors[l], (x,))
         return x
 
@@ -182,6 +196,11 @@ def _held(slot: Slot | None, j: int, what: str) -> Slot:
             f"(or backward) action; this is a bug in the schedule builder"
         )
     return slot
+
+
+def _leaves_of(params: list[ParamSlice], wflat: torch.Tensor) -> list[torch.Tensor]:
+    """A grad-collecting leaf per parameter, viewing the weights in wflat."""
+    return [p.of(wflat).detach().requires_grad_(True) for p in params]
 
 
 def _param_slices(layers: dict[int, nn.Module], order: list[int]) -> list[ParamSlice]:

@@ -73,10 +73,11 @@ class _Tally:
             del self.ranges[storage], self.covered[storage]
 
 
-KIND_ORDER = ("arena", "buffers", "sending", "inbox", "outbox", "saved", "inputs", "output", "autograd")
+KIND_ORDER = ("arena", "buffers", "sending", "inbox", "outbox", "saved", "kept", "inputs", "output", "autograd")
 """Who a byte held under several kinds is credited to in parts(): the first of its kinds in this order
 (other kinds after these, by name). Autograd saves views of the arena's weights and of the stage input: they
-count as arena and inputs, and "autograd" is what backward alone keeps alive."""
+count as arena and inputs, and "autograd" is what backward alone keeps alive; "kept" is what a keep or selective
+stage holds from its forward to its backward (graphs and segment inputs) beyond the kinds before it."""
 
 
 class DeviceLedger:

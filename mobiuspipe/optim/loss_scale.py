@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["LossScaler"]
+from mobiuspipe.errors import PipelineError
+
+__all__ = ["LossScaler", "scaler_for"]
 
 
 @dataclass
@@ -41,3 +43,12 @@ class LossScaler:
         if self.good_steps == self.growth_interval:
             self.scale *= self.growth_factor
             self.good_steps = 0
+
+
+def scaler_for(precision: str, given: LossScaler | None) -> LossScaler | None:
+    """The loss scaler fp16 trains with; an error for a scaler given to another precision."""
+    if precision == "fp16":
+        return given or LossScaler()
+    if given is not None:
+        raise PipelineError(f"a loss_scaler was given but the precision is {precision}: only fp16 scales its loss")
+    return None

@@ -100,15 +100,26 @@ def launch():
     return write_config, torchrun
 
 
-def _load_hf_fixtures():
-    name = "mobiuspipe_test_hf_fixtures"
+def _load_helper(file: str):
+    """A helper module beside this file (tests are imported with --import-mode=importlib: not on sys.path)."""
+    name = f"mobiuspipe_test_{Path(file).stem}"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("hf_fixtures.py"))
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(file))
         assert spec is not None and spec.loader is not None  # a .py path always has a source loader
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
     return sys.modules[name]
+
+
+def _load_hf_fixtures():
+    return _load_helper("hf_fixtures.py")
+
+
+@pytest.fixture
+def act_runs():
+    """The activation_runs module: config(), layers(), choices(), run(), rotate_slots()."""
+    return _load_helper("activation_runs.py")
 
 
 @pytest.fixture

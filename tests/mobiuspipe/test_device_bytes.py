@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import mobiuspipe.engine
+import mobiuspipe.compute
 from mobiuspipe import Pipeline
 from mobiuspipe.comm import Comm
 from mobiuspipe.config import config_from_dict
@@ -214,7 +214,7 @@ def test_gpt_peak_covers_the_arena_and_counting_changes_no_bit(monkeypatch):
         # above the arena by at least the 3 microbatches' tokens kept for recompute (6 rows of 17 int64)
         assert r.device_peak_bytes >= r.arena_peak_bytes + 6 * 17 * 8
     assert planned_device_bytes(plan)[0] >= plan.arena_bytes + max(s.activation_bytes for s in plan.stages)
-    monkeypatch.setattr(mobiuspipe.engine, "counting_saved", lambda ledger: contextlib.nullcontext())
+    monkeypatch.setattr(mobiuspipe.compute, "counting_saved", lambda ledger: contextlib.nullcontext())
     plain, plain_weights, _ = _gpt_run()
     assert [r.loss for r in plain] == [r.loss for r in results]
     assert plain_weights.keys() == weights.keys()

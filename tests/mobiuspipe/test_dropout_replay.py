@@ -38,3 +38,26 @@ def test_the_recompute_draws_the_forward_masks():
     for drawn in masks.values():
         assert len(drawn) == 2 and torch.equal(drawn[0], drawn[1])
     assert not torch.equal(*[next(iter(masks.values()))[0], list(masks.values())[1][0]])  # masks do vary
+
+
+def _masks(activations) -> dict:
+    torch.manual_seed(0)
+    masks: dict = {}
+    layers = [RecordingDropout(5, masks), RecordingDropout(5, masks), nn.Linear(5, 3)]
+    x, y = torch.randn(12, 5), torch.randn(12, 3)
+    with Pipeline(layers, F.mse_loss, sample=(x, y), num_microbatches=4, num_stages=3, activations=activations) as p:
+        masks.clear()
+        torch.manual_seed(1)  # how many masks the profile drew depends on its timing
+        for step in range(2):
+            p.train_batch(x + step, y)
+    return masks
+
+
+def test_keep_draws_each_mask_once_and_the_recompute_draws_the_same():
+    recompute, keep = _masks("recompute"), _masks("keep")
+    selective = _masks({0: ("selective", [0]), 1: ("selective", [])})  # stage 0 keeps, stage 1 recomputes
+    assert keep.keys() == recompute.keys() == selective.keys() and len(keep) == 2 * 4 * 2
+    for k, drawn in keep.items():
+        assert len(drawn) == 1 and torch.equal(drawn[0], recompute[k][0])
+        assert len(selective[k]) in (1, 2) and all(torch.equal(m, recompute[k][0]) for m in selective[k])
+    assert sorted(len(d) for d in selective.values()) == [1] * 8 + [2] * 8
