@@ -48,7 +48,8 @@ __all__ = [
 MODES = ("recompute", "keep", "selective")
 
 ActivationsSpec = str | Mapping[int, Any] | None
-"""What Pipeline(activations=...) takes: a mode for every stage, or {stage: "recompute" | "keep" |
+"""What Pipeline(activations=...) takes: "plan" (each stage's policy as the plan chose it:
+partition.activation_choice), a mode for every stage, or {stage: "recompute" | "keep" |
 ("selective", [layer indices])} (stages left out recompute); None: memory.activations."""
 
 
@@ -95,6 +96,8 @@ class KeptForward:
 
 def stage_modes(spec: ActivationsSpec, plan: Plan) -> dict[int, StageMode]:
     """Each stage's mode from Pipeline(activations=...); PipelineError naming the entry that is wrong."""
+    if spec == "plan":
+        return {j: _stage_mode(j, _planned(s), plan) for j, s in enumerate(plan.stages)}
     if spec is None or isinstance(spec, str):
         mode = _mode(spec or "recompute", "activations")
         if mode == "selective":
@@ -133,6 +136,11 @@ def _stage_mode(j: int, entry: Any, plan: Plan) -> StageMode:
             f"{min(layers)}..{max(layers)}: name layers of the stage (absolute indices)"
         )
     return StageMode("selective", keep)
+
+
+def _planned(s) -> str | tuple[str, tuple[int, ...]]:
+    """A StagePlan's policy as a Pipeline(activations=...) entry."""
+    return ("selective", s.kept_layers) if s.activations == "selective" else s.activations
 
 
 def _mode(name: str, what: str) -> str:

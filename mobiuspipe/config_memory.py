@@ -11,8 +11,9 @@ from partition.placement import TIERS  # where memory.optimizer and memory.weigh
 
 __all__ = ["MemoryConfig", "ACTIVATION_MODES"]
 
-ACTIVATION_MODES = ("recompute", "keep")
-"""memory.activations: one mode for every stage (Pipeline(activations=...) also takes per-stage selective)."""
+ACTIVATION_MODES = ("plan", "recompute", "keep")
+"""memory.activations: the plan's choice per stage, or one mode for every stage (Pipeline(activations=...)
+also takes per-stage selective)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,10 +36,11 @@ class MemoryConfig(Section):
     host_budget_mb: float = 1024.0
     """Host memory per rank for the states (MiB): what stays in memory plus the streaming slots of the
     stages on SSD. With optimizer and weights on host it is not enforced."""
-    activations: str = "recompute"
-    """How each stage keeps what its backward needs. "recompute": the stage input only, the forward is run
-    again in the backward; "keep": the forward's saved activations stay on the device until the backward (no
-    recompute, more device memory). Both give the same numbers bit for bit."""
+    activations: str = "plan"
+    """How each stage keeps what its backward needs. "plan": as the plan chose per stage under the device
+    memory (keep, selective or recompute; `mobiuspipe partition --explain` shows why); "recompute": the stage
+    input only, the forward is run again in the backward; "keep": the forward's saved activations stay on the
+    device until the backward (no recompute, more device memory). All give the same numbers bit for bit."""
 
     def check_values(self) -> list[Problem]:
         return [
@@ -82,7 +84,7 @@ class MemoryConfig(Section):
                 "activations",
                 "one of " + ", ".join(ACTIVATION_MODES),
                 repr(self.activations),
-                "use `activations: recompute` (least device memory) or `keep` (no recompute)",
+                "use `activations: plan` (the planner's choice), `recompute` (least device memory) or `keep`",
             ),
             *mebibytes(self, "host_budget_mb", "use a positive budget in MiB, e.g. 1024.0"),
         ]

@@ -59,7 +59,10 @@ class _Walker:
     def __init__(self, plan: Plan, standin: bool):
         self.plan, self.standin = plan, standin
         self.base = stage_bytes(plan)
-        self.extra = [b.work - s.activation_bytes for b, s in zip(self.base, plan.stages)]  # Y, I_0
+        last = plan.num_stages - 1  # the work beyond T_j: the model's input on stage 0, the targets on the last
+        self.extra = [
+            (plan.input_bytes if j == 0 else 0) + (plan.target_bytes if j == last else 0) for j in range(last + 1)
+        ]
 
     def peaks(self, costs: list[PolicyCost]) -> list[int]:
         """D_g of every gpu of the plan."""

@@ -9,9 +9,13 @@ Legend (stage j = layers a..b, one microbatch unless marked; units in brackets):
   K          the kept layers, whose saved activations live from F to B (keep: all, recompute: none)
   seg        a maximal run of the stage's layers outside K, recomputed in B from its saved input; s0 its
              first layer
-  H_j        = sum_{l in K} A_l + sum_seg O_{s0-1}: held per microbatch from F(j,i) to B(j,i)   [bytes]
-  T_j        = max_seg sum_{l in seg} A_l + I_j + O_b: live while B(j,i) runs besides H_j       [bytes]
-             (recompute: today's A_j of partition.costmodel)
+  run        a maximal run of kept layers, r0 its first layer and r1 its last: its graph holds its layers'
+             saved activations and its input and output (the runtime's leaf and output: measured)
+  G_j        = sum_run (sum_{l in run} A_l + O_{r0-1} + O_{r1}): the kept graphs                     [bytes]
+  H_j        = G_j + sum_seg O_{s0-1}: held per microbatch from F(j,i) to B(j,i)                  [bytes]
+  T_j        = G_j + (max_seg sum_{l in seg} A_l + I_j + O_b when there are segments): live while
+             B(j,i) runs (the graphs until the backward ends, the recomputed segment)             [bytes]
+             (recompute: today's A_j of partition.costmodel; keep: G_j = A_j)
   R_j        = sum_{l not in K} F_l: the forward redone in each B                              [s]
   F_j, B_j   = sum_l F_l, sum_l B_l                                                            [s]
   out, in_   bandwidth from the device to the tier and back (the share of a shared link)        [GB/s]
@@ -108,9 +112,12 @@ def policy_cost(
     (None for tier device)."""
     kept = policy.kept(a, b)
     segs = _segments(a, b, kept)
-    held = sum(int(arr.A[x + 1] - arr.A[x]) for x in kept) + sum(_output(arr, s0 - 1, input_bytes) for s0, _ in segs)
-    work = max((int(arr.A[e + 1] - arr.A[s]) for s, e in segs), default=0)
-    work += _output(arr, a - 1, input_bytes) + int(arr.O[b])
+    runs = _segments(a, b, frozenset(range(a, b + 1)) - kept)  # the maximal runs of kept layers
+    graphs = sum(int(arr.A[e + 1] - arr.A[s]) + _output(arr, s - 1, input_bytes) + int(arr.O[e]) for s, e in runs)
+    held = graphs + sum(_output(arr, s0 - 1, input_bytes) for s0, _ in segs)
+    work = graphs
+    if segs:
+        work += max(int(arr.A[e + 1] - arr.A[s]) for s, e in segs) + _output(arr, a - 1, input_bytes) + int(arr.O[b])
     recompute = sum(float(arr.F[e + 1] - arr.F[s]) for s, e in segs)
     fwd, bwd = float(arr.F[b + 1] - arr.F[a]), float(arr.B[b + 1] - arr.B[a])
     exposed = 0.0

@@ -11,8 +11,10 @@ from pathlib import Path
 
 from foundation.units import GiB, fmt_bytes
 from mobiuspipe.cli._common import CliError, non_negative_float, positive_int, write_output
+from partition.activation_choice import with_activations
 from partition.analytic import analytic_profile
 from partition.compare import compare, compare_json, compare_text
+from partition.explain import explain_json, explain_lines
 from partition.hardware import device_spec
 from partition.models import ModelSpec, get_model
 from partition.plan import Plan, save_plan
@@ -94,6 +96,12 @@ def register(sub) -> None:
     p.add_argument("-o", "--output", metavar="PLAN", help="write the plan here (.yaml, or .json by suffix)")
     p.add_argument("--timeline", metavar="FILE.svg", help="write an SVG Gantt chart of the predicted step")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    p.add_argument(
+        "--explain",
+        action="store_true",
+        help="also print, per stage, every activation policy weighed (recompute, selective, keep and the tiers) "
+        "with its predicted bytes and time, and why the chosen one won",
+    )
     p.set_defaults(func=run)
 
 
@@ -199,6 +207,13 @@ def _stage_json(plan: Plan) -> list[dict]:
             "bwd_s": s.bwd_s,
             "load_s": s.load_s,
             "load_gbps": s.load_gbps,
+            "activations": {
+                "mode": s.activations,
+                "kept_layers": list(s.kept_layers),
+                "tier": s.activation_tier,
+                "held_bytes": s.held_bytes,
+                "recompute_s": s.recompute_s,
+            },
         }
         for s in plan.stages
     ]
@@ -344,6 +359,10 @@ def run(args: argparse.Namespace, out) -> int:
         if pred.memory.ssd_bytes:
             doc["compare"]["note"] = _COMPARE_NOTE
             extra += _COMPARE_NOTE + "\n"
+    if args.explain:
+        choice = with_activations(plan, profile, topo, plan.gpu_memory_bytes, explain=True)[1]
+        doc["explain"] = explain_json(choice)
+        extra += "\n" + "\n".join(explain_lines(plan, choice)) + "\n"
     if args.json:
         out.write(json.dumps(doc, indent=2) + "\n")
     else:

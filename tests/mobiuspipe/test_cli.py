@@ -280,3 +280,30 @@ def test_simulate_subcommand_is_wired(tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(["simulate", "--plan", str(plan), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["step_time_s"] > 0
+
+
+def test_explain_text_and_json_agree_with_the_plan():
+    argv = ["partition", "--model", "gpt3-1.3b", "--topology", "2+2", "--microbatch-size", "8", "--explain"]
+    code, text, _ = run(argv)
+    assert code == 0
+    assert "activations: per stage, each option with H (held per microbatch from F to B)" in text
+    code, out, _ = run([*argv, "--json"])
+    assert code == 0
+    doc = json.loads(out)
+    rows, stages = doc["explain"], doc["stages"]
+    assert {r["stage"] for r in rows} == set(range(len(stages)))
+    for j, s in enumerate(stages):
+        chosen = [r for r in rows if r["stage"] == j and r["chosen"]]
+        assert len(chosen) == 1 and chosen[0]["verdict"].startswith("chosen")
+        assert (chosen[0]["mode"], chosen[0]["tier"]) == (s["activations"]["mode"], s["activations"]["tier"])
+        assert chosen[0]["held_bytes"] == s["activations"]["held_bytes"]
+        assert f"stage {j} (layers {s['layers'][0]}-{s['layers'][1]}, gpu {s['gpu']}):" in text
+    budget = doc["gpu_memory_bytes"]
+    for r in rows:  # an option that is not chosen is over the budget, slower, or as fast holding more
+        if not r["chosen"]:
+            over, slower = r["peak_bytes"] > budget, r["verdict"].startswith("slower by")
+            assert over == r["verdict"].startswith("over gpu") and (
+                over or slower or r["verdict"] == "as fast, holds more"
+            )
+    modes = {r["mode"] for r in rows if r["chosen"]}
+    assert "keep" in modes  # at least the last stage (fused)

@@ -29,7 +29,7 @@ def test_the_recompute_draws_the_forward_masks():
     masks: dict = {}
     layers = [RecordingDropout(5, masks), RecordingDropout(5, masks), nn.Linear(5, 3)]
     x, y = torch.randn(12, 5), torch.randn(12, 3)
-    with Pipeline(layers, F.mse_loss, sample=(x, y), num_microbatches=4, num_stages=3) as pipe:
+    with Pipeline(layers, F.mse_loss, sample=(x, y), num_microbatches=4, num_stages=3, activations="recompute") as pipe:
         masks.clear()  # planning profiled the layers on the sample
         for step in range(2):
             pipe.train_batch(x + step, y)

@@ -33,20 +33,22 @@ def test_recompute_holds_the_input_and_redoes_the_forward():
 
 def test_keep_holds_every_layer_and_redoes_nothing():
     c = policy_cost(_arrays(), 1, 3, 2, ActivationPolicy("keep"), None)
-    assert (c.held_bytes, c.work_bytes, c.recompute_s) == (9000, 100 + 400, 0.0)
+    graph = 9000 + 100 + 400  # every layer's saved activations, the stage's input and output
+    assert (c.held_bytes, c.work_bytes, c.recompute_s) == (graph, graph, 0.0)
     assert c.compute_s == 2 * (11 + 22)
 
 
 def test_selective_splits_the_stage_into_recomputed_segments():
-    # keep layer 2: segments 1..1 (input O_0) and 3..3 (input O_2)
+    # keep layer 2: segments 0..1 (input: the model's 50 bytes) and 3..3 (input O_2); kept run 2..2
     c = policy_cost(_arrays(), 0, 3, 3, ActivationPolicy("selective", (2,)), None, input_bytes=50)
-    assert c.held_bytes == 2000 + 50 + 300
-    assert c.work_bytes == max(1000 + 4000, 3000) + 50 + 400
+    graph = 2000 + 200 + 300  # layer 2's saved activations, its input O_1 and output O_2
+    assert c.held_bytes == graph + 50 + 300
+    assert c.work_bytes == graph + max(1000 + 4000, 3000) + 50 + 400
     assert c.recompute_s == 1 + 4 + 6
 
 
 def test_a_swap_is_exposed_only_beyond_its_window():
-    link = Link(out_gbps=9000 / 20e9, in_gbps=9000 / 30e9)  # 20 s out, 30 s back
+    link = Link(out_gbps=9500 / 20e9, in_gbps=9500 / 30e9)  # 9500 bytes held: 20 s out, 30 s back
     c = policy_cost(_arrays(), 1, 3, 2, ActivationPolicy("keep", tier="host"), link)
     # window out = F_j = 11 s -> 9 s exposed; window in = B_j + R_j = 22 s -> 8 s exposed; per microbatch
     assert c.exposed_s == pytest.approx(2 * (9 + 8))
@@ -69,21 +71,26 @@ def test_options_order_and_count():
 
 
 def _naive(a_, o_, f_, a, b, kept, input_bytes):
-    """H, T, R by walking the layers one by one: a recomputed layer whose predecessor is kept (or which
-    starts the stage) saves its input; runs of recomputed layers are live together in B."""
-    held = work = run = 0
+    """H, T, R by walking the layers one by one: a layer that starts a run (of kept or of recomputed layers)
+    holds its input, a kept layer that ends its run its output; runs of recomputed layers are live together
+    in B, the kept graphs all along."""
+    graphs = inputs = seg = longest = 0
     recompute = 0.0
+    segments = False
     for layer in range(a, b + 1):
+        starts = layer == a or ((layer - 1) in kept) != (layer in kept)
+        into = (o_[layer - 1] if layer > 0 else input_bytes) if starts else 0
         if layer in kept:
-            held += a_[layer]
-            run = 0
+            graphs += a_[layer] + into + (o_[layer] if layer == b or layer + 1 not in kept else 0)
+            seg = 0
             continue
-        if layer == a or layer - 1 in kept:
-            held += o_[layer - 1] if layer > 0 else input_bytes
-        run += a_[layer]
-        work = max(work, run)
+        segments = True
+        inputs += into
+        seg += a_[layer]
+        longest = max(longest, seg)
         recompute += f_[layer]
-    return held, work + (o_[a - 1] if a > 0 else input_bytes) + o_[b], recompute
+    edge = (o_[a - 1] if a > 0 else input_bytes) + o_[b]
+    return graphs + inputs, graphs + (longest + edge if segments else 0), recompute
 
 
 def test_random_stages_against_a_naive_walk():
