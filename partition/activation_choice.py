@@ -176,15 +176,10 @@ def _improve(walker: _Walker, opts: list[list[PolicyCost]], costs: list[PolicyCo
     """Take the change that saves the most C_j and fits, until none does."""
     costs = list(costs)
     while True:
-        moves = sorted(  # the most time saved; on a tie, fewer bytes held, then no traffic (the device)
-            (
-                (costs[j].compute_s - c.compute_s, -c.held_bytes, c.policy.tier == "device", -j, -k)
-                for j, o in enumerate(opts)
-                for k, c in enumerate(o)
-            ),
-            reverse=True,
-        )
-        for gain, _, _, j, k in ((g, h, d, -j, -k) for g, h, d, j, k in moves):
+        moves = [(costs[j].compute_s - c.compute_s, c, j, k) for j, o in enumerate(opts) for k, c in enumerate(o)]
+        # the most time saved; on a tie, fewer bytes held, then no traffic (the device), then the first stage
+        moves.sort(key=lambda m: (-m[0], m[1].held_bytes, m[1].policy.tier != "device", m[2], m[3]))
+        for gain, _, j, k in moves:
             if gain <= 1e-12:
                 return costs
             trial = costs[:j] + [opts[j][k]] + costs[j + 1 :]
