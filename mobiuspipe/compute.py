@@ -24,6 +24,7 @@ from mobiuspipe.errors import PipelineError
 from mobiuspipe.memory.arena import DeviceArena
 from mobiuspipe.memory.ledger import DeviceLedger
 from mobiuspipe.memory.measure import counting_saved
+from mobiuspipe.memory.swap import Swap
 from mobiuspipe.schedule.actions import Action, Kind
 from mobiuspipe.stage import Stage
 
@@ -73,6 +74,8 @@ class Compute:
     stages: dict[int, Stage]
     parts: dict[int, list[Part]]
     """The parts of each keep or selective stage of this rank (recompute stages and the last are absent)."""
+    swaps: dict[int, Swap]
+    """Recompute stages whose saved inputs swap to another tier between F and B."""
     device: Device
     arena: DeviceArena
     ledger: DeviceLedger
@@ -112,9 +115,13 @@ class Compute:
             if j in self.parts:
                 self._fwd_kept(j, i, stage, x)
                 return
-            st.saved[(j, i)] = x.to("cpu", copy=True) if self.device.is_cuda else x  # host checkpoint
-            if not self.device.is_cuda:
-                self.ledger.hold(("saved", j, i), x)  # the CPU stand-in's host checkpoint is "on the device"
+            if j in self.swaps:  # to its tier on the copy stream; the device copy lives until SWAP_OUT
+                self.swaps[j].start_out((j, i), [x])
+                self.ledger.hold(("saved", j, i), x)
+            else:
+                st.saved[(j, i)] = x.to("cpu", copy=True) if self.device.is_cuda else x  # host checkpoint
+                if not self.device.is_cuda:
+                    self.ledger.hold(("saved", j, i), x)  # the CPU stand-in's host checkpoint is "on the device"
             if j < self.last:  # the last stage's forward is fused into its backward (loss and gradient at once)
                 st.rng[(j, i)] = self._rng_state()
                 with Stopwatch() as sw, torch.no_grad():
@@ -170,10 +177,13 @@ class Compute:
             self._bwd_kept(j, i, stage, st.kept.pop((j, i)))
             return
         with Stopwatch() as sw:
-            x = st.saved.pop((j, i)).to(self.device.torch_device)
+            if j in self.swaps:
+                x = self.swaps[j].finish_in((j, i))[0]  # back from its tier (SWAP_IN started the copy)
+            else:
+                x = st.saved.pop((j, i)).to(self.device.torch_device)
+                if not self.device.is_cuda:
+                    self.ledger.drop(("saved", j, i))
             self.ledger.hold(("inputs", j, i), x)
-            if not self.device.is_cuda:
-                self.ledger.drop(("saved", j, i))
             if j > 0:
                 x.requires_grad_(True)
             try:
@@ -186,6 +196,15 @@ class Compute:
                 self._put_input_grad(j, i, self._input_grad(x.grad, stage))
             self.ledger.drop(("inputs", j, i))
         st.times.compute_s += sw.s
+
+    def _swap_out(self, a: Action) -> None:
+        """The copy of (j, i)'s saved input to its tier has ended: its device bytes go."""
+        self.swaps[a.stage].finish_out((a.stage, a.microbatch))
+        self.ledger.drop(("saved", a.stage, a.microbatch))
+
+    def _swap_in(self, a: Action) -> None:
+        """Start copying (j, i)'s saved input back for its backward."""
+        self.swaps[a.stage].start_in((a.stage, a.microbatch))
 
     def _put_input_grad(self, j: int, i: int, g: torch.Tensor) -> None:
         self.state.outbox[(Kind.SEND_GRAD, j, i)] = g

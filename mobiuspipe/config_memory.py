@@ -9,7 +9,10 @@ from foundation.loader import Problem, rule
 from mobiuspipe.config_section import WRITTEN_PATH, Section, mebibytes
 from partition.placement import TIERS  # where memory.optimizer and memory.weights may put states
 
-__all__ = ["MemoryConfig", "ACTIVATION_MODES"]
+__all__ = ["MemoryConfig", "ACTIVATION_MODES", "ACTIVATION_TIERS"]
+
+ACTIVATION_TIERS = ("plan", "device", "host", "ssd")
+"""memory.activation_tier: where a recompute stage's saved input lives between its forward and backward."""
 
 ACTIVATION_MODES = ("plan", "recompute", "keep")
 """memory.activations: the plan's choice per stage, or one mode for every stage (Pipeline(activations=...)
@@ -41,6 +44,12 @@ class MemoryConfig(Section):
     memory (keep, selective or recompute; `mobiuspipe partition --explain` shows why); "recompute": the stage
     input only, the forward is run again in the backward; "keep": the forward's saved activations stay on the
     device until the backward (no recompute, more device memory). All give the same numbers bit for bit."""
+
+    activation_tier: str = "plan"
+    """Where a recompute stage's saved input lives from its forward to its backward. "plan": as the plan
+    chose; "device": on the device; "host": copied to (pinned) host memory after the forward, prefetched back
+    before the backward, on the copy stream; "ssd": on to an SSD store in ssd_dir (ssd_dir/rank{r}-activations)
+    through a host staging buffer. Every tier gives the same numbers bit for bit."""
 
     def check_values(self) -> list[Problem]:
         return [
@@ -85,6 +94,20 @@ class MemoryConfig(Section):
                 "one of " + ", ".join(ACTIVATION_MODES),
                 repr(self.activations),
                 "use `activations: plan` (the planner's choice), `recompute` (least device memory) or `keep`",
+            ),
+            *rule(
+                self.activation_tier in ACTIVATION_TIERS,
+                "activation_tier",
+                "one of " + ", ".join(ACTIVATION_TIERS),
+                repr(self.activation_tier),
+                "use `activation_tier: plan` (the planner's choice), `device`, `host` or `ssd`",
+            ),
+            *rule(
+                self.activation_tier != "ssd" or bool(self.ssd_dir),
+                "ssd_dir",
+                "a folder when activation_tier is ssd",
+                repr(self.ssd_dir),
+                "set `ssd_dir:` to a folder on an NVMe drive, e.g. /nvme/mobiuspipe",
             ),
             *mebibytes(self, "host_budget_mb", "use a positive budget in MiB, e.g. 1024.0"),
         ]

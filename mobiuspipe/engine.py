@@ -27,6 +27,7 @@ from mobiuspipe.device import Device
 from mobiuspipe.memory.arena import DeviceArena
 from mobiuspipe.memory.ledger import DeviceLedger
 from mobiuspipe.memory.measure import DevicePeak
+from mobiuspipe.memory.swap import Swap
 from mobiuspipe.schedule.actions import Action, Kind
 from mobiuspipe.stage import Stage
 
@@ -52,6 +53,7 @@ class Engine(Compute):
         defer_updates: bool = False,
         ledger: DeviceLedger | None = None,
         activations: dict[int, StageMode] | None = None,
+        swaps: dict[int, Swap] | None = None,
     ):
         self.mapping, self.rank, self.stages, self.schedule = mapping, rank, stages, schedule
         self.device, self.arena, self.comm, self.loss_fn = device, arena, comm, loss_fn
@@ -81,6 +83,8 @@ class Engine(Compute):
         }
         """The kept and recomputed parts of this rank's keep and selective stages (the last stage's forward
         is fused into its backward under every mode, so it has none)."""
+        self.swaps = swaps or {}
+        """Stage -> the tier its saved inputs swap to between F and B (SWAP_OUT, SWAP_IN); others keep them."""
         self.ledger = ledger or DeviceLedger()
         """The tensors this rank holds on its device (the arena and comm, given the same ledger, add theirs)."""
         self.peak = DevicePeak(device.torch_device, self.ledger)
@@ -100,6 +104,8 @@ class Engine(Compute):
             Kind.SEND_GRAD: self._send_grad,
             Kind.RECV_GRAD: self._recv_grad,
             Kind.OFFLOAD: self._offload,
+            Kind.SWAP_OUT: self._swap_out,
+            Kind.SWAP_IN: self._swap_in,
         }
 
     def run_step(self, step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[float, StepTimes]:
@@ -127,6 +133,8 @@ class Engine(Compute):
         """Wait for every pending host update (call before reading weights or exiting)."""
         self.wait_updates()
         self.updater.shutdown(wait=True)
+        for swap in set(self.swaps.values()):
+            swap.close()
         self.device.close()
 
     # -- weights -------------------------------------------------------------------------------

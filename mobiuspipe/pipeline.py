@@ -51,6 +51,7 @@ from mobiuspipe.pipeline_plan import (
     read_plan,
     same_plan_everywhere,
 )
+from mobiuspipe.pipeline_swaps import make_swaps, swap_tiers
 from mobiuspipe.pipeline_tiers import agree_on_tiers
 from mobiuspipe.profiler import TORCH_DTYPES
 from mobiuspipe.ranks import join_group, leave_group, rank_info
@@ -197,8 +198,8 @@ class Pipeline:
             check_stage_layers(plan, j, layers)
             on_ssd = self.placement.weights[j] == "ssd"
             stages[j] = Stage(j, layers, device, make_optimizer, dtype, tiers[j], on_ssd)
-        m = plan.num_microbatches
-        schedules = [build_schedule(plan.mapping, g, m) for g in range(plan.num_gpus)]
+        m, swapped = plan.num_microbatches, swap_tiers(plan, self.memory, self.activations)
+        schedules = [build_schedule(plan.mapping, g, m, frozenset(swapped)) for g in range(plan.num_gpus)]
         check_schedules(plan.mapping, m, schedules)
         ledger = DeviceLedger()  # the arena, comm and engine count what they hold on the device
         return Engine(
@@ -215,6 +216,7 @@ class Pipeline:
             defer_updates=self._hold_updates,
             ledger=ledger,
             activations=self.activations,
+            swaps=make_swaps(swapped, mine, device, self.memory, rank),
         )
 
     def _state_tiers(self, make_optimizer: OptimizerFactory, params: dict[int, int]) -> dict[int, SsdTier | None]:

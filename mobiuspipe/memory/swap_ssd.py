@@ -25,9 +25,9 @@ class SsdSwap(CopySwap):
 
     name = "ssd"
 
-    def __init__(self, device: Device, store: SSDStore):
+    def __init__(self, device: Device, store: SSDStore, owns_store: bool = False):
         super().__init__(device)
-        self.store = store
+        self.store, self.owns_store = store, owns_store
         self._pool = BufferPool(aligned_empty)
         self._lock = threading.Lock()  # the pool is shared by the compute and I/O threads
         self._io = ThreadPoolExecutor(1, thread_name_prefix="activation-ssd")
@@ -70,6 +70,8 @@ class SsdSwap(CopySwap):
                 self._give(fut.result()[1])
         self._written.clear()
         self._read.clear()
+        if self.owns_store:
+            self.store.close()
 
     def _stage(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with self._lock:

@@ -1,0 +1,58 @@
+"""Where each stage's held activations live between its forward and its backward (memory.activation_tier or
+the plan's choice), and the swap tiers this rank runs for its stages (mobiuspipe.memory.swap, swap_ssd)."""
+
+from __future__ import annotations
+
+import os
+
+from mobiuspipe.config_memory import MemoryConfig
+from mobiuspipe.device import Device
+from mobiuspipe.errors import PipelineError
+from mobiuspipe.memory.ssd_store import SSDStore
+from mobiuspipe.memory.swap import HostSwap, Swap
+from mobiuspipe.memory.swap_ssd import SsdSwap
+from partition.plan import Plan
+
+__all__ = ["swap_tiers", "make_swaps", "RUN_TIERS"]
+
+RUN_TIERS = ("host", "ssd")
+"""The tiers off the device the engine runs (a peer gpu's region: not yet)."""
+
+
+def swap_tiers(plan: Plan, memory: MemoryConfig, modes: dict) -> dict[int, str]:
+    """Stage -> its tier off the device, for the stages whose held activations swap (the same on every rank).
+    memory.activation_tier "plan": the plan's choice (a recompute stage on host or ssd); else that tier for
+    every stage but the last (whose forward runs inside its backward); "device": none."""
+    last = plan.num_stages - 1
+    if memory.activation_tier == "plan":
+        wanted = {j: s.activation_tier for j, s in enumerate(plan.stages) if s.activation_tier in RUN_TIERS}
+    elif memory.activation_tier == "device":
+        wanted = {}
+    else:
+        wanted = {j: memory.activation_tier for j in range(last)}
+    for j in wanted:
+        if j == last or modes[j].mode != "recompute":
+            raise PipelineError(
+                f"stage {j} {'is the last' if j == last else 'runs ' + modes[j].mode}: only a recompute stage's "
+                f"input swaps to {wanted[j]} so far; use activations: recompute, or activation_tier: device"
+            )
+    return wanted
+
+
+def make_swaps(
+    tiers: dict[int, str], mine: list[int], device: Device, memory: MemoryConfig, rank: int
+) -> dict[int, Swap]:
+    """The swap tier objects of this rank's stages in `tiers` (one SSD store per rank, in ssd_dir)."""
+    out: dict[int, Swap] = {}
+    ssd: SsdSwap | None = None
+    for j in (j for j in mine if j in tiers):
+        if tiers[j] == "host":
+            out[j] = HostSwap(device)
+            continue
+        if ssd is None:
+            if not memory.ssd_dir:
+                raise PipelineError("activation_tier ssd needs memory.ssd_dir: set it to a folder on an NVMe drive")
+            store = SSDStore(os.path.join(memory.ssd_dir, f"rank{rank}-activations"))
+            ssd = SsdSwap(device, store, owns_store=True)
+        out[j] = ssd
+    return out
