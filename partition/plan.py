@@ -55,6 +55,8 @@ class StagePlan(_PlanPart):
     """Backward seconds per microbatch (without the recomputed forward)."""
     load_gbps: float
     """Host->gpu bandwidth this stage's loads get under the mapping's contention, GB/s."""
+    recompute_s: float | None = None
+    """Seconds per microbatch of the forward the backward redoes (with grad); None: fwd_s."""
 
     @property
     def layers(self) -> range:
@@ -70,6 +72,7 @@ class StagePlan(_PlanPart):
         return [
             *(p for name in counts for p in at_least(self, name, 0, _WRITE_FIX)),
             *(p for name in ("fwd_s", "bwd_s") for p in positive(self, name, _WRITE_FIX, zero_ok=True)),
+            *(positive(self, "recompute_s", _WRITE_FIX, zero_ok=True) if self.recompute_s is not None else []),
             *positive(self, "load_gbps", _WRITE_FIX, what="a bandwidth in GB/s, a finite number"),
         ]
 

@@ -322,4 +322,5 @@ def stage_plan(arr: LayerArrays, a: int, b: int, gpu: int, load_gbps: float) -> 
         fwd_s=arr.fwd(a, b),
         bwd_s=arr.bwd(a, b),
         load_gbps=load_gbps,
+        recompute_s=arr.recompute(a, b),
     )
