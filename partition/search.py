@@ -18,7 +18,15 @@ from partition.simulate import SimResult, SimStage, simulate
 from partition.tiers import HostBudget, MemoryPlan, SsdInfo, place_tiers, ssd_info
 from topology import Topology
 
-__all__ = ["make_plan", "sim_stages", "predict_step", "Prediction", "HOST_ADAM_PARAMS_PER_S", "host_adam_rate"]
+__all__ = [
+    "make_plan",
+    "sim_stages",
+    "predict_step",
+    "Prediction",
+    "HOST_ADAM_PARAMS_PER_S",
+    "host_adam_rate",
+    "host_cores",
+]
 
 HOST_ADAM_PARAMS_PER_S = 1.0e9
 """Parameters per second the host's Adam updates when the topology has no measurement (`topology --probe`
@@ -29,6 +37,13 @@ def host_adam_rate(topo: Topology) -> float:
     """The topology's measured host Adam rate, else HOST_ADAM_PARAMS_PER_S."""
     m = topo.measured
     return m.host_adam_params_per_s if m and m.host_adam_params_per_s > 0 else HOST_ADAM_PARAMS_PER_S
+
+
+def host_cores(topo: Topology) -> float | None:
+    """The cores the computations of CPU stand-ins share (topology --probe measures them), else None: each
+    gpu computes on its own."""
+    m = topo.measured
+    return m.host_cores if m and m.host_cores > 0 else None
 
 
 def make_plan(
@@ -105,7 +120,9 @@ def predict_step(plan: Plan, topo: Topology, budget: HostBudget) -> Prediction:
     memory = place_tiers(plan, budget)
     ssd = ssd_info(topo)
     stages = sim_stages(plan.stages, topo, memory)
-    sim = simulate(stages, topo.num_gpus, plan.num_microbatches, topology=topo, ssd=ssd.link)
+    sim = simulate(
+        stages, topo.num_gpus, plan.num_microbatches, topology=topo, ssd=ssd.link, host_cores=host_cores(topo)
+    )
     bound = step_bound(sim, stages, topo, ssd.link)
     return Prediction(dataclasses.replace(plan, predicted_step_time_s=sim.step_time_s), memory, ssd, sim, bound)
 
@@ -293,6 +310,8 @@ def sim_stages(stages: tuple[StagePlan, ...], topo: Topology, memory: MemoryPlan
                 gpu=s.gpu,
                 fwd_s=s.fwd_s,
                 bwd_s=s.bwd_s,
+                recompute_s=s.fwd_s if s.recompute_s is None else s.recompute_s,
+                fused=j == len(stages) - 1,
                 load_s=s.load_s,
                 offload_s=s.param_bytes / (topo.gpus[s.gpu].link_gbps * 1e9),
                 update_s=s.param_count / host_adam_rate(topo),
