@@ -296,15 +296,20 @@ def sim_stages(stages: tuple[StagePlan, ...], topo: Topology, memory: MemoryPlan
     """The simulator's view of a plan's stages on a topology.
 
     Static times (for simulate() without a topology): a load at the stage's planned load_gbps, an offload
-    at the gpu's own link speed. Bytes (for simulate(..., topology=topo)): a load moves param_bytes, an
+    at the gpu's own link speed. An activation to another gpu (and its gradient back) takes output_bytes at
+    the pair's bandwidth, or, when the topology measured its messages (CPU stand-ins: gloo between ranks),
+    their latency + output_bytes at their GB/s. Bytes (for simulate(..., topology=topo)): a load moves param_bytes, an
     offload the gradients, which have the parameters' dtype, so also param_bytes. With `memory` (the
     plan's tiers), each stage's SSD traffic per step: its update's (streamed under the update), and with its
     weights on the SSD, its loads' reads and its offload's write (simulate(..., ssd=...)).
     """
     out = []
+    m = topo.measured
+    latency, msg_gbps = (m.message_latency_s, m.message_gbps) if m and m.message_latency_s > 0 else (0.0, 0.0)
     for j, s in enumerate(stages):
         nxt = stages[j + 1].gpu if j + 1 < len(stages) else s.gpu
-        comm = 0.0 if nxt == s.gpu else s.output_bytes / (peer_gbps(topo, s.gpu, nxt) * 1e9)
+        gbps = msg_gbps if msg_gbps > 0 else peer_gbps(topo, s.gpu, nxt)
+        comm = 0.0 if nxt == s.gpu else latency + s.output_bytes / (gbps * 1e9)
         out.append(
             SimStage(
                 gpu=s.gpu,

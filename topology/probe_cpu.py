@@ -11,6 +11,11 @@ is timed in one process alone (t_1), then in every process at once (t_i); C = su
 (one alone is the unit) and `workers`. Rounds alternate alone / together `repeats` times and C is their
 median. An idle machine of n cores gives C = n; processes of other users lower it, which is what the
 simulator's host-cores link needs (partition.simulate, host_cores).
+
+Messages: two processes send a tensor back and forth over torch.distributed's gloo on this host (what the
+CPU stand-ins' activations and gradients cross), `repeats` round trips per size after 5 untimed; one way =
+the median round trip / 2, at a small and a large size: latency = the small one's time, GB/s = the extra
+bytes over the extra time. On a busy machine the latency includes waking the receiver, which is most of it.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import statistics
 
 from foundation.timing import Stopwatch
 
-__all__ = ["probe_host_adam", "probe_host_cores"]
+__all__ = ["probe_host_adam", "probe_host_cores", "probe_messages"]
 
 
 def probe_host_adam(notes: list[str], params: int = 32_000_000, repeats: int = 3) -> float:
@@ -101,3 +106,62 @@ def probe_host_cores(notes: list[str], workers: int | None = None, repeats: int 
     c = statistics.median(cores)
     notes.append(f"host cores: {n} one-thread processes at once computed as fast as {c:.2f} alone")
     return c
+
+
+def _ping_worker(rank: int, port: int, sizes: tuple[int, ...], repeats: int, results) -> None:
+    """One end of the ping-pong: rank 0 reports the median one-way seconds of each size."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        for nbytes in sizes:
+            t, times = torch.zeros(max(1, nbytes // 4)), []
+            for k in range(5 + repeats):
+                with Stopwatch() as sw:
+                    if rank == 0:
+                        dist.send(t, 1)
+                        dist.recv(t, 1)
+                    else:
+                        dist.recv(t, 0)
+                        dist.send(t, 0)
+                if k >= 5:
+                    times.append(sw.s / 2)
+            if rank == 0:
+                results.put((nbytes, statistics.median(times)))
+    finally:
+        dist.destroy_process_group()
+
+
+def probe_messages(notes: list[str], repeats: int = 100, sizes=(4096, 1 << 20)) -> tuple[float, float]:
+    """(latency seconds, GB/s) of one message between two processes over gloo (the module docstring);
+    (0.0, 0.0) with a note when torch or its gloo backend is missing."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        notes.append("torch is not installed: messages between ranks not measured")
+        return 0.0, 0.0
+    if not dist.is_available() or not dist.is_gloo_available():
+        notes.append("torch has no gloo backend: messages between ranks not measured")
+        return 0.0, 0.0
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_ping_worker, args=(r, port, sizes, repeats, results), daemon=True) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(results.get(timeout=120) for _ in sizes)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+    small, large = got[sizes[0]], got[sizes[1]]
+    gbps = (sizes[1] - sizes[0]) / max(large - small, 1e-9) / 1e9
+    notes.append(f"messages (gloo, this host): {small * 1e3:.3f} ms one way, {gbps:.2f} GB/s beyond that")
+    return small, gbps

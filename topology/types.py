@@ -120,6 +120,10 @@ class Measured:
     host_cores: float = 0.0
     """Cores one-thread processes computing at once get, in units of one computing alone (CPU stand-ins'
     computations share them in the simulator; topology.probe_cpu.probe_host_cores)."""
+    message_latency_s: float = 0.0
+    """Seconds one message between two ranks of this host takes besides its bytes (probe_cpu.probe_messages)."""
+    message_gbps: float = 0.0
+    """GB/s of those messages beyond the latency."""
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import pytest
 
 from partition.analytic import analytic_profile
 from partition.hardware import device_spec
+from partition.mapping import peer_gbps
 from partition.models import ModelSpec
 from partition.plan import Plan
 from partition.profile import Profile
@@ -131,3 +132,17 @@ def test_predict_step_shares_the_measured_host_cores():
     busy = sum(s.fwd_s * 4 * (s.gpu >= 0) for s in plan.stages[:-1])  # the forwards of the unfused stages
     busy += sum(4 * (s.recompute_s + s.bwd_s) for s in plan.stages)
     assert shared >= busy * (1 - 1e-9) and shared > free
+
+
+def test_measured_messages_time_the_activations_between_gpus():
+    # 2 gpus, 4 stages crossing at every boundary: comm = latency + output_bytes / GB/s; none on the last stage.
+    prof = _profile()
+    topo = cpu_standin(2, 2**30)
+    plan = make_plan(prof, topo, 4, num_stages=4, solver="dp")
+    measured = dataclasses.replace(topo, measured=Measured(message_latency_s=0.001, message_gbps=2.0))
+    comm = [s.comm_s for s in sim_stages(plan.stages, measured)]
+    want = [0.001 + s.output_bytes / 2e9 for s in plan.stages[:-1]] + [0.0]
+    assert comm == pytest.approx(want)
+    default = [s.comm_s for s in sim_stages(plan.stages, topo)]  # unmeasured: the pair's bandwidth, no latency
+    gbps = [peer_gbps(topo, a.gpu, b.gpu) for a, b in zip(plan.stages, plan.stages[1:])]
+    assert default == pytest.approx([s.output_bytes / (g * 1e9) for s, g in zip(plan.stages, gbps)] + [0.0])
