@@ -96,7 +96,7 @@ def test_plans_carry_the_recompute_time_and_fuse_the_last_stage():
     prof = _profile()
     plan = make_plan(prof, cpu_standin(2, 2**30), 4, num_stages=4, solver="dp")
     for s in plan.stages:
-        redo = sum(prof.layers[l].recompute_s for l in s.layers)
+        redo = sum(prof.layers[l].redo_s for l in s.layers)
         assert s.recompute_s == pytest.approx(redo)
     sims = sim_stages(plan.stages, cpu_standin(2, 2**30))
     assert [s.fused for s in sims] == [False, False, False, True]
@@ -129,8 +129,8 @@ def test_predict_step_shares_the_measured_host_cores():
     probed = dataclasses.replace(topo, measured=Measured(host_cores=1.0))
     assert host_cores(topo) is None and host_cores(probed) == 1.0
     shared = predict_step(plan, probed, budget).sim.step_time_s
-    busy = sum(s.fwd_s * 4 * (s.gpu >= 0) for s in plan.stages[:-1])  # the forwards of the unfused stages
-    busy += sum(4 * (s.recompute_s + s.bwd_s) for s in plan.stages)
+    busy = sum(4 * s.fwd_s for s in plan.stages[:-1])  # the forwards of the unfused stages
+    busy += sum(4 * ((s.recompute_s or 0.0) + s.bwd_s) for s in plan.stages)
     assert shared >= busy * (1 - 1e-9) and shared > free
 
 
