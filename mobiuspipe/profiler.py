@@ -2,10 +2,16 @@
 as partition.analytic.
 
 For each layer l, fed the previous layer's output (the first gets `sample_input`):
-  fwd_s, bwd_s      median of the last `min_repeats` timings once that median moves by at most rel_tol
-                    from one repeat to the next (or after max_repeats), after `warmup` untimed runs;
-                    the device is synchronized before and after each timed region (CUDA), so the clock
-                    sees the kernels, not their launch
+  fwd_s, recompute_s, bwd_s
+                    the layer timed on the runtime's own path (mobiuspipe.stage: functional_call on the
+                    layer's tensors, so its per-call cost is in the figures): fwd_s the forward of a
+                    forward visit (no grad), recompute_s the forward with grad of a backward visit under
+                    the ledger's saved-tensor hook (memory.measure.counting_saved; the hook costs some
+                    10-40% on small layers), bwd_s the backward and the drop of the hook's records.
+                    Each the median of the last `min_repeats` timings once those medians move by at most
+                    rel_tol from one repeat to the next (or after max_repeats), after `warmup` untimed
+                    runs; the device is synchronized before and after each timed region (CUDA), so the
+                    clock sees the kernels, not their launch
   param_count/bytes the layer's real parameters (numel, nbytes)
   activation_bytes  the tensors autograd saves for backward (saved_tensors_hooks), counted once per
                     storage (views share one), parameters excluded; the last layer includes its loss
@@ -26,8 +32,11 @@ from dataclasses import dataclass
 import torch
 import torch.utils.flop_counter as flop_counter
 from torch import nn
+from torch.func import functional_call
 
 from foundation.timing import Stopwatch
+from mobiuspipe.memory.ledger import DeviceLedger
+from mobiuspipe.memory.measure import counting_saved
 from partition.profile import LayerProfile, Profile
 
 __all__ = ["Measurement", "measure_layers", "measure_profile"]
@@ -88,11 +97,21 @@ def _cpu_flash_flops():
 
 
 class _Run:
-    """One layer on the device: forward (with the loss for the last layer), backward with a fixed gradient."""
+    """One layer on the device, called as the runtime's Stage calls it (torch.func.functional_call on the
+    layer's tensors): the forward without grad (a forward visit), the forward with grad on weight leaves
+    under the ledger's saved-tensor hook (the recompute of a backward visit, with the loss for the last
+    layer), and the backward with a fixed gradient, after which the hook's records are dropped."""
 
     def __init__(self, layer: nn.Module, x: torch.Tensor, loss_fn, device: torch.device):
         self.layer, self.loss_fn, self.device = layer, loss_fn, device
         self.x = x.detach().requires_grad_(x.is_floating_point())
+        self.params = list(layer.parameters())
+        self.leaves = {n: p.detach().requires_grad_(p.requires_grad) for n, p in layer.named_parameters()}
+        for t in self.leaves.values():  # the runtime's leaves accumulate into the gradient slot's views
+            t.grad = torch.zeros_like(t) if t.requires_grad else None
+        self.leaves.update(dict(layer.named_buffers()))
+        self.plain = {n: t.detach() for n, t in self.leaves.items()}
+        self.ledger = DeviceLedger()
         with torch.no_grad():
             out = layer(self.x)
         self.out = out.detach()
@@ -100,23 +119,40 @@ class _Run:
         self.grad = None if loss_fn else torch.randn(out.shape, generator=g).to(device, out.dtype)
 
     def forward(self) -> torch.Tensor:
+        """The forward with grad as the flop count and the saved-bytes count see it (the module's own call)."""
         out = self.layer(self.x)
         return self.loss_fn(out) if self.loss_fn else out
+
+    def forward_visit(self) -> None:
+        with torch.no_grad():
+            functional_call(self.layer, self.plain, (self.x.detach(),))
+
+    def recompute(self) -> torch.Tensor:
+        with counting_saved(self.ledger):
+            out = functional_call(self.layer, self.leaves, (self.x,))
+            self.ledger.hold(("output",), out)
+            return self.loss_fn(out) if self.loss_fn else out
 
     def backward(self, y: torch.Tensor) -> None:
         if y.requires_grad:  # a layer without parameters on an integer input has no backward
             y.backward(self.grad)
+        self.ledger.drop_kind("autograd")
+        self.ledger.drop_kind("output")
         self.x.grad = None
 
-    def timed(self) -> tuple[float, float]:
+    def timed(self) -> tuple[float, float, float]:
+        """Seconds of (forward visit, recompute, backward)."""
         _sync(self.device)
         with Stopwatch() as fwd:
-            y = self.forward()
+            self.forward_visit()
+            _sync(self.device)
+        with Stopwatch() as redo:
+            y = self.recompute()
             _sync(self.device)
         with Stopwatch() as bwd:
             self.backward(y)
             _sync(self.device)
-        return fwd.s, bwd.s
+        return fwd.s, redo.s, bwd.s
 
     def flops(self) -> tuple[float, float]:
         with flop_counter.FlopCounterMode(display=False, custom_mapping=_cpu_flash_flops()) as f:
@@ -126,7 +162,7 @@ class _Run:
         return float(f.get_total_flops()), float(b.get_total_flops())
 
     def saved_bytes(self) -> int:
-        params = {p.untyped_storage().data_ptr() for p in self.layer.parameters()}
+        params = {p.untyped_storage().data_ptr() for p in self.params}
         seen: dict[int, int] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -141,17 +177,16 @@ class _Run:
         return sum(seen.values())
 
 
-def _stable_median(run: _Run, warmup: int, min_repeats: int, max_repeats: int, rel_tol: float) -> tuple[float, float]:
+def _stable_median(run: _Run, warmup: int, min_repeats: int, max_repeats: int, rel_tol: float) -> tuple[float, ...]:
     for _ in range(warmup):
         run.timed()
-    fwd, bwd, last = [], [], None
+    times: list[tuple[float, ...]] = []
+    last = None
     for _ in range(max_repeats):
-        f, b = run.timed()
-        fwd.append(f)
-        bwd.append(b)
-        if len(fwd) < min_repeats:
+        times.append(run.timed())
+        if len(times) < min_repeats:
             continue
-        now = (statistics.median(fwd[-min_repeats:]), statistics.median(bwd[-min_repeats:]))
+        now = tuple(statistics.median(col) for col in zip(*times[-min_repeats:]))
         if last and all(abs(n - o) <= rel_tol * n for n, o in zip(now, last)):
             break
         last = now
@@ -164,7 +199,7 @@ def _measure_one(
     run = _Run(layer, x, loss_fn, device)
     fwd_flops, bwd_flops = run.flops()
     act = run.saved_bytes()
-    fwd_s, bwd_s = _stable_median(run, *timing)
+    fwd_s, redo_s, bwd_s = _stable_median(run, *timing)
     for p in layer.parameters():
         p.grad = None
     params = list(layer.parameters())
@@ -178,6 +213,7 @@ def _measure_one(
         bwd_flops=bwd_flops,
         fwd_s=fwd_s,
         bwd_s=bwd_s,
+        recompute_s=redo_s,
     )
     return lp, run.out
 

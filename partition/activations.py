@@ -16,7 +16,8 @@ Legend (stage j = layers a..b, one microbatch unless marked; units in brackets):
   T_j        = G_j + (max_seg sum_{l in seg} A_l + I_j + O_b when there are segments): live while
              B(j,i) runs (the graphs until the backward ends, the recomputed segment)             [bytes]
              (recompute: today's A_j of partition.costmodel; keep: G_j = A_j)
-  R_j        = sum_{l not in K} F_l: the forward redone in each B                              [s]
+  R_l        a layer's forward as the backward redoes it (with grad; profile recompute_s, else F_l)  [s]
+  R_j        = sum_{l not in K} R_l: the forward redone in each B                              [s]
   F_j, B_j   = sum_l F_l, sum_l B_l                                                            [s]
   out, in_   bandwidth from the device to the tier and back (the share of a shared link)        [GB/s]
   W_out      = F_j: a swap-out of microbatch i overlaps the forward of microbatch i+1            [s]
@@ -118,7 +119,7 @@ def policy_cost(
     work = graphs
     if segs:
         work += max(int(arr.A[e + 1] - arr.A[s]) for s, e in segs) + _output(arr, a - 1, input_bytes) + int(arr.O[b])
-    recompute = sum(float(arr.F[e + 1] - arr.F[s]) for s, e in segs)
+    recompute = sum(arr.recompute(s, e) for s, e in segs)
     fwd, bwd = float(arr.F[b + 1] - arr.F[a]), float(arr.B[b + 1] - arr.B[a])
     exposed = 0.0
     if policy.tier != "device":
@@ -135,8 +136,7 @@ def kept_layers_order(arr: LayerArrays, a: int, b: int) -> list[int]:
 
     def score(layer: int) -> float:
         held = int(arr.A[layer + 1] - arr.A[layer])
-        fwd = float(arr.F[layer + 1] - arr.F[layer])
-        return float("inf") if held == 0 else fwd / held
+        return float("inf") if held == 0 else arr.recompute(layer, layer) / held
 
     return sorted(range(a, b + 1), key=lambda x: (-score(x), x))
 
@@ -159,7 +159,7 @@ def options(
 
 def fused_cost(arr: LayerArrays, a: int, b: int, m: int, input_bytes: int = 0) -> PolicyCost:
     """The last stage's only option: its forward runs with grad inside its backward (the loss needs both at
-    once), so it holds nothing between them and recomputes nothing (recorded as keep, on the device)."""
+    once), so it holds nothing between them (recorded as keep, on the device; recompute_s: that forward)."""
     work = int(arr.A[b + 1] - arr.A[a]) + _output(arr, a - 1, input_bytes) + int(arr.O[b])
-    fwd, bwd = float(arr.F[b + 1] - arr.F[a]), float(arr.B[b + 1] - arr.B[a])
-    return PolicyCost(ActivationPolicy("keep"), 0, work, 0.0, 0.0, m * (fwd + bwd))
+    inside, bwd = arr.recompute(a, b), float(arr.B[b + 1] - arr.B[a])
+    return PolicyCost(ActivationPolicy("keep"), 0, work, inside, 0.0, m * (inside + bwd))

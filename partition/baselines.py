@@ -149,8 +149,8 @@ def gpipe(profile: Profile, topo: Topology, microbatches: int, reserve_bytes: in
     _, ranges = _minmax_cut(arr.num_layers, n, work)
     stages = tuple(stage_plan(arr, a, b, j, 1.0) for j, (a, b) in enumerate(ranges))
     resident = [
-        dataclasses.replace(s, load_s=0.0, offload_s=0.0, update_s=0.0, param_bytes=0, grad_bytes=0)
-        for s in sim_stages(stages, topo)
+        dataclasses.replace(s, load_s=0.0, offload_s=0.0, update_s=0.0, param_bytes=0, grad_bytes=0, fused=False)
+        for s in sim_stages(stages, topo)  # GPipe runs its last stage's forward apart (no fusing)
     ]
     sim = simulate(resident, n, microbatches)
     fullest = max(mem(a, b) for a, b in ranges)

@@ -8,6 +8,8 @@ Legend (stage j holds layers a..b; all per ONE microbatch unless marked; units i
            of its layers' activations are live at once, plus the input and output buffers)[bytes]
   F_j      sum of F_l: forward time                                                      [s]
   B_j      sum of B_l: backward time                                                     [s]
+  R_j      sum of R_l: the forward as the backward visit redoes it (profile.recompute_s;
+           F_j when the profile has no separate figure)                                   [s]
   beta_j   host->gpu bandwidth stage j's gpu gets under contention (topology.load_gbps)  [GB/s]
   U_j      = P_j / (beta_j * 1e9): time to load stage j's parameters                     [s]
   W        = max_j P_j: size of one weight slot of the device arena                      [bytes]
@@ -56,6 +58,7 @@ class LayerArrays:
     B: np.ndarray  # prefix sums of backward seconds
     O: np.ndarray  # output bytes per layer, length L
     N: np.ndarray  # prefix sums of parameter counts
+    R: np.ndarray | None = None  # prefix sums of recompute seconds (None: the same as F)
 
     @classmethod
     def of(cls, profile: Profile) -> LayerArrays:
@@ -70,6 +73,7 @@ class LayerArrays:
             B=pre([x.bwd_s for x in ls]),
             O=np.asarray([x.output_bytes for x in ls], dtype=np.int64),
             N=pre([x.param_count for x in ls], np.int64),
+            R=pre([x.redo_s for x in ls]),
         )
 
     @property
@@ -90,6 +94,11 @@ class LayerArrays:
 
     def bwd(self, a: int, b: int) -> float:
         return float(self.B[b + 1] - self.B[a])
+
+    def recompute(self, a: int, b: int) -> float:
+        """R_j for layers a..b inclusive."""
+        r = self.F if self.R is None else self.R
+        return float(r[b + 1] - r[a])
 
     def param_count(self, a: int, b: int) -> int:
         return int(self.N[b + 1] - self.N[a])

@@ -56,6 +56,10 @@ class StagePlan(_PlanPart):
     """Backward seconds per microbatch (without the recomputed forward)."""
     load_gbps: float
     """Host->gpu bandwidth this stage's loads get under the mapping's contention, GB/s."""
+    recompute_s: float | None = None
+    """Seconds per microbatch of the forward its backward runs (with grad): the whole stage's under recompute
+    (and on the last stage, whose forward is fused into its backward), the recomputed segments' under
+    selective, 0 under keep; None (plans before it was measured or chosen): fwd_s."""
     activations: str = "recompute"
     """Its activation policy (partition.activations): recompute (the forward again in the backward, from the
     stage input), keep (every layer's saved activations from F to B) or selective (kept_layers' only)."""
@@ -66,8 +70,6 @@ class StagePlan(_PlanPart):
     choice): the runtime's own path (the device on the CPU stand-in, the host on a gpu)."""
     held_bytes: int = -1
     """H_j: bytes held per microbatch from F to B under the policy (-1 in plans made before the choice)."""
-    recompute_s: float = -1.0
-    """R_j: seconds of forward redone per microbatch in the backward (-1: fwd_s, plans before the choice)."""
     work_bytes: int = -1
     """T_j: bytes live while B runs besides the held ones (-1: activation_bytes, plans before the choice)."""
 
@@ -107,6 +109,7 @@ class StagePlan(_PlanPart):
             ),
             *(p for name in counts for p in at_least(self, name, 0, _WRITE_FIX)),
             *(p for name in ("fwd_s", "bwd_s") for p in positive(self, name, _WRITE_FIX, zero_ok=True)),
+            *(positive(self, "recompute_s", _WRITE_FIX, zero_ok=True) if self.recompute_s is not None else []),
             *positive(self, "load_gbps", _WRITE_FIX, what="a bandwidth in GB/s, a finite number"),
         ]
 

@@ -4,8 +4,11 @@ Symbols (per layer l, for ONE microbatch of `microbatch_size` sequences of `seq_
   P_l  param_bytes       bytes of the layer's parameters in the dtype loaded into the GPU     [bytes]
   A_l  activation_bytes  activations the layer keeps for its backward pass                    [bytes]
   O_l  output_bytes      the layer's output tensor, what crosses a stage boundary              [bytes]
-  F_l  fwd_s             forward time                                                          [s]
+  F_l  fwd_s             forward time (measured: the runtime's forward visit, without grad)    [s]
   B_l  bwd_s             backward time (input and weight gradients, no recomputation)          [s]
+  R_l  recompute_s       the forward as the backward visit redoes it before its backward: with
+                         grad, through the runtime's saved-tensor hooks (None: F_l, as the
+                         analytic profile has it); the last stage runs it fused with its loss  [s]
 
 Layer-similarity compression (Mobius, "Profiling"): a transformer's blocks are identical, so a profile
 is stored and solved as runs of consecutive identical layers, (layer, count); `expand` undoes it.
@@ -68,14 +71,22 @@ class LayerProfile(_ProfilePart):
     bwd_flops: float
     fwd_s: float
     bwd_s: float
+    recompute_s: float | None = None
+    """R_l of the legend; None: the same as fwd_s."""
+
+    @property
+    def redo_s(self) -> float:
+        """R_l: recompute_s, or fwd_s when the profile has no separate figure."""
+        return self.fwd_s if self.recompute_s is None else self.recompute_s
 
     def check_values(self) -> list[Problem]:
         counts = ("param_count", "param_bytes", "activation_bytes", "output_bytes")
         amounts = ("fwd_flops", "bwd_flops", "fwd_s", "bwd_s")
+        redo = () if self.recompute_s is None else ("recompute_s",)
         return [
             *non_empty(self, "name", _WRITE_FIX),
             *(p for name in counts for p in at_least(self, name, 0, _WRITE_FIX)),
-            *(p for name in amounts for p in positive(self, name, _WRITE_FIX, zero_ok=True)),
+            *(p for name in (*amounts, *redo) for p in positive(self, name, _WRITE_FIX, zero_ok=True)),
         ]
 
 

@@ -19,7 +19,15 @@ from partition.simulate import SimResult, SimStage, simulate
 from partition.tiers import HostBudget, MemoryPlan, SsdInfo, place_tiers, ssd_info
 from topology import Topology
 
-__all__ = ["make_plan", "sim_stages", "predict_step", "Prediction", "HOST_ADAM_PARAMS_PER_S", "host_adam_rate"]
+__all__ = [
+    "make_plan",
+    "sim_stages",
+    "predict_step",
+    "Prediction",
+    "HOST_ADAM_PARAMS_PER_S",
+    "host_adam_rate",
+    "host_cores",
+]
 
 HOST_ADAM_PARAMS_PER_S = 1.0e9
 """Parameters per second the host's Adam updates when the topology has no measurement (`topology --probe`
@@ -30,6 +38,13 @@ def host_adam_rate(topo: Topology) -> float:
     """The topology's measured host Adam rate, else HOST_ADAM_PARAMS_PER_S."""
     m = topo.measured
     return m.host_adam_params_per_s if m and m.host_adam_params_per_s > 0 else HOST_ADAM_PARAMS_PER_S
+
+
+def host_cores(topo: Topology) -> float | None:
+    """The cores the computations of CPU stand-ins share (topology --probe measures them), else None: each
+    gpu computes on its own."""
+    m = topo.measured
+    return m.host_cores if m and m.host_cores > 0 else None
 
 
 def make_plan(
@@ -77,7 +92,8 @@ def make_plan(
     best = min(_shared(candidates, topo, host_budget), key=lambda p: (p.predicted_step_time_s, p.num_stages))
     if activations == "auto":
         try:
-            best, _ = with_activations(best, profile, topo, memory)
+            chosen, _ = with_activations(best, profile, topo, memory)
+            best = _shared([chosen], topo, host_budget)[0]  # predicted again: the policies' recompute
         except ValueError:  # the walk exceeds the memory even recomputing: kept as the memory rule planned it
             pass
     return dataclasses.replace(best, solver=dataclasses.replace(info, wall_s=round(watch.s, 6)))
@@ -115,7 +131,9 @@ def predict_step(plan: Plan, topo: Topology, budget: HostBudget) -> Prediction:
     memory = place_tiers(plan, budget)
     ssd = ssd_info(topo)
     stages = sim_stages(plan.stages, topo, memory)
-    sim = simulate(stages, topo.num_gpus, plan.num_microbatches, topology=topo, ssd=ssd.link)
+    sim = simulate(
+        stages, topo.num_gpus, plan.num_microbatches, topology=topo, ssd=ssd.link, host_cores=host_cores(topo)
+    )
     bound = step_bound(sim, stages, topo, ssd.link)
     return Prediction(dataclasses.replace(plan, predicted_step_time_s=sim.step_time_s), memory, ssd, sim, bound)
 
@@ -291,20 +309,27 @@ def sim_stages(stages: tuple[StagePlan, ...], topo: Topology, memory: MemoryPlan
     """The simulator's view of a plan's stages on a topology.
 
     Static times (for simulate() without a topology): a load at the stage's planned load_gbps, an offload
-    at the gpu's own link speed. Bytes (for simulate(..., topology=topo)): a load moves param_bytes, an
+    at the gpu's own link speed. An activation to another gpu (and its gradient back) takes output_bytes at
+    the pair's bandwidth, or, when the topology measured its messages (CPU stand-ins: gloo between ranks),
+    their latency + output_bytes at their GB/s. Bytes (for simulate(..., topology=topo)): a load moves param_bytes, an
     offload the gradients, which have the parameters' dtype, so also param_bytes. With `memory` (the
     plan's tiers), each stage's SSD traffic per step: its update's (streamed under the update), and with its
     weights on the SSD, its loads' reads and its offload's write (simulate(..., ssd=...)).
     """
     out = []
+    m = topo.measured
+    latency, msg_gbps = (m.message_latency_s, m.message_gbps) if m and m.message_latency_s > 0 else (0.0, 0.0)
     for j, s in enumerate(stages):
         nxt = stages[j + 1].gpu if j + 1 < len(stages) else s.gpu
-        comm = 0.0 if nxt == s.gpu else s.output_bytes / (peer_gbps(topo, s.gpu, nxt) * 1e9)
+        gbps = msg_gbps if msg_gbps > 0 else peer_gbps(topo, s.gpu, nxt)
+        comm = 0.0 if nxt == s.gpu else latency + s.output_bytes / (gbps * 1e9)
         out.append(
             SimStage(
                 gpu=s.gpu,
                 fwd_s=s.fwd_s,
                 bwd_s=s.bwd_s,
+                recompute_s=s.fwd_s if s.recompute_s is None else s.recompute_s,
+                fused=j == len(stages) - 1,
                 load_s=s.load_s,
                 offload_s=s.param_bytes / (topo.gpus[s.gpu].link_gbps * 1e9),
                 update_s=s.param_count / host_adam_rate(topo),
@@ -334,4 +359,5 @@ def stage_plan(arr: LayerArrays, a: int, b: int, gpu: int, load_gbps: float) -> 
         fwd_s=arr.fwd(a, b),
         bwd_s=arr.bwd(a, b),
         load_gbps=load_gbps,
+        recompute_s=arr.recompute(a, b),
     )

@@ -5,8 +5,17 @@ ended. Per gpu g the visit order is the runtime's (partition.order): its stages'
 order, then their backwards in descending order, each over microbatches i = 0..M-1.
 Resources and rules (times in seconds, bytes, GB/s = 1e9 bytes/s):
   compute   one stream per gpu, in schedule order. F(j,i) starts after F(j-1,i) arrived (+ comm_s of
-            stage j-1), B(j,i) after B(j+1,i) arrived (+ comm_s of stage j); F takes F_j, B takes F_j + B_j
-            (the stage recomputes its forward first).
+            stage j-1), B(j,i) after B(j+1,i) arrived (+ comm_s of stage j); F takes F_j, B takes R_j + B_j
+            (the stage recomputes its forward first: recompute_s, F_j unless the profile measured it apart).
+            The last stage is fused (SimStage.fused, set by partition.search.sim_stages), as the runtime
+            runs it: its F does nothing (0 s) and its B computes forward, loss and backward at once.
+  cores     with host_cores C (CPU stand-ins, whose "gpus" are host threads: Topology.measured.host_cores),
+            every F and B is a flow of its seconds of one core over the link ("host", "cores") of C cores
+            and its gpu's own link of 1 core: while k computations run at once each gets min(1, C / k) of
+            a core. The profile is timed with one computation running, so that is a rate of 1; C is the
+            cores this machine gives the run's threads at once (2 on an idle 2-core machine, fewer when
+            other processes take some). The copy and host-Adam threads are not on the link: on the CPU
+            runs measured (scripts/bench_fidelity.py) they take under 2% of a step.
   load      one host->gpu copy engine per gpu, in visit order, two weight slots: the load of the k-th stage
             visit starts when the previous load ended and the slot's previous holder (visit k-2) was
             released (its last microbatch computed). A gpu's last forward stage stays resident into its
@@ -73,12 +82,24 @@ from partition.flows import FlowNet, Link, TaskGraph
 from partition.order import visits_of
 from topology import Topology
 
-__all__ = ["SimStage", "SimResult", "SsdLink", "link_paths", "simulate", "update_seconds", "SSD_READ", "SSD_WRITE"]
+__all__ = [
+    "SimStage",
+    "SimResult",
+    "SsdLink",
+    "link_paths",
+    "simulate",
+    "update_seconds",
+    "SSD_READ",
+    "SSD_WRITE",
+    "HOST_CORES",
+]
 
 SSD_READ: Link = ("ssd", "read")
 """The drive's read link: loads of stages with their weights on the SSD cross it."""
 SSD_WRITE: Link = ("ssd", "write")
 """The drive's write link: offloads of stages with their gradients on the SSD cross it."""
+HOST_CORES: Link = ("host", "cores")
+"""The host's cores, in cores: the computations of CPU stand-ins share them (simulate(..., host_cores=C))."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +143,20 @@ class SimStage:
     ssd_weights: bool = False
     """The weights and gradients are on the SSD: each load reads param_bytes from it, the offload writes
     grad_bytes to it (besides the update's ssd_read_bytes / ssd_write_bytes)."""
+    recompute_s: float | None = None
+    """Seconds of the forward a B redoes before its backward (with grad); None: fwd_s."""
+    fused: bool = False
+    """The last stage as the runtime runs it: F takes no time, B runs forward, loss and backward."""
+
+    @property
+    def f_s(self) -> float:
+        """Seconds of one F of this stage."""
+        return 0.0 if self.fused else self.fwd_s
+
+    @property
+    def b_s(self) -> float:
+        """Seconds of one B of this stage: the recomputed forward, then the backward."""
+        return (self.fwd_s if self.recompute_s is None else self.recompute_s) + self.bwd_s
 
 
 @dataclass(frozen=True)
@@ -187,29 +222,35 @@ def simulate(
     topology: Topology | None = None,
     ssd: SsdLink | None = None,
     memory_bytes: int | None = None,
+    host_cores: float | None = None,
 ) -> SimResult:
     """Event times of one step (see the module docstring); with a topology, loads and offloads share links;
     with an SsdLink, the updates of stages with SSD bytes stream them; with memory_bytes, loads prefetch only
-    what fits (partial prefetch).
+    what fits (partial prefetch); with host_cores, the computations share that many cores.
 
     Raises ValueError for stages with SSD bytes but no SsdLink, RuntimeError if the schedule cannot make
     progress (a stage on a gpu that does not exist: a bug).
     """
     if ssd is None and any(s.ssd_read_bytes or s.ssd_write_bytes or s.ssd_weights for s in stages):
         raise ValueError("stages move bytes to or from the SSD but simulate() got no ssd=SsdLink(...)")
+    if host_cores is not None and not host_cores > 0:
+        raise ValueError(f"host_cores must be > 0 (the cores the computations share), found {host_cores}")
+    caps: dict[Link, float] = {}
     if topology is not None:
         _check_bytes(stages, topology, num_gpus)
         caps, paths = link_paths(topology)
         if ssd is not None:
             caps |= {SSD_READ: ssd.read_gbps, SSD_WRITE: ssd.write_gbps}
-        graph = TaskGraph(FlowNet(caps))
     else:
         paths = {(g, d): ((f"gpu{g}", d),) for g in range(num_gpus) for d in ("h2d", "d2h")}
-        graph = TaskGraph()
+    if host_cores is not None:
+        caps |= {HOST_CORES: host_cores} | {(f"gpu{g}", "compute"): 1.0 for g in range(num_gpus)}
+    graph = TaskGraph(FlowNet(caps)) if caps else TaskGraph()
     moves: list[tuple[int, tuple[Link, ...]]] = []
     spans: dict[int, list[tuple[Hashable, Hashable]]] = {}
     for g in range(num_gpus):
-        spans[g] = _add_gpu(graph, stages, g, microbatches, paths, topology is not None, moves, ssd, memory_bytes)
+        flows, cores = topology is not None, host_cores is not None
+        spans[g] = _add_gpu(graph, stages, g, microbatches, paths, flows, moves, ssd, memory_bytes, cores)
     for j in range(len(stages) - 1):
         for i in range(microbatches):
             graph.add(("arrive", "F", j + 1, i), [("F", j, i)], stages[j].comm_s)
@@ -250,10 +291,20 @@ def _check_bytes(stages: list[SimStage], topology: Topology, num_gpus: int) -> N
 
 
 def _add_gpu(
-    graph: TaskGraph, stages: list[SimStage], g: int, m: int, paths: dict, flows: bool, moves: list, ssd, memory
+    graph: TaskGraph,
+    stages: list[SimStage],
+    g: int,
+    m: int,
+    paths: dict,
+    flows: bool,
+    moves: list,
+    ssd,
+    memory,
+    cores: bool = False,
 ) -> list[tuple[Hashable, Hashable]]:
     """Gpu g's loads, computations and offloads, chained as the runtime orders them; returns its arena spans
-    (task whose start takes a slot, task whose end frees it). Moves of ssd_weights stages cross the SSD."""
+    (task whose start takes a slot, task whose end frees it). Moves of ssd_weights stages cross the SSD;
+    with cores, computations are core-second flows on HOST_CORES and the gpu's own compute link."""
     visits, last = visits_of([s.gpu for s in stages], g), len(stages) - 1
     prev_op = prev_load = prev_off = load = None
     slot_of: list[int] = []
@@ -275,8 +326,10 @@ def _add_gpu(
         first = None
         for i in range(m):
             wait = None if (phase == "F" and j == 0) or (phase == "B" and j == last) else ("arrive", phase, j, i)
-            dur = st.fwd_s if phase == "F" else st.fwd_s + st.bwd_s
-            prev_op = graph.add((phase, j, i), (load, prev_op, wait, prev_off if phase == "B" else None), dur)
+            dur = st.f_s if phase == "F" else st.b_s
+            work = ((dur * 1e9, (HOST_CORES, (f"gpu{g}", "compute"))),) if cores else ()
+            deps = (load, prev_op, wait, prev_off if phase == "B" else None)
+            prev_op = graph.add((phase, j, i), deps, 0.0 if cores else dur, work)
             first = first or prev_op
         holder[slot_of[k]] = prev_op
         if not (k + 1 < len(visits) and visits[k + 1][0] == j):

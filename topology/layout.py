@@ -27,7 +27,8 @@ A layout file holds what `Topology.to_dict()` produces (README.md shows this sam
       - {name: nvme0, pci_bus_id: "0000:3d:00.0", root_complex: rc0, numa_node: 0, link_gbps: 7.88}
     measured: null                   # optional: what `mobiuspipe topology --probe` measured: h2d_gbps,
                                      # h2d_group_gbps (per gpu), d2d_gbps (gpu x gpu), ssd_dir, ssd_read_gbps,
-                                     # ssd_write_gbps, host_adam_params_per_s, notes
+                                     # ssd_write_gbps, host_adam_params_per_s, host_cores,
+                                     # message_latency_s, message_gbps, notes
     notes: []                        # optional: what discovery could not find out
 
 Memory strings take B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), with an

@@ -68,7 +68,14 @@ def _measured(m: SimpleNamespace) -> list[Problem]:
     return [
         *(
             p
-            for name in ("ssd_read_gbps", "ssd_write_gbps", "host_adam_params_per_s")
+            for name in (
+                "ssd_read_gbps",
+                "ssd_write_gbps",
+                "host_adam_params_per_s",
+                "host_cores",
+                "message_latency_s",
+                "message_gbps",
+            )
             for p in positive(m, name, fix, zero_ok=True)
         ),
         *(

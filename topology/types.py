@@ -117,6 +117,13 @@ class Measured:
     host_adam_params_per_s: float = 0.0
     """Parameters per second the host's optimizer updates (the planner's host-update rate)."""
     notes: tuple[str, ...] = ()
+    host_cores: float = 0.0
+    """Cores one-thread processes computing at once get, in units of one computing alone (CPU stand-ins'
+    computations share them in the simulator; topology.probe_cpu.probe_host_cores)."""
+    message_latency_s: float = 0.0
+    """Seconds one message between two ranks of this host takes besides its bytes (probe_cpu.probe_messages)."""
+    message_gbps: float = 0.0
+    """GB/s of those messages beyond the latency."""
 
 
 @dataclass(frozen=True)

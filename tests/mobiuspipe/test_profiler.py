@@ -68,6 +68,21 @@ def test_param_bytes_equal_the_analytic_profile(measured, analytic):
 def test_times_are_positive(measured):
     for x in measured.profile.layers:
         assert x.fwd_s > 0 and x.bwd_s > 0
+        assert x.recompute_s is not None and x.recompute_s > 0  # timed apart: with grad, through the hooks
+
+
+def test_the_layers_are_called_as_the_runtime_calls_them(monkeypatch):
+    # Stage.forward calls functional_call; the recompute runs under the ledger's counting hook
+    import mobiuspipe.profiler as profiler
+
+    calls, counted = [], []
+    real_call, real_counting = profiler.functional_call, profiler.counting_saved
+    monkeypatch.setattr(profiler, "functional_call", lambda *a, **k: calls.append(1) or real_call(*a, **k))
+    monkeypatch.setattr(profiler, "counting_saved", lambda ledger: counted.append(1) or real_counting(ledger))
+    layer = nn.Linear(8, 8)
+    kw = _kw() | dict(warmup=0, min_repeats=1, max_repeats=1)
+    measure_profile([layer], torch.randn(2, 8), **kw)
+    assert len(calls) == 2 and len(counted) == 1  # one forward visit and one recompute, timed once each
 
 
 def test_matmul_flops_match_the_analytic_count(measured, analytic):

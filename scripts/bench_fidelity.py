@@ -1,0 +1,306 @@
+"""Fidelity of the planner's simulator on this machine: predicted against measured step time, per model, plan
+and activation policy (issue 13's check: within 15% for CPU runs).
+
+For each repetition and each model: measure a profile of the model's layers on this machine (the runtime's
+own call path: mobiuspipe.profiler), then for each plan (ranks x stages, cross mapping): plan with that
+profile for CPU stand-ins (partition.make_plan, the exact DP at the requested stage count), predict its
+step with the simulator under the policy (partition.predict_step), train it under torchrun for --steps
+steps with that plan file and policy, and keep the median step time after --warmup steps. The models and
+plans are interleaved and the whole grid repeated --reps times, so that a slow spell of the machine hits
+every configuration alike; a configuration reports the median over repetitions of its median step time,
+the spread of those medians (max/min - 1), the median prediction, and measured / predicted. Exits 1 when
+any ratio falls outside 1 +- --tolerance.
+
+Activation policies are a parameter of both sides: POLICIES maps a name to the keys its run puts in the
+config and the function that predicts its step from a plan. Only "recompute" (the runtime's one policy
+today: the stage input is saved, the forward recomputed in the backward) exists yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import os
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from bench_pipeline import SIZES, machine, torchrun_metrics
+from benchlib import cpu_mark, markdown_table, other_share
+
+from foundation.units import MiB
+from mobiuspipe.config import config_from_dict
+from mobiuspipe.config_plan import model_spec
+from mobiuspipe.dataset import open_data
+from mobiuspipe.models.gpt import layer_factories, lm_loss
+from mobiuspipe.profiler import measure_profile
+from partition import make_plan
+from partition.plan import Plan, save_plan
+from partition.profile import Profile
+from partition.search import predict_step
+from partition.tiers import HostBudget
+from topology import Topology, cpu_standin
+from topology.probe_cpu import probe_host_cores, probe_messages
+from topology.types import Measured
+
+GPT_MODELS = {
+    **SIZES,
+    "odd": {
+        "model": {"num_blocks": 7, "d_model": 120, "num_heads": 5, "seq_len": 97},
+        "data": {"batch_size": 6, "num_microbatches": 3},
+    },
+}
+"""Built-in GPT configs: bench_pipeline's tiny and small, and one of odd sizes."""
+
+LLAMA = {
+    "hidden_size": 96,
+    "intermediate_size": 259,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 64,
+}
+"""The HF llama (tests/mobiuspipe/hf_fixtures.py's config, wider and deeper): sequences of LLAMA_RUN's seq_len."""
+LLAMA_RUN = {"model": {"seq_len": 61}, "data": {"batch_size": 8, "num_microbatches": 4}}
+
+PLANS = {"1x4": (1, 4), "2x4": (2, 4), "2x6": (2, 6)}
+"""Plan name -> (ranks, stages); two ranks use the cross mapping."""
+
+DEVICE_MB = 4096
+"""Each CPU stand-in's memory budget: large enough that no plan here is memory bound."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    """An activation policy as the benchmark drives it: keys merged into the run's config, and the prediction
+    of a plan's step under it (seconds)."""
+
+    run_keys: dict
+    predict: Callable[[Plan, Topology], float]
+
+
+def _predict_recompute(plan: Plan, topo: Topology) -> float:
+    return predict_step(plan, topo, HostBudget(None, "unlimited")).sim.step_time_s
+
+
+POLICIES = {"recompute": Policy({}, _predict_recompute)}
+"""Policies measured. A new one (keep, selective, a swap tier) adds its config keys (memory.activations,
+memory.activation_tier) and its prediction (the plan with its ActivationPolicy per stage, simulated)."""
+
+
+@dataclass
+class Cell:
+    """One configuration (model, plan, policy) over the repetitions."""
+
+    model: str
+    plan: str
+    policy: str
+    measured: list[float] = field(default_factory=list)
+    predicted: list[float] = field(default_factory=list)
+    split: list[tuple[float, float, float]] = field(default_factory=list)
+    other: list[float] = field(default_factory=list)
+    cores: list[float] = field(default_factory=list)
+    latency: list[float] = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float:
+        return statistics.median(self.measured) / statistics.median(self.predicted)
+
+    @property
+    def spread(self) -> float:
+        return max(self.measured) / min(self.measured) - 1
+
+
+def model_dicts(tmp: Path, names: list[str]) -> dict[str, dict]:
+    """Run-config parts (model, data) of each model; the llama is saved to tmp first (random weights)."""
+    out: dict[str, dict] = {n: copy.deepcopy(GPT_MODELS[n]) for n in names if n in GPT_MODELS}
+    if "llama" in names:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "mobiuspipe"))
+        from hf_fixtures import save_model  # pyright: ignore[reportMissingImports]
+
+        save_model("llama", tmp / "llama", seed=0, **LLAMA)
+        out["llama"] = {"model": {"hf": str(tmp / "llama"), **LLAMA_RUN["model"]}, "data": dict(LLAMA_RUN["data"])}
+    return out
+
+
+def run_dict(parts: dict, ranks: int, stages: int, steps: int, out_dir: str, plan_file: str, policy: Policy) -> dict:
+    """The YAML-able config of one run: 1 thread per rank, fp32, the plan file, the policy's keys."""
+    d = copy.deepcopy(parts)
+    d["train"] = {"steps": steps, "out_dir": out_dir, "log_every": steps, "precision": "fp32"}
+    d["plan"] = {"file": plan_file}
+    d["runtime"] = {"threads": 1}
+    for section, keys in policy.run_keys.items():
+        d.setdefault(section, {}).update(keys)
+    return d
+
+
+def layers_of(cfg) -> list:
+    """The model's layers, built as the runtime builds them."""
+    if cfg.model.hf:
+        from mobiuspipe.models.hf import layer_factories as hf_layer_factories
+        from mobiuspipe.models.hf import open_hf
+
+        return [f() for f in hf_layer_factories(open_hf(cfg.model.hf, cfg.model.seq_len))]
+    return [f() for f in layer_factories(model_spec(cfg), cfg.train.seed)]
+
+
+def measure(parts: dict) -> Profile:
+    """The model's measured profile on one microbatch of its first batch, 1 thread (as each rank runs)."""
+    cfg = config_from_dict({**parts, "plan": {"num_gpus": 1, "num_stages": 4}})
+    data = open_data(cfg.data, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size)
+    x, y = data.batch(0, cfg.data.batch_size)
+    m = cfg.data.num_microbatches
+    xm, ym = x[: x.shape[0] // m], y[: y.shape[0] // m]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return measure_profile(
+            layers_of(cfg),
+            xm,
+            device="cpu",
+            name=model_spec(cfg).name,
+            device_name="cpu-standin",
+            dtype_name="fp32",
+            microbatch_size=xm.shape[0],
+            seq_len=xm.shape[1],
+            loss_fn=lambda out: lm_loss(out.float(), ym),
+        )
+    finally:
+        torch.set_num_threads(before)
+
+
+def probe_host(args: argparse.Namespace) -> Measured:
+    """This machine now: the cores the ranks' computations share and the gloo messages between them."""
+    ranks = max(r for r, _ in PLANS.values())
+    cores = 0.0 if args.no_cores else probe_host_cores([], workers=ranks)
+    latency, gbps = (0.0, 0.0) if args.no_messages else probe_messages([])
+    return Measured(host_cores=cores, message_latency_s=latency, message_gbps=gbps)
+
+
+def run_cell(cell: Cell, parts: dict, profile: Profile, host: Measured, args: argparse.Namespace, folder: Path) -> None:
+    """Plan, predict, run once; the cell gets the figures of this repetition. host: what probe_host measured
+    (the simulator shares the host cores among the CPU stand-ins and times their messages with it)."""
+    ranks, stages = PLANS[cell.plan]
+    policy = POLICIES[cell.policy]
+    m = parts["data"]["num_microbatches"]
+    topo = dataclasses.replace(cpu_standin(ranks, DEVICE_MB * MiB), measured=host)
+    cell.cores.append(host.host_cores)
+    cell.latency.append(host.message_latency_s)
+    plan = make_plan(profile, topo, m, num_stages=stages, mapping="cross", solver="dp")
+    folder.mkdir(parents=True)
+    save_plan(plan, folder / "plan.yaml")
+    d = run_dict(parts, ranks, stages, args.steps, str(folder / "out"), str(folder / "plan.yaml"), policy)
+    mark = cpu_mark()
+    recs = torchrun_metrics(d, ranks, folder, args.timeout)
+    cell.other.append(other_share(mark)[0])
+    steady = recs[args.warmup :]
+    cell.measured.append(statistics.median(r["step_s"] for r in steady))
+    cell.split.append(tuple(statistics.median(r[k] for r in steady) for k in ("compute_s", "load_s", "comm_s")))
+    cell.predicted.append(policy.predict(plan, topo))
+
+
+def row(cell: Cell, tol: float) -> list[str]:
+    ms = lambda s: f"{s * 1e3:.1f}"  # noqa: E731
+    split = " / ".join(ms(statistics.median(p[k] for p in cell.split)) for k in range(3))
+    ok = abs(cell.ratio - 1) <= tol
+    return [
+        cell.model,
+        cell.plan,
+        cell.policy,
+        ms(statistics.median(cell.measured)),
+        f"{100 * cell.spread:.0f}%",
+        split,
+        ms(statistics.median(cell.predicted)),
+        f"{cell.ratio:.2f}x",
+        "ok" if ok else "OUT",
+        f"{100 * statistics.median(cell.other):.0f}%",
+        f"{statistics.median(cell.cores):.2f}",
+        f"{statistics.median(cell.latency) * 1e3:.2f}",
+    ]
+
+
+HEADER = [
+    "model",
+    "plan",
+    "policy",
+    "measured ms (median)",
+    "spread",
+    "compute / load / comm ms",
+    "predicted ms",
+    "measured/pred.",
+    "15%",
+    "other CPU",
+    "host cores",
+    "msg ms",
+]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", choices=[*GPT_MODELS, "llama"], default=[*GPT_MODELS, "llama"])
+    p.add_argument("--plans", nargs="+", choices=list(PLANS), default=list(PLANS))
+    p.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES))
+    p.add_argument("--reps", type=int, default=3, help="repetitions of the whole grid (default 3)")
+    p.add_argument("--steps", type=int, default=16, help="optimizer steps per run (default 16)")
+    p.add_argument("--warmup", type=int, default=4, help="first steps left out of the median (default 4)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds each torchrun may take (default 600)")
+    p.add_argument("--tolerance", type=float, default=0.15, help="allowed |measured/predicted - 1| (default 0.15)")
+    p.add_argument("--markdown", action="store_true", help="also print the table as Markdown")
+    p.add_argument(
+        "--no-cores", action="store_true", help="predict as if every rank had a core of its own (host cores unused)"
+    )
+    p.add_argument("--no-messages", action="store_true", help="predict messages at the stand-ins' 10 GB/s, no latency")
+    args = p.parse_args(argv)
+    if args.steps <= args.warmup:
+        p.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    info = [*machine(), f"load average at the start: {os.getloadavg()[0]:.2f}"]
+    cells = {
+        (m, p, q): Cell(m, p, q)
+        for m in args.models
+        for p in args.plans
+        for q in args.policies
+        if PLANS[p][1] <= 99  # every model here has more layers than any plan has stages
+    }
+    mark = cpu_mark()
+    with tempfile.TemporaryDirectory(prefix="bench_fidelity_") as tmp_name:
+        tmp = Path(tmp_name)
+        models = model_dicts(tmp, args.models)
+        for rep in range(args.reps):
+            for name, parts in models.items():
+                host = probe_host(args)
+                profile = measure(parts)
+                for (m, p, q), cell in cells.items():
+                    if m != name:
+                        continue
+                    run_cell(cell, parts, profile, host, args, tmp / f"r{rep}-{m}-{p}-{q}")
+                    print(
+                        f"  rep {rep} {m} {p} {q}: {cell.measured[-1] * 1e3:.1f} ms measured, "
+                        f"{cell.predicted[-1] * 1e3:.1f} ms predicted",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+    share, wall = other_share(mark)
+    info.append(f"other processes kept {100 * share:.1f}% of the {os.cpu_count()} cores busy during the {wall:.0f} s")
+    info.append(f"{args.reps} repetitions x {args.steps} steps, median of the last {args.steps - args.warmup} of each")
+    table = [row(c, args.tolerance) for c in cells.values()]
+    print("\n".join(info))
+    widths = [max(len(r[i]) for r in [HEADER, *table]) for i in range(len(HEADER))]
+    for r in [HEADER, *table]:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    if args.markdown:
+        print("\n" + markdown_table(HEADER, table))
+    bad = [c for c in cells.values() if abs(c.ratio - 1) > args.tolerance]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
