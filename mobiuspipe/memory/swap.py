@@ -12,6 +12,7 @@ key is out at most once at a time.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import defaultdict
 
 import torch
@@ -74,7 +75,7 @@ class BufferPool:
         self._free[buf.numel()].append(buf)
 
 
-class CopySwap(Swap):
+class CopySwap(Swap, ABC):
     """A tier whose held tensors are copies in memory off the device: _take(t) gives (token, a view of t's
     dtype and shape where the copy goes), _give(token, view) frees it, _copy(dst, src) copies on the copy
     stream."""
@@ -131,11 +132,11 @@ class CopySwap(Swap):
         self._held.clear()
         self._in.clear()
 
-    def _take(self, like: torch.Tensor) -> tuple[object, torch.Tensor]:
-        raise NotImplementedError
+    @abstractmethod
+    def _take(self, like: torch.Tensor) -> tuple[object, torch.Tensor]: ...
 
-    def _give(self, token: object, view: torch.Tensor) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def _give(self, token: object, view: torch.Tensor) -> None: ...
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:
         return self.device.copy_async(dst, src)

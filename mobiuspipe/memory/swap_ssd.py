@@ -37,7 +37,7 @@ class SsdSwap(CopySwap):
     def start_out(self, key: Key, tensors: list[torch.Tensor]) -> None:
         if key in self._written:
             raise RuntimeError(f"activations {key} are already swapped out")
-        staged = [self._stage(t) for t in tensors]
+        staged = [self._take(t) for t in tensors]
         handles = [self.device.copy_async(v, t) for (_, v), t in zip(staged, tensors)]
         self._out[key] = (tensors, handles)
         self._written[key] = self._io.submit(self._write, key, staged, handles)
@@ -55,7 +55,7 @@ class SsdSwap(CopySwap):
         for h in handles:
             h.wait()
             h.synchronize()  # the staging buffers are refilled by the host next
-        self._give(staged)
+        self._unstage(staged)
         return dev
 
     def bytes_held(self) -> int:
@@ -67,21 +67,26 @@ class SsdSwap(CopySwap):
         self._io.shutdown(wait=True)
         for fut in [*self._written.values(), *self._read.values()]:
             if fut.exception() is None and isinstance(fut.result(), tuple):
-                self._give(fut.result()[1])
+                self._unstage(fut.result()[1])
         self._written.clear()
         self._read.clear()
         if self.owns_store:
             self.store.close()
 
-    def _stage(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _take(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A staging buffer for like: (buffer, its typed view)."""
         with self._lock:
             buf = self._pool.take(_nbytes(like))
         return buf, buf.view(like.dtype).view(like.shape)
 
-    def _give(self, staged: Staged) -> None:
+    def _give(self, token: object, view: torch.Tensor) -> None:
+        assert isinstance(token, torch.Tensor)
         with self._lock:
-            for buf, _ in staged:
-                self._pool.give(buf)
+            self._pool.give(token)
+
+    def _unstage(self, staged: Staged) -> None:
+        for buf, view in staged:
+            self._give(buf, view)
 
     def _write(self, key: Key, staged: Staged, handles: list[CopyHandle]) -> list[tuple[torch.dtype, list[int]]]:
         for h in handles:
@@ -91,11 +96,11 @@ class SsdSwap(CopySwap):
             for f in futures:
                 f.result()
         finally:
-            self._give(staged)
+            self._unstage(staged)
         return [(v.dtype, list(v.shape)) for _, v in staged]
 
     def _fetch(self, key: Key, written: Future) -> tuple[list[torch.Tensor], Staged, list[CopyHandle]]:
-        staged = [self._stage(torch.empty(shape, dtype=dtype, device="meta")) for dtype, shape in written.result()]
+        staged = [self._take(torch.empty(shape, dtype=dtype, device="meta")) for dtype, shape in written.result()]
         for f in [self.store.get_async(_name(key, n), out=v) for n, (_, v) in enumerate(staged)]:
             f.result()
         dev = [torch.empty_like(v, device=self.device.torch_device) for _, v in staged]
