@@ -9,9 +9,10 @@ import itertools
 
 import pytest
 
-from partition.activation_choice import _Walker, choose_activations
+from partition.activation_choice import _Walker, choose_activations, with_activations
 from partition.activations import Link, fused_cost, options
 from partition.costmodel import LayerArrays
+from partition.device_peak import planned_device_bytes
 from partition.profile import LayerProfile, Profile
 from partition.search import make_plan
 from topology import cpu_standin
@@ -105,3 +106,17 @@ def test_tight_memory_recomputes_and_a_too_small_budget_is_named():
     assert any(r.verdict.startswith("over gpu 0's budget by") for r in keep)
     with pytest.raises(ValueError, match="gpu 0 needs .* even with every stage's held activations off the device"):
         choose_activations(plan, profile, 1000, LINKS, standin=True)
+
+
+def test_with_activations_restricted_to_keep_records_keeps_walk():
+    """modes={"device": ("keep",)} under a large budget: every stage recorded as keep, and the plan's walk is
+    the keep choice's (what a benchmark compares recompute and the planner's choice against)."""
+    plan, profile, topo = _plan(), _profile(), cpu_standin(1, 1 << 30)
+    kept, choice = with_activations(plan, profile, topo, 10**12, modes={"device": ("keep",)})
+    assert [s.activations for s in kept.stages] == ["keep"] * 3
+    assert planned_device_bytes(kept, standin=True) == list(choice.peaks)
+    chosen, _ = with_activations(plan, profile, topo, 10**12)  # plenty: the choice keeps too, the same walk
+    assert planned_device_bytes(chosen, standin=True) == planned_device_bytes(kept, standin=True)
+    recompute, _ = with_activations(plan, profile, topo, 10**12, modes={"device": ("recompute",)})
+    assert [s.activations for s in recompute.stages] == ["recompute", "recompute", "keep"]  # the last: fused
+    assert planned_device_bytes(recompute, standin=True) < planned_device_bytes(kept, standin=True)
