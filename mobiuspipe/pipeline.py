@@ -51,7 +51,7 @@ from mobiuspipe.pipeline_plan import (
     read_plan,
     same_plan_everywhere,
 )
-from mobiuspipe.pipeline_swaps import make_swaps, swap_tiers
+from mobiuspipe.pipeline_swaps import make_swaps, plan_as_run, swap_tiers
 from mobiuspipe.pipeline_tiers import agree_on_tiers
 from mobiuspipe.profiler import TORCH_DTYPES
 from mobiuspipe.ranks import join_group, leave_group, rank_info
@@ -199,6 +199,7 @@ class Pipeline:
             on_ssd = self.placement.weights[j] == "ssd"
             stages[j] = Stage(j, layers, device, make_optimizer, dtype, tiers[j], on_ssd)
         m, swapped = plan.num_microbatches, swap_tiers(plan, self.memory, self.activations)
+        self.plan = plan_as_run(plan, self.activations, swapped)  # its walk is this run's
         schedules = [build_schedule(plan.mapping, g, m, frozenset(swapped)) for g in range(plan.num_gpus)]
         check_schedules(plan.mapping, m, schedules)
         ledger = DeviceLedger()  # the arena, comm and engine count what they hold on the device

@@ -3,6 +3,7 @@ the plan's choice), and the swap tiers this rank runs for its stages (mobiuspipe
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from mobiuspipe.config_memory import MemoryConfig
@@ -13,7 +14,7 @@ from mobiuspipe.memory.swap import HostSwap, Swap
 from mobiuspipe.memory.swap_ssd import SsdSwap
 from partition.plan import Plan
 
-__all__ = ["swap_tiers", "make_swaps", "RUN_TIERS"]
+__all__ = ["swap_tiers", "make_swaps", "plan_as_run", "RUN_TIERS"]
 
 RUN_TIERS = ("host", "ssd")
 """The tiers off the device the engine runs (a peer gpu's region: not yet)."""
@@ -56,3 +57,33 @@ def make_swaps(
             ssd = SsdSwap(device, store, owns_store=True)
         out[j] = ssd
     return out
+
+
+def plan_as_run(plan: Plan, modes: dict, tiers: dict[int, str]) -> Plan:
+    """The plan with each stage's activation policy as this run runs it (memory.activations and
+    memory.activation_tier may force another than the plan's), so that its lifetime walk is the run's. A
+    forced mode's bytes come from the stage's sums (the plan has no per-layer figures): recompute holds the
+    input and redoes the forward; keep and selective hold up to the stage's live activations A_j."""
+    stages = []
+    for j, s in enumerate(plan.stages):
+        mode, tier = modes[j].mode, tiers.get(j, "device")
+        before_choice = (s.activation_tier, mode, tier) == ("auto", "recompute", "device")  # the path's own
+        if (mode, tier) == (s.activations, s.activation_tier) or before_choice or j == plan.num_stages - 1:
+            stages.append(s)
+            continue
+        inp = plan.stages[j - 1].output_bytes if j > 0 else plan.input_bytes
+        held = inp if mode == "recompute" else s.activation_bytes
+        kept = tuple(sorted(modes[j].keep_layers)) if mode == "selective" else ()
+        redo = None if mode != "keep" else 0.0
+        stages.append(
+            dataclasses.replace(
+                s,
+                activations=mode,
+                kept_layers=kept,
+                activation_tier=tier,
+                held_bytes=held,
+                work_bytes=s.activation_bytes,
+                recompute_s=redo,
+            )
+        )
+    return dataclasses.replace(plan, stages=tuple(stages))

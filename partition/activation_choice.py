@@ -95,12 +95,19 @@ def runtime_links(topo: Topology) -> tuple[dict[str, Link | None], dict[str, tup
 
 
 def with_activations(
-    plan: Plan, profile: Profile, topo: Topology, budget_bytes: int, explain: bool = False
+    plan: Plan,
+    profile: Profile,
+    topo: Topology,
+    budget_bytes: int,
+    explain: bool = False,
+    modes: dict[str, tuple[str, ...]] | None = None,
 ) -> tuple[Plan, Choice]:
     """The plan with each stage's chosen policy recorded (activations, kept_layers, activation_tier,
-    held_bytes, recompute_s, work_bytes), and the choice (with explain: every option weighed)."""
-    links, modes, standin = runtime_links(topo)
-    choice = choose_activations(plan, profile, budget_bytes, links, standin, modes, explain)
+    held_bytes, recompute_s, work_bytes), and the choice (with explain: every option weighed); modes: the
+    modes each tier may run, default what the runtime runs on topo ({"device": ("keep",)} with a large budget:
+    the plan as it would be keeping every stage's activations, its walk in planned_device_bytes)."""
+    links, runs, standin = runtime_links(topo)
+    choice = choose_activations(plan, profile, budget_bytes, links, standin, runs if modes is None else modes, explain)
     stages = tuple(
         dataclasses.replace(
             s,

@@ -9,9 +9,10 @@ import itertools
 
 import pytest
 
-from partition.activation_choice import _Walker, choose_activations
+from partition.activation_choice import _Walker, choose_activations, with_activations
 from partition.activations import Link, fused_cost, options
 from partition.costmodel import LayerArrays
+from partition.device_peak import planned_device_bytes
 from partition.profile import LayerProfile, Profile
 from partition.search import make_plan
 from topology import cpu_standin
@@ -116,3 +117,17 @@ def test_the_plan_records_the_choice_and_predicts_its_step():
     ] * 3
     assert [s.activations for s in plain.stages] == ["recompute"] * 4
     assert auto.predicted_step_time_s < plain.predicted_step_time_s  # no forward redone in the backward
+
+
+def test_with_activations_restricted_to_keep_records_keeps_walk():
+    """modes={"device": ("keep",)} under a large budget: every stage recorded as keep, and the plan's walk is
+    the keep choice's (what a benchmark compares recompute and the planner's choice against)."""
+    plan, profile, topo = _plan(), _profile(), cpu_standin(1, 1 << 30)
+    kept, choice = with_activations(plan, profile, topo, 10**12, modes={"device": ("keep",)})
+    assert [s.activations for s in kept.stages] == ["keep"] * 3
+    assert planned_device_bytes(kept, standin=True) == list(choice.peaks)
+    chosen, _ = with_activations(plan, profile, topo, 10**12)  # plenty: the choice keeps too, the same walk
+    assert planned_device_bytes(chosen, standin=True) == planned_device_bytes(kept, standin=True)
+    recompute, _ = with_activations(plan, profile, topo, 10**12, modes={"device": ("recompute",)})
+    assert [s.activations for s in recompute.stages] == ["recompute", "recompute", "keep"]  # the last: fused
+    assert planned_device_bytes(recompute, standin=True) < planned_device_bytes(kept, standin=True)
