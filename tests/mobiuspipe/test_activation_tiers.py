@@ -68,3 +68,17 @@ def test_every_tier_gives_the_same_bits_and_the_device_holds_less(tmp_path, prec
 def test_a_kept_stage_cannot_swap_yet(tmp_path):
     with pytest.raises(PipelineError, match="only a recompute stage's input swaps to host so far"):
         _run("fp32", "host", tmp_path, activations="keep")
+
+
+def test_the_plan_a_run_keeps_is_the_policy_it_runs():
+    from mobiuspipe.activations import stage_modes
+    from mobiuspipe.pipeline_swaps import plan_as_run
+    from partition.device_peak import planned_device_bytes
+
+    plan = plan_for_config(_cfg("fp32"))  # memory to spare: the planner keeps every stage's activations
+    assert [s.activations for s in plan.stages] == ["keep"] * 4
+    run = plan_as_run(plan, stage_modes("recompute", plan), {0: "host", 1: "host", 2: "host"})
+    assert [(s.activations, s.activation_tier) for s in run.stages[:-1]] == [("recompute", "host")] * 3
+    assert run.stages[1].held_bytes == plan.stages[0].output_bytes and run.stages[-1] == plan.stages[-1]
+    assert planned_device_bytes(run, standin=True) < planned_device_bytes(plan, standin=True)
+    assert plan_as_run(plan, stage_modes("plan", plan), {}) == plan
