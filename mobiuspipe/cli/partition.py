@@ -360,9 +360,12 @@ def run(args: argparse.Namespace, out) -> int:
             doc["compare"]["note"] = _COMPARE_NOTE
             extra += _COMPARE_NOTE + "\n"
     if args.explain:
-        choice = with_activations(plan, profile, topo, plan.gpu_memory_bytes, explain=True)[1]
-        doc["explain"] = explain_json(choice)
-        extra += "\n" + "\n".join(explain_lines(plan, choice)) + "\n"
+        try:
+            choice = with_activations(plan, profile, topo, plan.gpu_memory_bytes, explain=True)[1]
+            doc["explain"], lines = explain_json(choice), explain_lines(plan, choice)
+        except ValueError as e:  # the walk does not fit even recomputing: the plan keeps the memory rule's cut
+            doc["explain"], lines = [], [f"activations: no choice: {e}; every stage recomputes"]
+        extra += "\n" + "\n".join(lines) + "\n"
     if args.json:
         out.write(json.dumps(doc, indent=2) + "\n")
     else:

@@ -307,3 +307,14 @@ def test_explain_text_and_json_agree_with_the_plan():
             )
     modes = {r["mode"] for r in rows if r["chosen"]}
     assert "keep" in modes  # at least the last stage (fused)
+
+
+def test_explain_when_even_recompute_does_not_fit_the_walk(monkeypatch):
+    import mobiuspipe.cli.partition as cli_partition
+
+    def no_fit(*a, **kw):
+        raise ValueError("gpu 1 needs 30.00 GiB even with every stage's held activations off the device")
+
+    monkeypatch.setattr(cli_partition, "with_activations", no_fit)
+    code, text, _ = run([*PARTITION, "--explain"])
+    assert code == 0 and "activations: no choice: gpu 1 needs 30.00 GiB" in text and "every stage recomputes" in text
