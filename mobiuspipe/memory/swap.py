@@ -67,6 +67,11 @@ class BufferPool:
         self._allocate = allocate  # nbytes -> a uint8 host tensor
         self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
 
+    @classmethod
+    def host(cls, device: Device) -> BufferPool:
+        """Host buffers, page-locked where CUDA copies from them."""
+        return cls(lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=device.is_cuda))
+
     def take(self, nbytes: int) -> torch.Tensor:
         free = self._free[nbytes]
         return free.pop() if free else self._allocate(nbytes)
@@ -149,7 +154,7 @@ class HostSwap(CopySwap):
 
     def __init__(self, device: Device):
         super().__init__(device)
-        self.pool = BufferPool(lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=device.is_cuda))
+        self.pool = BufferPool.host(device)
 
     def _take(self, like: torch.Tensor) -> tuple[object, torch.Tensor]:
         buf = self.pool.take(_nbytes(like))

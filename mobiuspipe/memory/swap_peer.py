@@ -66,7 +66,7 @@ class PeerSwap(CopySwap):
         super().__init__(device)
         self.region, self.staged = region, staged
         self.ranges = _Ranges(region.numel())
-        self.pool = BufferPool(lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=device.is_cuda))
+        self.pool = BufferPool.host(device)
 
     def _take(self, like: torch.Tensor) -> tuple[object, torch.Tensor]:
         n = _nbytes(like)

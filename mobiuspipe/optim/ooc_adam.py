@@ -30,6 +30,7 @@ from mobiuspipe.optim.ooc_groups import (
     group_elems_for,
     least_budget_bytes,
     plan_groups,
+    section_elems,
 )
 
 __all__ = ["OutOfCoreAdam", "GroupStream", "plan_groups", "least_budget_bytes"]
@@ -74,7 +75,7 @@ class OutOfCoreAdam:
         self.impl, self.simd = impl, simd
         self.groups = plan_groups([(n, self.numels[n]) for n in self.names], self.group_elems)
         # elements per section of each group's record: the group's size, padded to ELEM_ALIGN
-        self.section_elems = [round_up(max(s.group_off + s.numel for s in g), ELEM_ALIGN) for g in self.groups]
+        self.section_elems = [section_elems(g) for g in self.groups]
         self.slots = [
             aligned_empty(BYTES_PER_ELEM * self.group_elems).view(torch.float32)
             for _ in range(min(slots, max(len(self.groups), 1)))

@@ -8,7 +8,15 @@ from dataclasses import dataclass
 from foundation.units import fmt_bytes
 from mobiuspipe.memory.aio import ALIGN
 
-__all__ = ["Segment", "plan_groups", "least_budget_bytes", "group_elems_for", "ELEM_ALIGN", "BYTES_PER_ELEM"]
+__all__ = [
+    "Segment",
+    "plan_groups",
+    "section_elems",
+    "least_budget_bytes",
+    "group_elems_for",
+    "ELEM_ALIGN",
+    "BYTES_PER_ELEM",
+]
 
 ELEM_ALIGN = ALIGN // 4
 """fp32 elements per 4 KiB: every section of a record starts on a 4 KiB boundary (O_DIRECT)."""
@@ -61,3 +69,9 @@ def group_elems_for(host_budget_bytes: int, slots: int) -> int:
             f"least {least} bytes ({fmt_bytes(least)})"
         )
     return g
+
+
+def section_elems(group: list[Segment]) -> int:
+    """Elements per section of a group's record: the group's extent, padded to ELEM_ALIGN (4 KiB)."""
+    ext = max(s.group_off + s.numel for s in group)
+    return -(-ext // ELEM_ALIGN) * ELEM_ALIGN

@@ -16,7 +16,7 @@ import torch
 from mobiuspipe.memory.store_future import checksum
 from mobiuspipe.memory.store_index import Entry
 from mobiuspipe.optim.ooc_adam import STATE_PARTS, OutOfCoreAdam
-from mobiuspipe.optim.ooc_groups import ELEM_ALIGN, plan_groups
+from mobiuspipe.optim.ooc_groups import plan_groups, section_elems
 
 __all__ = ["link_records", "adopt_records", "RecordError"]
 
@@ -83,7 +83,7 @@ def _read_layout(folder: Path, desc: dict) -> dict[str, dict[str, torch.Tensor]]
     for i, segs in enumerate(groups):
         rec = desc["records"][f"{desc['prefix']}/g{i:06d}"]
         flat = _verify(folder / rec["file"], rec).view(torch.float32)
-        n = -(-max(s.group_off + s.numel for s in segs) // ELEM_ALIGN) * ELEM_ALIGN
+        n = section_elems(segs)
         for key, section in zip(STATE_PARTS, (flat[:n], flat[n : 2 * n], flat[2 * n :])):
             for s in segs:
                 out[s.name][key][s.param_off : s.param_off + s.numel] = section[s.group_off : s.group_off + s.numel]
