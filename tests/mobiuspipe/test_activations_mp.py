@@ -1,5 +1,6 @@
 """Activation modes on 2 ranks under torchrun (gloo on CPU): recompute, keep and selective give the same losses
-and weights bit for bit, with dropout, accumulation, in fp32 and bf16; memory.activations reaches the runtime."""
+and weights bit for bit, with dropout, accumulation, in fp32 and bf16; memory.activations and
+memory.activation_tier reach the runtime through the torchrun entry."""
 
 from __future__ import annotations
 
@@ -32,9 +33,9 @@ def test_every_mode_trains_bit_identical_on_two_ranks(tmp_path, precision):
         assert max(results["keep"]["peaks"]) > max(base["peaks"])
 
 
-def _train(launch, tmp_path: Path, activations: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _train(launch, tmp_path: Path, name: str, memory: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
     write_config, torchrun = launch
-    out = tmp_path / activations
+    out = tmp_path / name
     out.mkdir()
     cfg = write_config(
         out,
@@ -43,7 +44,7 @@ def _train(launch, tmp_path: Path, activations: str) -> tuple[list[float], dict[
             "data": {"batch_size": 8, "num_microbatches": 4},
             "train": {"steps": 3, "lr": 0.01, "seed": 3, "accumulation_steps": 2, "out_dir": str(out / "run")},
             "plan": {"num_gpus": 2, "num_stages": 4, "mapping": "cross"},
-            "memory": {"activations": activations},
+            "memory": memory,
             "runtime": {"comm_timeout_s": 60},
         },
     )
@@ -56,9 +57,18 @@ def _train(launch, tmp_path: Path, activations: str) -> tuple[list[float], dict[
     return losses, weights
 
 
-def test_memory_activations_keep_under_torchrun(launch, tmp_path):
-    keep_losses, keep_weights = _train(launch, tmp_path, "keep")
-    losses, weights = _train(launch, tmp_path, "recompute")
-    assert keep_losses == losses and len(losses) == 3
-    assert keep_weights.keys() == weights.keys()
-    assert all(torch.equal(keep_weights[k], weights[k]) for k in weights)
+def test_memory_activations_and_tiers_under_torchrun(launch, tmp_path):
+    """The torchrun entry: keep, the plan's choice (the default), and a recompute stage's input swapped to the
+    host and to SSD (SO / SI in both ranks' schedules) all equal recompute on the device, bit for bit."""
+    losses, weights = _train(launch, tmp_path, "recompute", {"activations": "recompute", "activation_tier": "device"})
+    runs = {
+        "keep": {"activations": "keep"},
+        "plan": {},
+        "host": {"activations": "recompute", "activation_tier": "host"},
+        "ssd": {"activations": "recompute", "activation_tier": "ssd", "ssd_dir": str(tmp_path / "ssd")},
+    }
+    for name, memory in runs.items():
+        got_losses, got_weights = _train(launch, tmp_path, name, memory)
+        assert got_losses == losses and len(losses) == 3, name
+        assert got_weights.keys() == weights.keys()
+        assert all(torch.equal(got_weights[k], weights[k]) for k in weights), name
