@@ -199,7 +199,7 @@ class Pipeline:
             on_ssd = self.placement.weights[j] == "ssd"
             stages[j] = Stage(j, layers, device, make_optimizer, dtype, tiers[j], on_ssd)
         m, swapped = plan.num_microbatches, swap_tiers(plan, self.memory, self.activations)
-        self.plan = plan_as_run(plan, self.activations, swapped)  # its walk is this run's
+        self.plan = plan_as_run(plan, self.activations, swapped, device.is_cuda)  # its walk is this run's
         schedules = [build_schedule(plan.mapping, g, m, frozenset(swapped)) for g in range(plan.num_gpus)]
         check_schedules(plan.mapping, m, schedules)
         ledger = DeviceLedger()  # the arena, comm and engine count what they hold on the device

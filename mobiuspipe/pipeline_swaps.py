@@ -59,11 +59,12 @@ def make_swaps(
     return out
 
 
-def plan_as_run(plan: Plan, modes: dict, tiers: dict[int, str]) -> Plan:
+def plan_as_run(plan: Plan, modes: dict, tiers: dict[int, str], on_gpu: bool = False) -> Plan:
     """The plan with each stage's activation policy as this run runs it (memory.activations and
     memory.activation_tier may force another than the plan's), so that its lifetime walk is the run's. A
     forced mode's bytes come from the stage's sums (the plan has no per-layer figures): recompute holds the
-    input and redoes the forward; keep and selective hold up to the stage's live activations A_j."""
+    input and redoes the forward; keep and selective hold up to the stage's live activations A_j. On a gpu a
+    recompute stage's input left on the device tier goes to the host (the engine's path: "auto", 0 held)."""
     stages = []
     for j, s in enumerate(plan.stages):
         mode, tier = modes[j].mode, tiers.get(j, "device")
@@ -73,6 +74,8 @@ def plan_as_run(plan: Plan, modes: dict, tiers: dict[int, str]) -> Plan:
             continue
         inp = plan.stages[j - 1].output_bytes if j > 0 else plan.input_bytes
         held = inp if mode == "recompute" else s.activation_bytes
+        if on_gpu and (mode, tier) == ("recompute", "device"):
+            held, tier = 0, "auto"
         kept = tuple(sorted(modes[j].keep_layers)) if mode == "selective" else ()
         redo = None if mode != "keep" else 0.0
         stages.append(

@@ -82,3 +82,5 @@ def test_the_plan_a_run_keeps_is_the_policy_it_runs():
     assert run.stages[1].held_bytes == plan.stages[0].output_bytes and run.stages[-1] == plan.stages[-1]
     assert planned_device_bytes(run, standin=True) < planned_device_bytes(plan, standin=True)
     assert plan_as_run(plan, stage_modes("plan", plan), {}) == plan
+    gpu = plan_as_run(plan, stage_modes("recompute", plan), {}, on_gpu=True)  # the engine copies inputs to host
+    assert [(s.activation_tier, s.held_bytes) for s in gpu.stages[:-1]] == [("auto", 0)] * 3
