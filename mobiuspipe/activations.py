@@ -37,6 +37,9 @@ __all__ = [
     "KeptPart",
     "RecomputedPart",
     "KeptForward",
+    "Held",
+    "GradSink",
+    "entry",
     "WeightRef",
     "ActivationsSpec",
     "stage_modes",
@@ -70,11 +73,26 @@ class Part:
 
 
 @dataclass
-class KeptPart:
-    """What F left of a kept part: its input leaf (None when no gradient is wanted there) and the gradient
-    edge of its output (None when the output needs none)."""
+class Held:
+    """A tensor a kept forward holds for its backward (a saved tensor or a recomputed part's input) and its
+    ledger key; t is None while the tensor is swapped out (mobiuspipe.kept_swap)."""
 
-    leaf: torch.Tensor | None
+    key: tuple
+    t: torch.Tensor | None
+
+
+class GradSink:
+    """Where the gradient at a kept part's input lands in its backward (see entry)."""
+
+    grad: torch.Tensor | None = None
+
+
+@dataclass
+class KeptPart:
+    """What F left of a kept part: where the gradient at its input lands (None when none is wanted there)
+    and the gradient edge of its output (None when the output needs none)."""
+
+    sink: GradSink | None
     edge: GradientEdge | None
 
 
@@ -82,16 +100,40 @@ class KeptPart:
 class RecomputedPart:
     """What F left of a recomputed segment: its input and the random state its forward started from."""
 
-    saved: torch.Tensor
+    saved: Held
     rng: tuple
 
 
 @dataclass
 class KeptForward:
-    """What F(j,i) of a keep or selective stage leaves for B(j,i): its parts in order, and its ledger keys."""
+    """What F(j,i) of a keep or selective stage leaves for B(j,i): its parts in order, and what it holds."""
 
     parts: list[KeptPart | RecomputedPart] = field(default_factory=list)
-    keys: list[tuple] = field(default_factory=list)
+    held: list[Held] = field(default_factory=list)
+    swapped: Any = None
+    """While its held tensors are on a swap tier: how to rebuild them (mobiuspipe.kept_swap.Layout)."""
+
+
+class _Entry(torch.autograd.Function):
+    """Identity whose backward puts the gradient at its input into a GradSink."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, anchor: torch.Tensor, sink: GradSink) -> torch.Tensor:
+        ctx.sink = sink
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        ctx.sink.grad = g
+        return None, None, None
+
+
+def entry(x: torch.Tensor, sink: GradSink) -> torch.Tensor:
+    """x as the start of a kept graph whose input gradient lands in sink. Unlike an autograd leaf (which its
+    AccumulateGrad node keeps alive), nothing in the graph refers to x but what the ops save, so those saved
+    tensors are all a swap tier has to move."""
+    anchor = torch.empty(0, device=x.device, requires_grad=True)  # makes the output require grad
+    return _Entry.apply(x, anchor, sink)
 
 
 def stage_modes(spec: ActivationsSpec, plan: Plan) -> dict[int, StageMode]:
@@ -186,25 +228,29 @@ def _weight_ref(t: torch.Tensor, slot: torch.Tensor) -> WeightRef | None:
 
 
 @contextmanager
-def keeping(ledger: DeviceLedger, key: tuple, weight_slot: torch.Tensor, slot_at_b) -> Iterator[list[tuple]]:
+def keeping(ledger: DeviceLedger, key: tuple, weight_slot: torch.Tensor, slot_at_b) -> Iterator[list[Held]]:
     """Saved-tensor hooks for a forward whose graph is kept until its backward: tensors in `weight_slot` (the
-    stage's weights, uint8) become WeightRefs rebuilt from slot_at_b() when the backward unpacks them; the
-    others are held in the ledger as (*key, n). Yields the list of the ledger keys it holds."""
-    keys: list[tuple] = []
+    stage's weights, uint8) become WeightRefs rebuilt from slot_at_b() when the backward unpacks them; each
+    other is a Held, in the ledger as (*key, n). Yields the list of the Helds."""
+    held: list[Held] = []
 
-    def pack(t: torch.Tensor) -> WeightRef | torch.Tensor:
+    def pack(t: torch.Tensor) -> WeightRef | Held:
         ref = _weight_ref(t, weight_slot)
         if ref is not None:
             return ref
-        keys.append((*key, len(keys)))
-        ledger.hold(keys[-1], t)
-        return t.detach()  # the same storage; a detached tensor avoids a reference cycle through grad_fn
+        held.append(Held((*key, len(held)), t.detach()))  # detached: no reference cycle through grad_fn
+        ledger.hold(held[-1].key, t)
+        return held[-1]
 
-    def unpack(p: WeightRef | torch.Tensor) -> torch.Tensor:
-        return p.rebuild(slot_at_b()) if isinstance(p, WeightRef) else p
+    def unpack(p: WeightRef | Held) -> torch.Tensor:
+        if isinstance(p, WeightRef):
+            return p.rebuild(slot_at_b())
+        if p.t is None:
+            raise RuntimeError(f"the backward needs {p.key}, which is swapped out: a SWAP_IN is missing")
+        return p.t
 
     with saved_tensors_hooks(pack, unpack):
-        yield keys
+        yield held
 
 
 def edge_of(out: torch.Tensor) -> GradientEdge | None:

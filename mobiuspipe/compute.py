@@ -17,10 +17,21 @@ from dataclasses import dataclass, field
 import torch
 
 from foundation.timing import Stopwatch
-from mobiuspipe.activations import KeptForward, KeptPart, Part, RecomputedPart, edge_of, keeping
+from mobiuspipe.activations import (
+    GradSink,
+    Held,
+    KeptForward,
+    KeptPart,
+    Part,
+    RecomputedPart,
+    edge_of,
+    entry,
+    keeping,
+)
 from mobiuspipe.comm import TensorSpec
 from mobiuspipe.device import Device
 from mobiuspipe.errors import PipelineError
+from mobiuspipe.kept_swap import rebuild, release, spans_out
 from mobiuspipe.memory.arena import DeviceArena
 from mobiuspipe.memory.ledger import DeviceLedger
 from mobiuspipe.memory.measure import counting_saved
@@ -149,24 +160,25 @@ class Compute:
         with Stopwatch() as sw:
             for p, part in enumerate(self.parts[j]):
                 key = ("kept", j, i, p)
-                wants_grad = (j > 0 or p > 0) and h.is_floating_point()
                 if part.kept:
-                    leaf = h.detach().requires_grad_(True) if wants_grad else h
-                    self.ledger.hold((*key, "in"), leaf)
-                    kept.keys.append((*key, "in"))
-                    with keeping(self.ledger, key, stage.weight_bytes(), stage.weight_bytes) as keys:
-                        out = stage.forward(leaf, with_grad=True, layers=part.layers, kept=True)
-                    kept.keys += keys
-                    kept.parts.append(KeptPart(leaf if wants_grad else None, edge_of(out)))
+                    sink = GradSink() if (j > 0 or p > 0) and h.is_floating_point() else None
+                    with keeping(self.ledger, key, stage.weight_bytes(), stage.weight_bytes) as held:
+                        start = h if sink is None else entry(h, sink)
+                        out = stage.forward(start, with_grad=True, layers=part.layers, kept=True)
+                    kept.held += held
+                    kept.parts.append(KeptPart(sink, edge_of(out)))
                     h = out.detach()
                 else:
+                    kept.held.append(Held((*key, "in"), h))
                     self.ledger.hold((*key, "in"), h)
-                    kept.keys.append((*key, "in"))
-                    kept.parts.append(RecomputedPart(h, self._rng_state()))
+                    kept.parts.append(RecomputedPart(kept.held[-1], self._rng_state()))
                     with torch.no_grad():
                         h = stage.forward(h, with_grad=False, layers=part.layers)
         self._put_output(j, i, stage, h)
         self.state.times.compute_s += sw.s
+        if j in self.swaps:  # to its tier on the copy stream; the device tensors live until SWAP_OUT
+            spans, kept.swapped = spans_out(kept.held, stage.buffer_storages())
+            self.swaps[j].start_out((j, i), spans)
 
     def _bwd(self, a: Action) -> None:
         j, i, stage, st = a.stage, a.microbatch, self.stages[a.stage], self.state
@@ -194,17 +206,28 @@ class Compute:
                 self.ledger.drop_kind("output")
             if j > 0:
                 self._put_input_grad(j, i, self._input_grad(x.grad, stage))
-            self.ledger.drop(("inputs", j, i))
+            for k in [("inputs", j, i), *self._swapped_in(j, i)]:
+                self.ledger.drop(k)
         st.times.compute_s += sw.s
 
     def _swap_out(self, a: Action) -> None:
-        """The copy of (j, i)'s saved input to its tier has ended: its device bytes go."""
-        self.swaps[a.stage].finish_out((a.stage, a.microbatch))
-        self.ledger.drop(("saved", a.stage, a.microbatch))
+        """The copy of (j, i)'s held tensors to its tier has ended: their device bytes go."""
+        key = (a.stage, a.microbatch)
+        self.swaps[a.stage].finish_out(key)
+        kept = self.state.kept.get(key)
+        if kept is None:
+            self.ledger.drop(("saved", *key))
+        elif kept.swapped is not None:
+            release(kept.swapped, self.ledger)
 
     def _swap_in(self, a: Action) -> None:
-        """Start copying (j, i)'s saved input back for its backward."""
-        self.swaps[a.stage].start_in((a.stage, a.microbatch))
+        """Start copying (j, i)'s held tensors back for its backward (held as ("swapin", j, i, n) from now)."""
+        for n, t in enumerate(self.swaps[a.stage].start_in((a.stage, a.microbatch))):
+            self.ledger.hold(("swapin", a.stage, a.microbatch, n), t)
+
+    def _swapped_in(self, j: int, i: int) -> list[tuple]:
+        """The ledger keys of (j, i)'s swap-in (none without one)."""
+        return [k for k in self.ledger.keys("swapin") if k[1:3] == (j, i)]
 
     def _put_input_grad(self, j: int, i: int, g: torch.Tensor) -> None:
         self.state.outbox[(Kind.SEND_GRAD, j, i)] = g
@@ -216,6 +239,8 @@ class Compute:
         st, key = self.state, (Kind.RECV_GRAD, j, i)
         with Stopwatch() as sw:
             g: torch.Tensor | None = st.inbox[key]
+            if kept.swapped is not None:  # back from its tier (SWAP_IN started the copies)
+                rebuild(kept.swapped, self.swaps[j].finish_in((j, i)))
             try:
                 for part, done in zip(reversed(kept.parts), reversed(self.parts[j])):
                     if g is None:
@@ -223,8 +248,9 @@ class Compute:
                     g = self._part_backward(j, i, stage, part, done, g)
             finally:
                 self._take(key)
-                for k in kept.keys:
-                    self.ledger.drop(k)
+                for k in [h.key for h in kept.held] + self._swapped_in(j, i):
+                    if self.ledger.holds(k):
+                        self.ledger.drop(k)
                 self.ledger.drop_kind("autograd")
                 self.ledger.drop_kind("output")
             if j > 0:
@@ -238,8 +264,10 @@ class Compute:
         if isinstance(part, KeptPart):
             if part.edge is not None:
                 torch.autograd.backward([part.edge], [g])
-            return None if part.leaf is None else part.leaf.grad
-        x = part.saved
+            return None if part.sink is None else part.sink.grad
+        x = part.saved.t
+        assert x is not None, "a recomputed part's input is swapped out at its backward"
+        x = x.detach()  # requires_grad_ below must not touch the held tensor
         wants_grad = x.is_floating_point() and (j > 0 or layers.layers[0] != stage.order[0])
         if wants_grad:
             x.requires_grad_(True)

@@ -21,9 +21,10 @@ RUN_TIERS = ("host", "ssd")
 
 
 def swap_tiers(plan: Plan, memory: MemoryConfig, modes: dict) -> dict[int, str]:
-    """Stage -> its tier off the device, for the stages whose held activations swap (the same on every rank).
-    memory.activation_tier "plan": the plan's choice (a recompute stage on host or ssd); else that tier for
-    every stage but the last (whose forward runs inside its backward); "device": none."""
+    """Stage -> its tier off the device, for the stages whose held activations swap (the same on every rank):
+    a recompute stage's input, a keep or selective stage's kept graphs and recomputed parts' inputs.
+    memory.activation_tier "plan": the plan's choice; else that tier for every stage but the last (whose
+    forward runs inside its backward); "device": none."""
     last = plan.num_stages - 1
     if memory.activation_tier == "plan":
         wanted = {j: s.activation_tier for j, s in enumerate(plan.stages) if s.activation_tier in RUN_TIERS}
@@ -31,12 +32,11 @@ def swap_tiers(plan: Plan, memory: MemoryConfig, modes: dict) -> dict[int, str]:
         wanted = {}
     else:
         wanted = {j: memory.activation_tier for j in range(last)}
-    for j in wanted:
-        if j == last or modes[j].mode != "recompute":
-            raise PipelineError(
-                f"stage {j} {'is the last' if j == last else 'runs ' + modes[j].mode}: only a recompute stage's "
-                f"input swaps to {wanted[j]} so far; use activations: recompute, or activation_tier: device"
-            )
+    if last in wanted:
+        raise PipelineError(
+            f"stage {last} is the last: its forward runs inside its backward, so nothing is held in between to "
+            f"swap to {wanted[last]}; give the last stage activation_tier device"
+        )
     return wanted
 
 

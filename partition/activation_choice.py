@@ -84,14 +84,15 @@ class _Walker:
 
 def runtime_links(topo: Topology) -> tuple[dict[str, Link | None], dict[str, tuple[str, ...]], bool]:
     """(links, the modes each tier runs, standin) of what the runtime runs on topo: keep and selective on the
-    device; recompute with the stage input in host memory (mobiuspipe.memory.swap's HostSwap over the gpu's
-    link), or on the CPU stand-in also on its device (on a gpu an input left in place goes to the host). The
+    device; every mode with its held bytes in host memory (mobiuspipe.memory.swap's HostSwap over the gpu's
+    link: a recompute stage's input, a keep or selective stage's kept graphs and recomputed parts' inputs);
+    recompute on the device only on the CPU stand-in (on a gpu an input left in place goes to the host). The
     SSD tier runs too but needs memory.ssd_dir, which a plan does not know (memory.activation_tier: ssd forces
     it); a peer gpu's region joins when the engine runs it."""
     gbps = min(g.link_gbps for g in topo.gpus)
     standin = all(g.name == "cpu-standin" for g in topo.gpus)
     device = MODES if standin else ("selective", "keep")
-    return {"device": None, "host": Link(gbps, gbps)}, {"device": device, "host": ("recompute",)}, standin
+    return {"device": None, "host": Link(gbps, gbps)}, {"device": device, "host": MODES}, standin
 
 
 def with_activations(

@@ -73,7 +73,19 @@ class _Tally:
             del self.ranges[storage], self.covered[storage]
 
 
-KIND_ORDER = ("arena", "buffers", "sending", "inbox", "outbox", "saved", "kept", "inputs", "output", "autograd")
+KIND_ORDER = (
+    "arena",
+    "buffers",
+    "sending",
+    "inbox",
+    "outbox",
+    "saved",
+    "kept",
+    "swapin",
+    "inputs",
+    "output",
+    "autograd",
+)
 """Who a byte held under several kinds is credited to in parts(): the first of its kinds in this order
 (other kinds after these, by name). Autograd saves views of the arena's weights and of the stage input: they
 count as arena and inputs, and "autograd" is what backward alone keeps alive; "kept" is what a keep or selective
@@ -115,11 +127,15 @@ class DeviceLedger:
 
     def drop_kind(self, kind: str) -> None:
         """Drop every key of this kind."""
-        for key in [k for k in self._held if k[0] == kind]:
+        for key in self.keys(kind):
             self.drop(key)
 
     def holds(self, key: tuple) -> bool:
         return key in self._held
+
+    def keys(self, kind: str) -> list[tuple]:
+        """The keys of this kind held now."""
+        return [k for k in self._held if k[0] == kind]
 
     def parts(self) -> dict[str, int]:
         """Bytes held now by kind; each byte credited once (KIND_ORDER), so the parts add up to `bytes`."""

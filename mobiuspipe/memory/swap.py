@@ -5,9 +5,9 @@ a peer gpu's region (swap_peer).
 Every tier follows CUDA's rules, also on the CPU stand-in (where each move is a real copy into separate
 memory, so the ledger's device bytes really go): start_out issues the copies on the copy stream; finish_out
 returns once the device tensors may be freed (the compute stream is ordered after the copies); start_in
-issues the copies back into fresh device tensors; finish_in orders the compute stream after them and returns
-those tensors (contiguous, of the held tensors' dtypes, shapes and values). Keys are (stage, microbatch); one
-key is out at most once at a time.
+issues the copies back into fresh device tensors (allocated then, and returned); finish_in orders the compute
+stream after them and returns those tensors (contiguous, of the held tensors' dtypes, shapes and values). Keys
+are (stage, microbatch); one key is out at most once at a time.
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ class Swap:
     def finish_out(self, key: Key) -> None:
         """Return once key's device tensors may be freed."""
 
-    def start_in(self, key: Key) -> None:
-        """Begin moving key's tensors back to the device."""
+    def start_in(self, key: Key) -> list[torch.Tensor]:
+        """Begin moving key's tensors back to the device; the device tensors they land in (allocated now)."""
+        return self._kept[key]
 
     def finish_in(self, key: Key) -> list[torch.Tensor]:
         """key's tensors on the device, usable by the compute stream."""
@@ -112,11 +113,14 @@ class CopySwap(Swap, ABC):
         for h in handles:
             h.wait()
 
-    def start_in(self, key: Key) -> None:
+    def start_in(self, key: Key) -> list[torch.Tensor]:
+        if key in self._in:
+            return self._in[key][0]
         if key in self._out:
             self.finish_out(key)
         dev = [torch.empty_like(v, device=self.device.torch_device) for _, v in self._held[key]]
         self._in[key] = (dev, [self._copy(d, v) for d, (_, v) in zip(dev, self._held[key])])
+        return dev
 
     def finish_in(self, key: Key) -> list[torch.Tensor]:
         if key not in self._in:

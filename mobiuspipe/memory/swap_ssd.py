@@ -32,26 +32,34 @@ class SsdSwap(CopySwap):
         self._lock = threading.Lock()  # the pool is shared by the compute and I/O threads
         self._io = ThreadPoolExecutor(1, thread_name_prefix="activation-ssd")
         self._written: dict[Key, Future] = {}  # -> the held tensors' (dtype, shape)s once on SSD
-        self._read: dict[Key, Future] = {}
+        self._read: dict[Key, tuple[list[torch.Tensor], Future]] = {}  # the device tensors, their fetch
+        self._metas: dict[Key, list[tuple[torch.dtype, tuple[int, ...]]]] = {}  # held tensors' dtypes, shapes
 
     def start_out(self, key: Key, tensors: list[torch.Tensor]) -> None:
         if key in self._written:
             raise RuntimeError(f"activations {key} are already swapped out")
+        self._metas[key] = [(t.dtype, tuple(t.shape)) for t in tensors]
         staged = [self._take(t) for t in tensors]
         handles = [self.device.copy_async(v, t) for (_, v), t in zip(staged, tensors)]
         self._out[key] = (tensors, handles)
         self._written[key] = self._io.submit(self._write, key, staged, handles)
 
-    def start_in(self, key: Key) -> None:
+    def start_in(self, key: Key) -> list[torch.Tensor]:
+        if key in self._read:
+            return self._read[key][0]
         if key in self._out:
             self.finish_out(key)
-        written = self._written.pop(key)
-        self._read[key] = self._io.submit(self._fetch, key, written)
+        dev = [
+            torch.empty(shape, dtype=dtype, device=self.device.torch_device) for dtype, shape in self._metas.pop(key)
+        ]
+        self._read[key] = (dev, self._io.submit(self._fetch, key, self._written.pop(key), dev))
+        return dev
 
     def finish_in(self, key: Key) -> list[torch.Tensor]:
         if key not in self._read:
             self.start_in(key)
-        dev, staged, handles = self._read.pop(key).result()
+        dev, fetched = self._read.pop(key)
+        staged, handles = fetched.result()
         for h in handles:
             h.wait()
             h.synchronize()  # the staging buffers are refilled by the host next
@@ -65,11 +73,12 @@ class SsdSwap(CopySwap):
         for key in list(self._out):
             self.finish_out(key)
         self._io.shutdown(wait=True)
-        for fut in [*self._written.values(), *self._read.values()]:
-            if fut.exception() is None and isinstance(fut.result(), tuple):
-                self._unstage(fut.result()[1])
+        for _, fut in self._read.values():
+            if fut.exception() is None:
+                self._unstage(fut.result()[0])
         self._written.clear()
         self._read.clear()
+        self._metas.clear()
         if self.owns_store:
             self.store.close()
 
@@ -99,12 +108,12 @@ class SsdSwap(CopySwap):
             self._unstage(staged)
         return [(v.dtype, list(v.shape)) for _, v in staged]
 
-    def _fetch(self, key: Key, written: Future) -> tuple[list[torch.Tensor], Staged, list[CopyHandle]]:
+    def _fetch(self, key: Key, written: Future, dev: list[torch.Tensor]) -> tuple[Staged, list[CopyHandle]]:
+        """Read key's files into staging buffers, then copy them into dev (on the copy stream)."""
         staged = [self._take(torch.empty(shape, dtype=dtype, device="meta")) for dtype, shape in written.result()]
         for f in [self.store.get_async(_name(key, n), out=v) for n, (_, v) in enumerate(staged)]:
             f.result()
-        dev = [torch.empty_like(v, device=self.device.torch_device) for _, v in staged]
-        return dev, staged, [self.device.copy_async(d, v) for d, (_, v) in zip(dev, staged)]
+        return staged, [self.device.copy_async(d, v) for d, (_, v) in zip(dev, staged)]
 
 
 def _name(key: Key, n: int) -> str:

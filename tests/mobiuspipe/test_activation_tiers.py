@@ -1,7 +1,8 @@
 """A recompute stage's saved input on each tier between its forward and its backward (memory.activation_tier):
 device, pinned host (copy stream, SWAP_OUT / SWAP_IN in the schedule) and SSD. Losses and weights are
 bit-identical across tiers (fp32 and bf16, dropout, 2 accumulation passes), and the measured device peak
-drops by the saved inputs that leave the device; a keep stage cannot swap yet (a named error)."""
+drops by the saved inputs that leave the device. The same for keep and selective stages, whose kept graphs and
+recomputed parts' inputs swap; the last stage cannot swap (a named error)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def _cfg(precision: str):
     )
 
 
-def _run(precision: str, tier: str, tmp_path, activations: str = "recompute"):
+def _run(precision: str, tier: str, tmp_path, activations: str = "recompute", spec=None):
     cfg = _cfg(precision)
     layers = layer_factories(model_spec(cfg), 11)
     block = layers[2]
@@ -46,6 +47,7 @@ def _run(precision: str, tier: str, tmp_path, activations: str = "recompute"):
         plan=plan_for_config(cfg),
         optimizer=partial(CPUAdam, lr=0.01),
         memory=memory,
+        activations=spec,
         accumulation_steps=2,
     ) as pipe:
         swaps = sum(a.kind in (Kind.SWAP_OUT, Kind.SWAP_IN) for a in pipe.engine.schedule)
@@ -65,9 +67,44 @@ def test_every_tier_gives_the_same_bits_and_the_device_holds_less(tmp_path, prec
         assert got_peak < peak, tier  # the saved inputs left the device between F and B
 
 
-def test_a_kept_stage_cannot_swap_yet(tmp_path):
-    with pytest.raises(PipelineError, match="only a recompute stage's input swaps to host so far"):
-        _run("fp32", "host", tmp_path, activations="keep")
+SELECTIVE = {
+    "selective0": {0: ("selective", [0]), 1: "keep", 2: "recompute"},
+    "selective1": {0: ("selective", [1]), 1: "keep", 2: "recompute"},
+}
+"""Stage 0 is the embedding (layer 0) and a block (1); stage 1 the dropout block; stage 2 a block. selective0
+keeps the embedding's graph and recomputes the block from its (float) input; selective1 recomputes the
+embedding from the token ids and keeps the block's graph, which starts from a float input."""
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("spec", ["keep", "selective0", "selective1"])
+def test_kept_graphs_swap_to_every_tier_bit_for_bit(tmp_path, precision, spec):
+    activations, per_stage = ("keep", None) if spec == "keep" else ("recompute", SELECTIVE[spec])
+    losses, weights, peak, _ = _run(precision, "device", tmp_path, activations, per_stage)
+    for tier in ("host", "ssd"):
+        got_losses, got_weights, got_peak, swaps = _run(precision, tier, tmp_path / tier, activations, per_stage)
+        assert swaps == 2 * 3 * 4
+        assert got_losses == losses, tier
+        assert all(torch.equal(got_weights[k], weights[k]) for k in weights), tier
+        assert got_peak < peak, tier  # the kept graphs left the device between SO and SI
+
+
+def test_the_last_stage_cannot_swap(tmp_path):
+    cfg = _cfg("fp32")
+    from mobiuspipe.pipeline_swaps import swap_tiers
+
+    plan = plan_for_config(cfg)
+    plan = plan.__class__(
+        **{
+            **plan.__dict__,
+            "stages": tuple(
+                s if j < 3 else s.__class__(**{**s.__dict__, "activation_tier": "host"})
+                for j, s in enumerate(plan.stages)
+            ),
+        }
+    )
+    with pytest.raises(PipelineError, match="stage 3 is the last: its forward runs inside its backward"):
+        swap_tiers(plan, MemoryConfig(activation_tier="plan"), {})
 
 
 def test_the_plan_a_run_keeps_is_the_policy_it_runs():

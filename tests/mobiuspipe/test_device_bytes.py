@@ -15,7 +15,7 @@ from torch import nn
 import mobiuspipe.compute
 from mobiuspipe import Pipeline
 from mobiuspipe.comm import Comm
-from mobiuspipe.config import config_from_dict
+from mobiuspipe.config import MemoryConfig, config_from_dict
 from mobiuspipe.config_plan import model_spec, plan_for_config
 from mobiuspipe.dataset import open_data
 from mobiuspipe.memory.arena import DeviceArena
@@ -253,16 +253,23 @@ def test_planned_figure_per_gpu_and_the_end_of_run_line():
     )
 
 
+SMALL = {"num_blocks": 3, "d_model": 24, "num_heads": 3, "seq_len": 17}
+
+
 @pytest.mark.parametrize(
-    "precision,model,batch,microbatches",
+    "precision,model,batch,microbatches,tiers",
     [
-        ("fp32", {"num_blocks": 3, "d_model": 24, "num_heads": 3, "seq_len": 17}, 6, 3),
-        ("bf16", {"num_blocks": 5, "d_model": 40, "num_heads": 5, "seq_len": 23}, 10, 5),
+        ("fp32", SMALL, 6, 3, None),
+        ("bf16", {"num_blocks": 5, "d_model": 40, "num_heads": 5, "seq_len": 23}, 10, 5, None),
+        ("fp32", SMALL, 6, 3, ("keep", "host")),
+        ("bf16", SMALL, 6, 3, ("keep", "ssd")),
+        ("fp32", SMALL, 6, 3, ("recompute", "host")),
     ],
 )
-def test_measured_peak_is_under_the_walk_and_within_10_percent(precision, model, batch, microbatches):
+def test_measured_peak_is_under_the_walk_and_within_10_percent(tmp_path, precision, model, batch, microbatches, tiers):
     """One rank, 4 stages planned from a measured profile (Pipeline(sample=...)): the ledger's peak over 3
-    steps is at most the plan's stand-in walk and above 90% of it (measured 0.98-0.99 when written)."""
+    steps is at most the plan's stand-in walk and above 90% of it (measured 0.98-0.99 when written), with the
+    plan's policies and with every stage keeping its graphs or recomputing, held on the host or on SSD."""
     torch.set_num_threads(1)
     cfg = config_from_dict(
         {
@@ -275,6 +282,9 @@ def test_measured_peak_is_under_the_walk_and_within_10_percent(precision, model,
     factories = layer_factories(model_spec(cfg), 5)
     sample = data.batch(0, batch)
     kw = {"num_microbatches": microbatches, "num_stages": 4, "precision": precision}
+    if tiers is not None:
+        mode, tier = tiers
+        kw["memory"] = MemoryConfig(activations=mode, activation_tier=tier, ssd_dir=str(tmp_path))
     with Pipeline(factories, lm_loss, sample=sample, optimizer=partial(CPUAdam, lr=0.01), **kw) as pipe:
         for s in range(3):
             pipe.train_batch(*data.batch(s, batch))
