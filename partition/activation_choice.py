@@ -5,7 +5,9 @@ host on a gpu, where the runtime copies the input off). If a gpu's walk (partiti
 bytes, queued messages, the computing stage's live bytes) exceeds the budget G, the stages with the most
 held bytes move them off the device, cheapest exposed transfer first, until it fits. Then, greedily, the
 one-stage change that saves the most compute per step C_j (partition.activations: recompute R_j saved,
-transfer X_j exposed) is taken while every gpu's walk stays within G, until no change saves time.
+transfer X_j exposed) is taken while every gpu's walk stays within G and what its stages hold on the host
+tier, sum of M H_j, within the host memory the states leave it (partition.tiers.activation_host_caps), until
+no change saves time.
 
 Legend (units in brackets): C_j, H_j, T_j, R_j, X_j as in partition.activations [s, bytes]; D_g the walk's
 peak on gpu g [bytes]; G the budget: usable gpu memory [bytes].
@@ -56,8 +58,8 @@ class Choice:
 class _Walker:
     """D_g of a plan under a choice of policies, per gpu."""
 
-    def __init__(self, plan: Plan, standin: bool):
-        self.plan, self.standin = plan, standin
+    def __init__(self, plan: Plan, standin: bool, host_caps: list[int] | None = None):
+        self.plan, self.standin, self.host_caps = plan, standin, host_caps
         self.base = stage_bytes(plan)
         last = plan.num_stages - 1  # the work beyond T_j: the model's input on stage 0, the targets on the last
         self.extra = [
@@ -67,6 +69,20 @@ class _Walker:
     def peaks(self, costs: list[PolicyCost]) -> list[int]:
         """D_g of every gpu of the plan."""
         return [self.peak(costs, g) for g in range(self.plan.num_gpus)]
+
+    def host(self, costs: list[PolicyCost], gpu: int) -> int:
+        """Host bytes of gpu's stages' host tier at the turn from forwards to backwards: sum of M H_j."""
+        m = self.plan.num_microbatches
+        return sum(
+            m * c.held_bytes for s, c in zip(self.plan.stages, costs) if s.gpu == gpu and c.policy.tier == "host"
+        )
+
+    def host_fits(self, trial: list[PolicyCost], now: list[PolicyCost], gpu: int) -> bool:
+        """trial's host bytes on gpu are within its cap, or no more than now's."""
+        if self.host_caps is None:
+            return True
+        used = self.host(trial, gpu)
+        return used <= self.host_caps[gpu] or used <= self.host(now, gpu)
 
     def peak(self, costs: list[PolicyCost], gpu: int) -> int:
         """D_g of one gpu (only its stages' choices count)."""
@@ -102,13 +118,17 @@ def with_activations(
     budget_bytes: int,
     explain: bool = False,
     modes: dict[str, tuple[str, ...]] | None = None,
+    host_caps: list[int] | None = None,
 ) -> tuple[Plan, Choice]:
     """The plan with each stage's chosen policy recorded (activations, kept_layers, activation_tier,
     held_bytes, recompute_s, work_bytes), and the choice (with explain: every option weighed); modes: the
     modes each tier may run, default what the runtime runs on topo ({"device": ("keep",)} with a large budget:
-    the plan as it would be keeping every stage's activations, its walk in planned_device_bytes)."""
+    the plan as it would be keeping every stage's activations, its walk in planned_device_bytes); host_caps:
+    per gpu, the host memory its stages' host tier may hold (partition.tiers.activation_host_caps)."""
     links, runs, standin = runtime_links(topo)
-    choice = choose_activations(plan, profile, budget_bytes, links, standin, runs if modes is None else modes, explain)
+    choice = choose_activations(
+        plan, profile, budget_bytes, links, standin, runs if modes is None else modes, explain, host_caps
+    )
     stages = tuple(
         dataclasses.replace(
             s,
@@ -132,13 +152,16 @@ def choose_activations(
     standin: bool = False,
     modes: dict[str, tuple[str, ...]] | None = None,
     explain: bool = True,
+    host_caps: list[int] | None = None,
 ) -> Choice:
     """Each stage's policy under budget_bytes per gpu; links: the tiers the runtime may use, each with its
     bandwidth from the device (None for "device"); modes: the modes each tier may run (default all);
-    explain: weigh every option against the choice (Choice.considered; one walk per option).
+    explain: weigh every option against the choice (Choice.considered; one walk per option); host_caps: per
+    gpu, the host bytes M H_j of its host-tier stages may take (None: unlimited; the start, which must fit
+    the device, may exceed it: the tiers' placement then moves states to the SSD or names the shortfall).
     ValueError when even moving every held byte off the device does not fit."""
     arr, m = LayerArrays.of(profile), plan.num_microbatches
-    walker = _Walker(plan, standin)
+    walker = _Walker(plan, standin, host_caps)
     last = plan.num_stages - 1
     opts = [
         [fused_cost(arr, s.first, s.last, m, plan.input_bytes)]
@@ -193,7 +216,8 @@ def _improve(walker: _Walker, opts: list[list[PolicyCost]], costs: list[PolicyCo
             if gain <= 1e-12:
                 return costs
             trial = costs[:j] + [opts[j][k]] + costs[j + 1 :]
-            if walker.peak(trial, walker.plan.stages[j].gpu) <= budget:
+            g = walker.plan.stages[j].gpu
+            if walker.peak(trial, g) <= budget and walker.host_fits(trial, costs, g):
                 costs = trial
                 break
         else:
@@ -208,12 +232,24 @@ def _weigh(
     for j, o in enumerate(opts):
         g = plan.stages[j].gpu
         for c in o:
-            peak = walker.peak(costs[:j] + [c] + costs[j + 1 :], g)
-            rows.append(Considered(j, c, peak, _verdict(c, costs[j], peak, budget, g, len(o))))
+            trial = costs[:j] + [c] + costs[j + 1 :]
+            peak = walker.peak(trial, g)
+            host = None if walker.host_fits(trial, costs, g) else walker.host(trial, g)
+            rows.append(Considered(j, c, peak, _verdict(c, costs[j], peak, budget, g, len(o), host, walker.host_caps)))
     return rows
 
 
-def _verdict(c: PolicyCost, chosen: PolicyCost, peak: int, budget: int, gpu: int, count: int) -> str:
+def _verdict(
+    c: PolicyCost,
+    chosen: PolicyCost,
+    peak: int,
+    budget: int,
+    gpu: int,
+    count: int,
+    host: int | None = None,
+    caps: list[int] | None = None,
+) -> str:
+    """Why c was (or was not) chosen; host: gpu's host-tier bytes with c when over its cap (else None)."""
     if c == chosen:
         if count == 1:
             return "chosen: the last stage's forward runs inside its backward"
@@ -221,6 +257,8 @@ def _verdict(c: PolicyCost, chosen: PolicyCost, peak: int, budget: int, gpu: int
         return "chosen: no recompute, nothing exposed" if saved else "chosen: the fastest that fits"
     if peak > budget:
         return f"over gpu {gpu}'s budget by {fmt_bytes(peak - budget)}"
+    if host is not None and caps is not None:
+        return f"over gpu {gpu}'s host memory for activations by {fmt_bytes(host - caps[gpu])}"
     slower = c.compute_s - chosen.compute_s
     if slower > 1e-12:
         return f"slower by {slower:.4g} s per step"

@@ -16,7 +16,7 @@ from partition.mapping import mapping_candidates, mapping_score, peer_gbps, stag
 from partition.plan import Plan, SolverInfo, StagePlan
 from partition.profile import Profile
 from partition.simulate import SimResult, SimStage, simulate
-from partition.tiers import HostBudget, MemoryPlan, SsdInfo, place_tiers, ssd_info
+from partition.tiers import HostBudget, MemoryPlan, SsdInfo, activation_host_caps, place_tiers, ssd_info
 from topology import Topology
 
 __all__ = [
@@ -92,7 +92,8 @@ def make_plan(
     best = min(_shared(candidates, topo, host_budget), key=lambda p: (p.predicted_step_time_s, p.num_stages))
     if activations == "auto":
         try:
-            chosen, _ = with_activations(best, profile, topo, memory)
+            caps = activation_host_caps(best, host_budget or HostBudget(None, "unlimited"))
+            chosen, _ = with_activations(best, profile, topo, memory, host_caps=caps)
             best = _shared([chosen], topo, host_budget)[0]  # predicted again: the policies' recompute
         except ValueError:  # the walk exceeds the memory even recomputing: kept as the memory rule planned it
             pass

@@ -11,7 +11,9 @@ Legend (stage j of a plan, gpu g; units in brackets):
   G        gpus of the plan                                                               [-]
   H        host budget: host memory the whole server gives the job (None = unlimited)     [bytes]
   H_g      gpu g's share of H: floor(H / G), the same for every gpu                       [bytes]
-  S_g      saved stage inputs of gpu g: the sum of M I_j over its stages                  [bytes]
+  h_j      bytes stage j holds in host memory per microbatch from F to B (host_held_bytes): its held
+           activations on the host tier (StagePlan.held_bytes), I_j for a plan without the choice  [bytes]
+  S_g      saved activations of gpu g in host memory: the sum of M h_j over its stages     [bytes]
   L_j      LOADs of stage j per step: 2 (forward, backward), 1 for its gpu's last forward stage,
            which stays resident into its backward (partition.order)                       [-]
 
@@ -20,7 +22,8 @@ State kinds, as the runtime keeps them (partition.placement, mobiuspipe/stage_st
   weights       the device-dtype weights P_j and the offloaded gradients P_j together: host or ssd (ssd only
                 where the optimizer is). In fp32 with the optimizer in memory the master is the loaded copy:
                 P_j (the gradients) in memory.
-  saved inputs  the stage inputs the forward saves for the recompute, M I_j: host.
+  saved inputs  what the forward holds for the backward on the host tier (a recompute's input, a keep's
+                graphs), M h_j: host.
   streaming     the share of its gpu's budget each stage on the SSD streams through (Placement.slot_bytes): host.
 Device bytes of gpu g: the arena (ARENA_SLOTS * W) + the largest A_j of its stages; of stage j while it
 runs backward: its weights and gradient slots and activations, 2 P_j + A_j.
@@ -64,6 +67,8 @@ __all__ = [
     "host_budget",
     "ssd_info",
     "place_tiers",
+    "host_held_bytes",
+    "activation_host_caps",
     "loads_per_step",
 ]
 
@@ -248,11 +253,36 @@ def loads_per_step(mapping: list[int]) -> list[int]:
     return loads
 
 
+def host_held_bytes(plan: Plan, j: int) -> int:
+    """Bytes stage j holds in host memory per microbatch from its forward to its backward (h_j): its held
+    bytes when its activation policy puts them on the host tier; its input when the plan predates the choice
+    (tier "auto": the runtime's path saves the input to host); none on the device, SSD or a peer gpu."""
+    s = plan.stages[j]
+    if s.activation_tier == "host":
+        return s.held_bytes
+    if s.activation_tier == "auto" and j > 0:
+        return plan.stages[j - 1].output_bytes
+    return 0
+
+
+def activation_host_caps(plan: Plan, budget: HostBudget) -> list[int]:
+    """Per gpu, the host bytes its held activations may take without pushing a state to the SSD: H_g less its
+    stages' states all in memory (at least 0). Without a budget (host memory unknown) 0: the choice holds on
+    the host no more than recompute's inputs (what a plan held before the choice), rather than guess."""
+    if budget.bytes is None:
+        return [0] * plan.num_gpus
+    b, share = dtype_bytes(plan.dtype), budget.bytes // plan.num_gpus
+    states = [0] * plan.num_gpus
+    for s in plan.stages:
+        states[s.gpu] += host_bytes(s.param_count, "host", "host", b)
+    return [max(0, share - n) for n in states]
+
+
 def place_tiers(plan: Plan, budget: HostBudget) -> MemoryPlan:
     """The tiers of the legend's placement rule for `plan` under `budget`; PlanInfeasibleError when some gpu's
     share does not hold its saved inputs and the least streaming shares of its stages all on the SSD."""
     b = dtype_bytes(plan.dtype)
-    saved = [plan.num_microbatches * plan.stages[j - 1].output_bytes if j else 0 for j in range(plan.num_stages)]
+    saved = [plan.num_microbatches * host_held_bytes(plan, j) for j in range(plan.num_stages)]
     share = None if budget.bytes is None else budget.bytes // plan.num_gpus
     gpus = []
     for g in range(plan.num_gpus):

@@ -21,7 +21,7 @@ from partition.plan import Plan, save_plan
 from partition.profile import Profile, load_profile
 from partition.search import Prediction, make_plan, predict_step
 from partition.simulate import SimResult
-from partition.tiers import HostBudget, host_budget
+from partition.tiers import HostBudget, activation_host_caps, host_budget
 from partition.trace import ascii_timeline, svg_timeline
 from topology import PRESETS, Topology, load_topology
 
@@ -361,7 +361,8 @@ def run(args: argparse.Namespace, out) -> int:
             extra += _COMPARE_NOTE + "\n"
     if args.explain:
         try:
-            choice = with_activations(plan, profile, topo, plan.gpu_memory_bytes, explain=True)[1]
+            caps = activation_host_caps(plan, budget_of(args, topo))
+            choice = with_activations(plan, profile, topo, plan.gpu_memory_bytes, explain=True, host_caps=caps)[1]
             doc["explain"], lines = explain_json(choice), explain_lines(plan, choice)
         except ValueError as e:  # the walk does not fit even recomputing: the plan keeps the memory rule's cut
             doc["explain"], lines = [], [f"activations: no choice: {e}; every stage recomputes"]

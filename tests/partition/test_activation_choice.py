@@ -5,16 +5,19 @@ on small plans (exact in 239 of 246 budgets and links swept; printed with -s).""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
 
+from foundation.units import fmt_bytes
 from partition.activation_choice import _Walker, choose_activations, with_activations
 from partition.activations import Link, fused_cost, options
 from partition.costmodel import LayerArrays
 from partition.device_peak import planned_device_bytes
 from partition.profile import LayerProfile, Profile
 from partition.search import make_plan
+from partition.tiers import HostBudget, activation_host_caps, host_held_bytes, place_tiers
 from topology import cpu_standin
 
 LINKS: dict[str, Link | None] = {"device": None, "host": Link(10.0, 10.0)}
@@ -131,3 +134,50 @@ def test_with_activations_restricted_to_keep_records_keeps_walk():
     recompute, _ = with_activations(plan, profile, topo, 10**12, modes={"device": ("recompute",)})
     assert [s.activations for s in recompute.stages] == ["recompute", "recompute", "keep"]  # the last: fused
     assert planned_device_bytes(recompute, standin=True) < planned_device_bytes(kept, standin=True)
+
+
+def test_the_host_tier_stays_within_the_host_memory_left_for_activations():
+    """Keep-on-host saves every recompute when the device is tight; host_caps bound what the host tier holds
+    (M H_j per host stage): 0 allows none, one stage's bytes allow that stage only; the rest are named."""
+    plan, profile = _plan(), _profile()
+    modes = {"device": ("recompute",), "host": ("recompute", "selective", "keep")}
+    opts = _options(plan, profile, {"device": None})
+    tight = max(_Walker(plan, standin=True).peaks([o[0] for o in opts]))
+    free = choose_activations(plan, profile, tight, LINKS, standin=True, modes=modes)
+    assert ("keep", "host") in [(p.mode, p.tier) for p in free.policies[:-1]]
+    none = choose_activations(plan, profile, tight, LINKS, standin=True, modes=modes, host_caps=[0])
+    assert [(p.mode, p.tier) for p in none.policies[:-1]] == [("recompute", "device")] * 2
+    over = [r for r in none.considered if r.cost.policy.tier == "host" and r.peak_bytes <= tight]
+    m = plan.num_microbatches
+    assert over and all(
+        r.verdict == f"over gpu 0's host memory for activations by {fmt_bytes(m * r.cost.held_bytes)}" for r in over
+    )
+    one = min(m * c.held_bytes for c in free.costs[:-1] if c.policy.tier == "host")
+    got = choose_activations(plan, profile, tight, LINKS, standin=True, modes=modes, host_caps=[one])
+    held = [m * c.held_bytes for c in got.costs[:-1] if c.policy.tier == "host"]
+    assert held and sum(held) <= one
+    assert (
+        sum(c.compute_s for c in none.costs)
+        > sum(c.compute_s for c in got.costs)
+        >= sum(c.compute_s for c in free.costs)
+    )
+
+
+def test_the_tiers_count_what_the_choice_holds_in_host_memory():
+    """place_tiers: a stage on the host tier holds M x its held bytes in host memory; on the device nothing; a
+    plan without the choice (tier auto) its input, as the runtime's path did."""
+    plan = _plan()
+    m, inp = plan.num_microbatches, plan.stages[0].output_bytes
+    stages = list(plan.stages)
+    stages[0] = dataclasses.replace(stages[0], activations="keep", activation_tier="host", held_bytes=1234)
+    stages[1] = dataclasses.replace(stages[1], activations="recompute", activation_tier="device", held_bytes=inp)
+    mine = dataclasses.replace(plan, stages=tuple(stages))
+    assert [host_held_bytes(mine, j) for j in range(3)] == [1234, 0, 0]
+    assert place_tiers(mine, HostBudget(None, "unlimited")).host_by_kind["saved_inputs"] == m * 1234
+    legacy = dataclasses.replace(
+        plan, stages=tuple(dataclasses.replace(s, activation_tier="auto") for s in plan.stages)
+    )
+    assert [host_held_bytes(legacy, j) for j in range(3)] == [0, inp, plan.stages[1].output_bytes]
+    caps = activation_host_caps(plan, HostBudget(10**9, "test"))
+    assert caps == [10**9 - sum(16 * s.param_count for s in plan.stages)]  # fp32: master + moments + grads
+    assert activation_host_caps(plan, HostBudget(None, "unknown")) == [0]
