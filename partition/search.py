@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from foundation.timing import Stopwatch
-from foundation.units import GiB
+from foundation.units import GiB, fmt_bytes
 from partition.activation_choice import with_activations
 from partition.bounds import StepBound, step_bound
 from partition.costmodel import ARENA_SLOTS, LayerArrays
@@ -71,9 +71,10 @@ def make_plan(
 
     host_budget: the host memory the states must fit (partition.tiers); states that do not fit go to the
     SSD and the final simulation streams their traffic under the updates. None: unlimited, all in memory.
-    activations: "auto" chooses each stage's activation policy under the memory (partition.activation_choice);
-    "recompute" plans every stage to recompute from its input (the runtime's path before the choice), as
-    does "auto" when even that exceeds the memory on the lifetime walk (the memory rule alone decides then).
+    activations: "auto" chooses each stage's activation policy under the memory (partition.activation_choice)
+    on the fastest plan whose lifetime walk then fits (the candidates, then up to WALK_RETRIES plans with more
+    stages; PlanInfeasibleError when none does); "recompute" plans every stage to recompute from its input
+    (the runtime's path before the choice) under the memory rule alone.
     """
     watch = Stopwatch()
     _check_memory_known(topo)
@@ -89,15 +90,36 @@ def make_plan(
             profile, topo, arr, candidates, microbatches, mapping, memory, solver, time_limit_s, gap
         )
         candidates = candidates + found
-    best = min(_shared(candidates, topo, host_budget), key=lambda p: (p.predicted_step_time_s, p.num_stages))
+    shared = sorted(_shared(candidates, topo, host_budget), key=lambda p: (p.predicted_step_time_s, p.num_stages))
+    best = shared[0]
     if activations == "auto":
-        try:
-            caps = activation_host_caps(best, host_budget or HostBudget(None, "unlimited"))
-            chosen, _ = with_activations(best, profile, topo, memory, host_caps=caps)
-            best = _shared([chosen], topo, host_budget)[0]  # predicted again: the policies' recompute
-        except ValueError:  # the walk exceeds the memory even recomputing: kept as the memory rule planned it
-            pass
+        more = [p for p in ranked[MIP_CANDIDATES:] if p.num_stages > best.num_stages][:WALK_RETRIES]
+        best = _chosen(shared + more, profile, topo, memory, host_budget)
     return dataclasses.replace(best, solver=dataclasses.replace(info, wall_s=round(watch.s, 6)))
+
+
+WALK_RETRIES = 8
+"""Plans with more stages make_plan tries, after the candidates, when no candidate's lifetime walk fits."""
+
+
+def _chosen(plans: list[Plan], profile: Profile, topo: Topology, memory: int, budget: HostBudget | None) -> Plan:
+    """The first of plans whose lifetime walk fits the memory with each stage's activation policy chosen
+    (partition.activation_choice), its step predicted again with them; PlanInfeasibleError naming the first
+    plan's shortfall when none fits (the memory rule alone would have let it through, and the run exceed it)."""
+    budget = budget or HostBudget(None, "unlimited")
+    errors = []
+    for plan in plans:
+        try:
+            chosen, _ = with_activations(plan, profile, topo, memory, host_caps=activation_host_caps(plan, budget))
+            return _shared([chosen], topo, budget)[0]
+        except ValueError as e:  # PlanInfeasibleError (the states) too
+            errors.append(e)
+    raise PlanInfeasibleError(
+        f"no plan of {profile.model} fits {fmt_bytes(memory)} per gpu on the lifetime walk (the arena, held "
+        f"activations, queued messages and the computing stage's live bytes) with {plans[0].num_microbatches} "
+        f"microbatches of {profile.microbatch_size}: with {plans[0].num_stages} stages, {errors[0]}; use a smaller "
+        f"microbatch size or sequence length, fewer microbatches, more stages, or gpus with more memory"
+    )
 
 
 def _shared(plans: list[Plan], topo: Topology, budget: HostBudget | None) -> list[Plan]:

@@ -21,7 +21,7 @@ from mobiuspipe.optim import CPUAdam
 from mobiuspipe.optim.loss_scale import LossScaler
 from mobiuspipe.stage_states import least_share
 from partition.placement import LEAST_SHARE_BYTES
-from partition.tiers import HostBudget, place_tiers
+from partition.tiers import HostBudget, host_held_bytes, place_tiers
 
 
 def _run(precision: str, memory: MemoryConfig | None, steps: int = 3, overlap: bool = True):
@@ -179,12 +179,12 @@ def test_serialized_updates_give_the_same_bits(tmp_path):
 def test_the_planner_predicts_the_pipelines_placement(tmp_path, budget_mb, optimizer, weights):
     """partition.tiers places the states as the runtime does. The run has one rank, so the planner's gpu 0 is
     that rank and the server budget is not split. To compare the budgets: the runtime gives
-    memory.host_budget_mb to the states alone, while the planner takes the stage inputs saved for the
-    recompute out of a gpu's share first; so the planner gets host_budget_mb plus those saved inputs."""
+    memory.host_budget_mb to the states alone, while the planner takes what the stages hold on the host tier
+    between F and B out of a gpu's share first; so the planner gets host_budget_mb plus those bytes."""
     memory = MemoryConfig(optimizer="auto", weights="auto", ssd_dir=str(tmp_path), host_budget_mb=budget_mb)
     _, _, placement, plan = _run("bf16", memory, steps=1)
     assert list(placement.optimizer.values()) == optimizer and list(placement.weights.values()) == weights
-    saved = sum(plan.num_microbatches * plan.stages[j - 1].output_bytes for j in range(1, plan.num_stages))
+    saved = sum(plan.num_microbatches * host_held_bytes(plan, j) for j in range(plan.num_stages))
     budget = int(budget_mb * MiB)  # as the Pipeline reads memory.host_budget_mb
     mem = place_tiers(plan, HostBudget(budget + saved, "the run's host_budget_mb + its saved inputs"))
     assert mem.gpus[0].saved_inputs_bytes == saved and mem.gpus[0].state_budget_bytes == budget

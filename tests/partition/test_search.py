@@ -9,6 +9,7 @@ from foundation.timing import Stopwatch
 from foundation.units import GiB
 from partition.analytic import analytic_profile
 from partition.costmodel import ARENA_SLOTS, LayerArrays
+from partition.device_peak import planned_device_bytes
 from partition.dp import solve_dp
 from partition.errors import PlanInfeasibleError
 from partition.hardware import device_spec
@@ -178,8 +179,9 @@ def test_no_cut_fits_for_the_requested_count():
     prof = analytic_profile(SMALL, TI, microbatch_size=1)
     arr = LayerArrays.of(prof)
     L = arr.num_layers
-    # enough for every single layer, not for the whole model as one stage
-    memory = max(ARENA_SLOTS * arr.params(l, l) + arr.activations(l, l) for l in range(L))
+    # enough for every single layer (and the messages and inputs the lifetime walk adds), not for the whole
+    # model as one stage
+    memory = int(1.1 * max(ARENA_SLOTS * arr.params(l, l) + arr.activations(l, l) for l in range(L)))
     topo = cpu_standin(1, memory)
     with pytest.raises(PlanInfeasibleError, match=r"no cut of the 11 layers into 1 stages fits.*GiB"):
         make_plan(prof, topo, 2, num_stages=1)
@@ -214,3 +216,21 @@ def test_mip_plan_is_never_slower_than_the_dp_plan(topo_name):
     assert mip.predicted_step_time_s <= dp.predicted_step_time_s
     assert mip.solver.name in ("highs", "gurobi", "gurobi+highs") and mip.solver.gap <= 0.01 + 1e-9
     _check_plan(mip, prof, topo, 4)
+
+
+def test_the_plan_fits_its_lifetime_walk_or_is_refused():
+    """The memory rule (arena + A_j) lets 6 stages through at twice the largest layer's need, but their walk
+    (messages, inputs, held activations) does not fit even recomputing: make_plan takes the fastest plan with
+    more stages whose walk fits (8), and with the stage count fixed at 6 names the shortfall."""
+    prof = analytic_profile(SMALL, TI, microbatch_size=1)
+    arr = LayerArrays.of(prof)
+    memory = 2 * max(ARENA_SLOTS * arr.params(l, l) + arr.activations(l, l) for l in range(arr.num_layers))
+    topo = cpu_standin(1, memory)
+    rule = make_plan(prof, topo, 2, activations="recompute")
+    assert rule.num_stages == 6 and planned_device_bytes(rule, standin=True)[0] > memory
+    plan = make_plan(prof, topo, 2)
+    assert plan.num_stages == 8 and planned_device_bytes(plan, standin=True)[0] <= memory
+    with pytest.raises(
+        PlanInfeasibleError, match=r"no plan of small fits .* on the lifetime walk .* with 6 stages, gpu 0 needs"
+    ):
+        make_plan(prof, topo, 2, num_stages=6)
