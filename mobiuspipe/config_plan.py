@@ -92,6 +92,7 @@ def plan_from_config(cfg: RunConfig, solver: str = "dp") -> Plan:
         num_stages=cfg.plan.num_stages,
         mapping=cfg.plan.mapping,
         solver=solver,
+        activation_tiers=("host", "ssd") if cfg.memory.ssd_dir else ("host",),
     )
 
 

@@ -25,6 +25,7 @@ from partition.device_peak import stage_bytes
 from partition.lifetimes import device_peak
 from partition.plan import Plan
 from partition.profile import Profile
+from partition.tiers import ssd_info
 from topology.types import Topology
 
 __all__ = ["Considered", "Choice", "choose_activations", "runtime_links", "with_activations"]
@@ -98,17 +99,28 @@ class _Walker:
         return device_peak(plan.mapping, gpu, plan.num_microbatches, stages, arena, self.standin, swapped)
 
 
-def runtime_links(topo: Topology) -> tuple[dict[str, Link | None], dict[str, tuple[str, ...]], bool]:
-    """(links, the modes each tier runs, standin) of what the runtime runs on topo: keep and selective on the
-    device; every mode with its held bytes in host memory (mobiuspipe.memory.swap's HostSwap over the gpu's
-    link: a recompute stage's input, a keep or selective stage's kept graphs and recomputed parts' inputs);
-    recompute on the device only on the CPU stand-in (on a gpu an input left in place goes to the host). The
-    SSD tier runs too but needs memory.ssd_dir, which a plan does not know (memory.activation_tier: ssd forces
-    it); a peer gpu's region joins when the engine runs it."""
+def runtime_links(
+    topo: Topology, tiers: tuple[str, ...] = ("host",)
+) -> tuple[dict[str, Link | None], dict[str, tuple[str, ...]], bool]:
+    """(links, the modes each tier runs, standin) of what the runtime runs on topo, with the tiers off the
+    device in `tiers`: keep and selective on the device; recompute on the device only on the CPU stand-in (on
+    a gpu an input left in place goes to the host); every mode with its held bytes in host memory
+    (mobiuspipe.memory.swap's HostSwap over the gpu's link: a recompute stage's input, a keep or selective
+    stage's kept graphs and recomputed parts' inputs) or on the SSD (through the gpu's link and the drive,
+    which the gpus share: each gets 1/G of its write and read GB/s, partition.tiers.ssd_info; the run needs
+    memory.ssd_dir). A peer gpu's region joins when the engine runs it."""
     gbps = min(g.link_gbps for g in topo.gpus)
     standin = all(g.name == "cpu-standin" for g in topo.gpus)
+    links: dict[str, Link | None] = {"device": None, "host": Link(gbps, gbps)}
+    if "ssd" in tiers:
+        drive = ssd_info(topo).link
+        links["ssd"] = Link(min(gbps, drive.write_gbps / topo.num_gpus), min(gbps, drive.read_gbps / topo.num_gpus))
+    unknown = sorted(set(tiers) - {"host", "ssd"})
+    if unknown:
+        raise ValueError(f"activation tiers {unknown}: the planner offers host and ssd")
     device = MODES if standin else ("selective", "keep")
-    return {"device": None, "host": Link(gbps, gbps)}, {"device": device, "host": MODES}, standin
+    runs = {"device": device, **{t: MODES for t in tiers}}
+    return {t: links[t] for t in ("device", *tiers)}, runs, standin
 
 
 def with_activations(
@@ -119,13 +131,15 @@ def with_activations(
     explain: bool = False,
     modes: dict[str, tuple[str, ...]] | None = None,
     host_caps: list[int] | None = None,
+    tiers: tuple[str, ...] = ("host",),
 ) -> tuple[Plan, Choice]:
     """The plan with each stage's chosen policy recorded (activations, kept_layers, activation_tier,
     held_bytes, recompute_s, work_bytes), and the choice (with explain: every option weighed); modes: the
     modes each tier may run, default what the runtime runs on topo ({"device": ("keep",)} with a large budget:
     the plan as it would be keeping every stage's activations, its walk in planned_device_bytes); host_caps:
-    per gpu, the host memory its stages' host tier may hold (partition.tiers.activation_host_caps)."""
-    links, runs, standin = runtime_links(topo)
+    per gpu, the host memory its stages' host tier may hold (partition.tiers.activation_host_caps); tiers:
+    the tiers off the device the run offers (runtime_links)."""
+    links, runs, standin = runtime_links(topo, tiers)
     choice = choose_activations(
         plan, profile, budget_bytes, links, standin, runs if modes is None else modes, explain, host_caps
     )

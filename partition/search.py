@@ -60,6 +60,7 @@ def make_plan(
     gap: float = 0.01,
     host_budget: HostBudget | None = None,
     activations: str = "auto",
+    activation_tiers: tuple[str, ...] = ("host",),
 ) -> Plan:
     """Cut the profiled layers into stages, map them to gpus and predict the step; the fastest plan wins.
 
@@ -74,7 +75,8 @@ def make_plan(
     activations: "auto" chooses each stage's activation policy under the memory (partition.activation_choice)
     on the fastest plan whose lifetime walk then fits (the candidates, then up to WALK_RETRIES plans with more
     stages; PlanInfeasibleError when none does); "recompute" plans every stage to recompute from its input
-    (the runtime's path before the choice) under the memory rule alone.
+    (the runtime's path before the choice) under the memory rule alone. activation_tiers: the tiers off the
+    device the choice may hold activations on ("host", "ssd": the run has memory.ssd_dir).
     """
     watch = Stopwatch()
     _check_memory_known(topo)
@@ -94,7 +96,7 @@ def make_plan(
     best = shared[0]
     if activations == "auto":
         more = [p for p in ranked[MIP_CANDIDATES:] if p.num_stages > best.num_stages][:WALK_RETRIES]
-        best = _chosen(shared + more, profile, topo, memory, host_budget)
+        best = _chosen(shared + more, profile, topo, memory, host_budget, activation_tiers)
     return dataclasses.replace(best, solver=dataclasses.replace(info, wall_s=round(watch.s, 6)))
 
 
@@ -102,7 +104,14 @@ WALK_RETRIES = 8
 """Plans with more stages make_plan tries, after the candidates, when no candidate's lifetime walk fits."""
 
 
-def _chosen(plans: list[Plan], profile: Profile, topo: Topology, memory: int, budget: HostBudget | None) -> Plan:
+def _chosen(
+    plans: list[Plan],
+    profile: Profile,
+    topo: Topology,
+    memory: int,
+    budget: HostBudget | None,
+    tiers: tuple[str, ...],
+) -> Plan:
     """The first of plans whose lifetime walk fits the memory with each stage's activation policy chosen
     (partition.activation_choice), its step predicted again with them; PlanInfeasibleError naming the first
     plan's shortfall when none fits (the memory rule alone would have let it through, and the run exceed it)."""
@@ -110,7 +119,8 @@ def _chosen(plans: list[Plan], profile: Profile, topo: Topology, memory: int, bu
     errors = []
     for plan in plans:
         try:
-            chosen, _ = with_activations(plan, profile, topo, memory, host_caps=activation_host_caps(plan, budget))
+            caps = activation_host_caps(plan, budget)
+            chosen, _ = with_activations(plan, profile, topo, memory, host_caps=caps, tiers=tiers)
             return _shared([chosen], topo, budget)[0]
         except ValueError as e:  # PlanInfeasibleError (the states) too
             errors.append(e)

@@ -70,6 +70,13 @@ def register(sub) -> None:
         "records it, else unlimited)",
     )
     p.add_argument(
+        "--activation-tiers",
+        default="host",
+        metavar="TIERS",
+        help="comma-separated tiers off the device where the planner may hold a stage's activations between "
+        "its forward and backward: host, ssd (the run then needs memory.ssd_dir) (host)",
+    )
+    p.add_argument(
         "--solver",
         choices=("auto", "highs", "gurobi", "dp"),
         default="auto",
@@ -160,8 +167,21 @@ def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
         time_limit_s=args.time_limit,
         gap=args.gap,
         host_budget=budget_of(args, topo),
+        activation_tiers=activation_tiers_of(args),
     )
     return plan, topo, profile
+
+
+def activation_tiers_of(args: argparse.Namespace) -> tuple[str, ...]:
+    """--activation-tiers as a tuple; CliError naming a tier that is not host or ssd."""
+    tiers = tuple(t.strip() for t in args.activation_tiers.split(",") if t.strip())
+    wrong = [t for t in tiers if t not in ("host", "ssd")]
+    if wrong or not tiers:
+        raise CliError(
+            f"--activation-tiers {args.activation_tiers!r}: expected a comma-separated list of host and ssd, "
+            f"e.g. `--activation-tiers host,ssd`"
+        )
+    return tiers
 
 
 def _given_profile(path: str, spec: ModelSpec) -> Profile:
@@ -191,6 +211,7 @@ def _config_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
     if args.topology is not None:  # plan the run for another machine than its config names
         topology = args.topology if args.topology in PRESETS else os.path.abspath(args.topology)  # cwd-relative
         cfg = dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, topology=topology, num_gpus=None))
+    args.activation_tiers = "host,ssd" if cfg.memory.ssd_dir else "host"  # as the run plans (--explain too)
     return plan_from_config(cfg, args.solver), run_topology(cfg), gpt_profile(cfg)
 
 
@@ -362,7 +383,10 @@ def run(args: argparse.Namespace, out) -> int:
     if args.explain:
         try:
             caps = activation_host_caps(plan, budget_of(args, topo))
-            choice = with_activations(plan, profile, topo, plan.gpu_memory_bytes, explain=True, host_caps=caps)[1]
+            tiers = activation_tiers_of(args)
+            choice = with_activations(
+                plan, profile, topo, plan.gpu_memory_bytes, explain=True, host_caps=caps, tiers=tiers
+            )[1]
             doc["explain"], lines = explain_json(choice), explain_lines(plan, choice)
         except ValueError as e:  # the walk does not fit even recomputing: the plan keeps the memory rule's cut
             doc["explain"], lines = [], [f"activations: no choice: {e}; every stage recomputes"]

@@ -282,8 +282,10 @@ def test_simulate_subcommand_is_wired(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["step_time_s"] > 0
 
 
-def test_explain_text_and_json_agree_with_the_plan():
+@pytest.mark.parametrize("tiers", ["host", "host,ssd"])
+def test_explain_text_and_json_agree_with_the_plan(tiers):
     argv = ["partition", "--model", "gpt3-1.3b", "--topology", "2+2", "--microbatch-size", "8", "--explain"]
+    argv += ["--activation-tiers", tiers]
     code, text, _ = run(argv)
     assert code == 0
     assert "activations: per stage, each option with H (held per microbatch from F to B)" in text
@@ -307,6 +309,12 @@ def test_explain_text_and_json_agree_with_the_plan():
             assert over or host or slower or r["verdict"] == "as fast, holds more"
     modes = {r["mode"] for r in rows if r["chosen"]}
     assert "keep" in modes  # at least the last stage (fused)
+    assert {r["tier"] for r in rows} == {"device", *tiers.split(",")}
+
+
+def test_a_wrong_activation_tier_is_named():
+    code, _, err = run(["partition", "--model", "gpt3-1.3b", "--topology", "2+2", "--activation-tiers", "host,nvme"])
+    assert code == 2 and "--activation-tiers 'host,nvme': expected a comma-separated list of host and ssd" in err
 
 
 def test_explain_when_even_recompute_does_not_fit_the_walk(monkeypatch):

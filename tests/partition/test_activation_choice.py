@@ -11,13 +11,20 @@ import itertools
 import pytest
 
 from foundation.units import fmt_bytes
-from partition.activation_choice import _Walker, choose_activations, with_activations
+from partition.activation_choice import _Walker, choose_activations, runtime_links, with_activations
 from partition.activations import Link, fused_cost, options
 from partition.costmodel import LayerArrays
 from partition.device_peak import planned_device_bytes
 from partition.profile import LayerProfile, Profile
 from partition.search import make_plan
-from partition.tiers import HostBudget, activation_host_caps, host_held_bytes, place_tiers
+from partition.tiers import (
+    SSD_READ_GBPS,
+    SSD_WRITE_GBPS,
+    HostBudget,
+    activation_host_caps,
+    host_held_bytes,
+    place_tiers,
+)
 from topology import cpu_standin
 
 LINKS: dict[str, Link | None] = {"device": None, "host": Link(10.0, 10.0)}
@@ -181,3 +188,24 @@ def test_the_tiers_count_what_the_choice_holds_in_host_memory():
     caps = activation_host_caps(plan, HostBudget(10**9, "test"))
     assert caps == [10**9 - sum(16 * s.param_count for s in plan.stages)]  # fp32: master + moments + grads
     assert activation_host_caps(plan, HostBudget(None, "unknown")) == [0]
+
+
+def test_the_ssd_tier_holds_what_the_host_cannot():
+    """With no host memory left for activations, keep-on-SSD saves the recompute when the drive keeps up; the
+    drive's GB/s are shared by the gpus (runtime_links), and the tier is offered only when asked for."""
+    plan, profile = _plan(), _profile()
+    opts = _options(plan, profile, {"device": None})
+    tight = max(_Walker(plan, standin=True).peaks([o[0] for o in opts]))
+    all_modes = ("recompute", "selective", "keep")
+    modes = {"device": ("recompute",), "host": all_modes, "ssd": all_modes}
+    links = {**LINKS, "ssd": Link(10.0, 10.0)}
+    got = choose_activations(plan, profile, tight, links, standin=True, modes=modes, host_caps=[0])
+    tiers = [(p.mode, p.tier) for p in got.policies[:-1]]
+    assert ("keep", "ssd") in tiers and all(t != "host" for _, t in tiers)
+    topo = cpu_standin(2, 1 << 30)
+    gbps = min(g.link_gbps for g in topo.gpus)
+    links2, runs, _ = runtime_links(topo, ("host", "ssd"))
+    assert links2["ssd"] == Link(min(gbps, SSD_WRITE_GBPS / 2), min(gbps, SSD_READ_GBPS / 2))
+    assert runs["ssd"] == all_modes and "ssd" not in runtime_links(topo)[0]
+    with pytest.raises(ValueError, match=r"activation tiers \['peer'\]: the planner offers host and ssd"):
+        runtime_links(topo, ("host", "peer"))
