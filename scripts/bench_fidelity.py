@@ -11,9 +11,8 @@ every configuration alike; a configuration reports the median over repetitions o
 the spread of those medians (max/min - 1), the median prediction, and measured / predicted. Exits 1 when
 any ratio falls outside 1 +- --tolerance.
 
-Activation policies are a parameter of both sides: POLICIES maps a name to the keys its run puts in the
-config and the function that predicts its step from a plan. Only "recompute" (the runtime's one policy
-today: the stage input is saved, the forward recomputed in the backward) exists yet.
+Activation policies are a parameter of both sides (POLICIES): the run's memory.activations and
+memory.activation_tier, and the plan as the run runs them (plan_as_run), simulated.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ import os
 import statistics
 import sys
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,10 +32,12 @@ from bench_pipeline import SIZES, machine, torchrun_metrics
 from benchlib import cpu_mark, markdown_table, other_share
 
 from foundation.units import MiB
-from mobiuspipe.config import config_from_dict
+from mobiuspipe.activations import stage_modes
+from mobiuspipe.config import MemoryConfig, config_from_dict
 from mobiuspipe.config_plan import model_spec
 from mobiuspipe.dataset import open_data
 from mobiuspipe.models.gpt import layer_factories, lm_loss
+from mobiuspipe.pipeline_swaps import plan_as_run, swap_tiers
 from mobiuspipe.profiler import measure_profile
 from partition import make_plan
 from partition.plan import Plan, save_plan
@@ -76,20 +76,34 @@ DEVICE_MB = 4096
 
 @dataclass(frozen=True)
 class Policy:
-    """An activation policy as the benchmark drives it: keys merged into the run's config, and the prediction
-    of a plan's step under it (seconds)."""
+    """An activation policy as the benchmark drives it: memory.activations and memory.activation_tier of the
+    run; the prediction simulates the plan as the run runs it (mobiuspipe.pipeline_swaps.plan_as_run)."""
 
-    run_keys: dict
-    predict: Callable[[Plan, Topology], float]
+    activations: str
+    tier: str
+
+    @property
+    def run_keys(self) -> dict:
+        return {"memory": {"activations": self.activations, "activation_tier": self.tier}}
+
+    def predict(self, plan: Plan, topo: Topology, ssd_dir: str) -> float:
+        """The predicted step (s) of plan run under this policy."""
+        modes = stage_modes("plan" if self.activations == "plan" else self.activations, plan)
+        tiers = swap_tiers(plan, MemoryConfig(activation_tier=self.tier, ssd_dir=ssd_dir), modes)
+        run = plan_as_run(plan, modes, tiers)
+        return predict_step(run, topo, HostBudget(None, "unlimited")).sim.step_time_s
 
 
-def _predict_recompute(plan: Plan, topo: Topology) -> float:
-    return predict_step(plan, topo, HostBudget(None, "unlimited")).sim.step_time_s
-
-
-POLICIES = {"recompute": Policy({}, _predict_recompute)}
-"""Policies measured. A new one (keep, selective, a swap tier) adds its config keys (memory.activations,
-memory.activation_tier) and its prediction (the plan with its ActivationPolicy per stage, simulated)."""
+POLICIES = {
+    "plan": Policy("plan", "plan"),
+    "recompute": Policy("recompute", "device"),
+    "keep": Policy("keep", "device"),
+    "recompute-host": Policy("recompute", "host"),
+    "keep-host": Policy("keep", "host"),
+    "keep-ssd": Policy("keep", "ssd"),
+}
+"""Policies measured: the plan's choice (every stage keeps on these roomy stand-ins), recompute and keep forced,
+and each with its held bytes swapped to the host or the SSD (the run's ssd_dir is in its folder)."""
 
 
 @dataclass
@@ -194,13 +208,14 @@ def run_cell(cell: Cell, parts: dict, profile: Profile, host: Measured, args: ar
     folder.mkdir(parents=True)
     save_plan(plan, folder / "plan.yaml")
     d = run_dict(parts, ranks, stages, args.steps, str(folder / "out"), str(folder / "plan.yaml"), policy)
+    d["memory"]["ssd_dir"] = str(folder / "ssd")
     mark = cpu_mark()
     recs = torchrun_metrics(d, ranks, folder, args.timeout)
     cell.other.append(other_share(mark)[0])
     steady = recs[args.warmup :]
     cell.measured.append(statistics.median(r["step_s"] for r in steady))
     cell.split.append(tuple(statistics.median(r[k] for r in steady) for k in ("compute_s", "load_s", "comm_s")))
-    cell.predicted.append(policy.predict(plan, topo))
+    cell.predicted.append(policy.predict(plan, topo, str(folder / "ssd")))
 
 
 def row(cell: Cell, tol: float) -> list[str]:
@@ -243,7 +258,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", choices=[*GPT_MODELS, "llama"], default=[*GPT_MODELS, "llama"])
     p.add_argument("--plans", nargs="+", choices=list(PLANS), default=list(PLANS))
-    p.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES))
+    p.add_argument("--policies", nargs="+", choices=list(POLICIES), default=["plan", "recompute", "keep-host"])
     p.add_argument("--reps", type=int, default=3, help="repetitions of the whole grid (default 3)")
     p.add_argument("--steps", type=int, default=16, help="optimizer steps per run (default 16)")
     p.add_argument("--warmup", type=int, default=4, help="first steps left out of the median (default 4)")
