@@ -62,8 +62,9 @@ def make_swaps(
 def plan_as_run(plan: Plan, modes: dict, tiers: dict[int, str], on_gpu: bool = False) -> Plan:
     """The plan with each stage's activation policy as this run runs it (memory.activations and
     memory.activation_tier may force another than the plan's), so that its lifetime walk is the run's. A
-    forced mode's bytes come from the stage's sums (the plan has no per-layer figures): recompute holds the
-    input and redoes the forward; keep and selective hold up to the stage's live activations A_j. On a gpu a
+    forced mode's bytes and times come from the stage's sums (the plan has no per-layer figures): recompute
+    holds the input and redoes the forward with grad in B; keep and selective hold up to the stage's live
+    activations A_j; keep runs the forward with grad in F; a forced selective is timed as recompute. On a gpu a
     recompute stage's input left on the device tier goes to the host (the engine's path: "auto", 0 held)."""
     stages = []
     for j, s in enumerate(plan.stages):
@@ -77,7 +78,8 @@ def plan_as_run(plan: Plan, modes: dict, tiers: dict[int, str], on_gpu: bool = F
         if on_gpu and (mode, tier) == ("recompute", "device"):
             held, tier = 0, "auto"
         kept = tuple(sorted(modes[j].keep_layers)) if mode == "selective" else ()
-        redo = None if mode != "keep" else 0.0
+        grad = _grad_forward_s(s)
+        forward, redo = (grad, 0.0) if mode == "keep" else (s.fwd_s, grad)
         stages.append(
             dataclasses.replace(
                 s,
@@ -87,6 +89,15 @@ def plan_as_run(plan: Plan, modes: dict, tiers: dict[int, str], on_gpu: bool = F
                 held_bytes=held,
                 work_bytes=s.activation_bytes,
                 recompute_s=redo,
+                forward_s=forward,
             )
         )
     return dataclasses.replace(plan, stages=tuple(stages))
+
+
+def _grad_forward_s(s) -> float:
+    """A stage's whole forward with grad (s), from the times its plan records under its own policy (a selective
+    stage's: an upper bound, its recomputed segments counted with and without grad)."""
+    if s.activations == "recompute":
+        return s.fwd_s if s.recompute_s is None else s.recompute_s
+    return s.f_s + (s.recompute_s or 0.0)

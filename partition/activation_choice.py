@@ -152,6 +152,7 @@ def with_activations(
             held_bytes=c.held_bytes,
             recompute_s=c.recompute_s,
             work_bytes=c.work_bytes,
+            forward_s=c.forward_s,
         )
         for s, c in zip(plan.stages, choice.costs)
     )

@@ -19,12 +19,14 @@ Legend (stage j = layers a..b, one microbatch unless marked; units in brackets):
   R_l        a layer's forward as the backward redoes it (with grad; profile recompute_s, else F_l)  [s]
   R_j        = sum_{l not in K} R_l: the forward redone in each B                              [s]
   F_j, B_j   = sum_l F_l, sum_l B_l                                                            [s]
+  F'_j       = sum_{l in K} R_l + sum_{l not in K} F_l: F(j,i) as the policy runs it (kept layers run
+             with grad and keep their graphs; the others without grad)                          [s]
   out, in_   bandwidth from the device to the tier and back (the share of a shared link)        [GB/s]
-  W_out      = F_j: a swap-out of microbatch i overlaps the forward of microbatch i+1            [s]
+  W_out      = F'_j: a swap-out of microbatch i overlaps the forward of microbatch i+1           [s]
   W_in       = B_j + R_j: a swap-in of microbatch i overlaps the backward of microbatch i+1      [s]
   X_j        = M * (max(0, H_j / out - W_out) + max(0, H_j / in_ - W_in)): exposed transfer time   [s]
              (tier device: 0, nothing moves)
-  C_j        = M * (F_j + B_j + R_j) + X_j: stage j's compute per step under the policy          [s]
+  C_j        = M * (F'_j + B_j + R_j) + X_j: stage j's compute per step under the policy         [s]
 A policy never changes the math: every option computes the same gradients (the runtime's tests hold them to
 bit-identical results); it trades device bytes (H_j, T_j) for time (R_j, X_j).
 """
@@ -86,6 +88,7 @@ class PolicyCost:
     recompute_s: float  # R_j
     exposed_s: float  # X_j
     compute_s: float  # C_j
+    forward_s: float = 0.0  # F'_j
 
 
 def _segments(a: int, b: int, kept: frozenset[int]) -> list[tuple[int, int]]:
@@ -120,14 +123,15 @@ def policy_cost(
     if segs:
         work += max(int(arr.A[e + 1] - arr.A[s]) for s, e in segs) + _output(arr, a - 1, input_bytes) + int(arr.O[b])
     recompute = sum(arr.recompute(s, e) for s, e in segs)
-    fwd, bwd = float(arr.F[b + 1] - arr.F[a]), float(arr.B[b + 1] - arr.B[a])
+    fwd = sum(arr.recompute(s, e) for s, e in runs) + sum(float(arr.F[e + 1] - arr.F[s]) for s, e in segs)
+    bwd = float(arr.B[b + 1] - arr.B[a])
     exposed = 0.0
     if policy.tier != "device":
         if link is None:
             raise ValueError(f"tier {policy.tier!r} needs the link's bandwidth to it")
         out_s, in_s = held / (link.out_gbps * 1e9), held / (link.in_gbps * 1e9)
         exposed = m * (max(0.0, out_s - fwd) + max(0.0, in_s - (bwd + recompute)))
-    return PolicyCost(policy, held, work, recompute, exposed, m * (fwd + bwd + recompute) + exposed)
+    return PolicyCost(policy, held, work, recompute, exposed, m * (fwd + bwd + recompute) + exposed, fwd)
 
 
 def kept_layers_order(arr: LayerArrays, a: int, b: int) -> list[int]:

@@ -72,6 +72,14 @@ class StagePlan(_PlanPart):
     """H_j: bytes held per microbatch from F to B under the policy (-1 in plans made before the choice)."""
     work_bytes: int = -1
     """T_j: bytes live while B runs besides the held ones (-1: activation_bytes, plans before the choice)."""
+    forward_s: float | None = None
+    """Seconds per microbatch of F as the policy runs it: its kept layers' forward with grad (they keep their
+    graphs), the others' without; 0 on the last stage (fused into B); None (plans before the choice): fwd_s."""
+
+    @property
+    def f_s(self) -> float:
+        """F's seconds per microbatch under the stage's policy (forward_s, else fwd_s)."""
+        return self.fwd_s if self.forward_s is None else self.forward_s
 
     @property
     def layers(self) -> range:

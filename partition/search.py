@@ -359,7 +359,7 @@ def sim_stages(stages: tuple[StagePlan, ...], topo: Topology, memory: MemoryPlan
         out.append(
             SimStage(
                 gpu=s.gpu,
-                fwd_s=s.fwd_s,
+                fwd_s=s.f_s,
                 bwd_s=s.bwd_s,
                 recompute_s=s.fwd_s if s.recompute_s is None else s.recompute_s,
                 fused=j == len(stages) - 1,

@@ -233,6 +233,7 @@ def _stage_json(plan: Plan) -> list[dict]:
                 "kept_layers": list(s.kept_layers),
                 "tier": s.activation_tier,
                 "held_bytes": s.held_bytes,
+                "forward_s": s.forward_s,
                 "recompute_s": s.recompute_s,
             },
         }

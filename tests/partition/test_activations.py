@@ -47,6 +47,20 @@ def test_selective_splits_the_stage_into_recomputed_segments():
     assert c.recompute_s == 1 + 4 + 6
 
 
+def test_the_forward_runs_kept_layers_with_grad():
+    """F'_j: kept layers at their with-grad time R_l (they keep their graphs), the others at F_l; C_j with it."""
+    r = np.array([1.5, 5.0, 1.25, 7.0])  # with grad: slower than F
+    arr = _arrays()
+    arr = LayerArrays(P=arr.P, A=arr.A, F=arr.F, B=arr.B, O=arr.O, N=arr.N, R=np.concatenate([[0], np.cumsum(r)]))
+    keep = policy_cost(arr, 1, 3, 2, ActivationPolicy("keep"), None)
+    assert keep.forward_s == pytest.approx(5.0 + 1.25 + 7.0) and keep.recompute_s == 0.0
+    assert keep.compute_s == pytest.approx(2 * (13.25 + 22))
+    redo = policy_cost(arr, 1, 3, 2, ActivationPolicy("recompute"), None)
+    assert redo.forward_s == pytest.approx(11.0) and redo.recompute_s == pytest.approx(13.25)
+    sel = policy_cost(arr, 0, 3, 2, ActivationPolicy("selective", (1, 2)), None)
+    assert sel.forward_s == pytest.approx(1.0 + 5.0 + 1.25 + 6.0) and sel.recompute_s == pytest.approx(1.5 + 7.0)
+
+
 def test_a_swap_is_exposed_only_beyond_its_window():
     link = Link(out_gbps=9500 / 20e9, in_gbps=9500 / 30e9)  # 9500 bytes held: 20 s out, 30 s back
     c = policy_cost(_arrays(), 1, 3, 2, ActivationPolicy("keep", tier="host"), link)
