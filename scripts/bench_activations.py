@@ -9,6 +9,9 @@ Policies (the same model, microbatch count and budget):
   keep       that plan with every stage recorded as keep (with_activations(modes={"device": ("keep",)})),
              run with memory.activations: keep; nothing else plans keep, so its walk must fit the budget
   chosen     make_plan(activations="auto") (the default), run with memory.activations: plan (the default)
+  offload    the same with host memory to spare (a host budget of HOST_GIB GiB: the choice may hold activations
+             on the host tier), run with memory.activation_tier: plan (the default): held bytes swap to the
+             host between F and B
 A size trains when the planner accepts it (make_plan raises no PlanInfeasibleError; keep: and its walk is
 within the budget) and the measured peak of its steps (StepResult.device_peak_bytes, the ledger) is within the
 budget: the ledger counts bytes but refuses none, so the budget is checked after the steps. The search plans
@@ -46,11 +49,14 @@ from partition.device_peak import planned_device_bytes
 from partition.errors import PlanInfeasibleError
 from partition.plan import Plan
 from partition.profile import Profile
+from partition.tiers import HostBudget
 
 MiB = 1 << 20
-POLICIES = ("recompute", "keep", "chosen")
-RUNTIME = {"recompute": "recompute", "keep": "keep", "chosen": "plan"}
+POLICIES = ("recompute", "keep", "chosen", "offload")
+RUNTIME = {"recompute": "recompute", "keep": "keep", "chosen": "plan", "offload": "plan"}
 """The runtime's memory.activations for each policy."""
+HOST_GIB = 16
+"""The offload policy's host budget (GiB): far more than these runs hold."""
 
 
 @dataclass(frozen=True)
@@ -126,8 +132,10 @@ def plan_for(policy: str, cfg: RunConfig, kind: str) -> Plan:
     """The policy's plan for cfg on its CPU stand-in from a `kind` profile; PlanInfeasibleError when the memory
     rule refuses it."""
     profile, topo = profile_of(cfg, kind), run_topology(cfg)
-    auto = policy == "chosen"
-    kw = {"num_stages": cfg.plan.num_stages, "solver": "dp", "activations": "auto" if auto else "recompute"}
+    auto = policy in ("chosen", "offload")
+    kw: dict = {"num_stages": cfg.plan.num_stages, "solver": "dp", "activations": "auto" if auto else "recompute"}
+    if policy == "offload":
+        kw["host_budget"] = HostBudget(HOST_GIB << 30, "the benchmark's")
     plan = make_plan(profile, topo, cfg.data.num_microbatches, **kw)
     if policy == "keep":
         plan, _ = with_activations(plan, profile, topo, 1 << 62, modes={"device": ("keep",)})
@@ -187,8 +195,10 @@ def run(runs: dict[str, tuple[RunConfig, Plan]], steps: int, min_s: float = 0.0)
 
 
 def modes(plan: Plan) -> str:
-    """The plan's stage modes by initial: r(ecompute), s(elective), k(eep) (the last stage's fused forward is k)."""
-    return "/".join(s.activations[0] for s in plan.stages)
+    """The plan's stage modes by initial: r(ecompute), s(elective), k(eep) (the last stage's fused forward is k),
+    with "@h" / "@s" for held bytes on the host / SSD tier."""
+    tier = {"host": "@h", "ssd": "@s"}
+    return "/".join(s.activations[0] + tier.get(s.activation_tier, "") for s in plan.stages)
 
 
 def accepted_limit(ok: Callable[[int], bool], top: int) -> int:
@@ -304,8 +314,8 @@ def sweep(args: argparse.Namespace, axis: str, unit: int, found: dict[str, Large
             t, peak = timed[size, p]
             mark = " (refused)" if verdicts[p].refused else (" **over**" if peak > budget else "")
             cells.append(f"{t:.3f} s, {peak / MiB:.1f} MiB{mark}")
-        chosen = verdicts["chosen"].plan
-        rows.append([str(size), *cells, modes(chosen) if chosen is not None else "-"])
+        chosen, offload = verdicts["chosen"].plan, verdicts["offload"].plan
+        rows.append([str(size), *cells, *(modes(p) if p is not None else "-" for p in (chosen, offload))])
         print(f"  {axis} {size}: " + "; ".join(f"{p} {c}" for p, c in zip(POLICIES, cells)))
     return rows, timed
 
@@ -335,7 +345,7 @@ def axis_tables(args: argparse.Namespace, axis: str) -> str:
         f"\n{axis} ({fixed}): the largest that trains\n"
         + markdown_table(HEADER, largest_rows(found, timed, tokens))
         + f"\n\n{axis} ({fixed}): step time and measured peak by size, run side by side\n"
-        + markdown_table([axis, *POLICIES, "chosen's stage modes"], rows)
+        + markdown_table([axis, *POLICIES, "chosen's stage modes", "offload's"], rows)
     )
 
 
