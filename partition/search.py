@@ -12,10 +12,11 @@ from partition.bounds import StepBound, step_bound
 from partition.costmodel import ARENA_SLOTS, LayerArrays
 from partition.dp import solve_dp
 from partition.errors import PlanInfeasibleError
-from partition.mapping import mapping_candidates, mapping_score, peer_gbps, stage_contention
+from partition.mapping import mapping_candidates, mapping_score, stage_contention
 from partition.plan import Plan, SolverInfo, StagePlan
 from partition.profile import Profile
-from partition.simulate import SimResult, SimStage, simulate
+from partition.sim_stages import HOST_ADAM_PARAMS_PER_S, host_adam_rate, host_cores, sim_stages
+from partition.simulate import SimResult, simulate
 from partition.tiers import HostBudget, MemoryPlan, SsdInfo, activation_host_caps, place_tiers, ssd_info
 from topology import Topology
 
@@ -28,23 +29,6 @@ __all__ = [
     "host_adam_rate",
     "host_cores",
 ]
-
-HOST_ADAM_PARAMS_PER_S = 1.0e9
-"""Parameters per second the host's Adam updates when the topology has no measurement (`topology --probe`
-measures it): torch AdamW ran ~0.9-1e9/s on this project's 2-core machine."""
-
-
-def host_adam_rate(topo: Topology) -> float:
-    """The topology's measured host Adam rate, else HOST_ADAM_PARAMS_PER_S."""
-    m = topo.measured
-    return m.host_adam_params_per_s if m and m.host_adam_params_per_s > 0 else HOST_ADAM_PARAMS_PER_S
-
-
-def host_cores(topo: Topology) -> float | None:
-    """The cores the computations of CPU stand-ins share (topology --probe measures them), else None: each
-    gpu computes on its own."""
-    m = topo.measured
-    return m.host_cores if m and m.host_cores > 0 else None
 
 
 def make_plan(
@@ -336,47 +320,6 @@ def _plan_of(
         input_bytes=profile.input_bytes,
         target_bytes=profile.target_bytes,
     )
-
-
-def sim_stages(stages: tuple[StagePlan, ...], topo: Topology, memory: MemoryPlan | None = None) -> list[SimStage]:
-    """The simulator's view of a plan's stages on a topology.
-
-    Static times (for simulate() without a topology): a load at the stage's planned load_gbps, an offload
-    at the gpu's own link speed. An activation to another gpu (and its gradient back) takes output_bytes at
-    the pair's bandwidth, or, when the topology measured its messages (CPU stand-ins: gloo between ranks),
-    their latency + output_bytes at their GB/s. Bytes (for simulate(..., topology=topo)): a load moves param_bytes, an
-    offload the gradients, which have the parameters' dtype, so also param_bytes. With `memory` (the
-    plan's tiers), each stage's SSD traffic per step: its update's (streamed under the update), and with its
-    weights on the SSD, its loads' reads and its offload's write (simulate(..., ssd=...)).
-    """
-    out = []
-    m = topo.measured
-    latency, msg_gbps = (m.message_latency_s, m.message_gbps) if m and m.message_latency_s > 0 else (0.0, 0.0)
-    for j, s in enumerate(stages):
-        nxt = stages[j + 1].gpu if j + 1 < len(stages) else s.gpu
-        gbps = msg_gbps if msg_gbps > 0 else peer_gbps(topo, s.gpu, nxt)
-        comm = 0.0 if nxt == s.gpu else latency + s.output_bytes / (gbps * 1e9)
-        out.append(
-            SimStage(
-                gpu=s.gpu,
-                fwd_s=s.f_s,
-                bwd_s=s.bwd_s,
-                recompute_s=s.fwd_s if s.recompute_s is None else s.recompute_s,
-                fused=j == len(stages) - 1,
-                load_s=s.load_s,
-                offload_s=s.param_bytes / (topo.gpus[s.gpu].link_gbps * 1e9),
-                update_s=s.param_count / host_adam_rate(topo),
-                comm_s=comm,
-                param_bytes=s.param_bytes,
-                grad_bytes=s.param_bytes,
-                activation_bytes=s.activation_bytes,
-                output_bytes=s.output_bytes,
-                ssd_read_bytes=memory.stages[j].update_read_bytes if memory else 0,
-                ssd_write_bytes=memory.stages[j].update_write_bytes if memory else 0,
-                ssd_weights=memory is not None and memory.stages[j].weights == "ssd",
-            )
-        )
-    return out
 
 
 def stage_plan(arr: LayerArrays, a: int, b: int, gpu: int, load_gbps: float) -> StagePlan:

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["SimStage", "SimResult", "SsdLink"]
+__all__ = ["SimStage", "SimResult", "SsdLink", "SSD_READ", "SSD_WRITE"]
+
+SSD_READ = ("ssd", "read")
+"""The drive's read link (partition.flows.Link): loads of stages with their weights on the SSD and swap-ins
+from the SSD tier cross it."""
+SSD_WRITE = ("ssd", "write")
+"""The drive's write link: offloads of stages with their gradients on the SSD and swap-outs to it cross it."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,16 @@ class SimStage:
     """Seconds of the forward a B redoes before its backward (with grad); None: fwd_s."""
     fused: bool = False
     """The last stage as the runtime runs it: F takes no time, B runs forward, loss and backward."""
+    swap_tier: str = "device"
+    """Where the held activations live from F to B (partition.sim_swaps): host, ssd and peer move them."""
+    held_bytes: int = 0
+    """Bytes held per microbatch from F to B (what a swap moves each way)."""
+    swap_out_s: float = 0.0
+    """Static seconds of one swap-out, used when simulate() gets no topology."""
+    swap_in_s: float = 0.0
+    """Static seconds of one swap-in, used when simulate() gets no topology."""
+    swap_peer: int = -1
+    """The gpu whose memory holds the swapped bytes (swap_tier peer)."""
 
     @property
     def f_s(self) -> float:

@@ -59,9 +59,13 @@ Durations of loads and offloads (the link model):
                   two ways: a flow held back elsewhere does not hand its unused share to the others (the
                   rule Topology.load_gbps also uses, so the planner's estimate and the simulation agree on
                   symmetric trees), and real transfers have per-copy latency and chunking.
-Not modelled (small next to a stage's weights, or outside one step): activations are not flows (they keep
-their fixed comm_s but their bytes are counted in link traffic); the stage inputs the runtime saves to host
-for the recompute; the next step's loads waiting for this step's updates.
+  swaps     a stage whose held activations live off the device (host, SSD, a peer gpu) copies them out after
+            each forward and back before each backward, where the schedule's SO and SI stand, as flows on its
+            paths (or static times): partition.sim_swaps. A plan made before the activation choice (tier
+            auto) moves nothing here.
+Not modelled (small next to a stage's weights, or outside one step): activations between gpus are not
+flows (they keep their fixed comm_s but their bytes are counted in link traffic); the next step's loads
+waiting for this step's updates.
 
 Reported: step time = when the last update (or the last compute) ends, at least D; per gpu its compute busy seconds
 and fraction; bytes per link (gpu link, switch and root complex uplinks, NVLink, then the SSD's reads and
@@ -79,7 +83,8 @@ from collections.abc import Hashable
 from partition.costmodel import WEIGHT_SLOTS
 from partition.flows import FlowNet, Link, TaskGraph
 from partition.order import visits_of
-from partition.sim_types import SimResult, SimStage, SsdLink
+from partition.sim_swaps import Swaps
+from partition.sim_types import SSD_READ, SSD_WRITE, SimResult, SimStage, SsdLink
 from topology import Topology
 
 __all__ = [
@@ -94,10 +99,6 @@ __all__ = [
     "HOST_CORES",
 ]
 
-SSD_READ: Link = ("ssd", "read")
-"""The drive's read link: loads of stages with their weights on the SSD cross it."""
-SSD_WRITE: Link = ("ssd", "write")
-"""The drive's write link: offloads of stages with their gradients on the SSD cross it."""
 HOST_CORES: Link = ("host", "cores")
 """The host's cores, in cores: the computations of CPU stand-ins share them (simulate(..., host_cores=C))."""
 
@@ -132,7 +133,9 @@ def simulate(
     Raises ValueError for stages with SSD bytes but no SsdLink, RuntimeError if the schedule cannot make
     progress (a stage on a gpu that does not exist: a bug).
     """
-    if ssd is None and any(s.ssd_read_bytes or s.ssd_write_bytes or s.ssd_weights for s in stages):
+    if ssd is None and any(
+        s.ssd_read_bytes or s.ssd_write_bytes or s.ssd_weights or s.swap_tier == "ssd" for s in stages
+    ):
         raise ValueError("stages move bytes to or from the SSD but simulate() got no ssd=SsdLink(...)")
     if host_cores is not None and not host_cores > 0:
         raise ValueError(f"host_cores must be > 0 (the cores the computations share), found {host_cores}")
@@ -149,9 +152,13 @@ def simulate(
     graph = TaskGraph(FlowNet(caps)) if caps else TaskGraph()
     moves: list[tuple[int, tuple[Link, ...]]] = []
     spans: dict[int, list[tuple[Hashable, Hashable]]] = {}
+    nvlinks = frozenset(
+        (a, b) for a in range(num_gpus) for b in range(a + 1, num_gpus) if topology and topology.nvlink(a, b)
+    )
     for g in range(num_gpus):
         flows, cores = topology is not None, host_cores is not None
-        spans[g] = _add_gpu(graph, stages, g, microbatches, paths, flows, moves, ssd, memory_bytes, cores)
+        swaps = Swaps(graph, microbatches, paths, flows, moves, nvlinks)
+        spans[g] = _add_gpu(graph, stages, g, microbatches, paths, flows, moves, ssd, memory_bytes, cores, swaps)
     for j in range(len(stages) - 1):
         for i in range(microbatches):
             graph.add(("arrive", "F", j + 1, i), [("F", j, i)], stages[j].comm_s)
@@ -202,6 +209,7 @@ def _add_gpu(
     ssd,
     memory,
     cores: bool = False,
+    swaps: Swaps | None = None,
 ) -> list[tuple[Hashable, Hashable]]:
     """Gpu g's loads, computations and offloads, chained as the runtime orders them; returns its arena spans
     (task whose start takes a slot, task whose end frees it). Moves of ssd_weights stages cross the SSD;
@@ -230,7 +238,10 @@ def _add_gpu(
             dur = st.f_s if phase == "F" else st.b_s
             work = ((dur * 1e9, (HOST_CORES, (f"gpu{g}", "compute"))),) if cores else ()
             deps = (load, prev_op, wait, prev_off if phase == "B" else None)
+            deps += tuple(swaps.before(st, j, i, phase, prev_op)) if swaps else ()
             prev_op = graph.add((phase, j, i), deps, 0.0 if cores else dur, work)
+            if swaps:
+                swaps.after(st, j, i, phase, prev_op)
             first = first or prev_op
         holder[slot_of[k]] = prev_op
         if not (k + 1 < len(visits) and visits[k + 1][0] == j):
