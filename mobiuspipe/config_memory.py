@@ -11,8 +11,8 @@ from partition.placement import TIERS  # where memory.optimizer and memory.weigh
 
 __all__ = ["MemoryConfig", "ACTIVATION_MODES", "ACTIVATION_TIERS"]
 
-ACTIVATION_TIERS = ("plan", "device", "host", "ssd")
-"""memory.activation_tier: where a recompute stage's saved input lives between its forward and backward."""
+ACTIVATION_TIERS = ("plan", "device", "host", "ssd", "peer")
+"""memory.activation_tier: where each stage's held activations live between its forward and backward."""
 
 ACTIVATION_MODES = ("plan", "recompute", "keep")
 """memory.activations: the plan's choice per stage, or one mode for every stage (Pipeline(activations=...)
@@ -46,10 +46,13 @@ class MemoryConfig(Section):
     device until the backward (no recompute, more device memory). All give the same numbers bit for bit."""
 
     activation_tier: str = "plan"
-    """Where a recompute stage's saved input lives from its forward to its backward. "plan": as the plan
-    chose; "device": on the device; "host": copied to (pinned) host memory after the forward, prefetched back
-    before the backward, on the copy stream; "ssd": on to an SSD store in ssd_dir (ssd_dir/rank{r}-activations)
-    through a host staging buffer. Every tier gives the same numbers bit for bit."""
+    """Where each stage's held activations (a recompute stage's input; a keep or selective stage's kept graphs
+    and recomputed parts' inputs) live from its forward to its backward. "plan": as the plan chose;
+    "device": on the device; "host": copied to (pinned) host memory after the forward, prefetched back before
+    the backward, on the copy stream; "ssd": on to an SSD store in ssd_dir (ssd_dir/rank{r}-activations)
+    through a host staging buffer; "peer": into a region of the next rank's gpu (partition/peer.py sizes it;
+    device to device where the gpus have peer access, staged through host otherwise; ranks on one host).
+    Every tier gives the same numbers bit for bit."""
 
     def check_values(self) -> list[Problem]:
         return [
@@ -100,7 +103,7 @@ class MemoryConfig(Section):
                 "activation_tier",
                 "one of " + ", ".join(ACTIVATION_TIERS),
                 repr(self.activation_tier),
-                "use `activation_tier: plan` (the planner's choice), `device`, `host` or `ssd`",
+                "use `activation_tier: plan` (the planner's choice), `device`, `host`, `ssd` or `peer`",
             ),
             *rule(
                 self.activation_tier != "ssd" or bool(self.ssd_dir),

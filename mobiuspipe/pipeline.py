@@ -217,7 +217,7 @@ class Pipeline:
             defer_updates=self._hold_updates,
             ledger=ledger,
             activations=self.activations,
-            swaps=make_swaps(swapped, mine, device, self.memory, rank),
+            swaps=make_swaps(swapped, self.plan, device, self.memory, self.info, ledger),
         )
 
     def _state_tiers(self, make_optimizer: OptimizerFactory, params: dict[int, int]) -> dict[int, SsdTier | None]:

@@ -9,15 +9,18 @@ import os
 from mobiuspipe.config_memory import MemoryConfig
 from mobiuspipe.device import Device
 from mobiuspipe.errors import PipelineError
+from mobiuspipe.memory.ledger import DeviceLedger
 from mobiuspipe.memory.ssd_store import SSDStore
 from mobiuspipe.memory.swap import HostSwap, Swap
 from mobiuspipe.memory.swap_ssd import SsdSwap
+from mobiuspipe.peer_regions import open_regions
+from mobiuspipe.ranks import RankInfo
 from partition.plan import Plan
 
 __all__ = ["swap_tiers", "make_swaps", "plan_as_run", "RUN_TIERS"]
 
-RUN_TIERS = ("host", "ssd")
-"""The tiers off the device the engine runs (a peer gpu's region: not yet)."""
+RUN_TIERS = ("host", "ssd", "peer")
+"""The tiers off the device the engine runs."""
 
 
 def swap_tiers(plan: Plan, memory: MemoryConfig, modes: dict) -> dict[int, str]:
@@ -41,19 +44,26 @@ def swap_tiers(plan: Plan, memory: MemoryConfig, modes: dict) -> dict[int, str]:
 
 
 def make_swaps(
-    tiers: dict[int, str], mine: list[int], device: Device, memory: MemoryConfig, rank: int
+    tiers: dict[int, str], plan: Plan, device: Device, memory: MemoryConfig, info: RankInfo, ledger: DeviceLedger
 ) -> dict[int, Swap]:
-    """The swap tier objects of this rank's stages in `tiers` (one SSD store per rank, in ssd_dir)."""
+    """The swap tier objects of this rank's stages in `tiers` (one SSD store per rank, in ssd_dir; one region on
+    the peer); plan: as the run runs it (plan_as_run: its held bytes size the peer regions). Key -1: the regions
+    this rank gives its peers (mobiuspipe.peer_regions; every rank sets them up together)."""
     out: dict[int, Swap] = {}
     ssd: SsdSwap | None = None
-    for j in (j for j in mine if j in tiers):
+    peer, out[-1] = open_regions(plan, info, device, ledger)
+    for j in (j for j in plan.stages_of(info.rank) if j in tiers):
         if tiers[j] == "host":
             out[j] = HostSwap(device)
+            continue
+        if tiers[j] == "peer":
+            assert peer is not None, "the plan parks this stage on the peer tier, so partition.peer sized a region"
+            out[j] = peer
             continue
         if ssd is None:
             if not memory.ssd_dir:
                 raise PipelineError("activation_tier ssd needs memory.ssd_dir: set it to a folder on an NVMe drive")
-            store = SSDStore(os.path.join(memory.ssd_dir, f"rank{rank}-activations"))
+            store = SSDStore(os.path.join(memory.ssd_dir, f"rank{info.rank}-activations"))
             ssd = SsdSwap(device, store, owns_store=True)
         out[j] = ssd
     return out

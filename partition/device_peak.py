@@ -10,7 +10,8 @@ Legend (partition.lifetimes has the walk's; units in brackets):
   Y     plan.target_bytes: one microbatch of the loss's targets                                [bytes]
   H_j   bytes (j, i) keeps on the device from its forward to its backward                     [bytes]
   D_g   the walk's peak on gpu g: the arena, the held inputs, the messages queued in and out, and
-        the computing stage's A_j                                                             [bytes]
+        the computing stage's A_j; plus the regions g gives its peers' parked activations
+        (partition.peer: R(g, h), held the whole run)                                          [bytes]
 
 Two runtime paths, each walked as it runs:
   a gpu (CUDA, NCCL; the default): H_j = 0 (Engine._fwd copies the stage input to the host), the arena
@@ -29,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from partition.lifetimes import StageBytes, device_peaks
+from partition.peer import regions
 from partition.plan import Plan
 
 __all__ = ["planned_device_bytes", "stage_bytes"]
@@ -61,4 +63,7 @@ def planned_device_bytes(plan: Plan, standin: bool = False, held: Sequence[int] 
     arena = None if standin else plan.arena_bytes
     stages = stage_bytes(plan, held)
     peaks = device_peaks(plan.mapping, plan.num_microbatches, stages, arena, standin, swapped)
-    return peaks + [arena or 0] * (plan.num_gpus - len(peaks))
+    peaks = peaks + [arena or 0] * (plan.num_gpus - len(peaks))
+    for (owner, _), nbytes in regions(plan).items():  # a peer's region is held the whole run
+        peaks[owner] += nbytes
+    return peaks

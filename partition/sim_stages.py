@@ -4,6 +4,7 @@ bytes, the host's Adam rate and cores, and each stage's swaps."""
 from __future__ import annotations
 
 from partition.mapping import peer_gbps
+from partition.peer import peer_gpu
 from partition.plan import StagePlan
 from partition.sim_swaps import SWAP_TIERS
 from partition.sim_types import SimStage
@@ -75,12 +76,12 @@ def sim_stages(stages: tuple[StagePlan, ...], topo: Topology, memory: MemoryPlan
 def _swap_fields(s: StagePlan, last: bool, topo: Topology) -> dict:
     """A stage's swaps for the simulator (partition.sim_swaps): its tier, held bytes and static times (each
     way: H over the gpu's link; the SSD tier at the least of it and the drive's GB/s, unprobed: one NVMe's;
-    the peer tier staged through host, its copies in turn on the one copy stream, on the next gpu by index)."""
+    the peer tier staged through host, its copies in turn on the one copy stream, on partition.peer's gpu)."""
     if last or s.activation_tier not in SWAP_TIERS or s.held_bytes <= 0:
         return {}
     link = topo.gpus[s.gpu].link_gbps * 1e9
     out = back = s.held_bytes / link
-    peer = (s.gpu + 1) % topo.num_gpus
+    peer = peer_gpu(s.gpu, topo.num_gpus)
     if s.activation_tier == "ssd":
         drive = ssd_info(topo).link
         out, back = s.held_bytes / min(link, drive.write_gbps * 1e9), s.held_bytes / min(link, drive.read_gbps * 1e9)

@@ -89,6 +89,11 @@ def test_kept_graphs_swap_to_every_tier_bit_for_bit(tmp_path, precision, spec):
         assert got_peak < peak, tier  # the kept graphs left the device between SO and SI
 
 
+def test_the_peer_tier_needs_another_rank(tmp_path):
+    with pytest.raises(PipelineError, match="activation_tier peer parks activations in another rank's gpu, but this"):
+        _run("fp32", "peer", tmp_path)
+
+
 def test_the_last_stage_cannot_swap(tmp_path):
     cfg = _cfg("fp32")
     from mobiuspipe.pipeline_swaps import swap_tiers

@@ -58,17 +58,23 @@ def _train(launch, tmp_path: Path, name: str, memory: dict) -> tuple[list[float]
 
 
 def test_memory_activations_and_tiers_under_torchrun(launch, tmp_path):
-    """The torchrun entry: keep, the plan's choice (the default), and a recompute stage's input swapped to the
-    host and to SSD (SO / SI in both ranks' schedules) all equal recompute on the device, bit for bit."""
+    """The torchrun entry: keep, the plan's choice (the default), a recompute stage's input swapped to the host,
+    to SSD and to the other rank's memory (the peer tier, staged), and kept graphs on the peer and on SSD (SO /
+    SI in both ranks' schedules) all equal recompute on the device, bit for bit; the peer regions' shared
+    memory files are gone after."""
     losses, weights = _train(launch, tmp_path, "recompute", {"activations": "recompute", "activation_tier": "device"})
     runs = {
         "keep": {"activations": "keep"},
         "plan": {},
         "host": {"activations": "recompute", "activation_tier": "host"},
         "ssd": {"activations": "recompute", "activation_tier": "ssd", "ssd_dir": str(tmp_path / "ssd")},
+        "peer": {"activations": "recompute", "activation_tier": "peer"},
+        "keep-peer": {"activations": "keep", "activation_tier": "peer"},
+        "keep-ssd": {"activations": "keep", "activation_tier": "ssd", "ssd_dir": str(tmp_path / "ssd2")},
     }
     for name, memory in runs.items():
         got_losses, got_weights = _train(launch, tmp_path, name, memory)
         assert got_losses == losses and len(losses) == 3, name
         assert got_weights.keys() == weights.keys()
         assert all(torch.equal(got_weights[k], weights[k]) for k in weights), name
+    assert not list(Path("/dev/shm").glob("mobiuspipe-*")) if Path("/dev/shm").is_dir() else True

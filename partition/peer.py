@@ -1,0 +1,41 @@
+"""The peer tier's rule: whose memory holds a gpu's parked activations, and how large a region that gpu gives
+for them (the runtime's start-up handshake, the lifetime walk and the simulator use these same numbers).
+
+Legend (units in brackets): M microbatches per step [-]; H_j bytes stage j holds per microbatch from F to B
+(StagePlan.held_bytes) [bytes]; g(j) the gpu of stage j; P(g) = (g + 1) mod G, the peer of gpu g (the next
+gpu by index; on a box of two root complexes the cross mapping puts it under the other one).
+  R(p, g) = sum over g's stages j on the peer tier of ceil(SLACK * M * H_j) + M * PAD: the region gpu p gives
+            gpu g, p = P(g) [bytes]. Under the Mobius order every microbatch of every stage of g is parked at
+            the turn from forwards to backwards, so M * H_j each; SLACK and PAD cover the runtime's spans being
+            a little larger than the plan's H_j (a kept graph's storages, aligned).
+"""
+
+from __future__ import annotations
+
+import math
+
+from partition.plan import Plan
+
+__all__ = ["SLACK", "PAD", "peer_gpu", "regions"]
+
+SLACK = 1.25
+"""Headroom of a region over the plan's held bytes (the runtime's spans cover whole storages)."""
+PAD = 1 << 16
+"""Bytes per parked microbatch for the spans' alignment (256 bytes each) and small tensors."""
+
+
+def peer_gpu(gpu: int, num_gpus: int) -> int:
+    """P(g) of the legend."""
+    return (gpu + 1) % num_gpus
+
+
+def regions(plan: Plan) -> dict[tuple[int, int], int]:
+    """{(p, g): R(p, g)} for every gpu g with stages on the peer tier (p = P(g))."""
+    out: dict[tuple[int, int], int] = {}
+    m, last = plan.num_microbatches, plan.num_stages - 1
+    for j, s in enumerate(plan.stages):
+        if s.activation_tier != "peer" or j == last or s.held_bytes <= 0:
+            continue
+        key = (peer_gpu(s.gpu, plan.num_gpus), s.gpu)
+        out[key] = out.get(key, 0) + math.ceil(SLACK * m * s.held_bytes) + m * PAD
+    return out
