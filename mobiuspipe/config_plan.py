@@ -20,6 +20,7 @@ from topology import Topology, cpu_standin, load_topology
 
 __all__ = [
     "model_spec",
+    "activation_tiers",
     "plan_for_config",
     "plan_problems",
     "plan_from_config",
@@ -92,8 +93,14 @@ def plan_from_config(cfg: RunConfig, solver: str = "dp") -> Plan:
         num_stages=cfg.plan.num_stages,
         mapping=cfg.plan.mapping,
         solver=solver,
-        activation_tiers=("host", "ssd") if cfg.memory.ssd_dir else ("host",),
+        activation_tiers=activation_tiers(cfg),
     )
+
+
+def activation_tiers(cfg: RunConfig) -> tuple[str, ...]:
+    """The tiers off the device the planner may hold activations on for this run: the host; the SSD when
+    memory.ssd_dir is set; the next rank's gpu when the run has several (partition.peer)."""
+    return ("host",) + (("ssd",) if cfg.memory.ssd_dir else ()) + (("peer",) if num_ranks(cfg) > 1 else ())
 
 
 def plan_problems(plan: Plan, cfg: RunConfig) -> list[Problem]:

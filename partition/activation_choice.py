@@ -23,6 +23,7 @@ from partition.activations import MODES, ActivationPolicy, Link, PolicyCost, fus
 from partition.costmodel import LayerArrays
 from partition.device_peak import stage_bytes
 from partition.lifetimes import device_peak
+from partition.peer import peer_gpu, region_bytes
 from partition.plan import Plan
 from partition.profile import Profile
 from partition.tiers import ssd_info
@@ -90,13 +91,30 @@ class _Walker:
         plan = self.plan
         arena = None if self.standin else plan.arena_bytes
         if gpu not in plan.mapping:
-            return arena or 0
+            return (arena or 0) + self.region(costs, gpu)
         stages = [
             dataclasses.replace(b, held=c.held_bytes, work=c.work_bytes + e)
             for b, c, e in zip(self.base, costs, self.extra)
         ]
         swapped = frozenset(j for j, c in enumerate(costs) if c.policy.tier != "device")
-        return device_peak(plan.mapping, gpu, plan.num_microbatches, stages, arena, self.standin, swapped)
+        own = device_peak(plan.mapping, gpu, plan.num_microbatches, stages, arena, self.standin, swapped)
+        return own + self.region(costs, gpu)
+
+    def region(self, costs: list[PolicyCost], gpu: int) -> int:
+        """The bytes gpu gives its peers' stages on the peer tier (partition.peer), the whole step."""
+        plan, m = self.plan, self.plan.num_microbatches
+        return sum(
+            region_bytes(m, c.held_bytes)
+            for s, c in zip(plan.stages, costs)
+            if c.policy.tier == "peer" and peer_gpu(s.gpu, plan.num_gpus) == gpu
+        )
+
+    def affected(self, j: int, *options: PolicyCost) -> set[int]:
+        """The gpus whose peak changes when stage j takes one of options instead of another: its own, and its
+        peer's when one of them is on the peer tier."""
+        g = self.plan.stages[j].gpu
+        peer = any(c.policy.tier == "peer" for c in options)
+        return {g, peer_gpu(g, self.plan.num_gpus)} if peer else {g}
 
 
 def runtime_links(
@@ -108,19 +126,34 @@ def runtime_links(
     (mobiuspipe.memory.swap's HostSwap over the gpu's link: a recompute stage's input, a keep or selective
     stage's kept graphs and recomputed parts' inputs) or on the SSD (through the gpu's link and the drive,
     which the gpus share: each gets 1/G of its write and read GB/s, partition.tiers.ssd_info; the run needs
-    memory.ssd_dir). A peer gpu's region joins when the engine runs it."""
+    memory.ssd_dir) or in the peer gpu's memory (partition.peer; with two gpus or more), whose region the
+    walk counts on the peer."""
     gbps = min(g.link_gbps for g in topo.gpus)
     standin = all(g.name == "cpu-standin" for g in topo.gpus)
     links: dict[str, Link | None] = {"device": None, "host": Link(gbps, gbps)}
     if "ssd" in tiers:
         drive = ssd_info(topo).link
         links["ssd"] = Link(min(gbps, drive.write_gbps / topo.num_gpus), min(gbps, drive.read_gbps / topo.num_gpus))
-    unknown = sorted(set(tiers) - {"host", "ssd"})
+    if "peer" in tiers and topo.num_gpus > 1:
+        links["peer"] = Link(_peer_gbps(topo), _peer_gbps(topo))
+    tiers = tuple(t for t in tiers if t != "peer" or topo.num_gpus > 1)
+    unknown = sorted(set(tiers) - {"host", "ssd", "peer"})
     if unknown:
-        raise ValueError(f"activation tiers {unknown}: the planner offers host and ssd")
+        raise ValueError(f"activation tiers {unknown}: the planner offers host, ssd and peer")
     device = MODES if standin else ("selective", "keep")
     runs = {"device": device, **{t: MODES for t in tiers}}
     return {t: links[t] for t in ("device", *tiers)}, runs, standin
+
+
+def _peer_gbps(topo: Topology) -> float:
+    """The slowest gpu's rate to its peer (partition.peer): an NVLink's GB/s, else staged through host memory,
+    the two copies in turn on one copy stream: 1 / (1 / own link + 1 / the peer's link)."""
+    rates = []
+    for g in topo.gpus:
+        p = topo.gpus[peer_gpu(g.index, topo.num_gpus)]
+        link = topo.nvlink(g.index, p.index)
+        rates.append(link.gbps if link else 1.0 / (1.0 / g.link_gbps + 1.0 / p.link_gbps))
+    return min(rates)
 
 
 def with_activations(
@@ -232,7 +265,8 @@ def _improve(walker: _Walker, opts: list[list[PolicyCost]], costs: list[PolicyCo
                 return costs
             trial = costs[:j] + [opts[j][k]] + costs[j + 1 :]
             g = walker.plan.stages[j].gpu
-            if walker.peak(trial, g) <= budget and walker.host_fits(trial, costs, g):
+            fits = all(walker.peak(trial, h) <= budget for h in walker.affected(j, costs[j], opts[j][k]))
+            if fits and walker.host_fits(trial, costs, g):
                 costs = trial
                 break
         else:
@@ -248,7 +282,7 @@ def _weigh(
         g = plan.stages[j].gpu
         for c in o:
             trial = costs[:j] + [c] + costs[j + 1 :]
-            peak = walker.peak(trial, g)
+            peak = max(walker.peak(trial, h) for h in walker.affected(j, costs[j], c))
             host = None if walker.host_fits(trial, costs, g) else walker.host(trial, g)
             rows.append(Considered(j, c, peak, _verdict(c, costs[j], peak, budget, g, len(o), host, walker.host_caps)))
     return rows

@@ -16,12 +16,12 @@ import math
 
 from partition.plan import Plan
 
-__all__ = ["SLACK", "PAD", "peer_gpu", "regions"]
+__all__ = ["SLACK", "PAD", "peer_gpu", "region_bytes", "regions"]
 
 SLACK = 1.25
 """Headroom of a region over the plan's held bytes (the runtime's spans cover whole storages)."""
-PAD = 1 << 16
-"""Bytes per parked microbatch for the spans' alignment (256 bytes each) and small tensors."""
+PAD = 1 << 12
+"""Bytes per parked microbatch for the spans' alignment (256 bytes each: 16 spans) and small tensors."""
 
 
 def peer_gpu(gpu: int, num_gpus: int) -> int:
@@ -29,13 +29,18 @@ def peer_gpu(gpu: int, num_gpus: int) -> int:
     return (gpu + 1) % num_gpus
 
 
+def region_bytes(m: int, held: int) -> int:
+    """One parked stage's share of R(p, g): ceil(SLACK M H_j) + M PAD (0 when it holds nothing)."""
+    return math.ceil(SLACK * m * held) + m * PAD if held > 0 else 0
+
+
 def regions(plan: Plan) -> dict[tuple[int, int], int]:
     """{(p, g): R(p, g)} for every gpu g with stages on the peer tier (p = P(g))."""
     out: dict[tuple[int, int], int] = {}
-    m, last = plan.num_microbatches, plan.num_stages - 1
+    last = plan.num_stages - 1
     for j, s in enumerate(plan.stages):
         if s.activation_tier != "peer" or j == last or s.held_bytes <= 0:
             continue
         key = (peer_gpu(s.gpu, plan.num_gpus), s.gpu)
-        out[key] = out.get(key, 0) + math.ceil(SLACK * m * s.held_bytes) + m * PAD
+        out[key] = out.get(key, 0) + region_bytes(plan.num_microbatches, s.held_bytes)
     return out

@@ -74,7 +74,8 @@ def register(sub) -> None:
         default="host",
         metavar="TIERS",
         help="comma-separated tiers off the device where the planner may hold a stage's activations between "
-        "its forward and backward: host, ssd (the run then needs memory.ssd_dir) (host)",
+        "its forward and backward: host, ssd (the run then needs memory.ssd_dir), peer (the next gpu's "
+        "memory) (host)",
     )
     p.add_argument(
         "--solver",
@@ -175,11 +176,11 @@ def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
 def activation_tiers_of(args: argparse.Namespace) -> tuple[str, ...]:
     """--activation-tiers as a tuple; CliError naming a tier that is not host or ssd."""
     tiers = tuple(t.strip() for t in args.activation_tiers.split(",") if t.strip())
-    wrong = [t for t in tiers if t not in ("host", "ssd")]
+    wrong = [t for t in tiers if t not in ("host", "ssd", "peer")]
     if wrong or not tiers:
         raise CliError(
-            f"--activation-tiers {args.activation_tiers!r}: expected a comma-separated list of host and ssd, "
-            f"e.g. `--activation-tiers host,ssd`"
+            f"--activation-tiers {args.activation_tiers!r}: expected a comma-separated list of host, ssd and "
+            f"peer, e.g. `--activation-tiers host,ssd`"
         )
     return tiers
 
@@ -205,13 +206,13 @@ def _config_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
             f"found also --{', --'.join(given)}: drop them or drop --config"
         )
     from mobiuspipe.config import load_config
-    from mobiuspipe.config_plan import gpt_profile, plan_from_config, run_topology
+    from mobiuspipe.config_plan import activation_tiers, gpt_profile, plan_from_config, run_topology
 
     cfg = load_config(args.config)
     if args.topology is not None:  # plan the run for another machine than its config names
         topology = args.topology if args.topology in PRESETS else os.path.abspath(args.topology)  # cwd-relative
         cfg = dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, topology=topology, num_gpus=None))
-    args.activation_tiers = "host,ssd" if cfg.memory.ssd_dir else "host"  # as the run plans (--explain too)
+    args.activation_tiers = ",".join(activation_tiers(cfg))  # as the run plans (--explain too)
     return plan_from_config(cfg, args.solver), run_topology(cfg), gpt_profile(cfg)
 
 

@@ -314,7 +314,7 @@ def test_explain_text_and_json_agree_with_the_plan(tiers):
 
 def test_a_wrong_activation_tier_is_named():
     code, _, err = run(["partition", "--model", "gpt3-1.3b", "--topology", "2+2", "--activation-tiers", "host,nvme"])
-    assert code == 2 and "--activation-tiers 'host,nvme': expected a comma-separated list of host and ssd" in err
+    assert code == 2 and "--activation-tiers 'host,nvme': expected a comma-separated list of host, ssd and peer" in err
 
 
 def test_explain_when_even_recompute_does_not_fit_the_walk(monkeypatch):

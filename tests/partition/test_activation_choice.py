@@ -207,5 +207,29 @@ def test_the_ssd_tier_holds_what_the_host_cannot():
     links2, runs, _ = runtime_links(topo, ("host", "ssd"))
     assert links2["ssd"] == Link(min(gbps, SSD_WRITE_GBPS / 2), min(gbps, SSD_READ_GBPS / 2))
     assert runs["ssd"] == all_modes and "ssd" not in runtime_links(topo)[0]
-    with pytest.raises(ValueError, match=r"activation tiers \['peer'\]: the planner offers host and ssd"):
-        runtime_links(topo, ("host", "peer"))
+    with pytest.raises(ValueError, match=r"activation tiers \['nvme'\]: the planner offers host, ssd and peer"):
+        runtime_links(topo, ("host", "nvme"))
+
+
+def test_the_peer_tier_is_chosen_within_both_gpus_budgets():
+    """With no host memory for activations, keeping a stage's graphs in the other gpu's memory saves its
+    recompute where that gpu has room: over a ladder of budgets the choice sometimes parks on the peer, every
+    gpu's walk (the regions it gives included) stays within the budget, and the plan's walk agrees."""
+    plan, profile, topo = _plan(2, 4), _profile(), cpu_standin(2, 1 << 30)
+    every = ("recompute", "selective", "keep")
+    modes = {"device": ("recompute",), "host": every, "peer": every}  # no keeping on the device itself
+    most = max(choose_activations(plan, profile, 10**12, {"device": None}, standin=True).peaks)
+    parked = 0
+    for budget in range(most // 3, most + 1, most // 40):
+        try:
+            chosen, choice = with_activations(
+                plan, profile, topo, budget, modes=modes, host_caps=[0, 0], tiers=("host", "peer")
+            )
+        except ValueError:
+            continue
+        assert max(choice.peaks) <= budget
+        assert planned_device_bytes(chosen, standin=True) == list(choice.peaks)
+        parked += any(s.activation_tier == "peer" for s in chosen.stages)
+    assert parked
+    one = cpu_standin(1, 1 << 30)
+    assert "peer" not in runtime_links(one, ("host", "peer"))[0]  # one gpu has no peer
