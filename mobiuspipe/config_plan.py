@@ -3,6 +3,8 @@ and the plan itself (read from plan.file and checked against the model, or made 
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from foundation.checked import Problem, format_problems, rule
@@ -99,8 +101,11 @@ def plan_from_config(cfg: RunConfig, solver: str = "dp") -> Plan:
 
 def activation_tiers(cfg: RunConfig) -> tuple[str, ...]:
     """The tiers off the device the planner may hold activations on for this run: the host; the SSD when
-    memory.ssd_dir is set; the next rank's gpu when the run has several (partition.peer)."""
-    return ("host",) + (("ssd",) if cfg.memory.ssd_dir else ()) + (("peer",) if num_ranks(cfg) > 1 else ())
+    memory.ssd_dir is set; the next rank's gpu when the run has several, all on this host (partition.peer;
+    torchrun's LOCAL_WORLD_SIZE below the rank count: several hosts)."""
+    n = num_ranks(cfg)
+    one_host = int(os.environ.get("LOCAL_WORLD_SIZE", n)) >= n
+    return ("host",) + (("ssd",) if cfg.memory.ssd_dir else ()) + (("peer",) if n > 1 and one_host else ())
 
 
 def plan_problems(plan: Plan, cfg: RunConfig) -> list[Problem]:

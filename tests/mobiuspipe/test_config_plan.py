@@ -131,3 +131,19 @@ def test_topology_mistakes_are_named():
         run_topology(_on("2+2", num_stages=3))
     with pytest.raises(TopologyError):
         run_topology(_on("5+5"))
+
+
+def test_the_run_offers_the_activation_tiers_it_can_run(monkeypatch, tmp_path):
+    """The host always; the SSD with memory.ssd_dir; the peer with several ranks on this host."""
+    from mobiuspipe.config import config_from_dict
+    from mobiuspipe.config_plan import activation_tiers
+
+    def cfg(gpus: int, ssd: bool):
+        memory = {"ssd_dir": str(tmp_path)} if ssd else {}
+        return config_from_dict({"plan": {"num_gpus": gpus}, "memory": memory})
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert activation_tiers(cfg(1, False)) == ("host",)
+    assert activation_tiers(cfg(2, True)) == ("host", "ssd", "peer")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # two hosts of one rank each
+    assert activation_tiers(cfg(2, False)) == ("host",)
