@@ -9,10 +9,12 @@ import json
 import pytest
 import torch
 
-from mobiuspipe.config import load_config
+from mobiuspipe.activations import stage_modes
+from mobiuspipe.config import MemoryConfig, load_config
 from mobiuspipe.config_plan import model_spec
 from mobiuspipe.dataset import open_data
 from mobiuspipe.models.gpt import layer_factories, lm_loss
+from mobiuspipe.pipeline_swaps import plan_as_run, swap_tiers
 from mobiuspipe.profiler import measure_profile
 from partition import make_plan
 from partition.device_peak import planned_device_bytes
@@ -44,20 +46,29 @@ def _measured_plan(cfg, precision: str):
     return make_plan(profile, cpu_standin(2, 256 << 20), m, num_stages=4, mapping="cross", solver="dp")
 
 
+SMALL = {"num_blocks": 3, "d_model": 24, "num_heads": 3, "seq_len": 17}
+
+
 @pytest.mark.parametrize(
-    "precision,model,batch,microbatches",
+    "precision,model,batch,microbatches,memory",
     [
-        ("fp32", {"num_blocks": 3, "d_model": 24, "num_heads": 3, "seq_len": 17}, 6, 3),
-        ("bf16", {"num_blocks": 5, "d_model": 40, "num_heads": 5, "seq_len": 23}, 10, 5),
+        ("fp32", SMALL, 6, 3, {}),
+        ("bf16", {"num_blocks": 5, "d_model": 40, "num_heads": 5, "seq_len": 23}, 10, 5, {}),
+        ("fp32", SMALL, 6, 3, {"activations": "recompute", "activation_tier": "peer"}),
     ],
 )
-def test_each_rank_peak_is_under_the_walk_within_10_percent(tmp_path, launch, precision, model, batch, microbatches):
+def test_each_rank_peak_is_under_the_walk_within_10_percent(
+    tmp_path, launch, precision, model, batch, microbatches, memory
+):
+    """The plan's policies, and every stage's input parked in the other rank's memory (the peer tier: each
+    rank's walk holds the region it gives)."""
     write_config, torchrun = launch
     run = {
         "model": model,
         "data": {"batch_size": batch, "num_microbatches": microbatches},
         "train": {"steps": 3, "seed": 5, "precision": precision, "out_dir": str(tmp_path / "out")},
         "runtime": {"comm_timeout_s": 60},
+        "memory": memory,
     }
     plan = _measured_plan(load_config(write_config(tmp_path, run)), precision)
     assert plan.mapping == [0, 1, 0, 1]
@@ -66,6 +77,8 @@ def test_each_rank_peak_is_under_the_walk_within_10_percent(tmp_path, launch, pr
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     measured = [max(m["ranks"][g]["device_peak_bytes"] for m in metrics) for g in range(2)]
-    walk = planned_device_bytes(plan, standin=True)
+    cfg = MemoryConfig(**memory)
+    modes = stage_modes("plan" if cfg.activations == "plan" else cfg.activations, plan)
+    walk = planned_device_bytes(plan_as_run(plan, modes, swap_tiers(plan, cfg, modes)), standin=True)
     assert all(0.9 * w < b <= w for b, w in zip(measured, walk)), (measured, walk, proc.stdout[-1500:])
     assert "measured larger" not in proc.stdout  # the end-of-run line compares with the same walk
