@@ -23,6 +23,7 @@ from foundation.loader import Problem, at_least, dump_text, from_plain, load_fil
 from mobiuspipe.config_data import DataConfig
 from mobiuspipe.config_memory import MemoryConfig
 from mobiuspipe.config_model import ModelConfig
+from mobiuspipe.config_runtime import RuntimeConfig
 from mobiuspipe.config_section import WRITTEN_PATH, Section, mebibytes
 from mobiuspipe.errors import ConfigError
 from mobiuspipe.lr_schedule import SCHEDULES, lr_at
@@ -33,8 +34,6 @@ DEFAULT_GPUS = 2
 """CPU stand-ins a run plans for when the config names neither a topology nor plan.num_gpus."""
 MAPPINGS = ("cross", "round-robin", "search")
 """The stage->gpu mappings a plan may ask for."""
-MAX_THREADS = 1024
-"""The most torch threads a rank may ask for (more is a typo: torch would start them all)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -264,34 +263,6 @@ class PlanConfig(Section):
 
 
 @dataclass(frozen=True, kw_only=True)
-class RuntimeConfig(Section):
-    """How the ranks run: communication timeout and CPU threads."""
-
-    comm_timeout_s: float = 60.0
-    """Seconds a receive may wait (s); longer fails with a message naming the peer rank."""
-    threads: int = 1
-    """Torch intra-op threads per rank (count)."""
-
-    def check_values(self) -> list[Problem]:
-        return [
-            *rule(
-                0 < self.comm_timeout_s <= 1e9,
-                "comm_timeout_s",
-                "a number of seconds > 0 and at most 1e9 (about 32 years)",
-                repr(self.comm_timeout_s),
-                "use e.g. 60.0",
-            ),
-            *rule(
-                1 <= self.threads <= MAX_THREADS,
-                "threads",
-                f"a thread count in [1, {MAX_THREADS}]",
-                repr(self.threads),
-                "use 1, or the cores a rank may use",
-            ),
-        ]
-
-
-@dataclass(frozen=True, kw_only=True)
 class RunConfig(Section):
     """A whole training run: every section (each optional in YAML) and the file it came from."""
 
@@ -345,10 +316,19 @@ class RunConfig(Section):
             f"checkpoint_every {t.checkpoint_every}, resume {t.resume!r} with neither",
             "set train.out_dir (checkpoints go to OUT_DIR/checkpoints) or train.checkpoint_dir",
         )
+        late = [s for s in self.runtime.trace_steps if s >= t.steps]
+        trace = rule(
+            not late and (not self.runtime.trace_steps or t.out_dir is not None),
+            "runtime.trace_steps",
+            f"steps below train.steps ({t.steps}) and a train.out_dir to write out_dir/trace.json",
+            f"trace_steps {list(self.runtime.trace_steps)}, out_dir {t.out_dir!r}",
+            "trace steps the run takes (the first is 0) and set train.out_dir",
+        )
         return (
             export
             + evaluate
             + checkpoints
+            + trace
             + rule(
                 stages <= layers,
                 "plan.num_stages",

@@ -19,6 +19,7 @@ this same class.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from mobiuspipe import checkpoint
+from mobiuspipe.action_trace import ActionTrace
 from mobiuspipe.activations import ActivationsSpec, stage_modes
 from mobiuspipe.comm import Comm
 from mobiuspipe.config import MemoryConfig
@@ -94,6 +96,7 @@ class Pipeline:
         accumulation_steps: int = 1,
         max_grad_norm: float | None = None,
         activations: ActivationsSpec = None,
+        trace_steps: Sequence[int] = (),
     ):
         """Build this rank's stages.
 
@@ -123,6 +126,8 @@ class Pipeline:
         activations: "recompute" (the stage input is saved, the forward rerun in the backward), "keep" (the
           forward's graph stays on the device until the backward) or {stage: "recompute" | "keep" | ("selective",
           [layer indices])} (mobiuspipe.activations); default memory.activations. Same numbers bit for bit.
+        trace_steps: the optimizer steps (0-based) whose actions this rank times (`self.trace.records`, see
+          mobiuspipe.action_trace).
         """
         if accumulation_steps < 1 or (max_grad_norm is not None and not max_grad_norm > 0):
             raise PipelineError(
@@ -152,6 +157,7 @@ class Pipeline:
             if self.ties is not None:
                 self.engine.held = self.ties.held_stages
             self.engine.passes = accumulation_steps
+            self.engine.trace = self.trace = ActionTrace(trace_steps)
         except BaseException:
             store = getattr(self, "store", None)
             if store is not None:
@@ -244,7 +250,7 @@ class Pipeline:
         plan's microbatches along dimension 0. Returns when this rank's part of the step is done (the host
         updates may still run; the next step waits for them where it needs their weights)."""
         self._check_batch(x, y)
-        engine = self.engine
+        engine, start = self.engine, time.perf_counter()
         engine.arena.reset_peak()
         scale = self.scaler.scale if self.scaler else None
         engine.loss_scale = scale or 1.0
@@ -275,6 +281,8 @@ class Pipeline:
             times,
             own_peak,
         )
+        if self.trace.wants(self.step):
+            self.trace.add(self.step, "step", -1, -1, start)
         self.step += 1
         return result
 

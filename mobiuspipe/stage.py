@@ -12,7 +12,8 @@ stay on the device for the whole run, floating ones in the training dtype.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
@@ -127,10 +128,18 @@ class Stage:
         """Whether the offloaded gradients hold no inf or nan (an fp16 overflow)."""
         return self.states.grads_finite()
 
-    def start_update(self, updater: Executor, grad_scale: float = 1.0, lr: float | None = None) -> None:
+    def start_update(
+        self, updater: Executor, grad_scale: float = 1.0, lr: float | None = None, note: Callable | None = None
+    ) -> None:
         """Start the host update of the offloaded gradients (divided by grad_scale) on `updater`, at learning
-        rate lr (None: the optimizer's own)."""
-        self.updating = updater.submit(self.states.step, grad_scale, lr)
+        rate lr (None: the optimizer's own); note(start), if given, is called when it ends (a trace's record)."""
+        self.updating = updater.submit(self._update, grad_scale, lr, note)
+
+    def _update(self, grad_scale: float, lr: float | None, note: Callable | None) -> None:
+        start = time.perf_counter()
+        self.states.step(grad_scale, lr)
+        if note is not None:
+            note(start)
 
     def wait_update(self) -> None:
         if self.updating is not None:

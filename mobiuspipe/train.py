@@ -25,6 +25,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from foundation.errors import UserError
 from foundation.timing import Stopwatch
 from foundation.units import fmt_bytes
+from mobiuspipe.action_trace import write_chrome
 from mobiuspipe.checkpoint import CheckpointError
 from mobiuspipe.config import RunConfig, load_config
 from mobiuspipe.config_plan import model_spec
@@ -74,6 +75,7 @@ def train(cfg: RunConfig) -> None:
         tied=hf.tied_params() if hf else (),
         accumulation_steps=t.accumulation_steps,
         max_grad_norm=t.max_grad_norm,
+        trace_steps=cfg.runtime.trace_steps,
     ) as pipe:
         done = _training_loop(cfg, pipe, data, held_out)
         if hf is not None and export is not None and done:
@@ -124,6 +126,8 @@ def _training_loop(cfg: RunConfig, pipe: Pipeline, data: PackedTokens, held_out:
     finally:
         signals.close()
     _report_device_peak(pipe)
+    if cfg.runtime.trace_steps:
+        _write_trace(pipe, out)
     if out and done:
         _save_weights(pipe, out / "weights")
     return done
@@ -210,6 +214,14 @@ def _own_figures(pipe: Pipeline, r: StepResult, step_s: float) -> RankStep:
         host_rss_bytes(),
         None if store is None else folder_bytes(store.folder),
     )
+
+
+def _write_trace(pipe: Pipeline, out: Path | None) -> None:
+    """Rank 0 writes every rank's traced actions to out_dir/trace.json (runtime.trace_steps)."""
+    every = gather_all(pipe.info, pipe.trace.records)
+    if pipe.rank == 0 and out is not None:
+        path = write_chrome(every, out / "trace.json")
+        print(f"mobiuspipe: the actions of steps {sorted(pipe.trace.steps)} are in {path}", flush=True)
 
 
 def _report_device_peak(pipe: Pipeline) -> None:

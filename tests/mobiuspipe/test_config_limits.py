@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from mobiuspipe.config import MAX_THREADS, config_from_dict
+from mobiuspipe.config import config_from_dict
+from mobiuspipe.config_runtime import MAX_THREADS
 from mobiuspipe.errors import ConfigError
 
 

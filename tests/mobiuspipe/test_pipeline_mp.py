@@ -45,11 +45,12 @@ def test_pipeline_equals_plain_pytorch(tmp_path, launch, reference, read_events,
                 "out_dir": str(tmp_path / "out"),
             },
             "plan": {"num_gpus": gpus, "num_stages": stages, "mapping": mapping},
-            "runtime": {"comm_timeout_s": 60},
+            "runtime": {"comm_timeout_s": 60, "trace_steps": [2]},
         },
     )
     proc = torchrun(cfg_path, gpus)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _check_trace(tmp_path / "out" / "trace.json", load_plan(tmp_path / "out" / "plan.yaml"), microbatches)
     losses, weights = _load_run(tmp_path / "out")
     cfg = load_config(cfg_path)
     ref_losses, ref_weights = reference(cfg)
@@ -63,6 +64,25 @@ def test_pipeline_equals_plain_pytorch(tmp_path, launch, reference, read_events,
     assert all(0 < m["arena_peak_bytes"] <= m["arena_budget_bytes"] for m in metrics)
     _check_device_peak(proc.stdout, metrics, load_plan(tmp_path / "out" / "plan.yaml"))
     _check_report(proc.stdout, metrics, read_events(tmp_path / "out"), gpus)
+
+
+def _check_trace(path, plan, microbatches: int) -> None:
+    """Every rank's actions of step 2 (runtime.trace_steps), its schedule's, on one clock: a message between
+    ranks is taken no earlier than it was sent."""
+    from mobiuspipe.schedule import build_schedule
+
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert {e["args"]["step"] for e in events} == {2}
+    for g in range(plan.num_gpus):
+        ran = [e["name"] for e in events if e["pid"] == g and e["name"] not in ("step", "flush") and e["cat"] != "U"]
+        assert ran == [str(a) for a in build_schedule(plan.mapping, g, microbatches)], g
+    at = {e["name"]: e for e in events}
+    sends = [e for e in events if e["cat"] == "SA"]
+    assert len(sends) == (plan.num_stages - 1) * microbatches
+    for send in sends:
+        j, i = map(int, send["name"][2:].split("."))
+        recv = at[f"RA{j + 1}.{i}"]
+        assert recv["ts"] + recv["dur"] >= send["ts"], (send, recv)
 
 
 def _check_report(stdout: str, metrics: list[dict], events: dict, gpus: int) -> None:

@@ -1,0 +1,86 @@
+"""A measured trace of chosen steps: when each schedule action of a rank ran, on the host's monotonic clock.
+
+The engine records every action it dispatches in a traced step (its kind, stage, microbatch, start and end,
+time.perf_counter seconds: CLOCK_MONOTONIC, one clock for every rank on a host); the pipeline adds the step's
+own span and the work around the schedule (the reductions, the wait for the host updates). `chrome` turns a
+rank's records into Chrome trace-event JSON (chrome://tracing, ui.perfetto.dev) beside the simulator's
+(`mobiuspipe simulate --trace`): one process per rank, a thread for its computations, one for messages and one
+for weights and swaps, times in microseconds from the first record of the step.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["TracedAction", "ActionTrace", "chrome", "write_chrome"]
+
+THREADS = {"F": "compute", "B": "compute", "SA": "comm", "RA": "comm", "SG": "comm", "RG": "comm", "flush": "comm"}
+"""Chrome thread of each action kind; the rest (L, R, O, SO, SI) and the pipeline's own spans go to "copy"."""
+
+
+@dataclass(frozen=True)
+class TracedAction:
+    """One action of a traced step: kind is the schedule's letter ("F", "B", "L", "SA", ...) or the pipeline's
+    name for its own work ("step", "reduce", "updates"); stage and microbatch -1 where none applies; start_s
+    and end_s in time.perf_counter seconds."""
+
+    step: int
+    kind: str
+    stage: int
+    microbatch: int
+    start_s: float
+    end_s: float
+
+
+class ActionTrace:
+    """The records of the steps in `steps` (0-based optimizer steps); other steps cost one set lookup."""
+
+    def __init__(self, steps) -> None:
+        self.steps = frozenset(steps)
+        self.records: list[TracedAction] = []
+
+    def wants(self, step: int) -> bool:
+        return step in self.steps
+
+    def add(
+        self, step: int, kind: str, stage: int, microbatch: int, start_s: float, end_s: float | None = None
+    ) -> None:
+        """Record one span (end_s: now when not given)."""
+        end = time.perf_counter() if end_s is None else end_s
+        self.records.append(TracedAction(step, kind, stage, microbatch, start_s, end))
+
+
+def _name(r: TracedAction) -> str:
+    if r.stage < 0:
+        return r.kind
+    return f"{r.kind}{r.stage}" + (f".{r.microbatch}" if r.microbatch >= 0 else "")
+
+
+def chrome(records: list[TracedAction], rank: int, origin_s: float) -> list[dict]:
+    """Chrome trace events ("X", complete) of one rank's records, times in microseconds after origin_s."""
+    return [
+        {
+            "name": _name(r),
+            "cat": r.kind,
+            "ph": "X",
+            "ts": (r.start_s - origin_s) * 1e6,
+            "dur": (r.end_s - r.start_s) * 1e6,
+            "pid": rank,
+            "tid": THREADS.get(r.kind, "copy"),
+            "args": {"step": r.step},
+        }
+        for r in records
+    ]
+
+
+def write_chrome(per_rank: list[list[TracedAction]], path: str | Path) -> Path:
+    """One Chrome trace of every rank's records (on one host's clock), from the earliest record; returns path."""
+    origin = min((r.start_s for recs in per_rank for r in recs), default=0.0)
+    events = [e for rank, recs in enumerate(per_rank) for e in chrome(recs, rank, origin)]
+    meta = [{"name": "process_name", "ph": "M", "pid": g, "args": {"name": f"rank {g}"}} for g in range(len(per_rank))]
+    path = Path(path)
+    path.write_text(json.dumps({"traceEvents": meta + events, "displayTimeUnit": "ms"}) + "\n", encoding="utf-8")
+    return path
