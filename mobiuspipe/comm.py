@@ -16,7 +16,7 @@ import torch.distributed as dist
 from mobiuspipe.errors import PeerLostError, PipelineError
 from mobiuspipe.memory.ledger import DeviceLedger
 
-__all__ = ["Comm", "Posted", "TensorSpec"]
+__all__ = ["Comm", "TensorSpec"]
 
 _DTYPES = (
     torch.float32,
@@ -64,16 +64,6 @@ class TensorSpec:
         return cls(tuple(dims[:ndim]), _DTYPES[code])
 
 
-@dataclass(frozen=True)
-class Posted:
-    """A receive started with Comm.post: its request, the buffer it fills, the sender's rank, what it carries."""
-
-    work: dist.Work
-    buf: torch.Tensor
-    src: int
-    what: str
-
-
 class Comm:
     """Point-to-point traffic of one rank. Sends are asynchronous: a sent tensor is held until its send has
     completed, and dropped then (at the next send or receive), so the device does not keep a stage's
@@ -97,22 +87,10 @@ class Comm:
         self._sends.append((work, t, dst, what))
 
     def recv(self, spec: TensorSpec, device: torch.device, src: int, tag: int, what: str) -> torch.Tensor:
-        return self.take(self.post(spec, device, src, tag, what))
-
-    def post(self, spec: TensorSpec, device: torch.device, src: int, tag: int, what: str) -> Posted:
-        """Start a receive into a fresh buffer (the message lands while this rank goes on); take() it later."""
         self._release_sent()
         buf = torch.empty(spec.shape, dtype=spec.dtype, device=device)
-        work = dist.irecv(buf, src, tag=tag)
-        if work is None:  # this rank is not in the default group: a bug in the launch, not in the data
-            raise RuntimeError(f"rank {self.rank}: irecv of {what} from rank {src} returned no request")
-        return Posted(work, buf, src, what)
-
-    def take(self, posted: Posted) -> torch.Tensor:
-        """Wait for a posted receive (under the timeout); its buffer, filled."""
-        self._release_sent()
-        self._wait(posted.work, f"rank {posted.src}", f"receiving {posted.what} from rank {posted.src}")
-        return posted.buf
+        self._wait(dist.irecv(buf, src, tag=tag), f"rank {src}", f"receiving {what} from rank {src}")
+        return buf
 
     def _release_sent(self) -> None:
         """Drop the tensors whose sends have completed (their errors, if any, raise here)."""

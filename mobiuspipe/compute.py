@@ -28,7 +28,7 @@ from mobiuspipe.activations import (
     entry,
     keeping,
 )
-from mobiuspipe.comm import Posted, TensorSpec
+from mobiuspipe.comm import TensorSpec
 from mobiuspipe.device import Device
 from mobiuspipe.errors import PipelineError
 from mobiuspipe.kept_swap import rebuild, release, spans_out
@@ -73,8 +73,6 @@ class StepState:
     kept: dict[tuple[int, int], KeptForward] = field(default_factory=dict)
     """What the forward of a keep or selective stage left for its backward, by (stage, microbatch)."""
     inbox: dict[MessageKey, torch.Tensor] = field(default_factory=dict)
-    posted: dict[MessageKey, Posted] = field(default_factory=dict)
-    """Receives started ahead of their action (Engine: each remote receive posts the next one)."""
     outbox: dict[tuple[Kind, int, int], torch.Tensor] = field(default_factory=dict)
     loss: float = 0.0
     times: StepTimes = field(default_factory=StepTimes)

@@ -24,7 +24,7 @@ import torch
 from foundation.timing import Stopwatch
 from mobiuspipe.action_trace import ActionTrace
 from mobiuspipe.activations import StageMode, parts_of
-from mobiuspipe.comm import Comm, Posted, TensorSpec
+from mobiuspipe.comm import Comm, TensorSpec
 from mobiuspipe.compute import Compute, LossFn, MessageKey, StepState, StepTimes
 from mobiuspipe.device import Device
 from mobiuspipe.memory.arena import DeviceArena
@@ -97,15 +97,6 @@ class Engine(Compute):
                     self.ledger.hold(("buffers", j, l, n), b)
         self.trace = ActionTrace(())
         """Records when each action of the steps it wants ran (Pipeline(trace_steps=...)); by default none."""
-        remote = [
-            a
-            for a in schedule
-            if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD)
-            and mapping[a.stage - 1 if a.kind is Kind.RECV_ACT else a.stage + 1] != rank
-        ]
-        self._next_recv = dict(zip(remote, remote[1:]))
-        """Each remote receive -> the one after it in the schedule (which it posts once its own has come)."""
-        self._first_recv = remote[0] if remote else None
         self.updater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-optimizer")
         self._specs: dict[tuple, dict[MessageKey, TensorSpec]] = {}  # batch shape -> specs of its messages
         self._dispatch = {
@@ -130,8 +121,6 @@ class Engine(Compute):
         m = self.num_microbatches
         self.state = StepState(step, x.chunk(m), y.chunk(m), specs, learning)
         self.peak.start_step()
-        if not learning and self._first_recv is not None:
-            self._post(self._first_recv)
         traced = self.trace.wants(step)
         for a in self.schedule:
             t0 = time.perf_counter()
@@ -224,44 +213,22 @@ class Engine(Compute):
         self.ledger.drop(("outbox", a.kind, a.stage, a.microbatch))  # Comm holds it while in flight
         st.times.comm_s += sw.s
 
-    def _recv(self, a: Action, src_stage: int) -> None:
-        """Take a message from another rank. Once the shapes are known, each remote receive posts the next one
-        of the schedule as soon as it has its own message (the step's first is posted at its start), so that a
-        message lands while this rank computes instead of after the receive asks for it."""
+    def _recv(self, a: Action, src_stage: int, what: str) -> None:
         if self.mapping[src_stage] == self.rank:
             return  # handed over by _send on this rank
         st, key = self.state, (a.kind, a.stage, a.microbatch)
+        tag_stage = src_stage if a.kind is Kind.RECV_ACT else a.stage + 1
+        send_kind = Kind.SEND_ACT if a.kind is Kind.RECV_ACT else Kind.SEND_GRAD
+        src, dev = self.mapping[src_stage], self.device.torch_device
+        what = f"{what} for stage {a.stage} microbatch {a.microbatch} (step {st.step})"
         with Stopwatch() as sw:
             if st.learning:
-                (src, header, what), dev = self._route(a, header=True), self.device.torch_device
-                st.specs[key] = self.comm.recv_spec(dev, src, header, what)
-            posted = st.posted.get(key) or self._post(a)
-            del st.posted[key]
-            st.inbox[key] = self.comm.take(posted)
-            nxt = self._next_recv.get(a)
-            if nxt is not None and not st.learning:
-                self._post(nxt)
+                st.specs[key] = self.comm.recv_spec(dev, src, self._tag(send_kind, tag_stage, a.microbatch, True), what)
+            st.inbox[key] = self.comm.recv(
+                st.specs[key], dev, src, self._tag(send_kind, tag_stage, a.microbatch, False), what
+            )
         self.ledger.hold(("inbox", *key), st.inbox[key])
         st.times.comm_s += sw.s
-
-    def _route(self, a: Action, header: bool = False) -> tuple[int, int, str]:
-        """(sender rank, tag, what it carries) of the remote receive a, or of its shape header."""
-        act = a.kind is Kind.RECV_ACT
-        src_stage = a.stage - 1 if act else a.stage + 1
-        send_kind = Kind.SEND_ACT if act else Kind.SEND_GRAD
-        what = f"{'activation' if act else 'output gradient'} for stage {a.stage} microbatch {a.microbatch}"
-        what = f"{'the shape of ' if header else ''}{what} (step {self.state.step})"
-        return self.mapping[src_stage], self._tag(send_kind, src_stage, a.microbatch, header), what
-
-    def _post(self, a: Action) -> Posted:
-        """Start the remote receive a (its shape known): st.posted holds it, the ledger its buffer from now on."""
-        key = (a.kind, a.stage, a.microbatch)
-        src, tag, what = self._route(a)
-        posted = self.state.posted[key] = self.comm.post(
-            self.state.specs[key], self.device.torch_device, src, tag, what
-        )
-        self.ledger.hold(("inbox", *key), posted.buf)
-        return posted
 
     def _send_act(self, a: Action) -> None:
         self._send(a, a.stage + 1, "activation")
@@ -270,7 +237,7 @@ class Engine(Compute):
         self._send(a, a.stage - 1, "input gradient")
 
     def _recv_act(self, a: Action) -> None:
-        self._recv(a, a.stage - 1)
+        self._recv(a, a.stage - 1, "activation")
 
     def _recv_grad(self, a: Action) -> None:
-        self._recv(a, a.stage + 1)
+        self._recv(a, a.stage + 1, "output gradient")

@@ -22,10 +22,8 @@ What the walk holds, and when (mirroring mobiuspipe.engine's DeviceLedger keys):
            ledger counts: "arena"): P_j from L(j) to R(j), and P_j of gradients from j's first B to O(j).
   held     H_j from F(j,i) to the start of B(j,i)  (ledger "saved"); for a stage that swaps, from F(j,i) to
            SO(j,i) and from SI(j,i) to the start of B(j,i).
-  inbox    I_j from RA(j,i) to F(j,i); O_j from RG(j,i) to the end of B(j,i). A receive from another gpu
-           is posted ahead (mobiuspipe.engine): the step's first at its start, each next one by the remote
-           receive before it, once that one's message has come, so its buffer is held from then. From a
-           stage of the same gpu the message arrives at the sender's SA / SG, so up to M of them queue.
+  inbox    I_j from RA(j,i) to F(j,i); O_j from RG(j,i) to the end of B(j,i). From a stage of the same
+           gpu the message arrives at the sender's SA / SG, so up to M of them queue ("inbox").
   outbox   O_j from F(j,i) to SA(j,i); I_j from B(j,i) to SG(j,i)  ("outbox").
   sending  a message to another gpu, O_j or I_j plus E, from its send until the sender's first send or
            receive after it learnt the message was taken ("sending": Comm drops completed sends at its next
@@ -83,20 +81,12 @@ def device_timeline(
     between F and B (partition.order.steps_of)."""
     steps = steps_of(mapping, gpu, microbatches, swapped)
     releases = {} if sends_until_flush else _send_releases(tuple(mapping), gpu, microbatches)
-    remote = [s for s in steps if s[0] in ("RA", "RG") and _partner(mapping, s)[0] != gpu]
-    ahead = dict(zip(remote, remote[1:]))
     walk = _Walk(arena)
-    if remote:
-        _post(walk, remote[0], stages)
     out = []
-    for step in steps:
-        for key in releases.get(step, ()):
+    for kind, j, i in steps:
+        for key in releases.get((kind, j, i), ()):
             walk.drop(key)
-        top = _step(walk, mapping, gpu, step, stages)
-        if step in ahead:  # the receive posts the next one once its own message has come
-            _post(walk, ahead[step], stages)
-            top = max(top, walk.total)
-        out.append((step, top))
+        out.append(((kind, j, i), _step(walk, mapping, gpu, (kind, j, i), stages)))
     return out
 
 
@@ -159,6 +149,10 @@ def _step(walk: _Walk, mapping: list[int], gpu: int, step: Step, stages: Sequenc
             walk.hold(("weights", j), s.params)
         else:
             walk.drop(("weights", j) if kind == "R" else ("grads", j))
+    elif kind == "RA" and mapping[j - 1] != gpu:
+        walk.hold(("in", j, i), s.input)
+    elif kind == "RG" and mapping[j + 1] != gpu:
+        walk.hold(("gin", j, i), s.output)
     elif kind == "F":
         if j == 0:
             walk.hold(("in", 0, i), s.input)
@@ -190,15 +184,6 @@ def _step(walk: _Walk, mapping: list[int], gpu: int, step: Step, stages: Sequenc
             walk.drop(old)
             walk.hold(("sending", kind, j, i), _size(s, kind) + HEADER_BYTES)
     return walk.total
-
-
-def _post(walk: _Walk, step: Step, stages: Sequence[StageBytes]) -> None:
-    """A remote receive posted: its buffer is held from now until its stage computes with it."""
-    kind, j, i = step
-    if kind == "RA":
-        walk.hold(("in", j, i), stages[j].input)
-    else:
-        walk.hold(("gin", j, i), stages[j].output)
 
 
 def _size(s: StageBytes, kind: str) -> int:

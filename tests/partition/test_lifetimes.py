@@ -53,28 +53,16 @@ FOUR = [
 def test_two_gpus_cross_mapping_sends_released_when_the_schedules_prove_them_taken():
     """Stages 0, 2 on gpu 0 and 1, 3 on gpu 1, two microbatches; a message to the other gpu holds its bytes
     and a header, 100 + E. On gpu 0 at B2.0: the arena (weights of 2 and of 0, prefetched, gradients of 2:
-    70 + 50 + 70); held (0,0), (0,1), (2,1): 8 + 8 + 100; the gradients for (2,0) and, posted by RG2.0, for
-    (2,1): 2 x 100; in flight SA2.0 and SA2.1 (gpu 1 took them at RA3.*, which gpu 0 learns at RG2.0: the next
-    call, SG2.0, drops them); SA0.0 and SA0.1 were dropped at SA2.0 and SA2.1 (known taken once RA2.0 and
-    RA2.1 arrived); work 3000."""
+    70 + 50 + 70); held (0,0), (0,1), (2,1): 8 + 8 + 100; the gradient for (2,0): 100; in flight SA2.0 and
+    SA2.1 (gpu 1 took them at RA3.*, which gpu 0 learns at RG2.0: the next call, SG2.0, drops them); SA0.0
+    and SA0.1 were dropped at SA2.0 and SA2.1 (known taken once RA2.0 and RA2.1 arrived); work 3000."""
     msg = 100 + HEADER_BYTES
     timeline = dict(device_timeline([0, 1, 0, 1], 0, 2, FOUR))
-    assert timeline[("B", 2, 0)] == 190 + 116 + 200 + 2 * msg + 3000
-    # SG2.0 in flight, SA2.* dropped at SG2.0; the gradients for (2,1) and, posted by RG2.1, for (0,0)
-    assert timeline[("B", 2, 1)] == 190 + 16 + 200 + msg + 3000
-    # SA2.0: stage 2's weights; held (0,*), (2,0); SA0.0 dropped as SA2.0 starts, SA0.1 not yet; SA2.0 itself;
-    # the input of (2,1), posted by RA2.0
-    assert timeline[("SA", 2, 0)] == 70 + 16 + 100 + 2 * msg + 100
-    assert device_peak([0, 1, 0, 1], 0, 2, FOUR) == 190 + 116 + 200 + 2 * msg + 3000
-
-
-def test_a_remote_receive_is_held_from_its_post():
-    """The step's first remote receive (RA2.0, 100 bytes) is posted at the start: held from the first action
-    on; each later one from the remote receive before it (RA2.1 from RA2.0), and until its stage computes."""
-    timeline = device_timeline([0, 1, 0, 1], 0, 2, FOUR)
-    assert timeline[0] == (("L", 0, -1), 50 + 100)
-    assert [step for step, _ in timeline[6:8]] == [("R", 0, -1), ("RA", 2, 0)]
-    assert timeline[7][1] - timeline[6][1] == 100  # RA2.1's buffer posted: RA2.0's was held already
+    assert timeline[("B", 2, 0)] == 190 + 116 + 100 + 2 * msg + 3000
+    assert timeline[("B", 2, 1)] == 190 + 16 + 100 + msg + 3000  # SG2.0 in flight, SA2.* dropped at SG2.0
+    # SA2.0: stage 2's weights; held (0,*), (2,0); SA0.0 dropped as SA2.0 starts, SA0.1 not yet; SA2.0 itself
+    assert timeline[("SA", 2, 0)] == 70 + 16 + 100 + 2 * msg
+    assert device_peak([0, 1, 0, 1], 0, 2, FOUR) == 190 + 116 + 100 + 2 * msg + 3000
 
 
 def test_two_gpus_sends_held_until_the_flush():
@@ -82,13 +70,13 @@ def test_two_gpus_sends_held_until_the_flush():
     SA2.0, SA2.1 and SG2.0."""
     msg = 100 + HEADER_BYTES
     timeline = dict(device_timeline([0, 1, 0, 1], 0, 2, FOUR, sends_until_flush=True))
-    assert timeline[("B", 2, 0)] == 190 + 116 + 200 + 4 * msg + 3000  # two gradients: one posted ahead
-    assert timeline[("B", 2, 1)] == 190 + 16 + 200 + 5 * msg + 3000
+    assert timeline[("B", 2, 0)] == 190 + 116 + 100 + 4 * msg + 3000
+    assert timeline[("B", 2, 1)] == 190 + 16 + 100 + 5 * msg + 3000
     assert device_peak([0, 1, 0, 1], 0, 2, FOUR, sends_until_flush=True) == timeline[("B", 2, 1)]
     # gpu 1 at B3.0: weights of 3 and (prefetched) 1, gradients of 3; held (1,*), (3,1); its sends so far,
-    # SA1.0 and SA1.1 (the last stage sends no activation); the gradient for (1,0), posted by RA3.1
+    # SA1.0 and SA1.1 (the last stage sends no activation)
     gpu1 = dict(device_timeline([0, 1, 0, 1], 1, 2, FOUR, sends_until_flush=True))
-    assert gpu1[("B", 3, 0)] == 80 + 80 + 60 + 200 + 100 + 2 * msg + 4000 + 100
+    assert gpu1[("B", 3, 0)] == 80 + 80 + 60 + 200 + 100 + 2 * msg + 4000
 
 
 def test_the_walk_follows_the_runtime_order():
