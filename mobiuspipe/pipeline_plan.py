@@ -186,6 +186,7 @@ def _measure_and_plan(layers, loss_fn, sample, info: RankInfo, request: PlanRequ
         microbatch_size=xm.shape[0],
         seq_len=xm.shape[1] if xm.dim() > 1 else 1,
         loss_fn=lambda out: loss_fn(out.float(), ym.to(out.device)),
+        microbatches=m,
     )
     profile = dataclasses.replace(profile, target_bytes=ym.numel() * ym.element_size())
     topo = _topology(request.topology, info, device)

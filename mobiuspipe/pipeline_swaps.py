@@ -89,7 +89,7 @@ def plan_as_run(plan: Plan, modes: dict, tiers: dict[int, str], on_gpu: bool = F
             held, tier = 0, "auto"
         kept = tuple(sorted(modes[j].keep_layers)) if mode == "selective" else ()
         grad = _grad_forward_s(s)
-        forward, redo = (grad, 0.0) if mode == "keep" else (s.fwd_s, grad)
+        forward, redo = (grad if s.kept_s is None else s.kept_s, 0.0) if mode == "keep" else (s.fwd_s, grad)
         stages.append(
             dataclasses.replace(
                 s,
@@ -106,8 +106,11 @@ def plan_as_run(plan: Plan, modes: dict, tiers: dict[int, str], on_gpu: bool = F
 
 
 def _grad_forward_s(s) -> float:
-    """A stage's whole forward with grad (s), from the times its plan records under its own policy (a selective
-    stage's: an upper bound, its recomputed segments counted with and without grad)."""
+    """A stage's whole forward with grad (s): its grad_s, or in plans before it, from the times its plan records
+    under its own policy (a selective stage's: an upper bound, its recomputed segments counted with and
+    without grad)."""
+    if s.grad_s is not None:
+        return s.grad_s
     if s.activations == "recompute":
         return s.fwd_s if s.recompute_s is None else s.recompute_s
     return s.f_s + (s.recompute_s or 0.0)

@@ -2,12 +2,17 @@
 as partition.analytic.
 
 For each layer l, fed the previous layer's output (the first gets `sample_input`):
-  fwd_s, recompute_s, bwd_s
+  fwd_s, recompute_s, bwd_s, kept_s
                     the layer timed on the runtime's own path (mobiuspipe.stage: functional_call on the
                     layer's tensors, so its per-call cost is in the figures): fwd_s the forward of a
                     forward visit (no grad), recompute_s the forward with grad of a backward visit under
                     the ledger's saved-tensor hook (memory.measure.counting_saved; the hook costs some
-                    10-40% on small layers), bwd_s the backward and the drop of the hook's records.
+                    10-40% on small layers), bwd_s the backward and the drop of the hook's records,
+                    kept_s the forward of a keep stage's forward visit: with grad on leaves viewing one
+                    weight slot, under the keep hooks (mobiuspipe.activations.keeping), `microbatches`
+                    in a row with every graph held until the last has run (each in fresh memory), the
+                    mean of the `microbatches`; None for the last layer with its loss (the last stage's
+                    forward is fused into its backward).
                     Each the median of the last `min_repeats` timings once those medians move by at most
                     rel_tol from one repeat to the next (or after max_repeats), after `warmup` untimed
                     runs; the device is synchronized before and after each timed region (CUDA), so the
@@ -35,6 +40,7 @@ from torch import nn
 from torch.func import functional_call
 
 from foundation.timing import Stopwatch
+from mobiuspipe.activations import keeping
 from mobiuspipe.memory.ledger import DeviceLedger
 from mobiuspipe.memory.measure import counting_saved
 from partition.profile import LayerProfile, Profile
@@ -102,8 +108,8 @@ class _Run:
     under the ledger's saved-tensor hook (the recompute of a backward visit, with the loss for the last
     layer), and the backward with a fixed gradient, after which the hook's records are dropped."""
 
-    def __init__(self, layer: nn.Module, x: torch.Tensor, loss_fn, device: torch.device):
-        self.layer, self.loss_fn, self.device = layer, loss_fn, device
+    def __init__(self, layer: nn.Module, x: torch.Tensor, loss_fn, device: torch.device, microbatches: int):
+        self.layer, self.loss_fn, self.device, self.microbatches = layer, loss_fn, device, microbatches
         self.x = x.detach().requires_grad_(x.is_floating_point())
         self.params = list(layer.parameters())
         self.leaves = {n: p.detach().requires_grad_(p.requires_grad) for n, p in layer.named_parameters()}
@@ -111,6 +117,7 @@ class _Run:
             t.grad = torch.zeros_like(t) if t.requires_grad else None
         self.leaves.update(dict(layer.named_buffers()))
         self.plain = {n: t.detach() for n, t in self.leaves.items()}
+        self.slot, self.in_slot = _weight_slot(layer, device)
         self.ledger = DeviceLedger()
         with torch.no_grad():
             out = layer(self.x)
@@ -140,8 +147,28 @@ class _Run:
         self.ledger.drop_kind("output")
         self.x.grad = None
 
-    def timed(self) -> tuple[float, float, float]:
-        """Seconds of (forward visit, recompute, backward)."""
+    def kept_visit(self) -> float:
+        """Seconds per forward of `microbatches` kept forwards in a row (each graph held until all have run);
+        their backwards follow, untimed."""
+        outs, total = [], 0.0
+        for i in range(self.microbatches):
+            tensors = {n: v.detach().requires_grad_(True) for n, v in self.in_slot.items()}
+            tensors.update(dict(self.layer.named_buffers()))
+            _sync(self.device)
+            with Stopwatch() as sw, keeping(self.ledger, ("kept", i), self.slot, lambda: self.slot):
+                outs.append(functional_call(self.layer, tensors, (self.x,)))
+                _sync(self.device)
+            total += sw.s
+        for out in outs:
+            if out.requires_grad:
+                out.backward(self.grad)
+        self.ledger.drop_kind("kept")
+        self.x.grad = None
+        return total / self.microbatches
+
+    def timed(self) -> tuple[float, ...]:
+        """Seconds of (forward visit, recompute, backward, kept forward); the last 0.0 for a layer with its loss."""
+        kept = 0.0 if self.loss_fn else self.kept_visit()
         _sync(self.device)
         with Stopwatch() as fwd:
             self.forward_visit()
@@ -152,7 +179,7 @@ class _Run:
         with Stopwatch() as bwd:
             self.backward(y)
             _sync(self.device)
-        return fwd.s, redo.s, bwd.s
+        return fwd.s, redo.s, bwd.s, kept
 
     def flops(self) -> tuple[float, float]:
         with flop_counter.FlopCounterMode(display=False, custom_mapping=_cpu_flash_flops()) as f:
@@ -177,6 +204,19 @@ class _Run:
         return sum(seen.values())
 
 
+def _weight_slot(layer: nn.Module, device: torch.device) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One uint8 buffer holding a copy of the layer's parameters, as an arena slot holds a stage's, and a view of
+    each parameter in it."""
+    named = list(layer.named_parameters())
+    slot = torch.empty(sum(p.nbytes for _, p in named), dtype=torch.uint8, device=device)
+    views, offset = {}, 0
+    for name, p in named:
+        views[name] = slot[offset : offset + p.nbytes].view(p.dtype).view(p.shape)
+        views[name].copy_(p.detach())
+        offset += p.nbytes
+    return slot, views
+
+
 def _stable_median(run: _Run, warmup: int, min_repeats: int, max_repeats: int, rel_tol: float) -> tuple[float, ...]:
     for _ in range(warmup):
         run.timed()
@@ -194,12 +234,12 @@ def _stable_median(run: _Run, warmup: int, min_repeats: int, max_repeats: int, r
 
 
 def _measure_one(
-    layer: nn.Module, x: torch.Tensor, loss_fn, device: torch.device, timing: tuple[int, int, int, float]
+    layer: nn.Module, x: torch.Tensor, loss_fn, device: torch.device, timing: tuple[int, int, int, float], m: int
 ) -> tuple[LayerProfile, torch.Tensor]:
-    run = _Run(layer, x, loss_fn, device)
+    run = _Run(layer, x, loss_fn, device, m)
     fwd_flops, bwd_flops = run.flops()
     act = run.saved_bytes()
-    fwd_s, redo_s, bwd_s = _stable_median(run, *timing)
+    fwd_s, redo_s, bwd_s, kept_s = _stable_median(run, *timing)
     for p in layer.parameters():
         p.grad = None
     params = list(layer.parameters())
@@ -214,6 +254,7 @@ def _measure_one(
         fwd_s=fwd_s,
         bwd_s=bwd_s,
         recompute_s=redo_s,
+        kept_s=None if loss_fn else kept_s,
     )
     return lp, run.out
 
@@ -245,14 +286,18 @@ def measure_layers(
     min_repeats: int = 5,
     max_repeats: int = 50,
     rel_tol: float = 0.05,
+    microbatches: int = 4,
 ) -> Measurement:
-    """Measure `layers` in order (see the module docstring); loss_fn(output) -> scalar follows the last one.
+    """Measure `layers` in order (see the module docstring); loss_fn(output) -> scalar follows the last one;
+    microbatches: the kept forwards timed in a row (the plan's microbatches per visit).
 
     Each layer is moved to `device` for its measurement and back where it was afterwards, so the device
     holds one layer at a time. The Profile's header fields are the given name, device_name, dtype_name,
     microbatch_size and seq_len.
     """
     _check(layers, warmup, min_repeats, max_repeats, rel_tol)
+    if microbatches < 1:
+        raise ValueError(f"microbatches must be >= 1 (the kept forwards timed in a row), found {microbatches}")
     _check_dtype(layers, dtype_name)
     device = torch.device(device)
     x = sample_input.to(device)
@@ -265,7 +310,12 @@ def measure_layers(
             home = next(iter(layer.parameters()), x).device
             layer.to(device)
             lp, y = _measure_one(
-                layer, x, loss_fn if l == len(layers) - 1 else None, device, (warmup, min_repeats, max_repeats, rel_tol)
+                layer,
+                x,
+                loss_fn if l == len(layers) - 1 else None,
+                device,
+                (warmup, min_repeats, max_repeats, rel_tol),
+                microbatches,
             )
             layer.to(home)
             seen[key] = (l, y)

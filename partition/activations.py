@@ -17,9 +17,10 @@ Legend (stage j = layers a..b, one microbatch unless marked; units in brackets):
              B(j,i) runs (the graphs until the backward ends, the recomputed segment)             [bytes]
              (recompute: today's A_j of partition.costmodel; keep: G_j = A_j)
   R_l        a layer's forward as the backward redoes it (with grad; profile recompute_s, else F_l)  [s]
+  K_l        a kept layer's forward as F runs it (with grad, graph kept; profile kept_s, else R_l)  [s]
   R_j        = sum_{l not in K} R_l: the forward redone in each B                              [s]
   F_j, B_j   = sum_l F_l, sum_l B_l                                                            [s]
-  F'_j       = sum_{l in K} R_l + sum_{l not in K} F_l: F(j,i) as the policy runs it (kept layers run
+  F'_j       = sum_{l in K} K_l + sum_{l not in K} F_l: F(j,i) as the policy runs it (kept layers run
              with grad and keep their graphs; the others without grad)                          [s]
   out, in_   bandwidth from the device to the tier and back (the share of a shared link)        [GB/s]
   W_out      = F'_j: a swap-out of microbatch i overlaps the forward of microbatch i+1           [s]
@@ -123,7 +124,7 @@ def policy_cost(
     if segs:
         work += max(int(arr.A[e + 1] - arr.A[s]) for s, e in segs) + _output(arr, a - 1, input_bytes) + int(arr.O[b])
     recompute = sum(arr.recompute(s, e) for s, e in segs)
-    fwd = sum(arr.recompute(s, e) for s, e in runs) + sum(float(arr.F[e + 1] - arr.F[s]) for s, e in segs)
+    fwd = sum(arr.kept(s, e) for s, e in runs) + sum(float(arr.F[e + 1] - arr.F[s]) for s, e in segs)
     bwd = float(arr.B[b + 1] - arr.B[a])
     exposed = 0.0
     if policy.tier != "device":

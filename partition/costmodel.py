@@ -59,6 +59,7 @@ class LayerArrays:
     O: np.ndarray  # output bytes per layer, length L
     N: np.ndarray  # prefix sums of parameter counts
     R: np.ndarray | None = None  # prefix sums of recompute seconds (None: the same as F)
+    K: np.ndarray | None = None  # prefix sums of kept-forward seconds (None: the same as R)
 
     @classmethod
     def of(cls, profile: Profile) -> LayerArrays:
@@ -74,6 +75,7 @@ class LayerArrays:
             O=np.asarray([x.output_bytes for x in ls], dtype=np.int64),
             N=pre([x.param_count for x in ls], np.int64),
             R=pre([x.redo_s for x in ls]),
+            K=pre([x.keep_s for x in ls]),
         )
 
     @property
@@ -99,6 +101,12 @@ class LayerArrays:
         """R_j for layers a..b inclusive."""
         r = self.F if self.R is None else self.R
         return float(r[b + 1] - r[a])
+
+    def kept(self, a: int, b: int) -> float:
+        """K_j for layers a..b inclusive: their forward as a keep F runs it (profile kept_s)."""
+        if self.K is None:
+            return self.recompute(a, b)
+        return float(self.K[b + 1] - self.K[a])
 
     def param_count(self, a: int, b: int) -> int:
         return int(self.N[b + 1] - self.N[a])

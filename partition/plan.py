@@ -75,6 +75,13 @@ class StagePlan(_PlanPart):
     forward_s: float | None = None
     """Seconds per microbatch of F as the policy runs it: its kept layers' forward with grad (they keep their
     graphs), the others' without; 0 on the last stage (fused into B); None (plans before the choice): fwd_s."""
+    grad_s: float | None = None
+    """Seconds per microbatch of the whole stage's forward as a recompute's backward redoes it (R_j: with grad),
+    whatever the stage's own policy: for a run that forces recompute (None, plans before it: from the others)."""
+    kept_s: float | None = None
+    """Seconds per microbatch of the whole stage's forward as F runs it under keep (K_j: the profile's kept_s
+    summed, with grad, the graphs kept), whatever the stage's own policy: for a run that forces keep (None,
+    plans before it: grad_s)."""
 
     @property
     def f_s(self) -> float:
@@ -117,7 +124,12 @@ class StagePlan(_PlanPart):
             ),
             *(p for name in counts for p in at_least(self, name, 0, _WRITE_FIX)),
             *(p for name in ("fwd_s", "bwd_s") for p in positive(self, name, _WRITE_FIX, zero_ok=True)),
-            *(positive(self, "recompute_s", _WRITE_FIX, zero_ok=True) if self.recompute_s is not None else []),
+            *(
+                p
+                for name in ("recompute_s", "grad_s", "kept_s")
+                if getattr(self, name) is not None
+                for p in positive(self, name, _WRITE_FIX, zero_ok=True)
+            ),
             *positive(self, "load_gbps", _WRITE_FIX, what="a bandwidth in GB/s, a finite number"),
         ]
 

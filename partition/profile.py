@@ -9,6 +9,9 @@ Symbols (per layer l, for ONE microbatch of `microbatch_size` sequences of `seq_
   R_l  recompute_s       the forward as the backward visit redoes it before its backward: with
                          grad, through the runtime's saved-tensor hooks (None: F_l, as the
                          analytic profile has it); the last stage runs it fused with its loss  [s]
+  K_l  kept_s            the forward as a keep (or selective) stage's F runs it for a kept layer:
+                         with grad, through the runtime's keep hooks, its graph kept until the
+                         backward, M microbatches in a row, each in fresh memory (None: R_l)  [s]
 
 Layer-similarity compression (Mobius, "Profiling"): a transformer's blocks are identical, so a profile
 is stored and solved as runs of consecutive identical layers, (layer, count); `expand` undoes it.
@@ -73,16 +76,23 @@ class LayerProfile(_ProfilePart):
     bwd_s: float
     recompute_s: float | None = None
     """R_l of the legend; None: the same as fwd_s."""
+    kept_s: float | None = None
+    """K_l of the legend; None: the same as redo_s."""
 
     @property
     def redo_s(self) -> float:
         """R_l: recompute_s, or fwd_s when the profile has no separate figure."""
         return self.fwd_s if self.recompute_s is None else self.recompute_s
 
+    @property
+    def keep_s(self) -> float:
+        """K_l: kept_s, or R_l when the profile has no separate figure."""
+        return self.redo_s if self.kept_s is None else self.kept_s
+
     def check_values(self) -> list[Problem]:
         counts = ("param_count", "param_bytes", "activation_bytes", "output_bytes")
         amounts = ("fwd_flops", "bwd_flops", "fwd_s", "bwd_s")
-        redo = () if self.recompute_s is None else ("recompute_s",)
+        redo = tuple(n for n in ("recompute_s", "kept_s") if getattr(self, n) is not None)
         return [
             *non_empty(self, "name", _WRITE_FIX),
             *(p for name in counts for p in at_least(self, name, 0, _WRITE_FIX)),

@@ -336,4 +336,6 @@ def stage_plan(arr: LayerArrays, a: int, b: int, gpu: int, load_gbps: float) -> 
         bwd_s=arr.bwd(a, b),
         load_gbps=load_gbps,
         recompute_s=arr.recompute(a, b),
+        grad_s=arr.recompute(a, b),
+        kept_s=arr.kept(a, b),
     )

@@ -124,6 +124,7 @@ def _measured(cfg: RunConfig) -> Profile:
         microbatch_size=mb,
         seq_len=cfg.model.seq_len,
         loss_fn=lambda out: lm_loss(out, y[:mb]),
+        microbatches=cfg.data.num_microbatches,
     )
     return dataclasses.replace(profile, target_bytes=y[:mb].numel() * y.element_size())
 

@@ -182,6 +182,7 @@ def measure(parts: dict) -> Profile:
             microbatch_size=xm.shape[0],
             seq_len=xm.shape[1],
             loss_fn=lambda out: lm_loss(out.float(), ym),
+            microbatches=m,
         )
     finally:
         torch.set_num_threads(before)

@@ -122,8 +122,12 @@ def test_the_plan_a_run_keeps_is_the_policy_it_runs():
     run = plan_as_run(plan, stage_modes("recompute", plan), {0: "host", 1: "host", 2: "host"})
     assert [(s.activations, s.activation_tier) for s in run.stages[:-1]] == [("recompute", "host")] * 3
     assert run.stages[1].held_bytes == plan.stages[0].output_bytes and run.stages[-1] == plan.stages[-1]
-    # times: the keep's forward ran with grad; forced to recompute, F runs without and B redoes it with grad
-    assert [(s.forward_s, s.recompute_s) for s in run.stages[:-1]] == [(s.fwd_s, s.forward_s) for s in plan.stages[:-1]]
+    # times: the keep's forward ran with grad, its graphs kept (K_j); forced to recompute, F runs without grad
+    # and B redoes it with grad (R_j); forced back to keep, F is K_j again
+    assert all(s.forward_s == s.kept_s and s.recompute_s == 0.0 for s in plan.stages[:-1])
+    assert [(s.forward_s, s.recompute_s) for s in run.stages[:-1]] == [(s.fwd_s, s.grad_s) for s in plan.stages[:-1]]
+    again = plan_as_run(run, stage_modes("keep", run), {})
+    assert [(s.forward_s, s.recompute_s) for s in again.stages[:-1]] == [(s.kept_s, 0.0) for s in plan.stages[:-1]]
     assert planned_device_bytes(run, standin=True) < planned_device_bytes(plan, standin=True)
     assert plan_as_run(plan, stage_modes("plan", plan), {}) == plan
     gpu = plan_as_run(plan, stage_modes("recompute", plan), {}, on_gpu=True)  # the engine copies inputs to host

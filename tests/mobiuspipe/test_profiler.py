@@ -69,20 +69,33 @@ def test_times_are_positive(measured):
     for x in measured.profile.layers:
         assert x.fwd_s > 0 and x.bwd_s > 0
         assert x.recompute_s is not None and x.recompute_s > 0  # timed apart: with grad, through the hooks
+    *kept, last = measured.profile.layers
+    assert all(x.kept_s is not None and x.kept_s > 0 for x in kept)
+    assert last.kept_s is None and last.keep_s == last.recompute_s  # fused with its loss: never a keep F
 
 
 def test_the_layers_are_called_as_the_runtime_calls_them(monkeypatch):
     # Stage.forward calls functional_call; the recompute runs under the ledger's counting hook
     import mobiuspipe.profiler as profiler
 
-    calls, counted = [], []
-    real_call, real_counting = profiler.functional_call, profiler.counting_saved
+    # and a kept forward under the keep hooks, with its parameters in one weight slot, microbatches in a row
+    calls, counted, kept = [], [], []
+    real_call, real_counting, real_keeping = profiler.functional_call, profiler.counting_saved, profiler.keeping
+
+    def keeping(ledger, key, slot, slot_at_b):
+        kept.append((key, slot.dtype, slot.numel(), len(ledger.keys("kept"))))  # the graphs held before it
+        return real_keeping(ledger, key, slot, slot_at_b)
+
     monkeypatch.setattr(profiler, "functional_call", lambda *a, **k: calls.append(1) or real_call(*a, **k))
     monkeypatch.setattr(profiler, "counting_saved", lambda ledger: counted.append(1) or real_counting(ledger))
+    monkeypatch.setattr(profiler, "keeping", keeping)
     layer = nn.Linear(8, 8)
-    kw = _kw() | dict(warmup=0, min_repeats=1, max_repeats=1)
+    kw = _kw() | dict(warmup=0, min_repeats=1, max_repeats=1, microbatches=3)
     measure_profile([layer], torch.randn(2, 8), **kw)
-    assert len(calls) == 2 and len(counted) == 1  # one forward visit and one recompute, timed once each
+    assert len(calls) == 2 + 3 and len(counted) == 1  # a forward visit, a recompute and 3 kept forwards
+    # the slot holds the 72 parameters' bytes; each kept forward starts with the earlier ones' graphs held
+    # (a Linear saves its input: one held tensor each, its weight a reference into the slot)
+    assert kept == [(("kept", i), torch.uint8, 72 * 4, i) for i in range(3)]
 
 
 def test_matmul_flops_match_the_analytic_count(measured, analytic):

@@ -48,7 +48,8 @@ def test_selective_splits_the_stage_into_recomputed_segments():
 
 
 def test_the_forward_runs_kept_layers_with_grad():
-    """F'_j: kept layers at their with-grad time R_l (they keep their graphs), the others at F_l; C_j with it."""
+    """F'_j without a kept time in the profile: kept layers at their with-grad time R_l (they keep their graphs),
+    the others at F_l; C_j with it."""
     r = np.array([1.5, 5.0, 1.25, 7.0])  # with grad: slower than F
     arr = _arrays()
     arr = LayerArrays(P=arr.P, A=arr.A, F=arr.F, B=arr.B, O=arr.O, N=arr.N, R=np.concatenate([[0], np.cumsum(r)]))
@@ -59,6 +60,22 @@ def test_the_forward_runs_kept_layers_with_grad():
     assert redo.forward_s == pytest.approx(11.0) and redo.recompute_s == pytest.approx(13.25)
     sel = policy_cost(arr, 0, 3, 2, ActivationPolicy("selective", (1, 2)), None)
     assert sel.forward_s == pytest.approx(1.0 + 5.0 + 1.25 + 6.0) and sel.recompute_s == pytest.approx(1.5 + 7.0)
+
+
+def test_kept_layers_forward_at_their_kept_time_when_the_profile_has_one():
+    """F'_j: K_l (the forward as a keep F runs it, graphs held M in a row) for kept layers; R_l stays what the
+    backward redoes (and what orders the layers to keep)."""
+    r, k = np.array([1.5, 5.0, 1.25, 7.0]), np.array([1.75, 5.5, 1.5, 8.0])
+    arr = _arrays()
+    pre = lambda v: np.concatenate([[0], np.cumsum(v)])  # noqa: E731
+    arr = LayerArrays(P=arr.P, A=arr.A, F=arr.F, B=arr.B, O=arr.O, N=arr.N, R=pre(r), K=pre(k))
+    assert arr.kept(1, 3) == pytest.approx(5.5 + 1.5 + 8.0) and arr.recompute(1, 3) == pytest.approx(13.25)
+    keep = policy_cost(arr, 1, 3, 2, ActivationPolicy("keep"), None)
+    assert keep.forward_s == pytest.approx(5.5 + 1.5 + 8.0) and keep.compute_s == pytest.approx(2 * (15.0 + 22))
+    sel = policy_cost(arr, 0, 3, 2, ActivationPolicy("selective", (1, 2)), None)
+    assert sel.forward_s == pytest.approx(1.0 + 5.5 + 1.5 + 6.0) and sel.recompute_s == pytest.approx(1.5 + 7.0)
+    without = LayerArrays(P=arr.P, A=arr.A, F=arr.F, B=arr.B, O=arr.O, N=arr.N, R=pre(r))
+    assert without.kept(1, 3) == without.recompute(1, 3)  # no K: R
 
 
 def test_a_swap_is_exposed_only_beyond_its_window():
