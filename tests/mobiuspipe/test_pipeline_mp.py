@@ -67,8 +67,8 @@ def test_pipeline_equals_plain_pytorch(tmp_path, launch, reference, read_events,
 
 
 def _check_trace(path, plan, microbatches: int) -> None:
-    """Every rank's actions of step 2 (runtime.trace_steps), its schedule's, on one clock: a message between
-    ranks is taken no earlier than it was sent."""
+    """Every rank's actions of step 2 (runtime.trace_steps), its schedule's, and its stages' host updates, on one
+    clock: a message between ranks is taken no earlier than it was sent."""
     from mobiuspipe.schedule import build_schedule
 
     events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
@@ -76,6 +76,8 @@ def _check_trace(path, plan, microbatches: int) -> None:
     for g in range(plan.num_gpus):
         ran = [e["name"] for e in events if e["pid"] == g and e["name"] not in ("step", "flush") and e["cat"] != "U"]
         assert ran == [str(a) for a in build_schedule(plan.mapping, g, microbatches)], g
+        updates = sorted(e["name"] for e in events if e["pid"] == g and e["cat"] == "U")
+        assert updates == sorted(f"U{j}" for j in plan.stages_of(g))  # each of its stages' host updates
     at = {e["name"]: e for e in events}
     sends = [e for e in events if e["cat"] == "SA"]
     assert len(sends) == (plan.num_stages - 1) * microbatches
