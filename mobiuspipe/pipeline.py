@@ -45,6 +45,7 @@ from mobiuspipe.optim.loss_scale import LossScaler, scaler_for
 from mobiuspipe.pipeline_plan import (
     PlanRequest,
     PlanSource,
+    check_batch,
     check_cut,
     check_precision,
     check_stage_layers,
@@ -348,16 +349,7 @@ class Pipeline:
     def _check_batch(self, x: torch.Tensor, y: torch.Tensor, passes: int | None = None) -> None:
         if self._closed:
             raise PipelineError("train_batch on a closed Pipeline: make a new one")
-        k, m, b = passes or self.accumulation_steps, self.plan.num_microbatches, self.plan.microbatch_size
-        want = k * m * b
-        if x.dim() == 0 or x.shape[0] != want or y.dim() == 0 or y.shape[0] != want:
-            of = f"{k} passes of " if k > 1 else ""
-            raise PipelineError(
-                f"a batch needs {want} rows along dimension 0 ({of}the plan's {m} "
-                f"microbatches of {b}); found inputs of shape "
-                f"{tuple(x.shape)} and targets of shape {tuple(y.shape)}: batch the data to that "
-                f"size or re-plan with --microbatches/--microbatch-size"
-            )
+        check_batch(self.plan, passes or self.accumulation_steps, x, y)
 
     def _reduce(self, values: list[float], op, what: str) -> list[float]:
         if self.info.world_size == 1:

@@ -35,6 +35,7 @@ __all__ = [
     "STANDIN_MEMORY_BYTES",
     "read_plan",
     "check_world",
+    "check_batch",
     "check_cut",
     "check_stage_layers",
     "same_plan_everywhere",
@@ -75,6 +76,20 @@ def check_precision(plan: Plan, precision: str | None) -> str:
             f"{precision} (`mobiuspipe partition --dtype {precision} ...`) or train in {plan.dtype}"
         )
     return plan.dtype
+
+
+def check_batch(plan: Plan, passes: int, x, y) -> None:
+    """A batch (inputs x, targets y) must hold `passes` times the plan's microbatches along dimension 0."""
+    m, b = plan.num_microbatches, plan.microbatch_size
+    want = passes * m * b
+    if x.dim() == 0 or x.shape[0] != want or y.dim() == 0 or y.shape[0] != want:
+        of = f"{passes} passes of " if passes > 1 else ""
+        raise PipelineError(
+            f"a batch needs {want} rows along dimension 0 ({of}the plan's {m} "
+            f"microbatches of {b}); found inputs of shape "
+            f"{tuple(x.shape)} and targets of shape {tuple(y.shape)}: batch the data to that "
+            f"size or re-plan with --microbatches/--microbatch-size"
+        )
 
 
 def check_cut(plan: Plan, num_layers: int, num_microbatches: int | None) -> None:
