@@ -15,7 +15,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["TracedAction", "ActionTrace", "chrome", "write_chrome"]
+from partition.sim_types import SimResult
+
+__all__ = ["TracedAction", "ActionTrace", "chrome", "write_chrome", "as_sim_result"]
+
+SIM_KINDS = {"F": "F", "B": "B", "L": "load", "O": "offload", "U": "update"}
+"""The simulator's event kind of each traced action it also has (messages, swaps and releases it does not draw)."""
 
 THREADS = {"F": "compute", "B": "compute", "SA": "comm", "RA": "comm", "SG": "comm", "RG": "comm", "flush": "comm"}
 """Chrome thread of each action kind; the rest (L, R, O, SO, SI) and the pipeline's own spans go to "copy"."""
@@ -84,3 +89,24 @@ def write_chrome(per_rank: list[list[TracedAction]], path: str | Path) -> Path:
     path = Path(path)
     path.write_text(json.dumps({"traceEvents": meta + events, "displayTimeUnit": "ms"}) + "\n", encoding="utf-8")
     return path
+
+
+def as_sim_result(per_rank: list[list[TracedAction]], step: int) -> SimResult:
+    """Every rank's traced `step` as the simulator's SimResult (times from the step's first record; the step time
+    its last record's end), so that partition.trace draws the measured step as it draws a predicted one."""
+    recs = [(g, r) for g, recs in enumerate(per_rank) for r in recs if r.step == step]
+    if not recs:
+        raise ValueError(f"no rank traced step {step}: trace it (runtime.trace_steps) first")
+    origin = min(r.start_s for _, r in recs)
+    events = sorted(
+        (
+            (SIM_KINDS[r.kind], g, r.stage, r.microbatch, r.start_s - origin, r.end_s - origin)
+            for g, r in recs
+            if r.kind in SIM_KINDS
+        ),
+        key=lambda e: (e[4], e[1]),
+    )
+    n = len(per_rank)
+    busy = tuple(sum(e[5] - e[4] for e in events if e[1] == g and e[0] in ("F", "B")) for g in range(n))
+    span = max(r.end_s for _, r in recs) - origin
+    return SimResult(step_time_s=span, compute_busy_s=busy, events=tuple(events), link_model="measured")

@@ -25,7 +25,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from foundation.errors import UserError
 from foundation.timing import Stopwatch
 from foundation.units import fmt_bytes
-from mobiuspipe.action_trace import write_chrome
+from mobiuspipe.action_trace import as_sim_result, write_chrome
 from mobiuspipe.checkpoint import CheckpointError
 from mobiuspipe.config import RunConfig, load_config
 from mobiuspipe.config_plan import model_spec
@@ -47,6 +47,7 @@ from mobiuspipe.usage import RankStep, folder_bytes, host_rss_bytes
 from partition.costmodel import ARENA_SLOTS
 from partition.device_peak import planned_device_bytes
 from partition.plan import Plan, save_plan
+from partition.trace import svg_timeline
 
 __all__ = ["main", "open_run", "train", "with_resume"]
 
@@ -223,7 +224,16 @@ def _write_trace(pipe: Pipeline, out: Path | None) -> None:
     every = gather_all(pipe.info, pipe.trace.records)
     if pipe.rank == 0 and out is not None:
         path = write_chrome(every, out / "trace.json")
-        print(f"mobiuspipe: the actions of steps {sorted(pipe.trace.steps)} are in {path}", flush=True)
+        step = max(pipe.trace.steps)
+        measured = as_sim_result(every, step)
+        svg_timeline(
+            measured, len(every), out / "trace.svg", f"step {step} as it ran: {measured.step_time_s * 1e3:.1f} ms"
+        )
+        print(
+            f"mobiuspipe: the actions of steps {sorted(pipe.trace.steps)} are in {path}; step {step} drawn in "
+            f"{out / 'trace.svg'}",
+            flush=True,
+        )
 
 
 def _report_device_peak(pipe: Pipeline) -> None:

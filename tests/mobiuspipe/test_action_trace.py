@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mobiuspipe import Pipeline
-from mobiuspipe.action_trace import ActionTrace, TracedAction, chrome, write_chrome
+from mobiuspipe.action_trace import ActionTrace, TracedAction, as_sim_result, chrome, write_chrome
 from mobiuspipe.config import config_from_dict
 from mobiuspipe.config_plan import plan_for_config
 from mobiuspipe.dataset import open_data
@@ -99,3 +99,30 @@ def test_trace_steps_are_checked(train, runtime, expected):
     with pytest.raises(ConfigError, match="trace_steps") as e:
         config_from_dict({"train": train, "runtime": runtime})
     assert expected in str(e.value)
+
+
+def test_a_traced_step_as_the_simulators_result():
+    """The actions the simulator also has (F, B, loads, offloads, updates), from the step's first record; the
+    messages and releases are left out but count in the step's span."""
+    rank0 = [
+        TracedAction(4, "L", 0, -1, 10.000, 10.001),
+        TracedAction(4, "F", 0, 0, 10.001, 10.003),
+        TracedAction(4, "SA", 0, 0, 10.003, 10.0031),
+        TracedAction(4, "O", 0, -1, 10.009, 10.0095),
+        TracedAction(4, "U", 0, -1, 10.0095, 10.012),
+        TracedAction(5, "F", 0, 0, 11.0, 11.002),  # another step
+    ]
+    rank1 = [TracedAction(4, "RA", 1, 0, 10.0005, 10.004), TracedAction(4, "B", 1, 0, 10.004, 10.008)]
+    r = as_sim_result([rank0, rank1], 4)
+    assert [(k, g, j, i) for k, g, j, i, _, _ in r.events] == [
+        ("load", 0, 0, -1),
+        ("F", 0, 0, 0),
+        ("B", 1, 1, 0),
+        ("offload", 0, 0, -1),
+        ("update", 0, 0, -1),
+    ]
+    assert r.events[1][4:] == pytest.approx((0.001, 0.003))
+    assert r.step_time_s == pytest.approx(0.012) and r.compute_busy_s == pytest.approx((0.002, 0.004))
+    assert r.link_model == "measured"
+    with pytest.raises(ValueError, match="no rank traced step 6"):
+        as_sim_result([rank0, rank1], 6)

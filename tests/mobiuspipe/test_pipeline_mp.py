@@ -51,6 +51,7 @@ def test_pipeline_equals_plain_pytorch(tmp_path, launch, reference, read_events,
     proc = torchrun(cfg_path, gpus)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     _check_trace(tmp_path / "out" / "trace.json", load_plan(tmp_path / "out" / "plan.yaml"), microbatches)
+    assert (tmp_path / "out" / "trace.svg").read_text().count("step 2 as it ran") == 2  # its title, drawn
     losses, weights = _load_run(tmp_path / "out")
     cfg = load_config(cfg_path)
     ref_losses, ref_weights = reference(cfg)
