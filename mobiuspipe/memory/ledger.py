@@ -29,7 +29,10 @@ def byte_range(t: torch.Tensor) -> Span | None:
     if t.layout != torch.strided:  # sparse and other layouts: their own bytes, as if in a storage of their own
         return (t.device, id(t)), 0, t.numel() * t.element_size()
     size = t.element_size()
-    span = 1 + sum((int(n) - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+    if t.is_contiguous():  # the common case, without a Python loop over the dimensions
+        span = t.numel()
+    else:
+        span = 1 + sum((int(n) - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
     start = int(t.storage_offset()) * size
     return (t.device, t.data_ptr() - start), start, start + span * size  # data_ptr() - start: the storage's
 
@@ -100,6 +103,11 @@ class DeviceLedger:
         self._all = _Tally()
         self.peak_bytes = 0
         self._at_peak: dict[tuple, Span | None] = {}
+        self._peak_pending = False
+        """A new peak was reached and not yet copied: _held is still what it was then (only holds, each one a
+        new peak, have come since), so it is copied before the next drop, at a hold that adds no bytes, or when
+        peak_parts asks. One copy per peak instead of one per hold: a kept forward holds hundreds of tensors in
+        a row, each a new peak."""
 
     @property
     def bytes(self) -> int:
@@ -117,10 +125,15 @@ class DeviceLedger:
         self._all.add(*span)
         if self._all.bytes > self.peak_bytes:
             self.peak_bytes = self._all.bytes
-            self._at_peak = dict(self._held)  # a shallow copy: parts are worked out only when asked for
+            self._peak_pending = True
+        elif self._peak_pending:  # held grew without a new peak (bytes already counted): the peak was before it
+            self._at_peak = {k: v for k, v in self._held.items() if k != key}
+            self._peak_pending = False
 
     def drop(self, key: tuple) -> None:
         """Stop counting what key holds; KeyError if it holds nothing (an accounting bug)."""
+        if self._peak_pending:
+            self._copy_peak()
         span = self._held.pop(key)
         if span is not None:
             self._all.remove(*span)
@@ -144,12 +157,18 @@ class DeviceLedger:
     @property
     def peak_parts(self) -> dict[str, int]:
         """parts() at the moment of the peak."""
+        if self._peak_pending:
+            self._copy_peak()
         return _parts(self._at_peak)
 
     def reset_peak(self) -> None:
         """Start a new peak from what is held now (call at the start of a step)."""
         self.peak_bytes = self._all.bytes
-        self._at_peak = dict(self._held)
+        self._copy_peak()
+
+    def _copy_peak(self) -> None:
+        self._at_peak = dict(self._held)  # a shallow copy: parts are worked out only when asked for
+        self._peak_pending = False
 
 
 def _parts(held: dict[tuple, Span | None]) -> dict[str, int]:
