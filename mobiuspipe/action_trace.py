@@ -1,11 +1,12 @@
 """A measured trace of chosen steps: when each schedule action of a rank ran, on the host's monotonic clock.
 
 The engine records every action it dispatches in a traced step (its kind, stage, microbatch, start and end,
-time.perf_counter seconds: CLOCK_MONOTONIC, one clock for every rank on a host); the pipeline adds the step's
-own span and the work around the schedule (the reductions, the wait for the host updates). `chrome` turns a
-rank's records into Chrome trace-event JSON (chrome://tracing, ui.perfetto.dev) beside the simulator's
-(`mobiuspipe simulate --trace`): one process per rank, a thread for its computations, one for messages and one
-for weights and swaps, times in microseconds from the first record of the step.
+time.perf_counter seconds: CLOCK_MONOTONIC, one clock for every rank on a host), the final wait for its sends
+("flush") and each stage's host update ("U", recorded by the updater thread when it ends); the pipeline adds
+the step's own span ("step"). With gradient accumulation each pass's actions are recorded under the step.
+`write_chrome` turns the ranks' records into Chrome trace-event JSON (chrome://tracing, ui.perfetto.dev) beside
+the simulator's (`mobiuspipe simulate --trace`): one process per rank, a thread for its computations, one for
+messages and one for weights, swaps and updates, times in microseconds from the earliest record.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ THREADS = {"F": "compute", "B": "compute", "SA": "comm", "RA": "comm", "SG": "co
 
 @dataclass(frozen=True)
 class TracedAction:
-    """One action of a traced step: kind is the schedule's letter ("F", "B", "L", "SA", ...) or the pipeline's
-    name for its own work ("step", "reduce", "updates"); stage and microbatch -1 where none applies; start_s
-    and end_s in time.perf_counter seconds."""
+    """One action of a traced step: kind is the schedule's letter ("F", "B", "L", "SA", ...), "flush", "U" (a
+    host update) or "step"; stage and microbatch -1 where none applies; start_s and end_s in time.perf_counter
+    seconds."""
 
     step: int
     kind: str

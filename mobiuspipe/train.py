@@ -219,21 +219,20 @@ def _own_figures(pipe: Pipeline, r: StepResult, step_s: float) -> RankStep:
 
 def _write_trace(pipe: Pipeline, out: Path | None) -> None:
     """Rank 0 writes every rank's traced actions to out_dir/trace.json (runtime.trace_steps), once the host
-    updates that may still run have recorded theirs."""
+    updates that may still run have recorded theirs, and draws the last traced step that ran in trace.svg (a run
+    stopped or resumed past its traced steps has none to draw)."""
     pipe.engine.wait_updates()
     every = gather_all(pipe.info, pipe.trace.records)
-    if pipe.rank == 0 and out is not None:
-        path = write_chrome(every, out / "trace.json")
-        step = max(pipe.trace.steps)
-        measured = as_sim_result(every, step)
-        svg_timeline(
-            measured, len(every), out / "trace.svg", f"step {step} as it ran: {measured.step_time_s * 1e3:.1f} ms"
-        )
-        print(
-            f"mobiuspipe: the actions of steps {sorted(pipe.trace.steps)} are in {path}; step {step} drawn in "
-            f"{out / 'trace.svg'}",
-            flush=True,
-        )
+    if pipe.rank != 0 or out is None:
+        return
+    path = write_chrome(every, out / "trace.json")
+    ran = sorted({r.step for recs in every for r in recs})
+    drawn = ""
+    if ran:
+        measured = as_sim_result(every, ran[-1])
+        title = f"step {ran[-1]} as it ran: {measured.step_time_s * 1e3:.1f} ms"
+        drawn = f"; step {ran[-1]} drawn in {svg_timeline(measured, len(every), out / 'trace.svg', title)}"
+    print(f"mobiuspipe: the actions of steps {ran} are in {path}{drawn}", flush=True)
 
 
 def _report_device_peak(pipe: Pipeline) -> None:

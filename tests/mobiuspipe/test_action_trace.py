@@ -126,3 +126,24 @@ def test_a_traced_step_as_the_simulators_result():
     assert r.link_model == "measured"
     with pytest.raises(ValueError, match="no rank traced step 6"):
         as_sim_result([rank0, rank1], 6)
+
+
+def test_the_run_draws_the_last_traced_step_that_ran(tmp_path, capsys):
+    """Steps [2, 9] asked, the run stopped after step 5: step 2 is drawn; with no traced step run, nothing is."""
+    from types import SimpleNamespace
+
+    from mobiuspipe.train import _write_trace
+
+    def pipe(records):
+        trace = ActionTrace([2, 9])
+        trace.records = records
+        info = SimpleNamespace(world_size=1)
+        return SimpleNamespace(engine=SimpleNamespace(wait_updates=lambda: None), info=info, rank=0, trace=trace)
+
+    _write_trace(pipe([TracedAction(2, "F", 0, 0, 1.0, 1.5)]), tmp_path)  # type: ignore[arg-type]
+    assert "step 2 as it ran: 500.0 ms" in (tmp_path / "trace.svg").read_text()
+    assert capsys.readouterr().out.startswith("mobiuspipe: the actions of steps [2] are in ")
+    (tmp_path / "trace.svg").unlink()
+    _write_trace(pipe([]), tmp_path)  # type: ignore[arg-type]
+    assert not (tmp_path / "trace.svg").exists() and (tmp_path / "trace.json").exists()
+    assert "steps [] are in" in capsys.readouterr().out
