@@ -23,7 +23,7 @@ from mobiuspipe.config import config_from_dict
 from mobiuspipe.memory.ledger import DeviceLedger
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "mobiuspipe"))
-import activation_runs  # noqa: E402 - the tests' dropout GPT runner, found through the path above
+import activation_runs  # pyright: ignore[reportMissingImports]  # the tests' GPT runner, on the path above
 
 
 def compute_per_step(cfg, steps: int) -> float:
@@ -57,12 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         floor.append(compute_per_step(cfg, args.steps))
     DeviceLedger.hold, DeviceLedger.drop, DeviceLedger.drop_kind = real
     a, b = statistics.median(with_ledger), statistics.median(floor)
-    print(
-        f"bench_ledger {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {cpu_model()}, torch {torch.__version__}"
-    )
-    print(
-        f"keep step compute: with the ledger {a * 1e3:.2f} ms, ledger a no-op {b * 1e3:.2f} ms: {a / b:.3f}x the floor"
-    )
+    now = datetime.datetime.now(datetime.timezone.utc)
+    print(f"bench_ledger {now:%Y-%m-%d %H:%M} UTC, {cpu_model()}, torch {torch.__version__}")
+    print(f"keep step compute: with the ledger {a * 1e3:.2f} ms, ledger a no-op {b * 1e3:.2f} ms: {a / b:.3f}x")
     return 0
 
 
