@@ -104,7 +104,8 @@ HOST_CORES: Link = ("host", "cores")
 
 
 def link_paths(topo: Topology) -> tuple[dict[Link, float], dict[tuple[int, str], tuple[Link, ...]]]:
-    """Capacities (GB/s) of every link, and each gpu's path to host memory per direction ("h2d", "d2h")."""
+    """Capacities (GB/s) of every link (NVLinks too), and each gpu's path to host memory per direction ("h2d",
+    "d2h")."""
     caps: dict[Link, float] = {}
     paths: dict[tuple[int, str], tuple[Link, ...]] = {}
     for g in topo.gpus:
@@ -114,6 +115,8 @@ def link_paths(topo: Topology) -> tuple[dict[Link, float], dict[tuple[int, str],
         for d in ("h2d", "d2h"):
             paths[(g.index, d)] = tuple((name, d) for name, _ in chain)
             caps.update({(name, d): gbps for name, gbps in chain})
+    for link in topo.nvlinks:  # one link both ways, as activations and peer swaps use it
+        caps[(f"nvlink {min(link.a, link.b)}-{max(link.a, link.b)}", "p2p")] = link.gbps
     return caps, paths
 
 

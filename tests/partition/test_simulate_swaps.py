@@ -93,3 +93,22 @@ def test_sim_stages_time_a_plans_swaps_and_the_prediction_grows_on_a_slow_link()
     budget = HostBudget(None, "unlimited")
     slow = predict_step(swapped, topo, budget).sim.step_time_s
     assert slow >= predict_step(plan, topo, budget).sim.step_time_s + held / 1e5 - 1e-12  # one swap exposed
+
+
+def test_a_peer_swap_over_an_nvlink_is_a_flow_on_it():
+    """2x2-nvlink: stage 0 on gpu 0 parks its held bytes on gpu 1 over their NVLink (it had no capacity, and the
+    simulation raised KeyError). As many bytes held as the NVLink moves in 1 s, M = 3: 2 x 3 of them on the link,
+    none on the gpus' PCIe links; the step is the host tier's with 1 s swaps (29 s, as above)."""
+    from topology import preset
+
+    topo = preset("2x2-nvlink")
+    nvlink = topo.nvlink(0, 1)
+    assert nvlink is not None
+    held = int(nvlink.gbps * 1e9)  # 1 s each way
+    stages = _stages("peer", held=held, out_s=99.0, in_s=99.0)
+    stages = [dataclasses.replace(s, swap_peer=1) if s.swap_tier == "peer" else s for s in stages]
+    res = simulate(stages, 4, 3, topology=topo)
+    assert res.step_time_s == pytest.approx(29.0)
+    links = {(n, d): b for n, d, b in res.link_bytes}
+    assert links[("nvlink 0-1", "p2p")] == 2 * 3 * held
+    assert links[("gpu0", "d2h")] == links[("gpu0", "h2d")] == 0
