@@ -88,8 +88,8 @@ class Policy:
 
     def predict(self, plan: Plan, topo: Topology, ssd_dir: str) -> float:
         """The predicted step (s) of plan run under this policy."""
-        modes = stage_modes("plan" if self.activations == "plan" else self.activations, plan)
-        tiers = swap_tiers(plan, MemoryConfig(activation_tier=self.tier, ssd_dir=ssd_dir), modes)
+        modes = stage_modes(self.activations, plan)
+        tiers = swap_tiers(plan, MemoryConfig(activation_tier=self.tier, ssd_dir=ssd_dir), modes)  # ssd: needs one
         run = plan_as_run(plan, modes, tiers)
         return predict_step(run, topo, HostBudget(None, "unlimited")).sim.step_time_s
 
