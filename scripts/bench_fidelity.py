@@ -1,15 +1,17 @@
 """Fidelity of the planner's simulator on this machine: predicted against measured step time, per model, plan
 and activation policy (issue 13's check: within 15% for CPU runs).
 
-For each repetition and each model: measure a profile of the model's layers on this machine (the runtime's
-own call path: mobiuspipe.profiler), then for each plan (ranks x stages, cross mapping): plan with that
-profile for CPU stand-ins (partition.make_plan, the exact DP at the requested stage count), predict its
-step with the simulator under the policy (partition.predict_step), train it under torchrun for --steps
-steps with that plan file and policy, and keep the median step time after --warmup steps. The models and
-plans are interleaved and the whole grid repeated --reps times, so that a slow spell of the machine hits
-every configuration alike; a configuration reports the median over repetitions of its median step time,
-the spread of those medians (max/min - 1), the median prediction, and measured / predicted. Exits 1 when
-any ratio falls outside 1 +- --tolerance.
+For each repetition and each model: probe the host (cores, messages), then for each plan (ranks x stages,
+cross mapping) and policy: measure a profile of the model's layers on this machine right before the run (the
+runtime's own call path: mobiuspipe.profiler; this VM's speed drifts by up to 1.7x within minutes, so a
+profile taken minutes earlier predicts another machine), plan with that profile for CPU stand-ins
+(partition.make_plan, the exact DP at the requested stage count), predict its step with the simulator under
+the policy (partition.predict_step), train it under torchrun for --steps steps with that plan file and
+policy, and keep the median step time after --warmup steps. The models and plans are interleaved and the
+whole grid repeated --reps times, so that a slow spell of the machine hits every configuration alike; a
+configuration reports the median over repetitions of its median step time, the spread of those medians
+(max/min - 1), the median prediction, and the median of each repetition's measured / predicted (the pairs
+share a moment of the machine). Exits 1 when any ratio falls outside 1 +- --tolerance.
 
 Activation policies are a parameter of both sides (POLICIES): the run's memory.activations and
 memory.activation_tier, and the plan as the run runs them (plan_as_run), simulated.
@@ -54,8 +56,13 @@ GPT_MODELS = {
         "model": {"num_blocks": 7, "d_model": 120, "num_heads": 5, "seq_len": 97},
         "data": {"batch_size": 6, "num_microbatches": 3},
     },
+    "odd-wide": {
+        "model": {"num_blocks": 7, "d_model": 360, "num_heads": 5, "seq_len": 97},
+        "data": {"batch_size": 6, "num_microbatches": 3},
+    },
 }
-"""Built-in GPT configs: bench_pipeline's tiny and small, and one of odd sizes."""
+"""Built-in GPT configs: bench_pipeline's tiny and small, one of odd sizes and the same 3x wider (its actions take
+milliseconds to tens of milliseconds, where tiny's and odd's take tenths of one to a few)."""
 
 LLAMA = {
     "hidden_size": 96,
@@ -65,6 +72,8 @@ LLAMA = {
     "max_position_embeddings": 64,
 }
 """The HF llama (tests/mobiuspipe/hf_fixtures.py's config, wider and deeper): sequences of LLAMA_RUN's seq_len."""
+HF_MODELS = {"llama": LLAMA, "llama-wide": {**LLAMA, "hidden_size": 288, "intermediate_size": 777}}
+"""HF llamas by name: LLAMA and the same 3x wider."""
 LLAMA_RUN = {"model": {"seq_len": 61}, "data": {"batch_size": 8, "num_microbatches": 4}}
 
 PLANS = {"1x4": (1, 4), "2x4": (2, 4), "2x6": (2, 6)}
@@ -122,7 +131,8 @@ class Cell:
 
     @property
     def ratio(self) -> float:
-        return statistics.median(self.measured) / statistics.median(self.predicted)
+        """The median over repetitions of measured / predicted, each pair from one profile and its run."""
+        return statistics.median(m / p for m, p in zip(self.measured, self.predicted))
 
     @property
     def spread(self) -> float:
@@ -130,14 +140,14 @@ class Cell:
 
 
 def model_dicts(tmp: Path, names: list[str]) -> dict[str, dict]:
-    """Run-config parts (model, data) of each model; the llama is saved to tmp first (random weights)."""
+    """Run-config parts (model, data) of each model; the llamas are saved to tmp first (random weights)."""
     out: dict[str, dict] = {n: copy.deepcopy(GPT_MODELS[n]) for n in names if n in GPT_MODELS}
-    if "llama" in names:
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "mobiuspipe"))
-        from hf_fixtures import save_model  # pyright: ignore[reportMissingImports]
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "mobiuspipe"))
+    from hf_fixtures import save_model  # pyright: ignore[reportMissingImports]
 
-        save_model("llama", tmp / "llama", seed=0, **LLAMA)
-        out["llama"] = {"model": {"hf": str(tmp / "llama"), **LLAMA_RUN["model"]}, "data": dict(LLAMA_RUN["data"])}
+    for name in (n for n in names if n in HF_MODELS):
+        save_model("llama", tmp / name, seed=0, **HF_MODELS[name])
+        out[name] = {"model": {"hf": str(tmp / name), **LLAMA_RUN["model"]}, "data": dict(LLAMA_RUN["data"])}
     return out
 
 
@@ -196,9 +206,10 @@ def probe_host(args: argparse.Namespace) -> Measured:
     return Measured(host_cores=cores, message_latency_s=latency, message_gbps=gbps)
 
 
-def run_cell(cell: Cell, parts: dict, profile: Profile, host: Measured, args: argparse.Namespace, folder: Path) -> None:
-    """Plan, predict, run once; the cell gets the figures of this repetition. host: what probe_host measured
-    (the simulator shares the host cores among the CPU stand-ins and times their messages with it)."""
+def run_cell(cell: Cell, parts: dict, host: Measured, args: argparse.Namespace, folder: Path) -> None:
+    """Profile, plan, predict, run once; the cell gets the figures of this repetition. host: what probe_host
+    measured (the simulator shares the host cores among the CPU stand-ins and times their messages with it)."""
+    profile = measure(parts)
     ranks, stages = PLANS[cell.plan]
     policy = POLICIES[cell.policy]
     m = parts["data"]["num_microbatches"]
@@ -257,7 +268,7 @@ HEADER = [
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", choices=[*GPT_MODELS, "llama"], default=[*GPT_MODELS, "llama"])
+    p.add_argument("--models", nargs="+", choices=[*GPT_MODELS, *HF_MODELS], default=[*GPT_MODELS, *HF_MODELS])
     p.add_argument("--plans", nargs="+", choices=list(PLANS), default=list(PLANS))
     p.add_argument("--policies", nargs="+", choices=list(POLICIES), default=["plan", "recompute", "keep-host"])
     p.add_argument("--reps", type=int, default=3, help="repetitions of the whole grid (default 3)")
@@ -293,11 +304,10 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.reps):
             for name, parts in models.items():
                 host = probe_host(args)
-                profile = measure(parts)
                 for (m, p, q), cell in cells.items():
                     if m != name:
                         continue
-                    run_cell(cell, parts, profile, host, args, tmp / f"r{rep}-{m}-{p}-{q}")
+                    run_cell(cell, parts, host, args, tmp / f"r{rep}-{m}-{p}-{q}")
                     print(
                         f"  rep {rep} {m} {p} {q}: {cell.measured[-1] * 1e3:.1f} ms measured, "
                         f"{cell.predicted[-1] * 1e3:.1f} ms predicted",
