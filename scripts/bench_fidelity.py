@@ -11,7 +11,9 @@ policy, and keep the median step time after --warmup steps. The models and plans
 whole grid repeated --reps times, so that a slow spell of the machine hits every configuration alike; a
 configuration reports the median over repetitions of its median step time, the spread of those medians
 (max/min - 1), the median prediction, and the median of each repetition's measured / predicted (the pairs
-share a moment of the machine). Exits 1 when any ratio falls outside 1 +- --tolerance.
+share a moment of the machine), and the range of its drift over repetitions (reference_s after the run over
+before the profile: how far the machine's speed moved while the pair was taken). Exits 1 when any ratio
+falls outside 1 +- --tolerance.
 
 Activation policies are a parameter of both sides (POLICIES): the run's memory.activations and
 memory.activation_tier, and the plan as the run runs them (plan_as_run), simulated.
@@ -33,6 +35,7 @@ import torch
 from bench_pipeline import SIZES, machine, torchrun_metrics
 from benchlib import cpu_mark, markdown_table, other_share
 
+from foundation.timing import Stopwatch
 from foundation.units import MiB
 from mobiuspipe.activations import stage_modes
 from mobiuspipe.config import MemoryConfig, config_from_dict
@@ -128,6 +131,8 @@ class Cell:
     other: list[float] = field(default_factory=list)
     cores: list[float] = field(default_factory=list)
     latency: list[float] = field(default_factory=list)
+    drift: list[float] = field(default_factory=list)
+    """Per repetition: the reference work's seconds after the run over its seconds before the profile."""
 
     @property
     def ratio(self) -> float:
@@ -198,6 +203,26 @@ def measure(parts: dict) -> Profile:
         torch.set_num_threads(before)
 
 
+def reference_s(repeats: int = 5) -> float:
+    """This machine's speed now: the median seconds of a fixed one-thread work (20 fp32 256 x 256 matmuls and
+    tanhs, about 10 ms), `repeats` times. A cell's drift is this after its run over this before its profile:
+    1.00 when the machine kept its speed through the profile, the plan and the run."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    c = torch.empty(256, 256)
+    times = []
+    try:
+        for _ in range(repeats + 1):
+            with Stopwatch() as sw:
+                for _ in range(20):
+                    torch.tanh(torch.mm(a, b, out=c), out=c)
+            times.append(sw.s)
+    finally:
+        torch.set_num_threads(before)
+    return statistics.median(times[1:])
+
+
 def probe_host(args: argparse.Namespace) -> Measured:
     """This machine now: the cores the ranks' computations share and the gloo messages between them."""
     ranks = max(r for r, _ in PLANS.values())
@@ -209,6 +234,7 @@ def probe_host(args: argparse.Namespace) -> Measured:
 def run_cell(cell: Cell, parts: dict, host: Measured, args: argparse.Namespace, folder: Path) -> None:
     """Profile, plan, predict, run once; the cell gets the figures of this repetition. host: what probe_host
     measured (the simulator shares the host cores among the CPU stand-ins and times their messages with it)."""
+    before = reference_s()
     profile = measure(parts)
     ranks, stages = PLANS[cell.plan]
     policy = POLICIES[cell.policy]
@@ -224,6 +250,7 @@ def run_cell(cell: Cell, parts: dict, host: Measured, args: argparse.Namespace, 
     mark = cpu_mark()
     recs = torchrun_metrics(d, ranks, folder, args.timeout)
     cell.other.append(other_share(mark)[0])
+    cell.drift.append(reference_s() / before)
     steady = recs[args.warmup :]
     cell.measured.append(statistics.median(r["step_s"] for r in steady))
     cell.split.append(tuple(statistics.median(r[k] for r in steady) for k in ("compute_s", "load_s", "comm_s")))
@@ -247,6 +274,7 @@ def row(cell: Cell, tol: float) -> list[str]:
         f"{100 * statistics.median(cell.other):.0f}%",
         f"{statistics.median(cell.cores):.2f}",
         f"{statistics.median(cell.latency) * 1e3:.2f}",
+        f"{min(cell.drift):.2f}-{max(cell.drift):.2f}",
     ]
 
 
@@ -263,6 +291,7 @@ HEADER = [
     "other CPU",
     "host cores",
     "msg ms",
+    "drift",
 ]
 
 
