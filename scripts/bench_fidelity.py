@@ -35,7 +35,6 @@ import torch
 from bench_pipeline import SIZES, machine, torchrun_metrics
 from benchlib import cpu_mark, markdown_table, other_share
 
-from foundation.timing import Stopwatch
 from foundation.units import MiB
 from mobiuspipe.activations import stage_modes
 from mobiuspipe.config import MemoryConfig, config_from_dict
@@ -50,7 +49,7 @@ from partition.profile import Profile
 from partition.search import predict_step
 from partition.tiers import HostBudget
 from topology import Topology, cpu_standin
-from topology.probe_cpu import probe_host_cores, probe_messages
+from topology.probe_cpu import MatmulWork, probe_host_cores, probe_messages
 from topology.types import Measured
 
 GPT_MODELS = {
@@ -147,10 +146,13 @@ class Cell:
 def model_dicts(tmp: Path, names: list[str]) -> dict[str, dict]:
     """Run-config parts (model, data) of each model; the llamas are saved to tmp first (random weights)."""
     out: dict[str, dict] = {n: copy.deepcopy(GPT_MODELS[n]) for n in names if n in GPT_MODELS}
+    hf = [n for n in names if n in HF_MODELS]
+    if not hf:
+        return out  # transformers is not imported
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "mobiuspipe"))
     from hf_fixtures import save_model  # pyright: ignore[reportMissingImports]
 
-    for name in (n for n in names if n in HF_MODELS):
+    for name in hf:
         save_model("llama", tmp / name, seed=0, **HF_MODELS[name])
         out[name] = {"model": {"hf": str(tmp / name), **LLAMA_RUN["model"]}, "data": dict(LLAMA_RUN["data"])}
     return out
@@ -204,23 +206,17 @@ def measure(parts: dict) -> Profile:
 
 
 def reference_s(repeats: int = 5) -> float:
-    """This machine's speed now: the median seconds of a fixed one-thread work (20 fp32 256 x 256 matmuls and
-    tanhs, about 10 ms), `repeats` times. A cell's drift is this after its run over this before its profile:
-    1.00 when the machine kept its speed through the profile, the plan and the run."""
+    """This machine's speed now: the median seconds of 20 units of topology.probe_cpu.MatmulWork (about 10 ms) on
+    one thread, `repeats` times. A cell's drift is this after its run over this before its profile: 1.00 when
+    the machine kept its speed through the profile, the plan and the run."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    a, b = torch.randn(256, 256), torch.randn(256, 256)
-    c = torch.empty(256, 256)
-    times = []
     try:
-        for _ in range(repeats + 1):
-            with Stopwatch() as sw:
-                for _ in range(20):
-                    torch.tanh(torch.mm(a, b, out=c), out=c)
-            times.append(sw.s)
+        work = MatmulWork()
+        work.seconds(20)
+        return statistics.median(work.seconds(20) for _ in range(repeats))
     finally:
         torch.set_num_threads(before)
-    return statistics.median(times[1:])
 
 
 def probe_host(args: argparse.Namespace) -> Measured:

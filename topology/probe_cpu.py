@@ -26,7 +26,7 @@ import statistics
 
 from foundation.timing import Stopwatch
 
-__all__ = ["probe_host_adam", "probe_host_cores", "probe_messages"]
+__all__ = ["MatmulWork", "probe_host_adam", "probe_host_cores", "probe_messages"]
 
 
 def probe_host_adam(notes: list[str], params: int = 32_000_000, repeats: int = 3) -> float:
@@ -52,23 +52,38 @@ def probe_host_adam(notes: list[str], params: int = 32_000_000, repeats: int = 3
     return params / best
 
 
+class MatmulWork:
+    """The probes' unit of CPU work on the calling thread: an fp32 256 x 256 matmul and a tanh, on tensors made
+    once (host cores times it alone and in several processes at once; scripts/bench_fidelity.py times it
+    before and after each run to see the machine's speed move)."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.a, self.b, self.c = torch.randn(256, 256), torch.randn(256, 256), torch.empty(256, 256)
+
+    def seconds(self, iters: int) -> float:
+        """Seconds `iters` units take now."""
+        import torch
+
+        with Stopwatch() as sw:
+            for _ in range(iters):
+                torch.tanh(torch.mm(self.a, self.b, out=self.c), out=self.c)
+        return sw.s
+
+
 def _core_worker(i: int, iters: int, cmds, results, barrier) -> None:
     """A probe process: one torch thread, the same work on every command ("alone" or "together")."""
     import torch
 
     torch.set_num_threads(1)
-    a, b = torch.randn(256, 256), torch.randn(256, 256)
-    c = torch.empty(256, 256)
-    for _ in range(20):
-        torch.tanh(torch.mm(a, b, out=c), out=c)
+    work = MatmulWork()
+    work.seconds(20)
     results.put(("ready", i, 0.0))
     while (cmd := cmds.get()) is not None:
         if cmd == "together":
             barrier.wait()
-        with Stopwatch() as sw:
-            for _ in range(iters):
-                torch.tanh(torch.mm(a, b, out=c), out=c)
-        results.put((cmd, i, sw.s))
+        results.put((cmd, i, work.seconds(iters)))
 
 
 def probe_host_cores(notes: list[str], workers: int | None = None, repeats: int = 3, iters: int = 300) -> float:

@@ -4,9 +4,21 @@ messages between two processes."""
 import pytest
 
 from topology import cpu_standin, load_topology, save_topology
-from topology.probe_cpu import probe_host_cores, probe_messages
+from topology.probe_cpu import MatmulWork, probe_host_cores, probe_messages
 from topology.report import render_tree
 from topology.types import Measured
+
+
+def test_the_unit_of_work_computes_tanh_of_the_product_and_takes_time():
+    import torch
+
+    for seed in range(5):
+        torch.manual_seed(seed)
+        work = MatmulWork()
+        assert work.seconds(3) > 0
+        # an fp32 sum of 256 products of N(0, 1) values (sums ~16): its rounding reaches ~1e-5 near tanh's slope 1
+        expected = torch.tanh(work.a.double() @ work.b.double()).float()
+        torch.testing.assert_close(work.c, expected, rtol=0, atol=2e-4)
 
 
 @pytest.mark.slow
