@@ -79,7 +79,7 @@ class Comm:
     def send(self, t: torch.Tensor, dst: int, tag: int, what: str) -> None:
         self._release_sent()
         t = t.contiguous()
-        work = dist.isend(t, dst, tag=tag)
+        work = self._start(lambda: dist.isend(t, dst, tag=tag), f"rank {dst}", f"sending {what} to rank {dst}")
         if work is None:  # this rank is not in the default group: a bug in the launch, not in the data
             raise RuntimeError(f"rank {self.rank}: isend of {what} to rank {dst} returned no request")
         if self.ledger is not None:
@@ -89,7 +89,8 @@ class Comm:
     def recv(self, spec: TensorSpec, device: torch.device, src: int, tag: int, what: str) -> torch.Tensor:
         self._release_sent()
         buf = torch.empty(spec.shape, dtype=spec.dtype, device=device)
-        self._wait(dist.irecv(buf, src, tag=tag), f"rank {src}", f"receiving {what} from rank {src}")
+        peer, doing = f"rank {src}", f"receiving {what} from rank {src}"
+        self._wait(self._start(lambda: dist.irecv(buf, src, tag=tag), peer, doing), peer, doing)
         return buf
 
     def _release_sent(self) -> None:
@@ -124,12 +125,17 @@ class Comm:
 
     def all_reduce(self, t: torch.Tensor, op, what: str) -> torch.Tensor:
         """In-place all-reduce of t over every rank, under the same deadline as receives."""
-        try:
-            work = dist.all_reduce(t, op=op, async_op=True)
-        except RuntimeError as e:
-            raise PeerLostError(self._message("another rank", what, str(e).splitlines()[0])) from e
+        work = self._start(lambda: dist.all_reduce(t, op=op, async_op=True), "another rank", what)
         self._wait(work, "another rank", f"all-reduce of {what}")
         return t
+
+    def _start(self, post, peer: str, what: str):
+        """post() (an isend, irecv or collective); the backend's error on posting it (gloo reports a peer that
+        closed its connection here, not at the wait) as PeerLostError."""
+        try:
+            return post()
+        except RuntimeError as e:
+            raise PeerLostError(self._message(peer, what, str(e).splitlines()[0])) from e
 
     def _wait(self, work, peer: str, what: str) -> None:
         try:

@@ -93,7 +93,7 @@ class _Walker:
         if gpu not in plan.mapping:
             return (arena or 0) + self.region(costs, gpu)
         stages = [
-            dataclasses.replace(b, held=c.held_bytes, work=c.work_bytes + e)
+            dataclasses.replace(b, held=c.held_bytes, work=c.work_bytes + e, held_output=c.held_output)
             for b, c, e in zip(self.base, costs, self.extra)
         ]
         swapped = frozenset(j for j, c in enumerate(costs) if c.policy.tier != "device")

@@ -90,6 +90,7 @@ class PolicyCost:
     exposed_s: float  # X_j
     compute_s: float  # C_j
     forward_s: float = 0.0  # F'_j
+    held_output: int = 0  # the part of H_j that is the stage's output O_b (its last layer kept), else 0
 
 
 def _segments(a: int, b: int, kept: frozenset[int]) -> list[tuple[int, int]]:
@@ -132,7 +133,8 @@ def policy_cost(
             raise ValueError(f"tier {policy.tier!r} needs the link's bandwidth to it")
         out_s, in_s = held / (link.out_gbps * 1e9), held / (link.in_gbps * 1e9)
         exposed = m * (max(0.0, out_s - fwd) + max(0.0, in_s - (bwd + recompute)))
-    return PolicyCost(policy, held, work, recompute, exposed, m * (fwd + bwd + recompute) + exposed, fwd)
+    total = m * (fwd + bwd + recompute) + exposed
+    return PolicyCost(policy, held, work, recompute, exposed, total, fwd, int(arr.O[b]) if b in kept else 0)
 
 
 def kept_layers_order(arr: LayerArrays, a: int, b: int) -> list[int]:

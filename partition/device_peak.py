@@ -36,18 +36,24 @@ from partition.plan import Plan
 __all__ = ["planned_device_bytes", "stage_bytes"]
 
 
-def stage_bytes(plan: Plan, held: Sequence[int] | None = None) -> list[StageBytes]:
-    """The walk's bytes of each stage of the plan; held: H_j per stage (None: I_j, the input stays)."""
+def stage_bytes(plan: Plan, held: Sequence[int] | None = None, chosen: bool = False) -> list[StageBytes]:
+    """The walk's bytes of each stage of the plan; held: H_j per stage (None: I_j, the input stays); chosen:
+    held is the plan's activation choice, whose kept graphs may hold the stage's output."""
     last = plan.num_stages - 1
     out = []
     for j, s in enumerate(plan.stages):
         inp = plan.stages[j - 1].output_bytes if j > 0 else plan.input_bytes
         live = s.work_bytes if s.work_bytes >= 0 else s.activation_bytes
         work = live + (plan.input_bytes if j == 0 else 0) + (plan.target_bytes if j == last else 0)
-        out.append(
-            StageBytes(inp, s.output_bytes if j < last else 0, work, inp if held is None else held[j], s.param_bytes)
-        )
+        output = s.output_bytes if j < last else 0
+        shared = output if chosen and _keeps_last_layer(s) else 0
+        out.append(StageBytes(inp, output, work, inp if held is None else held[j], s.param_bytes, shared))
     return out
+
+
+def _keeps_last_layer(s) -> bool:
+    """Whether the stage's kept graphs end at its last layer (so they hold its output)."""
+    return s.activations == "keep" or (s.activations == "selective" and s.last in s.kept_layers)
 
 
 def planned_device_bytes(plan: Plan, standin: bool = False, held: Sequence[int] | None = None) -> list[int]:
@@ -55,13 +61,14 @@ def planned_device_bytes(plan: Plan, standin: bool = False, held: Sequence[int] 
     stand-in; held: H_j per stage (another activation policy's), instead of the plan's (its activation
     choice's held_bytes; in plans before the choice, the path's own)."""
     chosen = [s.held_bytes for s in plan.stages]
-    if held is None and min(chosen) >= 0:
+    own = held is None and min(chosen) >= 0
+    if own:
         held = chosen
     if held is None and not standin:
         held = [0] * plan.num_stages
     swapped = frozenset(j for j, s in enumerate(plan.stages) if s.activation_tier not in ("auto", "device"))
     arena = None if standin else plan.arena_bytes
-    stages = stage_bytes(plan, held)
+    stages = stage_bytes(plan, held, chosen=own)
     peaks = device_peaks(plan.mapping, plan.num_microbatches, stages, arena, standin, swapped)
     peaks = peaks + [arena or 0] * (plan.num_gpus - len(peaks))
     for (owner, _), nbytes in regions(plan).items():  # a peer's region is held the whole run

@@ -32,6 +32,9 @@ What the walk holds, and when (mirroring mobiuspipe.engine's DeviceLedger keys):
            With sends_until_flush (gloo, the CPU stand-in's backend: its send requests report completion
            only once waited on, so Comm keeps every send until Comm.flush) all are held to the step's end.
   transient during F(j,i): its input and output (I_j + O_j, and H_j beyond I_j); during B(j,i): A_j.
+  shared   G_j of a stage whose last layer is kept includes its output O_j (the graph's output): the same
+           storage the outbox, the message and the next stage's inbox hold. Those bytes count once, while
+           any of them holds it (O_j of the legend's StageBytes.held_output); a swap-in's copy is its own.
 Not walked: operator temporaries and gradients inside one backward (the CUDA allocator sees them, the
 ledger does not), the stages' registered buffers (not in the plan), and send headers beyond one per message.
 """
@@ -64,6 +67,8 @@ class StageBytes:
     """H_j."""
     params: int = 0
     """P_j (walked only when the arena is walked slot by slot)."""
+    held_output: int = 0
+    """The part of H_j that is O_j itself (the stage's last layer kept: its graph holds its output); 0 else."""
 
 
 def device_timeline(
@@ -120,24 +125,49 @@ def device_peaks(
 
 
 class _Walk:
-    """Bytes held under keys, like the runtime's ledger (without byte ranges: each key its own bytes)."""
+    """Bytes held under keys, like the runtime's ledger: each key its own bytes, plus at most one share of a
+    buffer several keys hold (a stage's output, held by its graph and by its message), counted once."""
 
     def __init__(self, arena: int | None):
         self.slots = arena is None
         """Walk the arena slot by slot (else it is held whole)."""
         self.held: dict[tuple, int] = {("arena",): arena or 0}
         self.total = arena or 0
+        self.share: dict[tuple, tuple] = {}
+        """key -> the buffer it holds a share of."""
+        self.buffers: dict[tuple, list[int]] = {}
+        """buffer -> [its bytes, how many keys hold it]."""
 
-    def hold(self, key: tuple, n: int) -> None:
+    def hold(self, key: tuple, n: int, shared: tuple[tuple, int] | None = None) -> None:
+        """key holds n bytes of its own and, with shared = (buffer, bytes), the buffer too."""
         self.held[key] = n
         self.total += n
+        if shared is not None:
+            buf, nbytes = shared
+            entry = self.buffers.setdefault(buf, [nbytes, 0])
+            self.total += nbytes if entry[1] == 0 else 0
+            entry[1] += 1
+            self.share[key] = buf
 
     def drop(self, key: tuple) -> None:
         self.total -= self.held.pop(key)
+        buf = self.share.pop(key, None)
+        if buf is not None:
+            entry = self.buffers[buf]
+            entry[1] -= 1
+            if entry[1] == 0:
+                self.total -= entry[0]
+                del self.buffers[buf]
 
     def move(self, old: tuple, new: tuple) -> None:
         """The same bytes under another key (a message handed to a stage of the same gpu)."""
         self.held[new] = self.held.pop(old)
+        if old in self.share:
+            self.share[new] = self.share.pop(old)
+
+    def counted(self, buf: tuple) -> bool:
+        """Whether some key holds the buffer (its bytes are in total)."""
+        return buf in self.buffers
 
 
 def _step(walk: _Walk, mapping: list[int], gpu: int, step: Step, stages: Sequence[StageBytes]) -> int:
@@ -156,24 +186,29 @@ def _step(walk: _Walk, mapping: list[int], gpu: int, step: Step, stages: Sequenc
     elif kind == "F":
         if j == 0:
             walk.hold(("in", 0, i), s.input)
-        top = walk.total + max(0, s.held - s.input) + (s.output if j < last else 0)
+        top = walk.total + max(0, s.held - s.input - s.held_output) + (s.output if j < last else 0)
         walk.drop(("in", j, i))
-        walk.hold(("held", j, i), s.held)
         if j < last:
-            walk.hold(("out", j, i), s.output)
+            walk.hold(("out", j, i), 0, (_output(j, i), s.output))
+        _hold_graph(walk, s, j, i)
         return top
     elif kind == "B":
         if walk.slots and i == 0:
             walk.hold(("grads", j), s.params)
         walk.drop(("held", j, i))
-        top = walk.total + s.work
+        shares = ("held-output", j, i) in walk.held  # the graph's output is the message's (no swap between)
+        if shares:
+            walk.drop(("held-output", j, i))
+        top = walk.total + s.work - (s.held_output if shares and walk.counted(_output(j, i)) else 0)
         if j < last:
             walk.drop(("gin", j, i))
         if j > 0:
             walk.hold(("gout", j, i), s.input)
         return top
-    elif kind == "SO":  # the copy out has ended: the held bytes leave the device
+    elif kind == "SO":  # the copy out has ended: the held bytes leave the device (a message still holds its own)
         walk.drop(("held", j, i))
+        if ("held-output", j, i) in walk.held:
+            walk.drop(("held-output", j, i))
     elif kind == "SI":  # the copy back lands in fresh device memory, until B(j, i) is done with it
         walk.hold(("held", j, i), s.held)
     elif kind in ("SA", "SG"):
@@ -182,13 +217,23 @@ def _step(walk: _Walk, mapping: list[int], gpu: int, step: Step, stages: Sequenc
             walk.move(old, new)
         else:
             walk.drop(old)
-            walk.hold(("sending", kind, j, i), _size(s, kind) + HEADER_BYTES)
+            if kind == "SA":
+                walk.hold(("sending", kind, j, i), HEADER_BYTES, (_output(j, i), s.output))
+            else:
+                walk.hold(("sending", kind, j, i), s.input + HEADER_BYTES)
     return walk.total
 
 
-def _size(s: StageBytes, kind: str) -> int:
-    """Bytes of the message a send of this kind carries: the output (SA) or the input's gradient (SG)."""
-    return s.output if kind == "SA" else s.input
+def _output(j: int, i: int) -> tuple:
+    """The buffer of stage j's output for microbatch i (shared by its outbox, message, inbox and graph)."""
+    return ("output", j, i)
+
+
+def _hold_graph(walk: _Walk, s: StageBytes, j: int, i: int) -> None:
+    """H_j from F(j, i): the part beyond the output under "held", the output as a share of its buffer."""
+    walk.hold(("held", j, i), s.held - s.held_output)
+    if s.held_output:
+        walk.hold(("held-output", j, i), 0, (_output(j, i), s.output))
 
 
 def _partner(mapping: Sequence[int], step: Step) -> tuple[int, Step]:

@@ -119,3 +119,20 @@ def test_a_swapped_stage_holds_its_input_only_until_the_swap_out_and_from_the_sw
     # B(0, 0) runs with microbatches 0 and 1 swapped back in (prefetch 1): as much as without swaps
     assert swapped[("B", 0, 0)] == kept[("B", 0, 0)]
     assert [s for s in swapped if s[0] in ("SO", "SI")] == [("SO", 0, 0), ("SO", 0, 1), ("SI", 0, 0), ("SI", 0, 1)]
+
+
+def test_a_graph_holding_its_stages_output_shares_it_with_the_message():
+    """Stage 0 keeps its graph (H = 1000, its output's 100 among them) and sends that output to gpu 1: the
+    bytes count once while the graph or the message holds them; a swap-in is a copy of its own."""
+    stages = [StageBytes(8, 100, 1000, 1000, 0, held_output=100), StageBytes(100, 0, 500, 0, 0)]
+    kept = dict(device_timeline([0, 1], 0, 1, stages, sends_until_flush=True))
+    # F: input 8 + the graph beyond input and output 892 + the output 100; SA adds only the header
+    assert (kept[("F", 0, 0)], kept[("SA", 0, 0)]) == (1000, 1000 + HEADER_BYTES)
+    # B: the gradient received (100) beside the graph at work (1000, its output the message's), the header
+    assert kept[("B", 0, 0)] == 1000 + HEADER_BYTES + 100
+    assert kept[("O", 0, -1)] == 100 + HEADER_BYTES  # the message, held until the step ends, keeps the output
+    swapped = dict(device_timeline([0, 1], 0, 1, stages, sends_until_flush=True, swapped=frozenset({0})))
+    assert swapped[("SO", 0, 0)] == 100 + HEADER_BYTES  # the graph left; the message's output stays
+    assert swapped[("B", 0, 0)] == 1000 + 100 + HEADER_BYTES + 100  # the swapped-in copy, the message, gradient
+    unshared = [StageBytes(8, 100, 1000, 1000, 0), stages[1]]
+    assert dict(device_timeline([0, 1], 0, 1, unshared, sends_until_flush=True))[("F", 0, 0)] == 1100
