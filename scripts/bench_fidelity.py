@@ -17,6 +17,13 @@ falls outside 1 +- --tolerance.
 
 Activation policies are a parameter of both sides (POLICIES): the run's memory.activations and
 memory.activation_tier, and the plan as the run runs them (plan_as_run), simulated.
+
+With --trace DIR each run traces its steps after the warm-up (runtime.trace_steps) and DIR keeps, per cell and
+repetition, the trace (<cell>.json, for chrome://tracing or ui.perfetto.dev) and its comparison with the
+simulated step (<cell>.txt, mobiuspipe.trace_compare: each stage's F and B measured against predicted, a
+visit's first microbatch apart, and each rank's milliseconds per step by action kind); the table gains the
+median measured / predicted of a steady F or B, so that a step's error splits into the computations' and the
+rest (messages, waits, copies).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import argparse
 import copy
 import dataclasses
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -36,6 +44,7 @@ from bench_pipeline import SIZES, machine, torchrun_metrics
 from benchlib import cpu_mark, markdown_table, other_share
 
 from foundation.units import MiB
+from mobiuspipe.action_trace import as_sim_result
 from mobiuspipe.activations import stage_modes
 from mobiuspipe.config import MemoryConfig, config_from_dict
 from mobiuspipe.config_plan import model_spec
@@ -43,10 +52,12 @@ from mobiuspipe.dataset import open_data
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.pipeline_swaps import plan_as_run, swap_tiers
 from mobiuspipe.profiler import measure_profile
+from mobiuspipe.trace_compare import compare_actions, format_rows, kind_seconds, read_chrome
 from partition import make_plan
 from partition.plan import Plan, save_plan
 from partition.profile import Profile
 from partition.search import predict_step
+from partition.sim_types import SimResult
 from partition.tiers import HostBudget
 from topology import Topology, cpu_standin
 from topology.probe_cpu import MatmulWork, probe_host_cores, probe_messages
@@ -97,12 +108,12 @@ class Policy:
     def run_keys(self) -> dict:
         return {"memory": {"activations": self.activations, "activation_tier": self.tier}}
 
-    def predict(self, plan: Plan, topo: Topology, ssd_dir: str) -> float:
-        """The predicted step (s) of plan run under this policy."""
+    def simulate(self, plan: Plan, topo: Topology, ssd_dir: str) -> SimResult:
+        """The simulator's step of plan run under this policy."""
         modes = stage_modes(self.activations, plan)
         tiers = swap_tiers(plan, MemoryConfig(activation_tier=self.tier, ssd_dir=ssd_dir), modes)  # ssd: needs one
         run = plan_as_run(plan, modes, tiers)
-        return predict_step(run, topo, HostBudget(None, "unlimited")).sim.step_time_s
+        return predict_step(run, topo, HostBudget(None, "unlimited")).sim
 
 
 POLICIES = {
@@ -132,6 +143,8 @@ class Cell:
     latency: list[float] = field(default_factory=list)
     drift: list[float] = field(default_factory=list)
     """Per repetition: the reference work's seconds after the run over its seconds before the profile."""
+    actions: list[float] = field(default_factory=list)
+    """Per repetition (with --trace): the median over stages of measured / predicted of a steady F and B."""
 
     @property
     def ratio(self) -> float:
@@ -243,6 +256,8 @@ def run_cell(cell: Cell, parts: dict, host: Measured, args: argparse.Namespace, 
     save_plan(plan, folder / "plan.yaml")
     d = run_dict(parts, ranks, stages, args.steps, str(folder / "out"), str(folder / "plan.yaml"), policy)
     d["memory"]["ssd_dir"] = str(folder / "ssd")
+    if args.trace:
+        d["runtime"]["trace_steps"] = list(range(args.warmup, args.steps))
     mark = cpu_mark()
     recs = torchrun_metrics(d, ranks, folder, args.timeout)
     cell.other.append(other_share(mark)[0])
@@ -250,7 +265,30 @@ def run_cell(cell: Cell, parts: dict, host: Measured, args: argparse.Namespace, 
     steady = recs[args.warmup :]
     cell.measured.append(statistics.median(r["step_s"] for r in steady))
     cell.split.append(tuple(statistics.median(r[k] for r in steady) for k in ("compute_s", "load_s", "comm_s")))
-    cell.predicted.append(policy.predict(plan, topo, str(folder / "ssd")))
+    sim = policy.simulate(plan, topo, str(folder / "ssd"))
+    cell.predicted.append(sim.step_time_s)
+    if args.trace:
+        cell.actions.append(keep_trace(folder / "out" / "trace.json", sim, args, Path(args.trace) / folder.name))
+
+
+def keep_trace(trace: Path, sim: SimResult, args: argparse.Namespace, to: Path) -> float:
+    """Keep the run's trace as to.json and its comparison with the prediction as to.txt (trace_compare);
+    returns the median over stages of a steady F's and B's measured / predicted."""
+    to.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(trace, to.with_suffix(".json"))
+    per_rank = read_chrome(trace)
+    steps = list(range(args.warmup, args.steps))
+    rows = compare_actions([as_sim_result(per_rank, s) for s in steps], sim)
+    lines = [
+        f"predicted step {sim.step_time_s * 1e3:.1f} ms, compute per gpu "
+        f"{' / '.join(f'{b * 1e3:.1f}' for b in sim.compute_busy_s)} ms",
+        *format_rows(rows),
+    ]
+    for g, kinds in enumerate(kind_seconds(per_rank, steps)):
+        lines.append(f"rank {g} ms per step: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in kinds.items()))
+    to.with_suffix(".txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    steady = [r.ratio for r in rows if not r.first and r.predicted_s > 0]  # not the last stage's empty F
+    return statistics.median(steady) if steady else float("nan")
 
 
 def row(cell: Cell, tol: float) -> list[str]:
@@ -271,6 +309,7 @@ def row(cell: Cell, tol: float) -> list[str]:
         f"{statistics.median(cell.cores):.2f}",
         f"{statistics.median(cell.latency) * 1e3:.2f}",
         f"{min(cell.drift):.2f}-{max(cell.drift):.2f}",
+        f"{statistics.median(cell.actions):.2f}x" if cell.actions else "-",
     ]
 
 
@@ -288,6 +327,7 @@ HEADER = [
     "host cores",
     "msg ms",
     "drift",
+    "F/B measured/pred.",
 ]
 
 
@@ -306,6 +346,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--no-cores", action="store_true", help="predict as if every rank had a core of its own (host cores unused)"
     )
     p.add_argument("--no-messages", action="store_true", help="predict messages at the stand-ins' 10 GB/s, no latency")
+    p.add_argument(
+        "--trace",
+        metavar="DIR",
+        help="trace the steps after the warm-up; keep each run's trace and its action-by-action comparison with "
+        "the prediction in DIR (<cell>.json, <cell>.txt)",
+    )
     args = p.parse_args(argv)
     if args.steps <= args.warmup:
         p.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")

@@ -1,0 +1,100 @@
+"""A measured trace against the simulator's prediction, action by action: where a predicted step goes wrong.
+
+Reads back the Chrome trace a run writes (runtime.trace_steps: out_dir/trace.json) and sets each stage's
+measured F and B durations beside the simulator's events for the same plan, a visit's first microbatch apart
+from the rest (it runs on weights just loaded and, in B, a freshly zeroed gradient slot). Also totals each
+rank's seconds per step by action kind, messages and waits included, which the simulator does not draw.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from mobiuspipe.action_trace import TracedAction
+from partition.sim_types import SimResult
+
+__all__ = ["ActionRow", "read_chrome", "compare_actions", "kind_seconds", "format_rows"]
+
+
+@dataclass(frozen=True)
+class ActionRow:
+    """One stage's F or B, the visit's first microbatch (first=True) or the others: medians in seconds."""
+
+    kind: str
+    stage: int
+    gpu: int
+    first: bool
+    measured_s: float
+    predicted_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.measured_s / self.predicted_s if self.predicted_s > 0 else float("inf")
+
+
+def read_chrome(path: str | Path) -> list[list[TracedAction]]:
+    """Every rank's records of a trace that action_trace.write_chrome wrote (seconds from its origin)."""
+    doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    per_rank: dict[int, list[TracedAction]] = defaultdict(list)
+    for e in doc["traceEvents"]:
+        if e.get("ph") != "X":
+            continue
+        kind, rest = e["cat"], e["name"][len(e["cat"]) :]
+        stage, _, mb = rest.partition(".")
+        start = e["ts"] / 1e6
+        per_rank[e["pid"]].append(
+            TracedAction(
+                e["args"]["step"],
+                kind,
+                int(stage) if stage else -1,
+                int(mb) if mb else -1,
+                start,
+                start + e["dur"] / 1e6,
+            )
+        )
+    return [per_rank[g] for g in range(max(per_rank, default=-1) + 1)]
+
+
+def _durations(results: list[SimResult]) -> dict[tuple[str, int, int, bool], list[float]]:
+    """(kind, stage, gpu, first microbatch) -> the durations of those F and B events over every result."""
+    out: dict[tuple[str, int, int, bool], list[float]] = defaultdict(list)
+    for r in results:
+        for kind, gpu, stage, mb, start, end in r.events:
+            if kind in ("F", "B"):
+                out[(kind, stage, gpu, mb == 0)].append(end - start)
+    return out
+
+
+def compare_actions(measured: list[SimResult], predicted: SimResult) -> list[ActionRow]:
+    """Each stage's F and B (first microbatch, rest) in the measured steps against the prediction, by stage."""
+    got, want = _durations(measured), _durations([predicted])
+    keys = sorted(set(got) & set(want), key=lambda k: (k[1], k[0] != "F", not k[3]))
+    return [ActionRow(k[0], k[1], k[2], k[3], statistics.median(got[k]), statistics.median(want[k])) for k in keys]
+
+
+def kind_seconds(per_rank: list[list[TracedAction]], steps: list[int]) -> list[dict[str, float]]:
+    """Per rank: seconds per step spent in each action kind (the mean over `steps`)."""
+    out = []
+    for recs in per_rank:
+        total: dict[str, float] = defaultdict(float)
+        for r in recs:
+            if r.step in steps:
+                total[r.kind] += (r.end_s - r.start_s) / len(steps)
+        out.append(dict(sorted(total.items())))
+    return out
+
+
+def format_rows(rows: list[ActionRow]) -> list[str]:
+    """The rows as aligned text lines, in milliseconds."""
+    lines = ["stage gpu kind microbatch  measured ms  predicted ms  measured/predicted"]
+    for r in rows:
+        which = "first" if r.first else "rest"
+        lines.append(
+            f"{r.stage:5d} {r.gpu:3d} {r.kind:>4s} {which:>10s}  {r.measured_s * 1e3:11.2f}  "
+            f"{r.predicted_s * 1e3:12.2f}  {r.ratio:18.2f}"
+        )
+    return lines
