@@ -14,10 +14,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from mobiuspipe.action_trace import TracedAction
+from mobiuspipe.action_trace import TracedAction, as_sim_result
 from partition.sim_types import SimResult
 
-__all__ = ["ActionRow", "read_chrome", "compare_actions", "kind_seconds", "format_rows"]
+__all__ = ["ActionRow", "read_chrome", "compare_actions", "kind_seconds", "format_rows", "report", "steady_ratio"]
 
 
 @dataclass(frozen=True)
@@ -98,3 +98,21 @@ def format_rows(rows: list[ActionRow]) -> list[str]:
             f"{r.predicted_s * 1e3:12.2f}  {r.ratio:18.2f}"
         )
     return lines
+
+
+def report(per_rank: list[list[TracedAction]], predicted: SimResult, steps: list[int]) -> tuple[list[str], float]:
+    """The comparison of the traced `steps` with the predicted step as text lines (the prediction's step and
+    compute, format_rows, each rank's ms per step by kind), and steady_ratio of its rows."""
+    rows = compare_actions([as_sim_result(per_rank, s) for s in steps], predicted)
+    busy = " / ".join(f"{b * 1e3:.1f}" for b in predicted.compute_busy_s)
+    lines = [f"predicted step {predicted.step_time_s * 1e3:.1f} ms, compute per gpu {busy} ms", *format_rows(rows)]
+    for g, kinds in enumerate(kind_seconds(per_rank, steps)):
+        lines.append(f"rank {g} ms per step: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in kinds.items()))
+    return lines, steady_ratio(rows)
+
+
+def steady_ratio(rows: list[ActionRow]) -> float:
+    """The median measured / predicted of the rows past a visit's first microbatch (nan without any); the last
+    stage's F, which the simulator fuses into its B (0 s), is left out."""
+    steady = [r.ratio for r in rows if not r.first and r.predicted_s > 0]
+    return statistics.median(steady) if steady else float("nan")

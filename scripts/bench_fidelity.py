@@ -44,7 +44,6 @@ from bench_pipeline import SIZES, machine, torchrun_metrics
 from benchlib import cpu_mark, markdown_table, other_share
 
 from foundation.units import MiB
-from mobiuspipe.action_trace import as_sim_result
 from mobiuspipe.activations import stage_modes
 from mobiuspipe.config import MemoryConfig, config_from_dict
 from mobiuspipe.config_plan import model_spec
@@ -52,7 +51,7 @@ from mobiuspipe.dataset import open_data
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.pipeline_swaps import plan_as_run, swap_tiers
 from mobiuspipe.profiler import measure_profile
-from mobiuspipe.trace_compare import compare_actions, format_rows, kind_seconds, read_chrome
+from mobiuspipe.trace_compare import read_chrome, report
 from partition import make_plan
 from partition.plan import Plan, save_plan
 from partition.profile import Profile
@@ -272,23 +271,13 @@ def run_cell(cell: Cell, parts: dict, host: Measured, args: argparse.Namespace, 
 
 
 def keep_trace(trace: Path, sim: SimResult, args: argparse.Namespace, to: Path) -> float:
-    """Keep the run's trace as to.json and its comparison with the prediction as to.txt (trace_compare);
+    """Keep the run's trace as to.json and its comparison with the prediction as to.txt (trace_compare.report);
     returns the median over stages of a steady F's and B's measured / predicted."""
     to.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(trace, to.with_suffix(".json"))
-    per_rank = read_chrome(trace)
-    steps = list(range(args.warmup, args.steps))
-    rows = compare_actions([as_sim_result(per_rank, s) for s in steps], sim)
-    lines = [
-        f"predicted step {sim.step_time_s * 1e3:.1f} ms, compute per gpu "
-        f"{' / '.join(f'{b * 1e3:.1f}' for b in sim.compute_busy_s)} ms",
-        *format_rows(rows),
-    ]
-    for g, kinds in enumerate(kind_seconds(per_rank, steps)):
-        lines.append(f"rank {g} ms per step: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in kinds.items()))
+    lines, ratio = report(read_chrome(trace), sim, list(range(args.warmup, args.steps)))
     to.with_suffix(".txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    steady = [r.ratio for r in rows if not r.first and r.predicted_s > 0]  # not the last stage's empty F
-    return statistics.median(steady) if steady else float("nan")
+    return ratio
 
 
 def row(cell: Cell, tol: float) -> list[str]:

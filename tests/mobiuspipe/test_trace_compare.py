@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mobiuspipe.action_trace import TracedAction, as_sim_result, write_chrome
-from mobiuspipe.trace_compare import compare_actions, format_rows, kind_seconds, read_chrome
+from mobiuspipe.trace_compare import compare_actions, format_rows, kind_seconds, read_chrome, report, steady_ratio
 from partition.sim_types import SimResult
 
 
@@ -40,22 +40,24 @@ def test_a_written_trace_reads_back_as_it_was_recorded(tmp_path):
         assert got.end_s - got.start_s == pytest.approx(want.end_s - want.start_s, abs=1e-9)
 
 
+PREDICTED = SimResult(
+    step_time_s=0.05,
+    compute_busy_s=(0.03, 0.016),
+    events=(
+        ("F", 0, 0, 0, 0.0, 0.004),
+        ("F", 0, 0, 1, 0.004, 0.008),
+        ("B", 0, 0, 0, 0.02, 0.030),
+        ("B", 0, 0, 1, 0.03, 0.040),
+        ("B", 1, 1, 0, 0.01, 0.018),
+        ("B", 1, 1, 1, 0.018, 0.026),
+        ("load", 0, 0, -1, 0.0, 0.001),
+    ),
+)
+
+
 def test_each_stages_first_microbatch_and_the_rest_against_the_prediction():
     measured = [as_sim_result([RANK0, RANK1], step) for step in (4, 5)]
-    predicted = SimResult(
-        step_time_s=0.05,
-        compute_busy_s=(0.03, 0.016),
-        events=(
-            ("F", 0, 0, 0, 0.0, 0.004),
-            ("F", 0, 0, 1, 0.004, 0.008),
-            ("B", 0, 0, 0, 0.02, 0.030),
-            ("B", 0, 0, 1, 0.03, 0.040),
-            ("B", 1, 1, 0, 0.01, 0.018),
-            ("B", 1, 1, 1, 0.018, 0.026),
-            ("load", 0, 0, -1, 0.0, 0.001),
-        ),
-    )
-    rows = compare_actions(measured, predicted)
+    rows = compare_actions(measured, PREDICTED)
     got = [(r.kind, r.stage, r.gpu, r.first, round(r.measured_s * 1e3, 6), round(r.predicted_s * 1e3, 6)) for r in rows]
     assert got == [
         ("F", 0, 0, True, 5.0, 4.0),
@@ -75,3 +77,11 @@ def test_seconds_per_step_by_kind_average_the_chosen_steps():
     assert per_kind[0]["SA"] == pytest.approx(0.5e-3) and per_kind[0]["RG"] == pytest.approx(10e-3)
     assert per_kind[1] == {"B": pytest.approx(16e-3)}
     assert kind_seconds([RANK0], [4])[0]["F"] == pytest.approx(9e-3)
+
+
+def test_the_report_and_its_steady_ratio():
+    lines, ratio = report([RANK0, RANK1], PREDICTED, [4, 5])
+    assert ratio == pytest.approx(1.0)  # the rest: 5.5/4, 10/10, 8/8: their median
+    assert lines[0] == "predicted step 50.0 ms, compute per gpu 30.0 / 16.0 ms" and len(lines) == 1 + 7 + 2
+    assert lines[-2].startswith("rank 0 ms per step: B 22.0, F 10.5, L 1.0, RG 10.0, SA 0.5, step 60.0")
+    assert steady_ratio([]) != steady_ratio([])  # nan without rows
