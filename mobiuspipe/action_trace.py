@@ -6,19 +6,21 @@ time.perf_counter seconds: CLOCK_MONOTONIC, one clock for every rank on a host),
 the step's own span ("step"). With gradient accumulation each pass's actions are recorded under the step.
 `write_chrome` turns the ranks' records into Chrome trace-event JSON (chrome://tracing, ui.perfetto.dev) beside
 the simulator's (`mobiuspipe simulate --trace`): one process per rank, a thread for its computations, one for
-messages and one for weights, swaps and updates, times in microseconds from the earliest record.
+messages and one for weights, swaps and updates, times in microseconds from the earliest record; `read_chrome`
+reads such a file back.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
 from partition.sim_types import SimResult
 
-__all__ = ["TracedAction", "ActionTrace", "chrome", "write_chrome", "as_sim_result"]
+__all__ = ["TracedAction", "ActionTrace", "chrome", "write_chrome", "read_chrome", "as_sim_result"]
 
 SIM_KINDS = {"F": "F", "B": "B", "L": "load", "O": "offload", "U": "update"}
 """The simulator's event kind of each traced action it also has (messages, swaps and releases it does not draw)."""
@@ -90,6 +92,29 @@ def write_chrome(per_rank: list[list[TracedAction]], path: str | Path) -> Path:
     path = Path(path)
     path.write_text(json.dumps({"traceEvents": meta + events, "displayTimeUnit": "ms"}) + "\n", encoding="utf-8")
     return path
+
+
+def read_chrome(path: str | Path) -> list[list[TracedAction]]:
+    """Every rank's records of a trace that write_chrome wrote (seconds from its origin)."""
+    doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    per_rank: dict[int, list[TracedAction]] = defaultdict(list)
+    for e in doc["traceEvents"]:
+        if e.get("ph") != "X":
+            continue
+        kind, rest = e["cat"], e["name"][len(e["cat"]) :]
+        stage, _, mb = rest.partition(".")
+        start = e["ts"] / 1e6
+        per_rank[e["pid"]].append(
+            TracedAction(
+                e["args"]["step"],
+                kind,
+                int(stage) if stage else -1,
+                int(mb) if mb else -1,
+                start,
+                start + e["dur"] / 1e6,
+            )
+        )
+    return [per_rank[g] for g in range(max(per_rank, default=-1) + 1)]
 
 
 def as_sim_result(per_rank: list[list[TracedAction]], step: int) -> SimResult:

@@ -1,23 +1,22 @@
 """A measured trace against the simulator's prediction, action by action: where a predicted step goes wrong.
 
-Reads back the Chrome trace a run writes (runtime.trace_steps: out_dir/trace.json) and sets each stage's
-measured F and B durations beside the simulator's events for the same plan, a visit's first microbatch apart
-from the rest (it runs on weights just loaded and, in B, a freshly zeroed gradient slot). Also totals each
-rank's seconds per step by action kind, messages and waits included, which the simulator does not draw.
+Takes a run's traced records (runtime.trace_steps; action_trace.read_chrome reads out_dir/trace.json back) and
+sets each stage's measured F and B durations beside the simulator's events for the same plan, a visit's first
+microbatch apart from the rest (it runs on weights just loaded and, in B, a freshly zeroed gradient slot). Also
+totals each rank's seconds per step by action kind, messages and waits included, which the simulator does not
+draw.
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
 
 from mobiuspipe.action_trace import TracedAction, as_sim_result
 from partition.sim_types import SimResult
 
-__all__ = ["ActionRow", "read_chrome", "compare_actions", "kind_seconds", "format_rows", "report", "steady_ratio"]
+__all__ = ["ActionRow", "compare_actions", "kind_seconds", "format_rows", "report", "steady_ratio"]
 
 
 @dataclass(frozen=True)
@@ -34,29 +33,6 @@ class ActionRow:
     @property
     def ratio(self) -> float:
         return self.measured_s / self.predicted_s if self.predicted_s > 0 else float("inf")
-
-
-def read_chrome(path: str | Path) -> list[list[TracedAction]]:
-    """Every rank's records of a trace that action_trace.write_chrome wrote (seconds from its origin)."""
-    doc = json.loads(Path(path).read_text(encoding="utf-8"))
-    per_rank: dict[int, list[TracedAction]] = defaultdict(list)
-    for e in doc["traceEvents"]:
-        if e.get("ph") != "X":
-            continue
-        kind, rest = e["cat"], e["name"][len(e["cat"]) :]
-        stage, _, mb = rest.partition(".")
-        start = e["ts"] / 1e6
-        per_rank[e["pid"]].append(
-            TracedAction(
-                e["args"]["step"],
-                kind,
-                int(stage) if stage else -1,
-                int(mb) if mb else -1,
-                start,
-                start + e["dur"] / 1e6,
-            )
-        )
-    return [per_rank[g] for g in range(max(per_rank, default=-1) + 1)]
 
 
 def _durations(results: list[SimResult]) -> dict[tuple[str, int, int, bool], list[float]]:

@@ -29,9 +29,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from partition.activations import ActivationPolicy
 from partition.lifetimes import StageBytes, device_peaks
 from partition.peer import regions
-from partition.plan import Plan
+from partition.plan import Plan, StagePlan
 
 __all__ = ["planned_device_bytes", "stage_bytes"]
 
@@ -51,9 +52,9 @@ def stage_bytes(plan: Plan, held: Sequence[int] | None = None, chosen: bool = Fa
     return out
 
 
-def _keeps_last_layer(s) -> bool:
+def _keeps_last_layer(s: StagePlan) -> bool:
     """Whether the stage's kept graphs end at its last layer (so they hold its output)."""
-    return s.activations == "keep" or (s.activations == "selective" and s.last in s.kept_layers)
+    return s.last in ActivationPolicy(s.activations, s.kept_layers).kept(s.first, s.last)
 
 
 def planned_device_bytes(plan: Plan, standin: bool = False, held: Sequence[int] | None = None) -> list[int]:

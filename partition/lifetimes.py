@@ -195,10 +195,7 @@ def _step(walk: _Walk, mapping: list[int], gpu: int, step: Step, stages: Sequenc
     elif kind == "B":
         if walk.slots and i == 0:
             walk.hold(("grads", j), s.params)
-        walk.drop(("held", j, i))
-        shares = ("held-output", j, i) in walk.held  # the graph's output is the message's (no swap between)
-        if shares:
-            walk.drop(("held-output", j, i))
+        shares = _drop_graph(walk, j, i)  # the graph's output is still the message's (no swap between)
         top = walk.total + s.work - (s.held_output if shares and walk.counted(_output(j, i)) else 0)
         if j < last:
             walk.drop(("gin", j, i))
@@ -206,9 +203,7 @@ def _step(walk: _Walk, mapping: list[int], gpu: int, step: Step, stages: Sequenc
             walk.hold(("gout", j, i), s.input)
         return top
     elif kind == "SO":  # the copy out has ended: the held bytes leave the device (a message still holds its own)
-        walk.drop(("held", j, i))
-        if ("held-output", j, i) in walk.held:
-            walk.drop(("held-output", j, i))
+        _drop_graph(walk, j, i)
     elif kind == "SI":  # the copy back lands in fresh device memory, until B(j, i) is done with it
         walk.hold(("held", j, i), s.held)
     elif kind in ("SA", "SG"):
@@ -227,6 +222,15 @@ def _step(walk: _Walk, mapping: list[int], gpu: int, step: Step, stages: Sequenc
 def _output(j: int, i: int) -> tuple:
     """The buffer of stage j's output for microbatch i (shared by its outbox, message, inbox and graph)."""
     return ("output", j, i)
+
+
+def _drop_graph(walk: _Walk, j: int, i: int) -> bool:
+    """Let (j, i)'s held bytes go; whether they included a share of its output's buffer."""
+    walk.drop(("held", j, i))
+    shares = ("held-output", j, i) in walk.held
+    if shares:
+        walk.drop(("held-output", j, i))
+    return shares
 
 
 def _hold_graph(walk: _Walk, s: StageBytes, j: int, i: int) -> None:

@@ -39,11 +39,11 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from bench_pipeline import SIZES, machine, torchrun_metrics
-from benchlib import cpu_mark, markdown_table, other_share
+from benchlib import cpu_mark, markdown_table, other_share, torch_threads
 
 from foundation.units import MiB
+from mobiuspipe.action_trace import read_chrome
 from mobiuspipe.activations import stage_modes
 from mobiuspipe.config import MemoryConfig, config_from_dict
 from mobiuspipe.config_plan import model_spec
@@ -51,7 +51,7 @@ from mobiuspipe.dataset import open_data
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.pipeline_swaps import plan_as_run, swap_tiers
 from mobiuspipe.profiler import measure_profile
-from mobiuspipe.trace_compare import read_chrome, report
+from mobiuspipe.trace_compare import report
 from partition import make_plan
 from partition.plan import Plan, save_plan
 from partition.profile import Profile
@@ -198,9 +198,7 @@ def measure(parts: dict) -> Profile:
     x, y = data.batch(0, cfg.data.batch_size)
     m = cfg.data.num_microbatches
     xm, ym = x[: x.shape[0] // m], y[: y.shape[0] // m]
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         return measure_profile(
             layers_of(cfg),
             xm,
@@ -213,22 +211,16 @@ def measure(parts: dict) -> Profile:
             loss_fn=lambda out: lm_loss(out.float(), ym),
             microbatches=m,
         )
-    finally:
-        torch.set_num_threads(before)
 
 
 def reference_s(repeats: int = 5) -> float:
     """This machine's speed now: the median seconds of 20 units of topology.probe_cpu.MatmulWork (about 10 ms) on
     one thread, `repeats` times. A cell's drift is this after its run over this before its profile: 1.00 when
     the machine kept its speed through the profile, the plan and the run."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         work = MatmulWork()
         work.seconds(20)
         return statistics.median(work.seconds(20) for _ in range(repeats))
-    finally:
-        torch.set_num_threads(before)
 
 
 def probe_host(args: argparse.Namespace) -> Measured:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 import yaml
-from benchlib import cpu_mark, cpu_model, markdown_table, other_share
+from benchlib import cpu_mark, cpu_model, markdown_table, other_share, torch_threads
 from torch import nn
 
 from foundation.timing import Stopwatch
@@ -89,9 +89,7 @@ def plain_run(cfg: RunConfig, threads: int, chunks: int) -> tuple[list[float], f
 
     chunks=1 takes one full-batch gradient; chunks=M accumulates loss_i / M over M microbatches.
     """
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         spec = model_spec(cfg)
         layers = build_layers(spec, cfg.train.seed)
         model = nn.Sequential(*(layers[l] for l in range(spec.num_layers)))
@@ -111,8 +109,6 @@ def plain_run(cfg: RunConfig, threads: int, chunks: int) -> tuple[list[float], f
             opt.step()
             times.append(watch.s)
         return times, loss
-    finally:
-        torch.set_num_threads(before)
 
 
 def torchrun_metrics(d: dict, nproc: int, folder: Path, timeout: float) -> list[dict]:

@@ -30,6 +30,7 @@ __all__ = [
     "other_share",
     "physical_runs",
     "thp_mode",
+    "torch_threads",
 ]
 
 HUGE_PAGE = 2 * MiB  # bytes: an x86-64 huge page, transparent (the engine's) or hugetlb (fio's mmaphuge)
@@ -45,6 +46,19 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to n inside the block and restored after it."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
