@@ -24,6 +24,12 @@ simulated step (<cell>.txt, mobiuspipe.trace_compare: each stage's F and B measu
 visit's first microbatch apart, and each rank's milliseconds per step by action kind); the table gains the
 median measured / predicted of a steady F or B, so that a step's error splits into the computations' and the
 rest (messages, waits, copies).
+
+With --calibrate each cell also gets a prediction from the profile refined by its PARTNER plan's run in the same
+repetition (the same model, ranks and policy, another cut; mobiuspipe.profile_refine scales each layer by how
+its stage ran in that traced run, partition.retime re-times this cell's plan from it): the layers as they run in
+a pipeline on this machine, measured on a different plan than the one predicted. The exit code then judges
+these predictions (a cell without a partner in the grid is not judged).
 """
 
 from __future__ import annotations
@@ -50,11 +56,13 @@ from mobiuspipe.config_plan import model_spec
 from mobiuspipe.dataset import open_data
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.pipeline_swaps import plan_as_run, swap_tiers
+from mobiuspipe.profile_refine import refine_profile
 from mobiuspipe.profiler import measure_profile
 from mobiuspipe.trace_compare import report
 from partition import make_plan
 from partition.plan import Plan, save_plan
 from partition.profile import Profile
+from partition.retime import retime
 from partition.search import predict_step
 from partition.sim_types import SimResult
 from partition.tiers import HostBudget
@@ -88,8 +96,11 @@ HF_MODELS = {"llama": LLAMA, "llama-wide": {**LLAMA, "hidden_size": 288, "interm
 """HF llamas by name: LLAMA and the same 3x wider."""
 LLAMA_RUN = {"model": {"seq_len": 61}, "data": {"batch_size": 8, "num_microbatches": 4}}
 
-PLANS = {"1x4": (1, 4), "2x4": (2, 4), "2x6": (2, 6)}
+PLANS = {"1x4": (1, 4), "1x6": (1, 6), "2x4": (2, 4), "2x6": (2, 6)}
 """Plan name -> (ranks, stages); two ranks use the cross mapping."""
+PARTNER = {"1x4": "1x6", "1x6": "1x4", "2x4": "2x6", "2x6": "2x4"}
+"""With --calibrate, the plan whose traced run refines the profile a plan's calibrated prediction uses: the same
+ranks, another cut."""
 
 DEVICE_MB = 4096
 """Each CPU stand-in's memory budget: large enough that no plan here is memory bound."""
@@ -107,12 +118,31 @@ class Policy:
     def run_keys(self) -> dict:
         return {"memory": {"activations": self.activations, "activation_tier": self.tier}}
 
-    def simulate(self, plan: Plan, topo: Topology, ssd_dir: str) -> SimResult:
-        """The simulator's step of plan run under this policy."""
+    def as_run(self, plan: Plan, ssd_dir: str) -> Plan:
+        """The plan as a run under this policy runs it."""
         modes = stage_modes(self.activations, plan)
         tiers = swap_tiers(plan, MemoryConfig(activation_tier=self.tier, ssd_dir=ssd_dir), modes)  # ssd: needs one
-        run = plan_as_run(plan, modes, tiers)
-        return predict_step(run, topo, HostBudget(None, "unlimited")).sim
+        return plan_as_run(plan, modes, tiers)
+
+    def simulate(self, plan: Plan, topo: Topology, ssd_dir: str) -> SimResult:
+        """The simulator's step of plan run under this policy."""
+        return simulated(self.as_run(plan, ssd_dir), topo)
+
+
+def simulated(run: Plan, topo: Topology) -> SimResult:
+    """The simulator's step of a plan as run (Policy.as_run)."""
+    return predict_step(run, topo, HostBudget(None, "unlimited")).sim
+
+
+@dataclass(frozen=True)
+class Ran:
+    """What calibration needs of one run: its profile, its plan as run, the prediction, its traced records."""
+
+    profile: Profile
+    run: Plan
+    sim: SimResult
+    topo: Topology
+    per_rank: list
 
 
 POLICIES = {
@@ -144,6 +174,8 @@ class Cell:
     """Per repetition: the reference work's seconds after the run over its seconds before the profile."""
     actions: list[float] = field(default_factory=list)
     """Per repetition (with --trace): the median over stages of measured / predicted of a steady F and B."""
+    calibrated: list[float] = field(default_factory=list)
+    """Per repetition (with --calibrate): measured / predicted from the profile the PARTNER plan's run refined."""
 
     @property
     def ratio(self) -> float:
@@ -231,9 +263,10 @@ def probe_host(args: argparse.Namespace) -> Measured:
     return Measured(host_cores=cores, message_latency_s=latency, message_gbps=gbps)
 
 
-def run_cell(cell: Cell, parts: dict, host: Measured, args: argparse.Namespace, folder: Path) -> None:
+def run_cell(cell: Cell, parts: dict, host: Measured, args: argparse.Namespace, folder: Path) -> Ran:
     """Profile, plan, predict, run once; the cell gets the figures of this repetition. host: what probe_host
-    measured (the simulator shares the host cores among the CPU stand-ins and times their messages with it)."""
+    measured (the simulator shares the host cores among the CPU stand-ins and times their messages with it).
+    Returns what calibrating another cell from this run needs (its records only when traced)."""
     before = reference_s()
     profile = measure(parts)
     ranks, stages = PLANS[cell.plan]
@@ -247,7 +280,7 @@ def run_cell(cell: Cell, parts: dict, host: Measured, args: argparse.Namespace, 
     save_plan(plan, folder / "plan.yaml")
     d = run_dict(parts, ranks, stages, args.steps, str(folder / "out"), str(folder / "plan.yaml"), policy)
     d["memory"]["ssd_dir"] = str(folder / "ssd")
-    if args.trace:
+    if args.trace or args.calibrate:
         d["runtime"]["trace_steps"] = list(range(args.warmup, args.steps))
     mark = cpu_mark()
     recs = torchrun_metrics(d, ranks, folder, args.timeout)
@@ -256,10 +289,21 @@ def run_cell(cell: Cell, parts: dict, host: Measured, args: argparse.Namespace, 
     steady = recs[args.warmup :]
     cell.measured.append(statistics.median(r["step_s"] for r in steady))
     cell.split.append(tuple(statistics.median(r[k] for r in steady) for k in ("compute_s", "load_s", "comm_s")))
-    sim = policy.simulate(plan, topo, str(folder / "ssd"))
+    run = policy.as_run(plan, str(folder / "ssd"))
+    sim = simulated(run, topo)
     cell.predicted.append(sim.step_time_s)
+    trace = folder / "out" / "trace.json"
     if args.trace:
-        cell.actions.append(keep_trace(folder / "out" / "trace.json", sim, args, Path(args.trace) / folder.name))
+        cell.actions.append(keep_trace(trace, sim, args, Path(args.trace) / folder.name))
+    return Ran(profile, run, sim, topo, read_chrome(trace) if args.calibrate else [])
+
+
+def calibrate(cell: Cell, own: Ran, partner: Ran, args: argparse.Namespace) -> None:
+    """The cell's calibrated prediction: its plan as run, re-timed from the profile the partner's traced run
+    refined (mobiuspipe.profile_refine), simulated; appended as measured / predicted of this repetition."""
+    steps = list(range(args.warmup, args.steps))
+    refined = refine_profile(partner.profile, partner.run, partner.per_rank, steps, partner.sim).profile
+    cell.calibrated.append(cell.measured[-1] / simulated(retime(own.run, refined), own.topo).step_time_s)
 
 
 def keep_trace(trace: Path, sim: SimResult, args: argparse.Namespace, to: Path) -> float:
@@ -291,7 +335,15 @@ def row(cell: Cell, tol: float) -> list[str]:
         f"{statistics.median(cell.latency) * 1e3:.2f}",
         f"{min(cell.drift):.2f}-{max(cell.drift):.2f}",
         f"{statistics.median(cell.actions):.2f}x" if cell.actions else "-",
+        _calibrated(cell, tol),
     ]
+
+
+def _calibrated(cell: Cell, tol: float) -> str:
+    if not cell.calibrated:
+        return "-"
+    r = statistics.median(cell.calibrated)
+    return f"{r:.2f}x {'ok' if abs(r - 1) <= tol else 'OUT'}"
 
 
 HEADER = [
@@ -309,6 +361,7 @@ HEADER = [
     "msg ms",
     "drift",
     "F/B measured/pred.",
+    "calibrated measured/pred.",
 ]
 
 
@@ -333,6 +386,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="trace the steps after the warm-up; keep each run's trace and its action-by-action comparison with "
         "the prediction in DIR (<cell>.json, <cell>.txt)",
     )
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="also predict each cell from the profile its partner plan's traced run refined (PARTNER; traces the "
+        "steps after the warm-up)",
+    )
     args = p.parse_args(argv)
     if args.steps <= args.warmup:
         p.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
@@ -356,16 +415,20 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.reps):
             for name, parts in models.items():
                 host = probe_host(args)
+                ran = {}
                 for (m, p, q), cell in cells.items():
                     if m != name:
                         continue
-                    run_cell(cell, parts, host, args, tmp / f"r{rep}-{m}-{p}-{q}")
+                    ran[(p, q)] = run_cell(cell, parts, host, args, tmp / f"r{rep}-{m}-{p}-{q}")
                     print(
                         f"  rep {rep} {m} {p} {q}: {cell.measured[-1] * 1e3:.1f} ms measured, "
                         f"{cell.predicted[-1] * 1e3:.1f} ms predicted",
                         file=sys.stderr,
                         flush=True,
                     )
+                for (p, q), own in ran.items():
+                    if args.calibrate and (PARTNER[p], q) in ran:
+                        calibrate(cells[(name, p, q)], own, ran[(PARTNER[p], q)], args)
     share, wall = other_share(mark)
     info.append(f"other processes kept {100 * share:.1f}% of the {os.cpu_count()} cores busy during the {wall:.0f} s")
     info.append(f"{args.reps} repetitions x {args.steps} steps, median of the last {args.steps - args.warmup} of each")
@@ -376,7 +439,10 @@ def main(argv: list[str] | None = None) -> int:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
     if args.markdown:
         print("\n" + markdown_table(HEADER, table))
-    bad = [c for c in cells.values() if abs(c.ratio - 1) > args.tolerance]
+    ratio = (lambda c: statistics.median(c.calibrated)) if args.calibrate else (lambda c: c.ratio)
+    bad = [
+        c for c in cells.values() if not (args.calibrate and not c.calibrated) and abs(ratio(c) - 1) > args.tolerance
+    ]
     return 1 if bad else 0
 
 

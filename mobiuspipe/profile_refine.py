@@ -1,0 +1,109 @@
+"""A profile refined by a traced run: each layer's times scaled by how its stage's F and B ran against the
+simulator's, so that the planner predicts other plans of the same model from what a run on this machine measured.
+
+A layer timed alone (mobiuspipe.profiler) is not the layer in a run: in a pipeline it shares the machine with
+the other ranks' computations, its own process's copies, messages and host updates, and starts on weights just
+loaded. A traced run (runtime.trace_steps) measures the layers where they run. For stage j of the plan as it
+ran, over the traced steps:
+  s_F(j) = median over steps of (sum of the step's measured F(j, i)) / (sum of the predicted F(j, i))
+  s_B(j) = the same of B
+(predicted: the simulator's events of that plan, from the profile being refined; the sums take every
+microbatch, a visit's first included, so its extra cost is spread over the stage). Each layer l of stage j
+gets F_l and K_l times s_F(j) (the forwards without and with grad), B_l and R_l times s_B(j); the last stage
+is fused (its forward runs inside its B), so its layers' four times all get s_B. Bytes and flops stay.
+partition.retime.retime then re-times another plan of the model from the refined profile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from dataclasses import dataclass
+
+from mobiuspipe.action_trace import TracedAction, as_sim_result
+from partition.plan import Plan
+from partition.profile import LayerProfile, Profile
+from partition.sim_types import SimResult
+
+__all__ = ["StageScale", "Refinement", "stage_scales", "refine_profile"]
+
+
+@dataclass(frozen=True)
+class StageScale:
+    """Stage j's measured / predicted seconds of F (None on the fused last stage, whose F is empty) and of B."""
+
+    stage: int
+    forward: float | None
+    backward: float
+
+
+@dataclass(frozen=True)
+class Refinement:
+    """The refined profile and the scale of each stage it came from."""
+
+    profile: Profile
+    scales: tuple[StageScale, ...]
+
+
+def _sums(result: SimResult, kind: str) -> dict[int, float]:
+    """Stage -> seconds of its `kind` events summed over microbatches."""
+    out: dict[int, float] = {}
+    for k, _gpu, stage, _mb, start, end in result.events:
+        if k == kind:
+            out[stage] = out.get(stage, 0.0) + end - start
+    return out
+
+
+def stage_scales(
+    per_rank: list[list[TracedAction]], steps: list[int], plan: Plan, predicted: SimResult
+) -> list[StageScale]:
+    """s_F and s_B of every stage of `plan` (the legend); predicted: the simulator's step of that plan.
+
+    Raises ValueError when no step is given or a stage has no traced or no predicted B."""
+    if not steps:
+        raise ValueError("refining a profile needs traced steps (runtime.trace_steps), found none")
+    measured = [as_sim_result(per_rank, s) for s in steps]
+    out = []
+    last = plan.num_stages - 1
+    for kind in ("F", "B"):
+        want = _sums(predicted, kind)
+        got = [_sums(m, kind) for m in measured]
+        for j in range(plan.num_stages):
+            if kind == "F" and j == last:
+                continue
+            if want.get(j, 0.0) <= 0 or any(j not in g for g in got):
+                raise ValueError(
+                    f"stage {j}'s {kind} is missing from the trace or the prediction: refine from a trace of the "
+                    f"plan that was simulated (every stage traced in steps {steps})"
+                )
+            out.append((kind, j, statistics.median(g[j] for g in got) / want[j]))
+    f = {j: r for kind, j, r in out if kind == "F"}
+    return [StageScale(j, f.get(j), r) for kind, j, r in out if kind == "B"]
+
+
+def refine_profile(
+    profile: Profile, plan: Plan, per_rank: list[list[TracedAction]], steps: list[int], predicted: SimResult
+) -> Refinement:
+    """`profile` with each layer's times scaled by its stage's s_F and s_B (the legend): plan is the plan as the
+    traced run ran it, made from `profile`, and predicted its simulated step."""
+    if len(profile.layers) != plan.num_layers:
+        raise ValueError(
+            f"the profile has {len(profile.layers)} layers and the plan {plan.num_layers}: not its profile"
+        )
+    scales = stage_scales(per_rank, steps, plan, predicted)
+    layers = list(profile.layers)
+    for s, sc in zip(plan.stages, scales):
+        fwd = sc.backward if sc.forward is None else sc.forward
+        for l in s.layers:
+            layers[l] = _scaled(layers[l], fwd, sc.backward)
+    return Refinement(dataclasses.replace(profile, layers=tuple(layers)), tuple(scales))
+
+
+def _scaled(layer: LayerProfile, fwd: float, bwd: float) -> LayerProfile:
+    return dataclasses.replace(
+        layer,
+        fwd_s=layer.fwd_s * fwd,
+        kept_s=layer.keep_s * fwd,
+        bwd_s=layer.bwd_s * bwd,
+        recompute_s=layer.redo_s * bwd,
+    )

@@ -1,0 +1,94 @@
+"""A profile refined by a traced run (mobiuspipe.profile_refine), against hand-made traces: each stage's layers get
+its measured / predicted F and B, the median over steps, and the plan re-timed from the refined profile
+simulates the F and B the trace measured."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from mobiuspipe.action_trace import TracedAction
+from mobiuspipe.profile_refine import refine_profile, stage_scales
+from partition.profile import LayerProfile, Profile
+from partition.retime import retime
+from partition.search import make_plan, sim_stages
+from partition.simulate import simulate
+from topology import cpu_standin
+
+M = 3
+
+
+def _profile(n: int, seed: int) -> Profile:
+    rng = random.Random(seed)
+
+    def layer(k: int) -> LayerProfile:
+        f = rng.uniform(0.5e-3, 3e-3)
+        return LayerProfile(
+            f"l{k}", 50 + k, 200 + 4 * k, 4000, 64, 0.0, 0.0, f, 2.1 * f, recompute_s=1.1 * f, kept_s=1.2 * f
+        )
+
+    return Profile("toy", "cpu-standin", "fp32", 2, 1, tuple(layer(k) for k in range(n)), input_bytes=32)
+
+
+def _predict(plan, topo):
+    return simulate(sim_stages(plan.stages, topo), topo.num_gpus, plan.num_microbatches, topology=topo)
+
+
+def _traced(sim, scale_f, scale_b, steps, slow_step=None):
+    """Ranks' records of `steps`: every F and B of the simulated step, stretched by its stage's scale (and 3x in
+    slow_step, which the median over steps must ignore)."""
+    per_rank: list[list[TracedAction]] = [[] for _ in range(max(e[1] for e in sim.events) + 1)]
+    for step in steps:
+        origin = 10.0 * step
+        for kind, gpu, stage, mb, start, end in sim.events:
+            if kind not in ("F", "B"):
+                continue
+            k = (scale_f if kind == "F" else scale_b)[stage] * (3.0 if step == slow_step else 1.0)
+            per_rank[gpu].append(
+                TracedAction(step, kind, stage, mb, origin + start, origin + start + k * (end - start))
+            )
+    return per_rank
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_each_stages_layers_get_its_measured_over_predicted(seed):
+    rng = random.Random(100 + seed)
+    profile = _profile(7 + seed, seed)
+    topo = cpu_standin(2, 1 << 30)
+    plan = make_plan(profile, topo, M, num_stages=4, mapping="cross", solver="dp")
+    sim = _predict(plan, topo)
+    sf = [rng.uniform(0.7, 1.5) for _ in plan.stages]
+    sb = [rng.uniform(0.7, 1.5) for _ in plan.stages]
+    per_rank = _traced(sim, sf, sb, [4, 5, 6], slow_step=5)
+    got = refine_profile(profile, plan, per_rank, [4, 5, 6], sim)
+    last = plan.num_stages - 1
+    for j, (s, sc) in enumerate(zip(plan.stages, got.scales)):
+        assert sc.stage == j
+        assert sc.backward == pytest.approx(sb[j], rel=1e-9)
+        assert sc.forward == (None if j == last else pytest.approx(sf[j], rel=1e-9))
+        f = sb[j] if j == last else sf[j]
+        for l in s.layers:
+            a, b = profile.layers[l], got.profile.layers[l]
+            assert (b.fwd_s, b.kept_s) == (pytest.approx(a.fwd_s * f), pytest.approx(a.keep_s * f))
+            assert (b.bwd_s, b.recompute_s) == (pytest.approx(a.bwd_s * sb[j]), pytest.approx(a.redo_s * sb[j]))
+            assert b.param_bytes == a.param_bytes and b.activation_bytes == a.activation_bytes
+    again = _predict(retime(plan, got.profile), topo)
+    durations = {(e[0], e[2], e[3]): e[5] - e[4] for e in again.events if e[0] in ("F", "B")}
+    for kind, _gpu, stage, mb, start, end in sim.events:
+        if kind in ("F", "B"):
+            want = (sf if kind == "F" else sb)[stage] * (end - start)
+            assert durations[(kind, stage, mb)] == pytest.approx(want, rel=1e-9, abs=1e-12)
+
+
+def test_a_stage_missing_from_the_trace_is_named():
+    profile = _profile(7, 0)
+    topo = cpu_standin(2, 1 << 30)
+    plan = make_plan(profile, topo, M, num_stages=4, mapping="cross", solver="dp")
+    sim = _predict(plan, topo)
+    per_rank = _traced(sim, [1.0] * 4, [1.0] * 4, [4])
+    per_rank[1] = [r for r in per_rank[1] if not (r.kind == "B" and r.stage == 1)]
+    with pytest.raises(ValueError, match="stage 1's B is missing from the trace"):
+        stage_scales(per_rank, [4], plan, sim)
+    with pytest.raises(ValueError, match="needs traced steps"):
+        stage_scales(per_rank, [], plan, sim)
