@@ -12,6 +12,10 @@ microbatch, a visit's first included, so its extra cost is spread over the stage
 gets F_l and K_l times s_F(j) (the forwards without and with grad), B_l and R_l times s_B(j); the last stage
 is fused (its forward runs inside its B), so its layers' four times all get s_B. Bytes and flops stay.
 partition.retime.retime then re-times another plan of the model from the refined profile.
+
+The run also measures what posting a message to another rank costs the sender's thread (SA after an F, SG after
+a B, where the neighbour stage is on another gpu): send_s, the median of those records, which the simulator
+charges on a CPU stand-in's compute stream (topology Measured.message_send_s, SimStage.send_s).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from partition.plan import Plan
 from partition.profile import LayerProfile, Profile
 from partition.sim_types import SimResult
 
-__all__ = ["StageScale", "Refinement", "stage_scales", "refine_profile"]
+__all__ = ["StageScale", "Refinement", "stage_scales", "refine_profile", "send_seconds", "median_profile"]
 
 
 @dataclass(frozen=True)
@@ -39,10 +43,12 @@ class StageScale:
 
 @dataclass(frozen=True)
 class Refinement:
-    """The refined profile and the scale of each stage it came from."""
+    """The refined profile, the scale of each stage it came from, and send_s (None: the run sent no message to
+    another gpu)."""
 
     profile: Profile
     scales: tuple[StageScale, ...]
+    send_s: float | None = None
 
 
 def _sums(result: SimResult, kind: str) -> dict[int, float]:
@@ -96,7 +102,24 @@ def refine_profile(
         fwd = sc.backward if sc.forward is None else sc.forward
         for l in s.layers:
             layers[l] = _scaled(layers[l], fwd, sc.backward)
-    return Refinement(dataclasses.replace(profile, layers=tuple(layers)), tuple(scales))
+    return Refinement(
+        dataclasses.replace(profile, layers=tuple(layers)), tuple(scales), send_seconds(per_rank, steps, plan)
+    )
+
+
+def send_seconds(per_rank: list[list[TracedAction]], steps: list[int], plan: Plan) -> float | None:
+    """send_s of the legend: the median traced SA and SG of `steps` whose message went to another gpu."""
+    gpu, want = plan.mapping, set(steps)
+    far = [
+        r.end_s - r.start_s
+        for recs in per_rank
+        for r in recs
+        if r.step in want
+        and r.kind in ("SA", "SG")
+        and 0 <= (to := r.stage + (1 if r.kind == "SA" else -1)) < len(gpu)
+        and gpu[to] != gpu[r.stage]
+    ]
+    return statistics.median(far) if far else None
 
 
 def _scaled(layer: LayerProfile, fwd: float, bwd: float) -> LayerProfile:
@@ -107,3 +130,27 @@ def _scaled(layer: LayerProfile, fwd: float, bwd: float) -> LayerProfile:
         bwd_s=layer.bwd_s * bwd,
         recompute_s=layer.redo_s * bwd,
     )
+
+
+def median_profile(profiles: list[Profile]) -> Profile:
+    """The first profile with each layer's four times the median over `profiles` (several refinements of one
+    model, say from runs at different moments of a machine whose speed drifts). ValueError on none, or on
+    profiles of different layer counts."""
+    if not profiles or len({len(p.layers) for p in profiles}) != 1:
+        raise ValueError(f"need profiles of one model, found layer counts {[len(p.layers) for p in profiles]}")
+
+    def med(l: int, get) -> float:
+        return statistics.median(get(p.layers[l]) for p in profiles)
+
+    first = profiles[0]
+    layers = tuple(
+        dataclasses.replace(
+            x,
+            fwd_s=med(l, lambda y: y.fwd_s),
+            kept_s=med(l, lambda y: y.keep_s),
+            bwd_s=med(l, lambda y: y.bwd_s),
+            recompute_s=med(l, lambda y: y.redo_s),
+        )
+        for l, x in enumerate(first.layers)
+    )
+    return dataclasses.replace(first, layers=layers)

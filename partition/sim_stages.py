@@ -60,6 +60,7 @@ def sim_stages(stages: tuple[StagePlan, ...], topo: Topology, memory: MemoryPlan
                 offload_s=s.param_bytes / (topo.gpus[s.gpu].link_gbps * 1e9),
                 update_s=s.param_count / host_adam_rate(topo),
                 comm_s=comm,
+                send_s=m.message_send_s if m else 0.0,
                 param_bytes=s.param_bytes,
                 grad_bytes=s.param_bytes,
                 activation_bytes=s.activation_bytes,

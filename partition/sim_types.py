@@ -69,6 +69,9 @@ class SimStage:
     """Static seconds of one swap-in, used when simulate() gets no topology."""
     swap_peer: int = -1
     """The gpu whose memory holds the swapped bytes (swap_tier peer)."""
+    send_s: float = 0.0
+    """Seconds the gpu's compute stream spends posting each message this stage sends to another gpu (its
+    output after F, its input gradient after B): CPU stand-ins, whose ranks send from the computing thread."""
 
     @property
     def f_s(self) -> float:

@@ -45,7 +45,10 @@ Resources and rules (times in seconds, bytes, GB/s = 1e9 bytes/s):
             seconds D = all bytes read / R + all bytes written / W (a floor, the same D as partition.bounds');
             the drive's own PCIe path is not shared with the gpus' flows (a few GB/s of NVMe next to 16-32
             GB/s links).
-  comm      activations between gpus take the stage's fixed comm_s (partition.search.sim_stages).
+  comm      activations between gpus take the stage's fixed comm_s (partition.search.sim_stages). A rank that
+            sends from its computing thread (CPU stand-ins) is busy send_s per message to another gpu: an F
+            that sends its output, a B that sends its input gradient, are followed on its compute stream by a
+            send of send_s (core work with host_cores), after which the message takes comm_s.
 
 Durations of loads and offloads (the link model):
   topology=None   each load takes its stage's load_s and each offload its offload_s (static; the planner's
@@ -164,8 +167,8 @@ def simulate(
         spans[g] = _add_gpu(graph, stages, g, microbatches, paths, flows, moves, ssd, memory_bytes, cores, swaps)
     for j in range(len(stages) - 1):
         for i in range(microbatches):
-            graph.add(("arrive", "F", j + 1, i), [("F", j, i)], stages[j].comm_s)
-            graph.add(("arrive", "B", j, i), [("B", j + 1, i)], stages[j].comm_s)
+            graph.add(("arrive", "F", j + 1, i), [_sent(graph, "F", j, i)], stages[j].comm_s)
+            graph.add(("arrive", "B", j, i), [_sent(graph, "B", j + 1, i)], stages[j].comm_s)
     tasks = graph.run()
     events = _events(tasks, stages)
     events += _host_updates([e for e in events if e[0] == "offload"], stages, ssd)
@@ -245,7 +248,10 @@ def _add_gpu(
             prev_op = graph.add((phase, j, i), deps, 0.0 if cores else dur, work)
             if swaps:
                 swaps.after(st, j, i, phase, prev_op)
-            first = first or prev_op
+            first = first or (phase, j, i)
+            if send := _send_s(stages, j, phase, g):
+                posting = ((send * 1e9, (HOST_CORES, (f"gpu{g}", "compute"))),) if cores else ()
+                prev_op = graph.add(("send", phase, j, i), (prev_op,), 0.0 if cores else send, posting)
         holder[slot_of[k]] = prev_op
         if not (k + 1 < len(visits) and visits[k + 1][0] == j):
             spans.append((taken[slot_of[k]], prev_op))  # RELEASE
@@ -256,6 +262,18 @@ def _add_gpu(
             prev_off = graph.add(("offload", g, j), (prev_op, prev_off), dur, (move,) if flows else ())
             spans.append((first, prev_off))  # the gradient slot
     return spans
+
+
+def _sent(graph: TaskGraph, phase: str, j: int, i: int) -> Hashable:
+    """The task after which (phase, j, i)'s message leaves: its send where the sender posts one, else itself."""
+    return ("send", phase, j, i) if ("send", phase, j, i) in graph.tasks else (phase, j, i)
+
+
+def _send_s(stages: list[SimStage], j: int, phase: str, g: int) -> float:
+    """Seconds gpu g's compute stream spends after F(j, i) or B(j, i) posting its message to another gpu."""
+    to = j + 1 if phase == "F" else j - 1
+    far = 0 <= to < len(stages) and stages[to].gpu != g and not (phase == "F" and stages[j].fused)
+    return stages[j].send_s if far else 0.0
 
 
 def _prefetch_share(stages: list[SimStage], visits: list, k: int, memory: int | None) -> float:

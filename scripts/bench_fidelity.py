@@ -25,10 +25,12 @@ visit's first microbatch apart, and each rank's milliseconds per step by action 
 median measured / predicted of a steady F or B, so that a step's error splits into the computations' and the
 rest (messages, waits, copies).
 
-With --calibrate each cell also gets a prediction from the profile refined by its PARTNER plan's run in the same
-repetition (the same model, ranks and policy, another cut; mobiuspipe.profile_refine scales each layer by how
-its stage ran in that traced run, partition.retime re-times this cell's plan from it): the layers as they run in
-a pipeline on this machine, measured on a different plan than the one predicted. The exit code then judges
+With --calibrate each cell also gets predictions from the profile refined by its PARTNER plan's runs (the same
+model, ranks and policy, another cut; mobiuspipe.profile_refine scales each layer by how its stage ran in a
+traced run, the per-layer median over the repetitions' runs, partition.retime re-times this cell's plan of each
+repetition from it): the layers as they run in a pipeline on this machine, measured on a different plan than
+the one predicted, and the sender's cost of posting a message those runs measured (charged on the sender's
+compute stream); the cell reports the median of measured / predicted. The exit code then judges
 these predictions (a cell without a partner in the grid is not judged).
 """
 
@@ -56,7 +58,7 @@ from mobiuspipe.config_plan import model_spec
 from mobiuspipe.dataset import open_data
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.pipeline_swaps import plan_as_run, swap_tiers
-from mobiuspipe.profile_refine import refine_profile
+from mobiuspipe.profile_refine import median_profile, refine_profile
 from mobiuspipe.profiler import measure_profile
 from mobiuspipe.trace_compare import report
 from partition import make_plan
@@ -143,6 +145,8 @@ class Ran:
     sim: SimResult
     topo: Topology
     per_rank: list
+    measured: float
+    """The run's median step, seconds."""
 
 
 POLICIES = {
@@ -175,7 +179,7 @@ class Cell:
     actions: list[float] = field(default_factory=list)
     """Per repetition (with --trace): the median over stages of measured / predicted of a steady F and B."""
     calibrated: list[float] = field(default_factory=list)
-    """Per repetition (with --calibrate): measured / predicted from the profile the PARTNER plan's run refined."""
+    """Per repetition (with --calibrate): measured / predicted from the profile the PARTNER plan's runs refined."""
 
     @property
     def ratio(self) -> float:
@@ -295,15 +299,22 @@ def run_cell(cell: Cell, parts: dict, host: Measured, args: argparse.Namespace, 
     trace = folder / "out" / "trace.json"
     if args.trace:
         cell.actions.append(keep_trace(trace, sim, args, Path(args.trace) / folder.name))
-    return Ran(profile, run, sim, topo, read_chrome(trace) if args.calibrate else [])
+    return Ran(profile, run, sim, topo, read_chrome(trace) if args.calibrate else [], cell.measured[-1])
 
 
-def calibrate(cell: Cell, own: Ran, partner: Ran, args: argparse.Namespace) -> None:
-    """The cell's calibrated prediction: its plan as run, re-timed from the profile the partner's traced run
-    refined (mobiuspipe.profile_refine), simulated; appended as measured / predicted of this repetition."""
+def calibrate(cell: Cell, own: list[Ran], partners: list[Ran], args: argparse.Namespace) -> None:
+    """The cell's calibrated predictions: in each repetition its plan as run, re-timed from the median of the
+    profiles its partner's traced runs refined (mobiuspipe.profile_refine, every repetition) and simulated with
+    the median posting of a message they measured; cell.calibrated gets measured / predicted of each."""
     steps = list(range(args.warmup, args.steps))
-    refined = refine_profile(partner.profile, partner.run, partner.per_rank, steps, partner.sim).profile
-    cell.calibrated.append(cell.measured[-1] / simulated(retime(own.run, refined), own.topo).step_time_s)
+    refined = [refine_profile(p.profile, p.run, p.per_rank, steps, p.sim) for p in partners]
+    profile = median_profile([r.profile for r in refined])
+    sends = [r.send_s for r in refined if r.send_s is not None]
+    send_s = statistics.median(sends) if sends else 0.0
+    for ran in own:
+        m = dataclasses.replace(ran.topo.measured or Measured(), message_send_s=send_s)
+        sim = simulated(retime(ran.run, profile), dataclasses.replace(ran.topo, measured=m))
+        cell.calibrated.append(ran.measured / sim.step_time_s)
 
 
 def keep_trace(trace: Path, sim: SimResult, args: argparse.Namespace, to: Path) -> float:
@@ -408,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         for q in args.policies
         if PLANS[p][1] <= 99  # every model here has more layers than any plan has stages
     }
+    ran: dict[tuple[str, str, str], list[Ran]] = {key: [] for key in cells}
     mark = cpu_mark()
     with tempfile.TemporaryDirectory(prefix="bench_fidelity_") as tmp_name:
         tmp = Path(tmp_name)
@@ -415,20 +427,19 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.reps):
             for name, parts in models.items():
                 host = probe_host(args)
-                ran = {}
                 for (m, p, q), cell in cells.items():
                     if m != name:
                         continue
-                    ran[(p, q)] = run_cell(cell, parts, host, args, tmp / f"r{rep}-{m}-{p}-{q}")
+                    ran[(m, p, q)].append(run_cell(cell, parts, host, args, tmp / f"r{rep}-{m}-{p}-{q}"))
                     print(
                         f"  rep {rep} {m} {p} {q}: {cell.measured[-1] * 1e3:.1f} ms measured, "
                         f"{cell.predicted[-1] * 1e3:.1f} ms predicted",
                         file=sys.stderr,
                         flush=True,
                     )
-                for (p, q), own in ran.items():
-                    if args.calibrate and (PARTNER[p], q) in ran:
-                        calibrate(cells[(name, p, q)], own, ran[(PARTNER[p], q)], args)
+        for (m, p, q), cell in cells.items():
+            if args.calibrate and (m, PARTNER[p], q) in cells:
+                calibrate(cell, ran[(m, p, q)], ran[(m, PARTNER[p], q)], args)
     share, wall = other_share(mark)
     info.append(f"other processes kept {100 * share:.1f}% of the {os.cpu_count()} cores busy during the {wall:.0f} s")
     info.append(f"{args.reps} repetitions x {args.steps} steps, median of the last {args.steps - args.warmup} of each")

@@ -75,6 +75,7 @@ def _measured(m: SimpleNamespace) -> list[Problem]:
                 "host_cores",
                 "message_latency_s",
                 "message_gbps",
+                "message_send_s",
             )
             for p in positive(m, name, fix, zero_ok=True)
         ),

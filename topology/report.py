@@ -190,6 +190,8 @@ def _measured(t: Topology) -> list[str]:
     if m.message_latency_s:
         ms = m.message_latency_s * 1e3
         lines.append(f"  messages between ranks: {ms:.3f} ms + bytes at {m.message_gbps:.2f} GB/s")
+    if m.message_send_s:
+        lines.append(f"  posting a message: {m.message_send_s * 1e3:.3f} ms of the sender's thread")
     return lines + [f"  note: {n}" for n in m.notes]
 
 

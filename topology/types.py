@@ -124,6 +124,9 @@ class Measured:
     """Seconds one message between two ranks of this host takes besides its bytes (probe_cpu.probe_messages)."""
     message_gbps: float = 0.0
     """GB/s of those messages beyond the latency."""
+    message_send_s: float = 0.0
+    """Seconds a rank's own thread is busy posting one message to another rank (CPU stand-ins: the copy into
+    the send and gloo's call; a traced run measures it, mobiuspipe.profile_refine), before its next action."""
 
 
 @dataclass(frozen=True)

@@ -4,12 +4,13 @@ simulates the F and B the trace measured."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
 from mobiuspipe.action_trace import TracedAction
-from mobiuspipe.profile_refine import refine_profile, stage_scales
+from mobiuspipe.profile_refine import median_profile, refine_profile, send_seconds, stage_scales
 from partition.profile import LayerProfile, Profile
 from partition.retime import retime
 from partition.search import make_plan, sim_stages
@@ -92,3 +93,42 @@ def test_a_stage_missing_from_the_trace_is_named():
         stage_scales(per_rank, [4], plan, sim)
     with pytest.raises(ValueError, match="needs traced steps"):
         stage_scales(per_rank, [], plan, sim)
+
+
+def test_send_seconds_is_the_median_message_to_another_gpu():
+    profile = _profile(7, 0)
+    two = make_plan(profile, cpu_standin(2, 1 << 30), M, num_stages=4, mapping="cross", solver="dp")
+    assert two.mapping == [0, 1, 0, 1]
+    recs = [
+        TracedAction(4, "SA", 0, 0, 1.0, 1.0003),
+        TracedAction(4, "SA", 2, 1, 2.0, 2.0005),
+        TracedAction(4, "SG", 1, 0, 3.0, 3.0004),
+        TracedAction(4, "SG", 3, 2, 3.0, 3.0009),
+        TracedAction(5, "SA", 0, 0, 9.0, 9.5),  # a step not asked for
+        TracedAction(4, "F", 0, 0, 0.0, 0.9),
+    ]
+    assert send_seconds([recs, []], [4], two) == pytest.approx(0.00045)
+    one = make_plan(profile, cpu_standin(1, 1 << 30), M, num_stages=4, solver="dp")
+    assert send_seconds([recs], [4], one) is None  # every stage on one gpu: handed over, never sent
+
+
+def test_median_profile_takes_each_layers_middle_time():
+    base = _profile(6, 3)
+    scaled = [
+        Profile(base.model, base.device, base.dtype, 2, 1, tuple(_times(x, k) for x in base.layers), input_bytes=32)
+        for k in (3.0, 1.0, 2.0)
+    ]
+    mid = median_profile(scaled)
+    for a, b in zip(base.layers, mid.layers):
+        assert (b.fwd_s, b.bwd_s, b.recompute_s, b.kept_s) == pytest.approx(
+            (2 * a.fwd_s, 2 * a.bwd_s, 2 * a.redo_s, 2 * a.keep_s)
+        )
+        assert b.param_bytes == a.param_bytes
+    with pytest.raises(ValueError, match="one model"):
+        median_profile([base, _profile(7, 3)])
+
+
+def _times(layer: LayerProfile, k: float) -> LayerProfile:
+    return dataclasses.replace(
+        layer, fwd_s=k * layer.fwd_s, bwd_s=k * layer.bwd_s, recompute_s=k * layer.redo_s, kept_s=k * layer.keep_s
+    )

@@ -58,6 +58,32 @@ def test_two_gpus_two_stages_with_comm():
     assert res.compute_busy_s == (2.0 + 4.0, 4.0 + 6.0)
 
 
+def test_a_sender_posts_each_message_on_its_compute_stream():
+    # test_two_gpus_two_stages_with_comm with send_s .25 (a CPU stand-in's rank sends from its computing thread):
+    # gpu0: F(0,0) [.5, 1.5], send [1.5, 1.75]; F(0,1) [1.75, 2.75], send [2.75, 3]
+    # gpu1: F(1,0) after 1.75 + .25 -> [2, 4]; F(1,1) after 3.25 -> [4, 6] (the last stage sends no output);
+    #       B(1,0) [6, 9], send [9, 9.25]; B(1,1) [9.25, 12.25], send [12.25, 12.5]; offload [12.5, 13]
+    # gpu0: B(0,0) after 9.25 + .25 -> [9.5, 11.5]; B(0,1) after 12.75 -> [12.75, 14.75] (stage 0 sends nothing
+    #       back); offload [14.75, 15]; updates s1 [13, 13.25], s0 [15, 15.5]
+    stages = [_st(0, 1.0, 1.0, 0.5, 0.25, 0.5, 0.25), _st(1, 2.0, 1.0, 1.0, 0.5, 0.25, 0.0)]
+    res = simulate([dataclasses.replace(s, send_s=0.25) for s in stages], num_gpus=2, microbatches=2)
+    assert [_ev(res, "F", 0, i) for i in (0, 1)] == [(0.5, 1.5), (1.75, 2.75)]
+    assert [_ev(res, "F", 1, i) for i in (0, 1)] == [(2.0, 4.0), (4.0, 6.0)]
+    assert [_ev(res, "B", 1, i) for i in (0, 1)] == [(6.0, 9.0), (9.25, 12.25)]
+    assert _ev(res, "offload", 1) == (12.5, 13.0)
+    assert [_ev(res, "B", 0, i) for i in (0, 1)] == [(9.5, 11.5), (12.75, 14.75)]
+    assert (_ev(res, "offload", 0), _ev(res, "update", 1), _ev(res, "update", 0)) == (
+        (14.75, 15.0),
+        (13.0, 13.25),
+        (15.0, 15.5),
+    )
+    assert res.step_time_s == 15.5
+    assert res.compute_busy_s == (2.0 + 4.0, 4.0 + 6.0)  # the sends are not computations
+    same_gpu = simulate([dataclasses.replace(s, gpu=0, send_s=0.25) for s in stages], num_gpus=1, microbatches=2)
+    plain = simulate([dataclasses.replace(s, gpu=0) for s in stages], num_gpus=1, microbatches=2)
+    assert same_gpu.events == plain.events  # a stage handed over on its own gpu posts nothing
+
+
 def test_two_gpus_four_stages_unhidden_load_stalls():
     # mapping [0, 1, 0, 1]; every stage F 1, B 2 (a backward visit takes 3 per microbatch), comm .5,
     # offload .5. Stage 2's load takes 4 s, longer than stage 0's forward visit (2 s): it cannot hide.
