@@ -1,7 +1,12 @@
-"""`mobiuspipe profile`: the per-layer profile of a model, analytic (a GPU spec) or measured (this machine).
+"""`mobiuspipe profile`: the per-layer profile of a model, analytic (a GPU spec), measured (this machine), or
+refined by a traced run.
 
 The command prints one row per run of identical layers, or with --json one document: Profile.to_dict()
 plus "runs" ([{"count", "layer"}]), which `load_profile` (and so `partition --profile`) reads back.
+With --refine RUN_DIR --profile FILE it reads the plan a run followed (RUN_DIR/plan.yaml, written as run) and
+its traced steps (RUN_DIR/trace.json, runtime.trace_steps), and scales the profile the plan was made from by
+how each stage's computations ran against the simulator's (mobiuspipe.profile_refine), so that `partition
+--profile` plans from the layers as they run in a pipeline on this machine.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
 from foundation.units import fmt_bytes
 from mobiuspipe.cli._common import CliError, positive_int, write_output
@@ -17,7 +23,7 @@ from partition.analytic import DTYPE_BYTES, analytic_profile
 from partition.hardware import MFU_DEFAULT, device_spec
 from partition.hf import ModelConfigError
 from partition.models import ModelSpec, get_model
-from partition.profile import Profile, compress, runs_to_list, save_profile
+from partition.profile import Profile, compress, load_profile, runs_to_list, save_profile
 
 __all__ = ["DEFAULT_GPU", "MEASURED_MAX_PARAMS", "register", "run", "render_profile"]
 
@@ -31,9 +37,8 @@ def register(sub) -> None:
     p = sub.add_parser("profile", help="per-layer time and bytes of a model (analytic, or --measured here)")
     p.add_argument(
         "--model",
-        required=True,
         metavar="NAME_OR_CONFIG_JSON",
-        help="model name (gpt3-175b, llama2-70b, ...) or a Hugging Face config.json (or its folder)",
+        help="model name (gpt3-175b, llama2-70b, ...) or a Hugging Face config.json (or its folder); not with --refine",
     )
     p.add_argument(
         "--gpu",
@@ -59,6 +64,13 @@ def register(sub) -> None:
         action="store_true",
         help="run the runtime's GPT layers on this machine's device (gpt family, <= 1e9 parameters)",
     )
+    p.add_argument(
+        "--refine",
+        metavar="RUN_DIR",
+        help="refine --profile by a traced run: RUN_DIR is its train.out_dir (plan.yaml and trace.json of "
+        "runtime.trace_steps; a first traced step 0 is left out)",
+    )
+    p.add_argument("--profile", metavar="FILE", help="with --refine: the profile the run's plan was made from")
     p.add_argument("-o", "--output", metavar="PROFILE", help="write the profile here (.yaml, or .json by suffix)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     p.set_defaults(func=run)
@@ -175,10 +187,63 @@ def render_profile(profile: Profile, how: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _refined(args: argparse.Namespace) -> tuple[Profile, str, list[str]]:
+    """--profile refined by the traced run in --refine, how, and a line per stage of what the run measured."""
+    from mobiuspipe.action_trace import read_chrome
+    from mobiuspipe.profile_refine import refine_profile
+    from partition.plan import load_plan
+    from partition.search import predict_step
+    from partition.tiers import HostBudget
+
+    if not args.profile or args.model or args.measured:
+        raise CliError(
+            "--refine needs --profile FILE (the profile the run's plan was made from) and no --model or --measured"
+        )
+    folder = Path(args.refine)
+    for name, what in (("plan.yaml", "the plan the run followed"), ("trace.json", "its traced steps")):
+        if not (folder / name).is_file():
+            raise CliError(
+                f"--refine {folder}: found no {name} ({what}) there; expected the train.out_dir of a run with "
+                f"runtime.trace_steps set"
+            )
+    plan, profile = load_plan(folder / "plan.yaml"), load_profile(args.profile)
+    if len(profile.layers) != plan.num_layers or plan.layout is None:
+        raise CliError(
+            f"--profile {args.profile} has {len(profile.layers)} layers, the plan in {folder} {plan.num_layers}"
+            f"{'' if plan.layout else ' and no layout'}: give the profile the plan was made from"
+        )
+    per_rank = read_chrome(folder / "trace.json")
+    ran = sorted({r.step for recs in per_rank for r in recs})
+    steps = [s for s in ran if s > 0] or ran
+    predicted = predict_step(plan, plan.layout, HostBudget(None, "unlimited")).sim
+    try:
+        got = refine_profile(profile, plan, per_rank, steps, predicted)
+    except ValueError as e:
+        raise CliError(f"--refine {folder}: {e}") from e
+    lines = [
+        f"stage {s.stage}: F x{s.forward:.2f}, B x{s.backward:.2f}"
+        if s.forward is not None
+        else f"stage {s.stage}: B x{s.backward:.2f}"
+        for s in got.scales
+    ]
+    if got.send_s is not None:
+        lines.append(
+            f"posting a message to another rank: {got.send_s * 1e3:.3f} ms of the sender's thread (write it as "
+            f"measured.message_send_s in the topology's layout for the simulator to charge it)"
+        )
+    return got.profile, f"refined by the traced steps {steps} of {folder}", lines
+
+
 def run(args: argparse.Namespace, out) -> int:
     """Make the profile, write -o, print the table or the JSON document on `out`."""
-    spec = _spec(args)
-    profile, how = _measured(spec, args) if args.measured else _analytic(spec, args)
+    extra: list[str] = []
+    if args.refine:
+        profile, how, extra = _refined(args)
+    elif not args.model:
+        raise CliError("profile needs --model NAME (or --refine RUN_DIR --profile FILE)")
+    else:
+        spec = _spec(args)
+        profile, how = _measured(spec, args) if args.measured else _analytic(spec, args)
     note = None
     if args.output:
         write_output("profile", args.output, lambda: save_profile(profile, args.output))
@@ -188,5 +253,5 @@ def run(args: argparse.Namespace, out) -> int:
         if note:
             print(note, file=sys.stderr)
     else:
-        out.write(render_profile(profile, how) + (note + "\n" if note else ""))
+        out.write(render_profile(profile, how) + "".join(f"{x}\n" for x in extra) + (note + "\n" if note else ""))
     return 0

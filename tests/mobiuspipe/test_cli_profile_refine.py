@@ -1,0 +1,95 @@
+"""`mobiuspipe profile --refine RUN_DIR --profile FILE` against a run folder made by hand: the plan the run
+followed and a trace whose computations ran 1.5x (stage 0's forward 2x) what the plan predicted."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from mobiuspipe.action_trace import TracedAction, write_chrome
+from partition.plan import load_plan, save_plan
+from partition.profile import LayerProfile, Profile, load_profile, save_profile
+from partition.search import make_plan, predict_step
+from partition.tiers import HostBudget
+from tests.mobiuspipe.test_cli_profile import run
+from topology import cpu_standin
+
+
+def _profile(n: int, seed: int) -> Profile:
+    rng = random.Random(seed)
+
+    def layer(k: int) -> LayerProfile:
+        f = rng.uniform(0.5e-3, 3e-3)
+        return LayerProfile(f"l{k}", 50 + k, 200 + 4 * k, 4000, 64, 0.0, 0.0, f, 2 * f, recompute_s=f, kept_s=f)
+
+    return Profile("toy", "cpu-standin", "fp32", 2, 1, tuple(layer(k) for k in range(n)), input_bytes=32)
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    """tmp_path/out: plan.yaml and trace.json of a 2-rank run of 4 stages, steps 0-2 traced (step 0 10x slower,
+    as a first step that learns the messages' shapes is: left out); tmp_path/profile.yaml its profile."""
+    profile = _profile(9, 0)
+    plan = make_plan(profile, cpu_standin(2, 1 << 30), 3, num_stages=4, mapping="cross", solver="dp")
+    assert plan.layout is not None
+    sim = predict_step(plan, plan.layout, HostBudget(None, "unlimited")).sim
+    per_rank: list[list[TracedAction]] = [[], []]
+    for step in (0, 1, 2):
+        for kind, gpu, stage, mb, start, end in sim.events:
+            if kind in ("F", "B"):
+                k = (2.0 if (kind, stage) == ("F", 0) else 1.5) * (10.0 if step == 0 else 1.0)
+                t0 = 10.0 * step + start
+                per_rank[gpu].append(TracedAction(step, kind, stage, mb, t0, t0 + k * (end - start)))
+                if kind == "F" and stage < 3:
+                    per_rank[gpu].append(TracedAction(step, "SA", stage, mb, t0 + 1, t0 + 1.0004))
+    out = tmp_path / "out"
+    out.mkdir()
+    save_plan(plan, out / "plan.yaml")
+    write_chrome(per_rank, out / "trace.json")
+    save_profile(profile, tmp_path / "profile.yaml")
+    return tmp_path
+
+
+def test_the_refined_profile_scales_each_stages_layers(run_dir):
+    argv = ["profile", "--refine", str(run_dir / "out"), "--profile", str(run_dir / "profile.yaml")]
+    code, out, err = run([*argv, "-o", str(run_dir / "r.yaml")])
+    assert code == 0, err
+    base, got = load_profile(run_dir / "profile.yaml"), load_profile(run_dir / "r.yaml")
+    stage0 = load_plan(run_dir / "out" / "plan.yaml").stages[0].layers
+    for l, (a, b) in enumerate(zip(base.layers, got.layers)):
+        f = 2.0 if l in stage0 else 1.5
+        assert (b.fwd_s, b.kept_s) == (pytest.approx(f * a.fwd_s, rel=1e-5), pytest.approx(f * a.keep_s, rel=1e-5))
+        assert (b.bwd_s, b.recompute_s) == (
+            pytest.approx(1.5 * a.bwd_s, rel=1e-5),
+            pytest.approx(1.5 * a.redo_s, rel=1e-5),
+        )
+    assert "stage 0: F x2.00, B x1.50" in out
+    assert "traced steps [1, 2]" in out
+    assert "0.400 ms" in out and "message_send_s" in out
+
+
+@pytest.mark.parametrize(
+    "change, needles",
+    [
+        (lambda d: (d / "out" / "trace.json").unlink(), ["no trace.json", "runtime.trace_steps"]),
+        (
+            lambda d: save_profile(_profile(8, 0), d / "profile.yaml"),
+            ["8 layers", "9", "the profile the plan was made from"],
+        ),
+    ],
+)
+def test_a_folder_that_is_not_a_traced_run_or_another_models_profile_is_named(run_dir, change, needles):
+    change(run_dir)
+    argv = ["profile", "--refine", str(run_dir / "out"), "--profile", str(run_dir / "profile.yaml")]
+    code, out, err = run(argv)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    for needle in needles:
+        assert needle in err
+
+
+def test_refine_needs_the_profile_and_model_needs_no_refine():
+    code, _, err = run(["profile", "--refine", "somewhere"])
+    assert code == 2 and "--refine needs --profile" in err
+    code, _, err = run(["profile"])
+    assert code == 2 and "--model" in err
