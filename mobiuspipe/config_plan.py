@@ -84,12 +84,13 @@ def gpt_profile(cfg: RunConfig) -> Profile:
     )
 
 
-def plan_from_config(cfg: RunConfig, solver: str = "dp") -> Plan:
-    """The plan made from the config alone. Every rank makes it for itself, so the default is the exact
-    DP, which is deterministic; a time-limited MIP could differ between ranks. `mobiuspipe partition
-    --config` passes its --solver and writes the result for plan.file."""
+def plan_from_config(cfg: RunConfig, solver: str = "dp", profile: Profile | None = None) -> Plan:
+    """The plan made from the config alone (its analytic profile, or `profile` of its model). Every rank makes
+    it for itself, so the default is the exact DP, which is deterministic; a time-limited MIP could differ
+    between ranks. `mobiuspipe partition --config` passes its --solver and --profile and writes the result for
+    plan.file."""
     return make_plan(
-        gpt_profile(cfg),
+        gpt_profile(cfg) if profile is None else profile,
         run_topology(cfg),
         cfg.data.num_microbatches,
         num_stages=cfg.plan.num_stages,

@@ -10,7 +10,10 @@ ran, over the traced steps:
 (predicted: the simulator's events of that plan, from the profile being refined; the sums take every
 microbatch, a visit's first included, so its extra cost is spread over the stage). Each layer l of stage j
 gets F_l and K_l times s_F(j) (the forwards without and with grad), B_l and R_l times s_B(j); the last stage
-is fused (its forward runs inside its B), so its layers' four times all get s_B. Bytes and flops stay.
+is fused (its forward runs inside its B), so there s_B stands for s_F too. Identical layers (a transformer's
+blocks, equal in name and bytes) in stages that ran differently get one scale, the mean of their stages'
+weighted by the layers' predicted seconds: the run measured stages, not layers, and a plan made from the
+refined profile should not move a cut between identical blocks for the noise of one run. Bytes and flops stay.
 partition.retime.retime then re-times another plan of the model from the refined profile.
 
 The run also measures what posting a message to another rank costs the sender's thread (SA after an F, SG after
@@ -90,18 +93,15 @@ def stage_scales(
 def refine_profile(
     profile: Profile, plan: Plan, per_rank: list[list[TracedAction]], steps: list[int], predicted: SimResult
 ) -> Refinement:
-    """`profile` with each layer's times scaled by its stage's s_F and s_B (the legend): plan is the plan as the
-    traced run ran it, made from `profile`, and predicted its simulated step."""
+    """`profile` with each layer's times scaled by its stage's s_F and s_B, one scale per kind of layer (the
+    legend): plan is the plan as the traced run ran it, made from `profile`, and predicted its simulated step."""
     if len(profile.layers) != plan.num_layers:
         raise ValueError(
             f"the profile has {len(profile.layers)} layers and the plan {plan.num_layers}: not its profile"
         )
     scales = stage_scales(per_rank, steps, plan, predicted)
-    layers = list(profile.layers)
-    for s, sc in zip(plan.stages, scales):
-        fwd = sc.backward if sc.forward is None else sc.forward
-        for l in s.layers:
-            layers[l] = _scaled(layers[l], fwd, sc.backward)
+    fwd, bwd = _kind_scales(profile, plan, scales)
+    layers = [_scaled(x, fwd[_kind(x)], bwd[_kind(x)]) for x in profile.layers]
     return Refinement(
         dataclasses.replace(profile, layers=tuple(layers)), tuple(scales), send_seconds(per_rank, steps, plan)
     )
@@ -120,6 +120,28 @@ def send_seconds(per_rank: list[list[TracedAction]], steps: list[int], plan: Pla
         and gpu[to] != gpu[r.stage]
     ]
     return statistics.median(far) if far else None
+
+
+def _kind(layer: LayerProfile) -> tuple:
+    """Identical layers (a transformer's blocks): one kind, one scale."""
+    return (layer.name, layer.param_count, layer.param_bytes, layer.activation_bytes, layer.output_bytes)
+
+
+def _kind_scales(profile: Profile, plan: Plan, scales: list[StageScale]) -> tuple[dict, dict]:
+    """Per layer kind, the scales of the stages its layers sit in, weighted by those layers' predicted seconds
+    (F: F_l, the fused last stage's R_l; B: B_l), so identical layers in stages that ran differently share one."""
+    sums: dict[tuple, list[float]] = {}
+    last = plan.num_stages - 1
+    for j, (s, sc) in enumerate(zip(plan.stages, scales)):
+        f = sc.backward if sc.forward is None else sc.forward
+        for l in s.layers:
+            x = profile.layers[l]
+            wf, wb = (x.redo_s if j == last else x.fwd_s), x.bwd_s
+            acc = sums.setdefault(_kind(x), [0.0, 0.0, 0.0, 0.0])
+            acc[0], acc[1], acc[2], acc[3] = acc[0] + f * wf, acc[1] + wf, acc[2] + sc.backward * wb, acc[3] + wb
+    fwd = {k: (a[0] / a[1] if a[1] > 0 else 1.0) for k, a in sums.items()}
+    bwd = {k: (a[2] / a[3] if a[3] > 0 else 1.0) for k, a in sums.items()}
+    return fwd, bwd
 
 
 def _scaled(layer: LayerProfile, fwd: float, bwd: float) -> LayerProfile:

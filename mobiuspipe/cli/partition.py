@@ -206,14 +206,15 @@ def _config_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
             f"found also --{', --'.join(given)}: drop them or drop --config"
         )
     from mobiuspipe.config import load_config
-    from mobiuspipe.config_plan import activation_tiers, gpt_profile, plan_from_config, run_topology
+    from mobiuspipe.config_plan import activation_tiers, gpt_profile, model_spec, plan_from_config, run_topology
 
     cfg = load_config(args.config)
     if args.topology is not None:  # plan the run for another machine than its config names
         topology = args.topology if args.topology in PRESETS else os.path.abspath(args.topology)  # cwd-relative
         cfg = dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, topology=topology, num_gpus=None))
     args.activation_tiers = ",".join(activation_tiers(cfg))  # as the run plans (--explain too)
-    return plan_from_config(cfg, args.solver), run_topology(cfg), gpt_profile(cfg)
+    profile = gpt_profile(cfg) if args.profile is None else _given_profile(args.profile, model_spec(cfg))
+    return plan_from_config(cfg, args.solver, profile), run_topology(cfg), profile
 
 
 def _stage_json(plan: Plan) -> list[dict]:

@@ -3,10 +3,11 @@ refined by a traced run.
 
 The command prints one row per run of identical layers, or with --json one document: Profile.to_dict()
 plus "runs" ([{"count", "layer"}]), which `load_profile` (and so `partition --profile`) reads back.
-With --refine RUN_DIR --profile FILE it reads the plan a run followed (RUN_DIR/plan.yaml, written as run) and
+With --refine RUN_DIR [--profile FILE] it reads the plan a run followed (RUN_DIR/plan.yaml, written as run) and
 its traced steps (RUN_DIR/trace.json, runtime.trace_steps), and scales the profile the plan was made from by
 how each stage's computations ran against the simulator's (mobiuspipe.profile_refine), so that `partition
---profile` plans from the layers as they run in a pipeline on this machine.
+[--config RUN.yaml] --profile` plans from the layers as they run in a pipeline on this machine. Without --profile
+a run that planned for itself (no plan.file) refines its config's analytic profile.
 """
 
 from __future__ import annotations
@@ -70,7 +71,12 @@ def register(sub) -> None:
         help="refine --profile by a traced run: RUN_DIR is its train.out_dir (plan.yaml and trace.json of "
         "runtime.trace_steps; a first traced step 0 is left out)",
     )
-    p.add_argument("--profile", metavar="FILE", help="with --refine: the profile the run's plan was made from")
+    p.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="with --refine: the profile the run's plan was made from (default: the analytic profile of the run's "
+        "config, for a run without plan.file)",
+    )
     p.add_argument("-o", "--output", metavar="PROFILE", help="write the profile here (.yaml, or .json by suffix)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     p.set_defaults(func=run)
@@ -195,10 +201,8 @@ def _refined(args: argparse.Namespace) -> tuple[Profile, str, list[str]]:
     from partition.search import predict_step
     from partition.tiers import HostBudget
 
-    if not args.profile or args.model or args.measured:
-        raise CliError(
-            "--refine needs --profile FILE (the profile the run's plan was made from) and no --model or --measured"
-        )
+    if args.model or args.measured:
+        raise CliError("--refine reads the model from the run's folder: drop --model and --measured")
     folder = Path(args.refine)
     for name, what in (("plan.yaml", "the plan the run followed"), ("trace.json", "its traced steps")):
         if not (folder / name).is_file():
@@ -206,10 +210,11 @@ def _refined(args: argparse.Namespace) -> tuple[Profile, str, list[str]]:
                 f"--refine {folder}: found no {name} ({what}) there; expected the train.out_dir of a run with "
                 f"runtime.trace_steps set"
             )
-    plan, profile = load_plan(folder / "plan.yaml"), load_profile(args.profile)
+    plan = load_plan(folder / "plan.yaml")
+    profile, source = _run_profile(args.profile, folder)
     if len(profile.layers) != plan.num_layers or plan.layout is None:
         raise CliError(
-            f"--profile {args.profile} has {len(profile.layers)} layers, the plan in {folder} {plan.num_layers}"
+            f"{source} has {len(profile.layers)} layers, the plan in {folder} {plan.num_layers}"
             f"{'' if plan.layout else ' and no layout'}: give the profile the plan was made from"
         )
     per_rank = read_chrome(folder / "trace.json")
@@ -232,6 +237,24 @@ def _refined(args: argparse.Namespace) -> tuple[Profile, str, list[str]]:
             f"measured.message_send_s in the topology's layout for the simulator to charge it)"
         )
     return got.profile, f"refined by the traced steps {steps} of {folder}", lines
+
+
+def _run_profile(path: str | None, folder: Path) -> tuple[Profile, str]:
+    """The profile a run's plan was made from: the file given, else the analytic profile of the run's config
+    when the run planned for itself from it (no plan.file), as `mobiuspipe train` does."""
+    if path:
+        return load_profile(path), f"--profile {path}"
+    from mobiuspipe.config import load_config
+    from mobiuspipe.config_plan import gpt_profile
+
+    config = folder / "config.yaml"
+    cfg = load_config(str(config)) if config.is_file() else None
+    if cfg is None or cfg.plan.file:
+        raise CliError(
+            f"--refine {folder}: the run followed a plan file, so give --profile FILE, the profile that plan was made "
+            f"from (without one, the analytic profile of the run's config.yaml is used for a run that planned itself)"
+        )
+    return gpt_profile(cfg), f"the analytic profile of {config}"
 
 
 def run(args: argparse.Namespace, out) -> int:

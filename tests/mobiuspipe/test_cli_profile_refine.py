@@ -88,8 +88,49 @@ def test_a_folder_that_is_not_a_traced_run_or_another_models_profile_is_named(ru
         assert needle in err
 
 
-def test_refine_needs_the_profile_and_model_needs_no_refine():
-    code, _, err = run(["profile", "--refine", "somewhere"])
-    assert code == 2 and "--refine needs --profile" in err
+def test_refine_without_a_profile_names_what_is_missing(run_dir):
+    code, _, err = run(["profile", "--refine", str(run_dir / "out")])
+    assert code == 2 and "followed a plan file, so give --profile FILE" in err
+    code, _, err = run(["profile", "--refine", str(run_dir / "out"), "--model", "gpt3-125m"])
+    assert code == 2 and "drop --model" in err
+    code, _, err = run(["profile"])
+    assert code == 2 and "profile needs --model NAME (or --refine RUN_DIR" in err
     code, _, err = run(["profile"])
     assert code == 2 and "--model" in err
+
+
+def test_partition_config_plans_from_a_given_profile_of_its_model(tmp_path):
+    import contextlib
+    import dataclasses
+    import io
+    import json
+
+    from mobiuspipe import cli
+    from mobiuspipe.config import load_config
+    from mobiuspipe.config_plan import gpt_profile
+
+    cfg_path = tmp_path / "run.yaml"
+    cfg_path.write_text("train: {precision: fp32}\n")
+    base = gpt_profile(load_config(str(cfg_path)))
+    slow = dataclasses.replace(
+        base,
+        layers=tuple(
+            dataclasses.replace(x, fwd_s=3 * x.fwd_s, bwd_s=3 * x.bwd_s, recompute_s=3 * x.redo_s, kept_s=3 * x.keep_s)
+            for x in base.layers
+        ),
+    )
+    save_profile(slow, tmp_path / "slow.yaml")
+    save_profile(_profile(5, 0), tmp_path / "other.yaml")
+
+    def partition(*extra: str) -> tuple[int, str, str]:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli.main(["partition", "--config", str(cfg_path), "--json", *extra])
+        return code, out.getvalue(), err.getvalue()
+
+    plain, slowed = partition(), partition("--profile", str(tmp_path / "slow.yaml"))
+    assert plain[0] == 0 and slowed[0] == 0, (plain[2], slowed[2])
+    a, b = json.loads(plain[1])["predicted_step_time_s"], json.loads(slowed[1])["predicted_step_time_s"]
+    assert 2.0 < b / a <= 3.0 + 1e-9
+    code, out, err = partition("--profile", str(tmp_path / "other.yaml"))
+    assert code == 2 and out == "" and "is a profile of model 'toy' (5 layers)" in err

@@ -132,3 +132,22 @@ def _times(layer: LayerProfile, k: float) -> LayerProfile:
     return dataclasses.replace(
         layer, fwd_s=k * layer.fwd_s, bwd_s=k * layer.bwd_s, recompute_s=k * layer.redo_s, kept_s=k * layer.keep_s
     )
+
+
+def test_identical_layers_share_the_mean_scale_of_their_stages():
+    def layer(name: str, f: float) -> LayerProfile:
+        return LayerProfile(name, 100, 400, 4000, 64, 0.0, 0.0, f, 2 * f, recompute_s=f, kept_s=f)
+
+    layers = (layer("embedding", 1e-4), *(layer("block", 2e-3) for _ in range(7)), layer("head", 5e-4))
+    profile = Profile("toy", "cpu-standin", "fp32", 2, 1, layers, input_bytes=32)
+    topo = cpu_standin(2, 1 << 30)
+    plan = make_plan(profile, topo, M, num_stages=4, mapping="cross", solver="dp")
+    sim = _predict(plan, topo)
+    sb = [1.0, 2.0, 1.5, 1.2]
+    got = refine_profile(profile, plan, _traced(sim, [1.0] * 4, sb, [3]), [3], sim)
+    blocks = [[l for l in s.layers if layers[l].name == "block"] for s in plan.stages]
+    want = sum(b * len(n) for b, n in zip(sb, blocks)) / sum(len(n) for n in blocks)
+    for l, x in enumerate(got.profile.layers):
+        if x.name == "block":
+            assert x.bwd_s == pytest.approx(want * 4e-3, rel=1e-9), l
+    assert got.profile.layers[0].bwd_s == pytest.approx(sb[0] * 2e-4)  # the embedding's own stage
