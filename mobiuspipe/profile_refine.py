@@ -18,7 +18,13 @@ partition.retime.retime then re-times another plan of the model from the refined
 
 The run also measures what posting a message to another rank costs the sender's thread (SA after an F, SG after
 a B, where the neighbour stage is on another gpu): send_s, the median of those records, which the simulator
-charges on a CPU stand-in's compute stream (topology Measured.message_send_s, SimStage.send_s).
+charges on a CPU stand-in's compute stream (topology Measured.message_send_s, SimStage.send_s), and what taking
+one costs the receiver's thread: recv_s, the mean over the RA and RG records whose message came from another gpu
+of  end(R) - max(start(R), end(its SA or SG))  (the receive's time from when both the message was posted
+and the receiver reached it: posting the receive, and gloo's delivery, which on a busy machine waits for the
+sender's process to get a core; the mean, since these delays add up along the step and a few are long; the
+probed latency, 0.1 ms here, is inside it), charged before the F or B that needs the message
+(Measured.message_recv_s, SimStage.recv_s).
 """
 
 from __future__ import annotations
@@ -32,7 +38,15 @@ from partition.plan import Plan
 from partition.profile import LayerProfile, Profile
 from partition.sim_types import SimResult
 
-__all__ = ["StageScale", "Refinement", "stage_scales", "refine_profile", "send_seconds", "median_profile"]
+__all__ = [
+    "StageScale",
+    "Refinement",
+    "stage_scales",
+    "refine_profile",
+    "send_seconds",
+    "recv_seconds",
+    "median_profile",
+]
 
 
 @dataclass(frozen=True)
@@ -46,12 +60,13 @@ class StageScale:
 
 @dataclass(frozen=True)
 class Refinement:
-    """The refined profile, the scale of each stage it came from, and send_s (None: the run sent no message to
-    another gpu)."""
+    """The refined profile, the scale of each stage it came from, send_s and recv_s (None: the run sent no
+    message to another gpu)."""
 
     profile: Profile
     scales: tuple[StageScale, ...]
     send_s: float | None = None
+    recv_s: float | None = None
 
 
 def _sums(result: SimResult, kind: str) -> dict[int, float]:
@@ -103,7 +118,10 @@ def refine_profile(
     fwd, bwd = _kind_scales(profile, plan, scales)
     layers = [_scaled(x, fwd[_kind(x)], bwd[_kind(x)]) for x in profile.layers]
     return Refinement(
-        dataclasses.replace(profile, layers=tuple(layers)), tuple(scales), send_seconds(per_rank, steps, plan)
+        dataclasses.replace(profile, layers=tuple(layers)),
+        tuple(scales),
+        send_seconds(per_rank, steps, plan),
+        recv_seconds(per_rank, steps, plan),
     )
 
 
@@ -120,6 +138,25 @@ def send_seconds(per_rank: list[list[TracedAction]], steps: list[int], plan: Pla
         and gpu[to] != gpu[r.stage]
     ]
     return statistics.median(far) if far else None
+
+
+def recv_seconds(per_rank: list[list[TracedAction]], steps: list[int], plan: Plan) -> float | None:
+    """recv_s of the legend: the mean over the traced RA and RG of `steps` whose message came from another gpu of
+    their seconds from when both ends had reached the message (None: no such receive was traced with its send)."""
+    gpu, want = plan.mapping, set(steps)
+    sent = {
+        (r.step, r.kind, r.stage, r.microbatch): r.end_s for recs in per_rank for r in recs if r.kind in ("SA", "SG")
+    }
+    took = []
+    for recs in per_rank:
+        for r in recs:
+            if r.step not in want or r.kind not in ("RA", "RG"):
+                continue
+            frm, kind = (r.stage - 1, "SA") if r.kind == "RA" else (r.stage + 1, "SG")
+            posted = sent.get((r.step, kind, frm, r.microbatch))
+            if 0 <= frm < len(gpu) and gpu[frm] != gpu[r.stage] and posted is not None:
+                took.append(r.end_s - max(r.start_s, posted))
+    return statistics.mean(took) if took else None
 
 
 def _kind(layer: LayerProfile) -> tuple:

@@ -61,6 +61,7 @@ def sim_stages(stages: tuple[StagePlan, ...], topo: Topology, memory: MemoryPlan
                 update_s=s.param_count / host_adam_rate(topo),
                 comm_s=comm,
                 send_s=m.message_send_s if m else 0.0,
+                recv_s=m.message_recv_s if m else 0.0,
                 param_bytes=s.param_bytes,
                 grad_bytes=s.param_bytes,
                 activation_bytes=s.activation_bytes,

@@ -72,6 +72,11 @@ class SimStage:
     send_s: float = 0.0
     """Seconds the gpu's compute stream spends posting each message this stage sends to another gpu (its
     output after F, its input gradient after B): CPU stand-ins, whose ranks send from the computing thread."""
+    recv_s: float = 0.0
+    """Seconds the gpu's compute stream spends on each message this stage receives from another gpu, from when
+    both the message has arrived and the stream reached it (its input before F, its output gradient before B):
+    CPU stand-ins, whose ranks receive on the computing thread and whose messages move only when the sender's
+    process gets a core (mobiuspipe.profile_refine measures it under the run's load)."""
 
     @property
     def f_s(self) -> float:

@@ -48,7 +48,9 @@ Resources and rules (times in seconds, bytes, GB/s = 1e9 bytes/s):
   comm      activations between gpus take the stage's fixed comm_s (partition.search.sim_stages). A rank that
             sends from its computing thread (CPU stand-ins) is busy send_s per message to another gpu: an F
             that sends its output, a B that sends its input gradient, are followed on its compute stream by a
-            send of send_s (core work with host_cores), after which the message takes comm_s.
+            send of send_s (core work with host_cores), after which the message takes comm_s. Such a rank also
+            receives on that thread: once the message has arrived and its stream reached the F or B that needs
+            it, a receive of recv_s (core work with host_cores) runs before that F or B.
 
 Durations of loads and offloads (the link model):
   topology=None   each load takes its stage's load_s and each offload its offload_s (static; the planner's
@@ -241,6 +243,9 @@ def _add_gpu(
         first = None
         for i in range(m):
             wait = None if (phase == "F" and j == 0) or (phase == "B" and j == last) else ("arrive", phase, j, i)
+            if wait and (recv := _recv_s(stages, j, phase, g)):
+                taking = ((recv * 1e9, (HOST_CORES, (f"gpu{g}", "compute"))),) if cores else ()
+                wait = graph.add(("recv", phase, j, i), (prev_op, wait), 0.0 if cores else recv, taking)
             dur = st.f_s if phase == "F" else st.b_s
             work = ((dur * 1e9, (HOST_CORES, (f"gpu{g}", "compute"))),) if cores else ()
             deps = (load, prev_op, wait, prev_off if phase == "B" else None)
@@ -274,6 +279,12 @@ def _send_s(stages: list[SimStage], j: int, phase: str, g: int) -> float:
     to = j + 1 if phase == "F" else j - 1
     far = 0 <= to < len(stages) and stages[to].gpu != g and not (phase == "F" and stages[j].fused)
     return stages[j].send_s if far else 0.0
+
+
+def _recv_s(stages: list[SimStage], j: int, phase: str, g: int) -> float:
+    """Seconds gpu g's compute stream spends before F(j, i) or B(j, i) taking its message from another gpu."""
+    frm = j - 1 if phase == "F" else j + 1
+    return stages[j].recv_s if 0 <= frm < len(stages) and stages[frm].gpu != g else 0.0
 
 
 def _prefetch_share(stages: list[SimStage], visits: list, k: int, memory: int | None) -> float:

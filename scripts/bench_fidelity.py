@@ -310,9 +310,11 @@ def calibrate(cell: Cell, own: list[Ran], partners: list[Ran], args: argparse.Na
     refined = [refine_profile(p.profile, p.run, p.per_rank, steps, p.sim) for p in partners]
     profile = median_profile([r.profile for r in refined])
     sends = [r.send_s for r in refined if r.send_s is not None]
+    recvs = [r.recv_s for r in refined if r.recv_s is not None]
     send_s = statistics.median(sends) if sends else 0.0
+    recv_s = statistics.median(recvs) if recvs else 0.0
     for ran in own:
-        m = dataclasses.replace(ran.topo.measured or Measured(), message_send_s=send_s)
+        m = dataclasses.replace(ran.topo.measured or Measured(), message_send_s=send_s, message_recv_s=recv_s)
         sim = simulated(retime(ran.run, profile), dataclasses.replace(ran.topo, measured=m))
         cell.calibrated.append(ran.measured / sim.step_time_s)
 

@@ -76,6 +76,7 @@ def _measured(m: SimpleNamespace) -> list[Problem]:
                 "message_latency_s",
                 "message_gbps",
                 "message_send_s",
+                "message_recv_s",
             )
             for p in positive(m, name, fix, zero_ok=True)
         ),

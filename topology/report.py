@@ -192,6 +192,8 @@ def _measured(t: Topology) -> list[str]:
         lines.append(f"  messages between ranks: {ms:.3f} ms + bytes at {m.message_gbps:.2f} GB/s")
     if m.message_send_s:
         lines.append(f"  posting a message: {m.message_send_s * 1e3:.3f} ms of the sender's thread")
+    if m.message_recv_s:
+        lines.append(f"  receiving a message: {m.message_recv_s * 1e3:.3f} ms of the receiver's thread")
     return lines + [f"  note: {n}" for n in m.notes]
 
 

@@ -127,6 +127,10 @@ class Measured:
     message_send_s: float = 0.0
     """Seconds a rank's own thread is busy posting one message to another rank (CPU stand-ins: the copy into
     the send and gloo's call; a traced run measures it, mobiuspipe.profile_refine), before its next action."""
+    message_recv_s: float = 0.0
+    """Seconds a rank's own thread spends on one message from another rank once it has arrived and the thread
+    reached its receive (CPU stand-ins: posting the receive, and gloo's delivery when the cores are busy; a
+    traced run measures it, mobiuspipe.profile_refine), before the computation that needs it."""
 
 
 @dataclass(frozen=True)

@@ -236,6 +236,11 @@ def _refined(args: argparse.Namespace) -> tuple[Profile, str, list[str]]:
             f"posting a message to another rank: {got.send_s * 1e3:.3f} ms of the sender's thread (write it as "
             f"measured.message_send_s in the topology's layout for the simulator to charge it)"
         )
+    if got.recv_s is not None:
+        lines.append(
+            f"taking a message from another rank: {got.recv_s * 1e3:.3f} ms of the receiver's thread once both ends "
+            f"reached it (measured.message_recv_s in the layout)"
+        )
     return got.profile, f"refined by the traced steps {steps} of {folder}", lines
 
 

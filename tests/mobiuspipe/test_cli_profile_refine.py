@@ -29,7 +29,8 @@ def _profile(n: int, seed: int) -> Profile:
 @pytest.fixture
 def run_dir(tmp_path):
     """tmp_path/out: plan.yaml and trace.json of a 2-rank run of 4 stages, steps 0-2 traced (step 0 10x slower,
-    as a first step that learns the messages' shapes is: left out); tmp_path/profile.yaml its profile."""
+    as a first step that learns the messages' shapes is: left out), each message sent 0.4 ms and taken 0.6 ms after
+    that; tmp_path/profile.yaml its profile."""
     profile = _profile(9, 0)
     plan = make_plan(profile, cpu_standin(2, 1 << 30), 3, num_stages=4, mapping="cross", solver="dp")
     assert plan.layout is not None
@@ -43,6 +44,7 @@ def run_dir(tmp_path):
                 per_rank[gpu].append(TracedAction(step, kind, stage, mb, t0, t0 + k * (end - start)))
                 if kind == "F" and stage < 3:
                     per_rank[gpu].append(TracedAction(step, "SA", stage, mb, t0 + 1, t0 + 1.0004))
+                    per_rank[1 - gpu].append(TracedAction(step, "RA", stage + 1, mb, t0 + 1.0002, t0 + 1.001))
     out = tmp_path / "out"
     out.mkdir()
     save_plan(plan, out / "plan.yaml")
@@ -67,6 +69,7 @@ def test_the_refined_profile_scales_each_stages_layers(run_dir):
     assert "stage 0: F x2.00, B x1.50" in out
     assert "traced steps [1, 2]" in out
     assert "0.400 ms" in out and "message_send_s" in out
+    assert "0.600 ms" in out and "message_recv_s" in out  # from the send's end (1.0004) to the receive's (1.001)
 
 
 @pytest.mark.parametrize(

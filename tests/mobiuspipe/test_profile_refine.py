@@ -10,7 +10,7 @@ import random
 import pytest
 
 from mobiuspipe.action_trace import TracedAction
-from mobiuspipe.profile_refine import median_profile, refine_profile, send_seconds, stage_scales
+from mobiuspipe.profile_refine import median_profile, recv_seconds, refine_profile, send_seconds, stage_scales
 from partition.profile import LayerProfile, Profile
 from partition.retime import retime
 from partition.search import make_plan, sim_stages
@@ -110,6 +110,27 @@ def test_send_seconds_is_the_median_message_to_another_gpu():
     assert send_seconds([recs, []], [4], two) == pytest.approx(0.00045)
     one = make_plan(profile, cpu_standin(1, 1 << 30), M, num_stages=4, solver="dp")
     assert send_seconds([recs], [4], one) is None  # every stage on one gpu: handed over, never sent
+
+
+def test_recv_seconds_is_the_mean_receive_from_when_both_ends_reached_it():
+    profile = _profile(7, 0)
+    two = make_plan(profile, cpu_standin(2, 1 << 30), M, num_stages=4, mapping="cross", solver="dp")
+    assert two.mapping == [0, 1, 0, 1]
+    rank0 = [
+        TracedAction(4, "SA", 0, 0, 1.0, 1.001),  # stage 0's output, microbatch 0, posted at 1.001
+        TracedAction(4, "RG", 0, 0, 6.0, 6.004),  # waited from 6.0 (after SG 1.0 at 5.5): 4 ms
+        TracedAction(4, "RA", 2, 1, 3.0, 3.0003),  # the message was posted at 2.5: 0.3 ms to take it
+    ]
+    rank1 = [
+        TracedAction(4, "RA", 1, 0, 0.5, 1.003),  # posted before its send ended (1.001): 2 ms after it
+        TracedAction(4, "SG", 1, 0, 5.4, 5.5),
+        TracedAction(4, "SA", 1, 1, 2.4, 2.5),
+        TracedAction(4, "RA", 3, 0, 7.0, 7.5),  # its send is not in the trace: left out
+        TracedAction(5, "RA", 1, 0, 9.0, 9.5),  # a step not asked for
+    ]
+    assert recv_seconds([rank0, rank1], [4], two) == pytest.approx((0.004 + 0.0003 + 0.002) / 3)
+    one = make_plan(profile, cpu_standin(1, 1 << 30), M, num_stages=4, solver="dp")
+    assert recv_seconds([rank0 + rank1], [4], one) is None  # every stage on one gpu: handed over
 
 
 def test_median_profile_takes_each_layers_middle_time():

@@ -84,6 +84,42 @@ def test_a_sender_posts_each_message_on_its_compute_stream():
     assert same_gpu.events == plain.events  # a stage handed over on its own gpu posts nothing
 
 
+def test_a_receiver_takes_each_message_on_its_compute_stream():
+    # test_two_gpus_two_stages_with_comm with recv_s .25 (a CPU stand-in's rank receives on its computing thread,
+    # from when the message has arrived and the thread reached it):
+    # gpu0: F(0,0) [.5, 1.5], F(0,1) [1.5, 2.5] (stage 0 receives no input)
+    # gpu1: arrival 1.75 -> recv [1.75, 2], F(1,0) [2, 4]; arrival 2.75 but the stream is busy to 4 ->
+    #       recv [4, 4.25], F(1,1) [4.25, 6.25]; B(1,0) [6.25, 9.25], B(1,1) [9.25, 12.25] (the last stage
+    #       receives no gradient); offload [12.25, 12.75], update s1 [12.75, 13]
+    # gpu0: arrival 9.5 -> recv [9.5, 9.75], B(0,0) [9.75, 11.75]; arrival 12.5 -> recv [12.5, 12.75],
+    #       B(0,1) [12.75, 14.75]; offload [14.75, 15], update s0 [15, 15.5]
+    stages = [_st(0, 1.0, 1.0, 0.5, 0.25, 0.5, 0.25), _st(1, 2.0, 1.0, 1.0, 0.5, 0.25, 0.0)]
+    res = simulate([dataclasses.replace(s, recv_s=0.25) for s in stages], num_gpus=2, microbatches=2)
+    assert [_ev(res, "F", 0, i) for i in (0, 1)] == [(0.5, 1.5), (1.5, 2.5)]
+    assert [_ev(res, "F", 1, i) for i in (0, 1)] == [(2.0, 4.0), (4.25, 6.25)]
+    assert [_ev(res, "B", 1, i) for i in (0, 1)] == [(6.25, 9.25), (9.25, 12.25)]
+    assert (_ev(res, "offload", 1), _ev(res, "update", 1)) == ((12.25, 12.75), (12.75, 13.0))
+    assert [_ev(res, "B", 0, i) for i in (0, 1)] == [(9.75, 11.75), (12.75, 14.75)]
+    assert (_ev(res, "offload", 0), _ev(res, "update", 0)) == ((14.75, 15.0), (15.0, 15.5))
+    assert res.step_time_s == 15.5
+    assert res.compute_busy_s == (2.0 + 4.0, 4.0 + 6.0)  # the receives are not computations
+    same_gpu = simulate([dataclasses.replace(s, gpu=0, recv_s=0.25) for s in stages], num_gpus=1, microbatches=2)
+    plain = simulate([dataclasses.replace(s, gpu=0) for s in stages], num_gpus=1, microbatches=2)
+    assert same_gpu.events == plain.events  # a stage handed over on its own gpu receives nothing
+
+
+def test_receives_share_the_host_cores():
+    # As above on CPU stand-ins sharing one core (host_cores 1; each F, B and receive is a flow of its seconds):
+    # gpu0's F(0,1) runs alone [1.5, 1.75] (.25 done); gpu1's receive from 1.75 shares the core with it, half
+    # each: the receive's .25 takes [1.75, 2.25] (F(0,1) .5 done); F(1,0) then shares it: F(0,1)'s last .5 takes
+    # [2.25, 3.25] (F(1,0) .5 done); F(1,0)'s last 1.5 alone [3.25, 4.75]; the second message arrived at 3.5,
+    # its receive [4.75, 5], F(1,1) [5, 7].
+    stages = [_st(0, 1.0, 1.0, 0.5, 0.25, 0.5, 0.25), _st(1, 2.0, 1.0, 1.0, 0.5, 0.25, 0.0)]
+    res = simulate([dataclasses.replace(s, recv_s=0.25) for s in stages], num_gpus=2, microbatches=2, host_cores=1.0)
+    assert _ev(res, "F", 0, 1) == pytest.approx((1.5, 3.25))
+    assert [_ev(res, "F", 1, i) for i in (0, 1)] == [pytest.approx((2.25, 4.75)), pytest.approx((5.0, 7.0))]
+
+
 def test_two_gpus_four_stages_unhidden_load_stalls():
     # mapping [0, 1, 0, 1]; every stage F 1, B 2 (a backward visit takes 3 per microbatch), comm .5,
     # offload .5. Stage 2's load takes 4 s, longer than stage 0's forward visit (2 s): it cannot hide.
