@@ -29,15 +29,16 @@ With --calibrate each cell also gets predictions from the profile refined by its
 model, ranks and policy, another cut; mobiuspipe.profile_refine scales each layer by how its stage ran in a
 traced run, the per-layer median over the repetitions' runs, partition.retime re-times this cell's plan of each
 repetition from it): the layers as they run in a pipeline on this machine, measured on a different plan than
-the one predicted, and the sender's cost of posting a message those runs measured (charged on the sender's
-compute stream); the cell reports the median of measured / predicted. The exit code then judges
-these predictions (a cell without a partner in the grid is not judged).
+the one predicted, and what posting and taking a message cost the ranks' threads in those runs (charged on the
+sender's and the receiver's compute streams); the cell reports the median of measured / predicted. The exit code
+then judges these predictions (a cell without a partner in the grid is not judged). The "adjacent" column makes
+the same prediction of each repetition from the partner's run of that repetition alone (the runs a minute or
+so apart): one traced run, then the next plan, as a user re-plans.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import os
 import shutil
@@ -47,93 +48,33 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench_pipeline import SIZES, machine, torchrun_metrics
+from bench_pipeline import machine, torchrun_metrics
 from benchlib import cpu_mark, markdown_table, other_share, torch_threads
+from fidelity_grid import (
+    DEVICE_MB,
+    GPT_MODELS,
+    HF_MODELS,
+    PARTNER,
+    PLANS,
+    POLICIES,
+    measure,
+    model_dicts,
+    run_dict,
+    simulated,
+)
 
 from foundation.units import MiB
 from mobiuspipe.action_trace import read_chrome
-from mobiuspipe.activations import stage_modes
-from mobiuspipe.config import MemoryConfig, config_from_dict
-from mobiuspipe.config_plan import model_spec
-from mobiuspipe.dataset import open_data
-from mobiuspipe.models.gpt import layer_factories, lm_loss
-from mobiuspipe.pipeline_swaps import plan_as_run, swap_tiers
-from mobiuspipe.profile_refine import median_profile, refine_profile
-from mobiuspipe.profiler import measure_profile
+from mobiuspipe.profile_refine import Refinement, median_profile, refine_profile
 from mobiuspipe.trace_compare import report
 from partition import make_plan
 from partition.plan import Plan, save_plan
 from partition.profile import Profile
 from partition.retime import retime
-from partition.search import predict_step
 from partition.sim_types import SimResult
-from partition.tiers import HostBudget
 from topology import Topology, cpu_standin
 from topology.probe_cpu import MatmulWork, probe_host_cores, probe_messages
 from topology.types import Measured
-
-GPT_MODELS = {
-    **SIZES,
-    "odd": {
-        "model": {"num_blocks": 7, "d_model": 120, "num_heads": 5, "seq_len": 97},
-        "data": {"batch_size": 6, "num_microbatches": 3},
-    },
-    "odd-wide": {
-        "model": {"num_blocks": 7, "d_model": 360, "num_heads": 5, "seq_len": 97},
-        "data": {"batch_size": 6, "num_microbatches": 3},
-    },
-}
-"""Built-in GPT configs: bench_pipeline's tiny and small, one of odd sizes and the same 3x wider (its actions take
-milliseconds to tens of milliseconds, where tiny's and odd's take tenths of one to a few)."""
-
-LLAMA = {
-    "hidden_size": 96,
-    "intermediate_size": 259,
-    "num_hidden_layers": 6,
-    "num_attention_heads": 4,
-    "max_position_embeddings": 64,
-}
-"""The HF llama (tests/mobiuspipe/hf_fixtures.py's config, wider and deeper): sequences of LLAMA_RUN's seq_len."""
-HF_MODELS = {"llama": LLAMA, "llama-wide": {**LLAMA, "hidden_size": 288, "intermediate_size": 777}}
-"""HF llamas by name: LLAMA and the same 3x wider."""
-LLAMA_RUN = {"model": {"seq_len": 61}, "data": {"batch_size": 8, "num_microbatches": 4}}
-
-PLANS = {"1x4": (1, 4), "1x6": (1, 6), "2x4": (2, 4), "2x6": (2, 6)}
-"""Plan name -> (ranks, stages); two ranks use the cross mapping."""
-PARTNER = {"1x4": "1x6", "1x6": "1x4", "2x4": "2x6", "2x6": "2x4"}
-"""With --calibrate, the plan whose traced run refines the profile a plan's calibrated prediction uses: the same
-ranks, another cut."""
-
-DEVICE_MB = 4096
-"""Each CPU stand-in's memory budget: large enough that no plan here is memory bound."""
-
-
-@dataclass(frozen=True)
-class Policy:
-    """An activation policy as the benchmark drives it: memory.activations and memory.activation_tier of the
-    run; the prediction simulates the plan as the run runs it (mobiuspipe.pipeline_swaps.plan_as_run)."""
-
-    activations: str
-    tier: str
-
-    @property
-    def run_keys(self) -> dict:
-        return {"memory": {"activations": self.activations, "activation_tier": self.tier}}
-
-    def as_run(self, plan: Plan, ssd_dir: str) -> Plan:
-        """The plan as a run under this policy runs it."""
-        modes = stage_modes(self.activations, plan)
-        tiers = swap_tiers(plan, MemoryConfig(activation_tier=self.tier, ssd_dir=ssd_dir), modes)  # ssd: needs one
-        return plan_as_run(plan, modes, tiers)
-
-    def simulate(self, plan: Plan, topo: Topology, ssd_dir: str) -> SimResult:
-        """The simulator's step of plan run under this policy."""
-        return simulated(self.as_run(plan, ssd_dir), topo)
-
-
-def simulated(run: Plan, topo: Topology) -> SimResult:
-    """The simulator's step of a plan as run (Policy.as_run)."""
-    return predict_step(run, topo, HostBudget(None, "unlimited")).sim
 
 
 @dataclass(frozen=True)
@@ -147,18 +88,6 @@ class Ran:
     per_rank: list
     measured: float
     """The run's median step, seconds."""
-
-
-POLICIES = {
-    "plan": Policy("plan", "plan"),
-    "recompute": Policy("recompute", "device"),
-    "keep": Policy("keep", "device"),
-    "recompute-host": Policy("recompute", "host"),
-    "keep-host": Policy("keep", "host"),
-    "keep-ssd": Policy("keep", "ssd"),
-}
-"""Policies measured: the plan's choice (every stage keeps on these roomy stand-ins), recompute and keep forced,
-and each with its held bytes swapped to the host or the SSD (the run's ssd_dir is in its folder)."""
 
 
 @dataclass
@@ -180,6 +109,8 @@ class Cell:
     """Per repetition (with --trace): the median over stages of measured / predicted of a steady F and B."""
     calibrated: list[float] = field(default_factory=list)
     """Per repetition (with --calibrate): measured / predicted from the profile the PARTNER plan's runs refined."""
+    adjacent: list[float] = field(default_factory=list)
+    """Per repetition (with --calibrate): the same from the partner's run in that repetition alone."""
 
     @property
     def ratio(self) -> float:
@@ -189,64 +120,6 @@ class Cell:
     @property
     def spread(self) -> float:
         return max(self.measured) / min(self.measured) - 1
-
-
-def model_dicts(tmp: Path, names: list[str]) -> dict[str, dict]:
-    """Run-config parts (model, data) of each model; the llamas are saved to tmp first (random weights)."""
-    out: dict[str, dict] = {n: copy.deepcopy(GPT_MODELS[n]) for n in names if n in GPT_MODELS}
-    hf = [n for n in names if n in HF_MODELS]
-    if not hf:
-        return out  # transformers is not imported
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "mobiuspipe"))
-    from hf_fixtures import save_model  # pyright: ignore[reportMissingImports]
-
-    for name in hf:
-        save_model("llama", tmp / name, seed=0, **HF_MODELS[name])
-        out[name] = {"model": {"hf": str(tmp / name), **LLAMA_RUN["model"]}, "data": dict(LLAMA_RUN["data"])}
-    return out
-
-
-def run_dict(parts: dict, ranks: int, stages: int, steps: int, out_dir: str, plan_file: str, policy: Policy) -> dict:
-    """The YAML-able config of one run: 1 thread per rank, fp32, the plan file, the policy's keys."""
-    d = copy.deepcopy(parts)
-    d["train"] = {"steps": steps, "out_dir": out_dir, "log_every": steps, "precision": "fp32"}
-    d["plan"] = {"file": plan_file}
-    d["runtime"] = {"threads": 1}
-    for section, keys in policy.run_keys.items():
-        d.setdefault(section, {}).update(keys)
-    return d
-
-
-def layers_of(cfg) -> list:
-    """The model's layers, built as the runtime builds them."""
-    if cfg.model.hf:
-        from mobiuspipe.models.hf import layer_factories as hf_layer_factories
-        from mobiuspipe.models.hf import open_hf
-
-        return [f() for f in hf_layer_factories(open_hf(cfg.model.hf, cfg.model.seq_len))]
-    return [f() for f in layer_factories(model_spec(cfg), cfg.train.seed)]
-
-
-def measure(parts: dict) -> Profile:
-    """The model's measured profile on one microbatch of its first batch, 1 thread (as each rank runs)."""
-    cfg = config_from_dict({**parts, "plan": {"num_gpus": 1, "num_stages": 4}})
-    data = open_data(cfg.data, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size)
-    x, y = data.batch(0, cfg.data.batch_size)
-    m = cfg.data.num_microbatches
-    xm, ym = x[: x.shape[0] // m], y[: y.shape[0] // m]
-    with torch_threads(1):
-        return measure_profile(
-            layers_of(cfg),
-            xm,
-            device="cpu",
-            name=model_spec(cfg).name,
-            device_name="cpu-standin",
-            dtype_name="fp32",
-            microbatch_size=xm.shape[0],
-            seq_len=xm.shape[1],
-            loss_fn=lambda out: lm_loss(out.float(), ym),
-            microbatches=m,
-        )
 
 
 def reference_s(repeats: int = 5) -> float:
@@ -305,18 +178,28 @@ def run_cell(cell: Cell, parts: dict, host: Measured, args: argparse.Namespace, 
 def calibrate(cell: Cell, own: list[Ran], partners: list[Ran], args: argparse.Namespace) -> None:
     """The cell's calibrated predictions: in each repetition its plan as run, re-timed from the median of the
     profiles its partner's traced runs refined (mobiuspipe.profile_refine, every repetition) and simulated with
-    the median posting of a message they measured; cell.calibrated gets measured / predicted of each."""
+    the median message costs they measured (cell.calibrated: measured / predicted of each); and from the partner's
+    run of the same repetition alone, a minute or so from this one (cell.adjacent)."""
     steps = list(range(args.warmup, args.steps))
     refined = [refine_profile(p.profile, p.run, p.per_rank, steps, p.sim) for p in partners]
-    profile = median_profile([r.profile for r in refined])
+    pooled = _pooled(refined)
+    for ran, alone in zip(own, refined):
+        cell.calibrated.append(ran.measured / _predicted(ran, *pooled))
+        cell.adjacent.append(ran.measured / _predicted(ran, *_pooled([alone])))
+
+
+def _pooled(refined: list[Refinement]) -> tuple[Profile, float, float]:
+    """The median profile, posting and taking of a message over refinements (0 s where none measured it)."""
     sends = [r.send_s for r in refined if r.send_s is not None]
     recvs = [r.recv_s for r in refined if r.recv_s is not None]
-    send_s = statistics.median(sends) if sends else 0.0
-    recv_s = statistics.median(recvs) if recvs else 0.0
-    for ran in own:
-        m = dataclasses.replace(ran.topo.measured or Measured(), message_send_s=send_s, message_recv_s=recv_s)
-        sim = simulated(retime(ran.run, profile), dataclasses.replace(ran.topo, measured=m))
-        cell.calibrated.append(ran.measured / sim.step_time_s)
+    med = lambda xs: statistics.median(xs) if xs else 0.0  # noqa: E731
+    return median_profile([r.profile for r in refined]), med(sends), med(recvs)
+
+
+def _predicted(ran: Ran, profile: Profile, send_s: float, recv_s: float) -> float:
+    """The simulated step of ran's plan as run, re-timed from profile, with these message costs."""
+    m = dataclasses.replace(ran.topo.measured or Measured(), message_send_s=send_s, message_recv_s=recv_s)
+    return simulated(retime(ran.run, profile), dataclasses.replace(ran.topo, measured=m)).step_time_s
 
 
 def keep_trace(trace: Path, sim: SimResult, args: argparse.Namespace, to: Path) -> float:
@@ -348,14 +231,15 @@ def row(cell: Cell, tol: float) -> list[str]:
         f"{statistics.median(cell.latency) * 1e3:.2f}",
         f"{min(cell.drift):.2f}-{max(cell.drift):.2f}",
         f"{statistics.median(cell.actions):.2f}x" if cell.actions else "-",
-        _calibrated(cell, tol),
+        _calibrated(cell.calibrated, tol),
+        _calibrated(cell.adjacent, tol),
     ]
 
 
-def _calibrated(cell: Cell, tol: float) -> str:
-    if not cell.calibrated:
+def _calibrated(ratios: list[float], tol: float) -> str:
+    if not ratios:
         return "-"
-    r = statistics.median(cell.calibrated)
+    r = statistics.median(ratios)
     return f"{r:.2f}x {'ok' if abs(r - 1) <= tol else 'OUT'}"
 
 
@@ -375,6 +259,7 @@ HEADER = [
     "drift",
     "F/B measured/pred.",
     "calibrated measured/pred.",
+    "adjacent calibrated",
 ]
 
 

@@ -201,10 +201,8 @@ def _config_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
     """The plan `mobiuspipe train` would make at start-up for this config (model, devices, stages, mapping)."""
     given = [f for f in ("model", "stages") if getattr(args, f) is not None]
     if given:
-        raise CliError(
-            f"--config takes the model and stages from the config file; "
-            f"found also --{', --'.join(given)}: drop them or drop --config"
-        )
+        got = ", --".join(given)
+        raise CliError(f"--config takes the model and stages from its file; found --{got}: drop them or drop --config")
     from mobiuspipe.config import load_config
     from mobiuspipe.config_plan import activation_tiers, gpt_profile, model_spec, plan_from_config, run_topology
 

@@ -7,7 +7,9 @@ With --refine RUN_DIR [--profile FILE] it reads the plan a run followed (RUN_DIR
 its traced steps (RUN_DIR/trace.json, runtime.trace_steps), and scales the profile the plan was made from by
 how each stage's computations ran against the simulator's (mobiuspipe.profile_refine), so that `partition
 [--config RUN.yaml] --profile` plans from the layers as they run in a pipeline on this machine. Without --profile
-a run that planned for itself (no plan.file) refines its config's analytic profile.
+a run that planned for itself (no plan.file) refines its config's analytic profile. --layout-out FILE writes the
+machine the plan records with what posting and taking a message cost in the run (Measured.message_send_s,
+message_recv_s), for `partition --topology FILE`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from foundation.units import fmt_bytes
 from mobiuspipe.cli._common import CliError, positive_int, write_output
@@ -25,6 +28,12 @@ from partition.hardware import MFU_DEFAULT, device_spec
 from partition.hf import ModelConfigError
 from partition.models import ModelSpec, get_model
 from partition.profile import Profile, compress, load_profile, runs_to_list, save_profile
+from topology import Topology
+from topology.layout import save_topology
+from topology.types import Measured
+
+if TYPE_CHECKING:
+    from mobiuspipe.profile_refine import Refinement
 
 __all__ = ["DEFAULT_GPU", "MEASURED_MAX_PARAMS", "register", "run", "render_profile"]
 
@@ -76,6 +85,12 @@ def register(sub) -> None:
         metavar="FILE",
         help="with --refine: the profile the run's plan was made from (default: the analytic profile of the run's "
         "config, for a run without plan.file)",
+    )
+    p.add_argument(
+        "--layout-out",
+        metavar="LAYOUT",
+        help="with --refine: write the machine the run's plan records, with what posting and taking a message cost "
+        "in the run (measured.message_send_s, message_recv_s), as a layout file for `partition --topology`",
     )
     p.add_argument("-o", "--output", metavar="PROFILE", help="write the profile here (.yaml, or .json by suffix)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
@@ -203,6 +218,8 @@ def _refined(args: argparse.Namespace) -> tuple[Profile, str, list[str]]:
 
     if args.model or args.measured:
         raise CliError("--refine reads the model from the run's folder: drop --model and --measured")
+    if args.layout_out and Path(args.layout_out).suffix not in (".yaml", ".yml", ".json"):
+        raise CliError(f"--layout-out {args.layout_out}: expected a .yaml, .yml or .json file name")
     folder = Path(args.refine)
     for name, what in (("plan.yaml", "the plan the run followed"), ("trace.json", "its traced steps")):
         if not (folder / name).is_file():
@@ -232,16 +249,26 @@ def _refined(args: argparse.Namespace) -> tuple[Profile, str, list[str]]:
         for s in got.scales
     ]
     if got.send_s is not None:
-        lines.append(
-            f"posting a message to another rank: {got.send_s * 1e3:.3f} ms of the sender's thread (write it as "
-            f"measured.message_send_s in the topology's layout for the simulator to charge it)"
-        )
+        lines.append(f"posting a message to another rank: {got.send_s * 1e3:.3f} ms of the sender's thread")
     if got.recv_s is not None:
         lines.append(
             f"taking a message from another rank: {got.recv_s * 1e3:.3f} ms of the receiver's thread once both ends "
-            f"reached it (measured.message_recv_s in the layout)"
+            f"reached it"
         )
+    if args.layout_out:
+        lines.append(_write_layout(plan.layout, got, args.layout_out))
+    elif got.send_s is not None or got.recv_s is not None:
+        lines.append("(--layout-out FILE writes them into the run's machine for `partition --topology FILE`)")
     return got.profile, f"refined by the traced steps {steps} of {folder}", lines
+
+
+def _write_layout(layout: Topology, got: Refinement, path: str) -> str:
+    """Save the run's machine with the message costs the run measured (its probes kept); returns the line saying so."""
+    measured = dataclasses.replace(
+        layout.measured or Measured(), message_send_s=got.send_s or 0.0, message_recv_s=got.recv_s or 0.0
+    )
+    write_output("layout", path, lambda: save_topology(dataclasses.replace(layout, measured=measured), path))
+    return f"layout written to {path} (measured.message_send_s, message_recv_s)"
 
 
 def _run_profile(path: str | None, folder: Path) -> tuple[Profile, str]:

@@ -68,8 +68,36 @@ def test_the_refined_profile_scales_each_stages_layers(run_dir):
         )
     assert "stage 0: F x2.00, B x1.50" in out
     assert "traced steps [1, 2]" in out
-    assert "0.400 ms" in out and "message_send_s" in out
-    assert "0.600 ms" in out and "message_recv_s" in out  # from the send's end (1.0004) to the receive's (1.001)
+    assert "posting a message to another rank: 0.400 ms" in out
+    assert "taking a message from another rank: 0.600 ms" in out  # from the send's end (1.0004) to the receive's
+
+
+def test_layout_out_writes_the_runs_machine_with_its_message_costs(run_dir):
+    from partition.search import predict_step
+    from partition.tiers import HostBudget
+    from topology import load_topology
+
+    out = run_dir / "out"
+    machine = run_dir / "machine.yaml"
+    argv = ["profile", "--refine", str(out), "--profile", str(run_dir / "profile.yaml")]
+    code, text, err = run([*argv, "--layout-out", str(machine)])
+    assert code == 0, err
+    assert f"layout written to {machine}" in text
+    plan = load_plan(out / "plan.yaml")
+    got = load_topology(str(machine))
+    assert plan.layout is not None and got.measured is not None
+    assert (got.measured.message_send_s, got.measured.message_recv_s) == (
+        pytest.approx(0.0004, rel=1e-3),
+        pytest.approx(0.0006, rel=1e-3),
+    )
+    assert got.gpus == plan.layout.gpus  # the same machine, with what the run measured added
+    # the costs it holds lengthen the plan's predicted step
+    budget = HostBudget(None, "unlimited")
+    assert predict_step(plan, got, budget).sim.step_time_s > predict_step(plan, plan.layout, budget).sim.step_time_s
+    code, text, err = run([*argv, "--layout-out", str(run_dir / "machine.txt")])
+    assert code == 2 and "expected a .yaml, .yml or .json" in err
+    code, text, _ = run(argv)
+    assert code == 0 and "--layout-out FILE writes them" in text
 
 
 @pytest.mark.parametrize(
