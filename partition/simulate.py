@@ -244,19 +244,16 @@ def _add_gpu(
         for i in range(m):
             wait = None if (phase == "F" and j == 0) or (phase == "B" and j == last) else ("arrive", phase, j, i)
             if wait and (recv := _recv_s(stages, j, phase, g)):
-                taking = ((recv * 1e9, (HOST_CORES, (f"gpu{g}", "compute"))),) if cores else ()
-                wait = graph.add(("recv", phase, j, i), (prev_op, wait), 0.0 if cores else recv, taking)
+                wait = graph.add(("recv", phase, j, i), (prev_op, wait), *_on_thread(recv, g, cores))
             dur = st.f_s if phase == "F" else st.b_s
-            work = ((dur * 1e9, (HOST_CORES, (f"gpu{g}", "compute"))),) if cores else ()
             deps = (load, prev_op, wait, prev_off if phase == "B" else None)
             deps += tuple(swaps.before(st, j, i, phase, prev_op)) if swaps else ()
-            prev_op = graph.add((phase, j, i), deps, 0.0 if cores else dur, work)
+            prev_op = graph.add((phase, j, i), deps, *_on_thread(dur, g, cores))
             if swaps:
                 swaps.after(st, j, i, phase, prev_op)
             first = first or (phase, j, i)
             if send := _send_s(stages, j, phase, g):
-                posting = ((send * 1e9, (HOST_CORES, (f"gpu{g}", "compute"))),) if cores else ()
-                prev_op = graph.add(("send", phase, j, i), (prev_op,), 0.0 if cores else send, posting)
+                prev_op = graph.add(("send", phase, j, i), (prev_op,), *_on_thread(send, g, cores))
         holder[slot_of[k]] = prev_op
         if not (k + 1 < len(visits) and visits[k + 1][0] == j):
             spans.append((taken[slot_of[k]], prev_op))  # RELEASE
@@ -267,6 +264,12 @@ def _add_gpu(
             prev_off = graph.add(("offload", g, j), (prev_op, prev_off), dur, (move,) if flows else ())
             spans.append((first, prev_off))  # the gradient slot
     return spans
+
+
+def _on_thread(seconds: float, g: int, cores: bool) -> tuple[float, tuple]:
+    """A task's (dur, flows) on gpu g's compute stream: `seconds` of one core shared on HOST_CORES with cores,
+    else a fixed duration."""
+    return (0.0, ((seconds * 1e9, (HOST_CORES, (f"gpu{g}", "compute"))),)) if cores else (seconds, ())
 
 
 def _sent(graph: TaskGraph, phase: str, j: int, i: int) -> Hashable:
