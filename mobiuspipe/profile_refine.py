@@ -125,37 +125,39 @@ def refine_profile(
     )
 
 
+NEIGHBOUR = {"SA": 1, "SG": -1, "RA": -1, "RG": 1}
+"""The stage at a message's other end, from a send's or a receive's stage (SA: the next, RA: the previous, ...)."""
+SENT_BY = {"RA": "SA", "RG": "SG"}
+"""The traced kind that posted the message a receive takes."""
+
+
+def _far(r: TracedAction, gpu: list[int]) -> bool:
+    """Whether message record r (SA, SG, RA or RG) crossed to another gpu (a neighbour on its own is handed over)."""
+    other = r.stage + NEIGHBOUR[r.kind]
+    return 0 <= other < len(gpu) and gpu[other] != gpu[r.stage]
+
+
+def _messages(per_rank: list[list[TracedAction]], steps: list[int], plan: Plan, kinds) -> list[TracedAction]:
+    """The records of `kinds` in `steps` whose message crossed to another gpu."""
+    want = set(steps)
+    return [r for recs in per_rank for r in recs if r.kind in kinds and r.step in want and _far(r, plan.mapping)]
+
+
 def send_seconds(per_rank: list[list[TracedAction]], steps: list[int], plan: Plan) -> float | None:
     """send_s of the legend: the median traced SA and SG of `steps` whose message went to another gpu."""
-    gpu, want = plan.mapping, set(steps)
-    far = [
-        r.end_s - r.start_s
-        for recs in per_rank
-        for r in recs
-        if r.step in want
-        and r.kind in ("SA", "SG")
-        and 0 <= (to := r.stage + (1 if r.kind == "SA" else -1)) < len(gpu)
-        and gpu[to] != gpu[r.stage]
-    ]
+    far = [r.end_s - r.start_s for r in _messages(per_rank, steps, plan, ("SA", "SG"))]
     return statistics.median(far) if far else None
 
 
 def recv_seconds(per_rank: list[list[TracedAction]], steps: list[int], plan: Plan) -> float | None:
     """recv_s of the legend: the mean over the traced RA and RG of `steps` whose message came from another gpu of
     their seconds from when both ends had reached the message (None: no such receive was traced with its send)."""
-    gpu, want = plan.mapping, set(steps)
-    sent = {
-        (r.step, r.kind, r.stage, r.microbatch): r.end_s for recs in per_rank for r in recs if r.kind in ("SA", "SG")
-    }
+    posted = {(r.step, r.kind, r.stage, r.microbatch): r.end_s for r in _messages(per_rank, steps, plan, ("SA", "SG"))}
     took = []
-    for recs in per_rank:
-        for r in recs:
-            if r.step not in want or r.kind not in ("RA", "RG"):
-                continue
-            frm, kind = (r.stage - 1, "SA") if r.kind == "RA" else (r.stage + 1, "SG")
-            posted = sent.get((r.step, kind, frm, r.microbatch))
-            if 0 <= frm < len(gpu) and gpu[frm] != gpu[r.stage] and posted is not None:
-                took.append(r.end_s - max(r.start_s, posted))
+    for r in _messages(per_rank, steps, plan, ("RA", "RG")):
+        sent = posted.get((r.step, SENT_BY[r.kind], r.stage + NEIGHBOUR[r.kind], r.microbatch))
+        if sent is not None:
+            took.append(r.end_s - max(r.start_s, sent))
     return statistics.mean(took) if took else None
 
 

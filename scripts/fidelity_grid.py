@@ -79,10 +79,6 @@ class Policy:
         tiers = swap_tiers(plan, MemoryConfig(activation_tier=self.tier, ssd_dir=ssd_dir), modes)  # ssd: needs one
         return plan_as_run(plan, modes, tiers)
 
-    def simulate(self, plan: Plan, topo: Topology, ssd_dir: str) -> SimResult:
-        """The simulator's step of plan run under this policy."""
-        return simulated(self.as_run(plan, ssd_dir), topo)
-
 
 def simulated(run: Plan, topo: Topology) -> SimResult:
     """The simulator's step of a plan as run (Policy.as_run)."""

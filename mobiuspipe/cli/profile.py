@@ -218,8 +218,6 @@ def _refined(args: argparse.Namespace) -> tuple[Profile, str, list[str]]:
 
     if args.model or args.measured:
         raise CliError("--refine reads the model from the run's folder: drop --model and --measured")
-    if args.layout_out and Path(args.layout_out).suffix not in (".yaml", ".yml", ".json"):
-        raise CliError(f"--layout-out {args.layout_out}: expected a .yaml, .yml or .json file name")
     folder = Path(args.refine)
     for name, what in (("plan.yaml", "the plan the run followed"), ("trace.json", "its traced steps")):
         if not (folder / name).is_file():
@@ -263,10 +261,12 @@ def _refined(args: argparse.Namespace) -> tuple[Profile, str, list[str]]:
 
 
 def _write_layout(layout: Topology, got: Refinement, path: str) -> str:
-    """Save the run's machine with the message costs the run measured (its probes kept); returns the line saying so."""
-    measured = dataclasses.replace(
-        layout.measured or Measured(), message_send_s=got.send_s or 0.0, message_recv_s=got.recv_s or 0.0
-    )
+    """Save the run's machine with the message costs the run measured (its probes, and a cost the run did not
+    measure, kept as the layout had them); returns the line saying so. A bad suffix: save_topology's error."""
+    m = layout.measured or Measured()
+    send = m.message_send_s if got.send_s is None else got.send_s
+    recv = m.message_recv_s if got.recv_s is None else got.recv_s
+    measured = dataclasses.replace(m, message_send_s=send, message_recv_s=recv)
     write_output("layout", path, lambda: save_topology(dataclasses.replace(layout, measured=measured), path))
     return f"layout written to {path} (measured.message_send_s, message_recv_s)"
 
@@ -292,6 +292,8 @@ def _run_profile(path: str | None, folder: Path) -> tuple[Profile, str]:
 def run(args: argparse.Namespace, out) -> int:
     """Make the profile, write -o, print the table or the JSON document on `out`."""
     extra: list[str] = []
+    if args.layout_out and not args.refine:
+        raise CliError("--layout-out writes what a traced run measured: give --refine RUN_DIR too")
     if args.refine:
         profile, how, extra = _refined(args)
     elif not args.model:

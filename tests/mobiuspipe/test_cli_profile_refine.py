@@ -95,9 +95,26 @@ def test_layout_out_writes_the_runs_machine_with_its_message_costs(run_dir):
     budget = HostBudget(None, "unlimited")
     assert predict_step(plan, got, budget).sim.step_time_s > predict_step(plan, plan.layout, budget).sim.step_time_s
     code, text, err = run([*argv, "--layout-out", str(run_dir / "machine.txt")])
-    assert code == 2 and "expected a .yaml, .yml or .json" in err
+    assert code == 2 and "expected one of ['.yaml', '.yml', '.json']" in err and not (run_dir / "machine.txt").exists()
     code, text, _ = run(argv)
     assert code == 0 and "--layout-out FILE writes them" in text
+
+
+def test_layout_out_keeps_a_cost_the_run_did_not_measure(tmp_path):
+    import dataclasses
+
+    from mobiuspipe.cli.profile import _write_layout
+    from mobiuspipe.profile_refine import Refinement
+    from topology import load_topology
+    from topology.types import Measured
+
+    probed = Measured(host_cores=1.5, message_latency_s=1e-4, message_send_s=3e-4, message_recv_s=5e-4)
+    layout = dataclasses.replace(cpu_standin(2, 1 << 30), measured=probed)
+    _write_layout(layout, Refinement(_profile(3, 0), (), send_s=2e-4, recv_s=None), str(tmp_path / "m.yaml"))
+    got = load_topology(str(tmp_path / "m.yaml")).measured
+    assert got == dataclasses.replace(probed, message_send_s=2e-4)  # the probes and the unmeasured receive stay
+    code, _, err = run(["profile", "--model", "gpt3-125m", "--layout-out", str(tmp_path / "x.yaml")])
+    assert code == 2 and "give --refine RUN_DIR too" in err
 
 
 @pytest.mark.parametrize(

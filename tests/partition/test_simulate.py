@@ -30,10 +30,14 @@ def test_one_gpu_one_stage_two_microbatches():
     assert len(res.events) == 1 + 2 + 2 + 1 + 1
 
 
+def _two_stages():
+    """s0 on gpu0: F 1, B 1, load .5, offload .25, update .5, comm .25 (its output to gpu1 and the gradient back);
+    s1 on gpu1: F 2, B 1, load 1, offload .5, update .25."""
+    return [_st(0, 1.0, 1.0, 0.5, 0.25, 0.5, 0.25), _st(1, 2.0, 1.0, 1.0, 0.5, 0.25, 0.0)]
+
+
 def test_two_gpus_two_stages_with_comm():
-    # s0 on gpu0: F 1, B 1, load .5, offload .25, update .5, comm .25 (its output to gpu1 and the gradient back)
-    # s1 on gpu1: F 2, B 1, load 1,  offload .5,  update .25
-    stages = [_st(0, 1.0, 1.0, 0.5, 0.25, 0.5, 0.25), _st(1, 2.0, 1.0, 1.0, 0.5, 0.25, 0.0)]
+    stages = _two_stages()
     res = simulate(stages, num_gpus=2, microbatches=2)
     # gpu0: load [0, .5]; F(0,0) [.5, 1.5]; F(0,1) [1.5, 2.5]
     assert _loads(res, 0) == [(0.0, 0.5)]
@@ -65,7 +69,7 @@ def test_a_sender_posts_each_message_on_its_compute_stream():
     #       B(1,0) [6, 9], send [9, 9.25]; B(1,1) [9.25, 12.25], send [12.25, 12.5]; offload [12.5, 13]
     # gpu0: B(0,0) after 9.25 + .25 -> [9.5, 11.5]; B(0,1) after 12.75 -> [12.75, 14.75] (stage 0 sends nothing
     #       back); offload [14.75, 15]; updates s1 [13, 13.25], s0 [15, 15.5]
-    stages = [_st(0, 1.0, 1.0, 0.5, 0.25, 0.5, 0.25), _st(1, 2.0, 1.0, 1.0, 0.5, 0.25, 0.0)]
+    stages = _two_stages()
     res = simulate([dataclasses.replace(s, send_s=0.25) for s in stages], num_gpus=2, microbatches=2)
     assert [_ev(res, "F", 0, i) for i in (0, 1)] == [(0.5, 1.5), (1.75, 2.75)]
     assert [_ev(res, "F", 1, i) for i in (0, 1)] == [(2.0, 4.0), (4.0, 6.0)]
@@ -93,7 +97,7 @@ def test_a_receiver_takes_each_message_on_its_compute_stream():
     #       receives no gradient); offload [12.25, 12.75], update s1 [12.75, 13]
     # gpu0: arrival 9.5 -> recv [9.5, 9.75], B(0,0) [9.75, 11.75]; arrival 12.5 -> recv [12.5, 12.75],
     #       B(0,1) [12.75, 14.75]; offload [14.75, 15], update s0 [15, 15.5]
-    stages = [_st(0, 1.0, 1.0, 0.5, 0.25, 0.5, 0.25), _st(1, 2.0, 1.0, 1.0, 0.5, 0.25, 0.0)]
+    stages = _two_stages()
     res = simulate([dataclasses.replace(s, recv_s=0.25) for s in stages], num_gpus=2, microbatches=2)
     assert [_ev(res, "F", 0, i) for i in (0, 1)] == [(0.5, 1.5), (1.5, 2.5)]
     assert [_ev(res, "F", 1, i) for i in (0, 1)] == [(2.0, 4.0), (4.25, 6.25)]
@@ -114,7 +118,7 @@ def test_receives_share_the_host_cores():
     # each: the receive's .25 takes [1.75, 2.25] (F(0,1) .5 done); F(1,0) then shares it: F(0,1)'s last .5 takes
     # [2.25, 3.25] (F(1,0) .5 done); F(1,0)'s last 1.5 alone [3.25, 4.75]; the second message arrived at 3.5,
     # its receive [4.75, 5], F(1,1) [5, 7].
-    stages = [_st(0, 1.0, 1.0, 0.5, 0.25, 0.5, 0.25), _st(1, 2.0, 1.0, 1.0, 0.5, 0.25, 0.0)]
+    stages = _two_stages()
     res = simulate([dataclasses.replace(s, recv_s=0.25) for s in stages], num_gpus=2, microbatches=2, host_cores=1.0)
     assert _ev(res, "F", 0, 1) == pytest.approx((1.5, 3.25))
     assert [_ev(res, "F", 1, i) for i in (0, 1)] == [pytest.approx((2.25, 4.75)), pytest.approx((5.0, 7.0))]
