@@ -33,7 +33,10 @@ the one predicted, and what posting and taking a message cost the ranks' threads
 sender's and the receiver's compute streams); the cell reports the median of measured / predicted. The exit code
 then judges these predictions (a cell without a partner in the grid is not judged). The "adjacent" column makes
 the same prediction of each repetition from the partner's run of that repetition alone (the runs a minute or
-so apart): one traced run, then the next plan, as a user re-plans.
+so apart): one traced run, then the next plan, as a user re-plans. The "self" column predicts each repetition
+from this cell's own run in the next repetition (the same plan and policy, minutes apart; the last from the
+first): no other plan is involved, so its spread is what the machine's drift alone leaves, the floor under
+the other two columns.
 """
 
 from __future__ import annotations
@@ -111,6 +114,9 @@ class Cell:
     """Per repetition (with --calibrate): measured / predicted from the profile the PARTNER plan's runs refined."""
     adjacent: list[float] = field(default_factory=list)
     """Per repetition (with --calibrate): the same from the partner's run in that repetition alone."""
+    itself: list[float] = field(default_factory=list)
+    """Per repetition (with --calibrate and 2+ repetitions): the same from this cell's own run in the next
+    repetition (the last from the first): the machine's noise floor, no other plan involved."""
 
     @property
     def ratio(self) -> float:
@@ -178,14 +184,19 @@ def run_cell(cell: Cell, parts: dict, host: Measured, args: argparse.Namespace, 
 def calibrate(cell: Cell, own: list[Ran], partners: list[Ran], args: argparse.Namespace) -> None:
     """The cell's calibrated predictions: in each repetition its plan as run, re-timed from the median of the
     profiles its partner's traced runs refined (mobiuspipe.profile_refine, every repetition) and simulated with
-    the median message costs they measured (cell.calibrated: measured / predicted of each); and from the partner's
-    run of the same repetition alone, a minute or so from this one (cell.adjacent)."""
+    the median message costs they measured (cell.calibrated: measured / predicted of each); from the partner's
+    run of the same repetition alone, a minute or so from this one (cell.adjacent); and from this cell's own run
+    in the next repetition (cell.itself, the machine's noise floor; none with one repetition)."""
     steps = list(range(args.warmup, args.steps))
     refined = [refine_profile(p.profile, p.run, p.per_rank, steps, p.sim) for p in partners]
     pooled = _pooled(refined)
     for ran, alone in zip(own, refined):
         cell.calibrated.append(ran.measured / _predicted(ran, *pooled))
         cell.adjacent.append(ran.measured / _predicted(ran, *_pooled([alone])))
+    if len(own) > 1:
+        mine = [refine_profile(p.profile, p.run, p.per_rank, steps, p.sim) for p in own]
+        for k, ran in enumerate(own):
+            cell.itself.append(ran.measured / _predicted(ran, *_pooled([mine[(k + 1) % len(own)]])))
 
 
 def _pooled(refined: list[Refinement]) -> tuple[Profile, float, float]:
@@ -233,6 +244,7 @@ def row(cell: Cell, tol: float) -> list[str]:
         f"{statistics.median(cell.actions):.2f}x" if cell.actions else "-",
         _calibrated(cell.calibrated, tol),
         _calibrated(cell.adjacent, tol),
+        _calibrated(cell.itself, tol),
     ]
 
 
@@ -260,6 +272,7 @@ HEADER = [
     "F/B measured/pred.",
     "calibrated measured/pred.",
     "adjacent calibrated",
+    "self calibrated",
 ]
 
 
