@@ -36,7 +36,9 @@ the same prediction of each repetition from the partner's run of that repetition
 so apart): one traced run, then the next plan, as a user re-plans. The "self" column predicts each repetition
 from this cell's own run in the next repetition (the same plan and policy, minutes apart; the last from the
 first): no other plan is involved, so its spread is what the machine's drift alone leaves, the floor under
-the other two columns.
+the other two columns. The "replay" column predicts each run from its own trace: what is left is the
+simulator's, not the drift's (on one rank the step is the sum of its actions; on two, a late action of either
+rank delays the other, which a simulation from typical action times does not see).
 """
 
 from __future__ import annotations
@@ -117,6 +119,9 @@ class Cell:
     itself: list[float] = field(default_factory=list)
     """Per repetition (with --calibrate and 2+ repetitions): the same from this cell's own run in the next
     repetition (the last from the first): the machine's noise floor, no other plan involved."""
+    replay: list[float] = field(default_factory=list)
+    """Per repetition (with --calibrate): the same from this very run's trace: the simulator's own error once
+    it is given the run's action times (no drift between runs involved)."""
 
     @property
     def ratio(self) -> float:
@@ -186,16 +191,18 @@ def calibrate(cell: Cell, own: list[Ran], partners: list[Ran], args: argparse.Na
     profiles its partner's traced runs refined (mobiuspipe.profile_refine, every repetition) and simulated with
     the median message costs they measured (cell.calibrated: measured / predicted of each); from the partner's
     run of the same repetition alone, a minute or so from this one (cell.adjacent); and from this cell's own run
-    in the next repetition (cell.itself, the machine's noise floor; none with one repetition)."""
+    in the next repetition (cell.itself, the machine's noise floor; none with one repetition); and from its own
+    run's trace (cell.replay, the simulator's error given the run's own action times)."""
     steps = list(range(args.warmup, args.steps))
     refined = [refine_profile(p.profile, p.run, p.per_rank, steps, p.sim) for p in partners]
     pooled = _pooled(refined)
     for ran, alone in zip(own, refined):
         cell.calibrated.append(ran.measured / _predicted(ran, *pooled))
         cell.adjacent.append(ran.measured / _predicted(ran, *_pooled([alone])))
-    if len(own) > 1:
-        mine = [refine_profile(p.profile, p.run, p.per_rank, steps, p.sim) for p in own]
-        for k, ran in enumerate(own):
+    mine = [refine_profile(p.profile, p.run, p.per_rank, steps, p.sim) for p in own]
+    for k, ran in enumerate(own):
+        cell.replay.append(ran.measured / _predicted(ran, *_pooled([mine[k]])))
+        if len(own) > 1:
             cell.itself.append(ran.measured / _predicted(ran, *_pooled([mine[(k + 1) % len(own)]])))
 
 
@@ -245,6 +252,7 @@ def row(cell: Cell, tol: float) -> list[str]:
         _calibrated(cell.calibrated, tol),
         _calibrated(cell.adjacent, tol),
         _calibrated(cell.itself, tol),
+        _calibrated(cell.replay, tol),
     ]
 
 
@@ -273,6 +281,7 @@ HEADER = [
     "calibrated measured/pred.",
     "adjacent calibrated",
     "self calibrated",
+    "replay",
 ]
 
 
