@@ -186,21 +186,17 @@ def run_cell(cell: Cell, parts: dict, host: Measured, args: argparse.Namespace, 
     return Ran(profile, run, sim, topo, read_chrome(trace) if args.calibrate else [], cell.measured[-1])
 
 
-def calibrate(cell: Cell, own: list[Ran], partners: list[Ran], args: argparse.Namespace) -> None:
+def calibrate(cell: Cell, own: list[Ran], mine: list[Refinement], theirs: list[Refinement]) -> None:
     """The cell's calibrated predictions: in each repetition its plan as run, re-timed from the median of the
-    profiles its partner's traced runs refined (mobiuspipe.profile_refine, every repetition) and simulated with
-    the median message costs they measured (cell.calibrated: measured / predicted of each); from the partner's
-    run of the same repetition alone, a minute or so from this one (cell.adjacent); and from this cell's own run
-    in the next repetition (cell.itself, the machine's noise floor; none with one repetition); and from its own
-    run's trace (cell.replay, the simulator's error given the run's own action times)."""
-    steps = list(range(args.warmup, args.steps))
-    refined = [refine_profile(p.profile, p.run, p.per_rank, steps, p.sim) for p in partners]
-    pooled = _pooled(refined)
-    for ran, alone in zip(own, refined):
+    profiles its partner's traced runs refined (theirs: mobiuspipe.profile_refine of every repetition's run)
+    and simulated with the median message costs they measured (cell.calibrated: measured / predicted of each);
+    from the partner's run of the same repetition alone, a minute or so from this one (cell.adjacent); from
+    this cell's own run in the next repetition (mine; cell.itself, the machine's noise floor; none with one
+    repetition); and from its own run's trace (cell.replay, the simulator's error given the run's action times)."""
+    pooled = _pooled(theirs)
+    for k, (ran, alone) in enumerate(zip(own, theirs)):
         cell.calibrated.append(ran.measured / _predicted(ran, *pooled))
         cell.adjacent.append(ran.measured / _predicted(ran, *_pooled([alone])))
-    mine = [refine_profile(p.profile, p.run, p.per_rank, steps, p.sim) for p in own]
-    for k, ran in enumerate(own):
         cell.replay.append(ran.measured / _predicted(ran, *_pooled([mine[k]])))
         if len(own) > 1:
             cell.itself.append(ran.measured / _predicted(ran, *_pooled([mine[(k + 1) % len(own)]])))
@@ -346,9 +342,14 @@ def main(argv: list[str] | None = None) -> int:
                         file=sys.stderr,
                         flush=True,
                     )
-        for (m, p, q), cell in cells.items():
-            if args.calibrate and (m, PARTNER[p], q) in cells:
-                calibrate(cell, ran[(m, p, q)], ran[(m, PARTNER[p], q)], args)
+        if args.calibrate:
+            steps = list(range(args.warmup, args.steps))
+            refined = {
+                k: [refine_profile(r.profile, r.run, r.per_rank, steps, r.sim) for r in runs] for k, runs in ran.items()
+            }
+            for (m, p, q), cell in cells.items():
+                if (m, PARTNER[p], q) in cells:
+                    calibrate(cell, ran[(m, p, q)], refined[(m, p, q)], refined[(m, PARTNER[p], q)])
     share, wall = other_share(mark)
     info.append(f"other processes kept {100 * share:.1f}% of the {os.cpu_count()} cores busy during the {wall:.0f} s")
     info.append(f"{args.reps} repetitions x {args.steps} steps, median of the last {args.steps - args.warmup} of each")
