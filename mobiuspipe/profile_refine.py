@@ -24,7 +24,12 @@ of  end(R) - max(start(R), end(its SA or SG))  (the receive's time from when bot
 and the receiver reached it: posting the receive, and gloo's delivery, which on a busy machine waits for the
 sender's process to get a core; the mean, since these delays add up along the step and a few are long; the
 probed latency, 0.1 ms here, is inside it), charged before the F or B that needs the message
-(Measured.message_recv_s, SimStage.recv_s).
+(Measured.message_recv_s, SimStage.recv_s). And what the training loop spends between two steps' schedules:
+step_overhead_s, the median over traced steps s whose next step is traced too of
+  (start of rank 0's step s+1) - (start of its step s) - (the schedule's span in step s)
+(the span from the first record of any rank to the last, host updates included; floored at 0): the collectives
+of the loss and metrics, clipping, starting the updates and taking the next batch, which the simulator adds
+to the step (Measured.step_overhead_s).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ __all__ = [
     "refine_profile",
     "send_seconds",
     "recv_seconds",
+    "loop_seconds",
     "median_profile",
 ]
 
@@ -61,12 +67,13 @@ class StageScale:
 @dataclass(frozen=True)
 class Refinement:
     """The refined profile, the scale of each stage it came from, send_s and recv_s (None: the run sent no
-    message to another gpu)."""
+    message to another gpu) and step_overhead_s (None: no two consecutive steps were traced)."""
 
     profile: Profile
     scales: tuple[StageScale, ...]
     send_s: float | None = None
     recv_s: float | None = None
+    step_overhead_s: float | None = None
 
 
 def _sums(result: SimResult, kind: str) -> dict[int, float]:
@@ -122,6 +129,7 @@ def refine_profile(
         tuple(scales),
         send_seconds(per_rank, steps, plan),
         recv_seconds(per_rank, steps, plan),
+        loop_seconds(per_rank, steps),
     )
 
 
@@ -159,6 +167,21 @@ def recv_seconds(per_rank: list[list[TracedAction]], steps: list[int], plan: Pla
         if sent is not None:
             took.append(r.end_s - max(r.start_s, sent))
     return statistics.mean(took) if took else None
+
+
+def loop_seconds(per_rank: list[list[TracedAction]], steps: list[int]) -> float | None:
+    """step_overhead_s of the legend (None: no step of `steps` has its next step traced on rank 0 too)."""
+    starts = {r.step: r.start_s for r in per_rank[0] if r.kind == "step"} if per_rank else {}
+    spans: dict[int, list[float]] = {}
+    for r in (r for recs in per_rank for r in recs if r.kind != "step" and r.step in starts):
+        first, last = spans.setdefault(r.step, [r.start_s, r.end_s])
+        spans[r.step] = [min(first, r.start_s), max(last, r.end_s)]
+    gaps = [
+        max(0.0, starts[s + 1] - starts[s] - (spans[s][1] - spans[s][0]))
+        for s in steps
+        if s + 1 in starts and s in spans
+    ]
+    return statistics.median(gaps) if gaps else None
 
 
 def _kind(layer: LayerProfile) -> tuple:

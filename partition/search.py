@@ -15,7 +15,7 @@ from partition.errors import PlanInfeasibleError
 from partition.mapping import mapping_candidates, mapping_score, stage_contention
 from partition.plan import Plan, SolverInfo, StagePlan
 from partition.profile import Profile
-from partition.sim_stages import HOST_ADAM_PARAMS_PER_S, host_adam_rate, host_cores, sim_stages
+from partition.sim_stages import HOST_ADAM_PARAMS_PER_S, host_adam_rate, host_cores, loop_overhead, sim_stages
 from partition.simulate import SimResult, simulate
 from partition.tiers import HostBudget, MemoryPlan, SsdInfo, activation_host_caps, place_tiers, ssd_info
 from topology import Topology
@@ -144,12 +144,19 @@ class Prediction:
 
 def predict_step(plan: Plan, topo: Topology, budget: HostBudget) -> Prediction:
     """Place the plan's states under `budget` (partition.tiers) and simulate its step on `topo` with shared
-    links and the SSD traffic of the states on the SSD; PlanInfeasibleError when the states cannot fit."""
+    links, the SSD traffic of the states on the SSD, and the loop's per-step overhead the topology measured;
+    PlanInfeasibleError when the states cannot fit."""
     memory = place_tiers(plan, budget)
     ssd = ssd_info(topo)
     stages = sim_stages(plan.stages, topo, memory)
     sim = simulate(
-        stages, topo.num_gpus, plan.num_microbatches, topology=topo, ssd=ssd.link, host_cores=host_cores(topo)
+        stages,
+        topo.num_gpus,
+        plan.num_microbatches,
+        topology=topo,
+        ssd=ssd.link,
+        host_cores=host_cores(topo),
+        overhead_s=loop_overhead(topo),
     )
     bound = step_bound(sim, stages, topo, ssd.link)
     return Prediction(dataclasses.replace(plan, predicted_step_time_s=sim.step_time_s), memory, ssd, sim, bound)

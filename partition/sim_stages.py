@@ -11,7 +11,7 @@ from partition.sim_types import SimStage
 from partition.tiers import MemoryPlan, ssd_info
 from topology import Topology
 
-__all__ = ["HOST_ADAM_PARAMS_PER_S", "host_adam_rate", "host_cores", "sim_stages"]
+__all__ = ["HOST_ADAM_PARAMS_PER_S", "host_adam_rate", "host_cores", "loop_overhead", "sim_stages"]
 
 HOST_ADAM_PARAMS_PER_S = 1.0e9
 """Parameters per second the host's Adam updates when the topology has no measurement (`topology --probe`
@@ -29,6 +29,12 @@ def host_cores(topo: Topology) -> float | None:
     gpu computes on its own."""
     m = topo.measured
     return m.host_cores if m and m.host_cores > 0 else None
+
+
+def loop_overhead(topo: Topology) -> float:
+    """The training loop's seconds per step outside the schedule that a traced run measured on this machine
+    (Measured.step_overhead_s), else 0."""
+    return topo.measured.step_overhead_s if topo.measured else 0.0
 
 
 def sim_stages(stages: tuple[StagePlan, ...], topo: Topology, memory: MemoryPlan | None = None) -> list[SimStage]:

@@ -51,6 +51,9 @@ Resources and rules (times in seconds, bytes, GB/s = 1e9 bytes/s):
             send of send_s (core work with host_cores), after which the message takes comm_s. Such a rank also
             receives on that thread: once the message has arrived and its stream reached the F or B that needs
             it, a receive of recv_s (core work with host_cores) runs before that F or B.
+  loop      the training loop's own seconds per step outside the schedule, overhead_s (topology
+            Measured.step_overhead_s: collectives of the loss and metrics, clipping, the next batch), are
+            added to the step time (the events stay as they are).
 
 Durations of loads and offloads (the link model):
   topology=None   each load takes its stage's load_s and each offload its offload_s (static; the planner's
@@ -72,10 +75,10 @@ Not modelled (small next to a stage's weights, or outside one step): activations
 flows (they keep their fixed comm_s but their bytes are counted in link traffic); the next step's loads
 waiting for this step's updates.
 
-Reported: step time = when the last update (or the last compute) ends, at least D; per gpu its compute busy seconds
-and fraction; bytes per link (gpu link, switch and root complex uplinks, NVLink, then the SSD's reads and
-writes, of updates, loads and offloads alike, when a stage has state there); per gpu the peak of the
-device arena in use (weight slots between a load's start and the visit's release, the gradient slot
+Reported: step time = when the last update (or the last compute) ends, at least D, plus overhead_s; per gpu
+its compute busy seconds and fraction; bytes per link (gpu link, switch and root complex uplinks, NVLink, then
+the SSD's reads and writes, of updates, loads and offloads alike, when a stage has state there); per gpu the
+peak of the device arena in use (weight slots between a load's start and the visit's release, the gradient slot
 between a backward visit's first microbatch and its offload's end, times the slot size W = the largest
 stage's param_bytes) and the largest activation bytes of its stages.
 """
@@ -133,10 +136,12 @@ def simulate(
     ssd: SsdLink | None = None,
     memory_bytes: int | None = None,
     host_cores: float | None = None,
+    overhead_s: float = 0.0,
 ) -> SimResult:
     """Event times of one step (see the module docstring); with a topology, loads and offloads share links;
     with an SsdLink, the updates of stages with SSD bytes stream them; with memory_bytes, loads prefetch only
-    what fits (partial prefetch); with host_cores, the computations share that many cores.
+    what fits (partial prefetch); with host_cores, the computations share that many cores; overhead_s, the
+    loop's seconds outside the schedule, is added to the step time.
 
     Raises ValueError for stages with SSD bytes but no SsdLink, RuntimeError if the schedule cannot make
     progress (a stage on a gpu that does not exist: a bug).
@@ -147,6 +152,8 @@ def simulate(
         raise ValueError("stages move bytes to or from the SSD but simulate() got no ssd=SsdLink(...)")
     if host_cores is not None and not host_cores > 0:
         raise ValueError(f"host_cores must be > 0 (the cores the computations share), found {host_cores}")
+    if not overhead_s >= 0:
+        raise ValueError(f"overhead_s must be >= 0 (the loop's seconds per step), found {overhead_s}")
     caps: dict[Link, float] = {}
     if topology is not None:
         _check_bytes(stages, topology, num_gpus)
@@ -181,7 +188,7 @@ def simulate(
     ssd_rows = _ssd_traffic(stages, moves)
     drive_s = ssd.seconds(ssd_rows[0][2], ssd_rows[1][2]) if ssd and ssd_rows else 0.0
     return SimResult(
-        step_time_s=max(max((e[5] for e in events), default=0.0), drive_s),
+        step_time_s=max(max((e[5] for e in events), default=0.0), drive_s) + overhead_s,
         compute_busy_s=busy,
         events=tuple(events),
         link_bytes=_traffic(moves, topology, num_gpus) + ssd_rows,

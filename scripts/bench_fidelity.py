@@ -202,17 +202,27 @@ def calibrate(cell: Cell, own: list[Ran], mine: list[Refinement], theirs: list[R
             cell.itself.append(ran.measured / _predicted(ran, *_pooled([mine[(k + 1) % len(own)]])))
 
 
-def _pooled(refined: list[Refinement]) -> tuple[Profile, float, float]:
-    """The median profile, posting and taking of a message over refinements (0 s where none measured it)."""
-    sends = [r.send_s for r in refined if r.send_s is not None]
-    recvs = [r.recv_s for r in refined if r.recv_s is not None]
-    med = lambda xs: statistics.median(xs) if xs else 0.0  # noqa: E731
-    return median_profile([r.profile for r in refined]), med(sends), med(recvs)
+def _pooled(refined: list[Refinement]) -> tuple[Profile, float, float, float]:
+    """The median profile, posting and taking of a message, and the loop's overhead a step over refinements (0 s
+    where none measured it)."""
+
+    def med(xs: list[float | None]) -> float:
+        got = [x for x in xs if x is not None]
+        return statistics.median(got) if got else 0.0
+
+    costs = (
+        med([r.send_s for r in refined]),
+        med([r.recv_s for r in refined]),
+        med([r.step_overhead_s for r in refined]),
+    )
+    return median_profile([r.profile for r in refined]), *costs
 
 
-def _predicted(ran: Ran, profile: Profile, send_s: float, recv_s: float) -> float:
-    """The simulated step of ran's plan as run, re-timed from profile, with these message costs."""
-    m = dataclasses.replace(ran.topo.measured or Measured(), message_send_s=send_s, message_recv_s=recv_s)
+def _predicted(ran: Ran, profile: Profile, send_s: float, recv_s: float, loop_s: float) -> float:
+    """The simulated step of ran's plan as run, re-timed from profile, with these message and loop costs."""
+    m = dataclasses.replace(
+        ran.topo.measured or Measured(), message_send_s=send_s, message_recv_s=recv_s, step_overhead_s=loop_s
+    )
     return simulated(retime(ran.run, profile), dataclasses.replace(ran.topo, measured=m)).step_time_s
 
 

@@ -29,7 +29,7 @@ A layout file holds what `Topology.to_dict()` produces (README.md shows this sam
                                      # h2d_group_gbps (per gpu), d2d_gbps (gpu x gpu), ssd_dir, ssd_read_gbps,
                                      # ssd_write_gbps, host_adam_params_per_s, host_cores,
                                      # message_latency_s, message_gbps, message_send_s,
-                                     # message_recv_s, notes
+                                     # message_recv_s, step_overhead_s, notes
     notes: []                        # optional: what discovery could not find out
 
 Memory strings take B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), with an

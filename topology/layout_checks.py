@@ -77,6 +77,7 @@ def _measured(m: SimpleNamespace) -> list[Problem]:
                 "message_gbps",
                 "message_send_s",
                 "message_recv_s",
+                "step_overhead_s",
             )
             for p in positive(m, name, fix, zero_ok=True)
         ),

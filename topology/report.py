@@ -194,6 +194,8 @@ def _measured(t: Topology) -> list[str]:
         lines.append(f"  posting a message: {m.message_send_s * 1e3:.3f} ms of the sender's thread")
     if m.message_recv_s:
         lines.append(f"  receiving a message: {m.message_recv_s * 1e3:.3f} ms of the receiver's thread")
+    if m.step_overhead_s:
+        lines.append(f"  the training loop between steps: {m.step_overhead_s * 1e3:.3f} ms a step")
     return lines + [f"  note: {n}" for n in m.notes]
 
 

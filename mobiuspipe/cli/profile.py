@@ -253,22 +253,24 @@ def _refined(args: argparse.Namespace) -> tuple[Profile, str, list[str]]:
             f"taking a message from another rank: {got.recv_s * 1e3:.3f} ms of the receiver's thread once both ends "
             f"reached it"
         )
+    if got.step_overhead_s is not None:
+        lines.append(f"the training loop between steps: {got.step_overhead_s * 1e3:.3f} ms a step")
     if args.layout_out:
         lines.append(_write_layout(plan.layout, got, args.layout_out))
-    elif got.send_s is not None or got.recv_s is not None:
+    elif (got.send_s, got.recv_s, got.step_overhead_s) != (None, None, None):
         lines.append("(--layout-out FILE writes them into the run's machine for `partition --topology FILE`)")
     return got.profile, f"refined by the traced steps {steps} of {folder}", lines
 
 
 def _write_layout(layout: Topology, got: Refinement, path: str) -> str:
-    """Save the run's machine with the message costs the run measured (its probes, and a cost the run did not
-    measure, kept as the layout had them); returns the line saying so. A bad suffix: save_topology's error."""
+    """Save the run's machine with the message and loop costs the run measured (its probes, and a cost the run
+    did not measure, kept as the layout had them); returns the line saying so. A bad suffix: save_topology's
+    error."""
     m = layout.measured or Measured()
-    send = m.message_send_s if got.send_s is None else got.send_s
-    recv = m.message_recv_s if got.recv_s is None else got.recv_s
-    measured = dataclasses.replace(m, message_send_s=send, message_recv_s=recv)
+    got_costs = {"message_send_s": got.send_s, "message_recv_s": got.recv_s, "step_overhead_s": got.step_overhead_s}
+    measured = dataclasses.replace(m, **{k: v for k, v in got_costs.items() if v is not None})
     write_output("layout", path, lambda: save_topology(dataclasses.replace(layout, measured=measured), path))
-    return f"layout written to {path} (measured.message_send_s, message_recv_s)"
+    return f"layout written to {path} (measured.message_send_s, message_recv_s, step_overhead_s)"
 
 
 def _run_profile(path: str | None, folder: Path) -> tuple[Profile, str]:

@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from mobiuspipe.action_trace import TracedAction, write_chrome
+from mobiuspipe.action_trace import TracedAction, read_chrome, write_chrome
+from mobiuspipe.profile_refine import loop_seconds
 from partition.plan import load_plan, save_plan
 from partition.profile import LayerProfile, Profile, load_profile, save_profile
 from partition.search import make_plan, predict_step
@@ -30,13 +31,14 @@ def _profile(n: int, seed: int) -> Profile:
 def run_dir(tmp_path):
     """tmp_path/out: plan.yaml and trace.json of a 2-rank run of 4 stages, steps 0-2 traced (step 0 10x slower,
     as a first step that learns the messages' shapes is: left out), each message sent 0.4 ms and taken 0.6 ms after
-    that; tmp_path/profile.yaml its profile."""
+    that, each step started on rank 0 every 10 s; tmp_path/profile.yaml its profile."""
     profile = _profile(9, 0)
     plan = make_plan(profile, cpu_standin(2, 1 << 30), 3, num_stages=4, mapping="cross", solver="dp")
     assert plan.layout is not None
     sim = predict_step(plan, plan.layout, HostBudget(None, "unlimited")).sim
     per_rank: list[list[TracedAction]] = [[], []]
     for step in (0, 1, 2):
+        per_rank[0].append(TracedAction(step, "step", -1, -1, 10.0 * step - 0.25, 10.0 * step + 5))
         for kind, gpu, stage, mb, start, end in sim.events:
             if kind in ("F", "B"):
                 k = (2.0 if (kind, stage) == ("F", 0) else 1.5) * (10.0 if step == 0 else 1.0)
@@ -90,6 +92,8 @@ def test_layout_out_writes_the_runs_machine_with_its_message_costs(run_dir):
         pytest.approx(0.0004, rel=1e-3),
         pytest.approx(0.0006, rel=1e-3),
     )
+    assert got.measured.step_overhead_s == pytest.approx(loop_seconds(read_chrome(out / "trace.json"), [1, 2]))
+    assert f"the training loop between steps: {got.measured.step_overhead_s * 1e3:.3f} ms a step" in text
     assert got.gpus == plan.layout.gpus  # the same machine, with what the run measured added
     # the costs it holds lengthen the plan's predicted step
     budget = HostBudget(None, "unlimited")
@@ -110,9 +114,11 @@ def test_layout_out_keeps_a_cost_the_run_did_not_measure(tmp_path):
 
     probed = Measured(host_cores=1.5, message_latency_s=1e-4, message_send_s=3e-4, message_recv_s=5e-4)
     layout = dataclasses.replace(cpu_standin(2, 1 << 30), measured=probed)
-    _write_layout(layout, Refinement(_profile(3, 0), (), send_s=2e-4, recv_s=None), str(tmp_path / "m.yaml"))
+    refined = Refinement(_profile(3, 0), (), send_s=2e-4, recv_s=None, step_overhead_s=7e-3)
+    _write_layout(layout, refined, str(tmp_path / "m.yaml"))
     got = load_topology(str(tmp_path / "m.yaml")).measured
-    assert got == dataclasses.replace(probed, message_send_s=2e-4)  # the probes and the unmeasured receive stay
+    # the probes and the unmeasured receive stay; the send and the loop's overhead are the run's
+    assert got == dataclasses.replace(probed, message_send_s=2e-4, step_overhead_s=7e-3)
     code, _, err = run(["profile", "--model", "gpt3-125m", "--layout-out", str(tmp_path / "x.yaml")])
     assert code == 2 and "give --refine RUN_DIR too" in err
 

@@ -10,7 +10,14 @@ import random
 import pytest
 
 from mobiuspipe.action_trace import TracedAction
-from mobiuspipe.profile_refine import median_profile, recv_seconds, refine_profile, send_seconds, stage_scales
+from mobiuspipe.profile_refine import (
+    loop_seconds,
+    median_profile,
+    recv_seconds,
+    refine_profile,
+    send_seconds,
+    stage_scales,
+)
 from partition.profile import LayerProfile, Profile
 from partition.retime import retime
 from partition.search import make_plan, sim_stages
@@ -131,6 +138,32 @@ def test_recv_seconds_is_the_mean_receive_from_when_both_ends_reached_it():
     assert recv_seconds([rank0, rank1], [4], two) == pytest.approx((0.004 + 0.0003 + 0.002) / 3)
     one = make_plan(profile, cpu_standin(1, 1 << 30), M, num_stages=4, solver="dp")
     assert recv_seconds([rank0 + rank1], [4], one) is None  # every stage on one gpu: handed over
+
+
+def test_loop_seconds_is_the_median_gap_between_two_steps_schedules():
+    """Rank 0's steps start at 0, 1.0, 2.1, 3.0 and 4.0 s; each schedule spans from its first record on any rank
+    to its last (a host update included): step 0 0.9 s, step 1 0.95, step 2 0.85 (the update ends it), step 3
+    1.2 (longer than its period: no gap). Gaps 0.1, 0.15, 0.05, 0: median of steps 0-3 0.075; step 4 has no
+    next step traced."""
+
+    def step(s, t0, end0, end1, update=None):
+        r0 = [TracedAction(s, "step", -1, -1, t0, t0 + 0.5), TracedAction(s, "F", 0, 0, t0 + 0.01, end0)]
+        r1 = [TracedAction(s, "B", 1, 0, t0 + 0.3, end1)]
+        if update is not None:
+            r1.append(TracedAction(s, "U", 1, -1, end1, update))
+        return r0, r1
+
+    parts = [
+        step(0, 0.0, 0.5, 0.91),
+        step(1, 1.0, 1.96, 1.5),
+        step(2, 2.1, 2.5, 2.8, update=2.96),
+        step(3, 3.0, 4.21, 3.5),
+        step(4, 4.0, 4.5, 4.6),
+    ]
+    per_rank = [[r for a, _ in parts for r in a], [r for _, b in parts for r in b]]
+    assert loop_seconds(per_rank, [0, 1, 2, 3]) == pytest.approx((0.1 + 0.05) / 2)
+    assert loop_seconds(per_rank, [0, 1]) == pytest.approx((0.1 + 0.15) / 2)  # only the steps asked for
+    assert loop_seconds(per_rank, [4]) is None and loop_seconds([], [0]) is None
 
 
 def test_median_profile_takes_each_layers_middle_time():

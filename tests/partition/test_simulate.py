@@ -62,6 +62,16 @@ def test_two_gpus_two_stages_with_comm():
     assert res.compute_busy_s == (2.0 + 4.0, 4.0 + 6.0)
 
 
+def test_the_loops_overhead_adds_to_the_step_and_moves_no_event():
+    """The two-stage step above (14.75) with the loop's 0.5 s a step outside the schedule: 15.25, every event
+    where it was; a negative overhead is refused."""
+    plain = simulate(_two_stages(), num_gpus=2, microbatches=2)
+    res = simulate(_two_stages(), num_gpus=2, microbatches=2, overhead_s=0.5)
+    assert res.step_time_s == 15.25 and res.events == plain.events
+    with pytest.raises(ValueError, match="overhead_s must be >= 0"):
+        simulate(_two_stages(), num_gpus=2, microbatches=2, overhead_s=-0.25)
+
+
 def test_a_sender_posts_each_message_on_its_compute_stream():
     # test_two_gpus_two_stages_with_comm with send_s .25 (a CPU stand-in's rank sends from its computing thread):
     # gpu0: F(0,0) [.5, 1.5], send [1.5, 1.75]; F(0,1) [1.75, 2.75], send [2.75, 3]
