@@ -42,6 +42,7 @@ from mobiuspipe.action_trace import TracedAction, as_sim_result
 from partition.plan import Plan
 from partition.profile import LayerProfile, Profile
 from partition.sim_types import SimResult
+from topology.types import Measured
 
 __all__ = [
     "StageScale",
@@ -74,6 +75,12 @@ class Refinement:
     send_s: float | None = None
     recv_s: float | None = None
     step_overhead_s: float | None = None
+
+    def measured_on(self, m: Measured | None) -> Measured:
+        """A machine's measurements m with the costs this run measured (message_send_s, message_recv_s,
+        step_overhead_s), each it did not measure kept as m had it."""
+        got = {"message_send_s": self.send_s, "message_recv_s": self.recv_s, "step_overhead_s": self.step_overhead_s}
+        return dataclasses.replace(m or Measured(), **{k: v for k, v in got.items() if v is not None})
 
 
 def _sums(result: SimResult, kind: str) -> dict[int, float]:

@@ -189,41 +189,39 @@ def run_cell(cell: Cell, parts: dict, host: Measured, args: argparse.Namespace, 
 def calibrate(cell: Cell, own: list[Ran], mine: list[Refinement], theirs: list[Refinement]) -> None:
     """The cell's calibrated predictions: in each repetition its plan as run, re-timed from the median of the
     profiles its partner's traced runs refined (theirs: mobiuspipe.profile_refine of every repetition's run)
-    and simulated with the median message costs they measured (cell.calibrated: measured / predicted of each);
+    and simulated with the median message and loop costs they measured (cell.calibrated: measured / predicted of each);
     from the partner's run of the same repetition alone, a minute or so from this one (cell.adjacent); from
     this cell's own run in the next repetition (mine; cell.itself, the machine's noise floor; none with one
     repetition); and from its own run's trace (cell.replay, the simulator's error given the run's action times)."""
     pooled = _pooled(theirs)
     for k, (ran, alone) in enumerate(zip(own, theirs)):
-        cell.calibrated.append(ran.measured / _predicted(ran, *pooled))
-        cell.adjacent.append(ran.measured / _predicted(ran, *_pooled([alone])))
-        cell.replay.append(ran.measured / _predicted(ran, *_pooled([mine[k]])))
+        cell.calibrated.append(ran.measured / _predicted(ran, pooled))
+        cell.adjacent.append(ran.measured / _predicted(ran, alone))
+        cell.replay.append(ran.measured / _predicted(ran, mine[k]))
         if len(own) > 1:
-            cell.itself.append(ran.measured / _predicted(ran, *_pooled([mine[(k + 1) % len(own)]])))
+            cell.itself.append(ran.measured / _predicted(ran, mine[(k + 1) % len(own)]))
 
 
-def _pooled(refined: list[Refinement]) -> tuple[Profile, float, float, float]:
-    """The median profile, posting and taking of a message, and the loop's overhead a step over refinements (0 s
-    where none measured it)."""
+def _pooled(refined: list[Refinement]) -> Refinement:
+    """The median profile over refinements, with the median of each cost they measured (None where none did)."""
 
-    def med(xs: list[float | None]) -> float:
+    def med(xs: list[float | None]) -> float | None:
         got = [x for x in xs if x is not None]
-        return statistics.median(got) if got else 0.0
+        return statistics.median(got) if got else None
 
-    costs = (
+    return Refinement(
+        median_profile([r.profile for r in refined]),
+        (),
         med([r.send_s for r in refined]),
         med([r.recv_s for r in refined]),
         med([r.step_overhead_s for r in refined]),
     )
-    return median_profile([r.profile for r in refined]), *costs
 
 
-def _predicted(ran: Ran, profile: Profile, send_s: float, recv_s: float, loop_s: float) -> float:
-    """The simulated step of ran's plan as run, re-timed from profile, with these message and loop costs."""
-    m = dataclasses.replace(
-        ran.topo.measured or Measured(), message_send_s=send_s, message_recv_s=recv_s, step_overhead_s=loop_s
-    )
-    return simulated(retime(ran.run, profile), dataclasses.replace(ran.topo, measured=m)).step_time_s
+def _predicted(ran: Ran, refined: Refinement) -> float:
+    """The simulated step of ran's plan as run, re-timed from the refined profile, with the costs it measured."""
+    topo = dataclasses.replace(ran.topo, measured=refined.measured_on(ran.topo.measured))
+    return simulated(retime(ran.run, refined.profile), topo).step_time_s
 
 
 def keep_trace(trace: Path, sim: SimResult, args: argparse.Namespace, to: Path) -> float:

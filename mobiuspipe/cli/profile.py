@@ -8,8 +8,8 @@ its traced steps (RUN_DIR/trace.json, runtime.trace_steps), and scales the profi
 how each stage's computations ran against the simulator's (mobiuspipe.profile_refine), so that `partition
 [--config RUN.yaml] --profile` plans from the layers as they run in a pipeline on this machine. Without --profile
 a run that planned for itself (no plan.file) refines its config's analytic profile. --layout-out FILE writes the
-machine the plan records with what posting and taking a message cost in the run (Measured.message_send_s,
-message_recv_s), for `partition --topology FILE`.
+machine the plan records with what posting and taking a message cost in the run and what its training loop took
+between steps (Measured.message_send_s, message_recv_s, step_overhead_s), for `partition --topology FILE`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from partition.models import ModelSpec, get_model
 from partition.profile import Profile, compress, load_profile, runs_to_list, save_profile
 from topology import Topology
 from topology.layout import save_topology
-from topology.types import Measured
 
 if TYPE_CHECKING:
     from mobiuspipe.profile_refine import Refinement
@@ -90,7 +89,8 @@ def register(sub) -> None:
         "--layout-out",
         metavar="LAYOUT",
         help="with --refine: write the machine the run's plan records, with what posting and taking a message cost "
-        "in the run (measured.message_send_s, message_recv_s), as a layout file for `partition --topology`",
+        "in the run and what its loop took between steps (measured.message_send_s, message_recv_s, "
+        "step_overhead_s), as a layout file for `partition --topology`",
     )
     p.add_argument("-o", "--output", metavar="PROFILE", help="write the profile here (.yaml, or .json by suffix)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
@@ -263,12 +263,10 @@ def _refined(args: argparse.Namespace) -> tuple[Profile, str, list[str]]:
 
 
 def _write_layout(layout: Topology, got: Refinement, path: str) -> str:
-    """Save the run's machine with the message and loop costs the run measured (its probes, and a cost the run
-    did not measure, kept as the layout had them); returns the line saying so. A bad suffix: save_topology's
-    error."""
-    m = layout.measured or Measured()
-    got_costs = {"message_send_s": got.send_s, "message_recv_s": got.recv_s, "step_overhead_s": got.step_overhead_s}
-    measured = dataclasses.replace(m, **{k: v for k, v in got_costs.items() if v is not None})
+    """Save the run's machine with the message and loop costs the run measured (Refinement.measured_on: its
+    probes, and a cost the run did not measure, kept as the layout had them); returns the line saying so. A bad
+    suffix: save_topology's error."""
+    measured = got.measured_on(layout.measured)
     write_output("layout", path, lambda: save_topology(dataclasses.replace(layout, measured=measured), path))
     return f"layout written to {path} (measured.message_send_s, message_recv_s, step_overhead_s)"
 
