@@ -13,8 +13,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from mobiuspipe.channels import Channels
 from mobiuspipe.errors import PeerLostError, PipelineError
 from mobiuspipe.memory.ledger import DeviceLedger
+from mobiuspipe.standin.p2p import StrictWork
 
 __all__ = ["Comm", "TensorSpec"]
 
@@ -70,18 +72,19 @@ class Comm:
     outputs until the end of the step; flush() waits for the rest. A ledger, if given, counts each tensor in
     flight (("sending", n)) until its send has completed."""
 
-    def __init__(self, rank: int, timeout_s: float, ledger: DeviceLedger | None = None):
+    def __init__(
+        self, rank: int, timeout_s: float, ledger: DeviceLedger | None = None, channels: Channels | None = None
+    ):
         self.rank = rank
+        self.channels = channels or Channels(rank)
         self.timeout = timedelta(seconds=timeout_s)
         self.ledger = ledger
-        self._sends: list[tuple[dist.Work, torch.Tensor, int, str]] = []
+        self._sends: list[tuple[dist.Work | StrictWork, torch.Tensor, int, str]] = []
 
     def send(self, t: torch.Tensor, dst: int, tag: int, what: str) -> None:
         self._release_sent()
         t = t.contiguous()
-        work = self._start(lambda: dist.isend(t, dst, tag=tag), f"rank {dst}", f"sending {what} to rank {dst}")
-        if work is None:  # this rank is not in the default group: a bug in the launch, not in the data
-            raise RuntimeError(f"rank {self.rank}: isend of {what} to rank {dst} returned no request")
+        work = self._start(lambda: self.channels.to(dst).isend(t, tag), f"rank {dst}", f"sending {what} to rank {dst}")
         if self.ledger is not None:
             self.ledger.hold(("sending", id(work)), t)
         self._sends.append((work, t, dst, what))
@@ -90,7 +93,7 @@ class Comm:
         self._release_sent()
         buf = torch.empty(spec.shape, dtype=spec.dtype, device=device)
         peer, doing = f"rank {src}", f"receiving {what} from rank {src}"
-        self._wait(self._start(lambda: dist.irecv(buf, src, tag=tag), peer, doing), peer, doing)
+        self._wait(self._start(lambda: self.channels.frm(src).irecv(buf, tag), peer, doing), peer, doing)
         return buf
 
     def _release_sent(self) -> None:
@@ -110,6 +113,10 @@ class Comm:
         for work, _, dst, what in sends:
             self._wait(work, f"rank {dst}", f"sending {what} to rank {dst}")
             self._forget(work)
+
+    def close(self) -> None:
+        """Stop this rank's links (call after flush)."""
+        self.channels.close()
 
     def _forget(self, work) -> None:
         if self.ledger is not None:

@@ -146,6 +146,7 @@ class Engine(Compute):
         self.updater.shutdown(wait=True)
         for swap in set(self.swaps.values()):
             swap.close()
+        self.comm.close()
         self.device.close()
 
     # -- weights -------------------------------------------------------------------------------

@@ -1,0 +1,54 @@
+"""One rank of the point-to-point tests (run by torchrun): a scenario on Channels, its outcome to a JSON file."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mobiuspipe.channels import Channels
+
+WAIT = timedelta(seconds=3)
+
+
+def _cross(layout: str, rank: int, peer: int) -> str:
+    """Both ranks send 1 MiB to each other first, then receive: NCCL's 'both send, then both receive' hang."""
+    ch = Channels(rank, layout, [(0, 1), (1, 0)], timeout_s=30)
+    ch.warm_up(torch.device("cpu"))
+    sent = ch.to(peer).isend(torch.full((1 << 18,), float(rank)), tag=7)
+    got = torch.empty(1 << 18)
+    done = ch.frm(peer).irecv(got, tag=7).wait(WAIT)
+    if not done:
+        return "timeout"
+    sent.wait(WAIT)
+    return "ok" if bool((got == peer).all()) else "wrong data"
+
+
+def _order(rank: int) -> str:
+    """Rank 0 sends tags 5 then 6; rank 1 receives 6 then 5 (NCCL would pair them by order)."""
+    ch = Channels(rank, "direction", [(0, 1)], timeout_s=30)
+    try:
+        if rank == 0:
+            a, b = ch.to(1).isend(torch.ones(4), tag=5), ch.to(1).isend(torch.ones(4), tag=6)
+            return "ok" if a.wait(WAIT) and b.wait(WAIT) else "timeout"
+        works = [ch.frm(0).irecv(torch.empty(4), tag=t) for t in (6, 5)]
+        return "ok" if all(w.wait(WAIT) for w in works) else "timeout"
+    except RuntimeError as e:
+        return f"error: {e}"
+
+
+def main(scenario: str, out: Path) -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    rank = dist.get_rank()
+    result = _order(rank) if scenario == "order" else _cross(scenario, rank, 1 - rank)
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    os._exit(0)  # a link stuck on purpose would hold the process group's teardown
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))

@@ -1,0 +1,69 @@
+"""NCCL's point-to-point rules on the CPU stand-in (MOBIUSPIPE_STRICT=1): a send waits for its receive, a pair's
+operations run in post order on one queue per communicator, and the schedule checker models the same."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mobiuspipe.schedule import ScheduleError, build_schedule, check_schedules
+from partition.mapping import round_robin
+
+WORKER = Path(__file__).with_name("p2p_worker.py")
+
+
+def _two_ranks(tmp_path, scenario: str, strict: str) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    env = {"MOBIUSPIPE_STRICT": strict, "PYTHONPATH": str(WORKER.parent)}
+    proc = subprocess.run(
+        [*cmd, str(WORKER), scenario, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout,strict,want", [("pair", "0", "ok"), ("pair", "1", "timeout"), ("direction", "1", "ok")]
+)
+def test_both_send_first(tmp_path, layout, strict, want):
+    """gloo lets two crossing sends through; NCCL (and the strict stand-in) hangs them on one communicator, and
+    one communicator per direction does not."""
+    assert _two_ranks(tmp_path, layout, strict) == [want, want]
+
+
+@pytest.mark.slow
+def test_a_receive_paired_with_the_wrong_send_is_an_error(tmp_path):
+    rank0, rank1 = _two_ranks(tmp_path, "order", "1")
+    assert rank0.startswith("error:") and "pairs the sends and receives of a pair by order" in rank0
+    assert rank1 in ("timeout",) or rank1.startswith("error:")
+
+
+@pytest.mark.parametrize("stages,gpus,m", [(4, 2, 2), (4, 2, 3), (6, 2, 3), (5, 2, 3)])
+def test_the_checker_finds_the_shared_queue_deadlock(stages, gpus, m):
+    """Mapping [0,1,0,1,...]: rank 0 sends stage 0's microbatches while rank 1 sends stage 1's first output back;
+    each send waits for a receive queued behind the other's send."""
+    mapping = round_robin(stages, gpus)
+    scheds = [build_schedule(mapping, g, m) for g in range(gpus)]
+    with pytest.raises(ScheduleError, match=r"deadlock under NCCL's rules \(channels 'pair'\): gpu 0 waits at RA2.0"):
+        check_schedules(mapping, m, scheds, channels="pair")
+    check_schedules(mapping, m, scheds, channels="direction")
+
+
+def test_a_deadlock_names_each_rank_and_its_queue_heads():
+    mapping = [0, 1, 0, 1]
+    scheds = [build_schedule(mapping, g, 2) for g in range(2)]
+    with pytest.raises(ScheduleError) as e:
+        check_schedules(mapping, 2, scheds, channels="pair")
+    text = str(e.value)
+    assert "gpu 0 waits at RA2.0, its queues start with [send SA0.1 to gpu 1]" in text
+    assert "gpu 1 waits at RA1.1, its queues start with [send SA1.0 to gpu 0]" in text
