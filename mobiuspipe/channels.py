@@ -21,9 +21,16 @@ import torch.distributed as dist
 from mobiuspipe.standin import strict
 from mobiuspipe.standin.p2p import StrictLink
 
-__all__ = ["Link", "Channels", "LAYOUTS"]
+__all__ = ["Link", "Channels", "LAYOUTS", "LAYOUT", "neighbour_pairs"]
 
 LAYOUTS = ("pair", "direction")
+LAYOUT = "direction"
+"""The layout runs use (the schedule checker proves their schedules under it)."""
+
+
+def neighbour_pairs(mapping: list[int]) -> set[tuple[int, int]]:
+    """Both directions of each pair of ranks that hold adjacent stages (activations one way, gradients back)."""
+    return {p for a, b in zip(mapping, mapping[1:]) if a != b for p in ((a, b), (b, a))}
 
 
 class Link:

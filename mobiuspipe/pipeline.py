@@ -30,6 +30,7 @@ from torch import nn
 from mobiuspipe import checkpoint
 from mobiuspipe.action_trace import ActionTrace
 from mobiuspipe.activations import ActivationsSpec, stage_modes
+from mobiuspipe.channels import LAYOUT, Channels, neighbour_pairs
 from mobiuspipe.comm import Comm
 from mobiuspipe.config import MemoryConfig
 from mobiuspipe.device import Device
@@ -62,7 +63,7 @@ from mobiuspipe.schedule import build_schedule, check_schedules
 from mobiuspipe.stage import Stage
 from mobiuspipe.stage_states import SsdTier
 from mobiuspipe.step_result import StepResult
-from mobiuspipe.tied import TiedGrads
+from mobiuspipe.tied import TiedGrads, tied_ranks
 from partition.costmodel import ARENA_SLOTS
 from partition.plan import Plan
 from topology import Topology
@@ -152,7 +153,7 @@ class Pipeline:
             self.overlap_updates = overlap_updates
             self.store: SSDStore | None = None
             self.engine = self._build_engine(
-                makers, loss_fn, optimizer or partial(CPUAdam), num_microbatches, comm_timeout_s
+                makers, loss_fn, optimizer or partial(CPUAdam), num_microbatches, comm_timeout_s, tied
             )
             self.ties = TiedGrads(tied, self.plan, self.engine.stages, self.info) if tied else None
             if self.ties is not None:
@@ -192,6 +193,7 @@ class Pipeline:
         make_optimizer: OptimizerFactory,
         num_microbatches: int | None,
         comm_timeout_s: float,
+        tied: Sequence[tuple[str, str]],
     ) -> Engine:
         plan, rank = self.plan, self.info.rank
         mine = plan.stages_of(rank)
@@ -208,7 +210,7 @@ class Pipeline:
         m, swapped = plan.num_microbatches, swap_tiers(plan, self.memory, self.activations)
         self.plan = plan_as_run(plan, self.activations, swapped, device.is_cuda)  # its walk is this run's
         schedules = [build_schedule(plan.mapping, g, m, frozenset(swapped)) for g in range(plan.num_gpus)]
-        check_schedules(plan.mapping, m, schedules)
+        check_schedules(plan.mapping, m, schedules, LAYOUT)
         ledger = DeviceLedger()  # the arena, comm and engine count what they hold on the device
         return Engine(
             mapping=plan.mapping,
@@ -217,7 +219,7 @@ class Pipeline:
             schedule=schedules[rank],
             device=device,
             arena=DeviceArena(plan.slot_bytes, ARENA_SLOTS, device.torch_device, ledger),
-            comm=Comm(rank, comm_timeout_s, ledger),
+            comm=Comm(rank, comm_timeout_s, ledger, self._channels(tied, comm_timeout_s)),
             loss_fn=loss_fn,
             num_microbatches=m,
             dtype=dtype,
@@ -226,6 +228,15 @@ class Pipeline:
             activations=self.activations,
             swaps=make_swaps(swapped, self.plan, device, self.memory, self.info, ledger),
         )
+
+    def _channels(self, tied: Sequence[tuple[str, str]], timeout_s: float) -> Channels:
+        """One communicator per direction of each pair of ranks that exchange messages (mobiuspipe.channels),
+        set up before step 0 in one order on every rank."""
+        pairs = neighbour_pairs(self.plan.mapping) | tied_ranks(tied, self.plan)
+        channels = Channels(self.info.rank, LAYOUT, pairs if self.info.world_size > 1 else (), timeout_s)
+        cuda = torch.cuda.is_available()
+        channels.warm_up(torch.device("cuda", self.info.local_rank) if cuda else torch.device("cpu"))
+        return channels
 
     def _state_tiers(self, make_optimizer: OptimizerFactory, params: dict[int, int]) -> dict[int, SsdTier | None]:
         """Stage j -> its SSD tier or None (host), agreed with every rank (mobiuspipe.pipeline_tiers)."""

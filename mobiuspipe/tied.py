@@ -21,7 +21,7 @@ from mobiuspipe.ranks import RankInfo, gather_all
 from mobiuspipe.stage import ParamSlice, Stage
 from partition.plan import Plan
 
-__all__ = ["TiedGrads"]
+__all__ = ["TiedGrads", "tied_ranks"]
 
 TAG_BASE = 1 << 30
 """Message tags of the exchange: above every tag the engine uses (those are taken modulo 2^30)."""
@@ -55,7 +55,7 @@ class TiedGrads:
                 f"tied parameter {key!r}: expected 'layer.name' with a layer below {self.plan.num_layers}, as "
                 f"Pipeline.state_dict() names parameters (e.g. '0.wte.weight')"
             )
-        j = next(j for j, s in enumerate(self.plan.stages) if s.first <= int(layer) <= s.last)
+        j = _stage_of(self.plan, int(layer))
         stage = self.stages.get(j)
         if stage is None:
             return _Side(key, j, None)
@@ -114,3 +114,20 @@ class TiedGrads:
     def _add(self, side: _Side, t: torch.Tensor) -> None:
         assert side.slice is not None
         self.stages[side.stage].states.add_grads(side.slice.offset, t)
+
+
+def _stage_of(plan: Plan, layer: int) -> int:
+    return next(j for j, s in enumerate(plan.stages) if s.first <= layer <= s.last)
+
+
+def tied_ranks(pairs: Sequence[tuple[str, str]], plan: Plan) -> set[tuple[int, int]]:
+    """The (sender, receiver) ranks of the exchanges of the tied pairs whose halves are on different ranks (keys
+    that name no layer of the plan are left to TiedGrads to refuse)."""
+    out = set()
+    for a, b in pairs:
+        layers = [k.partition(".")[0] for k in (a, b)]
+        if all(l.isdigit() and int(l) < plan.num_layers for l in layers):
+            ga, gb = (plan.mapping[_stage_of(plan, int(l))] for l in layers)
+            if ga != gb:
+                out |= {(ga, gb), (gb, ga)}
+    return out

@@ -74,10 +74,11 @@ class StrictLink:
     def irecv(self, buf: torch.Tensor, tag: int) -> StrictWork:
         return self._post(_Op(False, buf, tag, StrictWork()))
 
-    def close(self) -> None:
-        """Stop taking operations once those posted have run (a link stuck on a dead peer stays stuck: its
-        thread is a daemon)."""
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop taking operations once those posted have run, and wait (timeout_s at most) for the thread to end
+        (a link stuck on a dead peer stays stuck: its thread is a daemon)."""
         self._ops.put(None)
+        self._thread.join(timeout_s)
 
     def _post(self, op: _Op) -> StrictWork:
         self._ops.put(op)

@@ -19,6 +19,7 @@ def _reset(*args, **kwargs):
 
 @pytest.mark.parametrize("post", ["isend", "irecv", "all_reduce"])
 def test_an_error_on_posting_names_the_peer(monkeypatch, post):
+    monkeypatch.setenv("MOBIUSPIPE_STRICT", "0")  # gloo's own link, whose posting this test breaks
     monkeypatch.setattr(dist, post, _reset)
     comm = Comm(rank=0, timeout_s=5)
     cpu = torch.device("cpu")

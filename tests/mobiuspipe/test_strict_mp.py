@@ -38,7 +38,6 @@ def _run(tmp_path, launch, strict: str, monkeypatch) -> tuple[list[dict], dict[s
     return records, weights
 
 
-@pytest.mark.xfail(strict=True, reason="the pair layout (one queue per pair) hangs under NCCL's rules")
 def test_six_stages_on_two_ranks_with_evaluation(tmp_path, launch, reference, monkeypatch):
     """Mapping [0,1,0,1,0,1] with 3 microbatches: rank 0 posts the sends of stage 0 while rank 1 sends stage 1's
     first output back, the shape that hangs NCCL on one queue per pair."""
