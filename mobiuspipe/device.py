@@ -1,5 +1,10 @@
 """The gpu a rank drives, with CPU stand-ins for what CUDA provides: a copy stream and pinned memory.
 
+A thread that does device work (issues copies, waits on their events) must first bind itself to the gpu
+(bind_thread, or make it with executor): a new CUDA thread's current device is 0 whatever rank it serves,
+so its "current stream" is gpu 0's. The strict stand-in (MOBIUSPIPE_STRICT=1) refuses device work from a
+thread bound to another gpu, or to none on a gpu other than 0.
+
 On CUDA, a load is a non_blocking host->device copy from pinned memory on a side stream, and the compute
 stream waits on the copy's event before using the weights. On the CPU stand-in, a single worker thread
 plays the copy stream (torch's copy kernels release the GIL, so the copy really overlaps compute), and
@@ -8,10 +13,13 @@ its future plays the event. Both follow the same rule: issue the copy, then wait
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+
+from mobiuspipe.standin import StandInError, strict
 
 __all__ = ["Device", "CopyHandle"]
 
@@ -41,6 +49,9 @@ class Device:
 
     def __init__(self, local_rank: int = 0, use_cuda: bool | None = None):
         self.is_cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
+        self.index = local_rank
+        """The gpu's index on this host (its CUDA device index; the stand-in's, for the thread rule)."""
+        self.bind_thread()
         if self.is_cuda:
             self.torch_device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.torch_device)
@@ -53,12 +64,35 @@ class Device:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="copy-stream")
             self._loader = None
 
+    def bind_thread(self) -> None:
+        """Make this gpu the calling thread's current device (CUDA's set_device; the stand-in's record of it)."""
+        if self.is_cuda:
+            torch.cuda.set_device(self.index)
+        _bound.index = self.index
+
+    def executor(self, name: str) -> ThreadPoolExecutor:
+        """A one-thread executor whose thread is bound to this gpu (for work that issues copies)."""
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=self.bind_thread)
+
+    def _check_thread(self, what: str) -> None:
+        """The strict stand-in's rule: device work only from a thread bound to this gpu."""
+        if self.is_cuda or not strict():
+            return
+        current = getattr(_bound, "index", 0)
+        if current != self.index:
+            raise StandInError(
+                f"{what} for gpu {self.index} from thread {threading.current_thread().name!r}, whose current "
+                f"device is {current}: a new CUDA thread's current device is 0, so its streams and events would be "
+                f"gpu {current}'s; make the thread with Device.executor (or call bind_thread in it)"
+            )
+
     def pin(self, t: torch.Tensor) -> torch.Tensor:
         """Page-locked host memory where CUDA exists (fast async copies); a plain CPU tensor otherwise."""
         return t.pin_memory() if self.is_cuda else t
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:
         """dst.copy_(src) on the copy stream; the returned handle's wait() orders later compute after it."""
+        self._check_thread("a copy")
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream())  # dst may have been in use until now
             with torch.cuda.stream(self._stream):
@@ -74,6 +108,7 @@ class Device:
         """Run job(copy) off the compute thread, where copy(dst, src) moves host memory src into device
         memory dst and returns once src may be reused (a loader fills a few staging buffers in turn); the
         handle's wait() orders later compute after every copy."""
+        self._check_thread("a copy")
         if self._stream is None:
             if self._pool is None:
                 raise RuntimeError("Device has neither a CUDA copy stream nor a copy thread")
@@ -106,3 +141,7 @@ class Device:
         for pool in (self._pool, self._loader):
             if pool is not None:
                 pool.shutdown(wait=True)
+
+
+_bound = threading.local()
+"""The gpu index the current thread is bound to (absent: never bound, CUDA's device 0)."""

@@ -25,9 +25,25 @@ def _shm(tmp_path) -> str:
     return f"/dev/shm/mobiuspipe-test-{os.getpid()}-{tmp_path.name}"
 
 
-@pytest.fixture(params=["device", "host", "ssd", "peer-staged", "peer-direct"])
+TIERS = ["device", "host", "ssd", "peer-staged", "peer-direct"]
+
+
+@pytest.fixture(
+    params=[(name, 0) for name in TIERS]
+    + [
+        pytest.param(
+            ("ssd", 1),
+            marks=pytest.mark.xfail(strict=True, reason="SsdSwap's I/O thread copies with gpu 0 as its device"),
+        )
+    ]
+    + [(name, 1) for name in TIERS if name != "ssd"],
+    ids=lambda p: f"{p[0]}-gpu{p[1]}",
+)
 def tier(request, tmp_path):
-    device = Device()
+    """Each tier on gpu 0 and on gpu 1 (a rank >= 1: the strict stand-in refuses copies from a thread that did
+    not bind itself to its gpu, as a new CUDA thread's device is 0)."""
+    name, gpu = request.param
+    device = Device(gpu, use_cuda=False)
     swap = {
         "device": lambda: Swap(),
         "host": lambda: HostSwap(device),
@@ -35,7 +51,7 @@ def tier(request, tmp_path):
         "peer-staged": lambda: PeerSwap(device, shm_region(_shm(tmp_path), 1 << 20), staged=True),
         "peer-direct": lambda: PeerSwap(device, torch.zeros(1 << 20, dtype=torch.uint8), staged=False),
     }
-    t = swap[request.param]()
+    t = swap[name]()
     yield t
     t.close()
     if isinstance(t, SsdSwap):
