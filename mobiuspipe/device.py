@@ -27,14 +27,20 @@ __all__ = ["Device", "CopyHandle"]
 class CopyHandle:
     """A copy in flight; wait() blocks until its result may be used by the compute stream."""
 
-    def __init__(self, future: Future | None = None, event: torch.cuda.Event | None = None):
-        self._future, self._event = future, event
+    def __init__(
+        self,
+        future: Future | None = None,
+        event: torch.cuda.Event | None = None,
+        compute: torch.cuda.Stream | None = None,
+    ):
+        self._future, self._event, self._compute = future, event, compute
 
     def wait(self) -> None:
         if self._future is not None:
             self._future.result()
         if self._event is not None:
-            torch.cuda.current_stream().wait_event(self._event)
+            assert self._compute is not None, "a CUDA copy's handle names the compute stream that waits for it"
+            self._compute.wait_event(self._event)
 
     def synchronize(self) -> None:
         """Block this thread until the copy has ended (its source may then be refilled by the host)."""
@@ -56,6 +62,8 @@ class Device:
             self.torch_device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.torch_device)
             self._stream = torch.cuda.Stream(self.torch_device)
+            self.compute = torch.cuda.current_stream(self.torch_device)
+            """The stream the rank computes on (named, not taken from the calling thread's current stream)."""
             self._pool = None
             self._loader: ThreadPoolExecutor | None = None  # runs stream_in's jobs; made on first use
         else:
@@ -94,12 +102,12 @@ class Device:
         """dst.copy_(src) on the copy stream; the returned handle's wait() orders later compute after it."""
         self._check_thread("a copy")
         if self._stream is not None:
-            self._stream.wait_stream(torch.cuda.current_stream())  # dst may have been in use until now
+            self._stream.wait_stream(self.compute)  # dst may have been in use until now
             with torch.cuda.stream(self._stream):
                 dst.copy_(src, non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(self._stream)
-            return CopyHandle(event=ev)
+            return CopyHandle(event=ev, compute=self.compute)
         if self._pool is None:
             raise RuntimeError("Device has neither a CUDA copy stream nor a copy thread")
         return CopyHandle(future=self._pool.submit(dst.copy_, src))
@@ -115,7 +123,7 @@ class Device:
             return CopyHandle(future=self._pool.submit(job, lambda dst, src: dst.copy_(src)))
         stream = self._stream
         ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream())  # dst may be in use until now (the compute thread's stream)
+        ready.record(self.compute)  # dst may be in use until now
 
         def on_stream() -> None:
             stream.wait_event(ready)
@@ -130,7 +138,7 @@ class Device:
             job(copy)
 
         if self._loader is None:
-            self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ssd-loader")
+            self._loader = self.executor("ssd-loader")
         return CopyHandle(future=self._loader.submit(on_stream))
 
     def synchronize(self) -> None:

@@ -5,7 +5,7 @@ neither device nor host memory holds them in between (the staging buffers are a 
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
@@ -30,7 +30,7 @@ class SsdSwap(CopySwap):
         self.store, self.owns_store = store, owns_store
         self._pool = BufferPool(aligned_empty)
         self._lock = threading.Lock()  # the pool is shared by the compute and I/O threads
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="activation-ssd")
+        self._io = device.executor("activation-ssd")  # it issues copies: bound to the gpu
         self._written: dict[Key, Future] = {}  # -> the held tensors' (dtype, shape)s once on SSD
         self._read: dict[Key, tuple[list[torch.Tensor], Future]] = {}  # the device tensors, their fetch
         self._metas: dict[Key, list[tuple[torch.dtype, tuple[int, ...]]]] = {}  # held tensors' dtypes, shapes

@@ -28,17 +28,7 @@ def _shm(tmp_path) -> str:
 TIERS = ["device", "host", "ssd", "peer-staged", "peer-direct"]
 
 
-@pytest.fixture(
-    params=[(name, 0) for name in TIERS]
-    + [
-        pytest.param(
-            ("ssd", 1),
-            marks=pytest.mark.xfail(strict=True, reason="SsdSwap's I/O thread copies with gpu 0 as its device"),
-        )
-    ]
-    + [(name, 1) for name in TIERS if name != "ssd"],
-    ids=lambda p: f"{p[0]}-gpu{p[1]}",
-)
+@pytest.fixture(params=[(name, gpu) for gpu in (0, 1) for name in TIERS], ids=lambda p: f"{p[0]}-gpu{p[1]}")
 def tier(request, tmp_path):
     """Each tier on gpu 0 and on gpu 1 (a rank >= 1: the strict stand-in refuses copies from a thread that did
     not bind itself to its gpu, as a new CUDA thread's device is 0)."""
