@@ -75,6 +75,12 @@ class Channels:
                 if rank in (a, b):
                     self._groups[(a, b)] = group
 
+    @property
+    def reports_completion(self) -> bool:
+        """Whether a send reports completion once its receiver took it (NCCL, the strict stand-in), rather than
+        only once waited on (gloo's send requests: Comm then holds every send until its flush)."""
+        return torch.cuda.is_available() or self._strict
+
     def warm_up(self, device: torch.device) -> None:
         """Set up every communicator of this rank now, in one order on every rank (NCCL connects lazily at first
         contact otherwise, and lazy set-ups in different orders can deadlock)."""

@@ -244,7 +244,8 @@ def _report_device_peak(pipe: Pipeline) -> None:
     if pipe.rank == 0:
         measured = [b for b, _ in every]
         parts = max(every, key=lambda e: e[0])[1]
-        planned = planned_device_bytes(pipe.plan, standin=not pipe.engine.device.is_cuda)
+        until_flush = not pipe.engine.comm.channels.reports_completion
+        planned = planned_device_bytes(pipe.plan, not pipe.engine.device.is_cuda, sends_until_flush=until_flush)
         print(device_peak_line(measured, planned, peak.source, parts), flush=True)
 
 

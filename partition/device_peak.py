@@ -19,7 +19,8 @@ Two runtime paths, each walked as it runs:
       once the schedules prove them taken;
   the CPU stand-in (standin=True), as its DeviceLedger counts: H_j = I_j (the input stays on the
       "device"), the arena's slots in use (P_j each), sends held to the step's end (gloo's send requests
-      report completion only once waited on: Comm.flush).
+      report completion only once waited on: Comm.flush; not so under MOBIUSPIPE_STRICT=1, whose
+      sends complete once taken, as NCCL's do).
 D_g >= S * W + max A_j of gpu g's stages (costmodel's memory rule S*W + A_j <= G) on a gpu: the rule
 leaves out the queued messages (and, on the stand-in, the held inputs). The runtime measures the real peak
 (mobiuspipe.memory.measure) and the torchrun entry compares the two.
@@ -57,10 +58,13 @@ def _keeps_last_layer(s: StagePlan) -> bool:
     return s.last in ActivationPolicy(s.activations, s.kept_layers).kept(s.first, s.last)
 
 
-def planned_device_bytes(plan: Plan, standin: bool = False, held: Sequence[int] | None = None) -> list[int]:
+def planned_device_bytes(
+    plan: Plan, standin: bool = False, held: Sequence[int] | None = None, sends_until_flush: bool | None = None
+) -> list[int]:
     """D_g of the legend for every gpu g of the plan, in gpu order, on a gpu or (standin) on the CPU
     stand-in; held: H_j per stage (another activation policy's), instead of the plan's (its activation
-    choice's held_bytes; in plans before the choice, the path's own)."""
+    choice's held_bytes; in plans before the choice, the path's own); sends_until_flush: whether sends are held
+    to the step's end (default: on the stand-in; the strict stand-in's sends complete as NCCL's do)."""
     chosen = [s.held_bytes for s in plan.stages]
     own = held is None and min(chosen) >= 0
     if own:
@@ -70,7 +74,8 @@ def planned_device_bytes(plan: Plan, standin: bool = False, held: Sequence[int] 
     swapped = frozenset(j for j, s in enumerate(plan.stages) if s.activation_tier not in ("auto", "device"))
     arena = None if standin else plan.arena_bytes
     stages = stage_bytes(plan, held, chosen=own)
-    peaks = device_peaks(plan.mapping, plan.num_microbatches, stages, arena, standin, swapped)
+    until_flush = standin if sends_until_flush is None else sends_until_flush
+    peaks = device_peaks(plan.mapping, plan.num_microbatches, stages, arena, until_flush, swapped)
     peaks = peaks + [arena or 0] * (plan.num_gpus - len(peaks))
     for (owner, _), nbytes in regions(plan).items():  # a peer's region is held the whole run
         peaks[owner] += nbytes

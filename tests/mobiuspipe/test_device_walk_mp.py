@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -79,6 +80,9 @@ def test_each_rank_peak_is_under_the_walk_within_10_percent(
     measured = [max(m["ranks"][g]["device_peak_bytes"] for m in metrics) for g in range(2)]
     cfg = MemoryConfig(**memory)
     modes = stage_modes(cfg.activations, plan)
-    walk = planned_device_bytes(plan_as_run(plan, modes, swap_tiers(plan, cfg, modes)), standin=True)
+    strict = os.environ.get("MOBIUSPIPE_STRICT", "0") != "0"  # sends complete once taken, as NCCL's
+    walk = planned_device_bytes(
+        plan_as_run(plan, modes, swap_tiers(plan, cfg, modes)), standin=True, sends_until_flush=not strict
+    )
     assert all(0.9 * w < b <= w for b, w in zip(measured, walk)), (measured, walk, proc.stdout[-1500:])
     assert "measured larger" not in proc.stdout  # the end-of-run line compares with the same walk
