@@ -7,6 +7,7 @@ PeerLostError naming this rank, the peer and what was awaited, instead of hangin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -16,7 +17,9 @@ import torch.distributed as dist
 from mobiuspipe.channels import Channels
 from mobiuspipe.errors import PeerLostError, PipelineError
 from mobiuspipe.memory.ledger import DeviceLedger
+from mobiuspipe.standin import StandInError
 from mobiuspipe.standin.p2p import StrictWork
+from mobiuspipe.standin.places import is_host
 
 __all__ = ["Comm", "TensorSpec"]
 
@@ -73,9 +76,16 @@ class Comm:
     flight (("sending", n)) until its send has completed."""
 
     def __init__(
-        self, rank: int, timeout_s: float, ledger: DeviceLedger | None = None, channels: Channels | None = None
+        self,
+        rank: int,
+        timeout_s: float,
+        ledger: DeviceLedger | None = None,
+        channels: Channels | None = None,
+        place: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
     ):
+        """place: marks a received tensor as the gpu's memory (Device.place)."""
         self.rank = rank
+        self._place = place
         self.channels = channels or Channels(rank)
         self.timeout = timedelta(seconds=timeout_s)
         self.ledger = ledger
@@ -83,6 +93,8 @@ class Comm:
 
     def send(self, t: torch.Tensor, dst: int, tag: int, what: str) -> None:
         self._release_sent()
+        if is_host(t):
+            raise StandInError(f"rank {self.rank}: {what} is in host memory; NCCL sends device memory: copy it first")
         t = t.contiguous()
         work = self._start(lambda: self.channels.to(dst).isend(t, tag), f"rank {dst}", f"sending {what} to rank {dst}")
         if self.ledger is not None:
@@ -91,7 +103,7 @@ class Comm:
 
     def recv(self, spec: TensorSpec, device: torch.device, src: int, tag: int, what: str) -> torch.Tensor:
         self._release_sent()
-        buf = torch.empty(spec.shape, dtype=spec.dtype, device=device)
+        buf = self._place(torch.empty(spec.shape, dtype=spec.dtype, device=device))
         peer, doing = f"rank {src}", f"receiving {what} from rank {src}"
         self._wait(self._start(lambda: self.channels.frm(src).irecv(buf, tag), peer, doing), peer, doing)
         return buf

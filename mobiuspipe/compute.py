@@ -106,7 +106,7 @@ class Compute:
         """Stage j's input for microbatch i on the device, held in the ledger as ("inputs", j, i)."""
         if j == 0:
             x = self.state.xs[i]
-            x = x.to(self.device.torch_device, dtype=self.dtype if x.is_floating_point() else x.dtype)
+            x = self.device.to_device(x, self.dtype if x.is_floating_point() else x.dtype)
         else:
             x = self._take((Kind.RECV_ACT, j, i))
         self.ledger.hold(("inputs", j, i), x)
@@ -130,7 +130,7 @@ class Compute:
                 self.swaps[j].start_out((j, i), [x])
                 self.ledger.hold(("saved", j, i), x)
             else:
-                st.saved[(j, i)] = x.to("cpu", copy=True) if self.device.is_cuda else x  # host checkpoint
+                st.saved[(j, i)] = self.device.to_host(x) if self.device.is_cuda else x  # host checkpoint
                 if not self.device.is_cuda:
                     self.ledger.hold(("saved", j, i), x)  # the CPU stand-in's host checkpoint is "on the device"
             if j < self.last:  # the last stage's forward is fused into its backward (loss and gradient at once)
@@ -192,8 +192,10 @@ class Compute:
             if j in self.swaps:
                 x = self.swaps[j].finish_in((j, i))[0]  # back from its tier (SWAP_IN started the copy)
             else:
-                x = st.saved.pop((j, i)).to(self.device.torch_device)
-                if not self.device.is_cuda:
+                x = st.saved.pop((j, i))
+                if self.device.is_cuda:
+                    x = self.device.to_device(x)
+                else:
                     self.ledger.drop(("saved", j, i))
             self.ledger.hold(("inputs", j, i), x)
             if j > 0:

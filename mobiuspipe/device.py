@@ -20,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from mobiuspipe.standin import StandInError, strict
+from mobiuspipe.standin.places import on_gpu, on_host, plain
 
 __all__ = ["Device", "CopyHandle"]
 
@@ -94,9 +95,40 @@ class Device:
                 f"gpu {current}'s; make the thread with Device.executor (or call bind_thread in it)"
             )
 
+    # -- where tensors live: the copy functions (the strict stand-in marks each tensor's place) ------------
+    @property
+    def _marks(self) -> bool:
+        return not self.is_cuda and strict()
+
     def pin(self, t: torch.Tensor) -> torch.Tensor:
         """Page-locked host memory where CUDA exists (fast async copies); a plain CPU tensor otherwise."""
-        return t.pin_memory() if self.is_cuda else t
+        if self.is_cuda:
+            return t.pin_memory()
+        return on_host(t) if self._marks else t
+
+    def host_empty(self, nbytes: int) -> torch.Tensor:
+        """nbytes of (pinned, on CUDA) host memory, uint8."""
+        if self.is_cuda:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return self.pin(torch.empty(nbytes, dtype=torch.uint8))
+
+    def place(self, t: torch.Tensor) -> torch.Tensor:
+        """t, which lies in this gpu's memory (the stand-in: marked as its memory under strict mode)."""
+        return on_gpu(t, self.index) if self._marks else t
+
+    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized tensor in this gpu's memory."""
+        return self.place(torch.empty(shape, dtype=dtype, device=self.torch_device))
+
+    def to_device(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A copy of host tensor t in this gpu's memory (in dtype, if given): a blocking copy."""
+        if self.is_cuda:
+            return t.to(self.torch_device, dtype=dtype or t.dtype)
+        return self.place(plain(t).to(dtype=dtype or t.dtype, copy=True))
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of device tensor t in pageable host memory (unmarked): a blocking copy."""
+        return t.to("cpu") if self.is_cuda else plain(t).clone()
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:
         """dst.copy_(src) on the copy stream; the returned handle's wait() orders later compute after it."""

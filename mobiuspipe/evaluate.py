@@ -64,7 +64,7 @@ def _input(engine: Engine, j: int, i: int, xs, handed: dict, what: str) -> torch
     dev = engine.device.torch_device
     if j == 0:
         x = xs[i]
-        return x.to(dev, dtype=engine.dtype if x.is_floating_point() else x.dtype)
+        return engine.device.to_device(x, engine.dtype if x.is_floating_point() else x.dtype)
     if (j, i) in handed:
         return handed.pop((j, i))
     src = engine.mapping[j - 1]

@@ -25,6 +25,7 @@ from mobiuspipe.memory.ledger import DeviceLedger
 from mobiuspipe.memory.swap import Swap
 from mobiuspipe.memory.swap_peer import PeerSwap, open_shared, share_region, shm_region
 from mobiuspipe.ranks import RankInfo, gather_all
+from mobiuspipe.standin.places import gpu_buffer
 from partition.peer import regions
 from partition.plan import Plan
 
@@ -69,6 +70,7 @@ def open_regions(plan: Plan, info: RankInfo, device: Device, ledger: DeviceLedge
         if owner != info.rank:
             continue
         region, handle = _give(nbytes, device, f"mobiuspipe-{token}-{owner}-{parker}")
+        region = device.place(region)
         ledger.hold(("peer", parker), region)
         given.append(region)
         offers[parker] = handle
@@ -77,7 +79,7 @@ def open_regions(plan: Plan, info: RankInfo, device: Device, ledger: DeviceLedge
     swap = None
     for (owner, parker), nbytes in need.items():
         if parker == info.rank:
-            region = _open(handles[owner][parker], nbytes)
+            region = gpu_buffer(_open(handles[owner][parker], nbytes), ids[owner][1])
             swap = PeerSwap(device, region, staged=not _direct(device, ids[owner][1]))
     gather_all(info, None)  # every region is open where it is used: the files may go
     for path in files:

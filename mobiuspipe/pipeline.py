@@ -267,7 +267,7 @@ class Pipeline:
         scale = self.scaler.scale if self.scaler else None
         engine.loss_scale = scale or 1.0
         loss, times, own_peak = self._passes(x, y)
-        tied_sumsq = self.ties.sum(engine.comm, engine.device.torch_device, self.step) if self.ties else 0.0
+        tied_sumsq = self.ties.sum(engine.comm, engine.device, self.step) if self.ties else 0.0
         (loss,) = self._reduce([loss], torch.distributed.ReduceOp.SUM, f"the loss of step {self.step}")
         c, ld, cm, peak, device_peak = self._reduce(
             [times.compute_s, times.load_s, times.comm_s, engine.arena.peak_bytes, own_peak],

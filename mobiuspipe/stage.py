@@ -76,6 +76,7 @@ class Stage:
             self.states = SsdStates(flat, dtype, device.pin, ssd, f"stage{index}")
         else:
             self.states = SsdStreamStates(flat, dtype, ssd, f"stage{index}")
+        self.device = device
         self.buffers = {l: {n: _buffer_on(b, device, dtype) for n, b in layers[l].named_buffers()} for l in self.order}
         self._persistent = {l: _persistent_buffer_names(layers[l]) for l in self.order}
         self.layers = {l: layers[l].to("meta") for l in self.order}  # shapes only; weights live in the tiers
@@ -188,7 +189,7 @@ class Stage:
         for l in self.order:
             out.update(
                 {
-                    f"{l}.{n}": b.detach().to("cpu", copy=True)
+                    f"{l}.{n}": self.device.to_host(b.detach())
                     for n, b in self.buffers[l].items()
                     if n in self._persistent[l]
                 }
@@ -198,7 +199,7 @@ class Stage:
 
 def _buffer_on(b: torch.Tensor, device: Device, dtype: torch.dtype) -> torch.Tensor:
     """A layer's buffer on the device; floating ones in the training dtype, as module.to(dtype) would."""
-    return b.to(device.torch_device, dtype=dtype if b.is_floating_point() else b.dtype)
+    return device.to_device(b, dtype if b.is_floating_point() else b.dtype)
 
 
 def _held(slot: Slot | None, j: int, what: str) -> Slot:

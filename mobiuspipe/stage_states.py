@@ -23,6 +23,7 @@ from mobiuspipe.memory.weight_stream import BUFFERS, SsdWeights, sum_of_squares
 from mobiuspipe.optim.ooc_adam import OutOfCoreAdam
 from mobiuspipe.optim.ooc_groups import BYTES_PER_ELEM, ELEM_ALIGN, least_budget_bytes
 from mobiuspipe.optim.ooc_links import adopt_records, link_records
+from mobiuspipe.standin.places import plain
 
 ADAM_SLOTS = 4
 """Group slots of each stage's out-of-core Adam (read ahead, update, write back, one spare)."""
@@ -133,7 +134,7 @@ class HostStates:
         self.weights.copy_(self.master.data)
 
     def master_weights(self) -> torch.Tensor:
-        return self.master.data
+        return plain(self.master.data)
 
     def export_state(self, link_dir: Path | None = None) -> tuple[dict[str, torch.Tensor], dict]:
         """A copy of what the next step depends on: {"master": fp32 flat, "opt/KEY": the optimizer's state

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from mobiuspipe.comm import Comm, TensorSpec
+from mobiuspipe.device import Device
 from mobiuspipe.errors import PipelineError
 from mobiuspipe.memory.weight_stream import sum_of_squares
 from mobiuspipe.ranks import RankInfo, gather_all
@@ -78,7 +79,7 @@ class TiedGrads:
                     f"only parameters of one shape can be tied"
                 )
 
-    def sum(self, comm: Comm, device: torch.device, step: int) -> float:
+    def sum(self, comm: Comm, device: Device, step: int) -> float:
         """Give both halves of every pair this rank holds the sum of their offloaded gradients. Returns what
         this rank adds to the squared gradient norm its stages noted (states.sumsq, taken before the sum) to
         count each pair once, with its summed gradient: minus each held half's, plus the sum's on the rank of
@@ -96,15 +97,15 @@ class TiedGrads:
                 fix += (sum_of_squares(self._grad(own)) if own is a else 0.0) - sum_of_squares(g)
         return fix
 
-    def _exchange(self, own: _Side, other: _Side, k: int, comm: Comm, device: torch.device, step: int):
+    def _exchange(self, own: _Side, other: _Side, k: int, comm: Comm, device: Device, step: int):
         """Send this rank's half, add the other's; returns this rank's half as it was."""
         peer = self.plan.mapping[other.stage]
         what = f"the gradient of tied parameter {own.key} (step {step}) for {other.key}"
         g = self._grad(own)
-        comm.send(g.to(device), peer, TAG_BASE + k, what)
-        got = comm.recv(TensorSpec(tuple(g.shape), g.dtype), device, peer, TAG_BASE + k, what)
+        comm.send(device.to_device(g), peer, TAG_BASE + k, what)
+        got = comm.recv(TensorSpec(tuple(g.shape), g.dtype), device.torch_device, peer, TAG_BASE + k, what)
         comm.flush()
-        self._add(own, got.to("cpu"))
+        self._add(own, device.to_host(got))
         return g
 
     def _grad(self, side: _Side) -> torch.Tensor:

@@ -7,6 +7,7 @@ anything beyond a slot or beyond the budget, so "never above budget" is checked,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,10 +35,19 @@ class DeviceArena:
     """num_slots slots of slot_bytes each, on `device` (device memory on CUDA, a CPU buffer otherwise). A
     ledger, if given, counts the bytes in use of each slot (("arena", slot index))."""
 
-    def __init__(self, slot_bytes: int, num_slots: int, device: torch.device, ledger: DeviceLedger | None = None):
+    def __init__(
+        self,
+        slot_bytes: int,
+        num_slots: int,
+        device: torch.device,
+        ledger: DeviceLedger | None = None,
+        place: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    ):
+        """place: marks a tensor as the gpu's memory (Device.place; the strict stand-in's rule)."""
         self.slot_bytes = _round_up(slot_bytes, 64)
         self.budget_bytes = self.slot_bytes * num_slots
-        self.buffer = torch.empty(self.budget_bytes, dtype=torch.uint8, device=device)
+        self._place = place
+        self.buffer = place(torch.empty(self.budget_bytes, dtype=torch.uint8, device=device))
         self._free = [Slot(i, self._slot_tensor(i)) for i in range(num_slots)]
         self._free.reverse()
         self.in_use_bytes = 0
@@ -50,7 +60,8 @@ class DeviceArena:
         t = torch.empty(0, dtype=torch.uint8, device=self.buffer.device)
         storage = self.buffer.untyped_storage()
         # torch's stubs list set_(Storage, offset, size) but not the UntypedStorage overload it accepts
-        return t.set_(storage, i * self.slot_bytes, (self.slot_bytes,))  # pyright: ignore[reportCallIssue]
+        t = t.set_(storage, i * self.slot_bytes, (self.slot_bytes,))  # pyright: ignore[reportCallIssue]
+        return self._place(t)
 
     def acquire(self, nbytes: int, what: str) -> Slot:
         """A free slot holding nbytes of `what`; ArenaError if it cannot (with the numbers)."""

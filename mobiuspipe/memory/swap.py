@@ -71,7 +71,7 @@ class BufferPool:
     @classmethod
     def host(cls, device: Device) -> BufferPool:
         """Host buffers, page-locked where CUDA copies from them."""
-        return cls(lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=device.is_cuda))
+        return cls(device.host_empty)
 
     def take(self, nbytes: int) -> torch.Tensor:
         free = self._free[nbytes]
@@ -118,7 +118,7 @@ class CopySwap(Swap, ABC):
             return self._in[key][0]
         if key in self._out:
             self.finish_out(key)
-        dev = [torch.empty_like(v, device=self.device.torch_device) for _, v in self._held[key]]
+        dev = [self.device.empty(v.shape, v.dtype) for _, v in self._held[key]]
         self._in[key] = (dev, [self._copy(d, v) for d, (_, v) in zip(dev, self._held[key])])
         return dev
 

@@ -49,9 +49,7 @@ class SsdSwap(CopySwap):
             return self._read[key][0]
         if key in self._out:
             self.finish_out(key)
-        dev = [
-            torch.empty(shape, dtype=dtype, device=self.device.torch_device) for dtype, shape in self._metas.pop(key)
-        ]
+        dev = [self.device.empty(shape, dtype) for dtype, shape in self._metas.pop(key)]
         self._read[key] = (dev, self._io.submit(self._fetch, key, self._written.pop(key), dev))
         return dev
 

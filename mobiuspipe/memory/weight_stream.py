@@ -18,6 +18,7 @@ import torch
 
 from mobiuspipe.memory.aio import ALIGN, aligned_empty, round_up
 from mobiuspipe.memory.ssd_store import SSDStore, StoreFuture, drain
+from mobiuspipe.standin.places import host_buffer
 
 
 def sum_of_squares(t: torch.Tensor) -> float:
@@ -46,7 +47,7 @@ class SsdWeights:
         per = ALIGN // self.dtype.itemsize
         self.record_elems = [round_up(n, per) for _, n in self.groups]
         size = max(self.record_elems, default=per) * self.dtype.itemsize
-        self.buffers = [aligned_empty(size).view(self.dtype) for _ in range(BUFFERS)]
+        self.buffers = [host_buffer(aligned_empty(size)).view(self.dtype) for _ in range(BUFFERS)]
         self.grad_scale = 1.0
         self.finite: bool | None = None
         """Whether the last saved gradient was all finite; None when save_grads was not asked to check."""
