@@ -78,6 +78,7 @@ class HostStates:
     weights (bf16/fp16) and the offloaded gradients are host tensors too."""
 
     def __init__(self, flat: torch.Tensor, dtype: torch.dtype, pin, make_optimizer):
+        self._pin, self._incoming = pin, None
         self.master = nn.Parameter(pin(flat))
         self.loads_master = dtype == torch.float32
         """fp32 training: the device loads the master itself and master.grad is the offloaded gradient buffer."""
@@ -97,8 +98,11 @@ class HostStates:
         """Copy the stage's accumulated gradients (flat, device dtype) off the device, or add them to the
         ones taken before (accumulate: gradient accumulation over pipeline passes); with norm, note the
         squared L2 norm of the result in self.sumsq (float64)."""
-        if accumulate:
-            self.grads.add_(src)
+        if accumulate:  # src is device memory: copied to the host first, then added there
+            if self._incoming is None:
+                self._incoming = self._pin(torch.empty_like(self.grads))
+            self._incoming.copy_(src)
+            self.grads.add_(self._incoming)
         else:
             self.grads.copy_(src)
         self.sumsq = sum_of_squares(self.grads) if norm else None
@@ -206,6 +210,7 @@ class SsdStates(HostStates):
     OutOfCoreAdam through the tier's host budget; the device-dtype weights and gradients stay in memory."""
 
     def __init__(self, flat: torch.Tensor, dtype: torch.dtype, pin, tier: SsdTier, prefix: str):
+        self._pin, self._incoming = pin, None
         self.weights = pin(flat.to(dtype))
         self.grads = pin(torch.zeros(flat.numel(), dtype=dtype))
         self.sumsq: float | None = None

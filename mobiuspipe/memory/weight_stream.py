@@ -53,6 +53,8 @@ class SsdWeights:
         """Whether the last saved gradient was all finite; None when save_grads was not asked to check."""
         self.sumsq: float | None = None
         """The last saved gradient's squared L2 norm; None when save_grads was not asked for it."""
+        self._record_bytes = size
+        self._incoming_buffer: torch.Tensor | None = None
         self._reads: dict[int, StoreFuture[torch.Tensor]] = {}
         self._writes: dict[int, StoreFuture[None]] = {}
         store.check_space(2 * size * len(self.groups), f"the weights and gradients of {prefix}")
@@ -87,9 +89,11 @@ class SsdWeights:
 
         def fill(i: int, buf: torch.Tensor) -> None:
             part = self._slice(src, i)
-            if accumulate:
+            if accumulate:  # src is device memory: copied to the host first, then added there
                 self.store.get(self._key("d", i), out=self.buffers[i % len(self.buffers)][: self.record_elems[i]])
-                buf.add_(part)
+                incoming = self._incoming()[: part.numel()]
+                incoming.copy_(part)
+                buf.add_(incoming)
             else:
                 buf.copy_(part)
             if self.finite is not None:
@@ -98,6 +102,12 @@ class SsdWeights:
                 self.sumsq += sum_of_squares(buf)
 
         self._put_all("d", fill)
+
+    def _incoming(self) -> torch.Tensor:
+        """A host buffer of one record for a device gradient on its way to be added (made at first use)."""
+        if self._incoming_buffer is None:
+            self._incoming_buffer = host_buffer(aligned_empty(self._record_bytes)).view(self.dtype)
+        return self._incoming_buffer
 
     def read_grads(self, offset: int, n: int) -> torch.Tensor:
         """A copy of elements offset .. offset + n of the saved gradient (between OFFLOAD and the update)."""

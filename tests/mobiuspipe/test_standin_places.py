@@ -63,7 +63,6 @@ def test_device_copies_mark_both_ends(strict):
     device.close()
 
 
-@pytest.mark.xfail(strict=True, reason="the host tiers add a device gradient into host memory")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_host_states_accumulate_a_device_gradient(strict, dtype):
     """Gradient accumulation adds the second pass's device gradient to the host's: through a copy on CUDA."""
@@ -76,7 +75,6 @@ def test_host_states_accumulate_a_device_gradient(strict, dtype):
     device.close()
 
 
-@pytest.mark.xfail(strict=True, reason="the host tiers add a device gradient into host memory")
 def test_ssd_weights_accumulate_a_device_gradient(strict, tmp_path):
     device = Device(0, use_cuda=False)
     with SSDStore(tmp_path / "ssd") as store:
