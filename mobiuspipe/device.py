@@ -1,54 +1,28 @@
-"""The gpu a rank drives, with CPU stand-ins for what CUDA provides: a copy stream and pinned memory.
+"""The gpu a rank drives, with CPU stand-ins for what CUDA provides: copy streams and pinned memory.
 
-A thread that does device work (issues copies, waits on their events) must first bind itself to the gpu
-(bind_thread, or make it with executor): a new CUDA thread's current device is 0 whatever rank it serves,
-so its "current stream" is gpu 0's. The strict stand-in (MOBIUSPIPE_STRICT=1) refuses device work from a
-thread bound to another gpu, or to none on a gpu other than 0.
-
-On CUDA, a load is a non_blocking host->device copy from pinned memory on a side stream, and the compute
-stream waits on the copy's event before using the weights. On the CPU stand-in, a single worker thread
-plays the copy stream (torch's copy kernels release the GIL, so the copy really overlaps compute), and
-its future plays the event. Both follow the same rule: issue the copy, then wait() before use.
+Copies run on streams of their own (mobiuspipe.streams), one per direction so that loads and swap-ins
+(host -> device) run beside swap-outs and offloads (device -> host); a copy between host memory and a peer
+gpu's memory runs on a stream of that gpu (peer_stream), since CUDA runs it there. A thread that does device
+work (issues copies, waits on their events) must first bind itself to the gpu (bind_thread, or make it with
+executor): a new CUDA thread's current device is 0 whatever rank it serves. Under MOBIUSPIPE_STRICT=1 the
+stand-in refuses device work from a thread bound to another gpu (or to none, on gpus other than 0), marks
+the tensors it places (mobiuspipe.standin.places), and refuses a copy between host memory and another gpu's
+memory on this gpu's streams.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from mobiuspipe.standin import StandInError, strict
-from mobiuspipe.standin.places import on_gpu, on_host, plain
+from mobiuspipe.standin.places import gpu_of, on_gpu, on_host, plain
+from mobiuspipe.streams import CopyHandle, CopyStream
 
-__all__ = ["Device", "CopyHandle"]
-
-
-class CopyHandle:
-    """A copy in flight; wait() blocks until its result may be used by the compute stream."""
-
-    def __init__(
-        self,
-        future: Future | None = None,
-        event: torch.cuda.Event | None = None,
-        compute: torch.cuda.Stream | None = None,
-    ):
-        self._future, self._event, self._compute = future, event, compute
-
-    def wait(self) -> None:
-        if self._future is not None:
-            self._future.result()
-        if self._event is not None:
-            assert self._compute is not None, "a CUDA copy's handle names the compute stream that waits for it"
-            self._compute.wait_event(self._event)
-
-    def synchronize(self) -> None:
-        """Block this thread until the copy has ended (its source may then be refilled by the host)."""
-        if self._future is not None:
-            self._future.result()
-        if self._event is not None:
-            self._event.synchronize()
+__all__ = ["Device", "CopyHandle", "CopyStream"]
 
 
 class Device:
@@ -59,20 +33,15 @@ class Device:
         self.index = local_rank
         """The gpu's index on this host (its CUDA device index; the stand-in's, for the thread rule)."""
         self.bind_thread()
-        if self.is_cuda:
-            self.torch_device = torch.device("cuda", local_rank)
-            torch.cuda.set_device(self.torch_device)
-            self._stream = torch.cuda.Stream(self.torch_device)
-            self.compute = torch.cuda.current_stream(self.torch_device)
-            """The stream the rank computes on (named, not taken from the calling thread's current stream)."""
-            self._pool = None
-            self._loader: ThreadPoolExecutor | None = None  # runs stream_in's jobs; made on first use
-        else:
-            self.torch_device = torch.device("cpu")
-            self._stream = None
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="copy-stream")
-            self._loader = None
+        self.torch_device = torch.device("cuda", local_rank) if self.is_cuda else torch.device("cpu")
+        self.compute = torch.cuda.current_stream(self.torch_device) if self.is_cuda else None
+        """The stream the rank computes on (named, not taken from the calling thread's current stream)."""
+        self._in = CopyStream(local_rank, self.is_cuda, "copy-in", self.compute)
+        self._out = CopyStream(local_rank, self.is_cuda, "copy-out", self.compute)
+        self._peers: dict[int, CopyStream] = {}
+        self._loader: ThreadPoolExecutor | None = None  # CUDA: runs stream_in's jobs; made on first use
 
+    # -- threads -----------------------------------------------------------------------------------------
     def bind_thread(self) -> None:
         """Make this gpu the calling thread's current device (CUDA's set_device; the stand-in's record of it)."""
         if self.is_cuda:
@@ -130,57 +99,73 @@ class Device:
         """A copy of device tensor t in pageable host memory (unmarked): a blocking copy."""
         return t.to("cpu") if self.is_cuda else plain(t).clone()
 
-    def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:
-        """dst.copy_(src) on the copy stream; the returned handle's wait() orders later compute after it."""
-        self._check_thread("a copy")
-        if self._stream is not None:
-            self._stream.wait_stream(self.compute)  # dst may have been in use until now
-            with torch.cuda.stream(self._stream):
-                dst.copy_(src, non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(self._stream)
-            return CopyHandle(event=ev, compute=self.compute)
-        if self._pool is None:
-            raise RuntimeError("Device has neither a CUDA copy stream nor a copy thread")
-        return CopyHandle(future=self._pool.submit(dst.copy_, src))
+    # -- copies on the copy streams --------------------------------------------------------------------------
+    def copy_in(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[CopyHandle] = ()) -> CopyHandle:
+        """dst (this gpu's memory) <- src (host memory) on the copy-in stream, once the compute queued so far
+        (dst may be in use until then) and the `after` copies have ended."""
+        self._check_copy("a copy to the device", dst, src)
+        return self._in.copy(dst, src, after, self._computed())
+
+    def copy_out(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[CopyHandle] = ()) -> CopyHandle:
+        """dst (host memory) <- src (this gpu's memory) on the copy-out stream, once the compute queued so far
+        (which writes src) and the `after` copies have ended."""
+        self._check_copy("a copy off the device", dst, src)
+        return self._out.copy(dst, src, after, self._computed())
+
+    def peer_stream(self, peer: int) -> CopyStream:
+        """The stream of gpu `peer` for copies between host memory and that gpu's memory: CUDA runs such a copy
+        on the peer gpu's stream, outside this gpu's streams' order (so the caller orders it with `after`)."""
+        if peer not in self._peers:
+            self._peers[peer] = CopyStream(peer, self.is_cuda, f"copy-gpu{peer}", self.compute)
+        return self._peers[peer]
 
     def stream_in(self, job: Callable[[Callable[[torch.Tensor, torch.Tensor], object]], None]) -> CopyHandle:
         """Run job(copy) off the compute thread, where copy(dst, src) moves host memory src into device
         memory dst and returns once src may be reused (a loader fills a few staging buffers in turn); the
         handle's wait() orders later compute after every copy."""
-        self._check_thread("a copy")
-        if self._stream is None:
-            if self._pool is None:
-                raise RuntimeError("Device has neither a CUDA copy stream nor a copy thread")
-            return CopyHandle(future=self._pool.submit(job, lambda dst, src: dst.copy_(src)))
-        stream = self._stream
-        ready = torch.cuda.Event()
-        ready.record(self.compute)  # dst may be in use until now
+        self._check_thread("a copy to the device")
+        if not self.is_cuda:
+            return self._in.run(lambda: job(lambda dst, src: dst.copy_(src)))
+        ready = self._computed()  # dst may be in use until now
 
         def on_stream() -> None:
-            stream.wait_event(ready)
-
-            def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-                with torch.cuda.stream(stream):
-                    dst.copy_(src, non_blocking=True)
-                    done = torch.cuda.Event()
-                    done.record(stream)
-                done.synchronize()  # src is a staging buffer the job refills next
-
-            job(copy)
+            job(lambda dst, src: self._in.copy(dst, src, ready=ready).synchronize())  # src is refilled next
 
         if self._loader is None:
             self._loader = self.executor("ssd-loader")
         return CopyHandle(future=self._loader.submit(on_stream))
+
+    def _computed(self) -> torch.cuda.Event | None:
+        """CUDA: an event after the compute queued so far; None on the stand-in (its compute is synchronous)."""
+        if self.compute is None:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(self.compute)
+        return ev
+
+    def _check_copy(self, what: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """The strict stand-in's rules for a copy on this gpu's streams: a bound thread, and no other gpu's
+        memory (a copy between host memory and a peer gpu runs on that gpu's stream: peer_stream)."""
+        self._check_thread(what)
+        for t in (dst, src):
+            g = gpu_of(t)
+            other = src if t is dst else dst
+            if g is not None and g != self.index and gpu_of(other) is None:  # peer-to-peer copies may run here
+                raise StandInError(
+                    f"{what} touches gpu {g}'s memory on gpu {self.index}'s copy stream: CUDA runs a copy between "
+                    f"host memory and gpu {g} on gpu {g}'s stream, outside this stream's order; issue it on "
+                    f"Device.peer_stream({g}) after the copy it follows"
+                )
 
     def synchronize(self) -> None:
         if self.is_cuda:
             torch.cuda.synchronize(self.torch_device)
 
     def close(self) -> None:
-        for pool in (self._pool, self._loader):
-            if pool is not None:
-                pool.shutdown(wait=True)
+        for stream in (self._in, self._out, *self._peers.values()):
+            stream.close()
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
 
 
 _bound = threading.local()

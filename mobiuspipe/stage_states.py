@@ -92,7 +92,7 @@ class HostStates:
 
     def load_into(self, dst: torch.Tensor, device: Device) -> CopyHandle:
         """Start copying the weights the device computes with into dst (its arena slot, flat)."""
-        return device.copy_async(dst, self.weights)
+        return device.copy_in(dst, self.weights)
 
     def take_grads(self, src: torch.Tensor, accumulate: bool = False, norm: bool = False) -> None:
         """Copy the stage's accumulated gradients (flat, device dtype) off the device, or add them to the

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import defaultdict
+from collections.abc import Sequence
 
 import torch
 
@@ -67,6 +68,7 @@ class BufferPool:
     def __init__(self, allocate):
         self._allocate = allocate  # nbytes -> a uint8 host tensor
         self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
+        self._pending: list[tuple[torch.Tensor, Sequence[CopyHandle]]] = []  # given back, copies still reading
 
     @classmethod
     def host(cls, device: Device) -> BufferPool:
@@ -74,23 +76,39 @@ class BufferPool:
         return cls(device.host_empty)
 
     def take(self, nbytes: int) -> torch.Tensor:
+        self._reap()
         free = self._free[nbytes]
         return free.pop() if free else self._allocate(nbytes)
 
-    def give(self, buf: torch.Tensor) -> None:
-        self._free[buf.numel()].append(buf)
+    def give(self, buf: torch.Tensor, after: Sequence[CopyHandle] = ()) -> None:
+        """Take buf back; it is reused once the `after` copies (which still read or write it) have ended."""
+        if all(h.done() for h in after):
+            self._free[buf.numel()].append(buf)
+        else:
+            self._pending.append((buf, after))
+
+    def _reap(self) -> None:
+        waiting = []
+        for buf, after in self._pending:
+            if all(h.done() for h in after):
+                self._free[buf.numel()].append(buf)
+            else:
+                waiting.append((buf, after))
+        self._pending = waiting
 
 
 class CopySwap(Swap, ABC):
     """A tier whose held tensors are copies in memory off the device: _take(t) gives (token, a view of t's
-    dtype and shape where the copy goes), _give(token, view) frees it, _copy(dst, src) copies on the copy
-    stream."""
+    dtype and shape where the copy goes), _give(token, view, after) frees it once the `after` copies have
+    ended, _copy_out(dst, src) and _copy_in(dst, src, after) copy on the copy streams (one per direction, so a
+    copy back names the copy out it reads)."""
 
     def __init__(self, device: Device):
         super().__init__()
         self.device = device
         self._out: dict[Key, tuple[list[torch.Tensor], list[CopyHandle]]] = {}
         self._held: dict[Key, list[tuple[object, torch.Tensor]]] = {}  # (token, typed view)
+        self._wrote: dict[Key, list[CopyHandle]] = {}  # the copies out that wrote the held views
         self._in: dict[Key, tuple[list[torch.Tensor], list[CopyHandle]]] = {}
 
     def start_out(self, key: Key, tensors: list[torch.Tensor]) -> None:
@@ -105,8 +123,8 @@ class CopySwap(Swap, ABC):
                 self._give(token, view)
             raise
         self._held[key] = held
-        self._out[key] = (tensors, [self._copy(v, t) for (_, v), t in zip(held, tensors)])  # the device
-        # tensors live until the copies end
+        handles = [self._copy_out(v, t) for (_, v), t in zip(held, tensors)]
+        self._out[key], self._wrote[key] = (tensors, handles), handles  # the device tensors live until they end
 
     def finish_out(self, key: Key) -> None:
         _, handles = self._out.pop(key)
@@ -119,7 +137,8 @@ class CopySwap(Swap, ABC):
         if key in self._out:
             self.finish_out(key)
         dev = [self.device.empty(v.shape, v.dtype) for _, v in self._held[key]]
-        self._in[key] = (dev, [self._copy(d, v) for d, (_, v) in zip(dev, self._held[key])])
+        wrote = self._wrote.pop(key)
+        self._in[key] = (dev, [self._copy_in(d, v, wrote) for d, (_, v) in zip(dev, self._held[key])])
         return dev
 
     def finish_in(self, key: Key) -> list[torch.Tensor]:
@@ -128,8 +147,8 @@ class CopySwap(Swap, ABC):
         dev, handles = self._in.pop(key)
         for h in handles:
             h.wait()
-        for token, view in self._held.pop(key):  # later copies into it are ordered after on the copy stream
-            self._give(token, view)
+        for token, view in self._held.pop(key):
+            self._give(token, view, handles)  # free once the copies back, which read it, have ended
         return dev
 
     def bytes_held(self) -> int:
@@ -140,15 +159,19 @@ class CopySwap(Swap, ABC):
             self.finish_out(key)
         self._held.clear()
         self._in.clear()
+        self._wrote.clear()
 
     @abstractmethod
     def _take(self, like: torch.Tensor) -> tuple[object, torch.Tensor]: ...
 
     @abstractmethod
-    def _give(self, token: object, view: torch.Tensor) -> None: ...
+    def _give(self, token: object, view: torch.Tensor, after: Sequence[CopyHandle] = ()) -> None: ...
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:
-        return self.device.copy_async(dst, src)
+    def _copy_out(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:
+        return self.device.copy_out(dst, src)
+
+    def _copy_in(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[CopyHandle]) -> CopyHandle:
+        return self.device.copy_in(dst, src, after)
 
 
 class HostSwap(CopySwap):
@@ -164,9 +187,9 @@ class HostSwap(CopySwap):
         buf = self.pool.take(_nbytes(like))
         return buf, buf.view(like.dtype).view(like.shape)
 
-    def _give(self, token: object, view: torch.Tensor) -> None:
+    def _give(self, token: object, view: torch.Tensor, after: Sequence[CopyHandle] = ()) -> None:
         assert isinstance(token, torch.Tensor)
-        self.pool.give(token)
+        self.pool.give(token, after)
 
 
 def _nbytes(t: torch.Tensor) -> int:

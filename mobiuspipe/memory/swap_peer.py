@@ -10,6 +10,8 @@ held tensor in the region; a region too small for what is held at once is an err
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from foundation.units import fmt_bytes
@@ -73,20 +75,30 @@ class PeerSwap(CopySwap):
         off = self.ranges.take(n)
         return off, self.region[off : off + n].view(like.dtype).view(like.shape)
 
-    def _give(self, token: object, view: torch.Tensor) -> None:
+    def _give(self, token: object, view: torch.Tensor, after: Sequence[CopyHandle] = ()) -> None:
         assert isinstance(token, int)
         self.ranges.give(token, _nbytes(view))
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:
-        """dst.copy_(src) on the copy stream, directly or through a host buffer (both copies on the one copy
-        stream, so they run in order and the buffer is free once the second has ended)."""
+    def _copy_out(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:
+        """dst (the region) <- src (this gpu), directly or through a host buffer."""
         if not self.staged:
-            return self.device.copy_async(dst, src)
+            return self.device.copy_out(dst, src)
         buf = self.pool.take(_nbytes(src))
         view = buf.view(src.dtype).view(src.shape)
-        self.device.copy_async(view, src)
-        done = self.device.copy_async(dst, view)
-        self.pool.give(buf)  # reused only by later copies on the same stream
+        first = self.device.copy_out(view, src)
+        done = self.device.copy_out(dst, view, [first])
+        self.pool.give(buf, [done])
+        return done
+
+    def _copy_in(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[CopyHandle]) -> CopyHandle:
+        """dst (this gpu) <- src (the region), directly or through a host buffer."""
+        if not self.staged:
+            return self.device.copy_in(dst, src, after)
+        buf = self.pool.take(_nbytes(src))
+        view = buf.view(src.dtype).view(src.shape)
+        first = self.device.copy_in(view, src, after)
+        done = self.device.copy_in(dst, view, [first])
+        self.pool.give(buf, [done])
         return done
 
     def close(self) -> None:

@@ -5,6 +5,7 @@ neither device nor host memory holds them in between (the staging buffers are a 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future
 
 import torch
@@ -40,7 +41,7 @@ class SsdSwap(CopySwap):
             raise RuntimeError(f"activations {key} are already swapped out")
         self._metas[key] = [(t.dtype, tuple(t.shape)) for t in tensors]
         staged = [self._take(t) for t in tensors]
-        handles = [self.device.copy_async(v, t) for (_, v), t in zip(staged, tensors)]
+        handles = [self.device.copy_out(v, t) for (_, v), t in zip(staged, tensors)]
         self._out[key] = (tensors, handles)
         self._written[key] = self._io.submit(self._write, key, staged, handles)
 
@@ -86,10 +87,10 @@ class SsdSwap(CopySwap):
             buf = self._pool.take(_nbytes(like))
         return buf, buf.view(like.dtype).view(like.shape)
 
-    def _give(self, token: object, view: torch.Tensor) -> None:
+    def _give(self, token: object, view: torch.Tensor, after: Sequence[CopyHandle] = ()) -> None:
         assert isinstance(token, torch.Tensor)
         with self._lock:
-            self._pool.give(token)
+            self._pool.give(token, after)
 
     def _unstage(self, staged: Staged) -> None:
         for buf, view in staged:
@@ -111,7 +112,7 @@ class SsdSwap(CopySwap):
         staged = [self._take(torch.empty(shape, dtype=dtype, device="meta")) for dtype, shape in written.result()]
         for f in [self.store.get_async(_name(key, n), out=v) for n, (_, v) in enumerate(staged)]:
             f.result()
-        return staged, [self.device.copy_async(d, v) for d, (_, v) in zip(dev, staged)]
+        return staged, [self.device.copy_in(d, v) for d, (_, v) in zip(dev, staged)]
 
 
 def _name(key: Key, n: int) -> str:

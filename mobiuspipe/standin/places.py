@@ -19,7 +19,7 @@ from torch._tensor import _convert
 
 from mobiuspipe.standin import StandInError, strict
 
-__all__ = ["Placed", "on_gpu", "on_host", "plain", "place_of", "host_buffer", "gpu_buffer", "is_host"]
+__all__ = ["Placed", "on_gpu", "on_host", "plain", "place_of", "host_buffer", "gpu_buffer", "gpu_of", "is_host"]
 
 
 class Placed(torch.Tensor):
@@ -66,7 +66,7 @@ class OnHost(Placed):
 
 @functools.cache
 def _gpu_class(index: int) -> type[Placed]:
-    return type(f"OnGpu{index}", (Placed,), {"place": f"gpu {index}'s memory", "__module__": __name__})
+    return type(f"OnGpu{index}", (Placed,), {"place": f"gpu {index}'s memory", "gpu": index, "__module__": __name__})
 
 
 def on_gpu(t: torch.Tensor, index: int) -> torch.Tensor:
@@ -87,6 +87,11 @@ def host_buffer(t: torch.Tensor) -> torch.Tensor:
 def gpu_buffer(t: torch.Tensor, index: int) -> torch.Tensor:
     """t marked as gpu index's memory under strict mode on the CPU (a peer's region), else t itself."""
     return on_gpu(t, index) if strict() and not torch.cuda.is_available() else t
+
+
+def gpu_of(t: torch.Tensor) -> int | None:
+    """The gpu whose memory t is marked as, None if it is not marked as a gpu's."""
+    return getattr(type(t), "gpu", None)
 
 
 def is_host(t: torch.Tensor) -> bool:

@@ -19,6 +19,7 @@ from mobiuspipe.memory.ssd_store import SSDStore
 from mobiuspipe.memory.swap import HostSwap, Swap
 from mobiuspipe.memory.swap_peer import PeerSwap, RegionFull, shm_region
 from mobiuspipe.memory.swap_ssd import SsdSwap
+from mobiuspipe.standin.places import gpu_buffer
 
 
 def _shm(tmp_path) -> str:
@@ -28,18 +29,27 @@ def _shm(tmp_path) -> str:
 TIERS = ["device", "host", "ssd", "peer-staged", "peer-direct"]
 
 
-@pytest.fixture(params=[(name, gpu) for gpu in (0, 1) for name in TIERS], ids=lambda p: f"{p[0]}-gpu{p[1]}")
+STAGED = pytest.mark.xfail(strict=True, reason="the host <-> peer hop runs on this gpu's stream, not the peer's")
+
+
+@pytest.fixture(
+    params=[
+        pytest.param((name, gpu), marks=[STAGED] if name == "peer-staged" else []) for gpu in (0, 1) for name in TIERS
+    ],
+    ids=lambda p: f"{p[0]}-gpu{p[1]}",
+)
 def tier(request, tmp_path):
     """Each tier on gpu 0 and on gpu 1 (a rank >= 1: the strict stand-in refuses copies from a thread that did
-    not bind itself to its gpu, as a new CUDA thread's device is 0)."""
+    not bind itself to its gpu, as a new CUDA thread's device is 0); a peer region is the other gpu's memory."""
     name, gpu = request.param
     device = Device(gpu, use_cuda=False)
+    peer = 1 - gpu
     swap = {
         "device": lambda: Swap(),
         "host": lambda: HostSwap(device),
         "ssd": lambda: SsdSwap(device, SSDStore(tmp_path / "act")),
-        "peer-staged": lambda: PeerSwap(device, shm_region(_shm(tmp_path), 1 << 20), staged=True),
-        "peer-direct": lambda: PeerSwap(device, torch.zeros(1 << 20, dtype=torch.uint8), staged=False),
+        "peer-staged": lambda: PeerSwap(device, gpu_buffer(shm_region(_shm(tmp_path), 1 << 20), peer), staged=True),
+        "peer-direct": lambda: PeerSwap(device, gpu_buffer(torch.zeros(1 << 20, dtype=torch.uint8), peer), False),
     }
     t = swap[name]()
     yield t
@@ -64,7 +74,8 @@ def _held(g: torch.Generator, i: int) -> list[torch.Tensor]:
 
 def test_round_trip_in_pipeline_order(tier):
     g = torch.Generator().manual_seed(13)
-    sent = {(2, i): _held(g, i) for i in range(5)}
+    device = getattr(tier, "device", None)
+    sent = {(2, i): [t if device is None else device.place(t) for t in _held(g, i)] for i in range(5)}
     want = {k: [t.clone() for t in ts] for k, ts in sent.items()}
     for k, ts in sent.items():  # forwards: out after each, finished after the next one's
         tier.start_out(k, ts)
