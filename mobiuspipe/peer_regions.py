@@ -80,7 +80,7 @@ def open_regions(plan: Plan, info: RankInfo, device: Device, ledger: DeviceLedge
     for (owner, parker), nbytes in need.items():
         if parker == info.rank:
             region = gpu_buffer(_open(handles[owner][parker], nbytes), ids[owner][1])
-            swap = PeerSwap(device, region, staged=not _direct(device, ids[owner][1]))
+            swap = PeerSwap(device, region, staged=not _direct(device, ids[owner][1]), peer=ids[owner][1])
     gather_all(info, None)  # every region is open where it is used: the files may go
     for path in files:
         os.unlink(path)

@@ -59,51 +59,69 @@ class _Ranges:
 
 
 class PeerSwap(CopySwap):
-    """Held tensors parked in `region` (a uint8 tensor on the peer gpu, or its CPU stand-in); staged: copy
-    through pinned host memory (no peer-to-peer path between the two gpus)."""
+    """Held tensors parked in `region` (a uint8 tensor on gpu `peer`, or its CPU stand-in); staged: copy
+    through pinned host memory (no peer-to-peer path between the two gpus). A staged copy's hop between the
+    host buffer and the region runs on the peer gpu's stream (CUDA runs it there), after the hop it follows."""
 
     name = "peer"
 
-    def __init__(self, device: Device, region: torch.Tensor, staged: bool):
+    def __init__(self, device: Device, region: torch.Tensor, staged: bool, peer: int):
         super().__init__(device)
         self.region, self.staged = region, staged
         self.ranges = _Ranges(region.numel())
         self.pool = BufferPool.host(device)
+        self.stream = device.peer_stream(peer)
+        self._freed: list[tuple[int, int, Sequence[CopyHandle]]] = []  # ranges given back, copies still reading
 
     def _take(self, like: torch.Tensor) -> tuple[object, torch.Tensor]:
         n = _nbytes(like)
+        self._reap()
         off = self.ranges.take(n)
         return off, self.region[off : off + n].view(like.dtype).view(like.shape)
 
     def _give(self, token: object, view: torch.Tensor, after: Sequence[CopyHandle] = ()) -> None:
+        """The range goes back once the `after` copies (which read it) have ended: a direct copy out on the
+        other copy stream is not ordered after them."""
         assert isinstance(token, int)
-        self.ranges.give(token, _nbytes(view))
+        self._freed.append((token, _nbytes(view), after))
+        self._reap()
+
+    def _reap(self) -> None:
+        waiting = []
+        for start, n, after in self._freed:
+            if all(h.done() for h in after):
+                self.ranges.give(start, n)
+            else:
+                waiting.append((start, n, after))
+        self._freed = waiting
 
     def _copy_out(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:
-        """dst (the region) <- src (this gpu), directly or through a host buffer."""
+        """dst (the region) <- src (this gpu): directly, or this gpu's copy-out stream into a host buffer and
+        the peer's stream from there into the region."""
         if not self.staged:
             return self.device.copy_out(dst, src)
         buf = self.pool.take(_nbytes(src))
         view = buf.view(src.dtype).view(src.shape)
         first = self.device.copy_out(view, src)
-        done = self.device.copy_out(dst, view, [first])
+        done = self.stream.copy(dst, view, [first])
         self.pool.give(buf, [done])
         return done
 
     def _copy_in(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[CopyHandle]) -> CopyHandle:
-        """dst (this gpu) <- src (the region), directly or through a host buffer."""
+        """dst (this gpu) <- src (the region): directly, or the peer's stream into a host buffer (after the
+        copy out that wrote the region) and this gpu's copy-in stream from there."""
         if not self.staged:
             return self.device.copy_in(dst, src, after)
         buf = self.pool.take(_nbytes(src))
         view = buf.view(src.dtype).view(src.shape)
-        first = self.device.copy_in(view, src, after)
+        first = self.stream.copy(view, src, after)
         done = self.device.copy_in(dst, view, [first])
         self.pool.give(buf, [done])
         return done
 
     def close(self) -> None:
         super().close()
-        self.ranges = _Ranges(self.region.numel())
+        self.ranges, self._freed = _Ranges(self.region.numel()), []
 
 
 def shm_region(path: str, nbytes: int) -> torch.Tensor:

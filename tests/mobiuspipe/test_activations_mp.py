@@ -57,7 +57,6 @@ def _train(launch, tmp_path: Path, name: str, memory: dict) -> tuple[list[float]
     return losses, weights
 
 
-@pytest.mark.xfail(strict=True, reason="the peer tier's host <-> peer hop runs on this gpu's stream, not the peer's")
 def test_memory_activations_and_tiers_under_torchrun(launch, tmp_path):
     """The torchrun entry: keep, the plan's choice (the default), a recompute stage's input swapped to the host,
     to SSD and to the other rank's memory (the peer tier, staged), and kept graphs on the peer and on SSD (SO /

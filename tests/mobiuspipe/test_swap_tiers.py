@@ -29,15 +29,7 @@ def _shm(tmp_path) -> str:
 TIERS = ["device", "host", "ssd", "peer-staged", "peer-direct"]
 
 
-STAGED = pytest.mark.xfail(strict=True, reason="the host <-> peer hop runs on this gpu's stream, not the peer's")
-
-
-@pytest.fixture(
-    params=[
-        pytest.param((name, gpu), marks=[STAGED] if name == "peer-staged" else []) for gpu in (0, 1) for name in TIERS
-    ],
-    ids=lambda p: f"{p[0]}-gpu{p[1]}",
-)
+@pytest.fixture(params=[(name, gpu) for gpu in (0, 1) for name in TIERS], ids=lambda p: f"{p[0]}-gpu{p[1]}")
 def tier(request, tmp_path):
     """Each tier on gpu 0 and on gpu 1 (a rank >= 1: the strict stand-in refuses copies from a thread that did
     not bind itself to its gpu, as a new CUDA thread's device is 0); a peer region is the other gpu's memory."""
@@ -48,8 +40,8 @@ def tier(request, tmp_path):
         "device": lambda: Swap(),
         "host": lambda: HostSwap(device),
         "ssd": lambda: SsdSwap(device, SSDStore(tmp_path / "act")),
-        "peer-staged": lambda: PeerSwap(device, gpu_buffer(shm_region(_shm(tmp_path), 1 << 20), peer), staged=True),
-        "peer-direct": lambda: PeerSwap(device, gpu_buffer(torch.zeros(1 << 20, dtype=torch.uint8), peer), False),
+        "peer-staged": lambda: PeerSwap(device, gpu_buffer(shm_region(_shm(tmp_path), 1 << 20), peer), True, peer),
+        "peer-direct": lambda: PeerSwap(device, gpu_buffer(torch.zeros(1 << 20, dtype=torch.uint8), peer), False, peer),
     }
     t = swap[name]()
     yield t
@@ -138,7 +130,7 @@ def test_an_ssd_error_comes_out_of_finish_in(tmp_path, monkeypatch):
 def test_a_peer_region_holds_the_bytes_in_shared_memory_and_has_a_size(tmp_path):
     device, path = Device(), _shm(tmp_path)
     try:
-        tier = PeerSwap(device, shm_region(path, 8192), staged=True)
+        tier = PeerSwap(device, shm_region(path, 8192), staged=True, peer=1)
         x = torch.arange(1000, dtype=torch.float32)
         tier.start_out((0, 0), [x])
         tier.finish_out((0, 0))
