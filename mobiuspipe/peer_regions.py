@@ -102,8 +102,13 @@ def _open(handle: object, nbytes: int) -> torch.Tensor:
     return open_shared(handle)
 
 
+PEER_STAGED_ENV = "MOBIUSPIPE_PEER_STAGED"
+"""Set to 1 to stage the peer tier's copies through host memory even where the gpus have peer access (the path
+of a consumer PCIe box, checked on a server that has P2P: scripts/gpu_check.sh sets it)."""
+
+
 def _direct(device: Device, peer_local_rank: int) -> bool:
-    """Whether copies may go device to device (CUDA with peer access to the peer's gpu)."""
-    if not device.is_cuda:
+    """Whether copies may go device to device (CUDA with peer access to the peer's gpu, unless PEER_STAGED_ENV)."""
+    if not device.is_cuda or os.environ.get(PEER_STAGED_ENV, "0") == "1":
         return False
     return bool(torch.cuda.can_device_access_peer(device.torch_device.index or 0, peer_local_rank))

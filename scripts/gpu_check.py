@@ -1,0 +1,276 @@
+"""Prove the CUDA paths in one run (scripts/gpu_check.sh): equivalence, overlap, memory, speed, the machine, two ranks.
+
+On a GPU: a mid-size GPT (d_model 1024, seq 512, 10 layers in 8 stages, 4 microbatches) in fp32 and bf16 under
+every activation policy x tier the one gpu runs (device, host, SSD), with SSD weights, 2 accumulation passes and
+fp16 with a skipped step, each against plain PyTorch on the same GPU and bit for bit against the others; the
+overlap of loads with compute, the measured peak against the plan, the step against its floor, the machine as
+NVML and sysfs show it, and with 2 or more GPUs a torchrun job on [0,1,0,1] with the peer tier staged through the
+host. On a CPU-only machine: the same checks on the strict stand-ins (MOBIUSPIPE_STRICT=1) at a small size, so
+CI keeps the script working; the speed and overlap bars apply on a GPU only.
+
+Prints a table (check, result, figure, bar) and writes gpu_check.json; exits 1 if a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("MOBIUSPIPE_STRICT", "1")  # the stand-ins as strict as CUDA where there is no GPU
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_runs as runs
+
+from mobiuspipe.config import MemoryConfig
+from mobiuspipe.optim.loss_scale import LossScaler
+from topology import cpu_standin
+
+ROOT = Path(__file__).resolve().parent.parent
+BARS = {"hidden": 0.90, "speed": 1.15}
+"""The issue's bars on a GPU: share of load time hidden under compute; step time over its floor."""
+
+
+class Table:
+    """The checks' rows, printed and saved."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+
+    def add(self, check: str, ok: bool | None, figure: str, bar: str = "") -> None:
+        """ok None: measured only (no bar on this machine)."""
+        self.rows.append({"check": check, "ok": ok, "figure": figure, "bar": bar})
+        mark = {True: "PASS", False: "FAIL", None: "info"}[ok]
+        print(f"{mark:5} {check:44} {figure}  {bar}", flush=True)
+
+
+def equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float, atol: float) -> float:
+    """The largest |a - b| / (atol + rtol |b|) over every weight: at most 1 where a is b within torch.testing's
+    rule (a and b: the same keys)."""
+    return max(float(((a[k] - b[k]).abs() / (atol + rtol * b[k].abs())).max()) for k in b)
+
+
+def equivalence(t: Table, size: runs.Size, device: torch.device, topology, ssd: Path, steps: int) -> dict:
+    """(a): every policy x tier equals the recompute-on-device run bit for bit, and that run equals plain PyTorch."""
+    out = {}
+    for precision in ("fp32", "bf16"):
+        plan = runs.make_plan_for(size, precision, device, topology)
+        base = runs.pipeline_run(size, plan, precision, steps)
+        plain = runs.plain_run(size, precision, steps, device)
+        t.add(f"{precision} pipeline vs plain PyTorch", *against(base, plain, precision))
+        for policy in ("recompute", "keep"):
+            for tier in ("device", "host", "ssd"):
+                if (policy, tier) == ("recompute", "device"):
+                    continue
+                memory = MemoryConfig(activation_tier=tier, ssd_dir=str(ssd / f"{precision}-{policy}-{tier}"))
+                got = runs.pipeline_run(size, plan, precision, steps, activations=policy, memory=memory)
+                same = got.losses == base.losses and equal(got.weights, base.weights)
+                t.add(f"{precision} {policy} on {tier}", same, "bit-identical" if same else "differs", "= recompute")
+        memory = MemoryConfig(optimizer="ssd", weights="ssd", ssd_dir=str(ssd / f"{precision}-weights"))
+        got = runs.pipeline_run(size, plan, precision, steps, memory=memory)
+        same = got.losses == base.losses and equal(got.weights, base.weights)
+        t.add(f"{precision} weights and states on SSD", same, "bit-identical" if same else "differs", "= host")
+        out[precision] = base
+    accumulated(t, size, device, topology, steps)
+    fp16_skip(t, size, device, topology, steps)
+    return out
+
+
+def against(got: runs.Run, plain: runs.Run, precision: str) -> tuple[bool, str, str]:
+    """(ok, figure, bar) of a pipeline run against the plain recipe (runs.plain_run), which does the same
+    arithmetic: equal bit for bit, or the size of the difference."""
+    if got.losses == plain.losses and equal(got.weights, plain.weights):
+        return True, "bit-identical", "= the recipe"
+    if precision == "fp32":
+        return (
+            False,
+            f"differs: worst weight {worst(got.weights, plain.weights, 1e-5, 1e-6):.3g}x tolerance",
+            "bit for bit",
+        )
+    w = worst(got.weights, plain.weights, 1e-2, 1e-3)
+    loss = max(abs(a - b) / abs(b) for a, b in zip(got.losses, plain.losses))
+    return w <= 1 and loss <= 1e-3, f"worst weight {w:.2f}x tolerance, losses within {loss:.1e}", "rtol 1e-2, atol 1e-3"
+
+
+def accumulated(t: Table, size: runs.Size, device: torch.device, topology, steps: int) -> None:
+    plan = runs.make_plan_for(size, "fp32", device, topology)
+    got = runs.pipeline_run(size, plan, "fp32", steps, accumulation=2)
+    plain = runs.plain_run(size, "fp32", steps, device, accumulation=2)
+    t.add("fp32 accumulation 2 vs plain PyTorch", *against(got, plain, "fp32"))
+
+
+def fp16_skip(t: Table, size: runs.Size, device: torch.device, topology, steps: int) -> None:
+    """A loss scale of 2^30 overflows fp16's gradients at once: the first step is skipped (no weight moves) and the
+    scale backs off to 2^14, where the steps go through."""
+    plan = runs.make_plan_for(size, "fp16", device, topology)
+
+    def scaler() -> LossScaler:
+        return LossScaler(scale=2.0**30, backoff_factor=2.0**-16)
+
+    start = runs.pipeline_run(size, plan, "fp16", 1, scaler=scaler())
+    got = runs.pipeline_run(size, plan, "fp16", steps + 1, scaler=scaler())
+    ok = got.skipped[0] and not got.skipped[-1] and all(map(torch.isfinite, map(torch.tensor, got.losses)))
+    ok = ok and equal(start.weights, runs.pipeline_run(size, plan, "fp16", 0).weights)
+    t.add("fp16 skipped step leaves the weights", bool(ok), f"skipped {got.skipped}", "first skipped, last not")
+
+
+def memory_and_speed(t: Table, base: runs.Run, size: runs.Size, device: torch.device, plan, cuda: bool) -> dict:
+    """(b) overlap, (c) memory against the plan, (d) the step against its floor."""
+    t.add(
+        "peak at or below the plan",
+        base.peak_bytes <= base.planned_bytes,
+        f"{base.peak_bytes / 2**20:.2f} of {base.planned_bytes / 2**20:.2f} MiB planned",
+        "<= plan",
+    )
+    if cuda:
+        t.add(
+            "reserved / used by the process",
+            None,
+            f"{base.reserved_bytes / 2**30:.2f} / {base.used_bytes / 2**30:.2f} GiB",
+        )
+    gbps = runs.h2d_gbps(device, 256 << 20 if cuda else 32 << 20)
+    plain = runs.plain_run(size, "fp32", 4, device)
+    floor = max(runs.median_after_first(plain.step_s), base.loaded_bytes / (gbps * 1e9))
+    step = runs.median_after_first(base.step_s)
+    t.add(
+        "step over its floor",
+        step / floor <= BARS["speed"] if cuda else None,
+        f"{step * 1e3:.1f} ms / {floor * 1e3:.1f} ms = {step / floor:.2f}x ({gbps:.1f} GB/s)",
+        f"<= {BARS['speed']}x on a GPU",
+    )
+    if cuda:
+        o = runs.overlap_on_gpu(size, plan, "fp32")
+        t.add(
+            "load time hidden under compute",
+            o["hidden"] >= BARS["hidden"],
+            f"{o['hidden']:.0%} of {o['copy_us'] / 1e3:.1f} ms of copies",
+            f">= {BARS['hidden']:.0%}",
+        )
+        t.add(
+            "host-blocking syncs per stage visit",
+            o["syncs_per_visit"] <= 1,
+            f"{o['syncs_per_visit']:.2f} ({o['syncs_per_step']:.0f} a step)",
+            "<= 1",
+        )
+    else:
+        waited = base.load_wait_s / max(1, len(base.step_s) - 1)
+        t.add(
+            "loads waited for, per step",
+            None,
+            f"{waited * 1e3:.1f} ms (the stand-in's copy thread; the bar is a GPU's)",
+        )
+    return {"step_s": step, "floor_s": floor, "h2d_gbps": gbps}
+
+
+def machine(t: Table, cuda: bool) -> dict:
+    """(e): the machine as NVML and sysfs show it."""
+    from topology import TopologyError
+    from topology.discover import discover
+
+    try:
+        topo = discover()
+    except TopologyError as e:
+        t.add("machine discovered", False if cuda else None, str(e).split(":")[0])
+        return {"gpus": [], "error": str(e)}
+    text = "; ".join(f"gpu {g.index} {g.name} {g.memory_bytes / 2**30:.0f} GiB" for g in topo.gpus) or "no gpu"
+    t.add("machine discovered", bool(topo.gpus) if cuda else None, text)
+    return {"gpus": [g.name for g in topo.gpus], "source": topo.source}
+
+
+def two_ranks(t: Table, folder: Path, gpus: int) -> None:
+    """(f): torchrun on [0,1,0,1] with the peer tier staged through the host (P2P off), against one rank."""
+    if gpus == 1:
+        t.add("two ranks", None, "one GPU here: skipped")
+        return
+    outs = {}
+    for name, nproc, memory in (("one", 1, {}), ("two", 2, {"activations": "recompute", "activation_tier": "peer"})):
+        cfg = folder / f"{name}.json"
+        cfg.write_text(
+            json.dumps(
+                {
+                    "model": {"num_blocks": 2, "d_model": 64, "num_heads": 4, "seq_len": 64},
+                    "data": {"batch_size": 8, "num_microbatches": 4},
+                    "train": {"steps": 3, "seed": 2, "precision": "fp32", "out_dir": str(folder / name)},
+                    "plan": {"num_gpus": nproc, "num_stages": 4, "mapping": "round-robin"},
+                    "memory": memory,
+                    "runtime": {"comm_timeout_s": 60},
+                }
+            )
+        )
+        env = {**os.environ, "NCCL_P2P_DISABLE": "1", "MOBIUSPIPE_PEER_STAGED": "1"}
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "mobiuspipe.train",
+            "--config",
+            str(cfg),
+        ]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+        if proc.returncode != 0:
+            t.add(
+                f"torchrun {nproc} rank(s)",
+                False,
+                proc.stderr.strip().splitlines()[-1][:100] if proc.stderr.strip() else "failed",
+            )
+            return
+        outs[name] = [json.loads(x)["loss"] for x in (folder / name / "metrics.jsonl").read_text().splitlines()]
+    same = outs["one"] == outs["two"]
+    t.add("2 ranks [0,1,0,1], peer tier, P2P off", same, "losses equal one rank's" if same else f"{outs}", "= one rank")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
+    p.add_argument("--out", default="gpu_check.json", help="where the results go (JSON)")
+    p.add_argument("--steps", type=int, default=3)
+    args = p.parse_args()
+    cuda = torch.cuda.is_available()
+    torch.set_num_threads(1)  # one order of every CPU reduction on both sides of each comparison
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    size = runs.GPU_SIZE if cuda else runs.CPU_SIZE
+    topology = runs.gpu_topology() if cuda else cpu_standin(1, 256 << 20)
+    print(f"gpu_check on {torch.cuda.get_device_name(0) if cuda else 'CPU stand-ins (strict)'}: {size}", flush=True)
+    t = Table()
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        base = equivalence(t, size, device, topology, Path(tmp), args.steps)
+        figures = memory_and_speed(
+            t, base["fp32"], size, device, runs.make_plan_for(size, "fp32", device, topology), cuda
+        )
+        found = machine(t, cuda)
+        two_ranks(t, Path(tmp), torch.cuda.device_count() if cuda else 2)
+    failed = [r["check"] for r in t.rows if r["ok"] is False]
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "device": torch.cuda.get_device_name(0) if cuda else "cpu-standin",
+                "size": str(size),
+                "rows": t.rows,
+                "figures": figures,
+                "machine": found,
+                "failed": failed,
+            },
+            indent=1,
+        )
+    )
+    print(
+        f"{len(t.rows) - len(failed)} of {len(t.rows)} checks pass; {args.out}"
+        + (f"; FAILED: {failed}" if failed else "")
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,284 @@
+"""The runs scripts/gpu_check.py compares: a GPT through the Pipeline under a policy and tier, the same GPT in
+plain PyTorch (forward and backward on the same device, the same CPU AdamW on an fp32 master), and the
+machine's copy rate; each returns plain numbers and tensors."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from torch import nn
+
+from mobiuspipe import Pipeline
+from mobiuspipe.activations import ActivationsSpec
+from mobiuspipe.config import MemoryConfig
+from mobiuspipe.models.gpt import build_layers, layer_factories, lm_loss
+from mobiuspipe.optim import CPUAdam
+from mobiuspipe.optim.loss_scale import LossScaler
+from mobiuspipe.pipeline_swaps import plan_as_run, swap_tiers
+from mobiuspipe.profiler import TORCH_DTYPES, measure_profile
+from partition import make_plan
+from partition.device_peak import planned_device_bytes
+from partition.models import ModelSpec
+from partition.plan import Plan
+
+LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-8, 0.05
+
+
+@dataclass(frozen=True)
+class Size:
+    """The GPT and its batches: a mid-size one on a GPU, a small one on the CPU stand-ins."""
+
+    d_model: int
+    heads: int
+    blocks: int
+    seq: int
+    vocab: int
+    batch: int
+    microbatches: int
+    stages: int
+
+    def spec(self) -> ModelSpec:
+        return ModelSpec("gpt-check", self.blocks, self.d_model, self.heads, self.seq, self.vocab)
+
+
+GPU_SIZE = Size(d_model=1024, heads=16, blocks=8, seq=512, vocab=8192, batch=8, microbatches=4, stages=8)
+CPU_SIZE = Size(d_model=48, heads=4, blocks=8, seq=32, vocab=256, batch=8, microbatches=4, stages=8)
+
+
+@dataclass
+class Run:
+    """What one run gives: each step's loss, the final weights (host, by "layer.param"), each step's seconds, and
+    the device figures (bytes) the checks read."""
+
+    losses: list[float]
+    weights: dict[str, torch.Tensor]
+    step_s: list[float]
+    skipped: list[bool] = field(default_factory=list)
+    peak_bytes: int = 0
+    """The runtime's measured device peak: the ledger's on the stand-in, max_memory_allocated on CUDA."""
+    reserved_bytes: int = 0
+    used_bytes: int = 0
+    """CUDA: total - free of mem_get_info at the end (the context, NCCL and the allocator's cache included)."""
+    planned_bytes: int = 0
+    load_wait_s: float = 0.0
+    """The compute thread's seconds waiting for loads, summed over the steps after the first."""
+    loaded_bytes: int = 0
+    """Bytes one step moves host -> device (weights loaded) and back (gradients offloaded)."""
+
+
+def batches(size: Size, steps: int, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for _ in range(steps):
+        x = torch.randint(0, size.vocab, (rows, size.seq + 1), generator=g)
+        out.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
+    return out
+
+
+def make_plan_for(size: Size, precision: str, device: torch.device, topology) -> Plan:
+    """A plan of size.stages stages on one gpu from the layers' profile measured on this device."""
+    dtype = TORCH_DTYPES[precision]
+    layers = [m().to(dtype) for m in layer_factories(size.spec(), seed=3)]
+    (x, y), rows = batches(size, 1, size.batch)[0], size.batch // size.microbatches
+    profile = measure_profile(
+        layers,
+        x[:rows],
+        device=device,
+        name="gpt-check",
+        device_name=topology.gpus[0].name,
+        dtype_name=precision,
+        microbatch_size=rows,
+        seq_len=size.seq,
+        loss_fn=lambda out: lm_loss(out.float(), y[:rows].to(out.device)),
+    )
+    return make_plan(profile, topology, size.microbatches, num_stages=size.stages, mapping="cross", solver="dp")
+
+
+def pipeline_run(
+    size: Size,
+    plan: Plan,
+    precision: str,
+    steps: int,
+    *,
+    activations: ActivationsSpec = "recompute",
+    memory: MemoryConfig | None = None,
+    accumulation: int = 1,
+    scaler: LossScaler | None = None,
+) -> Run:
+    """steps steps of the GPT through a Pipeline on this rank's gpu."""
+    torch.manual_seed(0)
+    rows = size.batch * accumulation
+    data = batches(size, steps, rows)
+    memory = memory or MemoryConfig()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    run = Run([], {}, [])
+    with Pipeline(
+        layer_factories(size.spec(), seed=3),
+        lm_loss,
+        plan=plan,
+        optimizer=partial(CPUAdam, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD),
+        precision=precision,
+        memory=memory,
+        activations=activations,
+        accumulation_steps=accumulation,
+        loss_scaler=scaler,
+    ) as pipe:
+        for step, (x, y) in enumerate(data):
+            start = time.perf_counter()
+            r = pipe.train_batch(x, y)
+            pipe.engine.device.synchronize()
+            run.step_s.append(time.perf_counter() - start)
+            run.losses.append(r.loss)
+            run.skipped.append(bool(r.skipped))
+            run.load_wait_s += r.own_times.load_s if step else 0.0
+        run.weights = pipe.state_dict()
+        run.peak_bytes = pipe.engine.peak.run_bytes
+        run.loaded_bytes = _moved_bytes(pipe)
+        as_run = plan_as_run(pipe.plan, pipe.activations, swap_tiers(pipe.plan, memory, pipe.activations), False)
+        cuda = torch.cuda.is_available()
+        run.planned_bytes = planned_device_bytes(as_run if not cuda else pipe.plan, not cuda, sends_until_flush=False)[
+            0
+        ]
+    if torch.cuda.is_available():
+        run.peak_bytes = torch.cuda.max_memory_allocated()
+        run.reserved_bytes = torch.cuda.max_memory_reserved()
+        free, total = torch.cuda.mem_get_info()
+        run.used_bytes = total - free
+    return run
+
+
+def _moved_bytes(pipe: Pipeline) -> int:
+    """Bytes one step moves between host and device: each LOAD's weights, each stage's gradients once."""
+    loads = [a.stage for a in pipe.engine.schedule if a.kind.value == "L"]
+    stages = pipe.engine.stages
+    return sum(stages[j].nbytes for j in loads) + sum(s.nbytes for s in stages.values())
+
+
+def plain_run(size: Size, precision: str, steps: int, device: torch.device, accumulation: int = 1) -> Run:
+    """The pipeline's precision recipe without a pipeline: the GPT as one nn.Sequential on `device` in the
+    training dtype, each microbatch's loss in fp32 divided by the microbatch count, the gradients accumulated over
+    the same microbatches in the training dtype, an fp32 master on the host stepped by CPUAdam (in bf16/fp16 its
+    step_fused, which writes the next low-precision weights in the same pass). With accumulation, each pass's
+    gradients are summed on the device and the passes' sums added on the host, in order, as the tiers do."""
+    dtype = TORCH_DTYPES[precision]
+    spec = size.spec()
+    layers = build_layers(spec, seed=3)
+    model = nn.Sequential(*(layers[l] for l in range(spec.num_layers)))
+    master = [p.detach().clone().requires_grad_(True) for p in model.parameters()]  # fp32, before the cast
+    model = model.to(device, dtype)
+    opt = CPUAdam(master, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    m = size.microbatches * accumulation
+    run = Run([], {}, [])
+    for x, y in batches(size, steps, size.batch * accumulation):
+        start = time.perf_counter()
+        total, grads = 0.0, []
+        for xp, yp in zip(x.chunk(accumulation), y.chunk(accumulation)):
+            model.zero_grad(set_to_none=False)
+            for xi, yi in zip(xp.chunk(size.microbatches), yp.chunk(size.microbatches)):
+                loss = lm_loss(model(xi.to(device)).float(), yi.to(device)) / m
+                loss.backward()
+                total += float(loss.detach())
+            got = [_grad(p).to("cpu", copy=True) for p in model.parameters()]
+            grads = got if not grads else [g.add_(h) for g, h in zip(grads, got)]
+        if dtype == torch.float32:
+            for g, w in zip(grads, master):
+                w.grad = g
+            opt.step()
+            lows = [w.detach() for w in master]
+        else:
+            lows = [torch.empty_like(g) for g in grads]
+            opt.step_fused(dict(zip(master, lows)), grads=dict(zip(master, grads)))
+        with torch.no_grad():
+            for p, low in zip(model.parameters(), lows):
+                p.copy_(low)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        run.step_s.append(time.perf_counter() - start)
+        run.losses.append(total)
+    names = [f"{l}.{n}" for l in range(spec.num_layers) for n, _ in layers[l].named_parameters()]
+    run.weights = {n: w.detach().clone() for n, w in zip(names, master)}
+    return run
+
+
+def _grad(p: nn.Parameter) -> torch.Tensor:
+    if p.grad is None:  # every weight of the GPT gets a gradient: a missing one is a bug in the model
+        raise RuntimeError(f"a parameter of shape {tuple(p.shape)} got no gradient")
+    return p.grad.detach()
+
+
+def h2d_gbps(device: torch.device, nbytes: int) -> float:
+    """GB/s of a pinned host -> device copy of nbytes (the CPU stand-in: a memcpy), median of 5."""
+    cuda = device.type == "cuda"
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(6):
+        start = time.perf_counter()
+        dst.copy_(src, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times[1:]) / 1e9
+
+
+def median_after_first(times: list[float]) -> float:
+    return statistics.median(times[1:] if len(times) > 1 else times)
+
+
+def gpu_topology():
+    """This host's gpu 0 as NVML and sysfs show it (mobiuspipe.machine)."""
+    from mobiuspipe.machine import discovered_topology
+
+    return discovered_topology(1)
+
+
+def overlap_on_gpu(size: Size, plan: Plan, precision: str, steps: int = 3) -> dict:
+    """(b) on CUDA: a torch.profiler trace of `steps` steps after one warm-up; the share of the host -> device copy
+    time that runs while a kernel runs, and the host-blocking synchronizations per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    data = batches(size, steps + 1, size.batch)
+    with Pipeline(layer_factories(size.spec(), seed=3), lm_loss, plan=plan, precision=precision) as pipe:
+        pipe.train_batch(*data[0])
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for x, y in data[1:]:
+                pipe.train_batch(x, y)
+            torch.cuda.synchronize()
+        visits = sum(a.kind.value in ("F", "B") and a.microbatch == 0 for a in pipe.engine.schedule)
+    events = prof.events() or []
+    copies = [e.time_range for e in events if "Memcpy HtoD" in e.name]
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type.name == "CUDA" and "Memcpy" not in e.name and "Memset" not in e.name
+    )
+    total = sum(c.end - c.start for c in copies)
+    hidden = sum(_covered(c.start, c.end, kernels) for c in copies)
+    syncs = sum(
+        e.name in ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")
+        for e in events
+    )
+    return {
+        "hidden": hidden / total if total else 1.0,
+        "copy_us": total,
+        "syncs_per_step": syncs / steps,
+        "syncs_per_visit": syncs / steps / max(1, visits),
+    }
+
+
+def _covered(start: float, end: float, spans: list[tuple[float, float]]) -> float:
+    """The part of [start, end) that the (sorted) spans cover."""
+    out, reach = 0.0, start
+    for a, b in spans:
+        if b <= reach or a >= end:
+            continue
+        a = max(a, reach)
+        out += min(b, end) - a
+        reach = min(b, end)
+    return out
