@@ -17,6 +17,7 @@ from partition.plan import Plan, SolverInfo, StagePlan
 from partition.profile import Profile
 from partition.sim_stages import HOST_ADAM_PARAMS_PER_S, host_adam_rate, host_cores, loop_overhead, sim_stages
 from partition.simulate import SimResult, simulate
+from partition.solvers import NO_MIP, mip_installed
 from partition.tiers import HostBudget, MemoryPlan, SsdInfo, activation_host_caps, place_tiers, ssd_info
 from topology import Topology
 
@@ -71,7 +72,9 @@ def make_plan(
     if not ranked:
         raise _infeasible_stages(num_stages, arr, memory)
     candidates, info = ranked[:MIP_CANDIDATES], SolverInfo("dp", "optimal", 0.0, 0.0)
-    if solver != "dp":
+    if solver != "dp" and not mip_installed():
+        info = SolverInfo("dp", f"optimal; {NO_MIP}", 0.0, 0.0)
+    elif solver != "dp":
         found, info = _mip_plans(
             profile, topo, arr, candidates, microbatches, mapping, memory, solver, time_limit_s, gap
         )

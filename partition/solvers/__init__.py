@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
+import sys
 from dataclasses import dataclass, field
 
-__all__ = ["MipModel", "MipResult", "INF"]
+__all__ = ["MipModel", "MipResult", "INF", "mip_installed", "NO_MIP"]
+
+NO_MIP = (
+    "no MIP solver is installed (neither highspy nor gurobipy): planned with the DP alone, whose cuts are exact "
+    "for each stage count; `pip install highspy` (or gurobipy) for the MIP's search"
+)
 
 INF = math.inf
 
@@ -79,3 +87,16 @@ class MipResult:
     wall_s: float
     note: str = ""
     """Why another solver than the one asked for ran, if one did."""
+
+
+def mip_installed() -> bool:
+    """Whether a MIP solver (highspy, or gurobipy) can be imported; when not, NO_MIP is printed once to stderr."""
+    found = any(importlib.util.find_spec(name) is not None for name in ("highspy", "gurobipy"))
+    if not found:
+        _say_no_mip()
+    return found
+
+
+@functools.cache
+def _say_no_mip() -> None:
+    print(f"mobiuspipe: {NO_MIP}", file=sys.stderr, flush=True)
