@@ -1,28 +1,59 @@
 #!/usr/bin/env bash
-# Idempotent set-up: .venv at the repo root, torch (CPU build 2.13.0 where no GPU exists), the project
-# in editable mode with its dev extras, then the C++ extension (csrc/, optional: a failed build leaves the
-# PyTorch fallback). Re-running it does nothing when nothing changed.
+# Idempotent set-up: .venv at the repo root, torch (CPU build 2.13.0 where no GPU exists; the CUDA build where
+# one does, replacing a CPU torch an earlier set-up left in .venv), the project in editable mode with its dev
+# extras, then the C++ extension (csrc/, optional: a failed build leaves the PyTorch fallback). Re-running it
+# does nothing when nothing changed.
+#
+# MOBIUSPIPE_SYSTEM_TORCH=1: a GPU server with no network whose python3 already has a CUDA PyTorch (and the
+# project's other dependencies): .venv sees that python's packages (--system-site-packages), nothing is
+# downloaded, and the project is installed without its dependencies; a missing one is named.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 venv="$root/.venv"
 py="${PYTHON:-python3}"
 
+system="${MOBIUSPIPE_SYSTEM_TORCH:-0}"
 if [ ! -x "$venv/bin/python" ]; then
     echo "[setup] creating $venv" >&2
-    "$py" -m venv "$venv"
+    if [ "$system" = "1" ]; then "$py" -m venv --system-site-packages "$venv"; else "$py" -m venv "$venv"; fi
 fi
 vpy="$venv/bin/python"
 
+has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+cpu_torch_on_gpu() { has_gpu && "$vpy" -c "import torch, sys; sys.exit(torch.version.cuda is not None)" 2>/dev/null; }
+
+if [ "$system" = "1" ]; then
+    if ! "$vpy" -c "import torch" 2>/dev/null; then
+        echo "[setup] MOBIUSPIPE_SYSTEM_TORCH=1, but $py has no torch: run with the python that has it (PYTHON=...)" >&2
+        exit 2
+    fi
+    "$vpy" -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation --no-index -e . \
+        || { echo "[setup] could not install the project offline (pip install -e . --no-deps)" >&2; exit 2; }
+    missing="$("$vpy" -c "
+import importlib.util as u
+names = {'numpy': 'numpy', 'yaml': 'pyyaml', 'transformers': 'transformers', 'safetensors': 'safetensors',
+         'tokenizers': 'tokenizers', 'tensorboard': 'tensorboard', 'matplotlib': 'matplotlib', 'pynvml': 'nvidia-ml-py'}
+print(' '.join(p for m, p in names.items() if u.find_spec(m) is None))")"
+    [ -z "$missing" ] || echo "[setup] missing packages (carry their wheels): $missing" >&2
+    timeout 1800 "$vpy" -m mobiuspipe._build || echo "[setup] C++ extension not built: using the PyTorch fallback" >&2
+    "$vpy" -c "import torch; print(f'[setup] torch {torch.__version__}, CUDA {torch.version.cuda}')" >&2
+    exit 0
+fi
+
 stamp="$venv/.mobiuspipe-setup"
 want="$(cat pyproject.toml scripts/setup.sh mobiuspipe/_build.py $(find csrc -type f | sort) | sha256sum | cut -d' ' -f1)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$vpy" -c "import torch, mobiuspipe" 2>/dev/null; then
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$vpy" -c "import torch, mobiuspipe" 2>/dev/null \
+    && ! cpu_torch_on_gpu; then
     exit 0
 fi
 
 pipq=("$vpy" -m pip install --quiet --disable-pip-version-check)
-if ! "$vpy" -c "import torch" 2>/dev/null; then
-    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+if cpu_torch_on_gpu; then
+    echo "[setup] NVIDIA GPU found, but .venv holds a CPU build of torch: installing the CUDA build over it" >&2
+    "${pipq[@]}" --force-reinstall "torch>=2.3,<=2.14.1"
+elif ! "$vpy" -c "import torch" 2>/dev/null; then
+    if has_gpu; then
         echo "[setup] NVIDIA GPU found: installing the CUDA build of torch" >&2
         "${pipq[@]}" "torch>=2.3,<=2.14.1"
     else
