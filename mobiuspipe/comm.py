@@ -2,7 +2,9 @@
 
 gloo carries CPU tensors (the stand-in); NCCL carries device tensors on CUDA. Without GPU peer-to-peer,
 NCCL stages the bytes through host memory itself. A receive that fails or outlives the timeout raises
-PeerLostError naming this rank, the peer and what was awaited, instead of hanging.
+PeerLostError naming this rank, the peer and what was awaited, instead of hanging. On NCCL a wait only
+orders the compute stream after the receive (a wait with a timeout would block the host until it ends): the
+deadline is the process group's, whose watchdog ends a receive that outlives it.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ class Comm:
         """place: marks a received tensor as the gpu's memory (Device.place)."""
         self.rank = rank
         self._place = place
+        self._stream_waits = torch.cuda.is_available()  # NCCL: waits order the compute stream only
         self.channels = channels or Channels(rank)
         self.timeout = timedelta(seconds=timeout_s)
         self.ledger = ledger
@@ -158,7 +161,7 @@ class Comm:
 
     def _wait(self, work, peer: str, what: str) -> None:
         try:
-            ok = work.wait(self.timeout)
+            ok = work.wait() if self._stream_waits else work.wait(self.timeout)
         except RuntimeError as e:
             raise PeerLostError(self._message(peer, what, str(e).splitlines()[0])) from e
         if ok is False:

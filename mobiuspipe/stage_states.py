@@ -79,8 +79,8 @@ class HostStates:
 
     def __init__(self, flat: torch.Tensor, dtype: torch.dtype, pin, make_optimizer):
         self._pin, self._incoming = pin, None
-        self.master = nn.Parameter(pin(flat))
         self.loads_master = dtype == torch.float32
+        self.master = nn.Parameter(pin(flat) if self.loads_master else flat)  # pinned only where copies read it
         """fp32 training: the device loads the master itself and master.grad is the offloaded gradient buffer."""
         self.weights = self.master.data if self.loads_master else pin(flat.to(dtype))
         self.grads = pin(torch.zeros(flat.numel(), dtype=dtype))

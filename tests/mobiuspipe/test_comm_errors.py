@@ -33,3 +33,30 @@ def test_an_error_on_posting_names_the_peer(monkeypatch, post):
     text = str(e.value)
     assert text.startswith("rank 0: ") and "Connection reset by peer" in text and "more" not in text
     assert ("another rank" if post == "all_reduce" else "rank 1") in text.split("failed")[1]
+
+
+class _Recorded:
+    """A request that records how it was waited on."""
+
+    def __init__(self) -> None:
+        self.waits: list[object] = []
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, *args) -> bool:
+        self.waits.append(args)
+        return True
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_receives_block_the_host_only_off_nccl(monkeypatch, cuda):
+    """On NCCL a wait with a timeout blocks the host until the receive ends; Comm waits without one there (the
+    process group's watchdog keeps the deadline) and with one on gloo."""
+    monkeypatch.setenv("MOBIUSPIPE_STRICT", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    work = _Recorded()
+    monkeypatch.setattr(dist, "irecv", lambda *a, **k: work)
+    comm = Comm(rank=0, timeout_s=5)
+    comm.recv(TensorSpec((3,), torch.float32), torch.device("cpu"), 1, 7, "the activation of stage 0")
+    assert work.waits == ([()] if cuda else [(comm.timeout,)])

@@ -84,3 +84,13 @@ def test_ssd_weights_accumulate_a_device_gradient(strict, tmp_path):
         stream.save_grads(device.to_device(g2), check_finite=True, accumulate=True, norm=True)
         assert torch.equal(stream.read_grads(0, 3000), g1 + g2) and stream.finite
     device.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_master_is_pinned_only_where_the_device_loads_it(strict, dtype):
+    """fp32 loads the master itself (pinned); bf16 loads its low-precision copy, so the master stays pageable."""
+    device = Device(0, use_cuda=False)
+    states = HostStates(torch.randn(9), dtype, device.pin, partial(CPUAdam))
+    assert place_of(states.weights) == "host memory"
+    assert place_of(states.master.data) == ("host memory" if dtype == torch.float32 else None)
+    device.close()
