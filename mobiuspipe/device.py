@@ -119,17 +119,25 @@ class Device:
             self._peers[peer] = CopyStream(peer, self.is_cuda, f"copy-gpu{peer}", self.compute)
         return self._peers[peer]
 
-    def stream_in(self, job: Callable[[Callable[[torch.Tensor, torch.Tensor], object]], None]) -> CopyHandle:
+    def stream_in(
+        self, job: Callable[[Callable[[torch.Tensor, torch.Tensor], object]], None], after: Sequence[CopyHandle] = ()
+    ) -> CopyHandle:
         """Run job(copy) off the compute thread, where copy(dst, src) moves host memory src into device
-        memory dst and returns once src may be reused (a loader fills a few staging buffers in turn); the
-        handle's wait() orders later compute after every copy."""
+        memory dst and returns once src may be reused (a loader fills a few staging buffers in turn), after
+        the `after` copies (which still read dst); the handle's wait() orders later compute after every copy."""
         self._check_thread("a copy to the device")
         if not self.is_cuda:
-            return self._in.run(lambda: job(lambda dst, src: dst.copy_(src)))
+
+            def standin() -> None:
+                for h in after:
+                    h.synchronize()
+                job(lambda dst, src: dst.copy_(src))
+
+            return self._in.run(standin)
         ready = self._computed()  # dst may be in use until now
 
         def on_stream() -> None:
-            job(lambda dst, src: self._in.copy(dst, src, ready=ready).synchronize())  # src is refilled next
+            job(lambda dst, src: self._in.copy(dst, src, after, ready).synchronize())  # src is refilled next
 
         if self._loader is None:
             self._loader = self.executor("ssd-loader")

@@ -188,7 +188,7 @@ class Engine(Compute):
 
     def grad_sumsq(self) -> float:
         """The squared norm of the gradients this rank offloaded in this step (each stage's, summed)."""
-        return sum(s.states.sumsq or 0.0 for s in self.stages.values())
+        return sum(s.states.grad_sumsq() for s in self.stages.values())
 
     # -- communication -------------------------------------------------------------------------
     def _tag(self, kind: Kind, j: int, i: int, header: bool) -> int:

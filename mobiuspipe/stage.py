@@ -94,7 +94,8 @@ class Stage:
         """Start copying the master weights into a free slot (after this stage's pending update)."""
         self.wait_update()
         self.weights = arena.acquire(self.nbytes, f"stage {self.index} weights")
-        self.loading = self.states.load_into(self.weights.view(self.dtype, self.numel), device)
+        dst = self.weights.view(self.dtype, self.numel)
+        self.loading = self.states.load_into(dst, device, self.weights.take_busy())
 
     def release(self, arena: DeviceArena) -> None:
         arena.release(_held(self.weights, self.index, "weights"))
@@ -109,6 +110,8 @@ class Stage:
     def begin_backward(self, arena: DeviceArena) -> None:
         """Take a gradient slot, zero it, and make the weight leaves accumulate into it."""
         self.grads = arena.acquire(self.nbytes, f"stage {self.index} gradients")
+        for copy in self.grads.take_busy():  # an offload still reading the slot
+            copy.wait()
         gflat = self.grads.view(self.dtype, self.numel)
         gflat.zero_()
         wflat = _held(self.weights, self.index, "weights").view(self.dtype, self.numel)
@@ -118,11 +121,12 @@ class Stage:
                 w.grad = p.of(gflat)
 
     def offload(self, arena: DeviceArena, accumulate: bool = False, norm: bool = False) -> None:
-        """Copy the accumulated gradients to the host tier (or add them to its gradients: accumulate) and free
-        their slot; with norm the tier notes the squared norm of its gradients (states.sumsq)."""
+        """Start copying the accumulated gradients to the host tier (which adds them to its gradients: accumulate)
+        on the copy-out stream, and free their slot for whoever orders after that copy; with norm the tier notes
+        the squared norm of its gradients (states.grad_sumsq)."""
         grads = _held(self.grads, self.index, "gradients")
-        self.states.take_grads(grads.view(self.dtype, self.numel), accumulate, norm)
-        arena.release(grads)
+        copy = self.states.take_grads(grads.view(self.dtype, self.numel), self.device, accumulate, norm)
+        arena.release(grads, [copy] if copy is not None else [])
         self.grads, self._leaves, self._forward_leaves = None, [], []
 
     def grads_finite(self) -> bool:

@@ -8,8 +8,9 @@ the same pass; all give the same bits (the same AdamW kernel, elementwise).
 from __future__ import annotations
 
 import shutil
+import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,47 +80,76 @@ class HostStates:
 
     def __init__(self, flat: torch.Tensor, dtype: torch.dtype, pin, make_optimizer):
         self._pin, self._incoming = pin, None
+        self._taking: tuple[CopyHandle, bool, bool] | None = None  # the offload in flight: copy, accumulate, norm
+        self._settling = threading.Lock()
         self.loads_master = dtype == torch.float32
         self.master = nn.Parameter(pin(flat) if self.loads_master else flat)  # pinned only where copies read it
         """fp32 training: the device loads the master itself and master.grad is the offloaded gradient buffer."""
         self.weights = self.master.data if self.loads_master else pin(flat.to(dtype))
         self.grads = pin(torch.zeros(flat.numel(), dtype=dtype))
         self.sumsq: float | None = None
-        """The squared L2 norm of the gradients take_grads last took, when asked for it."""
+        """The squared L2 norm of the gradients take_grads last took, when asked for it (read: grad_sumsq)."""
         if self.loads_master:
             self.master.grad = self.grads
         self.optimizer = make_optimizer([self.master])
 
-    def load_into(self, dst: torch.Tensor, device: Device) -> CopyHandle:
-        """Start copying the weights the device computes with into dst (its arena slot, flat)."""
-        return device.copy_in(dst, self.weights)
+    def load_into(self, dst: torch.Tensor, device: Device, after: Sequence[CopyHandle] = ()) -> CopyHandle:
+        """Start copying the weights the device computes with into dst (its arena slot, flat), after the copies
+        that still read dst."""
+        return device.copy_in(dst, self.weights, after)
 
-    def take_grads(self, src: torch.Tensor, accumulate: bool = False, norm: bool = False) -> None:
-        """Copy the stage's accumulated gradients (flat, device dtype) off the device, or add them to the
-        ones taken before (accumulate: gradient accumulation over pipeline passes); with norm, note the
-        squared L2 norm of the result in self.sumsq (float64)."""
-        if accumulate:  # src is device memory: copied to the host first, then added there
-            if self._incoming is None:
-                self._incoming = self._pin(torch.empty_like(self.grads))
-            self._incoming.copy_(src)
-            self.grads.add_(self._incoming)
-        else:
-            self.grads.copy_(src)
-        self.sumsq = sum_of_squares(self.grads) if norm else None
+    def take_grads(self, src: torch.Tensor, device: Device, accumulate: bool = False, norm: bool = False) -> CopyHandle:
+        """Start copying the stage's accumulated gradients (flat, device dtype) off the device on the copy-out
+        stream, into the gradients (or, accumulate: into a buffer that _settle adds to the ones taken before);
+        with norm, _settle notes the squared L2 norm of the result (float64). Nothing here blocks the compute
+        thread: whoever reads the gradients (the update, the overflow check, the norm, a tied exchange) settles
+        them first. Returns the copy (the slot src lies in is free once it has ended)."""
+        self._settle()  # the previous pass's gradients are in before this pass's are added to them
+        copy = device.copy_out(self._incoming_buffer() if accumulate else self.grads, src)
+        self._taking = (copy, accumulate, norm)
+        return copy
+
+    def _settle(self) -> None:
+        """Wait for the offload in flight (if any) and finish it on the host: the add of an accumulated pass,
+        the norm."""
+        with self._settling:
+            if self._taking is None:
+                return
+            copy, accumulate, norm = self._taking
+            copy.synchronize()
+            if accumulate:
+                self.grads.add_(self._incoming_buffer())
+            self.sumsq = sum_of_squares(self.grads) if norm else None
+            self._taking = None
+
+    def _incoming_buffer(self) -> torch.Tensor:
+        """A host buffer like the gradients, for an accumulated pass on its way (made at the first one)."""
+        if self._incoming is None:
+            self._incoming = self._pin(torch.empty_like(self.grads))
+        return self._incoming
+
+    def grad_sumsq(self) -> float:
+        """The squared L2 norm of the last offloaded gradients (0.0 when take_grads was not asked for it)."""
+        self._settle()
+        return self.sumsq or 0.0
 
     def grads_finite(self) -> bool:
+        self._settle()
         return bool(torch.isfinite(self.grads).all())
 
     def grad_slice(self, offset: int, n: int) -> torch.Tensor:
         """A copy of elements offset .. offset + n of the offloaded gradients (device dtype)."""
+        self._settle()
         return self.grads[offset : offset + n].clone()
 
     def add_grads(self, offset: int, t: torch.Tensor) -> None:
         """Add t into the offloaded gradients from element offset on (a tied parameter's other half)."""
+        self._settle()
         self.grads[offset : offset + t.numel()].add_(t)
 
     def step(self, grad_scale: float, lr: float | None = None) -> None:
         """One update from the offloaded gradients divided by grad_scale, at lr (None: the optimizer's own)."""
+        self._settle()
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -211,12 +241,14 @@ class SsdStates(HostStates):
 
     def __init__(self, flat: torch.Tensor, dtype: torch.dtype, pin, tier: SsdTier, prefix: str):
         self._pin, self._incoming = pin, None
+        self._taking, self._settling = None, threading.Lock()
         self.weights = pin(flat.to(dtype))
         self.grads = pin(torch.zeros(flat.numel(), dtype=dtype))
         self.sumsq: float | None = None
         self.optimizer = _ooc_adam(flat, tier, prefix, tier.host_budget_bytes)
 
     def step(self, grad_scale: float, lr: float | None = None) -> None:
+        self._settle()
         if lr is not None:
             self.optimizer.lr = lr
         grad = self.grads if grad_scale == 1.0 else self.grads.float().mul_(1.0 / grad_scale)
@@ -244,13 +276,18 @@ class SsdStreamStates:
         self.stream = SsdWeights(tier.store, f"{prefix}/lowp", flat.to(dtype), self.optimizer.group_elems)
         self.sumsq: float | None = None
 
-    def load_into(self, dst: torch.Tensor, device: Device) -> CopyHandle:
-        return device.stream_in(lambda copy: self.stream.load_into(dst, copy))
+    def load_into(self, dst: torch.Tensor, device: Device, after: Sequence[CopyHandle] = ()) -> CopyHandle:
+        return device.stream_in(lambda copy: self.stream.load_into(dst, copy), after)
 
-    def take_grads(self, src: torch.Tensor, accumulate: bool = False, norm: bool = False) -> None:
+    def take_grads(self, src: torch.Tensor, device: Device, accumulate: bool = False, norm: bool = False) -> None:
+        """Write the gradients to their SSD records through the staging buffers (the copy off the device is done
+        when this returns: None, no copy in flight)."""
         fp16 = src.dtype == torch.float16  # only fp16 asks grads_finite
         self.stream.save_grads(src, check_finite=fp16, accumulate=accumulate, norm=norm)
         self.sumsq = self.stream.sumsq
+
+    def grad_sumsq(self) -> float:
+        return self.sumsq or 0.0
 
     def grads_finite(self) -> bool:
         if self.stream.finite is None:

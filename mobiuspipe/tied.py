@@ -81,7 +81,7 @@ class TiedGrads:
 
     def sum(self, comm: Comm, device: Device, step: int) -> float:
         """Give both halves of every pair this rank holds the sum of their offloaded gradients. Returns what
-        this rank adds to the squared gradient norm its stages noted (states.sumsq, taken before the sum) to
+        this rank adds to the squared gradient norm its stages noted (states.grad_sumsq, taken before the sum) to
         count each pair once, with its summed gradient: minus each held half's, plus the sum's on the rank of
         the pair's first half."""
         fix = 0.0

@@ -7,13 +7,14 @@ anything beyond a slot or beyond the budget, so "never above budget" is checked,
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from mobiuspipe.errors import ArenaError
 from mobiuspipe.memory.ledger import DeviceLedger
+from mobiuspipe.streams import CopyHandle
 
 __all__ = ["DeviceArena", "Slot"]
 
@@ -25,6 +26,13 @@ class Slot:
     index: int
     data: torch.Tensor
     used: int = 0
+    busy: list[CopyHandle] = field(default_factory=list)
+    """Copies that still read the slot's bytes since its release: whoever fills it next orders after them."""
+
+    def take_busy(self) -> list[CopyHandle]:
+        """The copies the new holder must order its first write after (they are its to wait for now)."""
+        busy, self.busy = self.busy, []
+        return busy
 
     def view(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """The first numel elements of the slot, typed."""
@@ -85,7 +93,9 @@ class DeviceArena:
             self.ledger.hold(("arena", slot.index), slot.data[:nbytes])
         return slot
 
-    def release(self, slot: Slot) -> None:
+    def release(self, slot: Slot, after: Sequence[CopyHandle] = ()) -> None:
+        """Free slot; after: copies that still read it (an offload on the copy stream)."""
+        slot.busy = list(after)
         if self.ledger is not None:
             self.ledger.drop(("arena", slot.index))
         self.in_use_bytes -= slot.used

@@ -128,8 +128,10 @@ def rotate_slots(arena_cls=DeviceArena) -> None:
         self._free.append(self._free.pop(0))
         return acquire(self, nbytes, what)
 
-    def poisoned(self: DeviceArena, slot: Slot) -> None:
-        release(self, slot)
+    def poisoned(self: DeviceArena, slot: Slot, after=()) -> None:
+        release(self, slot, after)
+        for copy in slot.take_busy():  # a writer of the slot orders after the copies still reading it
+            copy.synchronize()
         slot.data.fill_(0xFF)
 
     arena_cls.acquire, arena_cls.release = oldest_first, poisoned

@@ -69,8 +69,8 @@ def test_host_states_accumulate_a_device_gradient(strict, dtype):
     device = Device(0, use_cuda=False)
     states = HostStates(torch.randn(37), dtype, device.pin, partial(CPUAdam))
     g1, g2 = torch.randn(37).to(dtype), torch.randn(37).to(dtype)
-    states.take_grads(device.to_device(g1), accumulate=False)
-    states.take_grads(device.to_device(g2), accumulate=True, norm=True)
+    states.take_grads(device.to_device(g1), device, accumulate=False)
+    states.take_grads(device.to_device(g2), device, accumulate=True, norm=True)
     assert torch.equal(states.grad_slice(0, 37), g1 + g2)
     device.close()
 

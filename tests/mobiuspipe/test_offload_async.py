@@ -1,0 +1,63 @@
+"""The gradient offload runs on the copy-out stream: OFFLOAD returns while the copy waits its turn, whoever reads
+the gradients (the update, the norm, a tied half) waits for it, and the freed slot is refilled only after it."""
+
+from __future__ import annotations
+
+import threading
+from functools import partial
+
+import pytest
+import torch
+
+from mobiuspipe.device import Device
+from mobiuspipe.memory.arena import DeviceArena
+from mobiuspipe.optim import CPUAdam
+from mobiuspipe.stage_states import HostStates
+
+
+@pytest.fixture
+def held_stream():
+    """A stand-in device whose copy-out stream is held until gate.set()."""
+    device = Device(0, use_cuda=False)
+    gate = threading.Event()
+    device._out.run(gate.wait)  # the stream is busy until the gate opens
+    yield device, gate
+    gate.set()
+    device.close()
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_take_grads_returns_before_the_copy_and_readers_wait_for_it(held_stream, accumulate):
+    device, gate = held_stream
+    states = HostStates(torch.zeros(1000), torch.float32, device.pin, partial(CPUAdam))
+    first, second = torch.randn(1000), torch.randn(1000)
+    if accumulate:
+        states._incoming_buffer()
+        gate.set()
+        states.take_grads(device.to_device(first), device)
+        gate.clear()
+        device._out.run(gate.wait)
+    copy = states.take_grads(device.to_device(second), device, accumulate=accumulate, norm=True)
+    assert not copy.done()  # the compute thread goes on while the copy waits for the stream
+    gate.set()
+    want = first + second if accumulate else second
+    assert states.grad_sumsq() == pytest.approx(float(want.double().square().sum()), rel=1e-12)
+    assert torch.equal(states.grad_slice(0, 1000), want) and copy.done()
+
+
+def test_a_slot_freed_under_a_copy_is_refilled_after_it(held_stream):
+    device, gate = held_stream
+    arena = DeviceArena(4096, 1, device.torch_device, place=device.place)
+    slot = arena.acquire(4096, "gradients")
+    slot.data.fill_(7)
+    host = device.pin(torch.zeros(4096, dtype=torch.uint8))
+    copy = device.copy_out(host, slot.data)
+    arena.release(slot, [copy])
+    again = arena.acquire(4096, "weights")
+    busy = again.take_busy()
+    assert busy == [copy] and not copy.done()
+    gate.set()
+    for c in busy:
+        c.wait()
+    again.data.fill_(1)  # the new holder writes only now
+    assert bool((host == 7).all())
