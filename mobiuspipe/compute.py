@@ -74,8 +74,16 @@ class StepState:
     """What the forward of a keep or selective stage left for its backward, by (stage, microbatch)."""
     inbox: dict[MessageKey, torch.Tensor] = field(default_factory=dict)
     outbox: dict[tuple[Kind, int, int], torch.Tensor] = field(default_factory=dict)
-    loss: float = 0.0
+    losses: list[torch.Tensor] = field(default_factory=list)
+    """Each microbatch's share of the loss, on the device: read once, at the step's end (loss()), so that the
+    steady state has no host-blocking wait but that one."""
     times: StepTimes = field(default_factory=StepTimes)
+
+    def loss(self) -> float:
+        """This rank's share of the step's loss: the microbatches' shares summed in order, in float64."""
+        if not self.losses:
+            return 0.0
+        return sum(torch.stack(self.losses).double().tolist())
 
 
 class Compute:
@@ -289,7 +297,7 @@ class Compute:
             self.ledger.hold(("output", j, i), out)
             loss = self._last_loss(out, i) if j == self.last else None
         if loss is not None:
-            st.loss += float(loss.detach())
+            st.losses.append(loss.detach())
             (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
             self.ledger.drop(("inputs", "targets", i))
         else:

@@ -133,7 +133,7 @@ class Engine(Compute):
         if traced:
             self.trace.add(step, "flush", -1, -1, t0)
         self.peak.end_step()
-        return self.state.loss, self.state.times
+        return self.state.loss(), self.state.times
 
     def wait_updates(self) -> None:
         """Wait for every host update started so far."""
