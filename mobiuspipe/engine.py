@@ -24,6 +24,7 @@ import torch
 from foundation.timing import Stopwatch
 from mobiuspipe.action_trace import ActionTrace
 from mobiuspipe.activations import StageMode, parts_of
+from mobiuspipe.clock import ActionClock
 from mobiuspipe.comm import Comm, TensorSpec
 from mobiuspipe.compute import Compute, LossFn, MessageKey, StepState, StepTimes
 from mobiuspipe.device import Device
@@ -96,6 +97,8 @@ class Engine(Compute):
                 for n, b in buffers.items():
                     self.ledger.hold(("buffers", j, l, n), b)
         self.trace = ActionTrace(())
+        self.clock = ActionClock(device.compute)
+        """When the actions ran: CUDA events on a gpu, the host's clock on the stand-in (mobiuspipe.clock)."""
         """Records when each action of the steps it wants ran (Pipeline(trace_steps=...)); by default none."""
         self.updater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-optimizer")
         self._specs: dict[tuple, dict[MessageKey, TensorSpec]] = {}  # batch shape -> specs of its messages
@@ -121,19 +124,27 @@ class Engine(Compute):
         m = self.num_microbatches
         self.state = StepState(step, x.chunk(m), y.chunk(m), specs, learning)
         self.peak.start_step()
-        traced = self.trace.wants(step)
+        clock = self.clock
+        clock.start_step()
+        spans = []
         for a in self.schedule:
-            t0 = time.perf_counter()
+            start = clock.mark()
             self._dispatch[a.kind](a)
-            if traced:
-                self.trace.add(step, a.kind.value, a.stage, a.microbatch, t0)
-        t0 = time.perf_counter()
+            spans.append((a, start, clock.mark()))
+        start = time.perf_counter()
         self.comm.flush()
-        self.state.times.comm_s += time.perf_counter() - t0
-        if traced:
-            self.trace.add(step, "flush", -1, -1, t0)
+        end = time.perf_counter()
+        self.state.times.comm_s += end - start
+        loss = self.state.loss()  # CUDA: the step's one host-blocking wait
+        if clock.on_device:  # the host's Stopwatches measured kernel launches there
+            b = clock.buckets((a.kind.value, s, e) for a, s, e in spans)
+            self.state.times = StepTimes(b["compute"], b["load"], b["comm"] + end - start)
+        if self.trace.wants(step):
+            for a, s, e in spans:
+                self.trace.add(step, a.kind.value, a.stage, a.microbatch, clock.seconds(s), clock.seconds(e))
+            self.trace.add(step, "flush", -1, -1, start, end)
         self.peak.end_step()
-        return self.state.loss(), self.state.times
+        return loss, self.state.times
 
     def wait_updates(self) -> None:
         """Wait for every host update started so far."""

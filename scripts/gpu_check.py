@@ -187,6 +187,17 @@ def machine(t: Table, cuda: bool) -> dict:
     return {"gpus": [g.name for g in topo.gpus], "source": topo.source}
 
 
+def gpu_tests(t: Table, cuda: bool) -> None:
+    """The gpu-marked tests (pytest -m gpu): on a GPU they run (the CUDA clock, NVML, the probe)."""
+    if not cuda:
+        t.add("gpu-marked tests", None, "no GPU here: they skip")
+        return
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    last = (proc.stdout.strip().splitlines() or ["no output"])[-1]
+    t.add("gpu-marked tests", proc.returncode == 0, last[:90], "pass")
+
+
 def two_ranks(t: Table, folder: Path, gpus: int) -> None:
     """(f): torchrun on [0,1,0,1] with the peer tier staged through the host (P2P off), against one rank."""
     if gpus == 1:
@@ -250,6 +261,7 @@ def main() -> int:
             t, base["fp32"], size, device, runs.make_plan_for(size, "fp32", device, topology), cuda
         )
         found = machine(t, cuda)
+        gpu_tests(t, cuda)
         two_ranks(t, Path(tmp), torch.cuda.device_count() if cuda else 2)
     failed = [r["check"] for r in t.rows if r["ok"] is False]
     Path(args.out).write_text(
