@@ -15,12 +15,16 @@ from mobiuspipe.optim import CPUAdam
 from mobiuspipe.stage_states import HostStates
 
 
+def _hold(gate: threading.Event) -> None:
+    gate.wait()
+
+
 @pytest.fixture
 def held_stream():
     """A stand-in device whose copy-out stream is held until gate.set()."""
     device = Device(0, use_cuda=False)
     gate = threading.Event()
-    device._out.run(gate.wait)  # the stream is busy until the gate opens
+    device._out.run(partial(_hold, gate))  # the stream is busy until the gate opens
     yield device, gate
     gate.set()
     device.close()
@@ -36,7 +40,7 @@ def test_take_grads_returns_before_the_copy_and_readers_wait_for_it(held_stream,
         gate.set()
         states.take_grads(device.to_device(first), device)
         gate.clear()
-        device._out.run(gate.wait)
+        device._out.run(partial(_hold, gate))
     copy = states.take_grads(device.to_device(second), device, accumulate=accumulate, norm=True)
     assert not copy.done()  # the compute thread goes on while the copy waits for the stream
     gate.set()
