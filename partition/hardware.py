@@ -11,6 +11,8 @@ so their figure is half of the headline number. Sources (vendor documents):
   A100 (all variants)  NVIDIA A100 Tensor Core GPU datasheet, "FP16/BF16 Tensor Core": 312
   H100 PCIe / SXM5     NVIDIA H100 Tensor Core GPU datasheet, "FP16 Tensor Core" 1,513 / 1,979 with
                        sparsity -> 756 / 989 dense
+  H200 SXM             NVIDIA H200 Tensor Core GPU datasheet, "BF16 Tensor Core" 1,979 with sparsity -> 989
+                       dense; 141 GB (NVML's name "NVIDIA H200", seen with 143,771 MiB)
   V100 SXM2            NVIDIA Tesla V100 datasheet, "Tensor Performance": 125
 PCIe per direction: 3.0 x16 = 8 GT/s x 16 x 128/130 / 8 = 15.75 GB/s; 4.0 x16 = 31.5; 5.0 x16 = 63.0.
 Memory is the marketing size in GiB, what NVML reports up to a few MiB of reserve.
@@ -73,6 +75,7 @@ _TABLE = (
     DeviceSpec("NVIDIA A100 80GB PCIe", 312.0, 80 * GiB, _PCIE4),
     DeviceSpec("NVIDIA H100 PCIe", 756.0, 80 * GiB, _PCIE5),
     DeviceSpec("NVIDIA H100 80GB HBM3", 989.0, 80 * GiB, _PCIE5),
+    DeviceSpec("NVIDIA H200", 989.0, 141 * GiB, _PCIE5),
     # A CPU pretending to be a GPU (CI, laptops): ~50 GFLOPS of fp32 matmul on a few cores; its memory
     # budget comes from the topology (the stand-in's arena), its "link" is a memcpy.
     DeviceSpec("cpu-standin", 0.05, 0, 10.0),
