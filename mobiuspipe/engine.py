@@ -97,9 +97,9 @@ class Engine(Compute):
                 for n, b in buffers.items():
                     self.ledger.hold(("buffers", j, l, n), b)
         self.trace = ActionTrace(())
+        """Records when each action of the steps it wants ran (Pipeline(trace_steps=...)); by default none."""
         self.clock = ActionClock(device.compute)
         """When the actions ran: CUDA events on a gpu, the host's clock on the stand-in (mobiuspipe.clock)."""
-        """Records when each action of the steps it wants ran (Pipeline(trace_steps=...)); by default none."""
         self.updater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-optimizer")
         self._specs: dict[tuple, dict[MessageKey, TensorSpec]] = {}  # batch shape -> specs of its messages
         self._dispatch = {
