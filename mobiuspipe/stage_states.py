@@ -83,8 +83,8 @@ class HostStates:
         self._taking: tuple[CopyHandle, bool, bool] | None = None  # the offload in flight: copy, accumulate, norm
         self._settling = threading.Lock()
         self.loads_master = dtype == torch.float32
-        self.master = nn.Parameter(pin(flat) if self.loads_master else flat)  # pinned only where copies read it
         """fp32 training: the device loads the master itself and master.grad is the offloaded gradient buffer."""
+        self.master = nn.Parameter(pin(flat) if self.loads_master else flat)  # pinned only where copies read it
         self.weights = self.master.data if self.loads_master else pin(flat.to(dtype))
         self.grads = pin(torch.zeros(flat.numel(), dtype=dtype))
         self.sumsq: float | None = None
