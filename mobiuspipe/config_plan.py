@@ -14,7 +14,7 @@ from mobiuspipe.errors import ConfigError
 from mobiuspipe.machine import discovered_topology
 from partition import make_plan
 from partition.analytic import analytic_profile, dtype_bytes
-from partition.hardware import device_spec
+from partition.hardware import device_spec, gpu_spec
 from partition.models import ModelSpec, layer_param_counts
 from partition.plan import Plan, load_plan
 from partition.profile import Profile
@@ -77,11 +77,14 @@ def num_ranks(cfg: RunConfig) -> int:
 
 
 def gpt_profile(cfg: RunConfig) -> Profile:
-    """The analytic profile of the config's model in train.precision, on this gpu type (or the CPU stand-in)."""
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu-standin"
-    return analytic_profile(
-        model_spec(cfg), device_spec(device), microbatch_size=cfg.microbatch_size, dtype=cfg.train.precision
-    )
+    """The analytic profile of the config's model in train.precision, on the run's gpu 0 (its layout's tflops, or
+    the table's figure for its name) or the CPU stand-in."""
+    if torch.cuda.is_available():
+        g = run_topology(cfg).gpus[0]
+        device = gpu_spec(g.name, g.memory_bytes, g.link_gbps, g.tflops)
+    else:
+        device = device_spec("cpu-standin")
+    return analytic_profile(model_spec(cfg), device, microbatch_size=cfg.microbatch_size, dtype=cfg.train.precision)
 
 
 def plan_from_config(cfg: RunConfig, solver: str = "dp", profile: Profile | None = None) -> Plan:

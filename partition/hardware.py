@@ -97,6 +97,21 @@ def _short(name: str) -> str:
 _BY_SHORT = MappingProxyType({_short(n): d for n, d in DEVICES.items()})
 
 
+def gpu_spec(name: str, memory_bytes: int, link_gbps: float, tflops: float = 0.0) -> DeviceSpec:
+    """The spec of one gpu of a topology: its own figures where it gives tflops (a GPU the table does not list,
+    as a layout file describes it), else the table's by its name."""
+    if tflops > 0:
+        return DeviceSpec(name, float(tflops), int(memory_bytes), float(link_gbps))
+    try:
+        return device_spec(name)
+    except ValueError as e:
+        raise ValueError(
+            f"{e}. For a GPU the table does not list, write `tflops:` (its peak dense fp16/bf16 TFLOPS, from the "
+            f"vendor's datasheet) under the gpu in a layout file (`mobiuspipe topology --save server.yaml` writes "
+            f"one to start from) and plan with it (--topology server.yaml, or plan.topology)"
+        ) from None
+
+
 def device_spec(name: str) -> DeviceSpec:
     """The spec of device type `name`: exact NVML name, else case-insensitive without vendor prefixes."""
     if name in DEVICES:
@@ -105,7 +120,6 @@ def device_spec(name: str) -> DeviceSpec:
     if found is None:
         raise ValueError(
             f"unknown device {name!r}; known devices: {', '.join(DEVICES)} "
-            f'(the "NVIDIA "/"GeForce " prefixes and case may be omitted); '
-            f"add a DeviceSpec to partition/hardware.py for a new GPU"
+            f'(the "NVIDIA "/"GeForce " prefixes and case may be omitted)'
         )
     return found

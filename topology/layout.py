@@ -18,7 +18,8 @@ A layout file holds what `Topology.to_dict()` produces (README.md shows this sam
         switch: sw0                  # optional; "" (default) = directly on a root port
         index: 0                     # optional; default its position, and must equal it
         numa_node: 0                 # optional; default the numa node of its root complex
-        # optional too: uuid, pcie_gen, pcie_width, cpu_affinity ("0-11,24-35")
+        # optional too: uuid, pcie_gen, pcie_width, cpu_affinity ("0-11,24-35"), tflops (peak dense
+        # fp16/bf16 TFLOPS, for a gpu partition/hardware.py does not list)
       - {name: NVIDIA GeForce RTX 3090 Ti, memory_bytes: 24GiB, pci_bus_id: "0000:1b:00.0",
          root_complex: rc0, link_gbps: 15.75, switch: sw0}
     nvlinks: [{a: 0, b: 1, links: 4, gbps: 56.0}]            # optional

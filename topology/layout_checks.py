@@ -39,6 +39,12 @@ def _part_check(cls: type, bandwidth: str) -> Any:
     return lambda obj: [*_names(obj, cls), *_bandwidth(obj, bandwidth), *_counts(obj)]
 
 
+def _tflops(obj: SimpleNamespace) -> list[Problem]:
+    """A gpu's tflops is 0 (the table's) or more."""
+    fix = "write its peak dense fp16/bf16 TFLOPS from the vendor's datasheet (e.g. 165.2), or 0 for the table's"
+    return at_least(obj, "tflops", 0, fix) if "tflops" in vars(obj) else []
+
+
 def _counts(obj: SimpleNamespace) -> list[Problem]:
     """A numa node is -1 (unknown, as sysfs says) or more; a PCIe generation and width 0 (unknown) or more."""
     return [
@@ -270,7 +276,7 @@ def _p2p(p2p: tuple[tuple[str, ...], ...], n: int) -> list[Problem]:
 LAYOUT_CHECKS = {
     RootComplex: _part_check(RootComplex, "uplink_gbps"),
     Switch: _part_check(Switch, "uplink_gbps"),
-    Gpu: _part_check(Gpu, "link_gbps"),
+    Gpu: lambda obj: [*_part_check(Gpu, "link_gbps")(obj), *_tflops(obj)],
     Nvme: _part_check(Nvme, "link_gbps"),
     NvLink: _nvlink,
     Measured: _measured,

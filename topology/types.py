@@ -55,6 +55,9 @@ class Gpu:
     pcie_width: int = 0
     cpu_affinity: str = ""
     """CPUs close to this GPU, as a cpulist ("0-11,24-35"); "" when unknown."""
+    tflops: float = 0.0
+    """Peak dense fp16/bf16 tensor throughput, 1e12 FLOP/s, for a GPU that partition/hardware.py does not list
+    (a layout file's, from the vendor's datasheet); 0 = the table's figure for its name."""
 
 
 @dataclass(frozen=True)

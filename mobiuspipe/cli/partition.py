@@ -15,7 +15,7 @@ from partition.activation_choice import with_activations
 from partition.analytic import analytic_profile
 from partition.compare import compare, compare_json, compare_text
 from partition.explain import explain_json, explain_lines
-from partition.hardware import device_spec
+from partition.hardware import gpu_spec
 from partition.models import ModelSpec, get_model
 from partition.plan import Plan, save_plan
 from partition.profile import Profile, load_profile
@@ -143,7 +143,8 @@ def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
     spec = get_model(args.model)
     topo = load_topology(args.topology)
     try:
-        device = device_spec(topo.gpus[0].name)
+        g = topo.gpus[0]
+        device = gpu_spec(g.name, g.memory_bytes, g.link_gbps, g.tflops)
     except ValueError as e:
         raise CliError(f"topology {topo.name!r}, gpu 0: {e}") from e
     smallest = min(g.memory_bytes for g in topo.gpus)

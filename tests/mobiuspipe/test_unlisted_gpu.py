@@ -1,0 +1,52 @@
+"""A GPU that partition/hardware.py does not list plans from the tflops its layout file gives; without one the
+error says what to write where, and no one edits the source to add a GPU."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from mobiuspipe.cli import main
+from partition.hardware import gpu_spec
+from topology import TopologyError, load_topology, preset, save_topology
+
+NAME = "NVIDIA RTX 6000 Ada Generation"
+
+
+def _layout(tmp_path, tflops: float):
+    t = preset("2+2")
+    t = replace(t, gpus=tuple(replace(g, name=NAME, memory_bytes=48 * 2**30, tflops=tflops) for g in t.gpus))
+    return save_topology(t, tmp_path / "server.yaml")
+
+
+def _partition(path, capsys) -> tuple[int, str, str]:
+    code = main(["partition", "--model", "gpt3-1.3b", "--topology", str(path), "--solver", "dp", "--json"])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_an_unlisted_gpu_plans_from_its_layouts_tflops(tmp_path, capsys):
+    path = _layout(tmp_path, 364.25)
+    assert load_topology(str(path)).gpus[0].tflops == 364.25  # the field round-trips through the file
+    code, out, _ = _partition(path, capsys)
+    assert code == 0 and json.loads(out)["num_gpus"] == 4
+    fast = json.loads(out)["predicted_step_time_s"]
+    code, out, _ = _partition(_layout(tmp_path, 36.425), capsys)  # a tenth of the rate: a slower step
+    assert code == 0 and json.loads(out)["predicted_step_time_s"] > fast
+
+
+def test_without_tflops_the_error_names_the_fix(tmp_path, capsys):
+    code, _, err = _partition(_layout(tmp_path, 0.0), capsys)
+    assert code == 2 and f"unknown device {NAME!r}" in err
+    assert "write `tflops:`" in err and "layout file" in err and "hardware.py" not in err
+
+
+def test_a_listed_gpu_keeps_the_tables_figure_and_a_negative_tflops_is_refused(tmp_path):
+    assert gpu_spec("NVIDIA GeForce RTX 4090", 24 * 2**30, 31.5).peak_tflops == 165.2
+    assert gpu_spec("NVIDIA GeForce RTX 4090", 24 * 2**30, 31.5, 100.0).peak_tflops == 100.0
+    path = _layout(tmp_path, 1.0)
+    path.write_text(path.read_text().replace("tflops: 1.0", "tflops: -5"))
+    with pytest.raises(TopologyError, match=r"gpus\[0\]\.tflops"):
+        load_topology(str(path))
