@@ -53,8 +53,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench_pipeline import machine, torchrun_metrics
-from benchlib import cpu_mark, markdown_table, other_share, torch_threads
+from bench_pipeline import machine
+from benchlib import cpu_mark, markdown_table, other_share, torch_threads, torchrun_metrics
 from fidelity_grid import (
     DEVICE_MB,
     GPT_MODELS,

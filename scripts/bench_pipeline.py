@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-import yaml
-from benchlib import cpu_mark, cpu_model, markdown_table, other_share, torch_threads
+from benchlib import cpu_mark, cpu_model, markdown_table, other_share, torch_threads, torchrun_metrics
 from torch import nn
 
 from foundation.timing import Stopwatch
@@ -109,29 +106,6 @@ def plain_run(cfg: RunConfig, threads: int, chunks: int) -> tuple[list[float], f
             opt.step()
             times.append(watch.s)
         return times, loss
-
-
-def torchrun_metrics(d: dict, nproc: int, folder: Path, timeout: float) -> list[dict]:
-    """Run mobiuspipe.train under torchrun with config `d`; the per-step records of metrics.jsonl."""
-    cfg_path = folder / "run.yaml"
-    cfg_path.write_text(yaml.safe_dump(d))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        str(nproc),
-        "-m",
-        "mobiuspipe.train",
-        "--config",
-        str(cfg_path),
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-3000:]}")
-    lines = (Path(d["train"]["out_dir"]) / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
 
 
 def tokens_per_step(cfg: RunConfig) -> int:

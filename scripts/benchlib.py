@@ -8,10 +8,13 @@ import os
 import platform
 import re
 import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 from foundation.timing import Stopwatch
 from foundation.units import MiB
@@ -31,6 +34,7 @@ __all__ = [
     "physical_runs",
     "thp_mode",
     "torch_threads",
+    "torchrun_metrics",
 ]
 
 HUGE_PAGE = 2 * MiB  # bytes: an x86-64 huge page, transparent (the engine's) or hugetlb (fio's mmaphuge)
@@ -313,3 +317,26 @@ def fio_rw(
     cmd = fio_command(path, nbytes, block, qd, iomem, mode, engine=engine, extra=extra, fsync=fsync)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     return fio_seconds(cmd, out.returncode, out.stdout, out.stderr, nbytes)
+
+
+def torchrun_metrics(d: dict, nproc: int, folder: Path, timeout: float) -> list[dict]:
+    """Run mobiuspipe.train under torchrun with config `d`; the per-step records of metrics.jsonl."""
+    cfg_path = folder / "run.yaml"
+    cfg_path.write_text(yaml.safe_dump(d))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        "-m",
+        "mobiuspipe.train",
+        "--config",
+        str(cfg_path),
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    lines = (Path(d["train"]["out_dir"]) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
