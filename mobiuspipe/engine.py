@@ -163,7 +163,7 @@ class Engine(Compute):
     # -- weights -------------------------------------------------------------------------------
     def _load(self, a: Action) -> None:
         with Stopwatch() as sw:
-            self.stages[a.stage].load(self.arena, self.device)
+            self.stages[a.stage].load(self.arena)
         self.state.times.load_s += sw.s
 
     def _release(self, a: Action) -> None:

@@ -33,7 +33,7 @@ def eval_loss(engine: Engine, x: torch.Tensor, y: torch.Tensor, what: str) -> fl
     try:
         for j in sorted(engine.stages):
             stage = engine.stages[j]
-            stage.load(engine.arena, engine.device)
+            stage.load(engine.arena)
             stage.wait_loaded()
             try:
                 for i in range(m):

@@ -77,6 +77,7 @@ class Stage:
         else:
             self.states = SsdStreamStates(flat, dtype, ssd, f"stage{index}")
         self.device = device
+        """The gpu the stage's slots and buffers are on, and whose copy streams move its weights and gradients."""
         self.buffers = {l: {n: _buffer_on(b, device, dtype) for n, b in layers[l].named_buffers()} for l in self.order}
         self._persistent = {l: _persistent_buffer_names(layers[l]) for l in self.order}
         self.layers = {l: layers[l].to("meta") for l in self.order}  # shapes only; weights live in the tiers
@@ -90,12 +91,12 @@ class Stage:
         visit's slot, whose bytes are never read again: their .grad is all the backward touches)."""
 
     # -- weights: host tier <-> arena -------------------------------------------------------------
-    def load(self, arena: DeviceArena, device: Device) -> None:
+    def load(self, arena: DeviceArena) -> None:
         """Start copying the master weights into a free slot (after this stage's pending update)."""
         self.wait_update()
         self.weights = arena.acquire(self.nbytes, f"stage {self.index} weights")
         dst = self.weights.view(self.dtype, self.numel)
-        self.loading = self.states.load_into(dst, device, self.weights.take_busy())
+        self.loading = self.states.load_into(dst, self.device, self.weights.take_busy())
 
     def release(self, arena: DeviceArena) -> None:
         arena.release(_held(self.weights, self.index, "weights"))
