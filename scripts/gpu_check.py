@@ -19,6 +19,8 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
+import traceback
 from pathlib import Path
 
 os.environ.setdefault("MOBIUSPIPE_STRICT", "1")  # the stand-ins as strict as CUDA where there is no GPU
@@ -39,16 +41,38 @@ BARS = {"hidden": 0.90, "speed": 1.15}
 
 
 class Table:
-    """The checks' rows, printed and saved."""
+    """The checks' rows, printed and saved to `path` after each row (a run stopped at its time limit keeps what it
+    found)."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: Path, head: dict) -> None:
         self.rows: list[dict] = []
+        self.path, self.head, self.figures, self.machine = path, head, {}, {}
 
     def add(self, check: str, ok: bool | None, figure: str, bar: str = "") -> None:
         """ok None: measured only (no bar on this machine)."""
         self.rows.append({"check": check, "ok": ok, "figure": figure, "bar": bar})
         mark = {True: "PASS", False: "FAIL", None: "info"}[ok]
         print(f"{mark:5} {check:44} {figure}  {bar}", flush=True)
+        self.save()
+
+    def failed(self) -> list[str]:
+        return [r["check"] for r in self.rows if r["ok"] is False]
+
+    def save(self) -> None:
+        out = {**self.head, "rows": self.rows, "figures": self.figures, "machine": self.machine}
+        self.path.write_text(json.dumps({**out, "failed": self.failed()}, indent=1))
+
+    def guarded(self, section: str, fn, *args):
+        """fn(*args), or a failed row naming the error (its traceback printed) so the other sections still run."""
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - one section's error is a failed row, not the end of the check
+            traceback.print_exc()
+            self.add(section, False, f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:100] if str(e) else ''}")
+            return None
+        finally:
+            print(f"      ({section}: {time.perf_counter() - start:.1f} s)", flush=True)
 
 
 def equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -62,7 +86,8 @@ def worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float, a
 
 
 def equivalence(t: Table, size: runs.Size, device: torch.device, topology, ssd: Path, steps: int) -> dict:
-    """(a): every policy x tier equals the recompute-on-device run bit for bit, and that run equals plain PyTorch."""
+    """(a): every policy x tier equals the recompute-on-device run bit for bit, and that run equals plain PyTorch.
+    Each row runs guarded: one that raises is a failed row and the others still run."""
     out = {}
     for precision in ("fp32", "bf16"):
         plan = runs.make_plan_for(size, precision, device, topology)
@@ -74,17 +99,24 @@ def equivalence(t: Table, size: runs.Size, device: torch.device, topology, ssd: 
                 if (policy, tier) == ("recompute", "device"):
                     continue
                 memory = MemoryConfig(activation_tier=tier, ssd_dir=str(ssd / f"{precision}-{policy}-{tier}"))
-                got = runs.pipeline_run(size, plan, precision, steps, activations=policy, memory=memory)
-                same = got.losses == base.losses and equal(got.weights, base.weights)
-                t.add(f"{precision} {policy} on {tier}", same, "bit-identical" if same else "differs", "= recompute")
+                check = f"{precision} {policy} on {tier}"
+                t.guarded(check, same_as, t, check, base, size, plan, precision, steps, policy, memory, "= recompute")
         memory = MemoryConfig(optimizer="ssd", weights="ssd", ssd_dir=str(ssd / f"{precision}-weights"))
-        got = runs.pipeline_run(size, plan, precision, steps, memory=memory)
-        same = got.losses == base.losses and equal(got.weights, base.weights)
-        t.add(f"{precision} weights and states on SSD", same, "bit-identical" if same else "differs", "= host")
+        check = f"{precision} weights and states on SSD"
+        t.guarded(check, same_as, t, check, base, size, plan, precision, steps, "recompute", memory, "= host")
         out[precision] = base
-    accumulated(t, size, device, topology, steps)
-    fp16_skip(t, size, device, topology, steps)
+    t.guarded("fp32 accumulation 2 vs plain PyTorch", accumulated, t, size, device, topology, steps)
+    t.guarded("fp16 skipped step leaves the weights", fp16_skip, t, size, device, topology, steps)
     return out
+
+
+def same_as(
+    t: Table, check: str, base: runs.Run, size: runs.Size, plan, precision: str, steps: int, policy, memory, bar: str
+) -> None:
+    """A row: the run under `policy` and `memory` equals `base` bit for bit."""
+    got = runs.pipeline_run(size, plan, precision, steps, activations=policy, memory=memory)
+    same = got.losses == base.losses and equal(got.weights, base.weights)
+    t.add(check, same, "bit-identical" if same else "differs", bar)
 
 
 def against(got: runs.Run, plain: runs.Run, precision: str) -> tuple[bool, str, str]:
@@ -237,31 +269,20 @@ def main() -> int:
     torch.set_num_threads(1)  # one order of every CPU reduction on both sides of each comparison
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     size = runs.GPU_SIZE if cuda else runs.CPU_SIZE
+    name = torch.cuda.get_device_name(0) if cuda else "cpu-standin"
+    print(f"gpu_check on {name if cuda else 'CPU stand-ins (strict)'}: {size}", flush=True)
+    t = Table(Path(args.out), {"device": name, "torch": torch.__version__, "size": str(size)})
     topology = runs.gpu_topology() if cuda else cpu_standin(1, 256 << 20)
-    print(f"gpu_check on {torch.cuda.get_device_name(0) if cuda else 'CPU stand-ins (strict)'}: {size}", flush=True)
-    t = Table()
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
-        base = equivalence(t, size, device, topology, Path(tmp), args.steps)
-        figures = memory_and_speed(
-            t, base["fp32"], size, device, runs.make_plan_for(size, "fp32", device, topology), cuda
-        )
-        found = machine(t, cuda)
-        gpu_tests(t, cuda)
-        two_ranks(t, Path(tmp), torch.cuda.device_count() if cuda else 2)
-    failed = [r["check"] for r in t.rows if r["ok"] is False]
-    Path(args.out).write_text(
-        json.dumps(
-            {
-                "device": torch.cuda.get_device_name(0) if cuda else "cpu-standin",
-                "size": str(size),
-                "rows": t.rows,
-                "figures": figures,
-                "machine": found,
-                "failed": failed,
-            },
-            indent=1,
-        )
-    )
+        base = t.guarded("equivalence", equivalence, t, size, device, topology, Path(tmp), args.steps)
+        if base is not None:
+            plan = runs.make_plan_for(size, "fp32", device, topology)
+            t.figures = t.guarded("memory and speed", memory_and_speed, t, base["fp32"], size, device, plan, cuda) or {}
+        t.machine = t.guarded("machine", machine, t, cuda) or {}
+        t.guarded("gpu-marked tests", gpu_tests, t, cuda)
+        t.guarded("two ranks", two_ranks, t, Path(tmp), torch.cuda.device_count() if cuda else 2)
+    t.save()
+    failed = t.failed()
     print(
         f"{len(t.rows) - len(failed)} of {len(t.rows)} checks pass; {args.out}"
         + (f"; FAILED: {failed}" if failed else "")
