@@ -50,17 +50,26 @@ class ActionClock:
         ev.record(self.compute)
         return ev
 
+    def settle(self, last) -> None:
+        """CUDA: wait until the compute stream has passed `last`, the latest mark, and with it every earlier one (one
+        host wait for all the marks seconds() then reads)."""
+        if self.compute is not None:
+            last.synchronize()
+
     def seconds(self, mark) -> float:
-        """The mark in time.perf_counter seconds (CUDA: once the compute stream has passed it)."""
+        """The mark in time.perf_counter seconds (CUDA: after settle() of a mark at or after it)."""
         if self.compute is None:
             return mark
         assert self._e0 is not None, "start_step() anchors the CUDA marks"
-        mark.synchronize()
         return self._t0 + self._e0.elapsed_time(mark) / 1e3
 
     def buckets(self, spans: Iterable[tuple[str, object, object]]) -> dict[str, float]:
-        """Seconds per StepTimes bucket ("compute", "load", "comm") of (action kind, start mark, end mark) spans."""
+        """Seconds per StepTimes bucket ("compute", "load", "comm") of (action kind, start mark, end mark) spans,
+        in the order the marks were made."""
+        spans = list(spans)
         out = {"compute": 0.0, "load": 0.0, "comm": 0.0}
+        if spans:
+            self.settle(spans[-1][2])
         for kind, start, end in spans:
             out[BUCKETS.get(kind, "load")] += self.seconds(end) - self.seconds(start)
         return out

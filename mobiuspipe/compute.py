@@ -137,10 +137,9 @@ class Compute:
             if j in self.swaps:  # to its tier on the copy stream; the device copy lives until SWAP_OUT
                 self.swaps[j].start_out((j, i), [x])
                 self.ledger.hold(("saved", j, i), x)
-            else:
-                st.saved[(j, i)] = self.device.to_host(x) if self.device.is_cuda else x  # host checkpoint
-                if not self.device.is_cuda:
-                    self.ledger.hold(("saved", j, i), x)  # the CPU stand-in's host checkpoint is "on the device"
+            else:  # tier device: the input stays where it is, for B to recompute from
+                st.saved[(j, i)] = x
+                self.ledger.hold(("saved", j, i), x)
             if j < self.last:  # the last stage's forward is fused into its backward (loss and gradient at once)
                 st.rng[(j, i)] = self._rng_state()
                 with Stopwatch() as sw, torch.no_grad():
@@ -201,10 +200,7 @@ class Compute:
                 x = self.swaps[j].finish_in((j, i))[0]  # back from its tier (SWAP_IN started the copy)
             else:
                 x = st.saved.pop((j, i))
-                if self.device.is_cuda:
-                    x = self.device.to_device(x)
-                else:
-                    self.ledger.drop(("saved", j, i))
+                self.ledger.drop(("saved", j, i))
             self.ledger.hold(("inputs", j, i), x)
             if j > 0:
                 x.requires_grad_(True)

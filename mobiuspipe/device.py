@@ -100,11 +100,15 @@ class Device:
         return t.to("cpu") if self.is_cuda else plain(t).clone()
 
     # -- copies on the copy streams --------------------------------------------------------------------------
-    def copy_in(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[CopyHandle] = ()) -> CopyHandle:
-        """dst (this gpu's memory) <- src (host memory) on the copy-in stream, once the compute queued so far
-        (dst may be in use until then) and the `after` copies have ended."""
+    def copy_in(
+        self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[CopyHandle] = (), computed: bool = True
+    ) -> CopyHandle:
+        """dst (this gpu's memory) <- src (host memory) on the copy-in stream, once the `after` copies and (computed)
+        the compute queued so far have ended: a fresh allocation may still be in use by that compute. computed
+        False: `after` names every user of dst (an arena slot's release mark and the copies that read it), so a
+        load into a slot freed long ago need not wait for the compute queued since."""
         self._check_copy("a copy to the device", dst, src)
-        return self._in.copy(dst, src, after, self._computed())
+        return self._in.copy(dst, src, after, self._computed() if computed else None)
 
     def copy_out(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[CopyHandle] = ()) -> CopyHandle:
         """dst (host memory) <- src (this gpu's memory) on the copy-out stream, once the compute queued so far
@@ -120,11 +124,15 @@ class Device:
         return self._peers[peer]
 
     def stream_in(
-        self, job: Callable[[Callable[[torch.Tensor, torch.Tensor], object]], None], after: Sequence[CopyHandle] = ()
+        self,
+        job: Callable[[Callable[[torch.Tensor, torch.Tensor], object]], None],
+        after: Sequence[CopyHandle] = (),
+        computed: bool = True,
     ) -> CopyHandle:
         """Run job(copy) off the compute thread, where copy(dst, src) moves host memory src into device
         memory dst and returns once src may be reused (a loader fills a few staging buffers in turn), after
-        the `after` copies (which still read dst); the handle's wait() orders later compute after every copy."""
+        the `after` copies (which still read dst) and, computed, the compute queued so far (as copy_in); the
+        handle's wait() orders later compute after every copy."""
         self._check_thread("a copy to the device")
         if not self.is_cuda:
 
@@ -134,7 +142,7 @@ class Device:
                 job(lambda dst, src: dst.copy_(src))
 
             return self._in.run(standin)
-        ready = self._computed()  # dst may be in use until now
+        ready = self._computed() if computed else None  # dst may be in use until now
 
         def on_stream() -> None:
             job(lambda dst, src: self._in.copy(dst, src, after, ready).synchronize())  # src is refilled next
@@ -142,6 +150,12 @@ class Device:
         if self._loader is None:
             self._loader = self.executor("ssd-loader")
         return CopyHandle(future=self._loader.submit(on_stream))
+
+    def computed(self) -> CopyHandle:
+        """A mark after the compute queued so far: a copy `after` it waits for that compute (a released slot's last
+        users). On the stand-in, whose compute is synchronous, it has ended already."""
+        ev = self._computed()
+        return CopyHandle() if ev is None else CopyHandle(event=ev, compute=self.compute)
 
     def _computed(self) -> torch.cuda.Event | None:
         """CUDA: an event after the compute queued so far; None on the stand-in (its compute is synchronous)."""

@@ -99,7 +99,9 @@ class Stage:
         self.loading = self.states.load_into(dst, self.device, self.weights.take_busy())
 
     def release(self, arena: DeviceArena) -> None:
-        arena.release(_held(self.weights, self.index, "weights"))
+        """Give the weights' slot back, marked after the compute queued so far: the next load into it waits for
+        that compute only, not for what is queued by the time it is issued."""
+        arena.release(_held(self.weights, self.index, "weights"), [self.device.computed()])
         self.weights, self._leaves = None, []
 
     def wait_loaded(self) -> None:

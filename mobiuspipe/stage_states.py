@@ -94,9 +94,9 @@ class HostStates:
         self.optimizer = make_optimizer([self.master])
 
     def load_into(self, dst: torch.Tensor, device: Device, after: Sequence[CopyHandle] = ()) -> CopyHandle:
-        """Start copying the weights the device computes with into dst (its arena slot, flat), after the copies
-        that still read dst."""
-        return device.copy_in(dst, self.weights, after)
+        """Start copying the weights the device computes with into dst (its arena slot, flat), after `after`: every
+        user of dst (its slot's release mark and the copies that still read it)."""
+        return device.copy_in(dst, self.weights, after, computed=False)
 
     def take_grads(self, src: torch.Tensor, device: Device, accumulate: bool = False, norm: bool = False) -> CopyHandle:
         """Start copying the stage's accumulated gradients (flat, device dtype) off the device on the copy-out
@@ -277,7 +277,7 @@ class SsdStreamStates:
         self.sumsq: float | None = None
 
     def load_into(self, dst: torch.Tensor, device: Device, after: Sequence[CopyHandle] = ()) -> CopyHandle:
-        return device.stream_in(lambda copy: self.stream.load_into(dst, copy), after)
+        return device.stream_in(lambda copy: self.stream.load_into(dst, copy), after, computed=False)
 
     def take_grads(self, src: torch.Tensor, device: Device, accumulate: bool = False, norm: bool = False) -> None:
         """Write the gradients to their SSD records through the staging buffers (the copy off the device is done

@@ -13,16 +13,16 @@ Legend (partition.lifetimes has the walk's; units in brackets):
         the computing stage's A_j; plus the regions g gives its peers' parked activations
         (partition.peer: R(g, h), held the whole run)                                          [bytes]
 
-Two runtime paths, each walked as it runs:
-  a gpu (CUDA, NCCL; the default): H_j = 0 (Engine._fwd copies the stage input to the host), the arena
-      S * W whole (preallocated; the allocator's max_memory_allocated sees all of it), sends released
-      once the schedules prove them taken;
-  the CPU stand-in (standin=True), as its DeviceLedger counts: H_j = I_j (the input stays on the
-      "device"), the arena's slots in use (P_j each), sends held to the step's end (gloo's send requests
-      report completion only once waited on: Comm.flush; not so under MOBIUSPIPE_STRICT=1, whose
-      sends complete once taken, as NCCL's do).
+Two runtime paths, each walked as it runs; on both H_j = I_j for a recompute stage on tier device (its input
+stays on the device until B recomputes from it; activation_tier host, ssd or peer moves it off on the copy
+streams, and the walk then counts it as swapped):
+  a gpu (CUDA, NCCL; the default): the arena S * W whole (preallocated; the allocator's
+      max_memory_allocated sees all of it), sends released once the schedules prove them taken;
+  the CPU stand-in (standin=True), as its DeviceLedger counts: the arena's slots in use (P_j each), sends
+      held to the step's end (gloo's send requests report completion only once waited on: Comm.flush; not
+      so under MOBIUSPIPE_STRICT=1, whose sends complete once taken, as NCCL's do).
 D_g >= S * W + max A_j of gpu g's stages (costmodel's memory rule S*W + A_j <= G) on a gpu: the rule
-leaves out the queued messages (and, on the stand-in, the held inputs). The runtime measures the real peak
+leaves out the queued messages and the held inputs. The runtime measures the real peak
 (mobiuspipe.memory.measure) and the torchrun entry compares the two.
 """
 
@@ -69,8 +69,6 @@ def planned_device_bytes(
     own = held is None and min(chosen) >= 0
     if own:
         held = chosen
-    if held is None and not standin:
-        held = [0] * plan.num_stages
     swapped = frozenset(j for j, s in enumerate(plan.stages) if s.activation_tier not in ("auto", "device"))
     arena = None if standin else plan.arena_bytes
     stages = stage_bytes(plan, held, chosen=own)

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_runs as runs
 from benchlib import torchrun_metrics
 
+from mobiuspipe import _ext
 from mobiuspipe.config import MemoryConfig
 from mobiuspipe.optim.loss_scale import LossScaler
 from topology import cpu_standin
@@ -157,7 +158,9 @@ def fp16_skip(t: Table, size: runs.Size, device: torch.device, topology, steps: 
     t.add("fp16 skipped step leaves the weights", bool(ok), f"skipped {got.skipped}", "first skipped, last not")
 
 
-def memory_and_speed(t: Table, base: runs.Run, size: runs.Size, device: torch.device, plan, cuda: bool) -> dict:
+def memory_and_speed(
+    t: Table, base: runs.Run, size: runs.Size, device: torch.device, plan, cuda: bool, trace: str | None = None
+) -> dict:
     """(b) overlap, (c) memory against the plan, (d) the step against its floor."""
     t.add(
         "peak at or below the plan",
@@ -182,7 +185,7 @@ def memory_and_speed(t: Table, base: runs.Run, size: runs.Size, device: torch.de
         f"<= {BARS['speed']}x on a GPU",
     )
     if cuda:
-        o = runs.overlap_on_gpu(size, plan, "fp32")
+        o = runs.overlap_on_gpu(size, plan, "fp32", trace=trace)
         t.add(
             "load time hidden under compute",
             o["hidden"] >= BARS["hidden"],
@@ -264,20 +267,29 @@ def main() -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     p.add_argument("--out", default="gpu_check.json", help="where the results go (JSON)")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--trace", help="on a GPU: write the overlap check's profiler trace here (Chrome JSON)")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
     torch.set_num_threads(1)  # one order of every CPU reduction on both sides of each comparison
+    # Bit-for-bit comparisons need kernels that give the same bits on every run: fp32 attention's backward
+    # (SDPA's memory-efficient kernel) adds with atomics otherwise, and plain PyTorch then differs from itself.
+    torch.use_deterministic_algorithms(True)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     size = runs.GPU_SIZE if cuda else runs.CPU_SIZE
     name = torch.cuda.get_device_name(0) if cuda else "cpu-standin"
     print(f"gpu_check on {name if cuda else 'CPU stand-ins (strict)'}: {size}", flush=True)
-    t = Table(Path(args.out), {"device": name, "torch": torch.__version__, "size": str(size)})
+    adam = "C++ extension" if _ext.HAVE_C else f"PyTorch fallback ({_ext.WHY_NOT[:80]})"
+    print(f"host Adam: {adam}", flush=True)
+    t = Table(Path(args.out), {"device": name, "torch": torch.__version__, "size": str(size), "host_adam": adam})
     topology = runs.gpu_topology() if cuda else cpu_standin(1, 256 << 20)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         base = t.guarded("equivalence", equivalence, t, size, device, topology, Path(tmp), args.steps)
         if base is not None:
             plan = runs.make_plan_for(size, "fp32", device, topology)
-            t.figures = t.guarded("memory and speed", memory_and_speed, t, base["fp32"], size, device, plan, cuda) or {}
+            t.figures = (
+                t.guarded("memory and speed", memory_and_speed, t, base["fp32"], size, device, plan, cuda, args.trace)
+                or {}
+            )
         t.machine = t.guarded("machine", machine, t, cuda) or {}
         t.guarded("gpu-marked tests", gpu_tests, t, cuda)
         t.guarded("two ranks", two_ranks, t, Path(tmp), torch.cuda.device_count() if cuda else 2)

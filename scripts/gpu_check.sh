@@ -13,4 +13,11 @@ if [ -z "$py" ]; then
     if [ -x "$root/.venv/bin/python" ]; then py="$root/.venv/bin/python"; else py=python3; fi
 fi
 cd "$root"
+# cuBLAS reproducible from run to run (torch.use_deterministic_algorithms, which gpu_check.py turns on, needs it)
+export CUBLAS_WORKSPACE_CONFIG="${CUBLAS_WORKSPACE_CONFIG:-:4096:8}"
+# The C++ extension (CPUAdam's SIMD kernel, O_DIRECT I/O): a GPU box with a preinstalled torch has none built for
+# it; the PyTorch fallback's host Adam would bound the step. Build it (about a minute) unless told not to.
+if [ "${MOBIUSPIPE_NO_BUILD:-0}" != 1 ] && ! PYTHONPATH="$root" "$py" -c "from mobiuspipe import _C" 2>/dev/null; then
+    PYTHONPATH="$root" timeout 300 "$py" -m mobiuspipe._build || echo "gpu_check: the C++ extension did not build; the PyTorch fallback runs"
+fi
 PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" exec timeout 480 "$py" "$root/scripts/gpu_check.py" "$@"

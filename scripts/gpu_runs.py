@@ -8,11 +8,13 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from mobiuspipe import Pipeline
+from mobiuspipe.action_trace import write_chrome
 from mobiuspipe.activations import ActivationsSpec
 from mobiuspipe.config import MemoryConfig
 from mobiuspipe.models.gpt import build_layers, layer_factories, lm_loss
@@ -237,20 +239,29 @@ def gpu_topology():
     return discovered_topology(1)
 
 
-def overlap_on_gpu(size: Size, plan: Plan, precision: str, steps: int = 3) -> dict:
-    """(b) on CUDA: a torch.profiler trace of `steps` steps after one warm-up; the share of the host -> device copy
-    time that runs while a kernel runs, and the host-blocking synchronizations per step."""
+def overlap_on_gpu(size: Size, plan: Plan, precision: str, steps: int = 3, trace: str | None = None) -> dict:
+    """(b) on CUDA: a torch.profiler trace of `steps` steps after one warm-up (written to `trace` as Chrome JSON
+    if given, and the pipeline's own trace of its actions beside it, as TRACE.actions.json); the share of the
+    host -> device copy time that runs while a kernel runs, and the host-blocking
+    synchronizations per step."""
     from torch.profiler import ProfilerActivity, profile
 
     data = batches(size, steps + 1, size.batch)
-    with Pipeline(layer_factories(size.spec(), seed=3), lm_loss, plan=plan, precision=precision) as pipe:
+    traced = range(1, steps + 1) if trace else ()
+    with Pipeline(
+        layer_factories(size.spec(), seed=3), lm_loss, plan=plan, precision=precision, trace_steps=traced
+    ) as pipe:
         pipe.train_batch(*data[0])
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for x, y in data[1:]:
                 pipe.train_batch(x, y)
             torch.cuda.synchronize()
+        if trace:
+            prof.export_chrome_trace(trace)
         visits = sum(a.kind.value in ("F", "B") and a.microbatch == 0 for a in pipe.engine.schedule)
+    if trace:  # beside the kernels and copies: the pipeline's actions and host updates ("U"), all ended now
+        write_chrome([list(pipe.trace.records)], Path(trace).with_suffix(".actions.json"))
     events = prof.events() or []
     copies = [e.time_range for e in events if "Memcpy HtoD" in e.name]
     kernels = sorted(

@@ -1,6 +1,16 @@
 """The whole suite runs the CPU stand-ins as strict as CUDA and NCCL (mobiuspipe.standin); a test that needs the
-lax ones sets MOBIUSPIPE_STRICT=0 itself. Set before any test starts a rank, which inherits it."""
+lax ones sets MOBIUSPIPE_STRICT=0 itself. Set before any test starts a rank, which inherits it.
+
+On a machine with a GPU the suite still runs on the stand-ins (CUDA hidden from it and from the ranks it starts),
+so it proves the same things there as in CI; the gpu-marked tests (`pytest -m gpu`, which scripts/gpu_check.sh
+runs) see the GPU."""
 
 import os
 
 os.environ.setdefault("MOBIUSPIPE_STRICT", "1")
+
+
+def pytest_configure(config):
+    """Hide CUDA unless the gpu-marked tests are selected (before any test asks torch for a device)."""
+    if "gpu" not in (config.getoption("markexpr") or ""):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""

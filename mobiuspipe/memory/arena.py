@@ -27,7 +27,8 @@ class Slot:
     data: torch.Tensor
     used: int = 0
     busy: list[CopyHandle] = field(default_factory=list)
-    """Copies that still read the slot's bytes since its release: whoever fills it next orders after them."""
+    """What may still use the slot's bytes since its release (the copies that read it, the mark after the compute that
+    used it: Device.computed): whoever fills it next orders after them."""
 
     def take_busy(self) -> list[CopyHandle]:
         """The copies the new holder must order its first write after (they are its to wait for now)."""
@@ -94,7 +95,7 @@ class DeviceArena:
         return slot
 
     def release(self, slot: Slot, after: Sequence[CopyHandle] = ()) -> None:
-        """Free slot; after: copies that still read it (an offload on the copy stream)."""
+        """Free slot; after: what may still use it (an offload on the copy stream, the compute's mark)."""
         slot.busy = list(after)
         if self.ledger is not None:
             self.ledger.drop(("arena", slot.index))

@@ -1,6 +1,7 @@
 """`mobiuspipe topology` in-process: text, --tree, --matrix, --json, --svg and its one-line user errors."""
 
 import json
+import sys
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -35,6 +36,7 @@ def test_layout_2_plus_2(capsys):
 
 def test_default_discovers_and_points_to_layout_without_gpus(capsys, monkeypatch, tmp_path):
     (tmp_path / "bus" / "pci" / "devices").mkdir(parents=True)  # a sysfs tree with no GPU
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # and no NVML (which would find a GPU on a GPU machine)
     code, out, err = run(capsys, ["topology", "--sysfs-root", str(tmp_path)])
     assert code == 2 and out == ""
     assert err.startswith("mobiuspipe: error: no GPU found") and "--layout 2+2" in err

@@ -33,5 +33,6 @@ def test_cuda_marks_measure_the_stream_not_the_launch():
     torch.cuda._sleep(200_000_000)  # ~0.1 s of spinning on the stream at ~2 GHz, launched at once
     launched = time.perf_counter() - launched
     b = clock.mark()
+    clock.settle(b)  # the one host wait: a, before b on the stream, has passed too
     span = clock.seconds(b) - clock.seconds(a)
     assert launched < 0.01 < 0.03 < span and clock.seconds(a) >= clock._t0

@@ -101,8 +101,9 @@ def test_plan_figure_on_a_gpu_and_on_the_stand_in():
     assert [(s.input, s.output, s.held) for s in sb] == [(32, 16, 32), (16, 16, 16), (16, 0, 16)]
     assert sb[0].work == plan.stages[0].activation_bytes + 32 and sb[2].work == plan.stages[2].activation_bytes + 24
     arena = plan.arena_bytes
-    gpu = device_peak(plan.mapping, 0, 3, stage_bytes(plan, [0, 0, 0]), arena)
+    gpu = device_peak(plan.mapping, 0, 3, sb, arena)  # the recompute inputs stay on the gpu too
     assert planned_device_bytes(plan) == [gpu] and gpu >= arena + max(s.activation_bytes for s in plan.stages)
+    assert gpu > device_peak(plan.mapping, 0, 3, stage_bytes(plan, [0, 0, 0]), arena)
     standin = device_peak(plan.mapping, 0, 3, sb, None, sends_until_flush=True)
     assert planned_device_bytes(plan, standin=True) == [standin]
     held = device_peak(plan.mapping, 0, 3, stage_bytes(plan, [5] * 3), arena)
