@@ -21,6 +21,9 @@ For each layer l, fed the previous layer's output (the first gets `sample_input`
   activation_bytes  the tensors autograd saves for backward (saved_tensors_hooks), counted once per
                     storage (views share one), parameters excluded; the last layer includes its loss
   output_bytes      nbytes of the layer's output
+  workspace_bytes   CUDA only (0 on the stand-in): the allocator's peak over a recompute and its
+                    backward (after the timed runs, so the kernels' own workspaces already exist), less
+                    what was allocated before, the saved activations and the output
   fwd/bwd_flops     torch.utils.flop_counter.FlopCounterMode (matmuls and attention; norms, activations
                     and gathers count 0), plus the CPU flash-attention kernel, which it does not know
 Layer similarity (Mobius, "Profiling"): a layer whose type, parameter and buffer shapes and dtypes, and
@@ -192,6 +195,18 @@ class _Run:
             self.backward(y)
         return float(f.get_total_flops()), float(b.get_total_flops())
 
+    def workspace_bytes(self, saved: int) -> int:
+        """X_l: on CUDA, the allocator's peak over a recompute and its backward, less what was allocated before,
+        the saved activations and the output; 0 elsewhere (the stand-in's ledger counts no transients)."""
+        if self.device.type != "cuda":
+            return 0
+        torch.cuda.synchronize(self.device)
+        start = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.backward(self.recompute())
+        torch.cuda.synchronize(self.device)
+        return max(0, torch.cuda.max_memory_allocated(self.device) - start - saved - self.out.nbytes)
+
     def saved_bytes(self) -> int:
         params = {p.untyped_storage().data_ptr() for p in self.params}
         seen: dict[int, int] = {}
@@ -243,7 +258,8 @@ def _measure_one(
     run = _Run(layer, x, loss_fn, device, m)
     fwd_flops, bwd_flops = run.flops()
     act = run.saved_bytes()
-    fwd_s, redo_s, bwd_s, kept_s = _stable_median(run, *timing)
+    fwd_s, redo_s, bwd_s, kept_s = _stable_median(run, *timing)  # warm: the kernels' own workspaces exist
+    workspace = run.workspace_bytes(act)
     for p in layer.parameters():
         p.grad = None
     params = list(layer.parameters())
@@ -259,6 +275,7 @@ def _measure_one(
         bwd_s=bwd_s,
         recompute_s=redo_s,
         kept_s=None if loss_fn else kept_s,
+        workspace_bytes=workspace,
     )
     return lp, run.out
 

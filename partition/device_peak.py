@@ -9,9 +9,12 @@ Legend (partition.lifetimes has the walk's; units in brackets):
   I_j   stage j's input per microbatch: stage j-1's output_bytes; I_0 = plan.input_bytes        [bytes]
   Y     plan.target_bytes: one microbatch of the loss's targets                                [bytes]
   H_j   bytes (j, i) keeps on the device from its forward to its backward                     [bytes]
+  X     plan.workspace_bytes: what one computing layer holds beyond A_j (its intermediates'
+        gradients, a weight's gradient before it is added into the slot), measured on CUDA     [bytes]
   D_g   the walk's peak on gpu g: the arena, the held inputs, the messages queued in and out, and
         the computing stage's A_j; plus the regions g gives its peers' parked activations
-        (partition.peer: R(g, h), held the whole run)                                          [bytes]
+        (partition.peer: R(g, h), held the whole run); on a gpu plus X (make_plan takes X off
+        the memory every rule and walk is held to, so the walk's fit is D_g - X <= G - X)      [bytes]
 
 Two runtime paths, each walked as it runs; on both H_j = I_j for a recompute stage on tier device (its input
 stays on the device until B recomputes from it; activation_tier host, ssd or peer moves it off on the copy
@@ -77,4 +80,6 @@ def planned_device_bytes(
     peaks = peaks + [arena or 0] * (plan.num_gpus - len(peaks))
     for (owner, _), nbytes in regions(plan).items():  # a peer's region is held the whole run
         peaks[owner] += nbytes
+    if not standin:  # the stand-in's ledger counts no transients (its profiles measure none: X = 0 there)
+        peaks = [b + plan.workspace_bytes for b in peaks]
     return peaks

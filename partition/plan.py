@@ -182,7 +182,7 @@ class Plan(_PlanPart):
     activation_bytes: int
     """Largest live activation bytes of any stage (one microbatch)."""
     gpu_memory_bytes: int
-    """Usable memory per gpu the plan was made for (after the reserve)."""
+    """Usable memory per gpu the plan was made for (after the reserve and the workspace X)."""
     predicted_step_time_s: float
     solver: SolverInfo
     layout: Topology | None = None
@@ -193,6 +193,10 @@ class Plan(_PlanPart):
     """Bytes of one microbatch of the model's input (the profile's; 0 in plans written before plans had it)."""
     target_bytes: int = 0
     """Bytes of one microbatch of the loss's targets (the profile's; 0 in plans written before plans had it)."""
+    workspace_bytes: int = 0
+    """X: the most bytes one computing layer holds beyond the walk's (the profile's largest X_l: its
+    intermediates' gradients, a weight's gradient before it is added into the slot). gpu_memory_bytes is
+    already net of it; 0 in plans of profiles that did not measure it."""
 
     @property
     def num_stages(self) -> int:
@@ -255,6 +259,7 @@ def _field_problems(p: Plan) -> list[Problem]:
                 "gpu_memory_bytes",
                 "input_bytes",
                 "target_bytes",
+                "workspace_bytes",
             )
             for q in at_least(p, name, 0, _WRITE_FIX)
         ),

@@ -12,6 +12,11 @@ Symbols (per layer l, for ONE microbatch of `microbatch_size` sequences of `seq_
   K_l  kept_s            the forward as a keep (or selective) stage's F runs it for a kept layer:
                          with grad, through the runtime's keep hooks, its graph kept until the
                          backward, M microbatches in a row, each in fresh memory (None: R_l)  [s]
+  X_l  workspace_bytes   the most bytes the layer's recompute and backward allocate beyond A_l and
+                         O_l while they run: gradients of its intermediates, each weight's
+                         gradient before it is added into the gradient slot (measured on CUDA by
+                         the allocator's peak; 0 where not measured: the CPU stand-in, whose
+                         ledger counts none, and the analytic profile)                        [bytes]
 
 Layer-similarity compression (Mobius, "Profiling"): a transformer's blocks are identical, so a profile
 is stored and solved as runs of consecutive identical layers, (layer, count); `expand` undoes it.
@@ -78,6 +83,8 @@ class LayerProfile(_ProfilePart):
     """R_l of the legend; None: the same as fwd_s."""
     kept_s: float | None = None
     """K_l of the legend; None: the same as redo_s."""
+    workspace_bytes: int = 0
+    """X_l of the legend; 0 in profiles that did not measure it."""
 
     @property
     def redo_s(self) -> float:
@@ -90,7 +97,7 @@ class LayerProfile(_ProfilePart):
         return self.redo_s if self.kept_s is None else self.kept_s
 
     def check_values(self) -> list[Problem]:
-        counts = ("param_count", "param_bytes", "activation_bytes", "output_bytes")
+        counts = ("param_count", "param_bytes", "activation_bytes", "output_bytes", "workspace_bytes")
         amounts = ("fwd_flops", "bwd_flops", "fwd_s", "bwd_s")
         redo = tuple(n for n in ("recompute_s", "kept_s") if getattr(self, n) is not None)
         return [
@@ -119,6 +126,11 @@ class Profile(_ProfilePart):
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def workspace_bytes(self) -> int:
+        """The most X_l of any layer: what one computing layer may hold beyond the walk's bytes."""
+        return max(x.workspace_bytes for x in self.layers)
 
     def check_values(self) -> list[Problem]:
         return [

@@ -66,11 +66,11 @@ def make_plan(
     watch = Stopwatch()
     _check_memory_known(topo)
     arr = LayerArrays.of(profile)
-    memory = min(g.memory_bytes for g in topo.gpus) - reserve_bytes
+    memory = min(g.memory_bytes for g in topo.gpus) - reserve_bytes - profile.workspace_bytes  # X held apart
     _check_layers_fit(arr, profile, memory)
     ranked = _dp_plans(profile, topo, arr, microbatches, num_stages, mapping, memory)
     if not ranked:
-        raise _infeasible_stages(num_stages, arr, memory)
+        raise _infeasible_stages(num_stages, arr, memory, profile.workspace_bytes)
     candidates, info = ranked[:MIP_CANDIDATES], SolverInfo("dp", "optimal", 0.0, 0.0)
     if solver != "dp" and not mip_installed():
         info = SolverInfo("dp", f"optimal; {NO_MIP}", 0.0, 0.0)
@@ -272,8 +272,9 @@ def _check_layers_fit(arr: LayerArrays, profile: Profile, memory: int) -> None:
             raise PlanInfeasibleError(
                 f"layer {l} ({layer.name}) alone needs {need / GiB:.2f} GiB ({ARENA_SLOTS} x "
                 f"{arr.params(l, l) / GiB:.2f} GiB of arena slots for weights, prefetch and gradients + "
-                f"{arr.activations(l, l) / GiB:.2f} GiB of activations) but a gpu has {memory / GiB:.2f} GiB usable: "
-                f"use a smaller microbatch, GPUs with more memory, or a smaller model"
+                f"{arr.activations(l, l) / GiB:.2f} GiB of activations) but a gpu has {memory / GiB:.2f} GiB usable"
+                f"{_net_of(profile.workspace_bytes)}: use a smaller microbatch, GPUs with more memory, or a smaller "
+                "model"
             )
 
 
@@ -286,13 +287,21 @@ def _fits_in_some_stage(arr: LayerArrays, l: int, memory: int) -> bool:
     )
 
 
-def _infeasible_stages(num_stages: int | None, arr: LayerArrays, memory: int) -> PlanInfeasibleError:
+def _infeasible_stages(num_stages: int | None, arr: LayerArrays, memory: int, workspace: int) -> PlanInfeasibleError:
     p = arr.params(0, arr.num_layers - 1)
     return PlanInfeasibleError(
         f"no cut of the {arr.num_layers} layers into {num_stages or 'any number of'} stages fits: the model has "
         f"{p / GiB:.2f} GiB of parameters and each stage must satisfy {ARENA_SLOTS} x slot + activations <= "
-        f"{memory / GiB:.2f} GiB; use more stages (--stages), or leave --stages out to search every count"
+        f"{memory / GiB:.2f} GiB{_net_of(workspace)}; use more stages (--stages), or leave --stages out to search "
+        f"every count"
     )
+
+
+def _net_of(workspace: int) -> str:
+    """The note that the usable memory is net of the profile's largest workspace X (none when X is 0)."""
+    if not workspace:
+        return ""
+    return f" (net of the {workspace / GiB:.2f} GiB the largest layer's backward holds beyond its activations)"
 
 
 def _plan_of(
@@ -329,6 +338,7 @@ def _plan_of(
         solver=SolverInfo("dp", "optimal", 0.0, 0.0),
         input_bytes=profile.input_bytes,
         target_bytes=profile.target_bytes,
+        workspace_bytes=profile.workspace_bytes,
     )
 
 

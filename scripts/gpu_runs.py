@@ -66,6 +66,8 @@ class Run:
     used_bytes: int = 0
     """CUDA: total - free of mem_get_info at the end (the context, NCCL and the allocator's cache included)."""
     planned_bytes: int = 0
+    before_bytes: int = 0
+    """CUDA: what the process held before the run (cuBLAS workspaces, earlier runs' leftovers), in peak_bytes too."""
     load_wait_s: float = 0.0
     """The compute thread's seconds waiting for loads, summed over the steps after the first."""
     loaded_bytes: int = 0
@@ -116,9 +118,10 @@ def pipeline_run(
     rows = size.batch * accumulation
     data = batches(size, steps, rows)
     memory = memory or MemoryConfig()
+    run = Run([], {}, [])
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    run = Run([], {}, [])
+        run.before_bytes = torch.cuda.memory_allocated()
     with Pipeline(
         layer_factories(size.spec(), seed=3),
         lm_loss,

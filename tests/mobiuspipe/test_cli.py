@@ -89,7 +89,7 @@ def test_topology_json_contract(capsys, name):
 
 def test_partition_json_contract(planned):
     d, _, _, err = planned
-    assert err == "" if mip_installed() else err.startswith("mobiuspipe: no MIP solver is installed")
+    assert err == "" or (not mip_installed() and err.startswith("mobiuspipe: no MIP solver is installed"))
     assert {
         "model",
         "num_gpus",
@@ -105,7 +105,8 @@ def test_partition_json_contract(planned):
         "gpu_memory_bytes",
     } <= set(d)
     assert set(d["solver"]) == {"name", "status", "gap", "wall_s", "num_vars", "num_rows"}
-    assert 0 < d["solver"]["num_vars"] <= 2000 and 0 < d["solver"]["num_rows"] <= 2000  # gurobi's pip license
+    if mip_installed():  # the MIP's size (without a solver the DP planned and the counts are 0)
+        assert 0 < d["solver"]["num_vars"] <= 2000 and 0 < d["solver"]["num_rows"] <= 2000  # gurobi's pip license
     assert d["model"] == "gpt3-175b" and d["num_gpus"] == 4
     assert d["num_stages"] == len(d["stages"]) > d["num_gpus"]
     assert d["predicted_step_time_s"] > 0
@@ -266,6 +267,7 @@ def test_a_path_on_the_command_line_is_relative_to_the_current_folder(tmp_path, 
     assert json.loads(capsys.readouterr().out)["topology"] == "2+2"
 
 
+@pytest.mark.mip
 def test_partition_compare_json_and_text(capsys):
     assert cli.main(["partition", "--model", "gpt3-13b", "--topology", "3+1", "--compare", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)

@@ -41,7 +41,7 @@ def test_cuda_load_runs_while_later_compute_still_runs():
     again = arena.acquire(4 << 20, "stage 1 weights")
     load = states.load_into(again.view(torch.float32, 1 << 20), device, again.take_busy())
     load.synchronize()  # the copy has ended ...
-    assert not device.compute.query()  # ... while the compute queued after the release still runs
+    assert device.compute is not None and not device.compute.query()  # ... while the compute queued since runs
     torch.cuda.synchronize()
     assert torch.equal(again.view(torch.float32, 1 << 20).cpu(), states.master_weights())
     device.close()

@@ -11,6 +11,8 @@ from partition.solvers.gurobi import gurobi_available
 from partition.timeline import aggregate_step
 from topology import preset
 
+pytestmark = pytest.mark.mip  # the MIP itself: skipped where no solver is installed
+
 
 def _profile(rng, L: int, identical: bool) -> Profile:
     def layer(k):

@@ -21,6 +21,8 @@ from partition.search import MIP_CANDIDATES, _dp_plans, make_plan
 from partition.solvers.gurobi import SIZE_LIMIT, fits_license, gurobi_available, gurobi_size
 from topology import preset
 
+pytestmark = pytest.mark.mip  # the MIP itself: skipped where no solver is installed
+
 
 def _profile(rng, L: int) -> Profile:
     layers = []

@@ -14,6 +14,8 @@ from partition.solvers.highs import solve_highs
 from partition.timeline import StageTimes, aggregate_step, aggregate_times
 from topology import preset
 
+pytestmark = pytest.mark.mip  # the MIP itself: skipped where no solver is installed
+
 INF = float("inf")
 
 

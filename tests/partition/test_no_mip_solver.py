@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 
+import pytest
+
 from partition.analytic import analytic_profile
 from partition.hardware import device_spec
 from partition.models import ModelSpec
@@ -33,6 +35,7 @@ def test_no_mip_solver_plans_with_the_dp_and_says_so_once(monkeypatch, capsys):
     assert err == f"mobiuspipe: {NO_MIP}\n"
 
 
+@pytest.mark.mip
 def test_with_a_solver_the_mip_runs():
     assert importlib.util.find_spec("highspy") is not None  # setup.sh installs it
     assert _plan("auto").solver.name != "dp"

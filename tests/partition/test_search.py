@@ -207,6 +207,7 @@ def test_unknown_gpu_memory_is_a_clear_error():
         make_plan(prof, t, 4)
 
 
+@pytest.mark.mip
 @pytest.mark.parametrize("topo_name", ["2+2", "3+1", "8-dual-socket"])
 def test_mip_plan_is_never_slower_than_the_dp_plan(topo_name):
     prof = analytic_profile(SMALL, TI, microbatch_size=2)

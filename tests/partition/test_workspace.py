@@ -1,0 +1,87 @@
+"""X, a computing layer's transients beyond the walk's bytes: profiled, held apart from the memory every rule and
+walk is held to, recorded in the plan, and added to the gpu path's planned figure."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from partition import make_plan
+from partition.device_peak import planned_device_bytes
+from partition.plan import Plan, load_plan, save_plan
+from partition.profile import LayerProfile, Profile, load_profile, save_profile
+from topology import cpu_standin
+
+
+def _profile(workspace: tuple[int, int, int] = (0, 0, 0)) -> Profile:
+    def layer(name, n, out, act, x):
+        return LayerProfile(name, n, 4 * n, act, out, 0.0, 0.0, 1e-3, 2e-3, workspace_bytes=x)
+
+    a, b, c = workspace
+    ls = (layer("a", 40, 16, 64, a), layer("b", 0, 16, 64, b), layer("c", 27, 6, 24, c))
+    return Profile("mlp", "cpu-standin", "fp32", 2, 1, ls, input_bytes=32, target_bytes=24)
+
+
+def _plan(profile: Profile, memory: int = 1 << 20) -> Plan:
+    return make_plan(profile, cpu_standin(1, memory), 3, num_stages=3, solver="dp", activations="recompute")
+
+
+def test_the_plan_holds_the_largest_workspace_apart_and_adds_it_to_the_gpu_figure():
+    base, spent = _plan(_profile()), _plan(_profile((100, 7, 300)))
+    assert (base.workspace_bytes, spent.workspace_bytes) == (0, 300)
+    assert spent.gpu_memory_bytes == base.gpu_memory_bytes - 300
+    assert planned_device_bytes(spent) == [b + 300 for b in planned_device_bytes(base)]
+    assert planned_device_bytes(spent, standin=True) == planned_device_bytes(base, standin=True)  # ledger: no X
+
+
+def test_the_memory_rule_holds_the_workspace_apart():
+    plan = _plan(_profile())
+    need = plan.arena_bytes + max(s.activation_bytes for s in plan.stages)  # the rule: S W + A_j <= G
+    assert _plan(_profile((0, 0, 10)), memory=need + 10).workspace_bytes == 10
+    with pytest.raises(Exception, match="memory|fit|bytes"):
+        _plan(_profile((0, 0, 11)), memory=need + 10)
+
+
+def test_files_keep_the_workspace_and_older_files_read_as_zero(tmp_path):
+    profile = _profile((5, 0, 9))
+    save_profile(profile, tmp_path / "p.yaml")
+    assert load_profile(tmp_path / "p.yaml") == profile
+    plan = _plan(profile)
+    save_plan(plan, tmp_path / "plan.yaml")
+    assert load_plan(tmp_path / "plan.yaml").workspace_bytes == 9
+    old = dataclasses.replace(profile, layers=tuple(dataclasses.replace(x, workspace_bytes=0) for x in profile.layers))
+    d = old.to_dict()
+    for layer in d["layers"]:
+        del layer["workspace_bytes"]  # a profile written before profiles had X
+    assert Profile.from_dict(d) == old
+
+
+def test_a_negative_workspace_is_refused():
+    with pytest.raises(Exception, match="workspace_bytes"):
+        _profile((0, -1, 0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_profile_measures_the_heads_logit_gradient():
+    from mobiuspipe.profiler import measure_profile
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(256, 8192)
+    x = torch.randn(4, 128, 256)
+    y = torch.randint(0, 8192, (4, 128)).cuda()
+    p = measure_profile(
+        [head],
+        x,
+        device="cuda",
+        name="head",
+        device_name="gpu",
+        dtype_name="fp32",
+        microbatch_size=4,
+        seq_len=128,
+        loss_fn=lambda out: torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()),
+        min_repeats=2,
+        max_repeats=3,
+    )
+    logits = 4 * 128 * 8192 * 4
+    assert p.layers[0].workspace_bytes >= logits  # the logits' gradient, at least, lives beyond what is saved
