@@ -1,4 +1,5 @@
-"""The run config's `runtime:` section: how the ranks run (communication timeout, CPU threads, traced steps)."""
+"""The run config's `runtime:` section: how the ranks run (communication timeout, CPU threads, traced steps,
+deterministic kernels)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ class RuntimeConfig(Section):
     trace_steps: tuple[int, ...] = ()
     """Optimizer steps (0-based) whose every action each rank times: when it started and ended on the host's
     clock; the run writes them to out_dir/trace.json (Chrome trace events, like `mobiuspipe simulate --trace`)."""
+    deterministic: bool = False
+    """true: every rank runs torch's deterministic kernels (torch.use_deterministic_algorithms, and cuBLAS's
+    workspace as it needs: CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set), so that on a GPU a run and its resume
+    repeat bit for bit; fp32 attention's backward otherwise adds with atomics. Some kernels run slower. On the
+    CPU the kernels are deterministic anyway."""
 
     def check_values(self) -> list[Problem]:
         return [

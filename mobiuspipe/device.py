@@ -12,6 +12,7 @@ memory on this gpu's streams.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,13 @@ from mobiuspipe.standin.places import gpu_of, on_gpu, on_host, plain
 from mobiuspipe.streams import CopyHandle, CopyStream
 
 __all__ = ["Device", "CopyHandle", "CopyStream"]
+
+
+def deterministic_kernels() -> None:
+    """Make this process's torch kernels deterministic (runtime.deterministic): call it before the first CUDA
+    work, since cuBLAS reads its workspace setting once."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
 
 
 class Device:

@@ -31,6 +31,7 @@ from mobiuspipe.checkpoint import CheckpointError
 from mobiuspipe.config import RunConfig, load_config
 from mobiuspipe.config_plan import model_spec
 from mobiuspipe.dataset import PackedTokens, open_run_data
+from mobiuspipe.device import deterministic_kernels
 from mobiuspipe.flops import device_name, flops_per_token, peak_tflops
 from mobiuspipe.metrics import Reporter, device_peak_line, step_metrics
 from mobiuspipe.models.gpt import layer_factories, lm_loss
@@ -56,6 +57,8 @@ __all__ = ["main", "open_run", "train", "with_resume"]
 def train(cfg: RunConfig) -> None:
     """Train the config's model for cfg.train.steps steps as this rank of the job (the group must not exist yet)."""
     torch.set_num_threads(cfg.runtime.threads)
+    if cfg.runtime.deterministic:
+        deterministic_kernels()
     torch.manual_seed(cfg.train.seed)  # dropout masks (the recompute replays each forward's)
     t = cfg.train
     optimizer = partial(CPUAdam, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)

@@ -337,6 +337,6 @@ def torchrun_metrics(d: dict, nproc: int, folder: Path, timeout: float) -> list[
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     lines = (Path(d["train"]["out_dir"]) / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]

@@ -236,32 +236,81 @@ def gpu_tests(t: Table, cuda: bool) -> None:
     t.add("gpu-marked tests", proc.returncode == 0, last[:90], "pass")
 
 
-def two_ranks(t: Table, folder: Path, gpus: int) -> None:
-    """(f): torchrun on [0,1,0,1] with the peer tier staged through the host (P2P off), against one rank."""
+def two_ranks(t: Table, folder: Path, gpus: int, cuda: bool) -> None:
+    """(f): torchrun on [0,1,0,1] with the peer tier staged through the host (P2P off), against one rank, both with
+    deterministic kernels. On a GPU the model is a GPT-2 with tied embeddings (the tied gradient crosses the
+    ranks) whose messages are 16 MiB, more than NCCL's buffers hold, so a send waits for its receive."""
     if gpus == 1:
         t.add("two ranks", None, "one GPU here: skipped")
         return
     os.environ.update({"NCCL_P2P_DISABLE": "1", "MOBIUSPIPE_PEER_STAGED": "1"})  # the ranks inherit them
+    model, data, what = (
+        _two_rank_model(folder) if cuda else ({"num_blocks": 2, "d_model": 64, "num_heads": 4, "seq_len": 64}, {}, "")
+    )
     losses = {}
     for nproc, memory in ((1, {}), (2, {"activations": "recompute", "activation_tier": "peer"})):
         run = folder / f"ranks{nproc}"
         run.mkdir()
         d = {
-            "model": {"num_blocks": 2, "d_model": 64, "num_heads": 4, "seq_len": 64},
-            "data": {"batch_size": 8, "num_microbatches": 4},
+            "model": model,
+            "data": {**data, "batch_size": 8, "num_microbatches": 4},
             "train": {"steps": 3, "seed": 2, "precision": "fp32", "out_dir": str(run / "out")},
             "plan": {"num_gpus": nproc, "num_stages": 4, "mapping": "round-robin"},
             "memory": memory,
-            "runtime": {"comm_timeout_s": 60},
+            "runtime": {"comm_timeout_s": 60, "deterministic": True},
         }
         try:
             losses[nproc] = [r["loss"] for r in torchrun_metrics(d, nproc, run, timeout=300)]
         except RuntimeError as e:  # the run's own error: a failed row, the other checks still run
-            t.add(f"torchrun {nproc} rank(s)", False, str(e).strip().splitlines()[-1][:100])
+            t.add(f"torchrun {nproc} rank(s)", False, _cause(str(e))[:100])
+            print(str(e), flush=True)
             return
     same = losses[1] == losses[2]
     t.add(
-        "2 ranks [0,1,0,1], peer tier, P2P off", same, "losses equal one rank's" if same else f"{losses}", "= one rank"
+        f"2 ranks [0,1,0,1], peer tier, P2P off{what}",
+        same,
+        "losses equal one rank's" if same else f"{losses}",
+        "= one rank",
+    )
+
+
+def _cause(text: str) -> str:
+    """The line of a failed run's output that says why: a mobiuspipe error or an exception, else the last line."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    said = [line for line in lines if line.startswith("mobiuspipe") and "error" in line or "Error:" in line]
+    return (said or lines or ["no output"])[-1]
+
+
+def _two_rank_model(folder: Path, width: int = 1024, seq: int = 2048) -> tuple[dict, dict, str]:
+    """A random GPT-2 (tied embeddings, d_model width, 2 blocks) saved for seq tokens, and token ids for 3 steps:
+    each activation between stages is 2 rows x seq x width fp32 (16 MiB by default)."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    vocab = 301
+    config = GPT2Config(
+        vocab_size=vocab,
+        n_embd=width,
+        n_layer=2,
+        n_head=max(1, width // 64),
+        n_positions=seq,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    hf = folder / "gpt2-tied"
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(hf))
+    tokens = folder / "tokens.bin"
+    np.random.default_rng(4).integers(0, vocab, 3 * 8 * seq + 1).astype(np.uint16).tofile(tokens)
+    mib = 2 * seq * width * 4 / 2**20
+    return (
+        {"hf": str(hf), "seq_len": seq},
+        {"tokens": str(tokens), "shuffle": False},
+        f", tied GPT-2, {mib:g} MiB messages",
     )
 
 
@@ -294,7 +343,7 @@ def main() -> int:
             )
         t.machine = t.guarded("machine", machine, t, cuda) or {}
         t.guarded("gpu-marked tests", gpu_tests, t, cuda)
-        t.guarded("two ranks", two_ranks, t, Path(tmp), torch.cuda.device_count() if cuda else 2)
+        t.guarded("two ranks", two_ranks, t, Path(tmp), torch.cuda.device_count() if cuda else 2, cuda)
     t.save()
     failed = t.failed()
     print(
