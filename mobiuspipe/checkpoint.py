@@ -35,7 +35,7 @@ from foundation.errors import UserError
 from mobiuspipe import _ext
 from mobiuspipe.memory.store_index import fsync_path
 from mobiuspipe.optim.ooc_links import RecordError
-from mobiuspipe.ranks import gather_all
+from mobiuspipe.runtime.ranks import gather_all
 from partition.plan import save_plan
 
 if TYPE_CHECKING:

@@ -28,22 +28,28 @@ import torch
 from torch import nn
 
 from mobiuspipe import checkpoint
-from mobiuspipe.action_trace import ActionTrace
-from mobiuspipe.activations import ActivationsSpec, stage_modes
-from mobiuspipe.channels import LAYOUT, Channels, neighbour_pairs
-from mobiuspipe.comm import Comm
 from mobiuspipe.config import MemoryConfig
-from mobiuspipe.device import Device
-from mobiuspipe.engine import Engine, LossFn, StepTimes
 from mobiuspipe.errors import PipelineError
-from mobiuspipe.evaluate import eval_loss
 from mobiuspipe.layers import LayerSpec, build, factories
 from mobiuspipe.memory.arena import DeviceArena
+from mobiuspipe.memory.device import Device
 from mobiuspipe.memory.ledger import DeviceLedger
 from mobiuspipe.memory.ssd_store import SSDStore
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.optim.loss_scale import LossScaler, scaler_for
-from mobiuspipe.pipeline_plan import (
+from mobiuspipe.profiling.profiler import TORCH_DTYPES
+from mobiuspipe.runtime.action_trace import ActionTrace
+from mobiuspipe.runtime.activations import ActivationsSpec, stage_modes
+from mobiuspipe.runtime.channels import LAYOUT, Channels, neighbour_pairs
+from mobiuspipe.runtime.comm import Comm
+from mobiuspipe.runtime.engine import Engine, LossFn, StepTimes
+from mobiuspipe.runtime.evaluate import eval_loss
+from mobiuspipe.runtime.ranks import join_group, leave_group, rank_info
+from mobiuspipe.runtime.stage import Stage
+from mobiuspipe.runtime.stage_states import SsdTier
+from mobiuspipe.runtime.tied import TiedGrads, tied_ranks
+from mobiuspipe.schedule import build_schedule, check_schedules
+from mobiuspipe.startup.plan import (
     PlanRequest,
     PlanSource,
     check_batch,
@@ -55,15 +61,9 @@ from mobiuspipe.pipeline_plan import (
     read_plan,
     same_plan_everywhere,
 )
-from mobiuspipe.pipeline_swaps import make_swaps, plan_as_run, swap_tiers
-from mobiuspipe.pipeline_tiers import agree_on_tiers
-from mobiuspipe.profiler import TORCH_DTYPES
-from mobiuspipe.ranks import join_group, leave_group, rank_info
-from mobiuspipe.schedule import build_schedule, check_schedules
-from mobiuspipe.stage import Stage
-from mobiuspipe.stage_states import SsdTier
+from mobiuspipe.startup.swaps import make_swaps, plan_as_run, swap_tiers
+from mobiuspipe.startup.tiers import agree_on_tiers
 from mobiuspipe.step_result import StepResult
-from mobiuspipe.tied import TiedGrads, tied_ranks
 from partition.costmodel import ARENA_SLOTS
 from partition.plan import Plan
 from topology import Topology
@@ -119,7 +119,7 @@ class Pipeline:
           before train_batch returns (the serialized baseline the overlap is measured against).
         tied: pairs of parameters, named as state_dict() names them ("0.wte.weight", "13.lm_head.weight"),
           that are one parameter of the model (tied embeddings): each half's stage keeps a copy, both copies
-          must start equal, and both update with the sum of the two gradients (mobiuspipe.tied).
+          must start equal, and both update with the sum of the two gradients (mobiuspipe.runtime.tied).
         accumulation_steps: pipeline passes per optimizer step; a batch is that many passes of the plan's
           microbatches, their gradients summed in the states' tiers before one update.
         max_grad_norm: clip the gradients so that their global L2 norm (over every stage and rank, a tied pair
@@ -127,9 +127,9 @@ class Pipeline:
           update then waits for the whole backward.
         activations: "recompute" (the stage input is saved, the forward rerun in the backward), "keep" (the
           forward's graph stays on the device until the backward) or {stage: "recompute" | "keep" | ("selective",
-          [layer indices])} (mobiuspipe.activations); default memory.activations. Same numbers bit for bit.
+          [layer indices])} (mobiuspipe.runtime.activations); default memory.activations. Same numbers bit for bit.
         trace_steps: the optimizer steps (0-based) whose actions this rank times (`self.trace.records`, see
-          mobiuspipe.action_trace).
+          mobiuspipe.runtime.action_trace).
         """
         if accumulation_steps < 1 or (max_grad_norm is not None and not max_grad_norm > 0):
             raise PipelineError(
@@ -230,7 +230,7 @@ class Pipeline:
         )
 
     def _channels(self, tied: Sequence[tuple[str, str]], timeout_s: float) -> Channels:
-        """One communicator per direction of each pair of ranks that exchange messages (mobiuspipe.channels),
+        """One communicator per direction of each pair of ranks that exchange messages (mobiuspipe.runtime.channels),
         set up before step 0 in one order on every rank."""
         pairs = neighbour_pairs(self.plan.mapping) | tied_ranks(tied, self.plan)
         channels = Channels(self.info.rank, LAYOUT, pairs if self.info.world_size > 1 else (), timeout_s)
@@ -239,7 +239,7 @@ class Pipeline:
         return channels
 
     def _state_tiers(self, make_optimizer: OptimizerFactory, params: dict[int, int]) -> dict[int, SsdTier | None]:
-        """Stage j -> its SSD tier or None (host), agreed with every rank (mobiuspipe.pipeline_tiers)."""
+        """Stage j -> its SSD tier or None (host), agreed with every rank (mobiuspipe.startup.tiers)."""
         self.placement, self.state_tiers, self.store, tiers = agree_on_tiers(
             self.info, self.memory, TORCH_DTYPES[self.precision].itemsize, make_optimizer, params
         )
@@ -339,7 +339,7 @@ class Pipeline:
 
     def eval_batch(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """The batch's mean loss under the current weights (after every pending update), forward only: no
-        gradient, no update, dropout off (mobiuspipe.evaluate); every rank calls it with the same batch of the
+        gradient, no update, dropout off (mobiuspipe.runtime.evaluate); every rank calls it with the same batch of the
         plan's microbatches and gets the loss."""
         self._check_batch(x, y, passes=1)
         what = f"evaluation after step {self.step}"

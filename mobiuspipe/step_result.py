@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mobiuspipe.engine import StepTimes
+from mobiuspipe.runtime.engine import StepTimes
 
 __all__ = ["StepResult"]
 

@@ -17,7 +17,7 @@ Legend (stage j, microbatch i, gpu g; per ONE microbatch unless marked; units in
   E        HEADER_BYTES: the shape header sent ahead of a message (first step of a shape)   [bytes]
   D_g      max over gpu g's actions of the bytes held during the action: the walk's peak   [bytes]
 
-What the walk holds, and when (mirroring mobiuspipe.engine's DeviceLedger keys):
+What the walk holds, and when (mirroring mobiuspipe.runtime.engine's DeviceLedger keys):
   arena    either W_arena all step long (the memory the device gives up), or the slots in use (what the
            ledger counts: "arena"): P_j from L(j) to R(j), and P_j of gradients from j's first B to O(j).
   held     H_j from F(j,i) to the start of B(j,i)  (ledger "saved"); for a stage that swaps, from F(j,i) to
@@ -50,7 +50,7 @@ from partition.order import Step, steps_of
 __all__ = ["HEADER_BYTES", "StageBytes", "device_timeline", "device_peak", "device_peaks"]
 
 HEADER_BYTES = 80
-"""E of the legend: mobiuspipe.comm.TensorSpec's header, MAX_DIMS + 2 = 10 int64s."""
+"""E of the legend: mobiuspipe.runtime.comm.TensorSpec's header, MAX_DIMS + 2 = 10 int64s."""
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,7 @@ class SimStage:
     """Seconds the gpu's compute stream spends on each message this stage receives from another gpu, from when
     both the message has arrived and the stream reached it (its input before F, its output gradient before B):
     CPU stand-ins, whose ranks receive on the computing thread and whose messages move only when the sender's
-    process gets a core (mobiuspipe.profile_refine measures it under the run's load)."""
+    process gets a core (mobiuspipe.profiling.refine measures it under the run's load)."""
 
     @property
     def f_s(self) -> float:

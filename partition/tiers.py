@@ -17,7 +17,7 @@ Legend (stage j of a plan, gpu g; units in brackets):
   L_j      LOADs of stage j per step: 2 (forward, backward), 1 for its gpu's last forward stage,
            which stays resident into its backward (partition.order)                       [-]
 
-State kinds, as the runtime keeps them (partition.placement, mobiuspipe/stage_states.py):
+State kinds, as the runtime keeps them (partition.placement, mobiuspipe/runtime/stage_states.py):
   optimizer     fp32 master + Adam exp_avg + exp_avg_sq, 12 N_j: host or ssd.
   weights       the device-dtype weights P_j and the offloaded gradients P_j together: host or ssd (ssd only
                 where the optimizer is). In fp32 with the optimizer in memory the master is the loaded copy:

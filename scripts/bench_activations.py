@@ -39,10 +39,10 @@ from benchlib import cpu_mark, markdown_table, other_share
 from foundation.timing import Stopwatch
 from mobiuspipe import Pipeline
 from mobiuspipe.config import RunConfig, config_from_dict
-from mobiuspipe.config_plan import gpt_profile, model_spec, run_topology
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
-from mobiuspipe.profiler import measure_profile
+from mobiuspipe.profiling.profiler import measure_profile
+from mobiuspipe.startup.config_plan import gpt_profile, model_spec, run_topology
 from partition import make_plan
 from partition.activation_choice import with_activations
 from partition.device_peak import planned_device_bytes
@@ -101,7 +101,7 @@ PROFILES: dict[tuple[str, int, int], Profile] = {}
 
 
 def profile_of(cfg: RunConfig, kind: str) -> Profile:
-    """cfg's profile: "analytic" (what a config run plans from: mobiuspipe.config_plan.gpt_profile) or
+    """cfg's profile: "analytic" (what a config run plans from: mobiuspipe.startup.config_plan.gpt_profile) or
     "measured" (what Pipeline(sample=...) plans from: every layer timed and its saved bytes counted on one
     microbatch)."""
     key = (kind, cfg.data.batch_size, cfg.model.seq_len)

@@ -28,10 +28,10 @@ from foundation.units import MiB
 from mobiuspipe import Pipeline, _ext
 from mobiuspipe import checkpoint as ckpt
 from mobiuspipe.config import MemoryConfig, config_from_dict
-from mobiuspipe.config_plan import model_spec, plan_for_config
-from mobiuspipe.dataset import open_data
+from mobiuspipe.data.dataset import open_data
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
+from mobiuspipe.startup.config_plan import model_spec, plan_for_config
 
 REPO = Path(__file__).resolve().parents[1]
 KEEP = 2  # train.keep_checkpoints' default: from the third checkpoint on, each one also removes the oldest

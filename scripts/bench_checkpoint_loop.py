@@ -18,8 +18,8 @@ from benchlib import cpu_mark, cpu_model, markdown_table, other_share
 from foundation.timing import Stopwatch
 from mobiuspipe import checkpoint as ckpt
 from mobiuspipe.config import MemoryConfig, TrainConfig, config_from_dict
-from mobiuspipe.dataset import open_data
-from mobiuspipe.run_checkpoints import Checkpointer
+from mobiuspipe.data.dataset import open_data
+from mobiuspipe.run.checkpoints import Checkpointer
 
 KEEP = 2
 

@@ -3,7 +3,7 @@ and activation policy (issue 13's check: within 15% for CPU runs).
 
 For each repetition and each model: probe the host (cores, messages), then for each plan (ranks x stages,
 cross mapping) and policy: measure a profile of the model's layers on this machine right before the run (the
-runtime's own call path: mobiuspipe.profiler; this VM's speed drifts by up to 1.7x within minutes, so a
+runtime's own call path: mobiuspipe.profiling.profiler; this VM's speed drifts by up to 1.7x within minutes, so a
 profile taken minutes earlier predicts another machine), plan with that profile for CPU stand-ins
 (partition.make_plan, the exact DP at the requested stage count), predict its step with the simulator under
 the policy (partition.predict_step), train it under torchrun for --steps steps with that plan file and
@@ -20,13 +20,13 @@ memory.activation_tier, and the plan as the run runs them (plan_as_run), simulat
 
 With --trace DIR each run traces its steps after the warm-up (runtime.trace_steps) and DIR keeps, per cell and
 repetition, the trace (<cell>.json, for chrome://tracing or ui.perfetto.dev) and its comparison with the
-simulated step (<cell>.txt, mobiuspipe.trace_compare: each stage's F and B measured against predicted, a
+simulated step (<cell>.txt, mobiuspipe.profiling.trace_compare: each stage's F and B measured against predicted, a
 visit's first microbatch apart, and each rank's milliseconds per step by action kind); the table gains the
 median measured / predicted of a steady F or B, so that a step's error splits into the computations' and the
 rest (messages, waits, copies).
 
 With --calibrate each cell also gets predictions from the profile refined by its PARTNER plan's runs (the same
-model, ranks and policy, another cut; mobiuspipe.profile_refine scales each layer by how its stage ran in a
+model, ranks and policy, another cut; mobiuspipe.profiling.refine scales each layer by how its stage ran in a
 traced run, the per-layer median over the repetitions' runs, partition.retime re-times this cell's plan of each
 repetition from it): the layers as they run in a pipeline on this machine, measured on a different plan than
 the one predicted, and what posting and taking a message cost the ranks' threads in those runs (charged on the
@@ -69,9 +69,9 @@ from fidelity_grid import (
 )
 
 from foundation.units import MiB
-from mobiuspipe.action_trace import read_chrome
-from mobiuspipe.profile_refine import Refinement, median_profile, refine_profile
-from mobiuspipe.trace_compare import report
+from mobiuspipe.profiling.refine import Refinement, median_profile, refine_profile
+from mobiuspipe.profiling.trace_compare import report
+from mobiuspipe.runtime.action_trace import read_chrome
 from partition import make_plan
 from partition.plan import Plan, save_plan
 from partition.profile import Profile
@@ -188,7 +188,7 @@ def run_cell(cell: Cell, parts: dict, host: Measured, args: argparse.Namespace, 
 
 def calibrate(cell: Cell, own: list[Ran], mine: list[Refinement], theirs: list[Refinement]) -> None:
     """The cell's calibrated predictions: in each repetition its plan as run, re-timed from the median of the
-    profiles its partner's traced runs refined (theirs: mobiuspipe.profile_refine of every repetition's run)
+    profiles its partner's traced runs refined (theirs: mobiuspipe.profiling.refine of every repetition's run)
     and simulated with the median message and loop costs they measured (cell.calibrated: measured / predicted of each);
     from the partner's run of the same repetition alone, a minute or so from this one (cell.adjacent); from
     this cell's own run in the next repetition (mine; cell.itself, the machine's noise floor; none with one

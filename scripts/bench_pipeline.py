@@ -18,9 +18,9 @@ from torch import nn
 
 from foundation.timing import Stopwatch
 from mobiuspipe.config import RunConfig, config_from_dict
-from mobiuspipe.config_plan import model_spec, plan_from_config
-from mobiuspipe.dataset import open_data
+from mobiuspipe.data.dataset import open_data
 from mobiuspipe.models.gpt import build_layers, lm_loss
+from mobiuspipe.startup.config_plan import model_spec, plan_from_config
 
 SIZES = {
     "tiny": {

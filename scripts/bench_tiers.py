@@ -30,10 +30,10 @@ from benchlib import buffer_kind, fio_buffers, fio_rw, markdown_table
 from foundation.timing import Stopwatch
 from mobiuspipe import Pipeline
 from mobiuspipe.config import MemoryConfig, config_from_dict
-from mobiuspipe.config_plan import model_spec, plan_for_config
-from mobiuspipe.dataset import open_data
+from mobiuspipe.data.dataset import open_data
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
+from mobiuspipe.startup.config_plan import model_spec, plan_for_config
 
 MiB = 1 << 20
 

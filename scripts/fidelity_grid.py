@@ -11,13 +11,13 @@ from pathlib import Path
 from bench_pipeline import SIZES
 from benchlib import torch_threads
 
-from mobiuspipe.activations import stage_modes
 from mobiuspipe.config import MemoryConfig, config_from_dict
-from mobiuspipe.config_plan import model_spec
-from mobiuspipe.dataset import open_data
+from mobiuspipe.data.dataset import open_data
 from mobiuspipe.models.gpt import layer_factories, lm_loss
-from mobiuspipe.pipeline_swaps import plan_as_run, swap_tiers
-from mobiuspipe.profiler import measure_profile
+from mobiuspipe.profiling.profiler import measure_profile
+from mobiuspipe.runtime.activations import stage_modes
+from mobiuspipe.startup.config_plan import model_spec
+from mobiuspipe.startup.swaps import plan_as_run, swap_tiers
 from partition.plan import Plan
 from partition.profile import Profile
 from partition.search import predict_step
@@ -64,7 +64,7 @@ DEVICE_MB = 4096
 @dataclass(frozen=True)
 class Policy:
     """An activation policy as the benchmark drives it: memory.activations and memory.activation_tier of the
-    run; the prediction simulates the plan as the run runs it (mobiuspipe.pipeline_swaps.plan_as_run)."""
+    run; the prediction simulates the plan as the run runs it (mobiuspipe.startup.swaps.plan_as_run)."""
 
     activations: str
     tier: str

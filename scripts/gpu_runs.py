@@ -14,14 +14,14 @@ import torch
 from torch import nn
 
 from mobiuspipe import Pipeline
-from mobiuspipe.action_trace import write_chrome
-from mobiuspipe.activations import ActivationsSpec
 from mobiuspipe.config import MemoryConfig
 from mobiuspipe.models.gpt import build_layers, layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.optim.loss_scale import LossScaler
-from mobiuspipe.pipeline_swaps import plan_as_run, swap_tiers
-from mobiuspipe.profiler import TORCH_DTYPES, measure_profile
+from mobiuspipe.profiling.profiler import TORCH_DTYPES, measure_profile
+from mobiuspipe.runtime.action_trace import write_chrome
+from mobiuspipe.runtime.activations import ActivationsSpec
+from mobiuspipe.startup.swaps import plan_as_run, swap_tiers
 from partition import make_plan
 from partition.device_peak import planned_device_bytes
 from partition.models import ModelSpec
@@ -236,8 +236,8 @@ def median_after_first(times: list[float]) -> float:
 
 
 def gpu_topology():
-    """This host's gpu 0 as NVML and sysfs show it (mobiuspipe.machine)."""
-    from mobiuspipe.machine import discovered_topology
+    """This host's gpu 0 as NVML and sysfs show it (mobiuspipe.startup.machine)."""
+    from mobiuspipe.startup.machine import discovered_topology
 
     return discovered_topology(1)
 

@@ -40,7 +40,7 @@ def test_imports_flow_one_way(package):
 def test_checker_sees_a_wrong_way_import(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text(
-        "import os\nfrom mobiuspipe.engine import Engine\nimport partition.plan as p\n"
+        "import os\nfrom mobiuspipe.runtime.engine import Engine\nimport partition.plan as p\n"
         "from foundation.loader import load_file\n"
     )
     assert _imported_packages(bad) == {"mobiuspipe", "partition", "foundation"}

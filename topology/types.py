@@ -129,15 +129,15 @@ class Measured:
     """GB/s of those messages beyond the latency."""
     message_send_s: float = 0.0
     """Seconds a rank's own thread is busy posting one message to another rank (CPU stand-ins: the copy into
-    the send and gloo's call; a traced run measures it, mobiuspipe.profile_refine), before its next action."""
+    the send and gloo's call; a traced run measures it, mobiuspipe.profiling.refine), before its next action."""
     message_recv_s: float = 0.0
     """Seconds a rank's own thread spends on one message from another rank once it has arrived and the thread
     reached its receive (CPU stand-ins: posting the receive, and gloo's delivery when the cores are busy; a
-    traced run measures it, mobiuspipe.profile_refine), before the computation that needs it."""
+    traced run measures it, mobiuspipe.profiling.refine), before the computation that needs it."""
     step_overhead_s: float = 0.0
     """Seconds each training step takes beyond its pipeline schedule: the loop's own work from the end of one
     step's schedule to the start of the next (the collectives of the loss and metrics, clipping, starting the
-    updates, the next batch; a traced run measures it, mobiuspipe.profile_refine), added to the step."""
+    updates, the next batch; a traced run measures it, mobiuspipe.profiling.refine), added to the step."""
 
 
 @dataclass(frozen=True)

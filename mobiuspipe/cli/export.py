@@ -29,7 +29,7 @@ def run(args: argparse.Namespace, out) -> int:
     from mobiuspipe.config import load_config
     from mobiuspipe.models.hf import open_hf
     from mobiuspipe.models.hf_export import check_export_dir, finish_export, partial_dir, write_shard
-    from mobiuspipe.profiler import TORCH_DTYPES
+    from mobiuspipe.profiling.profiler import TORCH_DTYPES
     from partition.plan import load_plan
 
     run_dir, to = Path(args.run), Path(args.to)

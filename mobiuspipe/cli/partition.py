@@ -205,7 +205,7 @@ def _config_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
         got = ", --".join(given)
         raise CliError(f"--config takes the model and stages from its file; found --{got}: drop them or drop --config")
     from mobiuspipe.config import load_config
-    from mobiuspipe.config_plan import activation_tiers, gpt_profile, model_spec, plan_from_config, run_topology
+    from mobiuspipe.startup.config_plan import activation_tiers, gpt_profile, model_spec, plan_from_config, run_topology
 
     cfg = load_config(args.config)
     if args.topology is not None:  # plan the run for another machine than its config names

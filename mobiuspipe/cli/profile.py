@@ -5,7 +5,7 @@ The command prints one row per run of identical layers, or with --json one docum
 plus "runs" ([{"count", "layer"}]), which `load_profile` (and so `partition --profile`) reads back.
 With --refine RUN_DIR [--profile FILE] it reads the plan a run followed (RUN_DIR/plan.yaml, written as run) and
 its traced steps (RUN_DIR/trace.json, runtime.trace_steps), and scales the profile the plan was made from by
-how each stage's computations ran against the simulator's (mobiuspipe.profile_refine), so that `partition
+how each stage's computations ran against the simulator's (mobiuspipe.profiling.refine), so that `partition
 [--config RUN.yaml] --profile` plans from the layers as they run in a pipeline on this machine. Without --profile
 a run that planned for itself (no plan.file) refines its config's analytic profile. --layout-out FILE writes the
 machine the plan records with what posting and taking a message cost in the run and what its training loop took
@@ -32,7 +32,7 @@ from topology import Topology
 from topology.layout import save_topology
 
 if TYPE_CHECKING:
-    from mobiuspipe.profile_refine import Refinement
+    from mobiuspipe.profiling.refine import Refinement
 
 __all__ = ["DEFAULT_GPU", "MEASURED_MAX_PARAMS", "register", "run", "render_profile"]
 
@@ -135,7 +135,7 @@ def _measured(spec: ModelSpec, args: argparse.Namespace) -> tuple[Profile, str]:
     import torch
 
     from mobiuspipe.models.gpt import build_layers, lm_loss
-    from mobiuspipe.profiler import TORCH_DTYPES, measure_layers
+    from mobiuspipe.profiling.profiler import TORCH_DTYPES, measure_layers
 
     cuda = torch.cuda.is_available()
     device, device_name = ("cuda", torch.cuda.get_device_name()) if cuda else ("cpu", "cpu-standin")
@@ -210,8 +210,8 @@ def render_profile(profile: Profile, how: str) -> str:
 
 def _refined(args: argparse.Namespace) -> tuple[Profile, str, list[str]]:
     """--profile refined by the traced run in --refine, how, and a line per stage of what the run measured."""
-    from mobiuspipe.action_trace import read_chrome
-    from mobiuspipe.profile_refine import refine_profile
+    from mobiuspipe.profiling.refine import refine_profile
+    from mobiuspipe.runtime.action_trace import read_chrome
     from partition.plan import load_plan
     from partition.search import predict_step
     from partition.tiers import HostBudget
@@ -277,7 +277,7 @@ def _run_profile(path: str | None, folder: Path) -> tuple[Profile, str]:
     if path:
         return load_profile(path), f"--profile {path}"
     from mobiuspipe.config import load_config
-    from mobiuspipe.config_plan import gpt_profile
+    from mobiuspipe.startup.config_plan import gpt_profile
 
     config = folder / "config.yaml"
     cfg = load_config(str(config)) if config.is_file() else None

@@ -8,9 +8,9 @@ import json
 import os
 
 from mobiuspipe.cli._common import CliError, write_output
-from mobiuspipe.config_data import TOKEN_DTYPES
-from mobiuspipe.token_file import write_token_file
-from mobiuspipe.tokenizer import TextTokenizer, load_tokenizer, token_chunks
+from mobiuspipe.config.data import TOKEN_DTYPES
+from mobiuspipe.data.token_file import write_token_file
+from mobiuspipe.data.tokenizer import TextTokenizer, load_tokenizer, token_chunks
 
 __all__ = ["register", "run"]
 

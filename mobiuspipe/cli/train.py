@@ -1,7 +1,7 @@
 """`mobiuspipe train`: check a run config, its data, plan and folders, then launch torchrun, one rank per planned gpu.
 
 A mistake a rank finds at start-up (one `mobiuspipe train` could not see: a rank-only setting, the checkpoint
-to resume from) is left in a folder named in the ranks' environment (mobiuspipe.preflight.ERRORS_ENV); once
+to resume from) is left in a folder named in the ranks' environment (mobiuspipe.run.preflight.ERRORS_ENV); once
 torchrun has stopped, `mobiuspipe train` prints it as one line and exits 2. With --max-restarts it stops
 torchrun as soon as such a mistake appears, since each restart would fail the same way.
 
@@ -77,8 +77,8 @@ def run(args: argparse.Namespace, out) -> int:
     torchrun's exit code, or StartUpError (exit 2) with a rank's start-up mistake."""
     from mobiuspipe.config import load_config
     from mobiuspipe.errors import StartUpError
-    from mobiuspipe.preflight import ERRORS_ENV, launch_checks, start_up_error
-    from mobiuspipe.train import open_run, with_resume
+    from mobiuspipe.run.preflight import ERRORS_ENV, launch_checks, start_up_error
+    from mobiuspipe.run.train import open_run, with_resume
 
     # a bad config, model folder, data, plan or out_dir fails here, before any process starts
     config = with_resume(load_config(args.config), args.resume)
@@ -100,7 +100,7 @@ def _wait_for(torchrun: subprocess.Popen, errors: Path | None) -> int:
     """torchrun's exit code. Ctrl-C reaches torchrun and its ranks from the terminal (they checkpoint and stop),
     so this process ignores SIGINT and passes a SIGTERM on to torchrun instead of dying first. With `errors`
     (the ranks' start-up mistakes folder) it stops torchrun once a mistake is there, before it restarts."""
-    from mobiuspipe.preflight import start_up_error
+    from mobiuspipe.run.preflight import start_up_error
 
     old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
     old_term = signal.signal(signal.SIGTERM, lambda signum, frame: torchrun.send_signal(signal.SIGTERM))

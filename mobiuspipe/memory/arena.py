@@ -14,7 +14,7 @@ import torch
 
 from mobiuspipe.errors import ArenaError
 from mobiuspipe.memory.ledger import DeviceLedger
-from mobiuspipe.streams import CopyHandle
+from mobiuspipe.memory.streams import CopyHandle
 
 __all__ = ["DeviceArena", "Slot"]
 

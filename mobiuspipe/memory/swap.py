@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mobiuspipe.device import CopyHandle, Device
+from mobiuspipe.memory.device import CopyHandle, Device
 
 __all__ = ["Swap", "DeviceSwap", "CopySwap", "HostSwap", "BufferPool"]
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from foundation.units import fmt_bytes
-from mobiuspipe.device import CopyHandle, Device
+from mobiuspipe.memory.device import CopyHandle, Device
 from mobiuspipe.memory.swap import BufferPool, CopySwap, _nbytes
 
 __all__ = ["PeerSwap", "RegionFull", "shm_region", "share_region", "open_shared"]

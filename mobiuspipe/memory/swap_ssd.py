@@ -10,8 +10,8 @@ from concurrent.futures import Future
 
 import torch
 
-from mobiuspipe.device import CopyHandle, Device
 from mobiuspipe.memory.aio import aligned_empty
+from mobiuspipe.memory.device import CopyHandle, Device
 from mobiuspipe.memory.ssd_store import SSDStore
 from mobiuspipe.memory.swap import BufferPool, CopySwap, Key, _nbytes
 

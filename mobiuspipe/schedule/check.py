@@ -20,7 +20,7 @@ def check_schedules(
     mapping: list[int], microbatches: int, schedules: list[list[Action]], channels: str = "direction"
 ) -> None:
     """Raise ScheduleError unless every gpu's list is valid on its own and all lists run together under NCCL's
-    rules on the runtime's channel layout (mobiuspipe.channels)."""
+    rules on the runtime's channel layout (mobiuspipe.runtime.channels)."""
     for g, acts in enumerate(schedules):
         _check_local(mapping, g, microbatches, acts)
     _check_pair_order(mapping, schedules)
@@ -94,7 +94,7 @@ def _needs(a: Action, num_stages: int, m: int) -> list[tuple[Kind, int, int]]:
 def _check_runs(mapping: list[int], schedules: list[list[Action]], channels: str) -> None:
     """Run all lists together under NCCL's rules and fail on a deadlock: a rank posts a send and goes on, but
     the send completes only when the peer's matching receive is posted; the operations a rank posts on one
-    channel (mobiuspipe.channels: "pair", both ways of a pair on one queue, or "direction") run in post order,
+    channel (mobiuspipe.runtime.channels: "pair", both ways of a pair on one queue, or "direction") run in post order,
     so an operation starts only at the head of its queue; a receive blocks its rank until it completes; every
     send completes before the step ends (Comm.flush). Messages between stages of one gpu are handed over."""
     run = _NcclRun(mapping, schedules, channels)

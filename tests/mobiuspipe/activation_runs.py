@@ -11,11 +11,11 @@ from torch import nn
 
 from mobiuspipe import Pipeline
 from mobiuspipe.config import RunConfig, config_from_dict
-from mobiuspipe.config_plan import model_spec, plan_for_config
-from mobiuspipe.dataset import open_data
+from mobiuspipe.data.dataset import open_data
 from mobiuspipe.memory.arena import DeviceArena, Slot
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
+from mobiuspipe.startup.config_plan import model_spec, plan_for_config
 from partition.plan import Plan
 
 DROPOUT = 0.2

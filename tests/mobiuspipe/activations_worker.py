@@ -11,7 +11,7 @@ import activation_runs as runs
 import torch
 import torch.distributed as dist
 
-from mobiuspipe.config_plan import plan_for_config
+from mobiuspipe.startup.config_plan import plan_for_config
 
 
 def main(precision: str, out: Path) -> None:

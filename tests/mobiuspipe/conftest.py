@@ -13,10 +13,10 @@ import yaml
 from torch import nn
 
 from mobiuspipe.config import RunConfig
-from mobiuspipe.config_plan import model_spec
-from mobiuspipe.dataset import open_data
+from mobiuspipe.data.dataset import open_data
 from mobiuspipe.models.gpt import build_layers, lm_loss
 from mobiuspipe.optim import CPUAdam
+from mobiuspipe.startup.config_plan import model_spec
 
 
 def reference_run(

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mobiuspipe.channels import Channels
+from mobiuspipe.runtime.channels import Channels
 
 WAIT = timedelta(seconds=3)
 

@@ -1,4 +1,4 @@
-"""The measured trace of chosen steps (mobiuspipe.action_trace): every action of a traced step once, in the
+"""The measured trace of chosen steps (mobiuspipe.runtime.action_trace): every action of a traced step once, in the
 schedule's order and inside the step's span; nothing for other steps; the same numbers as an untraced run; the
 Chrome file; the config key's checks."""
 
@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from mobiuspipe import Pipeline
-from mobiuspipe.action_trace import ActionTrace, TracedAction, as_sim_result, chrome, write_chrome
 from mobiuspipe.config import config_from_dict
-from mobiuspipe.config_plan import plan_for_config
-from mobiuspipe.dataset import open_data
+from mobiuspipe.data.dataset import open_data
 from mobiuspipe.errors import ConfigError
 from mobiuspipe.models.gpt import lm_loss
 from mobiuspipe.optim import CPUAdam
+from mobiuspipe.runtime.action_trace import ActionTrace, TracedAction, as_sim_result, chrome, write_chrome
+from mobiuspipe.startup.config_plan import plan_for_config
 
 
 def _train(runs, cfg, trace_steps=()):
@@ -132,7 +132,7 @@ def test_the_run_draws_the_last_traced_step_that_ran(tmp_path, capsys):
     """Steps [2, 9] asked, the run stopped after step 5: step 2 is drawn; with no traced step run, nothing is."""
     from types import SimpleNamespace
 
-    from mobiuspipe.train import _write_trace
+    from mobiuspipe.run.train import _write_trace
 
     def pipe(records):
         trace = ActionTrace([2, 9])

@@ -14,12 +14,12 @@ from torch import nn
 
 from mobiuspipe import Pipeline
 from mobiuspipe.config import MemoryConfig, config_from_dict
-from mobiuspipe.config_plan import model_spec, plan_for_config
-from mobiuspipe.dataset import open_data
+from mobiuspipe.data.dataset import open_data
 from mobiuspipe.errors import PipelineError
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.schedule import Kind
+from mobiuspipe.startup.config_plan import model_spec, plan_for_config
 
 
 def _cfg(precision: str):
@@ -96,7 +96,7 @@ def test_the_peer_tier_needs_another_rank(tmp_path):
 
 def test_the_last_stage_cannot_swap(tmp_path):
     cfg = _cfg("fp32")
-    from mobiuspipe.pipeline_swaps import swap_tiers
+    from mobiuspipe.startup.swaps import swap_tiers
 
     plan = plan_for_config(cfg)
     plan = plan.__class__(
@@ -113,8 +113,8 @@ def test_the_last_stage_cannot_swap(tmp_path):
 
 
 def test_the_plan_a_run_keeps_is_the_policy_it_runs():
-    from mobiuspipe.activations import stage_modes
-    from mobiuspipe.pipeline_swaps import plan_as_run
+    from mobiuspipe.runtime.activations import stage_modes
+    from mobiuspipe.startup.swaps import plan_as_run
     from partition.device_peak import planned_device_bytes
 
     plan = plan_for_config(_cfg("fp32"))  # memory to spare: the planner keeps every stage's activations

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from mobiuspipe import Pipeline
-from mobiuspipe.activations import StageMode, parts_of, stage_modes
 from mobiuspipe.config import config_from_dict
-from mobiuspipe.config_plan import plan_for_config
 from mobiuspipe.errors import ConfigError, PipelineError
 from mobiuspipe.memory.ledger import DeviceLedger
 from mobiuspipe.models.gpt import lm_loss
+from mobiuspipe.runtime.activations import StageMode, parts_of, stage_modes
+from mobiuspipe.startup.config_plan import plan_for_config
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ def test_the_weight_references_are_what_keeps_it_right(runs, rotated, monkeypatc
     cfg = runs.config(accumulation=1)
     base = runs.run(cfg, "recompute", steps=2)
     assert _same(runs.run(cfg, "keep", steps=2), base)
-    monkeypatch.setattr("mobiuspipe.activations._weight_ref", lambda t, slot: None)
+    monkeypatch.setattr("mobiuspipe.runtime.activations._weight_ref", lambda t, slot: None)
     assert runs.run(cfg, "keep", steps=2).losses != base.losses
 
 

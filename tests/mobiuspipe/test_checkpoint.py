@@ -14,11 +14,11 @@ from torch import nn
 from mobiuspipe import Pipeline
 from mobiuspipe.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from mobiuspipe.config import MemoryConfig, config_from_dict
-from mobiuspipe.config_plan import model_spec, plan_for_config
-from mobiuspipe.dataset import open_data
+from mobiuspipe.data.dataset import open_data
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.optim.loss_scale import LossScaler
+from mobiuspipe.startup.config_plan import model_spec, plan_for_config
 
 STEPS = 5
 
@@ -161,7 +161,7 @@ def test_train_checks_the_resume_folder_before_launching(tmp_path):
 
 def test_a_checkpoint_of_other_data_or_batches_is_named(tmp_path):
     """The loop stores run_identity (seed, data file name and size, batches) in `complete` and checks it."""
-    from mobiuspipe.run_checkpoints import run_identity
+    from mobiuspipe.run.checkpoints import run_identity
 
     cfg = _cfg("fp32")
     data = open_data(cfg.data, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size)

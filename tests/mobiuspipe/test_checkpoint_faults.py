@@ -15,11 +15,11 @@ import mobiuspipe.checkpoint as checkpoint
 from mobiuspipe import Pipeline
 from mobiuspipe.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from mobiuspipe.config import MemoryConfig, config_from_dict
-from mobiuspipe.config_plan import model_spec, plan_for_config
-from mobiuspipe.dataset import open_data
+from mobiuspipe.data.dataset import open_data
 from mobiuspipe.errors import SwapIOError
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
+from mobiuspipe.startup.config_plan import model_spec, plan_for_config
 
 CFG = config_from_dict(
     {

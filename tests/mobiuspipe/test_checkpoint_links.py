@@ -16,11 +16,11 @@ from safetensors import safe_open
 from mobiuspipe import Pipeline
 from mobiuspipe.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from mobiuspipe.config import MemoryConfig, config_from_dict
-from mobiuspipe.config_plan import model_spec, plan_for_config
-from mobiuspipe.dataset import open_data
+from mobiuspipe.data.dataset import open_data
 from mobiuspipe.memory.ssd_store import SSDStore
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
+from mobiuspipe.startup.config_plan import model_spec, plan_for_config
 
 CFG = config_from_dict(
     {

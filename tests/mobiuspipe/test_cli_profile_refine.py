@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from mobiuspipe.action_trace import TracedAction, read_chrome, write_chrome
-from mobiuspipe.profile_refine import loop_seconds
+from mobiuspipe.profiling.refine import loop_seconds
+from mobiuspipe.runtime.action_trace import TracedAction, read_chrome, write_chrome
 from partition.plan import load_plan, save_plan
 from partition.profile import LayerProfile, Profile, load_profile, save_profile
 from partition.search import make_plan, predict_step
@@ -108,7 +108,7 @@ def test_layout_out_keeps_a_cost_the_run_did_not_measure(tmp_path):
     import dataclasses
 
     from mobiuspipe.cli.profile import _write_layout
-    from mobiuspipe.profile_refine import Refinement
+    from mobiuspipe.profiling.refine import Refinement
     from topology import load_topology
     from topology.types import Measured
 
@@ -161,7 +161,7 @@ def test_partition_config_plans_from_a_given_profile_of_its_model(tmp_path):
 
     from mobiuspipe import cli
     from mobiuspipe.config import load_config
-    from mobiuspipe.config_plan import gpt_profile
+    from mobiuspipe.startup.config_plan import gpt_profile
 
     cfg_path = tmp_path / "run.yaml"
     cfg_path.write_text("train: {precision: fp32}\n")

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from mobiuspipe.clock import ActionClock
+from mobiuspipe.runtime.clock import ActionClock
 
 
 def test_the_standin_clock_is_the_hosts():

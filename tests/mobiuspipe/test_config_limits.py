@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from mobiuspipe.config import config_from_dict
-from mobiuspipe.config_runtime import MAX_THREADS
+from mobiuspipe.config.runtime import MAX_THREADS
 from mobiuspipe.errors import ConfigError
 
 

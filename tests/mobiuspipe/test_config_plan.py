@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from mobiuspipe.config import config_from_dict, load_config
-from mobiuspipe.config_plan import model_spec, num_ranks, plan_for_config, run_topology
 from mobiuspipe.errors import ConfigError
 from mobiuspipe.models.gpt import build_layers
+from mobiuspipe.startup.config_plan import model_spec, num_ranks, plan_for_config, run_topology
 from partition.models import layer_param_counts
 from partition.plan import save_plan
 from topology import TopologyError, preset, save_topology
@@ -136,7 +136,7 @@ def test_topology_mistakes_are_named():
 def test_the_run_offers_the_activation_tiers_it_can_run(monkeypatch, tmp_path):
     """The host always; the SSD with memory.ssd_dir; the peer with several ranks on this host."""
     from mobiuspipe.config import config_from_dict
-    from mobiuspipe.config_plan import activation_tiers
+    from mobiuspipe.startup.config_plan import activation_tiers
 
     def cfg(gpus: int, ssd: bool):
         memory = {"ssd_dir": str(tmp_path)} if ssd else {}

@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from mobiuspipe.config import load_config
-from mobiuspipe.config_data import DataConfig
-from mobiuspipe.dataset import open_data, open_eval
+from mobiuspipe.config.data import DataConfig
+from mobiuspipe.data.dataset import open_data, open_eval
 from mobiuspipe.errors import ConfigError
 
 
@@ -193,7 +193,7 @@ def test_each_rank_checks_the_data_before_joining_the_group(tmp_path):
 
 def test_accumulation_needs_one_optimizer_steps_sequences(tmp_path):
     """A step of train.accumulation_steps passes reads accumulation_steps * batch_size sequences at once."""
-    from mobiuspipe.dataset import open_run_data
+    from mobiuspipe.data.dataset import open_run_data
 
     np.arange(100, dtype=np.uint16).tofile(tmp_path / "t.bin")
     doc = {"data": {"tokens": "t.bin", "batch_size": 4, "num_microbatches": 2}, "model": {"seq_len": 12}}

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from mobiuspipe.config_data import DataConfig
-from mobiuspipe.dataset import PackedTokens, open_data, open_eval
+from mobiuspipe.config.data import DataConfig
+from mobiuspipe.data.dataset import PackedTokens, open_data, open_eval
 
 
 def _by_hand(tokens: list[int], T: int, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,12 +16,12 @@ from tokenizers import Tokenizer
 from mobiuspipe import Pipeline
 from mobiuspipe.cli import main
 from mobiuspipe.config import config_from_dict
-from mobiuspipe.config_data import DataConfig
-from mobiuspipe.config_plan import model_spec, plan_for_config
-from mobiuspipe.dataset import open_data, open_eval
+from mobiuspipe.config.data import DataConfig
+from mobiuspipe.data.dataset import open_data, open_eval
+from mobiuspipe.data.tokenizer import load_tokenizer
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
-from mobiuspipe.tokenizer import load_tokenizer
+from mobiuspipe.startup.config_plan import model_spec, plan_for_config
 
 WORDS = "the cat sat on mat quick brown fox pipelines stream weights Ünïcode 12345 dog lazy , .".split()
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mobiuspipe.config import ConfigError, load_config
-from mobiuspipe.device import deterministic_kernels
+from mobiuspipe.memory.device import deterministic_kernels
 
 
 def test_the_switch_turns_on_deterministic_kernels_and_cublas_workspace(monkeypatch):

@@ -12,17 +12,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import mobiuspipe.compute
+import mobiuspipe.runtime.compute
 from mobiuspipe import Pipeline
-from mobiuspipe.comm import Comm
 from mobiuspipe.config import MemoryConfig, config_from_dict
-from mobiuspipe.config_plan import model_spec, plan_for_config
-from mobiuspipe.dataset import open_data
+from mobiuspipe.data.dataset import open_data
 from mobiuspipe.memory.arena import DeviceArena
 from mobiuspipe.memory.ledger import DeviceLedger
-from mobiuspipe.metrics import device_peak_line
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
+from mobiuspipe.run.metrics import device_peak_line
+from mobiuspipe.runtime.comm import Comm
+from mobiuspipe.startup.config_plan import model_spec, plan_for_config
 from partition import make_plan
 from partition.device_peak import planned_device_bytes
 from partition.profile import LayerProfile, Profile
@@ -215,7 +215,7 @@ def test_gpt_peak_covers_the_arena_and_counting_changes_no_bit(monkeypatch):
         # above the arena by at least the 3 microbatches' tokens kept for recompute (6 rows of 17 int64)
         assert r.device_peak_bytes >= r.arena_peak_bytes + 6 * 17 * 8
     assert planned_device_bytes(plan)[0] >= plan.arena_bytes + max(s.activation_bytes for s in plan.stages)
-    monkeypatch.setattr(mobiuspipe.compute, "counting_saved", lambda ledger: contextlib.nullcontext())
+    monkeypatch.setattr(mobiuspipe.runtime.compute, "counting_saved", lambda ledger: contextlib.nullcontext())
     plain, plain_weights, _ = _gpt_run()
     assert [r.loss for r in plain] == [r.loss for r in results]
     assert plain_weights.keys() == weights.keys()

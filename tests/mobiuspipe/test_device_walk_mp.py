@@ -10,13 +10,13 @@ import os
 import pytest
 import torch
 
-from mobiuspipe.activations import stage_modes
 from mobiuspipe.config import MemoryConfig, load_config
-from mobiuspipe.config_plan import model_spec
-from mobiuspipe.dataset import open_data
+from mobiuspipe.data.dataset import open_data
 from mobiuspipe.models.gpt import layer_factories, lm_loss
-from mobiuspipe.pipeline_swaps import plan_as_run, swap_tiers
-from mobiuspipe.profiler import measure_profile
+from mobiuspipe.profiling.profiler import measure_profile
+from mobiuspipe.runtime.activations import stage_modes
+from mobiuspipe.startup.config_plan import model_spec
+from mobiuspipe.startup.swaps import plan_as_run, swap_tiers
 from partition import make_plan
 from partition.device_peak import planned_device_bytes
 from partition.plan import save_plan

@@ -10,10 +10,10 @@ import torch
 
 from mobiuspipe import Pipeline
 from mobiuspipe.config import config_from_dict
-from mobiuspipe.config_plan import model_spec, plan_for_config
-from mobiuspipe.dataset import open_data
+from mobiuspipe.data.dataset import open_data
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
+from mobiuspipe.startup.config_plan import model_spec, plan_for_config
 
 
 def _cfg(blocks: int, d: int, heads: int, seq: int, batch: int, m: int, stages: int, seed: int, wd: float):

@@ -1,4 +1,4 @@
-"""mobiuspipe.kept_swap: held tensors out to a tier as the spans of their storages and rebuilt after, with the
+"""mobiuspipe.runtime.kept_swap: held tensors out to a tier as the spans of their storages and rebuilt after, with the
 same values, shapes, strides, dtypes and alignment, views of one storage sharing one span again; a buffer's
 storage stays; the ledger drops what went."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mobiuspipe.activations import Held
-from mobiuspipe.device import Device
-from mobiuspipe.kept_swap import rebuild, release, spans_out
+from mobiuspipe.memory.device import Device
 from mobiuspipe.memory.ledger import DeviceLedger
 from mobiuspipe.memory.swap import HostSwap
+from mobiuspipe.runtime.activations import Held
+from mobiuspipe.runtime.kept_swap import rebuild, release, spans_out
 
 CPU_ALIGN = 64
 """The CPU allocator's alignment: a rebuilt tensor keeps its address modulo it."""

@@ -21,8 +21,8 @@ CHILD = textwrap.dedent(
     import torch
     from mobiuspipe import Pipeline
     from mobiuspipe.config import MemoryConfig, config_from_dict
-    from mobiuspipe.config_plan import model_spec, plan_for_config
-    from mobiuspipe.dataset import open_data
+    from mobiuspipe.startup.config_plan import model_spec, plan_for_config
+    from mobiuspipe.data.dataset import open_data
     from mobiuspipe.models.gpt import layer_factories, lm_loss
     from mobiuspipe.optim import CPUAdam
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mobiuspipe import preflight
 from mobiuspipe.checkpoint import CheckpointError
 from mobiuspipe.cli import main as cli
 from mobiuspipe.cli import train as cli_train
 from mobiuspipe.errors import ConfigError, PeerLostError
+from mobiuspipe.run import preflight
 
 RUN = {
     "model": {"num_blocks": 2, "d_model": 16, "num_heads": 2, "seq_len": 8},

@@ -9,12 +9,12 @@ import torch
 
 from mobiuspipe import Pipeline
 from mobiuspipe.config import MemoryConfig, config_from_dict
-from mobiuspipe.config_plan import model_spec, plan_for_config
-from mobiuspipe.dataset import open_data
+from mobiuspipe.config.lr_schedule import lr_at
+from mobiuspipe.data.dataset import open_data
 from mobiuspipe.errors import ConfigError, PipelineError
-from mobiuspipe.lr_schedule import lr_at
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
+from mobiuspipe.startup.config_plan import model_spec, plan_for_config
 
 
 def test_rates_by_hand():

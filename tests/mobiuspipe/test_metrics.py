@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import json
 
-from mobiuspipe.metrics import Reporter, StepMetrics
+from mobiuspipe.run.metrics import Reporter, StepMetrics
 
 
 def _m(step: int) -> StepMetrics:

@@ -9,10 +9,10 @@ from functools import partial
 import pytest
 import torch
 
-from mobiuspipe.device import Device
 from mobiuspipe.memory.arena import DeviceArena
+from mobiuspipe.memory.device import Device
 from mobiuspipe.optim import CPUAdam
-from mobiuspipe.stage_states import HostStates
+from mobiuspipe.runtime.stage_states import HostStates
 
 
 def _hold(gate: threading.Event) -> None:

@@ -130,7 +130,7 @@ def test_world_size_differs_from_plan(tmp_path, launch):
     assert proc.returncode != 0
     want = "plan.num_gpus: expected 2 ranks, one per gpu of the plan, found torchrun started 3 (WORLD_SIZE); fix: "
     assert proc.stderr.count("mobiuspipe.train: error: ") == 1 and want in proc.stderr  # once: rank 0's
-    assert 'mobiuspipe/train.py", line' not in proc.stderr  # one line from us; torchrun adds its own summary
+    assert 'mobiuspipe/run/train.py", line' not in proc.stderr  # one line from us; torchrun adds its own summary
     assert not (tmp_path / "out").exists()  # failed before any work
 
 

@@ -22,12 +22,12 @@ from torch import nn
 
 from mobiuspipe import Pipeline
 from mobiuspipe.config import config_from_dict
-from mobiuspipe.config_plan import model_spec, plan_for_config
-from mobiuspipe.dataset import open_data
+from mobiuspipe.data.dataset import open_data
 from mobiuspipe.errors import PipelineError
 from mobiuspipe.models.gpt import build_layers, layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.optim.loss_scale import LossScaler
+from mobiuspipe.startup.config_plan import model_spec, plan_for_config
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

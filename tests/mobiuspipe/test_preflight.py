@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import yaml
 
-from mobiuspipe import preflight
 from mobiuspipe.cli import main as cli
 from mobiuspipe.config import load_config
 from mobiuspipe.errors import ConfigError
+from mobiuspipe.run import preflight
 
 MODEL = {"num_blocks": 2, "d_model": 16, "num_heads": 2, "seq_len": 8}
 
@@ -202,7 +202,7 @@ def test_train_refuses_an_unwritable_out_dir_before_launching(tmp_path, capsys, 
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # @record, with pytest capturing stderr
 def test_each_rank_refuses_an_unwritable_out_dir(tmp_path, capsys):
     """The torchrun entry of a 1-gpu run, in this process: it stops before the Pipeline, with exit 2."""
-    from mobiuspipe.train import main
+    from mobiuspipe.run.train import main
 
     (tmp_path / "file").write_text("x")
     run = _write(tmp_path / "run.yaml", _run_doc(plan={"num_gpus": 1}, train={"out_dir": str(tmp_path / "file/o")}))
@@ -261,7 +261,7 @@ def test_plain_torchrun_of_a_bad_config_prints_one_line(tmp_path, launch):
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and errors[0].startswith(f"mobiuspipe.train: error: config {config}: train.stepz: ")
     assert errors[0].endswith("found unknown key 'stepz'; fix: did you mean 'steps'?")
-    assert 'mobiuspipe/train.py", line' not in proc.stderr and "Traceback" in proc.stderr  # torchrun's own
+    assert 'mobiuspipe/run/train.py", line' not in proc.stderr and "Traceback" in proc.stderr  # torchrun's own
     root_cause = proc.stderr.partition("Root Cause")[2]  # torchrun's summary names rank 0, which exited 2
     assert proc.returncode == 1 and re.search(r"rank +: 0 \(local_rank: 0\)\s+exitcode +: 2 ", root_cause)
     assert not (tmp_path / "out").exists()

@@ -1,4 +1,4 @@
-"""A profile refined by a traced run (mobiuspipe.profile_refine), against hand-made traces: each stage's layers get
+"""A profile refined by a traced run (mobiuspipe.profiling.refine), against hand-made traces: each stage's layers get
 its measured / predicted F and B, the median over steps, and the plan re-timed from the refined profile
 simulates the F and B the trace measured."""
 
@@ -9,8 +9,7 @@ import random
 
 import pytest
 
-from mobiuspipe.action_trace import TracedAction
-from mobiuspipe.profile_refine import (
+from mobiuspipe.profiling.refine import (
     loop_seconds,
     median_profile,
     recv_seconds,
@@ -18,6 +17,7 @@ from mobiuspipe.profile_refine import (
     send_seconds,
     stage_scales,
 )
+from mobiuspipe.runtime.action_trace import TracedAction
 from partition.profile import LayerProfile, Profile
 from partition.retime import retime
 from partition.search import make_plan, sim_stages

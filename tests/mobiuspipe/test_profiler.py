@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from mobiuspipe.models.gpt import build_layers, lm_loss
-from mobiuspipe.profiler import measure_layers, measure_profile
+from mobiuspipe.profiling.profiler import measure_layers, measure_profile
 from partition.analytic import analytic_profile
 from partition.hardware import device_spec
 from partition.models import ModelSpec
@@ -76,7 +76,7 @@ def test_times_are_positive(measured):
 
 def test_the_layers_are_called_as_the_runtime_calls_them(monkeypatch):
     # Stage.forward calls functional_call; the recompute runs under the ledger's counting hook
-    import mobiuspipe.profiler as profiler
+    import mobiuspipe.profiling.profiler as profiler
 
     # and a kept forward under the keep hooks, with its parameters in one weight slot, microbatches in a row
     calls, counted, kept = [], [], []

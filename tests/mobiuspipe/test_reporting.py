@@ -10,12 +10,12 @@ import math
 import pytest
 import torch
 
-from mobiuspipe.engine import StepTimes
-from mobiuspipe.flops import flops_per_token, peak_tflops, rate
-from mobiuspipe.metrics import Reporter, step_metrics
 from mobiuspipe.models.gpt import build_layers
 from mobiuspipe.pipeline import StepResult
-from mobiuspipe.usage import RankStep, folder_bytes, host_rss_bytes
+from mobiuspipe.run.flops import flops_per_token, peak_tflops, rate
+from mobiuspipe.run.metrics import Reporter, step_metrics
+from mobiuspipe.run.usage import RankStep, folder_bytes, host_rss_bytes
+from mobiuspipe.runtime.engine import StepTimes
 from partition.models import ModelSpec
 
 STEP_S = (1.0, 0.5, 0.7, 0.6)

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from mobiuspipe.device import Device
 from mobiuspipe.memory.arena import DeviceArena
+from mobiuspipe.memory.device import Device
 from mobiuspipe.optim import CPUAdam
-from mobiuspipe.stage_states import HostStates
+from mobiuspipe.runtime.stage_states import HostStates
 from mobiuspipe.standin.places import plain
 
 

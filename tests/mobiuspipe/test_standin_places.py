@@ -9,11 +9,11 @@ from functools import partial
 import pytest
 import torch
 
-from mobiuspipe.device import Device
+from mobiuspipe.memory.device import Device
 from mobiuspipe.memory.ssd_store import SSDStore
 from mobiuspipe.memory.weight_stream import SsdWeights
 from mobiuspipe.optim import CPUAdam
-from mobiuspipe.stage_states import HostStates
+from mobiuspipe.runtime.stage_states import HostStates
 from mobiuspipe.standin import StandInError
 from mobiuspipe.standin.places import on_gpu, on_host, place_of
 

@@ -13,13 +13,13 @@ import torch
 from foundation.units import MiB, fmt_bytes
 from mobiuspipe import Pipeline
 from mobiuspipe.config import MemoryConfig, config_from_dict, load_config
-from mobiuspipe.config_plan import model_spec, plan_for_config
-from mobiuspipe.dataset import open_data
+from mobiuspipe.data.dataset import open_data
 from mobiuspipe.errors import ConfigError, PipelineError, SwapIOError
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.optim.loss_scale import LossScaler
-from mobiuspipe.stage_states import least_share
+from mobiuspipe.runtime.stage_states import least_share
+from mobiuspipe.startup.config_plan import model_spec, plan_for_config
 from partition.placement import LEAST_SHARE_BYTES
 from partition.tiers import HostBudget, host_held_bytes, place_tiers
 

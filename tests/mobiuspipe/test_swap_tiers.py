@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 
-from mobiuspipe.device import Device
 from mobiuspipe.errors import SwapIOError
+from mobiuspipe.memory.device import Device
 from mobiuspipe.memory.ssd_store import SSDStore
 from mobiuspipe.memory.swap import HostSwap, Swap
 from mobiuspipe.memory.swap_peer import PeerSwap, RegionFull, shm_region

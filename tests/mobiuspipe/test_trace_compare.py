@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mobiuspipe.action_trace import TracedAction, as_sim_result, read_chrome, write_chrome
-from mobiuspipe.trace_compare import compare_actions, format_rows, kind_seconds, report, steady_ratio
+from mobiuspipe.profiling.trace_compare import compare_actions, format_rows, kind_seconds, report, steady_ratio
+from mobiuspipe.runtime.action_trace import TracedAction, as_sim_result, read_chrome, write_chrome
 from partition.sim_types import SimResult
 
 

@@ -64,7 +64,7 @@ def test_a_negative_workspace_is_refused():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_profile_measures_the_heads_logit_gradient():
-    from mobiuspipe.profiler import measure_profile
+    from mobiuspipe.profiling.profiler import measure_profile
 
     torch.manual_seed(0)
     head = torch.nn.Linear(256, 8192)

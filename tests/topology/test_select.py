@@ -1,5 +1,5 @@
 """select_gpus(): the job's gpus picked by bus id in CUDA's order, with every pairwise fact following them;
-and the torchrun job's discovered topology (mobiuspipe.machine) on a faked CUDA."""
+and the torchrun job's discovered topology (mobiuspipe.startup.machine) on a faked CUDA."""
 
 from types import SimpleNamespace
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from mobiuspipe.config import config_from_dict
-from mobiuspipe.config_plan import plan_for_config, run_topology
 from mobiuspipe.errors import WorldSizeError
-from mobiuspipe.machine import discovered_topology
+from mobiuspipe.startup.config_plan import plan_for_config, run_topology
+from mobiuspipe.startup.machine import discovered_topology
 from topology.discover import discover
 from topology.errors import TopologyError
 from topology.select import bus_id_of, select_gpus
@@ -72,7 +72,7 @@ def test_a_gpu_run_plans_on_the_discovered_machine_in_cuda_order(sysfs_box, nvml
     machine = discover(sysfs_box("2+2"), nvml_box("2+2"))
     ids = [g.pci_bus_id for g in machine.gpus]
     _fake_cuda(monkeypatch, [ids[2], ids[3], ids[0], ids[1]])  # CUDA numbers the second socket first
-    monkeypatch.setattr("mobiuspipe.machine.discover", lambda: machine)
+    monkeypatch.setattr("mobiuspipe.startup.machine.discover", lambda: machine)
     cfg = config_from_dict(
         {
             "model": {"num_blocks": 6, "d_model": 32, "num_heads": 4, "seq_len": 16},

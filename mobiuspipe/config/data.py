@@ -1,0 +1,145 @@
+"""The run config's `data:` section: the training and held-out data, their tokenizer, and the batches."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from importlib import resources
+
+from foundation.loader import Problem, at_least, non_empty, rule
+from mobiuspipe.config.section import Section, divisible
+
+__all__ = ["DataConfig", "TOKEN_DTYPES", "is_jsonl", "is_token_file"]
+
+TOKEN_DTYPES = {"uint16": 2, "uint32": 4}
+"""The integer types of a token file, and the bytes of one token id in each."""
+
+
+def is_jsonl(path: str) -> bool:
+    """A JSONL file (one JSON object per line): the name ends in .jsonl."""
+    return path.lower().endswith(".jsonl")
+
+
+def is_token_file(path: str) -> bool:
+    """A token file (raw token ids, the nanoGPT layout): the name ends in .bin."""
+    return path.lower().endswith(".bin")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig(Section):
+    """The training data (text, JSONL or a token file), its tokenizer, and how it is cut into batches.
+
+    Every source becomes one stream of token ids, packed into sequences of seq_len + 1 tokens: sequence n
+    is tokens[n*T : n*T + T + 1] (T = model.seq_len; inputs its first T, targets its last T), so there are
+    (tokens - 1) // T of them; step s takes the batch_size sequences s*B .. s*B + B - 1 of the order (in
+    file order, or shuffled per epoch), wrapping into the next epoch.
+    """
+
+    path: str | None = dataclasses.field(
+        default=None,
+        metadata={"path_fix": "correct the path, or remove data.path to train on the packaged sample text"},
+    )
+    """The training text: a JSONL file (a name ending .jsonl: one JSON object per line, the document under
+    `field`; needs `tokenizer`) or any other file as text; None = mobiuspipe/data/sample.txt shipped in the
+    package (unless `tokens` is given). A relative path is resolved against the config file's folder."""
+    tokens: str | None = dataclasses.field(
+        default=None,
+        metadata={"path_fix": "correct the path, or write the file with `mobiuspipe tokenize -o FILE.bin`"},
+    )
+    """A token file instead of `path` (the two are exclusive): token ids as raw `token_dtype` integers,
+    little-endian, no header (nanoGPT's train.bin), e.g. from `mobiuspipe tokenize`; read through a memory
+    map, never whole. A relative path is resolved against the config file's folder."""
+    token_dtype: str = "uint16"
+    """The integer type of each token id in `tokens` and in a .bin `eval_path`: "uint16" (2 bytes, ids below
+    65536) or "uint32" (4 bytes)."""
+    tokenizer: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "folder_fix": "give the folder that holds tokenizer.json (the model's own folder, as "
+            "save_pretrained writes it), or remove data.tokenizer for byte-level tokens"
+        },
+    )
+    """A tokenizer folder as Hugging Face `save_pretrained` writes it: tokenizer.json, and optionally
+    tokenizer_config.json whose eos_token ends each document. `path` (and a text `eval_path`) are tokenized
+    with it at start-up; its vocabulary, added tokens included, must fit model.vocab_size. None = the text
+    is read as bytes (token ids 0..255). A relative path is resolved against the config file's folder."""
+    field: str = "text"
+    """The key of each JSONL line whose string value is the document (for a .jsonl path or eval_path)."""
+    shuffle: bool = True
+    """Shuffle the packed sequences: each epoch a new permutation of them, seeded by (train.seed, epoch),
+    the same on every rank. False: step s takes sequences s*B .. s*B + B - 1 in file order. True by
+    default, as a fine-tuning run expects (files are often sorted by source or date, and a batch of
+    neighbours is a poor gradient estimate); the run stays reproducible from the seed either way."""
+    eval_path: str | None = dataclasses.field(
+        default=None,
+        metadata={"path_fix": "correct the path, or remove data.eval_path to train without a held-out set"},
+    )
+    """Held-out data: a name ending .bin is a token file of `token_dtype`; any other is text or JSONL read
+    and tokenized as `path` is. Packed the same way, read in file order, never shuffled; it must hold at
+    least one batch. None = no held-out set. A relative path is resolved against the config file's folder."""
+    batch_size: int = 8
+    """Sequences per optimizer step (sequences); a multiple of num_microbatches."""
+    num_microbatches: int = 4
+    """Microbatches each batch is split into for the pipeline (count)."""
+
+    @property
+    def microbatch_size(self) -> int:
+        """Sequences per microbatch."""
+        return self.batch_size // self.num_microbatches
+
+    @property
+    def text_path(self) -> str:
+        """The text or JSONL file to train on: `path`, or the sample text shipped in the package."""
+        if self.path is not None:
+            return self.path
+        return str(resources.files("mobiuspipe") / "data" / "sample.txt")
+
+    def check_values(self) -> list[Problem]:
+        return [
+            *at_least(self, "batch_size", 1, "use at least 1 sequence per step, e.g. 8"),
+            *at_least(self, "num_microbatches", 1, "use at least 1 microbatch, e.g. 4"),
+            *divisible("batch_size", self.batch_size, "num_microbatches", self.num_microbatches),
+            *rule(
+                self.token_dtype in TOKEN_DTYPES,
+                "token_dtype",
+                "one of " + ", ".join(TOKEN_DTYPES),
+                repr(self.token_dtype),
+                "use `token_dtype: uint16` (vocabularies up to 65536) or `uint32`",
+            ),
+            *non_empty(self, "field", "name the JSONL key that holds each document's text, e.g. `field: text`"),
+            *self._source_problems(),
+        ]
+
+    def _source_problems(self) -> list[Problem]:
+        """`path` and `tokens` exclusive, each file in a form its key takes, a tokenizer where JSONL needs one."""
+        path, tokens, eval_path = self.path or "", self.tokens, self.eval_path or ""
+        return [
+            *rule(
+                not (self.path and tokens),
+                "tokens",
+                "either data.path (text or JSONL) or data.tokens (a token file), not both",
+                f"path {self.path!r} and tokens {tokens!r}",
+                "keep one of them (`mobiuspipe tokenize` turns text into a token file)",
+            ),
+            *rule(
+                not is_token_file(path),
+                "path",
+                "a text or JSONL file",
+                f"{path!r}, a token file (.bin)",
+                "give a token file as `tokens:` (with token_dtype), not `path:`",
+            ),
+            *rule(
+                self.tokenizer is not None or not (is_jsonl(path) or is_jsonl(eval_path)),
+                "tokenizer",
+                "a tokenizer folder when path or eval_path is JSONL (its documents are tokenized)",
+                "no tokenizer",
+                "set `tokenizer:` to the model's folder holding tokenizer.json, or give plain text",
+            ),
+            *rule(
+                self.tokenizer is not None or not tokens or not eval_path or is_token_file(eval_path),
+                "eval_path",
+                "a token file (.bin) like data.tokens, or a tokenizer to read text with",
+                f"{eval_path!r}, text with no tokenizer",
+                "give a .bin held-out file (`mobiuspipe tokenize`), or set `tokenizer:`",
+            ),
+        ]

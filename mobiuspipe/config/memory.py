@@ -1,0 +1,116 @@
+"""The run config's `memory:` section: where each stage's states live (host memory or an SSD store) under a
+host budget per rank; the rule that places them is partition/placement.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from foundation.loader import Problem, rule
+from mobiuspipe.config.section import WRITTEN_PATH, Section, mebibytes
+from partition.placement import TIERS  # where memory.optimizer and memory.weights may put states
+
+__all__ = ["MemoryConfig", "ACTIVATION_MODES", "ACTIVATION_TIERS"]
+
+ACTIVATION_TIERS = ("plan", "device", "host", "ssd", "peer")
+"""memory.activation_tier: where each stage's held activations live between its forward and backward."""
+
+ACTIVATION_MODES = ("plan", "recompute", "keep")
+"""memory.activations: the plan's choice per stage, or one mode for every stage (Pipeline(activations=...)
+also takes per-stage selective)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryConfig(Section):
+    """Where each stage's states live, host memory or an SSD store, under a host budget per rank (see
+    partition/placement.py for the bytes each choice keeps in memory)."""
+
+    optimizer: str = "host"
+    """The fp32 master weights and Adam moments (12 bytes per parameter). "host": in host memory; "ssd": in
+    an SSD store under ssd_dir, stepped by the out-of-core Adam through a share of host_budget_mb; "auto":
+    in host memory while everything fits in host_budget_mb, the largest stages on SSD otherwise."""
+    weights: str = "host"
+    """The weights the device loads and the gradients it offloads (2 + 2 bytes per parameter in bf16/fp16).
+    "host": in host memory; "ssd": in the SSD store too, streamed through staging buffers (needs optimizer:
+    ssd, whose update writes them); "auto": in host memory while they fit, after the optimizer states."""
+    ssd_dir: str | None = field(default=None, metadata=WRITTEN_PATH)
+    """Folder of the ssd tier, relative to the config file's folder; each rank keeps its store in ssd_dir/rank{r}.
+    A run starts it afresh (what an earlier run left there is discarded: runs resume from their checkpoints);
+    checkpoints on the same filesystem hard-link its files instead of copying them."""
+    host_budget_mb: float = 1024.0
+    """Host memory per rank for the states (MiB): what stays in memory plus the streaming slots of the
+    stages on SSD. With optimizer and weights on host it is not enforced."""
+    activations: str = "plan"
+    """How each stage keeps what its backward needs. "plan": as the plan chose per stage under the device
+    memory (keep, selective or recompute; `mobiuspipe partition --explain` shows why); "recompute": the stage
+    input only, the forward is run again in the backward; "keep": the forward's saved activations stay on the
+    device until the backward (no recompute, more device memory). All give the same numbers bit for bit."""
+
+    activation_tier: str = "plan"
+    """Where each stage's held activations (a recompute stage's input; a keep or selective stage's kept graphs
+    and recomputed parts' inputs) live from its forward to its backward. "plan": as the plan chose;
+    "device": on the device; "host": copied to (pinned) host memory after the forward, prefetched back before
+    the backward, on the copy stream; "ssd": on to an SSD store in ssd_dir (ssd_dir/rank{r}-activations)
+    through a host staging buffer; "peer": into a region of the next rank's gpu (partition/peer.py sizes it;
+    device to device where the gpus have peer access, staged through host otherwise; ranks on one host).
+    Every tier gives the same numbers bit for bit."""
+
+    def check_values(self) -> list[Problem]:
+        return [
+            *rule(
+                self.optimizer in TIERS,
+                "optimizer",
+                "one of " + ", ".join(TIERS),
+                repr(self.optimizer),
+                "use `optimizer: host`, `ssd` or `auto` (the last two with ssd_dir)",
+            ),
+            *rule(
+                self.weights in TIERS,
+                "weights",
+                "one of " + ", ".join(TIERS),
+                repr(self.weights),
+                "use `weights: host`, `ssd` or `auto` (the last two with ssd_dir)",
+            ),
+            *rule(
+                self.weights != "ssd" or self.optimizer == "ssd",
+                "weights",
+                "host or auto unless optimizer is ssd (its update writes the weights on SSD)",
+                repr(self.weights),
+                "set `optimizer: ssd` too, or `weights: auto`",
+            ),
+            *rule(
+                self.weights != "auto" or self.optimizer != "host",
+                "weights",
+                "host when optimizer is host (weights go to SSD only after the optimizer states)",
+                repr(self.weights),
+                "set `optimizer: auto` or `ssd`, or `weights: host`",
+            ),
+            *rule(
+                self.optimizer == "host" or bool(self.ssd_dir),
+                "ssd_dir",
+                "a folder when optimizer is ssd or auto",
+                repr(self.ssd_dir),
+                "set `ssd_dir:` to a folder on an NVMe drive, e.g. /nvme/mobiuspipe",
+            ),
+            *rule(
+                self.activations in ACTIVATION_MODES,
+                "activations",
+                "one of " + ", ".join(ACTIVATION_MODES),
+                repr(self.activations),
+                "use `activations: plan` (the planner's choice), `recompute` (least device memory) or `keep`",
+            ),
+            *rule(
+                self.activation_tier in ACTIVATION_TIERS,
+                "activation_tier",
+                "one of " + ", ".join(ACTIVATION_TIERS),
+                repr(self.activation_tier),
+                "use `activation_tier: plan` (the planner's choice), `device`, `host`, `ssd` or `peer`",
+            ),
+            *rule(
+                self.activation_tier != "ssd" or bool(self.ssd_dir),
+                "ssd_dir",
+                "a folder when activation_tier is ssd",
+                repr(self.ssd_dir),
+                "set `ssd_dir:` to a folder on an NVMe drive, e.g. /nvme/mobiuspipe",
+            ),
+            *mebibytes(self, "host_budget_mb", "use a positive budget in MiB, e.g. 1024.0"),
+        ]

@@ -1,0 +1,95 @@
+"""Token files in nanoGPT's layout (token ids as raw little-endian uint16 or uint32, no header) and text read as
+bytes, both through a memory map; the checks every token source shares."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import numpy as np
+
+from foundation.loader import Problem
+from mobiuspipe.config.data import TOKEN_DTYPES
+from mobiuspipe.errors import ConfigError
+
+__all__ = ["data_error", "unreadable", "open_token_file", "open_bytes", "check_ids", "write_token_file"]
+
+
+def data_error(key: str, expected: str, found: str, fix: str) -> ConfigError:
+    """A ConfigError about data named by config key `key`: "key: expected ..., found ...; fix: ..."."""
+    return ConfigError(str(Problem(key, expected, found, fix)))
+
+
+def unreadable(key: str, path: str, err: OSError) -> ConfigError:
+    """The ConfigError for a data file (named by config key `key`) that cannot be read."""
+    return data_error(
+        key, "a readable file", f"{path}: {err.strerror or err}", f"check {key} and the file's permissions"
+    )
+
+
+def _size(path: str, key: str) -> int:
+    """The bytes of a readable file; ConfigError when it cannot be opened."""
+    try:
+        with open(path, "rb"):
+            return os.path.getsize(path)
+    except OSError as e:
+        raise unreadable(key, path, e) from e
+
+
+def _map(path: str, dtype: np.dtype, count: int) -> np.ndarray:
+    """The file's `count` items of `dtype`, mapped read-only (an empty array for an empty file)."""
+    if count == 0:
+        return np.zeros(0, dtype)
+    return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+
+
+def open_token_file(path: str, token_dtype: str, key: str) -> np.ndarray:
+    """The token ids of a token file of `token_dtype` ("uint16" or "uint32"), memory-mapped, never read whole."""
+    size, item = _size(path, key), TOKEN_DTYPES[token_dtype]
+    if size % item:
+        other = "uint32" if token_dtype == "uint16" else "uint16"
+        raise data_error(
+            key,
+            f"a token file of {token_dtype} ids, {item} bytes each (data.token_dtype)",
+            f"{path} of {size:,} bytes, not a multiple of {item} ({size % item} left over)",
+            f"check data.token_dtype (is it {other}?) or rewrite the file with `mobiuspipe tokenize`",
+        )
+    return _map(path, np.dtype(token_dtype).newbyteorder("<"), size // item)
+
+
+def open_bytes(path: str, key: str) -> np.ndarray:
+    """A text file's bytes as token ids 0..255, memory-mapped."""
+    return _map(path, np.dtype(np.uint8), _size(path, key))
+
+
+def check_ids(tokens: np.ndarray, vocab_size: int, key: str, what: str) -> None:
+    """Every id of `tokens` (from `what`) must be below the model's vocab_size."""
+    top = int(tokens.max()) if len(tokens) else -1
+    if top >= vocab_size:
+        raise data_error(
+            key,
+            f"token ids below the model's vocab_size {vocab_size}",
+            f"ids up to {top} in {what}",
+            f"raise model.vocab_size to at least {top + 1}, or use data made with the model's own tokenizer",
+        )
+
+
+def write_token_file(chunks: Iterable[np.ndarray], path: str, token_dtype: str) -> int:
+    """Write the ids of every chunk to `path` as `token_dtype` (nanoGPT's layout), through a temporary file
+    renamed at the end; the number of tokens written. ValueError when an id does not fit the dtype;
+    OSError when the file cannot be written."""
+    dtype = np.dtype(token_dtype).newbyteorder("<")
+    limit = int(np.iinfo(dtype).max)
+    tmp, count = f"{path}.tmp", 0
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                if len(chunk) and int(chunk.max()) > limit:
+                    raise ValueError(f"token id {int(chunk.max())} does not fit {token_dtype} (at most {limit})")
+                f.write(np.ascontiguousarray(chunk, dtype=dtype).tobytes())
+                count += len(chunk)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return count

@@ -1,0 +1,202 @@
+"""The gpu a rank drives, with CPU stand-ins for what CUDA provides: copy streams and pinned memory.
+
+Copies run on streams of their own (mobiuspipe.memory.streams), one per direction so that loads and swap-ins
+(host -> device) run beside swap-outs and offloads (device -> host); a copy between host memory and a peer
+gpu's memory runs on a stream of that gpu (peer_stream), since CUDA runs it there. A thread that does device
+work (issues copies, waits on their events) must first bind itself to the gpu (bind_thread, or make it with
+executor): a new CUDA thread's current device is 0 whatever rank it serves. Under MOBIUSPIPE_STRICT=1 the
+stand-in refuses device work from a thread bound to another gpu (or to none, on gpus other than 0), marks
+the tensors it places (mobiuspipe.standin.places), and refuses a copy between host memory and another gpu's
+memory on this gpu's streams.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from mobiuspipe.memory.streams import CopyHandle, CopyStream
+from mobiuspipe.standin import StandInError, strict
+from mobiuspipe.standin.places import gpu_of, on_gpu, on_host, plain
+
+__all__ = ["Device", "CopyHandle", "CopyStream"]
+
+
+def deterministic_kernels() -> None:
+    """Make this process's torch kernels deterministic (runtime.deterministic): call it before the first CUDA
+    work, since cuBLAS reads its workspace setting once."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+
+
+class Device:
+    """One gpu (or its CPU stand-in): where the arena lives and how copies reach it."""
+
+    def __init__(self, local_rank: int = 0, use_cuda: bool | None = None):
+        self.is_cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
+        self.index = local_rank
+        """The gpu's index on this host (its CUDA device index; the stand-in's, for the thread rule)."""
+        self.bind_thread()
+        self.torch_device = torch.device("cuda", local_rank) if self.is_cuda else torch.device("cpu")
+        self.compute = torch.cuda.current_stream(self.torch_device) if self.is_cuda else None
+        """The stream the rank computes on (named, not taken from the calling thread's current stream)."""
+        self._in = CopyStream(local_rank, self.is_cuda, "copy-in", self.compute)
+        self._out = CopyStream(local_rank, self.is_cuda, "copy-out", self.compute)
+        self._peers: dict[int, CopyStream] = {}
+        self._loader: ThreadPoolExecutor | None = None  # CUDA: runs stream_in's jobs; made on first use
+
+    # -- threads -----------------------------------------------------------------------------------------
+    def bind_thread(self) -> None:
+        """Make this gpu the calling thread's current device (CUDA's set_device; the stand-in's record of it)."""
+        if self.is_cuda:
+            torch.cuda.set_device(self.index)
+        _bound.index = self.index
+
+    def executor(self, name: str) -> ThreadPoolExecutor:
+        """A one-thread executor whose thread is bound to this gpu (for work that issues copies)."""
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=self.bind_thread)
+
+    def _check_thread(self, what: str) -> None:
+        """The strict stand-in's rule: device work only from a thread bound to this gpu."""
+        if self.is_cuda or not strict():
+            return
+        current = getattr(_bound, "index", 0)
+        if current != self.index:
+            raise StandInError(
+                f"{what} for gpu {self.index} from thread {threading.current_thread().name!r}, whose current "
+                f"device is {current}: a new CUDA thread's current device is 0, so its streams and events would be "
+                f"gpu {current}'s; make the thread with Device.executor (or call bind_thread in it)"
+            )
+
+    # -- where tensors live: the copy functions (the strict stand-in marks each tensor's place) ------------
+    @property
+    def _marks(self) -> bool:
+        return not self.is_cuda and strict()
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        """Page-locked host memory where CUDA exists (fast async copies); a plain CPU tensor otherwise."""
+        if self.is_cuda:
+            return t.pin_memory()
+        return on_host(t) if self._marks else t
+
+    def host_empty(self, nbytes: int) -> torch.Tensor:
+        """nbytes of (pinned, on CUDA) host memory, uint8."""
+        if self.is_cuda:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return self.pin(torch.empty(nbytes, dtype=torch.uint8))
+
+    def place(self, t: torch.Tensor) -> torch.Tensor:
+        """t, which lies in this gpu's memory (the stand-in: marked as its memory under strict mode)."""
+        return on_gpu(t, self.index) if self._marks else t
+
+    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized tensor in this gpu's memory."""
+        return self.place(torch.empty(shape, dtype=dtype, device=self.torch_device))
+
+    def to_device(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A copy of host tensor t in this gpu's memory (in dtype, if given): a blocking copy."""
+        if self.is_cuda:
+            return t.to(self.torch_device, dtype=dtype or t.dtype)
+        return self.place(plain(t).to(dtype=dtype or t.dtype, copy=True))
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of device tensor t in pageable host memory (unmarked): a blocking copy."""
+        return t.to("cpu") if self.is_cuda else plain(t).clone()
+
+    # -- copies on the copy streams --------------------------------------------------------------------------
+    def copy_in(
+        self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[CopyHandle] = (), computed: bool = True
+    ) -> CopyHandle:
+        """dst (this gpu's memory) <- src (host memory) on the copy-in stream, once the `after` copies and (computed)
+        the compute queued so far have ended: a fresh allocation may still be in use by that compute. computed
+        False: `after` names every user of dst (an arena slot's release mark and the copies that read it), so a
+        load into a slot freed long ago need not wait for the compute queued since."""
+        self._check_copy("a copy to the device", dst, src)
+        return self._in.copy(dst, src, after, self._computed() if computed else None)
+
+    def copy_out(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[CopyHandle] = ()) -> CopyHandle:
+        """dst (host memory) <- src (this gpu's memory) on the copy-out stream, once the compute queued so far
+        (which writes src) and the `after` copies have ended."""
+        self._check_copy("a copy off the device", dst, src)
+        return self._out.copy(dst, src, after, self._computed())
+
+    def peer_stream(self, peer: int) -> CopyStream:
+        """The stream of gpu `peer` for copies between host memory and that gpu's memory: CUDA runs such a copy
+        on the peer gpu's stream, outside this gpu's streams' order (so the caller orders it with `after`)."""
+        if peer not in self._peers:
+            self._peers[peer] = CopyStream(peer, self.is_cuda, f"copy-gpu{peer}", self.compute)
+        return self._peers[peer]
+
+    def stream_in(
+        self,
+        job: Callable[[Callable[[torch.Tensor, torch.Tensor], object]], None],
+        after: Sequence[CopyHandle] = (),
+        computed: bool = True,
+    ) -> CopyHandle:
+        """Run job(copy) off the compute thread, where copy(dst, src) moves host memory src into device
+        memory dst and returns once src may be reused (a loader fills a few staging buffers in turn), after
+        the `after` copies (which still read dst) and, computed, the compute queued so far (as copy_in); the
+        handle's wait() orders later compute after every copy."""
+        self._check_thread("a copy to the device")
+        if not self.is_cuda:
+
+            def standin() -> None:
+                for h in after:
+                    h.synchronize()
+                job(lambda dst, src: dst.copy_(src))
+
+            return self._in.run(standin)
+        ready = self._computed() if computed else None  # dst may be in use until now
+
+        def on_stream() -> None:
+            job(lambda dst, src: self._in.copy(dst, src, after, ready).synchronize())  # src is refilled next
+
+        if self._loader is None:
+            self._loader = self.executor("ssd-loader")
+        return CopyHandle(future=self._loader.submit(on_stream))
+
+    def computed(self) -> CopyHandle:
+        """A mark after the compute queued so far: a copy `after` it waits for that compute (a released slot's last
+        users). On the stand-in, whose compute is synchronous, it has ended already."""
+        ev = self._computed()
+        return CopyHandle() if ev is None else CopyHandle(event=ev, compute=self.compute)
+
+    def _computed(self) -> torch.cuda.Event | None:
+        """CUDA: an event after the compute queued so far; None on the stand-in (its compute is synchronous)."""
+        if self.compute is None:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(self.compute)
+        return ev
+
+    def _check_copy(self, what: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """The strict stand-in's rules for a copy on this gpu's streams: a bound thread, and no other gpu's
+        memory (a copy between host memory and a peer gpu runs on that gpu's stream: peer_stream)."""
+        self._check_thread(what)
+        for t in (dst, src):
+            g = gpu_of(t)
+            other = src if t is dst else dst
+            if g is not None and g != self.index and gpu_of(other) is None:  # peer-to-peer copies may run here
+                raise StandInError(
+                    f"{what} touches gpu {g}'s memory on gpu {self.index}'s copy stream: CUDA runs a copy between "
+                    f"host memory and gpu {g} on gpu {g}'s stream, outside this stream's order; issue it on "
+                    f"Device.peer_stream({g}) after the copy it follows"
+                )
+
+    def synchronize(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize(self.torch_device)
+
+    def close(self) -> None:
+        for stream in (self._in, self._out, *self._peers.values()):
+            stream.close()
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
+
+
+_bound = threading.local()
+"""The gpu index the current thread is bound to (absent: never bound, CUDA's device 0)."""

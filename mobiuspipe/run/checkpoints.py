@@ -1,0 +1,146 @@
+"""The training loop's checkpoints: resuming (train.resume), periodic checkpoints and the ones a stop signal
+asks for (SIGTERM, SIGINT), agreed on by every rank."""
+
+from __future__ import annotations
+
+import signal
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from foundation.errors import UserError
+from foundation.timing import Stopwatch
+from mobiuspipe.checkpoint import (
+    CheckpointError,
+    begin_checkpoint,
+    commit_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    partial_file,
+    prune,
+    write_snapshot,
+)
+from mobiuspipe.config import RunConfig, TrainConfig
+from mobiuspipe.pipeline import Pipeline
+from mobiuspipe.runtime.ranks import gather_all
+
+__all__ = ["StopSignals", "resume_run", "run_identity", "Checkpointer"]
+
+
+class StopSignals:
+    """Catches SIGTERM and SIGINT: the first one only asks the loop to checkpoint and stop after the step
+    under way (a second SIGINT interrupts at once). Restores the previous handlers on close()."""
+
+    def __init__(self):
+        self.received: str | None = None
+        self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+
+    def close(self) -> None:
+        for s, old in self._old.items():
+            signal.signal(s, old)
+
+
+def run_identity(cfg: RunConfig) -> dict:
+    """What a resumed run must share with the checkpoint besides the plan: the seed, the data (by file name and
+    size, so that a moved folder still resumes) and how they are cut into sequences and steps."""
+    d = cfg.data
+    source = Path(d.tokens or d.text_path)
+    return {
+        "seed": cfg.train.seed,
+        "data": source.name,
+        "data_bytes": source.stat().st_size if source.is_file() else None,
+        "tokenizer": Path(d.tokenizer).name if d.tokenizer else None,
+        "shuffle": d.shuffle,
+        "seq_len": cfg.model.seq_len,
+        "batch_size": d.batch_size,
+        "accumulation_steps": cfg.train.accumulation_steps,
+    }
+
+
+def resume_run(t: TrainConfig, pipe: Pipeline, run: dict | None = None) -> int:
+    """Restore the checkpoint train.resume names (rank 0 chooses, every rank loads its own part); the step
+    the loop starts at (0 without one). Every rank raises the first failing rank's error."""
+    if t.resume is None:
+        return 0
+    root = Path(t.checkpoint_root or ".")
+    folder = (latest_checkpoint(root) if t.resume == "auto" else Path(t.resume)) if pipe.rank == 0 else None
+    folder = gather_all(pipe.info, folder)[0]
+    if folder is None:
+        if pipe.rank == 0:
+            print(f"mobiuspipe: no complete checkpoint under {root}: starting at step 0", flush=True)
+        return 0
+    try:
+        outcome: int | str = load_checkpoint(pipe, folder, run)
+    except UserError as e:
+        outcome = str(e)
+    every = gather_all(pipe.info, outcome)
+    failed = [(r, o) for r, o in enumerate(every) if isinstance(o, str)]
+    if failed:
+        r, why = failed[0]
+        raise CheckpointError(why if r == 0 else f"rank {r}: {why}")
+    if pipe.rank == 0:
+        print(f"mobiuspipe: resumed from {folder} at step {every[0]}", flush=True)
+    return every[0]
+
+
+class Checkpointer:
+    """The loop's checkpoints: at a due step every rank snapshots its states (the loop waits for that copy
+    only), a thread of its own writes and fsyncs the file while training goes on, and the ranks' results
+    ride on the loop's per-step gather (`status`); once every rank has written, rank 0 commits. A new
+    checkpoint, a stop and the end of the run first finish the one in flight."""
+
+    def __init__(self, t: TrainConfig, pipe: Pipeline, config_yaml: str, run: dict | None = None):
+        self.t, self.pipe, self.config_yaml, self.run = t, pipe, config_yaml, run
+        self.root = Path(t.checkpoint_root) if t.checkpoint_root else None
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="mobiuspipe-checkpoint")
+        self.pending: tuple[int, Future] | None = None
+        """(step, the write's future) of the checkpoint in flight."""
+
+    def status(self) -> tuple[int, object] | None:
+        """This rank's news for the per-step gather: (step, its write's result) once written, else None."""
+        if self.pending is None or not self.pending[1].done():
+            return None
+        return self.pending[0], self.pending[1].result()
+
+    def after_step(self, statuses: list, stop: bool) -> float | None:
+        """After a step's gather (`statuses`: every rank's status()): commit the checkpoint in flight when every
+        rank wrote it; start one when due (every checkpoint_every steps, or `stop`, which also waits for it).
+        The seconds the loop waited, None when no checkpoint started."""
+        if self.pending is not None and all(s is not None for s in statuses):
+            self._commit([s[1] for s in statuses])
+        due = self.t.checkpoint_every > 0 and self.pipe.step % self.t.checkpoint_every == 0
+        if self.root is None or not (stop or due):
+            return None
+        sw = Stopwatch()
+        self.finish()
+        snap = begin_checkpoint(self.pipe, self.root)
+        path = partial_file(self.root, snap.step, self.pipe.rank)
+        self.pending = (snap.step, self.pool.submit(write_snapshot, snap, path))
+        waited = sw.s
+        if stop:
+            folder = self.finish()
+            if self.pipe.rank == 0:
+                print(f"mobiuspipe: checkpoint {folder} written; continue with --resume auto", flush=True)
+        return waited
+
+    def finish(self) -> Path | None:
+        """Wait for the checkpoint in flight and commit it (a collective); its folder, None without one."""
+        if self.pending is None:
+            return None
+        return self._commit(gather_all(self.pipe.info, self.pending[1].result()))
+
+    def _commit(self, every: list) -> Path:
+        assert self.pending is not None and self.root is not None
+        step, self.pending = self.pending[0], None
+        folder = commit_checkpoint(self.pipe, self.root, step, every, None, self.config_yaml, self.run)
+        if self.pipe.rank == 0:  # off the loop: removing a big checkpoint takes a while
+            self.pool.submit(prune, self.root, self.t.keep_checkpoints)
+        return folder
+
+    def close(self) -> None:
+        """Stop the writer thread (a write in flight finishes; an uncommitted one stays unfinished on disk)."""
+        self.pool.shutdown(wait=True)

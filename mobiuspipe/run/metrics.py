@@ -1,0 +1,274 @@
+"""Per-step metrics of a training run: a progress bar on a terminal, plain lines otherwise, metrics.jsonl and
+TensorBoard event files."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+from foundation.units import MiB, fmt_bytes
+from mobiuspipe.run.flops import rate
+from mobiuspipe.run.tb_events import EventLog
+from mobiuspipe.run.usage import RankStep
+
+if TYPE_CHECKING:
+    from mobiuspipe.pipeline import StepResult
+
+__all__ = ["StepMetrics", "Reporter", "device_peak_line", "step_metrics", "perplexity"]
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """What one step did. step_s is rank 0's wall time (tokens_per_s, tflops and eta_s follow from it);
+    compute_s, load_s and comm_s are each the largest over ranks (possibly of different ranks: `ranks` has
+    each rank's own); arena and device bytes are the largest peak over ranks."""
+
+    step: int
+    loss: float
+    tokens_per_s: float
+    step_s: float
+    compute_s: float
+    load_s: float
+    comm_s: float
+    arena_peak_bytes: int
+    arena_budget_bytes: int
+    loss_scale: float | None = None
+    """fp16: the loss scale of the step (None without loss scaling)."""
+    skipped: bool = False
+    """fp16: the step's gradients overflowed on some rank, so the update was skipped."""
+    device_peak_bytes: int = 0
+    """The largest measured device peak over ranks in the step (arena in use + activations + buffers +
+    messages; StepResult.device_peak_bytes)."""
+    lr: float | None = None
+    """The learning rate of the step's updates (train.lr_schedule); None when the loop did not set one."""
+    ranks: tuple[RankStep, ...] = ()
+    """Each rank's own figures of the step, by rank (empty when not gathered)."""
+    flops_per_step: float = 0.0
+    """Model FLOPs of the step: forward + backward, recompute not counted (mobiuspipe.run.flops)."""
+    tflops: float | None = None
+    """flops_per_step / step_s / 1e12."""
+    mfu: float | None = None
+    """tflops over the sum of the ranks' device peaks (partition/hardware.py); None for a device not listed."""
+    host_rss_bytes: int | None = None
+    """The largest resident memory (RSS) of a rank's process at the end of the step."""
+    ssd_bytes: int | None = None
+    """Bytes on disk of the run's SSD stores (memory.ssd_dir/rank*), summed over ranks; None without any."""
+    grad_norm: float | None = None
+    """With train.max_grad_norm: the global gradient norm before clipping (StepResult.grad_norm)."""
+    checkpoint_s: float | None = None
+    """Seconds rank 0 spent writing the checkpoint after the step before this one (not in either step_s);
+    None when none was written then."""
+    eta_s: float | None = None
+    """Seconds left: the mean step_s so far without the first step (warm-up) times the steps left; the
+    Reporter fills it in; None at the first step."""
+
+    def line(self, steps: int) -> str:
+        """The step line: `step S [K/N]`, S the 0-based step of the metrics.jsonl record, K = S + 1 of N steps."""
+        head = [f"step {self.step} [{self.step + 1}/{steps}]", f"loss {self.loss:.4f}"]
+        head += [] if self.lr is None else [f"lr {self.lr:.3g}"]
+        head += [] if self.grad_norm is None else [f"grad norm {self.grad_norm:.3g}"]
+        head += [] if self.eta_s is None else [f"ETA {_clock(self.eta_s)}"]
+        head.append(f"{self.tokens_per_s:,.0f} tok/s")
+        if self.tflops is not None:
+            head.append(f"{self.tflops:.3g} TFLOPS" + ("" if self.mfu is None else f" MFU {100 * self.mfu:.3g}%"))
+        tail = [] if self.loss_scale is None else [f"scale {self.loss_scale:g}"]
+        tail += [] if self.checkpoint_s is None else [f"checkpoint {self.checkpoint_s * 1e3:.0f} ms"]
+        tail += ["(overflow: step skipped)"] if self.skipped else []
+        return "  ".join([*head, self._times(), self._memory(), *tail])
+
+    def _times(self) -> str:
+        ms = lambda s: f"{s * 1e3:.0f}"  # noqa: E731
+        if self.ranks:  # rank 0's own split of rank 0's wall time
+            own = self.ranks[0]
+            parts, who = (own.compute_s, own.load_s, own.comm_s), "rank 0: "
+        else:
+            parts, who = (self.compute_s, self.load_s, self.comm_s), "max over ranks: "
+        return f"step {ms(self.step_s)} ms ({who}compute {ms(parts[0])} / load {ms(parts[1])} / comm {ms(parts[2])})"
+
+    def _memory(self) -> str:
+        n = len(self.ranks)
+        who = f"max over {n} rank{'s' if n != 1 else ''}" if n else "max over ranks"
+        mem = (
+            f"{who}: device peak {fmt_bytes(self.device_peak_bytes)}, arena peak "
+            f"{self.arena_peak_bytes / MiB:.2f} of {self.arena_budget_bytes / MiB:.2f} MiB"
+        )
+        mem += "" if self.host_rss_bytes is None else f", host RSS {fmt_bytes(self.host_rss_bytes)}"
+        return mem + ("" if self.ssd_bytes is None else f"; ssd {fmt_bytes(self.ssd_bytes)} in all")
+
+
+def step_metrics(
+    r: StepResult,
+    lr: float | None,
+    ranks: list[RankStep],
+    tokens: int,
+    step_flops: float,
+    peaks: list[float | None],
+    checkpoint_s: float | None = None,
+) -> StepMetrics:
+    """The metrics of step r from every rank's own figures (rank 0's wall time is the step's), the step's
+    tokens and model FLOPs and the ranks' device peaks (TFLOPS, None where unknown)."""
+    step_s = ranks[0].step_s
+    tflops, mfu = rate(step_flops, step_s, peaks)
+    on_ssd = [x.ssd_bytes for x in ranks if x.ssd_bytes is not None]
+    return StepMetrics(
+        r.step,
+        r.loss,
+        tokens / step_s,
+        step_s,
+        r.times.compute_s,
+        r.times.load_s,
+        r.times.comm_s,
+        r.arena_peak_bytes,
+        r.arena_budget_bytes,
+        r.loss_scale,
+        r.skipped,
+        r.device_peak_bytes,
+        lr,
+        ranks=tuple(ranks),
+        flops_per_step=step_flops,
+        tflops=tflops,
+        mfu=mfu,
+        host_rss_bytes=max(x.host_rss_bytes for x in ranks),
+        ssd_bytes=sum(on_ssd) if on_ssd else None,
+        grad_norm=r.grad_norm,
+        checkpoint_s=checkpoint_s,
+    )
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss) of a mean cross-entropy loss in nats; inf where that overflows a float."""
+    return math.exp(loss) if loss < 709.0 else math.inf
+
+
+def _open_records(path: Path, first_step: int) -> TextIO:
+    """metrics.jsonl for appending, holding only the records of steps before first_step (a resumed run's
+    earlier part; none for a new run)."""
+    keep = []
+    if first_step > 0 and path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] < first_step:
+                    keep.append(line + "\n")
+            except (ValueError, KeyError, TypeError):
+                continue  # a line torn by the crash the run resumes from
+    path.write_text("".join(keep))
+    return open(path, "a")
+
+
+class Reporter:
+    """Shows each step on `stream` (a bar when it is a terminal; None = silent), appends it to
+    out_dir/metrics.jsonl and, with `tensorboard`, to TensorBoard event files in out_dir (out_dir None =
+    no files). Use it as a context manager, or call close()."""
+
+    def __init__(
+        self,
+        steps: int,
+        log_every: int,
+        out_dir: str | None,
+        stream: TextIO | None = sys.stdout,
+        tensorboard: bool = True,
+        first_step: int = 0,
+    ):
+        """first_step > 0: a resumed run; the records of earlier steps in out_dir stay, later ones go."""
+        self.steps, self.log_every, self.stream = steps, log_every, stream
+        self.tty = stream is not None and stream.isatty()
+        self.file = None
+        self.events: EventLog | None = None
+        if out_dir:
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            self.file = _open_records(Path(out_dir) / "metrics.jsonl", first_step)
+            self.events = EventLog(out_dir, first_step) if tensorboard else None
+        self._timed, self._timed_s, self._first, self._bar_open = 0, 0.0, True, False
+
+    def __call__(self, m: StepMetrics) -> None:
+        m = replace(m, eta_s=self._eta(m))
+        self._record({"kind": "train", **asdict(m)})
+        last = m.step + 1 == self.steps
+        if self.stream is None:
+            return
+        if self.tty:
+            done = int(30 * (m.step + 1) / self.steps)
+            width = shutil.get_terminal_size().columns - 1  # a wrapped line would break the \r redraw
+            self.stream.write(f"\r[{'#' * done}{'.' * (30 - done)}] {m.line(self.steps)}"[: width + 1])
+            self.stream.write("\n" if last else "")
+            self._bar_open = not last
+        elif (m.step + 1) % self.log_every == 0 or last:
+            self.stream.write(m.line(self.steps) + "\n")
+        self.stream.flush()
+
+    def eval(self, step: int, loss: float) -> None:
+        """Report an evaluation after training step `step` (0-based, as the step records; -1 = before the first
+        step): its mean loss and perplexity, on the stream, in metrics.jsonl as {"kind": "eval", "step",
+        "loss", "perplexity"}, and in TensorBoard as eval/loss and eval/perplexity."""
+        ppl = perplexity(loss)
+        self._record({"kind": "eval", "step": step, "loss": loss, "perplexity": ppl})
+        if self.stream is None:
+            return
+        when = f"after step {step}" if step >= 0 else "before training"  # the record's own step number
+        line = f"eval {when}: loss {loss:.4f}  perplexity {ppl:.4g}"
+        self.stream.write(("\n" if self._bar_open else "") + line + "\n")
+        self._bar_open = False
+        self.stream.flush()
+
+    def _eta(self, m: StepMetrics) -> float | None:
+        """Seconds left after step m from the mean time of the steps reported so far but the first."""
+        if not self._first:
+            self._timed, self._timed_s = self._timed + 1, self._timed_s + m.step_s
+        self._first = False
+        return None if self._timed == 0 else self._timed_s / self._timed * max(0, self.steps - m.step - 1)
+
+    def _record(self, record: dict[str, Any]) -> None:
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        if self.events:
+            self.events.add(record)
+
+    def close(self) -> None:
+        """Close metrics.jsonl and the event files (flushed). Idempotent."""
+        if self.file:
+            self.file.close()
+            self.file = None
+        if self.events:
+            self.events.close()
+            self.events = None
+
+    def __enter__(self) -> Reporter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _clock(seconds: float) -> str:
+    """H:MM:SS."""
+    m, s = divmod(round(seconds), 60)
+    return f"{m // 60}:{m % 60:02d}:{s:02d}"
+
+
+def device_peak_line(measured: list[int], planned: list[int], source: str, parts: dict[str, int]) -> str:
+    """One line comparing each rank's measured device peak over the run with the plan's figure for its gpu
+    (partition.device_peak), saying which is larger and by how much; `parts` explains the largest rank's
+    peak (the ledger's bytes by kind)."""
+    ranks = [
+        f"rank {g} {fmt_bytes(m)} vs {fmt_bytes(p)}: {_larger(m, p)}" for g, (m, p) in enumerate(zip(measured, planned))
+    ]
+    top = max(range(len(measured)), key=lambda g: measured[g])
+    held = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
+    return (
+        f"device peak, measured ({source}) vs planned (lifetime walk): {'; '.join(ranks)}; "
+        f"rank {top} at its peak held {held}"
+    )
+
+
+def _larger(measured: int, planned: int) -> str:
+    if measured == planned:
+        return "equal"
+    who = "measured" if measured > planned else "planned"
+    rel = f" ({(measured - planned) / planned:+.0%} of plan)" if planned else ""
+    return f"{who} larger by {fmt_bytes(abs(measured - planned))}{rel}"

@@ -1,0 +1,230 @@
+"""What a run checks before any work (its plan against the config and the job, its folders writable), and how
+a mistake found at start-up is reported: one line per host, exit 2.
+
+`mobiuspipe train` runs these checks before it starts torchrun (`launch_checks`), and every rank again at
+start-up, before the process group exists (`rank_checks`). Every rank then finds the same mistakes from
+the same config and files; `at_start_up()` marks them so that `report` prints them on the host's first
+rank only while the other ranks exit quietly with the same code. Under `mobiuspipe train` (ERRORS_ENV set)
+no rank prints one: each writes it into that folder, and `mobiuspipe train` prints it once, after torchrun
+has stopped, and exits 2 (`start_up_error`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from foundation.checked import Problem, format_problems, rule
+from foundation.errors import UserError
+from mobiuspipe.config import RunConfig
+from mobiuspipe.errors import ConfigError
+from mobiuspipe.runtime.ranks import rank_info
+from mobiuspipe.startup.config_plan import num_ranks, plan_from_config, plan_problems
+from partition.plan import Plan, load_plan
+
+__all__ = [
+    "check_writable",
+    "launch_checks",
+    "rank_checks",
+    "at_start_up",
+    "report",
+    "start_up_error",
+    "USER_ERROR_EXIT",
+    "ERRORS_ENV",
+]
+
+USER_ERROR_EXIT = 2
+"""The exit code of a mistake the user can fix (a bug keeps Python's traceback and exit 1)."""
+QUIET_WAIT_S = 10.0
+"""How long a rank other than the host's first waits for that rank to report a start-up mistake (seconds)."""
+ERRORS_ENV = "MOBIUSPIPE_START_UP_ERRORS"
+"""The environment variable naming the folder where ranks leave their start-up mistakes for `mobiuspipe train`
+(a file `rank{RANK}` each, holding the message)."""
+_AT_START_UP = "_mobiuspipe_at_start_up"
+"""The attribute at_start_up() sets on the errors it lets through."""
+
+
+def check_writable(path: str | os.PathLike, key: str) -> Path:
+    """Folder `path`, created (with its parents) if needed and proven writable by writing and removing a
+    temporary file in it; ConfigError naming `key`, the path and the OS error otherwise."""
+    folder = Path(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=".mobiuspipe-write-check-", dir=folder)
+        try:
+            os.write(fd, b"x")
+        finally:
+            os.close(fd)
+            os.unlink(name)
+    except OSError as e:
+        failed = Path(os.fsdecode(e.filename)) if e.filename else folder
+        where = f" (making {failed})" if failed in folder.parents else ""  # a parent folder it could not make
+        raise ConfigError(
+            f"{key}: expected a folder this process can create and write, found {folder}: "
+            f"{e.strerror or e}{where}; fix: set {key} to a folder you can write, or make it writable "
+            f"(permissions, free space, a read-write mount)"
+        ) from e
+    return folder
+
+
+def launch_checks(cfg: RunConfig, nproc: int | None) -> int:
+    """What `mobiuspipe train` checks after `open_run` and before it starts torchrun: the plan (plan.file read
+    and checked against the config, or made now as each rank will make it; on a CUDA host only the ranks make
+    it, so that this process touches no gpu), --nproc against its gpu count, train.out_dir writable.
+    Returns the number of ranks to start."""
+    plan = _plan_file(cfg, None if nproc is None else (nproc, f"--nproc {nproc}"))
+    if plan is None and not torch.cuda.is_available():
+        plan = plan_from_config(cfg)
+    _check_out_dir(cfg)
+    if nproc is not None:
+        return nproc
+    return plan.num_gpus if plan is not None else num_ranks(cfg)
+
+
+def rank_checks(cfg: RunConfig) -> Plan:
+    """What each rank checks after `open_run`, before the process group exists: the job's rank count
+    (WORLD_SIZE) against the plan's gpus, the plan (plan.file against the config, or made now),
+    train.out_dir writable. Returns the plan."""
+    info = rank_info()
+    how = f"torchrun started {info.world_size} (WORLD_SIZE)" if info.under_torchrun else "1, not started by torchrun"
+    plan = _plan_file(cfg, (info.world_size, how)) or plan_from_config(cfg)
+    _check_out_dir(cfg)
+    return plan
+
+
+def _plan_file(cfg: RunConfig, job: tuple[int, str] | None) -> Plan | None:
+    """plan.file's plan, with every mismatch with the config and with the job's rank count reported at once
+    (job: the ranks, and how they were asked for); without plan.file, None once the rank count fits the
+    gpus the config plans for."""
+    if cfg.plan.file:
+        plan = load_plan(cfg.plan.file)
+        _raise(cfg, _world_problems(cfg, plan.num_gpus, job) + plan_problems(plan, cfg))
+        return plan
+    _raise(cfg, _world_problems(cfg, num_ranks(cfg), job))
+    return None
+
+
+def _check_out_dir(cfg: RunConfig) -> None:
+    """train.out_dir, and the checkpoint folder when checkpoints are written, writable; a named resume folder
+    holding a finished checkpoint."""
+    t = cfg.train
+    if t.out_dir:
+        check_writable(t.out_dir, "train.out_dir")
+    if t.checkpoint_dir:
+        check_writable(t.checkpoint_dir, "train.checkpoint_dir")
+    if t.resume not in (None, "auto") and not (Path(t.resume) / "complete").is_file():
+        what = "a folder without its `complete` marker (never finished)" if Path(t.resume).is_dir() else "no folder"
+        raise ConfigError(
+            f"train.resume: expected a checkpoint folder (OUT_DIR/checkpoints/step-N holding `complete`), found "
+            f"{what} at {t.resume}; fix: name a step-N folder there, or use --resume auto for the newest"
+        )
+
+
+def _gpus_key(cfg: RunConfig) -> str:
+    """The config key that sets the run's gpu count."""
+    if cfg.plan.file:
+        return "plan.file"
+    return "plan.topology" if cfg.plan.topology else "plan.num_gpus"
+
+
+def _world_problems(cfg: RunConfig, gpus: int, job: tuple[int, str] | None) -> list[Problem]:
+    """The job's rank count against the plan's gpu count (none when the job is not known yet)."""
+    if job is None:
+        return []
+    ranks, how = job
+    if how.startswith("--nproc"):
+        start = f"drop --nproc (mobiuspipe train then starts {gpus})"
+    else:
+        start = (
+            f"start {gpus} ranks (`mobiuspipe train --config {cfg.source}` starts one per gpu; by hand, "
+            f"`torchrun --nproc_per_node {gpus} ...` on one machine)"
+        )
+    fix = f"{start}, or {_replan_for(cfg, ranks)}"
+    return rule(gpus == ranks, _gpus_key(cfg), f"{gpus} ranks, one per gpu of the plan", how, fix)
+
+
+def _replan_for(cfg: RunConfig, ranks: int) -> str:
+    """How to make the config's plan for `ranks` gpus."""
+    key = _gpus_key(cfg)
+    if key == "plan.num_gpus":
+        return f"set plan.num_gpus: {ranks}"
+    if key == "plan.topology":
+        return f"plan for a machine of {ranks} gpus (plan.topology)"
+    return (
+        f"re-plan for {ranks} gpus (plan.num_gpus: {ranks}, then "
+        f"`mobiuspipe partition --config {cfg.source} -o {cfg.plan.file}`)"
+    )
+
+
+def _raise(cfg: RunConfig, problems: list[Problem]) -> None:
+    if problems:
+        raise ConfigError(format_problems(f"config {cfg.source}", problems))
+
+
+@contextmanager
+def at_start_up(kind: type[UserError] = UserError) -> Iterator[None]:
+    """Marks the user errors (of `kind`) raised inside as start-up mistakes, which every rank finds alike (the
+    same config and files, before any rank talks to another; or a mistake the ranks have agreed on, as in the
+    checkpoint a run resumes from): `report` prints them once per host."""
+    try:
+        yield
+    except kind as e:
+        setattr(e, _AT_START_UP, True)
+        raise
+
+
+def report(e: UserError, prog: str) -> int:
+    """Print `e` as one line on stderr (`PROG: error: ...`) and return the exit code 2. A start-up mistake
+    (at_start_up) under `mobiuspipe train` is written into its ERRORS_ENV folder instead (it prints it). Under
+    plain torchrun it is printed by the host's first rank (LOCAL_RANK 0, or no launcher); another rank waits
+    for it: when that rank exits, torchrun stops the others with SIGTERM, and this one exits 2 without a word.
+    Only if that does not happen within QUIET_WAIT_S (the mistake is this rank's alone) does it print too."""
+    if getattr(e, _AT_START_UP, False):
+        if _leave_for_launcher(str(e)):
+            return USER_ERROR_EXIT
+        if os.environ.get("LOCAL_RANK", "0") != "0":
+            _await_first_rank()
+    print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+    return USER_ERROR_EXIT
+
+
+def _leave_for_launcher(message: str) -> bool:
+    """Write a start-up mistake into the ERRORS_ENV folder as rank{RANK} (temporary name, then rename); False
+    without that folder, or when the write fails (the rank then prints the mistake itself)."""
+    folder = os.environ.get(ERRORS_ENV)
+    if not folder:
+        return False
+    path = Path(folder) / f"rank{os.environ.get('RANK', '0')}"
+    try:
+        path.with_suffix(".tmp").write_text(message)
+        path.with_suffix(".tmp").replace(path)
+    except OSError:  # the launcher's folder is gone: say it here rather than not at all
+        return False
+    return True
+
+
+def start_up_error(folder: Path) -> str | None:
+    """The start-up mistake the ranks left in `folder` (ERRORS_ENV): the lowest rank's; None when none did."""
+    ranks = [int(p.name[4:]) for p in folder.glob("rank*") if p.name[4:].isdigit()]
+    return (folder / f"rank{min(ranks)}").read_text() if ranks else None
+
+
+def _await_first_rank() -> None:
+    """Sleep up to QUIET_WAIT_S; a SIGTERM meanwhile (torchrun stopping the job) exits with code 2."""
+
+    def quietly(signum, frame) -> None:
+        raise SystemExit(USER_ERROR_EXIT)
+
+    previous = signal.signal(signal.SIGTERM, quietly)
+    try:
+        time.sleep(QUIET_WAIT_S)
+    finally:
+        signal.signal(signal.SIGTERM, previous)

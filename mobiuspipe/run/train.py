@@ -1,0 +1,329 @@
+"""The torchrun entry: `torchrun --nproc_per_node N -m mobiuspipe.train --config FILE.yaml`.
+
+Each rank is one gpu of the plan: the model (model.hf's Hugging Face model, or the built-in GPT) goes
+through the public Pipeline (mobiuspipe.pipeline), which builds only this rank's stages, keeps their
+weights in their tiers and runs its schedule every step; rank 0 reports. At the end every rank writes its
+stages' weights (out_dir/weights) and its shards of the export (train.export_dir). Errors a user can fix
+print one line and exit 2; those found at start-up, alike on every rank (a bad config, data, plan, or the
+checkpoint to resume from), print on each host's first rank only, or under `mobiuspipe train` go to it (it prints
+them once and exits 2: mobiuspipe.run.preflight).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import shutil
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from foundation.errors import UserError
+from foundation.timing import Stopwatch
+from foundation.units import fmt_bytes
+from mobiuspipe.checkpoint import CheckpointError
+from mobiuspipe.config import RunConfig, load_config
+from mobiuspipe.data.dataset import PackedTokens, open_run_data
+from mobiuspipe.memory.device import deterministic_kernels
+from mobiuspipe.models.gpt import layer_factories, lm_loss
+from mobiuspipe.models.hf import HFModel, open_hf
+from mobiuspipe.models.hf import layer_factories as hf_layer_factories
+from mobiuspipe.models.hf_export import check_export_dir, finish_export, partial_dir, write_shard
+from mobiuspipe.optim import CPUAdam
+from mobiuspipe.pipeline import Pipeline
+from mobiuspipe.profiling.profiler import TORCH_DTYPES
+from mobiuspipe.run.checkpoints import Checkpointer, StopSignals, resume_run, run_identity
+from mobiuspipe.run.flops import device_name, flops_per_token, peak_tflops
+from mobiuspipe.run.metrics import Reporter, device_peak_line, step_metrics
+from mobiuspipe.run.preflight import at_start_up, rank_checks, report
+from mobiuspipe.run.usage import RankStep, folder_bytes, host_rss_bytes
+from mobiuspipe.runtime.action_trace import as_sim_result, write_chrome
+from mobiuspipe.runtime.ranks import gather_all
+from mobiuspipe.startup.config_plan import model_spec
+from mobiuspipe.step_result import StepResult
+from partition.costmodel import ARENA_SLOTS
+from partition.device_peak import planned_device_bytes
+from partition.plan import Plan, save_plan
+from partition.trace import svg_timeline
+
+__all__ = ["main", "open_run", "train", "with_resume"]
+
+
+def train(cfg: RunConfig) -> None:
+    """Train the config's model for cfg.train.steps steps as this rank of the job (the group must not exist yet)."""
+    torch.set_num_threads(cfg.runtime.threads)
+    if cfg.runtime.deterministic:
+        deterministic_kernels()
+    torch.manual_seed(cfg.train.seed)  # dropout masks (the recompute replays each forward's)
+    t = cfg.train
+    optimizer = partial(CPUAdam, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
+    with at_start_up():  # before the group exists: bad input stops every rank alike
+        hf, data, held_out = open_run(cfg)
+        plan = rank_checks(cfg)
+    export = Path(t.export_dir) if t.export_dir else None
+    if export is not None and int(os.environ.get("RANK", "0")) == 0:
+        shutil.rmtree(partial_dir(export), ignore_errors=True)  # an earlier run's remains
+    with Pipeline(
+        hf_layer_factories(hf) if hf else layer_factories(model_spec(cfg), t.seed),
+        lm_loss,
+        plan=plan,
+        optimizer=optimizer,
+        num_microbatches=cfg.data.num_microbatches,
+        precision=t.precision,
+        memory=cfg.memory,
+        comm_timeout_s=cfg.runtime.comm_timeout_s,
+        tied=hf.tied_params() if hf else (),
+        accumulation_steps=t.accumulation_steps,
+        max_grad_norm=t.max_grad_norm,
+        trace_steps=cfg.runtime.trace_steps,
+    ) as pipe:
+        done = _training_loop(cfg, pipe, data, held_out)
+        if hf is not None and export is not None and done:
+            _export(pipe, hf, export, TORCH_DTYPES[t.export_dtype])
+
+
+def with_resume(cfg: RunConfig, resume: str | None) -> RunConfig:
+    """cfg with train.resume set from the command line (checked like the file's), or as it is."""
+    if resume is None:
+        return cfg
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=resume))
+
+
+def open_run(cfg: RunConfig) -> tuple[HFModel | None, PackedTokens, PackedTokens | None]:
+    """What a run reads before any work, each checked (UserError naming the key and the fix): the Hugging Face
+    model folder (config and weight index, not the weights), the export folder, the training and held-out
+    data. `mobiuspipe train` calls it before launching torchrun, and each rank at start-up."""
+    hf = open_hf(cfg.model.hf, cfg.model.seq_len) if cfg.model.hf else None
+    if cfg.train.export_dir:
+        check_export_dir(Path(cfg.train.export_dir), "train.export_dir")  # before any work, not after the run
+    return (hf, *open_run_data(cfg))
+
+
+def _export(pipe: Pipeline, hf: HFModel, to: Path, dtype: torch.dtype) -> None:
+    """Every rank writes its stages' shards; rank 0 writes the index and config and renames the folder."""
+    folder, stages = partial_dir(to), pipe.plan.num_stages
+    mine = {j: write_shard(hf, j, stages, w, folder, dtype) for j, w in pipe.stage_state_dicts().items()}
+    every = gather_all(pipe.info, mine)
+    if pipe.rank == 0:
+        finish_export(hf, {j: names for d in every for j, names in d.items()}, stages, to, dtype)
+        print(f"mobiuspipe: exported the fine-tuned model to {to} ({dtype}; from_pretrained loads it)", flush=True)
+
+
+def _training_loop(cfg: RunConfig, pipe: Pipeline, data: PackedTokens, held_out: PackedTokens | None) -> bool:
+    """Every step on this rank, and the evaluations on the held-out data; rank 0 reports and writes out_dir;
+    every rank writes its stages' weights. False when a signal stopped the run (after a checkpoint)."""
+    rank, plan = pipe.rank, pipe.plan
+    out = Path(cfg.train.out_dir) if cfg.train.out_dir else None
+    if rank == 0:
+        print(f"{_banner(cfg, plan)}; {_states_line(cfg, pipe.state_tiers)}; data: {data.describe()}", flush=True)
+    if out and rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(cfg.to_yaml())
+        save_plan(plan, out / "plan.yaml")
+    signals = StopSignals()
+    try:
+        done = _steps(cfg, pipe, data, held_out, signals)
+    finally:
+        signals.close()
+    _report_device_peak(pipe)
+    if cfg.runtime.trace_steps:
+        _write_trace(pipe, out)
+    if out and done:
+        _save_weights(pipe, out / "weights")
+    return done
+
+
+def _steps(
+    cfg: RunConfig, pipe: Pipeline, data: PackedTokens, held_out: PackedTokens | None, signals: StopSignals
+) -> bool:
+    """The steps from where the run resumes; True when every step ran, False when a signal stopped it."""
+    run = run_identity(cfg)
+    with at_start_up(CheckpointError):  # every rank raises the same one (not so a lost peer's PeerLostError)
+        start = resume_run(cfg.train, pipe, run)
+    checkpoints = Checkpointer(cfg.train, pipe, cfg.to_yaml(), run)
+    try:
+        return _run_steps(cfg, pipe, data, held_out, signals, checkpoints, start)
+    finally:
+        checkpoints.close()
+
+
+def _run_steps(
+    cfg: RunConfig,
+    pipe: Pipeline,
+    data: PackedTokens,
+    held_out: PackedTokens | None,
+    signals: StopSignals,
+    checkpoints: Checkpointer,
+    start: int,
+) -> bool:
+    """Steps start .. train.steps - 1 (see _steps)."""
+    t, rank, out = cfg.train, pipe.rank, cfg.train.out_dir
+    rows = t.accumulation_steps * cfg.data.batch_size  # sequences per optimizer step
+    tokens = rows * cfg.model.seq_len
+    step_flops = flops_per_token(model_spec(cfg)) * tokens
+    peaks = gather_all(pipe.info, peak_tflops(device_name(pipe.info.local_rank)))
+    with Reporter(
+        t.steps, t.log_every, out if rank == 0 else None, sys.stdout if rank == 0 else None, t.tensorboard, start
+    ) as report:
+        if held_out is not None and t.eval_at_start and start == 0:
+            report.eval(-1, evaluate(pipe, held_out, cfg.data.batch_size, t.eval_batches))
+        saved_s = None  # the last checkpoint's seconds, reported with the step after it
+        for step in range(start, t.steps):
+            sw = Stopwatch()
+            x, y = data.batch(step, rows)
+            lr = t.lr_of(step)
+            pipe.set_lr(lr)
+            r = pipe.train_batch(x, y)
+            own = _own_figures(pipe, r, sw.s)
+            every = gather_all(pipe.info, (own, signals.received, checkpoints.status()))  # a collective
+            stop = next((s for _, s, _ in every if s), None)
+            if rank == 0:  # the step's record before its checkpoint: a resumed run finds every earlier step's
+                report(step_metrics(r, lr, [o for o, _, _ in every], tokens, step_flops, peaks, saved_s))
+            if held_out is not None and _evaluates_after(step, t.eval_every, t.steps):
+                report.eval(step, evaluate(pipe, held_out, cfg.data.batch_size, t.eval_batches))
+            saved_s = checkpoints.after_step([c for _, _, c in every], stop is not None)
+            if stop is not None:
+                if rank == 0:
+                    print(f"mobiuspipe: stopped by {stop} after step {step} [{step + 1}/{t.steps}]", flush=True)
+                return False
+        checkpoints.finish()
+    return True
+
+
+def _evaluates_after(step: int, every: int, steps: int) -> bool:
+    """Whether an evaluation follows optimizer step `step` (0-based): every `every` steps and after the last."""
+    return step + 1 == steps or (every > 0 and (step + 1) % every == 0)
+
+
+def evaluate(pipe: Pipeline, held_out: PackedTokens, batch_size: int, max_batches: int | None) -> float:
+    """The mean loss of the pipeline's current weights over the held-out batches (each one pipeline forward
+    on every rank; the full batches hold equally many tokens, so the mean of their means is the token mean)."""
+    losses = [pipe.eval_batch(x, y) for x, y in held_out.eval_batches(batch_size, max_batches)]
+    return sum(losses) / len(losses)
+
+
+def _own_figures(pipe: Pipeline, r: StepResult, step_s: float) -> RankStep:
+    """This rank's own times (summed over the step's passes), device peak, RSS and SSD bytes of step r."""
+    t, store = r.own_times, pipe.store
+    return RankStep(
+        step_s,
+        t.compute_s,
+        t.load_s,
+        t.comm_s,
+        r.own_device_peak_bytes,
+        host_rss_bytes(),
+        None if store is None else folder_bytes(store.folder),
+    )
+
+
+def _write_trace(pipe: Pipeline, out: Path | None) -> None:
+    """Rank 0 writes every rank's traced actions to out_dir/trace.json (runtime.trace_steps), once the host
+    updates that may still run have recorded theirs, and draws the last traced step that ran in trace.svg (a run
+    stopped or resumed past its traced steps has none to draw)."""
+    pipe.engine.wait_updates()
+    every = gather_all(pipe.info, pipe.trace.records)
+    if pipe.rank != 0 or out is None:
+        return
+    path = write_chrome(every, out / "trace.json")
+    ran = sorted({r.step for recs in every for r in recs})
+    drawn = ""
+    if ran:
+        measured = as_sim_result(every, ran[-1])
+        title = f"step {ran[-1]} as it ran: {measured.step_time_s * 1e3:.1f} ms"
+        drawn = f"; step {ran[-1]} drawn in {svg_timeline(measured, len(every), out / 'trace.svg', title)}"
+    print(f"mobiuspipe: the actions of steps {ran} are in {path}{drawn}", flush=True)
+
+
+def _report_device_peak(pipe: Pipeline) -> None:
+    """Every rank sends its measured device peak over the run (and what its ledger held then); rank 0 prints
+    them against the plan's figure per gpu in one line."""
+    peak = pipe.engine.peak
+    every = gather_all(pipe.info, (peak.run_bytes, peak.run_parts))
+    if pipe.rank == 0:
+        measured = [b for b, _ in every]
+        parts = max(every, key=lambda e: e[0])[1]
+        until_flush = not pipe.engine.comm.channels.reports_completion
+        planned = planned_device_bytes(pipe.plan, not pipe.engine.device.is_cuda, sends_until_flush=until_flush)
+        print(device_peak_line(measured, planned, peak.source, parts), flush=True)
+
+
+def _banner(cfg: RunConfig, plan: Plan) -> str:
+    source = f"from {cfg.plan.file}" if cfg.plan.file else "made at start-up"
+    return (
+        f"mobiuspipe: {plan.model}, {plan.num_layers} layers in {plan.num_stages} stages on {plan.num_gpus} "
+        f"ranks (stage -> rank {plan.mapping}, {plan.mapping_rule} mapping; plan {source}); "
+        f"{plan.num_microbatches} microbatches of {plan.microbatch_size}; {plan.dtype} weights, fp32 master; "
+        f"device arena "
+        f"{fmt_bytes(plan.arena_bytes)} per rank ({ARENA_SLOTS} slots of {fmt_bytes(plan.slot_bytes)})"
+    )
+
+
+def _states_line(cfg: RunConfig, tiers: dict[int, tuple[str, str]]) -> str:
+    """Where each stage's optimizer states and weights went, e.g. "optimizer states (auto): host for stages
+    1, 2, 3; ssd for stage 0; weights (host): host for stages 0, 1, 2, 3 (under /nvme/run, 1024 MiB host
+    budget per rank)"."""
+    mem = cfg.memory
+    line = "; ".join(
+        f"{what} ({mode}): {_by_tier({j: t[k] for j, t in tiers.items()})}"
+        for k, (what, mode) in enumerate((("optimizer states", mem.optimizer), ("weights", mem.weights)))
+    )
+    on_ssd = any("ssd" in t for t in tiers.values())
+    return line + (f" (under {mem.ssd_dir}, {mem.host_budget_mb:g} MiB host budget per rank)" if on_ssd else "")
+
+
+def _by_tier(tiers: dict[int, str]) -> str:
+    parts = []
+    for tier in ("host", "ssd"):
+        stages = sorted(j for j, t in tiers.items() if t == tier)
+        if stages:
+            parts.append(f"{tier} for stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}")
+    return "; ".join(parts)
+
+
+def _save_weights(pipe: Pipeline, folder: Path) -> None:
+    """Each rank writes its stages' weights: weights/stage{j}.pt, a dict "layer.param" -> tensor."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for j, weights in pipe.stage_state_dicts().items():
+        tmp = folder / f".stage{j}.pt.tmp"
+        torch.save(weights, tmp)
+        tmp.replace(folder / f"stage{j}.pt")
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="mobiuspipe.train", description=(__doc__ or "").partition("\n")[0])
+    p.add_argument("--config", required=True, help="YAML run config (see examples/tiny-gpt.yaml)")
+    p.add_argument("--resume", default=None, metavar="auto|PATH", help="train.resume: auto or a step-N folder")
+    args = p.parse_args(argv)
+    try:
+        with at_start_up():
+            cfg = with_resume(load_config(args.config), args.resume)
+        train(cfg)
+    except UserError as e:
+        return report(e, "mobiuspipe.train")
+    return 0
+
+
+def _leave(code: int | None) -> None:
+    """Exit with code at once (os._exit), once main has closed what the run opened and the output is flushed.
+    The interpreter's teardown of torch and gloo's threads aborted ranks ("terminate called without an active
+    exception", SIGABRT) after a reported mistake in 3 of 16 runs, and once in CI after a run that had
+    finished: torchrun then reported a failed job whose work was all done and written."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
+def entry() -> None:
+    """Run main on the command line's arguments and leave the process with its code (the torchrun entry)."""
+    _leave(main())
+
+
+if __name__ == "__main__":
+    entry()

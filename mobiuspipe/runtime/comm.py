@@ -1,0 +1,174 @@
+"""Activations and their gradients between ranks: torch.distributed send/recv with a deadline per receive.
+
+gloo carries CPU tensors (the stand-in); NCCL carries device tensors on CUDA. Without GPU peer-to-peer,
+NCCL stages the bytes through host memory itself. A receive that fails or outlives the timeout raises
+PeerLostError naming this rank, the peer and what was awaited, instead of hanging. On NCCL a wait only
+orders the compute stream after the receive (a wait with a timeout would block the host until it ends): the
+deadline is the process group's, whose watchdog ends a receive that outlives it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from mobiuspipe.errors import PeerLostError, PipelineError
+from mobiuspipe.memory.ledger import DeviceLedger
+from mobiuspipe.runtime.channels import Channels
+from mobiuspipe.standin import StandInError
+from mobiuspipe.standin.p2p import StrictWork
+from mobiuspipe.standin.places import is_host
+
+__all__ = ["Comm", "TensorSpec"]
+
+_DTYPES = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
+"""The dtypes a tensor between stages may have, by their code in a TensorSpec header."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of a tensor sent between ranks; sent ahead of it as a small int64 header until the
+    receiver knows it (the first step of each batch shape)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    MAX_DIMS = 8
+    """Dimensions a header has room for."""
+
+    @classmethod
+    def of(cls, t: torch.Tensor, what: str) -> TensorSpec:
+        if t.dim() > cls.MAX_DIMS or t.dtype not in _DTYPES:
+            raise PipelineError(
+                f"{what} is a {t.dim()}-d {t.dtype} tensor; tensors between stages need at most "
+                f"{cls.MAX_DIMS} dimensions and one of the dtypes {[str(d) for d in _DTYPES]}"
+            )
+        return cls(tuple(t.shape), t.dtype)
+
+    def encode(self, device: torch.device) -> torch.Tensor:
+        """[dtype code, ndim, dims..., 0 padding] as int64 of length MAX_DIMS + 2."""
+        dims = list(self.shape) + [0] * (self.MAX_DIMS - len(self.shape))
+        return torch.tensor([_DTYPES.index(self.dtype), len(self.shape), *dims], dtype=torch.int64, device=device)
+
+    @classmethod
+    def decode(cls, header: torch.Tensor) -> TensorSpec:
+        code, ndim, *dims = header.tolist()
+        return cls(tuple(dims[:ndim]), _DTYPES[code])
+
+
+class Comm:
+    """Point-to-point traffic of one rank. Sends are asynchronous: a sent tensor is held until its send has
+    completed, and dropped then (at the next send or receive), so the device does not keep a stage's
+    outputs until the end of the step; flush() waits for the rest. A ledger, if given, counts each tensor in
+    flight (("sending", n)) until its send has completed."""
+
+    def __init__(
+        self,
+        rank: int,
+        timeout_s: float,
+        ledger: DeviceLedger | None = None,
+        channels: Channels | None = None,
+        place: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    ):
+        """place: marks a received tensor as the gpu's memory (Device.place)."""
+        self.rank = rank
+        self._place = place
+        self._stream_waits = torch.cuda.is_available()  # NCCL: waits order the compute stream only
+        self.channels = channels or Channels(rank)
+        self.timeout = timedelta(seconds=timeout_s)
+        self.ledger = ledger
+        self._sends: list[tuple[dist.Work | StrictWork, torch.Tensor, int, str]] = []
+
+    def send(self, t: torch.Tensor, dst: int, tag: int, what: str) -> None:
+        self._release_sent()
+        if is_host(t):
+            raise StandInError(f"rank {self.rank}: {what} is in host memory; NCCL sends device memory: copy it first")
+        t = t.contiguous()
+        work = self._start(lambda: self.channels.to(dst).isend(t, tag), f"rank {dst}", f"sending {what} to rank {dst}")
+        if self.ledger is not None:
+            self.ledger.hold(("sending", id(work)), t)
+        self._sends.append((work, t, dst, what))
+
+    def recv(self, spec: TensorSpec, device: torch.device, src: int, tag: int, what: str) -> torch.Tensor:
+        self._release_sent()
+        buf = self._place(torch.empty(spec.shape, dtype=spec.dtype, device=device))
+        peer, doing = f"rank {src}", f"receiving {what} from rank {src}"
+        self._wait(self._start(lambda: self.channels.frm(src).irecv(buf, tag), peer, doing), peer, doing)
+        return buf
+
+    def _release_sent(self) -> None:
+        """Drop the tensors whose sends have completed (their errors, if any, raise here)."""
+        pending = []
+        for work, t, dst, what in self._sends:
+            if work.is_completed():
+                self._wait(work, f"rank {dst}", f"sending {what} to rank {dst}")
+                self._forget(work)
+            else:
+                pending.append((work, t, dst, what))
+        self._sends = pending
+
+    def flush(self) -> None:
+        """Wait until every send of this rank has been taken by its receiver."""
+        sends, self._sends = self._sends, []
+        for work, _, dst, what in sends:
+            self._wait(work, f"rank {dst}", f"sending {what} to rank {dst}")
+            self._forget(work)
+
+    def close(self) -> None:
+        """Stop this rank's links (call after flush)."""
+        self.channels.close()
+
+    def _forget(self, work) -> None:
+        if self.ledger is not None:
+            self.ledger.drop(("sending", id(work)))
+
+    def send_spec(self, spec: TensorSpec, device: torch.device, dst: int, tag: int, what: str) -> None:
+        """Send the header that tells the receiver the shape and dtype of the next tensor."""
+        self.send(spec.encode(device), dst, tag, f"the shape of {what}")
+
+    def recv_spec(self, device: torch.device, src: int, tag: int, what: str) -> TensorSpec:
+        header = TensorSpec((TensorSpec.MAX_DIMS + 2,), torch.int64)
+        return TensorSpec.decode(self.recv(header, device, src, tag, f"the shape of {what}"))
+
+    def all_reduce(self, t: torch.Tensor, op, what: str) -> torch.Tensor:
+        """In-place all-reduce of t over every rank, under the same deadline as receives."""
+        work = self._start(lambda: dist.all_reduce(t, op=op, async_op=True), "another rank", what)
+        self._wait(work, "another rank", f"all-reduce of {what}")
+        return t
+
+    def _start(self, post, peer: str, what: str):
+        """post() (an isend, irecv or collective); the backend's error on posting it (gloo reports a peer that
+        closed its connection here, not at the wait) as PeerLostError."""
+        try:
+            return post()
+        except RuntimeError as e:
+            raise PeerLostError(self._message(peer, what, str(e).splitlines()[0])) from e
+
+    def _wait(self, work, peer: str, what: str) -> None:
+        try:
+            ok = work.wait() if self._stream_waits else work.wait(self.timeout)
+        except RuntimeError as e:
+            raise PeerLostError(self._message(peer, what, str(e).splitlines()[0])) from e
+        if ok is False:
+            raise PeerLostError(self._message(peer, what, f"no answer within {self.timeout.total_seconds():g} s"))
+
+    def _message(self, peer: str, what: str, cause: str) -> str:
+        return (
+            f"rank {self.rank}: {what} failed ({cause}); {peer} has probably died or hangs: look at its log "
+            f"above. Raise runtime.comm_timeout_s if {peer} is only slow"
+        )

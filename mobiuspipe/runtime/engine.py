@@ -1,0 +1,255 @@
+"""Runs one rank's schedule for one step: a dispatch table from action kind to a small method.
+
+The state of a step (the stage inputs saved to host for the recompute, the graphs kept from a forward to its
+backward, received activations and gradients, outputs waiting to be sent, the loss, the times) lives in one
+StepState; F and B are in mobiuspipe.runtime.compute. Each method times itself into the compute / load / comm
+buckets. Shapes and dtypes of the tensors between ranks are learned on the first step of each batch shape:
+the sender puts a small header (TensorSpec) ahead of each tensor. Every tensor the engine holds on the device
+is held in its DeviceLedger too, under a key whose kind says why: "inputs" (a stage's input while it
+computes, a microbatch's targets), "saved" (stage inputs kept on the device for the recompute: the CPU
+stand-in; CUDA keeps them on the host), "kept" (what a keep or selective stage holds from F to B: the saved
+tensors of its kept graphs, the inputs of its segments), "inbox", "outbox", "output" (a stage's output
+during its backward), "autograd" (saved for backward), "buffers"; the arena and Comm add "arena" and
+"sending". DevicePeak turns it into the step's measured device peak.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+
+import torch
+
+from foundation.timing import Stopwatch
+from mobiuspipe.memory.arena import DeviceArena
+from mobiuspipe.memory.device import Device
+from mobiuspipe.memory.ledger import DeviceLedger
+from mobiuspipe.memory.measure import DevicePeak
+from mobiuspipe.memory.swap import Swap
+from mobiuspipe.runtime.action_trace import ActionTrace
+from mobiuspipe.runtime.activations import StageMode, parts_of
+from mobiuspipe.runtime.clock import ActionClock
+from mobiuspipe.runtime.comm import Comm, TensorSpec
+from mobiuspipe.runtime.compute import Compute, LossFn, MessageKey, StepState, StepTimes
+from mobiuspipe.runtime.stage import Stage
+from mobiuspipe.schedule.actions import Action, Kind
+
+__all__ = ["Engine", "StepTimes", "LossFn"]
+
+
+class Engine(Compute):
+    """One rank: its stages, arena, comm; run_step() executes the schedule once."""
+
+    def __init__(
+        self,
+        *,
+        mapping: list[int],
+        rank: int,
+        stages: dict[int, Stage],
+        schedule: list[Action],
+        device: Device,
+        arena: DeviceArena,
+        comm: Comm,
+        loss_fn: LossFn,
+        num_microbatches: int,
+        dtype: torch.dtype = torch.float32,
+        defer_updates: bool = False,
+        ledger: DeviceLedger | None = None,
+        activations: dict[int, StageMode] | None = None,
+        swaps: dict[int, Swap] | None = None,
+    ):
+        self.mapping, self.rank, self.stages, self.schedule = mapping, rank, stages, schedule
+        self.device, self.arena, self.comm, self.loss_fn = device, arena, comm, loss_fn
+        self.num_microbatches, self.dtype = num_microbatches, dtype
+        self.defer_updates = defer_updates
+        """fp16: hold the host updates until every rank knows no gradient overflowed (start_updates)."""
+        self.loss_scale = 1.0
+        """The factor the loss is multiplied by before backward (fp16 loss scaling)."""
+        self.passes = 1
+        """Pipeline passes per optimizer step (gradient accumulation): each microbatch's loss is divided by
+        num_microbatches * passes."""
+        self.accumulate = False
+        """OFFLOAD adds to the gradients the tiers hold (every pass of an accumulated step but the first)."""
+        self.want_norm = False
+        """OFFLOAD has the tiers note their gradients' squared norm (gradient clipping, on the last pass)."""
+        self.lr: float | None = None
+        """The learning rate the updates of this step use (bound when each starts); None: the optimizer's own."""
+        self.held: set[int] = set()
+        """Stages whose updates wait for start_updates even without defer_updates (tied parameters)."""
+        self.deferred: list[Stage] = []
+        self.last = len(mapping) - 1
+        modes = activations or {}
+        self.parts = {
+            j: parts_of(s.order, modes[j])
+            for j, s in stages.items()
+            if j < self.last and modes.get(j, StageMode()).mode != "recompute"
+        }
+        """The kept and recomputed parts of this rank's keep and selective stages (the last stage's forward
+        is fused into its backward under every mode, so it has none)."""
+        self.swaps = swaps or {}
+        """Stage -> the tier its saved inputs swap to between F and B (SWAP_OUT, SWAP_IN); others keep them."""
+        self.ledger = ledger or DeviceLedger()
+        """The tensors this rank holds on its device (the arena and comm, given the same ledger, add theirs)."""
+        self.peak = DevicePeak(device.torch_device, self.ledger)
+        for j, s in stages.items():
+            for l, buffers in s.buffers.items():
+                for n, b in buffers.items():
+                    self.ledger.hold(("buffers", j, l, n), b)
+        self.trace = ActionTrace(())
+        """Records when each action of the steps it wants ran (Pipeline(trace_steps=...)); by default none."""
+        self.clock = ActionClock(device.compute)
+        """When the actions ran: CUDA events on a gpu, the host's clock on the stand-in (mobiuspipe.runtime.clock)."""
+        self.updater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-optimizer")
+        self._specs: dict[tuple, dict[MessageKey, TensorSpec]] = {}  # batch shape -> specs of its messages
+        self._dispatch = {
+            Kind.LOAD: self._load,
+            Kind.RELEASE: self._release,
+            Kind.FWD: self._fwd,
+            Kind.BWD: self._bwd,
+            Kind.SEND_ACT: self._send_act,
+            Kind.RECV_ACT: self._recv_act,
+            Kind.SEND_GRAD: self._send_grad,
+            Kind.RECV_GRAD: self._recv_grad,
+            Kind.OFFLOAD: self._offload,
+            Kind.SWAP_OUT: self._swap_out,
+            Kind.SWAP_IN: self._swap_in,
+        }
+
+    def run_step(self, step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[float, StepTimes]:
+        """One optimizer step over the batch (x, y); returns this rank's share of the loss and its times."""
+        shape = (tuple(x.shape), x.dtype)
+        learning = shape not in self._specs
+        specs = self._specs.setdefault(shape, {})
+        m = self.num_microbatches
+        self.state = StepState(step, x.chunk(m), y.chunk(m), specs, learning)
+        self.peak.start_step()
+        clock = self.clock
+        clock.start_step()
+        spans = []
+        for a in self.schedule:
+            start = clock.mark()
+            self._dispatch[a.kind](a)
+            spans.append((a, start, clock.mark()))
+        start = time.perf_counter()
+        self.comm.flush()
+        end = time.perf_counter()
+        self.state.times.comm_s += end - start
+        loss = self.state.loss()  # CUDA: the step's one host-blocking wait
+        if clock.on_device:  # the host's Stopwatches measured kernel launches there
+            b = clock.buckets((a.kind.value, s, e) for a, s, e in spans)
+            self.state.times = StepTimes(b["compute"], b["load"], b["comm"] + end - start)
+        if self.trace.wants(step):
+            for a, s, e in spans:
+                self.trace.add(step, a.kind.value, a.stage, a.microbatch, clock.seconds(s), clock.seconds(e))
+            self.trace.add(step, "flush", -1, -1, start, end)
+        self.peak.end_step()
+        return loss, self.state.times
+
+    def wait_updates(self) -> None:
+        """Wait for every host update started so far."""
+        for s in self.stages.values():
+            s.wait_update()
+
+    def finish(self) -> None:
+        """Wait for every pending host update (call before reading weights or exiting)."""
+        self.wait_updates()
+        self.updater.shutdown(wait=True)
+        for swap in set(self.swaps.values()):
+            swap.close()
+        self.comm.close()
+        self.device.close()
+
+    # -- weights -------------------------------------------------------------------------------
+    def _load(self, a: Action) -> None:
+        with Stopwatch() as sw:
+            self.stages[a.stage].load(self.arena)
+        self.state.times.load_s += sw.s
+
+    def _release(self, a: Action) -> None:
+        self.stages[a.stage].release(self.arena)
+
+    def _offload(self, a: Action) -> None:
+        stage = self.stages[a.stage]
+        with Stopwatch() as sw:
+            stage.offload(self.arena, self.accumulate, self.want_norm)
+        self.state.times.load_s += sw.s
+        if self.defer_updates or a.stage in self.held:
+            self.deferred.append(stage)
+        else:
+            self._start_update(stage, 1.0)
+
+    def overflowed(self) -> bool:
+        """Whether a gradient offloaded in this step (and held back) is inf or nan on this rank."""
+        return not all(s.grads_finite() for s in self.deferred)
+
+    def start_updates(self, apply: bool, grad_scale: float | None = None) -> None:
+        """Start the held-back host updates (gradients divided by grad_scale, default the loss scale), or drop
+        them (a skipped step, or a pass of an accumulated step that is not its last)."""
+        for stage in self.deferred:
+            if apply:
+                self._start_update(stage, self.loss_scale if grad_scale is None else grad_scale)
+        self.deferred = []
+
+    def _start_update(self, stage: Stage, grad_scale: float) -> None:
+        """Start stage's host update at this step's learning rate (traced as "U" when the step is)."""
+        step = self.state.step
+        note = partial(self.trace.add, step, "U", stage.index, -1) if self.trace.wants(step) else None
+        stage.start_update(self.updater, grad_scale, self.lr, note)
+
+    def grad_sumsq(self) -> float:
+        """The squared norm of the gradients this rank offloaded in this step (each stage's, summed)."""
+        return sum(s.states.grad_sumsq() for s in self.stages.values())
+
+    # -- communication -------------------------------------------------------------------------
+    def _tag(self, kind: Kind, j: int, i: int, header: bool) -> int:
+        grad = kind in (Kind.SEND_GRAD, Kind.RECV_GRAD)
+        return (((j * self.num_microbatches + i) * 2 + grad) * 2 + header) % (1 << 30)
+
+    def _send(self, a: Action, dst_stage: int, what: str) -> None:
+        st = self.state
+        t = st.outbox.pop((a.kind, a.stage, a.microbatch))
+        if self.mapping[dst_stage] == self.rank:  # same gpu: hand over without the network
+            recv_kind = Kind.RECV_ACT if a.kind is Kind.SEND_ACT else Kind.RECV_GRAD
+            st.inbox[(recv_kind, dst_stage, a.microbatch)] = t
+            self.ledger.hold(("inbox", recv_kind, dst_stage, a.microbatch), t)
+            self.ledger.drop(("outbox", a.kind, a.stage, a.microbatch))
+            return
+        what = f"{what} of stage {a.stage} microbatch {a.microbatch} (step {st.step})"
+        dst = self.mapping[dst_stage]
+        with Stopwatch() as sw:
+            if st.learning:
+                spec = TensorSpec.of(t, what)
+                self.comm.send_spec(spec, t.device, dst, self._tag(a.kind, a.stage, a.microbatch, True), what)
+            self.comm.send(t, dst, self._tag(a.kind, a.stage, a.microbatch, False), what)
+        self.ledger.drop(("outbox", a.kind, a.stage, a.microbatch))  # Comm holds it while in flight
+        st.times.comm_s += sw.s
+
+    def _recv(self, a: Action, src_stage: int, what: str) -> None:
+        if self.mapping[src_stage] == self.rank:
+            return  # handed over by _send on this rank
+        st, key = self.state, (a.kind, a.stage, a.microbatch)
+        tag_stage = src_stage if a.kind is Kind.RECV_ACT else a.stage + 1
+        send_kind = Kind.SEND_ACT if a.kind is Kind.RECV_ACT else Kind.SEND_GRAD
+        src, dev = self.mapping[src_stage], self.device.torch_device
+        what = f"{what} for stage {a.stage} microbatch {a.microbatch} (step {st.step})"
+        with Stopwatch() as sw:
+            if st.learning:
+                st.specs[key] = self.comm.recv_spec(dev, src, self._tag(send_kind, tag_stage, a.microbatch, True), what)
+            st.inbox[key] = self.comm.recv(
+                st.specs[key], dev, src, self._tag(send_kind, tag_stage, a.microbatch, False), what
+            )
+        self.ledger.hold(("inbox", *key), st.inbox[key])
+        st.times.comm_s += sw.s
+
+    def _send_act(self, a: Action) -> None:
+        self._send(a, a.stage + 1, "activation")
+
+    def _send_grad(self, a: Action) -> None:
+        self._send(a, a.stage - 1, "input gradient")
+
+    def _recv_act(self, a: Action) -> None:
+        self._recv(a, a.stage - 1, "activation")
+
+    def _recv_grad(self, a: Action) -> None:
+        self._recv(a, a.stage + 1, "output gradient")

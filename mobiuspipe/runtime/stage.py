@@ -1,0 +1,239 @@
+"""One stage of the pipeline: its layers, its states in the host or SSD tier, its view of the device arena.
+
+The stage's weights are ONE flat tensor: the fp32 master, the optimizer over it and, in bf16/fp16
+training, the low-precision copy live in host memory (pinned on CUDA) or in the SSD store (stage_states).
+LOAD copies the weights in the training dtype into an arena slot; the layers then run on views of the slot through
+torch.func.functional_call, so no module ever owns device memory. The gradients of all of the stage's
+microbatches accumulate (in the training dtype) into a second slot, which OFFLOAD hands to the states
+tier. The host update steps the fp32 master weights and writes the next low-precision copy in the same
+pass where the optimizer can (CPUAdam.step_fused). Buffers (masks, rotary tables, ...) are small and
+stay on the device for the whole run, floating ones in the training dtype.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from mobiuspipe.memory.arena import DeviceArena, Slot
+from mobiuspipe.memory.device import CopyHandle, Device
+from mobiuspipe.runtime.stage_states import HostStates, SsdStates, SsdStreamStates, SsdTier, StageStates
+
+__all__ = ["Stage", "ParamSlice"]
+
+
+@dataclass(frozen=True)
+class ParamSlice:
+    """Where one parameter lives in its stage's flat weights: elements offset .. offset + numel."""
+
+    layer: int
+    name: str
+    shape: torch.Size
+    offset: int
+    numel: int
+
+    @property
+    def key(self) -> str:
+        """The parameter's name in nn.Sequential(*layers).state_dict(): "layer.name"."""
+        return f"{self.layer}.{self.name}"
+
+    def of(self, flat: torch.Tensor) -> torch.Tensor:
+        """This parameter's view of a flat tensor laid out like the stage's weights."""
+        return flat[self.offset : self.offset + self.numel].view(self.shape)
+
+
+class Stage:
+    """Stage `index`: its layers (by layer number), master weights on host, its optimizer, its arena slots."""
+
+    def __init__(
+        self,
+        index: int,
+        layers: dict[int, nn.Module],
+        device: Device,
+        make_optimizer,
+        dtype=torch.float32,
+        ssd: SsdTier | None = None,
+        weights_on_ssd: bool = False,
+    ):
+        self.index, self.dtype = index, dtype
+        self.order = sorted(layers)
+        self.params = _param_slices(layers, self.order)
+        self.numel = sum(p.numel for p in self.params)
+        self.nbytes = self.numel * dtype.itemsize
+        parts = [p.detach().reshape(-1).float() for l in self.order for _, p in layers[l].named_parameters()]
+        flat = torch.cat(parts) if parts else torch.zeros(0)
+        self.states: StageStates
+        """Where the master weights, moments, device-dtype weights and offloaded gradients live."""
+        if ssd is None:
+            self.states = HostStates(flat, dtype, device.pin, make_optimizer)
+        elif not weights_on_ssd:
+            self.states = SsdStates(flat, dtype, device.pin, ssd, f"stage{index}")
+        else:
+            self.states = SsdStreamStates(flat, dtype, ssd, f"stage{index}")
+        self.device = device
+        """The gpu the stage's slots and buffers are on, and whose copy streams move its weights and gradients."""
+        self.buffers = {l: {n: _buffer_on(b, device, dtype) for n, b in layers[l].named_buffers()} for l in self.order}
+        self._persistent = {l: _persistent_buffer_names(layers[l]) for l in self.order}
+        self.layers = {l: layers[l].to("meta") for l in self.order}  # shapes only; weights live in the tiers
+        self.weights: Slot | None = None
+        self.grads: Slot | None = None
+        self.loading: CopyHandle | None = None
+        self.updating: Future | None = None
+        self._leaves: list[torch.Tensor] = []
+        self._forward_leaves: list[torch.Tensor] = []
+        """Weight leaves of the graphs a keep or selective forward visit keeps until the backward (views of that
+        visit's slot, whose bytes are never read again: their .grad is all the backward touches)."""
+
+    # -- weights: host tier <-> arena -------------------------------------------------------------
+    def load(self, arena: DeviceArena) -> None:
+        """Start copying the master weights into a free slot (after this stage's pending update)."""
+        self.wait_update()
+        self.weights = arena.acquire(self.nbytes, f"stage {self.index} weights")
+        dst = self.weights.view(self.dtype, self.numel)
+        self.loading = self.states.load_into(dst, self.device, self.weights.take_busy())
+
+    def release(self, arena: DeviceArena) -> None:
+        """Give the weights' slot back, marked after the compute queued so far: the next load into it waits for
+        that compute only, not for what is queued by the time it is issued."""
+        arena.release(_held(self.weights, self.index, "weights"), [self.device.computed()])
+        self.weights, self._leaves = None, []
+
+    def wait_loaded(self) -> None:
+        if self.loading is not None:
+            self.loading.wait()
+            self.loading = None
+
+    # -- gradients: arena -> host tier, host update ----------------------------------------------
+    def begin_backward(self, arena: DeviceArena) -> None:
+        """Take a gradient slot, zero it, and make the weight leaves accumulate into it."""
+        self.grads = arena.acquire(self.nbytes, f"stage {self.index} gradients")
+        for copy in self.grads.take_busy():  # an offload still reading the slot
+            copy.wait()
+        gflat = self.grads.view(self.dtype, self.numel)
+        gflat.zero_()
+        wflat = _held(self.weights, self.index, "weights").view(self.dtype, self.numel)
+        self._leaves = _leaves_of(self.params, wflat)
+        for leaves in (self._leaves, self._forward_leaves):
+            for p, w in zip(self.params, leaves):
+                w.grad = p.of(gflat)
+
+    def offload(self, arena: DeviceArena, accumulate: bool = False, norm: bool = False) -> None:
+        """Start copying the accumulated gradients to the host tier (which adds them to its gradients: accumulate)
+        on the copy-out stream, and free their slot for whoever orders after that copy; with norm the tier notes
+        the squared norm of its gradients (states.grad_sumsq)."""
+        grads = _held(self.grads, self.index, "gradients")
+        copy = self.states.take_grads(grads.view(self.dtype, self.numel), self.device, accumulate, norm)
+        arena.release(grads, [copy] if copy is not None else [])
+        self.grads, self._leaves, self._forward_leaves = None, [], []
+
+    def grads_finite(self) -> bool:
+        """Whether the offloaded gradients hold no inf or nan (an fp16 overflow)."""
+        return self.states.grads_finite()
+
+    def start_update(
+        self, updater: Executor, grad_scale: float = 1.0, lr: float | None = None, note: Callable | None = None
+    ) -> None:
+        """Start the host update of the offloaded gradients (divided by grad_scale) on `updater`, at learning
+        rate lr (None: the optimizer's own); note(start), if given, is called when it ends (a trace's record)."""
+        self.updating = updater.submit(self._update, grad_scale, lr, note)
+
+    def _update(self, grad_scale: float, lr: float | None, note: Callable | None) -> None:
+        start = time.perf_counter()
+        self.states.step(grad_scale, lr)
+        if note is not None:
+            note(start)
+
+    def wait_update(self) -> None:
+        if self.updating is not None:
+            self.updating.result()
+            self.updating = None
+
+    # -- compute ----------------------------------------------------------------------------------
+    def weight_bytes(self) -> torch.Tensor:
+        """The arena slot that holds the stage's weights now (uint8)."""
+        return _held(self.weights, self.index, "weights").data
+
+    def buffer_storages(self) -> set[int]:
+        """Data pointers of the storages of the stage's buffers (they live on the device for the whole run)."""
+        return {b.untyped_storage().data_ptr() for bufs in self.buffers.values() for b in bufs.values()}
+
+    def _tensors(self, with_grad: bool, kept: bool) -> dict[int, dict[str, torch.Tensor]]:
+        """Per layer, its parameters (arena views, or the grad-collecting leaves) and its buffers."""
+        wflat = _held(self.weights, self.index, "weights").view(self.dtype, self.numel)
+        if kept:
+            if not self._forward_leaves:  # the first kept forward of the visit
+                self._forward_leaves = _leaves_of(self.params, wflat)
+            weights = self._forward_leaves
+        elif with_grad:
+            weights = self._leaves
+        else:
+            weights = [p.of(wflat) for p in self.params]
+        out = {l: dict(self.buffers[l]) for l in self.order}
+        for p, t in zip(self.params, weights):
+            out[p.layer][p.name] = t
+        return out
+
+    def forward(
+        self, x: torch.Tensor, with_grad: bool, layers: Sequence[int] | None = None, kept: bool = False
+    ) -> torch.Tensor:
+        """Run the stage's layers (or some of them, in order) on x with the weights in the arena: leaves that
+        collect grads if with_grad; kept: the leaves of a forward whose graph is kept until the backward."""
+        tensors = self._tensors(with_grad, kept)
+        for l in self.order if layers is None else layers:
+            x = functional_call(self.layers[l], tensors[l], (x,))
+        return x
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Master weights and persistent buffers (host copies) named as nn.Sequential(*layers).state_dict()."""
+        master = self.states.master_weights()
+        out = {p.key: p.of(master).clone() for p in self.params}
+        for l in self.order:
+            out.update(
+                {
+                    f"{l}.{n}": self.device.to_host(b.detach())
+                    for n, b in self.buffers[l].items()
+                    if n in self._persistent[l]
+                }
+            )
+        return out
+
+
+def _buffer_on(b: torch.Tensor, device: Device, dtype: torch.dtype) -> torch.Tensor:
+    """A layer's buffer on the device; floating ones in the training dtype, as module.to(dtype) would."""
+    return device.to_device(b, dtype if b.is_floating_point() else b.dtype)
+
+
+def _held(slot: Slot | None, j: int, what: str) -> Slot:
+    """The slot a stage holds; a missing one is a schedule bug (the checker should have refused it)."""
+    if slot is None:
+        raise RuntimeError(
+            f"stage {j} has no {what} in the arena here: the schedule runs it before its LOAD "
+            f"(or backward) action; this is a bug in the schedule builder"
+        )
+    return slot
+
+
+def _leaves_of(params: list[ParamSlice], wflat: torch.Tensor) -> list[torch.Tensor]:
+    """A grad-collecting leaf per parameter, viewing the weights in wflat."""
+    return [p.of(wflat).detach().requires_grad_(True) for p in params]
+
+
+def _param_slices(layers: dict[int, nn.Module], order: list[int]) -> list[ParamSlice]:
+    out, offset = [], 0
+    for l in order:
+        for name, p in layers[l].named_parameters():
+            out.append(ParamSlice(l, name, p.shape, offset, p.numel()))
+            offset += p.numel()
+    return out
+
+
+def _persistent_buffer_names(layer: nn.Module) -> set[str]:
+    """Names of the buffers that layer.state_dict() holds (non-persistent ones are left out)."""
+    params = {n for n, _ in layer.named_parameters()}
+    return set(layer.state_dict(keep_vars=True)) - params

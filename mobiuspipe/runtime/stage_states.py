@@ -1,0 +1,340 @@
+"""Where a stage's states live: all in host memory (HostStates: an optimizer over a flat fp32 parameter);
+the fp32 master and moments in the rank's SSD store (SsdStates: OutOfCoreAdam through a fixed host budget);
+or those and the device-dtype weights and gradients too (SsdStreamStates). Each loads the weights into the
+arena, takes the offloaded gradients, steps, and writes the next device weights (bf16/fp16, or fp32) in
+the same pass; all give the same bits (the same AdamW kernel, elementwise).
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mobiuspipe.memory.aio import ALIGN
+from mobiuspipe.memory.device import CopyHandle, Device
+from mobiuspipe.memory.ssd_store import SSDStore
+from mobiuspipe.memory.weight_stream import BUFFERS, SsdWeights, sum_of_squares
+from mobiuspipe.optim.ooc_adam import OutOfCoreAdam
+from mobiuspipe.optim.ooc_groups import BYTES_PER_ELEM, ELEM_ALIGN, least_budget_bytes
+from mobiuspipe.optim.ooc_links import adopt_records, link_records
+from mobiuspipe.standin.places import plain
+
+ADAM_SLOTS = 4
+"""Group slots of each stage's out-of-core Adam (read ahead, update, write back, one spare)."""
+
+
+def least_share(dtype_bytes: int) -> int:
+    """The least host budget of a stage on SSD: the out-of-core Adam's slots of one 4 KiB-aligned group each,
+    and the weight stream's staging buffers of one group (a group of 1024 elements of dtype_bytes <= 4 fits
+    one 4 KiB page)."""
+    return least_budget_bytes(ADAM_SLOTS) + BUFFERS * ALIGN * max(1, -(-ELEM_ALIGN * dtype_bytes // ALIGN))
+
+
+__all__ = ["least_share", "HostStates", "SsdStates", "SsdStreamStates", "StageStates", "SsdTier", "AdamHyper"]
+
+
+@dataclass(frozen=True)
+class AdamHyper:
+    """AdamW's hyper-parameters, as the ssd tier needs them (the host tier takes an optimizer factory)."""
+
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+
+    @classmethod
+    def of(cls, make_optimizer: Callable) -> AdamHyper:
+        """Read them off the optimizer the factory makes (it must be an AdamW: CPUAdam or torch's)."""
+        probe = make_optimizer([nn.Parameter(torch.zeros(1))])
+        d = probe.defaults
+        if not {"lr", "betas", "eps", "weight_decay"} <= set(d) or type(probe) is torch.optim.Adam:
+            raise ValueError(
+                f"optimizer states on SSD are stepped by AdamW, but the optimizer factory makes a "
+                f"{type(probe).__name__}; give CPUAdam or torch.optim.AdamW, or keep the states on the host"
+            )
+        return cls(
+            float(d["lr"]), (float(d["betas"][0]), float(d["betas"][1])), float(d["eps"]), float(d["weight_decay"])
+        )
+
+
+@dataclass(frozen=True)
+class SsdTier:
+    """One rank's store and the host memory each of its stages on SSD may use."""
+
+    store: SSDStore
+    host_budget_bytes: int
+    hyper: AdamHyper
+
+
+class HostStates:
+    """The master weights as one flat fp32 parameter in host memory (pinned on CUDA), stepped by the
+    optimizer the factory makes; the fp32 master is itself what fp32 training loads. The device-dtype
+    weights (bf16/fp16) and the offloaded gradients are host tensors too."""
+
+    def __init__(self, flat: torch.Tensor, dtype: torch.dtype, pin, make_optimizer):
+        self._pin, self._incoming = pin, None
+        self._taking: tuple[CopyHandle, bool, bool] | None = None  # the offload in flight: copy, accumulate, norm
+        self._settling = threading.Lock()
+        self.loads_master = dtype == torch.float32
+        """fp32 training: the device loads the master itself and master.grad is the offloaded gradient buffer."""
+        self.master = nn.Parameter(pin(flat) if self.loads_master else flat)  # pinned only where copies read it
+        self.weights = self.master.data if self.loads_master else pin(flat.to(dtype))
+        self.grads = pin(torch.zeros(flat.numel(), dtype=dtype))
+        self.sumsq: float | None = None
+        """The squared L2 norm of the gradients take_grads last took, when asked for it (read: grad_sumsq)."""
+        if self.loads_master:
+            self.master.grad = self.grads
+        self.optimizer = make_optimizer([self.master])
+
+    def load_into(self, dst: torch.Tensor, device: Device, after: Sequence[CopyHandle] = ()) -> CopyHandle:
+        """Start copying the weights the device computes with into dst (its arena slot, flat), after `after`: every
+        user of dst (its slot's release mark and the copies that still read it)."""
+        return device.copy_in(dst, self.weights, after, computed=False)
+
+    def take_grads(self, src: torch.Tensor, device: Device, accumulate: bool = False, norm: bool = False) -> CopyHandle:
+        """Start copying the stage's accumulated gradients (flat, device dtype) off the device on the copy-out
+        stream, into the gradients (or, accumulate: into a buffer that _settle adds to the ones taken before);
+        with norm, _settle notes the squared L2 norm of the result (float64). Nothing here blocks the compute
+        thread: whoever reads the gradients (the update, the overflow check, the norm, a tied exchange) settles
+        them first. Returns the copy (the slot src lies in is free once it has ended)."""
+        self._settle()  # the previous pass's gradients are in before this pass's are added to them
+        copy = device.copy_out(self._incoming_buffer() if accumulate else self.grads, src)
+        self._taking = (copy, accumulate, norm)
+        return copy
+
+    def _settle(self) -> None:
+        """Wait for the offload in flight (if any) and finish it on the host: the add of an accumulated pass,
+        the norm."""
+        with self._settling:
+            if self._taking is None:
+                return
+            copy, accumulate, norm = self._taking
+            copy.synchronize()
+            if accumulate:
+                self.grads.add_(self._incoming_buffer())
+            self.sumsq = sum_of_squares(self.grads) if norm else None
+            self._taking = None
+
+    def _incoming_buffer(self) -> torch.Tensor:
+        """A host buffer like the gradients, for an accumulated pass on its way (made at the first one)."""
+        if self._incoming is None:
+            self._incoming = self._pin(torch.empty_like(self.grads))
+        return self._incoming
+
+    def grad_sumsq(self) -> float:
+        """The squared L2 norm of the last offloaded gradients (0.0 when take_grads was not asked for it)."""
+        self._settle()
+        return self.sumsq or 0.0
+
+    def grads_finite(self) -> bool:
+        self._settle()
+        return bool(torch.isfinite(self.grads).all())
+
+    def grad_slice(self, offset: int, n: int) -> torch.Tensor:
+        """A copy of elements offset .. offset + n of the offloaded gradients (device dtype)."""
+        self._settle()
+        return self.grads[offset : offset + n].clone()
+
+    def add_grads(self, offset: int, t: torch.Tensor) -> None:
+        """Add t into the offloaded gradients from element offset on (a tied parameter's other half)."""
+        self._settle()
+        self.grads[offset : offset + t.numel()].add_(t)
+
+    def step(self, grad_scale: float, lr: float | None = None) -> None:
+        """One update from the offloaded gradients divided by grad_scale, at lr (None: the optimizer's own)."""
+        self._settle()
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        if self.loads_master:
+            if grad_scale != 1.0:
+                self.grads.mul_(1.0 / grad_scale)  # master.grad is this buffer
+            self.optimizer.step()
+            return
+        grad = self.grads if grad_scale == 1.0 else self.grads.float().mul_(1.0 / grad_scale)
+        step_fused = getattr(self.optimizer, "step_fused", None)
+        if step_fused is not None:
+            step_fused({self.master: self.weights}, grads={self.master: grad})
+            return
+        self.master.grad = grad.float()
+        self.optimizer.step()
+        self.weights.copy_(self.master.data)
+
+    def master_weights(self) -> torch.Tensor:
+        return plain(self.master.data)
+
+    def export_state(self, link_dir: Path | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+        """A copy of what the next step depends on: {"master": fp32 flat, "opt/KEY": the optimizer's state
+        tensors (AdamW: step, exp_avg, exp_avg_sq)} and the optimizer's param_groups (hyper-parameters).
+        States on SSD are hard-linked into link_dir instead where it can (see SsdStates)."""
+        sd = self.optimizer.state_dict()
+        own = sd["state"].get(0, {})
+        tensors = {"master": self.master.data.clone()}
+        tensors.update({f"opt/{k}": _tensor(v).clone() for k, v in own.items()})
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
+        return tensors, {"param_groups": groups}
+
+    def import_state(self, tensors: dict[str, torch.Tensor], extra: dict, link_dir: Path | None = None) -> None:
+        """Set the states export_state gave (the device-dtype weights follow from the master); link_dir: where
+        export_state linked the files of states on SSD."""
+        self.master.data.copy_(tensors["master"])
+        if not self.loads_master:
+            self.weights.copy_(self.master.data)
+        state = {k[4:]: v for k, v in tensors.items() if k.startswith("opt/")}
+        sd = self.optimizer.state_dict()
+        groups = extra.get("param_groups") or [
+            {k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]
+        ]
+        for group, now in zip(groups, sd["param_groups"]):
+            group["params"] = now["params"]
+        self.optimizer.load_state_dict({"state": {0: state} if state else {}, "param_groups": groups})
+
+
+def _tensor(v) -> torch.Tensor:
+    """An optimizer state value as a tensor (torch keeps AdamW's step as a tensor; some keep a number)."""
+    return v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=torch.float64)
+
+
+def _export_ooc(opt: OutOfCoreAdam, link_dir: Path | None) -> tuple[dict[str, torch.Tensor], dict]:
+    """An out-of-core AdamW's states in export_state's form: its records hard-linked into link_dir (no
+    bytes copied), or where that cannot be (another filesystem), read from the store (fp32 flat)."""
+    if link_dir is not None:
+        try:
+            return {}, {"records": link_records(opt, link_dir)}
+        except OSError as e:
+            shutil.rmtree(link_dir, ignore_errors=True)
+            warnings.warn(
+                f"the checkpoint folder {link_dir.parent} cannot hard-link the SSD store's files ({e.strerror or e}): "
+                "its states are copied through memory; a checkpoint folder on the store's filesystem costs no copy",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    state = opt.read_state()["w"]
+    tensors = {"master": state["param"], "opt/exp_avg": state["exp_avg"], "opt/exp_avg_sq": state["exp_avg_sq"]}
+    tensors["opt/step"] = torch.tensor(float(opt.step_count), dtype=torch.float32)
+    return tensors, {}
+
+
+def _import_ooc(opt: OutOfCoreAdam, tensors: dict[str, torch.Tensor], extra: dict, link_dir: Path | None) -> None:
+    """Set an out-of-core AdamW's records and step count from export_state's form."""
+    if "records" in extra:
+        if link_dir is None:
+            raise ValueError("the states were linked into a checkpoint folder: pass it to import_state")
+        adopt_records(opt, link_dir, extra["records"])
+        return
+    m = tensors["master"]
+    moments = {k: tensors.get(f"opt/{k}", torch.zeros_like(m)) for k in ("exp_avg", "exp_avg_sq")}
+    step = int(tensors["opt/step"].item()) if "opt/step" in tensors else 0
+    opt.write_state({"w": {"param": m, **moments}}, step)
+
+
+class SsdStates(HostStates):
+    """The master weights and both moments in the rank's SSD store (records `{prefix}/g...`), stepped by
+    OutOfCoreAdam through the tier's host budget; the device-dtype weights and gradients stay in memory."""
+
+    def __init__(self, flat: torch.Tensor, dtype: torch.dtype, pin, tier: SsdTier, prefix: str):
+        self._pin, self._incoming = pin, None
+        self._taking, self._settling = None, threading.Lock()
+        self.weights = pin(flat.to(dtype))
+        self.grads = pin(torch.zeros(flat.numel(), dtype=dtype))
+        self.sumsq: float | None = None
+        self.optimizer = _ooc_adam(flat, tier, prefix, tier.host_budget_bytes)
+
+    def step(self, grad_scale: float, lr: float | None = None) -> None:
+        self._settle()
+        if lr is not None:
+            self.optimizer.lr = lr
+        grad = self.grads if grad_scale == 1.0 else self.grads.float().mul_(1.0 / grad_scale)
+        self.optimizer.step({"w": grad}, {"w": self.weights})
+
+    def master_weights(self) -> torch.Tensor:
+        return self.optimizer.read_state(("param",))["w"]["param"]
+
+    def export_state(self, link_dir: Path | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+        return _export_ooc(self.optimizer, link_dir)
+
+    def import_state(self, tensors: dict[str, torch.Tensor], extra: dict, link_dir: Path | None = None) -> None:
+        _import_ooc(self.optimizer, tensors, extra, link_dir)
+        self.weights.copy_(self.master_weights())
+
+
+class SsdStreamStates:
+    """Everything on SSD: the optimizer states as in SsdStates, and the device-dtype weights and gradients
+    as records too (SsdWeights), streamed through staging buffers carved from the stage's budget."""
+
+    def __init__(self, flat: torch.Tensor, dtype: torch.dtype, tier: SsdTier, prefix: str):
+        adam = ADAM_SLOTS * BYTES_PER_ELEM  # host bytes per group element: the Adam's slots, then the buffers
+        adam_budget = tier.host_budget_bytes * adam // (adam + BUFFERS * dtype.itemsize)
+        self.optimizer = _ooc_adam(flat, tier, prefix, adam_budget)
+        self.stream = SsdWeights(tier.store, f"{prefix}/lowp", flat.to(dtype), self.optimizer.group_elems)
+        self.sumsq: float | None = None
+
+    def load_into(self, dst: torch.Tensor, device: Device, after: Sequence[CopyHandle] = ()) -> CopyHandle:
+        return device.stream_in(lambda copy: self.stream.load_into(dst, copy), after, computed=False)
+
+    def take_grads(self, src: torch.Tensor, device: Device, accumulate: bool = False, norm: bool = False) -> None:
+        """Write the gradients to their SSD records through the staging buffers (the copy off the device is done
+        when this returns: None, no copy in flight)."""
+        fp16 = src.dtype == torch.float16  # only fp16 asks grads_finite
+        self.stream.save_grads(src, check_finite=fp16, accumulate=accumulate, norm=norm)
+        self.sumsq = self.stream.sumsq
+
+    def grad_sumsq(self) -> float:
+        return self.sumsq or 0.0
+
+    def grads_finite(self) -> bool:
+        if self.stream.finite is None:
+            raise RuntimeError("the gradient's finiteness is checked on the way to SSD in fp16 training only")
+        return self.stream.finite
+
+    def grad_slice(self, offset: int, n: int) -> torch.Tensor:
+        return self.stream.read_grads(offset, n)
+
+    def add_grads(self, offset: int, t: torch.Tensor) -> None:
+        self.stream.add_grads(offset, t)
+
+    def step(self, grad_scale: float, lr: float | None = None) -> None:
+        if lr is not None:
+            self.optimizer.lr = lr
+        self.stream.grad_scale = grad_scale
+        try:
+            self.optimizer.step_streamed(self.stream)
+        except BaseException:
+            self.stream.end_update(failed=True)
+            raise
+        self.stream.end_update(failed=False)
+
+    def master_weights(self) -> torch.Tensor:
+        return self.optimizer.read_state(("param",))["w"]["param"]
+
+    def export_state(self, link_dir: Path | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+        return _export_ooc(self.optimizer, link_dir)
+
+    def import_state(self, tensors: dict[str, torch.Tensor], extra: dict, link_dir: Path | None = None) -> None:
+        _import_ooc(self.optimizer, tensors, extra, link_dir)
+        self.stream.rewrite(self.master_weights().to(self.stream.dtype))
+
+
+StageStates = HostStates | SsdStates | SsdStreamStates
+
+
+def _ooc_adam(flat: torch.Tensor, tier: SsdTier, prefix: str, budget: int) -> OutOfCoreAdam:
+    h = tier.hyper
+    return OutOfCoreAdam.create(
+        tier.store,
+        {"w": flat},
+        lr=h.lr,
+        betas=h.betas,
+        eps=h.eps,
+        weight_decay=h.weight_decay,
+        host_budget_bytes=budget,
+        slots=ADAM_SLOTS,
+        prefix=prefix,
+    )

@@ -1,0 +1,183 @@
+"""The plan of a run config's built-in GPT: its model spec, the CPU stand-ins it plans for, its analytic profile,
+and the plan itself (read from plan.file and checked against the model, or made now)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from foundation.checked import Problem, format_problems, rule
+from foundation.units import MiB
+from mobiuspipe.config import DEFAULT_GPUS, RunConfig
+from mobiuspipe.errors import ConfigError
+from mobiuspipe.startup.machine import discovered_topology
+from partition import make_plan
+from partition.analytic import analytic_profile, dtype_bytes
+from partition.hardware import device_spec, gpu_spec
+from partition.models import ModelSpec, layer_param_counts
+from partition.plan import Plan, load_plan
+from partition.profile import Profile
+from topology import Topology, cpu_standin, load_topology
+
+__all__ = [
+    "model_spec",
+    "activation_tiers",
+    "plan_for_config",
+    "plan_problems",
+    "plan_from_config",
+    "run_topology",
+    "num_ranks",
+    "gpt_profile",
+]
+
+
+def model_spec(cfg: RunConfig) -> ModelSpec:
+    """The partition package's description of the config's model (the built-in GPT or model.hf's)."""
+    return cfg.model.spec()
+
+
+def plan_for_config(cfg: RunConfig) -> Plan:
+    """The config's plan file checked against the model, or a plan made for CPU stand-in devices."""
+    if cfg.plan.file:
+        plan = load_plan(cfg.plan.file)
+        problems = plan_problems(plan, cfg)
+        if problems:
+            raise ConfigError(format_problems(f"config {cfg.source}", problems))
+        return plan
+    return plan_from_config(cfg)
+
+
+def run_topology(cfg: RunConfig) -> Topology:
+    """The machine a run plans for: plan.topology (a preset or a layout file); else, with GPUs, this host's
+    discovered topology narrowed to the first plan.num_gpus (default: all) CUDA devices; else plan.num_gpus
+    CPU stand-ins of plan.device_memory_mb each. ConfigError when the gpu or stage count does not fit it."""
+    p = cfg.plan
+    if p.topology is None and torch.cuda.is_available():
+        return discovered_topology(torch.cuda.device_count() if p.num_gpus is None else p.num_gpus)
+    if p.topology is None:
+        return cpu_standin(DEFAULT_GPUS if p.num_gpus is None else p.num_gpus, int(p.device_memory_mb * MiB))
+    topo = load_topology(p.topology)  # a layout file's path is absolute: load_config made it so
+    if p.num_gpus is not None and p.num_gpus != topo.num_gpus:
+        raise ConfigError(
+            f"config {cfg.source}: plan.num_gpus is {p.num_gpus} but plan.topology {p.topology!r} has "
+            f"{topo.num_gpus} gpus; remove plan.num_gpus (the topology sets it) or set it to {topo.num_gpus}"
+        )
+    if p.num_stages < topo.num_gpus:
+        raise ConfigError(
+            f"config {cfg.source}: plan.num_stages is {p.num_stages} but plan.topology {p.topology!r} has "
+            f"{topo.num_gpus} gpus, each needing a stage; raise plan.num_stages to at least {topo.num_gpus}"
+        )
+    return topo
+
+
+def num_ranks(cfg: RunConfig) -> int:
+    """Ranks the run needs: its plan file's gpu count, else its topology's (see run_topology)."""
+    return load_plan(cfg.plan.file).num_gpus if cfg.plan.file else run_topology(cfg).num_gpus
+
+
+def gpt_profile(cfg: RunConfig) -> Profile:
+    """The analytic profile of the config's model in train.precision, on the run's gpu 0 (its layout's tflops, or
+    the table's figure for its name) or the CPU stand-in."""
+    if torch.cuda.is_available():
+        g = run_topology(cfg).gpus[0]
+        device = gpu_spec(g.name, g.memory_bytes, g.link_gbps, g.tflops)
+    else:
+        device = device_spec("cpu-standin")
+    return analytic_profile(model_spec(cfg), device, microbatch_size=cfg.microbatch_size, dtype=cfg.train.precision)
+
+
+def plan_from_config(cfg: RunConfig, solver: str = "dp", profile: Profile | None = None) -> Plan:
+    """The plan made from the config alone (its analytic profile, or `profile` of its model). Every rank makes
+    it for itself, so the default is the exact DP, which is deterministic; a time-limited MIP could differ
+    between ranks. `mobiuspipe partition --config` passes its --solver and --profile and writes the result for
+    plan.file."""
+    return make_plan(
+        gpt_profile(cfg) if profile is None else profile,
+        run_topology(cfg),
+        cfg.data.num_microbatches,
+        num_stages=cfg.plan.num_stages,
+        mapping=cfg.plan.mapping,
+        solver=solver,
+        activation_tiers=activation_tiers(cfg),
+    )
+
+
+def activation_tiers(cfg: RunConfig) -> tuple[str, ...]:
+    """The tiers off the device the planner may hold activations on for this run: the host; the SSD when
+    memory.ssd_dir is set; the next rank's gpu when the run has several, all on this host (partition.peer;
+    torchrun's LOCAL_WORLD_SIZE below the rank count: several hosts)."""
+    n = num_ranks(cfg)
+    one_host = int(os.environ.get("LOCAL_WORLD_SIZE", n)) >= n
+    return ("host",) + (("ssd",) if cfg.memory.ssd_dir else ()) + (("peer",) if n > 1 and one_host else ())
+
+
+def plan_problems(plan: Plan, cfg: RunConfig) -> list[Problem]:
+    """Everything in which plan.file's plan does not fit the config: the model (name, layers, each stage's
+    parameters), train.precision, the microbatches (count and size); each Problem names the config key."""
+    spec, file = model_spec(cfg), cfg.plan.file
+    replan = f"re-plan for this config: `mobiuspipe partition --config {cfg.source} -o {file}`"
+    made = f"as in plan.file {file}"
+    problems = rule(
+        plan.model == spec.name,
+        "plan.file",
+        f"a plan for this config's model {spec.name!r}",
+        f"a plan for {plan.model!r}",
+        replan,
+    )
+    if plan.num_layers != spec.num_layers:
+        problems += [
+            Problem(
+                "plan.file",
+                f"a plan cutting the model's {spec.num_layers} layers",
+                f"a plan for {plan.num_layers} layers",
+                f"{replan}, or remove plan.file to plan at start-up",
+            )
+        ]
+    else:
+        problems += _stage_problems(plan, spec, replan)
+    problems += rule(
+        plan.dtype == cfg.train.precision,
+        "train.precision",
+        f"{plan.dtype} ({made})",
+        cfg.train.precision,
+        f"{replan}, or set train.precision: {plan.dtype}",
+    )
+    return problems + _microbatch_problems(plan, cfg, made, replan)
+
+
+def _stage_problems(plan: Plan, spec: ModelSpec, replan: str) -> list[Problem]:
+    """Stages whose parameters in this model differ from the plan's or overflow its slot (one Problem)."""
+    counts, size = layer_param_counts(spec), dtype_bytes(plan.dtype)
+    wrong = []
+    for j, s in enumerate(plan.stages):
+        n = sum(counts[s.first : s.last + 1])
+        if s.param_count != n or n * size > plan.slot_bytes:
+            wrong.append(f"stage {j} (layers {s.first}..{s.last}) has {n} parameters here, {s.param_count} in the plan")
+    shown = "; ".join(wrong[:3]) + (f"; and {len(wrong) - 3} more stages" if len(wrong) > 3 else "")
+    return rule(
+        not wrong,
+        "plan.file",
+        f"each stage's parameters as this model has them, within the plan's {plan.slot_bytes}-byte slot",
+        f"{shown} (a plan for another model or dtype)",
+        f"{replan}, or remove plan.file to plan at start-up",
+    )
+
+
+def _microbatch_problems(plan: Plan, cfg: RunConfig, made: str, replan: str) -> list[Problem]:
+    """data.num_microbatches and the microbatch size (data.batch_size / num_microbatches) against the plan's;
+    both give the same fix, the settings that make the plan's microbatches."""
+    d, count, size = cfg.data, plan.num_microbatches, plan.microbatch_size
+    batch = count * size
+    settings = [f"data.num_microbatches: {count}"] * (d.num_microbatches != count)
+    settings += [f"data.batch_size: {batch}"] * (d.batch_size != batch)
+    fix = f"{replan}, or set {' and '.join(settings)}"
+    return rule(
+        d.num_microbatches == count, "data.num_microbatches", f"{count} ({made})", str(d.num_microbatches), fix
+    ) + rule(
+        cfg.microbatch_size == size,
+        "data.batch_size",
+        f"microbatches of {size} sequences ({made}: data.batch_size {batch} in {count} microbatches)",
+        f"data.batch_size {d.batch_size} in {d.num_microbatches} microbatches of {cfg.microbatch_size}",
+        fix,
+    )

@@ -1,0 +1,55 @@
+"""Where a Pipeline's stages keep their states: one placement rule (partition.placement) applied by every
+rank to its stages, gathered so that every rank knows every stage's tiers, and the rank's SSD store."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+
+from foundation.units import MiB
+from mobiuspipe.config.memory import MemoryConfig
+from mobiuspipe.errors import PipelineError
+from mobiuspipe.memory.ssd_store import SSDStore
+from mobiuspipe.runtime.ranks import RankInfo, gather_all
+from mobiuspipe.runtime.stage_states import AdamHyper, SsdTier, least_share
+from partition.placement import Placement, place_states
+
+__all__ = ["agree_on_tiers"]
+
+
+def agree_on_tiers(
+    info: RankInfo, mem: MemoryConfig, dtype_bytes: int, make_optimizer: Callable, params: dict[int, int]
+) -> tuple[Placement, dict[int, tuple[str, str]], SSDStore | None, dict[int, SsdTier | None]]:
+    """(this rank's placement, every stage's (optimizer tier, weights tier), the rank's store or None, stage j
+    -> its SSD tier or None) for this rank's stages (params: stage -> parameter count), by memory.optimizer
+    and memory.weights. Every rank raises the first failing rank's error."""
+    b = dtype_bytes
+    try:
+        mine: Placement | str = place_states(
+            mem.optimizer, mem.weights, params, int(mem.host_budget_mb * MiB), least_share(b), b
+        )
+    except ValueError as e:
+        mine = str(e)
+    every = gather_all(info, mine)
+    failed = [(r, p) for r, p in enumerate(every) if isinstance(p, str)]
+    if failed:
+        r, why = failed[0]
+        raise PipelineError(f"memory.optimizer {mem.optimizer}, rank {r}: {why}")
+    placement = every[info.rank]
+    assert isinstance(placement, Placement)
+    state_tiers = {j: (p.optimizer[j], p.weights[j]) for p in every if isinstance(p, Placement) for j in p.optimizer}
+    if not placement.on_ssd:
+        return placement, state_tiers, None, {j: None for j in params}
+    if not mem.ssd_dir:
+        raise PipelineError(f"memory.optimizer {mem.optimizer} puts states on SSD but memory.ssd_dir is not set")
+    try:
+        hyper = AdamHyper.of(make_optimizer)
+    except ValueError as e:
+        raise PipelineError(str(e)) from e
+    store = SSDStore(os.path.join(mem.ssd_dir, f"rank{info.rank}"))
+    if store.meta:  # swap space an earlier run (or attempt) left: a run resumes from its checkpoints instead
+        warnings.warn(f"discarding the optimizer states an earlier run left in {store.folder}", stacklevel=2)
+        store.clear()
+    tier = SsdTier(store, placement.slot_bytes, hyper)
+    return placement, state_tiers, store, {j: tier if t == "ssd" else None for j, t in placement.optimizer.items()}
