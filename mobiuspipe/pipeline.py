@@ -64,8 +64,8 @@ from mobiuspipe.startup.plan import (
 from mobiuspipe.startup.swaps import make_swaps, plan_as_run, swap_tiers
 from mobiuspipe.startup.tiers import agree_on_tiers
 from mobiuspipe.step_result import StepResult
-from partition.costmodel import ARENA_SLOTS
 from partition.plan import Plan
+from partition.rules.costmodel import ARENA_SLOTS
 from topology import Topology
 
 __all__ = ["Pipeline", "StepResult"]

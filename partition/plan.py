@@ -19,10 +19,10 @@ from foundation.loader import (
     save_file,
     to_plain,
 )
-from partition.activations import MODES, TIERS
-from partition.analytic import DTYPE_BYTES
 from partition.errors import InvalidPlan, PlanFileError
-from partition.mapping import MAPPING_RULES
+from partition.rules.activations import MODES, TIERS
+from partition.rules.mapping import MAPPING_RULES
+from partition.spec.analytic import DTYPE_BYTES
 from topology.layout import LAYOUT_CHECKS, layout_defaults
 from topology.types import Topology
 
@@ -61,7 +61,7 @@ class StagePlan(_PlanPart):
     (and on the last stage, whose forward is fused into its backward), the recomputed segments' under
     selective, 0 under keep; None (plans before it was measured or chosen): fwd_s."""
     activations: str = "recompute"
-    """Its activation policy (partition.activations): recompute (the forward again in the backward, from the
+    """Its activation policy (partition.rules.activations): recompute (the forward again in the backward, from the
     stage input), keep (every layer's saved activations from F to B) or selective (kept_layers' only)."""
     kept_layers: tuple[int, ...] = ()
     """selective: the layers (model indices) whose saved activations are kept."""

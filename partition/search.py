@@ -7,18 +7,18 @@ from dataclasses import dataclass
 
 from foundation.timing import Stopwatch
 from foundation.units import GiB, fmt_bytes
-from partition.activation_choice import with_activations
-from partition.bounds import StepBound, step_bound
-from partition.costmodel import ARENA_SLOTS, LayerArrays
-from partition.dp import solve_dp
 from partition.errors import PlanInfeasibleError
-from partition.mapping import mapping_candidates, mapping_score, stage_contention
+from partition.mip.solvers import NO_MIP, mip_installed
 from partition.plan import Plan, SolverInfo, StagePlan
-from partition.profile import Profile
-from partition.sim_stages import HOST_ADAM_PARAMS_PER_S, host_adam_rate, host_cores, loop_overhead, sim_stages
-from partition.simulate import SimResult, simulate
-from partition.solvers import NO_MIP, mip_installed
-from partition.tiers import HostBudget, MemoryPlan, SsdInfo, activation_host_caps, place_tiers, ssd_info
+from partition.rules.activation_choice import with_activations
+from partition.rules.costmodel import ARENA_SLOTS, LayerArrays
+from partition.rules.dp import solve_dp
+from partition.rules.mapping import mapping_candidates, mapping_score, stage_contention
+from partition.rules.tiers import HostBudget, MemoryPlan, SsdInfo, activation_host_caps, place_tiers, ssd_info
+from partition.sim.bounds import StepBound, step_bound
+from partition.sim.simulate import SimResult, simulate
+from partition.sim.stages import HOST_ADAM_PARAMS_PER_S, host_adam_rate, host_cores, loop_overhead, sim_stages
+from partition.spec.profile import Profile
 from topology import Topology
 
 __all__ = [
@@ -51,13 +51,13 @@ def make_plan(
 
     The exact DP runs for every stage count S (num_stages=None: from the gpu count to the layer count)
     and a quick simulation (fixed transfer times) ranks its plans. Then, unless solver="dp", the Mobius
-    MIP (partition.mip) re-cuts the best MIP_CANDIDATES stage counts, warm-started from the DP, within
+    MIP (partition.mip.model) re-cuts the best MIP_CANDIDATES stage counts, warm-started from the DP, within
     time_limit_s of solver time in all and to a relative gap. The candidates are simulated again with
-    shared links (partition.simulate with the topology) and the least predicted step wins.
+    shared links (partition.sim.simulate with the topology) and the least predicted step wins.
 
-    host_budget: the host memory the states must fit (partition.tiers); states that do not fit go to the
+    host_budget: the host memory the states must fit (partition.rules.tiers); states that do not fit go to the
     SSD and the final simulation streams their traffic under the updates. None: unlimited, all in memory.
-    activations: "auto" chooses each stage's activation policy under the memory (partition.activation_choice)
+    activations: "auto" chooses each stage's activation policy under the memory (partition.rules.activation_choice)
     on the fastest plan whose lifetime walk then fits (the candidates, then up to WALK_RETRIES plans with more
     stages; PlanInfeasibleError when none does); "recompute" plans every stage to recompute from its input
     (the runtime's path before the choice) under the memory rule alone. activation_tiers: the tiers off the
@@ -100,7 +100,7 @@ def _chosen(
     tiers: tuple[str, ...],
 ) -> Plan:
     """The first of plans whose lifetime walk fits the memory with each stage's activation policy chosen
-    (partition.activation_choice), its step predicted again with them; PlanInfeasibleError naming the first
+    (partition.rules.activation_choice), its step predicted again with them; PlanInfeasibleError naming the first
     plan's shortfall when none fits (the memory rule alone would have let it through, and the run exceed it)."""
     budget = budget or HostBudget(None, "unlimited")
     errors = []
@@ -146,7 +146,7 @@ class Prediction:
 
 
 def predict_step(plan: Plan, topo: Topology, budget: HostBudget) -> Prediction:
-    """Place the plan's states under `budget` (partition.tiers) and simulate its step on `topo` with shared
+    """Place the plan's states under `budget` (partition.rules.tiers) and simulate its step on `topo` with shared
     links, the SSD traffic of the states on the SSD, and the loop's per-step overhead the topology measured;
     PlanInfeasibleError when the states cannot fit."""
     memory = place_tiers(plan, budget)
@@ -210,10 +210,10 @@ def _mip_plans(
     time_limit_s: float,
     gap: float,
 ) -> tuple[list[Plan], SolverInfo]:
-    """The MIP's cut for each candidate's stage count (partition.mip_counts), kept where the runtime's arena
+    """The MIP's cut for each candidate's stage count (partition.mip.counts), kept where the runtime's arena
     of fixed slots holds it; the solver info summarizes the whole search."""
-    from partition.mip_counts import CountCandidate, solve_counts  # the solvers load only when used
-    from partition.mip_solve import stage_data
+    from partition.mip.counts import CountCandidate, solve_counts  # the solvers load only when used
+    from partition.mip.solve import stage_data
 
     cands = [
         CountCandidate(p.mapping, stage_data(topo, p.mapping, profile), [s.first for s in p.stages] + [p.num_layers])

@@ -44,12 +44,12 @@ from mobiuspipe.optim import CPUAdam
 from mobiuspipe.profiling.profiler import measure_profile
 from mobiuspipe.startup.config_plan import gpt_profile, model_spec, run_topology
 from partition import make_plan
-from partition.activation_choice import with_activations
-from partition.device_peak import planned_device_bytes
 from partition.errors import PlanInfeasibleError
 from partition.plan import Plan
-from partition.profile import Profile
-from partition.tiers import HostBudget
+from partition.rules.activation_choice import with_activations
+from partition.rules.device_peak import planned_device_bytes
+from partition.rules.tiers import HostBudget
+from partition.spec.profile import Profile
 
 MiB = 1 << 20
 POLICIES = ("recompute", "keep", "chosen", "offload")

@@ -27,7 +27,7 @@ rest (messages, waits, copies).
 
 With --calibrate each cell also gets predictions from the profile refined by its PARTNER plan's runs (the same
 model, ranks and policy, another cut; mobiuspipe.profiling.refine scales each layer by how its stage ran in a
-traced run, the per-layer median over the repetitions' runs, partition.retime re-times this cell's plan of each
+traced run, the per-layer median over the repetitions' runs, partition.sim.retime re-times this cell's plan of each
 repetition from it): the layers as they run in a pipeline on this machine, measured on a different plan than
 the one predicted, and what posting and taking a message cost the ranks' threads in those runs (charged on the
 sender's and the receiver's compute streams); the cell reports the median of measured / predicted. The exit code
@@ -74,9 +74,9 @@ from mobiuspipe.profiling.trace_compare import report
 from mobiuspipe.runtime.action_trace import read_chrome
 from partition import make_plan
 from partition.plan import Plan, save_plan
-from partition.profile import Profile
-from partition.retime import retime
-from partition.sim_types import SimResult
+from partition.sim.retime import retime
+from partition.sim.types import SimResult
+from partition.spec.profile import Profile
 from topology import Topology, cpu_standin
 from topology.probe_cpu import MatmulWork, probe_host_cores, probe_messages
 from topology.types import Measured

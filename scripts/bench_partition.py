@@ -13,12 +13,12 @@ import platform
 
 from foundation.timing import Stopwatch
 from foundation.units import GiB
-from partition.analytic import analytic_profile
 from partition.errors import PlanInfeasibleError
-from partition.hardware import device_spec
-from partition.models import get_model
+from partition.mip.solvers.gurobi import _license
 from partition.search import make_plan
-from partition.solvers.gurobi import _license
+from partition.spec.analytic import analytic_profile
+from partition.spec.hardware import device_spec
+from partition.spec.lookup import get_model
 from topology import preset
 
 MODELS = ("gpt3-13b", "gpt3-175b", "llama2-70b")

@@ -27,7 +27,7 @@ import yaml
 from foundation.timing import Stopwatch
 from mobiuspipe.config import config_from_dict
 from mobiuspipe.startup.config_plan import model_spec, plan_for_config
-from partition.models import layer_param_counts
+from partition.spec.models import layer_param_counts
 
 MiB = 1 << 20
 WRAPPER = (

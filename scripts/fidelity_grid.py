@@ -19,10 +19,10 @@ from mobiuspipe.runtime.activations import stage_modes
 from mobiuspipe.startup.config_plan import model_spec
 from mobiuspipe.startup.swaps import plan_as_run, swap_tiers
 from partition.plan import Plan
-from partition.profile import Profile
+from partition.rules.tiers import HostBudget
 from partition.search import predict_step
-from partition.sim_types import SimResult
-from partition.tiers import HostBudget
+from partition.sim.types import SimResult
+from partition.spec.profile import Profile
 from topology import Topology
 
 GPT_MODELS = {

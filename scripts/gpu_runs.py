@@ -23,9 +23,9 @@ from mobiuspipe.runtime.action_trace import write_chrome
 from mobiuspipe.runtime.activations import ActivationsSpec
 from mobiuspipe.startup.swaps import plan_as_run, swap_tiers
 from partition import make_plan
-from partition.device_peak import planned_device_bytes
-from partition.models import ModelSpec
 from partition.plan import Plan
+from partition.rules.device_peak import planned_device_bytes
+from partition.spec.models import ModelSpec
 
 LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-8, 0.05
 

@@ -24,12 +24,12 @@ from foundation.hints import field_hints, unwrap_optional
 from foundation.units import GiB
 from mobiuspipe.config import RunConfig, config_from_dict, load_config
 from mobiuspipe.errors import ConfigError
-from partition.analytic import analytic_profile
 from partition.errors import PlanFileError
-from partition.hardware import device_spec
-from partition.models import get_model
 from partition.plan import Plan, load_plan
 from partition.search import make_plan
+from partition.spec.analytic import analytic_profile
+from partition.spec.hardware import device_spec
+from partition.spec.lookup import get_model
 from topology import Topology, TopologyError, cpu_standin, load_topology, preset
 from topology.layout import topology_from_dict
 from topology.types import Measured, Nvme

@@ -18,7 +18,7 @@ from mobiuspipe.errors import (
     WorldSizeError,
 )
 from partition.errors import PlanFileError, PlanInfeasibleError, ProfileFileError, UnknownModelError
-from partition.hf import ModelConfigError
+from partition.spec.hf import ModelConfigError
 from topology.errors import TopologyError
 
 USER_FIXABLE = [

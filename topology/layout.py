@@ -1,6 +1,7 @@
 """Layout files: a Topology read from and written to YAML or JSON by the one strict loader (foundation.loader).
 
-A layout file holds what `Topology.to_dict()` produces (README.md shows this same schema, and a test loads it):
+A layout file holds what `Topology.to_dict()` produces (docs/worked-example.md shows this same schema, and a test
+loads it):
 
     name: my-server                  # required
     source: file:my-server.yaml      # optional; default "file:<path>"
@@ -19,7 +20,7 @@ A layout file holds what `Topology.to_dict()` produces (README.md shows this sam
         index: 0                     # optional; default its position, and must equal it
         numa_node: 0                 # optional; default the numa node of its root complex
         # optional too: uuid, pcie_gen, pcie_width, cpu_affinity ("0-11,24-35"), tflops (peak dense
-        # fp16/bf16 TFLOPS, for a gpu partition/hardware.py does not list)
+        # fp16/bf16 TFLOPS, for a gpu partition/spec/hardware.py does not list)
       - {name: NVIDIA GeForce RTX 3090 Ti, memory_bytes: 24GiB, pci_bus_id: "0000:1b:00.0",
          root_complex: rc0, link_gbps: 15.75, switch: sw0}
     nvlinks: [{a: 0, b: 1, links: 4, gbps: 56.0}]            # optional

@@ -10,7 +10,7 @@ in units of one process computing alone: the same work (a 256 x 256 fp32 matmul 
 is timed in one process alone (t_1), then in every process at once (t_i); C = sum_i t_1 / t_i, between 1
 (one alone is the unit) and `workers`. Rounds alternate alone / together `repeats` times and C is their
 median. An idle machine of n cores gives C = n; processes of other users lower it, which is what the
-simulator's host-cores link needs (partition.simulate, host_cores).
+simulator's host-cores link needs (partition.sim.simulate, host_cores).
 
 Messages: two processes send a tensor back and forth over torch.distributed's gloo on this host (what the
 CPU stand-ins' activations and gradients cross), `repeats` round trips per size after 5 untimed; one way =

@@ -56,7 +56,7 @@ class Gpu:
     cpu_affinity: str = ""
     """CPUs close to this GPU, as a cpulist ("0-11,24-35"); "" when unknown."""
     tflops: float = 0.0
-    """Peak dense fp16/bf16 tensor throughput, 1e12 FLOP/s, for a GPU that partition/hardware.py does not list
+    """Peak dense fp16/bf16 tensor throughput, 1e12 FLOP/s, for a GPU that partition/spec/hardware.py does not list
     (a layout file's, from the vendor's datasheet); 0 = the table's figure for its name."""
 
 
@@ -200,7 +200,7 @@ class Topology:
 
         Each shared link on the way (every switch above it, then the root complex uplink) is split evenly
         between the copying GPUs that cross it, the group's GPUs filling the nearest switch first.
-        `concurrent` may be fractional: an expected number of overlapping copies (see partition.mapping).
+        `concurrent` may be fractional: an expected number of overlapping copies (see partition.rules.mapping).
         """
         g = self.gpus[gpu]
         k = max(1.0, concurrent)
@@ -237,14 +237,9 @@ class Topology:
         return "NODE" if self.gpus[a].numa_node == self.gpus[b].numa_node else "SYS"
 
     def to_dict(self) -> dict:
-        """Plain data (lists, dicts, numbers, strings) that from_dict and layout files accept back."""
+        """Plain data (lists, dicts, numbers, strings) that topology.layout.topology_from_dict, the one parser with
+        the strict checks, and layout files accept back."""
         return {k: _plain(v) for k, v in asdict(self).items()}
-
-    @classmethod
-    def from_dict(cls, d: dict, where: str = "topology") -> Topology:
-        from topology.layout import topology_from_dict  # one parser, with the strict checks
-
-        return topology_from_dict(d, where)
 
 
 def _plain(x):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from foundation.errors import UserError
-from partition.trace import RenderError
+from partition.report.trace import RenderError
 
 __all__ = ["CliError", "positive_int", "non_negative_float", "write_output"]
 

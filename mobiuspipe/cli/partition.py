@@ -11,18 +11,19 @@ from pathlib import Path
 
 from foundation.units import GiB, fmt_bytes
 from mobiuspipe.cli._common import CliError, non_negative_float, positive_int, write_output
-from partition.activation_choice import with_activations
-from partition.analytic import analytic_profile
-from partition.compare import compare, compare_json, compare_text
-from partition.explain import explain_json, explain_lines
-from partition.hardware import gpu_spec
-from partition.models import ModelSpec, get_model
 from partition.plan import Plan, save_plan
-from partition.profile import Profile, load_profile
+from partition.report.compare import compare, compare_json, compare_text
+from partition.report.explain import explain_json, explain_lines
+from partition.report.trace import ascii_timeline, svg_timeline
+from partition.rules.activation_choice import with_activations
+from partition.rules.tiers import HostBudget, activation_host_caps, host_budget
 from partition.search import Prediction, make_plan, predict_step
-from partition.simulate import SimResult
-from partition.tiers import HostBudget, activation_host_caps, host_budget
-from partition.trace import ascii_timeline, svg_timeline
+from partition.sim.simulate import SimResult
+from partition.spec.analytic import analytic_profile
+from partition.spec.hardware import gpu_spec
+from partition.spec.lookup import get_model
+from partition.spec.models import ModelSpec
+from partition.spec.profile import Profile, load_profile
 from topology import PRESETS, Topology, load_topology
 
 __all__ = ["register", "run", "plan_to_json", "render_plan"]

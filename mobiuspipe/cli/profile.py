@@ -23,11 +23,12 @@ from typing import TYPE_CHECKING
 
 from foundation.units import fmt_bytes
 from mobiuspipe.cli._common import CliError, positive_int, write_output
-from partition.analytic import DTYPE_BYTES, analytic_profile
-from partition.hardware import MFU_DEFAULT, device_spec
-from partition.hf import ModelConfigError
-from partition.models import ModelSpec, get_model
-from partition.profile import Profile, compress, load_profile, runs_to_list, save_profile
+from partition.spec.analytic import DTYPE_BYTES, analytic_profile
+from partition.spec.hardware import MFU_DEFAULT, device_spec
+from partition.spec.hf import ModelConfigError
+from partition.spec.lookup import get_model
+from partition.spec.models import ModelSpec
+from partition.spec.profile import Profile, compress, load_profile, runs_to_list, save_profile
 from topology import Topology
 from topology.layout import save_topology
 
@@ -213,8 +214,8 @@ def _refined(args: argparse.Namespace) -> tuple[Profile, str, list[str]]:
     from mobiuspipe.profiling.refine import refine_profile
     from mobiuspipe.runtime.action_trace import read_chrome
     from partition.plan import load_plan
+    from partition.rules.tiers import HostBudget
     from partition.search import predict_step
-    from partition.tiers import HostBudget
 
     if args.model or args.measured:
         raise CliError("--refine reads the model from the run's folder: drop --model and --measured")

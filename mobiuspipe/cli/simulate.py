@@ -11,11 +11,11 @@ from pathlib import Path
 
 from foundation.units import fmt_bytes
 from mobiuspipe.cli._common import CliError, write_output
-from partition.baselines import predict
 from partition.plan import Plan, load_plan
-from partition.simulate import SimResult, link_paths
-from partition.trace import chrome_trace, svg_timeline
-from partition.trace_png import png_timeline
+from partition.report.baselines import predict
+from partition.report.trace import chrome_trace, svg_timeline
+from partition.report.trace_png import png_timeline
+from partition.sim.simulate import SimResult, link_paths
 from topology import PRESETS, Topology, cpu_standin, load_topology
 
 __all__ = ["register", "run", "simulate_json", "render_simulation"]

@@ -1,5 +1,5 @@
 """The run config's `memory:` section: where each stage's states live (host memory or an SSD store) under a
-host budget per rank; the rule that places them is partition/placement.py."""
+host budget per rank; the rule that places them is partition/rules/placement.py."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from foundation.loader import Problem, rule
 from mobiuspipe.config.section import WRITTEN_PATH, Section, mebibytes
-from partition.placement import TIERS  # where memory.optimizer and memory.weights may put states
+from partition.rules.placement import TIERS  # where memory.optimizer and memory.weights may put states
 
 __all__ = ["MemoryConfig", "ACTIVATION_MODES", "ACTIVATION_TIERS"]
 
@@ -22,7 +22,7 @@ also takes per-stage selective)."""
 @dataclass(frozen=True, kw_only=True)
 class MemoryConfig(Section):
     """Where each stage's states live, host memory or an SSD store, under a host budget per rank (see
-    partition/placement.py for the bytes each choice keeps in memory)."""
+    partition/rules/placement.py for the bytes each choice keeps in memory)."""
 
     optimizer: str = "host"
     """The fp32 master weights and Adam moments (12 bytes per parameter). "host": in host memory; "ssd": in
@@ -50,7 +50,7 @@ class MemoryConfig(Section):
     and recomputed parts' inputs) live from its forward to its backward. "plan": as the plan chose;
     "device": on the device; "host": copied to (pinned) host memory after the forward, prefetched back before
     the backward, on the copy stream; "ssd": on to an SSD store in ssd_dir (ssd_dir/rank{r}-activations)
-    through a host staging buffer; "peer": into a region of the next rank's gpu (partition/peer.py sizes it;
+    through a host staging buffer; "peer": into a region of the next rank's gpu (partition/rules/peer.py sizes it;
     device to device where the gpus have peer access, staged through host otherwise; ranks on one host).
     Every tier gives the same numbers bit for bit."""
 

@@ -7,8 +7,8 @@ from functools import lru_cache
 
 from foundation.loader import Problem, at_least, rule
 from mobiuspipe.config.section import Section, divisible
-from partition.hf import ModelConfigError, read_hf_config
-from partition.models import ModelSpec
+from partition.spec.hf import ModelConfigError, read_hf_config
+from partition.spec.models import ModelSpec
 
 MAX_VOCAB = 65536
 """Largest vocabulary of the built-in GPT: its byte-level and token-file ids fit in 16 bits."""

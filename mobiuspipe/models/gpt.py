@@ -1,6 +1,6 @@
 """A GPT as a list of layers (embedding, transformer blocks, head), each initialized from its own seed.
 
-The layer structure matches partition.models parameter for parameter, so a plan's byte counts are exact.
+The layer structure matches partition.spec.models parameter for parameter, so a plan's byte counts are exact.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from partition.models import ModelSpec
+from partition.spec.models import ModelSpec
 
 __all__ = ["Embedding", "Block", "Head", "build_layer", "build_layers", "layer_factories", "lm_loss"]
 

@@ -25,8 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from partition.hf import ModelConfigError, read_hf_config
-from partition.models import ModelSpec
+from mobiuspipe.models.hf_weights import hf_key, load_layer, tensor_files
+from partition.spec.hf import ModelConfigError, read_hf_config
+from partition.spec.models import ModelSpec
 
 __all__ = ["HFModel", "SUPPORTED", "open_hf", "layer_factories", "hf_key"]
 
@@ -78,8 +79,6 @@ def open_hf(folder: str | os.PathLike, seq_len: int) -> HFModel:
     """Read and check a model folder for training on sequences of seq_len tokens (ModelConfigError names
     what is wrong and the fix)."""
     from transformers import AutoConfig
-
-    from mobiuspipe.models.hf_weights import tensor_files
 
     path = Path(folder)
     if not (path / "config.json").is_file():
@@ -207,22 +206,8 @@ def _skeleton(m: HFModel, l: int) -> nn.Module:
     return NormHead(norm, nn.Linear(c.hidden_size, c.vocab_size, bias=False))
 
 
-def hf_key(m: HFModel, l: int, name: str) -> str:
-    """The checkpoint's name of layer l's parameter `name` (as save_pretrained writes it)."""
-    base, blocks = ("transformer", "h") if m.model_type == "gpt2" else ("model", "layers")
-    if l == 0:
-        return f"{base}.{name}"
-    if l < m.num_layers - 1:
-        return f"{base}.{blocks}.{l - 1}.{name.removeprefix('layer.')}"
-    if name.startswith("norm."):
-        final = "ln_f" if m.model_type == "gpt2" else "norm"
-        return f"{base}.{final}.{name.removeprefix('norm.')}"
-    return name  # lm_head.weight
-
-
 def build_layer(m: HFModel, l: int) -> nn.Module:
     """Layer l, materialized on the CPU in fp32 with its tensors read from the checkpoint."""
-    from mobiuspipe.models.hf_weights import load_layer
 
     with torch.device("meta"):
         layer = _skeleton(m, l)

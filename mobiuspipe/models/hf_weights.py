@@ -14,9 +14,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from partition.hf import ModelConfigError
+from partition.spec.hf import ModelConfigError
 
-__all__ = ["tensor_files", "load_layer", "INDEX", "SINGLE"]
+__all__ = ["tensor_files", "load_layer", "hf_key", "INDEX", "SINGLE"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -61,10 +61,23 @@ def _source(m, name: str) -> str | None:
     return bare if bare in m.files else None
 
 
+def hf_key(m, l: int, name: str) -> str:
+    """The checkpoint's name of layer l's parameter `name` of model m (an HFModel: its model_type and num_layers),
+    as save_pretrained writes it."""
+    base, blocks = ("transformer", "h") if m.model_type == "gpt2" else ("model", "layers")
+    if l == 0:
+        return f"{base}.{name}"
+    if l < m.num_layers - 1:
+        return f"{base}.{blocks}.{l - 1}.{name.removeprefix('layer.')}"
+    if name.startswith("norm."):
+        final = "ln_f" if m.model_type == "gpt2" else "norm"
+        return f"{base}.{final}.{name.removeprefix('norm.')}"
+    return name  # lm_head.weight
+
+
 def load_layer(m, l: int, layer: nn.Module) -> None:
     """Fill layer l's parameters (fp32, on the CPU) from the checkpoint; ModelConfigError for a tensor that
     is missing or of another shape."""
-    from mobiuspipe.models.hf import hf_key
 
     embed = {hf_key(m, 0, a.split(".", 1)[1]) for a, _ in m.tied_params()}
     wanted = {}

@@ -1,5 +1,5 @@
 """Measured per-layer profile: run each layer's forward and backward on a device and time it, same format
-as partition.analytic.
+as partition.spec.analytic.
 
 For each layer l, fed the previous layer's output (the first gets `sample_input`):
   fwd_s, recompute_s, bwd_s, kept_s
@@ -46,7 +46,7 @@ from foundation.timing import Stopwatch
 from mobiuspipe.memory.ledger import DeviceLedger
 from mobiuspipe.memory.measure import counting_saved
 from mobiuspipe.runtime.activations import keeping
-from partition.profile import LayerProfile, Profile
+from partition.spec.profile import LayerProfile, Profile
 
 __all__ = ["Measurement", "measure_layers", "measure_profile"]
 

@@ -14,7 +14,7 @@ is fused (its forward runs inside its B), so there s_B stands for s_F too. Ident
 blocks, equal in name and bytes) in stages that ran differently get one scale, the mean of their stages'
 weighted by the layers' predicted seconds: the run measured stages, not layers, and a plan made from the
 refined profile should not move a cut between identical blocks for the noise of one run. Bytes and flops stay.
-partition.retime.retime then re-times another plan of the model from the refined profile.
+partition.sim.retime.retime then re-times another plan of the model from the refined profile.
 
 The run also measures what posting a message to another rank costs the sender's thread (SA after an F, SG after
 a B, where the neighbour stage is on another gpu): send_s, the median of those records, which the simulator
@@ -40,8 +40,8 @@ from dataclasses import dataclass
 
 from mobiuspipe.runtime.action_trace import TracedAction, as_sim_result
 from partition.plan import Plan
-from partition.profile import LayerProfile, Profile
-from partition.sim_types import SimResult
+from partition.sim.types import SimResult
+from partition.spec.profile import LayerProfile, Profile
 from topology.types import Measured
 
 __all__ = [

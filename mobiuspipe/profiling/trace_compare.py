@@ -14,7 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from mobiuspipe.runtime.action_trace import TracedAction, as_sim_result
-from partition.sim_types import SimResult
+from partition.sim.types import SimResult
 
 __all__ = ["ActionRow", "compare_actions", "kind_seconds", "format_rows", "report", "steady_ratio"]
 

@@ -5,13 +5,13 @@ Legend (units in brackets):
   h    d_model                                                           [-]
   s    seq_len, tokens per sequence                                      [-]
   V    vocab_size                                                        [-]
-  m    block_matmul_params (partition.models; gpt: 12h^2)                [-]
+  m    block_matmul_params (partition.spec.models; gpt: 12h^2)                [-]
   F    model FLOPs per token, forward + backward                        [FLOP]
   T    tokens per optimizer step: batch_size * s                        [-]
   t    the step's wall time on rank 0                                    [s]
-  P_g  peak_tflops of rank g's device (partition.hardware)               [1e12 FLOP/s]
+  P_g  peak_tflops of rank g's device (partition.spec.hardware)               [1e12 FLOP/s]
 
-F comes from the partition package's analytic cost model (partition.analytic: per layer fwd_flops, and
+F comes from the partition package's analytic cost model (partition.spec.analytic: per layer fwd_flops, and
 bwd_flops = 2 * fwd_flops), summed over the layers for one sequence and divided by s:
   F = 3 * (2*L*m + 4*L*s*h + 2*h + 2*h*V) = 6*(L*m + h*V) + 12*L*s*h + 6*h
 that is 6N over the N = L*m + h*V weights of the matmuls (biases and norms left out; the embedding tables
@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import torch
 
-from partition.analytic import analytic_profile
-from partition.hardware import DEVICES, device_spec
-from partition.models import ModelSpec
+from partition.spec.analytic import analytic_profile
+from partition.spec.hardware import DEVICES, device_spec
+from partition.spec.models import ModelSpec
 
 __all__ = ["flops_per_token", "device_name", "peak_tflops", "rate"]
 
@@ -52,7 +52,7 @@ def device_name(local_rank: int) -> str:
 
 
 def peak_tflops(name: str) -> float | None:
-    """P of the legend for device type `name`; None when partition/hardware.py does not list it (then a run
+    """P of the legend for device type `name`; None when partition/spec/hardware.py does not list it (then a run
     reports no MFU)."""
     try:
         return device_spec(name).peak_tflops

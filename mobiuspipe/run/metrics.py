@@ -53,7 +53,7 @@ class StepMetrics:
     tflops: float | None = None
     """flops_per_step / step_s / 1e12."""
     mfu: float | None = None
-    """tflops over the sum of the ranks' device peaks (partition/hardware.py); None for a device not listed."""
+    """tflops over the sum of the ranks' device peaks (partition/spec/hardware.py); None for a device not listed."""
     host_rss_bytes: int | None = None
     """The largest resident memory (RSS) of a rank's process at the end of the step."""
     ssd_bytes: int | None = None
@@ -253,7 +253,7 @@ def _clock(seconds: float) -> str:
 
 def device_peak_line(measured: list[int], planned: list[int], source: str, parts: dict[str, int]) -> str:
     """One line comparing each rank's measured device peak over the run with the plan's figure for its gpu
-    (partition.device_peak), saying which is larger and by how much; `parts` explains the largest rank's
+    (partition.rules.device_peak), saying which is larger and by how much; `parts` explains the largest rank's
     peak (the ledger's bytes by kind)."""
     ranks = [
         f"rank {g} {fmt_bytes(m)} vs {fmt_bytes(p)}: {_larger(m, p)}" for g, (m, p) in enumerate(zip(measured, planned))

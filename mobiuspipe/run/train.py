@@ -46,10 +46,10 @@ from mobiuspipe.runtime.action_trace import as_sim_result, write_chrome
 from mobiuspipe.runtime.ranks import gather_all
 from mobiuspipe.startup.config_plan import model_spec
 from mobiuspipe.step_result import StepResult
-from partition.costmodel import ARENA_SLOTS
-from partition.device_peak import planned_device_bytes
 from partition.plan import Plan, save_plan
-from partition.trace import svg_timeline
+from partition.report.trace import svg_timeline
+from partition.rules.costmodel import ARENA_SLOTS
+from partition.rules.device_peak import planned_device_bytes
 
 __all__ = ["main", "open_run", "train", "with_resume"]
 

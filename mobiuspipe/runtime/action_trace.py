@@ -18,7 +18,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from partition.sim_types import SimResult
+from partition.sim.types import SimResult
 
 __all__ = ["TracedAction", "ActionTrace", "chrome", "write_chrome", "read_chrome", "as_sim_result"]
 
@@ -119,7 +119,7 @@ def read_chrome(path: str | Path) -> list[list[TracedAction]]:
 
 def as_sim_result(per_rank: list[list[TracedAction]], step: int) -> SimResult:
     """Every rank's traced `step` as the simulator's SimResult (times from the step's first record; the step time
-    its last record's end), so that partition.trace draws the measured step as it draws a predicted one."""
+    its last record's end), so that partition.report.trace draws the measured step as it draws a predicted one."""
     recs = [(g, r) for g, recs in enumerate(per_rank) for r in recs if r.step == step]
     if not recs:
         raise ValueError(f"no rank traced step {step}: trace it (runtime.trace_steps) first")

@@ -52,7 +52,7 @@ MODES = ("recompute", "keep", "selective")
 
 ActivationsSpec = str | Mapping[int, Any] | None
 """What Pipeline(activations=...) takes: "plan" (each stage's policy as the plan chose it:
-partition.activation_choice), a mode for every stage, or {stage: "recompute" | "keep" |
+partition.rules.activation_choice), a mode for every stage, or {stage: "recompute" | "keep" |
 ("selective", [layer indices])} (stages left out recompute); None: memory.activations."""
 
 

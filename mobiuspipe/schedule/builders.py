@@ -1,6 +1,6 @@
 """Build the per-gpu Mobius schedule of a plan: forwards of its stages in order, then backwards in reverse.
 
-The visit order is partition.order's: for gpu g with stages J, F(J[0]) .. F(J[-1]), B(J[-1]) .. B(J[0]).
+The visit order is partition.rules.order's: for gpu g with stages J, F(J[0]) .. F(J[-1]), B(J[-1]) .. B(J[0]).
 At the start of each visit the next visit's stage is prefetched (LOAD), so its copy overlaps this visit's
 compute; at the end the visit's stage is released unless the next visit uses it (the last forward stage
 stays resident into its backward).
@@ -14,7 +14,7 @@ no held activations (its forward is fused into its backward).
 from __future__ import annotations
 
 from mobiuspipe.schedule.actions import Action, Kind
-from partition.order import steps_of
+from partition.rules.order import steps_of
 
 __all__ = ["build_schedule"]
 
@@ -22,6 +22,6 @@ __all__ = ["build_schedule"]
 def build_schedule(
     mapping: list[int], gpu: int, microbatches: int, swapped: frozenset[int] = frozenset(), prefetch: int = 1
 ) -> list[Action]:
-    """The ordered actions gpu runs in one step, given stage -> gpu mapping (partition.order.steps_of, typed;
+    """The ordered actions gpu runs in one step, given stage -> gpu mapping (partition.rules.order.steps_of, typed;
     swapped, prefetch: above)."""
     return [Action(Kind(kind), j, i) for kind, j, i in steps_of(mapping, gpu, microbatches, swapped, prefetch)]

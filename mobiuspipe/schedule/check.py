@@ -4,7 +4,7 @@ no deadlock."""
 from __future__ import annotations
 
 from mobiuspipe.schedule.actions import Action, Kind
-from partition.costmodel import WEIGHT_SLOTS
+from partition.rules.costmodel import WEIGHT_SLOTS
 
 __all__ = ["ScheduleError", "check_schedules"]
 

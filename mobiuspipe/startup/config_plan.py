@@ -13,11 +13,11 @@ from mobiuspipe.config import DEFAULT_GPUS, RunConfig
 from mobiuspipe.errors import ConfigError
 from mobiuspipe.startup.machine import discovered_topology
 from partition import make_plan
-from partition.analytic import analytic_profile, dtype_bytes
-from partition.hardware import device_spec, gpu_spec
-from partition.models import ModelSpec, layer_param_counts
 from partition.plan import Plan, load_plan
-from partition.profile import Profile
+from partition.spec.analytic import analytic_profile, dtype_bytes
+from partition.spec.hardware import device_spec, gpu_spec
+from partition.spec.models import ModelSpec, layer_param_counts
+from partition.spec.profile import Profile
 from topology import Topology, cpu_standin, load_topology
 
 __all__ = [
@@ -105,7 +105,7 @@ def plan_from_config(cfg: RunConfig, solver: str = "dp", profile: Profile | None
 
 def activation_tiers(cfg: RunConfig) -> tuple[str, ...]:
     """The tiers off the device the planner may hold activations on for this run: the host; the SSD when
-    memory.ssd_dir is set; the next rank's gpu when the run has several, all on this host (partition.peer;
+    memory.ssd_dir is set; the next rank's gpu when the run has several, all on this host (partition.rules.peer;
     torchrun's LOCAL_WORLD_SIZE below the rank count: several hosts)."""
     n = num_ranks(cfg)
     one_host = int(os.environ.get("LOCAL_WORLD_SIZE", n)) >= n

@@ -1,5 +1,5 @@
 """The peer tier's regions, set up when the Pipeline starts: each rank allocates, in its device's memory, the
-region that partition.peer sizes for the rank whose stages park activations there, and each rank opens the
+region that partition.rules.peer sizes for the rank whose stages park activations there, and each rank opens the
 region it parks in (mobiuspipe.memory.swap_peer). Every rank of the job takes part (collectives), also one
 that neither gives nor parks.
 
@@ -26,8 +26,8 @@ from mobiuspipe.memory.swap import Swap
 from mobiuspipe.memory.swap_peer import PeerSwap, open_shared, share_region, shm_region
 from mobiuspipe.runtime.ranks import RankInfo, gather_all
 from mobiuspipe.standin.places import gpu_buffer
-from partition.peer import regions
 from partition.plan import Plan
+from partition.rules.peer import regions
 
 __all__ = ["GivenRegions", "open_regions"]
 

@@ -57,7 +57,9 @@ def make_swaps(
             out[j] = HostSwap(device)
             continue
         if tiers[j] == "peer":
-            assert peer is not None, "the plan parks this stage on the peer tier, so partition.peer sized a region"
+            assert peer is not None, (
+                "the plan parks this stage on the peer tier, so partition.rules.peer sized a region"
+            )
             out[j] = peer
             continue
         if ssd is None:

@@ -1,4 +1,4 @@
-"""Where a Pipeline's stages keep their states: one placement rule (partition.placement) applied by every
+"""Where a Pipeline's stages keep their states: one placement rule (partition.rules.placement) applied by every
 rank to its stages, gathered so that every rank knows every stage's tiers, and the rank's SSD store."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from mobiuspipe.errors import PipelineError
 from mobiuspipe.memory.ssd_store import SSDStore
 from mobiuspipe.runtime.ranks import RankInfo, gather_all
 from mobiuspipe.runtime.stage_states import AdamHyper, SsdTier, least_share
-from partition.placement import Placement, place_states
+from partition.rules.placement import Placement, place_states
 
 __all__ = ["agree_on_tiers"]
 

@@ -115,7 +115,7 @@ def test_the_last_stage_cannot_swap(tmp_path):
 def test_the_plan_a_run_keeps_is_the_policy_it_runs():
     from mobiuspipe.runtime.activations import stage_modes
     from mobiuspipe.startup.swaps import plan_as_run
-    from partition.device_peak import planned_device_bytes
+    from partition.rules.device_peak import planned_device_bytes
 
     plan = plan_for_config(_cfg("fp32"))  # memory to spare: the planner keeps every stage's activations
     assert [s.activations for s in plan.stages] == ["keep"] * 4

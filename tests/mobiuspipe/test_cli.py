@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 from mobiuspipe import cli
-from partition.models import MODELS
+from partition.mip.solvers import mip_installed
 from partition.plan import load_plan
-from partition.solvers import mip_installed
+from partition.spec.models import MODELS
 from topology import preset
 
 PARTITION = ["partition", "--model", "gpt3-175b", "--topology", "2+2"]

@@ -13,8 +13,8 @@ import torch
 from foundation.errors import UserError
 from mobiuspipe import cli
 from mobiuspipe.cli.profile import register
-from partition.models import MODELS
-from partition.profile import load_profile
+from partition.spec.models import MODELS
+from partition.spec.profile import load_profile
 
 DATA = Path(__file__).resolve().parents[1] / "partition" / "data"
 

@@ -10,9 +10,9 @@ import pytest
 from mobiuspipe.profiling.refine import loop_seconds
 from mobiuspipe.runtime.action_trace import TracedAction, read_chrome, write_chrome
 from partition.plan import load_plan, save_plan
-from partition.profile import LayerProfile, Profile, load_profile, save_profile
+from partition.rules.tiers import HostBudget
 from partition.search import make_plan, predict_step
-from partition.tiers import HostBudget
+from partition.spec.profile import LayerProfile, Profile, load_profile, save_profile
 from tests.mobiuspipe.test_cli_profile import run
 from topology import cpu_standin
 
@@ -75,8 +75,8 @@ def test_the_refined_profile_scales_each_stages_layers(run_dir):
 
 
 def test_layout_out_writes_the_runs_machine_with_its_message_costs(run_dir):
+    from partition.rules.tiers import HostBudget
     from partition.search import predict_step
-    from partition.tiers import HostBudget
     from topology import load_topology
 
     out = run_dir / "out"

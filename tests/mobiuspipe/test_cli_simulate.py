@@ -14,13 +14,13 @@ import pytest
 from foundation.units import GiB
 from mobiuspipe.cli._common import CliError
 from mobiuspipe.cli.simulate import register
-from partition.analytic import analytic_profile
-from partition.baselines import predict
 from partition.errors import PlanFileError
-from partition.hardware import device_spec
-from partition.models import get_model
 from partition.plan import save_plan
+from partition.report.baselines import predict
 from partition.search import make_plan
+from partition.spec.analytic import analytic_profile
+from partition.spec.hardware import device_spec
+from partition.spec.lookup import get_model
 from topology import cpu_standin, load_topology, preset, save_topology
 
 

@@ -8,8 +8,8 @@ from mobiuspipe.config import config_from_dict, load_config
 from mobiuspipe.errors import ConfigError
 from mobiuspipe.models.gpt import build_layers
 from mobiuspipe.startup.config_plan import model_spec, num_ranks, plan_for_config, run_topology
-from partition.models import layer_param_counts
 from partition.plan import save_plan
+from partition.spec.models import layer_param_counts
 from topology import TopologyError, preset, save_topology
 
 

@@ -167,8 +167,8 @@ def test_mistakes_are_named():
             pipe.train_batch(x, y)
 
 
-def test_readme_shows_the_example_as_it_is():
-    readme = (EXAMPLE.parents[1] / "README.md").read_text()
-    assert "```python\n" + EXAMPLE.read_text() + "```" in readme, (
-        "README's listing under '### 4. Your own model' differs from examples/custom_module.py: paste the file there"
+def test_the_python_api_page_shows_the_example_as_it_is():
+    page = (EXAMPLE.parents[1] / "docs" / "python-api.md").read_text()
+    assert "```python\n" + EXAMPLE.read_text() + "```" in page, (
+        "docs/python-api.md's listing differs from examples/custom_module.py: paste the file there"
     )

@@ -24,8 +24,8 @@ from mobiuspipe.run.metrics import device_peak_line
 from mobiuspipe.runtime.comm import Comm
 from mobiuspipe.startup.config_plan import model_spec, plan_for_config
 from partition import make_plan
-from partition.device_peak import planned_device_bytes
-from partition.profile import LayerProfile, Profile
+from partition.rules.device_peak import planned_device_bytes
+from partition.spec.profile import LayerProfile, Profile
 from topology import cpu_standin
 
 

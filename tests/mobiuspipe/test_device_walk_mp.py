@@ -18,8 +18,8 @@ from mobiuspipe.runtime.activations import stage_modes
 from mobiuspipe.startup.config_plan import model_spec
 from mobiuspipe.startup.swaps import plan_as_run, swap_tiers
 from partition import make_plan
-from partition.device_peak import planned_device_bytes
 from partition.plan import save_plan
+from partition.rules.device_peak import planned_device_bytes
 from topology import cpu_standin
 
 pytestmark = pytest.mark.slow

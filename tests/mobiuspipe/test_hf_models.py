@@ -17,7 +17,7 @@ from mobiuspipe.models.gpt import lm_loss
 from mobiuspipe.models.hf import SUPPORTED, hf_key, layer_factories, open_hf
 from mobiuspipe.models.hf_export import finish_export, partial_dir, write_shard
 from mobiuspipe.optim import CPUAdam
-from partition.hf import ModelConfigError
+from partition.spec.hf import ModelConfigError
 
 VOCAB = 301  # hf_fixtures.VOCAB
 KINDS = ("gpt2", "llama", "mistral", "qwen2")

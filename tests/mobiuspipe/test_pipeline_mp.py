@@ -108,7 +108,7 @@ def _check_device_peak(stdout: str, metrics: list[dict], plan) -> None:
     """Each step's measured device peak is above its arena peak (a stage computes on an input while the arena is
     at its peak); rank 0's last line compares every rank's peak over the run with the plan's figure."""
     from foundation.units import fmt_bytes
-    from partition.device_peak import planned_device_bytes
+    from partition.rules.device_peak import planned_device_bytes
 
     assert all(m["device_peak_bytes"] > m["arena_peak_bytes"] for m in metrics)
     lines = [x for x in stdout.splitlines() if x.startswith("device peak, measured (ledger) vs planned")]

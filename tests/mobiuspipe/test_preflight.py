@@ -254,7 +254,7 @@ def test_a_start_up_mistake_prints_once_per_host(capsys, monkeypatch):
 
 def test_plain_torchrun_of_a_bad_config_prints_one_line(tmp_path, launch):
     """Both ranks find the typo; local rank 0 prints it, rank 1 exits 2 quietly; torchrun itself still exits 1
-    with its own failure summary (README: "Errors")."""
+    with its own failure summary (docs/cli.md, "Errors the ranks find")."""
     write_config, torchrun = launch
     config = write_config(tmp_path, {"train": {"stepz": 3, "out_dir": str(tmp_path / "out")}})
     proc = torchrun(config, 2, timeout=120)

@@ -18,10 +18,10 @@ from mobiuspipe.profiling.refine import (
     stage_scales,
 )
 from mobiuspipe.runtime.action_trace import TracedAction
-from partition.profile import LayerProfile, Profile
-from partition.retime import retime
 from partition.search import make_plan, sim_stages
-from partition.simulate import simulate
+from partition.sim.retime import retime
+from partition.sim.simulate import simulate
+from partition.spec.profile import LayerProfile, Profile
 from topology import cpu_standin
 
 M = 3

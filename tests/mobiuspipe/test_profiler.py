@@ -8,10 +8,10 @@ from torch import nn
 
 from mobiuspipe.models.gpt import build_layers, lm_loss
 from mobiuspipe.profiling.profiler import measure_layers, measure_profile
-from partition.analytic import analytic_profile
-from partition.hardware import device_spec
-from partition.models import ModelSpec
-from partition.profile import Profile, compress
+from partition.spec.analytic import analytic_profile
+from partition.spec.hardware import device_spec
+from partition.spec.models import ModelSpec
+from partition.spec.profile import Profile, compress
 
 SPEC = ModelSpec("tiny", num_blocks=6, d_model=64, num_heads=4, seq_len=32, vocab_size=97)
 B = 2

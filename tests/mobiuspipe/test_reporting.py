@@ -16,7 +16,7 @@ from mobiuspipe.run.flops import flops_per_token, peak_tflops, rate
 from mobiuspipe.run.metrics import Reporter, step_metrics
 from mobiuspipe.run.usage import RankStep, folder_bytes, host_rss_bytes
 from mobiuspipe.runtime.engine import StepTimes
-from partition.models import ModelSpec
+from partition.spec.models import ModelSpec
 
 STEP_S = (1.0, 0.5, 0.7, 0.6)
 """Rank 0's wall time of each step."""

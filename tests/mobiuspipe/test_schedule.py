@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from mobiuspipe.schedule import Action, Kind, ScheduleError, build_schedule, check_schedules
-from partition.mapping import round_robin
-from partition.order import visits_of
-from partition.simulate import SimStage, simulate
-from partition.timeline import StageTimes, aggregate_times
+from partition.rules.mapping import round_robin
+from partition.rules.order import visits_of
+from partition.rules.timeline import StageTimes, aggregate_times
+from partition.sim.simulate import SimStage, simulate
 
 
 @pytest.mark.parametrize("stages,gpus,m", [(1, 1, 1), (3, 1, 2), (4, 2, 4), (5, 2, 3), (7, 3, 5), (8, 4, 1)])

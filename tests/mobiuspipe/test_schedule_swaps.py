@@ -9,7 +9,7 @@ import itertools
 import pytest
 
 from mobiuspipe.schedule import Action, Kind, ScheduleError, build_schedule, check_schedules
-from partition.mapping import round_robin
+from partition.rules.mapping import round_robin
 
 
 def test_swap_text_form():

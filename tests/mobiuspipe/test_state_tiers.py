@@ -20,8 +20,8 @@ from mobiuspipe.optim import CPUAdam
 from mobiuspipe.optim.loss_scale import LossScaler
 from mobiuspipe.runtime.stage_states import least_share
 from mobiuspipe.startup.config_plan import model_spec, plan_for_config
-from partition.placement import LEAST_SHARE_BYTES
-from partition.tiers import HostBudget, host_held_bytes, place_tiers
+from partition.rules.placement import LEAST_SHARE_BYTES
+from partition.rules.tiers import HostBudget, host_held_bytes, place_tiers
 
 
 def _run(precision: str, memory: MemoryConfig | None, steps: int = 3, overlap: bool = True):
@@ -54,7 +54,7 @@ def _run(precision: str, memory: MemoryConfig | None, steps: int = 3, overlap: b
 
 
 def test_the_planners_least_share_is_the_runtimes():
-    """partition.placement.LEAST_SHARE_BYTES (what the planner assumes) is what the runtime derives from its
+    """partition.rules.placement.LEAST_SHARE_BYTES (what the planner assumes) is what the runtime derives from its
     out-of-core Adam's group layout and weight-stream buffers, for every training dtype."""
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         assert least_share(dtype.itemsize) == LEAST_SHARE_BYTES
@@ -177,7 +177,7 @@ def test_serialized_updates_give_the_same_bits(tmp_path):
     ],
 )
 def test_the_planner_predicts_the_pipelines_placement(tmp_path, budget_mb, optimizer, weights):
-    """partition.tiers places the states as the runtime does. The run has one rank, so the planner's gpu 0 is
+    """partition.rules.tiers places the states as the runtime does. The run has one rank, so the planner's gpu 0 is
     that rank and the server budget is not split. To compare the budgets: the runtime gives
     memory.host_budget_mb to the states alone, while the planner takes what the stages hold on the host tier
     between F and B out of a gpu's share first; so the planner gets host_budget_mb plus those bytes."""

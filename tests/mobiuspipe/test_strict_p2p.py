@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mobiuspipe.schedule import ScheduleError, build_schedule, check_schedules
-from partition.mapping import round_robin
+from partition.rules.mapping import round_robin
 
 WORKER = Path(__file__).with_name("p2p_worker.py")
 

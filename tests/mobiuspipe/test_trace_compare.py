@@ -6,7 +6,7 @@ import pytest
 
 from mobiuspipe.profiling.trace_compare import compare_actions, format_rows, kind_seconds, report, steady_ratio
 from mobiuspipe.runtime.action_trace import TracedAction, as_sim_result, read_chrome, write_chrome
-from partition.sim_types import SimResult
+from partition.sim.types import SimResult
 
 
 def _rec(step, kind, stage, mb, start_ms, end_ms):

@@ -1,4 +1,4 @@
-"""A GPU that partition/hardware.py does not list plans from the tflops its layout file gives; without one the
+"""A GPU that partition/spec/hardware.py does not list plans from the tflops its layout file gives; without one the
 error says what to write where, and no one edits the source to add a GPU."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from mobiuspipe.cli import main
-from partition.hardware import gpu_spec
+from partition.spec.hardware import gpu_spec
 from topology import TopologyError, load_topology, preset, save_topology
 
 NAME = "NVIDIA RTX 6000 Ada Generation"

@@ -1,7 +1,7 @@
 """Helpers of the simulator's tests: stages of hand-set times and bytes, the events of a result, a box of
 root complexes and switches, and the invariants every simulated step keeps."""
 
-from partition.simulate import SimStage
+from partition.sim.simulate import SimStage
 from topology.types import Gpu, RootComplex, Switch, Topology
 
 

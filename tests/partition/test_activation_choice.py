@@ -1,4 +1,4 @@
-"""The activation policy chosen per stage (partition.activation_choice): keep everything when memory is
+"""The activation policy chosen per stage (partition.rules.activation_choice): keep everything when memory is
 plenty, recompute when it is tight, held bytes off the device when even that does not fit; the choice fits
 every gpu's walk, no single change would fit and save time, and its total is within 6% of exhaustive search
 on small plans (exact in 239 of 246 budgets and links swept; printed with -s)."""
@@ -11,13 +11,11 @@ import itertools
 import pytest
 
 from foundation.units import fmt_bytes
-from partition.activation_choice import _Walker, choose_activations, runtime_links, with_activations
-from partition.activations import Link, fused_cost, options
-from partition.costmodel import LayerArrays
-from partition.device_peak import planned_device_bytes
-from partition.profile import LayerProfile, Profile
-from partition.search import make_plan
-from partition.tiers import (
+from partition.rules.activation_choice import _Walker, choose_activations, runtime_links, with_activations
+from partition.rules.activations import Link, fused_cost, options
+from partition.rules.costmodel import LayerArrays
+from partition.rules.device_peak import planned_device_bytes
+from partition.rules.tiers import (
     SSD_READ_GBPS,
     SSD_WRITE_GBPS,
     HostBudget,
@@ -25,6 +23,8 @@ from partition.tiers import (
     host_held_bytes,
     place_tiers,
 )
+from partition.search import make_plan
+from partition.spec.profile import LayerProfile, Profile
 from topology import cpu_standin
 
 LINKS: dict[str, Link | None] = {"device": None, "host": Link(10.0, 10.0)}

@@ -1,12 +1,12 @@
-"""Activation policies' figures (partition.activations) against hand-computed values on a 4-layer stage."""
+"""Activation policies' figures (partition.rules.activations) against hand-computed values on a 4-layer stage."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from partition.activations import ActivationPolicy, Link, kept_layers_order, options, policy_cost
-from partition.costmodel import LayerArrays
+from partition.rules.activations import ActivationPolicy, Link, kept_layers_order, options, policy_cost
+from partition.rules.costmodel import LayerArrays
 
 # layer:          0     1     2     3
 A = np.array([1000, 4000, 2000, 3000])  # saved-activation bytes

@@ -2,10 +2,10 @@
 
 import pytest
 
-from partition.analytic import analytic_profile
-from partition.hardware import DeviceSpec, device_spec
-from partition.models import MODELS, ModelSpec
-from partition.profile import Profile
+from partition.spec.analytic import analytic_profile
+from partition.spec.hardware import DeviceSpec, device_spec
+from partition.spec.models import MODELS, ModelSpec
+from partition.spec.profile import Profile
 
 TINY = ModelSpec("tiny", num_blocks=2, d_model=8, num_heads=2, seq_len=4, vocab_size=16)
 DEV = DeviceSpec("test-dev", peak_tflops=1.0, memory_bytes=1 << 30, pcie_gbps=10.0)  # R = 5e11 at mfu 0.5

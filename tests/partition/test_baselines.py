@@ -5,8 +5,7 @@ import re
 import pytest
 
 from foundation.units import GiB
-from partition.analytic import analytic_profile
-from partition.baselines import (
+from partition.report.baselines import (
     BaselineResult,
     gpipe,
     gpipe_stage_bytes,
@@ -15,11 +14,12 @@ from partition.baselines import (
     zero_gpu_bytes,
     zero_offload,
 )
-from partition.costmodel import LayerArrays
-from partition.hardware import device_spec
-from partition.models import get_model
-from partition.profile import LayerProfile, Profile
+from partition.rules.costmodel import LayerArrays
 from partition.search import HOST_ADAM_PARAMS_PER_S, make_plan
+from partition.spec.analytic import analytic_profile
+from partition.spec.hardware import device_spec
+from partition.spec.lookup import get_model
+from partition.spec.profile import LayerProfile, Profile
 from topology import cpu_standin, preset
 from topology.types import Gpu, RootComplex, Topology
 

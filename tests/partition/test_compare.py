@@ -4,11 +4,11 @@ import json
 
 import pytest
 
-from partition.analytic import analytic_profile
-from partition.compare import compare, compare_json, compare_text
-from partition.hardware import device_spec
-from partition.models import get_model
+from partition.report.compare import compare, compare_json, compare_text
 from partition.search import make_plan
+from partition.spec.analytic import analytic_profile
+from partition.spec.hardware import device_spec
+from partition.spec.lookup import get_model
 from topology import preset
 
 GiB = 1024**3

@@ -6,9 +6,9 @@ import math
 import numpy as np
 import pytest
 
-from partition.costmodel import ARENA_SLOTS, LayerArrays, stage_cost
-from partition.dp import interval_matrices, solve_dp
-from partition.profile import LayerProfile, Profile
+from partition.rules.costmodel import ARENA_SLOTS, LayerArrays, stage_cost
+from partition.rules.dp import interval_matrices, solve_dp
+from partition.spec.profile import LayerProfile, Profile
 
 
 def _profile(params, acts, outs, fwds, bwds) -> Profile:

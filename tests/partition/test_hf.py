@@ -6,8 +6,9 @@ from pathlib import Path
 import pytest
 
 from partition.errors import UnknownModelError
-from partition.hf import ModelConfigError, read_hf_config, spec_from_hf_dict
-from partition.models import MODELS, get_model
+from partition.spec.hf import ModelConfigError, read_hf_config, spec_from_hf_dict
+from partition.spec.lookup import get_model
+from partition.spec.models import MODELS
 
 DATA = Path(__file__).parent / "data"
 LLAMA_TINY = {

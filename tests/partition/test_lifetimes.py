@@ -1,13 +1,13 @@
-"""The lifetime walk (partition.lifetimes) against hand-computed bytes on tiny schedules, and the plan's figure
-built on it (partition.device_peak)."""
+"""The lifetime walk (partition.rules.lifetimes) against hand-computed bytes on tiny schedules, and the plan's figure
+built on it (partition.rules.device_peak)."""
 
 from __future__ import annotations
 
-from partition.device_peak import planned_device_bytes, stage_bytes
-from partition.lifetimes import HEADER_BYTES, StageBytes, device_peak, device_timeline
-from partition.order import steps_of
-from partition.profile import LayerProfile, Profile
+from partition.rules.device_peak import planned_device_bytes, stage_bytes
+from partition.rules.lifetimes import HEADER_BYTES, StageBytes, device_peak, device_timeline
+from partition.rules.order import steps_of
 from partition.search import make_plan
+from partition.spec.profile import LayerProfile, Profile
 from topology import cpu_standin
 
 # I_j, O_j, A_j, H_j, P_j of three stages on one gpu (the last stage's output stays inside its backward)

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from partition.mapping import MAPPING_RULES, cross_mapping, make_mapping, round_robin, stage_contention
+from partition.rules.mapping import MAPPING_RULES, cross_mapping, make_mapping, round_robin, stage_contention
 from topology.presets import cpu_standin, preset
 
 
@@ -113,7 +113,7 @@ def test_unknown_rule():
 
 
 def test_mapping_score_by_hand():
-    from partition.mapping import mapping_score
+    from partition.rules.mapping import mapping_score
 
     t = preset("2+2")
     # round-robin over 4 stages: pairs (0,1) d=1 shared, (2,3) d=1 shared, (1,2)... not; (0,3) d=3 not, (1,3) no
@@ -123,7 +123,7 @@ def test_mapping_score_by_hand():
 
 
 def test_search_offers_every_cyclic_order_up_to_four_gpus():
-    from partition.mapping import mapping_candidates
+    from partition.rules.mapping import mapping_candidates
 
     orders = mapping_candidates("search", preset("2+2"), 5)
     assert len(orders) == 6 and all(m[0] == 0 and sorted(m[:4]) == [0, 1, 2, 3] for m in orders)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from partition.mip_solve import enumerate_best, solve_stage_count, stage_data, stage_times
-from partition.profile import LayerProfile, Profile
-from partition.solvers.gurobi import gurobi_available
-from partition.timeline import aggregate_step
+from partition.mip.solve import enumerate_best, solve_stage_count, stage_data, stage_times
+from partition.mip.solvers.gurobi import gurobi_available
+from partition.rules.timeline import aggregate_step
+from partition.spec.profile import LayerProfile, Profile
 from topology import preset
 
 pytestmark = pytest.mark.mip  # the MIP itself: skipped where no solver is installed
@@ -70,7 +70,7 @@ def test_warm_start_bounds_and_is_kept():
 
 
 def test_gurobi_over_its_license_falls_back_to_highs_and_says_so(monkeypatch):
-    import partition.mip_solve as mp
+    import partition.mip.solve as mp
 
     monkeypatch.setattr(mp, "fits_license", lambda model: False)
     rng = np.random.default_rng(3)
@@ -84,7 +84,7 @@ def test_gurobi_over_its_license_falls_back_to_highs_and_says_so(monkeypatch):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_mip_over_every_mapping_equals_enumeration_of_cuts_and_mappings(seed):
-    from partition.mapping import mapping_candidates
+    from partition.rules.mapping import mapping_candidates
 
     rng = np.random.default_rng(100 + seed)
     topo = preset(["2+2", "3+1"][seed % 2])
@@ -106,8 +106,8 @@ def test_mip_over_every_mapping_equals_enumeration_of_cuts_and_mappings(seed):
 def test_mip_and_dp_agree_where_the_step_is_the_bottleneck(seed):
     """One stage per gpu (S = N), nothing to load or send, backward = 2 x forward: then the step is
     4 (sum f + (M - 1) max f), so the MIP minimizes the largest stage, which is the DP's objective."""
-    from partition.costmodel import LayerArrays
-    from partition.dp import solve_dp
+    from partition.rules.costmodel import LayerArrays
+    from partition.rules.dp import solve_dp
     from topology.presets import cpu_standin
 
     rng = np.random.default_rng(200 + seed)

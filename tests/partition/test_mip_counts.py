@@ -8,17 +8,17 @@ import numpy as np
 import pytest
 
 from foundation.units import GiB
-from partition.analytic import analytic_profile
-from partition.costmodel import LayerArrays
-from partition.hardware import device_spec
-from partition.mapping import make_mapping
-from partition.mip import build_mip
-from partition.mip_counts import CountCandidate, solve_counts
-from partition.mip_solve import enumerate_best, stage_data
-from partition.models import get_model
-from partition.profile import LayerProfile, Profile
+from partition.mip.counts import CountCandidate, solve_counts
+from partition.mip.model import build_mip
+from partition.mip.solve import enumerate_best, stage_data
+from partition.mip.solvers.gurobi import SIZE_LIMIT, fits_license, gurobi_available, gurobi_size
+from partition.rules.costmodel import LayerArrays
+from partition.rules.mapping import make_mapping
 from partition.search import MIP_CANDIDATES, _dp_plans, make_plan
-from partition.solvers.gurobi import SIZE_LIMIT, fits_license, gurobi_available, gurobi_size
+from partition.spec.analytic import analytic_profile
+from partition.spec.hardware import device_spec
+from partition.spec.lookup import get_model
+from partition.spec.profile import LayerProfile, Profile
 from topology import preset
 
 pytestmark = pytest.mark.mip  # the MIP itself: skipped where no solver is installed

@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from partition.mip import build_mip, memory_need, start_of
-from partition.mip_solve import enumerate_best, mip_feasible, solve_stage_count, stage_data, stage_times
-from partition.profile import LayerProfile, Profile
-from partition.simulate import SimStage, simulate
-from partition.solvers.gurobi import gurobi_available
-from partition.solvers.highs import solve_highs
-from partition.timeline import StageTimes, aggregate_step, aggregate_times
+from partition.mip.model import build_mip, memory_need, start_of
+from partition.mip.solve import enumerate_best, mip_feasible, solve_stage_count, stage_data, stage_times
+from partition.mip.solvers.gurobi import gurobi_available
+from partition.mip.solvers.highs import solve_highs
+from partition.rules.timeline import StageTimes, aggregate_step, aggregate_times
+from partition.sim.simulate import SimStage, simulate
+from partition.spec.profile import LayerProfile, Profile
 from topology import preset
 
 pytestmark = pytest.mark.mip  # the MIP itself: skipped where no solver is installed

@@ -3,8 +3,9 @@
 import pytest
 
 from partition.errors import UnknownModelError
-from partition.hardware import DEVICES, MFU_DEFAULT, DeviceSpec, device_spec
-from partition.models import MODELS, ModelSpec, get_model, layer_param_counts
+from partition.spec.hardware import DEVICES, MFU_DEFAULT, DeviceSpec, device_spec
+from partition.spec.lookup import get_model
+from partition.spec.models import MODELS, ModelSpec, layer_param_counts
 
 # Nominal sizes (the names) with a tied head, as the papers count them.
 NOMINAL = {
@@ -187,7 +188,7 @@ def test_device_lookup_full_and_short_names():
 
 
 def test_device_short_names_unique():
-    from partition.hardware import _short
+    from partition.spec.hardware import _short
 
     assert len({_short(n) for n in DEVICES}) == len(DEVICES)
 

@@ -7,11 +7,11 @@ import importlib.util
 
 import pytest
 
-from partition.analytic import analytic_profile
-from partition.hardware import device_spec
-from partition.models import ModelSpec
+from partition.mip.solvers import NO_MIP, _say_no_mip
 from partition.search import make_plan
-from partition.solvers import NO_MIP, _say_no_mip
+from partition.spec.analytic import analytic_profile
+from partition.spec.hardware import device_spec
+from partition.spec.models import ModelSpec
 from topology.presets import cpu_standin
 
 SMALL = ModelSpec("small", 4, 64, 4, 32, 256)

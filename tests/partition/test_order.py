@@ -1,7 +1,7 @@
 """The visit order of a gpu: forwards of its stages ascending, then backwards descending."""
 
-from partition.costmodel import ARENA_SLOTS, GRAD_SLOTS, WEIGHT_SLOTS
-from partition.order import Visit, freed_by, gpu_visits, visits_of
+from partition.rules.costmodel import ARENA_SLOTS, GRAD_SLOTS, WEIGHT_SLOTS
+from partition.rules.order import Visit, freed_by, gpu_visits, visits_of
 
 
 def test_forwards_ascending_then_backwards_descending():

@@ -1,4 +1,4 @@
-"""The peer tier's rule (partition.peer): each gpu parks on the next one, in a region of SLACK x M x H_j + M x PAD
+"""The peer tier's rule (partition.rules.peer): each gpu parks on the next one, in a region of SLACK x M x H_j + M x PAD
 per parked stage, which the lifetime walk holds on the peer for the whole run."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from partition.device_peak import planned_device_bytes
-from partition.peer import PAD, SLACK, peer_gpu, regions
+from partition.rules.device_peak import planned_device_bytes
+from partition.rules.peer import PAD, SLACK, peer_gpu, regions
 from tests.partition.test_activation_choice import _plan
 
 

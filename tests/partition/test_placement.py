@@ -3,7 +3,7 @@
 
 import pytest
 
-from partition.placement import LEAST_SHARE_BYTES, host_bytes, place_states
+from partition.rules.placement import LEAST_SHARE_BYTES, host_bytes, place_states
 
 PARAMS = {0: 1000, 2: 50_000, 4: 20_000}
 LEAST = LEAST_SHARE_BYTES  # 64 KiB: the Adam's 4 slots of one 4 KiB-aligned group, and 4 staging pages

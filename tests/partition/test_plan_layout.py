@@ -6,12 +6,12 @@ import pytest
 import yaml
 
 from foundation.units import GiB
-from partition.analytic import analytic_profile
 from partition.errors import PlanFileError
-from partition.hardware import device_spec
-from partition.models import get_model
 from partition.plan import Plan, load_plan, save_plan
 from partition.search import make_plan
+from partition.spec.analytic import analytic_profile
+from partition.spec.hardware import device_spec
+from partition.spec.lookup import get_model
 from topology import cpu_standin, preset
 
 

@@ -6,10 +6,10 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from partition.analytic import analytic_profile
-from partition.hardware import device_spec
-from partition.models import MODELS, ModelSpec
-from partition.profile import Profile, ProfileFileError, compress, expand, load_profile, runs_to_list, save_profile
+from partition.spec.analytic import analytic_profile
+from partition.spec.hardware import device_spec
+from partition.spec.models import MODELS, ModelSpec
+from partition.spec.profile import Profile, ProfileFileError, compress, expand, load_profile, runs_to_list, save_profile
 
 TI = device_spec("RTX 3090 Ti")
 SMALL = ModelSpec("small", num_blocks=5, d_model=64, num_heads=4, seq_len=32, vocab_size=97)

@@ -1,4 +1,4 @@
-"""A plan re-timed from another profile (partition.retime): the same profile gives the plan's own times back,
+"""A plan re-timed from another profile (partition.sim.retime): the same profile gives the plan's own times back,
 a profile twice as slow doubles every time, and the cut, mapping, policies and bytes never change."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from partition.activation_choice import with_activations
-from partition.profile import LayerProfile, Profile
-from partition.retime import retime
+from partition.rules.activation_choice import with_activations
 from partition.search import make_plan
+from partition.sim.retime import retime
+from partition.spec.profile import LayerProfile, Profile
 from topology import cpu_standin
 
 TIMES = ("fwd_s", "bwd_s", "recompute_s", "forward_s", "grad_s", "kept_s")

@@ -7,17 +7,18 @@ import pytest
 
 from foundation.timing import Stopwatch
 from foundation.units import GiB
-from partition.analytic import analytic_profile
-from partition.costmodel import ARENA_SLOTS, LayerArrays
-from partition.device_peak import planned_device_bytes
-from partition.dp import solve_dp
 from partition.errors import PlanInfeasibleError
-from partition.hardware import device_spec
-from partition.mapping import make_mapping, stage_contention
-from partition.models import ModelSpec, get_model
-from partition.profile import LayerProfile, Profile
+from partition.rules.costmodel import ARENA_SLOTS, LayerArrays
+from partition.rules.device_peak import planned_device_bytes
+from partition.rules.dp import solve_dp
+from partition.rules.mapping import make_mapping, stage_contention
 from partition.search import make_plan, sim_stages
-from partition.simulate import simulate
+from partition.sim.simulate import simulate
+from partition.spec.analytic import analytic_profile
+from partition.spec.hardware import device_spec
+from partition.spec.lookup import get_model
+from partition.spec.models import ModelSpec
+from partition.spec.profile import LayerProfile, Profile
 from topology.presets import cpu_standin, preset
 
 TI = device_spec("NVIDIA GeForce RTX 3090 Ti")
@@ -193,11 +194,11 @@ def test_no_cut_fits_for_the_requested_count():
 def test_unknown_gpu_memory_is_a_clear_error():
     import dataclasses
 
-    from partition.analytic import analytic_profile
     from partition.errors import PlanInfeasibleError
-    from partition.hardware import device_spec
-    from partition.models import get_model
     from partition.search import make_plan
+    from partition.spec.analytic import analytic_profile
+    from partition.spec.hardware import device_spec
+    from partition.spec.lookup import get_model
     from topology import preset
 
     t = preset("2+2")

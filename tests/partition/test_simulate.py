@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from partition.simulate import simulate
+from partition.sim.simulate import simulate
 from tests.partition.sim_cases import _bytes, _check_invariants, _ev, _loads, _random_stages, _st
 from topology import preset
 
@@ -316,10 +316,10 @@ def test_peak_arena_reaches_three_slots():
 
 
 def test_sim_stages_carry_the_plans_bytes():
-    from partition.analytic import analytic_profile
-    from partition.hardware import device_spec
-    from partition.models import get_model
     from partition.search import make_plan, sim_stages
+    from partition.spec.analytic import analytic_profile
+    from partition.spec.hardware import device_spec
+    from partition.spec.lookup import get_model
 
     topo = preset("2+2")
     plan = make_plan(

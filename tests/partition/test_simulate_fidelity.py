@@ -8,15 +8,15 @@ import dataclasses
 
 import pytest
 
-from partition.analytic import analytic_profile
-from partition.hardware import device_spec
-from partition.mapping import peer_gbps
-from partition.models import ModelSpec
 from partition.plan import Plan
-from partition.profile import Profile
+from partition.rules.mapping import peer_gbps
+from partition.rules.tiers import HostBudget
 from partition.search import host_cores, make_plan, predict_step, sim_stages
-from partition.simulate import SimStage, simulate
-from partition.tiers import HostBudget
+from partition.sim.simulate import SimStage, simulate
+from partition.spec.analytic import analytic_profile
+from partition.spec.hardware import device_spec
+from partition.spec.models import ModelSpec
+from partition.spec.profile import Profile
 from topology import cpu_standin
 from topology.types import Measured
 

@@ -7,8 +7,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from partition.flows import FlowNet, TaskGraph
-from partition.simulate import link_paths, simulate
+from partition.sim.flows import FlowNet, TaskGraph
+from partition.sim.simulate import link_paths, simulate
 from tests.partition.sim_cases import _box, _bytes, _check_invariants, _ev, _fst, _loads, _random_stages, _st
 from topology import cpu_standin, preset
 

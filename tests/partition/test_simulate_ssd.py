@@ -4,13 +4,13 @@ import dataclasses
 
 import pytest
 
-from partition.analytic import analytic_profile
-from partition.bounds import step_bound
-from partition.hardware import device_spec
-from partition.models import get_model
+from partition.rules.tiers import HostBudget
 from partition.search import make_plan, predict_step, sim_stages
-from partition.simulate import SimStage, SsdLink, simulate
-from partition.tiers import HostBudget
+from partition.sim.bounds import step_bound
+from partition.sim.simulate import SimStage, SsdLink, simulate
+from partition.spec.analytic import analytic_profile
+from partition.spec.hardware import device_spec
+from partition.spec.lookup import get_model
 from topology import preset
 
 SSD = SsdLink(read_gbps=3.0, write_gbps=2.0)

@@ -1,4 +1,4 @@
-"""Swaps of held activations in the simulator (partition.sim_swaps) against hand-computed timelines: where
+"""Swaps of held activations in the simulator (partition.sim.swaps) against hand-computed timelines: where
 the schedule's SO and SI put them, what they expose, their bytes on the links and the drive, and the plan's
 stages as the simulator sees them (sim_stages)."""
 
@@ -8,10 +8,10 @@ import dataclasses
 
 import pytest
 
+from partition.rules.tiers import HostBudget
 from partition.search import make_plan, predict_step, sim_stages
-from partition.sim_types import SimStage, SsdLink
-from partition.simulate import simulate
-from partition.tiers import HostBudget
+from partition.sim.simulate import simulate
+from partition.sim.types import SimStage, SsdLink
 from tests.partition.test_activation_choice import _profile
 from topology import cpu_standin
 

@@ -1,5 +1,5 @@
 """The memory tiers of a plan against byte totals worked out by hand: the server budget split per gpu, the saved
-inputs first, then the runtime's placement rule (partition.placement) on each gpu's stages, at odd sizes."""
+inputs first, then the runtime's placement rule (partition.rules.placement) on each gpu's stages, at odd sizes."""
 
 import dataclasses
 
@@ -7,10 +7,9 @@ import pytest
 
 from foundation.units import GiB
 from partition.errors import PlanInfeasibleError
-from partition.placement import LEAST_SHARE_BYTES
 from partition.plan import Plan, SolverInfo, StagePlan
-from partition.simulate import SimStage, SsdLink, simulate
-from partition.tiers import (
+from partition.rules.placement import LEAST_SHARE_BYTES
+from partition.rules.tiers import (
     SSD_READ_GBPS,
     SSD_WRITE_GBPS,
     HostBudget,
@@ -19,6 +18,7 @@ from partition.tiers import (
     place_tiers,
     ssd_info,
 )
+from partition.sim.simulate import SimStage, SsdLink, simulate
 from topology import preset
 from topology.types import Measured
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-import partition.trace
-from partition.simulate import SimResult, SimStage, simulate
-from partition.trace import RenderError, ascii_timeline, chrome_trace, fill_hsl, lanes, svg_timeline
-from partition.trace_png import png_timeline
+import partition.report.trace
+from partition.report.trace import RenderError, ascii_timeline, chrome_trace, fill_hsl, lanes, svg_timeline
+from partition.report.trace_png import png_timeline
+from partition.sim.simulate import SimResult, SimStage, simulate
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -153,7 +153,7 @@ def test_png_without_matplotlib_says_use_svg(tmp_path: Path, monkeypatch):
 
 
 def test_trace_imports_neither_torch_nor_mobiuspipe():
-    tree = ast.parse(Path(partition.trace.__file__).read_text())
+    tree = ast.parse(Path(partition.report.trace.__file__).read_text())
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert not {m for m in names if m.split(".")[0] in ("torch", "mobiuspipe")}

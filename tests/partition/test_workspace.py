@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from partition import make_plan
-from partition.device_peak import planned_device_bytes
 from partition.plan import Plan, load_plan, save_plan
-from partition.profile import LayerProfile, Profile, load_profile, save_profile
+from partition.rules.device_peak import planned_device_bytes
+from partition.spec.profile import LayerProfile, Profile, load_profile, save_profile
 from topology import cpu_standin
 
 

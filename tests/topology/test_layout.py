@@ -48,7 +48,7 @@ def test_round_trip_is_exact(tmp_path, t, suffix):
 
 def test_from_dict_inverts_to_dict():
     for t in TOPOLOGIES:
-        assert type(t).from_dict(t.to_dict()) == t
+        assert topology_from_dict(t.to_dict(), "test") == t
 
 
 def test_load_preset_by_name():

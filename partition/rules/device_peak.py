@@ -1,0 +1,85 @@
+"""The plan's device-memory figure per gpu: the peak of the lifetime walk (partition.rules.lifetimes) over its step.
+
+Legend (partition.rules.lifetimes has the walk's; units in brackets):
+  W     plan.slot_bytes: one slot of the device arena = the largest stage's parameter bytes    [bytes]
+  S     ARENA_SLOTS: slots in the arena (two weight slots, one gradient slot)                  [-]
+  P_j   plan.stages[j].param_bytes                                                            [bytes]
+  A_j   plan.stages[j].activation_bytes: live activations while stage j runs backward on one
+        microbatch, its input and output buffers included                                     [bytes]
+  I_j   stage j's input per microbatch: stage j-1's output_bytes; I_0 = plan.input_bytes        [bytes]
+  Y     plan.target_bytes: one microbatch of the loss's targets                                [bytes]
+  H_j   bytes (j, i) keeps on the device from its forward to its backward                     [bytes]
+  X     plan.workspace_bytes: what one computing layer holds beyond A_j (its intermediates'
+        gradients, a weight's gradient before it is added into the slot), measured on CUDA     [bytes]
+  D_g   the walk's peak on gpu g: the arena, the held inputs, the messages queued in and out, and
+        the computing stage's A_j; plus the regions g gives its peers' parked activations
+        (partition.rules.peer: R(g, h), held the whole run); on a gpu plus X (make_plan takes X off
+        the memory every rule and walk is held to, so the walk's fit is D_g - X <= G - X)      [bytes]
+
+Two runtime paths, each walked as it runs; on both H_j = I_j for a recompute stage on tier device (its input
+stays on the device until B recomputes from it; activation_tier host, ssd or peer moves it off on the copy
+streams, and the walk then counts it as swapped):
+  a gpu (CUDA, NCCL; the default): the arena S * W whole (preallocated; the allocator's
+      max_memory_allocated sees all of it), sends released once the schedules prove them taken;
+  the CPU stand-in (standin=True), as its DeviceLedger counts: the arena's slots in use (P_j each), sends
+      held to the step's end (gloo's send requests report completion only once waited on: Comm.flush; not
+      so under MOBIUSPIPE_STRICT=1, whose sends complete once taken, as NCCL's do).
+D_g >= S * W + max A_j of gpu g's stages (costmodel's memory rule S*W + A_j <= G) on a gpu: the rule
+leaves out the queued messages and the held inputs. The runtime measures the real peak
+(mobiuspipe.memory.measure) and the torchrun entry compares the two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from partition.plan import Plan, StagePlan
+from partition.rules.activations import ActivationPolicy
+from partition.rules.lifetimes import StageBytes, device_peaks
+from partition.rules.peer import regions
+
+__all__ = ["planned_device_bytes", "stage_bytes"]
+
+
+def stage_bytes(plan: Plan, held: Sequence[int] | None = None, chosen: bool = False) -> list[StageBytes]:
+    """The walk's bytes of each stage of the plan; held: H_j per stage (None: I_j, the input stays); chosen:
+    held is the plan's activation choice, whose kept graphs may hold the stage's output."""
+    last = plan.num_stages - 1
+    out = []
+    for j, s in enumerate(plan.stages):
+        inp = plan.stages[j - 1].output_bytes if j > 0 else plan.input_bytes
+        live = s.work_bytes if s.work_bytes >= 0 else s.activation_bytes
+        work = live + (plan.input_bytes if j == 0 else 0) + (plan.target_bytes if j == last else 0)
+        output = s.output_bytes if j < last else 0
+        shared = output if chosen and _keeps_last_layer(s) else 0
+        out.append(StageBytes(inp, output, work, inp if held is None else held[j], s.param_bytes, shared))
+    return out
+
+
+def _keeps_last_layer(s: StagePlan) -> bool:
+    """Whether the stage's kept graphs end at its last layer (so they hold its output)."""
+    return s.last in ActivationPolicy(s.activations, s.kept_layers).kept(s.first, s.last)
+
+
+def planned_device_bytes(
+    plan: Plan, standin: bool = False, held: Sequence[int] | None = None, sends_until_flush: bool | None = None
+) -> list[int]:
+    """D_g of the legend for every gpu g of the plan, in gpu order, on a gpu or (standin) on the CPU
+    stand-in; held: H_j per stage (another activation policy's), instead of the plan's (its activation
+    choice's held_bytes; in plans before the choice, the path's own); sends_until_flush: whether sends are held
+    to the step's end (default: on the stand-in; the strict stand-in's sends complete as NCCL's do)."""
+    chosen = [s.held_bytes for s in plan.stages]
+    own = held is None and min(chosen) >= 0
+    if own:
+        held = chosen
+    swapped = frozenset(j for j, s in enumerate(plan.stages) if s.activation_tier not in ("auto", "device"))
+    arena = None if standin else plan.arena_bytes
+    stages = stage_bytes(plan, held, chosen=own)
+    until_flush = standin if sends_until_flush is None else sends_until_flush
+    peaks = device_peaks(plan.mapping, plan.num_microbatches, stages, arena, until_flush, swapped)
+    peaks = peaks + [arena or 0] * (plan.num_gpus - len(peaks))
+    for (owner, _), nbytes in regions(plan).items():  # a peer's region is held the whole run
+        peaks[owner] += nbytes
+    if not standin:  # the stand-in's ledger counts no transients (its profiles measure none: X = 0 there)
+        peaks = [b + plan.workspace_bytes for b in peaks]
+    return peaks

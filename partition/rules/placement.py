@@ -1,0 +1,96 @@
+"""Where a gpu's stages keep their optimizer states and their device-dtype weights and gradients: host or SSD.
+
+The one placement rule: the runtime applies it per rank under memory.host_budget_mb
+(mobiuspipe.pipeline), the planner per gpu under its share of the server's host budget (partition.rules.tiers).
+
+Host bytes per parameter n of a stage (b = bytes of the training dtype, B = its share of the budget):
+  optimizer host (weights host):  12 n  + b n gradients + b n weights (none in fp32: the master is loaded)
+  optimizer ssd, weights host:    b n gradients + b n weights + B (the out-of-core Adam's slots)
+  optimizer ssd, weights ssd:     B (the Adam's slots and the weight stream's staging buffers)
+`auto` moves, largest stage first, first the optimizer states and then the weights to SSD, until what
+stays in memory leaves every stage on SSD a share B of at least a quarter of the budget over their count
+and at least the least share the out-of-core Adam takes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from foundation.units import KiB
+
+__all__ = ["Placement", "place_states", "host_bytes", "TIERS", "STATE_BYTES", "LEAST_SHARE_BYTES"]
+
+TIERS = ("host", "ssd", "auto")
+"""Where a kind of state may live: memory.optimizer and memory.weights take one of these."""
+STATE_BYTES = 12
+"""Bytes per parameter of the optimizer states: fp32 master + exp_avg + exp_avg_sq."""
+LEAST_SHARE_BYTES = 4 * STATE_BYTES * KiB + 4 * 4 * KiB
+"""The least host share of a stage on SSD, for every training dtype (fp32, bf16, fp16): the out-of-core Adam's
+4 group slots of one 4 KiB-aligned group (1024 elements x 12 bytes each) and the weight stream's 4 staging
+buffers of one group (1024 elements of <= 4 bytes: one 4 KiB page each) = 64 KiB. The runtime derives it
+from its group layout (mobiuspipe.runtime.stage_states.least_share); tests/mobiuspipe/test_state_tiers.py checks
+the two agree."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The tier of each stage's optimizer states and weights, and the host share of each stage on SSD."""
+
+    optimizer: dict[int, str]
+    """Stage j -> "host" or "ssd"."""
+    weights: dict[int, str]
+    """Stage j -> "host" or "ssd" (ssd only where the optimizer is on ssd: its update writes them)."""
+    slot_bytes: int
+    """Host budget of each stage whose optimizer is on SSD (0 when none is)."""
+
+    @property
+    def on_ssd(self) -> list[int]:
+        """Stages whose optimizer states are on SSD."""
+        return sorted(j for j, t in self.optimizer.items() if t == "ssd")
+
+
+def host_bytes(n: int, optimizer: str, weights: str, dtype_bytes: int) -> int:
+    """Host bytes a stage of n parameters keeps in memory besides its share of the budget (see above)."""
+    if optimizer == "host":
+        return STATE_BYTES * n + dtype_bytes * n + (dtype_bytes * n if dtype_bytes != 4 else 0)
+    return 0 if weights == "ssd" else 2 * dtype_bytes * n
+
+
+def place_states(
+    optimizer: str, weights: str, params: dict[int, int], budget_bytes: int, least_slot_bytes: int, dtype_bytes: int
+) -> Placement:
+    """Tiers of stages {j: parameter count} by memory.optimizer and memory.weights (host | ssd | auto)
+    under the rank's host budget. ValueError when nothing fits, naming the budget that would."""
+    opt = {j: "ssd" if optimizer == "ssd" else "host" for j in params}
+    wts = {j: "ssd" if weights == "ssd" else "host" for j in params}
+    largest = sorted(params, key=lambda j: (-params[j], j))
+    moves = [(j, "optimizer") for j in largest if optimizer == "auto"]
+    moves += [(j, "weights") for j in largest if weights == "auto"]
+    fixed = optimizer != "auto" and weights != "auto"
+    for step in range(len(moves) + 1):
+        if step:
+            j, kind = moves[step - 1]
+            (opt if kind == "optimizer" else wts)[j] = "ssd"
+        slot = _slot(params, opt, wts, budget_bytes, least_slot_bytes, dtype_bytes, fixed)
+        if slot is not None:
+            return Placement(dict(opt), {j: wts[j] if opt[j] == "ssd" else "host" for j in params}, slot)
+    held = sum(host_bytes(n, opt[j], wts[j], dtype_bytes) for j, n in params.items())
+    need = held + sum(1 for t in opt.values() if t == "ssd") * least_slot_bytes
+    raise ValueError(
+        f"a host budget of {budget_bytes} bytes does not hold the rank's {len(params)} stages "
+        f"({sum(params.values())} parameters) with memory.optimizer {optimizer} and memory.weights {weights}: "
+        f"{held} bytes stay in memory and each stage on SSD needs at least {least_slot_bytes} more; raise "
+        f"memory.host_budget_mb to at least {need / 2**20:.4g}"
+        + ("" if weights != "host" else ", or set memory.weights: auto to stream the weights too")
+    )
+
+
+def _slot(params, opt, wts, budget: int, least: int, b: int, fixed: bool) -> int | None:
+    """The share of each stage on SSD if this placement fits (0 when none is on SSD), else None."""
+    held = sum(host_bytes(n, opt[j], wts[j], b) for j, n in params.items())
+    k = sum(1 for t in opt.values() if t == "ssd")
+    if k == 0:
+        return 0 if fixed or held <= budget else None
+    slot = (budget - held) // k
+    floor = least if fixed else max(least, budget // 4 // k)
+    return slot if slot >= floor else None

@@ -1,0 +1,358 @@
+"""Memory tiers of a plan: where each stage's states live under a host budget, by the runtime's own rule.
+
+Legend (stage j of a plan, gpu g; units in brackets):
+  N_j      parameter count of stage j                                                    [-]
+  b        bytes per parameter of the plan's dtype: 2 (fp16, bf16) or 4 (fp32)             [bytes]
+  P_j      b N_j: stage j's weights in the plan's dtype (StagePlan.param_bytes)           [bytes]
+  A_j      live activation bytes of stage j's backward on one microbatch                  [bytes]
+  I_j      stage j's input for one microbatch: stage j-1's output bytes (0 for j = 0)     [bytes]
+  M        microbatches per step                                                          [-]
+  W        one weight slot of the device arena: max_j P_j                                 [bytes]
+  G        gpus of the plan                                                               [-]
+  H        host budget: host memory the whole server gives the job (None = unlimited)     [bytes]
+  H_g      gpu g's share of H: floor(H / G), the same for every gpu                       [bytes]
+  h_j      bytes stage j holds in host memory per microbatch from F to B (host_held_bytes): its held
+           activations on the host tier (StagePlan.held_bytes), I_j for a plan without the choice  [bytes]
+  S_g      saved activations of gpu g in host memory: the sum of M h_j over its stages     [bytes]
+  L_j      LOADs of stage j per step: 2 (forward, backward), 1 for its gpu's last forward stage,
+           which stays resident into its backward (partition.rules.order)                       [-]
+
+State kinds, as the runtime keeps them (partition.rules.placement, mobiuspipe/runtime/stage_states.py):
+  optimizer     fp32 master + Adam exp_avg + exp_avg_sq, 12 N_j: host or ssd.
+  weights       the device-dtype weights P_j and the offloaded gradients P_j together: host or ssd (ssd only
+                where the optimizer is). In fp32 with the optimizer in memory the master is the loaded copy:
+                P_j (the gradients) in memory.
+  saved inputs  what the forward holds for the backward on the host tier (a recompute's input, a keep's
+                graphs), M h_j: host.
+  streaming     the share of its gpu's budget each stage on the SSD streams through (Placement.slot_bytes): host.
+Device bytes of gpu g: the arena (ARENA_SLOTS * W) + the largest A_j of its stages; of stage j while it
+runs backward: its weights and gradient slots and activations, 2 P_j + A_j.
+
+Placement, per gpu g (a rank of the runtime): S_g comes out of H_g first; then
+place_states("auto", "auto", {j: N_j of g's stages}, H_g - S_g, LEAST_SHARE_BYTES, b) decides, exactly as a
+rank whose memory.host_budget_mb is H_g - S_g: all in memory if it fits, else, largest stage first, the
+optimizer states and then the weights to the SSD (partition.rules.placement). Unlimited H: all in memory.
+PlanInfeasibleError when some gpu's share cannot hold its saved inputs and its stages' least shares.
+
+SSD traffic per step of stage j: optimizer on ssd: the update reads 12 N_j and writes 12 N_j; weights on
+ssd: each of the L_j LOADs reads P_j, the OFFLOAD writes the gradients P_j, the update reads them (P_j) and
+writes the next weights (P_j). The simulator streams the update's part under the update and the loads'
+and offloads' part in the loads and offloads (partition.sim.simulate).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from foundation.units import GiB, fmt_bytes
+from partition.errors import PlanInfeasibleError
+from partition.plan import Plan
+from partition.rules.costmodel import ARENA_SLOTS
+from partition.rules.order import visits_of
+from partition.rules.placement import LEAST_SHARE_BYTES, STATE_BYTES, Placement, host_bytes, place_states
+from partition.sim.simulate import SsdLink
+from partition.spec.analytic import dtype_bytes
+from topology import Topology
+
+__all__ = [
+    "SSD_READ_GBPS",
+    "SSD_WRITE_GBPS",
+    "KINDS",
+    "HostBudget",
+    "SsdInfo",
+    "StageTiers",
+    "GpuShare",
+    "MemoryPlan",
+    "host_budget",
+    "ssd_info",
+    "place_tiers",
+    "host_held_bytes",
+    "activation_host_caps",
+    "loads_per_step",
+]
+
+SSD_READ_GBPS = 3.0
+"""Sequential read of one NVMe drive when the topology was not probed (a PCIe 3.0 x4 drive's ~3.5 GB/s, less)."""
+SSD_WRITE_GBPS = 2.0
+"""Sequential write of one NVMe drive when the topology was not probed (sustained, past the SLC cache)."""
+KINDS = ("optimizer", "weights")
+"""The state kinds that have a tier, in the order they move to the SSD."""
+
+
+@dataclass(frozen=True)
+class HostBudget:
+    """H of the legend (None = unlimited) and where it came from, for the report."""
+
+    bytes: int | None
+    source: str
+
+
+@dataclass(frozen=True)
+class SsdInfo:
+    """The SSD tier's bandwidth and whether it was measured."""
+
+    link: SsdLink
+    measured: bool
+    note: str
+
+
+@dataclass(frozen=True)
+class StageTiers:
+    """Stage j's tier per state kind, its bytes per tier and its SSD traffic per step (legend)."""
+
+    gpu: int
+    optimizer: str
+    weights: str
+    loads: int
+    """L_j."""
+    device_bytes: int
+    host_bytes: int
+    """Its states, saved inputs and streaming share in host memory."""
+    ssd_bytes: int
+    load_read_bytes: int
+    """Bytes each LOAD reads from the SSD (P_j with the weights on ssd, else 0)."""
+    offload_write_bytes: int
+    """Bytes the OFFLOAD writes to the SSD (P_j with the weights on ssd, else 0)."""
+    update_read_bytes: int
+    update_write_bytes: int
+
+    @property
+    def ssd_read_bytes(self) -> int:
+        return self.loads * self.load_read_bytes + self.update_read_bytes
+
+    @property
+    def ssd_write_bytes(self) -> int:
+        return self.offload_write_bytes + self.update_write_bytes
+
+    def to_dict(self) -> dict:
+        return {
+            "gpu": self.gpu,
+            "optimizer": self.optimizer,
+            "weights": self.weights,
+            "loads": self.loads,
+            "device_bytes": self.device_bytes,
+            "host_bytes": self.host_bytes,
+            "ssd_bytes": self.ssd_bytes,
+            "ssd_read_bytes": self.ssd_read_bytes,
+            "ssd_write_bytes": self.ssd_write_bytes,
+        }
+
+
+@dataclass(frozen=True)
+class GpuShare:
+    """Gpu g's part of the budget: H_g, S_g, what is left for states (the runtime's memory.host_budget_mb that
+    makes the same choice) and the placement made under it."""
+
+    share_bytes: int | None
+    saved_inputs_bytes: int
+    placement: Placement
+
+    @property
+    def state_budget_bytes(self) -> int | None:
+        return None if self.share_bytes is None else self.share_bytes - self.saved_inputs_bytes
+
+    def to_dict(self, g: int) -> dict:
+        return {
+            "gpu": g,
+            "host_share_bytes": self.share_bytes,
+            "saved_inputs_bytes": self.saved_inputs_bytes,
+            "state_budget_bytes": self.state_budget_bytes,
+            "stream_share_bytes": self.placement.slot_bytes,
+        }
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """A plan's tiers: per stage, per gpu, per kind, and the job's totals per tier (bytes)."""
+
+    stages: tuple[StageTiers, ...]
+    gpus: tuple[GpuShare, ...]
+    budget: HostBudget
+    device_bytes: int
+    """Sum over gpus of the arena and the gpu's largest activations."""
+    host_by_kind: dict[str, int]
+    """Host bytes of optimizer, weights (with the gradients), saved_inputs and streaming."""
+    ssd_by_kind: dict[str, int]
+    """SSD bytes of optimizer and weights (with the gradients)."""
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(self.host_by_kind.values())
+
+    @property
+    def ssd_bytes(self) -> int:
+        return sum(self.ssd_by_kind.values())
+
+    @property
+    def ssd_read_bytes(self) -> int:
+        return sum(s.ssd_read_bytes for s in self.stages)
+
+    @property
+    def ssd_write_bytes(self) -> int:
+        return sum(s.ssd_write_bytes for s in self.stages)
+
+    def tier(self, kind: str) -> str:
+        """ "host", "ssd", or "host+ssd" when the kind's stages are split between them."""
+        used = {getattr(s, kind) for s in self.stages}
+        return "+".join(t for t in ("host", "ssd") if t in used)
+
+    def on_ssd(self, kind: str) -> int:
+        """How many stages keep `kind` on the SSD."""
+        return sum(getattr(s, kind) == "ssd" for s in self.stages)
+
+    def to_dict(self) -> dict:
+        return {
+            "device_bytes": self.device_bytes,
+            "host_bytes": self.host_bytes,
+            "ssd_bytes": self.ssd_bytes,
+            "tiers": {k: self.tier(k) for k in KINDS},
+            "host_budget_bytes": self.budget.bytes,
+            "host_budget_source": self.budget.source,
+            "host_bytes_by_kind": dict(self.host_by_kind),
+            "ssd_bytes_by_kind": dict(self.ssd_by_kind),
+            "ssd_read_bytes": self.ssd_read_bytes,
+            "ssd_write_bytes": self.ssd_write_bytes,
+            "gpus": [s.to_dict(g) for g, s in enumerate(self.gpus)],
+            "stages": [s.to_dict() for s in self.stages],
+        }
+
+
+def host_budget(topo: Topology, given_bytes: int | None = None) -> HostBudget:
+    """H: the given bytes (--host-memory-gb), else the topology's host memory when known, else unlimited."""
+    if given_bytes is not None:
+        return HostBudget(given_bytes, "--host-memory-gb")
+    if topo.host_memory_bytes > 0:
+        return HostBudget(topo.host_memory_bytes, f"host memory of topology {topo.name}")
+    return HostBudget(None, f"unlimited: topology {topo.name} does not record its host memory")
+
+
+def ssd_info(topo: Topology) -> SsdInfo:
+    """The SSD bandwidth `topology --probe --ssd-dir DIR` measured, else SSD_READ_GBPS / SSD_WRITE_GBPS."""
+    m = topo.measured
+    read = m.ssd_read_gbps if m and m.ssd_read_gbps > 0 else 0.0
+    write = m.ssd_write_gbps if m and m.ssd_write_gbps > 0 else 0.0
+    link = SsdLink(read or SSD_READ_GBPS, write or SSD_WRITE_GBPS)
+    if read and write:
+        return SsdInfo(link, True, f"measured by topology --probe in {m.ssd_dir or 'its ssd_dir'}" if m else "")
+    return SsdInfo(
+        link,
+        False,
+        "unprobed: one NVMe drive's default; measure with `mobiuspipe topology --probe --ssd-dir DIR "
+        "--save server.yaml` and plan with --topology server.yaml",
+    )
+
+
+def loads_per_step(mapping: list[int]) -> list[int]:
+    """L_j of every stage: its gpu's visits in order, a LOAD at each visit but the resident backward."""
+    loads = [0] * len(mapping)
+    for g in set(mapping):
+        visits = visits_of(mapping, g)
+        for k, (j, _) in enumerate(visits):
+            loads[j] += k == 0 or visits[k - 1].stage != j
+    return loads
+
+
+def host_held_bytes(plan: Plan, j: int) -> int:
+    """Bytes stage j holds in host memory per microbatch from its forward to its backward (h_j): its held
+    bytes when its activation policy puts them on the host tier; its input when the plan predates the choice
+    (tier "auto": the runtime's path saves the input to host); none on the device, SSD or a peer gpu."""
+    s = plan.stages[j]
+    if s.activation_tier == "host":
+        return s.held_bytes
+    if s.activation_tier == "auto" and j > 0:
+        return plan.stages[j - 1].output_bytes
+    return 0
+
+
+def activation_host_caps(plan: Plan, budget: HostBudget) -> list[int]:
+    """Per gpu, the host bytes its held activations may take without pushing a state to the SSD: H_g less its
+    stages' states all in memory (at least 0). Without a budget (host memory unknown) 0: the choice holds on
+    the host no more than recompute's inputs (what a plan held before the choice), rather than guess."""
+    if budget.bytes is None:
+        return [0] * plan.num_gpus
+    b, share = dtype_bytes(plan.dtype), budget.bytes // plan.num_gpus
+    states = [0] * plan.num_gpus
+    for s in plan.stages:
+        states[s.gpu] += host_bytes(s.param_count, "host", "host", b)
+    return [max(0, share - n) for n in states]
+
+
+def place_tiers(plan: Plan, budget: HostBudget) -> MemoryPlan:
+    """The tiers of the legend's placement rule for `plan` under `budget`; PlanInfeasibleError when some gpu's
+    share does not hold its saved inputs and the least streaming shares of its stages all on the SSD."""
+    b = dtype_bytes(plan.dtype)
+    saved = [plan.num_microbatches * host_held_bytes(plan, j) for j in range(plan.num_stages)]
+    share = None if budget.bytes is None else budget.bytes // plan.num_gpus
+    gpus = []
+    for g in range(plan.num_gpus):
+        mine = plan.stages_of(g)
+        saved_g = sum(saved[j] for j in mine)
+        params = {j: plan.stages[j].param_count for j in mine}
+        if share is None:
+            placement = place_states("host", "host", params, 0, LEAST_SHARE_BYTES, b)
+        else:
+            try:
+                placement = place_states("auto", "auto", params, share - saved_g, LEAST_SHARE_BYTES, b)
+            except ValueError:
+                raise _too_small(plan, budget, share, saved) from None
+        gpus.append(GpuShare(share, saved_g, placement))
+    return _memory(plan, budget, tuple(gpus), saved)
+
+
+def _memory(plan: Plan, budget: HostBudget, gpus: tuple[GpuShare, ...], saved: list[int]) -> MemoryPlan:
+    """Bytes per stage, kind and tier of the gpus' placements."""
+    b, loads = dtype_bytes(plan.dtype), loads_per_step(plan.mapping)
+    host: dict[str, int] = dict.fromkeys(("optimizer", "weights", "saved_inputs", "streaming"), 0)
+    ssd: dict[str, int] = dict.fromkeys(KINDS, 0)
+    rows = []
+    for j, s in enumerate(plan.stages):
+        p = gpus[s.gpu].placement
+        opt, wts, n = p.optimizer[j], p.weights[j], s.param_count
+        states = STATE_BYTES * n if opt == "host" else 0
+        stream = p.slot_bytes if opt == "ssd" else 0
+        in_memory = {"optimizer": states, "weights": host_bytes(n, opt, wts, b) - states}
+        on_ssd = {"optimizer": STATE_BYTES * n - states, "weights": 2 * s.param_bytes if wts == "ssd" else 0}
+        for k in KINDS:
+            host[k] += in_memory[k]
+            ssd[k] += on_ssd[k]
+        host["saved_inputs"] += saved[j]
+        host["streaming"] += stream
+        moved = s.param_bytes if wts == "ssd" else 0
+        rows.append(
+            StageTiers(
+                gpu=s.gpu,
+                optimizer=opt,
+                weights=wts,
+                loads=loads[j],
+                device_bytes=2 * s.param_bytes + s.activation_bytes,
+                host_bytes=sum(in_memory.values()) + saved[j] + stream,
+                ssd_bytes=sum(on_ssd.values()),
+                load_read_bytes=moved,
+                offload_write_bytes=moved,
+                update_read_bytes=on_ssd["optimizer"] + moved,
+                update_write_bytes=on_ssd["optimizer"] + moved,
+            )
+        )
+    return MemoryPlan(tuple(rows), gpus, budget, _device_bytes(plan), host, ssd)
+
+
+def _device_bytes(plan: Plan) -> int:
+    """Sum over gpus g of ARENA_SLOTS * W + the largest A_j of g's stages."""
+    arena = ARENA_SLOTS * plan.slot_bytes
+    return sum(arena + max(plan.stages[j].activation_bytes for j in plan.stages_of(g)) for g in range(plan.num_gpus))
+
+
+def _too_small(plan: Plan, budget: HostBudget, share: int, saved: list[int]) -> PlanInfeasibleError:
+    """The error naming the gpu that needs the most: its saved inputs and its stages' least shares."""
+    need = {g: sum(saved[j] for j in plan.stages_of(g)) for g in range(plan.num_gpus)}
+    least = {g: len(plan.stages_of(g)) * LEAST_SHARE_BYTES for g in need}
+    g = max(need, key=lambda k: need[k] + least[k])
+    total = plan.num_gpus * (need[g] + least[g])
+    return PlanInfeasibleError(
+        f"{plan.model}: gpu {g} needs {fmt_bytes(need[g] + least[g])} of host memory even with every state on the "
+        f"SSD (saved stage inputs {fmt_bytes(need[g])}, the least streaming share of its {len(plan.stages_of(g))} "
+        f"stages {fmt_bytes(least[g])}), but its share of the host budget ({budget.source}: "
+        f"{fmt_bytes(budget.bytes or 0)} over {plan.num_gpus} gpus) is {fmt_bytes(share)}: give more host memory "
+        f"(--host-memory-gb {math.ceil(total / GiB)}), fewer microbatches, or a smaller model"
+    )

@@ -1,0 +1,125 @@
+"""Analytical per-layer profile of a GPT or LLaMA (FLOPs, bytes, seconds) on a device type, without running it.
+
+Legend (for ONE microbatch; units in brackets):
+  s    seq_len, tokens per sequence                                                    [-]
+  b    microbatch_size, sequences per microbatch                                       [-]
+  h    d_model, hidden size                                                            [-]
+  a    num_heads                                                                       [-]
+  k    kv_heads (llama: grouped-query attention; gpt: k = a)                           [-]
+  f    ffn, the MLP width (gpt default 4h)                                             [-]
+  m    block_matmul_params: gpt 4h^2 + 2hf (= 12h^2 at f = 4h); llama 2h^2 + 2h*k*h/a + 3hf  [-]
+  V    vocab_size                                                                      [-]
+  e    bytes per element: 2 for fp16/bf16, 4 for fp32                                  [bytes]
+  n_l  parameters of layer l (partition.spec.models.layer_param_counts)                     [-]
+  R    = peak_tflops * 1e12 * mfu: sustained rate of the device                        [FLOP/s]
+
+Per layer l (names "embedding", "block", "head"):
+  param_bytes       n_l * e
+  fwd_flops         block      2*b*s*m + 4*b*s^2*h         (the matmuls with m weights, two FLOPs per
+                                                            multiply-add, plus QK^T and AV;
+                                                            Narayanan et al. 2021, Megatron-LM, FLOP count;
+                                                            gpt at f = 4h: 2*b*s*12h^2 + 4*b*s^2*h)
+                    embedding  2*b*s*h                     (a token charge: one gather and one add per
+                                                            output element, so the layer is not free)
+                    head       2*b*s*h*V                   (the logits matmul)
+  bwd_flops         2 * fwd_flops                          (input and weight gradients, same matmuls)
+  fwd_s, bwd_s      fwd_flops / R, bwd_flops / R
+  activation_bytes  block gpt  s*b*(18h + 4f + 5*a*s) * e/2 (Korthikanti et al. 2022, "Reducing Activation
+                                                            Recomputation in Large Transformer Models",
+                                                            no sequence or tensor parallelism, counted for
+                                                            2-byte activations: attention 11sbh + 5as^2b,
+                                                            LayerNorms 4sbh, MLP 19sbh = 3sbh + 4sbf;
+                                                            at f = 4h: s*b*h*(34 + 5*a*s/h) * e/2)
+                    block llama s*b*(12h + 4*k*h/a + 8f + 2*a*s) * e/2
+                                                           (the same count for a llama block, which has no
+                                                            dropout: RMSNorm inputs 4sbh; attention: the
+                                                            normed input 2sbh, Q 2sbh, K and V 4sbh*k/a,
+                                                            softmax output 2as^2b, o-proj input 2sbh;
+                                                            SwiGLU MLP: the normed input 2sbh and, each
+                                                            s*b*f wide, gate output (SiLU input), SiLU
+                                                            output, up output and their product (down's
+                                                            input): 8sbf)
+                    embedding  s*b*h*e                     (the summed embeddings, input of the first block)
+                    head       s*b*h*e + s*b*V*4           (the normalized input, fp32 logits for the loss)
+  output_bytes      embedding, block  s*b*h*e ;  head  s*b*V*e
+Per microbatch: input_bytes and target_bytes 8*s*b (int64 token ids).
+LayerNorm, RMSNorm, SiLU/GELU and bias FLOPs are left out (under 1% of a block for h >= 512). The
+s^2 terms assume attention keeps its score matrix; a fused (flash) kernel keeps O(s) instead.
+"""
+
+from __future__ import annotations
+
+from partition.spec.hardware import MFU_DEFAULT, DeviceSpec
+from partition.spec.models import ModelSpec, block_matmul_params, layer_param_counts
+from partition.spec.profile import LayerProfile, Profile
+
+__all__ = ["DTYPE_BYTES", "analytic_profile", "dtype_bytes"]
+
+TOKEN_BYTES = 8
+"""Bytes of one token id of the input and of the targets (int64, as the data loaders give them)."""
+DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+"""e of the legend for each accepted dtype."""
+
+
+def dtype_bytes(dtype: str) -> int:
+    """e for `dtype`; ValueError naming the accepted dtypes otherwise."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; accepted: {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[dtype]
+
+
+def _check_args(microbatch_size: int, mfu: float) -> None:
+    if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) or microbatch_size <= 0:
+        raise ValueError(f"microbatch_size must be a positive integer, found {microbatch_size!r}")
+    if not 0 < mfu <= 1:
+        raise ValueError(f"mfu must be in (0, 1], found {mfu!r}; {MFU_DEFAULT} is the documented default")
+
+
+def _layer(name: str, n: int, e: int, act: int, out: int, fwd_flops: float, rate: float) -> LayerProfile:
+    bwd_flops = 2.0 * fwd_flops
+    return LayerProfile(
+        name=name,
+        param_count=n,
+        param_bytes=n * e,
+        activation_bytes=act,
+        output_bytes=out,
+        fwd_flops=fwd_flops,
+        bwd_flops=bwd_flops,
+        fwd_s=fwd_flops / rate,
+        bwd_s=bwd_flops / rate,
+    )
+
+
+def _block_act_units(spec: ModelSpec) -> int:
+    """A block's activations per token in 2-byte units (the legend's count divided by s*b)."""
+    h, f, a, s = spec.d_model, spec.ffn, spec.num_heads, spec.seq_len
+    if spec.family == "llama":
+        return 12 * h + 4 * spec.kv_heads * spec.head_dim + 8 * f + 2 * a * s
+    return 18 * h + 4 * f + 5 * a * s
+
+
+def analytic_profile(
+    spec: ModelSpec, device: DeviceSpec, microbatch_size: int = 1, dtype: str = "fp16", mfu: float = MFU_DEFAULT
+) -> Profile:
+    """Profile of `spec` on `device` for microbatches of `microbatch_size` sequences (see the legend)."""
+    e = dtype_bytes(dtype)
+    _check_args(microbatch_size, mfu)
+    s, b, h, v = spec.seq_len, microbatch_size, spec.d_model, spec.vocab_size
+    rate = device.peak_tflops * 1e12 * mfu
+    counts = layer_param_counts(spec)
+    hidden = s * b * h * e
+    block_act = s * b * _block_act_units(spec) * (e // 2)  # e is even: kept integral
+    block_flops = float(2 * b * s * block_matmul_params(spec) + 4 * b * s * s * h)
+    embedding = _layer("embedding", counts[0], e, hidden, hidden, float(2 * b * s * h), rate)
+    blocks = [_layer("block", n, e, block_act, hidden, block_flops, rate) for n in counts[1:-1]]
+    head = _layer("head", counts[-1], e, hidden + s * b * v * 4, s * b * v * e, float(2 * b * s * h * v), rate)
+    return Profile(
+        model=spec.name,
+        device=device.name,
+        dtype=dtype,
+        microbatch_size=b,
+        seq_len=s,
+        layers=(embedding, *blocks, head),
+        input_bytes=TOKEN_BYTES * s * b,
+        target_bytes=TOKEN_BYTES * s * b,
+    )
