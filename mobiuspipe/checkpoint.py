@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import shutil
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -162,7 +162,7 @@ def snapshot(pipe: Pipeline, folder: Path) -> Snapshot:
     tensors["rng/torch"] = torch.get_rng_state()
     if pipe.engine.device.is_cuda:
         tensors["rng/cuda"] = torch.cuda.get_rng_state(pipe.engine.device.torch_device)
-    scaler = asdict(pipe.scaler) if pipe.scaler is not None else None
+    scaler = pipe.scaler.state() if pipe.scaler is not None else None
     return Snapshot(pipe.step, tensors, {"step": pipe.step, "scaler": scaler, "stages": stages}, linked)
 
 
@@ -249,14 +249,11 @@ def load_checkpoint(pipe: Pipeline, folder: Path, run: dict | None = None) -> in
                 f"checkpoint {folder}: stage {j}'s states are damaged: {e}; remove {folder} to resume from the one "
                 "before it"
             ) from e
-    if pipe.scaler is not None and state["scaler"] is not None:
-        for k, v in state["scaler"].items():
-            setattr(pipe.scaler, k, v)
     torch.set_rng_state(tensors["rng/torch"])
     if "rng/cuda" in tensors and pipe.engine.device.is_cuda:
         torch.cuda.set_rng_state(tensors["rng/cuda"], pipe.engine.device.torch_device)
-    pipe.step = state["step"]
-    return pipe.step
+    pipe.resume_at(state["step"], state["scaler"])
+    return state["step"]
 
 
 def _read_complete(folder: Path) -> dict:

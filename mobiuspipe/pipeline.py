@@ -42,7 +42,7 @@ from mobiuspipe.runtime.action_trace import ActionTrace
 from mobiuspipe.runtime.activations import ActivationsSpec, stage_modes
 from mobiuspipe.runtime.channels import LAYOUT, Channels, neighbour_pairs
 from mobiuspipe.runtime.comm import Comm
-from mobiuspipe.runtime.engine import Engine, LossFn, StepTimes
+from mobiuspipe.runtime.engine import Engine, LossFn, StepOptions, StepTimes
 from mobiuspipe.runtime.evaluate import eval_loss
 from mobiuspipe.runtime.ranks import join_group, leave_group, rank_info
 from mobiuspipe.runtime.stage import Stage
@@ -152,14 +152,13 @@ class Pipeline:
             self.activations = stage_modes(self.memory.activations if activations is None else activations, self.plan)
             self.overlap_updates = overlap_updates
             self.store: SSDStore | None = None
+            self.trace = ActionTrace(trace_steps)
             self.engine = self._build_engine(
                 makers, loss_fn, optimizer or partial(CPUAdam), num_microbatches, comm_timeout_s, tied
             )
             self.ties = TiedGrads(tied, self.plan, self.engine.stages, self.info) if tied else None
             if self.ties is not None:
-                self.engine.held = self.ties.held_stages
-            self.engine.passes = accumulation_steps
-            self.engine.trace = self.trace = ActionTrace(trace_steps)
+                self.engine.hold_updates_of(self.ties.held_stages)
         except BaseException:
             store = getattr(self, "store", None)
             if store is not None:
@@ -167,6 +166,7 @@ class Pipeline:
             leave_group(self._owns_group)
             raise
         self.step = 0
+        self._lr: float | None = None  # set_lr: the rate of the updates of the next steps (None: the optimizer's)
         self._closed = False
 
     def _agree_on_plan(self, given: Plan | None, makers, loss_fn, sample, request: PlanRequest) -> Plan:
@@ -223,10 +223,10 @@ class Pipeline:
             loss_fn=loss_fn,
             num_microbatches=m,
             dtype=dtype,
-            defer_updates=self._hold_updates,
             ledger=ledger,
             activations=self.activations,
             swaps=make_swaps(swapped, self.plan, device, self.memory, self.info, ledger),
+            trace=self.trace,
         )
 
     def _channels(self, tied: Sequence[tuple[str, str]], timeout_s: float) -> Channels:
@@ -250,7 +250,7 @@ class Pipeline:
         when it starts, so a change never reaches an update still running from an earlier step)."""
         if not (lr >= 0 and math.isfinite(lr)):  # 0: a schedule's last step decaying to min_lr 0
             raise PipelineError(f"set_lr needs a finite learning rate >= 0, not {lr!r}")
-        self.engine.lr = lr
+        self._lr = lr
 
     def train_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> StepResult:
         """train_batch(*batch)."""
@@ -265,8 +265,7 @@ class Pipeline:
         engine, start = self.engine, time.perf_counter()
         engine.arena.reset_peak()
         scale = self.scaler.scale if self.scaler else None
-        engine.loss_scale = scale or 1.0
-        loss, times, own_peak = self._passes(x, y)
+        loss, times, own_peak = self._passes(x, y, scale or 1.0)
         tied_sumsq = self.ties.sum(engine.comm, engine.device, self.step) if self.ties else 0.0
         (loss,) = self._reduce([loss], torch.distributed.ReduceOp.SUM, f"the loss of step {self.step}")
         c, ld, cm, peak, device_peak = self._reduce(
@@ -298,7 +297,7 @@ class Pipeline:
         self.step += 1
         return result
 
-    def _passes(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, StepTimes, int]:
+    def _passes(self, x: torch.Tensor, y: torch.Tensor, loss_scale: float) -> tuple[float, StepTimes, int]:
         """Run the step's pipeline passes (accumulation_steps of them), the gradients of each added to the
         tiers' after the first; the updates start (or are held) in the last. This rank's loss, its times
         summed over the passes and its largest measured device peak of a pass."""
@@ -306,11 +305,18 @@ class Pipeline:
         loss, times, peak = 0.0, StepTimes(), 0
         for p, (xp, yp) in enumerate(zip(x.chunk(k), y.chunk(k))):
             last = p == k - 1
-            engine.accumulate, engine.want_norm = p > 0, last and self.max_grad_norm is not None
-            engine.defer_updates = not last or self._hold_updates
-            part, t = engine.run_step(self.step, xp, yp)
+            options = StepOptions(
+                step=self.step,
+                passes=k,
+                loss_scale=loss_scale,
+                accumulate=p > 0,
+                want_norm=last and self.max_grad_norm is not None,
+                hold_updates=not last or self._hold_updates,
+                lr=self._lr,
+            )
+            part, t = engine.run_step(xp, yp, options)
             if not last:
-                engine.deferred = []  # no update yet: their gradients wait in the tiers for the next pass
+                engine.start_updates(apply=False)  # no update yet: their gradients wait in the tiers for the next pass
             loss += part
             times = StepTimes(times.compute_s + t.compute_s, times.load_s + t.load_s, times.comm_s + t.comm_s)
             peak = max(peak, engine.peak.step_bytes)
@@ -375,6 +381,15 @@ class Pipeline:
     def load_checkpoint(self, folder) -> int:
         """Every rank: restore a checkpoint's states, scaler, random state and step; the step to go on at."""
         return checkpoint.load_checkpoint(self, Path(folder))
+
+    def resume_at(self, step: int, scaler: dict | None = None) -> None:
+        """Go on from a restored checkpoint: the next train_batch is optimizer step `step`, with the loss scaler's
+        state as saved (fp16; None: as it is)."""
+        if step < 0:
+            raise PipelineError(f"resume_at needs a step >= 0, not {step}")
+        if self.scaler is not None and scaler is not None:
+            self.scaler.load_state(scaler)
+        self.step = step
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's weights (host copies, after every pending update), named as in

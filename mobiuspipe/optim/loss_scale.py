@@ -7,7 +7,7 @@ as plain state so every rank and the single-process reference take the same deci
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 
 from mobiuspipe.errors import PipelineError
 
@@ -32,6 +32,19 @@ class LossScaler:
             )
         if self.growth_interval < 1:
             raise ValueError(f"LossScaler needs growth_interval >= 1, found {self.growth_interval}")
+
+    def state(self) -> dict:
+        """Plain data of every field (a checkpoint's); load_state takes it back."""
+        return asdict(self)
+
+    def load_state(self, state: dict) -> None:
+        """Take the fields state() gave (a restored checkpoint's), checked as a new scaler's are."""
+        names = {f.name for f in fields(self)}
+        if set(state) != names:
+            raise ValueError(f"a loss scaler's state has the fields {sorted(names)}, found {sorted(state)}")
+        checked = LossScaler(**state)
+        for name in names:
+            setattr(self, name, getattr(checked, name))
 
     def update(self, overflow: bool) -> None:
         """After a step: back off on an overflow (the step was skipped), grow after enough good steps."""

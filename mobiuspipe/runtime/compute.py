@@ -39,7 +39,7 @@ from mobiuspipe.runtime.kept_swap import rebuild, release, spans_out
 from mobiuspipe.runtime.stage import Stage
 from mobiuspipe.schedule.actions import Action, Kind
 
-__all__ = ["Compute", "StepState", "StepTimes", "LossFn", "MessageKey"]
+__all__ = ["Compute", "StepOptions", "StepState", "StepTimes", "LossFn", "MessageKey"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 MessageKey = tuple[Kind, int, int]
@@ -86,8 +86,29 @@ class StepState:
         return sum(torch.stack(self.losses).double().tolist())
 
 
+@dataclass(frozen=True)
+class StepOptions:
+    """What one pipeline pass of an optimizer step asks of the engine (Pipeline.train_batch makes one per pass)."""
+
+    step: int
+    """The optimizer step (0-based), for the trace and the messages' tags."""
+    passes: int = 1
+    """Pipeline passes per optimizer step (gradient accumulation): each microbatch's loss is divided by
+    num_microbatches * passes."""
+    loss_scale: float = 1.0
+    """The factor the loss is multiplied by before backward (fp16 loss scaling)."""
+    accumulate: bool = False
+    """OFFLOAD adds to the gradients the tiers hold (every pass of an accumulated step but the first)."""
+    want_norm: bool = False
+    """OFFLOAD has the tiers note their gradients' squared norm (gradient clipping, on the last pass)."""
+    hold_updates: bool = False
+    """Every host update waits for start_updates (a pass before the last; fp16's overflow check, clipping's norm)."""
+    lr: float | None = None
+    """The learning rate of the updates this pass starts (bound when each starts); None: the optimizer's own."""
+
+
 class Compute:
-    """F and B of the engine's stages (mixed into Engine, which sets the attributes below)."""
+    """F and B of the engine's stages (mixed into Engine, whose own attributes these are)."""
 
     state: StepState
     stages: dict[int, Stage]
@@ -100,8 +121,7 @@ class Compute:
     ledger: DeviceLedger
     loss_fn: LossFn
     num_microbatches: int
-    passes: int
-    loss_scale: float
+    options: StepOptions
     dtype: torch.dtype
     last: int
 
@@ -294,7 +314,7 @@ class Compute:
             loss = self._last_loss(out, i) if j == self.last else None
         if loss is not None:
             st.losses.append(loss.detach())
-            (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
+            (loss * self.options.loss_scale if self.options.loss_scale != 1.0 else loss).backward()
             self.ledger.drop(("inputs", "targets", i))
         else:
             key = (Kind.RECV_GRAD, j, i)
@@ -340,7 +360,7 @@ class Compute:
                 f"the loss function returned {found}; expected a floating-point scalar tensor "
                 f"(the mean loss of the microbatch), e.g. F.cross_entropy(out, y)"
             )
-        return loss.reshape(()) / (self.num_microbatches * self.passes)
+        return loss.reshape(()) / (self.num_microbatches * self.options.passes)
 
 
 @contextlib.contextmanager

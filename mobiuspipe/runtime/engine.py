@@ -1,21 +1,21 @@
 """Runs one rank's schedule for one step: a dispatch table from action kind to a small method.
 
-The state of a step (the stage inputs saved to host for the recompute, the graphs kept from a forward to its
+The state of a step (the stage inputs saved for the recompute, the graphs kept from a forward to its
 backward, received activations and gradients, outputs waiting to be sent, the loss, the times) lives in one
 StepState; F and B are in mobiuspipe.runtime.compute. Each method times itself into the compute / load / comm
-buckets. Shapes and dtypes of the tensors between ranks are learned on the first step of each batch shape:
-the sender puts a small header (TensorSpec) ahead of each tensor. Every tensor the engine holds on the device
-is held in its DeviceLedger too, under a key whose kind says why: "inputs" (a stage's input while it
-computes, a microbatch's targets), "saved" (stage inputs kept on the device for the recompute: the CPU
-stand-in; CUDA keeps them on the host), "kept" (what a keep or selective stage holds from F to B: the saved
-tensors of its kept graphs, the inputs of its segments), "inbox", "outbox", "output" (a stage's output
-during its backward), "autograd" (saved for backward), "buffers"; the arena and Comm add "arena" and
+buckets. Shapes and dtypes of the tensors between ranks are learned on the first step of each batch shape: the
+sender puts a small header (TensorSpec) ahead of each tensor. Every tensor the engine holds on the device is held in
+its DeviceLedger too, under a key whose kind says why: "inputs" (a stage's input while it computes, a microbatch's
+targets), "saved" (stage inputs kept on the device for the recompute), "kept" (what a keep or selective stage holds
+from F to B: the saved tensors of its kept graphs, the inputs of its segments), "inbox", "outbox", "output" (a
+stage's output during its backward), "autograd" (saved for backward), "buffers"; the arena and Comm add "arena" and
 "sending". DevicePeak turns it into the step's measured device peak.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
@@ -31,11 +31,11 @@ from mobiuspipe.runtime.action_trace import ActionTrace
 from mobiuspipe.runtime.activations import StageMode, parts_of
 from mobiuspipe.runtime.clock import ActionClock
 from mobiuspipe.runtime.comm import Comm, TensorSpec
-from mobiuspipe.runtime.compute import Compute, LossFn, MessageKey, StepState, StepTimes
+from mobiuspipe.runtime.compute import Compute, LossFn, MessageKey, StepOptions, StepState, StepTimes
 from mobiuspipe.runtime.stage import Stage
 from mobiuspipe.schedule.actions import Action, Kind
 
-__all__ = ["Engine", "StepTimes", "LossFn"]
+__all__ = ["Engine", "StepOptions", "StepTimes", "LossFn"]
 
 
 class Engine(Compute):
@@ -54,30 +54,20 @@ class Engine(Compute):
         loss_fn: LossFn,
         num_microbatches: int,
         dtype: torch.dtype = torch.float32,
-        defer_updates: bool = False,
         ledger: DeviceLedger | None = None,
         activations: dict[int, StageMode] | None = None,
         swaps: dict[int, Swap] | None = None,
+        trace: ActionTrace | None = None,
     ):
+        """trace: records when each action of the steps it wants ran (Pipeline(trace_steps=...)); None: none."""
         self.mapping, self.rank, self.stages, self.schedule = mapping, rank, stages, schedule
         self.device, self.arena, self.comm, self.loss_fn = device, arena, comm, loss_fn
         self.num_microbatches, self.dtype = num_microbatches, dtype
-        self.defer_updates = defer_updates
-        """fp16: hold the host updates until every rank knows no gradient overflowed (start_updates)."""
-        self.loss_scale = 1.0
-        """The factor the loss is multiplied by before backward (fp16 loss scaling)."""
-        self.passes = 1
-        """Pipeline passes per optimizer step (gradient accumulation): each microbatch's loss is divided by
-        num_microbatches * passes."""
-        self.accumulate = False
-        """OFFLOAD adds to the gradients the tiers hold (every pass of an accumulated step but the first)."""
-        self.want_norm = False
-        """OFFLOAD has the tiers note their gradients' squared norm (gradient clipping, on the last pass)."""
-        self.lr: float | None = None
-        """The learning rate the updates of this step use (bound when each starts); None: the optimizer's own."""
-        self.held: set[int] = set()
-        """Stages whose updates wait for start_updates even without defer_updates (tied parameters)."""
-        self.deferred: list[Stage] = []
+        self.options = StepOptions(step=0)
+        """The pass run_step runs (its argument; read by the compute actions)."""
+        self._held: set[int] = set()
+        """Stages whose updates wait for start_updates whatever the options say (tied parameters)."""
+        self._deferred: list[Stage] = []
         self.last = len(mapping) - 1
         modes = activations or {}
         self.parts = {
@@ -96,8 +86,7 @@ class Engine(Compute):
             for l, buffers in s.buffers.items():
                 for n, b in buffers.items():
                     self.ledger.hold(("buffers", j, l, n), b)
-        self.trace = ActionTrace(())
-        """Records when each action of the steps it wants ran (Pipeline(trace_steps=...)); by default none."""
+        self.trace = trace or ActionTrace(())
         self.clock = ActionClock(device.compute)
         """When the actions ran: CUDA events on a gpu, the host's clock on the stand-in (mobiuspipe.runtime.clock)."""
         self.updater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-optimizer")
@@ -116,8 +105,16 @@ class Engine(Compute):
             Kind.SWAP_IN: self._swap_in,
         }
 
-    def run_step(self, step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[float, StepTimes]:
-        """One optimizer step over the batch (x, y); returns this rank's share of the loss and its times."""
+    def hold_updates_of(self, stages: Iterable[int]) -> None:
+        """Have these stages' updates wait for start_updates on every pass (a tied parameter's halves, whose
+        gradient is whole only once the ranks have added their halves)."""
+        self._held = set(stages)
+
+    def run_step(self, x: torch.Tensor, y: torch.Tensor, options: StepOptions) -> tuple[float, StepTimes]:
+        """One pipeline pass over the batch (x, y) as `options` ask; returns this rank's share of the loss and
+        its times."""
+        self.options = options
+        step = options.step
         shape = (tuple(x.shape), x.dtype)
         learning = shape not in self._specs
         specs = self._specs.setdefault(shape, {})
@@ -172,30 +169,30 @@ class Engine(Compute):
     def _offload(self, a: Action) -> None:
         stage = self.stages[a.stage]
         with Stopwatch() as sw:
-            stage.offload(self.arena, self.accumulate, self.want_norm)
+            stage.offload(self.arena, self.options.accumulate, self.options.want_norm)
         self.state.times.load_s += sw.s
-        if self.defer_updates or a.stage in self.held:
-            self.deferred.append(stage)
+        if self.options.hold_updates or a.stage in self._held:
+            self._deferred.append(stage)
         else:
             self._start_update(stage, 1.0)
 
     def overflowed(self) -> bool:
         """Whether a gradient offloaded in this step (and held back) is inf or nan on this rank."""
-        return not all(s.grads_finite() for s in self.deferred)
+        return not all(s.grads_finite() for s in self._deferred)
 
     def start_updates(self, apply: bool, grad_scale: float | None = None) -> None:
         """Start the held-back host updates (gradients divided by grad_scale, default the loss scale), or drop
         them (a skipped step, or a pass of an accumulated step that is not its last)."""
-        for stage in self.deferred:
+        for stage in self._deferred:
             if apply:
-                self._start_update(stage, self.loss_scale if grad_scale is None else grad_scale)
-        self.deferred = []
+                self._start_update(stage, self.options.loss_scale if grad_scale is None else grad_scale)
+        self._deferred = []
 
     def _start_update(self, stage: Stage, grad_scale: float) -> None:
         """Start stage's host update at this step's learning rate (traced as "U" when the step is)."""
         step = self.state.step
         note = partial(self.trace.add, step, "U", stage.index, -1) if self.trace.wants(step) else None
-        stage.start_update(self.updater, grad_scale, self.lr, note)
+        stage.start_update(self.updater, grad_scale, self.options.lr, note)
 
     def grad_sumsq(self) -> float:
         """The squared norm of the gradients this rank offloaded in this step (each stage's, summed)."""
