@@ -43,7 +43,6 @@ from mobiuspipe.runtime.activations import ActivationsSpec, stage_modes
 from mobiuspipe.runtime.channels import LAYOUT, Channels, neighbour_pairs
 from mobiuspipe.runtime.comm import Comm
 from mobiuspipe.runtime.engine import Engine, LossFn, StepOptions, StepTimes
-from mobiuspipe.runtime.evaluate import eval_loss
 from mobiuspipe.runtime.ranks import join_group, leave_group, rank_info
 from mobiuspipe.runtime.stage import Stage
 from mobiuspipe.runtime.stage_states import SsdTier
@@ -280,17 +279,17 @@ class Pipeline:
         if not self.overlap_updates:
             engine.wait_updates()
         result = StepResult(
-            self.step,
-            loss,
-            StepTimes(c, ld, cm),
-            int(peak),
-            engine.arena.budget_bytes,
-            scale,
-            skipped,
-            int(device_peak),
-            None if self.max_grad_norm is None else norm,
-            times,
-            own_peak,
+            step=self.step,
+            loss=loss,
+            times=StepTimes(c, ld, cm),
+            arena_peak_bytes=int(peak),
+            arena_budget_bytes=engine.arena.budget_bytes,
+            loss_scale=scale,
+            skipped=skipped,
+            device_peak_bytes=int(device_peak),
+            grad_norm=None if self.max_grad_norm is None else norm,
+            own_times=times,
+            own_device_peak_bytes=own_peak,
         )
         if self.trace.wants(self.step):
             self.trace.add(self.step, "step", -1, -1, start)
@@ -345,11 +344,11 @@ class Pipeline:
 
     def eval_batch(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """The batch's mean loss under the current weights (after every pending update), forward only: no
-        gradient, no update, dropout off (mobiuspipe.runtime.evaluate); every rank calls it with the same batch of the
+        gradient, no update, dropout off (Engine.eval_loss); every rank calls it with the same batch of the
         plan's microbatches and gets the loss."""
         self._check_batch(x, y, passes=1)
         what = f"evaluation after step {self.step}"
-        (loss,) = self._reduce([eval_loss(self.engine, x, y, what)], torch.distributed.ReduceOp.SUM, what)
+        (loss,) = self._reduce([self.engine.eval_loss(x, y, what)], torch.distributed.ReduceOp.SUM, what)
         return loss
 
     def _skip_on_overflow(self) -> bool:

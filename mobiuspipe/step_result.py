@@ -9,7 +9,7 @@ from mobiuspipe.runtime.engine import StepTimes
 __all__ = ["StepResult"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepResult:
     """One optimizer step: the batch's loss (every rank gets it), the largest time of each part over ranks
     (summed over the step's passes), the largest device arena peak over ranks against the arena's budget, the

@@ -37,6 +37,9 @@ from mobiuspipe.schedule.actions import Action, Kind
 
 __all__ = ["Engine", "StepOptions", "StepTimes", "LossFn"]
 
+EVAL_TAG_BASE = (1 << 30) + (1 << 24)
+"""Message tags of evaluation: above every training tag (< 2^30) and the tied-gradient exchange's."""
+
 
 class Engine(Compute):
     """One rank: its stages, arena, comm; run_step() executes the schedule once."""
@@ -197,6 +200,66 @@ class Engine(Compute):
     def grad_sumsq(self) -> float:
         """The squared norm of the gradients this rank offloaded in this step (each stage's, summed)."""
         return sum(s.states.grad_sumsq() for s in self.stages.values())
+
+    # -- evaluation ----------------------------------------------------------------------------
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor, what: str) -> float:
+        """This rank's share of the batch's mean loss with no gradient, no recompute and no update (nonzero on the
+        last stage's rank only). Each stage is visited in order: its weights loaded (after its pending update),
+        every microbatch run in eval mode (dropout off), each output handed to the next stage (on this rank, or
+        sent with its shape header), the slot released. A rank only waits for a lower stage, which its holder
+        visits before any higher one, so the visit order cannot deadlock."""
+        m, last = self.num_microbatches, self.last
+        xs, ys = x.chunk(m), y.chunk(m)
+        handed: dict[tuple[int, int], torch.Tensor] = {}
+        total = 0.0
+        modes = {j: [layer.training for layer in s.layers.values()] for j, s in self.stages.items()}
+        for s in self.stages.values():
+            for layer in s.layers.values():
+                layer.eval()
+        try:
+            for j in sorted(self.stages):
+                stage = self.stages[j]
+                stage.load(self.arena)
+                stage.wait_loaded()
+                try:
+                    for i in range(m):
+                        with torch.no_grad():
+                            out = stage.forward(self._eval_input(j, i, xs, handed, what), with_grad=False)
+                        if j == last:
+                            total += float(self.loss_fn(out.float(), ys[i].to(out.device))) / m
+                        elif self.mapping[j + 1] == self.rank:
+                            handed[(j + 1, i)] = out
+                        else:
+                            self._eval_send(out, j, i, what)
+                finally:
+                    stage.release(self.arena)
+            self.comm.flush()
+        finally:
+            for j, s in self.stages.items():
+                for layer, mode in zip(s.layers.values(), modes[j]):
+                    layer.train(mode)
+        return total
+
+    def _eval_tag(self, j: int, i: int, header: bool) -> int:
+        return EVAL_TAG_BASE + (j * self.num_microbatches + i) * 2 + header
+
+    def _eval_input(self, j: int, i: int, xs, handed: dict, what: str) -> torch.Tensor:
+        """Stage j's input for microbatch i: the batch's (stage 0), handed over on this rank, or received."""
+        dev = self.device.torch_device
+        if j == 0:
+            x = xs[i]
+            return self.device.to_device(x, self.dtype if x.is_floating_point() else x.dtype)
+        if (j, i) in handed:
+            return handed.pop((j, i))
+        src = self.mapping[j - 1]
+        what = f"the activation of stage {j - 1} microbatch {i} ({what})"
+        spec = self.comm.recv_spec(dev, src, self._eval_tag(j - 1, i, True), what)
+        return self.comm.recv(spec, dev, src, self._eval_tag(j - 1, i, False), what)
+
+    def _eval_send(self, out: torch.Tensor, j: int, i: int, what: str) -> None:
+        dst, what = self.mapping[j + 1], f"the activation of stage {j} microbatch {i} ({what})"
+        self.comm.send_spec(TensorSpec.of(out, what), out.device, dst, self._eval_tag(j, i, True), what)
+        self.comm.send(out, dst, self._eval_tag(j, i, False), what)
 
     # -- communication -------------------------------------------------------------------------
     def _tag(self, kind: Kind, j: int, i: int, header: bool) -> int:

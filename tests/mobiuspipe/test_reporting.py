@@ -29,7 +29,16 @@ def _ranks(step: int) -> list[RankStep]:
 
 
 def _result(step: int) -> StepResult:
-    return StepResult(step, 5.0 - step, StepTimes(0.4, 0.02 + step, 0.1), 3 << 20, 4 << 20, 1024.0, step == 1, 2000)
+    return StepResult(
+        step=step,
+        loss=5.0 - step,
+        times=StepTimes(0.4, 0.02 + step, 0.1),
+        arena_peak_bytes=3 << 20,
+        arena_budget_bytes=4 << 20,
+        loss_scale=1024.0,
+        skipped=step == 1,
+        device_peak_bytes=2000,
+    )
 
 
 def _run_reporter(tmp_path, stream) -> None:
