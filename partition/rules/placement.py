@@ -28,7 +28,7 @@ LEAST_SHARE_BYTES = 4 * STATE_BYTES * KiB + 4 * 4 * KiB
 """The least host share of a stage on SSD, for every training dtype (fp32, bf16, fp16): the out-of-core Adam's
 4 group slots of one 4 KiB-aligned group (1024 elements x 12 bytes each) and the weight stream's 4 staging
 buffers of one group (1024 elements of <= 4 bytes: one 4 KiB page each) = 64 KiB. The runtime derives it
-from its group layout (mobiuspipe.runtime.stage_states.least_share); tests/mobiuspipe/test_state_tiers.py checks
+from its group layout (mobiuspipe.runtime.stage_states.least_share); tests/mobiuspipe/runtime/test_state_tiers.py checks
 the two agree."""
 
 

@@ -110,7 +110,8 @@ def test_ssd_tier_mistakes(tmp_path):
 def test_torchrun_entry_with_auto_states_equals_plain_pytorch(tmp_path, launch, reference):
     """auto under 0.2 MiB (fp32: 12 + 4 + 4 bytes per parameter in memory): neither rank's two stages fit
     (rank 0: 13,824 and 7,224 parameters, rank 1: 7,224 and 6,192), so both move their optimizer states to
-    SSD and then the weights of their largest stage (hand-computed in tests/partition/test_placement.py's terms)."""
+    SSD and then the weights of their largest stage (hand-computed in the terms of
+    tests/partition/rules/test_placement.py)."""
     write_config, torchrun = launch
     cfg_path = write_config(
         tmp_path,
@@ -146,7 +147,7 @@ def test_torchrun_entry_with_auto_states_equals_plain_pytorch(tmp_path, launch, 
 def test_auto_run_puts_the_largest_stage_on_ssd_and_stays_bit_identical(tmp_path):
     host_losses, host_weights, *_ = _run("bf16", None)
     # stages of 13,776, 7,224, 7,224 and 6,192 parameters, 16 bytes each in memory: 0.45 MiB holds the last two
-    # and the weights, gradients and streaming shares of the first two (tests/partition/test_placement.py's terms)
+    # and the weights, gradients and streaming shares of the first two (tests/partition/rules/test_placement.py's terms)
     memory = MemoryConfig(optimizer="auto", ssd_dir=str(tmp_path), host_budget_mb=0.45)
     losses, weights, placement, _ = _run("bf16", memory)
     assert losses == host_losses

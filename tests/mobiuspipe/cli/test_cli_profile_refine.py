@@ -13,7 +13,7 @@ from partition.plan import load_plan, save_plan
 from partition.rules.tiers import HostBudget
 from partition.search import make_plan, predict_step
 from partition.spec.profile import LayerProfile, Profile, load_profile, save_profile
-from tests.mobiuspipe.test_cli_profile import run
+from tests.mobiuspipe.cli.test_cli_profile import run
 from topology import cpu_standin
 
 

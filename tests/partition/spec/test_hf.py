@@ -10,7 +10,7 @@ from partition.spec.hf import ModelConfigError, read_hf_config, spec_from_hf_dic
 from partition.spec.lookup import get_model
 from partition.spec.models import MODELS
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 LLAMA_TINY = {
     "model_type": "llama",
     "hidden_size": 64,

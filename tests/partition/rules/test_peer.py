@@ -8,7 +8,7 @@ import math
 
 from partition.rules.device_peak import planned_device_bytes
 from partition.rules.peer import PAD, SLACK, peer_gpu, regions
-from tests.partition.test_activation_choice import _plan
+from tests.partition.rules.test_activation_choice import _plan
 
 
 def test_each_gpu_parks_on_the_next_and_the_walk_holds_the_region_there():

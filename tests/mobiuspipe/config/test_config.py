@@ -24,7 +24,7 @@ from mobiuspipe.config import (
 from mobiuspipe.errors import ConfigError
 from topology import preset, save_topology
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-gpt.yaml"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "tiny-gpt.yaml"
 
 
 def write(tmp_path: Path, text: str, name: str = "run.yaml") -> Path:
@@ -123,7 +123,7 @@ def test_relative_paths_resolve_against_config_folder(tmp_path, monkeypatch):
     (folder / "data" / "text.txt").write_text("abc")
     (folder / "plan.yaml").write_text("stages: []\n")
     save_topology(preset("2+2"), folder / "server.yaml")
-    hf = Path(__file__).resolve().parents[1] / "partition" / "data" / "tiny-gpt2"  # a config.json to read
+    hf = Path(__file__).resolve().parents[2] / "partition" / "data" / "tiny-gpt2"  # a config.json to read
     path = write(
         folder,
         f"model:\n  hf: {hf}\n  seq_len: 16\n"

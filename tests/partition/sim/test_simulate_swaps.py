@@ -12,7 +12,7 @@ from partition.rules.tiers import HostBudget
 from partition.search import make_plan, predict_step, sim_stages
 from partition.sim.simulate import simulate
 from partition.sim.types import SimStage, SsdLink
-from tests.partition.test_activation_choice import _profile
+from tests.partition.rules.test_activation_choice import _profile
 from topology import cpu_standin
 
 

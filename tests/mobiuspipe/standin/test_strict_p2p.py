@@ -14,7 +14,7 @@ import pytest
 from mobiuspipe.schedule import ScheduleError, build_schedule, check_schedules
 from partition.rules.mapping import round_robin
 
-WORKER = Path(__file__).with_name("p2p_worker.py")
+WORKER = Path(__file__).parents[1] / "p2p_worker.py"
 
 
 def _two_ranks(tmp_path, scenario: str, strict: str) -> list[str]:

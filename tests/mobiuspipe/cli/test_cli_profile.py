@@ -16,7 +16,7 @@ from mobiuspipe.cli.profile import register
 from partition.spec.models import MODELS
 from partition.spec.profile import load_profile
 
-DATA = Path(__file__).resolve().parents[1] / "partition" / "data"
+DATA = Path(__file__).resolve().parents[2] / "partition" / "data"
 
 
 def run(argv: list[str]) -> tuple[int, str, str]:

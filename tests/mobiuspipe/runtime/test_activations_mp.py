@@ -14,7 +14,7 @@ import torch
 
 pytestmark = pytest.mark.slow
 
-WORKER = Path(__file__).with_name("activations_worker.py")
+WORKER = Path(__file__).parents[1] / "activations_worker.py"
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
