@@ -12,7 +12,7 @@ import tempfile
 import torch
 
 from foundation.timing import Stopwatch
-from mobiuspipe.memory.ssd_store import SSDStore
+from mobiuspipe.memory.store.ssd_store import SSDStore
 from mobiuspipe.optim.ooc_adam import OutOfCoreAdam
 
 

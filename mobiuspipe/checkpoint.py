@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 
 from foundation.errors import UserError
 from mobiuspipe import _ext
-from mobiuspipe.memory.store_index import fsync_path
+from mobiuspipe.memory.store.index import fsync_path
 from mobiuspipe.optim.ooc_links import RecordError
 from mobiuspipe.runtime.ranks import gather_all
 from partition.plan import save_plan

@@ -34,7 +34,7 @@ from mobiuspipe.layers import LayerSpec, build, factories
 from mobiuspipe.memory.arena import DeviceArena
 from mobiuspipe.memory.device import Device
 from mobiuspipe.memory.ledger import DeviceLedger
-from mobiuspipe.memory.ssd_store import SSDStore
+from mobiuspipe.memory.store.ssd_store import SSDStore
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.optim.loss_scale import LossScaler, scaler_for
 from mobiuspipe.profiling.profiler import TORCH_DTYPES

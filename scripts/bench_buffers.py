@@ -31,7 +31,7 @@ from foundation.units import MiB
 STEP_CODE = """
 import shutil, statistics, sys, torch
 from foundation.timing import Stopwatch
-from mobiuspipe.memory.ssd_store import SSDStore
+from mobiuspipe.memory.store.ssd_store import SSDStore
 from mobiuspipe.optim.ooc_adam import OutOfCoreAdam
 torch.set_num_threads(2)
 n = int(sys.argv[2])

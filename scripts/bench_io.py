@@ -49,7 +49,7 @@ from foundation.timing import Stopwatch
 from foundation.units import MiB
 from mobiuspipe import _ext
 from mobiuspipe.memory.aio import IOEngine, aligned_empty
-from mobiuspipe.memory.ssd_store import SSDStore
+from mobiuspipe.memory.store.ssd_store import SSDStore
 
 
 def _fresh(path: Path, nbytes: int) -> int:

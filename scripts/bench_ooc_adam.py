@@ -43,7 +43,7 @@ from foundation.timing import Stopwatch
 from foundation.units import MiB
 from mobiuspipe import _ext
 from mobiuspipe.memory.aio import round_up
-from mobiuspipe.memory.ssd_store import SSDStore
+from mobiuspipe.memory.store.ssd_store import SSDStore
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.optim.ooc_adam import OutOfCoreAdam
 

@@ -12,7 +12,7 @@ import torch
 
 from mobiuspipe.memory.aio import aligned_empty
 from mobiuspipe.memory.device import CopyHandle, Device
-from mobiuspipe.memory.ssd_store import SSDStore
+from mobiuspipe.memory.store.ssd_store import SSDStore
 from mobiuspipe.memory.swap import BufferPool, CopySwap, Key, _nbytes
 
 __all__ = ["SsdSwap"]

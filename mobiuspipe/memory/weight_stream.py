@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from mobiuspipe.memory.aio import ALIGN, aligned_empty, round_up
-from mobiuspipe.memory.ssd_store import SSDStore, StoreFuture, drain
+from mobiuspipe.memory.store.ssd_store import SSDStore, StoreFuture, drain
 from mobiuspipe.standin.places import host_buffer
 
 

@@ -21,7 +21,7 @@ import torch
 
 from foundation.units import fmt_bytes
 from mobiuspipe.memory.aio import aligned_empty, round_up
-from mobiuspipe.memory.ssd_store import SSDStore, StoreFuture, drain
+from mobiuspipe.memory.store.ssd_store import SSDStore, StoreFuture, drain
 from mobiuspipe.optim.cpu_adam import adamw_update, check_adamw_args
 from mobiuspipe.optim.ooc_groups import (
     BYTES_PER_ELEM,

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from mobiuspipe.memory.store_future import checksum
-from mobiuspipe.memory.store_index import Entry
+from mobiuspipe.memory.store.future import checksum
+from mobiuspipe.memory.store.index import Entry
 from mobiuspipe.optim.ooc_adam import STATE_PARTS, OutOfCoreAdam
 from mobiuspipe.optim.ooc_groups import plan_groups, section_elems
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from mobiuspipe.memory.aio import ALIGN
 from mobiuspipe.memory.device import CopyHandle, Device
-from mobiuspipe.memory.ssd_store import SSDStore
+from mobiuspipe.memory.store.ssd_store import SSDStore
 from mobiuspipe.memory.weight_stream import BUFFERS, SsdWeights, sum_of_squares
 from mobiuspipe.optim.ooc_adam import OutOfCoreAdam
 from mobiuspipe.optim.ooc_groups import BYTES_PER_ELEM, ELEM_ALIGN, least_budget_bytes

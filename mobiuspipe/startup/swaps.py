@@ -10,7 +10,7 @@ from mobiuspipe.config.memory import MemoryConfig
 from mobiuspipe.errors import PipelineError
 from mobiuspipe.memory.device import Device
 from mobiuspipe.memory.ledger import DeviceLedger
-from mobiuspipe.memory.ssd_store import SSDStore
+from mobiuspipe.memory.store.ssd_store import SSDStore
 from mobiuspipe.memory.swap import HostSwap, Swap
 from mobiuspipe.memory.swap_ssd import SsdSwap
 from mobiuspipe.runtime.ranks import RankInfo

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from foundation.units import MiB
 from mobiuspipe.config.memory import MemoryConfig
 from mobiuspipe.errors import PipelineError
-from mobiuspipe.memory.ssd_store import SSDStore
+from mobiuspipe.memory.store.ssd_store import SSDStore
 from mobiuspipe.runtime.ranks import RankInfo, gather_all
 from mobiuspipe.runtime.stage_states import AdamHyper, SsdTier, least_share
 from partition.rules.placement import Placement, place_states

@@ -260,7 +260,7 @@ def test_aligned_empty():
 
 
 def test_zlib_crc_of_a_tensor_matches_bytes():
-    from mobiuspipe.memory.ssd_store import checksum
+    from mobiuspipe.memory.store.ssd_store import checksum
 
     t = torch.arange(1000, dtype=torch.int32)
     assert checksum(t, "crc32") == zlib.crc32(t.numpy().tobytes())

@@ -16,8 +16,8 @@ import torch
 
 from mobiuspipe import _ext
 from mobiuspipe.errors import SwapIOError
-from mobiuspipe.memory import ssd_store
-from mobiuspipe.memory.ssd_store import SSDStore
+from mobiuspipe.memory.store import ssd_store
+from mobiuspipe.memory.store.ssd_store import SSDStore
 
 BACKENDS = [
     pytest.param(b, marks=pytest.mark.skipif(not _ext.HAVE_C, reason="C++ extension not built"))
@@ -167,7 +167,7 @@ def test_a_full_disk_fails_at_allocation_with_enospc(tmp_path):
     code = textwrap.dedent(f"""
         import torch
         from mobiuspipe.errors import SwapIOError
-        from mobiuspipe.memory.ssd_store import SSDStore
+        from mobiuspipe.memory.store.ssd_store import SSDStore
         s = SSDStore({str(mnt / "job")!r})
         s.put("fits", torch.ones(1000))
         try:
@@ -248,7 +248,7 @@ def test_the_store_without_the_extension(tmp_path):
         sys.modules['mobiuspipe._C'] = None
         warnings.simplefilter('ignore')
         import torch
-        from mobiuspipe.memory.ssd_store import SSDStore
+        from mobiuspipe.memory.store.ssd_store import SSDStore
         with SSDStore(sys.argv[1]) as s:
             t = torch.randn(100_003)
             s.put("t", t)

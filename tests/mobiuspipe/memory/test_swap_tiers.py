@@ -15,7 +15,7 @@ import torch
 
 from mobiuspipe.errors import SwapIOError
 from mobiuspipe.memory.device import Device
-from mobiuspipe.memory.ssd_store import SSDStore
+from mobiuspipe.memory.store.ssd_store import SSDStore
 from mobiuspipe.memory.swap import HostSwap, Swap
 from mobiuspipe.memory.swap_peer import PeerSwap, RegionFull, shm_region
 from mobiuspipe.memory.swap_ssd import SsdSwap

@@ -10,7 +10,7 @@ import torch
 
 from mobiuspipe import _ext
 from mobiuspipe.errors import SwapIOError
-from mobiuspipe.memory.ssd_store import SSDStore
+from mobiuspipe.memory.store.ssd_store import SSDStore
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.optim.ooc_adam import OutOfCoreAdam, plan_groups
 

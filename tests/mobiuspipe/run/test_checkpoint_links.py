@@ -17,7 +17,7 @@ from mobiuspipe import Pipeline
 from mobiuspipe.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from mobiuspipe.config import MemoryConfig, config_from_dict
 from mobiuspipe.data.dataset import open_data
-from mobiuspipe.memory.ssd_store import SSDStore
+from mobiuspipe.memory.store.ssd_store import SSDStore
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.startup.config_plan import model_spec, plan_for_config

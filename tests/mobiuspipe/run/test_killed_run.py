@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from mobiuspipe.memory.ssd_store import SSDStore
+from mobiuspipe.memory.store.ssd_store import SSDStore
 
 CHILD = textwrap.dedent(
     """

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mobiuspipe.memory.device import Device
-from mobiuspipe.memory.ssd_store import SSDStore
+from mobiuspipe.memory.store.ssd_store import SSDStore
 from mobiuspipe.memory.weight_stream import SsdWeights
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.runtime.stage_states import HostStates

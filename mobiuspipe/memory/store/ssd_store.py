@@ -22,11 +22,11 @@ import torch
 
 from foundation.units import fmt_bytes
 from mobiuspipe.errors import SwapIOError
-from mobiuspipe.memory import store_index
 from mobiuspipe.memory.aio import IOEngine, aligned_empty, round_up, swap_error
-from mobiuspipe.memory.store_folder import direct_refused, lock_folder, remove_orphans
-from mobiuspipe.memory.store_future import StoreFuture, checksum, drain
-from mobiuspipe.memory.store_index import Entry
+from mobiuspipe.memory.store import index as store_index
+from mobiuspipe.memory.store.folder import direct_refused, lock_folder, remove_orphans
+from mobiuspipe.memory.store.future import StoreFuture, checksum, drain
+from mobiuspipe.memory.store.index import Entry
 
 __all__ = ["SSDStore", "StoreFuture", "checksum", "drain"]
 
