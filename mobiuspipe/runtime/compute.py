@@ -108,22 +108,35 @@ class StepOptions:
 
 
 class Compute:
-    """F and B of the engine's stages (mixed into Engine, whose own attributes these are)."""
+    """F and B of a rank's stages, and the swaps of their held inputs: the part of the engine that computes (the
+    Engine holds one and hands it each pass's StepState and StepOptions with begin())."""
 
-    state: StepState
-    stages: dict[int, Stage]
-    parts: dict[int, list[Part]]
-    """The parts of each keep or selective stage of this rank (recompute stages and the last are absent)."""
-    swaps: dict[int, Swap]
-    """Recompute stages whose saved inputs swap to another tier between F and B."""
-    device: Device
-    arena: DeviceArena
-    ledger: DeviceLedger
-    loss_fn: LossFn
-    num_microbatches: int
-    options: StepOptions
-    dtype: torch.dtype
-    last: int
+    def __init__(
+        self,
+        *,
+        stages: dict[int, Stage],
+        parts: dict[int, list[Part]],
+        swaps: dict[int, Swap],
+        device: Device,
+        arena: DeviceArena,
+        ledger: DeviceLedger,
+        loss_fn: LossFn,
+        num_microbatches: int,
+        dtype: torch.dtype,
+        last: int,
+    ):
+        """parts: the parts of each keep or selective stage of this rank (recompute stages and the last are
+        absent); swaps: the recompute stages whose saved inputs swap to another tier between F and B; last: the
+        model's last stage."""
+        self.stages, self.parts, self.swaps = stages, parts, swaps
+        self.device, self.arena, self.ledger, self.loss_fn = device, arena, ledger, loss_fn
+        self.num_microbatches, self.dtype, self.last = num_microbatches, dtype, last
+        self.state = StepState(0, (), (), {}, False)
+        self.options = StepOptions(step=0)
+
+    def begin(self, state: StepState, options: StepOptions) -> None:
+        """The pass the next actions belong to: its state (shared with the engine's messages) and options."""
+        self.state, self.options = state, options
 
     def _ready(self, stage: Stage) -> None:
         with Stopwatch() as sw:
@@ -146,7 +159,7 @@ class Compute:
         self.ledger.drop(("inbox", *key))
         return t
 
-    def _fwd(self, a: Action) -> None:
+    def fwd(self, a: Action) -> None:
         j, i, stage, st = a.stage, a.microbatch, self.stages[a.stage], self.state
         self._ready(stage)
         x = self._input(j, i)
@@ -207,7 +220,7 @@ class Compute:
             spans, kept.swapped = spans_out(kept.held, stage.buffer_storages())
             self.swaps[j].start_out((j, i), spans)
 
-    def _bwd(self, a: Action) -> None:
+    def bwd(self, a: Action) -> None:
         j, i, stage, st = a.stage, a.microbatch, self.stages[a.stage], self.state
         self._ready(stage)
         if stage.grads is None:
@@ -236,7 +249,7 @@ class Compute:
                 self.ledger.drop(k)
         st.times.compute_s += sw.s
 
-    def _swap_out(self, a: Action) -> None:
+    def swap_out(self, a: Action) -> None:
         """The copy of (j, i)'s held tensors to its tier has ended: their device bytes go."""
         key = (a.stage, a.microbatch)
         self.swaps[a.stage].finish_out(key)
@@ -246,7 +259,7 @@ class Compute:
         elif kept.swapped is not None:
             release(kept.swapped, self.ledger)
 
-    def _swap_in(self, a: Action) -> None:
+    def swap_in(self, a: Action) -> None:
         """Start copying (j, i)'s held tensors back for its backward (held as ("swapin", j, i, n) from now)."""
         for n, t in enumerate(self.swaps[a.stage].start_in((a.stage, a.microbatch))):
             self.ledger.hold(("swapin", a.stage, a.microbatch, n), t)

@@ -41,7 +41,7 @@ EVAL_TAG_BASE = (1 << 30) + (1 << 24)
 """Message tags of evaluation: above every training tag (< 2^30) and the tied-gradient exchange's."""
 
 
-class Engine(Compute):
+class Engine:
     """One rank: its stages, arena, comm; run_step() executes the schedule once."""
 
     def __init__(
@@ -90,6 +90,21 @@ class Engine(Compute):
                 for n, b in buffers.items():
                     self.ledger.hold(("buffers", j, l, n), b)
         self.trace = trace or ActionTrace(())
+        self.compute = Compute(
+            stages=stages,
+            parts=self.parts,
+            swaps=self.swaps,
+            device=device,
+            arena=arena,
+            ledger=self.ledger,
+            loss_fn=loss_fn,
+            num_microbatches=num_microbatches,
+            dtype=dtype,
+            last=self.last,
+        )
+        """F, B and the swaps of this rank's stages."""
+        self.state = self.compute.state
+        """The pass being run: its inputs, messages, saved tensors, loss and times (shared with compute)."""
         self.clock = ActionClock(device.compute)
         """When the actions ran: CUDA events on a gpu, the host's clock on the stand-in (mobiuspipe.runtime.clock)."""
         self.updater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-optimizer")
@@ -97,15 +112,15 @@ class Engine(Compute):
         self._dispatch = {
             Kind.LOAD: self._load,
             Kind.RELEASE: self._release,
-            Kind.FWD: self._fwd,
-            Kind.BWD: self._bwd,
+            Kind.FWD: self.compute.fwd,
+            Kind.BWD: self.compute.bwd,
             Kind.SEND_ACT: self._send_act,
             Kind.RECV_ACT: self._recv_act,
             Kind.SEND_GRAD: self._send_grad,
             Kind.RECV_GRAD: self._recv_grad,
             Kind.OFFLOAD: self._offload,
-            Kind.SWAP_OUT: self._swap_out,
-            Kind.SWAP_IN: self._swap_in,
+            Kind.SWAP_OUT: self.compute.swap_out,
+            Kind.SWAP_IN: self.compute.swap_in,
         }
 
     def hold_updates_of(self, stages: Iterable[int]) -> None:
@@ -123,6 +138,7 @@ class Engine(Compute):
         specs = self._specs.setdefault(shape, {})
         m = self.num_microbatches
         self.state = StepState(step, x.chunk(m), y.chunk(m), specs, learning)
+        self.compute.begin(self.state, options)
         self.peak.start_step()
         clock = self.clock
         clock.start_step()
