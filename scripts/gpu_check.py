@@ -34,11 +34,15 @@ from benchlib import torchrun_metrics
 from mobiuspipe import _ext
 from mobiuspipe.config import MemoryConfig
 from mobiuspipe.optim.loss_scale import LossScaler
+from mobiuspipe.profiling.profiler import library_bytes
+from partition.plan import save_plan
 from topology import cpu_standin
 
 ROOT = Path(__file__).resolve().parent.parent
 BARS = {"hidden": 0.90, "speed": 1.15}
 """The issue's bars on a GPU: share of load time hidden under compute; step time over its floor."""
+SPEED_STEPS, SKIP = 6, 2
+"""The speed check's steps, and how many first steps it leaves out (warm-up, the first host updates' states)."""
 
 
 class Table:
@@ -88,7 +92,8 @@ def worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float, a
 
 def equivalence(t: Table, size: runs.Size, device: torch.device, topology, ssd: Path, steps: int) -> dict:
     """(a): every policy x tier equals the recompute-on-device run bit for bit, and that run equals plain PyTorch.
-    Each row runs guarded: one that raises is a failed row and the others still run."""
+    Each row runs guarded: one that raises is a failed row and the others still run. Returns each precision's
+    (recompute-on-device run, plan): the memory check holds that run to that plan."""
     out = {}
     for precision in ("fp32", "bf16"):
         plan = runs.make_plan_for(size, precision, device, topology)
@@ -105,7 +110,7 @@ def equivalence(t: Table, size: runs.Size, device: torch.device, topology, ssd: 
         memory = MemoryConfig(optimizer="ssd", weights="ssd", ssd_dir=str(ssd / f"{precision}-weights"))
         check = f"{precision} weights and states on SSD"
         t.guarded(check, same_as, t, check, base, size, plan, precision, steps, "recompute", memory, "= host")
-        out[precision] = base
+        out[precision] = (base, plan)
     t.guarded("fp32 accumulation 2 vs plain PyTorch", accumulated, t, size, device, topology, steps)
     t.guarded("fp16 skipped step leaves the weights", fp16_skip, t, size, device, topology, steps)
     return out
@@ -159,7 +164,7 @@ def fp16_skip(t: Table, size: runs.Size, device: torch.device, topology, steps: 
 
 
 def memory_and_speed(
-    t: Table, base: runs.Run, size: runs.Size, device: torch.device, plan, cuda: bool, trace: str | None = None
+    t: Table, base: runs.Run, size: runs.Size, device: torch.device, plan, cuda: bool, args: argparse.Namespace
 ) -> dict:
     """(b) overlap, (c) memory against the plan, (d) the step against its floor."""
     own = base.peak_bytes - base.before_bytes  # the run's own bytes: the process held the rest before it began
@@ -170,16 +175,30 @@ def memory_and_speed(
         f"{own / 2**20:.2f} of {base.planned_bytes / 2**20:.2f} MiB planned{held}",
         "<= plan",
     )
+    parts = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in sorted(base.ledger_parts.items(), key=lambda kv: -kv[1]))
+    t.add("the runtime's ledger at its peak (MiB)", None, f"{sum(base.ledger_parts.values()) / 2**20:.1f}: {parts}")
     if cuda:
         t.add(
             "reserved / used by the process",
             None,
             f"{base.reserved_bytes / 2**30:.2f} / {base.used_bytes / 2**30:.2f} GiB",
         )
+        w = library_bytes(device, torch.float32)
+        t.add(
+            "beyond the walk: X + W (MiB)",
+            None,
+            f"{plan.workspace_bytes / 2**20:.1f} planned, of which W {w / 2**20:.1f} (cuBLAS workspaces, measured now)",
+        )
+        save_plan(plan, Path(args.out).with_name("plan_fp32.yaml"))
+        if args.memory_report:
+            print("\n".join(runs.memory_report(size, plan, args.memory_report)), flush=True)
     gbps = runs.h2d_gbps(device, 256 << 20 if cuda else 32 << 20)
-    plain = runs.plain_run(size, "fp32", 4, device)
-    floor = max(runs.median_after_first(plain.step_s), base.loaded_bytes / (gbps * 1e9))
-    step = runs.median_after_first(base.step_s)
+    # Steps in steady state: a step ends the previous step's host updates, so the second absorbs the first's
+    # allocation of the optimizer states; both sides skip their first SKIP steps.
+    piped = runs.pipeline_run(size, plan, "fp32", SPEED_STEPS)
+    plain = runs.plain_run(size, "fp32", SPEED_STEPS, device)
+    floor = max(runs.steady(plain.step_s, SKIP), piped.loaded_bytes / (gbps * 1e9))
+    step = runs.steady(piped.step_s, SKIP)
     t.add(
         "step over its floor",
         step / floor <= BARS["speed"] if cuda else None,
@@ -187,17 +206,17 @@ def memory_and_speed(
         f"<= {BARS['speed']}x on a GPU",
     )
     if cuda:
-        o = runs.overlap_on_gpu(size, plan, "fp32", trace=trace)
+        o = runs.overlap_on_gpu(size, plan, "fp32", trace=args.trace)
         t.add(
             "load time hidden under compute",
             o["hidden"] >= BARS["hidden"],
-            f"{o['hidden']:.0%} of {o['copy_us'] / 1e3:.1f} ms of copies",
+            f"{o['hidden']:.0%} of {o['copy_us'] / 1e3:.1f} ms of copies (under kernels {o['under_kernels']:.0%})",
             f">= {BARS['hidden']:.0%}",
         )
         t.add(
             "host-blocking syncs per stage visit",
             o["syncs_per_visit"] <= 1,
-            f"{o['syncs_per_visit']:.2f} ({o['syncs_per_step']:.0f} a step)",
+            f"{o['syncs_per_visit']:.2f} ({o['syncs_per_step']:.0f} a step; helpers {o['helper_syncs_per_step']:.0f})",
             "<= 1",
         )
     else:
@@ -319,6 +338,11 @@ def main() -> int:
     p.add_argument("--out", default="gpu_check.json", help="where the results go (JSON)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--trace", help="on a GPU: write the overlap check's profiler trace here (Chrome JSON)")
+    p.add_argument(
+        "--memory-report",
+        help="on a GPU: record the allocator's history over 3 fp32 steps and write here what was live at the peak, "
+        "by the place in the code that allocated it (text)",
+    )
     args = p.parse_args()
     cuda = torch.cuda.is_available()
     torch.set_num_threads(1)  # one order of every CPU reduction on both sides of each comparison
@@ -336,11 +360,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         base = t.guarded("equivalence", equivalence, t, size, device, topology, Path(tmp), args.steps)
         if base is not None:
-            plan = runs.make_plan_for(size, "fp32", device, topology)
-            t.figures = (
-                t.guarded("memory and speed", memory_and_speed, t, base["fp32"], size, device, plan, cuda, args.trace)
-                or {}
-            )
+            run, plan = base["fp32"]  # the plan the run was made from: one profile, so one X and W
+            t.figures = t.guarded("memory and speed", memory_and_speed, t, run, size, device, plan, cuda, args) or {}
         t.machine = t.guarded("machine", machine, t, cuda) or {}
         t.guarded("gpu-marked tests", gpu_tests, t, cuda)
         t.guarded("two ranks", two_ranks, t, Path(tmp), torch.cuda.device_count() if cuda else 2, cuda)

@@ -5,11 +5,14 @@ machine's copy rate; each returns plain numbers and tensors."""
 from __future__ import annotations
 
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+import gpu_memory
+import gpu_trace
 import torch
 from torch import nn
 
@@ -72,6 +75,9 @@ class Run:
     """The compute thread's seconds waiting for loads, summed over the steps after the first."""
     loaded_bytes: int = 0
     """Bytes one step moves host -> device (weights loaded) and back (gradients offloaded)."""
+    ledger_parts: dict[str, int] = field(default_factory=dict)
+    """The runtime's ledger by kind (arena, inputs, saved, inbox, ...) at its peak in the step of the largest peak:
+    what the runtime knows it holds; the allocator's peak beyond it is transients and libraries' buffers."""
 
 
 def batches(size: Size, steps: int, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -143,6 +149,7 @@ def pipeline_run(
             run.load_wait_s += r.own_times.load_s if step else 0.0
         run.weights = pipe.state_dict()
         run.peak_bytes = pipe.engine.peak.run_bytes
+        run.ledger_parts = dict(pipe.engine.peak.run_parts)
         run.loaded_bytes = _moved_bytes(pipe)
         as_run = plan_as_run(pipe.plan, pipe.activations, swap_tiers(pipe.plan, memory, pipe.activations), False)
         cuda = torch.cuda.is_available()
@@ -231,8 +238,22 @@ def h2d_gbps(device: torch.device, nbytes: int) -> float:
     return nbytes / statistics.median(times[1:]) / 1e9
 
 
-def median_after_first(times: list[float]) -> float:
-    return statistics.median(times[1:] if len(times) > 1 else times)
+def steady(times: list[float], skip: int) -> float:
+    """The median of the step times after the first `skip` (all of them if there are no more)."""
+    return statistics.median(times[skip:] if len(times) > skip else times)
+
+
+def memory_report(size: Size, plan: Plan, path: str, steps: int = 3) -> list[str]:
+    """The CUDA allocator's history over `steps` fp32 steps, recorded with each allocation's Python stack: what was
+    live at the run's peak, by the place in our code that allocated it (gpu_memory.summary); written to path too."""
+    torch.cuda.memory._record_memory_history(max_entries=500_000)
+    try:
+        pipeline_run(size, plan, "fp32", steps)
+        lines = gpu_memory.summary(torch.cuda.memory._snapshot())
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    Path(path).write_text("\n".join(lines) + "\n")
+    return lines
 
 
 def gpu_topology():
@@ -243,10 +264,10 @@ def gpu_topology():
 
 
 def overlap_on_gpu(size: Size, plan: Plan, precision: str, steps: int = 3, trace: str | None = None) -> dict:
-    """(b) on CUDA: a torch.profiler trace of `steps` steps after one warm-up (written to `trace` as Chrome JSON
-    if given, and the pipeline's own trace of its actions beside it, as TRACE.actions.json); the share of the
-    host -> device copy time that runs while a kernel runs, and the host-blocking
-    synchronizations per step."""
+    """(b) on CUDA: a torch.profiler trace of `steps` steps after one warm-up (kept at `trace` as Chrome JSON if
+    given, and the pipeline's own trace of its actions beside it, as TRACE.actions.json), read by gpu_trace: the
+    share of the host -> device copy time the compute did not wait through, and the host-blocking synchronizations
+    per step of the threads that launch the compute."""
     from torch.profiler import ProfilerActivity, profile
 
     data = batches(size, steps + 1, size.batch)
@@ -260,39 +281,11 @@ def overlap_on_gpu(size: Size, plan: Plan, precision: str, steps: int = 3, trace
             for x, y in data[1:]:
                 pipe.train_batch(x, y)
             torch.cuda.synchronize()
-        if trace:
-            prof.export_chrome_trace(trace)
         visits = sum(a.kind.value in ("F", "B") and a.microbatch == 0 for a in pipe.engine.schedule)
+    with tempfile.TemporaryDirectory(prefix="gpu-trace-") as tmp:
+        path = Path(trace or Path(tmp) / "trace.json")
+        prof.export_chrome_trace(str(path))
+        found = gpu_trace.overlap(gpu_trace.load(path), steps, visits)
     if trace:  # beside the kernels and copies: the pipeline's actions and host updates ("U"), all ended now
         write_chrome([list(pipe.trace.records)], Path(trace).with_suffix(".actions.json"))
-    events = prof.events() or []
-    copies = [e.time_range for e in events if "Memcpy HtoD" in e.name]
-    kernels = sorted(
-        (e.time_range.start, e.time_range.end)
-        for e in events
-        if e.device_type.name == "CUDA" and "Memcpy" not in e.name and "Memset" not in e.name
-    )
-    total = sum(c.end - c.start for c in copies)
-    hidden = sum(_covered(c.start, c.end, kernels) for c in copies)
-    syncs = sum(
-        e.name in ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")
-        for e in events
-    )
-    return {
-        "hidden": hidden / total if total else 1.0,
-        "copy_us": total,
-        "syncs_per_step": syncs / steps,
-        "syncs_per_visit": syncs / steps / max(1, visits),
-    }
-
-
-def _covered(start: float, end: float, spans: list[tuple[float, float]]) -> float:
-    """The part of [start, end) that the (sorted) spans cover."""
-    out, reach = 0.0, start
-    for a, b in spans:
-        if b <= reach or a >= end:
-            continue
-        a = max(a, reach)
-        out += min(b, end) - a
-        reach = min(b, end)
-    return out
+    return found

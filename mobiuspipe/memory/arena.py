@@ -7,6 +7,7 @@ anything beyond a slot or beyond the budget, so "never above budget" is checked,
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -57,8 +58,9 @@ class DeviceArena:
         self.budget_bytes = self.slot_bytes * num_slots
         self._place = place
         self.buffer = place(torch.empty(self.budget_bytes, dtype=torch.uint8, device=device))
-        self._free = [Slot(i, self._slot_tensor(i)) for i in range(num_slots)]
-        self._free.reverse()
+        self._free = deque(Slot(i, self._slot_tensor(i)) for i in range(num_slots))
+        """Free slots, the longest free first: a slot released just now may still be read by its offload or used by
+        queued compute, so the next holder takes the one most likely idle and need not wait (CUDA: no stall)."""
         self.in_use_bytes = 0
         self.peak_bytes = 0
         self.ledger = ledger
@@ -84,7 +86,7 @@ class DeviceArena:
                 f"{what}: all {self.budget_bytes // self.slot_bytes} arena slots are in use "
                 f"({self.in_use_bytes} of {self.budget_bytes} bytes); a stage was not released"
             )
-        slot = self._free.pop()
+        slot = self._free.popleft()
         slot.used = nbytes
         self.in_use_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.in_use_bytes)

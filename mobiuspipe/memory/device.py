@@ -98,9 +98,12 @@ class Device:
         return self.place(torch.empty(shape, dtype=dtype, device=self.torch_device))
 
     def to_device(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """A copy of host tensor t in this gpu's memory (in dtype, if given): a blocking copy."""
+        """A copy of host tensor t in this gpu's memory (in dtype, if given), ordered on the calling thread's stream.
+        On CUDA it does not block the host: t goes through pinned memory (the pinned block is kept until the copy
+        ends), where a pageable source would make the copy wait for everything queued on the stream."""
         if self.is_cuda:
-            return t.to(self.torch_device, dtype=dtype or t.dtype)
+            src = t if t.is_pinned() else t.pin_memory()
+            return src.to(self.torch_device, dtype=dtype or t.dtype, non_blocking=True)
         return self.place(plain(t).to(dtype=dtype or t.dtype, copy=True))
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:

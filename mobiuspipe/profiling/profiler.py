@@ -21,9 +21,12 @@ For each layer l, fed the previous layer's output (the first gets `sample_input`
   activation_bytes  the tensors autograd saves for backward (saved_tensors_hooks), counted once per
                     storage (views share one), parameters excluded; the last layer includes its loss
   output_bytes      nbytes of the layer's output
+  library_bytes     CUDA only (0 on the stand-in): the bytes cuBLAS and cuBLASLt keep for a stream (the
+                    profile's, once per model)
   workspace_bytes   CUDA only (0 on the stand-in): the allocator's peak over a recompute and its
                     backward (after the timed runs, so the kernels' own workspaces already exist), less
-                    what was allocated before, the saved activations and the output
+                    what was allocated before, the saved activations made by the recompute (not the
+                    input, which autograd may save but which existed before) and the output
   fwd/bwd_flops     torch.utils.flop_counter.FlopCounterMode (matmuls and attention; norms, activations
                     and gathers count 0), plus the CPU flash-attention kernel, which it does not know
 Layer similarity (Mobius, "Profiling"): a layer whose type, parameter and buffer shapes and dtypes, and
@@ -127,6 +130,8 @@ class _Run:
         with torch.no_grad():
             out = layer(self.x)
         self.out = out.detach()
+        self.input_saved = False
+        """Whether autograd saves the input itself (saved_bytes counts it; it was allocated before a recompute)."""
         g = torch.Generator().manual_seed(0)
         self.grad = None if loss_fn else torch.randn(out.shape, generator=g).to(device, out.dtype)
 
@@ -205,7 +210,8 @@ class _Run:
         torch.cuda.reset_peak_memory_stats(self.device)
         self.backward(self.recompute())
         torch.cuda.synchronize(self.device)
-        return max(0, torch.cuda.max_memory_allocated(self.device) - start - saved - self.out.nbytes)
+        new = saved - (self.x.untyped_storage().nbytes() if self.input_saved else 0)  # the input was there before
+        return max(0, torch.cuda.max_memory_allocated(self.device) - start - new - self.out.nbytes)
 
     def saved_bytes(self) -> int:
         params = {p.untyped_storage().data_ptr() for p in self.params}
@@ -220,6 +226,7 @@ class _Run:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             y = self.forward()
         self.backward(y)
+        self.input_saved = self.x.untyped_storage().data_ptr() in seen
         return sum(seen.values())
 
 
@@ -353,8 +360,27 @@ def measure_layers(
         seq_len=seq_len,
         layers=tuple(out_layers),
         input_bytes=sample_input.numel() * sample_input.element_size(),
+        library_bytes=library_bytes(device, TORCH_DTYPES[dtype_name]),
     )
     return Measurement(profile=profile, source=tuple(source))
+
+
+def library_bytes(device: torch.device, dtype: torch.dtype) -> int:
+    """W on CUDA: the bytes cuBLAS and cuBLASLt keep for a stream once a linear layer's forward and backward have run
+    on it (their workspaces, one set per stream, held until the process ends), measured after clearing the ones the
+    process holds; 0 elsewhere."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    torch._C._cuda_clearCublasWorkspaces()
+    start = torch.cuda.memory_allocated(device)
+    probe = nn.Linear(64, 64, device=device, dtype=dtype)
+    x = torch.randn(8, 64, device=device, dtype=dtype, requires_grad=True)
+    probe(x).float().sum().backward()
+    torch.matmul(x.detach(), probe.weight.detach())
+    del probe, x
+    torch.cuda.synchronize(device)
+    return max(0, torch.cuda.memory_allocated(device) - start)
 
 
 def measure_profile(layers: Sequence[nn.Module], sample_input: torch.Tensor, **kwargs) -> Profile:

@@ -61,6 +61,7 @@ class StepState:
 
     step: int
     xs: tuple[torch.Tensor, ...]
+    """Each microbatch's input: on the device on the rank of stage 0 (Compute.device_inputs), else unused."""
     ys: tuple[torch.Tensor, ...]
     specs: dict[MessageKey, TensorSpec]
     """Shapes of the messages this rank receives for this batch shape (filled on its first step)."""
@@ -143,13 +144,21 @@ class Compute:
             stage.wait_loaded()
         self.state.times.load_s += sw.s
 
+    def device_inputs(self, xs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Stage 0's input of every microbatch on the device, held in the ledger as ("inputs", 0, i) until its
+        forward: copied at the step's start, ahead of the step's weight loads (on CUDA a small copy queued behind
+        a load on the copy engine waits for all of it)."""
+        out = tuple(self.device.to_device(x, self.dtype if x.is_floating_point() else x.dtype) for x in xs)
+        for i, x in enumerate(out):
+            self.ledger.hold(("inputs", 0, i), x)
+        return out
+
     def _input(self, j: int, i: int) -> torch.Tensor:
-        """Stage j's input for microbatch i on the device, held in the ledger as ("inputs", j, i)."""
+        """Stage j's input for microbatch i on the device, held in the ledger as ("inputs", j, i) (stage 0's since
+        the step's start: device_inputs)."""
         if j == 0:
-            x = self.state.xs[i]
-            x = self.device.to_device(x, self.dtype if x.is_floating_point() else x.dtype)
-        else:
-            x = self._take((Kind.RECV_ACT, j, i))
+            return self.state.xs[i]
+        x = self._take((Kind.RECV_ACT, j, i))
         self.ledger.hold(("inputs", j, i), x)
         return x
 
@@ -356,7 +365,7 @@ class Compute:
 
     def _last_loss(self, out: torch.Tensor, i: int) -> torch.Tensor:
         """The loss of microbatch i in fp32 (a no-op in fp32), its targets held as ("inputs", "targets", i)."""
-        y = self.state.ys[i].to(out.device)
+        y = self.device.to_device(self.state.ys[i])
         self.ledger.hold(("inputs", "targets", i), y)
         return self._loss(out.float(), y)
 

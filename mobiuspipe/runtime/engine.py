@@ -137,7 +137,8 @@ class Engine:
         learning = shape not in self._specs
         specs = self._specs.setdefault(shape, {})
         m = self.num_microbatches
-        self.state = StepState(step, x.chunk(m), y.chunk(m), specs, learning)
+        xs = self.compute.device_inputs(x.chunk(m)) if 0 in self.stages else x.chunk(m)
+        self.state = StepState(step, xs, y.chunk(m), specs, learning)
         self.compute.begin(self.state, options)
         self.peak.start_step()
         clock = self.clock

@@ -166,7 +166,9 @@ def options(
 
 def fused_cost(arr: LayerArrays, a: int, b: int, m: int, input_bytes: int = 0) -> PolicyCost:
     """The last stage's only option: its forward runs with grad inside its backward (the loss needs both at
-    once), so it holds nothing between them (recorded as keep, on the device; recompute_s: that forward)."""
-    work = int(arr.A[b + 1] - arr.A[a]) + _output(arr, a - 1, input_bytes) + int(arr.O[b])
+    once), so between them it holds its input alone, H = I (recorded as keep, on the device; recompute_s: that
+    forward)."""
+    held = _output(arr, a - 1, input_bytes)
+    work = int(arr.A[b + 1] - arr.A[a]) + held + int(arr.O[b])
     inside, bwd = arr.recompute(a, b), float(arr.B[b + 1] - arr.B[a])
-    return PolicyCost(ActivationPolicy("keep"), 0, work, inside, 0.0, m * (inside + bwd))
+    return PolicyCost(ActivationPolicy("keep"), held, work, inside, 0.0, m * (inside + bwd))

@@ -87,6 +87,9 @@ def device_timeline(
     steps = steps_of(mapping, gpu, microbatches, swapped)
     releases = {} if sends_until_flush else _send_releases(tuple(mapping), gpu, microbatches)
     walk = _Walk(arena)
+    if mapping[0] == gpu:  # the runtime copies every microbatch's input in at the step's start, ahead of the loads
+        for i in range(microbatches):
+            walk.hold(("in", 0, i), stages[0].input)
     out = []
     for kind, j, i in steps:
         for key in releases.get((kind, j, i), ()):
@@ -184,8 +187,6 @@ def _step(walk: _Walk, mapping: list[int], gpu: int, step: Step, stages: Sequenc
     elif kind == "RG" and mapping[j + 1] != gpu:
         walk.hold(("gin", j, i), s.output)
     elif kind == "F":
-        if j == 0:
-            walk.hold(("in", 0, i), s.input)
         top = walk.total + max(0, s.held - s.input - s.held_output) + (s.output if j < last else 0)
         walk.drop(("in", j, i))
         if j < last:

@@ -122,6 +122,10 @@ class Profile(_ProfilePart):
     model); 0 in profiles written before profiles recorded it."""
     target_bytes: int = 0
     """Bytes of one microbatch of the loss's targets; 0 in profiles written before profiles recorded it."""
+    library_bytes: int = 0
+    """W: the device memory the math libraries keep for a stream once it has run the layers (cuBLAS and cuBLASLt
+    workspaces, one set per stream; the runtime computes on its own stream), measured on CUDA; 0 on the stand-in
+    and in the analytic profile [bytes]."""
 
     @property
     def num_layers(self) -> int:
@@ -129,15 +133,20 @@ class Profile(_ProfilePart):
 
     @property
     def workspace_bytes(self) -> int:
-        """The most X_l of any layer: what one computing layer may hold beyond the walk's bytes."""
-        return max(x.workspace_bytes for x in self.layers)
+        """What the compute holds beyond the walk's bytes: the most X_l of any layer (one layer computes at a
+        time) and W, the libraries' workspace of the compute stream."""
+        return max(x.workspace_bytes for x in self.layers) + self.library_bytes
 
     def check_values(self) -> list[Problem]:
         return [
             *(p for name in ("model", "device", "dtype") for p in non_empty(self, name, _WRITE_FIX)),
             *at_least(self, "microbatch_size", 1, _WRITE_FIX),
             *at_least(self, "seq_len", 1, _WRITE_FIX),
-            *(p for name in ("input_bytes", "target_bytes") for p in at_least(self, name, 0, _WRITE_FIX)),
+            *(
+                p
+                for name in ("input_bytes", "target_bytes", "library_bytes")
+                for p in at_least(self, name, 0, _WRITE_FIX)
+            ),
             *([] if self.layers else [Problem("layers", "a non-empty list of layers", "an empty list", _WRITE_FIX)]),
         ]
 

@@ -119,14 +119,10 @@ def run(cfg: RunConfig, activations, steps: int = 3, p: float = DROPOUT) -> Run:
 
 
 def rotate_slots(arena_cls=DeviceArena) -> None:
-    """Make a stage land in another arena slot at its backward than at its forward (acquire takes the slot
-    freed longest ago) and fill a released slot with NaNs: a kept graph that read its weights from the slot
-    of its forward would then see another stage's weights or NaNs."""
-    acquire, release = arena_cls.acquire, arena_cls.release
-
-    def oldest_first(self: DeviceArena, nbytes: int, what: str) -> Slot:
-        self._free.append(self._free.pop(0))
-        return acquire(self, nbytes, what)
+    """Fill a released slot with NaNs. A stage lands in another arena slot at its backward than at its forward
+    (acquire takes the slot freed longest ago), so a kept graph that read its weights from the slot of
+    its forward would then see another stage's weights or NaNs."""
+    release = arena_cls.release
 
     def poisoned(self: DeviceArena, slot: Slot, after=()) -> None:
         release(self, slot, after)
@@ -134,4 +130,4 @@ def rotate_slots(arena_cls=DeviceArena) -> None:
             copy.synchronize()
         slot.data.fill_(0xFF)
 
-    arena_cls.acquire, arena_cls.release = oldest_first, poisoned
+    arena_cls.release = poisoned

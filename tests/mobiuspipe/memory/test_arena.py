@@ -41,3 +41,13 @@ def test_slots_share_the_buffer_but_not_autograd_versions():
     loss.backward()
     assert w.grad is not None and torch.equal(w.grad, torch.full((4,), 4.0))
     assert torch.equal(a.buffer[64:128].view(torch.float32), torch.arange(16.0))
+
+
+def test_acquire_takes_the_slot_freed_longest_ago():
+    """A slot released just now may still be read by its offload: the next holder takes the one freed earlier."""
+    arena = DeviceArena(64, 3, torch.device("cpu"))
+    a, b, c = (arena.acquire(64, f"stage {j} weights") for j in range(3))
+    assert [a.index, b.index, c.index] == [0, 1, 2]
+    for s in (b, a, c):
+        arena.release(s)
+    assert [arena.acquire(64, "x").index for _ in range(3)] == [1, 0, 2]

@@ -12,7 +12,7 @@ from mobiuspipe.standin.places import plain
 
 def _setup(cuda: bool, numel: int):
     device = Device(0, use_cuda=cuda)
-    arena = DeviceArena(numel * 4, 2, device.torch_device, place=device.place)
+    arena = DeviceArena(numel * 4, 1, device.torch_device, place=device.place)  # one slot: the load reuses it
     states = HostStates(torch.randn(numel), torch.float32, device.pin, lambda ps: CPUAdam(ps))
     return device, arena, states
 

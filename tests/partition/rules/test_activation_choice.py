@@ -233,3 +233,11 @@ def test_the_peer_tier_is_chosen_within_both_gpus_budgets():
     assert parked
     one = cpu_standin(1, 1 << 30)
     assert "peer" not in runtime_links(one, ("host", "peer"))[0]  # one gpu has no peer
+
+
+def test_the_last_stage_holds_its_input_from_forward_to_backward():
+    """Its forward runs inside its backward, so each microbatch's input waits on the device in between: H = I (the
+    previous layer's output; the model's input when the last stage is the only one)."""
+    arr = LayerArrays.of(_profile())
+    assert fused_cost(arr, 3, 4, 2).held_bytes == _profile().layers[2].output_bytes
+    assert fused_cost(arr, 0, 4, 2, input_bytes=32).held_bytes == 32

@@ -34,7 +34,8 @@ def test_slots_in_use_instead_of_the_whole_arena():
     at O2 and its weights at R2."""
     timeline = dict(device_timeline([0, 0, 0], 0, 2, THREE))
     assert timeline[("B", 1, 0)] == 190 + 16 + 100 + 200 + 2000
-    assert device_timeline([0, 0, 0], 0, 2, THREE)[0] == (("L", 0, -1), 50)  # the first action: stage 0's weights
+    # the first action: stage 0's weights, and both microbatches' inputs (copied in at the step's start), 2 x 8
+    assert device_timeline([0, 0, 0], 0, 2, THREE)[0] == (("L", 0, -1), 50 + 16)
 
 
 def test_without_held_inputs_only_queues_and_work_remain():
