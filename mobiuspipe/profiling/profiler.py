@@ -25,8 +25,8 @@ For each layer l, fed the previous layer's output (the first gets `sample_input`
                     profile's, once per model)
   workspace_bytes   CUDA only (0 on the stand-in): the allocator's peak over a recompute and its
                     backward (after the timed runs, so the kernels' own workspaces already exist), less
-                    what was allocated before, the saved activations made by the recompute (not the
-                    input, which autograd may save but which existed before) and the output
+                    what was allocated once the recompute ended (what it saved and its output, and
+                    everything held before)
   fwd/bwd_flops     torch.utils.flop_counter.FlopCounterMode (matmuls and attention; norms, activations
                     and gathers count 0), plus the CPU flash-attention kernel, which it does not know
 Layer similarity (Mobius, "Profiling"): a layer whose type, parameter and buffer shapes and dtypes, and
@@ -130,8 +130,6 @@ class _Run:
         with torch.no_grad():
             out = layer(self.x)
         self.out = out.detach()
-        self.input_saved = False
-        """Whether autograd saves the input itself (saved_bytes counts it; it was allocated before a recompute)."""
         g = torch.Generator().manual_seed(0)
         self.grad = None if loss_fn else torch.randn(out.shape, generator=g).to(device, out.dtype)
 
@@ -200,18 +198,21 @@ class _Run:
             self.backward(y)
         return float(f.get_total_flops()), float(b.get_total_flops())
 
-    def workspace_bytes(self, saved: int) -> int:
-        """X_l: on CUDA, the allocator's peak over a recompute and its backward, less what was allocated before,
-        the saved activations and the output; 0 elsewhere (the stand-in's ledger counts no transients)."""
+    def workspace_bytes(self) -> int:
+        """X_l: on CUDA, the allocator's peak over a recompute and its backward less what was allocated once the
+        recompute ended (the saved activations and the output, which A_l and O_l count, and all held before); 0
+        elsewhere (the stand-in's ledger counts no transients)."""
         if self.device.type != "cuda":
             return 0
         torch.cuda.synchronize(self.device)
-        start = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        self.backward(self.recompute())
+        y = self.recompute()
         torch.cuda.synchronize(self.device)
-        new = saved - (self.x.untyped_storage().nbytes() if self.input_saved else 0)  # the input was there before
-        return max(0, torch.cuda.max_memory_allocated(self.device) - start - new - self.out.nbytes)
+        kept = torch.cuda.memory_allocated(self.device)
+        self.backward(y)
+        del y
+        torch.cuda.synchronize(self.device)
+        return max(0, torch.cuda.max_memory_allocated(self.device) - kept)
 
     def saved_bytes(self) -> int:
         params = {p.untyped_storage().data_ptr() for p in self.params}
@@ -226,7 +227,6 @@ class _Run:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             y = self.forward()
         self.backward(y)
-        self.input_saved = self.x.untyped_storage().data_ptr() in seen
         return sum(seen.values())
 
 
@@ -266,7 +266,7 @@ def _measure_one(
     fwd_flops, bwd_flops = run.flops()
     act = run.saved_bytes()
     fwd_s, redo_s, bwd_s, kept_s = _stable_median(run, *timing)  # warm: the kernels' own workspaces exist
-    workspace = run.workspace_bytes(act)
+    workspace = run.workspace_bytes()
     for p in layer.parameters():
         p.grad = None
     params = list(layer.parameters())

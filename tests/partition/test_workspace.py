@@ -84,6 +84,4 @@ def test_cuda_profile_measures_the_heads_logit_gradient():
         max_repeats=3,
     )
     logits = 4 * 128 * 8192 * 4
-    # about one logits-sized gradient, at least, lives beyond what is saved (an H200 measured 16,249,852 bytes before
-    # the saved input was no longer taken off: 3 KiB short of a whole logits tensor, the loss's own small buffers)
-    assert p.layers[0].workspace_bytes >= 0.9 * logits
+    assert p.layers[0].workspace_bytes >= logits  # the logits' gradient, at least, lives beyond what is saved
