@@ -100,7 +100,9 @@ class Device:
     def to_device(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A copy of host tensor t in this gpu's memory (in dtype, if given), ordered on the calling thread's stream.
         On CUDA it does not block the host: t goes through pinned memory (the pinned block is kept until the copy
-        ends), where a pageable source would make the copy wait for everything queued on the stream."""
+        ends), where a pageable source would make the copy wait for everything queued on the stream. A t that is
+        pinned already is read in place, after this returns: the caller must not change it until the stream has
+        passed the copy."""
         if self.is_cuda:
             src = t if t.is_pinned() else t.pin_memory()
             return src.to(self.torch_device, dtype=dtype or t.dtype, non_blocking=True)

@@ -10,9 +10,9 @@ Legend (stage j, microbatch i, gpu g; per ONE microbatch unless marked; units in
            output buffers (partition.rules.costmodel A_j); stage 0 adds I_0, the last stage adds
            Y, the targets of its loss                                                       [bytes]
   H_j      held bytes: what (j,i) keeps on the device from F(j,i) to the start of B(j,i).
-           Today's policy (recompute from the stage input): H_j = I_j where the input stays
-           on the device (the CPU stand-in: Engine._fwd keeps the same tensor), 0 where it
-           is copied to the host (CUDA). A policy that keeps activations passes its own.    [bytes]
+           Recompute: H_j = I_j, the input stays on the device (on a gpu and on the stand-in);
+           the last stage, whose forward runs inside its backward, holds its input too. A
+           policy that keeps activations passes its own.                                     [bytes]
   Y        the loss targets of one microbatch, live during B(last, i)                       [bytes]
   E        HEADER_BYTES: the shape header sent ahead of a message (first step of a shape)   [bytes]
   D_g      max over gpu g's actions of the bytes held during the action: the walk's peak   [bytes]
@@ -22,6 +22,8 @@ What the walk holds, and when (mirroring mobiuspipe.runtime.engine's DeviceLedge
            ledger counts: "arena"): P_j from L(j) to R(j), and P_j of gradients from j's first B to O(j).
   held     H_j from F(j,i) to the start of B(j,i)  (ledger "saved"); for a stage that swaps, from F(j,i) to
            SO(j,i) and from SI(j,i) to the start of B(j,i).
+  inputs   I_0 of every microbatch on stage 0's gpu from the step's start (the runtime copies them in ahead of
+           the step's loads: Compute.device_inputs) to F(0,i).
   inbox    I_j from RA(j,i) to F(j,i); O_j from RG(j,i) to the end of B(j,i). From a stage of the same
            gpu the message arrives at the sender's SA / SG, so up to M of them queue ("inbox").
   outbox   O_j from F(j,i) to SA(j,i); I_j from B(j,i) to SG(j,i)  ("outbox").
