@@ -335,7 +335,12 @@ def _two_rank_model(folder: Path, width: int = 1024, seq: int = 2048) -> tuple[d
 
 def main() -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
-    p.add_argument("--out", default="gpu_check.json", help="where the results go (JSON)")
+    p.add_argument(
+        "--out",
+        default="gpu_check.json",
+        help="where the results go (JSON); on a GPU the fp32 plan the memory check holds the run to goes beside it, "
+        "as plan_fp32.yaml",
+    )
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--trace", help="on a GPU: write the overlap check's profiler trace here (Chrome JSON)")
     p.add_argument(
