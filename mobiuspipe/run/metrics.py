@@ -9,41 +9,26 @@ import shutil
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
 from foundation.units import MiB, fmt_bytes
 from mobiuspipe.run.flops import rate
 from mobiuspipe.run.tb_events import EventLog
 from mobiuspipe.run.usage import RankStep
-
-if TYPE_CHECKING:
-    from mobiuspipe.pipeline import StepResult
+from mobiuspipe.step_result import StepResult
 
 __all__ = ["StepMetrics", "Reporter", "device_peak_line", "step_metrics", "perplexity"]
 
 
 @dataclass(frozen=True)
 class StepMetrics:
-    """What one step did. step_s is rank 0's wall time (tokens_per_s, tflops and eta_s follow from it);
-    compute_s, load_s and comm_s are each the largest over ranks (possibly of different ranks: `ranks` has
-    each rank's own); arena and device bytes are the largest peak over ranks."""
+    """What one step did: the Pipeline's StepResult (loss, the largest time of each part and the largest peaks over
+    ranks) and what the run adds to it. step_s is rank 0's wall time (tokens_per_s, tflops and eta_s follow from
+    it); `ranks` has each rank's own figures. record() is the step's metrics.jsonl object."""
 
-    step: int
-    loss: float
+    result: StepResult
     tokens_per_s: float
     step_s: float
-    compute_s: float
-    load_s: float
-    comm_s: float
-    arena_peak_bytes: int
-    arena_budget_bytes: int
-    loss_scale: float | None = None
-    """fp16: the loss scale of the step (None without loss scaling)."""
-    skipped: bool = False
-    """fp16: the step's gradients overflowed on some rank, so the update was skipped."""
-    device_peak_bytes: int = 0
-    """The largest measured device peak over ranks in the step (arena in use + activations + buffers +
-    messages; StepResult.device_peak_bytes)."""
     lr: float | None = None
     """The learning rate of the step's updates (train.lr_schedule); None when the loop did not set one."""
     ranks: tuple[RankStep, ...] = ()
@@ -58,8 +43,6 @@ class StepMetrics:
     """The largest resident memory (RSS) of a rank's process at the end of the step."""
     ssd_bytes: int | None = None
     """Bytes on disk of the run's SSD stores (memory.ssd_dir/rank*), summed over ranks; None without any."""
-    grad_norm: float | None = None
-    """With train.max_grad_norm: the global gradient norm before clipping (StepResult.grad_norm)."""
     checkpoint_s: float | None = None
     """Seconds rank 0 spent writing the checkpoint after the step before this one (not in either step_s);
     None when none was written then."""
@@ -67,18 +50,52 @@ class StepMetrics:
     """Seconds left: the mean step_s so far without the first step (warm-up) times the steps left; the
     Reporter fills it in; None at the first step."""
 
+    @property
+    def step(self) -> int:
+        return self.result.step
+
+    def record(self) -> dict[str, Any]:
+        """The metrics.jsonl object of the step (without its "kind"): the step's StepResult figures (compute_s,
+        load_s and comm_s each the largest over ranks, possibly of different ranks), then the run's."""
+        r = self.result
+        return {
+            "step": r.step,
+            "loss": r.loss,
+            "tokens_per_s": self.tokens_per_s,
+            "step_s": self.step_s,
+            "compute_s": r.times.compute_s,
+            "load_s": r.times.load_s,
+            "comm_s": r.times.comm_s,
+            "arena_peak_bytes": r.arena_peak_bytes,
+            "arena_budget_bytes": r.arena_budget_bytes,
+            "loss_scale": r.loss_scale,
+            "skipped": r.skipped,
+            "device_peak_bytes": r.device_peak_bytes,
+            "lr": self.lr,
+            "ranks": [asdict(x) for x in self.ranks],
+            "flops_per_step": self.flops_per_step,
+            "tflops": self.tflops,
+            "mfu": self.mfu,
+            "host_rss_bytes": self.host_rss_bytes,
+            "ssd_bytes": self.ssd_bytes,
+            "grad_norm": r.grad_norm,
+            "checkpoint_s": self.checkpoint_s,
+            "eta_s": self.eta_s,
+        }
+
     def line(self, steps: int) -> str:
         """The step line: `step S [K/N]`, S the 0-based step of the metrics.jsonl record, K = S + 1 of N steps."""
-        head = [f"step {self.step} [{self.step + 1}/{steps}]", f"loss {self.loss:.4f}"]
+        r = self.result
+        head = [f"step {r.step} [{r.step + 1}/{steps}]", f"loss {r.loss:.4f}"]
         head += [] if self.lr is None else [f"lr {self.lr:.3g}"]
-        head += [] if self.grad_norm is None else [f"grad norm {self.grad_norm:.3g}"]
+        head += [] if r.grad_norm is None else [f"grad norm {r.grad_norm:.3g}"]
         head += [] if self.eta_s is None else [f"ETA {_clock(self.eta_s)}"]
         head.append(f"{self.tokens_per_s:,.0f} tok/s")
         if self.tflops is not None:
             head.append(f"{self.tflops:.3g} TFLOPS" + ("" if self.mfu is None else f" MFU {100 * self.mfu:.3g}%"))
-        tail = [] if self.loss_scale is None else [f"scale {self.loss_scale:g}"]
+        tail = [] if r.loss_scale is None else [f"scale {r.loss_scale:g}"]
         tail += [] if self.checkpoint_s is None else [f"checkpoint {self.checkpoint_s * 1e3:.0f} ms"]
-        tail += ["(overflow: step skipped)"] if self.skipped else []
+        tail += ["(overflow: step skipped)"] if r.skipped else []
         return "  ".join([*head, self._times(), self._memory(), *tail])
 
     def _times(self) -> str:
@@ -87,15 +104,17 @@ class StepMetrics:
             own = self.ranks[0]
             parts, who = (own.compute_s, own.load_s, own.comm_s), "rank 0: "
         else:
-            parts, who = (self.compute_s, self.load_s, self.comm_s), "max over ranks: "
+            t = self.result.times
+            parts, who = (t.compute_s, t.load_s, t.comm_s), "max over ranks: "
         return f"step {ms(self.step_s)} ms ({who}compute {ms(parts[0])} / load {ms(parts[1])} / comm {ms(parts[2])})"
 
     def _memory(self) -> str:
         n = len(self.ranks)
         who = f"max over {n} rank{'s' if n != 1 else ''}" if n else "max over ranks"
+        r = self.result
         mem = (
-            f"{who}: device peak {fmt_bytes(self.device_peak_bytes)}, arena peak "
-            f"{self.arena_peak_bytes / MiB:.2f} of {self.arena_budget_bytes / MiB:.2f} MiB"
+            f"{who}: device peak {fmt_bytes(r.device_peak_bytes)}, arena peak "
+            f"{r.arena_peak_bytes / MiB:.2f} of {r.arena_budget_bytes / MiB:.2f} MiB"
         )
         mem += "" if self.host_rss_bytes is None else f", host RSS {fmt_bytes(self.host_rss_bytes)}"
         return mem + ("" if self.ssd_bytes is None else f"; ssd {fmt_bytes(self.ssd_bytes)} in all")
@@ -116,18 +135,9 @@ def step_metrics(
     tflops, mfu = rate(step_flops, step_s, peaks)
     on_ssd = [x.ssd_bytes for x in ranks if x.ssd_bytes is not None]
     return StepMetrics(
-        step=r.step,
-        loss=r.loss,
+        result=r,
         tokens_per_s=tokens / step_s,
         step_s=step_s,
-        compute_s=r.times.compute_s,
-        load_s=r.times.load_s,
-        comm_s=r.times.comm_s,
-        arena_peak_bytes=r.arena_peak_bytes,
-        arena_budget_bytes=r.arena_budget_bytes,
-        loss_scale=r.loss_scale,
-        skipped=r.skipped,
-        device_peak_bytes=r.device_peak_bytes,
         lr=lr,
         ranks=tuple(ranks),
         flops_per_step=step_flops,
@@ -135,7 +145,6 @@ def step_metrics(
         mfu=mfu,
         host_rss_bytes=max(x.host_rss_bytes for x in ranks),
         ssd_bytes=sum(on_ssd) if on_ssd else None,
-        grad_norm=r.grad_norm,
         checkpoint_s=checkpoint_s,
     )
 
@@ -187,7 +196,7 @@ class Reporter:
 
     def __call__(self, m: StepMetrics) -> None:
         m = replace(m, eta_s=self._eta(m))
-        self._record({"kind": "train", **asdict(m)})
+        self._record({"kind": "train", **m.record()})
         last = m.step + 1 == self.steps
         if self.stream is None:
             return

@@ -6,10 +6,14 @@ import io
 import json
 
 from mobiuspipe.run.metrics import Reporter, StepMetrics
+from mobiuspipe.runtime.compute import StepTimes
+from mobiuspipe.step_result import StepResult
 
 
 def _m(step: int) -> StepMetrics:
-    return StepMetrics(step, 2.5, 1000.0, 0.25, 0.1, 0.05, 0.02, 3 * 2**20, 4 * 2**20)
+    times = StepTimes(compute_s=0.1, load_s=0.05, comm_s=0.02)
+    r = StepResult(step=step, loss=2.5, times=times, arena_peak_bytes=3 * 2**20, arena_budget_bytes=4 * 2**20)
+    return StepMetrics(r, tokens_per_s=1000.0, step_s=0.25)
 
 
 class _Tty(io.StringIO):
@@ -39,3 +43,16 @@ def test_bar_on_a_terminal():
     text = out.getvalue()
     assert text.startswith("\r[###############...............] step 0 [1/2]")
     assert text.endswith("\n") and text.count("\n") == 1
+
+
+def test_a_record_has_the_step_results_figures_then_the_runs(tmp_path):
+    """metrics.jsonl's keys (docs/worked-example.md shows a record): StepMetrics derives them from StepResult."""
+    with Reporter(steps=1, log_every=1, out_dir=str(tmp_path), stream=None) as r:
+        r(_m(0))
+    row = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert list(row) == [
+        "kind", "step", "loss", "tokens_per_s", "step_s", "compute_s", "load_s", "comm_s", "arena_peak_bytes",
+        "arena_budget_bytes", "loss_scale", "skipped", "device_peak_bytes", "lr", "ranks", "flops_per_step",
+        "tflops", "mfu", "host_rss_bytes", "ssd_bytes", "grad_norm", "checkpoint_s", "eta_s",
+    ]  # fmt: skip
+    assert (row["loss"], row["comm_s"], row["arena_budget_bytes"]) == (2.5, 0.02, 4 * 2**20)

@@ -121,7 +121,7 @@ def test_without_the_ranks_figures_the_line_says_max_and_shows_the_grad_norm():
     m = step_metrics(r, 1e-3, _ranks(1), 512, 2e9, [0.05, 0.05])
     line = dataclasses.replace(m, ranks=()).line(4)
     assert "step 500 ms (max over ranks: compute 400 / load 1020 / comm 100)" in line
-    assert "lr 0.001  grad norm 0.812  " in line and m.grad_norm == 0.8125
+    assert "lr 0.001  grad norm 0.812  " in line and m.record()["grad_norm"] == 0.8125
     assert "grad norm" not in step_metrics(_result(1), 1e-3, _ranks(1), 512, 2e9, [0.05, 0.05]).line(4)
 
 
