@@ -25,7 +25,7 @@ import shutil
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
@@ -33,13 +33,13 @@ from safetensors.torch import save_file
 
 from foundation.errors import UserError
 from mobiuspipe import _ext
+from mobiuspipe.memory.device import Device
 from mobiuspipe.memory.store.index import fsync_path
+from mobiuspipe.optim.loss_scale import LossScaler
 from mobiuspipe.optim.ooc_links import RecordError
-from mobiuspipe.runtime.ranks import gather_all
-from partition.plan import save_plan
-
-if TYPE_CHECKING:
-    from mobiuspipe.pipeline import Pipeline
+from mobiuspipe.runtime.ranks import RankInfo, gather_all
+from mobiuspipe.runtime.stage import Stage
+from partition.plan import Plan, save_plan
 
 __all__ = [
     "CheckpointError",
@@ -63,7 +63,27 @@ class CheckpointError(UserError, RuntimeError):
     """A checkpoint could not be written or read: names the file or rank and the fix."""
 
 
-def plan_identity(pipe: Pipeline) -> dict[str, Any]:
+class Checkpointed(Protocol):
+    """What a checkpoint reads and restores, through its owner's methods (mobiuspipe.Pipeline is one)."""
+
+    @property
+    def plan(self) -> Plan: ...
+    @property
+    def info(self) -> RankInfo: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def stages(self) -> dict[int, Stage]: ...
+    @property
+    def device(self) -> Device: ...
+    @property
+    def scaler(self) -> LossScaler | None: ...
+    def resume_at(self, step: int, scaler: dict | None = None) -> None: ...
+
+
+def plan_identity(pipe: Checkpointed) -> dict[str, Any]:
     """What a checkpoint must agree on with the run resuming it: the model, the stages and where they run."""
     p = pipe.plan
     return {
@@ -88,7 +108,7 @@ class Snapshot:
 
 
 def save_checkpoint(
-    pipe: Pipeline, root: Path, keep: int, config_yaml: str | None = None, run: dict | None = None
+    pipe: Checkpointed, root: Path, keep: int, config_yaml: str | None = None, run: dict | None = None
 ) -> Path:
     """Write this rank's part of the checkpoint of pipe's current step (every rank calls it at the same step,
     after train_batch); rank 0 adds the plan (plan.yaml) and the run's resolved config (config.yaml, when
@@ -98,7 +118,7 @@ def save_checkpoint(
     return commit_checkpoint(pipe, root, snap.step, gather_all(pipe.info, written), keep, config_yaml, run)
 
 
-def begin_checkpoint(pipe: Pipeline, root: Path) -> Snapshot:
+def begin_checkpoint(pipe: Checkpointed, root: Path) -> Snapshot:
     """Rank 0 makes the step's folder (every rank waits for it); this rank's snapshot of its states."""
     partial = root / f".partial-{PREFIX}{pipe.step}"
     if pipe.rank == 0:
@@ -114,7 +134,7 @@ def partial_file(root: Path, step: int, rank: int) -> Path:
 
 
 def commit_checkpoint(
-    pipe: Pipeline,
+    pipe: Checkpointed,
     root: Path,
     step: int,
     every: list,
@@ -146,11 +166,11 @@ def commit_checkpoint(
     return final
 
 
-def snapshot(pipe: Pipeline, folder: Path) -> Snapshot:
+def snapshot(pipe: Checkpointed, folder: Path) -> Snapshot:
     """Copies of this rank's stages' states (after their pending updates; states on SSD linked into folder
     where it can), random state, scaler and step."""
     tensors, stages, linked = {}, {}, []
-    for j, stage in pipe.engine.stages.items():
+    for j, stage in pipe.stages.items():
         stage.wait_update()
         rel = f"rank{pipe.rank}/stage{j}"
         t, extra = stage.states.export_state(folder / rel)
@@ -160,8 +180,8 @@ def snapshot(pipe: Pipeline, folder: Path) -> Snapshot:
             linked += [folder / rel / r["file"] for r in extra["records"]["records"].values()]
         stages[str(j)] = extra
     tensors["rng/torch"] = torch.get_rng_state()
-    if pipe.engine.device.is_cuda:
-        tensors["rng/cuda"] = torch.cuda.get_rng_state(pipe.engine.device.torch_device)
+    if pipe.device.is_cuda:
+        tensors["rng/cuda"] = torch.cuda.get_rng_state(pipe.device.torch_device)
     scaler = pipe.scaler.state() if pipe.scaler is not None else None
     return Snapshot(pipe.step, tensors, {"step": pipe.step, "scaler": scaler, "stages": stages}, linked)
 
@@ -218,7 +238,7 @@ def latest_checkpoint(root: Path) -> Path | None:
     return root / f"{PREFIX}{max(steps)}" if steps else None
 
 
-def load_checkpoint(pipe: Pipeline, folder: Path, run: dict | None = None) -> int:
+def load_checkpoint(pipe: Checkpointed, folder: Path, run: dict | None = None) -> int:
     """Restore this rank's stages, scaler and random state from folder (checked against the run's plan and,
     when both have one, its `run` identity); the step the run resumes at."""
     head = _read_complete(folder)
@@ -238,7 +258,7 @@ def load_checkpoint(pipe: Pipeline, folder: Path, run: dict | None = None) -> in
     with safe_open(str(path), "pt") as f:  # one open for the tensors and the state in the header
         state = json.loads((f.metadata() or {})["state"])
         tensors = {k: f.get_tensor(k) for k in f.keys()}
-    for j, stage in pipe.engine.stages.items():
+    for j, stage in pipe.stages.items():
         stage.wait_update()
         own = {k[len(f"stage{j}/") :]: v for k, v in tensors.items() if k.startswith(f"stage{j}/")}
         extra = state["stages"][str(j)]
@@ -250,8 +270,8 @@ def load_checkpoint(pipe: Pipeline, folder: Path, run: dict | None = None) -> in
                 "before it"
             ) from e
     torch.set_rng_state(tensors["rng/torch"])
-    if "rng/cuda" in tensors and pipe.engine.device.is_cuda:
-        torch.cuda.set_rng_state(tensors["rng/cuda"], pipe.engine.device.torch_device)
+    if "rng/cuda" in tensors and pipe.device.is_cuda:
+        torch.cuda.set_rng_state(tensors["rng/cuda"], pipe.device.torch_device)
     pipe.resume_at(state["step"], state["scaler"])
     return state["step"]
 
@@ -269,7 +289,7 @@ def _read_complete(folder: Path) -> dict:
         raise CheckpointError(f"checkpoint {folder}: {marker} is unreadable ({e}); resume from another") from e
 
 
-def _check_fits(head: dict, pipe: Pipeline, folder: Path) -> None:
+def _check_fits(head: dict, pipe: Checkpointed, folder: Path) -> None:
     """The checkpoint's world size and plan must be this run's."""
     if head["world_size"] != pipe.info.world_size:
         raise CheckpointError(

@@ -65,6 +65,7 @@ from mobiuspipe.startup.tiers import agree_on_tiers
 from mobiuspipe.step_result import StepResult
 from partition.plan import Plan
 from partition.rules.costmodel import ARENA_SLOTS
+from partition.rules.device_peak import planned_device_bytes
 from topology import Topology
 
 __all__ = ["Pipeline", "StepResult"]
@@ -184,6 +185,32 @@ class Pipeline:
     def rank(self) -> int:
         """This process's rank (= its gpu in the plan)."""
         return self.info.rank
+
+    @property
+    def stages(self) -> dict[int, Stage]:
+        """This rank's stages by index (their weights, gradients and states; a checkpoint reads and restores them)."""
+        return self.engine.stages
+
+    @property
+    def device(self) -> Device:
+        """This rank's gpu (or its CPU stand-in)."""
+        return self.engine.device
+
+    def wait_updates(self) -> None:
+        """Wait for every host update started so far (the last step's may still run after train_batch returns)."""
+        self.engine.wait_updates()
+
+    def device_peak(self) -> tuple[int, dict[str, int], str]:
+        """This rank's measured device peak over the run: its bytes, what the ledger held then by kind, and where the
+        figure comes from ("cuda allocator" or "ledger")."""
+        peak = self.engine.peak
+        return peak.run_bytes, peak.run_parts, peak.source
+
+    def planned_device_bytes(self) -> list[int]:
+        """The plan's device figure per gpu for the path this run takes: a gpu or the stand-in, and sends held to
+        the step's end where the backend reports completion only then (partition.rules.device_peak)."""
+        until_flush = not self.engine.comm.channels.reports_completion
+        return planned_device_bytes(self.plan, not self.device.is_cuda, sends_until_flush=until_flush)
 
     def _build_engine(
         self,
@@ -398,7 +425,7 @@ class Pipeline:
     def stage_state_dicts(self) -> dict[int, dict[str, torch.Tensor]]:
         """state_dict() split by stage: {j: the weights of stage j} for this rank's stages."""
         out = {}
-        for j, stage in self.engine.stages.items():
+        for j, stage in self.stages.items():
             stage.wait_update()
             out[j] = stage.state_dict()
         return out

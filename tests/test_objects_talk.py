@@ -67,3 +67,20 @@ def test_a_scalers_state_goes_back_through_load_state():
     with pytest.raises(ValueError, match="scale > 0"):
         b.load_state({**a.state(), "scale": -1.0})
     assert b == a  # a refused state leaves the scaler as it was
+
+
+def _reads_through(path: Path, owner: str, attr: str) -> list[str]:
+    """Lines of path that read `owner.attr` (owner a name, or an attribute of that name)."""
+    tree = ast.parse(path.read_text(), str(path))
+    return [
+        f"{path.name}:{n.lineno}"
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and n.attr == attr and _names(n.value, owner)
+    ]
+
+
+def test_the_run_and_the_checkpoint_ask_the_pipeline_not_its_engine():
+    """Stages, device, pending updates and the device peak come from Pipeline methods (a checkpoint takes any
+    Checkpointed owner), so the engine can change behind them."""
+    files = [ROOT / "mobiuspipe/checkpoint.py", *(ROOT / "mobiuspipe/run").rglob("*.py")]
+    assert not [line for f in files for line in _reads_through(f, "pipe", "engine")]

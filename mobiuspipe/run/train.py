@@ -49,7 +49,6 @@ from mobiuspipe.step_result import StepResult
 from partition.plan import Plan, save_plan
 from partition.report.trace import svg_timeline
 from partition.rules.costmodel import ARENA_SLOTS
-from partition.rules.device_peak import planned_device_bytes
 
 __all__ = ["main", "open_run", "train", "with_resume"]
 
@@ -225,7 +224,7 @@ def _write_trace(pipe: Pipeline, out: Path | None) -> None:
     """Rank 0 writes every rank's traced actions to out_dir/trace.json (runtime.trace_steps), once the host
     updates that may still run have recorded theirs, and draws the last traced step that ran in trace.svg (a run
     stopped or resumed past its traced steps has none to draw)."""
-    pipe.engine.wait_updates()
+    pipe.wait_updates()
     every = gather_all(pipe.info, pipe.trace.records)
     if pipe.rank != 0 or out is None:
         return
@@ -242,14 +241,12 @@ def _write_trace(pipe: Pipeline, out: Path | None) -> None:
 def _report_device_peak(pipe: Pipeline) -> None:
     """Every rank sends its measured device peak over the run (and what its ledger held then); rank 0 prints
     them against the plan's figure per gpu in one line."""
-    peak = pipe.engine.peak
-    every = gather_all(pipe.info, (peak.run_bytes, peak.run_parts))
+    run_bytes, run_parts, source = pipe.device_peak()
+    every = gather_all(pipe.info, (run_bytes, run_parts))
     if pipe.rank == 0:
         measured = [b for b, _ in every]
         parts = max(every, key=lambda e: e[0])[1]
-        until_flush = not pipe.engine.comm.channels.reports_completion
-        planned = planned_device_bytes(pipe.plan, not pipe.engine.device.is_cuda, sends_until_flush=until_flush)
-        print(device_peak_line(measured, planned, peak.source, parts), flush=True)
+        print(device_peak_line(measured, pipe.planned_device_bytes(), source, parts), flush=True)
 
 
 def _banner(cfg: RunConfig, plan: Plan) -> str:

@@ -138,7 +138,7 @@ def test_the_run_draws_the_last_traced_step_that_ran(tmp_path, capsys):
         trace = ActionTrace([2, 9])
         trace.records = records
         info = SimpleNamespace(world_size=1)
-        return SimpleNamespace(engine=SimpleNamespace(wait_updates=lambda: None), info=info, rank=0, trace=trace)
+        return SimpleNamespace(wait_updates=lambda: None, info=info, rank=0, trace=trace)
 
     _write_trace(pipe([TracedAction(2, "F", 0, 0, 1.0, 1.5)]), tmp_path)  # type: ignore[arg-type]
     assert "step 2 as it ran: 500.0 ms" in (tmp_path / "trace.svg").read_text()
