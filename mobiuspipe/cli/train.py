@@ -78,6 +78,7 @@ def run(args: argparse.Namespace, out) -> int:
     from mobiuspipe.config import load_config
     from mobiuspipe.errors import StartUpError
     from mobiuspipe.run.preflight import ERRORS_ENV, launch_checks, start_up_error
+    from mobiuspipe.run.run_lock import TOKEN_ENV, RunLocks, new_token, run_folders
     from mobiuspipe.run.train import open_run, with_resume
 
     # a bad config, model folder, data, plan or out_dir fails here, before any process starts
@@ -85,10 +86,15 @@ def run(args: argparse.Namespace, out) -> int:
     open_run(config)
     nproc = launch_checks(config, args.nproc)
     cmd = torchrun_command(config.source, nproc, args)
-    print(f"mobiuspipe: launching {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    out.flush()
-    with tempfile.TemporaryDirectory(prefix="mobiuspipe-start-up-") as errors:
-        torchrun = subprocess.Popen(cmd, env={**os.environ, ERRORS_ENV: errors})
+    # On one machine the run's folders are this run's until torchrun ends (its ranks find them held under `token`).
+    # Across machines every host runs this command and any may get rank 0, which takes them at start-up instead.
+    token = new_token() if args.nnodes == 1 else None
+    folders = run_folders(config.train.out_dir, config.train.checkpoint_root) if token else {}
+    with RunLocks.take(folders, token or ""), tempfile.TemporaryDirectory(prefix="mobiuspipe-start-up-") as errors:
+        print(f"mobiuspipe: launching {shlex.join(cmd)}", file=sys.stderr, flush=True)
+        out.flush()
+        env = {**os.environ, ERRORS_ENV: errors, **({TOKEN_ENV: token} if token else {})}
+        torchrun = subprocess.Popen(cmd, env=env)
         code = _wait_for(torchrun, Path(errors) if args.max_restarts else None)
         mistake = start_up_error(Path(errors)) if code != 0 else None
     if mistake is not None:

@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -41,6 +42,7 @@ from mobiuspipe.run.checkpoints import Checkpointer, StopSignals, resume_run, ru
 from mobiuspipe.run.flops import device_name, flops_per_token, peak_tflops
 from mobiuspipe.run.metrics import Reporter, device_peak_line, step_metrics
 from mobiuspipe.run.preflight import at_start_up, rank_checks, report
+from mobiuspipe.run.run_lock import TOKEN_ENV, RunLocks, new_token, run_folders
 from mobiuspipe.run.usage import RankStep, folder_bytes, host_rss_bytes
 from mobiuspipe.runtime.action_trace import as_sim_result, write_chrome
 from mobiuspipe.runtime.ranks import gather_all
@@ -64,8 +66,34 @@ def train(cfg: RunConfig) -> None:
     with at_start_up():  # before the group exists: bad input stops every rank alike
         hf, data, held_out = open_run(cfg)
         plan = rank_checks(cfg)
+    first = int(os.environ.get("RANK", "0")) == 0
+    with _folder_locks(cfg, first):
+        _train(cfg, hf, data, held_out, plan, optimizer, first)
+
+
+def _folder_locks(cfg: RunConfig, first: bool) -> RunLocks:
+    """Rank 0 holds the run's folders for the run (mobiuspipe.run.run_lock): they are its launcher's already under
+    `mobiuspipe train`; under a user's own torchrun it takes them, or stops if another run holds one."""
+    if not first:
+        return RunLocks()
+    folders = run_folders(cfg.train.out_dir, cfg.train.checkpoint_root)
+    with at_start_up():
+        return RunLocks.take(folders, new_token(), inherited=os.environ.get(TOKEN_ENV))
+
+
+def _train(
+    cfg: RunConfig,
+    hf: HFModel | None,
+    data: PackedTokens,
+    held_out: PackedTokens | None,
+    plan: Plan,
+    optimizer: Callable,
+    first: bool,
+) -> None:
+    """train() once the inputs are checked and the folders held."""
+    t = cfg.train
     export = Path(t.export_dir) if t.export_dir else None
-    if export is not None and int(os.environ.get("RANK", "0")) == 0:
+    if export is not None and first:
         shutil.rmtree(partial_dir(export), ignore_errors=True)  # an earlier run's remains
     with Pipeline(
         hf_layer_factories(hf) if hf else layer_factories(model_spec(cfg), t.seed),
@@ -120,10 +148,6 @@ def _training_loop(cfg: RunConfig, pipe: Pipeline, data: PackedTokens, held_out:
     out = Path(cfg.train.out_dir) if cfg.train.out_dir else None
     if rank == 0:
         print(f"{_banner(cfg, plan)}; {_states_line(cfg, pipe.state_tiers)}; data: {data.describe()}", flush=True)
-    if out and rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(cfg.to_yaml())
-        save_plan(plan, out / "plan.yaml")
     signals = StopSignals()
     try:
         done = _steps(cfg, pipe, data, held_out, signals)
@@ -144,11 +168,22 @@ def _steps(
     run = run_identity(cfg)
     with at_start_up(CheckpointError):  # every rank raises the same one (not so a lost peer's PeerLostError)
         start = resume_run(cfg.train, pipe, run)
+    _write_records(cfg, pipe)  # once every start-up check, the resume's included, has passed
     checkpoints = Checkpointer(cfg.train, pipe, cfg.to_yaml(), run)
     try:
         return _run_steps(cfg, pipe, data, held_out, signals, checkpoints, start)
     finally:
         checkpoints.close()
+
+
+def _write_records(cfg: RunConfig, pipe: Pipeline) -> None:
+    """Rank 0 writes the run's config and plan into out_dir (config.yaml, plan.yaml)."""
+    out = Path(cfg.train.out_dir) if cfg.train.out_dir else None
+    if out is None or pipe.rank != 0:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(cfg.to_yaml())
+    save_plan(pipe.plan, out / "plan.yaml")
 
 
 def _run_steps(

@@ -1,0 +1,147 @@
+"""A run folder belongs to one run (mobiuspipe.run.run_lock): a second run on a held out_dir stops before launch with
+exit 2 naming the holder, under `mobiuspipe train` and under a user's own torchrun alike, and leaves the holder's
+files as they were; a lock a dead run left is taken over with a line; a refused resume rewrites none of the run's
+records."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mobiuspipe.run.run_lock import LOCK_FILE, RunFolderError, RunLocks, run_folders
+
+RUN = {
+    "model": {"num_blocks": 2, "d_model": 16, "num_heads": 2, "seq_len": 8},
+    "data": {"batch_size": 4, "num_microbatches": 2},
+    "train": {"steps": 2, "precision": "fp32", "tensorboard": False},
+    "plan": {"num_gpus": 2, "num_stages": 4},
+}
+HOLD = (
+    "import sys, time; from pathlib import Path; from mobiuspipe.run.run_lock import RunLocks; "
+    "RunLocks.take({'train.out_dir': Path(sys.argv[1])}, 'holder'); print('held', flush=True); time.sleep(120)"
+)
+
+
+@pytest.fixture
+def holder(tmp_path):
+    """Another live run holding tmp_path/out, which already holds a run's files: (its pid, the folder)."""
+    out = tmp_path / "out"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 0, "loss": 3.0}\n')
+    (out / "config.yaml").write_text("train: {steps: 12}\n")
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "held\n"
+        yield proc.pid, out
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def _sums(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()
+    }
+
+
+def _config(tmp_path: Path, **train) -> Path:
+    doc = {**RUN, "train": {**RUN["train"], "out_dir": str(tmp_path / "out"), **train}}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_a_held_folder_is_refused_naming_its_holder_and_left_as_it_was(holder):
+    pid, out = holder
+    before = _sums(out)
+    with pytest.raises(RunFolderError) as e:
+        RunLocks.take({"train.out_dir": out}, "mine")
+    assert f"train.out_dir {out} is in use by the run of pid {pid} on host {socket.gethostname()}" in str(e.value)
+    assert "give this one another train.out_dir" in str(e.value) and _sums(out) == before
+
+
+def test_the_launchers_ranks_find_its_folders_theirs(holder):
+    _, out = holder
+    with RunLocks.take({"train.out_dir": out}, "a rank's own", inherited="holder"):
+        pass  # no error: the token is its launcher's
+
+
+def test_a_lock_a_dead_run_left_is_taken_over_with_a_line(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", HOLD.replace("time.sleep(120)", "pass"), str(tmp_path)], check=True)
+    assert dead.returncode == 0 and "holder" in (tmp_path / LOCK_FILE).read_text()
+    said = io.StringIO()
+    with RunLocks.take({"train.out_dir": tmp_path}, "mine", out=said):
+        assert '"token": "mine"' in (tmp_path / LOCK_FILE).read_text()
+    assert said.getvalue().startswith(f"mobiuspipe: train.out_dir {tmp_path}: taking over the lock that the run of pid")
+    assert "left (no process holds it)" in said.getvalue()
+
+
+def test_a_second_take_in_the_same_process_is_refused_too(tmp_path):
+    with RunLocks.take({"train.out_dir": tmp_path}, "one"), pytest.raises(RunFolderError, match="pid"):
+        RunLocks.take({"train.out_dir": tmp_path}, "two")
+    with RunLocks.take({"train.out_dir": tmp_path}, "three"):
+        pass  # released: free again
+
+
+def test_an_unwritable_folder_is_named(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(RunFolderError, match=r"train.out_dir .*file.*: cannot make its lock file"):
+        RunLocks.take({"train.out_dir": tmp_path / "file"}, "t")
+
+
+def test_the_checkpoint_folder_gets_its_own_lock_only_outside_out_dir(tmp_path):
+    out = tmp_path / "out"
+    assert run_folders(str(out), str(out / "checkpoints")) == {"train.out_dir": out}
+    assert run_folders(str(out), str(tmp_path / "ck")) == {
+        "train.out_dir": out,
+        "train.checkpoint_dir": tmp_path / "ck",
+    }
+    assert run_folders(None, str(tmp_path / "ck")) == {"train.checkpoint_dir": tmp_path / "ck"}
+    assert run_folders(None, None) == {}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_mobiuspipe_train_on_a_held_out_dir_stops_before_launch(tmp_path, holder):
+    pid, out = holder
+    before = _sums(out)
+    cmd = [sys.executable, "-m", "mobiuspipe", "train", "--config", str(_config(tmp_path))]
+    got = subprocess.run(cmd, capture_output=True, text=True, timeout=100)
+    assert got.returncode == 2, got.stderr[-3000:]
+    assert got.stderr.startswith("mobiuspipe: error: train.out_dir") and f"pid {pid}" in got.stderr
+    assert len(got.stderr.splitlines()) == 1 and "launching" not in got.stderr  # nothing started
+    assert _sums(out) == before
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_users_own_torchrun_on_a_held_out_dir_stops_at_start_up(tmp_path, holder, launch):
+    pid, out = holder
+    before = _sums(out)
+    _, torchrun = launch
+    got = torchrun(_config(tmp_path), 2, timeout=150)
+    assert got.returncode != 0
+    assert f"mobiuspipe.train: error: train.out_dir {out} is in use by the run of pid {pid}" in got.stderr
+    assert _sums(out) == before
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_refused_resume_rewrites_none_of_the_runs_records(tmp_path):
+    cfg = _config(tmp_path, checkpoint_every=2)
+    first = subprocess.run([sys.executable, "-m", "mobiuspipe", "train", "--config", str(cfg)], capture_output=True,
+                           text=True, timeout=150)  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    records = {n: (tmp_path / "out" / n).read_bytes() for n in ("config.yaml", "plan.yaml", "metrics.jsonl")}
+    bf16 = _config(tmp_path, checkpoint_every=2, precision="bf16", steps=4)
+    cmd = [sys.executable, "-m", "mobiuspipe", "train", "--config", str(bf16), "--resume", "auto"]
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+    assert again.returncode == 2, again.stderr[-3000:]
+    assert {n: (tmp_path / "out" / n).read_bytes() for n in records} == records
