@@ -77,6 +77,8 @@ def run(args: argparse.Namespace, out) -> int:
     torchrun's exit code, or StartUpError (exit 2) with a rank's start-up mistake."""
     from mobiuspipe.config import load_config
     from mobiuspipe.errors import StartUpError
+    from mobiuspipe.run.parent_death import ENV as DEATH_ENV
+    from mobiuspipe.run.parent_death import die_with_parent
     from mobiuspipe.run.preflight import ERRORS_ENV, launch_checks, start_up_error
     from mobiuspipe.run.run_lock import TOKEN_ENV, RunLocks, new_token, run_folders
     from mobiuspipe.run.train import open_run, with_resume
@@ -93,8 +95,9 @@ def run(args: argparse.Namespace, out) -> int:
     with RunLocks.take(folders, token or ""), tempfile.TemporaryDirectory(prefix="mobiuspipe-start-up-") as errors:
         print(f"mobiuspipe: launching {shlex.join(cmd)}", file=sys.stderr, flush=True)
         out.flush()
-        env = {**os.environ, ERRORS_ENV: errors, **({TOKEN_ENV: token} if token else {})}
-        torchrun = subprocess.Popen(cmd, env=env)
+        env = {**os.environ, ERRORS_ENV: errors, DEATH_ENV: "1", **({TOKEN_ENV: token} if token else {})}
+        me = os.getpid()  # torchrun dies with this process, its ranks with torchrun (mobiuspipe.run.parent_death)
+        torchrun = subprocess.Popen(cmd, env=env, preexec_fn=lambda: die_with_parent(me))
         code = _wait_for(torchrun, Path(errors) if args.max_restarts else None)
         mistake = start_up_error(Path(errors)) if code != 0 else None
     if mistake is not None:

@@ -41,6 +41,8 @@ from mobiuspipe.profiling.profiler import TORCH_DTYPES
 from mobiuspipe.run.checkpoints import Checkpointer, StopSignals, resume_run, run_identity
 from mobiuspipe.run.flops import device_name, flops_per_token, peak_tflops
 from mobiuspipe.run.metrics import Reporter, device_peak_line, step_metrics
+from mobiuspipe.run.parent_death import ENV as DEATH_ENV
+from mobiuspipe.run.parent_death import die_with_parent
 from mobiuspipe.run.preflight import at_start_up, rank_checks, report
 from mobiuspipe.run.run_lock import TOKEN_ENV, RunLocks, new_token, run_folders
 from mobiuspipe.run.usage import RankStep, folder_bytes, host_rss_bytes
@@ -332,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True, help="YAML run config (see examples/tiny-gpt.yaml)")
     p.add_argument("--resume", default=None, metavar="auto|PATH", help="train.resume: auto or a step-N folder")
     args = p.parse_args(argv)
+    if os.environ.get(DEATH_ENV):  # started by `mobiuspipe train`: no rank outlives its torchrun
+        die_with_parent(os.getppid())
     try:
         with at_start_up():
             cfg = with_resume(load_config(args.config), args.resume)
