@@ -10,6 +10,8 @@ from pathlib import Path
 from foundation.errors import UserError
 from foundation.timing import Stopwatch
 from mobiuspipe.checkpoint import (
+    COMPLETE,
+    PREFIX,
     CheckpointError,
     begin_checkpoint,
     commit_checkpoint,
@@ -66,12 +68,16 @@ def resume_run(t: TrainConfig, pipe: Pipeline, run: dict | None = None) -> int:
     the loop starts at (0 without one). Every rank raises the first failing rank's error."""
     if t.resume is None:
         return 0
-    root = Path(t.checkpoint_root or ".")
-    folder = (latest_checkpoint(root) if t.resume == "auto" else Path(t.resume)) if pipe.rank == 0 else None
+    where = resume_root(t.resume, Path(t.checkpoint_root or "."))
+    folder = None
+    if pipe.rank == 0:
+        folder = latest_checkpoint(where) if where is not None else Path(t.resume)
+        if where is not None and t.resume != "auto":
+            print(f"mobiuspipe: {t.resume} holds checkpoints: resuming from its newest complete one", flush=True)
     folder = gather_all(pipe.info, folder)[0]
     if folder is None:
         if pipe.rank == 0:
-            print(f"mobiuspipe: no complete checkpoint under {root}: starting at step 0", flush=True)
+            print(f"mobiuspipe: no complete checkpoint under {where}: starting at step 0", flush=True)
         return 0
     try:
         outcome: int | str = load_checkpoint(pipe, folder, run)
@@ -85,6 +91,19 @@ def resume_run(t: TrainConfig, pipe: Pipeline, run: dict | None = None) -> int:
     if pipe.rank == 0:
         print(f"mobiuspipe: resumed from {folder} at step {every[0]}", flush=True)
     return every[0]
+
+
+def resume_root(resume: str, root: Path) -> Path | None:
+    """Where train.resume takes the newest complete checkpoint from: root for "auto"; a run folder's checkpoints/
+    or a folder of step-N folders, when it names one of those (it then means auto, there); None when it names one
+    checkpoint (a step-N folder, or any other path: loading it says what is wrong)."""
+    if resume == "auto":
+        return root
+    path = Path(resume)
+    if (path / COMPLETE).exists():
+        return None
+    held = (under for under in (path / "checkpoints", path) if under.is_dir() and any(under.glob(f"{PREFIX}*")))
+    return next(held, None)
 
 
 class Checkpointer:

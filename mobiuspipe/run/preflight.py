@@ -26,6 +26,7 @@ from foundation.checked import Problem, format_problems, rule
 from foundation.errors import UserError
 from mobiuspipe.config import RunConfig
 from mobiuspipe.errors import ConfigError
+from mobiuspipe.run.checkpoints import resume_root
 from mobiuspipe.runtime.ranks import rank_info
 from mobiuspipe.startup.config_plan import num_ranks, plan_from_config, plan_problems
 from partition.plan import Plan, load_plan
@@ -120,11 +121,13 @@ def _check_out_dir(cfg: RunConfig) -> None:
         check_writable(t.out_dir, "train.out_dir")
     if t.checkpoint_dir:
         check_writable(t.checkpoint_dir, "train.checkpoint_dir")
-    if t.resume not in (None, "auto") and not (Path(t.resume) / "complete").is_file():
-        what = "a folder without its `complete` marker (never finished)" if Path(t.resume).is_dir() else "no folder"
+    named = t.resume if t.resume not in (None, "auto") and resume_root(t.resume, Path(".")) is None else None
+    if named is not None and not (Path(named) / "complete").is_file():
+        what = "a folder without its `complete` marker (never finished)" if Path(named).is_dir() else "no folder"
         raise ConfigError(
-            f"train.resume: expected a checkpoint folder (OUT_DIR/checkpoints/step-N holding `complete`), found "
-            f"{what} at {t.resume}; fix: name a step-N folder there, or use --resume auto for the newest"
+            f"train.resume: expected a checkpoint folder (OUT_DIR/checkpoints/step-N holding `complete`) or a run "
+            f"folder holding checkpoints/, found {what} at {t.resume}; fix: name a step-N folder there, the run's "
+            f"OUT_DIR, or use --resume auto for the newest"
         )
 
 

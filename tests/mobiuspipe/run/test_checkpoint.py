@@ -154,8 +154,8 @@ def test_train_checks_the_resume_folder_before_launching(tmp_path):
         )
         assert out.returncode == 2 and "launching" not in out.stderr, out.stderr
         assert (
-            f"train.resume: expected a checkpoint folder (OUT_DIR/checkpoints/step-N holding `complete`), found {found}"
-            in out.stderr
+            "train.resume: expected a checkpoint folder (OUT_DIR/checkpoints/step-N holding `complete`) or a run "
+            f"folder holding checkpoints/, found {found}" in out.stderr
         )
 
 

@@ -1,7 +1,7 @@
 """A run folder belongs to one run (mobiuspipe.run.run_lock): a second run on a held out_dir stops before launch with
 exit 2 naming the holder, under `mobiuspipe train` and under a user's own torchrun alike, and leaves the holder's
 files as they were; a lock a dead run left is taken over with a line; a refused resume rewrites none of the run's
-records."""
+records; --resume with the run folder means its newest checkpoint."""
 
 from __future__ import annotations
 
@@ -145,3 +145,32 @@ def test_a_refused_resume_rewrites_none_of_the_runs_records(tmp_path):
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
     assert again.returncode == 2, again.stderr[-3000:]
     assert {n: (tmp_path / "out" / n).read_bytes() for n in records} == records
+
+
+def test_resume_reads_a_run_folder_or_a_checkpoint_root_as_auto_there(tmp_path):
+    from mobiuspipe.run.checkpoints import resume_root
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-2").mkdir(parents=True)
+    (run / "checkpoints" / "step-2" / "complete").write_text("{}")
+    assert resume_root("auto", tmp_path / "elsewhere") == tmp_path / "elsewhere"
+    assert resume_root(str(run), tmp_path) == run / "checkpoints"
+    assert resume_root(str(run / "checkpoints"), tmp_path) == run / "checkpoints"
+    assert resume_root(str(run / "checkpoints" / "step-2"), tmp_path) is None  # one checkpoint: itself
+    assert resume_root(str(tmp_path / "missing"), tmp_path) is None  # loading it says what is wrong
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_resume_with_the_run_folder_continues_from_its_newest_checkpoint(tmp_path):
+    train = [sys.executable, "-m", "mobiuspipe", "train", "--config"]
+    first = subprocess.run([*train, str(_config(tmp_path, checkpoint_every=2))], capture_output=True, text=True,
+                           timeout=150)  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    more = _config(tmp_path, checkpoint_every=2, steps=4)
+    again = subprocess.run([*train, str(more), "--resume", str(tmp_path / "out")], capture_output=True, text=True,
+                           timeout=150)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"mobiuspipe: {tmp_path / 'out'} holds checkpoints: resuming from its newest complete one" in again.stdout
+    assert f"resumed from {tmp_path / 'out' / 'checkpoints' / 'step-2'} at step 2" in again.stdout
+    assert "step 3 [4/4]" in again.stdout
