@@ -38,7 +38,7 @@ class MemoryConfig(Section):
     checkpoints on the same filesystem hard-link its files instead of copying them."""
     host_budget_mb: float = 1024.0
     """Host memory per rank for the states (MiB): what stays in memory plus the streaming slots of the
-    stages on SSD. With optimizer and weights on host it is not enforced."""
+    stages on SSD. With optimizer and weights both host it would not be read, so setting it then is refused."""
     activations: str = "plan"
     """How each stage keeps what its backward needs. "plan": as the plan chose per stage under the device
     memory (keep, selective or recompute; `mobiuspipe partition --explain` shows why); "recompute": the stage
@@ -113,4 +113,15 @@ class MemoryConfig(Section):
                 "set `ssd_dir:` to a folder on an NVMe drive, e.g. /nvme/mobiuspipe",
             ),
             *mebibytes(self, "host_budget_mb", "use a positive budget in MiB, e.g. 1024.0"),
+            *rule(
+                self.optimizer != "host"
+                or self.weights != "host"
+                or self.host_budget_mb == MemoryConfig.host_budget_mb,
+                "host_budget_mb",
+                "no host_budget_mb while optimizer and weights are both host (every state is then in host memory, "
+                "whatever the budget: it would not be read)",
+                repr(self.host_budget_mb),
+                "set `optimizer: auto` to keep the states within the budget (the largest stages on SSD under "
+                "ssd_dir), or remove host_budget_mb",
+            ),
         ]

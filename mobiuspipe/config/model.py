@@ -12,6 +12,8 @@ from partition.spec.models import ModelSpec
 
 MAX_VOCAB = 65536
 """Largest vocabulary of the built-in GPT: its byte-level and token-file ids fit in 16 bits."""
+SHAPE_KEYS = ("vocab_size", "num_blocks", "d_model", "num_heads")
+"""The built-in GPT's shape: a Hugging Face model's config.json sets these instead."""
 
 
 @lru_cache(maxsize=8)
@@ -31,7 +33,8 @@ class ModelConfig(Section):
     )
     """A Hugging Face model folder (GPT-2, Llama, Mistral or Qwen2: config.json and safetensors weights, as
     save_pretrained writes them) to fine-tune from its weights; relative to the config file's folder. Its
-    config.json sets the shape: vocab_size, num_blocks, d_model and num_heads are then not read. None =
+    config.json sets the shape: vocab_size, num_blocks, d_model and num_heads are left out (set beside hf, they
+    are refused: they would not be read). None =
     the built-in GPT, initialized from train.seed."""
     vocab_size: int = 256
     """Distinct token ids (count); 256 = byte-level tokens, one per byte value; at most 65536."""
@@ -90,9 +93,21 @@ class ModelConfig(Section):
         ]
 
     def _hf_problems(self) -> list[Problem]:
-        """With hf: its config.json must describe a model mobiuspipe can cut (read once, as spec() reads it)."""
+        """With hf: its config.json must describe a model mobiuspipe can cut (read once, as spec() reads it), and no
+        shape key is set beside it (it would be ignored: config.json sets the shape)."""
         if self.hf is None:
             return []
+        shape = [k for k in SHAPE_KEYS if getattr(self, k) != getattr(ModelConfig, k)]
+        if shape:
+            given = ", ".join(f"{k}: {getattr(self, k)}" for k in shape)
+            return [
+                Problem(
+                    shape[0],
+                    f"no {' or '.join(shape)} beside model.hf (its config.json sets the model's shape)",
+                    given,
+                    f"remove {', '.join(shape)} from the model section, or drop model.hf to train the built-in GPT",
+                )
+            ]
         try:
             _hf_spec(self.hf)
         except ModelConfigError as e:

@@ -353,3 +353,28 @@ def test_checkpoints_need_a_folder_and_sane_counts():
     assert config_from_dict({"train": {"checkpoint_dir": "/ck", "resume": "auto"}}).train.checkpoint_root == "/ck"
     with pytest.raises(ConfigError, match=r"train.keep_checkpoints: expected an integer >= 1, found integer 0"):
         config_from_dict({"train": {"keep_checkpoints": 0}})
+
+
+def test_shape_keys_beside_an_hf_model_are_an_error_not_ignored(tmp_path, hf_kit):
+    """model.hf takes its shape from config.json: a num_blocks, d_model, num_heads or vocab_size beside it would be
+    silently ignored, so the config is refused, naming them and the two ways out."""
+    from mobiuspipe.config import config_from_dict
+    from mobiuspipe.errors import ConfigError
+
+    hf_kit.save_model("gpt2", tmp_path / "m")
+    assert config_from_dict({"model": {"hf": str(tmp_path / "m"), "seq_len": 16}}).model.hf  # alone: fine
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"model": {"hf": str(tmp_path / "m"), "num_blocks": 3, "vocab_size": 1000}})
+    text = str(e.value)
+    assert "model.vocab_size: expected no vocab_size or num_blocks beside model.hf" in text
+    assert "found vocab_size: 1000, num_blocks: 3" in text and "or drop model.hf" in text
+
+
+def test_a_host_budget_with_every_state_on_host_is_refused_as_unread():
+    from mobiuspipe.config import config_from_dict
+    from mobiuspipe.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"memory.host_budget_mb: expected no host_budget_mb while optimizer and"):
+        config_from_dict({"memory": {"host_budget_mb": 512}})
+    assert config_from_dict({"memory": {"host_budget_mb": 512, "optimizer": "auto", "ssd_dir": "s"}}).memory
+    assert config_from_dict({"memory": {}}).memory.host_budget_mb == 1024.0  # the default, unread: no error
