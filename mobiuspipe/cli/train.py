@@ -85,6 +85,13 @@ def run(args: argparse.Namespace, out) -> int:
 
     # a bad config, model folder, data, plan or out_dir fails here, before any process starts
     config = with_resume(load_config(args.config), args.resume)
+    if not _has_keys(Path(config.source)):
+        print(
+            f"mobiuspipe: {config.source} sets no key: every key takes its default (the built-in GPT on the built-in "
+            f"text, {config.train.steps} steps, writing no files); examples/tiny-gpt.yaml shows them all",
+            file=sys.stderr,
+            flush=True,
+        )
     open_run(config)
     nproc = launch_checks(config, args.nproc)
     cmd = torchrun_command(config.source, nproc, args)
@@ -103,6 +110,13 @@ def run(args: argparse.Namespace, out) -> int:
     if mistake is not None:
         raise StartUpError(mistake)
     return code
+
+
+def _has_keys(path: Path) -> bool:
+    """Whether a config file sets any key (an empty file, or comments alone, sets none)."""
+    import yaml
+
+    return bool(yaml.safe_load(path.read_text()))
 
 
 def _wait_for(torchrun: subprocess.Popen, errors: Path | None) -> int:

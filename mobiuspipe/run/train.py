@@ -293,8 +293,15 @@ def _banner(cfg: RunConfig, plan: Plan) -> str:
         f"ranks (stage -> rank {plan.mapping}, {plan.mapping_rule} mapping; plan {source}); "
         f"{plan.num_microbatches} microbatches of {plan.microbatch_size}; {plan.dtype} weights, fp32 master; "
         f"device arena "
-        f"{fmt_bytes(plan.arena_bytes)} per rank ({ARENA_SLOTS} slots of {fmt_bytes(plan.slot_bytes)})"
+        f"{fmt_bytes(plan.arena_bytes)} per rank ({ARENA_SLOTS} slots of {fmt_bytes(plan.slot_bytes)})" + _writes(cfg)
     )
+
+
+def _writes(cfg: RunConfig) -> str:
+    """What the banner says when the run writes no files (a config without out_dir, an empty one among them)."""
+    if cfg.train.out_dir or cfg.train.checkpoint_root or cfg.train.export_dir:
+        return ""
+    return "; no train.out_dir: this run writes no files (no metrics, checkpoints or weights)"
 
 
 def _states_line(cfg: RunConfig, tiers: dict[int, tuple[str, str]]) -> str:
