@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mobiuspipe.models.hf_weights import hf_key, load_layer, tensor_files
+from mobiuspipe.models.hf_weights import check_tensors, hf_key, load_layer, tensor_files
 from partition.spec.hf import ModelConfigError, read_hf_config
 from partition.spec.models import ModelSpec
 
@@ -91,7 +91,15 @@ def open_hf(folder: str | os.PathLike, seq_len: int) -> HFModel:
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     config._attn_implementation = "sdpa"  # causal through SDPA's is_causal: the layers get no mask
     _check_trainable(config, seq_len, path)
-    return HFModel(path, config, replace(spec, seq_len=seq_len), files)
+    m = HFModel(path, config, replace(spec, seq_len=seq_len), files)
+    check_tensors(m, [_shapes(m, l) for l in range(m.num_layers)])  # the headers only: no weight is read
+    return m
+
+
+def _shapes(m: HFModel, l: int) -> dict[str, tuple[int, ...]]:
+    """Layer l's parameter name -> the shape config.json implies."""
+    with torch.device("meta"):
+        return {name: tuple(p.shape) for name, p in _skeleton(m, l).named_parameters()}
 
 
 def _check_trainable(config, seq_len: int, path: Path) -> None:

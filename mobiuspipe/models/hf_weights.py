@@ -8,15 +8,16 @@ tied head reads the embedding table.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from partition.spec.hf import ModelConfigError
 
-__all__ = ["tensor_files", "load_layer", "hf_key", "INDEX", "SINGLE"]
+__all__ = ["tensor_files", "check_tensors", "load_layer", "hf_key", "INDEX", "SINGLE"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -44,8 +45,14 @@ def tensor_files(folder: Path) -> dict[str, Path]:
         return files
     single = folder / SINGLE
     if single.is_file():
-        with safe_open(str(single), "pt") as f:
-            return dict.fromkeys(f.keys(), single)
+        try:
+            with safe_open(str(single), "pt") as f:
+                return dict.fromkeys(f.keys(), single)
+        except (OSError, SafetensorError) as e:
+            raise ModelConfigError(
+                f"model.hf: {single} is not a readable safetensors file ({e}); expected the file save_pretrained "
+                f"writes: copy it again (a truncated copy fails so) or re-save the model"
+            ) from e
     found = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".safetensors"))
     raise ModelConfigError(
         f"model.hf: {folder} has no {SINGLE} or {INDEX} (found: {', '.join(found) or 'no weight files'}); "
@@ -75,34 +82,106 @@ def hf_key(m, l: int, name: str) -> str:
     return name  # lm_head.weight
 
 
-def load_layer(m, l: int, layer: nn.Module) -> None:
-    """Fill layer l's parameters (fp32, on the CPU) from the checkpoint; ModelConfigError for a tensor that
-    is missing or of another shape."""
-
+def _sources(m, l: int, names) -> dict[str, tuple[str, str | None]]:
+    """Layer l's parameter name -> (its checkpoint name, the stored name or None when the checkpoint lacks it)."""
     embed = {hf_key(m, 0, a.split(".", 1)[1]) for a, _ in m.tied_params()}
-    wanted = {}
-    for name, p in layer.named_parameters():
+    found = {}
+    for name in names:
         key = hf_key(m, l, name)
         if l == m.num_layers - 1 and name == "lm_head.weight" and embed and _source(m, key) is None:
             key = next(iter(embed))  # tied: save_pretrained stores the table once, as the embedding
-        src = _source(m, key)
+        found[name] = (key, _source(m, key))
+    return found
+
+
+def check_tensors(m, shapes: list[dict[str, tuple[int, ...]]]) -> None:
+    """Every layer's parameters (shapes[l]: name -> the shape config.json implies) stored in the checkpoint with
+    that shape, read from the safetensors headers alone; ModelConfigError naming every problem at once."""
+    missing, wanted = [], {}
+    for l, layer in enumerate(shapes):
+        for name, (key, src) in _sources(m, l, layer).items():
+            if src is None:
+                missing.append(f"{key!r} (layer {l}, {name})")
+            else:
+                wanted[src] = layer[name]
+    stored, unreadable = _stored_shapes(m, wanted)
+    other = [
+        f"{src!r} of shape {stored[src]} for {shape}"
+        for src, shape in wanted.items()
+        if stored.get(src, shape) != shape
+    ]
+    missing += [f"{src!r} (in the index, not in {m.files[src].name})" for src in wanted if src not in stored]
+    missing = [] if unreadable else missing  # an unreadable file's tensors are not missing
+    parts = [
+        f"{len(found)} {what}: {', '.join(found[:3])}{' ...' if len(found) > 3 else ''}"
+        for what, found in (
+            ("unreadable file(s)", unreadable),
+            ("tensor(s) missing", missing),
+            ("of another shape", other),
+        )
+        if found
+    ]
+    if parts:
+        raise ModelConfigError(
+            f"model.hf: the checkpoint in {m.folder} does not match its config.json: {'; '.join(parts)}; expected "
+            f"every tensor config.json implies, in readable safetensors files: copy the folder again (a truncated "
+            f"copy reads so) or re-save the model with save_pretrained"
+        )
+
+
+def _stored_shapes(m, names) -> tuple[dict[str, tuple[int, ...]], list[str]]:
+    """The stored shape of each of `names` whose file holds it, from the headers; the files that cannot be read."""
+    by_file: dict[Path, list[str]] = {}
+    for src in names:
+        by_file.setdefault(m.files[src], []).append(src)
+    stored, unreadable = {}, []
+    for file, srcs in by_file.items():
+        try:
+            with safe_open(str(file), "pt") as f:
+                held = set(f.keys())
+                stored.update({src: tuple(f.get_slice(src).get_shape()) for src in srcs if src in held})
+        except (OSError, SafetensorError) as e:
+            unreadable.append(f"{file.name} ({e})")
+    return stored, unreadable
+
+
+def load_layer(m, l: int, layer: nn.Module) -> None:
+    """Fill layer l's parameters (fp32, on the CPU) from the checkpoint; ModelConfigError for a tensor that
+    is missing or of another shape."""
+    params = dict(layer.named_parameters())
+    wanted = {}
+    for name, (key, src) in _sources(m, l, params).items():
         if src is None:
             raise ModelConfigError(
                 f"model.hf: the checkpoint in {m.folder} has no tensor {key!r} (layer {l}, {name}); it does not "
                 f"match its config.json: re-save the model with save_pretrained"
             )
-        wanted[src] = p
+        wanted[src] = params[name]
     by_file: dict[Path, list[str]] = {}
     for src in wanted:
         by_file.setdefault(m.files[src], []).append(src)
     with torch.no_grad():
         for file, names in by_file.items():
-            with safe_open(str(file), "pt") as f:
-                for src in names:
-                    t, p = f.get_tensor(src), wanted[src]
-                    if t.shape != p.shape:
-                        raise ModelConfigError(
-                            f"model.hf: {file.name} holds {src!r} of shape {tuple(t.shape)}, config.json implies "
-                            f"{tuple(p.shape)}; the weights belong to another config"
-                        )
-                    p.copy_(t)
+            for src, t in _read(file, names):
+                p = wanted[src]
+                if t.shape != p.shape:
+                    raise ModelConfigError(
+                        f"model.hf: {file.name} holds {src!r} of shape {tuple(t.shape)}, config.json implies "
+                        f"{tuple(p.shape)}; the weights belong to another config"
+                    )
+                p.copy_(t)
+
+
+def _read(file: Path, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of each of `names` in a safetensors file, opened once; ModelConfigError when the file no
+    longer holds one (changed since the run checked it)."""
+    src = names[0]
+    try:
+        with safe_open(str(file), "pt") as f:
+            for src in names:
+                yield src, f.get_tensor(src)
+    except (OSError, SafetensorError) as e:
+        raise ModelConfigError(
+            f"model.hf: cannot read {src!r} from {file.name} ({e}): the file changed after the run checked it; "
+            f"copy the model folder again and restart"
+        ) from e

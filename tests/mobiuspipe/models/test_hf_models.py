@@ -152,19 +152,48 @@ def test_sequence_longer_than_positions_or_window(tmp_path, hf_kit):
         open_hf(tmp_path / "w", 17)
 
 
-def test_checkpoint_of_another_shape_or_missing_tensor(tmp_path, hf_kit):
+def test_open_hf_names_every_missing_or_misshapen_tensor_from_the_headers(tmp_path, hf_kit):
+    """Before any weight is read: each tensor config.json implies, by name and shape, all problems at once."""
     hf_kit.save_model("llama", tmp_path / "m")
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
     (tmp_path / "m" / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 38}))
-    m = open_hf(tmp_path / "m", 16)
-    with pytest.raises(ModelConfigError, match=r"of shape \(37, 24\), config.json implies \(38, 24\)"):
-        layer_factories(m)[1]()
     tensors = load_file(tmp_path / "m" / "model.safetensors")
     tensors.pop("model.norm.weight")
     save_file(tensors, str(tmp_path / "m" / "model.safetensors"))
-    head = layer_factories(open_hf(tmp_path / "m", 16))[-1]
-    with pytest.raises(ModelConfigError, match="no tensor 'model.norm.weight'"):
-        head()
+    with pytest.raises(ModelConfigError) as e:
+        open_hf(tmp_path / "m", 16)
+    blocks = cfg["num_hidden_layers"]
+    assert "1 tensor(s) missing: 'model.norm.weight' (layer" in str(e.value)
+    assert (
+        f"{3 * blocks} of another shape: 'model.layers.0.mlp.gate_proj.weight' of shape (37, 24) for (38, 24)"
+        in str(e.value)
+    )
+
+
+def test_a_truncated_safetensors_file_is_named(tmp_path, hf_kit):
+    hf_kit.save_model("llama", tmp_path / "m")
+    single = tmp_path / "m" / "model.safetensors"
+    single.write_bytes(single.read_bytes()[:-100])
+    with pytest.raises(ModelConfigError, match=r"model.safetensors is not a readable safetensors file .*copy it again"):
+        open_hf(tmp_path / "m", 16)
+    hf_kit.save_model("llama", tmp_path / "m2").save_pretrained(str(tmp_path / "s"), max_shard_size="20KB")
+    shard = sorted((tmp_path / "s").glob("model-*.safetensors"))[-1]
+    shard.write_bytes(shard.read_bytes()[:40])
+    with pytest.raises(ModelConfigError, match=rf"1 unreadable file\(s\): {shard.name} \(Error while deserializing"):
+        open_hf(tmp_path / "s", 16)
+
+
+def test_a_checkpoint_changed_after_the_check_fails_on_load(tmp_path, hf_kit):
+    hf_kit.save_model("llama", tmp_path / "m")
+    m = open_hf(tmp_path / "m", 16)
+    tensors = load_file(tmp_path / "m" / "model.safetensors")
+    tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"][:-1]
+    tensors.pop("model.norm.weight")
+    save_file(tensors, str(tmp_path / "m" / "model.safetensors"))
+    with pytest.raises(ModelConfigError, match=r"of shape \(36, 24\), config.json implies \(37, 24\)"):
+        layer_factories(m)[1]()
+    with pytest.raises(ModelConfigError, match=r"cannot read 'model.norm.weight' from model.safetensors .*copy"):
+        layer_factories(m)[-1]()
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "qwen2"])
