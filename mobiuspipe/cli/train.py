@@ -1,9 +1,11 @@
 """`mobiuspipe train`: check a run config, its data, plan and folders, then launch torchrun, one rank per planned gpu.
 
-A mistake a rank finds at start-up (one `mobiuspipe train` could not see: a rank-only setting, the checkpoint
-to resume from) is left in a folder named in the ranks' environment (mobiuspipe.run.preflight.ERRORS_ENV); once
-torchrun has stopped, `mobiuspipe train` prints it as one line and exits 2. With --max-restarts it stops
-torchrun as soon as such a mistake appears, since each restart would fail the same way.
+A mistake a rank finds (one `mobiuspipe train` could not see: a rank-only setting, the checkpoint to resume
+from, a disk that fills up) is left in a folder named in the ranks' environment (mobiuspipe.run.preflight.ERRORS_ENV);
+once torchrun has stopped, `mobiuspipe train` prints it as the last line and exits 2. What the job writes on stderr
+after such a mistake, or after Ctrl-C (the other ranks' lost connections, torchrun's report of a failed job), is held
+back and dropped, but for mobiuspipe's own lines (mobiuspipe.run.job_stderr). With --max-restarts it stops
+torchrun as soon as a start-up mistake appears, since each restart would fail the same way.
 
 On one machine torchrun runs `--standalone`. Across machines (--nnodes N > 1) the same command runs on
 every host with its own --node-rank, and torchrun's c10d rendezvous at --rdzv-endpoint HOST:PORT (a
@@ -21,13 +23,19 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mobiuspipe.cli._common import CliError, positive_int
+
+if TYPE_CHECKING:
+    from mobiuspipe.run.job_stderr import JobStderr
 
 __all__ = ["register", "run", "torchrun_command"]
 
 POLL_S = 0.1
 """With --max-restarts: how often to look for a rank's start-up mistake while torchrun runs (seconds)."""
+INTERRUPTED_EXIT = 130
+"""The exit code after Ctrl-C or SIGTERM stopped the job (128 + SIGINT, as a shell reports it)."""
 DEFAULT_RDZV_ID = "mobiuspipe"
 """The rendezvous id when --rdzv-id is not given: jobs sharing an endpoint need different ids."""
 
@@ -77,9 +85,10 @@ def run(args: argparse.Namespace, out) -> int:
     torchrun's exit code, or StartUpError (exit 2) with a rank's start-up mistake."""
     from mobiuspipe.config import load_config
     from mobiuspipe.errors import StartUpError
+    from mobiuspipe.run.job_stderr import JobStderr
     from mobiuspipe.run.parent_death import ENV as DEATH_ENV
     from mobiuspipe.run.parent_death import die_with_parent
-    from mobiuspipe.run.preflight import ERRORS_ENV, launch_checks, start_up_error
+    from mobiuspipe.run.preflight import ERRORS_ENV, launch_checks, lost_peer, rank_mistake
     from mobiuspipe.run.run_lock import TOKEN_ENV, RunLocks, new_token, run_folders
     from mobiuspipe.run.train import open_run, with_resume
 
@@ -93,22 +102,32 @@ def run(args: argparse.Namespace, out) -> int:
             flush=True,
         )
     open_run(config)
-    nproc = launch_checks(config, args.nproc)
+    nproc = launch_checks(config, args.nproc, args.nnodes)
     cmd = torchrun_command(config.source, nproc, args)
     # On one machine the run's folders are this run's until torchrun ends (its ranks find them held under `token`).
     # Across machines every host runs this command and any may get rank 0, which takes them at start-up instead.
     token = new_token() if args.nnodes == 1 else None
-    folders = run_folders(config.train.out_dir, config.train.checkpoint_root) if token else {}
+    folders = run_folders(config.train.out_dir, config.train.checkpoint_root, config.memory.ssd_dir) if token else {}
     with RunLocks.take(folders, token or ""), tempfile.TemporaryDirectory(prefix="mobiuspipe-start-up-") as errors:
         print(f"mobiuspipe: launching {shlex.join(cmd)}", file=sys.stderr, flush=True)
         out.flush()
         env = {**os.environ, ERRORS_ENV: errors, DEATH_ENV: "1", **({TOKEN_ENV: token} if token else {})}
         me = os.getpid()  # torchrun dies with this process, its ranks with torchrun (mobiuspipe.run.parent_death)
-        torchrun = subprocess.Popen(cmd, env=env, preexec_fn=lambda: die_with_parent(me))
-        code = _wait_for(torchrun, Path(errors) if args.max_restarts else None)
-        mistake = start_up_error(Path(errors)) if code != 0 else None
+        torchrun = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, preexec_fn=lambda: die_with_parent(me))
+        assert torchrun.stderr is not None
+        stderr = JobStderr(torchrun.stderr, sys.stderr.buffer, lambda: rank_mistake(Path(errors)) is not None)
+        stopped: list[str] = []
+        code = _wait_for(torchrun, Path(errors) if args.max_restarts else None, stderr, stopped)
+        mistake = rank_mistake(Path(errors)) if code != 0 else None
+        stderr.finish(quiet=code != 0 and (mistake is not None or bool(stopped)))
+        lost = lost_peer(Path(errors)) if code != 0 and mistake is None and not stopped else None
     if mistake is not None:
         raise StartUpError(mistake)
+    if stopped and code != 0:
+        print(f"mobiuspipe: stopped by {stopped[0]}; torchrun and the ranks have ended", file=sys.stderr, flush=True)
+        return INTERRUPTED_EXIT
+    if lost is not None:
+        print(f"mobiuspipe: {lost}", file=sys.stderr, flush=True)  # the last word, after the failing rank's own
     return code
 
 
@@ -119,14 +138,24 @@ def _has_keys(path: Path) -> bool:
     return bool(yaml.safe_load(path.read_text()))
 
 
-def _wait_for(torchrun: subprocess.Popen, errors: Path | None) -> int:
+def _wait_for(torchrun: subprocess.Popen, errors: Path | None, stderr: JobStderr, stopped: list[str]) -> int:
     """torchrun's exit code. Ctrl-C reaches torchrun and its ranks from the terminal (they checkpoint and stop),
-    so this process ignores SIGINT and passes a SIGTERM on to torchrun instead of dying first. With `errors`
-    (the ranks' start-up mistakes folder) it stops torchrun once a mistake is there, before it restarts."""
+    so this process does not die of SIGINT, and passes a SIGTERM on to torchrun instead of dying first; either
+    is noted in `stopped`, and from then on the job's stderr is held (`stderr`). With `errors` (the ranks'
+    mistakes folder) it stops torchrun once a start-up mistake is there, before it restarts."""
     from mobiuspipe.run.preflight import start_up_error
 
-    old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    old_term = signal.signal(signal.SIGTERM, lambda signum, frame: torchrun.send_signal(signal.SIGTERM))
+    def interrupted(signum, frame) -> None:
+        stopped.append("Ctrl-C (SIGINT)")
+        stderr.hold()
+
+    def terminated(signum, frame) -> None:
+        stopped.append("SIGTERM")
+        stderr.hold()
+        torchrun.send_signal(signal.SIGTERM)
+
+    old_int = signal.signal(signal.SIGINT, interrupted)
+    old_term = signal.signal(signal.SIGTERM, terminated)
     try:
         while errors is not None:
             try:

@@ -12,6 +12,7 @@ has stopped, and exits 2 (`start_up_error`).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -25,8 +26,9 @@ import torch
 from foundation.checked import Problem, format_problems, rule
 from foundation.errors import UserError
 from mobiuspipe.config import RunConfig
-from mobiuspipe.errors import ConfigError
+from mobiuspipe.errors import ConfigError, PeerLostError
 from mobiuspipe.run.checkpoints import resume_root
+from mobiuspipe.run.room import placements, ssd_need, ssd_room
 from mobiuspipe.runtime.ranks import rank_info
 from mobiuspipe.startup.config_plan import num_ranks, plan_from_config, plan_problems
 from partition.plan import Plan, load_plan
@@ -38,6 +40,8 @@ __all__ = [
     "at_start_up",
     "report",
     "start_up_error",
+    "rank_mistake",
+    "lost_peer",
     "USER_ERROR_EXIT",
     "ERRORS_ENV",
 ]
@@ -47,8 +51,11 @@ USER_ERROR_EXIT = 2
 QUIET_WAIT_S = 10.0
 """How long a rank other than the host's first waits for that rank to report a start-up mistake (seconds)."""
 ERRORS_ENV = "MOBIUSPIPE_START_UP_ERRORS"
-"""The environment variable naming the folder where ranks leave their start-up mistakes for `mobiuspipe train`
-(a file `rank{RANK}` each, holding the message)."""
+"""The environment variable naming the folder where ranks leave their mistakes for `mobiuspipe train` (a file
+`rank{RANK}` each, holding the message, with a suffix of _KINDS)."""
+_KINDS = ("", ".run", ".peer")
+"""The suffixes of the files in the ERRORS_ENV folder: a start-up mistake, one found while the job ran, a lost
+peer (PeerLostError)."""
 _AT_START_UP = "_mobiuspipe_at_start_up"
 """The attribute at_start_up() sets on the errors it lets through."""
 
@@ -76,14 +83,17 @@ def check_writable(path: str | os.PathLike, key: str) -> Path:
     return folder
 
 
-def launch_checks(cfg: RunConfig, nproc: int | None) -> int:
+def launch_checks(cfg: RunConfig, nproc: int | None, nnodes: int = 1) -> int:
     """What `mobiuspipe train` checks after `open_run` and before it starts torchrun: the plan (plan.file read
     and checked against the config, or made now as each rank will make it; on a CUDA host only the ranks make
-    it, so that this process touches no gpu), --nproc against its gpu count, train.out_dir writable.
-    Returns the number of ranks to start."""
+    it, so that this process touches no gpu), --nproc against its gpu count, the plan's states against the
+    memory settings (on one machine memory.ssd_dir too: across machines each host's ranks check their own),
+    train.out_dir writable. Returns the number of ranks to start."""
     plan = _plan_file(cfg, None if nproc is None else (nproc, f"--nproc {nproc}"))
     if plan is None and not torch.cuda.is_available():
         plan = plan_from_config(cfg)
+    if plan is not None:
+        _check_memory(cfg, plan, range(plan.num_gpus) if nnodes == 1 else None)
     _check_out_dir(cfg)
     if nproc is not None:
         return nproc
@@ -92,13 +102,27 @@ def launch_checks(cfg: RunConfig, nproc: int | None) -> int:
 
 def rank_checks(cfg: RunConfig) -> Plan:
     """What each rank checks after `open_run`, before the process group exists: the job's rank count
-    (WORLD_SIZE) against the plan's gpus, the plan (plan.file against the config, or made now),
-    train.out_dir writable. Returns the plan."""
+    (WORLD_SIZE) against the plan's gpus, the plan (plan.file against the config, or made now), the plan's
+    states against the memory settings (memory.ssd_dir for the ranks of this host), train.out_dir writable.
+    Returns the plan."""
     info = rank_info()
     how = f"torchrun started {info.world_size} (WORLD_SIZE)" if info.under_torchrun else "1, not started by torchrun"
     plan = _plan_file(cfg, (info.world_size, how)) or plan_from_config(cfg)
+    first = info.rank - info.local_rank  # torchrun numbers a host's ranks in a row
+    _check_memory(cfg, plan, range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))))
     _check_out_dir(cfg)
     return plan
+
+
+def _check_memory(cfg: RunConfig, plan: Plan, host_ranks: range | None) -> None:
+    """Every rank's stages under memory.host_budget_mb; then, for the ranks on this host (None: not known here),
+    memory.ssd_dir writable and with room for what they put there (mobiuspipe.run.room). Every problem at once."""
+    placed, problems = placements(cfg, plan)
+    need = 0 if problems or host_ranks is None else ssd_need(cfg, plan, placed, host_ranks)
+    if need and host_ranks is not None:
+        folder = check_writable(str(cfg.memory.ssd_dir), "memory.ssd_dir")
+        problems += ssd_room(folder, need, host_ranks)
+    _raise(cfg, problems)
 
 
 def _plan_file(cfg: RunConfig, job: tuple[int, str] | None) -> Plan | None:
@@ -185,39 +209,64 @@ def at_start_up(kind: type[UserError] = UserError) -> Iterator[None]:
 
 
 def report(e: UserError, prog: str) -> int:
-    """Print `e` as one line on stderr (`PROG: error: ...`) and return the exit code 2. A start-up mistake
-    (at_start_up) under `mobiuspipe train` is written into its ERRORS_ENV folder instead (it prints it). Under
-    plain torchrun it is printed by the host's first rank (LOCAL_RANK 0, or no launcher); another rank waits
-    for it: when that rank exits, torchrun stops the others with SIGTERM, and this one exits 2 without a word.
-    Only if that does not happen within QUIET_WAIT_S (the mistake is this rank's alone) does it print too."""
-    if getattr(e, _AT_START_UP, False):
-        if _leave_for_launcher(str(e)):
-            return USER_ERROR_EXIT
-        if os.environ.get("LOCAL_RANK", "0") != "0":
-            _await_first_rank()
+    """Print `e` as one line on stderr (`PROG: error: ...`) and return the exit code 2. Under `mobiuspipe train`
+    every mistake is written into its ERRORS_ENV folder instead (it prints the one that stopped the job, last).
+    Under plain torchrun a start-up mistake (at_start_up) is printed by the host's first rank (LOCAL_RANK 0, or
+    no launcher); another rank waits for it: when that rank exits, torchrun stops the others with SIGTERM, and
+    this one exits 2 without a word. Only if that does not happen within QUIET_WAIT_S (the mistake is this
+    rank's alone) does it print too."""
+    at_start = getattr(e, _AT_START_UP, False)
+    kind = _KINDS[0] if at_start else _KINDS[2] if isinstance(e, PeerLostError) else _KINDS[1]
+    if _leave_for_launcher(str(e), kind):
+        return USER_ERROR_EXIT
+    if at_start and os.environ.get("LOCAL_RANK", "0") != "0":
+        _await_first_rank()
     print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
     return USER_ERROR_EXIT
 
 
-def _leave_for_launcher(message: str) -> bool:
-    """Write a start-up mistake into the ERRORS_ENV folder as rank{RANK} (temporary name, then rename); False
+def _leave_for_launcher(message: str, kind: str) -> bool:
+    """Write a mistake into the ERRORS_ENV folder as rank{RANK}{kind} (temporary name, then rename); False
     without that folder, or when the write fails (the rank then prints the mistake itself)."""
     folder = os.environ.get(ERRORS_ENV)
     if not folder:
         return False
-    path = Path(folder) / f"rank{os.environ.get('RANK', '0')}"
+    path = Path(folder) / f"rank{os.environ.get('RANK', '0')}{kind}"
+    tmp = path.with_name(path.name + ".tmp")
     try:
-        path.with_suffix(".tmp").write_text(message)
-        path.with_suffix(".tmp").replace(path)
+        tmp.write_text(message)
+        tmp.replace(path)
     except OSError:  # the launcher's folder is gone: say it here rather than not at all
         return False
     return True
 
 
+def _mistakes(folder: Path, kinds: tuple[str, ...]) -> str | None:
+    """The message of the first mistake the ranks left in `folder` (ERRORS_ENV) among `kinds`: by kind in that
+    order, then the lowest rank; None when there is none."""
+    found = {}
+    for p in folder.iterdir() if folder.is_dir() else ():
+        m = re.fullmatch(r"rank(\d+)(\.[a-z]+)?", p.name)
+        if m and (m[2] or "") in kinds:
+            found[(kinds.index(m[2] or ""), int(m[1]))] = p
+    return found[min(found)].read_text() if found else None
+
+
 def start_up_error(folder: Path) -> str | None:
-    """The start-up mistake the ranks left in `folder` (ERRORS_ENV): the lowest rank's; None when none did."""
-    ranks = [int(p.name[4:]) for p in folder.glob("rank*") if p.name[4:].isdigit()]
-    return (folder / f"rank{min(ranks)}").read_text() if ranks else None
+    """The start-up mistake the ranks left in `folder` (ERRORS_ENV): the lowest rank's; None when none did.
+    A restart of the job would fail the same way."""
+    return _mistakes(folder, _KINDS[:1])
+
+
+def rank_mistake(folder: Path) -> str | None:
+    """The mistake that stopped the job: a start-up one, else one a rank found while it ran (not a lost peer,
+    which follows another rank's end, a mistake or not)."""
+    return _mistakes(folder, _KINDS[:2])
+
+
+def lost_peer(folder: Path) -> str | None:
+    """A rank's report that a peer stopped answering (PeerLostError), or None."""
+    return _mistakes(folder, _KINDS[2:])
 
 
 def _await_first_rank() -> None:

@@ -1,12 +1,12 @@
 """A run folder belongs to one run: an flock on FOLDER/.mobiuspipe.lock, held for the holder's life, says who holds it.
 
-`mobiuspipe train` takes the locks of a run's folders (train.out_dir, and train.checkpoint_dir when it lies
-elsewhere) before it launches anything and holds them until torchrun ends; its ranks get its token (TOKEN_ENV) and
-find the locks theirs. Under a user's own torchrun, rank 0 takes them at start-up. A second run on a held folder
-stops before it writes anything (RunFolderError, exit 2), naming the holder's pid and host. The kernel drops a lock
-when its process dies, whatever the signal: a lock file left by a dead run is taken over, with a line saying so.
-Taking a lock makes the folder if it is missing and writes the lock file only; the holder's file is read, never
-changed, by a run that finds it held.
+`mobiuspipe train` takes the locks of a run's folders (train.out_dir, and train.checkpoint_dir and memory.ssd_dir
+where they lie elsewhere) before it launches anything and holds them until torchrun ends; its ranks get its token
+(TOKEN_ENV) and find the locks theirs. Under a user's own torchrun, rank 0 takes them at start-up. A second run on a
+held folder stops before it writes anything (RunFolderError, exit 2), naming the holder's pid and host. The kernel
+drops a lock when its process dies, whatever the signal: a lock file left by a dead run is taken over, with a line
+saying so. Taking a lock makes the folder if it is missing and writes the lock file only; the holder's file is read,
+never changed, by a run that finds it held.
 """
 
 from __future__ import annotations
@@ -53,15 +53,18 @@ def new_token() -> str:
     return uuid.uuid4().hex
 
 
-def run_folders(out_dir: str | None, checkpoint_root: str | None) -> dict[str, Path]:
-    """The folders a run writes that a lock guards, by the config key that names them: out_dir, and the
-    checkpoint folder when it is not inside out_dir (a lock on out_dir covers what lies inside)."""
-    folders = {"train.out_dir": Path(out_dir)} if out_dir else {}
-    if checkpoint_root:
-        root = Path(checkpoint_root)
-        inside = out_dir is not None and _within(root, Path(out_dir))
-        if not inside:
-            folders["train.checkpoint_dir"] = root
+def run_folders(out_dir: str | None, checkpoint_root: str | None, ssd_dir: str | None = None) -> dict[str, Path]:
+    """The folders a run writes that a lock guards, by the config key that names them: out_dir, the checkpoint
+    folder and memory.ssd_dir, each unless it lies inside one before it (a lock on a folder covers what lies
+    inside)."""
+    folders: dict[str, Path] = {}
+    for key, path in (
+        ("train.out_dir", out_dir),
+        ("train.checkpoint_dir", checkpoint_root),
+        ("memory.ssd_dir", ssd_dir),
+    ):
+        if path and not any(_within(Path(path), held) for held in folders.values()):
+            folders[key] = Path(path)
     return folders
 
 

@@ -78,7 +78,7 @@ def _folder_locks(cfg: RunConfig, first: bool) -> RunLocks:
     `mobiuspipe train`; under a user's own torchrun it takes them, or stops if another run holds one."""
     if not first:
         return RunLocks()
-    folders = run_folders(cfg.train.out_dir, cfg.train.checkpoint_root)
+    folders = run_folders(cfg.train.out_dir, cfg.train.checkpoint_root, cfg.memory.ssd_dir)
     with at_start_up():
         return RunLocks.take(folders, new_token(), inherited=os.environ.get(TOKEN_ENV))
 

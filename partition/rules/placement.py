@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from foundation.units import KiB
 
-__all__ = ["Placement", "place_states", "host_bytes", "TIERS", "STATE_BYTES", "LEAST_SHARE_BYTES"]
+__all__ = ["Placement", "BudgetShortfall", "place_states", "host_bytes", "TIERS", "STATE_BYTES", "LEAST_SHARE_BYTES"]
 
 TIERS = ("host", "ssd", "auto")
 """Where a kind of state may live: memory.optimizer and memory.weights take one of these."""
@@ -49,6 +49,31 @@ class Placement:
         return sorted(j for j, t in self.optimizer.items() if t == "ssd")
 
 
+class BudgetShortfall(ValueError):
+    """A host budget holds no placement of a rank's stages (params: stage -> parameter count): `held` bytes stay
+    in memory even with every stage moved to SSD that the settings allow, each stage on SSD needs `least` more,
+    and `need` bytes in all would hold them."""
+
+    def __init__(self, budget: int, params: dict[int, int], optimizer: str, weights: str, held: int, least: int):
+        self.budget, self.params, self.optimizer, self.weights, self.held = budget, params, optimizer, weights, held
+        self.least = least
+        k = len(params) if optimizer != "host" else 0  # every stage is on SSD by now, or none
+        fixed = optimizer != "auto" and weights != "auto"
+        self.need = held + k * least if fixed else max(held + k * least, -(-4 * (held + k) // 3))
+        """The least budget that holds them (auto leaves every stage on SSD a quarter of the budget at least)."""
+        super().__init__(
+            f"a host budget of {budget} bytes does not hold the rank's {len(params)} stages "
+            f"({sum(params.values())} parameters) with memory.optimizer {optimizer} and memory.weights {weights}: "
+            f"{held} bytes stay in memory and each stage on SSD needs at least {least} more; {self.fix}"
+        )
+
+    @property
+    def fix(self) -> str:
+        """What to change: the budget, or where the weights live."""
+        more = "" if self.weights != "host" else ", or set memory.weights: auto to stream the weights too"
+        return f"raise memory.host_budget_mb to at least {self.need / 2**20:.4g}{more}"
+
+
 def host_bytes(n: int, optimizer: str, weights: str, dtype_bytes: int) -> int:
     """Host bytes a stage of n parameters keeps in memory besides its share of the budget (see above)."""
     if optimizer == "host":
@@ -75,14 +100,7 @@ def place_states(
         if slot is not None:
             return Placement(dict(opt), {j: wts[j] if opt[j] == "ssd" else "host" for j in params}, slot)
     held = sum(host_bytes(n, opt[j], wts[j], dtype_bytes) for j, n in params.items())
-    need = held + sum(1 for t in opt.values() if t == "ssd") * least_slot_bytes
-    raise ValueError(
-        f"a host budget of {budget_bytes} bytes does not hold the rank's {len(params)} stages "
-        f"({sum(params.values())} parameters) with memory.optimizer {optimizer} and memory.weights {weights}: "
-        f"{held} bytes stay in memory and each stage on SSD needs at least {least_slot_bytes} more; raise "
-        f"memory.host_budget_mb to at least {need / 2**20:.4g}"
-        + ("" if weights != "host" else ", or set memory.weights: auto to stream the weights too")
-    )
+    raise BudgetShortfall(budget_bytes, params, optimizer, weights, held, least_slot_bytes)
 
 
 def _slot(params, opt, wts, budget: int, least: int, b: int, fixed: bool) -> int | None:

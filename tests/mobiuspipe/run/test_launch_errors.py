@@ -38,12 +38,21 @@ def _run(tmp_path: Path) -> Path:
     return tmp_path / "run.yaml"
 
 
-def test_report_leaves_a_start_up_mistake_for_the_launcher(tmp_path, monkeypatch, capsys):
-    """Under `mobiuspipe train` (ERRORS_ENV) every rank writes the mistake and exits 2 at once, without a word;
-    the launcher reads the lowest rank's. A mistake found later, or an error at_start_up does not mark, is
-    printed as before."""
+def test_report_leaves_every_mistake_for_the_launcher_by_kind(tmp_path, monkeypatch, capsys):
+    """Under `mobiuspipe train` (ERRORS_ENV) every rank writes its mistake and exits 2 at once, without a word;
+    the launcher reads a start-up mistake first, then one found while the job ran, then a lost peer, each the
+    lowest rank's. A restart stops only for a start-up mistake."""
     monkeypatch.setenv(preflight.ERRORS_ENV, str(tmp_path))
     monkeypatch.setenv("LOCAL_RANK", "1")  # would wait QUIET_WAIT_S for torchrun's SIGTERM without the folder
+    monkeypatch.setenv("RANK", "0")
+    lost = PeerLostError("rank 1 stopped answering")  # while resuming: not a mistake of the checkpoint's
+    with pytest.raises(PeerLostError), preflight.at_start_up(CheckpointError):
+        raise lost
+    assert preflight.report(lost, "p") == 2
+    assert preflight.lost_peer(tmp_path) == str(lost) and preflight.rank_mistake(tmp_path) is None
+    monkeypatch.setenv("RANK", "2")
+    assert preflight.report(ConfigError("later"), "p") == 2  # found while the job ran
+    assert preflight.rank_mistake(tmp_path) == "later" and preflight.start_up_error(tmp_path) is None
     for rank, what in ((3, "x: three"), (1, "x: one")):
         monkeypatch.setenv("RANK", str(rank))
         error = ConfigError(what)
@@ -51,14 +60,12 @@ def test_report_leaves_a_start_up_mistake_for_the_launcher(tmp_path, monkeypatch
             raise error
         t0 = time.monotonic()
         assert preflight.report(error, "p") == 2 and time.monotonic() - t0 < 1
-    assert capsys.readouterr().err == "" and sorted(p.name for p in tmp_path.iterdir()) == ["rank1", "rank3"]
-    assert preflight.start_up_error(tmp_path) == "x: one"
-    assert preflight.report(ConfigError("later"), "p") == 2 and capsys.readouterr().err == "p: error: later\n"
-    lost = PeerLostError("rank 0 stopped answering")  # while resuming: not a mistake of the checkpoint's
-    with pytest.raises(PeerLostError), preflight.at_start_up(CheckpointError):
-        raise lost
-    assert preflight.report(lost, "p") == 2 and capsys.readouterr().err == f"p: error: {lost}\n"
+    assert capsys.readouterr().err == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.peer", "rank1", "rank2.run", "rank3"]
+    assert preflight.start_up_error(tmp_path) == preflight.rank_mistake(tmp_path) == "x: one"
     assert preflight.start_up_error(tmp_path / "none") is None
+    monkeypatch.delenv(preflight.ERRORS_ENV)  # plain torchrun: the rank prints it
+    assert preflight.report(ConfigError("later"), "p") == 2 and capsys.readouterr().err == "p: error: later\n"
 
 
 @pytest.mark.parametrize(

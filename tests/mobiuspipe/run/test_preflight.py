@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -51,6 +52,7 @@ def no_launch(monkeypatch):
         raise AssertionError(f"torchrun was launched: {args}")
 
     monkeypatch.setattr(subprocess, "run", launched)
+    monkeypatch.setattr(subprocess, "Popen", launched)
 
     def train(capsys, config: Path, *flags: str) -> tuple[int, str]:
         capsys.readouterr()
@@ -265,3 +267,76 @@ def test_plain_torchrun_of_a_bad_config_prints_one_line(tmp_path, launch):
     root_cause = proc.stderr.partition("Root Cause")[2]  # torchrun's summary names rank 0, which exited 2
     assert proc.returncode == 1 and re.search(r"rank +: 0 \(local_rank: 0\)\s+exitcode +: 2 ", root_cause)
     assert not (tmp_path / "out").exists()
+
+
+def _ssd_doc(tmp_path: Path, **memory) -> dict:
+    return _run_doc(memory={"optimizer": "ssd", "ssd_dir": str(tmp_path / "ssd"), **memory})
+
+
+def test_a_host_budget_too_small_is_refused_before_launch_naming_every_rank(tmp_path, capsys, no_launch):
+    run = _write(tmp_path / "run.yaml", _ssd_doc(tmp_path, host_budget_mb=0.01))
+    code, err = no_launch(capsys, run)
+    line = _one_error_line(err)
+    assert code == 2 and "memory.host_budget_mb: expected at least" in line and "found 0.01 MiB" in line
+    assert "rank 0: stages" in line and "rank 1: stages" in line
+    named = re.search(r"raise memory.host_budget_mb to at least ([0-9.]+)", line)
+    assert named is not None
+    need = float(named.group(1))
+    enough = _write(tmp_path / "enough.yaml", _ssd_doc(tmp_path, host_budget_mb=need * 1.001))  # 4 digits shown
+    assert preflight.launch_checks(load_config(enough), None) == 2
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # @record, with pytest capturing stderr
+def test_each_rank_refuses_a_host_budget_too_small(tmp_path, capsys):
+    from mobiuspipe.run.train import main
+
+    doc = _ssd_doc(tmp_path, host_budget_mb=0.01)
+    run = _write(tmp_path / "run.yaml", {**doc, "plan": {"num_gpus": 1, "num_stages": 2}})
+    assert main(["--config", str(run)]) == 2
+    line = _one_error_line(capsys.readouterr().err, "mobiuspipe.train")
+    assert "memory.host_budget_mb: expected at least" in line and "rank 0: stages 0, 1" in line
+
+
+def test_an_ssd_dir_that_is_a_file_is_refused_before_launch(tmp_path, capsys, no_launch):
+    (tmp_path / "ssd").write_text("x")
+    code, err = no_launch(capsys, _write(tmp_path / "run.yaml", _ssd_doc(tmp_path)))
+    assert code == 2 and _one_error_line(err).startswith(
+        f"mobiuspipe: error: memory.ssd_dir: expected a folder this process can create and write, found {tmp_path}/ssd"
+    )
+
+
+def _free(monkeypatch, free: int) -> None:
+    """memory.ssd_dir's disk has `free` bytes free."""
+    from mobiuspipe.run import room
+
+    monkeypatch.setattr(room.shutil, "disk_usage", lambda path: SimpleNamespace(free=free))
+
+
+def test_ssd_dir_needs_room_for_the_plans_states_and_an_earlier_runs_files_count_as_free(tmp_path, monkeypatch):
+    from mobiuspipe.run import room
+
+    cfg = load_config(_write(tmp_path / "run.yaml", _ssd_doc(tmp_path)))
+    plan = preflight.plan_from_config(cfg)
+    need = sum(12 * s.param_count for s in plan.stages)  # every stage's states on SSD, the weights in memory
+    placed, problems = room.placements(cfg, plan)
+    assert problems == [] and room.ssd_need(cfg, plan, placed, range(2)) == need
+    _free(monkeypatch, need - 1)
+    with pytest.raises(ConfigError, match=r"memory.ssd_dir: expected room for the .* ranks 0..1 keep there"):
+        preflight.launch_checks(cfg, None)
+    earlier = tmp_path / "ssd" / "rank1"
+    earlier.mkdir(parents=True)
+    (earlier / "old.bin").write_bytes(b"x" * 8192)  # an earlier run's store: discarded at start-up
+    assert preflight.launch_checks(cfg, None) == 2
+    os.link(earlier / "old.bin", tmp_path / "checkpoint-link.bin")  # a checkpoint links it: it stays
+    with pytest.raises(ConfigError, match="memory.ssd_dir: expected room"):
+        preflight.launch_checks(cfg, None)
+
+
+def test_ssd_activations_count_toward_the_room(tmp_path):
+    from mobiuspipe.run import room
+
+    cfg = load_config(_write(tmp_path / "run.yaml", _run_doc(memory={"activation_tier": "ssd", "ssd_dir": "s"})))
+    plan = preflight.plan_from_config(cfg)
+    placed, _ = room.placements(cfg, plan)
+    held = [s.held_bytes if s.held_bytes >= 0 else s.activation_bytes for s in plan.stages]
+    assert room.ssd_need(cfg, plan, placed, range(2)) == plan.num_microbatches * sum(held) > 0

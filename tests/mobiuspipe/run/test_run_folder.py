@@ -96,7 +96,7 @@ def test_an_unwritable_folder_is_named(tmp_path):
         RunLocks.take({"train.out_dir": tmp_path / "file"}, "t")
 
 
-def test_the_checkpoint_folder_gets_its_own_lock_only_outside_out_dir(tmp_path):
+def test_the_checkpoint_and_ssd_folders_get_their_own_locks_only_outside_out_dir(tmp_path):
     out = tmp_path / "out"
     assert run_folders(str(out), str(out / "checkpoints")) == {"train.out_dir": out}
     assert run_folders(str(out), str(tmp_path / "ck")) == {
@@ -105,6 +105,8 @@ def test_the_checkpoint_folder_gets_its_own_lock_only_outside_out_dir(tmp_path):
     }
     assert run_folders(None, str(tmp_path / "ck")) == {"train.checkpoint_dir": tmp_path / "ck"}
     assert run_folders(None, None) == {}
+    assert run_folders(str(out), None, str(out / "ssd")) == {"train.out_dir": out}
+    assert run_folders(str(out), None, "/nvme/x") == {"train.out_dir": out, "memory.ssd_dir": Path("/nvme/x")}
 
 
 @pytest.mark.slow

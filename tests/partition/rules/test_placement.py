@@ -2,8 +2,10 @@
 (bf16: 2 bytes per weight and gradient; 12 bytes of optimizer states per parameter)."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from partition.rules.placement import LEAST_SHARE_BYTES, host_bytes, place_states
+from partition.rules.placement import LEAST_SHARE_BYTES, BudgetShortfall, host_bytes, place_states
 
 PARAMS = {0: 1000, 2: 50_000, 4: 20_000}
 LEAST = LEAST_SHARE_BYTES  # 64 KiB: the Adam's 4 slots of one 4 KiB-aligned group, and 4 staging pages
@@ -48,3 +50,22 @@ def test_fixed_tiers_share_the_budget_evenly():
     assert p.on_ssd == [] and p.slot_bytes == 0
     with pytest.raises(ValueError, match="at least 0.1875"):
         place_states("auto", "auto", PARAMS, 100_000, LEAST, 2)  # even everything on SSD: 33,333 each
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.dictionaries(st.integers(0, 9), st.integers(1, 3_000_000), min_size=1, max_size=5),
+    st.sampled_from(
+        [("host", "host"), ("ssd", "host"), ("ssd", "ssd"), ("auto", "host"), ("auto", "auto"), ("ssd", "auto")]
+    ),
+    st.sampled_from([2, 4]),
+    st.integers(0, 80_000_000),
+)
+def test_a_shortfall_names_the_least_budget_that_holds(params, tiers, b, budget):
+    """Whatever fails names a budget that holds the stages, and that budget does (odd sizes, every setting)."""
+    optimizer, weights = tiers
+    try:
+        place_states(optimizer, weights, params, budget, LEAST, b)
+    except BudgetShortfall as e:
+        assert e.need > budget and e.fix.startswith("raise memory.host_budget_mb")
+        place_states(optimizer, weights, params, e.need, LEAST, b)  # raises if the named budget does not hold them

@@ -1,0 +1,52 @@
+"""What `mobiuspipe train` shows of its job's stderr: each line as it comes, until a rank has left a mistake
+(mobiuspipe.run.preflight) or the launcher was interrupted. From then on the lines wait; if the job then fails for
+that reason, only the launcher's own lines among them (those starting "mobiuspipe: ") are shown, and the reason
+comes last: what follows such a failure (the gloo errors of the ranks that lost a peer, their tracebacks, torchrun's
+report of a failed job) says nothing more. A job that fails for another reason, or finishes, shows every line.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import IO
+
+__all__ = ["JobStderr"]
+
+OWN_PREFIX = b"mobiuspipe: "
+"""Lines that start so are mobiuspipe's own messages, shown even after a mistake."""
+DRAIN_S = 5.0
+"""How long to wait, once torchrun has ended, for the last lines of its ranks (seconds)."""
+
+
+class JobStderr:
+    """Pumps the job's stderr (a pipe) to `out`, holding lines back once `explained()` (a rank's mistake is
+    there) or hold() (an interrupt) says the job is failing for a reason the launcher will print."""
+
+    def __init__(self, pipe: IO[bytes], out: IO[bytes], explained: Callable[[], bool]):
+        self._out, self._explained = out, explained
+        self._held: list[bytes] = []
+        self._holding = False
+        self._thread = threading.Thread(target=self._pump, args=(pipe,), name="job-stderr", daemon=True)
+        self._thread.start()
+
+    def hold(self) -> None:
+        """Hold every line from now on (the launcher was interrupted)."""
+        self._holding = True
+
+    def _pump(self, pipe: IO[bytes]) -> None:
+        for line in iter(pipe.readline, b""):
+            self._holding = self._holding or self._explained()
+            if self._holding:
+                self._held.append(line)
+            else:
+                self._out.write(line)
+                self._out.flush()
+
+    def finish(self, quiet: bool) -> None:
+        """Once torchrun has ended: show the held lines, all of them, or (quiet: the failure is explained) the
+        launcher's own only."""
+        self._thread.join(DRAIN_S)
+        shown = [line for line in self._held if line.startswith(OWN_PREFIX)] if quiet else self._held
+        self._out.write(b"".join(shown))
+        self._out.flush()

@@ -1,0 +1,115 @@
+"""Whether a plan's states fit the run's memory settings, checked before launch: each rank's stages under
+memory.host_budget_mb (the placement rule every rank applies when it builds its Pipeline), and memory.ssd_dir, a
+folder this process can write with room for what the plan puts there.
+
+SSD bytes of a stage of n parameters (b = bytes of the training dtype), as the ranks' stores allocate them:
+  optimizer on ssd:  12 n (fp32 master, exp_avg, exp_avg_sq)
+  weights on ssd:    2 b n more (the weights the device loads and the gradients it offloads)
+  activations on ssd (memory.activation_tier ssd, or the plan's choice under `plan`): H_j per microbatch, all
+  the step's microbatches at once at most (H_j: the plan's held bytes, else its activation bytes).
+What an earlier run left in ranks' stores is discarded at start-up, so its files count as free, unless a
+checkpoint links them (a file with several links stays).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from foundation.checked import Problem
+from foundation.units import MiB, fmt_bytes
+from mobiuspipe.config import RunConfig
+from mobiuspipe.runtime.stage_states import least_share
+from partition.plan import Plan
+from partition.rules.placement import STATE_BYTES, BudgetShortfall, Placement, place_states
+from partition.spec.analytic import dtype_bytes
+
+__all__ = ["placements", "ssd_need", "ssd_room", "ssd_bytes"]
+
+
+def placements(cfg: RunConfig, plan: Plan) -> tuple[dict[int, Placement], list[Problem]]:
+    """Each gpu's placement of its stages by memory.optimizer and memory.weights under memory.host_budget_mb
+    (as its rank will place them), and one Problem naming the ranks whose stages the budget does not hold."""
+    mem, b = cfg.memory, dtype_bytes(plan.dtype)
+    placed, short = {}, {}
+    for g in range(plan.num_gpus):
+        params = {j: plan.stages[j].param_count for j in plan.stages_of(g)}
+        try:
+            placed[g] = place_states(
+                mem.optimizer, mem.weights, params, int(mem.host_budget_mb * MiB), least_share(b), b
+            )
+        except BudgetShortfall as e:
+            short[g] = e
+    return placed, [_shortfall(short, mem.host_budget_mb)] if short else []
+
+
+def _shortfall(short: dict[int, BudgetShortfall], budget_mb: float) -> Problem:
+    """One Problem for the ranks (gpu -> its shortfall) the budget per rank does not hold."""
+    worst = max(short.values(), key=lambda e: e.need)
+    each = "; ".join(
+        f"rank {g}: stages {', '.join(map(str, sorted(e.params)))}, {sum(e.params.values())} parameters, "
+        f"{fmt_bytes(e.held)} in memory, {e.need / MiB:.4g} MiB in all"
+        for g, e in short.items()
+    )
+    return Problem(
+        "memory.host_budget_mb",
+        f"at least {worst.need / MiB:.4g} MiB per rank, to hold its stages with memory.optimizer {worst.optimizer} "
+        f"and memory.weights {worst.weights}, each stage on SSD streaming through at least {fmt_bytes(worst.least)} "
+        f"({each})",
+        f"{budget_mb:g} MiB",
+        worst.fix,
+    )
+
+
+def ssd_bytes(cfg: RunConfig, plan: Plan, g: int, placement: Placement | None) -> int:
+    """Bytes gpu g's rank writes under memory.ssd_dir (see the module docstring)."""
+    b, total = dtype_bytes(plan.dtype), 0
+    for j in plan.stages_of(g):
+        s = plan.stages[j]
+        if placement is not None and placement.optimizer[j] == "ssd":
+            total += STATE_BYTES * s.param_count + (2 * b * s.param_count if placement.weights[j] == "ssd" else 0)
+        if _activations_on_ssd(cfg, s.activation_tier):
+            total += plan.num_microbatches * (s.held_bytes if s.held_bytes >= 0 else s.activation_bytes)
+    return total
+
+
+def _activations_on_ssd(cfg: RunConfig, planned: str) -> bool:
+    tier = cfg.memory.activation_tier
+    return tier == "ssd" or (tier == "plan" and planned == "ssd")
+
+
+def ssd_need(cfg: RunConfig, plan: Plan, placed: dict[int, Placement], host_ranks: range) -> int:
+    """Bytes the ranks of this host (host_ranks) write under memory.ssd_dir, all together (0 without one)."""
+    if not cfg.memory.ssd_dir:
+        return 0
+    return sum(ssd_bytes(cfg, plan, g, placed.get(g)) for g in host_ranks)
+
+
+def ssd_room(folder: Path, need: int, host_ranks: range) -> list[Problem]:
+    """A Problem when `folder` (memory.ssd_dir) has no room for `need` bytes of the ranks host_ranks."""
+    free = shutil.disk_usage(folder).free + sum(_reclaimable(folder, g) for g in host_ranks)
+    if free >= need:
+        return []
+    ranks = f"rank {host_ranks.start}" if len(host_ranks) == 1 else f"ranks {host_ranks.start}..{host_ranks.stop - 1}"
+    return [
+        Problem(
+            "memory.ssd_dir",
+            f"room for the {fmt_bytes(need)} that the plan's {ranks} keep there (optimizer states, streamed "
+            f"weights and SSD activations)",
+            f"{fmt_bytes(free)} free in {folder}",
+            "free space there, or set memory.ssd_dir to a folder on a bigger disk",
+        )
+    ]
+
+
+def _reclaimable(folder: Path, g: int) -> int:
+    """Bytes of the files an earlier run left in rank g's stores there that no checkpoint links (start-up
+    discards them)."""
+    total = 0
+    for store in (folder / f"rank{g}", folder / f"rank{g}-activations"):
+        for dirpath, _, names in os.walk(store):
+            for name in names:
+                st = os.lstat(os.path.join(dirpath, name))
+                total += st.st_blocks * 512 if st.st_nlink == 1 else 0
+    return total

@@ -1,0 +1,104 @@
+"""What `mobiuspipe train` shows of its job's stderr: every line until a rank's mistake (or an interrupt) explains
+the failure, then only its own lines and the mistake last; a failure nothing explains shows every line."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mobiuspipe.run.job_stderr import JobStderr
+
+
+def _pump(lines: list[bytes], explained_after: int | None) -> tuple[JobStderr, io.BytesIO]:
+    """A JobStderr over a pipe carrying `lines`; a mistake 'appears' once explained_after lines have been read."""
+    read, write = os.pipe()
+    seen = []
+    out = io.BytesIO()
+    pump = JobStderr(os.fdopen(read, "rb"), out, lambda: explained_after is not None and len(seen) > explained_after)
+    with os.fdopen(write, "wb") as w:
+        for line in lines:
+            seen.append(line)
+            w.write(line)
+            w.flush()
+            time.sleep(0.01)
+    return pump, out
+
+
+LINES = [b"step 0\n", b"mobiuspipe: a note\n", b"Traceback (most recent call last):\n", b"RuntimeError: gloo\n"]
+
+
+def test_lines_after_an_explained_failure_are_dropped_but_mobiuspipes_own():
+    pump, out = _pump(LINES, explained_after=1)
+    pump.finish(quiet=True)
+    assert out.getvalue() == b"step 0\nmobiuspipe: a note\n"
+
+
+def test_a_failure_nothing_explains_shows_every_line():
+    pump, out = _pump(LINES, explained_after=1)
+    pump.finish(quiet=False)
+    assert out.getvalue() == b"".join(LINES)
+    pump, out = _pump(LINES, explained_after=None)
+    pump.finish(quiet=True)  # nothing was held
+    assert out.getvalue() == b"".join(LINES)
+
+
+RUN = {
+    "model": {"num_blocks": 2, "d_model": 16, "num_heads": 2, "seq_len": 8},
+    "data": {"batch_size": 4, "num_microbatches": 2},
+    "train": {"steps": 400, "precision": "fp32", "tensorboard": False},
+    "plan": {"num_gpus": 2, "num_stages": 4},
+}
+FAILING_RANK = """
+import os
+if os.environ.get("RANK") == "1":
+    import mobiuspipe.run.train as t
+    from mobiuspipe.errors import SwapIOError
+
+    def full(*args, **kwargs):
+        raise SwapIOError("the SSD store is full: free space there")
+
+    t._training_loop = full
+"""
+
+
+def _launch(tmp_path: Path, **popen) -> subprocess.Popen:
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(RUN))
+    cmd = [sys.executable, "-m", "mobiuspipe", "train", "--config", str(tmp_path / "run.yaml")]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_mistake_one_rank_finds_while_running_is_the_last_line_and_exit_2(tmp_path):
+    """Rank 1 fails after the group exists (as a full disk would); rank 0 loses its peer: one line says why."""
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(FAILING_RANK)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "inject"), *sys.path])}
+    job = _launch(tmp_path, env=env)
+    out, err = job.communicate(timeout=120)
+    assert job.returncode == 2, err[-3000:]
+    assert err.endswith("mobiuspipe: error: the SSD store is full: free space there\n"), err[-3000:]
+    assert "Traceback" not in err and "gloo" not in err and "FAILED" not in err, err[-3000:]
+    assert len(err.splitlines()) < 10, err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_ctrl_c_during_start_up_ends_the_job_with_one_line(tmp_path):
+    job = _launch(tmp_path, start_new_session=True)  # its own group, as a terminal's foreground job
+    assert job.stderr is not None
+    assert job.stderr.readline().startswith("mobiuspipe: launching")
+    time.sleep(1.5)  # torchrun and the ranks are starting: importing torch, building the plan
+    os.killpg(job.pid, signal.SIGINT)
+    out, err = job.communicate(timeout=120)
+    assert job.returncode == 130, err[-3000:]
+    assert err.endswith("mobiuspipe: stopped by Ctrl-C (SIGINT); torchrun and the ranks have ended\n"), err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
