@@ -41,14 +41,15 @@ def run(args: argparse.Namespace, out) -> int:
         )
     plan = load_plan(_need(run_dir / "plan.yaml", "its plan"))
     files = [_need(run_dir / "weights" / f"stage{j}.pt", f"stage {j}'s weights") for j in range(plan.num_stages)]
-    check_export_dir(to, "--to")
+    owner = str(run_dir.resolve())  # the run's out_dir: its own export at the end of training is the same owner's
+    check_export_dir(to, "--to", owner)
     hf, dtype = open_hf(cfg.model.hf, cfg.model.seq_len), TORCH_DTYPES[args.dtype]
     folder = partial_dir(to)
     shutil.rmtree(folder, ignore_errors=True)  # an earlier, interrupted export's remains
     shards = {}
     for j, file in enumerate(files):
         shards[j] = write_shard(hf, j, plan.num_stages, torch.load(file, weights_only=True), folder, dtype)
-    finish_export(hf, shards, plan.num_stages, to, dtype)
+    finish_export(hf, shards, plan.num_stages, to, dtype, owner)
     print(f"mobiuspipe: exported {run_dir} to {to} ({args.dtype}, {plan.num_stages} shards)", file=out)
     return 0
 

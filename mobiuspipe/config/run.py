@@ -85,8 +85,9 @@ class TrainConfig(Section):
     export_dir: str | None = field(default=None, metadata=WRITTEN_PATH)
     """A new (or empty) folder the fine-tuned model is written to at the end of the run, as a Hugging Face
     folder that from_pretrained loads (safetensors shards, config.json, the source's tokenizer files);
-    model.hf only; relative to the config file's folder. None = no export (`mobiuspipe export` can make one
-    later from out_dir)."""
+    model.hf only; relative to the config file's folder. A folder holding this run's own export (the same
+    out_dir's: a finished run extended or resumed) is replaced at the end, after the last checkpoint; any other
+    is refused. None = no export (`mobiuspipe export` can make one later from out_dir)."""
     export_dtype: str = "fp32"
     """Dtype of the exported weights: "fp32" (the master weights as they are), "bf16" or "fp16"."""
     tensorboard: bool = True

@@ -19,7 +19,7 @@ from mobiuspipe.errors import ConfigError
 from mobiuspipe.models.hf import HFModel, hf_key
 from mobiuspipe.models.hf_weights import INDEX
 
-__all__ = ["SIDE_FILES", "check_export_dir", "partial_dir", "write_shard", "finish_export"]
+__all__ = ["SIDE_FILES", "MARKER", "check_export_dir", "partial_dir", "write_shard", "finish_export"]
 
 SIDE_FILES = (
     "generation_config.json",
@@ -31,18 +31,31 @@ SIDE_FILES = (
     "tokenizer.model",
 )
 """Files of the source folder an export copies as they are (those present)."""
+MARKER = "mobiuspipe-export.json"
+"""The file an export writes beside the weights: {"owner": the run that wrote it (its out_dir, or the export's own
+path for `mobiuspipe export`)}. A later export of the same owner replaces the folder; nothing else does."""
 
 
-def check_export_dir(to: Path, key: str) -> None:
-    """An export may go to a new or empty folder only (ConfigError naming `key` otherwise)."""
-    if to.exists() and (not to.is_dir() or any(to.iterdir())):
+def check_export_dir(to: Path, key: str, owner: str | None = None) -> None:
+    """An export may go to a new or empty folder, or replace one that an export of the same `owner` wrote
+    (a finished run extended or resumed); ConfigError naming `key` otherwise."""
+    if to.exists() and (not to.is_dir() or any(to.iterdir())) and not _owned_by(to, owner):
+        mine = f" (it was not written by this run, {owner})" if owner is not None and (to / MARKER).is_file() else ""
         raise ConfigError(
-            f"{key}: {to} exists and is not an empty folder; the export will not overwrite it: give a new "
+            f"{key}: {to} exists and is not an empty folder{mine}; the export will not overwrite it: give a new "
             f"folder or remove it"
         )
     parent = to.parent if to.parent.exists() else None
     if parent is not None and not parent.is_dir():
         raise ConfigError(f"{key}: {to.parent} is not a folder; give a path inside a folder")
+
+
+def _owned_by(to: Path, owner: str | None) -> bool:
+    """Whether folder `to` holds an export whose marker names `owner`."""
+    try:
+        return owner is not None and json.loads((to / MARKER).read_text()).get("owner") == owner
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def partial_dir(to: Path) -> Path:
@@ -70,9 +83,12 @@ def write_shard(
     return {k: t.numel() * t.element_size() for k, t in out.items()}
 
 
-def finish_export(m: HFModel, shards: dict[int, dict[str, int]], num_stages: int, to: Path, dtype: torch.dtype) -> None:
-    """Write the index (from every stage's names and bytes), config.json and the side files next to the
-    shards in partial_dir(to), then rename it to `to`."""
+def finish_export(
+    m: HFModel, shards: dict[int, dict[str, int]], num_stages: int, to: Path, dtype: torch.dtype, owner: str
+) -> None:
+    """Write the index (from every stage's names and bytes), config.json, the side files and the MARKER naming
+    `owner` next to the shards in partial_dir(to), then rename it to `to`; an earlier export of the same owner
+    there is set aside first and removed once the new one is in place."""
     folder = partial_dir(to)
     missing = [j for j in range(num_stages) if j not in shards]
     if missing:
@@ -87,6 +103,10 @@ def finish_export(m: HFModel, shards: dict[int, dict[str, int]], num_stages: int
     for side in SIDE_FILES:
         if (m.folder / side).is_file():
             shutil.copy2(m.folder / side, folder / side)
+    (folder / MARKER).write_text(json.dumps({"owner": owner}) + "\n")
+    earlier = to.with_name(f".{to.name}.replaced")
+    shutil.rmtree(earlier, ignore_errors=True)  # left by a run that stopped between the two renames
     if to.exists():
-        to.rmdir()  # checked empty before the run
+        to.replace(earlier)  # empty, or an export of this owner (check_export_dir)
     folder.replace(to)
+    shutil.rmtree(earlier, ignore_errors=True)

@@ -113,7 +113,7 @@ def _train(
     ) as pipe:
         done = _training_loop(cfg, pipe, data, held_out)
         if hf is not None and export is not None and done:
-            _export(pipe, hf, export, TORCH_DTYPES[t.export_dtype])
+            _export(pipe, hf, export, TORCH_DTYPES[t.export_dtype], _export_owner(cfg))
 
 
 def with_resume(cfg: RunConfig, resume: str | None) -> RunConfig:
@@ -129,17 +129,23 @@ def open_run(cfg: RunConfig) -> tuple[HFModel | None, PackedTokens, PackedTokens
     data. `mobiuspipe train` calls it before launching torchrun, and each rank at start-up."""
     hf = open_hf(cfg.model.hf, cfg.model.seq_len) if cfg.model.hf else None
     if cfg.train.export_dir:
-        check_export_dir(Path(cfg.train.export_dir), "train.export_dir")  # before any work, not after the run
+        check_export_dir(Path(cfg.train.export_dir), "train.export_dir", _export_owner(cfg))  # before any work
     return (hf, *open_run_data(cfg))
 
 
-def _export(pipe: Pipeline, hf: HFModel, to: Path, dtype: torch.dtype) -> None:
-    """Every rank writes its stages' shards; rank 0 writes the index and config and renames the folder."""
+def _export_owner(cfg: RunConfig) -> str:
+    """Who an export belongs to: the run (its out_dir, else its config file), whose later exports replace it."""
+    return str(Path(cfg.train.out_dir or cfg.source).resolve())
+
+
+def _export(pipe: Pipeline, hf: HFModel, to: Path, dtype: torch.dtype, owner: str) -> None:
+    """Every rank writes its stages' shards; rank 0 writes the index and config and renames the folder (replacing
+    an export of the same owner: a finished run extended or resumed)."""
     folder, stages = partial_dir(to), pipe.plan.num_stages
     mine = {j: write_shard(hf, j, stages, w, folder, dtype) for j, w in pipe.stage_state_dicts().items()}
     every = gather_all(pipe.info, mine)
     if pipe.rank == 0:
-        finish_export(hf, {j: names for d in every for j, names in d.items()}, stages, to, dtype)
+        finish_export(hf, {j: names for d in every for j, names in d.items()}, stages, to, dtype, owner)
         print(f"mobiuspipe: exported the fine-tuned model to {to} ({dtype}; from_pretrained loads it)", flush=True)
 
 

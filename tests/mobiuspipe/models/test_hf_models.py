@@ -12,10 +12,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from mobiuspipe import Pipeline
+from mobiuspipe.errors import ConfigError
 from mobiuspipe.models import hf_weights
 from mobiuspipe.models.gpt import lm_loss
 from mobiuspipe.models.hf import SUPPORTED, hf_key, layer_factories, open_hf
-from mobiuspipe.models.hf_export import finish_export, partial_dir, write_shard
+from mobiuspipe.models.hf_export import MARKER, check_export_dir, finish_export, partial_dir, write_shard
 from mobiuspipe.optim import CPUAdam
 from partition.spec.hf import ModelConfigError
 
@@ -116,7 +117,7 @@ def test_pipeline_training_equals_transformers_and_export_loads(tmp_path, hf_kit
         assert torch.equal(pipe.state_dict()[a], pipe.state_dict()[b])  # the halves stayed one parameter
     to = tmp_path / "export"
     shards = {j: write_shard(m, j, 3, w, partial_dir(to), torch.float32) for j, w in weights.items()}
-    finish_export(m, shards, 3, to, torch.float32)
+    finish_export(m, shards, 3, to, torch.float32, "owner")
     back = AutoModelForCausalLM.from_pretrained(str(to), attn_implementation="sdpa").eval()
     x = torch.randint(0, VOCAB, (2, 13))
     with torch.no_grad():
@@ -292,3 +293,32 @@ def test_eval_batch_is_the_models_eval_loss(tmp_path, hf_kit):
         model.load_state_dict({hf_key(m, int(k.split(".")[0]), k.split(".", 1)[1]): v for k, v in weights.items()})
         assert after == pytest.approx(float(lm_loss(model(hx).logits, hy)), rel=1e-6)
     assert after != before
+
+
+def test_an_export_replaces_only_its_owners_folder(tmp_path):
+    to = tmp_path / "export"
+    check_export_dir(to, "k", "run-a")  # new
+    to.mkdir()
+    check_export_dir(to, "k", "run-a")  # empty
+    (to / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"k: .*export exists and is not an empty folder; the export will not"):
+        check_export_dir(to, "k", "run-a")
+    (to / MARKER).write_text(json.dumps({"owner": "run-a"}))
+    check_export_dir(to, "k", "run-a")  # run-a's own export: replaced at the end
+    with pytest.raises(ConfigError, match=r"not an empty folder \(it was not written by this run, run-b\)"):
+        check_export_dir(to, "k", "run-b")
+    with pytest.raises(ConfigError, match="not an empty folder;"):
+        check_export_dir(to, "k")
+
+
+def test_finish_export_replaces_its_owners_export_and_leaves_no_remains(tmp_path, hf_kit):
+    hf_kit.save_model("llama", tmp_path / "m")
+    m, to = open_hf(tmp_path / "m", 16), tmp_path / "export"
+    to.mkdir()
+    (to / "model-00001-of-00003.safetensors").write_text("an earlier export's shard")
+    (to / MARKER).write_text(json.dumps({"owner": "a"}))
+    partial_dir(to).mkdir()
+    finish_export(m, {0: {}, 1: {}}, 2, to, torch.float32, "a")
+    assert not (to / "model-00001-of-00003.safetensors").exists()
+    assert json.loads((to / MARKER).read_text()) == {"owner": "a"} and (to / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "m"]

@@ -112,3 +112,53 @@ def test_hf_model_trains_as_transformers_does(tmp_path, launch, hf_kit, kind, pa
             back = AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="sdpa").eval()
             torch.testing.assert_close(back(x).logits, trained, rtol=1e-4, atol=1e-4)
     assert (export / "model-00004-of-00004.safetensors").is_file()
+
+
+@pytest.mark.timeout(300)
+def test_a_finished_hf_run_is_extended_and_its_export_replaced(tmp_path, launch, hf_kit):
+    """The same config, more steps, --resume auto: the run continues from its last checkpoint and replaces the
+    export it wrote (an export of another run, or a folder of other files, is still refused)."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from mobiuspipe.models.hf_export import MARKER
+
+    write_config, _ = launch
+    hf_kit.save_model("llama", tmp_path / "src", seed=3)
+    _token_file(tmp_path / "train.bin", 4 * 8 * T + 1, hf_kit.VOCAB, seed=6)
+    out, export = tmp_path / "out", tmp_path / "export"
+    doc = {
+        "model": {"hf": str(tmp_path / "src"), "seq_len": T},
+        "data": {"tokens": str(tmp_path / "train.bin"), "batch_size": 8, "num_microbatches": 4},
+        "train": {
+            "steps": 2,
+            "precision": "fp32",
+            "out_dir": str(out),
+            "export_dir": str(export),
+            "checkpoint_every": 2,
+        },
+        "plan": {"num_gpus": 2, "num_stages": 4},
+    }
+
+    def train(steps: int) -> subprocess.CompletedProcess:
+        config = write_config(tmp_path, {**doc, "train": {**doc["train"], "steps": steps}})
+        cmd = [sys.executable, "-m", "mobiuspipe", "train", "--config", str(config), "--resume", "auto"]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+
+    first = train(2)
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = {f.name: load_file(f) for f in export.glob("*.safetensors")}
+    second = train(3)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stdout and "exported the fine-tuned model" in second.stdout
+    after = {f.name: load_file(f) for f in export.glob("*.safetensors")}
+    assert before.keys() == after.keys() and any(
+        not torch.equal(before[f][k], after[f][k]) for f in after for k in after[f]
+    )  # the third step's weights
+    assert json.loads((export / MARKER).read_text())["owner"] == str(out.resolve())
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".export")] == []
+    (export / MARKER).write_text(json.dumps({"owner": "/another/run"}))
+    refused = train(4)
+    assert refused.returncode == 2 and "it was not written by this run" in refused.stderr, refused.stderr[-3000:]
