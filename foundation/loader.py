@@ -206,14 +206,24 @@ class Builder:
             problems = check(types.SimpleNamespace(**every))
             if problems:
                 self.add(problems, prefix)
-                return INVALID
+                return self._despite(cls, values)
         try:
             return cls(**values)
         except InvalidValues as err:
             self.add(err.problems, prefix)
             return INVALID
         except self.error as err:  # a class's own check that a `checks` entry missed: still name the file
+            if self.problems:  # built from parts with problems already named: those say it
+                return INVALID
             raise self.error(f"{self.where}: {prefix or '(top level)'}: {err}") from err
+
+    def _despite(self, cls: type, values: dict[str, Any]) -> Any:
+        """`cls` built from values whose check found problems (recorded: finish() raises them), so that the checks
+        of what holds it still run and every problem is named at once; INVALID where it cannot be built."""
+        try:
+            return cls(**values)
+        except (ValueError, TypeError, self.error):  # the values are known to be wrong: its objection adds nothing
+            return INVALID
 
     def value(self, hint: Any, raw: Any, key: str, field: dataclasses.Field | None = None) -> Any:
         """`raw` made into a value of type `hint` at dotted `key`; INVALID (problems recorded) when it cannot."""

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from foundation.loader import Problem, at_least, field_hints, found_text, non_empty, positive, rule, to_plain
+from topology.presets import STANDIN_NAME
 from topology.types import P2P_STATUSES, Gpu, Measured, NvLink, Nvme, RootComplex, Switch, Topology
 
 __all__ = ["LAYOUT_CHECKS"]
@@ -43,6 +44,27 @@ def _tflops(obj: SimpleNamespace) -> list[Problem]:
     """A gpu's tflops is 0 (the table's) or more."""
     fix = "write its peak dense fp16/bf16 TFLOPS from the vendor's datasheet (e.g. 165.2), or 0 for the table's"
     return at_least(obj, "tflops", 0, fix) if "tflops" in vars(obj) else []
+
+
+LEAST_GPU_BYTES = 64 * 2**20
+"""The least memory_bytes a layout's gpu may have (0 = unknown, and CPU stand-ins, whose budgets tests make tiny,
+aside): a bare number is bytes, so `memory_bytes: 24` (meant as 24 GiB) is refused rather than planned for as a
+24-byte gpu."""
+
+
+def _gpu_memory(obj: SimpleNamespace) -> list[Problem]:
+    """A gpu's memory_bytes is 0 (unknown) or at least LEAST_GPU_BYTES (a CPU stand-in's any budget)."""
+    n = vars(obj).get("memory_bytes")
+    if not isinstance(n, int) or n == 0 or n >= LEAST_GPU_BYTES or vars(obj).get("name") == STANDIN_NAME:
+        return []
+    return [
+        Problem(
+            "memory_bytes",
+            f"a gpu's memory in bytes: 0 (unknown) or at least {LEAST_GPU_BYTES} (64 MiB)",
+            f"{n} bytes",
+            f"a bare number is bytes: write the unit, e.g. `memory_bytes: {n}GiB`",
+        )
+    ]
 
 
 def _counts(obj: SimpleNamespace) -> list[Problem]:
@@ -276,7 +298,7 @@ def _p2p(p2p: tuple[tuple[str, ...], ...], n: int) -> list[Problem]:
 LAYOUT_CHECKS = {
     RootComplex: _part_check(RootComplex, "uplink_gbps"),
     Switch: _part_check(Switch, "uplink_gbps"),
-    Gpu: lambda obj: [*_part_check(Gpu, "link_gbps")(obj), *_tflops(obj)],
+    Gpu: lambda obj: [*_part_check(Gpu, "link_gbps")(obj), *_tflops(obj), *_gpu_memory(obj)],
     Nvme: _part_check(Nvme, "link_gbps"),
     NvLink: _nvlink,
     Measured: _measured,

@@ -9,7 +9,16 @@ from topology.errors import TopologyError
 from topology.pci import pcie_gbps
 from topology.types import Gpu, NvLink, RootComplex, Switch, Topology
 
-__all__ = ["PCIE3_X16_GBPS", "PCIE4_X16_GBPS", "RTX_3090_TI", "RTX_3090_TI_BYTES", "PRESETS", "preset", "cpu_standin"]
+__all__ = [
+    "PCIE3_X16_GBPS",
+    "PCIE4_X16_GBPS",
+    "RTX_3090_TI",
+    "RTX_3090_TI_BYTES",
+    "PRESETS",
+    "preset",
+    "cpu_standin",
+    "STANDIN_NAME",
+]
 
 PCIE3_X16_GBPS = pcie_gbps(3, 16)
 """PCIe 3.0 x16, one direction: 8 GT/s x 16 lanes x 128b/130b encoding / 8 bits = 15.75 GB/s."""
@@ -109,6 +118,10 @@ def preset(name: str) -> Topology:
         ) from None
 
 
+STANDIN_NAME = "cpu-standin"
+"""The gpu name of a CPU stand-in."""
+
+
 def cpu_standin(num_gpus: int, memory_bytes: int, link_gbps: float = 10.0) -> Topology:
     """`num_gpus` CPU stand-ins ("cpu-standin"), each with a `memory_bytes` budget, under one root complex "host".
 
@@ -126,7 +139,7 @@ def cpu_standin(num_gpus: int, memory_bytes: int, link_gbps: float = 10.0) -> To
     gpus = tuple(
         Gpu(
             index=i,
-            name="cpu-standin",
+            name=STANDIN_NAME,
             memory_bytes=memory_bytes,
             pci_bus_id=f"cpu:{i}",
             root_complex="host",

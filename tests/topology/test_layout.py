@@ -343,3 +343,21 @@ def test_exponent_without_a_dot_is_a_bandwidth(tmp_path):
     path = tmp_path / "exp.yaml"
     path.write_text(text)
     assert load_topology(str(path)).root_complexes[0].uplink_gbps == 16.0
+
+
+def test_value_problems_and_references_come_together(tmp_path):
+    """A part whose values are wrong (not their types) is still checked against the rest of the layout."""
+    d = _layout()
+    d["gpus"][0]["memory_bytes"] = 24  # meant as 24 GiB: a bare number is bytes
+    d["gpus"][1]["link_gbps"] = -3
+    d["gpus"][3]["root_complex"] = "rc7"
+    with pytest.raises(TopologyError) as e:
+        load_topology(_write(tmp_path, d))
+    message = str(e.value)
+    assert "3 errors" in message and "gpus[3].root_complex: expected one of the root_complexes" in message
+    assert "gpus[0].memory_bytes: expected a gpu's memory in bytes: 0 (unknown) or at least 67108864" in message
+    assert "fix: a bare number is bytes: write the unit, e.g. `memory_bytes: 24GiB`" in message
+    d = _layout()
+    d["gpus"][0]["memory_bytes"] = 0  # unknown
+    load_topology(_write(tmp_path, d))
+    assert load_topology(str(save_topology(cpu_standin(2, 1000), tmp_path / "s.yaml"))).gpus[0].memory_bytes == 1000
