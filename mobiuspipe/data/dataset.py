@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from mobiuspipe.config.data import DataConfig, is_token_file
-from mobiuspipe.data.token_file import check_ids, data_error, open_bytes, open_token_file
+from mobiuspipe.data.token_file import Vocabulary, check_ids, data_error, open_bytes, open_token_file
 from mobiuspipe.data.tokenizer import TextTokenizer, load_tokenizer, tokenize_file
 
 if TYPE_CHECKING:
@@ -88,25 +88,25 @@ class PackedTokens:
         )
 
 
-def _tokenizer(data: DataConfig, vocab_size: int) -> TextTokenizer | None:
+def _tokenizer(data: DataConfig, vocab: Vocabulary) -> TextTokenizer | None:
     """The config's tokenizer, checked against the model's vocabulary; None without one."""
     if data.tokenizer is None:
         return None
     tok = load_tokenizer(data.tokenizer)
-    if tok.vocab_size > vocab_size:
+    if tok.vocab_size > vocab.size:
         raise data_error(
             "data.tokenizer",
-            f"a vocabulary that fits the model's vocab_size {vocab_size}",
+            f"a vocabulary that fits the model's vocab_size {vocab.size}",
             f"{data.tokenizer}/tokenizer.json with {tok.vocab_size:,} token ids (added tokens included)",
-            f"use the model's own tokenizer, or raise model.vocab_size to at least {tok.vocab_size}",
+            vocab.fix(tok.vocab_size),
         )
     return tok
 
 
-def _read(data: DataConfig, path: str, key: str, vocab_size: int, token_file: bool) -> tuple[np.ndarray, str]:
+def _read(data: DataConfig, path: str, key: str, vocab: Vocabulary, token_file: bool) -> tuple[np.ndarray, str]:
     """The token ids of one source and what they are: a token file, text or JSONL tokenized, or text as bytes.
     A tokenizer that is set is checked even when this source does not need it."""
-    tok = _tokenizer(data, vocab_size)
+    tok = _tokenizer(data, vocab)
     if token_file:
         tokens, what = open_token_file(path, data.token_dtype, key), f"token file {path} ({data.token_dtype})"
     elif tok is not None:
@@ -114,7 +114,7 @@ def _read(data: DataConfig, path: str, key: str, vocab_size: int, token_file: bo
         return tokens, what  # the tokenizer's vocabulary was checked: no id exceeds it
     else:
         tokens, what = open_bytes(path, key), f"the bytes of {path}"
-    check_ids(tokens, vocab_size, key, what)
+    check_ids(tokens, vocab, key, what)
     return tokens, what
 
 
@@ -134,13 +134,15 @@ def _need_one_batch(tokens: np.ndarray, what: str, key: str, rows: dict[str, int
         )
 
 
-def open_data(data: DataConfig, seq_len: int, seed: int, vocab_size: int, accumulation_steps: int = 1) -> PackedTokens:
+def open_data(
+    data: DataConfig, seq_len: int, seed: int, vocab_size: int | Vocabulary, accumulation_steps: int = 1
+) -> PackedTokens:
     """The training data of `data` (a token file, text or JSONL), packed for `seq_len` and shuffled from `seed`
     when data.shuffle; ConfigError when a file is unreadable or malformed, its ids exceed the model's
-    `vocab_size` (or its tokenizer's vocabulary does), or it holds less than one optimizer step
-    (`accumulation_steps` batches)."""
+    vocabulary `vocab_size` (its size, or a Vocabulary; or its tokenizer's vocabulary does), or it holds less than one
+    optimizer step (`accumulation_steps` batches)."""
     key = "data.tokens" if data.tokens else "data.path"
-    tokens, what = _read(data, data.tokens or data.text_path, key, vocab_size, data.tokens is not None)
+    tokens, what = _read(data, data.tokens or data.text_path, key, _vocabulary(vocab_size), data.tokens is not None)
     rows, purpose = {"batch_size": data.batch_size}, "one batch"
     if accumulation_steps > 1:
         rows, purpose = rows | {"accumulation_steps": accumulation_steps}, "one optimizer step"
@@ -148,20 +150,24 @@ def open_data(data: DataConfig, seq_len: int, seed: int, vocab_size: int, accumu
     return PackedTokens(tokens, seq_len, seed=seed, shuffle=data.shuffle, source=what)
 
 
-def open_eval(data: DataConfig, seq_len: int, vocab_size: int) -> PackedTokens | None:
+def open_eval(data: DataConfig, seq_len: int, vocab_size: int | Vocabulary) -> PackedTokens | None:
     """The held-out data of data.eval_path, packed like the training data and never shuffled; None without one.
     ConfigError as open_data, and when it holds less than one batch."""
     if data.eval_path is None:
         return None
     path = data.eval_path
-    tokens, what = _read(data, path, "data.eval_path", vocab_size, is_token_file(path))
+    tokens, what = _read(data, path, "data.eval_path", _vocabulary(vocab_size), is_token_file(path))
     _need_one_batch(tokens, what, "data.eval_path", {"batch_size": data.batch_size}, seq_len, "one held-out batch")
     return PackedTokens(tokens, seq_len, source=what)
+
+
+def _vocabulary(vocab: int | Vocabulary) -> Vocabulary:
+    return vocab if isinstance(vocab, Vocabulary) else Vocabulary(vocab)
 
 
 def open_run_data(cfg: RunConfig) -> tuple[PackedTokens, PackedTokens | None]:
     """A run's training data (checked to hold one optimizer step: accumulation_steps * batch_size sequences)
     and its held-out data, against the model's vocabulary (a Hugging Face model's config.json vocab_size)."""
-    vocab, seq_len = cfg.model.model_vocab_size, cfg.model.seq_len
+    vocab, seq_len = Vocabulary(cfg.model.model_vocab_size, from_model=cfg.model.hf is not None), cfg.model.seq_len
     steps = cfg.train.accumulation_steps
     return open_data(cfg.data, seq_len, cfg.train.seed, vocab, steps), open_eval(cfg.data, seq_len, vocab)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -12,7 +13,7 @@ from foundation.loader import Problem
 from mobiuspipe.config.data import TOKEN_DTYPES
 from mobiuspipe.errors import ConfigError
 
-__all__ = ["data_error", "unreadable", "open_token_file", "open_bytes", "check_ids", "write_token_file"]
+__all__ = ["Vocabulary", "data_error", "unreadable", "open_token_file", "open_bytes", "check_ids", "write_token_file"]
 
 
 def data_error(key: str, expected: str, found: str, fix: str) -> ConfigError:
@@ -62,15 +63,33 @@ def open_bytes(path: str, key: str) -> np.ndarray:
     return _map(path, np.dtype(np.uint8), _size(path, key))
 
 
-def check_ids(tokens: np.ndarray, vocab_size: int, key: str, what: str) -> None:
-    """Every id of `tokens` (from `what`) must be below the model's vocab_size."""
+@dataclass(frozen=True)
+class Vocabulary:
+    """The model's vocabulary: its size, and whether the run config sets it (the built-in GPT's model.vocab_size)
+    or the model does (a Hugging Face model's config.json), which decides the advice for ids beyond it."""
+
+    size: int
+    from_model: bool = False
+
+    def fix(self, need: int) -> str:
+        """What to do about ids (or a tokenizer) that need `need` ids."""
+        if self.from_model:
+            return (
+                f"use the model's own tokenizer (data.tokenizer: the model's folder) or data made with it: a Hugging "
+                f"Face model's vocabulary is its config.json's vocab_size ({self.size}), not model.vocab_size"
+            )
+        return f"raise model.vocab_size to at least {need}, or use data made with the model's own tokenizer"
+
+
+def check_ids(tokens: np.ndarray, vocab: Vocabulary, key: str, what: str) -> None:
+    """Every id of `tokens` (from `what`) must be below the model's vocabulary size."""
     top = int(tokens.max()) if len(tokens) else -1
-    if top >= vocab_size:
+    if top >= vocab.size:
         raise data_error(
             key,
-            f"token ids below the model's vocab_size {vocab_size}",
+            f"token ids below the model's vocab_size {vocab.size}",
             f"ids up to {top} in {what}",
-            f"raise model.vocab_size to at least {top + 1}, or use data made with the model's own tokenizer",
+            vocab.fix(top + 1),
         )
 
 

@@ -30,7 +30,7 @@ from mobiuspipe.errors import ConfigError, PeerLostError
 from mobiuspipe.run.checkpoints import resume_root
 from mobiuspipe.run.room import placements, ssd_need, ssd_room
 from mobiuspipe.runtime.ranks import rank_info
-from mobiuspipe.startup.config_plan import num_ranks, plan_from_config, plan_problems
+from mobiuspipe.startup.config_plan import num_ranks, plan_from_config, plan_problems, replan_advice
 from partition.plan import Plan, load_plan
 
 __all__ = [
@@ -185,10 +185,7 @@ def _replan_for(cfg: RunConfig, ranks: int) -> str:
         return f"set plan.num_gpus: {ranks}"
     if key == "plan.topology":
         return f"plan for a machine of {ranks} gpus (plan.topology)"
-    return (
-        f"re-plan for {ranks} gpus (plan.num_gpus: {ranks}, then "
-        f"`mobiuspipe partition --config {cfg.source} -o {cfg.plan.file}`)"
-    )
+    return f"set plan.num_gpus: {ranks} and " + replan_advice(cfg, f"for {ranks} gpus")
 
 
 def _raise(cfg: RunConfig, problems: list[Problem]) -> None:

@@ -4,6 +4,7 @@ and the plan itself (read from plan.file and checked against the model, or made 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -25,6 +26,7 @@ __all__ = [
     "activation_tiers",
     "plan_for_config",
     "plan_problems",
+    "replan_advice",
     "plan_from_config",
     "run_topology",
     "num_ranks",
@@ -116,7 +118,7 @@ def plan_problems(plan: Plan, cfg: RunConfig) -> list[Problem]:
     """Everything in which plan.file's plan does not fit the config: the model (name, layers, each stage's
     parameters), train.precision, the microbatches (count and size); each Problem names the config key."""
     spec, file = model_spec(cfg), cfg.plan.file
-    replan = f"re-plan for this config: `mobiuspipe partition --config {cfg.source} -o {file}`"
+    replan = replan_advice(cfg, "for this config")
     made = f"as in plan.file {file}"
     problems = rule(
         plan.model == spec.name,
@@ -144,6 +146,15 @@ def plan_problems(plan: Plan, cfg: RunConfig) -> list[Problem]:
         f"{replan}, or set train.precision: {plan.dtype}",
     )
     return problems + _microbatch_problems(plan, cfg, made, replan)
+
+
+def replan_advice(cfg: RunConfig, what: str) -> str:
+    """How to re-plan (`what`: for which config) into a new file beside plan.file, which is kept (partition's -o
+    would replace it)."""
+    file = Path(str(cfg.plan.file))
+    new = file.with_name(f"{file.stem}.new{file.suffix}")
+    command = f"`mobiuspipe partition --config {cfg.source} -o {new}`"
+    return f"re-plan {what} into a new file, {command}, then set plan.file: {new}"
 
 
 def _stage_problems(plan: Plan, spec: ModelSpec, replan: str) -> list[Problem]:

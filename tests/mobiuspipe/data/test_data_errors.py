@@ -14,13 +14,15 @@ import yaml
 from mobiuspipe.config import load_config
 from mobiuspipe.config.data import DataConfig
 from mobiuspipe.data.dataset import open_data, open_eval
+from mobiuspipe.data.token_file import Vocabulary
 from mobiuspipe.errors import ConfigError
 
 
-def _open(tmp_path, data: dict, seq_len: int = 5, vocab_size: int = 300):
+def _open(tmp_path, data: dict, seq_len: int = 5, vocab_size: int | Vocabulary = 300):
     """open_data and open_eval of a config file in tmp_path with this data: section (paths relative to it)."""
     path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump({"data": data, "model": {"seq_len": seq_len, "vocab_size": vocab_size}}))
+    size = vocab_size.size if isinstance(vocab_size, Vocabulary) else vocab_size
+    path.write_text(yaml.safe_dump({"data": data, "model": {"seq_len": seq_len, "vocab_size": size}}))
     cfg = load_config(path)
     open_data(cfg.data, seq_len, 0, vocab_size)
     return open_eval(cfg.data, seq_len, vocab_size)
@@ -69,9 +71,24 @@ def test_a_tokenizer_larger_than_the_model_is_refused(tmp_path, tokenizer_dir):
         _open(tmp_path, {"path": "a.txt", "tokenizer": "tok"}, vocab_size=257)
     assert str(e.value) == (
         f"data.tokenizer: expected a vocabulary that fits the model's vocab_size 257, found {tmp_path}/tok/"
-        "tokenizer.json with 300 token ids (added tokens included); fix: use the model's own tokenizer, or raise "
-        "model.vocab_size to at least 300"
+        "tokenizer.json with 300 token ids (added tokens included); fix: raise model.vocab_size to at least 300, or "
+        "use data made with the model's own tokenizer"
     )
+
+
+def test_a_hugging_face_models_vocabulary_is_not_raised_by_config(tmp_path, tokenizer_dir):
+    """For model.hf the advice is the model's own tokenizer: model.vocab_size does not apply."""
+    tokenizer_dir(tmp_path / "tok", vocab_size=300)
+    (tmp_path / "a.txt").write_text("the cat")
+    np.arange(400, dtype=np.uint16).tofile(tmp_path / "t.bin")
+    hf = Vocabulary(257, from_model=True)
+    for data in ({"path": "a.txt", "tokenizer": "tok"}, {"tokens": "t.bin"}):
+        with pytest.raises(ConfigError) as e:
+            _open(tmp_path, data, vocab_size=hf)
+        assert "fix: use the model's own tokenizer (data.tokenizer: the model's folder) or data made with it" in str(
+            e.value
+        )
+        assert "config.json's vocab_size (257), not model.vocab_size" in str(e.value)
 
 
 def test_a_tokenizer_folder_needs_tokenizer_json_and_a_known_eos(tmp_path, tokenizer_dir):

@@ -82,7 +82,8 @@ def test_a_plan_for_other_microbatches_and_dtype_is_refused_with_every_problem(t
     code, err = no_launch(capsys, run)
     line = _one_error_line(err)
     assert code == 2 and line.startswith(f"mobiuspipe: error: config {run}: 3 errors: (1) train.precision: ")
-    replan = f"`mobiuspipe partition --config {run} -o {plan}`"
+    new = plan.with_name("plan.new.yaml")  # the user's plan file is kept
+    replan = f"into a new file, `mobiuspipe partition --config {run} -o {new}`, then set plan.file: {new}"
     assert f"(1) train.precision: expected fp32 (as in plan.file {plan}), found bf16; fix: re-plan" in line
     assert f"{replan}, or set train.precision: fp32 (2)" in line
     assert f"(2) data.num_microbatches: expected 4 (as in plan.file {plan}), found 2; fix: re-plan" in line
@@ -103,7 +104,9 @@ def test_a_plan_for_another_microbatch_size_is_refused(tmp_path, capsys, no_laun
     assert code == 2 and line == (
         f"mobiuspipe: error: config {run}: data.batch_size: expected microbatches of 2 sequences (as in plan.file "
         f"{plan}: data.batch_size 8 in 4 microbatches), found data.batch_size 16 in 4 microbatches of 4; fix: "
-        f"re-plan for this config: `mobiuspipe partition --config {run} -o {plan}`, or set data.batch_size: 8"
+        f"re-plan for this config into a new file, `mobiuspipe partition --config {run} -o "
+        f"{plan.with_name('plan.new.yaml')}`, then set plan.file: {plan.with_name('plan.new.yaml')}, or set "
+        f"data.batch_size: 8"
     )
 
 
@@ -117,7 +120,9 @@ def test_a_plan_for_another_model_is_refused(tmp_path, capsys, no_launch):
     assert (
         "(2) plan.file: expected a plan cutting the model's 4 layers, found a plan for 6 layers; fix: re-plan" in line
     )
-    assert line.endswith(f"-o {plan}`, or remove plan.file to plan at start-up")
+    assert line.endswith(
+        f"then set plan.file: {plan.with_name('plan.new.yaml')}, or remove plan.file to plan at start-up"
+    )
 
 
 def test_nproc_must_be_the_plans_gpu_count(tmp_path, capsys, no_launch):
@@ -135,7 +140,8 @@ def test_nproc_and_a_plan_files_mismatches_come_together(tmp_path, capsys, no_la
     code, err = no_launch(capsys, run, "--nproc", "1")
     line = _one_error_line(err)
     assert code == 2 and f"config {run}: 2 errors: (1) plan.file: expected 2 ranks, one per gpu of the plan" in line
-    assert "found --nproc 1; fix: drop --nproc (mobiuspipe train then starts 2), or re-plan for 1 gpus" in line
+    fix = "drop --nproc (mobiuspipe train then starts 2), or set plan.num_gpus: 1 and re-plan for 1 gpus into a new"
+    assert f"found --nproc 1; fix: {fix}" in line
     assert "(2) train.precision: expected fp32" in line
 
 
