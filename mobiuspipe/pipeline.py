@@ -31,6 +31,8 @@ from mobiuspipe import checkpoint
 from mobiuspipe.config import MemoryConfig
 from mobiuspipe.errors import PipelineError
 from mobiuspipe.layers import LayerSpec, build, factories
+from mobiuspipe.lora.layers import with_adapters
+from mobiuspipe.lora.spec import LoraSpec
 from mobiuspipe.memory.arena import DeviceArena
 from mobiuspipe.memory.device import Device
 from mobiuspipe.memory.ledger import DeviceLedger
@@ -99,6 +101,7 @@ class Pipeline:
         max_grad_norm: float | None = None,
         activations: ActivationsSpec = None,
         trace_steps: Sequence[int] = (),
+        lora: LoraSpec | None = None,
     ):
         """Build this rank's stages.
 
@@ -130,6 +133,10 @@ class Pipeline:
           [layer indices])} (mobiuspipe.runtime.activations); default memory.activations. Same numbers bit for bit.
         trace_steps: the optimizer steps (0-based) whose actions this rank times (`self.trace.records`, see
           mobiuspipe.runtime.action_trace).
+        lora: train LoRA adapters (mobiuspipe.lora.LoraSpec: rank, alpha, dropout, target modules) beside the
+          target linear layers, every other weight frozen: the frozen weights are loaded read-only from host
+          memory in the training dtype and get no gradient, offload or optimizer state (`tied` pairs, frozen,
+          need no exchange). A new adapter starts as PEFT's (B zero), drawn from torch's seed and the layer.
         """
         if accumulation_steps < 1 or (max_grad_norm is not None and not max_grad_norm > 0):
             raise PipelineError(
@@ -138,6 +145,8 @@ class Pipeline:
             )
         self.accumulation_steps, self.max_grad_norm = accumulation_steps, max_grad_norm
         makers = factories(layers)
+        if lora is not None:
+            makers, tied = with_adapters(makers, lora), ()  # the base, tied halves included, is frozen
         self.info = rank_info()
         given = None if plan is None else read_plan(plan)
         if given is not None:

@@ -9,13 +9,15 @@ first step moves B only and the model starts as the base model.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 from torch import nn
 
 from mobiuspipe.lora.spec import LoraSpec, matches
 
-__all__ = ["LoraLinear", "add_adapters", "adapter_parameters", "linear_names", "BASE", "A", "B"]
+__all__ = ["LoraLinear", "add_adapters", "with_adapters", "adapter_parameters", "linear_names", "BASE", "A", "B"]
 
 BASE, A, B = "base_layer", "lora_A", "lora_B"
 """The attribute names of a LoraLinear's parts, as PEFT names them (its saved keys drop the adapter name)."""
@@ -85,3 +87,17 @@ def add_adapters(module: nn.Module, spec: LoraSpec, generator: torch.Generator |
 def adapter_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
     """The adapters' parameters of a module, by name (what trains)."""
     return {name: p for name, p in module.named_parameters() if f".{A}." in f".{name}" or f".{B}." in f".{name}"}
+
+
+def with_adapters(makers: Sequence[Callable[[], nn.Module]], spec: LoraSpec) -> list[Callable[[], nn.Module]]:
+    """Layer factories whose layers come with adapters (add_adapters), each new adapter drawn from the seed torch
+    has now and its layer's index: every rank draws the same for the layers it builds."""
+    seed = torch.initial_seed()
+    return [partial(_adapted, make, spec, seed, l) for l, make in enumerate(makers)]
+
+
+def _adapted(make: Callable[[], nn.Module], spec: LoraSpec, seed: int, l: int) -> nn.Module:
+    layer = make()
+    if isinstance(layer, nn.Module):  # anything else is refused by the caller, naming the layer
+        add_adapters(layer, spec, torch.Generator().manual_seed((seed * 1_000_003 + l) % 2**63))
+    return layer

@@ -322,7 +322,8 @@ class Compute:
         with self._replaying(part.rng), counting_saved(self.ledger):
             out = stage.forward(x, with_grad=True, layers=layers.layers)
             self.ledger.hold(("output", j, i), out)
-        out.backward(g)
+        if out.requires_grad:  # else these layers train nothing and pass no gradient on (frozen, at the input)
+            out.backward(g)
         self.ledger.drop_kind("autograd")
         self.ledger.drop_kind("output")
         return x.grad if wants_grad else None
@@ -336,11 +337,14 @@ class Compute:
             loss = self._last_loss(out, i) if j == self.last else None
         if loss is not None:
             st.losses.append(loss.detach())
-            (loss * self.options.loss_scale if self.options.loss_scale != 1.0 else loss).backward()
+            if loss.requires_grad:  # else nothing before it trains (every weight frozen)
+                (loss * self.options.loss_scale if self.options.loss_scale != 1.0 else loss).backward()
             self.ledger.drop(("inputs", "targets", i))
         else:
             key = (Kind.RECV_GRAD, j, i)
-            out.backward(st.inbox.pop(key))
+            g = st.inbox.pop(key)
+            if out.requires_grad:  # else the stage trains nothing and wants no input gradient (stage 0, frozen)
+                out.backward(g)
             self.ledger.drop(("inbox", *key))
 
     def _rng_state(self) -> tuple:

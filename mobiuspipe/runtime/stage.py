@@ -1,7 +1,9 @@
 """One stage of the pipeline: its layers, its states in the host or SSD tier, its view of the device arena.
 
-The stage's weights are ONE flat tensor: the fp32 master, the optimizer over it and, in bf16/fp16
-training, the low-precision copy live in host memory (pinned on CUDA) or in the SSD store (stage_states).
+The stage's trainable weights are ONE flat tensor: the fp32 master, the optimizer over it and, in bf16/fp16
+training, the low-precision copy live in host memory (pinned on CUDA) or in the SSD store (stage_states). Frozen
+parameters (requires_grad False: LoRA's base weights) are a second flat tensor, in the training dtype in host
+memory (FrozenWeights), loaded into the same slot after the trainable ones and never offloaded or updated.
 LOAD copies the weights in the training dtype into an arena slot; the layers then run on views of the slot through
 torch.func.functional_call, so no module ever owns device memory. The gradients of all of the stage's
 microbatches accumulate (in the training dtype) into a second slot, which OFFLOAD hands to the states
@@ -23,7 +25,7 @@ from torch.func import functional_call
 
 from mobiuspipe.memory.arena import DeviceArena, Slot
 from mobiuspipe.memory.device import CopyHandle, Device
-from mobiuspipe.runtime.stage_states import HostStates, SsdStates, SsdStreamStates, SsdTier, StageStates
+from mobiuspipe.runtime.stage_states import FrozenWeights, HostStates, SsdStates, SsdStreamStates, SsdTier, StageStates
 
 __all__ = ["Stage", "ParamSlice"]
 
@@ -63,11 +65,20 @@ class Stage:
     ):
         self.index, self.dtype = index, dtype
         self.order = sorted(layers)
-        self.params = _param_slices(layers, self.order)
+        self.params = _param_slices(layers, self.order, trainable=True)
+        """The trainable parameters: offsets in the trainable flat, which opens the weight slot."""
         self.numel = sum(p.numel for p in self.params)
         self.nbytes = self.numel * dtype.itemsize
-        parts = [p.detach().reshape(-1).float() for l in self.order for _, p in layers[l].named_parameters()]
-        flat = torch.cat(parts) if parts else torch.zeros(0)
+        """Bytes of the trainable weights (and of their gradients)."""
+        self.frozen = _param_slices(layers, self.order, trainable=False, offset=self.numel)
+        """The frozen parameters: offsets in the weight slot, after the trainable ones."""
+        self.weight_numel = self.numel + sum(p.numel for p in self.frozen)
+        flat = _flat(layers, self.order, trainable=True, dtype=torch.float32)
+        self.frozen_weights = (
+            FrozenWeights(_flat(layers, self.order, trainable=False, dtype=dtype), dtype, device.pin)
+            if self.frozen
+            else None
+        )
         self.states: StageStates
         """Where the master weights, moments, device-dtype weights and offloaded gradients live."""
         if ssd is None:
@@ -83,7 +94,7 @@ class Stage:
         self.layers = {l: layers[l].to("meta") for l in self.order}  # shapes only; weights live in the tiers
         self.weights: Slot | None = None
         self.grads: Slot | None = None
-        self.loading: CopyHandle | None = None
+        self.loading: list[CopyHandle] = []
         self.updating: Future | None = None
         self._leaves: list[torch.Tensor] = []
         self._forward_leaves: list[torch.Tensor] = []
@@ -92,11 +103,15 @@ class Stage:
 
     # -- weights: host tier <-> arena -------------------------------------------------------------
     def load(self, arena: DeviceArena) -> None:
-        """Start copying the master weights into a free slot (after this stage's pending update)."""
+        """Start copying the weights into a free slot (after this stage's pending update): the trainable ones from
+        their tier, then the frozen ones."""
         self.wait_update()
-        self.weights = arena.acquire(self.nbytes, f"stage {self.index} weights")
-        dst = self.weights.view(self.dtype, self.numel)
-        self.loading = self.states.load_into(dst, self.device, self.weights.take_busy())
+        self.weights = arena.acquire(self.weight_numel * self.dtype.itemsize, f"stage {self.index} weights")
+        dst = self.weights.view(self.dtype, self.weight_numel)
+        after = self.weights.take_busy()
+        self.loading = [self.states.load_into(dst[: self.numel], self.device, after)]
+        if self.frozen_weights is not None:
+            self.loading.append(self.frozen_weights.load_into(dst[self.numel :], self.device, after))
 
     def release(self, arena: DeviceArena) -> None:
         """Give the weights' slot back, marked after the compute queued so far: the next load into it waits for
@@ -105,9 +120,9 @@ class Stage:
         self.weights, self._leaves = None, []
 
     def wait_loaded(self) -> None:
-        if self.loading is not None:
-            self.loading.wait()
-            self.loading = None
+        for copy in self.loading:
+            copy.wait()
+        self.loading = []
 
     # -- gradients: arena -> host tier, host update ----------------------------------------------
     def begin_backward(self, arena: DeviceArena) -> None:
@@ -117,7 +132,7 @@ class Stage:
             copy.wait()
         gflat = self.grads.view(self.dtype, self.numel)
         gflat.zero_()
-        wflat = _held(self.weights, self.index, "weights").view(self.dtype, self.numel)
+        wflat = _held(self.weights, self.index, "weights").view(self.dtype, self.weight_numel)
         self._leaves = _leaves_of(self.params, wflat)
         for leaves in (self._leaves, self._forward_leaves):
             for p, w in zip(self.params, leaves):
@@ -155,6 +170,10 @@ class Stage:
             self.updating = None
 
     # -- compute ----------------------------------------------------------------------------------
+    def trainable_keys(self) -> list[str]:
+        """The names ("layer.name") of the parameters the stage trains (all but the frozen ones)."""
+        return [p.key for p in self.params]
+
     def weight_bytes(self) -> torch.Tensor:
         """The arena slot that holds the stage's weights now (uint8)."""
         return _held(self.weights, self.index, "weights").data
@@ -165,7 +184,7 @@ class Stage:
 
     def _tensors(self, with_grad: bool, kept: bool) -> dict[int, dict[str, torch.Tensor]]:
         """Per layer, its parameters (arena views, or the grad-collecting leaves) and its buffers."""
-        wflat = _held(self.weights, self.index, "weights").view(self.dtype, self.numel)
+        wflat = _held(self.weights, self.index, "weights").view(self.dtype, self.weight_numel)
         if kept:
             if not self._forward_leaves:  # the first kept forward of the visit
                 self._forward_leaves = _leaves_of(self.params, wflat)
@@ -177,6 +196,8 @@ class Stage:
         out = {l: dict(self.buffers[l]) for l in self.order}
         for p, t in zip(self.params, weights):
             out[p.layer][p.name] = t
+        for p in self.frozen:
+            out[p.layer][p.name] = p.of(wflat)
         return out
 
     def forward(
@@ -193,6 +214,9 @@ class Stage:
         """Master weights and persistent buffers (host copies) named as nn.Sequential(*layers).state_dict()."""
         master = self.states.master_weights()
         out = {p.key: p.of(master).clone() for p in self.params}
+        if self.frozen_weights is not None:  # its offsets follow the trainable ones
+            frozen = torch.cat([torch.zeros(self.numel, dtype=self.dtype), self.frozen_weights.weights])
+            out.update({p.key: p.of(frozen).clone() for p in self.frozen})
         for l in self.order:
             out.update(
                 {
@@ -224,13 +248,26 @@ def _leaves_of(params: list[ParamSlice], wflat: torch.Tensor) -> list[torch.Tens
     return [p.of(wflat).detach().requires_grad_(True) for p in params]
 
 
-def _param_slices(layers: dict[int, nn.Module], order: list[int]) -> list[ParamSlice]:
-    out, offset = [], 0
+def _param_slices(layers: dict[int, nn.Module], order: list[int], trainable: bool, offset: int = 0) -> list[ParamSlice]:
+    """The slices of the trainable (or the frozen) parameters, laid out one after the other from `offset`."""
+    out = []
     for l in order:
         for name, p in layers[l].named_parameters():
-            out.append(ParamSlice(l, name, p.shape, offset, p.numel()))
-            offset += p.numel()
+            if p.requires_grad == trainable:
+                out.append(ParamSlice(l, name, p.shape, offset, p.numel()))
+                offset += p.numel()
     return out
+
+
+def _flat(layers: dict[int, nn.Module], order: list[int], trainable: bool, dtype: torch.dtype) -> torch.Tensor:
+    """The trainable (or the frozen) parameters, one flat tensor in `dtype`, in _param_slices' order."""
+    parts = [
+        p.detach().reshape(-1).to(dtype)
+        for l in order
+        for _, p in layers[l].named_parameters()
+        if p.requires_grad == trainable
+    ]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
 
 
 def _persistent_buffer_names(layer: nn.Module) -> set[str]:

@@ -37,7 +37,16 @@ def least_share(dtype_bytes: int) -> int:
     return least_budget_bytes(ADAM_SLOTS) + BUFFERS * ALIGN * max(1, -(-ELEM_ALIGN * dtype_bytes // ALIGN))
 
 
-__all__ = ["least_share", "HostStates", "SsdStates", "SsdStreamStates", "StageStates", "SsdTier", "AdamHyper"]
+__all__ = [
+    "FrozenWeights",
+    "least_share",
+    "HostStates",
+    "SsdStates",
+    "SsdStreamStates",
+    "StageStates",
+    "SsdTier",
+    "AdamHyper",
+]
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,24 @@ class SsdTier:
     store: SSDStore
     host_budget_bytes: int
     hyper: AdamHyper
+
+
+class FrozenWeights:
+    """The frozen part of a stage (LoRA's base weights): one flat tensor in the training dtype in host memory (pinned
+    on CUDA), copied into the stage's weight slot beside the trainable weights at each LOAD and never written
+    back: no gradient slot, no offload, no optimizer state."""
+
+    def __init__(self, flat: torch.Tensor, dtype: torch.dtype, pin):
+        self.weights = pin(flat.to(dtype))
+
+    @property
+    def numel(self) -> int:
+        return self.weights.numel()
+
+    def load_into(self, dst: torch.Tensor, device: Device, after: Sequence[CopyHandle] = ()) -> CopyHandle:
+        """Start copying the frozen weights into dst (their part of the arena slot), after `after` (as
+        HostStates.load_into)."""
+        return device.copy_in(dst, self.weights, after, computed=False)
 
 
 class HostStates:

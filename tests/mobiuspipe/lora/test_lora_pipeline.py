@@ -1,0 +1,99 @@
+"""Pipeline(lora=...): the adapters train and the base stays frozen, equal to peft + torch AdamW on the same
+batches (a tiny Llama and GPT-2, 3 stages on one rank, recompute and keep); the frozen weights get no gradient,
+no optimizer state and are loaded read-only: every one of them ends bit for bit as it began."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+
+from mobiuspipe import Pipeline
+from mobiuspipe.lora.spec import LoraSpec
+from mobiuspipe.models.gpt import lm_loss
+from mobiuspipe.models.hf import hf_key, layer_factories, open_hf
+from mobiuspipe.optim import CPUAdam
+
+peft = pytest.importorskip("peft")
+
+TARGETS = {"llama": ("q_proj", "v_proj", "up_proj", "down_proj"), "gpt2": ("c_attn", "c_proj")}
+
+
+def _pipe(m, spec, batches, precision="fp32", activations=None, weight_decay=0.0, tied=()):
+    opt = partial(CPUAdam, lr=5e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
+    return Pipeline(
+        layer_factories(m),
+        lm_loss,
+        sample=batches[0],
+        num_microbatches=4,
+        num_stages=3,
+        optimizer=opt,
+        precision=precision,
+        activations=activations,
+        tied=tied,
+        lora=spec,
+    )
+
+
+@pytest.mark.parametrize("kind,activations", [("llama", "recompute"), ("llama", "keep"), ("gpt2", "recompute")])
+def test_lora_pipeline_trains_as_peft_does(tmp_path, hf_kit, kind, activations):
+    from transformers import AutoModelForCausalLM
+
+    hf_kit.save_model(kind, tmp_path / "base", seed=6)
+    m = open_hf(tmp_path / "base", 13)
+    spec = LoraSpec(rank=4, alpha=8.0, targets=TARGETS[kind])
+    batches = hf_kit.random_batches(3, 8, 13, seed=8)
+    with _pipe(m, spec, batches, activations=activations, weight_decay=0.01, tied=m.tied_params()) as pipe:
+        before = pipe.state_dict()
+        got = [pipe.train_batch(x, y).loss for x, y in batches]
+        after = pipe.state_dict()
+        trained = {n for s in pipe.stages.values() for n in s.trainable_keys()}
+
+    base = AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), attn_implementation="sdpa")
+    ref = peft.get_peft_model(
+        base, peft.LoraConfig(r=4, lora_alpha=8.0, target_modules=list(spec.targets), fan_in_fan_out=kind == "gpt2")
+    )
+    start = {
+        f"base_model.model.{hf_key(m, int(k.split('.')[0]), k.split('.', 1)[1])}": t
+        for k, t in before.items()
+        if k in trained
+    }
+    assert not peft.set_peft_model_state_dict(ref, start).unexpected_keys
+    want = hf_kit.train_plain(ref, batches, microbatches=4, lr=5e-3, weight_decay=0.01)
+    assert got == pytest.approx(want, rel=1e-5), (got, want)
+    ref_after = peft.get_peft_model_state_dict(ref)
+    for k in trained:
+        l, name = int(k.split(".")[0]), k.split(".", 1)[1]
+        torch.testing.assert_close(after[k], ref_after[f"base_model.model.{hf_key(m, l, name)}"], rtol=1e-4, atol=1e-6)
+    assert trained and all(".lora_A." in k or ".lora_B." in k for k in trained)
+    frozen = [k for k in before if k not in trained]
+    assert frozen and all(torch.equal(before[k], after[k]) for k in frozen)  # not one bit of the base moved
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_lora_checkpoint_holds_the_adapters_only_and_resumes_bit_for_bit(tmp_path, hf_kit, precision):
+    hf_kit.save_model("llama", tmp_path / "base", seed=7)
+    m = open_hf(tmp_path / "base", 13)
+    spec = LoraSpec(rank=2, alpha=4.0, targets=("q_proj", "o_proj"))
+    batches = hf_kit.random_batches(4, 8, 13, seed=10)
+    torch.manual_seed(3)
+    with _pipe(m, spec, batches, precision) as pipe:
+        straight = [pipe.train_batch(x, y).loss for x, y in batches]
+        final = pipe.state_dict()
+        adapters = sum(p.numel for s in pipe.stages.values() for p in s.params)
+        frozen = sum(p.numel for s in pipe.stages.values() for p in s.frozen)
+    torch.manual_seed(3)
+    with _pipe(m, spec, batches, precision) as pipe:
+        first = [pipe.train_batch(x, y).loss for x, y in batches[:2]]
+        folder = pipe.save_checkpoint(tmp_path / "ck")
+    written = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    # the adapters' master, moments and low-precision copy and the plan; any base tensor would add 2 * frozen bytes
+    assert written < 16 * adapters + 12 * 1024 < 2 * frozen
+    torch.manual_seed(99)  # another seed: the adapters come from the checkpoint
+    with _pipe(m, spec, batches, precision) as pipe:
+        assert pipe.load_checkpoint(folder) == 2
+        rest = [pipe.train_batch(x, y).loss for x, y in batches[2:]]
+        resumed = pipe.state_dict()
+    assert first + rest == straight
+    assert resumed.keys() == final.keys() and all(torch.equal(resumed[k], final[k]) for k in final)
