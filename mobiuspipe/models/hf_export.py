@@ -19,7 +19,7 @@ from mobiuspipe.errors import ConfigError
 from mobiuspipe.models.hf import HFModel, hf_key
 from mobiuspipe.models.hf_weights import INDEX
 
-__all__ = ["SIDE_FILES", "MARKER", "check_export_dir", "partial_dir", "write_shard", "finish_export"]
+__all__ = ["SIDE_FILES", "MARKER", "check_export_dir", "partial_dir", "write_shard", "finish_export", "adapter_tensors"]
 
 SIDE_FILES = (
     "generation_config.json",
@@ -110,3 +110,19 @@ def finish_export(
         to.replace(earlier)  # empty, or an export of this owner (check_export_dir)
     folder.replace(to)
     shutil.rmtree(earlier, ignore_errors=True)
+
+
+ADAPTER_PARTS = (".lora_A.", ".lora_B.")
+"""What names a LoRA adapter's parameter (mobiuspipe.lora.layers), in a "layer.name" key."""
+
+
+def adapter_tensors(m: HFModel, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The LoRA adapters of a pipeline's state_dict() ("layer.name" -> tensor, every layer or some) under their
+    checkpoint names ("model.layers.0.self_attn.q_proj.lora_A.weight"), as PEFT's adapter folder keys them
+    (mobiuspipe.lora.peft_format.save_adapter adds its prefix)."""
+    out = {}
+    for key, t in state.items():
+        layer, name = key.split(".", 1)
+        if any(part in f".{name}" for part in ADAPTER_PARTS):
+            out[hf_key(m, int(layer), name)] = t
+    return out

@@ -97,3 +97,26 @@ def test_a_lora_checkpoint_holds_the_adapters_only_and_resumes_bit_for_bit(tmp_p
         resumed = pipe.state_dict()
     assert first + rest == straight
     assert resumed.keys() == final.keys() and all(torch.equal(resumed[k], final[k]) for k in final)
+
+
+def test_the_trained_adapter_exports_to_a_folder_peft_loads(tmp_path, hf_kit):
+    from transformers import AutoModelForCausalLM
+
+    from mobiuspipe.lora.peft_format import save_adapter
+    from mobiuspipe.models.hf_export import adapter_tensors
+
+    hf_kit.save_model("gpt2", tmp_path / "base", seed=9)
+    m = open_hf(tmp_path / "base", 13)
+    spec = LoraSpec(rank=3, alpha=6.0, targets=("c_attn", "c_fc"))
+    batches = hf_kit.random_batches(3, 8, 13, seed=11)
+    with _pipe(m, spec, batches) as pipe:
+        for x, y in batches[:2]:
+            pipe.train_batch(x, y)
+        held_out = pipe.eval_batch(*batches[2])
+        tensors = adapter_tensors(m, pipe.state_dict())
+    assert tensors and all(".lora_" in k and k.startswith("transformer.h.") for k in tensors)
+    save_adapter(tmp_path / "adapter", spec, tensors, str(tmp_path / "base"), fan_in_fan_out=True)
+    base = AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), attn_implementation="sdpa")
+    loaded = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        assert float(lm_loss(loaded(batches[2][0]).logits, batches[2][1])) == pytest.approx(held_out, rel=1e-5)
