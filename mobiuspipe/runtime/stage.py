@@ -214,9 +214,9 @@ class Stage:
         """Master weights and persistent buffers (host copies) named as nn.Sequential(*layers).state_dict()."""
         master = self.states.master_weights()
         out = {p.key: p.of(master).clone() for p in self.params}
-        if self.frozen_weights is not None:  # its offsets follow the trainable ones
-            frozen = torch.cat([torch.zeros(self.numel, dtype=self.dtype), self.frozen_weights.weights])
-            out.update({p.key: p.of(frozen).clone() for p in self.frozen})
+        if self.frozen_weights is not None:  # offsets in the slot: the frozen flat starts after the trainable one
+            frozen = self.frozen_weights.weights
+            out.update({p.key: frozen[p.offset - self.numel :][: p.numel].view(p.shape).clone() for p in self.frozen})
         for l in self.order:
             out.update(
                 {

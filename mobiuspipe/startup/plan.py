@@ -112,10 +112,20 @@ def check_stage_layers(plan: Plan, j: int, layers: dict[int, nn.Module]) -> None
     n = sum(p.numel() for l in range(s.first, s.last + 1) for p in layers[l].parameters())
     nbytes = n * TORCH_DTYPES[plan.dtype].itemsize
     if n != s.param_count or nbytes > plan.slot_bytes:
+        frozen = sum(
+            p.numel() for l in range(s.first, s.last + 1) for p in layers[l].parameters() if not p.requires_grad
+        )
+        adapters = (
+            f" ({n - frozen} trainable beside {frozen} frozen: with LoRA, the adapters, which a plan of the model "
+            f"alone leaves out)"
+            if frozen
+            else ""
+        )
         raise PipelineError(
             f"stage {j} (layers {s.first}..{s.last}) has {n} parameters ({nbytes} {plan.dtype} bytes) "
-            f"in these layers, the plan says {s.param_count} in a {plan.slot_bytes}-byte slot: "
-            f"the plan was made for other layers or another dtype; re-plan for these layers"
+            f"in these layers{adapters}, the plan says {s.param_count} in a {plan.slot_bytes}-byte slot: "
+            f"the plan was made for other layers or another dtype; re-plan for these layers (with lora=, plan "
+            f"with sample=: the layers are measured with their adapters)"
         )
 
 

@@ -120,3 +120,18 @@ def test_the_trained_adapter_exports_to_a_folder_peft_loads(tmp_path, hf_kit):
     loaded = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
     with torch.no_grad():
         assert float(lm_loss(loaded(batches[2][0]).logits, batches[2][1])) == pytest.approx(held_out, rel=1e-5)
+
+
+def test_a_plan_of_the_model_alone_is_refused_naming_the_adapters(tmp_path, hf_kit):
+    from mobiuspipe.errors import PipelineError
+
+    hf_kit.save_model("llama", tmp_path / "base", seed=1)
+    m = open_hf(tmp_path / "base", 13)
+    batches = hf_kit.random_batches(1, 8, 13)
+    with Pipeline(layer_factories(m), lm_loss, sample=batches[0], num_microbatches=4, num_stages=3) as pipe:
+        plan = pipe.plan
+    with pytest.raises(
+        PipelineError,
+        match=r"\(\d+ trainable beside \d+ frozen: with LoRA, the adapters, which a plan of the model alone",
+    ):
+        Pipeline(layer_factories(m), lm_loss, plan=plan, lora=LoraSpec(rank=2, alpha=2.0, targets=("q_proj",)))
