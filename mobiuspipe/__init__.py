@@ -20,11 +20,23 @@ _EXPORTS = {
     "load_plan": "partition.plan",
     "RunConfig": "mobiuspipe.config",
     "load_config": "mobiuspipe.config",
+    "LoraSpec": "mobiuspipe.lora.spec",
 }
-__all__ = ["Pipeline", "StepResult", "Plan", "make_plan", "load_plan", "RunConfig", "load_config", "__version__"]
+__all__ = [
+    "Pipeline",
+    "StepResult",
+    "Plan",
+    "make_plan",
+    "load_plan",
+    "RunConfig",
+    "load_config",
+    "LoraSpec",
+    "__version__",
+]
 
 if TYPE_CHECKING:
     from mobiuspipe.config import RunConfig, load_config
+    from mobiuspipe.lora.spec import LoraSpec
     from mobiuspipe.pipeline import Pipeline, StepResult
     from partition import make_plan
     from partition.plan import Plan, load_plan

@@ -9,8 +9,7 @@ from functools import partial
 import pytest
 import torch
 
-from mobiuspipe import Pipeline
-from mobiuspipe.lora.spec import LoraSpec
+from mobiuspipe import LoraSpec, Pipeline
 from mobiuspipe.models.gpt import lm_loss
 from mobiuspipe.models.hf import hf_key, layer_factories, open_hf
 from mobiuspipe.optim import CPUAdam
