@@ -134,3 +134,33 @@ def test_a_plan_of_the_model_alone_is_refused_naming_the_adapters(tmp_path, hf_k
         match=r"\(\d+ trainable beside \d+ frozen: with LoRA, the adapters, which a plan of the model alone",
     ):
         Pipeline(layer_factories(m), lm_loss, plan=plan, lora=LoraSpec(rank=2, alpha=2.0, targets=("q_proj",)))
+
+
+def test_adapters_on_ssd_train_bit_for_bit_as_on_host(tmp_path, hf_kit):
+    """The adapters' states take the tiers memory= gives them (here every stage's on SSD, weights too); the
+    frozen base stays in host memory either way."""
+    from mobiuspipe.config import MemoryConfig
+
+    hf_kit.save_model("llama", tmp_path / "base", seed=12)
+    m = open_hf(tmp_path / "base", 13)
+    spec = LoraSpec(rank=2, alpha=4.0, targets=("q_proj", "v_proj", "gate_proj"))
+    batches = hf_kit.random_batches(3, 8, 13, seed=13)
+    ssd = MemoryConfig(optimizer="ssd", weights="ssd", ssd_dir=str(tmp_path / "ssd"), host_budget_mb=4)
+    runs = {}
+    for name, memory in (("host", None), ("ssd", ssd)):
+        torch.manual_seed(5)
+        opt = partial(CPUAdam, lr=5e-3)
+        with Pipeline(
+            layer_factories(m),
+            lm_loss,
+            sample=batches[0],
+            num_microbatches=4,
+            num_stages=3,
+            optimizer=opt,
+            memory=memory,
+            lora=spec,
+        ) as pipe:
+            runs[name] = ([pipe.train_batch(x, y).loss for x, y in batches], pipe.state_dict(), dict(pipe.state_tiers))
+    assert set(runs["ssd"][2].values()) == {("ssd", "ssd")}
+    assert runs["ssd"][0] == runs["host"][0]
+    assert all(torch.equal(runs["ssd"][1][k], runs["host"][1][k]) for k in runs["host"][1])
