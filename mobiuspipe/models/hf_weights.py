@@ -131,11 +131,8 @@ def check_tensors(m, shapes: list[dict[str, tuple[int, ...]]]) -> None:
 
 def _stored_shapes(m, names) -> tuple[dict[str, tuple[int, ...]], list[str]]:
     """The stored shape of each of `names` whose file holds it, from the headers; the files that cannot be read."""
-    by_file: dict[Path, list[str]] = {}
-    for src in names:
-        by_file.setdefault(m.files[src], []).append(src)
     stored, unreadable = {}, []
-    for file, srcs in by_file.items():
+    for file, srcs in _by_file(m, names).items():
         try:
             with safe_open(str(file), "pt") as f:
                 held = set(f.keys())
@@ -143,6 +140,14 @@ def _stored_shapes(m, names) -> tuple[dict[str, tuple[int, ...]], list[str]]:
         except (OSError, SafetensorError) as e:
             unreadable.append(f"{file.name} ({e})")
     return stored, unreadable
+
+
+def _by_file(m, names) -> dict[Path, list[str]]:
+    """Stored tensor names grouped by the safetensors file that holds them (each file opened once)."""
+    out: dict[Path, list[str]] = {}
+    for src in names:
+        out.setdefault(m.files[src], []).append(src)
+    return out
 
 
 def load_layer(m, l: int, layer: nn.Module) -> None:
@@ -157,11 +162,8 @@ def load_layer(m, l: int, layer: nn.Module) -> None:
                 f"match its config.json: re-save the model with save_pretrained"
             )
         wanted[src] = params[name]
-    by_file: dict[Path, list[str]] = {}
-    for src in wanted:
-        by_file.setdefault(m.files[src], []).append(src)
     with torch.no_grad():
-        for file, names in by_file.items():
+        for file, names in _by_file(m, wanted).items():
             for src, t in _read(file, names):
                 p = wanted[src]
                 if t.shape != p.shape:

@@ -19,7 +19,7 @@ peft = pytest.importorskip("peft")
 TARGETS = {"llama": ("q_proj", "v_proj", "up_proj", "down_proj"), "gpt2": ("c_attn", "c_proj")}
 
 
-def _pipe(m, spec, batches, precision="fp32", activations=None, weight_decay=0.0, tied=()):
+def _pipe(m, spec, batches, precision="fp32", activations=None, weight_decay=0.0, tied=(), memory=None):
     opt = partial(CPUAdam, lr=5e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
     return Pipeline(
         layer_factories(m),
@@ -31,6 +31,7 @@ def _pipe(m, spec, batches, precision="fp32", activations=None, weight_decay=0.0
         precision=precision,
         activations=activations,
         tied=tied,
+        memory=memory,
         lora=spec,
     )
 
@@ -149,17 +150,7 @@ def test_adapters_on_ssd_train_bit_for_bit_as_on_host(tmp_path, hf_kit):
     runs = {}
     for name, memory in (("host", None), ("ssd", ssd)):
         torch.manual_seed(5)
-        opt = partial(CPUAdam, lr=5e-3)
-        with Pipeline(
-            layer_factories(m),
-            lm_loss,
-            sample=batches[0],
-            num_microbatches=4,
-            num_stages=3,
-            optimizer=opt,
-            memory=memory,
-            lora=spec,
-        ) as pipe:
+        with _pipe(m, spec, batches, memory=memory) as pipe:
             runs[name] = ([pipe.train_batch(x, y).loss for x, y in batches], pipe.state_dict(), dict(pipe.state_tiers))
     assert set(runs["ssd"][2].values()) == {("ssd", "ssd")}
     assert runs["ssd"][0] == runs["host"][0]
