@@ -124,6 +124,13 @@ def positive(obj: Any, name: str, fix: str, zero_ok: bool = False, what: str = "
     return rule(ok, name, f"{what} {'>=' if zero_ok else '>'} 0", found_text(value), fix)
 
 
+def part_of(obj: Any, name: str, whole: str, fix: str) -> list[Problem]:
+    """Optional integer field `name` of `obj` must be None (all of it) or within [0, field `whole`]."""
+    value, total = getattr(obj, name), getattr(obj, whole)
+    ok = value is None or 0 <= value <= total
+    return rule(ok, name, f"a count in [0, {whole} = {total}] or null (all of it)", found_text(value), fix)
+
+
 def non_empty(obj: Any, name: str, fix: str) -> list[Problem]:
     """String field `name` of `obj` must say something."""
     value = getattr(obj, name)

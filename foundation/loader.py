@@ -42,6 +42,7 @@ from foundation.checked import (
     format_problems,
     join_key,
     non_empty,
+    part_of,
     positive,
     rule,
 )
@@ -77,6 +78,7 @@ __all__ = [
     "at_least",
     "positive",
     "non_empty",
+    "part_of",
     "read_file",
     "write_file",
     "dump_text",

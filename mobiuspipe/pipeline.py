@@ -31,7 +31,7 @@ from mobiuspipe import checkpoint
 from mobiuspipe.config import MemoryConfig
 from mobiuspipe.errors import PipelineError
 from mobiuspipe.layers import LayerSpec, build, factories
-from mobiuspipe.lora.layers import with_adapters
+from mobiuspipe.lora.layers import Start, with_adapters
 from mobiuspipe.lora.spec import LoraSpec
 from mobiuspipe.memory.arena import DeviceArena
 from mobiuspipe.memory.device import Device
@@ -102,6 +102,7 @@ class Pipeline:
         activations: ActivationsSpec = None,
         trace_steps: Sequence[int] = (),
         lora: LoraSpec | None = None,
+        adapters: Start | None = None,
     ):
         """Build this rank's stages.
 
@@ -137,6 +138,10 @@ class Pipeline:
           target linear layers, every other weight frozen: the frozen weights are loaded read-only from host
           memory in the training dtype and get no gradient, offload or optimizer state (`tied` pairs, frozen,
           need no exchange). A new adapter starts as PEFT's (B zero), drawn from torch's seed and the layer.
+        adapters: with lora, a saved adapter to continue instead: layer index -> adapter parameter name in the
+          layer ("layer.self_attn.q_proj.lora_A.weight") -> tensor (for a PEFT adapter folder DIR of a Hugging
+          Face model m: mobiuspipe.models.hf_export.adapter_layers(m, mobiuspipe.lora.peft_format.load_adapter(DIR)
+          [1])).
         """
         if accumulation_steps < 1 or (max_grad_norm is not None and not max_grad_norm > 0):
             raise PipelineError(
@@ -145,8 +150,10 @@ class Pipeline:
             )
         self.accumulation_steps, self.max_grad_norm = accumulation_steps, max_grad_norm
         makers = factories(layers)
+        if adapters is not None and lora is None:
+            raise PipelineError("adapters= continues a saved LoRA adapter: give its LoraSpec as lora= beside it")
         if lora is not None:
-            makers, tied = with_adapters(makers, lora), ()  # the base, tied halves included, is frozen
+            makers, tied = with_adapters(makers, lora, adapters), ()  # the base, tied halves included, is frozen
         self.info = rank_info()
         given = None if plan is None else read_plan(plan)
         if given is not None:
@@ -235,7 +242,7 @@ class Pipeline:
         check_cut(plan, len(makers), num_microbatches)
         device = Device(self.info.local_rank)
         dtype = TORCH_DTYPES[self.precision]
-        tiers = self._state_tiers(make_optimizer, {j: plan.stages[j].param_count for j in mine})
+        tiers = self._state_tiers(make_optimizer, {j: plan.stages[j].trains for j in mine})  # LoRA: the adapters
         stages = {}
         for j in mine:  # one stage's layers at a time: they become its states before the next is built
             layers = {l: build(makers[l], l) for l in plan.stages[j].layers}
@@ -426,17 +433,18 @@ class Pipeline:
             self.scaler.load_state(scaler)
         self.step = step
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
+    def state_dict(self, frozen: bool = True) -> dict[str, torch.Tensor]:
         """This rank's weights (host copies, after every pending update), named as in
-        nn.Sequential(*layers).state_dict(); the union over ranks is the whole model's."""
-        return {k: v for d in self.stage_state_dicts().values() for k, v in d.items()}
+        nn.Sequential(*layers).state_dict(); the union over ranks is the whole model's. With `frozen` false,
+        the trained weights alone (under LoRA: the adapters, not the frozen base)."""
+        return {k: v for d in self.stage_state_dicts(frozen).values() for k, v in d.items()}
 
-    def stage_state_dicts(self) -> dict[int, dict[str, torch.Tensor]]:
+    def stage_state_dicts(self, frozen: bool = True) -> dict[int, dict[str, torch.Tensor]]:
         """state_dict() split by stage: {j: the weights of stage j} for this rank's stages."""
         out = {}
         for j, stage in self.stages.items():
             stage.wait_update()
-            out[j] = stage.state_dict()
+            out[j] = stage.state_dict(frozen)
         return out
 
     def close(self) -> None:

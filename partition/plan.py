@@ -13,6 +13,7 @@ from foundation.loader import (
     at_least,
     found_text,
     non_empty,
+    part_of,
     positive,
     read_file,
     rule,
@@ -78,6 +79,11 @@ class StagePlan(_PlanPart):
     grad_s: float | None = None
     """Seconds per microbatch of the whole stage's forward as a recompute's backward redoes it (R_j: with grad),
     whatever the stage's own policy: for a run that forces recompute (None, plans before it: from the others)."""
+    trainable_count: int | None = None
+    """T_j: the parameters that train, given a gradient and optimizer states (under LoRA its adapters; the rest
+    are frozen, streamed read-only); None (every parameter trains, and plans before LoRA): param_count."""
+    grad_bytes: int | None = None
+    """G_j: bytes of its gradients, T_j in the plan's dtype, what its offload moves; None: param_bytes."""
     kept_s: float | None = None
     """Seconds per microbatch of the whole stage's forward as F runs it under keep (K_j: the profile's kept_s
     summed, with grad, the graphs kept), whatever the stage's own policy: for a run that forces keep (None,
@@ -96,6 +102,21 @@ class StagePlan(_PlanPart):
     @property
     def load_s(self) -> float:
         return self.param_bytes / (self.load_gbps * 1e9)
+
+    @property
+    def trains(self) -> int:
+        """T_j: trainable_count, or param_count when every parameter trains."""
+        return self.param_count if self.trainable_count is None else self.trainable_count
+
+    @property
+    def gradient_bytes(self) -> int:
+        """G_j: grad_bytes, or param_bytes when every parameter trains."""
+        return self.param_bytes if self.grad_bytes is None else self.grad_bytes
+
+    @property
+    def frozen_bytes(self) -> int:
+        """Bytes of its frozen weights as loaded (P_j less the trainable ones, which have G_j's size)."""
+        return self.param_bytes - self.gradient_bytes
 
     def check_values(self) -> list[Problem]:
         counts = ("param_count", "param_bytes", "activation_bytes", "output_bytes")  # first, gpu: Plan checks
@@ -131,6 +152,8 @@ class StagePlan(_PlanPart):
                 for p in positive(self, name, _WRITE_FIX, zero_ok=True)
             ),
             *positive(self, "load_gbps", _WRITE_FIX, what="a bandwidth in GB/s, a finite number"),
+            *part_of(self, "trainable_count", "param_count", _WRITE_FIX),
+            *part_of(self, "grad_bytes", "param_bytes", _WRITE_FIX),
         ]
 
 

@@ -342,6 +342,11 @@ def _plan_of(
     )
 
 
+def _unless_all(part: int, whole: int) -> int | None:
+    """`part`, or None when it is all of `whole` (every parameter trains: the plan file says nothing)."""
+    return None if part == whole else part
+
+
 def stage_plan(arr: LayerArrays, a: int, b: int, gpu: int, load_gbps: float) -> StagePlan:
     """The plan entry of the stage of layers a..b on `gpu`, its weights arriving at load_gbps (GB/s)."""
     return StagePlan(
@@ -350,6 +355,8 @@ def stage_plan(arr: LayerArrays, a: int, b: int, gpu: int, load_gbps: float) -> 
         gpu=gpu,
         param_count=arr.param_count(a, b),
         param_bytes=arr.params(a, b),
+        trainable_count=_unless_all(arr.trainable(a, b), arr.param_count(a, b)),
+        grad_bytes=_unless_all(arr.grads(a, b), arr.params(a, b)),
         activation_bytes=arr.activations(a, b),
         output_bytes=int(arr.O[b]),
         fwd_s=arr.fwd(a, b),

@@ -22,6 +22,7 @@ from partition.sim.simulate import SimResult
 from partition.spec.analytic import analytic_profile
 from partition.spec.hardware import gpu_spec
 from partition.spec.lookup import get_model
+from partition.spec.lora import LoraShape, adapter_counts, default_targets
 from partition.spec.models import ModelSpec
 from partition.spec.profile import Profile, load_profile
 from topology import PRESETS, Topology, load_topology
@@ -55,6 +56,20 @@ def register(sub) -> None:
         "up to 4 gpus; the fastest wins) (cross)",
     )
     p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="fp16", help="parameter dtype (fp16)")
+    p.add_argument(
+        "--lora",
+        type=positive_int,
+        metavar="RANK",
+        help="plan LoRA fine-tuning: adapters of this rank train, the base weights are frozen (streamed "
+        "read-only: no gradient, no offload, no optimizer state)",
+    )
+    p.add_argument(
+        "--lora-targets",
+        metavar="NAMES",
+        help="with --lora: comma-separated linear layers that get adapters, named as PEFT's target_modules "
+        "(e.g. q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj); default: PEFT's for the model "
+        "(q_proj,v_proj for a llama, c_attn for a gpt)",
+    )
     p.add_argument(
         "--reserve-gib",
         type=non_negative_float,
@@ -154,10 +169,16 @@ def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
             f"--reserve-gib {args.reserve_gib:g} leaves no memory: the smallest gpu of topology "
             f"{topo.name!r} has {smallest / GiB:.2f} GiB; expected a reserve below that (default 1.0)"
         )
+    adapters = adapters_of(args, spec)
+    if args.profile and adapters is not None:
+        raise CliError(
+            "--lora with --profile: a profile file holds the layers it measured, adapters or not; expected one "
+            "of them: drop --profile to plan LoRA on the analytic profile, or profile the adapted layers"
+        )
     profile = (
         _given_profile(args.profile, spec)
         if args.profile
-        else analytic_profile(spec, device, microbatch_size=args.microbatch_size, dtype=args.dtype)
+        else analytic_profile(spec, device, microbatch_size=args.microbatch_size, dtype=args.dtype, adapters=adapters)
     )
     plan = make_plan(
         profile,
@@ -173,6 +194,21 @@ def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
         activation_tiers=activation_tiers_of(args),
     )
     return plan, topo, profile
+
+
+def adapters_of(args: argparse.Namespace, spec: ModelSpec) -> list[int] | None:
+    """The adapter parameters of each layer that --lora and --lora-targets ask for (None without --lora);
+    CliError for targets without --lora or a target that names no linear layer of the model."""
+    targets = getattr(args, "lora_targets", None)
+    if args.lora is None:
+        if targets:
+            raise CliError(f"--lora-targets {targets!r} without --lora: give the adapters' rank, e.g. --lora 16")
+        return None
+    names = tuple(t.strip() for t in (targets or "").split(",") if t.strip()) or default_targets(spec)
+    try:
+        return adapter_counts(spec, LoraShape(args.lora, names))
+    except ValueError as e:
+        raise CliError(f"--lora-targets: {e}; give some of those names") from e
 
 
 def activation_tiers_of(args: argparse.Namespace) -> tuple[str, ...]:
@@ -224,6 +260,8 @@ def _stage_json(plan: Plan) -> list[dict]:
             "gpu": s.gpu,
             "param_count": s.param_count,
             "param_bytes": s.param_bytes,
+            "trainable_count": s.trains,
+            "grad_bytes": s.gradient_bytes,
             "activation_bytes": s.activation_bytes,
             "output_bytes": s.output_bytes,
             "fwd_s": s.fwd_s,
@@ -257,6 +295,8 @@ def plan_to_json(plan: Plan, pred: Prediction | None = None) -> dict:
         "dtype": plan.dtype,
         "mapping": plan.mapping_rule,
         "mapping_score": plan.mapping_score,
+        "param_count": sum(s.param_count for s in plan.stages),
+        "trainable_count": sum(s.trains for s in plan.stages),
         "stages": _stage_json(plan),
         "predicted_step_time_s": plan.predicted_step_time_s,
         "slot_bytes": plan.slot_bytes,
@@ -322,6 +362,18 @@ def _header(plan: Plan) -> list[str]:
         f"{fmt_bytes(p.slot_bytes)}) + activations {fmt_bytes(p.activation_bytes)} = "
         f"{fmt_bytes(p.arena_bytes + p.activation_bytes)} of {fmt_bytes(p.gpu_memory_bytes)} usable",
         f"solver {s.name}: {s.status}, gap {s.gap:g}, {s.wall_s:.3f} s",
+    ] + _lora_line(plan)
+
+
+def _lora_line(plan: Plan) -> list[str]:
+    """Under LoRA, what trains and what is frozen (nothing when every parameter trains)."""
+    trains, total = sum(s.trains for s in plan.stages), sum(s.param_count for s in plan.stages)
+    if trains == total:
+        return []
+    frozen = sum(s.frozen_bytes for s in plan.stages)
+    return [
+        f"LoRA: {trains:,} of {total:,} parameters train (the adapters); the frozen base, {fmt_bytes(frozen)}, "
+        f"streams read-only: no gradient, offload or optimizer state"
     ]
 
 

@@ -156,6 +156,10 @@ def _wait_for(torchrun: subprocess.Popen, errors: Path | None, stderr: JobStderr
 
     old_int = signal.signal(signal.SIGINT, interrupted)
     old_term = signal.signal(signal.SIGTERM, terminated)
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    old_wakeup = signal.set_wakeup_fd(wake_write, warn_on_full_buffer=False)
+    stderr.watch(wake_read, (signal.SIGINT, signal.SIGTERM))
     try:
         while errors is not None:
             try:
@@ -166,6 +170,8 @@ def _wait_for(torchrun: subprocess.Popen, errors: Path | None, stderr: JobStderr
                     errors = None
         return torchrun.wait()
     finally:
+        signal.set_wakeup_fd(old_wakeup)
+        os.close(wake_write)  # the read end is the pump's: closed when it finishes
         signal.signal(signal.SIGINT, old_int)
         signal.signal(signal.SIGTERM, old_term)
 

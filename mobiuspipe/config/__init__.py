@@ -1,6 +1,7 @@
 """The run's YAML, typed: one checked dataclass per section (`run` holds the whole and its loader)."""
 
 from mobiuspipe.config.data import DataConfig
+from mobiuspipe.config.lora import LoraConfig
 from mobiuspipe.config.memory import MemoryConfig
 from mobiuspipe.config.model import ModelConfig
 from mobiuspipe.config.run import DEFAULT_GPUS, PlanConfig, RunConfig, TrainConfig, config_from_dict, load_config
@@ -11,6 +12,7 @@ __all__ = [
     "ConfigError",
     "DEFAULT_GPUS",
     "DataConfig",
+    "LoraConfig",
     "MemoryConfig",
     "ModelConfig",
     "PlanConfig",

@@ -36,6 +36,17 @@ class ModelConfig(Section):
     config.json sets the shape: vocab_size, num_blocks, d_model and num_heads are left out (set beside hf, they
     are refused: they would not be read). None =
     the built-in GPT, initialized from train.seed."""
+    adapter: str | None = field(
+        default=None,
+        metadata={
+            "folder_fix": "give a folder written by PeftModel.save_pretrained (adapter_config.json and "
+            "adapter_model.safetensors), or remove model.adapter to start a new adapter"
+        },
+    )
+    """A saved PEFT LoRA adapter of model.hf to continue training (a folder with adapter_config.json and
+    adapter_model.safetensors, as PeftModel.save_pretrained or a LoRA run's export writes it), relative to the
+    config file's folder; its adapter_config.json gives the lora section's rank, alpha, dropout, targets and
+    rslora (a lora key set to another value is refused). None = new adapters (with lora.rank) or none."""
     vocab_size: int = 256
     """Distinct token ids (count); 256 = byte-level tokens, one per byte value; at most 65536."""
     num_blocks: int = 6

@@ -21,6 +21,7 @@ from typing import Any
 
 from foundation.loader import Problem, at_least, dump_text, from_plain, load_file, positive, rule, to_plain
 from mobiuspipe.config.data import DataConfig
+from mobiuspipe.config.lora import LoraConfig
 from mobiuspipe.config.lr_schedule import SCHEDULES, lr_at
 from mobiuspipe.config.memory import MemoryConfig
 from mobiuspipe.config.model import ModelConfig
@@ -269,6 +270,8 @@ class RunConfig(Section):
 
     model: ModelConfig = field(default_factory=ModelConfig)
     """The model to train."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters to train instead of every weight (none unless lora.rank or model.adapter is set)."""
     data: DataConfig = field(default_factory=DataConfig)
     """The training and held-out data, the tokenizer and the batches."""
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -327,6 +330,7 @@ class RunConfig(Section):
         )
         return (
             export
+            + self._lora_problems()
             + evaluate
             + checkpoints
             + trace
@@ -339,6 +343,33 @@ class RunConfig(Section):
                 + ("" if self.model.hf else f" or raise model.num_blocks to {stages - 2}"),
             )
         )
+
+    @property
+    def lora_on(self) -> bool:
+        """Whether the run trains LoRA adapters (lora.rank, or model.adapter's) rather than every weight."""
+        return self.lora.on or self.model.adapter is not None
+
+    def _lora_problems(self) -> list[Problem]:
+        """lora keys need a rank (or model.adapter) to apply to; model.adapter needs model.hf (its names)."""
+        set_keys = [
+            k for k in ("alpha", "dropout", "targets", "rslora") if getattr(self.lora, k) != getattr(LoraConfig, k)
+        ]
+        return [
+            *rule(
+                self.lora_on or not set_keys,
+                f"lora.{set_keys[0]}" if set_keys else "lora",
+                "lora.rank (or model.adapter) for the adapters these keys describe",
+                f"{', '.join(f'lora.{k}' for k in set_keys)} without lora.rank",
+                "set lora.rank (e.g. 16) to train LoRA adapters, or remove the lora section to train every weight",
+            ),
+            *rule(
+                self.model.adapter is None or self.model.hf is not None,
+                "model.adapter",
+                "an adapter of a Hugging Face model: model.hf beside it",
+                f"adapter {self.model.adapter!r} for the built-in GPT",
+                "set model.hf to the adapter's base model folder, or remove model.adapter",
+            ),
+        ]
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of every section (not `source`); `config_from_dict` takes it back exactly."""

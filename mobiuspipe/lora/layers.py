@@ -9,15 +9,28 @@ first step moves B only and the model starts as the base model.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 
 import torch
 from torch import nn
 
+from mobiuspipe.errors import PipelineError
 from mobiuspipe.lora.spec import LoraSpec, matches
 
-__all__ = ["LoraLinear", "add_adapters", "with_adapters", "adapter_parameters", "linear_names", "BASE", "A", "B"]
+__all__ = [
+    "LoraLinear",
+    "Start",
+    "add_adapters",
+    "with_adapters",
+    "load_adapter_tensors",
+    "merge_adapters",
+    "adapter_parameters",
+    "linear_names",
+    "BASE",
+    "A",
+    "B",
+]
 
 BASE, A, B = "base_layer", "lora_A", "lora_B"
 """The attribute names of a LoraLinear's parts, as PEFT names them (its saved keys drop the adapter name)."""
@@ -66,6 +79,22 @@ class LoraLinear(nn.Module):
         return out + b(a(self.dropout(x.to(a.weight.dtype)))).to(out.dtype) * self.scaling
 
 
+def merge_adapters(module: nn.Module) -> None:
+    """Put each LoraLinear's base back in its place, its weight plus the adapter's update (scaling * B A, [out, in];
+    transposed for Conv1D's [in, out] weight), as PEFT's merge_and_unload does: the module then computes what it
+    computed with the adapters, under its own names."""
+    for name, m in list(module.named_modules()):
+        if not isinstance(m, LoraLinear):
+            continue
+        base = getattr(m, BASE)
+        weight = base.get_parameter("weight")
+        delta = (getattr(m, B).weight @ getattr(m, A).weight) * m.scaling
+        with torch.no_grad():
+            weight += (delta if isinstance(base, nn.Linear) else delta.T).to(weight.dtype)
+        parent, _, child = name.rpartition(".")
+        setattr(module.get_submodule(parent), child, base)
+
+
 def linear_names(module: nn.Module) -> list[str]:
     """The dotted names of a module's linear layers (nn.Linear and Conv1D): what targets may name."""
     return [name for name, m in module.named_modules() if _is_linear(m) and name]
@@ -89,15 +118,52 @@ def adapter_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
     return {name: p for name, p in module.named_parameters() if f".{A}." in f".{name}" or f".{B}." in f".{name}"}
 
 
-def with_adapters(makers: Sequence[Callable[[], nn.Module]], spec: LoraSpec) -> list[Callable[[], nn.Module]]:
-    """Layer factories whose layers come with adapters (add_adapters), each new adapter drawn from the seed torch
-    has now and its layer's index: every rank draws the same for the layers it builds."""
+Start = Mapping[int, Mapping[str, torch.Tensor]]
+"""A saved adapter to continue: layer index -> adapter parameter name in the layer -> its tensor."""
+
+
+def with_adapters(
+    makers: Sequence[Callable[[], nn.Module]], spec: LoraSpec, start: Start | None = None
+) -> list[Callable[[], nn.Module]]:
+    """Layer factories whose layers come with adapters (add_adapters): `start`'s tensors, or new ones, each drawn
+    from the seed torch has now and its layer's index: every rank draws the same for the layers it builds."""
     seed = torch.initial_seed()
-    return [partial(_adapted, make, spec, seed, l) for l, make in enumerate(makers)]
+    return [partial(_adapted, make, spec, seed, l, start) for l, make in enumerate(makers)]
 
 
-def _adapted(make: Callable[[], nn.Module], spec: LoraSpec, seed: int, l: int) -> nn.Module:
+def _adapted(make: Callable[[], nn.Module], spec: LoraSpec, seed: int, l: int, start: Start | None) -> nn.Module:
     layer = make()
     if isinstance(layer, nn.Module):  # anything else is refused by the caller, naming the layer
         add_adapters(layer, spec, torch.Generator().manual_seed((seed * 1_000_003 + l) % 2**63))
+        if start is not None:
+            load_adapter_tensors(layer, start.get(l, {}), l)
     return layer
+
+
+def load_adapter_tensors(layer: nn.Module, tensors: Mapping[str, torch.Tensor], l: int) -> None:
+    """Copy a saved adapter's tensors of layer l into its adapters; PipelineError naming what is missing, extra or
+    of another shape (an adapter saved for other targets or another model)."""
+    params = adapter_parameters(layer)
+    missing, extra = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
+    shapes = [
+        f"{n} {tuple(tensors[n].shape)} for {tuple(p.shape)}"
+        for n, p in params.items()
+        if n in tensors and tensors[n].shape != p.shape
+    ]
+    if missing or extra or shapes:
+        found = "; ".join(
+            part
+            for part in (
+                f"no tensor for {', '.join(missing)}" if missing else "",
+                f"tensors for no adapter here: {', '.join(extra)}" if extra else "",
+                f"other shapes: {', '.join(shapes)}" if shapes else "",
+            )
+            if part
+        )
+        raise PipelineError(
+            f"layer {l}: expected the saved adapter to hold this layer's adapters, found {found}: continue an "
+            f"adapter saved for this model with the same rank and targets, or start a new one"
+        )
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(tensors[name])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from mobiuspipe.errors import ConfigError
 from mobiuspipe.lora.spec import LoraSpec
 
-__all__ = ["CONFIG", "WEIGHTS", "PREFIX", "save_adapter", "load_adapter"]
+__all__ = ["CONFIG", "WEIGHTS", "PREFIX", "save_adapter", "load_adapter", "read_spec"]
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -27,10 +28,16 @@ PREFIX = "base_model.model."
 
 
 def save_adapter(
-    folder: Path, spec: LoraSpec, tensors: dict[str, torch.Tensor], base_model: str, fan_in_fan_out: bool
+    folder: Path,
+    spec: LoraSpec,
+    tensors: dict[str, torch.Tensor],
+    base_model: str,
+    fan_in_fan_out: bool,
+    extra: Mapping[str, str] | None = None,
 ) -> None:
     """Write an adapter (tensors: key without PREFIX -> tensor) for the base model at `base_model` into `folder`,
-    through a partial folder beside it renamed into place."""
+    with `extra` files (name -> text) beside, through a partial folder beside it renamed into place (replacing
+    `folder`)."""
     partial = folder.with_name(f".{folder.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
@@ -51,6 +58,8 @@ def save_adapter(
     }
     (partial / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     save_file({PREFIX + k: t.detach().contiguous().cpu() for k, t in sorted(tensors.items())}, str(partial / WEIGHTS))
+    for name, text in (extra or {}).items():
+        (partial / name).write_text(text)
     if folder.exists():
         shutil.rmtree(folder)
     partial.replace(folder)
@@ -59,6 +68,12 @@ def save_adapter(
 def load_adapter(folder: Path, key: str = "model.adapter") -> tuple[LoraSpec, dict[str, torch.Tensor]]:
     """An adapter folder's spec and tensors (keys without PREFIX); ConfigError naming `key` for a folder that is not
     a plain LoRA adapter."""
+    return read_spec(folder, key), _weights(folder, key)
+
+
+def read_spec(folder: Path, key: str = "model.adapter") -> LoraSpec:
+    """An adapter folder's spec, from its adapter_config.json alone; ConfigError naming `key` for a folder that is
+    not a plain LoRA adapter."""
     config = _config(folder, key)
     problems = [
         f"{name} {config.get(name)!r} (only {want!r} is read)"
@@ -74,7 +89,7 @@ def load_adapter(folder: Path, key: str = "model.adapter") -> tuple[LoraSpec, di
             f"plain LoRA adapter (peft LoraConfig with target_modules a list), or start a new adapter"
         )
     try:
-        spec = LoraSpec(
+        return LoraSpec(
             rank=int(config["r"]),
             alpha=float(config["lora_alpha"]),
             targets=tuple(targets or ()),
@@ -83,7 +98,6 @@ def load_adapter(folder: Path, key: str = "model.adapter") -> tuple[LoraSpec, di
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"{key}: {folder / CONFIG} does not describe a LoRA adapter ({e}); fix: {_FIX}") from e
-    return spec, _weights(folder, key)
 
 
 _FIX = "give a folder written by PeftModel.save_pretrained (adapter_config.json and adapter_model.safetensors)"

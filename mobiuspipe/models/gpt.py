@@ -15,7 +15,7 @@ from torch import nn
 
 from partition.spec.models import ModelSpec
 
-__all__ = ["Embedding", "Block", "Head", "build_layer", "build_layers", "layer_factories", "lm_loss"]
+__all__ = ["Embedding", "Block", "Head", "skeleton", "build_layer", "build_layers", "layer_factories", "lm_loss"]
 
 
 class Embedding(nn.Module):
@@ -72,14 +72,18 @@ def _init(layer: nn.Module, generator: torch.Generator, num_blocks: int) -> None
         p.data.normal_(0.0, std, generator=generator)
 
 
+def skeleton(spec: ModelSpec, l: int) -> nn.Module:
+    """Layer l (embedding, block or head) with torch's default initialization (under torch.device("meta"): none)."""
+    if l == 0:
+        return Embedding(spec)
+    if l == spec.num_layers - 1:
+        return Head(spec)
+    return Block(spec)
+
+
 def build_layer(spec: ModelSpec, seed: int, l: int) -> nn.Module:
     """Layer l of the GPT (embedding, block or head), initialized on the CPU from seed (seed, l)."""
-    if l == 0:
-        layer: nn.Module = Embedding(spec)
-    elif l == spec.num_layers - 1:
-        layer = Head(spec)
-    else:
-        layer = Block(spec)
+    layer = skeleton(spec, l)
     g = torch.Generator().manual_seed(seed * 1_000_003 + l)
     with torch.no_grad():
         _init(layer, g, spec.num_blocks)

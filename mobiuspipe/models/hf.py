@@ -25,11 +25,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from mobiuspipe.models.hf_weights import check_tensors, hf_key, load_layer, tensor_files
+from mobiuspipe.models.hf_weights import check_tensors, hf_key, layer_key, load_layer, tensor_files
 from partition.spec.hf import ModelConfigError, read_hf_config
 from partition.spec.models import ModelSpec
 
-__all__ = ["HFModel", "SUPPORTED", "open_hf", "layer_factories", "hf_key"]
+__all__ = ["HFModel", "SUPPORTED", "open_hf", "skeleton", "layer_factories", "hf_key", "layer_key"]
 
 SUPPORTED = ("gpt2", "llama", "mistral", "qwen2")
 """The model_types the runtime trains."""
@@ -99,7 +99,7 @@ def open_hf(folder: str | os.PathLike, seq_len: int) -> HFModel:
 def _shapes(m: HFModel, l: int) -> dict[str, tuple[int, ...]]:
     """Layer l's parameter name -> the shape config.json implies."""
     with torch.device("meta"):
-        return {name: tuple(p.shape) for name, p in _skeleton(m, l).named_parameters()}
+        return {name: tuple(p.shape) for name, p in skeleton(m, l).named_parameters()}
 
 
 def _check_trainable(config, seq_len: int, path: Path) -> None:
@@ -191,7 +191,7 @@ class NormHead(nn.Module):
         return self.lm_head(self.norm(x))
 
 
-def _skeleton(m: HFModel, l: int) -> nn.Module:
+def skeleton(m: HFModel, l: int) -> nn.Module:
     """Layer l with uninitialized weights (build it under torch.device("meta"))."""
     c, last = m.config, m.num_layers - 1
     if m.model_type == "gpt2":
@@ -218,7 +218,7 @@ def build_layer(m: HFModel, l: int) -> nn.Module:
     """Layer l, materialized on the CPU in fp32 with its tensors read from the checkpoint."""
 
     with torch.device("meta"):
-        layer = _skeleton(m, l)
+        layer = skeleton(m, l)
     layer.to_empty(device="cpu")
     load_layer(m, l, layer)
     return layer

@@ -16,10 +16,20 @@ import torch
 from safetensors.torch import save_file
 
 from mobiuspipe.errors import ConfigError
-from mobiuspipe.models.hf import HFModel, hf_key
+from mobiuspipe.models.hf import HFModel, hf_key, layer_key
 from mobiuspipe.models.hf_weights import INDEX
 
-__all__ = ["SIDE_FILES", "MARKER", "check_export_dir", "partial_dir", "write_shard", "finish_export", "adapter_tensors"]
+__all__ = [
+    "SIDE_FILES",
+    "MARKER",
+    "marker_text",
+    "check_export_dir",
+    "partial_dir",
+    "write_shard",
+    "finish_export",
+    "adapter_tensors",
+    "adapter_layers",
+]
 
 SIDE_FILES = (
     "generation_config.json",
@@ -48,6 +58,11 @@ def check_export_dir(to: Path, key: str, owner: str | None = None) -> None:
     parent = to.parent if to.parent.exists() else None
     if parent is not None and not parent.is_dir():
         raise ConfigError(f"{key}: {to.parent} is not a folder; give a path inside a folder")
+
+
+def marker_text(owner: str) -> str:
+    """The text of an export's MARKER file naming its owner (check_export_dir reads it)."""
+    return json.dumps({"owner": owner}) + "\n"
 
 
 def _owned_by(to: Path, owner: str | None) -> bool:
@@ -103,7 +118,7 @@ def finish_export(
     for side in SIDE_FILES:
         if (m.folder / side).is_file():
             shutil.copy2(m.folder / side, folder / side)
-    (folder / MARKER).write_text(json.dumps({"owner": owner}) + "\n")
+    (folder / MARKER).write_text(marker_text(owner))
     earlier = to.with_name(f".{to.name}.replaced")
     shutil.rmtree(earlier, ignore_errors=True)  # left by a run that stopped between the two renames
     if to.exists():
@@ -125,4 +140,14 @@ def adapter_tensors(m: HFModel, state: dict[str, torch.Tensor]) -> dict[str, tor
         layer, name = key.split(".", 1)
         if any(part in f".{name}" for part in ADAPTER_PARTS):
             out[hf_key(m, int(layer), name)] = t
+    return out
+
+
+def adapter_layers(m: HFModel, tensors: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+    """A saved adapter's tensors (checkpoint names, as adapter_tensors gives them) by layer and name in the layer:
+    what Pipeline(adapters=...) continues; KeyError for a name that is no layer's of model m."""
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        l, name = layer_key(m, key)
+        out.setdefault(l, {})[name] = t
     return out

@@ -82,6 +82,22 @@ def hf_key(m, l: int, name: str) -> str:
     return name  # lm_head.weight
 
 
+def layer_key(m, key: str) -> tuple[int, str]:
+    """The layer and its parameter's name that checkpoint name `key` of model m is (the inverse of hf_key)."""
+    base, blocks = ("transformer", "h") if m.model_type == "gpt2" else ("model", "layers")
+    final = f"{base}.{'ln_f' if m.model_type == 'gpt2' else 'norm'}."
+    if key.startswith(f"{base}.{blocks}."):
+        index, _, rest = key.removeprefix(f"{base}.{blocks}.").partition(".")
+        if index.isdigit() and 0 <= int(index) < m.num_layers - 2 and rest:
+            return int(index) + 1, f"layer.{rest}"
+        raise KeyError(f"{key} names block {index}, which {m.folder} has not (it has {m.num_layers - 2} blocks)")
+    if key.startswith(final):
+        return m.num_layers - 1, "norm." + key.removeprefix(final)
+    if key.startswith(f"{base}."):
+        return 0, key.removeprefix(f"{base}.")
+    return m.num_layers - 1, key
+
+
 def _sources(m, l: int, names) -> dict[str, tuple[str, str | None]]:
     """Layer l's parameter name -> (its checkpoint name, the stored name or None when the checkpoint lacks it)."""
     embed = {hf_key(m, 0, a.split(".", 1)[1]) for a, _ in m.tied_params()}

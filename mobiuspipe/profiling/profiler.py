@@ -259,6 +259,12 @@ def _stable_median(run: _Run, warmup: int, min_repeats: int, max_repeats: int, r
     return now
 
 
+def _trainable(params: list[nn.Parameter]) -> int | None:
+    """The parameters that train (T_l), or None when all do (a LoRA layer: its adapters)."""
+    trains = sum(p.numel() for p in params if p.requires_grad)
+    return None if trains == sum(p.numel() for p in params) else trains
+
+
 def _measure_one(
     layer: nn.Module, x: torch.Tensor, loss_fn, device: torch.device, timing: tuple[int, int, int, float], m: int
 ) -> tuple[LayerProfile, torch.Tensor]:
@@ -274,6 +280,7 @@ def _measure_one(
         name=type(layer).__name__.lower(),
         param_count=sum(p.numel() for p in params),
         param_bytes=sum(p.nbytes for p in params),
+        trainable_count=_trainable(params),
         activation_bytes=act,
         output_bytes=run.out.nbytes,
         fwd_flops=fwd_flops,

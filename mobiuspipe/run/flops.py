@@ -21,6 +21,9 @@ PaLM, appendix B; Narayanan et al. 2021, Megatron-LM): the plan's recompute is N
 what the model needs, not what the hardware did (that would be HFU).
   step FLOPs  F * T
   TFLOPS      F * T / t / 1e12
+Under LoRA the frozen base computes no weight gradient: F is summed from the analytic profile with the run's
+adapters (partition.spec.analytic, its LoRA paragraph: the base's backward is one forward's FLOPs, the adapters'
+matmuls are added), about 2/3 of the full fine-tuning F.
   MFU         TFLOPS / sum_g P_g          (P_g is the dense fp16/bf16 tensor rate whatever train.precision;
                                            the CPU stand-in's entry is 0.05, about 50 GFLOP/s of fp32)
 """
@@ -39,10 +42,11 @@ CPU_STANDIN = "cpu-standin"
 """The hardware table's name of the CPU stand-in device."""
 
 
-def flops_per_token(spec: ModelSpec) -> float:
-    """F of the legend: model FLOPs (forward + backward, no recompute) per token of `spec`."""
+def flops_per_token(spec: ModelSpec, adapters: list[int] | None = None) -> float:
+    """F of the legend: model FLOPs (forward + backward, no recompute) per token of `spec`, with LoRA `adapters`
+    (parameters per layer) when given."""
     # The FLOP counts do not depend on the device or the dtype (they set only the seconds and bytes).
-    profile = analytic_profile(spec, DEVICES[CPU_STANDIN], microbatch_size=1, dtype="fp32")
+    profile = analytic_profile(spec, DEVICES[CPU_STANDIN], microbatch_size=1, dtype="fp32", adapters=adapters)
     return sum(layer.fwd_flops + layer.bwd_flops for layer in profile.layers) / spec.seq_len
 
 

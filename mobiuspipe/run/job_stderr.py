@@ -7,6 +7,8 @@ report of a failed job) says nothing more. A job that fails for another reason, 
 
 from __future__ import annotations
 
+import os
+import select
 import threading
 from collections.abc import Callable
 from typing import IO
@@ -15,6 +17,9 @@ __all__ = ["JobStderr"]
 
 OWN_PREFIX = b"mobiuspipe: "
 """Lines that start so are mobiuspipe's own messages, shown even after a mistake."""
+GRACE_S = 0.05
+"""How long a line of the job waits for a Ctrl-C or SIGTERM that may be on its way to this process (seconds);
+the job's stderr is quiet in a healthy run (its log goes to stdout), so this costs nothing there."""
 DRAIN_S = 5.0
 """How long to wait, once torchrun has ended, for the last lines of its ranks (seconds)."""
 
@@ -27,6 +32,8 @@ class JobStderr:
         self._out, self._explained = out, explained
         self._held: list[bytes] = []
         self._holding = False
+        self._wakeup: int | None = None
+        self._signals: tuple[int, ...] = ()
         self._thread = threading.Thread(target=self._pump, args=(pipe,), name="job-stderr", daemon=True)
         self._thread.start()
 
@@ -34,9 +41,28 @@ class JobStderr:
         """Hold every line from now on (the launcher was interrupted)."""
         self._holding = True
 
+    def watch(self, fd: int, signals: tuple[int, ...]) -> None:
+        """Also hold from the moment one of `signals` arrives: `fd` is the read end of the pipe given to
+        signal.set_wakeup_fd, which the signal's C handler writes at once. (The Python handler that calls hold()
+        runs later, in the main thread: the job, which got the same Ctrl-C, may print its traceback first.)"""
+        os.set_blocking(fd, False)
+        self._wakeup, self._signals = fd, signals
+
+    def _signalled(self) -> bool:
+        """Whether a watched signal has arrived, waiting up to GRACE_S for one: a Ctrl-C reaches this process and
+        the job together, and the job's first lines about it can come before this process has run at all."""
+        if self._wakeup is None:
+            return False
+        try:
+            select.select([self._wakeup], [], [], GRACE_S)
+            arrived = os.read(self._wakeup, 64)
+        except (OSError, ValueError):  # none arrived (BlockingIOError), or finish() closed the pipe
+            return False
+        return any(b in self._signals for b in arrived)
+
     def _pump(self, pipe: IO[bytes]) -> None:
         for line in iter(pipe.readline, b""):
-            self._holding = self._holding or self._explained()
+            self._holding = self._holding or self._signalled() or self._explained()
             if self._holding:
                 self._held.append(line)
             else:
@@ -47,6 +73,9 @@ class JobStderr:
         """Once torchrun has ended: show the held lines, all of them, or (quiet: the failure is explained) the
         launcher's own only."""
         self._thread.join(DRAIN_S)
+        if self._wakeup is not None:
+            os.close(self._wakeup)
+            self._wakeup = None
         shown = [line for line in self._held if line.startswith(OWN_PREFIX)] if quiet else self._held
         self._out.write(b"".join(shown))
         self._out.flush()

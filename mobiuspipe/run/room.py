@@ -34,7 +34,7 @@ def placements(cfg: RunConfig, plan: Plan) -> tuple[dict[int, Placement], list[P
     mem, b = cfg.memory, dtype_bytes(plan.dtype)
     placed, short = {}, {}
     for g in range(plan.num_gpus):
-        params = {j: plan.stages[j].param_count for j in plan.stages_of(g)}
+        params = {j: plan.stages[j].trains for j in plan.stages_of(g)}  # LoRA: the adapters; the base has no state
         try:
             placed[g] = place_states(
                 mem.optimizer, mem.weights, params, int(mem.host_budget_mb * MiB), least_share(b), b
@@ -68,7 +68,7 @@ def ssd_bytes(cfg: RunConfig, plan: Plan, g: int, placement: Placement | None) -
     for j in plan.stages_of(g):
         s = plan.stages[j]
         if placement is not None and placement.optimizer[j] == "ssd":
-            total += STATE_BYTES * s.param_count + (2 * b * s.param_count if placement.weights[j] == "ssd" else 0)
+            total += STATE_BYTES * s.trains + (2 * b * s.trains if placement.weights[j] == "ssd" else 0)
         if _activations_on_ssd(cfg, s.activation_tier):
             total += plan.num_microbatches * (s.held_bytes if s.held_bytes >= 0 else s.activation_bytes)
     return total

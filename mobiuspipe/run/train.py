@@ -30,6 +30,7 @@ from foundation.units import fmt_bytes
 from mobiuspipe.checkpoint import CheckpointError
 from mobiuspipe.config import RunConfig, load_config
 from mobiuspipe.data.dataset import PackedTokens, open_run_data
+from mobiuspipe.lora.spec import LoraSpec
 from mobiuspipe.memory.device import deterministic_kernels
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.models.hf import HFModel, open_hf
@@ -48,7 +49,8 @@ from mobiuspipe.run.run_lock import TOKEN_ENV, RunLocks, new_token, run_folders
 from mobiuspipe.run.usage import RankStep, folder_bytes, host_rss_bytes
 from mobiuspipe.runtime.action_trace import as_sim_result, write_chrome
 from mobiuspipe.runtime.ranks import gather_all
-from mobiuspipe.startup.config_plan import model_spec
+from mobiuspipe.startup.config_plan import adapters, model_spec
+from mobiuspipe.startup.lora import lora_spec, starting_adapters, write_adapter
 from mobiuspipe.step_result import StepResult
 from partition.plan import Plan, save_plan
 from partition.report.trace import svg_timeline
@@ -93,7 +95,7 @@ def _train(
     first: bool,
 ) -> None:
     """train() once the inputs are checked and the folders held."""
-    t = cfg.train
+    t, lora = cfg.train, lora_spec(cfg)
     export = Path(t.export_dir) if t.export_dir else None
     if export is not None and first:
         shutil.rmtree(partial_dir(export), ignore_errors=True)  # an earlier run's remains
@@ -110,10 +112,15 @@ def _train(
         accumulation_steps=t.accumulation_steps,
         max_grad_norm=t.max_grad_norm,
         trace_steps=cfg.runtime.trace_steps,
+        lora=lora,
+        adapters=starting_adapters(cfg, hf),
     ) as pipe:
         done = _training_loop(cfg, pipe, data, held_out)
         if hf is not None and export is not None and done:
-            _export(pipe, hf, export, TORCH_DTYPES[t.export_dtype], _export_owner(cfg))
+            if lora is None:
+                _export(pipe, hf, export, TORCH_DTYPES[t.export_dtype], _export_owner(cfg))
+            else:
+                _export_adapter(pipe, hf, lora, export, TORCH_DTYPES[t.export_dtype], _export_owner(cfg))
 
 
 def with_resume(cfg: RunConfig, resume: str | None) -> RunConfig:
@@ -147,6 +154,19 @@ def _export(pipe: Pipeline, hf: HFModel, to: Path, dtype: torch.dtype, owner: st
     if pipe.rank == 0:
         finish_export(hf, {j: names for d in every for j, names in d.items()}, stages, to, dtype, owner)
         print(f"mobiuspipe: exported the fine-tuned model to {to} ({dtype}; from_pretrained loads it)", flush=True)
+
+
+def _export_adapter(pipe: Pipeline, hf: HFModel, spec: LoraSpec, to: Path, dtype: torch.dtype, owner: str) -> None:
+    """Rank 0 gathers every rank's adapters and writes PEFT's adapter folder, which PeftModel.from_pretrained
+    loads onto model.hf (replacing an export of the same owner)."""
+    every = gather_all(pipe.info, pipe.state_dict(frozen=False))
+    if pipe.rank == 0:
+        write_adapter(hf, spec, {k: v for d in every for k, v in d.items()}, to, dtype, owner)
+        print(
+            f"mobiuspipe: exported the LoRA adapter to {to} ({dtype}; PeftModel.from_pretrained(base, DIR) loads it "
+            f"onto {hf.folder})",
+            flush=True,
+        )
 
 
 def _training_loop(cfg: RunConfig, pipe: Pipeline, data: PackedTokens, held_out: PackedTokens | None) -> bool:
@@ -207,7 +227,7 @@ def _run_steps(
     t, rank, out = cfg.train, pipe.rank, cfg.train.out_dir
     rows = t.accumulation_steps * cfg.data.batch_size  # sequences per optimizer step
     tokens = rows * cfg.model.seq_len
-    step_flops = flops_per_token(model_spec(cfg)) * tokens
+    step_flops = flops_per_token(model_spec(cfg), adapters(cfg)) * tokens
     peaks = gather_all(pipe.info, peak_tflops(device_name(pipe.info.local_rank)))
     with Reporter(
         t.steps, t.log_every, out if rank == 0 else None, sys.stdout if rank == 0 else None, t.tensorboard, start
@@ -299,7 +319,22 @@ def _banner(cfg: RunConfig, plan: Plan) -> str:
         f"ranks (stage -> rank {plan.mapping}, {plan.mapping_rule} mapping; plan {source}); "
         f"{plan.num_microbatches} microbatches of {plan.microbatch_size}; {plan.dtype} weights, fp32 master; "
         f"device arena "
-        f"{fmt_bytes(plan.arena_bytes)} per rank ({ARENA_SLOTS} slots of {fmt_bytes(plan.slot_bytes)})" + _writes(cfg)
+        f"{fmt_bytes(plan.arena_bytes)} per rank ({ARENA_SLOTS} slots of {fmt_bytes(plan.slot_bytes)})"
+        + _lora_words(cfg, plan)
+        + _writes(cfg)
+    )
+
+
+def _lora_words(cfg: RunConfig, plan: Plan) -> str:
+    """What the banner says of LoRA: the adapters and what trains (nothing without LoRA)."""
+    spec = lora_spec(cfg)
+    if spec is None:
+        return ""
+    trains, total = sum(s.trains for s in plan.stages), sum(s.param_count for s in plan.stages)
+    start = f"continuing {cfg.model.adapter}" if cfg.model.adapter else "new"
+    return (
+        f"; LoRA adapters ({start}) of rank {spec.rank}, alpha {spec.alpha:g} on {', '.join(spec.targets)}: "
+        f"{trains:,} of {total:,} parameters train, the base frozen"
     )
 
 
@@ -333,9 +368,10 @@ def _by_tier(tiers: dict[int, str]) -> str:
 
 
 def _save_weights(pipe: Pipeline, folder: Path) -> None:
-    """Each rank writes its stages' weights: weights/stage{j}.pt, a dict "layer.param" -> tensor."""
+    """Each rank writes its stages' trained weights: weights/stage{j}.pt, a dict "layer.param" -> tensor (under
+    LoRA the adapters alone: the frozen base is model.hf's, or the seed's)."""
     folder.mkdir(parents=True, exist_ok=True)
-    for j, weights in pipe.stage_state_dicts().items():
+    for j, weights in pipe.stage_state_dicts(frozen=False).items():
         tmp = folder / f".stage{j}.pt.tmp"
         torch.save(weights, tmp)
         tmp.replace(folder / f"stage{j}.pt")

@@ -210,13 +210,14 @@ class Stage:
             x = functional_call(self.layers[l], tensors[l], (x,))
         return x
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Master weights and persistent buffers (host copies) named as nn.Sequential(*layers).state_dict()."""
+    def state_dict(self, frozen: bool = True) -> dict[str, torch.Tensor]:
+        """Master weights and persistent buffers (host copies) named as nn.Sequential(*layers).state_dict();
+        without the frozen weights (LoRA's base) when `frozen` is false."""
         master = self.states.master_weights()
         out = {p.key: p.of(master).clone() for p in self.params}
-        if self.frozen_weights is not None:  # offsets in the slot: the frozen flat starts after the trainable one
-            frozen = self.frozen_weights.weights
-            out.update({p.key: frozen[p.offset - self.numel :][: p.numel].view(p.shape).clone() for p in self.frozen})
+        if frozen and self.frozen_weights is not None:  # offsets in the slot: the frozen flat starts after the others
+            flat = self.frozen_weights.weights
+            out.update({p.key: flat[p.offset - self.numel :][: p.numel].view(p.shape).clone() for p in self.frozen})
         for l in self.order:
             out.update(
                 {

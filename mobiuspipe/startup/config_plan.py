@@ -12,6 +12,7 @@ from foundation.checked import Problem, format_problems, rule
 from foundation.units import MiB
 from mobiuspipe.config import DEFAULT_GPUS, RunConfig
 from mobiuspipe.errors import ConfigError
+from mobiuspipe.startup.lora import adapter_counts, lora_spec
 from mobiuspipe.startup.machine import discovered_topology
 from partition import make_plan
 from partition.plan import Plan, load_plan
@@ -31,6 +32,7 @@ __all__ = [
     "run_topology",
     "num_ranks",
     "gpt_profile",
+    "adapters",
 ]
 
 
@@ -86,7 +88,15 @@ def gpt_profile(cfg: RunConfig) -> Profile:
         device = gpu_spec(g.name, g.memory_bytes, g.link_gbps, g.tflops)
     else:
         device = device_spec("cpu-standin")
-    return analytic_profile(model_spec(cfg), device, microbatch_size=cfg.microbatch_size, dtype=cfg.train.precision)
+    return analytic_profile(
+        model_spec(cfg), device, microbatch_size=cfg.microbatch_size, dtype=cfg.train.precision, adapters=adapters(cfg)
+    )
+
+
+def adapters(cfg: RunConfig) -> list[int] | None:
+    """The LoRA adapter parameters of each layer of the config's model (None: no LoRA, every weight trains)."""
+    spec = lora_spec(cfg)
+    return None if spec is None else adapter_counts(cfg, spec)
 
 
 def plan_from_config(cfg: RunConfig, solver: str = "dp", profile: Profile | None = None) -> Plan:
@@ -137,7 +147,7 @@ def plan_problems(plan: Plan, cfg: RunConfig) -> list[Problem]:
             )
         ]
     else:
-        problems += _stage_problems(plan, spec, replan)
+        problems += _stage_problems(plan, spec, adapters(cfg), replan)
     problems += rule(
         plan.dtype == cfg.train.precision,
         "train.precision",
@@ -157,14 +167,21 @@ def replan_advice(cfg: RunConfig, what: str) -> str:
     return f"re-plan {what} into a new file, {command}, then set plan.file: {new}"
 
 
-def _stage_problems(plan: Plan, spec: ModelSpec, replan: str) -> list[Problem]:
-    """Stages whose parameters in this model differ from the plan's or overflow its slot (one Problem)."""
-    counts, size = layer_param_counts(spec), dtype_bytes(plan.dtype)
+def _stage_problems(plan: Plan, spec: ModelSpec, lora: list[int] | None, replan: str) -> list[Problem]:
+    """Stages whose parameters in this model (with its LoRA adapters: `lora` per layer) differ from the plan's
+    (all of them, and those that train) or overflow its slot (one Problem)."""
+    base, size = layer_param_counts(spec), dtype_bytes(plan.dtype)
+    trains = base if lora is None else lora
+    counts = base if lora is None else [n + a for n, a in zip(base, lora)]
     wrong = []
     for j, s in enumerate(plan.stages):
-        n = sum(counts[s.first : s.last + 1])
-        if s.param_count != n or n * size > plan.slot_bytes:
-            wrong.append(f"stage {j} (layers {s.first}..{s.last}) has {n} parameters here, {s.param_count} in the plan")
+        n, t = sum(counts[s.first : s.last + 1]), sum(trains[s.first : s.last + 1])
+        if s.param_count != n or s.trains != t or n * size > plan.slot_bytes:
+            here, there = (f" ({t} train)", f" ({s.trains} train)") if lora is not None or s.trains != n else ("", "")
+            wrong.append(
+                f"stage {j} (layers {s.first}..{s.last}) has {n} parameters here{here}, {s.param_count} in the "
+                f"plan{there}"
+            )
     shown = "; ".join(wrong[:3]) + (f"; and {len(wrong) - 3} more stages" if len(wrong) > 3 else "")
     return rule(
         not wrong,

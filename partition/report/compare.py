@@ -38,7 +38,7 @@ def compare_json(plan: Plan, topo: Topology, profile: Profile, results: list[Bas
     results = results or compare(plan, topo, profile)
     base = results[0].step_time_s
     rows = [r.to_dict() | {"speedup": (r.step_time_s / base) if r.step_time_s and base else None} for r in results]
-    adam = sum(s.param_count for s in plan.stages) / host_adam_rate(topo)
+    adam = sum(s.trains for s in plan.stages) / host_adam_rate(topo)
     return {
         "model": plan.model,
         "topology": topo.name,

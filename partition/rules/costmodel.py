@@ -10,6 +10,8 @@ Legend (stage j holds layers a..b; all per ONE microbatch unless marked; units i
   B_j      sum of B_l: backward time                                                     [s]
   R_j      sum of R_l: the forward as the backward visit redoes it (profile.recompute_s;
            F_j when the profile has no separate figure)                                   [s]
+  T_j      sum of T_l: the parameters that train (all N_j but under LoRA, its adapters)   [-]
+  G_j      bytes of stage j's gradients: T_j in the plan's dtype (P_j when all train)     [bytes]
   beta_j   host->gpu bandwidth stage j's gpu gets under contention (topology.load_gbps)  [GB/s]
   U_j      = P_j / (beta_j * 1e9): time to load stage j's parameters                     [s]
   W        = max_j P_j: size of one weight slot of the device arena                      [bytes]
@@ -31,11 +33,13 @@ Stage cost used by the DP (the busier of the gpu's compute and copy engines for 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import DTypeLike
 
+from partition.spec.analytic import DTYPE_BYTES
 from partition.spec.profile import Profile
 
 __all__ = ["WEIGHT_SLOTS", "GRAD_SLOTS", "ARENA_SLOTS", "LayerArrays", "stage_cost"]
@@ -58,15 +62,19 @@ class LayerArrays:
     B: np.ndarray  # prefix sums of backward seconds
     O: np.ndarray  # output bytes per layer, length L
     N: np.ndarray  # prefix sums of parameter counts
+    T: np.ndarray | None = None  # prefix sums of trainable counts (None: the same as N)
+    G: np.ndarray | None = None  # prefix sums of gradient bytes (None: the same as P)
     R: np.ndarray | None = None  # prefix sums of recompute seconds (None: the same as F)
     K: np.ndarray | None = None  # prefix sums of kept-forward seconds (None: the same as R)
 
     @classmethod
     def of(cls, profile: Profile) -> LayerArrays:
-        def pre(vals: list[float], dtype: DTypeLike = np.float64) -> np.ndarray:
+        def pre(vals: Sequence[float], dtype: DTypeLike = np.float64) -> np.ndarray:
             return np.concatenate([[0], np.cumsum(np.asarray(vals, dtype=dtype))])
 
         ls = profile.layers
+        e = DTYPE_BYTES.get(profile.dtype, 0)
+        grads = [x.param_bytes if x.trainable_count is None else x.trainable_count * e for x in ls]
         return cls(
             P=pre([x.param_bytes for x in ls], np.int64),
             A=pre([x.activation_bytes for x in ls], np.int64),
@@ -74,6 +82,8 @@ class LayerArrays:
             B=pre([x.bwd_s for x in ls]),
             O=np.asarray([x.output_bytes for x in ls], dtype=np.int64),
             N=pre([x.param_count for x in ls], np.int64),
+            T=pre([x.trains for x in ls], np.int64),
+            G=pre(grads, np.int64),
             R=pre([x.redo_s for x in ls]),
             K=pre([x.keep_s for x in ls]),
         )
@@ -110,6 +120,16 @@ class LayerArrays:
 
     def param_count(self, a: int, b: int) -> int:
         return int(self.N[b + 1] - self.N[a])
+
+    def trainable(self, a: int, b: int) -> int:
+        """T_j for layers a..b inclusive."""
+        t = self.N if self.T is None else self.T
+        return int(t[b + 1] - t[a])
+
+    def grads(self, a: int, b: int) -> int:
+        """G_j for layers a..b inclusive."""
+        g = self.P if self.G is None else self.G
+        return int(g[b + 1] - g[a])
 
 
 def stage_cost(arr: LayerArrays, a: int, b: int, microbatches: int, load_gbps: float) -> float:

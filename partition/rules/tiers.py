@@ -2,6 +2,8 @@
 
 Legend (stage j of a plan, gpu g; units in brackets):
   N_j      parameter count of stage j                                                    [-]
+  T_j      its trainable parameters: N_j, or under LoRA its adapters' (StagePlan.trains)   [-]
+  Z_j      bytes of its frozen weights (LoRA's base), as loaded: P_j - G_j                  [bytes]
   b        bytes per parameter of the plan's dtype: 2 (fp16, bf16) or 4 (fp32)             [bytes]
   P_j      b N_j: stage j's weights in the plan's dtype (StagePlan.param_bytes)           [bytes]
   A_j      live activation bytes of stage j's backward on one microbatch                  [bytes]
@@ -18,26 +20,29 @@ Legend (stage j of a plan, gpu g; units in brackets):
            which stays resident into its backward (partition.rules.order)                       [-]
 
 State kinds, as the runtime keeps them (partition.rules.placement, mobiuspipe/runtime/stage_states.py):
-  optimizer     fp32 master + Adam exp_avg + exp_avg_sq, 12 N_j: host or ssd.
-  weights       the device-dtype weights P_j and the offloaded gradients P_j together: host or ssd (ssd only
+  optimizer     fp32 master + Adam exp_avg + exp_avg_sq, 12 T_j: host or ssd.
+  frozen        a LoRA stage's frozen weights Z_j, read-only, never written back: host.
+  weights       the device-dtype weights b T_j and the offloaded gradients b T_j together: host or ssd (ssd only
                 where the optimizer is). In fp32 with the optimizer in memory the master is the loaded copy:
                 P_j (the gradients) in memory.
   saved inputs  what the forward holds for the backward on the host tier (a recompute's input, a keep's
                 graphs), M h_j: host.
   streaming     the share of its gpu's budget each stage on the SSD streams through (Placement.slot_bytes): host.
 Device bytes of gpu g: the arena (ARENA_SLOTS * W) + the largest A_j of its stages; of stage j while it
-runs backward: its weights and gradient slots and activations, 2 P_j + A_j.
+runs backward: its weights and gradient slots and activations, P_j + G_j + A_j.
 
-Placement, per gpu g (a rank of the runtime): S_g comes out of H_g first; then
-place_states("auto", "auto", {j: N_j of g's stages}, H_g - S_g, LEAST_SHARE_BYTES, b) decides, exactly as a
-rank whose memory.host_budget_mb is H_g - S_g: all in memory if it fits, else, largest stage first, the
-optimizer states and then the weights to the SSD (partition.rules.placement). Unlimited H: all in memory.
-PlanInfeasibleError when some gpu's share cannot hold its saved inputs and its stages' least shares.
+Placement, per gpu g (a rank of the runtime): S_g and Z_g (the sum of Z_j over its stages) come out of H_g
+first; then place_states("auto", "auto", {j: T_j of g's stages}, H_g - S_g - Z_g, LEAST_SHARE_BYTES, b)
+decides, exactly as a rank whose memory.host_budget_mb is H_g - S_g - Z_g: all in memory if it fits, else,
+largest stage first, the optimizer states and then the weights to the SSD (partition.rules.placement).
+Unlimited H: all in memory. PlanInfeasibleError when some gpu's share cannot hold its saved inputs, frozen
+weights and its stages' least shares.
 
-SSD traffic per step of stage j: optimizer on ssd: the update reads 12 N_j and writes 12 N_j; weights on
-ssd: each of the L_j LOADs reads P_j, the OFFLOAD writes the gradients P_j, the update reads them (P_j) and
-writes the next weights (P_j). The simulator streams the update's part under the update and the loads'
-and offloads' part in the loads and offloads (partition.sim.simulate).
+SSD traffic per step of stage j: optimizer on ssd: the update reads 12 T_j and writes 12 T_j; weights on
+ssd: each of the L_j LOADs reads the trainable weights G_j (the frozen ones come from host memory), the OFFLOAD
+writes the gradients G_j, the update reads them (G_j) and writes the next weights (G_j). The simulator streams
+the update's part under the update and the loads' and offloads' part in the loads and offloads
+(partition.sim.simulate).
 """
 
 from __future__ import annotations
@@ -147,16 +152,19 @@ class GpuShare:
     share_bytes: int | None
     saved_inputs_bytes: int
     placement: Placement
+    frozen_bytes: int = 0
+    """Z_g: its stages' frozen weights (LoRA), kept in host memory."""
 
     @property
     def state_budget_bytes(self) -> int | None:
-        return None if self.share_bytes is None else self.share_bytes - self.saved_inputs_bytes
+        return None if self.share_bytes is None else self.share_bytes - self.saved_inputs_bytes - self.frozen_bytes
 
     def to_dict(self, g: int) -> dict:
         return {
             "gpu": g,
             "host_share_bytes": self.share_bytes,
             "saved_inputs_bytes": self.saved_inputs_bytes,
+            "frozen_bytes": self.frozen_bytes,
             "state_budget_bytes": self.state_budget_bytes,
             "stream_share_bytes": self.placement.slot_bytes,
         }
@@ -172,7 +180,7 @@ class MemoryPlan:
     device_bytes: int
     """Sum over gpus of the arena and the gpu's largest activations."""
     host_by_kind: dict[str, int]
-    """Host bytes of optimizer, weights (with the gradients), saved_inputs and streaming."""
+    """Host bytes of optimizer, weights (with the gradients), frozen, saved_inputs and streaming."""
     ssd_by_kind: dict[str, int]
     """SSD bytes of optimizer and weights (with the gradients)."""
 
@@ -274,7 +282,7 @@ def activation_host_caps(plan: Plan, budget: HostBudget) -> list[int]:
     b, share = dtype_bytes(plan.dtype), budget.bytes // plan.num_gpus
     states = [0] * plan.num_gpus
     for s in plan.stages:
-        states[s.gpu] += host_bytes(s.param_count, "host", "host", b)
+        states[s.gpu] += host_bytes(s.trains, "host", "host", b) + s.frozen_bytes
     return [max(0, share - n) for n in states]
 
 
@@ -288,44 +296,46 @@ def place_tiers(plan: Plan, budget: HostBudget) -> MemoryPlan:
     for g in range(plan.num_gpus):
         mine = plan.stages_of(g)
         saved_g = sum(saved[j] for j in mine)
-        params = {j: plan.stages[j].param_count for j in mine}
+        frozen_g = sum(plan.stages[j].frozen_bytes for j in mine)
+        params = {j: plan.stages[j].trains for j in mine}
         if share is None:
             placement = place_states("host", "host", params, 0, LEAST_SHARE_BYTES, b)
         else:
             try:
-                placement = place_states("auto", "auto", params, share - saved_g, LEAST_SHARE_BYTES, b)
+                placement = place_states("auto", "auto", params, share - saved_g - frozen_g, LEAST_SHARE_BYTES, b)
             except ValueError:
                 raise _too_small(plan, budget, share, saved) from None
-        gpus.append(GpuShare(share, saved_g, placement))
+        gpus.append(GpuShare(share, saved_g, placement, frozen_g))
     return _memory(plan, budget, tuple(gpus), saved)
 
 
 def _memory(plan: Plan, budget: HostBudget, gpus: tuple[GpuShare, ...], saved: list[int]) -> MemoryPlan:
     """Bytes per stage, kind and tier of the gpus' placements."""
     b, loads = dtype_bytes(plan.dtype), loads_per_step(plan.mapping)
-    host: dict[str, int] = dict.fromkeys(("optimizer", "weights", "saved_inputs", "streaming"), 0)
+    host: dict[str, int] = dict.fromkeys(("optimizer", "weights", "frozen", "saved_inputs", "streaming"), 0)
     ssd: dict[str, int] = dict.fromkeys(KINDS, 0)
     rows = []
     for j, s in enumerate(plan.stages):
         p = gpus[s.gpu].placement
-        opt, wts, n = p.optimizer[j], p.weights[j], s.param_count
+        opt, wts, n = p.optimizer[j], p.weights[j], s.trains
         states = STATE_BYTES * n if opt == "host" else 0
         stream = p.slot_bytes if opt == "ssd" else 0
-        in_memory = {"optimizer": states, "weights": host_bytes(n, opt, wts, b) - states}
-        on_ssd = {"optimizer": STATE_BYTES * n - states, "weights": 2 * s.param_bytes if wts == "ssd" else 0}
+        in_memory = {"optimizer": states, "weights": host_bytes(n, opt, wts, b) - states, "frozen": s.frozen_bytes}
+        on_ssd = {"optimizer": STATE_BYTES * n - states, "weights": 2 * s.gradient_bytes if wts == "ssd" else 0}
+        for k, v in in_memory.items():
+            host[k] += v
         for k in KINDS:
-            host[k] += in_memory[k]
             ssd[k] += on_ssd[k]
         host["saved_inputs"] += saved[j]
         host["streaming"] += stream
-        moved = s.param_bytes if wts == "ssd" else 0
+        moved = s.gradient_bytes if wts == "ssd" else 0
         rows.append(
             StageTiers(
                 gpu=s.gpu,
                 optimizer=opt,
                 weights=wts,
                 loads=loads[j],
-                device_bytes=2 * s.param_bytes + s.activation_bytes,
+                device_bytes=s.param_bytes + s.gradient_bytes + s.activation_bytes,
                 host_bytes=sum(in_memory.values()) + saved[j] + stream,
                 ssd_bytes=sum(on_ssd.values()),
                 load_read_bytes=moved,
@@ -344,15 +354,17 @@ def _device_bytes(plan: Plan) -> int:
 
 
 def _too_small(plan: Plan, budget: HostBudget, share: int, saved: list[int]) -> PlanInfeasibleError:
-    """The error naming the gpu that needs the most: its saved inputs and its stages' least shares."""
-    need = {g: sum(saved[j] for j in plan.stages_of(g)) for g in range(plan.num_gpus)}
-    least = {g: len(plan.stages_of(g)) * LEAST_SHARE_BYTES for g in need}
-    g = max(need, key=lambda k: need[k] + least[k])
-    total = plan.num_gpus * (need[g] + least[g])
+    """The error naming the gpu that needs the most: its saved inputs, frozen weights and its stages' least shares."""
+    held = {g: sum(saved[j] for j in plan.stages_of(g)) for g in range(plan.num_gpus)}
+    frozen = {g: sum(plan.stages[j].frozen_bytes for j in plan.stages_of(g)) for g in held}
+    least = {g: len(plan.stages_of(g)) * LEAST_SHARE_BYTES for g in held}
+    g = max(held, key=lambda k: held[k] + frozen[k] + least[k])
+    need = held[g] + frozen[g] + least[g]
+    base = f", frozen weights {fmt_bytes(frozen[g])}" if frozen[g] else ""
     return PlanInfeasibleError(
-        f"{plan.model}: gpu {g} needs {fmt_bytes(need[g] + least[g])} of host memory even with every state on the "
-        f"SSD (saved stage inputs {fmt_bytes(need[g])}, the least streaming share of its {len(plan.stages_of(g))} "
-        f"stages {fmt_bytes(least[g])}), but its share of the host budget ({budget.source}: "
+        f"{plan.model}: gpu {g} needs {fmt_bytes(need)} of host memory even with every state on the "
+        f"SSD (saved stage inputs {fmt_bytes(held[g])}{base}, the least streaming share of its "
+        f"{len(plan.stages_of(g))} stages {fmt_bytes(least[g])}), but its share of the host budget ({budget.source}: "
         f"{fmt_bytes(budget.bytes or 0)} over {plan.num_gpus} gpus) is {fmt_bytes(share)}: give more host memory "
-        f"(--host-memory-gb {math.ceil(total / GiB)}), fewer microbatches, or a smaller model"
+        f"(--host-memory-gb {math.ceil(plan.num_gpus * need / GiB)}), fewer microbatches, or a smaller model"
     )

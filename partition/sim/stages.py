@@ -44,7 +44,8 @@ def sim_stages(stages: tuple[StagePlan, ...], topo: Topology, memory: MemoryPlan
     at the gpu's own link speed. An activation to another gpu (and its gradient back) takes output_bytes at
     the pair's bandwidth, or, when the topology measured its messages (CPU stand-ins: gloo between ranks),
     their latency + output_bytes at their GB/s. Bytes (for simulate(..., topology=topo)): a load moves param_bytes, an
-    offload the gradients, which have the parameters' dtype, so also param_bytes. With `memory` (the
+    offload the gradients (grad_bytes: param_bytes, or under LoRA the adapters' alone), and the update is over
+    the trainable parameters. With `memory` (the
     plan's tiers), each stage's SSD traffic per step: its update's (streamed under the update), and with its
     weights on the SSD, its loads' reads and its offload's write (simulate(..., ssd=...)).
     """
@@ -63,13 +64,13 @@ def sim_stages(stages: tuple[StagePlan, ...], topo: Topology, memory: MemoryPlan
                 recompute_s=s.fwd_s if s.recompute_s is None else s.recompute_s,
                 fused=j == len(stages) - 1,
                 load_s=s.load_s,
-                offload_s=s.param_bytes / (topo.gpus[s.gpu].link_gbps * 1e9),
-                update_s=s.param_count / host_adam_rate(topo),
+                offload_s=s.gradient_bytes / (topo.gpus[s.gpu].link_gbps * 1e9),
+                update_s=s.trains / host_adam_rate(topo),
                 comm_s=comm,
                 send_s=m.message_send_s if m else 0.0,
                 recv_s=m.message_recv_s if m else 0.0,
                 param_bytes=s.param_bytes,
-                grad_bytes=s.param_bytes,
+                grad_bytes=s.gradient_bytes,
                 activation_bytes=s.activation_bytes,
                 output_bytes=s.output_bytes,
                 ssd_read_bytes=memory.stages[j].update_read_bytes if memory else 0,

@@ -43,11 +43,20 @@ Per layer l (names "embedding", "block", "head"):
                     head       s*b*h*e + s*b*V*4           (the normalized input, fp32 logits for the loss)
   output_bytes      embedding, block  s*b*h*e ;  head  s*b*V*e
 Per microbatch: input_bytes and target_bytes 8*s*b (int64 token ids).
+
+With LoRA (a_l adapter parameters of layer l: partition.spec.lora.adapter_counts), the base's n_l parameters are
+frozen: param_count n_l + a_l, trainable_count a_l, param_bytes (n_l + a_l) * e; fwd_flops gains 2*b*s*a_l (the
+adapters' matmuls); the backward computes no weight gradient of the base, only its input gradient, so
+bwd_flops = (fwd_flops without the adapters) + 2 * 2*b*s*a_l (the adapters' input and weight gradients). The
+adapters' own saved activations (r values per token and target) are left out: under 1% of a block's at r <= 64.
 LayerNorm, RMSNorm, SiLU/GELU and bias FLOPs are left out (under 1% of a block for h >= 512). The
 s^2 terms assume attention keeps its score matrix; a fused (flash) kernel keeps O(s) instead.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
 
 from partition.spec.hardware import MFU_DEFAULT, DeviceSpec
 from partition.spec.models import ModelSpec, block_matmul_params, layer_param_counts
@@ -98,10 +107,32 @@ def _block_act_units(spec: ModelSpec) -> int:
     return 18 * h + 4 * f + 5 * a * s
 
 
+def _with_adapters(x: LayerProfile, a: int, e: int, tokens: int, rate: float) -> LayerProfile:
+    """Layer x with a adapter parameters beside its frozen ones (the legend's LoRA paragraph); tokens = b*s."""
+    adapter_flops = float(2 * tokens * a)
+    fwd, bwd = x.fwd_flops + adapter_flops, x.fwd_flops + 2 * adapter_flops
+    return replace(
+        x,
+        param_count=x.param_count + a,
+        param_bytes=(x.param_count + a) * e,
+        trainable_count=a,
+        fwd_flops=fwd,
+        bwd_flops=bwd,
+        fwd_s=fwd / rate,
+        bwd_s=bwd / rate,
+    )
+
+
 def analytic_profile(
-    spec: ModelSpec, device: DeviceSpec, microbatch_size: int = 1, dtype: str = "fp16", mfu: float = MFU_DEFAULT
+    spec: ModelSpec,
+    device: DeviceSpec,
+    microbatch_size: int = 1,
+    dtype: str = "fp16",
+    mfu: float = MFU_DEFAULT,
+    adapters: Sequence[int] | None = None,
 ) -> Profile:
-    """Profile of `spec` on `device` for microbatches of `microbatch_size` sequences (see the legend)."""
+    """Profile of `spec` on `device` for microbatches of `microbatch_size` sequences (see the legend); with
+    `adapters` (a_l of every layer), of the model with those LoRA adapters, its base frozen."""
     e = dtype_bytes(dtype)
     _check_args(microbatch_size, mfu)
     s, b, h, v = spec.seq_len, microbatch_size, spec.d_model, spec.vocab_size
@@ -113,13 +144,18 @@ def analytic_profile(
     embedding = _layer("embedding", counts[0], e, hidden, hidden, float(2 * b * s * h), rate)
     blocks = [_layer("block", n, e, block_act, hidden, block_flops, rate) for n in counts[1:-1]]
     head = _layer("head", counts[-1], e, hidden + s * b * v * 4, s * b * v * e, float(2 * b * s * h * v), rate)
+    layers = (embedding, *blocks, head)
+    if adapters is not None:
+        if len(adapters) != len(layers):
+            raise ValueError(f"adapters: expected a count for each of the {len(layers)} layers, found {len(adapters)}")
+        layers = tuple(_with_adapters(x, a, e, s * b, rate) for x, a in zip(layers, adapters))
     return Profile(
         model=spec.name,
         device=device.name,
         dtype=dtype,
         microbatch_size=b,
         seq_len=s,
-        layers=(embedding, *blocks, head),
+        layers=layers,
         input_bytes=TOKEN_BYTES * s * b,
         target_bytes=TOKEN_BYTES * s * b,
     )

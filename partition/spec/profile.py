@@ -12,6 +12,8 @@ Symbols (per layer l, for ONE microbatch of `microbatch_size` sequences of `seq_
   K_l  kept_s            the forward as a keep (or selective) stage's F runs it for a kept layer:
                          with grad, through the runtime's keep hooks, its graph kept until the
                          backward, M microbatches in a row, each in fresh memory (None: R_l)  [s]
+  T_l  trainable_count   the parameters that train (a LoRA layer's adapters; the rest, frozen, get no
+                         gradient and no optimizer state); None: all param_count              [-]
   X_l  workspace_bytes   the most bytes the layer's recompute and backward allocate beyond A_l and
                          O_l while they run: gradients of its intermediates, each weight's
                          gradient before it is added into the gradient slot (measured on CUDA by
@@ -38,6 +40,7 @@ from foundation.loader import (
     Problem,
     at_least,
     non_empty,
+    part_of,
     positive,
     read_file,
     save_file,
@@ -85,6 +88,13 @@ class LayerProfile(_ProfilePart):
     """K_l of the legend; None: the same as redo_s."""
     workspace_bytes: int = 0
     """X_l of the legend; 0 in profiles that did not measure it."""
+    trainable_count: int | None = None
+    """T_l of the legend; None: every parameter trains."""
+
+    @property
+    def trains(self) -> int:
+        """T_l: trainable_count, or param_count when every parameter trains."""
+        return self.param_count if self.trainable_count is None else self.trainable_count
 
     @property
     def redo_s(self) -> float:
@@ -104,6 +114,7 @@ class LayerProfile(_ProfilePart):
             *non_empty(self, "name", _WRITE_FIX),
             *(p for name in counts for p in at_least(self, name, 0, _WRITE_FIX)),
             *(p for name in (*amounts, *redo) for p in positive(self, name, _WRITE_FIX, zero_ok=True)),
+            *part_of(self, "trainable_count", "param_count", _WRITE_FIX),
         ]
 
 

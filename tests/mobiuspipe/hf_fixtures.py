@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from mobiuspipe.models.gpt import lm_loss
@@ -81,3 +82,18 @@ def random_batches(steps: int, batch: int, seq_len: int, seed: int = 1):
         s = torch.randint(0, VOCAB, (batch, seq_len + 1), generator=g)
         out.append((s[:, :-1].contiguous(), s[:, 1:].contiguous()))
     return out
+
+
+def token_file(path: Path, count: int, seed: int) -> np.ndarray:
+    """`count` random ids below VOCAB written to `path` as a token file (uint16); returns them."""
+    ids = np.random.default_rng(seed).integers(0, VOCAB, count).astype(np.uint16)
+    ids.tofile(path)
+    return ids
+
+
+def in_order(ids: np.ndarray, first: int, rows: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences first .. first + rows - 1 of a token file read in order (data.shuffle false): sequence n is
+    ids[n*T : n*T + T + 1], T = seq_len; (inputs, targets)."""
+    t = seq_len
+    seqs = torch.from_numpy(np.stack([ids[n * t : n * t + t + 1] for n in range(first, first + rows)]).astype(np.int64))
+    return seqs[:, :-1], seqs[:, 1:]

@@ -142,3 +142,30 @@ def test_compare_says_it_keeps_the_states_in_memory(capsys):
     assert code == 0 and out.rstrip().endswith("not applied to the comparison)")
     code, out, err = run(small + ["--json"], capsys)
     assert code == 0 and "note" not in json.loads(out)["compare"]
+
+
+def test_llama2_70b_with_lora_on_256_gib_keeps_everything_off_the_ssd(capsys):
+    """The issue's check: LoRA rank 16 on 2+2 with 256 GiB: no byte on the SSD and a step the SSD does not bound
+    (full fine-tuning of the same model there is SSD-bound)."""
+    argv = ["partition", "--model", "llama2-70b", "--topology", "2+2", "--host-memory-gb", "256", "--solver", "dp"]
+    code, out, _ = run(argv + ["--lora", "16", "--json"], capsys)
+    assert code == 0
+    doc = json.loads(out)
+    mem = doc["memory"]
+    assert mem["ssd_bytes"] == 0 and mem["bound_by"] != "ssd" and mem["busy_s"]["ssd"] == 0
+    assert doc["trainable_count"] == 32_768_000  # r (8192 + 8192) + r (8192 + 1024) per block, q and v, 80 blocks
+    assert mem["host_bytes_by_kind"]["optimizer"] == 12 * doc["trainable_count"]
+    assert mem["host_bytes_by_kind"]["frozen"] == 2 * (doc["param_count"] - doc["trainable_count"])
+    code, out, _ = run(argv + ["--json"], capsys)
+    full = json.loads(out)
+    assert full["memory"]["bound_by"] == "ssd" and full["predicted_step_time_s"] > 10 * doc["predicted_step_time_s"]
+
+
+def test_lora_options_are_checked(capsys):
+    base = ["partition", "--model", "llama2-7b", "--topology", "2+2", "--solver", "dp"]
+    code, _, err = run(base + ["--lora-targets", "q_proj"], capsys)
+    assert code == 2 and "--lora-targets 'q_proj' without --lora" in err
+    code, _, err = run(base + ["--lora", "8", "--lora-targets", "q_proj,c_attn"], capsys)
+    assert code == 2 and "c_attn name no linear layer of llama2-7b" in err
+    code, out, _ = run(base + ["--lora", "8", "--lora-targets", "q_proj,k_proj,v_proj,o_proj"], capsys)
+    assert code == 0 and "LoRA: 8,388,608 of" in out and "parameters train (the adapters)" in out

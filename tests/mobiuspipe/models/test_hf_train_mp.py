@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 
@@ -19,18 +18,6 @@ pytestmark = pytest.mark.slow
 
 T = 17
 """seq_len of these runs."""
-
-
-def _token_file(path, count: int, vocab: int, seed: int) -> np.ndarray:
-    ids = np.random.default_rng(seed).integers(0, vocab, count).astype(np.uint16)
-    ids.tofile(path)
-    return ids
-
-
-def _in_order(ids: np.ndarray, first: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sequences first .. first + rows - 1 by the issue's rule: sequence n is ids[n*T : n*T + T + 1]."""
-    seqs = torch.from_numpy(np.stack([ids[n * T : n * T + T + 1] for n in range(first, first + rows)]).astype(np.int64))
-    return seqs[:, :-1], seqs[:, 1:]
 
 
 def _eval_loss(model, batches) -> float:
@@ -51,8 +38,8 @@ def test_hf_model_trains_as_transformers_does(tmp_path, launch, hf_kit, kind, pa
     write_config, torchrun = launch
     model = hf_kit.save_model(kind, tmp_path / "src", seed=11)
     rows = 8 * passes  # sequences per optimizer step
-    train_ids = _token_file(tmp_path / "train.bin", 3 * rows * T + 1 + 5, hf_kit.VOCAB, seed=4)
-    eval_ids = _token_file(tmp_path / "eval.bin", 2 * 8 * T + 1 + 3, hf_kit.VOCAB, seed=5)
+    train_ids = hf_kit.token_file(tmp_path / "train.bin", 3 * rows * T + 1 + 5, seed=4)
+    eval_ids = hf_kit.token_file(tmp_path / "eval.bin", 2 * 8 * T + 1 + 3, seed=5)
     out, export = tmp_path / "out", tmp_path / "export"
     cfg_path = write_config(
         tmp_path,
@@ -85,14 +72,14 @@ def test_hf_model_trains_as_transformers_does(tmp_path, launch, hf_kit, kind, pa
     plan = load_plan(out / "plan.yaml")
     if kind == "gpt2":  # the tied table's halves: the embedding's stage and the head's, on different ranks
         assert plan.mapping[0] != plan.mapping[-1]
-    held_out = [_in_order(eval_ids, 8 * k, 8) for k in range(2)]
+    held_out = [hf_kit.in_order(eval_ids, 8 * k, 8, T) for k in range(2)]
     evals = {-1: _eval_loss(model, held_out)}  # the pretrained weights, through both ranks' stages
 
     def evaluate(step, trained):
         if step in (1, 2):  # eval_every 2 over 3 steps: after step 2 and after the last
             evals[step] = _eval_loss(trained, held_out)
 
-    batches = [_in_order(train_ids, s * rows, rows) for s in range(3)]
+    batches = [hf_kit.in_order(train_ids, s * rows, rows, T) for s in range(3)]
     want = hf_kit.train_plain(model, batches, microbatches=4 * passes, lr=0.004, max_norm=clip, after=evaluate)
     want, want_norms = want if clip else (want, None)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -127,7 +114,7 @@ def test_a_finished_hf_run_is_extended_and_its_export_replaced(tmp_path, launch,
 
     write_config, _ = launch
     hf_kit.save_model("llama", tmp_path / "src", seed=3)
-    _token_file(tmp_path / "train.bin", 4 * 8 * T + 1, hf_kit.VOCAB, seed=6)
+    hf_kit.token_file(tmp_path / "train.bin", 4 * 8 * T + 1, seed=6)
     out, export = tmp_path / "out", tmp_path / "export"
     doc = {
         "model": {"hf": str(tmp_path / "src"), "seq_len": T},

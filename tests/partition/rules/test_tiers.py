@@ -96,6 +96,7 @@ def test_unlimited_keeps_everything_in_memory_and_counts_every_kind():
     assert mem.host_by_kind == {
         "optimizer": 12 * ALL,
         "weights": 4 * ALL,  # fp16 weights and gradients, 2 + 2 bytes
+        "frozen": 0,
         "saved_inputs": SAVED0 + SAVED1,
         "streaming": 0,
     }
@@ -124,6 +125,7 @@ def test_a_share_that_fits_exactly_moves_nothing():
     assert mem.host_by_kind == {
         "optimizer": 12 * (N0 + N1),
         "weights": 4 * ALL,
+        "frozen": 0,
         "saved_inputs": 96,
         "streaming": 12 * N2 - 1,
     }
@@ -161,7 +163,13 @@ def test_everything_on_the_ssd_fills_each_share_with_streaming():
     mem = place_tiers(_plan(), _split(5 * 10**9 + SAVED0))
     assert _tiers(mem, "optimizer") == _tiers(mem, "weights") == ["ssd"] * 3
     assert mem.host_bytes == 2 * (5 * 10**9 + SAVED0)  # every byte of each share: saved inputs + streaming
-    assert mem.host_by_kind == {"optimizer": 0, "weights": 0, "saved_inputs": 96, "streaming": mem.host_bytes - 96}
+    assert mem.host_by_kind == {
+        "optimizer": 0,
+        "weights": 0,
+        "frozen": 0,
+        "saved_inputs": 96,
+        "streaming": mem.host_bytes - 96,
+    }
     assert mem.stages[0].ssd_read_bytes == 12 * N0 + 2 * 2 * N0 + 2 * N0 and mem.ssd_write_bytes == 16 * ALL
     assert mem.ssd_read_bytes == 16 * ALL + 2 * N0
 

@@ -1,0 +1,102 @@
+"""LoRA in the plan: which linear layers of a spec an adapter targets, and the parameters its adapters add.
+
+Legend (per layer l; units in brackets):
+  r      the adapters' rank (LoraShape.rank)                                                [-]
+  i, o   a target linear layer's input and output features                                  [-]
+  a_l    adapter parameters of layer l: r (i + o) for each target linear layer of it
+         (A is r x i, B is o x r; no biases)                                                 [-]
+  n_l    the layer's own parameters (partition.spec.models.layer_param_counts): frozen     [-]
+
+A target names linear layers as PEFT's `target_modules` does: a layer whose dotted name is the target or ends
+with "." and the target. The names are Hugging Face's: a "gpt" block has GPT-2's attn.c_attn, attn.c_proj,
+mlp.c_fc and mlp.c_proj, a "llama" block self_attn.{q,k,v,o}_proj and mlp.{gate,up,down}_proj, and the head
+lm_head. Embeddings and norms take no adapter. (mobiuspipe's built-in GPT names its layers otherwise: a run
+counts its adapters on the layers themselves and gives the counts to analytic_profile.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from partition.spec.models import ModelSpec
+
+__all__ = ["LoraShape", "Linear", "block_linears", "head_linears", "adapter_counts", "target_names", "default_targets"]
+
+
+@dataclass(frozen=True)
+class LoraShape:
+    """What the planner needs of a LoRA adapter: its rank and target module names."""
+
+    rank: int
+    targets: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"LoRA rank: expected an integer >= 1, found {self.rank!r}")
+        if not self.targets or not all(isinstance(t, str) and t for t in self.targets):
+            raise ValueError(f"LoRA targets: expected module names such as q_proj or c_attn, found {self.targets!r}")
+        object.__setattr__(self, "targets", tuple(sorted(set(self.targets))))
+
+
+@dataclass(frozen=True)
+class Linear:
+    """A linear layer of a layer: its dotted name in the layer (see the module docstring), i and o."""
+
+    name: str
+    in_features: int
+    out_features: int
+
+    def targeted_by(self, targets: tuple[str, ...]) -> bool:
+        """Whether a target names it, by PEFT's rule."""
+        return any(self.name == t or self.name.endswith(f".{t}") for t in targets)
+
+
+def block_linears(spec: ModelSpec) -> tuple[Linear, ...]:
+    """The linear layers of one block of `spec`."""
+    d, f = spec.d_model, spec.ffn
+    if spec.family == "llama":
+        kv = spec.kv_heads * spec.head_dim
+        attn = [("q_proj", d, d), ("k_proj", d, kv), ("v_proj", d, kv), ("o_proj", d, d)]
+        mlp = [("gate_proj", d, f), ("up_proj", d, f), ("down_proj", f, d)]
+        return tuple(Linear(f"self_attn.{n}", i, o) for n, i, o in attn) + tuple(
+            Linear(f"mlp.{n}", i, o) for n, i, o in mlp
+        )
+    return (
+        Linear("attn.c_attn", d, 3 * d),
+        Linear("attn.c_proj", d, d),
+        Linear("mlp.c_fc", d, f),
+        Linear("mlp.c_proj", f, d),
+    )
+
+
+def head_linears(spec: ModelSpec) -> tuple[Linear, ...]:
+    """The head's linear layer (the logits): d -> V."""
+    return (Linear("lm_head", spec.d_model, spec.vocab_size),)
+
+
+def default_targets(spec: ModelSpec) -> tuple[str, ...]:
+    """PEFT's default targets for a model of this family (its target_modules when none are given): the query
+    and value projections of a llama, the fused qkv projection of a gpt."""
+    return ("q_proj", "v_proj") if spec.family == "llama" else ("c_attn",)
+
+
+def target_names(spec: ModelSpec) -> list[str]:
+    """Every name a target may match in `spec`, block layers first (for a message naming what there is)."""
+    return [lin.name for lin in (*block_linears(spec), *head_linears(spec))]
+
+
+def adapter_counts(spec: ModelSpec, lora: LoraShape) -> list[int]:
+    """a_l of the legend for every layer of `spec`, embedding first; ValueError when a target names no linear
+    layer of the model (a typo would otherwise plan, and train, nothing under that name)."""
+    linears = (*block_linears(spec), *head_linears(spec))
+    unknown = [t for t in lora.targets if not any(lin.targeted_by((t,)) for lin in linears)]
+    if unknown:
+        raise ValueError(
+            f"LoRA targets {', '.join(unknown)} name no linear layer of {spec.name}; its linear layers are "
+            f"{', '.join(target_names(spec))}"
+        )
+
+    def count(lins: tuple[Linear, ...]) -> int:
+        return sum(lora.rank * (x.in_features + x.out_features) for x in lins if x.targeted_by(lora.targets))
+
+    return [0] + [count(block_linears(spec))] * spec.num_blocks + [count(head_linears(spec))]

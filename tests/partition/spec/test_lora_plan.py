@@ -1,0 +1,95 @@
+"""LoRA in the planner: adapter counts by hand and against PEFT's published figure, the analytic profile of an
+adapted model, and a plan's tiers and simulated step counting only the adapters as trainable."""
+
+import pytest
+
+from partition.rules.tiers import HostBudget, place_tiers
+from partition.search import make_plan
+from partition.sim.stages import sim_stages
+from partition.spec.analytic import analytic_profile
+from partition.spec.hardware import DeviceSpec
+from partition.spec.lora import LoraShape, adapter_counts, default_targets
+from partition.spec.models import MODELS, ModelSpec
+from topology import cpu_standin
+
+TINY = ModelSpec("tiny", num_blocks=2, d_model=8, num_heads=2, seq_len=4, vocab_size=16)
+LLAMA = ModelSpec(
+    "tiny-llama", num_blocks=3, d_model=12, num_heads=4, seq_len=5, vocab_size=31, family="llama", ffn_dim=7,
+    num_kv_heads=2,
+)  # fmt: skip
+DEV = DeviceSpec("test-dev", peak_tflops=1.0, memory_bytes=1 << 30, pcie_gbps=10.0)
+
+
+def test_llama2_7b_rank_16_on_q_and_v_has_pefts_published_count():
+    # PEFT's print_trainable_parameters for Llama-2-7b, r=16, target_modules q_proj, v_proj: 8,388,608
+    counts = adapter_counts(MODELS["llama2-7b"], LoraShape(16, ("q_proj", "v_proj")))
+    assert sum(counts) == 8_388_608 and counts[0] == counts[-1] == 0
+
+
+def test_counts_by_hand_for_odd_sizes():
+    # llama block: q 12->12, k 12->6, v 12->6, o 12->12, gate/up 12->7, down 7->12; head 12->31
+    every = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+    block = 3 * (24 + 18 + 18 + 24 + 19 + 19 + 19)
+    assert adapter_counts(LLAMA, LoraShape(3, every)) == [0, block, block, block, 3 * 43]
+    # gpt block: c_attn 8->24, attn.c_proj 8->8, c_fc 8->32, mlp.c_proj 32->8: "c_proj" names both
+    assert adapter_counts(TINY, LoraShape(2, ("c_proj",))) == [0, 112, 112, 0]  # 2 * ((8 + 8) + (32 + 8))
+    assert default_targets(LLAMA) == ("q_proj", "v_proj") and default_targets(TINY) == ("c_attn",)
+
+
+def test_a_target_that_names_no_linear_layer_is_refused_with_the_names():
+    with pytest.raises(ValueError, match=r"qkv name no linear layer of tiny-llama; its linear layers are "):
+        adapter_counts(LLAMA, LoraShape(4, ("q_proj", "qkv")))
+
+
+def test_the_analytic_profile_of_an_adapted_model():
+    a = adapter_counts(TINY, LoraShape(2, ("c_attn",)))  # 2 * (8 + 24) = 64 per block
+    plain = analytic_profile(TINY, DEV, microbatch_size=3, dtype="fp16", mfu=0.5)
+    lora = analytic_profile(TINY, DEV, microbatch_size=3, dtype="fp16", mfu=0.5, adapters=a)
+    for x, y, n in zip(plain.layers, lora.layers, a):
+        assert (y.param_count, y.trainable_count, y.param_bytes) == (x.param_count + n, n, 2 * (x.param_count + n))
+        tokens = 3 * 4
+        assert y.fwd_flops == x.fwd_flops + 2 * tokens * n
+        assert y.bwd_flops == x.fwd_flops + 4 * tokens * n  # no weight gradient of the base
+        assert y.fwd_s == pytest.approx(y.fwd_flops / 5e11, rel=1e-12)
+    assert plain.layers[1].trains == plain.layers[1].param_count and lora.layers[1].trains == 64
+    with pytest.raises(ValueError, match="a count for each of the 4 layers"):
+        analytic_profile(TINY, DEV, adapters=[0, 1])
+
+
+def _plans():
+    spec = MODELS["gpt3-1.3b"]
+    topo = cpu_standin(2, 64 << 30)
+    a = adapter_counts(spec, LoraShape(8, ("c_attn", "c_proj")))
+    plans = []
+    for adapters in (None, a):
+        profile = analytic_profile(spec, DEV, microbatch_size=1, dtype="bf16", adapters=adapters)
+        plans.append(make_plan(profile, topo, 4, num_stages=4, solver="dp"))
+    return plans, topo, a
+
+
+def test_a_lora_plan_trains_the_adapters_alone():
+    (full, lora), topo, a = _plans()
+    assert [s.trainable_count for s in full.stages] == [None] * 4  # plans without LoRA say nothing new
+    assert sum(s.trains for s in lora.stages) == sum(a)
+    for s in lora.stages:
+        assert s.gradient_bytes == 2 * s.trains and s.frozen_bytes == s.param_bytes - 2 * s.trains
+    full_sim, lora_sim = sim_stages(full.stages, topo), sim_stages(lora.stages, topo)
+    for s, x in zip(lora.stages, lora_sim):
+        assert x.grad_bytes == s.gradient_bytes and x.update_s == pytest.approx(s.trains / 1e9)
+    assert sum(x.update_s for x in lora_sim) < sum(x.update_s for x in full_sim) / 100
+
+
+def test_a_lora_plans_tiers_keep_the_frozen_base_in_host_memory_and_states_for_the_adapters():
+    (_, lora), _, a = _plans()
+    mem = place_tiers(lora, HostBudget(None, "unlimited"))
+    frozen = sum(s.frozen_bytes for s in lora.stages)
+    assert mem.host_by_kind["frozen"] == frozen > 0
+    assert mem.host_by_kind["optimizer"] == 12 * sum(a)
+    assert mem.host_by_kind["weights"] == 4 * sum(a)  # bf16 adapters and their gradients
+    # a share that holds each gpu's frozen base and saved inputs but not all of its adapters' states
+    share = max(g.frozen_bytes + g.saved_inputs_bytes for g in mem.gpus) + 16 * max(a) // 2
+    tight = place_tiers(lora, HostBudget(2 * share, "test"))
+    assert tight.host_by_kind["frozen"] == frozen and tight.ssd_by_kind["optimizer"] > 0
+    assert [g.state_budget_bytes for g in tight.gpus] == [
+        share - g.saved_inputs_bytes - g.frozen_bytes for g in tight.gpus
+    ]
