@@ -15,6 +15,7 @@ key, what was expected, what was found and the fix. Field metadata tunes a field
                         exist, else this fix is shown
   "path_suffixes": tuple  with "path_fix": only a value ending in one of these is a path (e.g. a layout
                         file); any other (e.g. a preset name) is left as written
+  "or_folder": True     with "path_fix": an existing folder is taken too
   "folder_fix": str     the same for a folder path: it must be an existing folder
   "out_path": True      the field holds a path the program writes (it need not exist yet): made absolute
                         against the file's folder; "" is left as written (for the class's own check)
@@ -261,7 +262,7 @@ class Builder:
             )
             return INVALID
         if "path_fix" in meta and made.endswith(meta.get("path_suffixes", "")):
-            return self._path(made, key, meta["path_fix"])
+            return self._path(made, key, meta["path_fix"], None if meta.get("or_folder") else False)
         if "folder_fix" in meta:
             return self._path(made, key, meta["folder_fix"], folder=True)
         return self._absolute(made) if meta.get("out_path") and made else made
@@ -287,19 +288,21 @@ class Builder:
         """`value` with `~` expanded, made absolute against the file's folder (base_dir)."""
         return os.path.normpath(os.path.join(self.base_dir, os.path.expanduser(value)))
 
-    def _path(self, value: str, key: str, fix: str, folder: bool = False) -> Any:
-        """A relative path made absolute against the file's folder; the file (or `folder`) must exist, else
-        INVALID (the problem recorded): nothing is built on a path that is not there."""
+    def _path(self, value: str, key: str, fix: str, folder: bool | None = False) -> Any:
+        """A relative path made absolute against the file's folder; the file (`folder`: the folder; None: either)
+        must exist, else INVALID (the problem recorded): nothing is built on a path that is not there."""
         path = self._absolute(value)
-        if not (os.path.isdir(path) if folder else os.path.isfile(path)):
+        ok = os.path.exists(path) if folder is None else os.path.isdir(path) if folder else os.path.isfile(path)
+        if not ok:
             if os.path.exists(path):
                 what = "a file" if folder else "a folder"
             else:
                 what = "which does not exist"
+            kind = "file or folder" if folder is None else "folder" if folder else "file"
             self.problems.append(
                 Problem(
                     key,
-                    f"an existing {'folder' if folder else 'file'} (a relative path is read from {self.base_dir})",
+                    f"an existing {kind} (a relative path is read from {self.base_dir})",
                     f"{value!r}, i.e. {path}, {what}",
                     fix,
                 )

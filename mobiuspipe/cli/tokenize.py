@@ -1,5 +1,6 @@
 """`mobiuspipe tokenize`: text or JSONL tokenized once with a local tokenizer folder into a token file (nanoGPT's
-.bin layout) that `data.tokens` reads through a memory map."""
+.bin layout) that `data.tokens` reads through a memory map; instruction examples (--format instruction) into an
+examples file, rows of seq_len + 1 ids and their mask (mobiuspipe/data/instruct.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 
 from mobiuspipe.cli._common import CliError, write_output
 from mobiuspipe.config.data import TOKEN_DTYPES
+from mobiuspipe.data.instruct import IGNORE, encode, load_chat_tokenizer, mask_path, read_examples, to_rows, write_rows
 from mobiuspipe.data.token_file import write_token_file
 from mobiuspipe.data.tokenizer import TextTokenizer, load_tokenizer, token_chunks
 
@@ -26,6 +28,14 @@ def register(sub) -> None:
         help="text file (one document) or .jsonl file (one document per line); repeat to concatenate several",
     )
     p.add_argument("--field", default="text", help="JSONL key holding each document's text (default: text)")
+    p.add_argument(
+        "--format",
+        choices=("text", "instruction"),
+        default="text",
+        help="text: documents into one stream of ids (default); instruction: JSONL examples (messages, or prompt "
+        "and response), one per row of --seq-len + 1 ids, with FILE.mask.bin marking the trained targets",
+    )
+    p.add_argument("--seq-len", type=int, help="with --format instruction: the model.seq_len the rows are cut to")
     p.add_argument("-o", "--output", required=True, help="token file to write, e.g. train.bin")
     p.add_argument("--dtype", choices=list(TOKEN_DTYPES), default="uint16", help="token id type (default: uint16)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the summary line")
@@ -46,6 +56,10 @@ def run(args: argparse.Namespace, out) -> int:
     """Tokenize every input in turn into one token file; print what was written."""
     tok = load_tokenizer(args.tokenizer, "--tokenizer")
     _check_dtype(tok, args.dtype)
+    if args.format == "instruction":
+        return _instructions(args, out)
+    if args.seq_len is not None:
+        raise CliError("--seq-len: rows are for --format instruction; text is one stream: drop --seq-len")
     counts: list[int] = []
 
     def write() -> None:
@@ -74,6 +88,39 @@ def run(args: argparse.Namespace, out) -> int:
         print(
             f"wrote {report['tokens']:,} tokens ({args.dtype}) from {len(counts)} file(s) to {report['output']} with "
             f"{tok.describe()}; train on it with `data: {{tokens: {args.output}, token_dtype: {args.dtype}}}`",
+            file=out,
+        )
+    return 0
+
+
+def _instructions(args: argparse.Namespace, out) -> int:
+    """Instruction examples into an examples file (rows and mask); print what was written."""
+    if args.seq_len is None or args.seq_len < 1:
+        raise CliError(
+            f"--seq-len: expected the model.seq_len the examples are cut to (>= 1) with --format instruction, found "
+            f"{args.seq_len}; fix: give e.g. --seq-len 2048"
+        )
+    tok = load_chat_tokenizer(args.tokenizer, "--tokenizer")
+    examples = [encode(tok, record, where) for path in args.input for record, where in read_examples(path, "--input")]
+    rows, targets, dropped = to_rows(examples, args.seq_len, tok.pad_id)
+    write_output("examples file", args.output, lambda: write_rows(rows, targets, args.output, args.dtype))
+    report = {
+        "output": os.path.abspath(args.output),
+        "mask": os.path.abspath(mask_path(args.output)),
+        "examples": len(rows),
+        "dropped": dropped,
+        "seq_len": args.seq_len,
+        "trained_targets": int((targets != IGNORE).sum()),
+        "dtype": args.dtype,
+        "tokenizer": os.path.abspath(tok.folder),
+    }
+    if args.json:
+        print(json.dumps(report, indent=2), file=out)
+    else:
+        print(
+            f"wrote {len(rows):,} instruction examples ({dropped:,} dropped: no response within seq_len + 1) of "
+            f"{args.seq_len} + 1 ids to {report['output']} and its mask {report['mask']}; train on them with "
+            f"`data: {{format: instruction, tokens: {args.output}, token_dtype: {args.dtype}}}`",
             file=out,
         )
     return 0

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from importlib import resources
 
 from foundation.loader import Problem, at_least, non_empty, rule
 from mobiuspipe.config.section import Section, divisible
 
-__all__ = ["DataConfig", "TOKEN_DTYPES", "is_jsonl", "is_token_file"]
+__all__ = ["DataConfig", "FORMATS", "TOKEN_DTYPES", "is_jsonl", "is_token_file"]
 
+FORMATS = ("text", "instruction")
+"""What the data is: documents packed into one stream, or instruction examples, one per sequence."""
 TOKEN_DTYPES = {"uint16": 2, "uint32": 4}
 """The integer types of a token file, and the bytes of one token id in each."""
 
@@ -18,6 +21,11 @@ TOKEN_DTYPES = {"uint16": 2, "uint32": 4}
 def is_jsonl(path: str) -> bool:
     """A JSONL file (one JSON object per line): the name ends in .jsonl."""
     return path.lower().endswith(".jsonl")
+
+
+def needs_tokenizer(path: str) -> bool:
+    """A source whose documents are tokenized: JSONL, or a datasets folder."""
+    return is_jsonl(path) or os.path.isdir(path)
 
 
 def is_token_file(path: str) -> bool:
@@ -37,11 +45,16 @@ class DataConfig(Section):
 
     path: str | None = dataclasses.field(
         default=None,
-        metadata={"path_fix": "correct the path, or remove data.path to train on the packaged sample text"},
+        metadata={
+            "path_fix": "correct the path, or remove data.path to train on the packaged sample text",
+            "or_folder": True,
+        },
     )
     """The training text: a JSONL file (a name ending .jsonl: one JSON object per line, the document under
-    `field`; needs `tokenizer`) or any other file as text; None = mobiuspipe/data/sample.txt shipped in the
-    package (unless `tokens` is given). A relative path is resolved against the config file's folder."""
+    `field`; needs `tokenizer`), a local Hugging Face datasets folder (save_to_disk's, or .parquet, .arrow or
+    .jsonl files; its `split`; each row's `field`, or an instruction example; needs `tokenizer`), or any other
+    file as text; None = mobiuspipe/data/sample.txt shipped in the package (unless `tokens` is given). A relative
+    path is resolved against the config file's folder."""
     tokens: str | None = dataclasses.field(
         default=None,
         metadata={"path_fix": "correct the path, or write the file with `mobiuspipe tokenize -o FILE.bin`"},
@@ -65,6 +78,16 @@ class DataConfig(Section):
     is read as bytes (token ids 0..255). A relative path is resolved against the config file's folder."""
     field: str = "text"
     """The key of each JSONL line whose string value is the document (for a .jsonl path or eval_path)."""
+    split: str = "train"
+    """The split of a datasets folder `path` that holds several (a DatasetDict's)."""
+    eval_split: str = "validation"
+    """The split of a datasets folder `eval_path` that holds several."""
+    format: str = "text"
+    """"text": documents (text, JSONL `field`s or a token file) in one stream of tokens, packed. "instruction":
+    JSONL examples, each a `messages` list (rendered with the tokenizer folder's chat template) or a `prompt`
+    and `response`, one example per sequence (cut to seq_len + 1 tokens, padded), the loss on the assistant's
+    or response's tokens alone (mobiuspipe/data/instruct.py has the rules); path and eval_path are .jsonl, a
+    tokenizer is needed."""
     shuffle: bool = True
     """Shuffle the packed sequences: each epoch a new permutation of them, seeded by (train.seed, epoch),
     the same on every rank. False: step s takes sequences s*B .. s*B + B - 1 in file order. True by
@@ -72,11 +95,15 @@ class DataConfig(Section):
     neighbours is a poor gradient estimate); the run stays reproducible from the seed either way."""
     eval_path: str | None = dataclasses.field(
         default=None,
-        metadata={"path_fix": "correct the path, or remove data.eval_path to train without a held-out set"},
+        metadata={
+            "path_fix": "correct the path, or remove data.eval_path to train without a held-out set",
+            "or_folder": True,
+        },
     )
-    """Held-out data: a name ending .bin is a token file of `token_dtype`; any other is text or JSONL read
-    and tokenized as `path` is. Packed the same way, read in file order, never shuffled; it must hold at
-    least one batch. None = no held-out set. A relative path is resolved against the config file's folder."""
+    """Held-out data: a name ending .bin is a token file of `token_dtype`; any other is text, JSONL or a datasets
+    folder (its `eval_split`) read and tokenized as `path` is. Packed the same way (instruction examples: one per
+    sequence), read in file order, never shuffled; it must hold at least one batch. None = no held-out set. A
+    relative path is resolved against the config file's folder."""
     batch_size: int = 8
     """Sequences per optimizer step (sequences); a multiple of num_microbatches."""
     num_microbatches: int = 4
@@ -107,7 +134,47 @@ class DataConfig(Section):
                 "use `token_dtype: uint16` (vocabularies up to 65536) or `uint32`",
             ),
             *non_empty(self, "field", "name the JSONL key that holds each document's text, e.g. `field: text`"),
+            *rule(
+                self.format in FORMATS,
+                "format",
+                "one of " + ", ".join(FORMATS),
+                repr(self.format),
+                "use `format: text` (documents) or `format: instruction` (prompt/response or messages)",
+            ),
+            *self._instruction_problems(),
             *self._source_problems(),
+        ]
+
+    def _instruction_problems(self) -> list[Problem]:
+        """Instruction examples come from JSONL files, read with a tokenizer (its chat template)."""
+        if self.format != "instruction":
+            return []
+        files = {"path": self.path, "eval_path": self.eval_path}
+        jsonl = [v for v in files.values() if v is not None and needs_tokenizer(v)]
+        return [
+            *rule(
+                self.tokens is not None or (self.path is not None and needs_tokenizer(self.path)),
+                "path",
+                'a .jsonl file or datasets folder of instruction examples ({"messages": [...]} or {"prompt": ..., '
+                '"response": ...}), or their examples file from `mobiuspipe tokenize --format instruction` as '
+                "data.tokens",
+                repr(self.path),
+                "give data.path a .jsonl file, or `format: text` for documents",
+            ),
+            *rule(
+                self.eval_path is None or needs_tokenizer(self.eval_path) or is_token_file(self.eval_path),
+                "eval_path",
+                "held-out instruction examples: a .jsonl file, a datasets folder, or an examples file (.bin)",
+                repr(self.eval_path),
+                "give data.eval_path a .jsonl file, or `format: text` for documents",
+            ),
+            *rule(
+                self.tokenizer is not None or not jsonl,
+                "tokenizer",
+                "a tokenizer folder (its chat template renders messages) for .jsonl examples",
+                "no tokenizer",
+                "set `tokenizer:` to the model's folder holding tokenizer.json and its chat template",
+            ),
         ]
 
     def _source_problems(self) -> list[Problem]:
@@ -129,9 +196,9 @@ class DataConfig(Section):
                 "give a token file as `tokens:` (with token_dtype), not `path:`",
             ),
             *rule(
-                self.tokenizer is not None or not (is_jsonl(path) or is_jsonl(eval_path)),
+                self.tokenizer is not None or not (needs_tokenizer(path) or needs_tokenizer(eval_path)),
                 "tokenizer",
-                "a tokenizer folder when path or eval_path is JSONL (its documents are tokenized)",
+                "a tokenizer folder when path or eval_path is JSONL or a datasets folder (its documents are tokenized)",
                 "no tokenizer",
                 "set `tokenizer:` to the model's folder holding tokenizer.json, or give plain text",
             ),

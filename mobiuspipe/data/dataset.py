@@ -17,13 +17,14 @@ import numpy as np
 import torch
 
 from mobiuspipe.config.data import DataConfig, is_token_file
+from mobiuspipe.data.instruct import IGNORE, encode, load_chat_tokenizer, read_examples, read_rows, to_rows
 from mobiuspipe.data.token_file import Vocabulary, check_ids, data_error, open_bytes, open_token_file
 from mobiuspipe.data.tokenizer import TextTokenizer, load_tokenizer, tokenize_file
 
 if TYPE_CHECKING:
     from mobiuspipe.config import RunConfig
 
-__all__ = ["PackedTokens", "open_data", "open_eval", "open_run_data"]
+__all__ = ["PackedTokens", "InstructionRows", "open_data", "open_eval", "open_run_data"]
 
 
 class PackedTokens:
@@ -88,6 +89,48 @@ class PackedTokens:
         )
 
 
+class InstructionRows(PackedTokens):
+    """Instruction examples, one per sequence (mobiuspipe.data.instruct): rows of seq_len + 1 ids and their
+    targets, IGNORE where not trained; batched and shuffled as packed sequences are."""
+
+    def __init__(self, rows: np.ndarray, targets: np.ndarray, dropped: int, *, seed=0, shuffle=False, source=""):
+        super().__init__(rows.reshape(-1), rows.shape[1] - 1, seed=seed, shuffle=shuffle, source=source)
+        self.rows, self.targets, self.dropped = rows, targets, dropped
+        self.num_sequences = len(rows)
+
+    def sequences(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = np.asarray(indices, np.int64)
+        return torch.from_numpy(self.rows[idx, :-1].copy()), torch.from_numpy(self.targets[idx].copy())
+
+    def describe(self) -> str:
+        order = f"shuffled each epoch (seed {self.seed})" if self.shuffle else "in file order"
+        trained = int((self.targets != IGNORE).sum())
+        dropped = f", {self.dropped:,} dropped (no response token within seq_len + 1)" if self.dropped else ""
+        return (
+            f"{self.num_sequences:,} instruction examples from {self.source}, one per sequence of {self.seq_len} + 1 "
+            f"tokens, {trained:,} of {self.targets.size:,} targets trained{dropped}, {order}"
+        )
+
+
+def _examples(data: DataConfig, path: str, key: str, vocab: Vocabulary, seq_len: int, **order) -> InstructionRows:
+    """The instruction examples of a JSONL file, a datasets folder or an examples file, checked against the
+    model's vocabulary."""
+    if data.tokenizer is not None:
+        _tokenizer(data, vocab)  # its vocabulary fits the model's
+    if is_token_file(path):
+        rows, targets = read_rows(path, data.token_dtype, seq_len, key)
+        dropped, what = 0, f"examples file {path} ({data.token_dtype})"
+    else:
+        assert data.tokenizer is not None  # DataConfig: JSONL and datasets folders need one
+        tok = load_chat_tokenizer(data.tokenizer)
+        split = data.eval_split if key == "data.eval_path" else data.split
+        examples = [encode(tok, record, where) for record, where in read_examples(path, key, split)]
+        rows, targets, dropped = to_rows(examples, seq_len, tok.pad_id)
+        what = f"{path} through tokenizer {data.tokenizer}"
+    check_ids(rows.reshape(-1), vocab, key, what)
+    return InstructionRows(rows, targets, dropped, source=what, **order)
+
+
 def _tokenizer(data: DataConfig, vocab: Vocabulary) -> TextTokenizer | None:
     """The config's tokenizer, checked against the model's vocabulary; None without one."""
     if data.tokenizer is None:
@@ -110,12 +153,27 @@ def _read(data: DataConfig, path: str, key: str, vocab: Vocabulary, token_file: 
     if token_file:
         tokens, what = open_token_file(path, data.token_dtype, key), f"token file {path} ({data.token_dtype})"
     elif tok is not None:
-        tokens, what = tokenize_file(tok, path, data.field, key), f"{path} through {tok.describe()}"
+        split = data.eval_split if key == "data.eval_path" else data.split
+        tokens, what = tokenize_file(tok, path, data.field, key, split), f"{path} through {tok.describe()}"
         return tokens, what  # the tokenizer's vocabulary was checked: no id exceeds it
     else:
         tokens, what = open_bytes(path, key), f"the bytes of {path}"
     check_ids(tokens, vocab, key, what)
     return tokens, what
+
+
+def _need_rows(examples: InstructionRows, key: str, rows: int, purpose: str) -> None:
+    """At least `rows` examples (one sequence each)."""
+    if examples.num_sequences < rows:
+        dropped = (
+            f" ({examples.dropped:,} more dropped: no response token within seq_len + 1)" if examples.dropped else ""
+        )
+        raise data_error(
+            key,
+            f"at least {rows:,} instruction examples ({purpose}: one sequence each)",
+            f"{examples.num_sequences:,} from {examples.source}{dropped}",
+            "give more examples, or lower data.batch_size (or train.accumulation_steps)",
+        )
 
 
 def _need_one_batch(tokens: np.ndarray, what: str, key: str, rows: dict[str, int], seq_len: int, purpose: str) -> None:
@@ -142,6 +200,11 @@ def open_data(
     vocabulary `vocab_size` (its size, or a Vocabulary; or its tokenizer's vocabulary does), or it holds less than one
     optimizer step (`accumulation_steps` batches)."""
     key = "data.tokens" if data.tokens else "data.path"
+    if data.format == "instruction":
+        source = data.tokens or data.text_path
+        examples = _examples(data, source, key, _vocabulary(vocab_size), seq_len, seed=seed, shuffle=data.shuffle)
+        _need_rows(examples, key, data.batch_size * accumulation_steps, "one optimizer step")
+        return examples
     tokens, what = _read(data, data.tokens or data.text_path, key, _vocabulary(vocab_size), data.tokens is not None)
     rows, purpose = {"batch_size": data.batch_size}, "one batch"
     if accumulation_steps > 1:
@@ -156,6 +219,10 @@ def open_eval(data: DataConfig, seq_len: int, vocab_size: int | Vocabulary) -> P
     if data.eval_path is None:
         return None
     path = data.eval_path
+    if data.format == "instruction":
+        examples = _examples(data, path, "data.eval_path", _vocabulary(vocab_size), seq_len)
+        _need_rows(examples, "data.eval_path", data.batch_size, "one held-out batch")
+        return examples
     tokens, what = _read(data, path, "data.eval_path", _vocabulary(vocab_size), is_token_file(path))
     _need_one_batch(tokens, what, "data.eval_path", {"batch_size": data.batch_size}, seq_len, "one held-out batch")
     return PackedTokens(tokens, seq_len, source=what)

@@ -19,6 +19,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from mobiuspipe.config.data import is_jsonl
+from mobiuspipe.data.hf_datasets import dataset_records, is_dataset_folder
 from mobiuspipe.data.token_file import data_error, unreadable
 
 __all__ = ["TextTokenizer", "load_tokenizer", "read_documents", "token_chunks", "tokenize_file", "EOS_CANDIDATES"]
@@ -142,8 +143,21 @@ def _text_document(path: str, key: str) -> str:
         raise data_error(key, "UTF-8 text", found, "convert it, e.g. `iconv -t UTF-8`") from e
 
 
-def read_documents(path: str, field: str, key: str) -> Iterator[str]:
-    """The documents of a file: each JSONL line's `field` (a name ending .jsonl), else the whole text."""
+def _dataset_documents(path: str, field: str, key: str, split: str) -> Iterator[str]:
+    """The `field` string of each row of a datasets folder (its `split`)."""
+    for row, where in dataset_records(path, split, key):
+        if not isinstance(row.get(field), str):
+            found = f"{where}: {field!r} holds {type(row.get(field)).__name__}; its columns: {', '.join(row)}"
+            raise data_error(key, f"a string column {field!r} (data.field)", found, "set data.field (--field)")
+        yield row[field]
+
+
+def read_documents(path: str, field: str, key: str, split: str = "train") -> Iterator[str]:
+    """The documents of a file: each JSONL line's `field` (a name ending .jsonl), each row's `field` of a datasets
+    folder (its `split`), else the whole text."""
+    if is_dataset_folder(path):
+        yield from _dataset_documents(path, field, key, split)
+        return
     try:
         if is_jsonl(path):
             yield from _jsonl_documents(path, field, key)
@@ -153,10 +167,10 @@ def read_documents(path: str, field: str, key: str) -> Iterator[str]:
         raise unreadable(key, path, e) from e
 
 
-def token_chunks(tok: TextTokenizer, path: str, field: str, key: str) -> Iterator[np.ndarray]:
+def token_chunks(tok: TextTokenizer, path: str, field: str, key: str, split: str = "train") -> Iterator[np.ndarray]:
     """The ids of `path`'s documents, a few hundred documents at a time (uint32)."""
     batch: list[str] = []
-    for doc in read_documents(path, field, key):
+    for doc in read_documents(path, field, key, split):
         batch.append(doc)
         if len(batch) == DOCS_PER_CHUNK:
             yield tok.encode(batch)
@@ -165,7 +179,7 @@ def token_chunks(tok: TextTokenizer, path: str, field: str, key: str) -> Iterato
         yield tok.encode(batch)
 
 
-def tokenize_file(tok: TextTokenizer, path: str, field: str, key: str) -> np.ndarray:
+def tokenize_file(tok: TextTokenizer, path: str, field: str, key: str, split: str = "train") -> np.ndarray:
     """Every id of `path`'s documents in one array (uint32)."""
-    chunks = list(token_chunks(tok, path, field, key))
+    chunks = list(token_chunks(tok, path, field, key, split))
     return np.concatenate(chunks) if chunks else np.zeros(0, np.uint32)

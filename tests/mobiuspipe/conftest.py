@@ -191,6 +191,29 @@ def build_tokenizer(
     return folder
 
 
+CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+"""A chat template: each message as <|role|>content<|end|>."""
+
+
+def build_chat_tokenizer(folder: Path) -> Path:
+    """build_tokenizer's BPE with the chat roles as special tokens, CHAT_TEMPLATE, and <|endoftext|> as its
+    end-of-text token, saved by save_pretrained into `folder`; `folder`."""
+    from transformers import AutoTokenizer
+
+    specials = ("<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+    build_tokenizer(folder, specials=specials, eos="<|endoftext|>")
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(str(folder))
+    return folder
+
+
+@pytest.fixture
+def chat_tokenizer_dir():
+    """build_chat_tokenizer(folder) -> folder."""
+    return build_chat_tokenizer
+
+
 @pytest.fixture
 def tokenizer_dir():
     """build_tokenizer(folder, specials=..., eos=..., vocab_size=...) -> folder."""

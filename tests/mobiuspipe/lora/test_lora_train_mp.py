@@ -1,7 +1,7 @@
-"""LoRA through the run config under torchrun (2 ranks x 4 stages, fp32, a token file in order): a tiny Llama
-with a new adapter (lora:) and a GPT-2 continuing a PEFT adapter folder (model.adapter) train as peft +
-torch.optim.AdamW does on the same batches, the base frozen; the run's export (train.export_dir) is a PEFT
-folder whose logits on the base are the trained peft model's."""
+"""LoRA through the run config under torchrun (2 ranks x 4 stages, fp32, data in order): a tiny Llama with a new
+adapter (lora:) on a token file and a GPT-2 continuing a PEFT adapter folder (model.adapter) on instruction data
+(the loss on the responses alone) train as peft + torch.optim.AdamW does on the same batches, the base frozen;
+the run's export (train.export_dir), `mobiuspipe export` and its --merge give the trained peft model's logits."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ import pytest
 import torch
 
 from mobiuspipe.cli import main as cli_main
+from mobiuspipe.config import config_from_dict
+from mobiuspipe.data.dataset import open_run_data
+from mobiuspipe.data.instruct import IGNORE
 from mobiuspipe.lora.layers import adapter_parameters, with_adapters
 from mobiuspipe.lora.spec import LoraSpec
 from mobiuspipe.models.hf import hf_key, layer_factories, open_hf
@@ -59,20 +62,41 @@ def _peft_model(folder, kind: str, spec: LoraSpec, start, tmp_path):
     return peft.PeftModel.from_pretrained(base, str(tmp_path / "saved"), is_trainable=True)
 
 
+def _token_data(tmp_path, hf_kit) -> dict:
+    hf_kit.token_file(tmp_path / "train.bin", STEPS * 8 * T + 1 + 4, seed=8)
+    return {"tokens": str(tmp_path / "train.bin")}
+
+
+def _instruction_data(tmp_path, chat_tokenizer_dir) -> dict:
+    """24 short examples, prompt/response and chat, from the chat tokenizer (its template)."""
+    words = "a quick brown fox jumps over the lazy dog pipelines stream weights from the host".split()
+    lines = []
+    for k in range(STEPS * 8):
+        ask, say = " ".join(words[k % 5 : k % 5 + 3]), " ".join(words[k % 7 : k % 7 + 1 + k % 4])
+        if k % 2:
+            lines.append({"prompt": ask, "response": " " + say})
+        else:
+            chat = [{"role": "user", "content": ask}, {"role": "assistant", "content": say}]
+            lines.append({"messages": chat})
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    tok = chat_tokenizer_dir(tmp_path / "tok")
+    return {"path": str(tmp_path / "train.jsonl"), "format": "instruction", "tokenizer": str(tok)}
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "kind,targets,continued,clip",
     [("llama", ("q_proj", "v_proj", "down_proj", "lm_head"), False, 0.5), ("gpt2", ("c_attn", "c_fc"), True, None)],
 )
 def test_a_lora_run_trains_as_peft_does_and_exports_its_adapter(
-    tmp_path, launch, hf_kit, kind, targets, continued, clip
+    tmp_path, launch, hf_kit, chat_tokenizer_dir, kind, targets, continued, clip
 ):
     from transformers import AutoModelForCausalLM
 
     write_config, torchrun = launch
+    data = _token_data(tmp_path, hf_kit) if not continued else _instruction_data(tmp_path, chat_tokenizer_dir)
     hf_kit.save_model(kind, tmp_path / "src", seed=13)
     spec = LoraSpec(rank=3, alpha=7.0, targets=targets)
-    ids = hf_kit.token_file(tmp_path / "train.bin", STEPS * 8 * T + 1 + 4, seed=8)
     start = None if continued else _new_adapter_start(tmp_path / "src", spec, seed=5)
     ref = _peft_model(tmp_path / "src", kind, spec, start, tmp_path)
     lora = {} if continued else {"rank": spec.rank, "alpha": spec.alpha, "targets": list(targets)}
@@ -80,7 +104,7 @@ def test_a_lora_run_trains_as_peft_does_and_exports_its_adapter(
     out, export = tmp_path / "out", tmp_path / "export"
     cfg = {
         "model": model,
-        "data": {"tokens": str(tmp_path / "train.bin"), "shuffle": False, "batch_size": 8, "num_microbatches": 4},
+        "data": data | {"shuffle": False, "batch_size": 8, "num_microbatches": 4},
         "train": {
             "steps": STEPS,
             "lr": LR,
@@ -96,7 +120,9 @@ def test_a_lora_run_trains_as_peft_does_and_exports_its_adapter(
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "LoRA adapters (continuing" in proc.stdout if continued else "LoRA adapters (new)" in proc.stdout
 
-    batches = [hf_kit.in_order(ids, s * 8, 8, T) for s in range(STEPS)]
+    train = open_run_data(config_from_dict(cfg))[0]  # the run's batches, as a rank reads them
+    batches = [train.batch(s, 8) for s in range(STEPS)]
+    assert continued == bool((batches[0][1] == IGNORE).any())  # instruction data: prompts and padding masked
     frozen = {n: p.detach().clone() for n, p in ref.named_parameters() if not p.requires_grad}
     want = hf_kit.train_plain(ref, batches, microbatches=4, lr=LR, max_norm=clip)
     want = want[0] if clip else want
