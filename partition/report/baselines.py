@@ -30,6 +30,11 @@ zero_offload     DeepSpeed ZeRO-3 with parameters and optimizer offloaded to CPU
                  layer's live activations. Not modelled (all would slow DeepSpeed down): per-collective
                  latency, small buckets, the fp32<->fp16 conversions and the host-side gradient reduction.
 sequential       mobiuspipe's own planner with round-robin instead of cross mapping (make_plan).
+
+Under LoRA (a profile whose layers train only their adapters, T_l < N_l): GPipe keeps 16 bytes per trainable
+parameter and the frozen ones in their loaded dtype (P_l - G_l bytes); ZeRO-3 offload + LoRA (DeepSpeed with
+PEFT, the frozen base partitioned and offloaded as ZeRO-3 does every parameter) gathers P_l as before, but
+reduce-scatters and offloads only the adapters' gradients G_l, and its CPU Adam runs over the adapters alone.
 """
 
 from __future__ import annotations
@@ -122,7 +127,8 @@ def _minmax_cut(num_layers: int, parts: int, cost) -> tuple[float, list[tuple[in
 def gpipe_stage_bytes(arr: LayerArrays, a: int, b: int, microbatches: int) -> int:
     """GPU memory of a GPipe stage of layers a..b (see the module docstring)."""
     stash = microbatches * (int(arr.O[a - 1]) if a > 0 else 0)
-    return MIXED_PRECISION_BYTES_PER_PARAM * arr.param_count(a, b) + stash + arr.activations(a, b)
+    frozen = arr.params(a, b) - arr.grads(a, b)
+    return MIXED_PRECISION_BYTES_PER_PARAM * arr.trainable(a, b) + frozen + stash + arr.activations(a, b)
 
 
 def gpipe(profile: Profile, topo: Topology, microbatches: int, reserve_bytes: int = 0) -> BaselineResult:
@@ -134,13 +140,14 @@ def gpipe(profile: Profile, topo: Topology, microbatches: int, reserve_bytes: in
     mem = lambda a, b: gpipe_stage_bytes(arr, a, b, microbatches)  # noqa: E731
     least, lean = _minmax_cut(arr.num_layers, n, mem)
     if least > memory:
-        total = MIXED_PRECISION_BYTES_PER_PARAM * arr.param_count(0, arr.num_layers - 1)
+        total = gpipe_stage_bytes(arr, 0, arr.num_layers - 1, 0) - arr.activations(0, arr.num_layers - 1)
         return BaselineResult(
             name,
             None,
             (
                 f"out of memory: the leanest cut into {n} stages needs {least / GiB:.1f} GiB on its fullest gpu, "
-                f"a gpu has {memory / GiB:.1f} GiB usable ({MIXED_PRECISION_BYTES_PER_PARAM} B/param: "
+                f"a gpu has {memory / GiB:.1f} GiB usable ({MIXED_PRECISION_BYTES_PER_PARAM} B/"
+                f"{'trained param, the frozen in their dtype' if _lora(arr) else 'param'}: "
                 f"{total / GiB:.0f} GiB of model states in all)"
             ),
             (f"leanest cut: layers {lean}",),
@@ -167,11 +174,17 @@ def gpipe(profile: Profile, topo: Topology, microbatches: int, reserve_bytes: in
 # ---- ZeRO-3 offload ----
 
 
+def _lora(arr: LayerArrays) -> bool:
+    """Whether the profile trains only some parameters (LoRA's adapters)."""
+    return arr.trainable(0, arr.num_layers - 1) < arr.param_count(0, arr.num_layers - 1)
+
+
 def zero_gpu_bytes(arr: LayerArrays, k: int) -> int:
     """GPU memory of ZeRO-3 offload running k microbatches at once (see the module docstring)."""
     layers = range(arr.num_layers)
     return (
-        3 * max(arr.params(l, l) for l in layers)
+        2 * max(arr.params(l, l) for l in layers)
+        + max(arr.grads(l, l) for l in layers)
         + k * int(arr.O.sum())
         + k * max(arr.activations(l, l) for l in layers)
     )
@@ -198,16 +211,17 @@ def _zero_graph(arr: LayerArrays, topo: Topology, k: int, passes: int) -> TaskGr
         dur = k * arr.fwd(l, l) if phase == "F" else k * (arr.fwd(l, l) + arr.bwd(l, l))
         compute = graph.add(("compute", p, phase, l), (compute, gather), dur)
         users.append(compute) if fresh else users.__setitem__(-1, compute)
-        if phase == "B":
-            flows = _collective(arr.params(l, l), n, paths, "d2h", "h2d")
+        if phase == "B" and arr.grads(l, l) > 0:  # under LoRA a layer without adapters has no gradient
+            flows = _collective(arr.grads(l, l), n, paths, "d2h", "h2d")
             reduce = graph.add(("reduce", p, l), (compute, reduce), flows=flows)
-    graph.add(("adam",), (compute, reduce), arr.param_count(0, last) / host_adam_rate(topo))
+    graph.add(("adam",), (compute, reduce), arr.trainable(0, last) / host_adam_rate(topo))
     return graph
 
 
 def zero_offload(profile: Profile, topo: Topology, microbatches: int, reserve_bytes: int = 0) -> BaselineResult:
     """DeepSpeed ZeRO-3 with parameters and optimizer on the CPU: its step, or OOM (see the module docstring)."""
-    name, arr, n = "DeepSpeed ZeRO-3 offload", LayerArrays.of(profile), topo.num_gpus
+    arr, n = LayerArrays.of(profile), topo.num_gpus
+    name = "DeepSpeed ZeRO-3 offload" + (" + LoRA" if _lora(arr) else "")
     memory = min(g.memory_bytes for g in topo.gpus) - reserve_bytes
     per_gpu = math.ceil(microbatches / n)
     fits = [a for a in range(1, per_gpu + 1) if zero_gpu_bytes(arr, math.ceil(per_gpu / a)) <= memory]
@@ -231,7 +245,9 @@ def zero_offload(profile: Profile, topo: Topology, microbatches: int, reserve_by
         f"{n} gpus x {passes} micro-step(s) of {k} microbatch(es)"
         + (f" = {samples} microbatches, more than the plan's {microbatches}" if samples != microbatches else ""),
         f"first forward ends {fwd:.2f} s, last backward {bwd:.2f} s, last gradients on host "
-        f"{tasks[('reduce', passes - 1, 0)].end:.2f} s, then CPU Adam {adam.end - adam.start:.2f} s",
+        f"{max(t.end for key, t in tasks.items() if isinstance(key, tuple) and key[0] == 'reduce'):.2f} s, then "
+        f"CPU Adam "
+        f"{adam.end - adam.start:.2f} s",
         f"compute busy {busy / adam.end:.0%} of the step; {zero_gpu_bytes(arr, k) / GiB:.1f} of "
         f"{memory / GiB:.1f} GiB per gpu",
     )

@@ -72,7 +72,7 @@ def compare_text(plan: Plan, topo: Topology, profile: Profile, results: list[Bas
         else "assumed: partition.search.HOST_ADAM_PARAMS_PER_S; `topology --probe --save` measures it"
     )
     lines.append(
-        f"host Adam over all parameters takes {d['host_adam_s']:.1f} s at {host_adam_rate(topo):.3g} "
+        f"host Adam over the trained parameters takes {d['host_adam_s']:.1f} s at {host_adam_rate(topo):.3g} "
         f"params/s ({measured}); mobiuspipe runs it behind the backward, ZeRO-3 offload after it"
     )
     return "\n".join(lines) + "\n"
