@@ -8,9 +8,16 @@ without importing torch.
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# torchao (mobiuspipe.lora.quant's NF4; transformers imports it too when it is installed) logs each of its CUDA
+# kernels that a build cannot load, and registers types that torch's pytree warns about: noise, not news, for a
+# run that uses its NF4 alone (plain PyTorch ops). Set before anything imports torchao.
+for _name in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
 
 _EXPORTS = {
     "Pipeline": "mobiuspipe.pipeline",

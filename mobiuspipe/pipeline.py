@@ -32,6 +32,7 @@ from mobiuspipe.config import MemoryConfig
 from mobiuspipe.errors import PipelineError
 from mobiuspipe.layers import LayerSpec, build, factories
 from mobiuspipe.lora.layers import Start, with_adapters
+from mobiuspipe.lora.quant import quantized
 from mobiuspipe.lora.spec import LoraSpec
 from mobiuspipe.memory.arena import DeviceArena
 from mobiuspipe.memory.device import Device
@@ -154,6 +155,8 @@ class Pipeline:
             raise PipelineError("adapters= continues a saved LoRA adapter: give its LoraSpec as lora= beside it")
         if lora is not None:
             makers, tied = with_adapters(makers, lora, adapters), ()  # the base, tied halves included, is frozen
+            if lora.base_dtype == "nf4":
+                makers = quantized(makers)
         self.info = rank_info()
         given = None if plan is None else read_plan(plan)
         if given is not None:

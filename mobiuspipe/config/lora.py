@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from foundation.loader import Problem, found_text, rule
 from mobiuspipe.config.section import Section
+from partition.spec.lora import BASE_DTYPES
 
 __all__ = ["LoraConfig"]
 
@@ -32,6 +33,10 @@ class LoraConfig(Section):
     (q_proj and v_proj for Llama, Mistral and Qwen2, c_attn for GPT-2, qkv for the built-in GPT)."""
     rslora: bool = False
     """Rank-stabilized LoRA: scale by alpha / sqrt(r) instead of alpha / r (PEFT's use_rslora)."""
+    base_dtype: str | None = None
+    """How the frozen base is kept in host memory and copied to the gpus: null = train.precision; "nf4" = QLoRA's
+    4-bit NormalFloat (torchao's), about 0.52 bytes per weight of each linear layer whose size 16,384 divides,
+    dequantized on the gpu just before use (mobiuspipe/lora/quant.py)."""
 
     @property
     def on(self) -> bool:
@@ -60,6 +65,13 @@ class LoraConfig(Section):
                 "a probability in [0, 1)",
                 found_text(self.dropout),
                 "use 0.0 (none) or e.g. 0.05",
+            ),
+            *rule(
+                self.base_dtype is None or self.base_dtype in BASE_DTYPES,
+                "base_dtype",
+                "null (train.precision) or one of " + ", ".join(BASE_DTYPES),
+                found_text(self.base_dtype),
+                "use `base_dtype: nf4`, or null",
             ),
             *rule(
                 self.targets is None or (len(self.targets) > 0 and all(self.targets)),

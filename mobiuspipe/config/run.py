@@ -351,9 +351,8 @@ class RunConfig(Section):
 
     def _lora_problems(self) -> list[Problem]:
         """lora keys need a rank (or model.adapter) to apply to; model.adapter needs model.hf (its names)."""
-        set_keys = [
-            k for k in ("alpha", "dropout", "targets", "rslora") if getattr(self.lora, k) != getattr(LoraConfig, k)
-        ]
+        keys = ("alpha", "dropout", "targets", "rslora", "base_dtype")
+        set_keys = [k for k in keys if getattr(self.lora, k) != getattr(LoraConfig, k)]
         return [
             *rule(
                 self.lora_on or not set_keys,

@@ -27,6 +27,7 @@ __all__ = [
     "merge_adapters",
     "adapter_parameters",
     "linear_names",
+    "is_linear",
     "BASE",
     "A",
     "B",
@@ -44,7 +45,7 @@ def _features(base: nn.Module) -> tuple[int, int]:
     return int(weight.shape[0]), int(weight.shape[1])
 
 
-def _is_linear(m: nn.Module) -> bool:
+def is_linear(m: nn.Module) -> bool:
     return isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"
 
 
@@ -97,7 +98,7 @@ def merge_adapters(module: nn.Module) -> None:
 
 def linear_names(module: nn.Module) -> list[str]:
     """The dotted names of a module's linear layers (nn.Linear and Conv1D): what targets may name."""
-    return [name for name, m in module.named_modules() if _is_linear(m) and name]
+    return [name for name, m in module.named_modules() if is_linear(m) and name]
 
 
 def add_adapters(module: nn.Module, spec: LoraSpec, generator: torch.Generator | None = None) -> list[str]:

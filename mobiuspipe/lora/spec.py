@@ -7,7 +7,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["LoraSpec", "matches"]
+from partition.spec.lora import BASE_DTYPES
+
+__all__ = ["LoraSpec", "matches", "BASE_DTYPES"]
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,9 @@ class LoraSpec:
     """Sorted, each once (PEFT keeps them as a set)."""
     dropout: float = 0.0
     rslora: bool = False
+    base_dtype: str | None = None
+    """How the frozen base is kept and streamed: None = the training dtype; "nf4" = QLoRA's 4-bit NormalFloat
+    (mobiuspipe.lora.quant). Not part of a PEFT adapter: a training choice."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.rank, int) and self.rank >= 1):
@@ -31,6 +36,11 @@ class LoraSpec:
             raise ValueError(f"LoRA dropout: expected a probability in [0, 1), found {self.dropout!r}")
         if not self.targets or not all(isinstance(t, str) and t for t in self.targets):
             raise ValueError(f"LoRA targets: expected module names such as q_proj or c_attn, found {self.targets!r}")
+        if self.base_dtype is not None and self.base_dtype not in BASE_DTYPES:
+            raise ValueError(
+                f"LoRA base_dtype: expected None (the training dtype) or one of {', '.join(BASE_DTYPES)}, found "
+                f"{self.base_dtype!r}"
+            )
         object.__setattr__(self, "targets", tuple(sorted(set(self.targets))))
 
     @property

@@ -163,7 +163,8 @@ class _Run:
             raise RuntimeError("kept_visit on the layer with its loss: it has no kept forward (a bug)")
         outs, total = [], 0.0
         for i in range(self.microbatches):
-            tensors = {n: v.detach().requires_grad_(True) for n, v in self.in_slot.items()} | self.buffers
+            trains = {n: t.requires_grad for n, t in self.leaves.items()}  # frozen (LoRA's base) ones stay frozen
+            tensors = {n: v.detach().requires_grad_(trains[n]) for n, v in self.in_slot.items()} | self.buffers
             _sync(self.device)
             with Stopwatch() as sw, keeping(self.ledger, ("kept", i), slot, lambda: slot):
                 outs.append(functional_call(self.layer, tensors, (self.x,)))
@@ -233,8 +234,11 @@ class _Run:
 def _weight_slot(layer: nn.Module, device: torch.device) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One uint8 buffer holding a copy of the layer's parameters, as an arena slot holds a stage's, and a view of
     each parameter in it."""
-    named = list(layer.named_parameters())
-    slot = torch.empty(sum(p.nbytes for _, p in named), dtype=torch.uint8, device=device)
+    # the widest items first, as the stage lays out mixed dtypes (an NF4 base): every offset a multiple of its item
+    named = sorted(layer.named_parameters(), key=lambda x: -x[1].element_size())
+    widest = max((p.element_size() for _, p in named), default=1)
+    size = -(-sum(p.nbytes for _, p in named) // widest) * widest  # whole items of every dtype
+    slot = torch.empty(size, dtype=torch.uint8, device=device)
     views, offset = {}, 0
     for name, p in named:
         views[name] = slot[offset : offset + p.nbytes].view(p.dtype).view(p.shape)
@@ -298,7 +302,8 @@ def _check_dtype(layers: Sequence[nn.Module], dtype_name: str) -> None:
     if dtype_name not in TORCH_DTYPES:
         raise ValueError(f"unknown dtype {dtype_name!r}; accepted: {', '.join(TORCH_DTYPES)}")
     for l, layer in enumerate(layers):
-        wrong = {p.dtype for p in layer.parameters()} - {TORCH_DTYPES[dtype_name]}
+        # floating parameters only: integer ones are a quantized frozen base's codes (mobiuspipe.lora.quant)
+        wrong = {p.dtype for p in layer.parameters() if p.is_floating_point()} - {TORCH_DTYPES[dtype_name]}
         if wrong:
             raise ValueError(
                 f"layer {l} has {sorted(map(str, wrong))} parameters but dtype_name is {dtype_name!r} "

@@ -330,11 +330,12 @@ def _lora_words(cfg: RunConfig, plan: Plan) -> str:
     spec = lora_spec(cfg)
     if spec is None:
         return ""
-    trains, total = sum(s.trains for s in plan.stages), sum(s.param_count for s in plan.stages)
+    trains, frozen = sum(s.trains for s in plan.stages), sum(s.frozen_bytes for s in plan.stages)
     start = f"continuing {cfg.model.adapter}" if cfg.model.adapter else "new"
+    form = "NF4" if spec.base_dtype == "nf4" else plan.dtype
     return (
         f"; LoRA adapters ({start}) of rank {spec.rank}, alpha {spec.alpha:g} on {', '.join(spec.targets)}: "
-        f"{trains:,} of {total:,} parameters train, the base frozen"
+        f"{trains:,} parameters train, the base frozen ({fmt_bytes(frozen)} in {form})"
     )
 
 

@@ -2,8 +2,10 @@
 
 The stage's trainable weights are ONE flat tensor: the fp32 master, the optimizer over it and, in bf16/fp16
 training, the low-precision copy live in host memory (pinned on CUDA) or in the SSD store (stage_states). Frozen
-parameters (requires_grad False: LoRA's base weights) are a second flat tensor, in the training dtype in host
-memory (FrozenWeights), loaded into the same slot after the trainable ones and never offloaded or updated.
+parameters (requires_grad False: LoRA's base weights) are a second flat, of bytes, in host memory (FrozenWeights):
+each in the training dtype if it is floating, else in its own (an NF4 base's codes and scales:
+mobiuspipe.lora.quant), the widest items first so that each lies at an offset of its item size with no padding;
+loaded into the same slot after the trainable ones and never offloaded or updated.
 LOAD copies the weights in the training dtype into an arena slot; the layers then run on views of the slot through
 torch.func.functional_call, so no module ever owns device memory. The gradients of all of the stage's
 microbatches accumulate (in the training dtype) into a second slot, which OFFLOAD hands to the states
@@ -27,7 +29,7 @@ from mobiuspipe.memory.arena import DeviceArena, Slot
 from mobiuspipe.memory.device import CopyHandle, Device
 from mobiuspipe.runtime.stage_states import FrozenWeights, HostStates, SsdStates, SsdStreamStates, SsdTier, StageStates
 
-__all__ = ["Stage", "ParamSlice"]
+__all__ = ["Stage", "ParamSlice", "FrozenSlice"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,26 @@ class ParamSlice:
         return flat[self.offset : self.offset + self.numel].view(self.shape)
 
 
+@dataclass(frozen=True)
+class FrozenSlice:
+    """Where one frozen parameter lives in its stage's frozen bytes: bytes offset .. offset + nbytes, of `dtype`."""
+
+    layer: int
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    offset: int
+    nbytes: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.layer}.{self.name}"
+
+    def of(self, flat: torch.Tensor) -> torch.Tensor:
+        """This parameter's view of a uint8 tensor laid out like the stage's frozen bytes."""
+        return flat[self.offset : self.offset + self.nbytes].view(self.dtype).view(self.shape)
+
+
 class Stage:
     """Stage `index`: its layers (by layer number), master weights on host, its optimizer, its arena slots."""
 
@@ -70,14 +92,15 @@ class Stage:
         self.numel = sum(p.numel for p in self.params)
         self.nbytes = self.numel * dtype.itemsize
         """Bytes of the trainable weights (and of their gradients)."""
-        self.frozen = _param_slices(layers, self.order, trainable=False, offset=self.numel)
-        """The frozen parameters: offsets in the weight slot, after the trainable ones."""
-        self.weight_numel = self.numel + sum(p.numel for p in self.frozen)
+        self.frozen = _frozen_slices(layers, self.order, dtype)
+        """The frozen parameters: offsets in the frozen bytes, which follow the trainable ones in the weight slot."""
+        self.frozen_start = self.nbytes  # a multiple of the training dtype's size, which no frozen item exceeds
+        """Where the frozen bytes start in the weight slot (bytes)."""
+        self.weight_nbytes = self.frozen_start + sum(f.nbytes for f in self.frozen)
+        """Bytes of the weight slot the stage fills: its trainable weights, then its frozen ones."""
         flat = _flat(layers, self.order, trainable=True, dtype=torch.float32)
         self.frozen_weights = (
-            FrozenWeights(_flat(layers, self.order, trainable=False, dtype=dtype), dtype, device.pin)
-            if self.frozen
-            else None
+            FrozenWeights(_frozen_bytes(layers, self.order, self.frozen, dtype), device.pin) if self.frozen else None
         )
         self.states: StageStates
         """Where the master weights, moments, device-dtype weights and offloaded gradients live."""
@@ -106,12 +129,12 @@ class Stage:
         """Start copying the weights into a free slot (after this stage's pending update): the trainable ones from
         their tier, then the frozen ones."""
         self.wait_update()
-        self.weights = arena.acquire(self.weight_numel * self.dtype.itemsize, f"stage {self.index} weights")
-        dst = self.weights.view(self.dtype, self.weight_numel)
+        self.weights = arena.acquire(self.weight_nbytes, f"stage {self.index} weights")
         after = self.weights.take_busy()
-        self.loading = [self.states.load_into(dst[: self.numel], self.device, after)]
+        self.loading = [self.states.load_into(self.weights.view(self.dtype, self.numel), self.device, after)]
         if self.frozen_weights is not None:
-            self.loading.append(self.frozen_weights.load_into(dst[self.numel :], self.device, after))
+            frozen = self.weights.data[self.frozen_start : self.weight_nbytes]
+            self.loading.append(self.frozen_weights.load_into(frozen, self.device, after))
 
     def release(self, arena: DeviceArena) -> None:
         """Give the weights' slot back, marked after the compute queued so far: the next load into it waits for
@@ -132,7 +155,7 @@ class Stage:
             copy.wait()
         gflat = self.grads.view(self.dtype, self.numel)
         gflat.zero_()
-        wflat = _held(self.weights, self.index, "weights").view(self.dtype, self.weight_numel)
+        wflat = _held(self.weights, self.index, "weights").view(self.dtype, self.numel)
         self._leaves = _leaves_of(self.params, wflat)
         for leaves in (self._leaves, self._forward_leaves):
             for p, w in zip(self.params, leaves):
@@ -184,7 +207,8 @@ class Stage:
 
     def _tensors(self, with_grad: bool, kept: bool) -> dict[int, dict[str, torch.Tensor]]:
         """Per layer, its parameters (arena views, or the grad-collecting leaves) and its buffers."""
-        wflat = _held(self.weights, self.index, "weights").view(self.dtype, self.weight_numel)
+        slot = _held(self.weights, self.index, "weights")
+        wflat = slot.view(self.dtype, self.numel)
         if kept:
             if not self._forward_leaves:  # the first kept forward of the visit
                 self._forward_leaves = _leaves_of(self.params, wflat)
@@ -196,8 +220,9 @@ class Stage:
         out = {l: dict(self.buffers[l]) for l in self.order}
         for p, t in zip(self.params, weights):
             out[p.layer][p.name] = t
-        for p in self.frozen:
-            out[p.layer][p.name] = p.of(wflat)
+        frozen = slot.data[self.frozen_start : self.weight_nbytes]
+        for f in self.frozen:
+            out[f.layer][f.name] = f.of(frozen)
         return out
 
     def forward(
@@ -215,9 +240,8 @@ class Stage:
         without the frozen weights (LoRA's base) when `frozen` is false."""
         master = self.states.master_weights()
         out = {p.key: p.of(master).clone() for p in self.params}
-        if frozen and self.frozen_weights is not None:  # offsets in the slot: the frozen flat starts after the others
-            flat = self.frozen_weights.weights
-            out.update({p.key: flat[p.offset - self.numel :][: p.numel].view(p.shape).clone() for p in self.frozen})
+        if frozen and self.frozen_weights is not None:
+            out.update({f.key: f.of(self.frozen_weights.weights).clone() for f in self.frozen})
         for l in self.order:
             out.update(
                 {
@@ -258,6 +282,31 @@ def _param_slices(layers: dict[int, nn.Module], order: list[int], trainable: boo
                 out.append(ParamSlice(l, name, p.shape, offset, p.numel()))
                 offset += p.numel()
     return out
+
+
+def _frozen_dtype(p: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """A frozen parameter's dtype in the stage: the training dtype if it is floating, else its own."""
+    return dtype if p.is_floating_point() else p.dtype
+
+
+def _frozen_slices(layers: dict[int, nn.Module], order: list[int], dtype: torch.dtype) -> list[FrozenSlice]:
+    """The slices of the frozen parameters in the frozen bytes: the widest dtypes first, so that every offset is a
+    multiple of its item size with no padding (the bytes are exactly the parameters')."""
+    frozen = [(l, n, p, _frozen_dtype(p, dtype)) for l in order for n, p in layers[l].named_parameters()]
+    out, offset = [], 0
+    for l, name, p, d in sorted((x for x in frozen if not x[2].requires_grad), key=lambda x: -x[3].itemsize):
+        out.append(FrozenSlice(l, name, p.shape, d, offset, p.numel() * d.itemsize))
+        offset += p.numel() * d.itemsize
+    return out
+
+
+def _frozen_bytes(layers: dict[int, nn.Module], order: list[int], slices: list[FrozenSlice], dtype) -> torch.Tensor:
+    """The frozen parameters as the stage keeps them: one uint8 tensor laid out as `slices`."""
+    flat = torch.zeros(sum(f.nbytes for f in slices), dtype=torch.uint8)
+    params = {f"{l}.{n}": p for l in order for n, p in layers[l].named_parameters() if not p.requires_grad}
+    for f in slices:
+        f.of(flat).copy_(params[f.key].detach().to(f.dtype))
+    return flat
 
 
 def _flat(layers: dict[int, nn.Module], order: list[int], trainable: bool, dtype: torch.dtype) -> torch.Tensor:

@@ -83,15 +83,15 @@ class SsdTier:
 
 
 class FrozenWeights:
-    """The frozen part of a stage (LoRA's base weights): one flat tensor in the training dtype in host memory (pinned
-    on CUDA), copied into the stage's weight slot beside the trainable weights at each LOAD and never written
-    back: no gradient slot, no offload, no optimizer state."""
+    """The frozen part of a stage (LoRA's base weights): one flat uint8 tensor of their bytes in host memory (pinned
+    on CUDA; the layout: mobiuspipe.runtime.stage.FrozenSlice), copied into the stage's weight slot beside the
+    trainable weights at each LOAD and never written back: no gradient slot, no offload, no optimizer state."""
 
-    def __init__(self, flat: torch.Tensor, dtype: torch.dtype, pin):
-        self.weights = pin(flat.to(dtype))
+    def __init__(self, flat: torch.Tensor, pin):
+        self.weights = pin(flat)
 
     @property
-    def numel(self) -> int:
+    def nbytes(self) -> int:
         return self.weights.numel()
 
     def load_into(self, dst: torch.Tensor, device: Device, after: Sequence[CopyHandle] = ()) -> CopyHandle:

@@ -18,6 +18,7 @@ from partition import make_plan
 from partition.plan import Plan, load_plan
 from partition.spec.analytic import analytic_profile, dtype_bytes
 from partition.spec.hardware import device_spec, gpu_spec
+from partition.spec.lora import frozen_layers
 from partition.spec.models import ModelSpec, layer_param_counts
 from partition.spec.profile import Profile
 from topology import Topology, cpu_standin, load_topology
@@ -33,6 +34,7 @@ __all__ = [
     "num_ranks",
     "gpt_profile",
     "adapters",
+    "frozen_base",
 ]
 
 
@@ -88,9 +90,24 @@ def gpt_profile(cfg: RunConfig) -> Profile:
         device = gpu_spec(g.name, g.memory_bytes, g.link_gbps, g.tflops)
     else:
         device = device_spec("cpu-standin")
+    spec = model_spec(cfg)
     return analytic_profile(
-        model_spec(cfg), device, microbatch_size=cfg.microbatch_size, dtype=cfg.train.precision, adapters=adapters(cfg)
+        spec,
+        device,
+        microbatch_size=cfg.microbatch_size,
+        dtype=cfg.train.precision,
+        adapters=adapters(cfg),
+        frozen=frozen_base(cfg),
     )
+
+
+def frozen_base(cfg: RunConfig) -> tuple[list[int], list[int]] | None:
+    """The items and bytes of each layer's frozen base when the run keeps it in NF4 (None: in the training dtype,
+    or no LoRA)."""
+    spec = lora_spec(cfg)
+    if spec is None or spec.base_dtype != "nf4":
+        return None
+    return frozen_layers(model_spec(cfg), dtype_bytes(cfg.train.precision))
 
 
 def adapters(cfg: RunConfig) -> list[int] | None:
@@ -147,7 +164,7 @@ def plan_problems(plan: Plan, cfg: RunConfig) -> list[Problem]:
             )
         ]
     else:
-        problems += _stage_problems(plan, spec, adapters(cfg), replan)
+        problems += _stage_problems(plan, spec, adapters(cfg), frozen_base(cfg), replan)
     problems += rule(
         plan.dtype == cfg.train.precision,
         "train.precision",
@@ -167,16 +184,19 @@ def replan_advice(cfg: RunConfig, what: str) -> str:
     return f"re-plan {what} into a new file, {command}, then set plan.file: {new}"
 
 
-def _stage_problems(plan: Plan, spec: ModelSpec, lora: list[int] | None, replan: str) -> list[Problem]:
-    """Stages whose parameters in this model (with its LoRA adapters: `lora` per layer) differ from the plan's
-    (all of them, and those that train) or overflow its slot (one Problem)."""
-    base, size = layer_param_counts(spec), dtype_bytes(plan.dtype)
+def _stage_problems(
+    plan: Plan, spec: ModelSpec, lora: list[int] | None, frozen: tuple[list[int], list[int]] | None, replan: str
+) -> list[Problem]:
+    """Stages whose parameters in this model (with its LoRA adapters: `lora` per layer; its base kept as `frozen`
+    says: items per layer) differ from the plan's (all of them, and those that train) or overflow its slot (one
+    Problem)."""
+    base, size = (layer_param_counts(spec) if frozen is None else frozen[0]), dtype_bytes(plan.dtype)
     trains = base if lora is None else lora
     counts = base if lora is None else [n + a for n, a in zip(base, lora)]
     wrong = []
     for j, s in enumerate(plan.stages):
         n, t = sum(counts[s.first : s.last + 1]), sum(trains[s.first : s.last + 1])
-        if s.param_count != n or s.trains != t or n * size > plan.slot_bytes:
+        if s.param_count != n or s.trains != t or (frozen is None and n * size > plan.slot_bytes):
             here, there = (f" ({t} train)", f" ({s.trains} train)") if lora is not None or s.trains != n else ("", "")
             wrong.append(
                 f"stage {j} (layers {s.first}..{s.last}) has {n} parameters here{here}, {s.param_count} in the "

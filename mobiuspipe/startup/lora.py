@@ -4,6 +4,7 @@ ranks train) and the saved adapter it continues."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -47,7 +48,14 @@ def lora_spec(cfg: RunConfig) -> LoraSpec | None:
         assert mine.rank is not None  # lora_on
         targets = mine.targets or default_targets(cfg)
         alpha = float(mine.rank) if mine.alpha is None else mine.alpha
-        return LoraSpec(rank=mine.rank, alpha=alpha, targets=targets, dropout=mine.dropout, rslora=mine.rslora)
+        return LoraSpec(
+            rank=mine.rank,
+            alpha=alpha,
+            targets=targets,
+            dropout=mine.dropout,
+            rslora=mine.rslora,
+            base_dtype=mine.base_dtype,
+        )
     saved = read_spec(Path(cfg.model.adapter))
     given = {
         "rank": mine.rank,
@@ -67,7 +75,7 @@ def lora_spec(cfg: RunConfig) -> LoraSpec | None:
             f"{Path(cfg.model.adapter) / CONFIG}, found {'; '.join(differ)}: remove those lora keys (the adapter "
             f"sets them), or drop model.adapter to start a new adapter"
         )
-    return saved
+    return replace(saved, base_dtype=mine.base_dtype)  # how the base is kept: the run's choice, not the adapter's
 
 
 def _meta_layer(cfg: RunConfig, hf: HFModel | None, l: int) -> nn.Module:

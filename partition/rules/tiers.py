@@ -361,10 +361,11 @@ def _too_small(plan: Plan, budget: HostBudget, share: int, saved: list[int]) -> 
     g = max(held, key=lambda k: held[k] + frozen[k] + least[k])
     need = held[g] + frozen[g] + least[g]
     base = f", frozen weights {fmt_bytes(frozen[g])}" if frozen[g] else ""
+    nf4 = ", the frozen base in NF4 (LoRA's base_dtype nf4)" if frozen[g] else ""
     return PlanInfeasibleError(
         f"{plan.model}: gpu {g} needs {fmt_bytes(need)} of host memory even with every state on the "
         f"SSD (saved stage inputs {fmt_bytes(held[g])}{base}, the least streaming share of its "
         f"{len(plan.stages_of(g))} stages {fmt_bytes(least[g])}), but its share of the host budget ({budget.source}: "
         f"{fmt_bytes(budget.bytes or 0)} over {plan.num_gpus} gpus) is {fmt_bytes(share)}: give more host memory "
-        f"(--host-memory-gb {math.ceil(plan.num_gpus * need / GiB)}), fewer microbatches, or a smaller model"
+        f"(--host-memory-gb {math.ceil(plan.num_gpus * need / GiB)}), fewer microbatches{nf4}, or a smaller model"
     )

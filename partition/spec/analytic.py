@@ -49,6 +49,9 @@ frozen: param_count n_l + a_l, trainable_count a_l, param_bytes (n_l + a_l) * e;
 adapters' matmuls); the backward computes no weight gradient of the base, only its input gradient, so
 bwd_flops = (fwd_flops without the adapters) + 2 * 2*b*s*a_l (the adapters' input and weight gradients). The
 adapters' own saved activations (r values per token and target) are left out: under 1% of a block's at r <= 64.
+With the base in NF4 (`frozen`: partition.spec.lora.frozen_layers), its items and bytes are those of the codes and
+scales (about 0.52 bytes per weight of each quantizable linear layer); its FLOPs are unchanged (the dequantized
+weight computes as the dense one; the dequantization's own work is left out).
 LayerNorm, RMSNorm, SiLU/GELU and bias FLOPs are left out (under 1% of a block for h >= 512). The
 s^2 terms assume attention keeps its score matrix; a fused (flash) kernel keeps O(s) instead.
 """
@@ -107,14 +110,18 @@ def _block_act_units(spec: ModelSpec) -> int:
     return 18 * h + 4 * f + 5 * a * s
 
 
-def _with_adapters(x: LayerProfile, a: int, e: int, tokens: int, rate: float) -> LayerProfile:
-    """Layer x with a adapter parameters beside its frozen ones (the legend's LoRA paragraph); tokens = b*s."""
+def _with_adapters(
+    x: LayerProfile, a: int, e: int, tokens: int, rate: float, base: tuple[int, int] | None
+) -> LayerProfile:
+    """Layer x with a adapter parameters beside its frozen ones (the legend's LoRA paragraph), the frozen ones kept
+    as `base` says (items, bytes; None: x's, in the dtype); tokens = b*s."""
     adapter_flops = float(2 * tokens * a)
     fwd, bwd = x.fwd_flops + adapter_flops, x.fwd_flops + 2 * adapter_flops
+    items, nbytes = base if base is not None else (x.param_count, x.param_count * e)
     return replace(
         x,
-        param_count=x.param_count + a,
-        param_bytes=(x.param_count + a) * e,
+        param_count=items + a,
+        param_bytes=nbytes + a * e,
         trainable_count=a,
         fwd_flops=fwd,
         bwd_flops=bwd,
@@ -130,9 +137,11 @@ def analytic_profile(
     dtype: str = "fp16",
     mfu: float = MFU_DEFAULT,
     adapters: Sequence[int] | None = None,
+    frozen: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> Profile:
     """Profile of `spec` on `device` for microbatches of `microbatch_size` sequences (see the legend); with
-    `adapters` (a_l of every layer), of the model with those LoRA adapters, its base frozen."""
+    `adapters` (a_l of every layer), of the model with those LoRA adapters, its base frozen, kept as `frozen`
+    says (items and bytes per layer: an NF4 base) or in the dtype."""
     e = dtype_bytes(dtype)
     _check_args(microbatch_size, mfu)
     s, b, h, v = spec.seq_len, microbatch_size, spec.d_model, spec.vocab_size
@@ -148,7 +157,8 @@ def analytic_profile(
     if adapters is not None:
         if len(adapters) != len(layers):
             raise ValueError(f"adapters: expected a count for each of the {len(layers)} layers, found {len(adapters)}")
-        layers = tuple(_with_adapters(x, a, e, s * b, rate) for x, a in zip(layers, adapters))
+        bases = list(zip(*frozen)) if frozen is not None else [None] * len(layers)
+        layers = tuple(_with_adapters(x, a, e, s * b, rate, z) for x, a, z in zip(layers, adapters, bases))
     return Profile(
         model=spec.name,
         device=device.name,

@@ -20,7 +20,47 @@ from dataclasses import dataclass
 
 from partition.spec.models import ModelSpec
 
-__all__ = ["LoraShape", "Linear", "block_linears", "head_linears", "adapter_counts", "target_names", "default_targets"]
+__all__ = [
+    "LoraShape",
+    "Linear",
+    "block_linears",
+    "head_linears",
+    "adapter_counts",
+    "target_names",
+    "default_targets",
+    "BASE_DTYPES",
+    "NF4_BLOCK",
+    "NF4_SCALER_BLOCK",
+    "nf4_quantizable",
+    "nf4_numel",
+    "nf4_bytes",
+    "frozen_layers",
+]
+
+BASE_DTYPES = ("nf4",)
+"""The forms a LoRA run's frozen base can be kept in besides the training dtype."""
+NF4_BLOCK = 64
+"""Weights per NF4 block (one absmax scale each): QLoRA's 64 (torchao's default)."""
+NF4_SCALER_BLOCK = 256
+"""Scales per block of NF4's second quantization (one factor each): QLoRA's 256."""
+
+
+def nf4_quantizable(numel: int) -> bool:
+    """Whether an NF4 weight of `numel` values exists: torchao's blocks divide it."""
+    return numel % (NF4_BLOCK * NF4_SCALER_BLOCK) == 0
+
+
+def nf4_numel(numel: int) -> int:
+    """Items an NF4 weight of `numel` values is kept as: its codes (two per byte), its int8 scales, its
+    second-level factors and its mean (mobiuspipe.lora.quant.NF4Linear's parameters)."""
+    blocks = numel // NF4_BLOCK
+    return numel // 2 + blocks + blocks // NF4_SCALER_BLOCK + 1
+
+
+def nf4_bytes(numel: int) -> int:
+    """Bytes of an NF4 weight of `numel` values: codes and scales one byte each, factors and mean two (bf16)."""
+    blocks = numel // NF4_BLOCK
+    return numel // 2 + blocks + 2 * (blocks // NF4_SCALER_BLOCK) + 2
 
 
 @dataclass(frozen=True)
@@ -100,3 +140,23 @@ def adapter_counts(spec: ModelSpec, lora: LoraShape) -> list[int]:
         return sum(lora.rank * (x.in_features + x.out_features) for x in lins if x.targeted_by(lora.targets))
 
     return [0] + [count(block_linears(spec))] * spec.num_blocks + [count(head_linears(spec))]
+
+
+def frozen_layers(spec: ModelSpec, dtype_bytes: int) -> tuple[list[int], list[int]]:
+    """(items, bytes) of each layer of `spec` with its block and head linear weights in NF4 where torchao's blocks
+    divide them (the rest, biases, norms and embeddings in the dtype of `dtype_bytes`), adapters left out: the
+    frozen base as a LoRA run with base_dtype nf4 keeps it."""
+    from partition.spec.models import layer_param_counts
+
+    def shrink(lins: tuple[Linear, ...]) -> tuple[int, int]:
+        items = bytes_ = 0
+        for x in lins:
+            n = x.in_features * x.out_features
+            if nf4_quantizable(n):
+                items, bytes_ = items + n - nf4_numel(n), bytes_ + n * dtype_bytes - nf4_bytes(n)
+        return items, bytes_
+
+    counts = layer_param_counts(spec)
+    block, head = shrink(block_linears(spec)), shrink(head_linears(spec))
+    less = [(0, 0)] + [block] * spec.num_blocks + [head]
+    return [n - i for n, (i, _) in zip(counts, less)], [n * dtype_bytes - b for n, (_, b) in zip(counts, less)]

@@ -168,4 +168,17 @@ def test_lora_options_are_checked(capsys):
     code, _, err = run(base + ["--lora", "8", "--lora-targets", "q_proj,c_attn"], capsys)
     assert code == 2 and "c_attn name no linear layer of llama2-7b" in err
     code, out, _ = run(base + ["--lora", "8", "--lora-targets", "q_proj,k_proj,v_proj,o_proj"], capsys)
-    assert code == 0 and "LoRA: 8,388,608 of" in out and "parameters train (the adapters)" in out
+    assert code == 0 and "LoRA: 8,388,608 parameters train (the adapters); the frozen base, 12.55 GiB," in out
+    code, _, err = run(base + ["--base-dtype", "nf4"], capsys)
+    assert code == 2 and "--base-dtype nf4 without --lora" in err
+
+
+def test_an_nf4_base_fits_llama2_70b_on_128_gib(capsys):
+    """The bf16 base of llama2-70b does not fit 128 GiB of host memory beside its saved inputs (the error says
+    NF4 would); in NF4 it is 33.5 GiB and nothing goes to the SSD."""
+    argv = ["partition", "--model", "llama2-70b", "--topology", "2+2", "--host-memory-gb", "128", "--solver", "dp"]
+    code, _, err = run(argv + ["--lora", "16"], capsys)
+    assert code == 2 and "the frozen base in NF4" in err
+    code, out, _ = run(argv + ["--lora", "16", "--base-dtype", "nf4", "--json"], capsys)
+    mem = json.loads(out)["memory"]
+    assert code == 0 and mem["ssd_bytes"] == 0 and 33 * GiB < mem["host_bytes_by_kind"]["frozen"] < 34 * GiB

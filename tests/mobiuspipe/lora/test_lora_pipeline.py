@@ -82,14 +82,14 @@ def test_a_lora_checkpoint_holds_the_adapters_only_and_resumes_bit_for_bit(tmp_p
         straight = [pipe.train_batch(x, y).loss for x, y in batches]
         final = pipe.state_dict()
         adapters = sum(p.numel for s in pipe.stages.values() for p in s.params)
-        frozen = sum(p.numel for s in pipe.stages.values() for p in s.frozen)
+        frozen = sum(f.nbytes for s in pipe.stages.values() for f in s.frozen)
     torch.manual_seed(3)
     with _pipe(m, spec, batches, precision) as pipe:
         first = [pipe.train_batch(x, y).loss for x, y in batches[:2]]
         folder = pipe.save_checkpoint(tmp_path / "ck")
     written = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-    # the adapters' master, moments and low-precision copy and the plan; any base tensor would add 2 * frozen bytes
-    assert written < 16 * adapters + 12 * 1024 < 2 * frozen
+    # the adapters' master, moments and low-precision copy and the plan; any base tensor would add its bytes
+    assert written < 16 * adapters + 12 * 1024 < frozen
     torch.manual_seed(99)  # another seed: the adapters come from the checkpoint
     with _pipe(m, spec, batches, precision) as pipe:
         assert pipe.load_checkpoint(folder) == 2

@@ -1,0 +1,134 @@
+"""Quantized frozen base weights for LoRA: NF4, QLoRA's 4-bit NormalFloat with double-quantized per-block scales,
+by torchao's implementation (its NF4Tensor quantizes, and dequantizes on the device just before each use).
+
+An NF4Linear holds the quantized weight of a frozen nn.Linear (or GPT-2's Conv1D) as frozen parameters of integer
+dtypes, which the stage keeps in host memory and copies into its weight slot as they are (about 0.52 bytes per
+weight instead of 2): `qdata` (uint8, two 4-bit codes per byte: n/2), `qscalers` (int8, one per block of 64: n/64),
+`qfactor` (one per 256 blocks) and `qmean` (one), both bfloat16 kept as their int16 bits. The weight is quantized
+from its bfloat16 value, as QLoRA does, and dequantizes to bfloat16 (then to the compute dtype): the same in every
+training precision. The 16-value code table is a buffer. Its bias, if any, stays a floating parameter (the
+training dtype). A weight whose size is not a multiple of 64 * 256 = 16,384
+(torchao's blocks) stays in the training dtype, as do embeddings and norms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mobiuspipe.lora.layers import is_linear
+from partition.spec.lora import NF4_BLOCK, NF4_SCALER_BLOCK, nf4_quantizable
+
+__all__ = ["NF4Linear", "quantize_frozen", "quantized", "quantizable"]
+
+
+def _nf4():
+    """torchao's NF4 module (mobiuspipe/__init__.py quiets torchao's import-time logs)."""
+    from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+
+    return nf4_tensor
+
+
+def quantizable(weight: torch.Tensor) -> bool:
+    """Whether torchao's NF4 takes this weight: 2-D, its size a multiple of NF4_BLOCK * NF4_SCALER_BLOCK."""
+    return weight.dim() == 2 and nf4_quantizable(weight.numel())
+
+
+class NF4Linear(nn.Module):
+    """A frozen linear layer whose weight is NF4 (see the module docstring); computes as its base with the weight
+    torchao's NF4Tensor.get_original_weight gives back."""
+
+    def __init__(self, base: nn.Module):
+        super().__init__()
+        weight = base.get_parameter("weight").detach()
+        q = _nf4().to_nf4(weight.to(torch.bfloat16).contiguous(), NF4_BLOCK, NF4_SCALER_BLOCK)
+        self.shape, self.conv1d = tuple(weight.shape), not isinstance(base, nn.Linear)
+        self.qdata = nn.Parameter(q.quantized_data, requires_grad=False)
+        self.qscalers = nn.Parameter(q.quantized_scalers, requires_grad=False)
+        self.qfactor = nn.Parameter(q.quantization_factor.view(torch.int16), requires_grad=False)
+        self.qmean = nn.Parameter(q.scaler_mean.reshape(1).view(torch.int16), requires_grad=False)
+        self.register_buffer("nf4", q.nf4, persistent=False)
+        bias = getattr(base, "bias", None)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def codes(self) -> tuple[torch.Tensor, ...]:
+        """The tensors the weight is made from (see dequantize)."""
+        return self.qdata, self.qscalers, self.qfactor, self.qmean, self.get_buffer("nf4")
+
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight, bfloat16, in its base's layout ([out, in]; Conv1D's [in, out])."""
+        return dequantize(self.shape, *self.codes())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _LinearNF4.apply(x, self.shape, self.conv1d, *self.codes())
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+
+def dequantize(shape: tuple[int, ...], qdata, qscalers, qfactor, qmean, table) -> torch.Tensor:
+    """An NF4 weight of `shape` dequantized to bfloat16 by torchao's NF4Tensor.get_original_weight, over tensors
+    wherever they are (the stage's weight slot)."""
+    nf4, bf16 = _nf4(), torch.bfloat16
+    meta = nf4.SubclassTensorArgs(torch.Size(shape), (shape[1], 1), 0, bf16, qdata.device, False)
+    tensor = nf4.NF4Tensor(
+        meta,
+        NF4_BLOCK,
+        qdata.numel() * 2 // NF4_BLOCK,
+        NF4_SCALER_BLOCK,
+        qscalers,
+        qfactor.view(bf16),
+        qmean.view(bf16).reshape(()),
+        qdata,
+        table.to(bf16),  # a buffer: the stage holds it in the training dtype; its values are bf16's
+    )
+    return tensor.get_original_weight()
+
+
+class _LinearNF4(torch.autograd.Function):
+    """x times an NF4 weight that never trains, as torchao's LinearNF4 computes it, but saving the weight's codes (4
+    small tensors in the stage's weight slot, which a kept graph references rather than copies) and dequantizing
+    again in the backward, instead of saving a dequantized copy per layer and microbatch."""
+
+    @staticmethod
+    def forward(ctx, x, shape, conv1d, *codes):
+        ctx.shape, ctx.conv1d = shape, conv1d
+        ctx.save_for_backward(*codes)
+        w = dequantize(shape, *codes).to(x.dtype)
+        return x @ w if conv1d else F.linear(x, w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        w = dequantize(ctx.shape, *ctx.saved_tensors).to(grad.dtype)
+        dx = grad @ w.t() if ctx.conv1d else grad @ w
+        return (dx, None, None) + (None,) * len(ctx.saved_tensors)
+
+
+def quantize_frozen(module: nn.Module) -> list[str]:
+    """Replace every frozen linear layer of `module` that torchao's NF4 takes by an NF4Linear; returns the names
+    replaced. The adapters (trainable) and the others stay as they are."""
+    done = []
+    for name, m in list(module.named_modules()):
+        weight = getattr(m, "weight", None)
+        if not name or not is_linear(m) or not isinstance(weight, torch.Tensor) or weight.requires_grad:
+            continue
+        if not quantizable(weight):
+            continue
+        parent, _, child = name.rpartition(".")
+        setattr(module.get_submodule(parent), child, NF4Linear(m))
+        done.append(name)
+    return done
+
+
+def quantized(makers: Sequence[Callable[[], nn.Module]]) -> list[Callable[[], nn.Module]]:
+    """Layer factories whose layers come with their frozen linear layers in NF4 (quantize_frozen)."""
+    return [partial(_quantized, make) for make in makers]
+
+
+def _quantized(make: Callable[[], nn.Module]) -> nn.Module:
+    layer = make()
+    if isinstance(layer, nn.Module):  # anything else is refused by the caller, naming the layer
+        quantize_frozen(layer)
+    return layer
