@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import select
 import threading
+import time
 from collections.abc import Callable
 from typing import IO
 
@@ -18,8 +19,10 @@ __all__ = ["JobStderr"]
 OWN_PREFIX = b"mobiuspipe: "
 """Lines that start so are mobiuspipe's own messages, shown even after a mistake."""
 GRACE_S = 0.05
-"""How long a line of the job waits for a Ctrl-C or SIGTERM that may be on its way to this process (seconds);
-the job's stderr is quiet in a healthy run (its log goes to stdout), so this costs nothing there."""
+"""How long the first line after a quiet spell waits for a Ctrl-C or SIGTERM that may be on its way to this process
+(seconds); the lines of a burst that follows only look (a traceback is not slowed down line by line)."""
+QUIET_S = 0.5
+"""A line that comes this long after the one before starts a burst (seconds)."""
 DRAIN_S = 5.0
 """How long to wait, once torchrun has ended, for the last lines of its ranks (seconds)."""
 
@@ -48,21 +51,24 @@ class JobStderr:
         os.set_blocking(fd, False)
         self._wakeup, self._signals = fd, signals
 
-    def _signalled(self) -> bool:
-        """Whether a watched signal has arrived, waiting up to GRACE_S for one: a Ctrl-C reaches this process and
-        the job together, and the job's first lines about it can come before this process has run at all."""
+    def _signalled(self, wait: bool) -> bool:
+        """Whether a watched signal has arrived, waiting up to GRACE_S for one when `wait`: a Ctrl-C reaches this
+        process and the job together, and the job's first lines about it can come before this process has run."""
         if self._wakeup is None:
             return False
         try:
-            select.select([self._wakeup], [], [], GRACE_S)
+            select.select([self._wakeup], [], [], GRACE_S if wait else 0.0)
             arrived = os.read(self._wakeup, 64)
         except (OSError, ValueError):  # none arrived (BlockingIOError), or finish() closed the pipe
             return False
         return any(b in self._signals for b in arrived)
 
     def _pump(self, pipe: IO[bytes]) -> None:
+        last = 0.0
         for line in iter(pipe.readline, b""):
-            self._holding = self._holding or self._signalled() or self._explained()
+            now = time.monotonic()
+            self._holding = self._holding or self._signalled(now - last > QUIET_S) or self._explained()
+            last = now
             if self._holding:
                 self._held.append(line)
             else:

@@ -50,6 +50,22 @@ def test_a_failure_nothing_explains_shows_every_line():
     assert out.getvalue() == b"".join(LINES)
 
 
+def test_a_long_traceback_watched_for_signals_reaches_the_terminal_whole():
+    """With a signal pipe watched (as `mobiuspipe train` does), a burst of 400 lines with no signal comes out whole
+    once the job ends: only the burst's first line waits for a signal, not each line."""
+    read, write = os.pipe()
+    wake_read, wake_write = os.pipe()
+    out = io.BytesIO()
+    pump = JobStderr(os.fdopen(read, "rb"), out, lambda: False)
+    pump.watch(wake_read, (signal.SIGINT,))
+    lines = [f"  File x.py, line {i}\n".encode() for i in range(400)]
+    with os.fdopen(write, "wb") as w:
+        w.write(b"".join(lines))
+    pump.finish(quiet=False)
+    os.close(wake_write)
+    assert out.getvalue() == b"".join(lines)
+
+
 RUN = {
     "model": {"num_blocks": 2, "d_model": 16, "num_heads": 2, "seq_len": 8},
     "data": {"batch_size": 4, "num_microbatches": 2},
