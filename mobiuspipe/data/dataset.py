@@ -90,25 +90,28 @@ class PackedTokens:
 
 
 class InstructionRows(PackedTokens):
-    """Instruction examples, one per sequence (mobiuspipe.data.instruct): rows of seq_len + 1 ids and their
-    targets, IGNORE where not trained; batched and shuffled as packed sequences are."""
+    """Instruction examples, one per sequence (mobiuspipe.data.instruct): rows of seq_len + 1 ids and, per target,
+    whether it trains (`trained`: an examples file's mask, mapped, never read whole); a batch's targets are IGNORE
+    where not trained. Batched and shuffled as packed sequences are."""
 
-    def __init__(self, rows: np.ndarray, targets: np.ndarray, dropped: int, *, seed=0, shuffle=False, source=""):
+    def __init__(self, rows: np.ndarray, trained: np.ndarray, dropped: int, *, seed=0, shuffle=False, source=""):
         super().__init__(rows.reshape(-1), rows.shape[1] - 1, seed=seed, shuffle=shuffle, source=source)
-        self.rows, self.targets, self.dropped = rows, targets, dropped
+        self.rows, self.trained, self.dropped = rows, trained, dropped
         self.num_sequences = len(rows)
 
     def sequences(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         idx = np.asarray(indices, np.int64)
-        return torch.from_numpy(self.rows[idx, :-1].copy()), torch.from_numpy(self.targets[idx].copy())
+        rows = self.rows[idx].astype(np.int64)
+        targets = np.where(self.trained[idx] != 0, rows[:, 1:], IGNORE)
+        return torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(targets)
 
     def describe(self) -> str:
         order = f"shuffled each epoch (seed {self.seed})" if self.shuffle else "in file order"
-        trained = int((self.targets != IGNORE).sum())
+        trained = int(np.count_nonzero(self.trained))
         dropped = f", {self.dropped:,} dropped (no response token within seq_len + 1)" if self.dropped else ""
         return (
             f"{self.num_sequences:,} instruction examples from {self.source}, one per sequence of {self.seq_len} + 1 "
-            f"tokens, {trained:,} of {self.targets.size:,} targets trained{dropped}, {order}"
+            f"tokens, {trained:,} of {self.trained.size:,} targets trained{dropped}, {order}"
         )
 
 
@@ -118,7 +121,7 @@ def _examples(data: DataConfig, path: str, key: str, vocab: Vocabulary, seq_len:
     if data.tokenizer is not None:
         _tokenizer(data, vocab)  # its vocabulary fits the model's
     if is_token_file(path):
-        rows, targets = read_rows(path, data.token_dtype, seq_len, key)
+        rows, trained = read_rows(path, data.token_dtype, seq_len, key)
         dropped, what = 0, f"examples file {path} ({data.token_dtype})"
     else:
         assert data.tokenizer is not None  # DataConfig: JSONL and datasets folders need one
@@ -126,9 +129,10 @@ def _examples(data: DataConfig, path: str, key: str, vocab: Vocabulary, seq_len:
         split = data.eval_split if key == "data.eval_path" else data.split
         examples = [encode(tok, record, where) for record, where in read_examples(path, key, split)]
         rows, targets, dropped = to_rows(examples, seq_len, tok.pad_id)
+        trained = targets != IGNORE
         what = f"{path} through tokenizer {data.tokenizer}"
     check_ids(rows.reshape(-1), vocab, key, what)
-    return InstructionRows(rows, targets, dropped, source=what, **order)
+    return InstructionRows(rows, trained, dropped, source=what, **order)
 
 
 def _tokenizer(data: DataConfig, vocab: Vocabulary) -> TextTokenizer | None:

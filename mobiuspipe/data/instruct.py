@@ -201,8 +201,8 @@ def write_rows(rows: np.ndarray, targets: np.ndarray, path: str, token_dtype: st
 
 
 def read_rows(path: str, token_dtype: str, seq_len: int, key: str) -> tuple[np.ndarray, np.ndarray]:
-    """(rows (N, seq_len + 1), targets (N, seq_len), IGNORE where not trained) of an examples file; ConfigError
-    when its mask file is missing or the two were written for another seq_len."""
+    """(rows (N, seq_len + 1) of ids, mask (N, seq_len), 1 where the target trains) of an examples file, both
+    memory-mapped; ConfigError when its mask file is missing or the two were written for another seq_len."""
     ids = open_token_file(path, token_dtype, key)
     mask_file = mask_path(path)
     if not os.path.isfile(mask_file):
@@ -212,10 +212,7 @@ def read_rows(path: str, token_dtype: str, seq_len: int, key: str) -> tuple[np.n
             f"no {mask_file}",
             "tokenize the examples again with --format instruction, or give their .jsonl as data.path",
         )
-    try:
-        mask = np.fromfile(mask_file, np.uint8)
-    except OSError as e:
-        raise unreadable(key, mask_file, e) from e
+    mask = open_token_file(mask_file, "uint8", key)
     n = len(ids) - len(mask)
     if n <= 0 or len(mask) % n or len(mask) // n != seq_len:
         made = f"seq_len {len(mask) // n}" if n > 0 and len(mask) % n == 0 else "no whole rows"
@@ -225,6 +222,4 @@ def read_rows(path: str, token_dtype: str, seq_len: int, key: str) -> tuple[np.n
             f"{len(ids):,} ids and {len(mask):,} mask bytes: {made}",
             f"tokenize again with --seq-len {seq_len}, or set model.seq_len to the one they were written for",
         )
-    rows = np.asarray(ids, np.int64).reshape(n, seq_len + 1)
-    targets = np.where(np.asarray(mask).reshape(n, seq_len) == 1, rows[:, 1:], IGNORE)
-    return rows, targets
+    return ids.reshape(n, seq_len + 1), mask.reshape(n, seq_len)

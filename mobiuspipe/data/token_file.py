@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from foundation.loader import Problem
-from mobiuspipe.config.data import TOKEN_DTYPES
 from mobiuspipe.errors import ConfigError
 
 __all__ = ["Vocabulary", "data_error", "unreadable", "open_token_file", "open_bytes", "check_ids", "write_token_file"]
@@ -45,8 +44,9 @@ def _map(path: str, dtype: np.dtype, count: int) -> np.ndarray:
 
 
 def open_token_file(path: str, token_dtype: str, key: str) -> np.ndarray:
-    """The token ids of a token file of `token_dtype` ("uint16" or "uint32"), memory-mapped, never read whole."""
-    size, item = _size(path, key), TOKEN_DTYPES[token_dtype]
+    """The token ids of a token file of `token_dtype` ("uint16" or "uint32"; "uint8" for an examples file's mask),
+    memory-mapped, never read whole."""
+    size, item = _size(path, key), np.dtype(token_dtype).itemsize
     if size % item:
         other = "uint32" if token_dtype == "uint16" else "uint16"
         raise data_error(

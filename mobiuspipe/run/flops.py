@@ -30,6 +30,8 @@ matmuls are added), about 2/3 of the full fine-tuning F.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from partition.spec.analytic import analytic_profile
@@ -42,7 +44,7 @@ CPU_STANDIN = "cpu-standin"
 """The hardware table's name of the CPU stand-in device."""
 
 
-def flops_per_token(spec: ModelSpec, adapters: list[int] | None = None) -> float:
+def flops_per_token(spec: ModelSpec, adapters: Sequence[int] | None = None) -> float:
     """F of the legend: model FLOPs (forward + backward, no recompute) per token of `spec`, with LoRA `adapters`
     (parameters per layer) when given."""
     # The FLOP counts do not depend on the device or the dtype (they set only the seconds and bytes).

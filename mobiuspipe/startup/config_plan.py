@@ -4,6 +4,8 @@ and the plan itself (read from plan.file and checked against the model, or made 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -110,10 +112,12 @@ def frozen_base(cfg: RunConfig) -> tuple[list[int], list[int]] | None:
     return frozen_layers(model_spec(cfg), dtype_bytes(cfg.train.precision))
 
 
-def adapters(cfg: RunConfig) -> list[int] | None:
-    """The LoRA adapter parameters of each layer of the config's model (None: no LoRA, every weight trains)."""
+@lru_cache(maxsize=8)
+def adapters(cfg: RunConfig) -> tuple[int, ...] | None:
+    """The LoRA adapter parameters of each layer of the config's model (None: no LoRA, every weight trains); counted
+    once per config (on layers built on the meta device)."""
     spec = lora_spec(cfg)
-    return None if spec is None else adapter_counts(cfg, spec)
+    return None if spec is None else tuple(adapter_counts(cfg, spec))
 
 
 def plan_from_config(cfg: RunConfig, solver: str = "dp", profile: Profile | None = None) -> Plan:
@@ -185,7 +189,7 @@ def replan_advice(cfg: RunConfig, what: str) -> str:
 
 
 def _stage_problems(
-    plan: Plan, spec: ModelSpec, lora: list[int] | None, frozen: tuple[list[int], list[int]] | None, replan: str
+    plan: Plan, spec: ModelSpec, lora: Sequence[int] | None, frozen: tuple[list[int], list[int]] | None, replan: str
 ) -> list[Problem]:
     """Stages whose parameters in this model (with its LoRA adapters: `lora` per layer; its base kept as `frozen`
     says: items per layer) differ from the plan's (all of them, and those that train) or overflow its slot (one

@@ -5,6 +5,7 @@ ranks train) and the saved adapter it continues."""
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -38,9 +39,11 @@ def default_targets(cfg: RunConfig) -> tuple[str, ...]:
     return PEFT_DEFAULTS.get(hf.model_type, ("c_attn",))
 
 
+@lru_cache(maxsize=8)
 def lora_spec(cfg: RunConfig) -> LoraSpec | None:
     """The adapters the run trains (None: every weight trains): the lora section's, or model.adapter's, which a
-    lora key set to another value contradicts (ConfigError naming both)."""
+    lora key set to another value contradicts (ConfigError naming both). Read once per config: start-up asks for it
+    from the plan, its checks, the banner and the FLOP count."""
     if not cfg.lora_on:
         return None
     mine = cfg.lora

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from partition.spec.models import ModelSpec
+from partition.spec.models import ModelSpec, layer_param_counts
 
 __all__ = [
     "LoraShape",
@@ -146,7 +146,6 @@ def frozen_layers(spec: ModelSpec, dtype_bytes: int) -> tuple[list[int], list[in
     """(items, bytes) of each layer of `spec` with its block and head linear weights in NF4 where torchao's blocks
     divide them (the rest, biases, norms and embeddings in the dtype of `dtype_bytes`), adapters left out: the
     frozen base as a LoRA run with base_dtype nf4 keeps it."""
-    from partition.spec.models import layer_param_counts
 
     def shrink(lins: tuple[Linear, ...]) -> tuple[int, int]:
         items = bytes_ = 0

@@ -97,3 +97,28 @@ def in_order(ids: np.ndarray, first: int, rows: int, seq_len: int) -> tuple[torc
     t = seq_len
     seqs = torch.from_numpy(np.stack([ids[n * t : n * t + t + 1] for n in range(first, first + rows)]).astype(np.int64))
     return seqs[:, :-1], seqs[:, 1:]
+
+
+def lora_pipeline(m, spec, batches, precision="fp32", activations=None, weight_decay=0.0, tied=(), memory=None):
+    """A Pipeline of Hugging Face model m's layers with LoRA `spec`: 3 stages on this rank, 4 microbatches, planned
+    from batches[0], CPUAdam at lr 5e-3 (the rate the LoRA tests give peft's AdamW)."""
+    from functools import partial
+
+    from mobiuspipe import Pipeline
+    from mobiuspipe.models.hf import layer_factories
+    from mobiuspipe.optim import CPUAdam
+
+    opt = partial(CPUAdam, lr=5e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
+    return Pipeline(
+        layer_factories(m),
+        lm_loss,
+        sample=batches[0],
+        num_microbatches=4,
+        num_stages=3,
+        optimizer=opt,
+        precision=precision,
+        activations=activations,
+        tied=tied,
+        memory=memory,
+        lora=spec,
+    )

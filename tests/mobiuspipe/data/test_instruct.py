@@ -161,7 +161,7 @@ def test_tokenized_once_the_examples_train_the_same(tmp_path, chat_dir):
     cfg = _config(tmp_path, chat_dir, tokens=str(out), shuffle=False)
     from_file = open_data(cfg.data, 12, 0, 300)
     assert isinstance(from_file, InstructionRows) and isinstance(from_jsonl, InstructionRows)
-    assert np.array_equal(from_file.rows, from_jsonl.rows) and np.array_equal(from_file.targets, from_jsonl.targets)
+    assert np.array_equal(from_file.rows, from_jsonl.rows) and np.array_equal(from_file.trained, from_jsonl.trained)
     with pytest.raises(ConfigError, match=r"tokenize again with --seq-len 16"):
         open_data(cfg.data, 16, 0, 300)
 
@@ -185,7 +185,7 @@ def test_a_datasets_folder_is_read_as_its_jsonl_would_be(tmp_path, chat_dir):
     for folder in ("saved", "pq"):
         got = open_data(_config(tmp_path, chat_dir, path=str(tmp_path / folder), shuffle=False).data, 12, 0, 300)
         assert isinstance(got, InstructionRows) and isinstance(want, InstructionRows)
-        assert np.array_equal(got.rows, want.rows) and np.array_equal(got.targets, want.targets)
+        assert np.array_equal(got.rows, want.rows) and np.array_equal(got.trained, want.trained)
     cfg = _config(tmp_path, chat_dir, path=str(tmp_path / "saved"), split="validation")
     with pytest.raises(ConfigError, match=r"a split 'validation' in the datasets folder.*splits train, test"):
         open_data(cfg.data, 12, 0, 300)

@@ -4,17 +4,13 @@ unchanged), the weight slot holds about a quarter of the bf16 base's bytes, and 
 
 from __future__ import annotations
 
-from functools import partial
-
 import pytest
 import torch
 from torch import nn
 
-from mobiuspipe import LoraSpec, Pipeline
+from mobiuspipe import LoraSpec
 from mobiuspipe.lora.quant import NF4Linear, quantizable
-from mobiuspipe.models.gpt import lm_loss
-from mobiuspipe.models.hf import hf_key, layer_factories, open_hf
-from mobiuspipe.optim import CPUAdam
+from mobiuspipe.models.hf import hf_key, open_hf
 from partition.spec.lora import nf4_bytes, nf4_numel
 
 peft = pytest.importorskip("peft")
@@ -51,12 +47,6 @@ def test_an_nf4_layer_is_torchaos_nf4_bit_for_bit(conv1d):
     assert xg.grad is not None and torch.equal(xg.grad, (torch.ones(3, 5, 128) @ (dense.t() if conv1d else dense)))
 
 
-def _pipe(m, spec, batches, precision="fp32"):
-    opt = partial(CPUAdam, lr=5e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
-    return Pipeline(layer_factories(m), lm_loss, sample=batches[0], num_microbatches=4, num_stages=3, optimizer=opt,
-                    precision=precision, lora=spec)  # fmt: skip
-
-
 def _dequantized_base(folder):
     """The transformers model whose quantizable linear weights (not the head) are torchao's NF4, dequantized."""
     from transformers import AutoModelForCausalLM
@@ -75,7 +65,7 @@ def test_an_nf4_base_trains_as_peft_on_its_dequantized_weights(tmp_path, hf_kit)
     m = open_hf(tmp_path / "base", 13)
     spec = LoraSpec(rank=4, alpha=8.0, targets=TARGETS, base_dtype="nf4")
     batches = hf_kit.random_batches(3, 8, 13, seed=5)
-    with _pipe(m, spec, batches) as pipe:
+    with hf_kit.lora_pipeline(m, spec, batches) as pipe:
         before = pipe.state_dict(frozen=False)
         got = [pipe.train_batch(x, y).loss for x, y in batches]
         slot = max(s.weight_nbytes for s in pipe.stages.values())
@@ -89,9 +79,33 @@ def test_an_nf4_base_trains_as_peft_on_its_dequantized_weights(tmp_path, hf_kit)
     assert got == pytest.approx(want, rel=1e-5), (got, want)
 
     dense = LoraSpec(rank=4, alpha=8.0, targets=TARGETS)
-    with _pipe(m, dense, batches) as pipe:
+    with hf_kit.lora_pipeline(m, dense, batches) as pipe:
         plain = [pipe.train_batch(x, y).loss for x, y in batches]
         dense_slot = max(s.weight_nbytes for s in pipe.stages.values())
     # the documented distance: NF4's rounding moves each step's loss by under 1% of the dense base's here
     assert got == pytest.approx(plain, rel=1e-2) and got != plain
     assert slot < 0.5 * dense_slot  # fp32 dense against NF4 codes (the head, k and v stay dense)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_an_nf4_run_resumes_bit_for_bit(tmp_path, hf_kit, precision):
+    """The checkpoint holds the adapters; the NF4 base is quantized again from the model folder, the same bytes."""
+    hf_kit.save_model("llama", tmp_path / "base", seed=2, **SIZES)
+    m = open_hf(tmp_path / "base", 13)
+    spec = LoraSpec(rank=4, alpha=8.0, targets=TARGETS, base_dtype="nf4")
+    batches = hf_kit.random_batches(4, 8, 13, seed=3)
+    torch.manual_seed(1)
+    with hf_kit.lora_pipeline(m, spec, batches, precision) as pipe:
+        straight = [pipe.train_batch(x, y).loss for x, y in batches]
+        final = pipe.state_dict(frozen=False)
+    torch.manual_seed(1)
+    with hf_kit.lora_pipeline(m, spec, batches, precision) as pipe:
+        first = [pipe.train_batch(x, y).loss for x, y in batches[:2]]
+        folder = pipe.save_checkpoint(tmp_path / "ck")
+    torch.manual_seed(7)  # another seed: the adapters come from the checkpoint
+    with hf_kit.lora_pipeline(m, spec, batches, precision) as pipe:
+        assert pipe.load_checkpoint(folder) == 2
+        rest = [pipe.train_batch(x, y).loss for x, y in batches[2:]]
+        resumed = pipe.state_dict(frozen=False)
+    assert first + rest == straight
+    assert resumed.keys() == final.keys() and all(torch.equal(resumed[k], final[k]) for k in final)

@@ -4,36 +4,16 @@ no optimizer state and are loaded read-only: every one of them ends bit for bit 
 
 from __future__ import annotations
 
-from functools import partial
-
 import pytest
 import torch
 
 from mobiuspipe import LoraSpec, Pipeline
 from mobiuspipe.models.gpt import lm_loss
 from mobiuspipe.models.hf import hf_key, layer_factories, open_hf
-from mobiuspipe.optim import CPUAdam
 
 peft = pytest.importorskip("peft")
 
 TARGETS = {"llama": ("q_proj", "v_proj", "up_proj", "down_proj"), "gpt2": ("c_attn", "c_proj")}
-
-
-def _pipe(m, spec, batches, precision="fp32", activations=None, weight_decay=0.0, tied=(), memory=None):
-    opt = partial(CPUAdam, lr=5e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
-    return Pipeline(
-        layer_factories(m),
-        lm_loss,
-        sample=batches[0],
-        num_microbatches=4,
-        num_stages=3,
-        optimizer=opt,
-        precision=precision,
-        activations=activations,
-        tied=tied,
-        memory=memory,
-        lora=spec,
-    )
 
 
 @pytest.mark.parametrize("kind,activations", [("llama", "recompute"), ("llama", "keep"), ("gpt2", "recompute")])
@@ -44,7 +24,9 @@ def test_lora_pipeline_trains_as_peft_does(tmp_path, hf_kit, kind, activations):
     m = open_hf(tmp_path / "base", 13)
     spec = LoraSpec(rank=4, alpha=8.0, targets=TARGETS[kind])
     batches = hf_kit.random_batches(3, 8, 13, seed=8)
-    with _pipe(m, spec, batches, activations=activations, weight_decay=0.01, tied=m.tied_params()) as pipe:
+    with hf_kit.lora_pipeline(
+        m, spec, batches, activations=activations, weight_decay=0.01, tied=m.tied_params()
+    ) as pipe:
         before = pipe.state_dict()
         got = [pipe.train_batch(x, y).loss for x, y in batches]
         after = pipe.state_dict()
@@ -78,20 +60,20 @@ def test_a_lora_checkpoint_holds_the_adapters_only_and_resumes_bit_for_bit(tmp_p
     spec = LoraSpec(rank=2, alpha=4.0, targets=("q_proj", "o_proj"))
     batches = hf_kit.random_batches(4, 8, 13, seed=10)
     torch.manual_seed(3)
-    with _pipe(m, spec, batches, precision) as pipe:
+    with hf_kit.lora_pipeline(m, spec, batches, precision) as pipe:
         straight = [pipe.train_batch(x, y).loss for x, y in batches]
         final = pipe.state_dict()
         adapters = sum(p.numel for s in pipe.stages.values() for p in s.params)
         frozen = sum(f.nbytes for s in pipe.stages.values() for f in s.frozen)
     torch.manual_seed(3)
-    with _pipe(m, spec, batches, precision) as pipe:
+    with hf_kit.lora_pipeline(m, spec, batches, precision) as pipe:
         first = [pipe.train_batch(x, y).loss for x, y in batches[:2]]
         folder = pipe.save_checkpoint(tmp_path / "ck")
     written = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
     # the adapters' master, moments and low-precision copy and the plan; any base tensor would add its bytes
     assert written < 16 * adapters + 12 * 1024 < frozen
     torch.manual_seed(99)  # another seed: the adapters come from the checkpoint
-    with _pipe(m, spec, batches, precision) as pipe:
+    with hf_kit.lora_pipeline(m, spec, batches, precision) as pipe:
         assert pipe.load_checkpoint(folder) == 2
         rest = [pipe.train_batch(x, y).loss for x, y in batches[2:]]
         resumed = pipe.state_dict()
@@ -109,7 +91,7 @@ def test_the_trained_adapter_exports_to_a_folder_peft_loads(tmp_path, hf_kit):
     m = open_hf(tmp_path / "base", 13)
     spec = LoraSpec(rank=3, alpha=6.0, targets=("c_attn", "c_fc"))
     batches = hf_kit.random_batches(3, 8, 13, seed=11)
-    with _pipe(m, spec, batches) as pipe:
+    with hf_kit.lora_pipeline(m, spec, batches) as pipe:
         for x, y in batches[:2]:
             pipe.train_batch(x, y)
         held_out = pipe.eval_batch(*batches[2])
@@ -150,7 +132,7 @@ def test_adapters_on_ssd_train_bit_for_bit_as_on_host(tmp_path, hf_kit):
     runs = {}
     for name, memory in (("host", None), ("ssd", ssd)):
         torch.manual_seed(5)
-        with _pipe(m, spec, batches, memory=memory) as pipe:
+        with hf_kit.lora_pipeline(m, spec, batches, memory=memory) as pipe:
             runs[name] = ([pipe.train_batch(x, y).loss for x, y in batches], pipe.state_dict(), dict(pipe.state_tiers))
     assert set(runs["ssd"][2].values()) == {("ssd", "ssd")}
     assert runs["ssd"][0] == runs["host"][0]
