@@ -155,8 +155,8 @@ class Pipeline:
             raise PipelineError("adapters= continues a saved LoRA adapter: give its LoraSpec as lora= beside it")
         if lora is not None:
             makers, tied = with_adapters(makers, lora, adapters), ()  # the base, tied halves included, is frozen
-            if lora.base_dtype == "nf4":
-                makers = quantized(makers)
+            if lora.base_dtype is not None:
+                makers = quantized(makers, lora.base_dtype)
         self.info = rank_info()
         given = None if plan is None else read_plan(plan)
         if given is not None:

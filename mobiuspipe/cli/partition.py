@@ -22,7 +22,7 @@ from partition.sim.simulate import SimResult
 from partition.spec.analytic import analytic_profile, dtype_bytes
 from partition.spec.hardware import gpu_spec
 from partition.spec.lookup import get_model
-from partition.spec.lora import LoraShape, adapter_counts, default_targets, frozen_layers
+from partition.spec.lora import BASE_DTYPES, LoraShape, adapter_counts, default_targets, frozen_layers
 from partition.spec.models import ModelSpec
 from partition.spec.profile import Profile, load_profile
 from topology import PRESETS, Topology, load_topology
@@ -65,9 +65,10 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--base-dtype",
-        choices=("nf4",),
-        help="with --lora: keep and stream the frozen base in this form: nf4 (QLoRA's 4-bit NormalFloat, about "
-        "0.52 bytes per weight of each linear layer whose size torchao's blocks divide); default: --dtype",
+        choices=BASE_DTYPES,
+        help="with --lora: keep and stream the frozen base in this form: int8 (a byte per weight of each linear "
+        "layer, a scale per output feature) or nf4 (QLoRA's 4-bit NormalFloat, about 0.52 bytes per weight of each "
+        "linear layer whose size torchao's blocks divide); default: --dtype",
     )
     p.add_argument(
         "--lora-targets",
@@ -190,7 +191,7 @@ def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
             microbatch_size=args.microbatch_size,
             dtype=args.dtype,
             adapters=adapters,
-            frozen=frozen_layers(spec, dtype_bytes(args.dtype)) if args.base_dtype else None,
+            frozen=frozen_layers(spec, dtype_bytes(args.dtype), args.base_dtype) if args.base_dtype else None,
         )
     )
     plan = make_plan(

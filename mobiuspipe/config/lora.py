@@ -34,9 +34,10 @@ class LoraConfig(Section):
     rslora: bool = False
     """Rank-stabilized LoRA: scale by alpha / sqrt(r) instead of alpha / r (PEFT's use_rslora)."""
     base_dtype: str | None = None
-    """How the frozen base is kept in host memory and copied to the gpus: null = train.precision; "nf4" = QLoRA's
-    4-bit NormalFloat (torchao's), about 0.52 bytes per weight of each linear layer whose size 16,384 divides,
-    dequantized on the gpu just before use (mobiuspipe/lora/quant.py)."""
+    """How the frozen base is kept in host memory and copied to the gpus: null = train.precision; "int8" = a byte
+    per weight of each linear layer and a float32 scale per output feature (torchao's weight-only int8); "nf4" =
+    QLoRA's 4-bit NormalFloat (torchao's), about 0.52 bytes per weight of each linear layer whose size 16,384
+    divides; both dequantized on the gpu just before use (mobiuspipe/lora/quant.py)."""
 
     @property
     def on(self) -> bool:
@@ -71,7 +72,7 @@ class LoraConfig(Section):
                 "base_dtype",
                 "null (train.precision) or one of " + ", ".join(BASE_DTYPES),
                 found_text(self.base_dtype),
-                "use `base_dtype: nf4`, or null",
+                "use `base_dtype: int8` or `nf4`, or null",
             ),
             *rule(
                 self.targets is None or (len(self.targets) > 0 and all(self.targets)),

@@ -1,5 +1,7 @@
-"""Quantized frozen base weights for LoRA: NF4, QLoRA's 4-bit NormalFloat with double-quantized per-block scales,
-by torchao's implementation (its NF4Tensor quantizes, and dequantizes on the device just before each use).
+"""Quantized frozen base weights for LoRA, by torchao's implementations, quantized once as the layers are built and
+dequantized on the device just before each use: NF4 (QLoRA's 4-bit NormalFloat with double-quantized per-block
+scales: torchao's NF4Tensor) or int8 (symmetric, one float32 scale per output feature: torchao's weight-only
+Int8Tensor, PerRow).
 
 An NF4Linear holds the quantized weight of a frozen nn.Linear (or GPT-2's Conv1D) as frozen parameters of integer
 dtypes, which the stage keeps in host memory and copies into its weight slot as they are (about 0.52 bytes per
@@ -9,6 +11,11 @@ from its bfloat16 value, as QLoRA does, and dequantizes to bfloat16 (then to the
 training precision. The 16-value code table is a buffer. Its bias, if any, stays a floating parameter (the
 training dtype). A weight whose size is not a multiple of 64 * 256 = 16,384
 (torchao's blocks) stays in the training dtype, as do embeddings and norms.
+
+An Int8Linear holds `qdata` (int8, [out, in]: GPT-2's Conv1D weight is transposed first, so that each scale
+belongs to an output feature) and `qscale` (float32 kept as its int32 bits, one per output feature): 1 + 4 / in
+bytes per weight. Every linear weight takes it. It is quantized from the bfloat16 value too, and dequantizes straight
+to the compute dtype.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from torch import nn
 from mobiuspipe.lora.layers import is_linear
 from partition.spec.lora import NF4_BLOCK, NF4_SCALER_BLOCK, nf4_quantizable
 
-__all__ = ["NF4Linear", "quantize_frozen", "quantized", "quantizable"]
+__all__ = ["NF4Linear", "Int8Linear", "QUANTIZERS", "quantize_frozen", "quantized", "quantizable"]
 
 
 def _nf4():
@@ -31,6 +38,15 @@ def _nf4():
     from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
 
     return nf4_tensor
+
+
+def _int8():
+    """torchao's Int8Tensor and PerRow, and the dequantization its Int8Tensor.dequantize calls."""
+    from torchao.quantization.granularity import PerRow
+    from torchao.quantization.quant_primitives import dequantize_affine
+    from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor
+
+    return Int8Tensor, PerRow, dequantize_affine
 
 
 def quantizable(weight: torch.Tensor) -> bool:
@@ -64,8 +80,50 @@ class NF4Linear(nn.Module):
         return dequantize(self.shape, *self.codes())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = _LinearNF4.apply(x, self.shape, self.conv1d, *self.codes())
+        out = _FrozenLinear.apply(x, partial(_nf4_weight, self.shape), self.conv1d, *self.codes())
         return out if self.bias is None else out + self.bias.to(out.dtype)
+
+
+def _nf4_weight(shape: tuple[int, ...], *codes_and_dtype) -> torch.Tensor:
+    *codes, dtype = codes_and_dtype
+    return dequantize(shape, *codes).to(dtype)
+
+
+class Int8Linear(nn.Module):
+    """A frozen linear layer whose weight is int8 with a float32 scale per output feature (see the module
+    docstring); computes as its base with the weight torchao's Int8Tensor.dequantize gives back."""
+
+    def __init__(self, base: nn.Module):
+        super().__init__()
+        int8_tensor, per_row, _ = _int8()
+        weight = base.get_parameter("weight").detach()
+        self.conv1d = not isinstance(base, nn.Linear)
+        w = (weight.t() if self.conv1d else weight).to(torch.bfloat16).contiguous()  # [out, in]
+        q = int8_tensor.from_hp(w, per_row())
+        self.qdata = nn.Parameter(q.qdata, requires_grad=False)
+        self.qscale = nn.Parameter(q.scale.view(torch.int32), requires_grad=False)
+        bias = getattr(base, "bias", None)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def codes(self) -> tuple[torch.Tensor, ...]:
+        """The tensors the weight is made from (see dequantize_int8)."""
+        return self.qdata, self.qscale
+
+    def weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """The dequantized weight in `dtype`, [out, in] (a Conv1D's too: the transpose of its base's)."""
+        return dequantize_int8(self.qdata, self.qscale, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _FrozenLinear.apply(x, dequantize_int8, False, *self.codes())
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+
+def dequantize_int8(qdata: torch.Tensor, qscale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An int8 weight ([out, in]) dequantized to `dtype` as torchao's Int8Tensor.dequantize does (symmetric: no
+    zero point), over tensors wherever they are (the stage's weight slot)."""
+    dequantize_affine = _int8()[2]
+    scale = qscale.view(torch.float32)
+    return dequantize_affine(qdata, (1, qdata.shape[1]), scale, None, torch.int8, output_dtype=dtype)
 
 
 def dequantize(shape: tuple[int, ...], qdata, qscalers, qfactor, qmean, table) -> torch.Tensor:
@@ -87,48 +145,57 @@ def dequantize(shape: tuple[int, ...], qdata, qscalers, qfactor, qmean, table) -
     return tensor.get_original_weight()
 
 
-class _LinearNF4(torch.autograd.Function):
-    """x times an NF4 weight that never trains, as torchao's LinearNF4 computes it, but saving the weight's codes (4
-    small tensors in the stage's weight slot, which a kept graph references rather than copies) and dequantizing
-    again in the backward, instead of saving a dequantized copy per layer and microbatch."""
+class _FrozenLinear(torch.autograd.Function):
+    """x times a quantized weight that never trains (`weight_of(*codes, dtype)` dequantizes it), as torchao's
+    LinearNF4 computes it, but saving the weight's codes (small tensors in the stage's weight slot, which a kept
+    graph references rather than copies) and dequantizing again in the backward, instead of saving a dequantized
+    copy per layer and microbatch."""
 
     @staticmethod
-    def forward(ctx, x, shape, conv1d, *codes):
-        ctx.shape, ctx.conv1d = shape, conv1d
+    def forward(ctx, x, weight_of, conv1d, *codes):
+        ctx.weight_of, ctx.conv1d = weight_of, conv1d
         ctx.save_for_backward(*codes)
-        w = dequantize(shape, *codes).to(x.dtype)
+        w = weight_of(*codes, x.dtype)
         return x @ w if conv1d else F.linear(x, w)
 
     @staticmethod
     def backward(ctx, grad):
-        w = dequantize(ctx.shape, *ctx.saved_tensors).to(grad.dtype)
+        w = ctx.weight_of(*ctx.saved_tensors, grad.dtype)
         dx = grad @ w.t() if ctx.conv1d else grad @ w
         return (dx, None, None) + (None,) * len(ctx.saved_tensors)
 
 
-def quantize_frozen(module: nn.Module) -> list[str]:
-    """Replace every frozen linear layer of `module` that torchao's NF4 takes by an NF4Linear; returns the names
-    replaced. The adapters (trainable) and the others stay as they are."""
+QUANTIZERS: dict[str, tuple[Callable[[nn.Module], nn.Module], Callable[[torch.Tensor], bool]]] = {
+    "nf4": (NF4Linear, quantizable),
+    "int8": (Int8Linear, lambda w: w.dim() == 2),
+}
+"""base_dtype -> (the layer a frozen linear layer becomes, which weights it takes)."""
+
+
+def quantize_frozen(module: nn.Module, base_dtype: str = "nf4") -> list[str]:
+    """Replace every frozen linear layer of `module` that `base_dtype`'s form takes (QUANTIZERS) by its quantized
+    layer; returns the names replaced. The adapters (trainable) and the others stay as they are."""
+    layer, takes = QUANTIZERS[base_dtype]
     done = []
     for name, m in list(module.named_modules()):
         weight = getattr(m, "weight", None)
         if not name or not is_linear(m) or not isinstance(weight, torch.Tensor) or weight.requires_grad:
             continue
-        if not quantizable(weight):
+        if not takes(weight):
             continue
         parent, _, child = name.rpartition(".")
-        setattr(module.get_submodule(parent), child, NF4Linear(m))
+        setattr(module.get_submodule(parent), child, layer(m))
         done.append(name)
     return done
 
 
-def quantized(makers: Sequence[Callable[[], nn.Module]]) -> list[Callable[[], nn.Module]]:
-    """Layer factories whose layers come with their frozen linear layers in NF4 (quantize_frozen)."""
-    return [partial(_quantized, make) for make in makers]
+def quantized(makers: Sequence[Callable[[], nn.Module]], base_dtype: str = "nf4") -> list[Callable[[], nn.Module]]:
+    """Layer factories whose layers come with their frozen linear layers in `base_dtype` (quantize_frozen)."""
+    return [partial(_quantized, make, base_dtype) for make in makers]
 
 
-def _quantized(make: Callable[[], nn.Module]) -> nn.Module:
+def _quantized(make: Callable[[], nn.Module], base_dtype: str) -> nn.Module:
     layer = make()
     if isinstance(layer, nn.Module):  # anything else is refused by the caller, naming the layer
-        quantize_frozen(layer)
+        quantize_frozen(layer, base_dtype)
     return layer

@@ -24,8 +24,9 @@ class LoraSpec:
     dropout: float = 0.0
     rslora: bool = False
     base_dtype: str | None = None
-    """How the frozen base is kept and streamed: None = the training dtype; "nf4" = QLoRA's 4-bit NormalFloat
-    (mobiuspipe.lora.quant). Not part of a PEFT adapter: a training choice."""
+    """How the frozen base is kept and streamed: None = the training dtype; "int8" = a byte per weight and a scale
+    per output feature; "nf4" = QLoRA's 4-bit NormalFloat (mobiuspipe.lora.quant). Not part of a PEFT adapter: a
+    training choice."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.rank, int) and self.rank >= 1):

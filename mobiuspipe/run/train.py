@@ -332,7 +332,7 @@ def _lora_words(cfg: RunConfig, plan: Plan) -> str:
         return ""
     trains, frozen = sum(s.trains for s in plan.stages), sum(s.frozen_bytes for s in plan.stages)
     start = f"continuing {cfg.model.adapter}" if cfg.model.adapter else "new"
-    form = "NF4" if spec.base_dtype == "nf4" else plan.dtype
+    form = {"nf4": "NF4", "int8": "int8"}.get(spec.base_dtype or "", plan.dtype)
     return (
         f"; LoRA adapters ({start}) of rank {spec.rank}, alpha {spec.alpha:g} on {', '.join(spec.targets)}: "
         f"{trains:,} parameters train, the base frozen ({fmt_bytes(frozen)} in {form})"

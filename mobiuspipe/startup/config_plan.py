@@ -104,12 +104,12 @@ def gpt_profile(cfg: RunConfig) -> Profile:
 
 
 def frozen_base(cfg: RunConfig) -> tuple[list[int], list[int]] | None:
-    """The items and bytes of each layer's frozen base when the run keeps it in NF4 (None: in the training dtype,
-    or no LoRA)."""
+    """The items and bytes of each layer's frozen base when the run keeps it quantized (lora.base_dtype; None: in
+    the training dtype, or no LoRA)."""
     spec = lora_spec(cfg)
-    if spec is None or spec.base_dtype != "nf4":
+    if spec is None or spec.base_dtype is None:
         return None
-    return frozen_layers(model_spec(cfg), dtype_bytes(cfg.train.precision))
+    return frozen_layers(model_spec(cfg), dtype_bytes(cfg.train.precision), spec.base_dtype)
 
 
 @lru_cache(maxsize=8)

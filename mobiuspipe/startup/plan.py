@@ -111,7 +111,7 @@ def check_stage_layers(plan: Plan, j: int, layers: dict[int, nn.Module]) -> None
     s = plan.stages[j]
     params = [p for l in range(s.first, s.last + 1) for p in layers[l].parameters()]
     n, size = sum(p.numel() for p in params), TORCH_DTYPES[plan.dtype].itemsize
-    nbytes = sum(p.numel() * (size if p.is_floating_point() else p.element_size()) for p in params)  # NF4: codes
+    nbytes = sum(p.numel() * (size if p.is_floating_point() else p.element_size()) for p in params)  # int8, NF4: codes
     if n != s.param_count or nbytes > plan.slot_bytes:
         frozen = sum(
             p.numel() for l in range(s.first, s.last + 1) for p in layers[l].parameters() if not p.requires_grad

@@ -361,7 +361,7 @@ def _too_small(plan: Plan, budget: HostBudget, share: int, saved: list[int]) -> 
     g = max(held, key=lambda k: held[k] + frozen[k] + least[k])
     need = held[g] + frozen[g] + least[g]
     base = f", frozen weights {fmt_bytes(frozen[g])}" if frozen[g] else ""
-    nf4 = ", the frozen base in NF4 (LoRA's base_dtype nf4)" if frozen[g] else ""
+    nf4 = ", the frozen base in int8 or NF4 (LoRA's base_dtype)" if frozen[g] else ""
     return PlanInfeasibleError(
         f"{plan.model}: gpu {g} needs {fmt_bytes(need)} of host memory even with every state on the "
         f"SSD (saved stage inputs {fmt_bytes(held[g])}{base}, the least streaming share of its "

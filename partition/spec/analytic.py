@@ -49,9 +49,9 @@ frozen: param_count n_l + a_l, trainable_count a_l, param_bytes (n_l + a_l) * e;
 adapters' matmuls); the backward computes no weight gradient of the base, only its input gradient, so
 bwd_flops = (fwd_flops without the adapters) + 2 * 2*b*s*a_l (the adapters' input and weight gradients). The
 adapters' own saved activations (r values per token and target) are left out: under 1% of a block's at r <= 64.
-With the base in NF4 (`frozen`: partition.spec.lora.frozen_layers), its items and bytes are those of the codes and
-scales (about 0.52 bytes per weight of each quantizable linear layer); its FLOPs are unchanged (the dequantized
-weight computes as the dense one; the dequantization's own work is left out).
+With the base quantized (`frozen`: partition.spec.lora.frozen_layers), its items and bytes are those of the codes and
+scales (about 1 byte per weight of each linear layer in int8, 0.52 in NF4); its FLOPs are unchanged (the
+dequantized weight computes as the dense one; the dequantization's own work is left out).
 LayerNorm, RMSNorm, SiLU/GELU and bias FLOPs are left out (under 1% of a block for h >= 512). The
 s^2 terms assume attention keeps its score matrix; a fused (flash) kernel keeps O(s) instead.
 """
@@ -141,7 +141,7 @@ def analytic_profile(
 ) -> Profile:
     """Profile of `spec` on `device` for microbatches of `microbatch_size` sequences (see the legend); with
     `adapters` (a_l of every layer), of the model with those LoRA adapters, its base frozen, kept as `frozen`
-    says (items and bytes per layer: an NF4 base) or in the dtype."""
+    says (items and bytes per layer: an int8 or NF4 base) or in the dtype."""
     e = dtype_bytes(dtype)
     _check_args(microbatch_size, mfu)
     s, b, h, v = spec.seq_len, microbatch_size, spec.d_model, spec.vocab_size

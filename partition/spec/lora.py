@@ -6,6 +6,10 @@ Legend (per layer l; units in brackets):
   a_l    adapter parameters of layer l: r (i + o) for each target linear layer of it
          (A is r x i, B is o x r; no biases)                                                 [-]
   n_l    the layer's own parameters (partition.spec.models.layer_param_counts): frozen     [-]
+A frozen base kept quantized (BASE_DTYPES) keeps a linear weight of i x o values as:
+  nf4    (where 16,384 divides i o) codes i o / 2, one int8 scale per 64 values, one bf16 factor per 256 scales,
+         one bf16 mean: about 0.52 bytes per weight (nf4_numel, nf4_bytes)
+  int8   the values i o, one fp32 scale per output feature: i o + 4 o bytes (int8_numel, int8_bytes)
 
 A target names linear layers as PEFT's `target_modules` does: a layer whose dotted name is the target or ends
 with "." and the target. The names are Hugging Face's: a "gpt" block has GPT-2's attn.c_attn, attn.c_proj,
@@ -34,11 +38,13 @@ __all__ = [
     "nf4_quantizable",
     "nf4_numel",
     "nf4_bytes",
+    "int8_numel",
+    "int8_bytes",
     "frozen_layers",
 ]
 
-BASE_DTYPES = ("nf4",)
-"""The forms a LoRA run's frozen base can be kept in besides the training dtype."""
+BASE_DTYPES = ("int8", "nf4")
+"""The forms a LoRA run's frozen base can be kept in besides the training dtype (the legend)."""
 NF4_BLOCK = 64
 """Weights per NF4 block (one absmax scale each): QLoRA's 64 (torchao's default)."""
 NF4_SCALER_BLOCK = 256
@@ -61,6 +67,25 @@ def nf4_bytes(numel: int) -> int:
     """Bytes of an NF4 weight of `numel` values: codes and scales one byte each, factors and mean two (bf16)."""
     blocks = numel // NF4_BLOCK
     return numel // 2 + blocks + 2 * (blocks // NF4_SCALER_BLOCK) + 2
+
+
+def int8_numel(in_features: int, out_features: int) -> int:
+    """Items an int8 weight is kept as: its values and a scale per output feature (mobiuspipe.lora.quant.Int8Linear's
+    parameters)."""
+    return in_features * out_features + out_features
+
+
+def int8_bytes(in_features: int, out_features: int) -> int:
+    """Bytes of an int8 weight: a byte per value and 4 per output feature's scale (float32)."""
+    return in_features * out_features + 4 * out_features
+
+
+def _kept(lin: Linear, base_dtype: str) -> tuple[int, int] | None:
+    """(items, bytes) of a frozen linear weight kept in `base_dtype`; None where that form does not take it."""
+    n = lin.in_features * lin.out_features
+    if base_dtype == "int8":
+        return int8_numel(lin.in_features, lin.out_features), int8_bytes(lin.in_features, lin.out_features)
+    return (nf4_numel(n), nf4_bytes(n)) if nf4_quantizable(n) else None
 
 
 @dataclass(frozen=True)
@@ -142,17 +167,19 @@ def adapter_counts(spec: ModelSpec, lora: LoraShape) -> list[int]:
     return [0] + [count(block_linears(spec))] * spec.num_blocks + [count(head_linears(spec))]
 
 
-def frozen_layers(spec: ModelSpec, dtype_bytes: int) -> tuple[list[int], list[int]]:
-    """(items, bytes) of each layer of `spec` with its block and head linear weights in NF4 where torchao's blocks
-    divide them (the rest, biases, norms and embeddings in the dtype of `dtype_bytes`), adapters left out: the
-    frozen base as a LoRA run with base_dtype nf4 keeps it."""
+def frozen_layers(spec: ModelSpec, dtype_bytes: int, base_dtype: str = "nf4") -> tuple[list[int], list[int]]:
+    """(items, bytes) of each layer of `spec` with its block and head linear weights in `base_dtype` (one of
+    BASE_DTYPES) where that form takes them (the rest, biases, norms and embeddings in the dtype of `dtype_bytes`),
+    adapters left out: the frozen base as a LoRA run with that base_dtype keeps it."""
+    if base_dtype not in BASE_DTYPES:
+        raise ValueError(f"base_dtype: expected one of {', '.join(BASE_DTYPES)}, found {base_dtype!r}")
 
     def shrink(lins: tuple[Linear, ...]) -> tuple[int, int]:
         items = bytes_ = 0
         for x in lins:
-            n = x.in_features * x.out_features
-            if nf4_quantizable(n):
-                items, bytes_ = items + n - nf4_numel(n), bytes_ + n * dtype_bytes - nf4_bytes(n)
+            n, kept = x.in_features * x.out_features, _kept(x, base_dtype)
+            if kept is not None:
+                items, bytes_ = items + n - kept[0], bytes_ + n * dtype_bytes - kept[1]
         return items, bytes_
 
     counts = layer_param_counts(spec)

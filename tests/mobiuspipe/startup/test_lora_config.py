@@ -110,18 +110,20 @@ def test_model_adapter_gives_the_spec_and_a_lora_key_against_it_is_refused(tmp_p
         lora_spec(other)
 
 
-def test_an_nf4_bases_items_and_bytes_are_the_tables(tmp_path, hf_kit):
-    """lora.base_dtype nf4: the plan counts each layer's items and bytes as the quantized layers hold them."""
+@pytest.mark.parametrize(("base_dtype", "most"), [("nf4", 0.3), ("int8", 0.55)])
+def test_a_quantized_bases_items_and_bytes_are_the_tables(tmp_path, hf_kit, base_dtype, most):
+    """lora.base_dtype int8 / nf4: the plan counts each layer's items and bytes as the quantized layers hold them."""
     from mobiuspipe.lora.layers import with_adapters
     from mobiuspipe.lora.quant import quantized
     from mobiuspipe.models.hf import layer_factories, open_hf
     from mobiuspipe.startup.config_plan import frozen_base
 
     hf_kit.save_model("llama", tmp_path / "m", hidden_size=128, intermediate_size=256, num_attention_heads=4)
-    cfg = _cfg(tmp_path, lora={"rank": 2, "targets": ["q_proj"], "base_dtype": "nf4"}, hf="m", seq_len=11)
+    cfg = _cfg(tmp_path, lora={"rank": 2, "targets": ["q_proj"], "base_dtype": base_dtype}, hf="m", seq_len=11)
     spec, a, base = lora_spec(cfg), adapters(cfg), frozen_base(cfg)
-    assert spec is not None and spec.base_dtype == "nf4" and a is not None and base is not None
-    layers = [make() for make in quantized(with_adapters(layer_factories(open_hf(tmp_path / "m", 11)), spec))]
+    assert spec is not None and spec.base_dtype == base_dtype and a is not None and base is not None
+    made = quantized(with_adapters(layer_factories(open_hf(tmp_path / "m", 11)), spec), base_dtype)
+    layers = [make() for make in made]
     items = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     nbytes = [
         sum(p.numel() * (4 if p.is_floating_point() else p.element_size()) for p in x.parameters()) for x in layers
@@ -129,6 +131,6 @@ def test_an_nf4_bases_items_and_bytes_are_the_tables(tmp_path, hf_kit):
     assert items == [n + k for n, k in zip(base[0], a)] and nbytes == [b + 4 * k for b, k in zip(base[1], a)]
     from partition.spec.models import layer_param_counts
 
-    assert nbytes[1] < 0.3 * 4 * layer_param_counts(model_spec(cfg))[1]  # the block's projections in NF4
+    assert nbytes[1] < most * 4 * layer_param_counts(model_spec(cfg))[1]  # the block's projections quantized
     plan = plan_for_config(cfg)
     assert [s.param_count for s in plan.stages] == [sum(items[s.first : s.last + 1]) for s in plan.stages]
