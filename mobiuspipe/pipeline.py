@@ -251,7 +251,8 @@ class Pipeline:
             layers = {l: build(makers[l], l) for l in plan.stages[j].layers}
             check_stage_layers(plan, j, layers)
             on_ssd = self.placement.weights[j] == "ssd"
-            stages[j] = Stage(j, layers, device, make_optimizer, dtype, tiers[j], on_ssd)
+            frozen_store = self.store if self.memory.frozen == "ssd" else None
+            stages[j] = Stage(j, layers, device, make_optimizer, dtype, tiers[j], on_ssd, frozen_store)
         m, swapped = plan.num_microbatches, swap_tiers(plan, self.memory, self.activations)
         self.plan = plan_as_run(plan, self.activations, swapped, device.is_cuda)  # its walk is this run's
         schedules = [build_schedule(plan.mapping, g, m, frozenset(swapped)) for g in range(plan.num_gpus)]

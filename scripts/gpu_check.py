@@ -2,7 +2,8 @@
 
 On a GPU: a mid-size GPT (d_model 1024, seq 512, 10 layers in 8 stages, 4 microbatches) in fp32 and bf16 under
 every activation policy x tier the one gpu runs (device, host, SSD), with SSD weights, 2 accumulation passes and
-fp16 with a skipped step, each against plain PyTorch on the same GPU and bit for bit against the others; the
+fp16 with a skipped step, each against plain PyTorch on the same GPU and bit for bit against the others; LoRA over
+an int8 and an NF4 base (a small GPT) against plain PyTorch on the same quantized layers; the
 overlap of loads with compute, the measured peak against the plan, the step against its floor, the machine as
 NVML and sysfs show it, and with 2 or more GPUs a torchrun job on [0,1,0,1] with the peer tier staged through the
 host. On a CPU-only machine: the same checks on the strict stand-ins (MOBIUSPIPE_STRICT=1) at a small size, so
@@ -244,6 +245,20 @@ def machine(t: Table, cuda: bool) -> dict:
     return {"gpus": [g.name for g in topo.gpus], "source": topo.source}
 
 
+def quantized_lora(t: Table, device: torch.device, steps: int) -> None:
+    """LoRA over an int8 and an NF4 base (torchao's, dequantized in the stage's weight slot on this device): the
+    Pipeline trains as plain PyTorch on the same quantized layers does, on the same device, fp32."""
+    try:
+        import torchao  # noqa: F401 - a GPU image may lack it (the device README says how to carry its wheel)
+    except ImportError as e:
+        t.add("LoRA over a quantized base", None, f"skipped: {e}"[:90])
+        return
+    for base_dtype in ("int8", "nf4"):
+        got, want = runs.lora_runs(base_dtype, steps, device)
+        rel = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+        t.add(f"LoRA, {base_dtype} base, vs plain PyTorch", rel <= 1e-5, f"losses within {rel:.1e}", "<= 1e-5")
+
+
 def gpu_tests(t: Table, cuda: bool) -> None:
     """The gpu-marked tests (pytest -m gpu): on a GPU they run (the CUDA clock, NVML, the probe)."""
     if not cuda:
@@ -367,6 +382,7 @@ def main() -> int:
         if base is not None:
             run, plan = base["fp32"]  # the plan the run was made from: one profile, so one X and W
             t.figures = t.guarded("memory and speed", memory_and_speed, t, run, size, device, plan, cuda, args) or {}
+        t.guarded("LoRA over a quantized base", quantized_lora, t, device, args.steps)
         t.machine = t.guarded("machine", machine, t, cuda) or {}
         t.guarded("gpu-marked tests", gpu_tests, t, cuda)
         t.guarded("two ranks", two_ranks, t, Path(tmp), torch.cuda.device_count() if cuda else 2, cuda)

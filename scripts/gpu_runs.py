@@ -50,6 +50,9 @@ class Size:
         return ModelSpec("gpt-check", self.blocks, self.d_model, self.heads, self.seq, self.vocab)
 
 
+LORA_SIZE = Size(d_model=128, heads=4, blocks=4, seq=64, vocab=512, batch=8, microbatches=4, stages=4)
+"""A LoRA base small enough for both machines whose qkv (128 x 384) and fc (128 x 512) weights NF4's blocks divide."""
+LORA_TARGETS = ("qkv", "fc")
 GPU_SIZE = Size(d_model=1024, heads=16, blocks=8, seq=512, vocab=8192, batch=8, microbatches=4, stages=8)
 CPU_SIZE = Size(d_model=48, heads=4, blocks=8, seq=32, vocab=256, batch=8, microbatches=4, stages=8)
 
@@ -289,3 +292,49 @@ def overlap_on_gpu(size: Size, plan: Plan, precision: str, steps: int = 3, trace
     if trace:  # beside the kernels and copies: the pipeline's actions and host updates ("U"), all ended now
         write_chrome([list(pipe.trace.records)], Path(trace).with_suffix(".actions.json"))
     return found
+
+
+def lora_runs(base_dtype: str, steps: int, device: torch.device) -> tuple[list[float], list[float]]:
+    """LORA_SIZE's GPT with rank-8 adapters on LORA_TARGETS over a `base_dtype` base (mobiuspipe.lora.quant), fp32:
+    (the Pipeline's losses, plain PyTorch's), the latter the same quantized layers as one nn.Sequential on
+    `device`, their adapters stepped by CPUAdam on an fp32 host master over the same microbatches."""
+    from mobiuspipe import LoraSpec
+    from mobiuspipe.lora.layers import with_adapters
+    from mobiuspipe.lora.quant import quantized
+
+    size, lora = LORA_SIZE, LoraSpec(rank=8, alpha=16.0, targets=LORA_TARGETS, base_dtype=base_dtype)
+    data = batches(size, steps, size.batch)
+    opt = partial(CPUAdam, lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
+    torch.manual_seed(0)  # the adapters are drawn from the seed torch has when the layers are built
+    with Pipeline(
+        layer_factories(size.spec(), seed=3),
+        lm_loss,
+        sample=data[0],
+        num_microbatches=size.microbatches,
+        num_stages=size.stages,
+        optimizer=opt,
+        lora=lora,
+    ) as pipe:
+        got = [pipe.train_batch(x, y).loss for x, y in data]
+    torch.manual_seed(0)
+    makers = quantized(with_adapters(layer_factories(size.spec(), seed=3), lora), base_dtype)
+    model = nn.Sequential(*(make() for make in makers)).to(device)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    master = [p.detach().to("cpu", copy=True).requires_grad_(True) for p in trained]
+    adam = opt(master)
+    want = []
+    for x, y in data:
+        model.zero_grad(set_to_none=False)
+        total = 0.0
+        for xi, yi in zip(x.chunk(size.microbatches), y.chunk(size.microbatches)):
+            loss = lm_loss(model(xi.to(device)).float(), yi.to(device)) / size.microbatches
+            loss.backward()
+            total += float(loss.detach())
+        for w, p in zip(master, trained):
+            w.grad = _grad(p).to("cpu", copy=True)
+        adam.step()
+        with torch.no_grad():
+            for p, w in zip(trained, master):
+                p.copy_(w.detach())
+        want.append(total)
+    return got, want

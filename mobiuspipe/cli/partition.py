@@ -344,11 +344,14 @@ def _memory_lines(pred: Prediction) -> list[str]:
     if mem.budget.bytes:
         per_gpu = fmt_bytes(mem.budget.bytes // len(mem.gpus))
         budget = f"{fmt_bytes(mem.budget.bytes)} ({mem.budget.source}), {per_gpu} per gpu"
+    named = [("optimizer", "optimizer"), ("weights", "weights and gradients")]
     kinds = ", ".join(
         f"{name} {mem.tier(k)}"
         + (f" ({mem.on_ssd(k)} of {len(mem.stages)} stages on ssd)" if "+" in mem.tier(k) else "")
-        for k, name in (("optimizer", "optimizer"), ("weights", "weights and gradients"))
+        for k, name in named + ([("frozen", "frozen base")] if mem.has_frozen else [])
     )
+    if mem.has_frozen and mem.tier("frozen") == "ssd":
+        kinds += " (a run sets memory.frozen: ssd)"
     busy = ", ".join(
         f"{k.replace('_', ' ')} {v:.1f} s" + (f" ({bound.names[k]})" if k in ("compute", "pcie") else "")
         for k, v in bound.busy_s.items()

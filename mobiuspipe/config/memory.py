@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from foundation.loader import Problem, rule
 from mobiuspipe.config.section import WRITTEN_PATH, Section, mebibytes
-from partition.rules.placement import TIERS  # where memory.optimizer and memory.weights may put states
+from partition.rules.placement import FROZEN_TIERS, TIERS  # where memory.optimizer, .weights, .frozen put states
 
 __all__ = ["MemoryConfig", "ACTIVATION_MODES", "ACTIVATION_TIERS"]
 
@@ -32,6 +32,11 @@ class MemoryConfig(Section):
     """The weights the device loads and the gradients it offloads (2 + 2 bytes per parameter in bf16/fp16).
     "host": in host memory; "ssd": in the SSD store too, streamed through staging buffers (needs optimizer:
     ssd, whose update writes them); "auto": in host memory while they fit, after the optimizer states."""
+    frozen: str = "host"
+    """Where a LoRA run's frozen base weights live (read-only: each stage LOAD copies them to the gpu, nothing
+    writes them back). "host": in host memory; "ssd": in the SSD store under ssd_dir, written once at start-up and
+    read at each LOAD through 4 MiB of staging buffers per stage (`mobiuspipe partition` puts them there when the
+    host memory cannot hold them). Needs LoRA (lora.rank or model.adapter)."""
     ssd_dir: str | None = field(default=None, metadata=WRITTEN_PATH)
     """Folder of the ssd tier, relative to the config file's folder; each rank keeps its store in ssd_dir/rank{r}.
     A run starts it afresh (what an earlier run left there is discarded: runs resume from their checkpoints);
@@ -88,6 +93,20 @@ class MemoryConfig(Section):
                 self.optimizer == "host" or bool(self.ssd_dir),
                 "ssd_dir",
                 "a folder when optimizer is ssd or auto",
+                repr(self.ssd_dir),
+                "set `ssd_dir:` to a folder on an NVMe drive, e.g. /nvme/mobiuspipe",
+            ),
+            *rule(
+                self.frozen in FROZEN_TIERS,
+                "frozen",
+                "one of " + ", ".join(FROZEN_TIERS),
+                repr(self.frozen),
+                "use `frozen: host` or `ssd` (with ssd_dir)",
+            ),
+            *rule(
+                self.frozen != "ssd" or bool(self.ssd_dir),
+                "ssd_dir",
+                "a folder when frozen is ssd",
                 repr(self.ssd_dir),
                 "set `ssd_dir:` to a folder on an NVMe drive, e.g. /nvme/mobiuspipe",
             ),

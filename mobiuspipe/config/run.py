@@ -362,6 +362,13 @@ class RunConfig(Section):
                 "set lora.rank (e.g. 16) to train LoRA adapters, or remove the lora section to train every weight",
             ),
             *rule(
+                self.lora_on or self.memory.frozen == "host",
+                "memory.frozen",
+                "frozen weights to place: LoRA (lora.rank or model.adapter) freezes the base",
+                f"frozen {self.memory.frozen!r} without LoRA",
+                "set lora.rank to train adapters over a frozen base, or remove memory.frozen",
+            ),
+            *rule(
                 self.model.adapter is None or self.model.hf is not None,
                 "model.adapter",
                 "an adapter of a Hugging Face model: model.hf beside it",

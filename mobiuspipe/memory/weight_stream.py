@@ -1,5 +1,6 @@
 """A stage's device-dtype weights and its gradients kept in the SSD store, group by group, and moved through
-a few group-sized staging buffers: no copy of the stage's size stays in host memory.
+a few group-sized staging buffers: no copy of the stage's size stays in host memory. SsdRecords is the read-only
+part (the records a LOAD streams: a LoRA stage's frozen base too); SsdWeights adds the gradients and the update.
 
 Records (dtype = the device's: bf16, fp16 or fp32), one per group of the stage's out-of-core Adam (group i
 covers elements [i * G, i * G + n_i) of the stage's flat weights), each padded to 4 KiB for O_DIRECT:
@@ -26,7 +27,7 @@ def sum_of_squares(t: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2 if t.numel() else 0.0
 
 
-__all__ = ["SsdWeights", "BUFFERS"]
+__all__ = ["SsdRecords", "SsdWeights", "BUFFERS"]
 
 BUFFERS = 4
 """Group-sized staging buffers per stage: reads ahead while loading; two for gradients and two for
@@ -36,11 +37,15 @@ Copy = Callable[[torch.Tensor, torch.Tensor], object]
 """copy(dst on the device, src in a staging buffer): returns once src may be reused."""
 
 
-class SsdWeights:
-    """The weights and gradients of one stage in the store (see the module docstring)."""
+class SsdRecords:
+    """A flat tensor kept in the store as w records of group_elems elements each, streamed into the device by
+    load_into through BUFFERS staging buffers (see the module docstring)."""
+
+    KINDS = ("w",)
+    """The records kept per group, for the disk space checked up front."""
 
     def __init__(self, store: SSDStore, prefix: str, weights: torch.Tensor, group_elems: int):
-        """Write the initial weights (flat, in the device dtype) as the stage's w records."""
+        """Write `weights` (flat) as the w records."""
         self.store, self.prefix, self.dtype = store, prefix, weights.dtype
         numel = weights.numel()
         self.groups = [(a, min(group_elems, numel - a)) for a in range(0, numel, group_elems)]
@@ -48,23 +53,20 @@ class SsdWeights:
         self.record_elems = [round_up(n, per) for _, n in self.groups]
         size = max(self.record_elems, default=per) * self.dtype.itemsize
         self.buffers = [host_buffer(aligned_empty(size)).view(self.dtype) for _ in range(BUFFERS)]
-        self.grad_scale = 1.0
-        self.finite: bool | None = None
-        """Whether the last saved gradient was all finite; None when save_grads was not asked to check."""
-        self.sumsq: float | None = None
-        """The last saved gradient's squared L2 norm; None when save_grads was not asked for it."""
         self._record_bytes = size
-        self._incoming_buffer: torch.Tensor | None = None
-        self._reads: dict[int, StoreFuture[torch.Tensor]] = {}
-        self._writes: dict[int, StoreFuture[None]] = {}
-        store.check_space(2 * size * len(self.groups), f"the weights and gradients of {prefix}")
+        store.check_space(len(self.KINDS) * size * len(self.groups), f"the records of {prefix}")
         self._put_all("w", lambda i, buf: buf.copy_(self._slice(weights, i)))
 
     def rewrite(self, weights: torch.Tensor) -> None:
         """Write `weights` (flat, the device dtype) as the w records again (resuming from a checkpoint)."""
         self._put_all("w", lambda i, buf: buf.copy_(self._slice(weights, i)))
 
-    # -- LOAD and OFFLOAD ---------------------------------------------------------------------------
+    def read(self) -> torch.Tensor:
+        """A host copy of the whole flat (every w record)."""
+        out = torch.empty(sum(n for _, n in self.groups), dtype=self.dtype)
+        self.load_into(out, lambda dst, src: dst.copy_(src))
+        return out
+
     def load_into(self, dst: torch.Tensor, copy: Copy) -> None:
         """Read every w record, in order and ahead, and copy each into its place in dst (flat)."""
         n, k = len(self.groups), len(self.buffers)
@@ -79,6 +81,53 @@ class SsdWeights:
             drain(reads.values())
             raise
 
+    # -- records ----------------------------------------------------------------------------------------
+    def _key(self, kind: str, i: int) -> str:
+        return f"{self.prefix}/{kind}{i:06d}"
+
+    def _slice(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        a, n = self.groups[i]
+        return flat[a : a + n]
+
+    def _get(self, kind: str, i: int, b: int) -> StoreFuture[torch.Tensor]:
+        return self.store.get_async(self._key(kind, i), out=self.buffers[b][: self.record_elems[i]])
+
+    def _put_all(self, kind: str, fill: Callable[[int, torch.Tensor], object]) -> None:
+        """fill(i, buffer) then write it as record i, for every group, BUFFERS writes in flight."""
+        k, writes = len(self.buffers), {}
+        try:
+            for i in range(len(self.groups)):
+                if (w := writes.pop(i - k, None)) is not None:
+                    w.result()
+                buf = self.buffers[i % k][: self.record_elems[i]]
+                buf[self.groups[i][1] :].zero_()  # the padding: stored bytes are fully defined
+                fill(i, buf[: self.groups[i][1]])
+                writes[i] = self.store.put_async(self._key(kind, i), buf)
+            for w in writes.values():
+                w.result()
+        except BaseException:
+            drain(writes.values())  # the buffers must be idle before anyone reuses them
+            raise
+
+
+class SsdWeights(SsdRecords):
+    """The weights and gradients of one stage in the store (see the module docstring)."""
+
+    KINDS = ("w", "d")
+
+    def __init__(self, store: SSDStore, prefix: str, weights: torch.Tensor, group_elems: int):
+        """Write the initial weights (flat, in the device dtype) as the stage's w records."""
+        super().__init__(store, prefix, weights, group_elems)
+        self.grad_scale = 1.0
+        self.finite: bool | None = None
+        """Whether the last saved gradient was all finite; None when save_grads was not asked to check."""
+        self.sumsq: float | None = None
+        """The last saved gradient's squared L2 norm; None when save_grads was not asked for it."""
+        self._incoming_buffer: torch.Tensor | None = None
+        self._reads: dict[int, StoreFuture[torch.Tensor]] = {}
+        self._writes: dict[int, StoreFuture[None]] = {}
+
+    # -- OFFLOAD ------------------------------------------------------------------------------------
     def save_grads(self, src: torch.Tensor, check_finite: bool, accumulate: bool = False, norm: bool = False) -> None:
         """Write src (the stage's flat gradient, in the device dtype) as the d records, or add it to them
         (accumulate: each record read, added to, written); on the way, with check_finite, note whether the
@@ -166,31 +215,3 @@ class SsdWeights:
             return
         for f in pending:
             f.result()
-
-    # -- records ----------------------------------------------------------------------------------------
-    def _key(self, kind: str, i: int) -> str:
-        return f"{self.prefix}/{kind}{i:06d}"
-
-    def _slice(self, flat: torch.Tensor, i: int) -> torch.Tensor:
-        a, n = self.groups[i]
-        return flat[a : a + n]
-
-    def _get(self, kind: str, i: int, b: int) -> StoreFuture[torch.Tensor]:
-        return self.store.get_async(self._key(kind, i), out=self.buffers[b][: self.record_elems[i]])
-
-    def _put_all(self, kind: str, fill: Callable[[int, torch.Tensor], object]) -> None:
-        """fill(i, buffer) then write it as record i, for every group, BUFFERS writes in flight."""
-        k, writes = len(self.buffers), {}
-        try:
-            for i in range(len(self.groups)):
-                if (w := writes.pop(i - k, None)) is not None:
-                    w.result()
-                buf = self.buffers[i % k][: self.record_elems[i]]
-                buf[self.groups[i][1] :].zero_()  # the padding: stored bytes are fully defined
-                fill(i, buf[: self.groups[i][1]])
-                writes[i] = self.store.put_async(self._key(kind, i), buf)
-            for w in writes.values():
-                w.result()
-        except BaseException:
-            drain(writes.values())  # the buffers must be idle before anyone reuses them
-            raise

@@ -5,6 +5,7 @@ folder this process can write with room for what the plan puts there.
 SSD bytes of a stage of n parameters (b = bytes of the training dtype), as the ranks' stores allocate them:
   optimizer on ssd:  12 n (fp32 master, exp_avg, exp_avg_sq)
   weights on ssd:    2 b n more (the weights the device loads and the gradients it offloads)
+  frozen on ssd (memory.frozen ssd): the stage's frozen bytes (StagePlan.frozen_bytes: LoRA's base)
   activations on ssd (memory.activation_tier ssd, or the plan's choice under `plan`): H_j per microbatch, all
   the step's microbatches at once at most (H_j: the plan's held bytes, else its activation bytes).
 What an earlier run left in ranks' stores is discarded at start-up, so its files count as free, unless a
@@ -69,6 +70,8 @@ def ssd_bytes(cfg: RunConfig, plan: Plan, g: int, placement: Placement | None) -
         s = plan.stages[j]
         if placement is not None and placement.optimizer[j] == "ssd":
             total += STATE_BYTES * s.trains + (2 * b * s.trains if placement.weights[j] == "ssd" else 0)
+        if cfg.memory.frozen == "ssd":
+            total += s.frozen_bytes
         if _activations_on_ssd(cfg, s.activation_tier):
             total += plan.num_microbatches * (s.held_bytes if s.held_bytes >= 0 else s.activation_bytes)
     return total
@@ -96,7 +99,7 @@ def ssd_room(folder: Path, need: int, host_ranks: range) -> list[Problem]:
         Problem(
             "memory.ssd_dir",
             f"room for the {fmt_bytes(need)} that the plan's {ranks} keep there (optimizer states, streamed "
-            f"weights and SSD activations)",
+            f"weights, frozen weights and SSD activations)",
             f"{fmt_bytes(free)} free in {folder}",
             "free space there, or set memory.ssd_dir to a folder on a bigger disk",
         )

@@ -333,9 +333,10 @@ def _lora_words(cfg: RunConfig, plan: Plan) -> str:
     trains, frozen = sum(s.trains for s in plan.stages), sum(s.frozen_bytes for s in plan.stages)
     start = f"continuing {cfg.model.adapter}" if cfg.model.adapter else "new"
     form = {"nf4": "NF4", "int8": "int8"}.get(spec.base_dtype or "", plan.dtype)
+    where = "on the SSD, " if cfg.memory.frozen == "ssd" else ""
     return (
         f"; LoRA adapters ({start}) of rank {spec.rank}, alpha {spec.alpha:g} on {', '.join(spec.targets)}: "
-        f"{trains:,} parameters train, the base frozen ({fmt_bytes(frozen)} in {form})"
+        f"{trains:,} parameters train, the base frozen ({where}{fmt_bytes(frozen)} in {form})"
     )
 
 

@@ -2,7 +2,8 @@
 
 The stage's trainable weights are ONE flat tensor: the fp32 master, the optimizer over it and, in bf16/fp16
 training, the low-precision copy live in host memory (pinned on CUDA) or in the SSD store (stage_states). Frozen
-parameters (requires_grad False: LoRA's base weights) are a second flat, of bytes, in host memory (FrozenWeights):
+parameters (requires_grad False: LoRA's base weights) are a second flat, of bytes, in host memory (FrozenWeights)
+or in the SSD store (SsdFrozenWeights):
 each in the training dtype if it is floating, else in its own (an NF4 base's codes and scales:
 mobiuspipe.lora.quant), the widest items first so that each lies at an offset of its item size with no padding;
 loaded into the same slot after the trainable ones and never offloaded or updated.
@@ -27,7 +28,17 @@ from torch.func import functional_call
 
 from mobiuspipe.memory.arena import DeviceArena, Slot
 from mobiuspipe.memory.device import CopyHandle, Device
-from mobiuspipe.runtime.stage_states import FrozenWeights, HostStates, SsdStates, SsdStreamStates, SsdTier, StageStates
+from mobiuspipe.memory.store.ssd_store import SSDStore
+from mobiuspipe.runtime.stage_states import (
+    Frozen,
+    FrozenWeights,
+    HostStates,
+    SsdFrozenWeights,
+    SsdStates,
+    SsdStreamStates,
+    SsdTier,
+    StageStates,
+)
 
 __all__ = ["Stage", "ParamSlice", "FrozenSlice"]
 
@@ -84,7 +95,10 @@ class Stage:
         dtype=torch.float32,
         ssd: SsdTier | None = None,
         weights_on_ssd: bool = False,
+        frozen_store: SSDStore | None = None,
     ):
+        """ssd: the SSD tier of the optimizer states (None: host), weights_on_ssd: of the weights and gradients too;
+        frozen_store: the store that keeps the frozen weights (None: host memory)."""
         self.index, self.dtype = index, dtype
         self.order = sorted(layers)
         self.params = _param_slices(layers, self.order, trainable=True)
@@ -99,8 +113,8 @@ class Stage:
         self.weight_nbytes = self.frozen_start + sum(f.nbytes for f in self.frozen)
         """Bytes of the weight slot the stage fills: its trainable weights, then its frozen ones."""
         flat = _flat(layers, self.order, trainable=True, dtype=torch.float32)
-        self.frozen_weights = (
-            FrozenWeights(_frozen_bytes(layers, self.order, self.frozen, dtype), device.pin) if self.frozen else None
+        self.frozen_weights = _frozen_tier(
+            _frozen_bytes(layers, self.order, self.frozen, dtype), device, frozen_store, index
         )
         self.states: StageStates
         """Where the master weights, moments, device-dtype weights and offloaded gradients live."""
@@ -241,7 +255,8 @@ class Stage:
         master = self.states.master_weights()
         out = {p.key: p.of(master).clone() for p in self.params}
         if frozen and self.frozen_weights is not None:
-            out.update({f.key: f.of(self.frozen_weights.weights).clone() for f in self.frozen})
+            frozen_bytes = self.frozen_weights.read()
+            out.update({f.key: f.of(frozen_bytes).clone() for f in self.frozen})
         for l in self.order:
             out.update(
                 {
@@ -282,6 +297,13 @@ def _param_slices(layers: dict[int, nn.Module], order: list[int], trainable: boo
                 out.append(ParamSlice(l, name, p.shape, offset, p.numel()))
                 offset += p.numel()
     return out
+
+
+def _frozen_tier(flat: torch.Tensor, device: Device, store: SSDStore | None, index: int) -> Frozen | None:
+    """Where the stage keeps its frozen bytes: nowhere (none), the SSD store, or host memory (pinned on CUDA)."""
+    if not flat.numel():
+        return None
+    return FrozenWeights(flat, device.pin) if store is None else SsdFrozenWeights(flat, store, f"stage{index}")
 
 
 def _frozen_dtype(p: torch.Tensor, dtype: torch.dtype) -> torch.dtype:

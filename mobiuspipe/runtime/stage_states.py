@@ -2,7 +2,8 @@
 the fp32 master and moments in the rank's SSD store (SsdStates: OutOfCoreAdam through a fixed host budget);
 or those and the device-dtype weights and gradients too (SsdStreamStates). Each loads the weights into the
 arena, takes the offloaded gradients, steps, and writes the next device weights (bf16/fp16, or fp32) in
-the same pass; all give the same bits (the same AdamW kernel, elementwise).
+the same pass; all give the same bits (the same AdamW kernel, elementwise). A stage's frozen weights (LoRA's base)
+are read-only bytes in host memory (FrozenWeights) or in the SSD store (SsdFrozenWeights).
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from torch import nn
 from mobiuspipe.memory.aio import ALIGN
 from mobiuspipe.memory.device import CopyHandle, Device
 from mobiuspipe.memory.store.ssd_store import SSDStore
-from mobiuspipe.memory.weight_stream import BUFFERS, SsdWeights, sum_of_squares
+from mobiuspipe.memory.weight_stream import BUFFERS, SsdRecords, SsdWeights, sum_of_squares
 from mobiuspipe.optim.ooc_adam import OutOfCoreAdam
 from mobiuspipe.optim.ooc_groups import BYTES_PER_ELEM, ELEM_ALIGN, least_budget_bytes
 from mobiuspipe.optim.ooc_links import adopt_records, link_records
 from mobiuspipe.standin.places import plain
+from partition.rules.placement import FROZEN_STREAM_BYTES
 
 ADAM_SLOTS = 4
 """Group slots of each stage's out-of-core Adam (read ahead, update, write back, one spare)."""
@@ -39,6 +41,8 @@ def least_share(dtype_bytes: int) -> int:
 
 __all__ = [
     "FrozenWeights",
+    "SsdFrozenWeights",
+    "Frozen",
     "least_share",
     "HostStates",
     "SsdStates",
@@ -98,6 +102,31 @@ class FrozenWeights:
         """Start copying the frozen weights into dst (their part of the arena slot), after `after` (as
         HostStates.load_into)."""
         return device.copy_in(dst, self.weights, after, computed=False)
+
+    def read(self) -> torch.Tensor:
+        """The frozen bytes (the flat itself: read-only)."""
+        return self.weights
+
+
+class SsdFrozenWeights:
+    """The frozen part of a stage in the rank's SSD store instead (memory.frozen: ssd): written once, as records of
+    FROZEN_STREAM_BYTES / BUFFERS bytes, and read at each LOAD through BUFFERS staging buffers of that size (the
+    only host memory it takes), straight into the arena slot; never written back."""
+
+    def __init__(self, flat: torch.Tensor, store: SSDStore, prefix: str):
+        self.records = SsdRecords(store, f"{prefix}/frozen", flat, FROZEN_STREAM_BYTES // BUFFERS)
+        self.nbytes = flat.numel()
+
+    def load_into(self, dst: torch.Tensor, device: Device, after: Sequence[CopyHandle] = ()) -> CopyHandle:
+        """Start streaming the frozen weights from the SSD into dst, after `after` (as SsdStreamStates.load_into)."""
+        return device.stream_in(lambda copy: self.records.load_into(dst, copy), after, computed=False)
+
+    def read(self) -> torch.Tensor:
+        """A host copy of the frozen bytes, read from the SSD."""
+        return self.records.read()
+
+
+Frozen = FrozenWeights | SsdFrozenWeights
 
 
 class HostStates:

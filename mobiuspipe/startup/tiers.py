@@ -23,7 +23,8 @@ def agree_on_tiers(
 ) -> tuple[Placement, dict[int, tuple[str, str]], SSDStore | None, dict[int, SsdTier | None]]:
     """(this rank's placement, every stage's (optimizer tier, weights tier), the rank's store or None, stage j
     -> its SSD tier or None) for this rank's stages (params: stage -> parameter count), by memory.optimizer
-    and memory.weights. Every rank raises the first failing rank's error."""
+    and memory.weights; the store is there too when memory.frozen is ssd. Every rank raises the first failing
+    rank's error."""
     b = dtype_bytes
     try:
         mine: Placement | str = place_states(
@@ -40,16 +41,23 @@ def agree_on_tiers(
     assert isinstance(placement, Placement)
     state_tiers = {j: (p.optimizer[j], p.weights[j]) for p in every if isinstance(p, Placement) for j in p.optimizer}
     if not placement.on_ssd:
-        return placement, state_tiers, None, {j: None for j in params}
-    if not mem.ssd_dir:
-        raise PipelineError(f"memory.optimizer {mem.optimizer} puts states on SSD but memory.ssd_dir is not set")
+        return placement, state_tiers, _store(info, mem) if mem.frozen == "ssd" else None, {j: None for j in params}
     try:
         hyper = AdamHyper.of(make_optimizer)
     except ValueError as e:
         raise PipelineError(str(e)) from e
-    store = SSDStore(os.path.join(mem.ssd_dir, f"rank{info.rank}"))
-    if store.meta:  # swap space an earlier run (or attempt) left: a run resumes from its checkpoints instead
-        warnings.warn(f"discarding the optimizer states an earlier run left in {store.folder}", stacklevel=2)
-        store.clear()
+    store = _store(info, mem)
     tier = SsdTier(store, placement.slot_bytes, hyper)
     return placement, state_tiers, store, {j: tier if t == "ssd" else None for j, t in placement.optimizer.items()}
+
+
+def _store(info: RankInfo, mem: MemoryConfig) -> SSDStore:
+    """The rank's SSD store under memory.ssd_dir, emptied of what an earlier run left."""
+    if not mem.ssd_dir:
+        what = "the frozen weights" if mem.frozen == "ssd" else f"memory.optimizer {mem.optimizer}'s states"
+        raise PipelineError(f"{what} go to SSD but memory.ssd_dir is not set")
+    store = SSDStore(os.path.join(mem.ssd_dir, f"rank{info.rank}"))
+    if store.meta:  # swap space an earlier run (or attempt) left: a run resumes from its checkpoints instead
+        warnings.warn(f"discarding the states an earlier run left in {store.folder}", stacklevel=2)
+        store.clear()
+    return store

@@ -18,7 +18,17 @@ from dataclasses import dataclass
 
 from foundation.units import KiB
 
-__all__ = ["Placement", "BudgetShortfall", "place_states", "host_bytes", "TIERS", "STATE_BYTES", "LEAST_SHARE_BYTES"]
+__all__ = [
+    "Placement",
+    "BudgetShortfall",
+    "place_states",
+    "host_bytes",
+    "TIERS",
+    "FROZEN_TIERS",
+    "STATE_BYTES",
+    "LEAST_SHARE_BYTES",
+    "FROZEN_STREAM_BYTES",
+]
 
 TIERS = ("host", "ssd", "auto")
 """Where a kind of state may live: memory.optimizer and memory.weights take one of these."""
@@ -30,6 +40,11 @@ LEAST_SHARE_BYTES = 4 * STATE_BYTES * KiB + 4 * 4 * KiB
 buffers of one group (1024 elements of <= 4 bytes: one 4 KiB page each) = 64 KiB. The runtime derives it
 from its group layout (mobiuspipe.runtime.stage_states.least_share); tests/mobiuspipe/runtime/test_state_tiers.py checks
 the two agree."""
+FROZEN_TIERS = ("host", "ssd")
+"""Where a LoRA run's frozen base may live: memory.frozen takes one of these."""
+FROZEN_STREAM_BYTES = 4 * 1024 * KiB
+"""Host bytes through which each stage whose frozen weights are on the SSD streams them at each LOAD: the runtime's
+4 staging buffers of one 1 MiB record each (mobiuspipe.runtime.stage_states.SsdFrozenWeights)."""
 
 
 @dataclass(frozen=True)

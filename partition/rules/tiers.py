@@ -21,7 +21,9 @@ Legend (stage j of a plan, gpu g; units in brackets):
 
 State kinds, as the runtime keeps them (partition.rules.placement, mobiuspipe/runtime/stage_states.py):
   optimizer     fp32 master + Adam exp_avg + exp_avg_sq, 12 T_j: host or ssd.
-  frozen        a LoRA stage's frozen weights Z_j, read-only, never written back: host.
+  frozen        a LoRA stage's frozen weights Z_j, read-only, never written back: host, or ssd for every stage of
+                the plan (memory.frozen, one setting per run), each such stage streaming them through F host
+                bytes (FROZEN_STREAM_BYTES).
   weights       the device-dtype weights b T_j and the offloaded gradients b T_j together: host or ssd (ssd only
                 where the optimizer is). In fp32 with the optimizer in memory the master is the loaded copy:
                 P_j (the gradients) in memory.
@@ -35,12 +37,14 @@ Placement, per gpu g (a rank of the runtime): S_g and Z_g (the sum of Z_j over i
 first; then place_states("auto", "auto", {j: T_j of g's stages}, H_g - S_g - Z_g, LEAST_SHARE_BYTES, b)
 decides, exactly as a rank whose memory.host_budget_mb is H_g - S_g - Z_g: all in memory if it fits, else,
 largest stage first, the optimizer states and then the weights to the SSD (partition.rules.placement).
-Unlimited H: all in memory. PlanInfeasibleError when some gpu's share cannot hold its saved inputs, frozen
-weights and its stages' least shares.
+When some gpu's share cannot hold S_g + Z_g and its stages' least shares, the frozen weights of every stage go to
+the SSD, and each gpu places its states under H_g - S_g - F k_g instead (k_g: its stages with frozen weights).
+Unlimited H: all in memory. PlanInfeasibleError when some gpu's share cannot hold its saved inputs, its frozen
+weights' streaming shares and its stages' least shares.
 
 SSD traffic per step of stage j: optimizer on ssd: the update reads 12 T_j and writes 12 T_j; weights on
-ssd: each of the L_j LOADs reads the trainable weights G_j (the frozen ones come from host memory), the OFFLOAD
-writes the gradients G_j, the update reads them (G_j) and writes the next weights (G_j). The simulator streams
+ssd: each of the L_j LOADs reads the trainable weights G_j, the OFFLOAD writes the gradients G_j, the update
+reads them (G_j) and writes the next weights (G_j); frozen on ssd: each LOAD reads Z_j too. The simulator streams
 the update's part under the update and the loads' and offloads' part in the loads and offloads
 (partition.sim.simulate).
 """
@@ -55,7 +59,14 @@ from partition.errors import PlanInfeasibleError
 from partition.plan import Plan
 from partition.rules.costmodel import ARENA_SLOTS
 from partition.rules.order import visits_of
-from partition.rules.placement import LEAST_SHARE_BYTES, STATE_BYTES, Placement, host_bytes, place_states
+from partition.rules.placement import (
+    FROZEN_STREAM_BYTES,
+    LEAST_SHARE_BYTES,
+    STATE_BYTES,
+    Placement,
+    host_bytes,
+    place_states,
+)
 from partition.sim.simulate import SsdLink
 from partition.spec.analytic import dtype_bytes
 from topology import Topology
@@ -81,7 +92,7 @@ SSD_READ_GBPS = 3.0
 """Sequential read of one NVMe drive when the topology was not probed (a PCIe 3.0 x4 drive's ~3.5 GB/s, less)."""
 SSD_WRITE_GBPS = 2.0
 """Sequential write of one NVMe drive when the topology was not probed (sustained, past the SLC cache)."""
-KINDS = ("optimizer", "weights")
+KINDS = ("optimizer", "weights", "frozen")
 """The state kinds that have a tier, in the order they move to the SSD."""
 
 
@@ -121,6 +132,8 @@ class StageTiers:
     """Bytes the OFFLOAD writes to the SSD (P_j with the weights on ssd, else 0)."""
     update_read_bytes: int
     update_write_bytes: int
+    frozen: str = "host"
+    """Where its frozen weights (LoRA's base) are: host or ssd (a stage without any: host)."""
 
     @property
     def ssd_read_bytes(self) -> int:
@@ -135,6 +148,7 @@ class StageTiers:
             "gpu": self.gpu,
             "optimizer": self.optimizer,
             "weights": self.weights,
+            "frozen": self.frozen,
             "loads": self.loads,
             "device_bytes": self.device_bytes,
             "host_bytes": self.host_bytes,
@@ -153,11 +167,15 @@ class GpuShare:
     saved_inputs_bytes: int
     placement: Placement
     frozen_bytes: int = 0
-    """Z_g: its stages' frozen weights (LoRA), kept in host memory."""
+    """Z_g: its stages' frozen weights (LoRA) in host memory (0 with them on the SSD)."""
+    frozen_stream_bytes: int = 0
+    """F k_g: the host memory its stages stream their frozen weights through, with them on the SSD."""
 
     @property
     def state_budget_bytes(self) -> int | None:
-        return None if self.share_bytes is None else self.share_bytes - self.saved_inputs_bytes - self.frozen_bytes
+        if self.share_bytes is None:
+            return None
+        return self.share_bytes - self.saved_inputs_bytes - self.frozen_bytes - self.frozen_stream_bytes
 
     def to_dict(self, g: int) -> dict:
         return {
@@ -165,6 +183,7 @@ class GpuShare:
             "host_share_bytes": self.share_bytes,
             "saved_inputs_bytes": self.saved_inputs_bytes,
             "frozen_bytes": self.frozen_bytes,
+            "frozen_stream_bytes": self.frozen_stream_bytes,
             "state_budget_bytes": self.state_budget_bytes,
             "stream_share_bytes": self.placement.slot_bytes,
         }
@@ -182,7 +201,7 @@ class MemoryPlan:
     host_by_kind: dict[str, int]
     """Host bytes of optimizer, weights (with the gradients), frozen, saved_inputs and streaming."""
     ssd_by_kind: dict[str, int]
-    """SSD bytes of optimizer and weights (with the gradients)."""
+    """SSD bytes of optimizer, weights (with the gradients) and frozen."""
 
     @property
     def host_bytes(self) -> int:
@@ -200,6 +219,11 @@ class MemoryPlan:
     def ssd_write_bytes(self) -> int:
         return sum(s.ssd_write_bytes for s in self.stages)
 
+    @property
+    def has_frozen(self) -> bool:
+        """Whether any stage has frozen weights (a LoRA plan)."""
+        return any(g.frozen_bytes or g.frozen_stream_bytes for g in self.gpus)
+
     def tier(self, kind: str) -> str:
         """ "host", "ssd", or "host+ssd" when the kind's stages are split between them."""
         used = {getattr(s, kind) for s in self.stages}
@@ -214,7 +238,7 @@ class MemoryPlan:
             "device_bytes": self.device_bytes,
             "host_bytes": self.host_bytes,
             "ssd_bytes": self.ssd_bytes,
-            "tiers": {k: self.tier(k) for k in KINDS},
+            "tiers": {k: self.tier(k) for k in KINDS if k != "frozen" or self.has_frozen},
             "host_budget_bytes": self.budget.bytes,
             "host_budget_source": self.budget.source,
             "host_bytes_by_kind": dict(self.host_by_kind),
@@ -287,26 +311,39 @@ def activation_host_caps(plan: Plan, budget: HostBudget) -> list[int]:
 
 
 def place_tiers(plan: Plan, budget: HostBudget) -> MemoryPlan:
-    """The tiers of the legend's placement rule for `plan` under `budget`; PlanInfeasibleError when some gpu's
-    share does not hold its saved inputs and the least streaming shares of its stages all on the SSD."""
-    b = dtype_bytes(plan.dtype)
+    """The tiers of the legend's placement rule for `plan` under `budget`: the frozen weights in host memory if
+    every gpu's share holds them, else on the SSD; PlanInfeasibleError when some gpu's share does not hold its
+    saved inputs and the least streaming shares of its stages all on the SSD."""
     saved = [plan.num_microbatches * host_held_bytes(plan, j) for j in range(plan.num_stages)]
+    try:
+        return _memory(plan, budget, _place(plan, budget, saved, "host"), saved)
+    except PlanInfeasibleError:
+        if not any(s.frozen_bytes for s in plan.stages):
+            raise
+    return _memory(plan, budget, _place(plan, budget, saved, "ssd"), saved)
+
+
+def _place(plan: Plan, budget: HostBudget, saved: list[int], frozen: str) -> tuple[GpuShare, ...]:
+    """Every gpu's share and placement with the frozen weights in `frozen` (host or ssd)."""
+    b = dtype_bytes(plan.dtype)
     share = None if budget.bytes is None else budget.bytes // plan.num_gpus
     gpus = []
     for g in range(plan.num_gpus):
         mine = plan.stages_of(g)
         saved_g = sum(saved[j] for j in mine)
-        frozen_g = sum(plan.stages[j].frozen_bytes for j in mine)
+        streamed = sum(FROZEN_STREAM_BYTES for j in mine if plan.stages[j].frozen_bytes) if frozen == "ssd" else 0
+        frozen_g = sum(plan.stages[j].frozen_bytes for j in mine) if frozen == "host" else 0
         params = {j: plan.stages[j].trains for j in mine}
         if share is None:
             placement = place_states("host", "host", params, 0, LEAST_SHARE_BYTES, b)
         else:
             try:
-                placement = place_states("auto", "auto", params, share - saved_g - frozen_g, LEAST_SHARE_BYTES, b)
+                left = share - saved_g - frozen_g - streamed
+                placement = place_states("auto", "auto", params, left, LEAST_SHARE_BYTES, b)
             except ValueError:
-                raise _too_small(plan, budget, share, saved) from None
-        gpus.append(GpuShare(share, saved_g, placement, frozen_g))
-    return _memory(plan, budget, tuple(gpus), saved)
+                raise _too_small(plan, budget, share, saved, frozen) from None
+        gpus.append(GpuShare(share, saved_g, placement, frozen_g, streamed))
+    return tuple(gpus)
 
 
 def _memory(plan: Plan, budget: HostBudget, gpus: tuple[GpuShare, ...], saved: list[int]) -> MemoryPlan:
@@ -318,10 +355,20 @@ def _memory(plan: Plan, budget: HostBudget, gpus: tuple[GpuShare, ...], saved: l
     for j, s in enumerate(plan.stages):
         p = gpus[s.gpu].placement
         opt, wts, n = p.optimizer[j], p.weights[j], s.trains
+        frozen = "ssd" if gpus[s.gpu].frozen_stream_bytes and s.frozen_bytes else "host"
+        fz = s.frozen_bytes if frozen == "ssd" else 0  # the frozen bytes on the SSD, each LOAD reads
         states = STATE_BYTES * n if opt == "host" else 0
-        stream = p.slot_bytes if opt == "ssd" else 0
-        in_memory = {"optimizer": states, "weights": host_bytes(n, opt, wts, b) - states, "frozen": s.frozen_bytes}
-        on_ssd = {"optimizer": STATE_BYTES * n - states, "weights": 2 * s.gradient_bytes if wts == "ssd" else 0}
+        stream = (p.slot_bytes if opt == "ssd" else 0) + (FROZEN_STREAM_BYTES if fz else 0)
+        in_memory = {
+            "optimizer": states,
+            "weights": host_bytes(n, opt, wts, b) - states,
+            "frozen": s.frozen_bytes - fz,
+        }
+        on_ssd = {
+            "optimizer": STATE_BYTES * n - states,
+            "weights": 2 * s.gradient_bytes if wts == "ssd" else 0,
+            "frozen": fz,
+        }
         for k, v in in_memory.items():
             host[k] += v
         for k in KINDS:
@@ -338,10 +385,11 @@ def _memory(plan: Plan, budget: HostBudget, gpus: tuple[GpuShare, ...], saved: l
                 device_bytes=s.param_bytes + s.gradient_bytes + s.activation_bytes,
                 host_bytes=sum(in_memory.values()) + saved[j] + stream,
                 ssd_bytes=sum(on_ssd.values()),
-                load_read_bytes=moved,
+                load_read_bytes=moved + fz,
                 offload_write_bytes=moved,
                 update_read_bytes=on_ssd["optimizer"] + moved,
                 update_write_bytes=on_ssd["optimizer"] + moved,
+                frozen=frozen,
             )
         )
     return MemoryPlan(tuple(rows), gpus, budget, _device_bytes(plan), host, ssd)
@@ -353,15 +401,19 @@ def _device_bytes(plan: Plan) -> int:
     return sum(arena + max(plan.stages[j].activation_bytes for j in plan.stages_of(g)) for g in range(plan.num_gpus))
 
 
-def _too_small(plan: Plan, budget: HostBudget, share: int, saved: list[int]) -> PlanInfeasibleError:
-    """The error naming the gpu that needs the most: its saved inputs, frozen weights and its stages' least shares."""
+def _too_small(plan: Plan, budget: HostBudget, share: int, saved: list[int], tier: str) -> PlanInfeasibleError:
+    """The error naming the gpu that needs the most: its saved inputs, frozen weights (in host memory, or their
+    streaming shares with them on the SSD: `tier`) and its stages' least shares."""
     held = {g: sum(saved[j] for j in plan.stages_of(g)) for g in range(plan.num_gpus)}
     frozen = {g: sum(plan.stages[j].frozen_bytes for j in plan.stages_of(g)) for g in held}
+    if tier == "ssd":
+        frozen = {g: sum(FROZEN_STREAM_BYTES for j in plan.stages_of(g) if plan.stages[j].frozen_bytes) for g in held}
     least = {g: len(plan.stages_of(g)) * LEAST_SHARE_BYTES for g in held}
     g = max(held, key=lambda k: held[k] + frozen[k] + least[k])
     need = held[g] + frozen[g] + least[g]
-    base = f", frozen weights {fmt_bytes(frozen[g])}" if frozen[g] else ""
-    nf4 = ", the frozen base in int8 or NF4 (LoRA's base_dtype)" if frozen[g] else ""
+    what = "frozen weights" if tier == "host" else "the streaming share of its frozen weights on the SSD"
+    base = f", {what} {fmt_bytes(frozen[g])}" if frozen[g] else ""
+    nf4 = ", the frozen base in int8 or NF4 (LoRA's base_dtype)" if frozen[g] and tier == "host" else ""
     return PlanInfeasibleError(
         f"{plan.model}: gpu {g} needs {fmt_bytes(need)} of host memory even with every state on the "
         f"SSD (saved stage inputs {fmt_bytes(held[g])}{base}, the least streaming share of its "

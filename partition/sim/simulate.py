@@ -20,8 +20,8 @@ Resources and rules (times in seconds, bytes, GB/s = 1e9 bytes/s):
             visit starts when the previous load ended and the slot's previous holder (visit k-2) was
             released (its last microbatch computed). A gpu's last forward stage stays resident into its
             backward (no reload). The runtime issues LOAD k right after RELEASE k-2, so this is its order.
-            A stage with its weights on the SSD (ssd_weights) streams each load from the drive: the load
-            also reads param_bytes from the SSD (see the link model).
+            A stage with its weights or its frozen weights on the SSD (ssd_weights, ssd_frozen) streams each
+            load from the drive: the load also reads param_bytes from the SSD (see the link model).
             With memory_bytes G (partial prefetch, the Mobius paper's and partition.rules.timeline's rule): while
             visit k-1 computes, the load of visit k moves only what fits in the memory it leaves free,
             X = min(P, max(0, G - S_{k-1})) with S = param_bytes + activation_bytes (+ grad_bytes in the
@@ -35,14 +35,14 @@ Resources and rules (times in seconds, bytes, GB/s = 1e9 bytes/s):
             takes max(update_s, ssd_s), ssd_s = ssd_read_bytes / R + ssd_write_bytes / W (R, W the SsdLink's
             GB/s; one drive serves its reads and writes in turn, so their times add). Updates run one at a
             time, so among themselves the SSD is one more resource in the update chain.
-  ssd       loads and offloads of ssd_weights stages share the drive among themselves: without a topology
-            a load takes max(load_s, param_bytes / R) and an offload max(offload_s, grad_bytes / W); with a
-            topology the load's flow also crosses the link ("ssd", "read") of R GB/s and the offload's the
-            link ("ssd", "write") of W GB/s, shared by processor sharing like any link. Approximations: the
-            update's SSD streaming and the loads' and offloads' do not slow each other down when they overlap
-            in time, nor do reads and writes (two links, where the drive takes turns), so the events can end
-            before the drive has served every byte. The step is therefore never shorter than the drive's busy
-            seconds D = all bytes read / R + all bytes written / W (a floor, the same D as partition.sim.bounds');
+  ssd       loads of ssd_weights and ssd_frozen stages and offloads of ssd_weights stages share the drive among
+            themselves: without a topology a load takes max(load_s, param_bytes / R) and an offload max(offload_s,
+            grad_bytes / W); with a topology the load's flow also crosses the link ("ssd", "read") of R GB/s and the
+            offload's the link ("ssd", "write") of W GB/s, shared by processor sharing like any link. Approximations:
+            the update's SSD streaming and the loads' and offloads' do not slow each other down when they overlap in
+            time, nor do reads and writes (two links, where the drive takes turns), so the events can end before the
+            drive has served every byte. The step is therefore never shorter than the drive's busy seconds D = all bytes
+            read / R + all bytes written / W (a floor, the same D as partition.sim.bounds');
             the drive's own PCIe path is not shared with the gpus' flows (a few GB/s of NVMe next to 16-32
             GB/s links).
   comm      activations between gpus take the stage's fixed comm_s (partition.search.sim_stages). A rank that
@@ -147,7 +147,7 @@ def simulate(
     progress (a stage on a gpu that does not exist: a bug).
     """
     if ssd is None and any(
-        s.ssd_read_bytes or s.ssd_write_bytes or s.ssd_weights or s.swap_tier == "ssd" for s in stages
+        s.ssd_read_bytes or s.ssd_write_bytes or s.ssd_loads or s.swap_tier == "ssd" for s in stages
     ):
         raise ValueError("stages move bytes to or from the SSD but simulate() got no ssd=SsdLink(...)")
     if host_cores is not None and not host_cores > 0:
@@ -227,7 +227,8 @@ def _add_gpu(
     swaps: Swaps | None = None,
 ) -> list[tuple[Hashable, Hashable]]:
     """Gpu g's loads, computations and offloads, chained as the runtime orders them; returns its arena spans
-    (task whose start takes a slot, task whose end frees it). Moves of ssd_weights stages cross the SSD;
+    (task whose start takes a slot, task whose end frees it). Loads of ssd_loads stages and offloads of ssd_weights
+    stages cross the SSD;
     with cores, computations are core-second flows on HOST_CORES and the gpu's own compute link."""
     visits, last = visits_of([s.gpu for s in stages], g), len(stages) - 1
     prev_op = prev_load = prev_off = load = None
@@ -311,10 +312,10 @@ def _prefetch_share(stages: list[SimStage], visits: list, k: int, memory: int | 
 def _load(graph: TaskGraph, key: tuple, st: SimStage, share: float, deps, paths, flows, moves, ssd) -> Hashable:
     """A load of `share` of stage st's weights onto gpu key[0] after deps; its bytes join `moves`."""
     nbytes = round(st.param_bytes * share)
-    move = (nbytes, paths[(key[0], "h2d")] + ((SSD_READ,) if st.ssd_weights else ()))
+    move = (nbytes, paths[(key[0], "h2d")] + ((SSD_READ,) if st.ssd_loads else ()))
     moves.append(move)
     dur = st.load_s * share
-    if st.ssd_weights:
+    if st.ssd_loads:
         dur = max(dur, ssd.seconds(nbytes, 0))
     return graph.add(("load", *key), deps, dur, (move,) if flows else ())
 

@@ -76,6 +76,7 @@ def sim_stages(stages: tuple[StagePlan, ...], topo: Topology, memory: MemoryPlan
                 ssd_read_bytes=memory.stages[j].update_read_bytes if memory else 0,
                 ssd_write_bytes=memory.stages[j].update_write_bytes if memory else 0,
                 ssd_weights=memory is not None and memory.stages[j].weights == "ssd",
+                ssd_frozen=memory is not None and memory.stages[j].frozen == "ssd",
                 **_swap_fields(s, j == len(stages) - 1, topo),
             )
         )

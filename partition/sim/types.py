@@ -55,6 +55,14 @@ class SimStage:
     ssd_weights: bool = False
     """The weights and gradients are on the SSD: each load reads param_bytes from it, the offload writes
     grad_bytes to it (besides the update's ssd_read_bytes / ssd_write_bytes)."""
+    ssd_frozen: bool = False
+    """The frozen weights (LoRA's base, most of param_bytes) are on the SSD: each load reads param_bytes from it."""
+
+    @property
+    def ssd_loads(self) -> bool:
+        """Whether each load reads from the SSD (taken as all of param_bytes)."""
+        return self.ssd_weights or self.ssd_frozen
+
     recompute_s: float | None = None
     """Seconds of the forward a B redoes before its backward (with grad); None: fwd_s."""
     fused: bool = False

@@ -18,7 +18,6 @@ TARGETS = {"llama": ("q_proj", "v_proj", "up_proj", "down_proj"), "gpt2": ("c_at
 
 @pytest.mark.parametrize("kind,activations", [("llama", "recompute"), ("llama", "keep"), ("gpt2", "recompute")])
 def test_lora_pipeline_trains_as_peft_does(tmp_path, hf_kit, kind, activations):
-    from transformers import AutoModelForCausalLM
 
     hf_kit.save_model(kind, tmp_path / "base", seed=6)
     m = open_hf(tmp_path / "base", 13)
@@ -32,17 +31,7 @@ def test_lora_pipeline_trains_as_peft_does(tmp_path, hf_kit, kind, activations):
         after = pipe.state_dict()
         trained = {n for s in pipe.stages.values() for n in s.trainable_keys()}
 
-    base = AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), attn_implementation="sdpa")
-    ref = peft.get_peft_model(
-        base, peft.LoraConfig(r=4, lora_alpha=8.0, target_modules=list(spec.targets), fan_in_fan_out=kind == "gpt2")
-    )
-    start = {
-        f"base_model.model.{hf_key(m, int(k.split('.')[0]), k.split('.', 1)[1])}": t
-        for k, t in before.items()
-        if k in trained
-    }
-    assert not peft.set_peft_model_state_dict(ref, start).unexpected_keys
-    want = hf_kit.train_plain(ref, batches, microbatches=4, lr=5e-3, weight_decay=0.01)
+    ref, want = _peft_run(tmp_path / "base", m, kind, spec, before, trained, batches, hf_kit)
     assert got == pytest.approx(want, rel=1e-5), (got, want)
     ref_after = peft.get_peft_model_state_dict(ref)
     for k in trained:
@@ -51,6 +40,51 @@ def test_lora_pipeline_trains_as_peft_does(tmp_path, hf_kit, kind, activations):
     assert trained and all(".lora_A." in k or ".lora_B." in k for k in trained)
     frozen = [k for k in before if k not in trained]
     assert frozen and all(torch.equal(before[k], after[k]) for k in frozen)  # not one bit of the base moved
+
+
+def _peft_run(folder, m, kind, spec, before, trained, batches, hf_kit):
+    """peft's model of the base in `folder` started from the Pipeline's adapters (`before`, keys in `trained`),
+    trained by torch AdamW on the same batches: (the model, its losses)."""
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="sdpa")
+    ref = peft.get_peft_model(
+        base, peft.LoraConfig(r=4, lora_alpha=8.0, target_modules=list(spec.targets), fan_in_fan_out=kind == "gpt2")
+    )
+    start = {
+        f"base_model.model.{hf_key(m, int(k.split('.')[0]), k.split('.', 1)[1])}": t
+        for k, t in before.items()
+        if k in trained and ".lora_" in k
+    }
+    assert not peft.set_peft_model_state_dict(ref, start).unexpected_keys
+    return ref, hf_kit.train_plain(ref, batches, microbatches=4, lr=5e-3, weight_decay=0.01)
+
+
+def test_a_mutant_that_also_trains_a_frozen_weight_fails_the_comparison(tmp_path, hf_kit, monkeypatch):
+    """The comparison above catches a runtime that also updates a weight of the base: here every layer's norm
+    weights train beside the adapters, and the losses leave peft's after the first update."""
+    from mobiuspipe.lora import layers as lora_layers
+
+    real = lora_layers.add_adapters
+
+    def mutant(layer, spec, *args, **kwargs):
+        real(layer, spec, *args, **kwargs)
+        for name, p in layer.named_parameters():
+            if name.endswith("norm.weight"):
+                p.requires_grad_(True)
+
+    monkeypatch.setattr(lora_layers, "add_adapters", mutant)
+    hf_kit.save_model("llama", tmp_path / "base", seed=6)
+    m = open_hf(tmp_path / "base", 13)
+    spec = LoraSpec(rank=4, alpha=8.0, targets=TARGETS["llama"])
+    batches = hf_kit.random_batches(3, 8, 13, seed=8)
+    with hf_kit.lora_pipeline(m, spec, batches, weight_decay=0.01) as pipe:
+        before = pipe.state_dict()
+        got = [pipe.train_batch(x, y).loss for x, y in batches]
+        trained = {n for s in pipe.stages.values() for n in s.trainable_keys()}
+    assert any(k.endswith("norm.weight") for k in trained)  # the mutant did train a base weight
+    _, want = _peft_run(tmp_path / "base", m, "llama", spec, before, trained, batches, hf_kit)
+    assert got[0] == pytest.approx(want[0], rel=1e-5) and got != pytest.approx(want, rel=1e-5)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -137,3 +171,56 @@ def test_adapters_on_ssd_train_bit_for_bit_as_on_host(tmp_path, hf_kit):
     assert set(runs["ssd"][2].values()) == {("ssd", "ssd")}
     assert runs["ssd"][0] == runs["host"][0]
     assert all(torch.equal(runs["ssd"][1][k], runs["host"][1][k]) for k in runs["host"][1])
+
+
+def _count_store_writes(monkeypatch) -> list[tuple[str, int]]:
+    """(key, bytes) of every write to an SSD store from now on, in order."""
+    from mobiuspipe.memory.store.ssd_store import SSDStore
+
+    writes: list[tuple[str, int]] = []
+    real = SSDStore.put_async
+
+    def counted(self, key, t):
+        writes.append((key, t.nbytes))
+        return real(self, key, t)
+
+    monkeypatch.setattr(SSDStore, "put_async", counted)
+    return writes
+
+
+@pytest.mark.parametrize("base_dtype", [None, "int8"])
+def test_a_frozen_base_on_ssd_trains_bit_for_bit_as_in_host_memory(tmp_path, hf_kit, base_dtype, monkeypatch):
+    """memory.frozen ssd: each stage's frozen bytes (the training dtype's, or int8 codes and int32 scales) are
+    records in the rank's store, streamed into the weight slot at each LOAD; the same losses and weights, bit for
+    bit, beside adapters in host memory or on the SSD."""
+    from mobiuspipe.config import MemoryConfig
+    from mobiuspipe.runtime.stage_states import SsdFrozenWeights
+
+    hf_kit.save_model("llama", tmp_path / "base", seed=14)
+    m = open_hf(tmp_path / "base", 13)
+    spec = LoraSpec(rank=2, alpha=4.0, targets=("q_proj", "down_proj"), base_dtype=base_dtype)
+    batches = hf_kit.random_batches(3, 8, 13, seed=15)
+    frozen = MemoryConfig(frozen="ssd", ssd_dir=str(tmp_path / "ssd"))
+    every = MemoryConfig(optimizer="ssd", weights="ssd", frozen="ssd", ssd_dir=str(tmp_path / "ssd2"), host_budget_mb=4)
+    runs, writes = {}, _count_store_writes(monkeypatch)
+    for name, memory in (("host", None), ("frozen", frozen), ("every", every)):
+        writes.clear()
+        torch.manual_seed(5)
+        with hf_kit.lora_pipeline(m, spec, batches, memory=memory) as pipe:
+            on_ssd = [isinstance(s.frozen_weights, SsdFrozenWeights) for s in pipe.stages.values()]
+            at_start = len(writes)
+            assert any("/frozen/" in key for key, _ in writes) == bool(memory)  # written once, as the stages build
+            runs[name] = ([pipe.train_batch(x, y).loss for x, y in batches], pipe.state_dict())
+            trains = sum(s.numel for s in pipe.stages.values())
+            stepped = writes[at_start:]
+        assert all(on_ssd) if memory else not any(on_ssd)
+        # nothing is written for the frozen base once the run has started: the steps write the adapters' states
+        # (fp32 master and moments, weights and gradients: 20 bytes each) and their records' 4 KiB padding alone
+        assert not any("/frozen/" in key for key, _ in stepped)
+        assert sum(n for _, n in stepped) <= len(batches) * (20 * trains + 5 * 4096 * len(pipe.stages))
+        if name == "every":
+            assert stepped
+    for name in ("frozen", "every"):
+        assert runs[name][0] == runs["host"][0]
+        assert runs[name][1].keys() == runs["host"][1].keys()  # the frozen weights too, read back from the SSD
+        assert all(torch.equal(runs[name][1][k], runs["host"][1][k]) for k in runs["host"][1])

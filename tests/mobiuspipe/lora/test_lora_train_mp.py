@@ -85,12 +85,16 @@ def _instruction_data(tmp_path, chat_tokenizer_dir) -> dict:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    "kind,targets,continued,clip",
-    [("llama", ("q_proj", "v_proj", "down_proj", "lm_head"), False, 0.5), ("gpt2", ("c_attn", "c_fc"), True, None)],
+    "kind,targets,continued,clip,frozen",
+    [
+        ("llama", ("q_proj", "v_proj", "down_proj", "lm_head"), False, 0.5, "host"),
+        ("gpt2", ("c_attn", "c_fc"), True, None, "ssd"),
+    ],
 )
 def test_a_lora_run_trains_as_peft_does_and_exports_its_adapter(
-    tmp_path, launch, hf_kit, chat_tokenizer_dir, kind, targets, continued, clip
+    tmp_path, launch, hf_kit, chat_tokenizer_dir, kind, targets, continued, clip, frozen
 ):
+    """frozen: where the base is (memory.frozen; on the SSD, streamed at each load, the same numbers)."""
     from transformers import AutoModelForCausalLM
 
     write_config, torchrun = launch
@@ -115,10 +119,12 @@ def test_a_lora_run_trains_as_peft_does_and_exports_its_adapter(
             "export_dir": str(export),
         },
         "plan": {"num_gpus": 2, "num_stages": 4},
+        "memory": {"frozen": frozen} | ({"ssd_dir": str(tmp_path / "ssd")} if frozen == "ssd" else {}),
     }
     proc = torchrun(write_config(tmp_path, cfg | ({"lora": lora} if lora else {})), 2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "LoRA adapters (continuing" in proc.stdout if continued else "LoRA adapters (new)" in proc.stdout
+    assert ("the base frozen (" + ("on the SSD, " if frozen == "ssd" else "")) in proc.stdout
 
     train = open_run_data(config_from_dict(cfg))[0]  # the run's batches, as a rank reads them
     batches = [train.batch(s, 8) for s in range(STEPS)]

@@ -346,3 +346,13 @@ def test_ssd_activations_count_toward_the_room(tmp_path):
     placed, _ = room.placements(cfg, plan)
     held = [s.held_bytes if s.held_bytes >= 0 else s.activation_bytes for s in plan.stages]
     assert room.ssd_need(cfg, plan, placed, range(2)) == plan.num_microbatches * sum(held) > 0
+
+
+def test_a_frozen_base_on_ssd_counts_toward_the_room(tmp_path):
+    from mobiuspipe.run import room
+
+    doc = _run_doc(memory={"frozen": "ssd", "ssd_dir": "s"}, lora={"rank": 2})
+    cfg = load_config(_write(tmp_path / "run.yaml", doc))
+    plan = preflight.plan_from_config(cfg)
+    placed, _ = room.placements(cfg, plan)
+    assert room.ssd_need(cfg, plan, placed, range(2)) == sum(s.frozen_bytes for s in plan.stages) > 0

@@ -21,7 +21,7 @@ from mobiuspipe.optim.loss_scale import LossScaler
 from mobiuspipe.run.run_lock import LOCK_FILE
 from mobiuspipe.runtime.stage_states import least_share
 from mobiuspipe.startup.config_plan import model_spec, plan_for_config
-from partition.rules.placement import LEAST_SHARE_BYTES
+from partition.rules.placement import FROZEN_STREAM_BYTES, LEAST_SHARE_BYTES
 from partition.rules.tiers import HostBudget, host_held_bytes, place_tiers
 
 
@@ -61,6 +61,22 @@ def test_the_planners_least_share_is_the_runtimes():
         assert least_share(dtype.itemsize) == LEAST_SHARE_BYTES
 
 
+def test_the_planners_frozen_stream_share_is_the_runtimes(tmp_path):
+    """FROZEN_STREAM_BYTES (the host memory the planner gives a stage whose frozen weights are on the SSD) is what
+    SsdFrozenWeights' staging buffers take; the bytes come back as they went in (an odd size: a short record)."""
+    from mobiuspipe.memory.store.ssd_store import SSDStore
+    from mobiuspipe.runtime.stage_states import SsdFrozenWeights
+
+    flat = torch.randint(0, 256, (3 * MiB + 5,), dtype=torch.uint8)
+    store = SSDStore(str(tmp_path / "store"))
+    try:
+        frozen = SsdFrozenWeights(flat, store, "stage0")
+        assert sum(b.nbytes for b in frozen.records.buffers) == FROZEN_STREAM_BYTES
+        assert torch.equal(frozen.read(), flat)
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize("weights", ["host", "ssd"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_states_on_ssd_are_bit_identical_to_host(tmp_path, precision, weights):
@@ -87,7 +103,7 @@ def test_ssd_tier_mistakes(tmp_path):
     with pytest.raises(ConfigError, match="memory.optimizer: expected one of host, ssd, auto"):
         config_from_dict({"memory": {"optimizer": "nvme"}})
     first = _run("fp32", MemoryConfig(optimizer="ssd", ssd_dir=str(tmp_path)), steps=1)
-    with pytest.warns(UserWarning, match="discarding the optimizer states an earlier run left in"):
+    with pytest.warns(UserWarning, match="discarding the states an earlier run left in"):
         again = _run("fp32", MemoryConfig(optimizer="ssd", ssd_dir=str(tmp_path)), steps=1)
     assert again[0] == first[0]  # the same losses as in an empty folder
     with pytest.raises(PipelineError, match=r"raise memory.host_budget_mb to at least 0.5126, or set memory.weights"):

@@ -89,6 +89,26 @@ def test_lora_keys_are_checked(tmp_path, lora, model, key, words):
     assert key in str(e.value) and words in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "lora,memory,key,words",
+    [
+        (None, {"frozen": "ssd", "ssd_dir": "s"}, "memory.frozen", "frozen 'ssd' without LoRA"),
+        ({"rank": 2}, {"frozen": "ssd"}, "memory.ssd_dir", "a folder when frozen is ssd"),
+        ({"rank": 2}, {"frozen": "disk"}, "memory.frozen", "one of host, ssd"),
+    ],
+)
+def test_memory_frozen_is_checked(tmp_path, lora, memory, key, words):
+    doc = _cfg(lora=lora).to_dict() | {"memory": memory}
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(doc, base_dir=tmp_path)
+    assert key in str(e.value) and words in str(e.value)
+
+
+def test_memory_frozen_ssd_with_lora_is_taken(tmp_path):
+    doc = _cfg(lora={"rank": 2}).to_dict() | {"memory": {"frozen": "ssd", "ssd_dir": "s"}}
+    assert config_from_dict(doc, base_dir=tmp_path).memory.frozen == "ssd"
+
+
 def test_a_target_the_model_lacks_is_refused_naming_its_linear_layers():
     cfg = _cfg(lora={"rank": 2, "targets": ["qkv", "c_attn"]})
     with pytest.raises(ConfigError, match=r"lora.targets: expected names of the model's linear layers \(qkv, proj, "

@@ -129,7 +129,7 @@ def test_a_share_that_fits_exactly_moves_nothing():
         "saved_inputs": 96,
         "streaming": 12 * N2 - 1,
     }
-    assert mem.ssd_by_kind == {"optimizer": 12 * N2, "weights": 0}
+    assert mem.ssd_by_kind == {"optimizer": 12 * N2, "weights": 0, "frozen": 0}
     s2 = mem.stages[2]
     assert (s2.ssd_read_bytes, s2.ssd_write_bytes, s2.host_bytes) == (12 * N2, 12 * N2, 4 * N2 + SAVED0 + 12 * N2 - 1)
     assert mem.tier("optimizer") == "host+ssd" and mem.on_ssd("optimizer") == 1
@@ -144,7 +144,7 @@ def test_weights_follow_the_optimizer_states_largest_first():
     assert _tiers(mem, "optimizer") == ["ssd"] * 3 and _tiers(mem, "weights") == ["host", "ssd", "ssd"]
     assert [g.placement.slot_bytes for g in mem.gpus] == [5_499_999_986, 15 * 10**9 + SAVED0 - SAVED1]
     assert mem.to_dict()["tiers"] == {"optimizer": "ssd", "weights": "host+ssd"} and mem.on_ssd("weights") == 2
-    assert mem.ssd_by_kind == {"optimizer": 12 * ALL, "weights": 4 * (N1 + N2)}  # weights + gradients records
+    assert mem.ssd_by_kind == {"optimizer": 12 * ALL, "weights": 4 * (N1 + N2), "frozen": 0}  # w + grad records
     # stage 0: the update's 12 N0 each way; stages 1 and 2 (one load each): + the load's 2 N, the gradients
     # written at the offload and read by the update, 2 N each, and the next weights written by the update, 2 N
     assert [(s.ssd_read_bytes, s.ssd_write_bytes) for s in mem.stages] == [
