@@ -67,7 +67,7 @@ from mobiuspipe.startup.swaps import make_swaps, plan_as_run, swap_tiers
 from mobiuspipe.startup.tiers import agree_on_tiers
 from mobiuspipe.step_result import StepResult
 from partition.plan import Plan
-from partition.rules.costmodel import ARENA_SLOTS
+from partition.rules.costmodel import WEIGHT_SLOTS
 from partition.rules.device_peak import planned_device_bytes
 from topology import Topology
 
@@ -264,7 +264,9 @@ class Pipeline:
             stages=stages,
             schedule=schedules[rank],
             device=device,
-            arena=DeviceArena(plan.slot_bytes, ARENA_SLOTS, device.torch_device, ledger, device.place),
+            arena=DeviceArena(
+                plan.slot_bytes, WEIGHT_SLOTS, device.torch_device, ledger, device.place, plan.grad_slot_bytes
+            ),
             comm=Comm(rank, comm_timeout_s, ledger, self._channels(tied, comm_timeout_s), device.place),
             loss_fn=loss_fn,
             num_microbatches=m,

@@ -20,8 +20,10 @@ from foundation.loader import (
     save_file,
     to_plain,
 )
+from foundation.units import fmt_bytes
 from partition.errors import InvalidPlan, PlanFileError
 from partition.rules.activations import MODES, TIERS
+from partition.rules.costmodel import WEIGHT_SLOTS
 from partition.rules.mapping import MAPPING_RULES
 from partition.spec.analytic import DTYPE_BYTES
 from topology.layout import LAYOUT_CHECKS, layout_defaults
@@ -201,7 +203,8 @@ class Plan(_PlanPart):
     slot_bytes: int
     """W: one weight slot of the device arena = the largest stage's parameter bytes."""
     arena_bytes: int
-    """Device arena budget: ARENA_SLOTS * slot_bytes."""
+    """Device arena budget: WEIGHT_SLOTS weight slots of slot_bytes and a gradient slot of the largest stage's
+    gradient bytes (partition.rules.costmodel.arena_bytes; slot_bytes too without LoRA, and in older plans)."""
     activation_bytes: int
     """Largest live activation bytes of any stage (one microbatch)."""
     gpu_memory_bytes: int
@@ -224,6 +227,19 @@ class Plan(_PlanPart):
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    @property
+    def grad_slot_bytes(self) -> int:
+        """The arena's gradient slot: arena_bytes less its WEIGHT_SLOTS weight slots."""
+        return self.arena_bytes - WEIGHT_SLOTS * self.slot_bytes
+
+    def arena_words(self) -> str:
+        """The arena's slots in words: 3 slots of W, or (LoRA) 2 weight slots of W and a smaller gradient slot."""
+        if self.grad_slot_bytes == self.slot_bytes:
+            return f"{WEIGHT_SLOTS + 1} slots of {fmt_bytes(self.slot_bytes)}"
+        return f"{WEIGHT_SLOTS} weight slots of {fmt_bytes(self.slot_bytes)} + a gradient slot of " + fmt_bytes(
+            self.grad_slot_bytes
+        )
 
     @property
     def mapping(self) -> list[int]:

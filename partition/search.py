@@ -11,7 +11,7 @@ from partition.errors import PlanInfeasibleError
 from partition.mip.solvers import NO_MIP, mip_installed
 from partition.plan import Plan, SolverInfo, StagePlan
 from partition.rules.activation_choice import with_activations
-from partition.rules.costmodel import ARENA_SLOTS, LayerArrays
+from partition.rules.costmodel import WEIGHT_SLOTS, LayerArrays, arena_bytes
 from partition.rules.dp import solve_dp
 from partition.rules.mapping import mapping_candidates, mapping_score, stage_contention
 from partition.rules.tiers import HostBudget, MemoryPlan, SsdInfo, activation_host_caps, place_tiers, ssd_info
@@ -233,10 +233,11 @@ def _mip_plans(
 
 
 def _arena_fits(arr: LayerArrays, ranges: list[tuple[int, int]], memory: int) -> bool:
-    """The runtime's arena rule, ARENA_SLOTS x the largest stage + each stage's activations <= G. The MIP's
-    per-stage rule with partial prefetch admits more cuts, which the runtime cannot run yet."""
-    slot = max(arr.params(a, b) for a, b in ranges)
-    return all(ARENA_SLOTS * slot + arr.activations(a, b) <= memory for a, b in ranges)
+    """The runtime's arena rule, two weight slots of the largest stage + a gradient slot of the largest stage's
+    gradients + each stage's activations <= G. The MIP's per-stage rule with partial prefetch admits more cuts, which
+    the runtime cannot run yet."""
+    arena = arena_bytes(max(arr.params(a, b) for a, b in ranges), max(arr.grads(a, b) for a, b in ranges))
+    return all(arena + arr.activations(a, b) <= memory for a, b in ranges)
 
 
 def _check_memory_known(topo: Topology) -> None:
@@ -267,11 +268,12 @@ def _stage_counts(num_stages: int | None, num_gpus: int, num_layers: int) -> lis
 
 def _check_layers_fit(arr: LayerArrays, profile: Profile, memory: int) -> None:
     for l, layer in enumerate(profile.layers):
-        need = ARENA_SLOTS * arr.params(l, l) + arr.activations(l, l)
+        need = arena_bytes(arr.params(l, l), arr.grads(l, l)) + arr.activations(l, l)
         if need > memory and not _fits_in_some_stage(arr, l, memory):
             raise PlanInfeasibleError(
-                f"layer {l} ({layer.name}) alone needs {need / GiB:.2f} GiB ({ARENA_SLOTS} x "
-                f"{arr.params(l, l) / GiB:.2f} GiB of arena slots for weights, prefetch and gradients + "
+                f"layer {l} ({layer.name}) alone needs {need / GiB:.2f} GiB ({WEIGHT_SLOTS} x "
+                f"{arr.params(l, l) / GiB:.2f} GiB of arena slots for its weights and the next stage's prefetch + "
+                f"{arr.grads(l, l) / GiB:.2f} GiB for its gradients + "
                 f"{arr.activations(l, l) / GiB:.2f} GiB of activations) but a gpu has {memory / GiB:.2f} GiB usable"
                 f"{_net_of(profile.workspace_bytes)}: use a smaller microbatch, GPUs with more memory, or a smaller "
                 "model"
@@ -283,7 +285,9 @@ def _fits_in_some_stage(arr: LayerArrays, l: int, memory: int) -> bool:
     stage's boundary outputs, so a layer with a large output can fit together with its neighbours)."""
     L = arr.num_layers
     return any(
-        ARENA_SLOTS * arr.params(a, b) + arr.activations(a, b) <= memory for a in range(l + 1) for b in range(l, L)
+        arena_bytes(arr.params(a, b), arr.grads(a, b)) + arr.activations(a, b) <= memory
+        for a in range(l + 1)
+        for b in range(l, L)
     )
 
 
@@ -291,7 +295,8 @@ def _infeasible_stages(num_stages: int | None, arr: LayerArrays, memory: int, wo
     p = arr.params(0, arr.num_layers - 1)
     return PlanInfeasibleError(
         f"no cut of the {arr.num_layers} layers into {num_stages or 'any number of'} stages fits: the model has "
-        f"{p / GiB:.2f} GiB of parameters and each stage must satisfy {ARENA_SLOTS} x slot + activations <= "
+        f"{p / GiB:.2f} GiB of parameters and each stage must satisfy {WEIGHT_SLOTS} x slot + gradient slot + "
+        f"activations <= "
         f"{memory / GiB:.2f} GiB{_net_of(workspace)}; use more stages (--stages), or leave --stages out to search "
         f"every count"
     )
@@ -331,7 +336,7 @@ def _plan_of(
         mapping_score=round(mapping_score(topo, m), 9),
         stages=stages,
         slot_bytes=slot,
-        arena_bytes=ARENA_SLOTS * slot,
+        arena_bytes=arena_bytes(slot, max(s.gradient_bytes for s in stages)),
         activation_bytes=max(s.activation_bytes for s in stages),
         gpu_memory_bytes=memory,
         predicted_step_time_s=sim.step_time_s,

@@ -379,8 +379,8 @@ def _header(plan: Plan) -> list[str]:
         f"mapping (contention {p.mapping_score:.2f}), {p.num_microbatches} microbatches of {p.microbatch_size}, "
         f"{p.dtype}",
         f"predicted step time {p.predicted_step_time_s:.3f} s",
-        f"memory per gpu: arena {fmt_bytes(p.arena_bytes)} ({p.arena_bytes // p.slot_bytes} slots of "
-        f"{fmt_bytes(p.slot_bytes)}) + activations {fmt_bytes(p.activation_bytes)} = "
+        f"memory per gpu: arena {fmt_bytes(p.arena_bytes)} ({p.arena_words()}) + activations "
+        f"{fmt_bytes(p.activation_bytes)} = "
         f"{fmt_bytes(p.arena_bytes + p.activation_bytes)} of {fmt_bytes(p.gpu_memory_bytes)} usable",
         f"solver {s.name}: {s.status}, gap {s.gap:g}, {s.wall_s:.3f} s",
     ] + _lora_line(plan)

@@ -54,7 +54,6 @@ from mobiuspipe.startup.lora import lora_spec, starting_adapters, write_adapter
 from mobiuspipe.step_result import StepResult
 from partition.plan import Plan, save_plan
 from partition.report.trace import svg_timeline
-from partition.rules.costmodel import ARENA_SLOTS
 
 __all__ = ["main", "open_run", "train", "with_resume"]
 
@@ -319,9 +318,7 @@ def _banner(cfg: RunConfig, plan: Plan) -> str:
         f"ranks (stage -> rank {plan.mapping}, {plan.mapping_rule} mapping; plan {source}); "
         f"{plan.num_microbatches} microbatches of {plan.microbatch_size}; {plan.dtype} weights, fp32 master; "
         f"device arena "
-        f"{fmt_bytes(plan.arena_bytes)} per rank ({ARENA_SLOTS} slots of {fmt_bytes(plan.slot_bytes)})"
-        + _lora_words(cfg, plan)
-        + _writes(cfg)
+        f"{fmt_bytes(plan.arena_bytes)} per rank ({plan.arena_words()})" + _lora_words(cfg, plan) + _writes(cfg)
     )
 
 

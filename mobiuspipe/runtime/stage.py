@@ -164,7 +164,7 @@ class Stage:
     # -- gradients: arena -> host tier, host update ----------------------------------------------
     def begin_backward(self, arena: DeviceArena) -> None:
         """Take a gradient slot, zero it, and make the weight leaves accumulate into it."""
-        self.grads = arena.acquire(self.nbytes, f"stage {self.index} gradients")
+        self.grads = arena.acquire(self.nbytes, f"stage {self.index} gradients", grads=True)
         for copy in self.grads.take_busy():  # an offload still reading the slot
             copy.wait()
         gflat = self.grads.view(self.dtype, self.numel)

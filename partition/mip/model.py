@@ -10,7 +10,9 @@ Legend (units in brackets; stage j = layers p_j .. p_{j+1}-1; the cut variables 
   G           usable gpu memory                                                                     [GiB]
   S_F(j)      = P_j + A_j + c: memory while stage j computes its forward (weights, activations)    [GiB]
   S_B(j)      = 2 P_j + A_j + c: while it computes its backward (+ the gradients it accumulates)   [GiB]
-  memory      S_B(j) <= G for every stage (S_F(j) <= S_B(j)); the paper's S <= G
+  memory      S_B(j) <= G for every stage (S_F(j) <= S_B(j)); the paper's S <= G. Under LoRA a stage's gradients
+              are its adapters' alone (G_j < P_j): the row keeps 2 P_j, stricter than the runtime's arena, and
+              each solution is checked against the arena's rule (partition.search._arena_fits)
   u_j, o_j    = P_j / beta_j, P_j / link_j: load and gradient offload seconds (GiB -> bytes / 1e9)  [s]
   d_j         = O_max / peer_gbps: activation transfer to the next stage's gpu                     [s]
   TF,EF,TB,EB,LF,LB, T   the timeline variables of partition.rules.timeline, its rules as "at least" rows [s]

@@ -42,14 +42,21 @@ from numpy.typing import DTypeLike
 from partition.spec.analytic import DTYPE_BYTES
 from partition.spec.profile import Profile
 
-__all__ = ["WEIGHT_SLOTS", "GRAD_SLOTS", "ARENA_SLOTS", "LayerArrays", "stage_cost"]
+__all__ = ["WEIGHT_SLOTS", "GRAD_SLOTS", "ARENA_SLOTS", "LayerArrays", "stage_cost", "arena_bytes"]
 
 WEIGHT_SLOTS = 2
 """Arena slots for weights: the computing stage's and the prefetched next stage's of the same gpu."""
 GRAD_SLOTS = 1
 """Arena slots for gradients: the computing stage's, accumulated over its microbatches until offloaded."""
 ARENA_SLOTS = WEIGHT_SLOTS + GRAD_SLOTS
-"""Slots of W bytes in the device arena; the memory rule is ARENA_SLOTS * W + A_j <= G."""
+"""Slots in the device arena: WEIGHT_SLOTS of W bytes (the largest stage's parameter bytes) and GRAD_SLOTS of
+W_grad (the largest stage's gradient bytes: W without LoRA, its adapters' alone with it); the memory rule is
+arena_bytes(W, W_grad) + A_j <= G."""
+
+
+def arena_bytes(weight_slot: int, grad_slot: int) -> int:
+    """The device arena's bytes: WEIGHT_SLOTS slots of weight_slot (W) and GRAD_SLOTS of grad_slot (W_grad)."""
+    return WEIGHT_SLOTS * weight_slot + GRAD_SLOTS * grad_slot
 
 
 @dataclass(frozen=True)

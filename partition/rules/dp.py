@@ -1,9 +1,12 @@
 """Exact dynamic program: cut L layers into S contiguous stages minimizing the largest stage cost.
 
 Solves, for every S at once, min over cuts of max_j c_j (partition.rules.costmodel) subject to the memory rule
-3*W + A_j <= G, where W = max_j P_j. The rule couples stages only through W, so the DP runs once per
-candidate W (every distinct interval parameter sum that could be the largest stage) with W fixed as a
-per-stage cap; the best over W is exact. Each run is the textbook recurrence
+2*W + W_grad + A_j <= G, where W = max_j P_j and W_grad = max_j of the stages' gradient bytes. The rule couples
+stages only through W and W_grad, so the DP runs once per candidate W (every distinct interval parameter sum that
+could be the largest stage) with W fixed as a per-stage cap and W_grad taken as the largest gradient of any interval
+within that cap; the best over W is exact where gradients grow with parameters (W_grad = W: every weight trains),
+and under LoRA, whose gradients are the adapters', the W_grad used is an upper bound of the cut's own. Each run is
+the textbook recurrence
 
   f[s][l] = min_k max(f[s-1][k], c(k..l-1))      (f[s][l]: first l layers in s stages)
 
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from partition.rules.costmodel import ARENA_SLOTS, LayerArrays
+from partition.rules.costmodel import LayerArrays, arena_bytes
 
 __all__ = ["DpSolution", "solve_dp", "interval_matrices"]
 
@@ -52,6 +55,19 @@ def interval_matrices(arr: LayerArrays, microbatches: int, load_gbps: float):
     return P, A, C
 
 
+def interval_grads(arr: LayerArrays) -> np.ndarray:
+    """The gradient bytes of every interval k..l-1 as an (L+1)^2 array (0 off the intervals)."""
+    g = arr.P if arr.G is None else arr.G
+    k = np.arange(arr.num_layers + 1)[:, None]
+    l = np.arange(arr.num_layers + 1)[None, :]
+    return np.where(l > k, g[l] - g[k], 0)
+
+
+def _grad_slot(P: np.ndarray, Gm: np.ndarray, w: int) -> int:
+    """W_grad for weight slot w: the largest gradient of any interval whose parameters fit w."""
+    return int(Gm[P <= w].max())
+
+
 def _dp(C: np.ndarray, max_stages: int) -> tuple[np.ndarray, np.ndarray]:
     """f[s][l] and argmin k for s = 0..max_stages over an interval cost matrix with inf = forbidden."""
     L = C.shape[0] - 1
@@ -78,10 +94,11 @@ def solve_dp(
     """Optimal cut for each S in stage_counts that has a feasible one (S missing from the result = none)."""
     L = arr.num_layers
     P, A, C = interval_matrices(arr, microbatches, load_gbps)
+    Gm = interval_grads(arr)
     max_s = min(max(stage_counts), L)
     best: dict[int, DpSolution] = {}
-    for w in _slot_candidates(P, memory_bytes, A):
-        ok = (P <= w) & (ARENA_SLOTS * w + A <= memory_bytes)
+    for w in _slot_candidates(P, Gm, memory_bytes, A):
+        ok = (P <= w) & (arena_bytes(w, _grad_slot(P, Gm, w)) + A <= memory_bytes)
         f, arg = _dp(np.where(ok, C, INF), max_s)
         for s in stage_counts:
             if s > max_s or not np.isfinite(f[s][L]):
@@ -99,7 +116,7 @@ def _better(a: DpSolution, b: DpSolution) -> bool:
     return a.slot_bytes < b.slot_bytes
 
 
-def _slot_candidates(P: np.ndarray, memory_bytes: int, A: np.ndarray) -> list[int]:
+def _slot_candidates(P: np.ndarray, Gm: np.ndarray, memory_bytes: int, A: np.ndarray) -> list[int]:
     """Every interval parameter sum W that is at least the largest single layer and leaves room for some stage.
 
     The room test uses the least A over ALL intervals: A_j counts only a stage's boundary outputs, so a
@@ -110,4 +127,6 @@ def _slot_candidates(P: np.ndarray, memory_bytes: int, A: np.ndarray) -> list[in
     upper = np.triu_indices(L + 1, k=1)
     min_act = int(A[upper].min())
     vals = np.unique(P[upper])
-    return [int(w) for w in vals if single <= w and ARENA_SLOTS * w + min_act <= memory_bytes]
+    return [
+        int(w) for w in vals if single <= w and arena_bytes(int(w), _grad_slot(P, Gm, int(w))) + min_act <= memory_bytes
+    ]

@@ -30,8 +30,8 @@ State kinds, as the runtime keeps them (partition.rules.placement, mobiuspipe/ru
   saved inputs  what the forward holds for the backward on the host tier (a recompute's input, a keep's
                 graphs), M h_j: host.
   streaming     the share of its gpu's budget each stage on the SSD streams through (Placement.slot_bytes): host.
-Device bytes of gpu g: the arena (ARENA_SLOTS * W) + the largest A_j of its stages; of stage j while it
-runs backward: its weights and gradient slots and activations, P_j + G_j + A_j.
+Device bytes of gpu g: the arena (plan.arena_bytes: 2 W + the largest G_j) + the largest A_j of its stages; of
+stage j while it runs backward: its weights and gradient slots and activations, P_j + G_j + A_j.
 
 Placement, per gpu g (a rank of the runtime): S_g and Z_g (the sum of Z_j over its stages) come out of H_g
 first; then place_states("auto", "auto", {j: T_j of g's stages}, H_g - S_g - Z_g, LEAST_SHARE_BYTES, b)
@@ -57,7 +57,6 @@ from dataclasses import dataclass
 from foundation.units import GiB, fmt_bytes
 from partition.errors import PlanInfeasibleError
 from partition.plan import Plan
-from partition.rules.costmodel import ARENA_SLOTS
 from partition.rules.order import visits_of
 from partition.rules.placement import (
     FROZEN_STREAM_BYTES,
@@ -396,8 +395,8 @@ def _memory(plan: Plan, budget: HostBudget, gpus: tuple[GpuShare, ...], saved: l
 
 
 def _device_bytes(plan: Plan) -> int:
-    """Sum over gpus g of ARENA_SLOTS * W + the largest A_j of g's stages."""
-    arena = ARENA_SLOTS * plan.slot_bytes
+    """Sum over gpus g of the arena + the largest A_j of g's stages."""
+    arena = plan.arena_bytes
     return sum(arena + max(plan.stages[j].activation_bytes for j in plan.stages_of(g)) for g in range(plan.num_gpus))
 
 

@@ -166,7 +166,7 @@ def simulate(
         caps |= {HOST_CORES: host_cores} | {(f"gpu{g}", "compute"): 1.0 for g in range(num_gpus)}
     graph = TaskGraph(FlowNet(caps)) if caps else TaskGraph()
     moves: list[tuple[int, tuple[Link, ...]]] = []
-    spans: dict[int, list[tuple[Hashable, Hashable]]] = {}
+    spans: dict[int, list[tuple[Hashable, Hashable, str]]] = {}
     nvlinks = frozenset(
         (a, b) for a in range(num_gpus) for b in range(a + 1, num_gpus) if topology and topology.nvlink(a, b)
     )
@@ -184,7 +184,8 @@ def simulate(
     busy = tuple(sum(e[5] - e[4] for e in events if e[1] == g and e[0] in ("F", "B")) for g in range(num_gpus))
     if topology is not None:
         moves += _activation_moves(stages, microbatches, topology, paths)
-    slot = max((s.param_bytes for s in stages), default=0)
+    slot = {"weights": max((s.param_bytes for s in stages), default=0)}
+    slot["grads"] = max((s.grad_bytes for s in stages), default=0)  # the arena's gradient slot
     ssd_rows = _ssd_traffic(stages, moves)
     drive_s = ssd.seconds(ssd_rows[0][2], ssd_rows[1][2]) if ssd and ssd_rows else 0.0
     return SimResult(
@@ -192,7 +193,7 @@ def simulate(
         compute_busy_s=busy,
         events=tuple(events),
         link_bytes=_traffic(moves, topology, num_gpus) + ssd_rows,
-        peak_arena_bytes=tuple(_peak(tasks, spans[g]) * slot for g in range(num_gpus)),
+        peak_arena_bytes=tuple(_peak(tasks, spans[g], slot) for g in range(num_gpus)),
         activation_bytes=tuple(
             max((s.activation_bytes for s in stages if s.gpu == g), default=0) for g in range(num_gpus)
         ),
@@ -225,17 +226,17 @@ def _add_gpu(
     memory,
     cores: bool = False,
     swaps: Swaps | None = None,
-) -> list[tuple[Hashable, Hashable]]:
+) -> list[tuple[Hashable, Hashable, str]]:
     """Gpu g's loads, computations and offloads, chained as the runtime orders them; returns its arena spans
-    (task whose start takes a slot, task whose end frees it). Loads of ssd_loads stages and offloads of ssd_weights
-    stages cross the SSD;
-    with cores, computations are core-second flows on HOST_CORES and the gpu's own compute link."""
+    (task whose start takes a slot, task whose end frees it, "weights" or "grads"). Loads of ssd_loads stages and
+    offloads of ssd_weights stages cross the SSD; with cores, computations are core-second flows on HOST_CORES and
+    the gpu's own compute link."""
     visits, last = visits_of([s.gpu for s in stages], g), len(stages) - 1
     prev_op = prev_load = prev_off = load = None
     slot_of: list[int] = []
     holder: list[Hashable] = [None] * WEIGHT_SLOTS  # last computation of the visit that used each weight slot
     taken: list[Hashable] = [None] * WEIGHT_SLOTS  # the load that took each weight slot
-    spans: list[tuple[Hashable, Hashable]] = []
+    spans: list[tuple[Hashable, Hashable, str]] = []
     for k, (j, phase) in enumerate(visits):
         st = stages[j]
         if k > 0 and visits[k - 1][0] == j:  # the last forward stage stays resident for its backward
@@ -264,13 +265,13 @@ def _add_gpu(
                 prev_op = graph.add(("send", phase, j, i), (prev_op,), *_on_thread(send, g, cores))
         holder[slot_of[k]] = prev_op
         if not (k + 1 < len(visits) and visits[k + 1][0] == j):
-            spans.append((taken[slot_of[k]], prev_op))  # RELEASE
+            spans.append((taken[slot_of[k]], prev_op, "weights"))  # RELEASE
         if phase == "B":
             move = (st.grad_bytes, paths[(g, "d2h")] + ((SSD_WRITE,) if st.ssd_weights else ()))
             moves.append(move)
             dur = max(st.offload_s, ssd.seconds(0, st.grad_bytes)) if st.ssd_weights else st.offload_s
             prev_off = graph.add(("offload", g, j), (prev_op, prev_off), dur, (move,) if flows else ())
-            spans.append((first, prev_off))  # the gradient slot
+            spans.append((first, prev_off, "grads"))  # the gradient slot
     return spans
 
 
@@ -348,9 +349,11 @@ def _host_updates(offloads: list, stages: list[SimStage], ssd: SsdLink | None) -
     return out
 
 
-def _peak(tasks: dict, spans: list[tuple[Hashable, Hashable]]) -> int:
-    """Most spans open at once; a span ending at t frees its slot before one starting at t takes it."""
-    marks = sorted([(tasks[a].start, 1) for a, _ in spans] + [(tasks[b].end, -1) for _, b in spans])
+def _peak(tasks: dict, spans: list[tuple[Hashable, Hashable, str]], size: dict[str, int]) -> int:
+    """Most bytes of the spans open at once (a span of kind k holds size[k]); a span ending at t frees its slot
+    before one starting at t takes it."""
+    ends = [(tasks[b].end, -size[k]) for _, b, k in spans]
+    marks = sorted([(tasks[a].start, size[k]) for a, _, k in spans] + ends)
     best = cur = 0
     for _, d in marks:
         cur += d

@@ -107,7 +107,7 @@ class SimResult:
     link_bytes: tuple[tuple[str, str, int], ...] = ()
     """(link, direction, bytes moved in the step), in topology order; gpu links only without a topology."""
     peak_arena_bytes: tuple[int, ...] = ()
-    """Per gpu: most arena bytes in use at once (slots in use x slot size)."""
+    """Per gpu: most arena bytes in use at once (weight slots in use x W + gradient slots in use x W_grad)."""
     activation_bytes: tuple[int, ...] = ()
     """Per gpu: the largest live activation bytes of its stages."""
     stage_bytes: tuple[tuple[int, int], ...] = ()

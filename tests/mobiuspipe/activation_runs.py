@@ -119,10 +119,16 @@ def run(cfg: RunConfig, activations, steps: int = 3, p: float = DROPOUT) -> Run:
 
 
 def rotate_slots(arena_cls=DeviceArena) -> None:
-    """Fill a released slot with NaNs. A stage lands in another arena slot at its backward than at its forward
-    (acquire takes the slot freed longest ago), so a kept graph that read its weights from the slot of
-    its forward would then see another stage's weights or NaNs."""
-    release = arena_cls.release
+    """Give the arena a third weight slot and fill a released slot with NaNs. A stage then lands in another arena
+    slot at its backward than at its forward (acquire takes the slot freed longest ago), so a kept graph that read
+    its weights from the slot of its forward would see another stage's weights or NaNs. (With the runtime's two
+    weight slots a gpu's mirrored visits bring each stage back to the slot of its forward, and the same weights.)"""
+    release, init = arena_cls.release, arena_cls.__init__
+
+    def spare(self: DeviceArena, slot_bytes: int, num_slots: int, *args, **kwargs) -> None:
+        init(self, slot_bytes, num_slots + 1, *args, **kwargs)
+
+    arena_cls.__init__ = spare
 
     def poisoned(self: DeviceArena, slot: Slot, after=()) -> None:
         release(self, slot, after)

@@ -30,6 +30,13 @@ def test_lora_pipeline_trains_as_peft_does(tmp_path, hf_kit, kind, activations):
         got = [pipe.train_batch(x, y).loss for x, y in batches]
         after = pipe.state_dict()
         trained = {n for s in pipe.stages.values() for n in s.trainable_keys()}
+        # the arena's gradient slot holds the adapters' gradients alone: 2 weight slots and a small one
+        plan, arena = pipe.plan, pipe.engine.arena
+        assert plan.grad_slot_bytes == max(s.gradient_bytes for s in plan.stages) < plan.slot_bytes / 4
+        assert plan.arena_bytes == 2 * plan.slot_bytes + plan.grad_slot_bytes
+        assert (
+            arena.grad_slot_bytes is not None and max(s.nbytes for s in pipe.stages.values()) <= arena.grad_slot_bytes
+        )
 
     ref, want = _peft_run(tmp_path / "base", m, kind, spec, before, trained, batches, hf_kit)
     assert got == pytest.approx(want, rel=1e-5), (got, want)

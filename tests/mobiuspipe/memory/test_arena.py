@@ -51,3 +51,23 @@ def test_acquire_takes_the_slot_freed_longest_ago():
     for s in (b, a, c):
         arena.release(s)
     assert [arena.acquire(64, "x").index for _ in range(3)] == [1, 0, 2]
+
+
+def test_a_gradient_slot_of_its_own_size_takes_gradients_alone():
+    """LoRA's arena: two weight slots of W and one smaller slot that only gradients take (after the weight slots
+    in the buffer); without one, gradients take any slot as before."""
+    arena = DeviceArena(1000, 2, torch.device("cpu"), grad_slot_bytes=100)
+    assert (arena.slot_bytes, arena.grad_slot_bytes, arena.budget_bytes) == (1024, 128, 2 * 1024 + 128)
+    w1, w2 = arena.acquire(1000, "stage 0 weights"), arena.acquire(1000, "stage 1 weights")
+    with pytest.raises(ArenaError, match="all 3 arena slots are in use"):
+        arena.acquire(8, "stage 2 weights")  # the gradient slot is free, but not for weights
+    g = arena.acquire(100, "stage 0 gradients", grads=True)
+    assert g.grads and g.index == 2 and g.data.data_ptr() == arena.buffer.data_ptr() + 2 * 1024
+    assert g.data.numel() == 128 and arena.in_use_bytes == 2100
+    with pytest.raises(ArenaError, match="stage 1 gradients needs 129 bytes but the gradient slot has 128"):
+        arena.release(g)
+        arena.acquire(129, "stage 1 gradients", grads=True)
+    arena.release(w1)
+    assert arena.acquire(1000, "stage 2 weights").index == w1.index and not w2.grads
+    plain = DeviceArena(64, 3, torch.device("cpu"))
+    assert plain.acquire(64, "stage 0 gradients", grads=True).index == 0  # no gradient slot: any slot

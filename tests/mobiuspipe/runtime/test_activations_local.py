@@ -30,6 +30,7 @@ def rotated(monkeypatch, runs):
 
     monkeypatch.setattr(DeviceArena, "acquire", DeviceArena.acquire)
     monkeypatch.setattr(DeviceArena, "release", DeviceArena.release)
+    monkeypatch.setattr(DeviceArena, "__init__", DeviceArena.__init__)
     runs.rotate_slots(DeviceArena)
 
 

@@ -1,12 +1,13 @@
 """The exact DP against exhaustive enumeration of every cut, on random small profiles."""
 
+import dataclasses
 import itertools
 import math
 
 import numpy as np
 import pytest
 
-from partition.rules.costmodel import ARENA_SLOTS, LayerArrays, stage_cost
+from partition.rules.costmodel import ARENA_SLOTS, LayerArrays, arena_bytes, stage_cost
 from partition.rules.dp import interval_matrices, solve_dp
 from partition.spec.profile import LayerProfile, Profile
 
@@ -158,3 +159,52 @@ def test_interval_matrices_match_layer_arrays():
             assert P[k, l] == arr.params(k, l - 1)
             assert A[k, l] == arr.activations(k, l - 1)
             assert C[k, l] == pytest.approx(stage_cost(arr, k, l - 1, 3, 1e-3), rel=1e-12, abs=0)
+
+
+def _lora_profile(rng: np.random.Generator, L: int) -> Profile:
+    """A random profile whose layers train a few of their parameters (LoRA): gradients far below the weights."""
+    base = _random_profile(rng, L)
+    layers = tuple(
+        dataclasses.replace(x, trainable_count=int(rng.integers(0, max(1, x.param_count // 8)))) for x in base.layers
+    )
+    return dataclasses.replace(base, layers=layers)
+
+
+def _bound_grads(arr: LayerArrays, W: int) -> int:
+    """The DP's W_grad for slot W: the largest gradient of any interval whose parameters fit W."""
+    L = arr.num_layers
+    return max(arr.grads(a, b) for a in range(L) for b in range(a, L) if arr.params(a, b) <= W)
+
+
+@pytest.mark.parametrize("seed", [2, 31, 977])
+def test_under_lora_the_dp_uses_the_smaller_gradient_slot(seed):
+    """With gradients the adapters' alone the arena is 2 W + W_grad: the DP finds the best cut under its bound of
+    W_grad (brute force with the same rule), every cut it returns meets the runtime's exact rule, and it is never
+    worse than the three equal slots of before."""
+    rng = np.random.default_rng(seed)
+    better = 0
+    for L in range(2, 9):
+        arr = LayerArrays.of(_lora_profile(rng, L))
+        m, gbps = 3, 1e-3
+        for memory in _memories(arr, rng):
+            got = solve_dp(arr, memory, m, gbps, list(range(1, L + 1)))
+            for s in range(1, L + 1):
+                best, old = math.inf, math.inf
+                for inner in itertools.combinations(range(1, L), s - 1):
+                    cuts = (0, *inner, L)
+                    ranges = [(cuts[j], cuts[j + 1] - 1) for j in range(s)]
+                    W = max(arr.params(a, b) for a, b in ranges)
+                    c = max(stage_cost(arr, a, b, m, gbps) for a, b in ranges)
+                    if all(arena_bytes(W, _bound_grads(arr, W)) + arr.activations(a, b) <= memory for a, b in ranges):
+                        best = min(best, c)
+                    if all(ARENA_SLOTS * W + arr.activations(a, b) <= memory for a, b in ranges):
+                        old = min(old, c)
+                if math.isinf(best):
+                    assert s not in got
+                    continue
+                sol = got[s]
+                assert sol.bottleneck_s == pytest.approx(best, rel=1e-12, abs=0) and sol.bottleneck_s <= old
+                W, grads = max(arr.params(a, b) for a, b in sol.ranges), max(arr.grads(a, b) for a, b in sol.ranges)
+                assert all(arena_bytes(W, grads) + arr.activations(a, b) <= memory for a, b in sol.ranges)
+                better += math.isinf(old)
+    assert better > 0  # some budgets fit only because the gradient slot is smaller
