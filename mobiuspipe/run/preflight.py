@@ -28,7 +28,7 @@ from foundation.errors import UserError
 from mobiuspipe.config import RunConfig
 from mobiuspipe.errors import ConfigError, PeerLostError
 from mobiuspipe.run.checkpoints import resume_root
-from mobiuspipe.run.room import placements, ssd_need, ssd_room
+from mobiuspipe.run.room import host_room, placements, ssd_need, ssd_room
 from mobiuspipe.runtime.ranks import rank_info
 from mobiuspipe.startup.config_plan import num_ranks, plan_from_config, plan_problems, replan_advice
 from partition.plan import Plan, load_plan
@@ -116,12 +116,15 @@ def rank_checks(cfg: RunConfig) -> Plan:
 
 def _check_memory(cfg: RunConfig, plan: Plan, host_ranks: range | None) -> None:
     """Every rank's stages under memory.host_budget_mb; then, for the ranks on this host (None: not known here),
-    memory.ssd_dir writable and with room for what they put there (mobiuspipe.run.room). Every problem at once."""
+    memory.ssd_dir writable and with room for what they put there, and this host's memory with room for what they
+    hold there (mobiuspipe.run.room). Every problem at once."""
     placed, problems = placements(cfg, plan)
     need = 0 if problems or host_ranks is None else ssd_need(cfg, plan, placed, host_ranks)
     if need and host_ranks is not None:
         folder = check_writable(str(cfg.memory.ssd_dir), "memory.ssd_dir")
         problems += ssd_room(folder, need, host_ranks)
+    if not problems and host_ranks is not None:
+        problems += host_room(cfg, plan, placed, host_ranks)
     _raise(cfg, problems)
 
 

@@ -1,6 +1,7 @@
 """Whether a plan's states fit the run's memory settings, checked before launch: each rank's stages under
-memory.host_budget_mb (the placement rule every rank applies when it builds its Pipeline), and memory.ssd_dir, a
-folder this process can write with room for what the plan puts there.
+memory.host_budget_mb (the placement rule every rank applies when it builds its Pipeline), memory.ssd_dir, a
+folder this process can write with room for what the plan puts there, and this host's memory, with room for what
+its ranks hold there (host_room).
 
 SSD bytes of a stage of n parameters (b = bytes of the training dtype), as the ranks' stores allocate them:
   optimizer on ssd:  12 n (fp32 master, exp_avg, exp_avg_sq)
@@ -10,6 +11,11 @@ SSD bytes of a stage of n parameters (b = bytes of the training dtype), as the r
   the step's microbatches at once at most (H_j: the plan's held bytes, else its activation bytes).
 What an earlier run left in ranks' stores is discarded at start-up, so its files count as free, unless a
 checkpoint links them (a file with several links stays).
+
+Host bytes of a stage (host_bytes): its states as placed (partition.rules.placement.host_bytes, and the streaming
+share of a stage on SSD), its frozen weights (LoRA's base: with memory.frozen host all of them, with ssd the
+FROZEN_STREAM_BYTES it streams them through), and its saved activations on the host tier (M per step: the plan's
+held bytes, partition.rules.tiers.host_held_bytes). The ranks of a host need their sum within its MemAvailable.
 """
 
 from __future__ import annotations
@@ -23,10 +29,18 @@ from foundation.units import MiB, fmt_bytes
 from mobiuspipe.config import RunConfig
 from mobiuspipe.runtime.stage_states import least_share
 from partition.plan import Plan
-from partition.rules.placement import STATE_BYTES, BudgetShortfall, Placement, place_states
+from partition.rules.placement import (
+    FROZEN_STREAM_BYTES,
+    STATE_BYTES,
+    BudgetShortfall,
+    Placement,
+    host_bytes,
+    place_states,
+)
+from partition.rules.tiers import host_held_bytes
 from partition.spec.analytic import dtype_bytes
 
-__all__ = ["placements", "ssd_need", "ssd_room", "ssd_bytes"]
+__all__ = ["placements", "ssd_need", "ssd_room", "ssd_bytes", "host_bytes_of", "host_room"]
 
 
 def placements(cfg: RunConfig, plan: Plan) -> tuple[dict[int, Placement], list[Problem]]:
@@ -116,3 +130,70 @@ def _reclaimable(folder: Path, g: int) -> int:
                 st = os.lstat(os.path.join(dirpath, name))
                 total += st.st_blocks * 512 if st.st_nlink == 1 else 0
     return total
+
+
+HOST_KINDS = ("states", "frozen", "activations")
+"""What a rank holds in host memory, by kind (host_bytes_of)."""
+
+
+def host_bytes_of(cfg: RunConfig, plan: Plan, g: int, placement: Placement) -> dict[str, int]:
+    """Host bytes gpu g's rank holds, by kind: states, frozen (LoRA's base), saved activations (module docstring)."""
+    b = dtype_bytes(plan.dtype)
+    out: dict[str, int] = dict.fromkeys(HOST_KINDS, 0)
+    for j in plan.stages_of(g):
+        s = plan.stages[j]
+        opt, wts = placement.optimizer[j], placement.weights[j]
+        out["states"] += host_bytes(s.trains, opt, wts, b) + (placement.slot_bytes if opt == "ssd" else 0)
+        if s.frozen_bytes:
+            out["frozen"] += s.frozen_bytes if cfg.memory.frozen == "host" else FROZEN_STREAM_BYTES
+        if cfg.memory.activation_tier in ("plan", "host"):
+            held = host_held_bytes(plan, j) if cfg.memory.activation_tier == "plan" else max(s.held_bytes, 0)
+            out["activations"] += plan.num_microbatches * held
+    return out
+
+
+def host_room(cfg: RunConfig, plan: Plan, placed: dict[int, Placement], host_ranks: range) -> list[Problem]:
+    """A Problem when the ranks host_ranks would hold more in host memory than this host has available
+    (MemAvailable; no check where /proc/meminfo is not there)."""
+    free = _mem_available()
+    if free is None:
+        return []
+    kinds: dict[str, int] = dict.fromkeys(HOST_KINDS, 0)
+    for g in host_ranks:
+        if g in placed:
+            for k, v in host_bytes_of(cfg, plan, g, placed[g]).items():
+                kinds[k] += v
+    need = sum(kinds.values())
+    if need <= free:
+        return []
+    parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in kinds.items() if v)
+    fixes = []
+    if kinds["frozen"] and cfg.memory.frozen == "host":
+        fixes.append(
+            "`memory.frozen: ssd` (with memory.ssd_dir) or `lora.base_dtype: int8` / `nf4` for the frozen base"
+        )
+    if kinds["states"]:
+        fixes.append("`memory.optimizer: auto` with a memory.host_budget_mb for the states")
+    if kinds["activations"]:
+        fixes.append("`memory.activation_tier: ssd` or `device` for the saved activations")
+    return [
+        Problem(
+            "host memory",
+            f"room for the {fmt_bytes(need)} that ranks {host_ranks.start}..{host_ranks.stop - 1} hold in this "
+            f"host's memory ({parts})",
+            f"{fmt_bytes(free)} available (MemAvailable)",
+            "; or ".join(fixes) or "use a host with more memory",
+        )
+    ]
+
+
+def _mem_available() -> int | None:
+    """This host's MemAvailable in bytes (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

@@ -356,3 +356,31 @@ def test_a_frozen_base_on_ssd_counts_toward_the_room(tmp_path):
     plan = preflight.plan_from_config(cfg)
     placed, _ = room.placements(cfg, plan)
     assert room.ssd_need(cfg, plan, placed, range(2)) == sum(s.frozen_bytes for s in plan.stages) > 0
+
+
+def test_the_host_memory_must_hold_what_the_ranks_keep_there(tmp_path, monkeypatch):
+    """Before launch: the states, the frozen base and the saved activations the host's ranks hold in memory, against
+    its MemAvailable; the error names each and what moves it out (here the frozen base, to the SSD)."""
+    from mobiuspipe.run import room
+
+    doc = _run_doc(lora={"rank": 2})
+    cfg = load_config(_write(tmp_path / "run.yaml", doc))
+    plan = preflight.plan_from_config(cfg)
+    placed, _ = room.placements(cfg, plan)
+    held = [room.host_bytes_of(cfg, plan, g, placed[g]) for g in range(plan.num_gpus)]
+    frozen = sum(h["frozen"] for h in held)
+    assert frozen == sum(s.frozen_bytes for s in plan.stages) > 0
+    need = sum(sum(h.values()) for h in held)
+    monkeypatch.setattr(room, "_mem_available", lambda: need)
+    assert preflight.launch_checks(cfg, None) == 2  # just fits
+    monkeypatch.setattr(room, "_mem_available", lambda: need - 1)
+    with pytest.raises(ConfigError, match=r"host memory: expected room for the .* that ranks 0..1 hold in this "
+                       r"host.s memory \(states .*, frozen .*\), found .* available \(MemAvailable\); fix: "
+                       r"`memory.frozen: ssd`"):  # fmt: skip
+        preflight.launch_checks(cfg, None)
+    ssd = _run_doc(lora={"rank": 2}, memory={"frozen": "ssd", "ssd_dir": "s"})
+    cfg = load_config(_write(tmp_path / "ssd.yaml", ssd))
+    monkeypatch.setattr(room, "_mem_available", lambda: 1 << 40)
+    assert preflight.launch_checks(cfg, None) == 2  # the base streams from the SSD through 4 MiB a stage
+    streamed = sum(room.host_bytes_of(cfg, plan, g, placed[g])["frozen"] for g in range(plan.num_gpus))
+    assert streamed == 4 * 2**20 * sum(1 for s in plan.stages if s.frozen_bytes)
