@@ -48,7 +48,7 @@ from mobiuspipe.runtime.comm import Comm
 from mobiuspipe.runtime.engine import Engine, LossFn, StepOptions, StepTimes
 from mobiuspipe.runtime.ranks import join_group, leave_group, rank_info
 from mobiuspipe.runtime.stage import Stage
-from mobiuspipe.runtime.stage_states import SsdTier
+from mobiuspipe.runtime.stage_states import AdamHyper, SsdTier
 from mobiuspipe.runtime.tied import TiedGrads, tied_ranks
 from mobiuspipe.schedule import build_schedule, check_schedules
 from mobiuspipe.startup.plan import (
@@ -229,7 +229,8 @@ class Pipeline:
         """The plan's device figure per gpu for the path this run takes: a gpu or the stand-in, and sends held to
         the step's end where the backend reports completion only then (partition.rules.device_peak)."""
         until_flush = not self.engine.comm.channels.reports_completion
-        return planned_device_bytes(self.plan, not self.device.is_cuda, sends_until_flush=until_flush)
+        on_device = [j for j, (opt, _) in self.state_tiers.items() if opt == "device"]
+        return planned_device_bytes(self.plan, not self.device.is_cuda, None, until_flush, on_device)
 
     def _build_engine(
         self,
@@ -252,7 +253,8 @@ class Pipeline:
             check_stage_layers(plan, j, layers)
             on_ssd = self.placement.weights[j] == "ssd"
             frozen_store = self.store if self.memory.frozen == "ssd" else None
-            stages[j] = Stage(j, layers, device, make_optimizer, dtype, tiers[j], on_ssd, frozen_store)
+            on_device = AdamHyper.of(make_optimizer) if self.placement.optimizer[j] == "device" else None
+            stages[j] = Stage(j, layers, device, make_optimizer, dtype, tiers[j], on_ssd, frozen_store, on_device)
         m, swapped = plan.num_microbatches, swap_tiers(plan, self.memory, self.activations)
         self.plan = plan_as_run(plan, self.activations, swapped, device.is_cuda)  # its walk is this run's
         schedules = [build_schedule(plan.mapping, g, m, frozenset(swapped)) for g in range(plan.num_gpus)]

@@ -14,7 +14,16 @@ from partition.rules.activation_choice import with_activations
 from partition.rules.costmodel import WEIGHT_SLOTS, LayerArrays, arena_bytes
 from partition.rules.dp import solve_dp
 from partition.rules.mapping import mapping_candidates, mapping_score, stage_contention
-from partition.rules.tiers import HostBudget, MemoryPlan, SsdInfo, activation_host_caps, place_tiers, ssd_info
+from partition.rules.tiers import (
+    HostBudget,
+    MemoryPlan,
+    SsdInfo,
+    activation_host_caps,
+    gpu_states_bytes,
+    place_tiers,
+    ssd_info,
+    states_fit_gpus,
+)
 from partition.sim.bounds import StepBound, step_bound
 from partition.sim.simulate import SimResult, simulate
 from partition.sim.stages import HOST_ADAM_PARAMS_PER_S, host_adam_rate, host_cores, loop_overhead, sim_stages
@@ -108,7 +117,7 @@ def _chosen(
         try:
             caps = activation_host_caps(plan, budget)
             chosen, _ = with_activations(plan, profile, topo, memory, host_caps=caps, tiers=tiers)
-            return _shared([chosen], topo, budget)[0]
+            return _gpu_states_if_faster(_shared([chosen], topo, budget)[0], profile, topo, memory, budget, tiers)
         except ValueError as e:  # PlanInfeasibleError (the states) too
             errors.append(e)
     raise PlanInfeasibleError(
@@ -117,6 +126,25 @@ def _chosen(
         f"microbatches of {profile.microbatch_size}: with {plans[0].num_stages} stages, {errors[0]}; use a smaller "
         f"microbatch size or sequence length, fewer microbatches, more stages, or gpus with more memory"
     )
+
+
+def _gpu_states_if_faster(
+    plan: Plan, profile: Profile, topo: Topology, memory: int, budget: HostBudget, tiers: tuple[str, ...]
+) -> Plan:
+    """A LoRA plan whose activation choice leaves room on every gpu for its stages' states is already on the gpu
+    tier (partition.rules.tiers.states_fit_gpus). Otherwise the choice made again with that room kept (the most
+    any gpu's states take), if that plan predicts a shorter step: keeping fewer activations against offloading no
+    gradient and running no host update."""
+    reserve = gpu_states_bytes(plan)
+    if not reserve or states_fit_gpus(plan):  # predict_step has weighed the gpu tier already
+        return plan
+    caps = activation_host_caps(plan, budget)
+    try:
+        lean, _ = with_activations(plan, profile, topo, memory - reserve, host_caps=caps, tiers=tiers)
+        lean = _shared([lean], topo, budget)[0]
+    except ValueError:  # no choice fits the smaller memory
+        return plan
+    return lean if lean.predicted_step_time_s < plan.predicted_step_time_s else plan
 
 
 def _shared(plans: list[Plan], topo: Topology, budget: HostBudget | None) -> list[Plan]:
@@ -148,8 +176,23 @@ class Prediction:
 def predict_step(plan: Plan, topo: Topology, budget: HostBudget) -> Prediction:
     """Place the plan's states under `budget` (partition.rules.tiers) and simulate its step on `topo` with shared
     links, the SSD traffic of the states on the SSD, and the loop's per-step overhead the topology measured;
-    PlanInfeasibleError when the states cannot fit."""
-    memory = place_tiers(plan, budget)
+    PlanInfeasibleError when the states cannot fit. A LoRA plan whose adapters' states fit its gpus
+    (partition.rules.tiers.states_fit_gpus) is simulated with them there and off them: the faster is the plan's."""
+    if not states_fit_gpus(plan):
+        return _predicted(plan, topo, place_tiers(plan, budget, gpu_states=False))
+    both, errors = [], []
+    for on_gpus in (True, False):
+        try:
+            both.append(_predicted(plan, topo, place_tiers(plan, budget, gpu_states=on_gpus)))
+        except PlanInfeasibleError as e:
+            errors.append(e)
+    if not both:
+        raise errors[0]
+    return min(both, key=lambda p: p.sim.step_time_s)
+
+
+def _predicted(plan: Plan, topo: Topology, memory: MemoryPlan) -> Prediction:
+    """The plan's step simulated with its states where `memory` puts them."""
     ssd = ssd_info(topo)
     stages = sim_stages(plan.stages, topo, memory)
     sim = simulate(

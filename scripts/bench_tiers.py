@@ -33,6 +33,7 @@ from mobiuspipe.config import MemoryConfig, config_from_dict
 from mobiuspipe.data.dataset import open_data
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
+from mobiuspipe.runtime.stage_states import SsdStreamStates
 from mobiuspipe.startup.config_plan import model_spec, plan_for_config
 
 MiB = 1 << 20
@@ -88,7 +89,8 @@ def run(args: argparse.Namespace, rows: dict[str, tuple[str, MemoryConfig | None
                     samples[name].append(sample)
         out = {}
         for name, p in pipes.items():
-            slots = [st.states.optimizer.slots[0] for st in p.engine.stages.values() if hasattr(st.states, "stream")]
+            streamed = [st.states for st in p.engine.stages.values() if isinstance(st.states, SsdStreamStates)]
+            slots = [states.optimizer.slots[0] for states in streamed]
             kind = buffer_kind(slots[0].data_ptr(), slots[0].numel() * slots[0].element_size()) if slots else ""
             out[name] = {
                 "step_s": statistics.median(t for t, _, _ in samples[name]),

@@ -350,8 +350,10 @@ def _memory_lines(pred: Prediction) -> list[str]:
         + (f" ({mem.on_ssd(k)} of {len(mem.stages)} stages on ssd)" if "+" in mem.tier(k) else "")
         for k, name in named + ([("frozen", "frozen base")] if mem.has_frozen else [])
     )
-    if mem.has_frozen and mem.tier("frozen") == "ssd":
-        kinds += " (a run sets memory.frozen: ssd)"
+    runs = [f"memory.{k}: ssd" for k in ("frozen",) if mem.has_frozen and mem.tier(k) == "ssd"]
+    runs += ["memory.optimizer: device"] if mem.tier("optimizer") == "device" else []
+    if runs:
+        kinds += f" (a run sets {' and '.join(runs)})"
     busy = ", ".join(
         f"{k.replace('_', ' ')} {v:.1f} s" + (f" ({bound.names[k]})" if k in ("compute", "pcie") else "")
         for k, v in bound.busy_s.items()

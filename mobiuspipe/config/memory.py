@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from foundation.loader import Problem, rule
 from mobiuspipe.config.section import WRITTEN_PATH, Section, mebibytes
-from partition.rules.placement import FROZEN_TIERS, TIERS  # where memory.optimizer, .weights, .frozen put states
+from partition.rules.placement import FROZEN_TIERS, OPTIMIZER_TIERS, TIERS  # where memory.optimizer, ... put states
 
 __all__ = ["MemoryConfig", "ACTIVATION_MODES", "ACTIVATION_TIERS"]
 
@@ -21,13 +21,16 @@ also takes per-stage selective)."""
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryConfig(Section):
-    """Where each stage's states live, host memory or an SSD store, under a host budget per rank (see
-    partition/rules/placement.py for the bytes each choice keeps in memory)."""
+    """Where each stage's states live, host memory, an SSD store or (LoRA's adapters) the gpu, under a host budget
+    per rank (see partition/rules/placement.py for the bytes each choice keeps in memory)."""
 
     optimizer: str = "host"
     """The fp32 master weights and Adam moments (12 bytes per parameter). "host": in host memory; "ssd": in
     an SSD store under ssd_dir, stepped by the out-of-core Adam through a share of host_budget_mb; "auto":
-    in host memory while everything fits in host_budget_mb, the largest stages on SSD otherwise."""
+    in host memory while everything fits in host_budget_mb, the largest stages on SSD otherwise; "device": on the
+    gpu, with the gradients and the weights too (16 bytes per parameter there), stepped by torch's AdamW on the gpu:
+    nothing offloaded, no host update (for LoRA's adapters, whose states are small: `mobiuspipe partition` says
+    when they fit)."""
     weights: str = "host"
     """The weights the device loads and the gradients it offloads (2 + 2 bytes per parameter in bf16/fp16).
     "host": in host memory; "ssd": in the SSD store too, streamed through staging buffers (needs optimizer:
@@ -62,11 +65,11 @@ class MemoryConfig(Section):
     def check_values(self) -> list[Problem]:
         return [
             *rule(
-                self.optimizer in TIERS,
+                self.optimizer in OPTIMIZER_TIERS,
                 "optimizer",
-                "one of " + ", ".join(TIERS),
+                "one of " + ", ".join(OPTIMIZER_TIERS),
                 repr(self.optimizer),
-                "use `optimizer: host`, `ssd` or `auto` (the last two with ssd_dir)",
+                "use `optimizer: host`, `ssd` or `auto` (the last two with ssd_dir), or `device`",
             ),
             *rule(
                 self.weights in TIERS,
@@ -83,14 +86,21 @@ class MemoryConfig(Section):
                 "set `optimizer: ssd` too, or `weights: auto`",
             ),
             *rule(
-                self.weights != "auto" or self.optimizer != "host",
+                self.weights == "host" or self.optimizer != "device",
+                "weights",
+                "host (left out) when optimizer is device (the weights are on the gpu with their states)",
+                repr(self.weights),
+                "remove memory.weights",
+            ),
+            *rule(
+                self.weights != "auto" or self.optimizer not in ("host", "device"),
                 "weights",
                 "host when optimizer is host (weights go to SSD only after the optimizer states)",
                 repr(self.weights),
                 "set `optimizer: auto` or `ssd`, or `weights: host`",
             ),
             *rule(
-                self.optimizer == "host" or bool(self.ssd_dir),
+                self.optimizer in ("host", "device") or bool(self.ssd_dir),
                 "ssd_dir",
                 "a folder when optimizer is ssd or auto",
                 repr(self.ssd_dir),
@@ -133,12 +143,12 @@ class MemoryConfig(Section):
             ),
             *mebibytes(self, "host_budget_mb", "use a positive budget in MiB, e.g. 1024.0"),
             *rule(
-                self.optimizer != "host"
+                self.optimizer not in ("host", "device")
                 or self.weights != "host"
                 or self.host_budget_mb == MemoryConfig.host_budget_mb,
                 "host_budget_mb",
-                "no host_budget_mb while optimizer and weights are both host (every state is then in host memory, "
-                "whatever the budget: it would not be read)",
+                "no host_budget_mb while optimizer and weights are both host, or optimizer is device (every state is "
+                "then in host memory, or on the gpu, whatever the budget: it would not be read)",
                 repr(self.host_budget_mb),
                 "set `optimizer: auto` to keep the states within the budget (the largest stages on SSD under "
                 "ssd_dir), or remove host_budget_mb",

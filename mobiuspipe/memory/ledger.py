@@ -79,6 +79,7 @@ class _Tally:
 KIND_ORDER = (
     "arena",
     "buffers",
+    "states",
     "sending",
     "inbox",
     "outbox",
@@ -92,7 +93,8 @@ KIND_ORDER = (
 """Who a byte held under several kinds is credited to in parts(): the first of its kinds in this order
 (other kinds after these, by name). Autograd saves views of the arena's weights and of the stage input: they
 count as arena and inputs, and "autograd" is what backward alone keeps alive; "kept" is what a keep or selective
-stage holds from its forward to its backward (graphs and segment inputs) beyond the kinds before it."""
+stage holds from its forward to its backward (graphs and segment inputs) beyond the kinds before it; "states" the
+gpu tier's resident optimizer states (memory.optimizer device)."""
 
 
 class DeviceLedger:

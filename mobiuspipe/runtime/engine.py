@@ -33,6 +33,7 @@ from mobiuspipe.runtime.clock import ActionClock
 from mobiuspipe.runtime.comm import Comm, TensorSpec
 from mobiuspipe.runtime.compute import Compute, LossFn, MessageKey, StepOptions, StepState, StepTimes
 from mobiuspipe.runtime.stage import Stage
+from mobiuspipe.runtime.stage_states import DeviceStates
 from mobiuspipe.schedule.actions import Action, Kind
 
 __all__ = ["Engine", "StepOptions", "StepTimes", "LossFn"]
@@ -89,6 +90,9 @@ class Engine:
             for l, buffers in s.buffers.items():
                 for n, b in buffers.items():
                     self.ledger.hold(("buffers", j, l, n), b)
+            if isinstance(s.states, DeviceStates):  # the gpu tier's states, resident the whole run
+                for n, t in s.states.tensors().items():
+                    self.ledger.hold(("states", j, n), t)
         self.trace = trace or ActionTrace(())
         self.compute = Compute(
             stages=stages,

@@ -30,6 +30,8 @@ from mobiuspipe.memory.arena import DeviceArena, Slot
 from mobiuspipe.memory.device import CopyHandle, Device
 from mobiuspipe.memory.store.ssd_store import SSDStore
 from mobiuspipe.runtime.stage_states import (
+    AdamHyper,
+    DeviceStates,
     Frozen,
     FrozenWeights,
     HostStates,
@@ -96,9 +98,11 @@ class Stage:
         ssd: SsdTier | None = None,
         weights_on_ssd: bool = False,
         frozen_store: SSDStore | None = None,
+        on_device: AdamHyper | None = None,
     ):
         """ssd: the SSD tier of the optimizer states (None: host), weights_on_ssd: of the weights and gradients too;
-        frozen_store: the store that keeps the frozen weights (None: host memory)."""
+        frozen_store: the store that keeps the frozen weights (None: host memory); on_device: keep the states on the
+        gpu, stepped by AdamW with these hyper-parameters (DeviceStates)."""
         self.index, self.dtype = index, dtype
         self.order = sorted(layers)
         self.params = _param_slices(layers, self.order, trainable=True)
@@ -118,7 +122,9 @@ class Stage:
         )
         self.states: StageStates
         """Where the master weights, moments, device-dtype weights and offloaded gradients live."""
-        if ssd is None:
+        if on_device is not None:
+            self.states = DeviceStates(flat, dtype, device, on_device)
+        elif ssd is None:
             self.states = HostStates(flat, dtype, device.pin, make_optimizer)
         elif not weights_on_ssd:
             self.states = SsdStates(flat, dtype, device.pin, ssd, f"stage{index}")

@@ -14,8 +14,10 @@ Legend (partition.rules.lifetimes has the walk's; units in brackets):
         workspaces of the compute stream (W, Profile.library_bytes), measured on CUDA           [bytes]
   D_g   the walk's peak on gpu g: the arena, the held inputs, the messages queued in and out, and
         the computing stage's A_j; plus the regions g gives its peers' parked activations
-        (partition.rules.peer: R(g, h), held the whole run); on a gpu plus X (make_plan takes X off
-        the memory every rule and walk is held to, so the walk's fit is D_g - X <= G - X)      [bytes]
+        (partition.rules.peer: R(g, h), held the whole run) and the states of its stages on the gpu tier
+        (partition.rules.placement.device_state_bytes: 16 T_j each, held the whole run); on a gpu plus X
+        (make_plan takes X off the memory every rule and walk is held to, so the walk's fit is
+        D_g - X <= G - X)                                                                      [bytes]
 
 Two runtime paths, each walked as it runs; on both H_j = I_j for a recompute stage on tier device (its input
 stays on the device until B recomputes from it; activation_tier host, ssd or peer moves it off on the copy
@@ -38,6 +40,8 @@ from partition.plan import Plan, StagePlan
 from partition.rules.activations import ActivationPolicy
 from partition.rules.lifetimes import StageBytes, device_peaks
 from partition.rules.peer import regions
+from partition.rules.placement import device_state_bytes
+from partition.spec.analytic import DTYPE_BYTES
 
 __all__ = ["planned_device_bytes", "stage_bytes"]
 
@@ -63,12 +67,17 @@ def _keeps_last_layer(s: StagePlan) -> bool:
 
 
 def planned_device_bytes(
-    plan: Plan, standin: bool = False, held: Sequence[int] | None = None, sends_until_flush: bool | None = None
+    plan: Plan,
+    standin: bool = False,
+    held: Sequence[int] | None = None,
+    sends_until_flush: bool | None = None,
+    on_device: Sequence[int] = (),
 ) -> list[int]:
     """D_g of the legend for every gpu g of the plan, in gpu order, on a gpu or (standin) on the CPU
     stand-in; held: H_j per stage (another activation policy's), instead of the plan's (its activation
     choice's held_bytes; in plans before the choice, the path's own); sends_until_flush: whether sends are held
-    to the step's end (default: on the stand-in; the strict stand-in's sends complete as NCCL's do)."""
+    to the step's end (default: on the stand-in; the strict stand-in's sends complete as NCCL's do); on_device: the
+    stages whose states are on the gpu (memory.optimizer device), resident the whole run (device_state_bytes)."""
     chosen = [s.held_bytes for s in plan.stages]
     own = held is None and min(chosen) >= 0
     if own:
@@ -81,6 +90,8 @@ def planned_device_bytes(
     peaks = peaks + [arena or 0] * (plan.num_gpus - len(peaks))
     for (owner, _), nbytes in regions(plan).items():  # a peer's region is held the whole run
         peaks[owner] += nbytes
+    for j in on_device:  # so are the gpu tier's states
+        peaks[plan.stages[j].gpu] += device_state_bytes(plan.stages[j].trains, DTYPE_BYTES[plan.dtype])
     if not standin:  # the stand-in's ledger counts no transients (its profiles measure none: X = 0 there)
         peaks = [b + plan.workspace_bytes for b in peaks]
     return peaks

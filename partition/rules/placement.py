@@ -1,4 +1,5 @@
-"""Where a gpu's stages keep their optimizer states and their device-dtype weights and gradients: host or SSD.
+"""Where a gpu's stages keep their optimizer states and their device-dtype weights and gradients: host, SSD or the
+gpu itself.
 
 The one placement rule: the runtime applies it per rank under memory.host_budget_mb
 (mobiuspipe.pipeline), the planner per gpu under its share of the server's host budget (partition.rules.tiers).
@@ -7,6 +8,8 @@ Host bytes per parameter n of a stage (b = bytes of the training dtype, B = its 
   optimizer host (weights host):  12 n  + b n gradients + b n weights (none in fp32: the master is loaded)
   optimizer ssd, weights host:    b n gradients + b n weights + B (the out-of-core Adam's slots)
   optimizer ssd, weights ssd:     B (the Adam's slots and the weight stream's staging buffers)
+  optimizer device:               0: the fp32 master, the moments, the gradients and the device-dtype weights are
+                                  on the gpu, device_state_bytes of them (weights: device too)
 `auto` moves, largest stage first, first the optimizer states and then the weights to SSD, until what
 stays in memory leaves every stage on SSD a share B of at least a quarter of the budget over their count
 and at least the least share the out-of-core Adam takes.
@@ -24,7 +27,9 @@ __all__ = [
     "place_states",
     "host_bytes",
     "TIERS",
+    "OPTIMIZER_TIERS",
     "FROZEN_TIERS",
+    "device_state_bytes",
     "STATE_BYTES",
     "LEAST_SHARE_BYTES",
     "FROZEN_STREAM_BYTES",
@@ -40,6 +45,8 @@ LEAST_SHARE_BYTES = 4 * STATE_BYTES * KiB + 4 * 4 * KiB
 buffers of one group (1024 elements of <= 4 bytes: one 4 KiB page each) = 64 KiB. The runtime derives it
 from its group layout (mobiuspipe.runtime.stage_states.least_share); tests/mobiuspipe/runtime/test_state_tiers.py checks
 the two agree."""
+OPTIMIZER_TIERS = (*TIERS, "device")
+"""memory.optimizer takes these: the tiers, or the gpu itself (a LoRA plan's adapters, whose states are small)."""
 FROZEN_TIERS = ("host", "ssd")
 """Where a LoRA run's frozen base may live: memory.frozen takes one of these."""
 FROZEN_STREAM_BYTES = 4 * 1024 * KiB
@@ -52,9 +59,10 @@ class Placement:
     """The tier of each stage's optimizer states and weights, and the host share of each stage on SSD."""
 
     optimizer: dict[int, str]
-    """Stage j -> "host" or "ssd"."""
+    """Stage j -> "host", "ssd" or "device"."""
     weights: dict[int, str]
-    """Stage j -> "host" or "ssd" (ssd only where the optimizer is on ssd: its update writes them)."""
+    """Stage j -> "host" or "ssd" (ssd only where the optimizer is on ssd: its update writes them), "device" where
+    the optimizer is."""
     slot_bytes: int
     """Host budget of each stage whose optimizer is on SSD (0 when none is)."""
 
@@ -89,8 +97,17 @@ class BudgetShortfall(ValueError):
         return f"raise memory.host_budget_mb to at least {self.need / 2**20:.4g}{more}"
 
 
+def device_state_bytes(n: int, dtype_bytes: int) -> int:
+    """Gpu bytes of the states of n parameters on the device tier: the fp32 master and AdamW's two moments (12 n),
+    the gradients (b n) and, unless the training dtype is fp32 (the master is then what a LOAD copies), the weights
+    (b n): 16 n in fp32 and in bf16/fp16 alike."""
+    return STATE_BYTES * n + dtype_bytes * n + (dtype_bytes * n if dtype_bytes != 4 else 0)
+
+
 def host_bytes(n: int, optimizer: str, weights: str, dtype_bytes: int) -> int:
     """Host bytes a stage of n parameters keeps in memory besides its share of the budget (see above)."""
+    if optimizer == "device":
+        return 0
     if optimizer == "host":
         return STATE_BYTES * n + dtype_bytes * n + (dtype_bytes * n if dtype_bytes != 4 else 0)
     return 0 if weights == "ssd" else 2 * dtype_bytes * n
@@ -99,8 +116,10 @@ def host_bytes(n: int, optimizer: str, weights: str, dtype_bytes: int) -> int:
 def place_states(
     optimizer: str, weights: str, params: dict[int, int], budget_bytes: int, least_slot_bytes: int, dtype_bytes: int
 ) -> Placement:
-    """Tiers of stages {j: parameter count} by memory.optimizer and memory.weights (host | ssd | auto)
-    under the rank's host budget. ValueError when nothing fits, naming the budget that would."""
+    """Tiers of stages {j: parameter count} by memory.optimizer (host | ssd | auto | device) and memory.weights
+    (host | ssd | auto) under the rank's host budget. ValueError when nothing fits, naming the budget that would."""
+    if optimizer == "device":
+        return Placement(dict.fromkeys(params, "device"), dict.fromkeys(params, "device"), 0)
     opt = {j: "ssd" if optimizer == "ssd" else "host" for j in params}
     wts = {j: "ssd" if weights == "ssd" else "host" for j in params}
     largest = sorted(params, key=lambda j: (-params[j], j))

@@ -20,7 +20,10 @@ Legend (stage j of a plan, gpu g; units in brackets):
            which stays resident into its backward (partition.rules.order)                       [-]
 
 State kinds, as the runtime keeps them (partition.rules.placement, mobiuspipe/runtime/stage_states.py):
-  optimizer     fp32 master + Adam exp_avg + exp_avg_sq, 12 T_j: host or ssd.
+  optimizer     fp32 master + Adam exp_avg + exp_avg_sq, 12 T_j: host or ssd; or, for a LoRA plan whose adapters'
+                states (partition.rules.placement.device_state_bytes) fit every gpu's memory beside the plan's
+                walk (device_peak), on the gpus for every stage (memory.optimizer device): no offload, no
+                host update.
   frozen        a LoRA stage's frozen weights Z_j, read-only, never written back: host, or ssd for every stage of
                 the plan (memory.frozen, one setting per run), each such stage streaming them through F host
                 bytes (FROZEN_STREAM_BYTES).
@@ -57,12 +60,14 @@ from dataclasses import dataclass
 from foundation.units import GiB, fmt_bytes
 from partition.errors import PlanInfeasibleError
 from partition.plan import Plan
+from partition.rules.device_peak import planned_device_bytes
 from partition.rules.order import visits_of
 from partition.rules.placement import (
     FROZEN_STREAM_BYTES,
     LEAST_SHARE_BYTES,
     STATE_BYTES,
     Placement,
+    device_state_bytes,
     host_bytes,
     place_states,
 )
@@ -82,6 +87,8 @@ __all__ = [
     "host_budget",
     "ssd_info",
     "place_tiers",
+    "states_fit_gpus",
+    "gpu_states_bytes",
     "host_held_bytes",
     "activation_host_caps",
     "loads_per_step",
@@ -224,9 +231,9 @@ class MemoryPlan:
         return any(g.frozen_bytes or g.frozen_stream_bytes for g in self.gpus)
 
     def tier(self, kind: str) -> str:
-        """ "host", "ssd", or "host+ssd" when the kind's stages are split between them."""
+        """ "host", "ssd", "device" (the gpus), or "host+ssd" when the kind's stages are split between them."""
         used = {getattr(s, kind) for s in self.stages}
-        return "+".join(t for t in ("host", "ssd") if t in used)
+        return "+".join(t for t in ("device", "host", "ssd") if t in used)
 
     def on_ssd(self, kind: str) -> int:
         """How many stages keep `kind` on the SSD."""
@@ -309,21 +316,48 @@ def activation_host_caps(plan: Plan, budget: HostBudget) -> list[int]:
     return [max(0, share - n) for n in states]
 
 
-def place_tiers(plan: Plan, budget: HostBudget) -> MemoryPlan:
+def place_tiers(plan: Plan, budget: HostBudget, gpu_states: bool | None = None) -> MemoryPlan:
     """The tiers of the legend's placement rule for `plan` under `budget`: the frozen weights in host memory if
-    every gpu's share holds them, else on the SSD; PlanInfeasibleError when some gpu's share does not hold its
-    saved inputs and the least streaming shares of its stages all on the SSD."""
+    every gpu's share holds them, else on the SSD; the states on the gpus where they fit (states_fit_gpus) unless
+    gpu_states is False; PlanInfeasibleError when some gpu's share does not hold its saved inputs and the least
+    streaming shares of its stages all on the SSD."""
     saved = [plan.num_microbatches * host_held_bytes(plan, j) for j in range(plan.num_stages)]
+    gpu = states_fit_gpus(plan) if gpu_states is None else gpu_states and states_fit_gpus(plan)
     try:
-        return _memory(plan, budget, _place(plan, budget, saved, "host"), saved)
+        return _memory(plan, budget, _place(plan, budget, saved, "host", gpu), saved)
     except PlanInfeasibleError:
         if not any(s.frozen_bytes for s in plan.stages):
             raise
-    return _memory(plan, budget, _place(plan, budget, saved, "ssd"), saved)
+    return _memory(plan, budget, _place(plan, budget, saved, "ssd", gpu), saved)
 
 
-def _place(plan: Plan, budget: HostBudget, saved: list[int], frozen: str) -> tuple[GpuShare, ...]:
-    """Every gpu's share and placement with the frozen weights in `frozen` (host or ssd)."""
+def states_fit_gpus(plan: Plan) -> bool:
+    """Whether the plan is LoRA's (frozen weights) and every gpu holds its stages' states (device_state_bytes)
+    beside the plan's walk (partition.rules.device_peak, less the workspace the usable memory is net of)."""
+    if not gpu_states_bytes(plan):
+        return False
+    walk, need = planned_device_bytes(plan), _gpu_states(plan)
+    return all(walk[g] - plan.workspace_bytes + need[g] <= plan.gpu_memory_bytes for g in range(plan.num_gpus))
+
+
+def gpu_states_bytes(plan: Plan) -> int:
+    """The most gpu bytes any gpu's stages' states would take on the gpu tier; 0 for a plan without LoRA (frozen
+    weights), which keeps its states off the gpus."""
+    if not any(s.frozen_bytes for s in plan.stages):
+        return 0
+    return max(_gpu_states(plan))
+
+
+def _gpu_states(plan: Plan) -> list[int]:
+    b, need = dtype_bytes(plan.dtype), [0] * plan.num_gpus
+    for s in plan.stages:
+        need[s.gpu] += device_state_bytes(s.trains, b)
+    return need
+
+
+def _place(plan: Plan, budget: HostBudget, saved: list[int], frozen: str, gpu: bool) -> tuple[GpuShare, ...]:
+    """Every gpu's share and placement with the frozen weights in `frozen` (host or ssd), the states on the gpus
+    (`gpu`) or placed under the share."""
     b = dtype_bytes(plan.dtype)
     share = None if budget.bytes is None else budget.bytes // plan.num_gpus
     gpus = []
@@ -333,7 +367,11 @@ def _place(plan: Plan, budget: HostBudget, saved: list[int], frozen: str) -> tup
         streamed = sum(FROZEN_STREAM_BYTES for j in mine if plan.stages[j].frozen_bytes) if frozen == "ssd" else 0
         frozen_g = sum(plan.stages[j].frozen_bytes for j in mine) if frozen == "host" else 0
         params = {j: plan.stages[j].trains for j in mine}
-        if share is None:
+        if gpu:
+            placement = place_states("device", "host", params, 0, LEAST_SHARE_BYTES, b)
+            if share is not None and share < saved_g + frozen_g + streamed:
+                raise _too_small(plan, budget, share, saved, frozen)
+        elif share is None:
             placement = place_states("host", "host", params, 0, LEAST_SHARE_BYTES, b)
         else:
             try:
@@ -364,7 +402,7 @@ def _memory(plan: Plan, budget: HostBudget, gpus: tuple[GpuShare, ...], saved: l
             "frozen": s.frozen_bytes - fz,
         }
         on_ssd = {
-            "optimizer": STATE_BYTES * n - states,
+            "optimizer": STATE_BYTES * n if opt == "ssd" else 0,
             "weights": 2 * s.gradient_bytes if wts == "ssd" else 0,
             "frozen": fz,
         }
@@ -391,7 +429,8 @@ def _memory(plan: Plan, budget: HostBudget, gpus: tuple[GpuShare, ...], saved: l
                 frozen=frozen,
             )
         )
-    return MemoryPlan(tuple(rows), gpus, budget, _device_bytes(plan), host, ssd)
+    gpu_states = sum(device_state_bytes(s.trains, b) for s, r in zip(plan.stages, rows) if r.optimizer == "device")
+    return MemoryPlan(tuple(rows), gpus, budget, _device_bytes(plan) + gpu_states, host, ssd)
 
 
 def _device_bytes(plan: Plan) -> int:

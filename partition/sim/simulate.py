@@ -267,10 +267,10 @@ def _add_gpu(
         if not (k + 1 < len(visits) and visits[k + 1][0] == j):
             spans.append((taken[slot_of[k]], prev_op, "weights"))  # RELEASE
         if phase == "B":
-            move = (st.grad_bytes, paths[(g, "d2h")] + ((SSD_WRITE,) if st.ssd_weights else ()))
+            move = (st.grad_bytes if st.offloads else 0, paths[(g, "d2h")] + ((SSD_WRITE,) if st.ssd_weights else ()))
             moves.append(move)
             dur = max(st.offload_s, ssd.seconds(0, st.grad_bytes)) if st.ssd_weights else st.offload_s
-            prev_off = graph.add(("offload", g, j), (prev_op, prev_off), dur, (move,) if flows else ())
+            prev_off = graph.add(("offload", g, j), (prev_op, prev_off), dur, (move,) if flows and st.offloads else ())
             spans.append((first, prev_off, "grads"))  # the gradient slot
     return spans
 

@@ -47,7 +47,8 @@ def sim_stages(stages: tuple[StagePlan, ...], topo: Topology, memory: MemoryPlan
     offload the gradients (grad_bytes: param_bytes, or under LoRA the adapters' alone), and the update is over
     the trainable parameters. With `memory` (the
     plan's tiers), each stage's SSD traffic per step: its update's (streamed under the update), and with its
-    weights on the SSD, its loads' reads and its offload's write (simulate(..., ssd=...)).
+    weights on the SSD, its loads' reads and its offload's write (simulate(..., ssd=...)); a stage whose states are
+    on the gpu tier offloads nothing and has no host update.
     """
     out = []
     m = topo.measured
@@ -56,6 +57,7 @@ def sim_stages(stages: tuple[StagePlan, ...], topo: Topology, memory: MemoryPlan
         nxt = stages[j + 1].gpu if j + 1 < len(stages) else s.gpu
         gbps = msg_gbps if msg_gbps > 0 else peer_gbps(topo, s.gpu, nxt)
         comm = 0.0 if nxt == s.gpu else latency + s.output_bytes / (gbps * 1e9)
+        offloads = memory is None or memory.stages[j].optimizer != "device"
         out.append(
             SimStage(
                 gpu=s.gpu,
@@ -64,8 +66,9 @@ def sim_stages(stages: tuple[StagePlan, ...], topo: Topology, memory: MemoryPlan
                 recompute_s=s.fwd_s if s.recompute_s is None else s.recompute_s,
                 fused=j == len(stages) - 1,
                 load_s=s.load_s,
-                offload_s=s.gradient_bytes / (topo.gpus[s.gpu].link_gbps * 1e9),
-                update_s=s.trains / host_adam_rate(topo),
+                offload_s=s.gradient_bytes / (topo.gpus[s.gpu].link_gbps * 1e9) if offloads else 0.0,
+                update_s=s.trains / host_adam_rate(topo) if offloads else 0.0,
+                offloads=offloads,
                 comm_s=comm,
                 send_s=m.message_send_s if m else 0.0,
                 recv_s=m.message_recv_s if m else 0.0,

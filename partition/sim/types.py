@@ -55,6 +55,9 @@ class SimStage:
     ssd_weights: bool = False
     """The weights and gradients are on the SSD: each load reads param_bytes from it, the offload writes
     grad_bytes to it (besides the update's ssd_read_bytes / ssd_write_bytes)."""
+    offloads: bool = True
+    """The gradients leave the gpu after the backward (False: its states are on the gpu tier, and so is its update:
+    no offload moves, no host update)."""
     ssd_frozen: bool = False
     """The frozen weights (LoRA's base, most of param_bytes) are on the SSD: each load reads param_bytes from it."""
 

@@ -154,7 +154,9 @@ def test_llama2_70b_with_lora_on_256_gib_keeps_everything_off_the_ssd(capsys):
     mem = doc["memory"]
     assert mem["ssd_bytes"] == 0 and mem["bound_by"] != "ssd" and mem["busy_s"]["ssd"] == 0
     assert doc["trainable_count"] == 32_768_000  # r (8192 + 8192) + r (8192 + 1024) per block, q and v, 80 blocks
-    assert mem["host_bytes_by_kind"]["optimizer"] == 12 * doc["trainable_count"]
+    # the adapters' states: on the gpus where the plan leaves them room (a shorter step), else in host memory
+    on_gpus = mem["tiers"]["optimizer"] == "device"
+    assert mem["host_bytes_by_kind"]["optimizer"] == (0 if on_gpus else 12 * doc["trainable_count"])
     assert mem["host_bytes_by_kind"]["frozen"] == 2 * (doc["param_count"] - doc["trainable_count"])
     code, out, _ = run(argv + ["--json"], capsys)
     full = json.loads(out)
@@ -181,13 +183,13 @@ def test_a_bf16_base_beyond_the_host_memory_streams_from_the_ssd(capsys):
     to the SSD (every stage's: memory.frozen is one setting), each LOAD reads it, and the step is bound by the SSD."""
     code, out, _ = run(ARGV_70B + ["--lora", "16", "--json"], capsys)
     mem = json.loads(out)["memory"]
-    assert code == 0 and mem["tiers"] == {"optimizer": "host", "weights": "host", "frozen": "ssd"}
+    assert code == 0 and mem["tiers"]["frozen"] == "ssd"
     assert mem["host_bytes_by_kind"]["frozen"] == 0 and 128 * GiB < mem["ssd_bytes_by_kind"]["frozen"] < 129 * GiB
     loads = sum(s["loads"] for s in mem["stages"])
     assert mem["ssd_read_bytes"] > (loads / len(mem["stages"]) - 0.5) * mem["ssd_bytes_by_kind"]["frozen"]
     assert mem["bound_by"] == "ssd" and all(s["frozen"] == "ssd" for s in mem["stages"])
     code, out, _ = run(ARGV_70B + ["--lora", "16"], capsys)
-    assert "frozen base ssd (a run sets memory.frozen: ssd)" in out
+    assert "frozen base ssd (a run sets memory.frozen: ssd" in out
 
 
 def test_without_room_for_even_the_streaming_shares_the_error_says_so(capsys):

@@ -85,16 +85,17 @@ def _instruction_data(tmp_path, chat_tokenizer_dir) -> dict:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    "kind,targets,continued,clip,frozen",
+    "kind,targets,continued,clip,frozen,optimizer",
     [
-        ("llama", ("q_proj", "v_proj", "down_proj", "lm_head"), False, 0.5, "host"),
-        ("gpt2", ("c_attn", "c_fc"), True, None, "ssd"),
+        ("llama", ("q_proj", "v_proj", "down_proj", "lm_head"), False, 0.5, "host", "device"),
+        ("gpt2", ("c_attn", "c_fc"), True, None, "ssd", "host"),
     ],
 )
 def test_a_lora_run_trains_as_peft_does_and_exports_its_adapter(
-    tmp_path, launch, hf_kit, chat_tokenizer_dir, kind, targets, continued, clip, frozen
+    tmp_path, launch, hf_kit, chat_tokenizer_dir, kind, targets, continued, clip, frozen, optimizer
 ):
-    """frozen: where the base is (memory.frozen; on the SSD, streamed at each load, the same numbers)."""
+    """frozen: where the base is (memory.frozen; on the SSD, streamed at each load, the same numbers); optimizer:
+    where the adapters' states are (memory.optimizer; on the gpu, clipped by the norm taken there)."""
     from transformers import AutoModelForCausalLM
 
     write_config, torchrun = launch
@@ -119,7 +120,8 @@ def test_a_lora_run_trains_as_peft_does_and_exports_its_adapter(
             "export_dir": str(export),
         },
         "plan": {"num_gpus": 2, "num_stages": 4},
-        "memory": {"frozen": frozen} | ({"ssd_dir": str(tmp_path / "ssd")} if frozen == "ssd" else {}),
+        "memory": {"frozen": frozen, "optimizer": optimizer}
+        | ({"ssd_dir": str(tmp_path / "ssd")} if frozen == "ssd" else {}),
     }
     proc = torchrun(write_config(tmp_path, cfg | ({"lora": lora} if lora else {})), 2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

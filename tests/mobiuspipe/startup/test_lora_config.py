@@ -95,6 +95,8 @@ def test_lora_keys_are_checked(tmp_path, lora, model, key, words):
         (None, {"frozen": "ssd", "ssd_dir": "s"}, "memory.frozen", "frozen 'ssd' without LoRA"),
         ({"rank": 2}, {"frozen": "ssd"}, "memory.ssd_dir", "a folder when frozen is ssd"),
         ({"rank": 2}, {"frozen": "disk"}, "memory.frozen", "one of host, ssd"),
+        ({"rank": 2}, {"optimizer": "device", "weights": "auto"}, "memory.weights", "when optimizer is device"),
+        ({"rank": 2}, {"optimizer": "gpu"}, "memory.optimizer", "one of host, ssd, auto, device"),
     ],
 )
 def test_memory_frozen_is_checked(tmp_path, lora, memory, key, words):

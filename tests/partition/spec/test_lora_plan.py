@@ -1,6 +1,8 @@
 """LoRA in the planner: adapter counts by hand and against PEFT's published figure, the analytic profile of an
 adapted model, and a plan's tiers and simulated step counting only the adapters as trainable."""
 
+import dataclasses
+
 import pytest
 
 from partition.rules.tiers import HostBudget, place_tiers
@@ -79,8 +81,33 @@ def test_a_lora_plan_trains_the_adapters_alone():
     assert sum(x.update_s for x in lora_sim) < sum(x.update_s for x in full_sim) / 100
 
 
+def _no_room_on_the_gpus(plan):
+    """The plan with its gpus' usable memory cut to its walk: the adapters' states do not fit beside it."""
+    from partition.rules.device_peak import planned_device_bytes
+
+    return dataclasses.replace(plan, gpu_memory_bytes=max(planned_device_bytes(plan)) - plan.workspace_bytes)
+
+
+def test_with_room_on_the_gpus_a_lora_plan_keeps_the_adapters_states_there():
+    """The gpu tier: the adapters' master, moments, gradients and weights (16 bytes each) on the gpus, no host
+    state, no offload and no host update in the simulator; without the room, the host as before."""
+    from partition.rules.tiers import states_fit_gpus
+
+    (_, lora), topo, a = _plans()
+    assert states_fit_gpus(lora)  # 64 GiB stand-in gpus
+    mem = place_tiers(lora, HostBudget(None, "unlimited"))
+    assert mem.to_dict()["tiers"] == {"optimizer": "device", "weights": "device", "frozen": "host"}
+    assert mem.host_by_kind["optimizer"] == mem.host_by_kind["weights"] == 0 and mem.ssd_bytes == 0
+    bare = place_tiers(_no_room_on_the_gpus(lora), HostBudget(None, "unlimited"))
+    assert mem.device_bytes == bare.device_bytes + 16 * sum(a)
+    sims = sim_stages(lora.stages, topo, mem)
+    assert all(not x.offloads and x.update_s == 0.0 and x.offload_s == 0.0 for x in sims)
+    assert not states_fit_gpus(_no_room_on_the_gpus(lora))
+
+
 def test_a_lora_plans_tiers_keep_the_frozen_base_in_host_memory_and_states_for_the_adapters():
     (_, lora), _, a = _plans()
+    lora = _no_room_on_the_gpus(lora)
     mem = place_tiers(lora, HostBudget(None, "unlimited"))
     frozen = sum(s.frozen_bytes for s in lora.stages)
     assert mem.host_by_kind["frozen"] == frozen > 0
