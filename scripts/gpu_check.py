@@ -246,17 +246,19 @@ def machine(t: Table, cuda: bool) -> dict:
 
 
 def quantized_lora(t: Table, device: torch.device, steps: int) -> None:
-    """LoRA over an int8 and an NF4 base (torchao's, dequantized in the stage's weight slot on this device): the
-    Pipeline trains as plain PyTorch on the same quantized layers does, on the same device, fp32."""
+    """LoRA over an int8 and an NF4 base (torchao's, dequantized in the stage's weight slot on this device), the
+    adapters' states on the host and (NF4) on the gpu: the Pipeline trains as plain PyTorch on the same quantized
+    layers does, on the same device, fp32."""
     try:
         import torchao  # noqa: F401 - a GPU image may lack it (the device README says how to carry its wheel)
     except ImportError as e:
         t.add("LoRA over a quantized base", None, f"skipped: {e}"[:90])
         return
-    for base_dtype in ("int8", "nf4"):
-        got, want = runs.lora_runs(base_dtype, steps, device)
+    for base_dtype, optimizer in (("int8", "host"), ("nf4", "host"), ("nf4", "device")):
+        got, want = runs.lora_runs(base_dtype, steps, device, optimizer)
         rel = max(abs(a - b) / abs(b) for a, b in zip(got, want))
-        t.add(f"LoRA, {base_dtype} base, vs plain PyTorch", rel <= 1e-5, f"losses within {rel:.1e}", "<= 1e-5")
+        where = ", states on the gpu" if optimizer == "device" else ""
+        t.add(f"LoRA, {base_dtype} base{where}, vs plain PyTorch", rel <= 1e-5, f"losses within {rel:.1e}", "<= 1e-5")
 
 
 def gpu_tests(t: Table, cuda: bool) -> None:

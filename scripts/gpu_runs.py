@@ -294,10 +294,13 @@ def overlap_on_gpu(size: Size, plan: Plan, precision: str, steps: int = 3, trace
     return found
 
 
-def lora_runs(base_dtype: str, steps: int, device: torch.device) -> tuple[list[float], list[float]]:
-    """LORA_SIZE's GPT with rank-8 adapters on LORA_TARGETS over a `base_dtype` base (mobiuspipe.lora.quant), fp32:
-    (the Pipeline's losses, plain PyTorch's), the latter the same quantized layers as one nn.Sequential on
-    `device`, their adapters stepped by CPUAdam on an fp32 host master over the same microbatches."""
+def lora_runs(
+    base_dtype: str, steps: int, device: torch.device, optimizer: str = "host"
+) -> tuple[list[float], list[float]]:
+    """LORA_SIZE's GPT with rank-8 adapters on LORA_TARGETS over a `base_dtype` base (mobiuspipe.lora.quant), fp32,
+    the adapters' states in memory.optimizer `optimizer` (host, or device: on the gpu): (the Pipeline's losses, plain
+    PyTorch's), the latter the same quantized layers as one nn.Sequential on `device`, their adapters stepped by
+    CPUAdam on an fp32 host master over the same microbatches."""
     from mobiuspipe import LoraSpec
     from mobiuspipe.lora.layers import with_adapters
     from mobiuspipe.lora.quant import quantized
@@ -314,6 +317,7 @@ def lora_runs(base_dtype: str, steps: int, device: torch.device) -> tuple[list[f
         num_stages=size.stages,
         optimizer=opt,
         lora=lora,
+        memory=MemoryConfig(optimizer=optimizer),
     ) as pipe:
         got = [pipe.train_batch(x, y).loss for x, y in data]
     torch.manual_seed(0)
