@@ -363,6 +363,17 @@ def _stage_problems(p: Plan) -> list[Problem]:
                     _WRITE_FIX,
                 )
             )
+        if s.gradient_bytes > p.grad_slot_bytes:
+            problems.append(
+                Problem(
+                    "arena_bytes",
+                    f"two weight slots and a gradient slot that holds each stage's gradients ({p.arena_bytes} - "
+                    f"{WEIGHT_SLOTS} x {p.slot_bytes} >= {s.gradient_bytes})",
+                    f"stage {j} has {s.gradient_bytes} gradient bytes, more than the gradient slot "
+                    f"({p.grad_slot_bytes})",
+                    _WRITE_FIX,
+                )
+            )
         nxt = s.last + 1
     if nxt != p.num_layers:
         problems.append(

@@ -334,3 +334,14 @@ def test_impossible_values_of_a_plan_at_once(tmp_path):
     d = _plan().to_dict()
     d["solver"]["gap"] = float("inf")  # no bound proved: a plan all the same
     assert load_plan(_write(tmp_path, d, "inf.yaml")).solver.gap == float("inf")
+
+
+def test_an_arena_whose_gradient_slot_cannot_hold_a_stages_gradients_is_refused(tmp_path):
+    """arena_bytes is two weight slots and a gradient slot (W without LoRA): one byte short of the largest stage's
+    gradients is refused, naming the stage."""
+    plan = _plan()
+    d = plan.to_dict()
+    assert plan.grad_slot_bytes == plan.slot_bytes
+    d["arena_bytes"] = 2 * plan.slot_bytes + max(s.gradient_bytes for s in plan.stages) - 1
+    msg = _load_err(_write(tmp_path, d))
+    assert "arena_bytes: expected two weight slots and a gradient slot that holds each stage's gradients" in msg
