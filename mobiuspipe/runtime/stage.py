@@ -29,13 +29,11 @@ from torch.func import functional_call
 from mobiuspipe.memory.arena import DeviceArena, Slot
 from mobiuspipe.memory.device import CopyHandle, Device
 from mobiuspipe.memory.store.ssd_store import SSDStore
+from mobiuspipe.runtime.frozen import Frozen, FrozenWeights, SsdFrozenWeights
 from mobiuspipe.runtime.stage_states import (
     AdamHyper,
     DeviceStates,
-    Frozen,
-    FrozenWeights,
     HostStates,
-    SsdFrozenWeights,
     SsdStates,
     SsdStreamStates,
     SsdTier,

@@ -3,8 +3,7 @@ the fp32 master and moments in the rank's SSD store (SsdStates: OutOfCoreAdam th
 or those and the device-dtype weights and gradients too (SsdStreamStates). Each loads the weights into the
 arena, takes the offloaded gradients, steps, and writes the next device weights (bf16/fp16, or fp32) in
 the same pass; all give the same bits (the same AdamW kernel, elementwise). Or all on the gpu (DeviceStates: LoRA's
-adapters), stepped there by torch's AdamW. A stage's frozen weights (LoRA's base) are read-only bytes in host memory
-(FrozenWeights) or in the SSD store (SsdFrozenWeights).
+adapters), stepped there by torch's AdamW. A stage's frozen weights are mobiuspipe.runtime.frozen's.
 """
 
 from __future__ import annotations
@@ -22,12 +21,11 @@ from torch import nn
 from mobiuspipe.memory.aio import ALIGN
 from mobiuspipe.memory.device import CopyHandle, Device
 from mobiuspipe.memory.store.ssd_store import SSDStore
-from mobiuspipe.memory.weight_stream import BUFFERS, SsdRecords, SsdWeights, sum_of_squares
+from mobiuspipe.memory.weight_stream import BUFFERS, SsdWeights, sum_of_squares
 from mobiuspipe.optim.ooc_adam import OutOfCoreAdam
 from mobiuspipe.optim.ooc_groups import BYTES_PER_ELEM, ELEM_ALIGN, least_budget_bytes
 from mobiuspipe.optim.ooc_links import adopt_records, link_records
 from mobiuspipe.standin.places import plain
-from partition.rules.placement import FROZEN_STREAM_BYTES
 
 ADAM_SLOTS = 4
 """Group slots of each stage's out-of-core Adam (read ahead, update, write back, one spare)."""
@@ -41,9 +39,6 @@ def least_share(dtype_bytes: int) -> int:
 
 
 __all__ = [
-    "FrozenWeights",
-    "SsdFrozenWeights",
-    "Frozen",
     "least_share",
     "HostStates",
     "DeviceStates",
@@ -86,49 +81,6 @@ class SsdTier:
     store: SSDStore
     host_budget_bytes: int
     hyper: AdamHyper
-
-
-class FrozenWeights:
-    """The frozen part of a stage (LoRA's base weights): one flat uint8 tensor of their bytes in host memory (pinned
-    on CUDA; the layout: mobiuspipe.runtime.stage.FrozenSlice), copied into the stage's weight slot beside the
-    trainable weights at each LOAD and never written back: no gradient slot, no offload, no optimizer state."""
-
-    def __init__(self, flat: torch.Tensor, pin):
-        self.weights = pin(flat)
-
-    @property
-    def nbytes(self) -> int:
-        return self.weights.numel()
-
-    def load_into(self, dst: torch.Tensor, device: Device, after: Sequence[CopyHandle] = ()) -> CopyHandle:
-        """Start copying the frozen weights into dst (their part of the arena slot), after `after` (as
-        HostStates.load_into)."""
-        return device.copy_in(dst, self.weights, after, computed=False)
-
-    def read(self) -> torch.Tensor:
-        """The frozen bytes (the flat itself: read-only)."""
-        return self.weights
-
-
-class SsdFrozenWeights:
-    """The frozen part of a stage in the rank's SSD store instead (memory.frozen: ssd): written once, as records of
-    FROZEN_STREAM_BYTES / BUFFERS bytes, and read at each LOAD through BUFFERS staging buffers of that size (the
-    only host memory it takes), straight into the arena slot; never written back."""
-
-    def __init__(self, flat: torch.Tensor, store: SSDStore, prefix: str):
-        self.records = SsdRecords(store, f"{prefix}/frozen", flat, FROZEN_STREAM_BYTES // BUFFERS)
-        self.nbytes = flat.numel()
-
-    def load_into(self, dst: torch.Tensor, device: Device, after: Sequence[CopyHandle] = ()) -> CopyHandle:
-        """Start streaming the frozen weights from the SSD into dst, after `after` (as SsdStreamStates.load_into)."""
-        return device.stream_in(lambda copy: self.records.load_into(dst, copy), after, computed=False)
-
-    def read(self) -> torch.Tensor:
-        """A host copy of the frozen bytes, read from the SSD."""
-        return self.records.read()
-
-
-Frozen = FrozenWeights | SsdFrozenWeights
 
 
 class HostStates:

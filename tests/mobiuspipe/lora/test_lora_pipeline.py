@@ -201,7 +201,7 @@ def test_a_frozen_base_on_ssd_trains_bit_for_bit_as_in_host_memory(tmp_path, hf_
     records in the rank's store, streamed into the weight slot at each LOAD; the same losses and weights, bit for
     bit, beside adapters in host memory or on the SSD."""
     from mobiuspipe.config import MemoryConfig
-    from mobiuspipe.runtime.stage_states import SsdFrozenWeights
+    from mobiuspipe.runtime.frozen import SsdFrozenWeights
 
     hf_kit.save_model("llama", tmp_path / "base", seed=14)
     m = open_hf(tmp_path / "base", 13)

@@ -65,7 +65,7 @@ def test_the_planners_frozen_stream_share_is_the_runtimes(tmp_path):
     """FROZEN_STREAM_BYTES (the host memory the planner gives a stage whose frozen weights are on the SSD) is what
     SsdFrozenWeights' staging buffers take; the bytes come back as they went in (an odd size: a short record)."""
     from mobiuspipe.memory.store.ssd_store import SSDStore
-    from mobiuspipe.runtime.stage_states import SsdFrozenWeights
+    from mobiuspipe.runtime.frozen import SsdFrozenWeights
 
     flat = torch.randint(0, 256, (3 * MiB + 5,), dtype=torch.uint8)
     store = SSDStore(str(tmp_path / "store"))
