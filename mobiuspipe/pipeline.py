@@ -254,7 +254,17 @@ class Pipeline:
             on_ssd = self.placement.weights[j] == "ssd"
             frozen_store = self.store if self.memory.frozen == "ssd" else None
             on_device = AdamHyper.of(make_optimizer) if self.placement.optimizer[j] == "device" else None
-            stages[j] = Stage(j, layers, device, make_optimizer, dtype, tiers[j], on_ssd, frozen_store, on_device)
+            stages[j] = Stage(
+                j,
+                layers,
+                device,
+                make_optimizer,
+                dtype,
+                ssd=tiers[j],
+                weights_on_ssd=on_ssd,
+                frozen_store=frozen_store,
+                on_device=on_device,
+            )
         m, swapped = plan.num_microbatches, swap_tiers(plan, self.memory, self.activations)
         self.plan = plan_as_run(plan, self.activations, swapped, device.is_cuda)  # its walk is this run's
         schedules = [build_schedule(plan.mapping, g, m, frozenset(swapped)) for g in range(plan.num_gpus)]

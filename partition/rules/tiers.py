@@ -317,12 +317,12 @@ def activation_host_caps(plan: Plan, budget: HostBudget) -> list[int]:
 
 
 def place_tiers(plan: Plan, budget: HostBudget, gpu_states: bool | None = None) -> MemoryPlan:
-    """The tiers of the legend's placement rule for `plan` under `budget`: the frozen weights in host memory if
-    every gpu's share holds them, else on the SSD; the states on the gpus where they fit (states_fit_gpus) unless
-    gpu_states is False; PlanInfeasibleError when some gpu's share does not hold its saved inputs and the least
-    streaming shares of its stages all on the SSD."""
+    """The tiers of the legend's placement rule for `plan` under `budget`: the frozen weights in host memory if every
+    gpu's share holds them, else on the SSD; the states on the gpus if gpu_states says so (None: where they fit,
+    states_fit_gpus; True only for a plan they fit); PlanInfeasibleError when some gpu's share does not hold its saved
+    inputs and the least streaming shares of its stages all on the SSD."""
     saved = [plan.num_microbatches * host_held_bytes(plan, j) for j in range(plan.num_stages)]
-    gpu = states_fit_gpus(plan) if gpu_states is None else gpu_states and states_fit_gpus(plan)
+    gpu = states_fit_gpus(plan) if gpu_states is None else gpu_states
     try:
         return _memory(plan, budget, _place(plan, budget, saved, "host", gpu), saved)
     except PlanInfeasibleError:
