@@ -241,6 +241,8 @@ class Builder:
                 fix = meta.get("fix") or f"write e.g. `{key.rsplit('.', 1)[-1]}: {example(hint)}`"
                 self.problems.append(Problem(key, str(err), found_text(raw), fix))
                 return INVALID
+            if raw is None and optional:  # a word the converter reads as None ("auto")
+                return None
         if isinstance(inner, type) and dataclasses.is_dataclass(inner):
             return self.build(inner, raw, key)
         if typing.get_origin(inner) is tuple:

@@ -300,8 +300,9 @@ class Pipeline:
 
     def _state_tiers(self, make_optimizer: OptimizerFactory, params: dict[int, int]) -> dict[int, SsdTier | None]:
         """Stage j -> its SSD tier or None (host), agreed with every rank (mobiuspipe.startup.tiers)."""
+        recorded = {j: (self.plan.stages[j].optimizer_tier, self.plan.stages[j].weights_tier) for j in params}
         self.placement, self.state_tiers, self.store, tiers = agree_on_tiers(
-            self.info, self.memory, TORCH_DTYPES[self.precision].itemsize, make_optimizer, params
+            self.info, self.memory, TORCH_DTYPES[self.precision].itemsize, make_optimizer, params, recorded
         )
         return tiers
 

@@ -29,9 +29,20 @@ from partition.spec.analytic import DTYPE_BYTES
 from topology.layout import LAYOUT_CHECKS, layout_defaults
 from topology.types import Topology
 
-__all__ = ["StagePlan", "SolverInfo", "Plan", "load_plan", "save_plan"]
+__all__ = ["StagePlan", "SolverInfo", "Plan", "load_plan", "save_plan", "STATE_TIERS"]
 
 _WRITE_FIX = "write plans with `mobiuspipe partition ... -o FILE`"
+STATE_TIERS = ("auto", "host", "ssd", "device")
+"""A stage's optimizer_tier: auto (not placed by the planner), or where partition.rules.placement put it."""
+_WEIGHT_TIERS = {
+    ("auto", "auto"),
+    ("host", "host"),
+    ("host", "ssd"),
+    ("ssd", "ssd"),
+    ("device", "device"),
+}
+"""(weights_tier, optimizer_tier) pairs a stage may record: both placed or neither; the weights on the SSD only with
+the optimizer (its update writes them), on the gpu only with it."""
 
 
 class _PlanPart(Checked):
@@ -90,6 +101,14 @@ class StagePlan(_PlanPart):
     """Seconds per microbatch of the whole stage's forward as F runs it under keep (K_j: the profile's kept_s
     summed, with grad, the graphs kept), whatever the stage's own policy: for a run that forces keep (None,
     plans before it: grad_s)."""
+    optimizer_tier: str = "auto"
+    """Where its optimizer states (fp32 master, Adam moments) live, as the planner placed them under the host
+    budget (partition.rules.tiers): host, ssd, or device (the gpu: a LoRA plan's adapters); auto (a plan made
+    without a placement): a run places them by memory.optimizer. A run whose memory.optimizer is auto follows it."""
+    weights_tier: str = "auto"
+    """Where its device-dtype weights and offloaded gradients live: host, ssd (only where optimizer_tier is ssd) or
+    device (where optimizer_tier is); auto: a run places them by memory.weights. A run whose memory.weights is auto
+    follows it."""
 
     @property
     def f_s(self) -> float:
@@ -135,6 +154,21 @@ class StagePlan(_PlanPart):
                 "activation_tier",
                 f"one of auto, {', '.join(TIERS)}",
                 repr(self.activation_tier),
+                _WRITE_FIX,
+            ),
+            *rule(
+                self.optimizer_tier in STATE_TIERS,
+                "optimizer_tier",
+                f"one of {', '.join(STATE_TIERS)}",
+                repr(self.optimizer_tier),
+                _WRITE_FIX,
+            ),
+            *rule(
+                (self.weights_tier, self.optimizer_tier) in _WEIGHT_TIERS,
+                "weights_tier",
+                f"a tier its optimizer_tier {self.optimizer_tier} admits: "
+                + ", ".join(sorted(w for w, o in _WEIGHT_TIERS if o == self.optimizer_tier)),
+                repr(self.weights_tier),
                 _WRITE_FIX,
             ),
             *rule(

@@ -136,7 +136,8 @@ def _gpu_states_if_faster(
     any gpu's states take), if that plan predicts a shorter step: keeping fewer activations against offloading no
     gradient and running no host update."""
     reserve = gpu_states_bytes(plan)
-    if not reserve or states_fit_gpus(plan):  # predict_step has weighed the gpu tier already
+    if not reserve or states_fit_gpus(plan) or True not in (budget.run.gpu_states if budget.run else (True,)):
+        # predict_step has weighed the gpu tier already, or the run keeps its states off the gpus
         return plan
     caps = activation_host_caps(plan, budget)
     try:
@@ -176,12 +177,14 @@ class Prediction:
 def predict_step(plan: Plan, topo: Topology, budget: HostBudget) -> Prediction:
     """Place the plan's states under `budget` (partition.rules.tiers) and simulate its step on `topo` with shared
     links, the SSD traffic of the states on the SSD, and the loop's per-step overhead the topology measured;
-    PlanInfeasibleError when the states cannot fit. A LoRA plan whose adapters' states fit its gpus
+    PlanInfeasibleError when the states cannot fit. The plan returned records each stage's tiers
+    (StagePlan.optimizer_tier, weights_tier). A LoRA plan whose adapters' states fit its gpus
     (partition.rules.tiers.states_fit_gpus) is simulated with them there and off them: the faster is the plan's."""
-    if not states_fit_gpus(plan):
+    choices = (True, False) if budget.run is None else budget.run.gpu_states
+    if choices != (True,) and not states_fit_gpus(plan):
         return _predicted(plan, topo, place_tiers(plan, budget, gpu_states=False))
     both, errors = [], []
-    for on_gpus in (True, False):
+    for on_gpus in choices:
         try:
             both.append(_predicted(plan, topo, place_tiers(plan, budget, gpu_states=on_gpus)))
         except PlanInfeasibleError as e:
@@ -205,7 +208,12 @@ def _predicted(plan: Plan, topo: Topology, memory: MemoryPlan) -> Prediction:
         overhead_s=loop_overhead(topo),
     )
     bound = step_bound(sim, stages, topo, ssd.link)
-    return Prediction(dataclasses.replace(plan, predicted_step_time_s=sim.step_time_s), memory, ssd, sim, bound)
+    placed = tuple(
+        dataclasses.replace(s, optimizer_tier=t.optimizer, weights_tier=t.weights)
+        for s, t in zip(plan.stages, memory.stages)
+    )
+    plan = dataclasses.replace(plan, stages=placed, predicted_step_time_s=sim.step_time_s)
+    return Prediction(plan, memory, ssd, sim, bound)
 
 
 MIP_CANDIDATES = 3

@@ -154,8 +154,9 @@ def budget_of(args: argparse.Namespace, topo: Topology) -> HostBudget:
     return host_budget(topo, int(gib * GiB))
 
 
-def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
-    """The plan `partition` prints: from a run config, or an analytic profile of --model on --topology."""
+def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile, HostBudget]:
+    """The plan `partition` prints, its topology, profile and host budget: a run config's (as its run makes it), or
+    an analytic profile of --model on --topology under --host-memory-gb."""
     if args.config:
         return _config_plan(args)
     if not (args.model and args.topology):
@@ -194,6 +195,7 @@ def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
             frozen=frozen_layers(spec, dtype_bytes(args.dtype), args.base_dtype) if args.base_dtype else None,
         )
     )
+    budget = budget_of(args, topo)
     plan = make_plan(
         profile,
         topo,
@@ -204,10 +206,10 @@ def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
         solver=args.solver,
         time_limit_s=args.time_limit,
         gap=args.gap,
-        host_budget=budget_of(args, topo),
+        host_budget=budget,
         activation_tiers=activation_tiers_of(args),
     )
-    return plan, topo, profile
+    return plan, topo, profile, budget
 
 
 def adapters_of(args: argparse.Namespace, spec: ModelSpec) -> list[int] | None:
@@ -253,14 +255,24 @@ def _given_profile(path: str, spec: ModelSpec) -> Profile:
     return profile
 
 
-def _config_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
-    """The plan `mobiuspipe train` would make at start-up for this config (model, devices, stages, mapping)."""
-    given = [f for f in ("model", "stages") if getattr(args, f) is not None]
+def _config_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile, HostBudget]:
+    """The plan `mobiuspipe train` makes at start-up for this config (model, devices, stages, mapping, tiers)."""
+    given = [f for f in ("model", "stages", "host_memory_gb") if getattr(args, f) is not None]
     if given:
-        got = ", --".join(given)
-        raise CliError(f"--config takes the model and stages from its file; found --{got}: drop them or drop --config")
+        got = ", --".join(g.replace("_", "-") for g in given)
+        raise CliError(
+            f"--config takes the model, stages and host memory from its file (plan.num_stages, "
+            f"memory.host_budget_mb per rank); found --{got}: drop them or drop --config"
+        )
     from mobiuspipe.config import load_config
-    from mobiuspipe.startup.config_plan import activation_tiers, gpt_profile, model_spec, plan_from_config, run_topology
+    from mobiuspipe.startup.config_plan import (
+        activation_tiers,
+        gpt_profile,
+        model_spec,
+        plan_from_config,
+        run_budget,
+        run_topology,
+    )
 
     cfg = load_config(args.config)
     if args.topology is not None:  # plan the run for another machine than its config names
@@ -268,7 +280,7 @@ def _config_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile]:
         cfg = dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, topology=topology, num_gpus=None))
     args.activation_tiers = ",".join(activation_tiers(cfg))  # as the run plans (--explain too)
     profile = gpt_profile(cfg) if args.profile is None else _given_profile(args.profile, model_spec(cfg))
-    return plan_from_config(cfg, args.solver, profile), run_topology(cfg), profile
+    return plan_from_config(cfg, args.solver, profile), run_topology(cfg), profile, run_budget(cfg)
 
 
 def _stage_json(plan: Plan) -> list[dict]:
@@ -286,6 +298,8 @@ def _stage_json(plan: Plan) -> list[dict]:
             "bwd_s": s.bwd_s,
             "load_s": s.load_s,
             "load_gbps": s.load_gbps,
+            "optimizer_tier": s.optimizer_tier,
+            "weights_tier": s.weights_tier,
             "activations": {
                 "mode": s.activations,
                 "kept_layers": list(s.kept_layers),
@@ -436,8 +450,8 @@ _COMPARE_NOTE = (
 
 def run(args: argparse.Namespace, out) -> int:
     """Plan, write -o/--timeline files, print the plan to `out`; errors propagate to the CLI's handler."""
-    plan, topo, profile = make_cli_plan(args)
-    pred = predict_step(plan, topo, budget_of(args, topo))
+    plan, topo, profile, budget = make_cli_plan(args)
+    pred = predict_step(plan, topo, budget)
     plan, sim = pred.plan, pred.sim
     notes = []
     if args.output:
@@ -460,7 +474,7 @@ def run(args: argparse.Namespace, out) -> int:
             extra += _COMPARE_NOTE + "\n"
     if args.explain:
         try:
-            caps = activation_host_caps(plan, budget_of(args, topo))
+            caps = activation_host_caps(plan, budget)
             tiers = activation_tiers_of(args)
             choice = with_activations(
                 plan, profile, topo, plan.gpu_memory_bytes, explain=True, host_caps=caps, tiers=tiers

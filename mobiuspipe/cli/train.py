@@ -88,9 +88,10 @@ def run(args: argparse.Namespace, out) -> int:
     from mobiuspipe.run.job_stderr import JobStderr
     from mobiuspipe.run.parent_death import ENV as DEATH_ENV
     from mobiuspipe.run.parent_death import die_with_parent
-    from mobiuspipe.run.preflight import ERRORS_ENV, launch_checks, lost_peer, rank_mistake
+    from mobiuspipe.run.preflight import ERRORS_ENV, PLAN_ENV, launch_checks, lost_peer, rank_mistake
     from mobiuspipe.run.run_lock import TOKEN_ENV, RunLocks, new_token, run_folders
     from mobiuspipe.run.train import open_run, with_resume
+    from partition.plan import save_plan
 
     # a bad config, model folder, data, plan or out_dir fails here, before any process starts
     config = with_resume(load_config(args.config), args.resume)
@@ -102,7 +103,7 @@ def run(args: argparse.Namespace, out) -> int:
             flush=True,
         )
     open_run(config)
-    nproc = launch_checks(config, args.nproc, args.nnodes)
+    nproc, plan = launch_checks(config, args.nproc, args.nnodes)
     cmd = torchrun_command(config.source, nproc, args)
     # On one machine the run's folders are this run's until torchrun ends (its ranks find them held under `token`).
     # Across machines every host runs this command and any may get rank 0, which takes them at start-up instead.
@@ -112,6 +113,9 @@ def run(args: argparse.Namespace, out) -> int:
         print(f"mobiuspipe: launching {shlex.join(cmd)}", file=sys.stderr, flush=True)
         out.flush()
         env = {**os.environ, ERRORS_ENV: errors, DEATH_ENV: "1", **({TOKEN_ENV: token} if token else {})}
+        if not config.plan.file:  # the plan made above, for every rank: one plan however long the MIP took
+            save_plan(plan, Path(errors) / "plan.yaml")
+            env[PLAN_ENV] = str(Path(errors) / "plan.yaml")
         me = os.getpid()  # torchrun dies with this process, its ranks with torchrun (mobiuspipe.run.parent_death)
         torchrun = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, preexec_fn=lambda: die_with_parent(me))
         assert torchrun.stderr is not None

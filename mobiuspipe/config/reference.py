@@ -59,6 +59,10 @@ def reference() -> str:
 
 
 def _default(f: dataclasses.Field) -> object:
+    """The field's default as a user writes it: a word the loader reads as None ("auto", metadata "example" of a
+    field whose default is None and that converts words), else the value."""
+    if f.default is None and "convert" in f.metadata and "example" in f.metadata:
+        return f.metadata["example"]
     if f.default is not dataclasses.MISSING:
         return f.default
     if f.default_factory is not dataclasses.MISSING:

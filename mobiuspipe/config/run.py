@@ -37,6 +37,15 @@ MAPPINGS = ("cross", "round-robin", "search")
 """The stage->gpu mappings a plan may ask for."""
 
 
+def auto_or_count(raw: Any) -> Any:
+    """A count as written, or None for "auto" (foundation.loader's "convert": the planner chooses it)."""
+    if raw == "auto":
+        return None
+    if isinstance(raw, str):
+        raise ValueError("a count (an integer), or auto for the planner's choice")
+    return raw
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig(Section):
     """The optimizer (AdamW) and the training loop."""
@@ -232,8 +241,10 @@ class PlanConfig(Section):
     num_gpus: int | None = None
     """Gpus (torchrun ranks) the stages are spread over (count); None = the topology's gpu count, or 2
     without a topology; with a topology it must equal its gpu count."""
-    num_stages: int = 4
-    """Stages the layers are cut into (count); >= the gpu count and <= model.num_blocks + 2."""
+    num_stages: int | None = field(default=None, metadata={"convert": auto_or_count, "example": "auto"})
+    """Stages the layers are cut into (count), >= the gpu count and <= the model's layers (model.num_blocks + 2);
+    auto (or null, or left out): the planner searches every count and keeps the fastest, as `mobiuspipe partition`
+    does."""
     mapping: str = "cross"
     """How stages are assigned to gpus: "cross" (Mobius cross mapping), "round-robin", or "search" (every
     cyclic gpu order, up to 4 gpus; the fastest predicted wins)."""
@@ -242,10 +253,14 @@ class PlanConfig(Section):
 
     def check_values(self) -> list[Problem]:
         gpus = DEFAULT_GPUS if self.num_gpus is None else self.num_gpus
-        stages = self.num_stages
+        stages = gpus if self.num_stages is None else self.num_stages
         return [
             *rule(gpus >= 1, "num_gpus", "an integer >= 1 or null", repr(self.num_gpus), "use at least 1 gpu"),
-            *at_least(self, "num_stages", 1, "use at least 1 stage per gpu, e.g. 4"),
+            *(
+                at_least(self, "num_stages", 1, "use at least 1 stage per gpu, e.g. 4, or auto")
+                if self.num_stages is not None
+                else []
+            ),
             *rule(
                 stages >= gpus or self.topology is not None,  # with a topology: checked once it is read
                 "num_stages",
@@ -296,7 +311,7 @@ class RunConfig(Section):
         return self.data.microbatch_size
 
     def check_values(self) -> list[Problem]:
-        stages, layers = self.plan.num_stages, self.model.num_layers
+        stages, layers = self.plan.num_stages or 0, self.model.num_layers
         export = rule(
             self.train.export_dir is None or self.model.hf is not None,
             "train.export_dir",

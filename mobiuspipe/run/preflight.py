@@ -21,17 +21,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import torch
-
 from foundation.checked import Problem, format_problems, rule
 from foundation.errors import UserError
 from mobiuspipe.config import RunConfig
 from mobiuspipe.errors import ConfigError, PeerLostError
 from mobiuspipe.run.checkpoints import resume_root
-from mobiuspipe.run.room import host_room, placements, ssd_need, ssd_room
+from mobiuspipe.run.room import host_room, placements, shortfall_problem, ssd_need, ssd_room
 from mobiuspipe.runtime.ranks import rank_info
 from mobiuspipe.startup.config_plan import num_ranks, plan_from_config, plan_problems, replan_advice
 from partition.plan import Plan, load_plan
+from partition.rules.tiers import RunBudgetTooSmall
 
 __all__ = [
     "check_writable",
@@ -44,12 +43,16 @@ __all__ = [
     "lost_peer",
     "USER_ERROR_EXIT",
     "ERRORS_ENV",
+    "PLAN_ENV",
 ]
 
 USER_ERROR_EXIT = 2
 """The exit code of a mistake the user can fix (a bug keeps Python's traceback and exit 1)."""
 QUIET_WAIT_S = 10.0
 """How long a rank other than the host's first waits for that rank to report a start-up mistake (seconds)."""
+PLAN_ENV = "MOBIUSPIPE_LAUNCH_PLAN"
+"""The environment variable naming the plan `mobiuspipe train` made for its ranks (a config without plan.file): every
+rank follows that one plan rather than make its own (a time-limited MIP could differ between them)."""
 ERRORS_ENV = "MOBIUSPIPE_START_UP_ERRORS"
 """The environment variable naming the folder where ranks leave their mistakes for `mobiuspipe train` (a file
 `rank{RANK}` each, holding the message, with a suffix of _KINDS)."""
@@ -83,31 +86,26 @@ def check_writable(path: str | os.PathLike, key: str) -> Path:
     return folder
 
 
-def launch_checks(cfg: RunConfig, nproc: int | None, nnodes: int = 1) -> int:
+def launch_checks(cfg: RunConfig, nproc: int | None, nnodes: int = 1) -> tuple[int, Plan]:
     """What `mobiuspipe train` checks after `open_run` and before it starts torchrun: the plan (plan.file read
-    and checked against the config, or made now as each rank will make it; on a CUDA host only the ranks make
-    it, so that this process touches no gpu), --nproc against its gpu count, the plan's states against the
-    memory settings (on one machine memory.ssd_dir too: across machines each host's ranks check their own),
-    train.out_dir writable. Returns the number of ranks to start."""
-    plan = _plan_file(cfg, None if nproc is None else (nproc, f"--nproc {nproc}"))
-    if plan is None and not torch.cuda.is_available():
-        plan = plan_from_config(cfg)
-    if plan is not None:
-        _check_memory(cfg, plan, range(plan.num_gpus) if nnodes == 1 else None)
+    and checked against the config, or made now, once for every rank: the launcher hands it to them through
+    PLAN_ENV; on a CUDA host it reads the gpus through NVML and creates no CUDA context), --nproc against its gpu
+    count, the plan's states against the memory settings (on one machine memory.ssd_dir too: across machines each
+    host's ranks check their own), train.out_dir writable. Returns the number of ranks to start and the plan."""
+    plan = _plan_file(cfg, None if nproc is None else (nproc, f"--nproc {nproc}")) or _made_plan(cfg)
+    _check_memory(cfg, plan, range(plan.num_gpus) if nnodes == 1 else None)
     _check_out_dir(cfg)
-    if nproc is not None:
-        return nproc
-    return plan.num_gpus if plan is not None else num_ranks(cfg)
+    return (plan.num_gpus if nproc is None else nproc), plan
 
 
 def rank_checks(cfg: RunConfig) -> Plan:
     """What each rank checks after `open_run`, before the process group exists: the job's rank count
-    (WORLD_SIZE) against the plan's gpus, the plan (plan.file against the config, or made now), the plan's
-    states against the memory settings (memory.ssd_dir for the ranks of this host), train.out_dir writable.
-    Returns the plan."""
+    (WORLD_SIZE) against the plan's gpus, the plan (plan.file against the config; else the one its launcher made,
+    PLAN_ENV; else made now), the plan's states against the memory settings (memory.ssd_dir for the ranks of this
+    host), train.out_dir writable. Returns the plan."""
     info = rank_info()
     how = f"torchrun started {info.world_size} (WORLD_SIZE)" if info.under_torchrun else "1, not started by torchrun"
-    plan = _plan_file(cfg, (info.world_size, how)) or plan_from_config(cfg)
+    plan = _plan_file(cfg, (info.world_size, how)) or _handed_plan(cfg) or _made_plan(cfg)
     first = info.rank - info.local_rank  # torchrun numbers a host's ranks in a row
     _check_memory(cfg, plan, range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))))
     _check_out_dir(cfg)
@@ -126,6 +124,22 @@ def _check_memory(cfg: RunConfig, plan: Plan, host_ranks: range | None) -> None:
     if not problems and host_ranks is not None:
         problems += host_room(cfg, plan, placed, host_ranks)
     _raise(cfg, problems)
+
+
+def _made_plan(cfg: RunConfig) -> Plan:
+    """The config's plan made now (mobiuspipe.startup.config_plan); a memory.host_budget_mb that holds no rank's
+    states is reported as the placement check reports it, every rank at once."""
+    try:
+        return plan_from_config(cfg)
+    except RunBudgetTooSmall as e:
+        _raise(cfg, [shortfall_problem(e.shortfalls, cfg.memory.host_budget_mb)])
+        raise
+
+
+def _handed_plan(cfg: RunConfig) -> Plan | None:
+    """The plan `mobiuspipe train` made for its ranks (PLAN_ENV), None without it (a plain torchrun)."""
+    path = os.environ.get(PLAN_ENV)
+    return load_plan(path) if path and not cfg.plan.file else None
 
 
 def _plan_file(cfg: RunConfig, job: tuple[int, str] | None) -> Plan | None:

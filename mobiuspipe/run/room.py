@@ -35,31 +35,33 @@ from partition.rules.placement import (
     BudgetShortfall,
     Placement,
     host_bytes,
-    place_states,
+    run_placement,
 )
 from partition.rules.tiers import host_held_bytes
 from partition.spec.analytic import dtype_bytes
 
-__all__ = ["placements", "ssd_need", "ssd_room", "ssd_bytes", "host_bytes_of", "host_room"]
+__all__ = ["placements", "shortfall_problem", "ssd_need", "ssd_room", "ssd_bytes", "host_bytes_of", "host_room"]
 
 
 def placements(cfg: RunConfig, plan: Plan) -> tuple[dict[int, Placement], list[Problem]]:
-    """Each gpu's placement of its stages by memory.optimizer and memory.weights under memory.host_budget_mb
-    (as its rank will place them), and one Problem naming the ranks whose stages the budget does not hold."""
+    """Each gpu's placement of its stages by memory.optimizer and memory.weights (where auto, the plan's tiers) under
+    memory.host_budget_mb, as its rank will place them; one Problem naming the ranks whose stages the budget does not
+    hold."""
     mem, b = cfg.memory, dtype_bytes(plan.dtype)
     placed, short = {}, {}
     for g in range(plan.num_gpus):
         params = {j: plan.stages[j].trains for j in plan.stages_of(g)}  # LoRA: the adapters; the base has no state
+        recorded = {j: (plan.stages[j].optimizer_tier, plan.stages[j].weights_tier) for j in params}
         try:
-            placed[g] = place_states(
-                mem.optimizer, mem.weights, params, int(mem.host_budget_mb * MiB), least_share(b), b
+            placed[g] = run_placement(
+                mem.optimizer, mem.weights, recorded, params, int(mem.host_budget_mb * MiB), least_share(b), b
             )
         except BudgetShortfall as e:
             short[g] = e
-    return placed, [_shortfall(short, mem.host_budget_mb)] if short else []
+    return placed, [shortfall_problem(short, mem.host_budget_mb)] if short else []
 
 
-def _shortfall(short: dict[int, BudgetShortfall], budget_mb: float) -> Problem:
+def shortfall_problem(short: dict[int, BudgetShortfall], budget_mb: float) -> Problem:
     """One Problem for the ranks (gpu -> its shortfall) the budget per rank does not hold."""
     worst = max(short.values(), key=lambda e: e.need)
     each = "; ".join(

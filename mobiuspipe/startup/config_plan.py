@@ -18,6 +18,7 @@ from mobiuspipe.startup.lora import adapter_counts, lora_spec
 from mobiuspipe.startup.machine import discovered_topology
 from partition import make_plan
 from partition.plan import Plan, load_plan
+from partition.rules.tiers import HostBudget, RunMemory
 from partition.spec.analytic import analytic_profile, dtype_bytes
 from partition.spec.hardware import device_spec, gpu_spec
 from partition.spec.lora import frozen_layers
@@ -32,6 +33,7 @@ __all__ = [
     "plan_problems",
     "replan_advice",
     "plan_from_config",
+    "run_budget",
     "run_topology",
     "num_ranks",
     "gpt_profile",
@@ -71,7 +73,7 @@ def run_topology(cfg: RunConfig) -> Topology:
             f"config {cfg.source}: plan.num_gpus is {p.num_gpus} but plan.topology {p.topology!r} has "
             f"{topo.num_gpus} gpus; remove plan.num_gpus (the topology sets it) or set it to {topo.num_gpus}"
         )
-    if p.num_stages < topo.num_gpus:
+    if p.num_stages is not None and p.num_stages < topo.num_gpus:
         raise ConfigError(
             f"config {cfg.source}: plan.num_stages is {p.num_stages} but plan.topology {p.topology!r} has "
             f"{topo.num_gpus} gpus, each needing a stage; raise plan.num_stages to at least {topo.num_gpus}"
@@ -120,11 +122,12 @@ def adapters(cfg: RunConfig) -> tuple[int, ...] | None:
     return None if spec is None else tuple(adapter_counts(cfg, spec))
 
 
-def plan_from_config(cfg: RunConfig, solver: str = "dp", profile: Profile | None = None) -> Plan:
-    """The plan made from the config alone (its analytic profile, or `profile` of its model). Every rank makes
-    it for itself, so the default is the exact DP, which is deterministic; a time-limited MIP could differ
-    between ranks. `mobiuspipe partition --config` passes its --solver and --profile and writes the result for
-    plan.file."""
+def plan_from_config(cfg: RunConfig, solver: str = "auto", profile: Profile | None = None) -> Plan:
+    """The plan made from the config alone (its analytic profile, or `profile` of its model) by the whole planner,
+    as `mobiuspipe partition` makes it: the stage count searched (plan.num_stages auto) with the MIP (`solver`), the
+    activation choice, and each stage's tiers placed by the run's memory settings (run_budget). `mobiuspipe train`
+    makes it once and hands it to its ranks; ranks under a plain torchrun each make it and compare it.
+    `mobiuspipe partition --config` passes its --solver and --profile and writes the result for plan.file."""
     return make_plan(
         gpt_profile(cfg) if profile is None else profile,
         run_topology(cfg),
@@ -132,8 +135,17 @@ def plan_from_config(cfg: RunConfig, solver: str = "dp", profile: Profile | None
         num_stages=cfg.plan.num_stages,
         mapping=cfg.plan.mapping,
         solver=solver,
+        host_budget=run_budget(cfg),
         activation_tiers=activation_tiers(cfg),
     )
+
+
+def run_budget(cfg: RunConfig) -> HostBudget:
+    """The planner's host budget for a run: each rank's states placed by memory.optimizer and memory.weights under
+    memory.host_budget_mb, the frozen base where memory.frozen says (partition.rules.tiers.RunMemory)."""
+    mem = cfg.memory
+    run = RunMemory(mem.optimizer, mem.weights, mem.frozen, int(mem.host_budget_mb * MiB))
+    return HostBudget(None, f"memory.host_budget_mb {mem.host_budget_mb:g} MiB per rank for the states", run)
 
 
 def activation_tiers(cfg: RunConfig) -> tuple[str, ...]:

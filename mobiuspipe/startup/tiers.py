@@ -1,5 +1,6 @@
-"""Where a Pipeline's stages keep their states: one placement rule (partition.rules.placement) applied by every
-rank to its stages, gathered so that every rank knows every stage's tiers, and the rank's SSD store."""
+"""Where a Pipeline's stages keep their states: the plan's tiers, or the memory settings that force others, by one rule
+(partition.rules.placement.run_placement) applied by every rank to its stages, gathered so that every rank knows every
+stage's tiers, and the rank's SSD store."""
 
 from __future__ import annotations
 
@@ -13,22 +14,28 @@ from mobiuspipe.errors import PipelineError
 from mobiuspipe.memory.store.ssd_store import SSDStore
 from mobiuspipe.runtime.ranks import RankInfo, gather_all
 from mobiuspipe.runtime.stage_states import AdamHyper, SsdTier, least_share
-from partition.rules.placement import Placement, place_states
+from partition.rules.placement import Placement, run_placement
 
 __all__ = ["agree_on_tiers"]
 
 
 def agree_on_tiers(
-    info: RankInfo, mem: MemoryConfig, dtype_bytes: int, make_optimizer: Callable, params: dict[int, int]
+    info: RankInfo,
+    mem: MemoryConfig,
+    dtype_bytes: int,
+    make_optimizer: Callable,
+    params: dict[int, int],
+    recorded: dict[int, tuple[str, str]],
 ) -> tuple[Placement, dict[int, tuple[str, str]], SSDStore | None, dict[int, SsdTier | None]]:
     """(this rank's placement, every stage's (optimizer tier, weights tier), the rank's store or None, stage j
-    -> its SSD tier or None) for this rank's stages (params: stage -> parameter count), by memory.optimizer
-    and memory.weights; the store is there too when memory.frozen is ssd. Every rank raises the first failing
-    rank's error."""
+    -> its SSD tier or None) for this rank's stages (params: stage -> parameter count): the tiers memory.optimizer
+    and memory.weights name, or where they say auto those the plan records (recorded: stage -> (optimizer_tier,
+    weights_tier); partition.rules.placement.run_placement); the store is there too when memory.frozen is ssd. Every
+    rank raises the first failing rank's error."""
     b = dtype_bytes
     try:
-        mine: Placement | str = place_states(
-            mem.optimizer, mem.weights, params, int(mem.host_budget_mb * MiB), least_share(b), b
+        mine: Placement | str = run_placement(
+            mem.optimizer, mem.weights, recorded, params, int(mem.host_budget_mb * MiB), least_share(b), b
         )
     except ValueError as e:
         mine = str(e)

@@ -25,6 +25,7 @@ __all__ = [
     "Placement",
     "BudgetShortfall",
     "place_states",
+    "run_placement",
     "host_bytes",
     "TIERS",
     "OPTIMIZER_TIERS",
@@ -135,6 +136,34 @@ def place_states(
             return Placement(dict(opt), {j: wts[j] if opt[j] == "ssd" else "host" for j in params}, slot)
     held = sum(host_bytes(n, opt[j], wts[j], dtype_bytes) for j, n in params.items())
     raise BudgetShortfall(budget_bytes, params, optimizer, weights, held, least_slot_bytes)
+
+
+def run_placement(
+    optimizer: str,
+    weights: str,
+    recorded: dict[int, tuple[str, str]],
+    params: dict[int, int],
+    budget_bytes: int,
+    least_slot_bytes: int,
+    dtype_bytes: int,
+) -> Placement:
+    """The tiers a run gives its stages {j: parameter count}: what memory.optimizer and memory.weights name, where
+    they name a tier; where they say auto, the tier the plan records for the stage (recorded: j -> (its
+    optimizer_tier, weights_tier), partition.plan.StagePlan); a plan that records none (every tier "auto") is placed
+    by place_states. The weights go to the SSD only with the optimizer, and to the gpu with it. BudgetShortfall when
+    the rank's budget does not hold the result (with either setting auto, as place_states' auto rule would ask: each
+    stage on SSD streams through a quarter of the budget over their count at least)."""
+    if any(recorded.get(j, ("auto", "auto")) == ("auto", "auto") for j in params):
+        return place_states(optimizer, weights, params, budget_bytes, least_slot_bytes, dtype_bytes)
+    opt = {j: recorded[j][0] if optimizer == "auto" else optimizer for j in params}
+    wts = {j: recorded[j][1] if weights == "auto" else weights for j in params}
+    wts = {j: "device" if opt[j] == "device" else "ssd" if opt[j] == wts[j] == "ssd" else "host" for j in params}
+    fixed = optimizer != "auto" and weights != "auto"
+    slot = _slot(params, opt, wts, budget_bytes, least_slot_bytes, dtype_bytes, fixed)
+    if slot is None:
+        held = sum(host_bytes(n, opt[j], wts[j], dtype_bytes) for j, n in params.items())
+        raise BudgetShortfall(budget_bytes, params, optimizer, weights, held, least_slot_bytes)
+    return Placement(opt, wts, slot)
 
 
 def _slot(params, opt, wts, budget: int, least: int, b: int, fixed: bool) -> int | None:

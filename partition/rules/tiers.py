@@ -66,6 +66,7 @@ from partition.rules.placement import (
     FROZEN_STREAM_BYTES,
     LEAST_SHARE_BYTES,
     STATE_BYTES,
+    BudgetShortfall,
     Placement,
     device_state_bytes,
     host_bytes,
@@ -80,6 +81,8 @@ __all__ = [
     "SSD_WRITE_GBPS",
     "KINDS",
     "HostBudget",
+    "RunMemory",
+    "RunBudgetTooSmall",
     "SsdInfo",
     "StageTiers",
     "GpuShare",
@@ -103,11 +106,34 @@ KINDS = ("optimizer", "weights", "frozen")
 
 
 @dataclass(frozen=True)
+class RunMemory:
+    """A training run's memory section (mobiuspipe.config.MemoryConfig) as the planner applies it: every gpu is a rank
+    that places its stages' states exactly as the runtime does, under `state_bytes` of host memory
+    (memory.host_budget_mb, for the states alone: what the rank holds there besides is checked against the host's
+    memory at launch), each kind where the run's setting puts it: host, ssd, device (the optimizer of a LoRA plan),
+    or auto (the rule's choice; the optimizer of a LoRA plan also on the gpus where that predicts faster)."""
+
+    optimizer: str = "host"
+    weights: str = "host"
+    frozen: str = "host"
+    """memory.frozen: host or ssd, for every stage with frozen weights."""
+    state_bytes: int = 0
+    """memory.host_budget_mb in bytes, for each rank's states (read where optimizer or weights is not host)."""
+
+    @property
+    def gpu_states(self) -> tuple[bool, ...]:
+        """Whether the optimizer states may go to the gpus (True), stay off them (False) or both are weighed."""
+        return {"device": (True,), "auto": (True, False)}.get(self.optimizer, (False,))
+
+
+@dataclass(frozen=True)
 class HostBudget:
-    """H of the legend (None = unlimited) and where it came from, for the report."""
+    """H of the legend (None = unlimited) and where it came from, for the report; or a run's memory settings, each
+    rank's states under its own budget (`run`; bytes None: the host's memory is checked at launch instead)."""
 
     bytes: int | None
     source: str
+    run: RunMemory | None = None
 
 
 @dataclass(frozen=True)
@@ -320,9 +346,17 @@ def place_tiers(plan: Plan, budget: HostBudget, gpu_states: bool | None = None) 
     """The tiers of the legend's placement rule for `plan` under `budget`: the frozen weights in host memory if every
     gpu's share holds them, else on the SSD; the states on the gpus if gpu_states says so (None: where they fit,
     states_fit_gpus; True only for a plan they fit); PlanInfeasibleError when some gpu's share does not hold its saved
-    inputs and the least streaming shares of its stages all on the SSD."""
+    inputs and the least streaming shares of its stages all on the SSD. A run's budget (budget.run) places each
+    rank's states by the run's settings instead (RunMemory; None: on the gpus where its optimizer is device, or auto
+    and they fit)."""
     saved = [plan.num_microbatches * host_held_bytes(plan, j) for j in range(plan.num_stages)]
-    gpu = states_fit_gpus(plan) if gpu_states is None else gpu_states
+    run = budget.run
+    if gpu_states is not None:
+        gpu = gpu_states
+    else:
+        gpu = run.optimizer == "device" if run and run.optimizer != "auto" else states_fit_gpus(plan)
+    if run is not None:
+        return _memory(plan, budget, _run_place(plan, run, saved, gpu), saved)
     try:
         return _memory(plan, budget, _place(plan, budget, saved, "host", gpu), saved)
     except PlanInfeasibleError:
@@ -381,6 +415,39 @@ def _place(plan: Plan, budget: HostBudget, saved: list[int], frozen: str, gpu: b
                 raise _too_small(plan, budget, share, saved, frozen) from None
         gpus.append(GpuShare(share, saved_g, placement, frozen_g, streamed))
     return tuple(gpus)
+
+
+def _run_place(plan: Plan, run: RunMemory, saved: list[int], gpu: bool) -> tuple[GpuShare, ...]:
+    """Every gpu's placement as its rank makes it under the run's settings (RunMemory); PlanInfeasibleError naming
+    memory.host_budget_mb when a rank's budget does not hold its stages' states."""
+    b = dtype_bytes(plan.dtype)
+    optimizer = "device" if gpu else "host" if run.optimizer == "device" else run.optimizer
+    gpus, short = [], {}
+    for g in range(plan.num_gpus):
+        mine = plan.stages_of(g)
+        params = {j: plan.stages[j].trains for j in mine}
+        try:
+            placement = place_states(optimizer, run.weights, params, run.state_bytes, LEAST_SHARE_BYTES, b)
+        except BudgetShortfall as e:
+            short[g] = e
+            continue
+        frozen = sum(plan.stages[j].frozen_bytes for j in mine)
+        on_ssd = run.frozen == "ssd"
+        streamed = sum(FROZEN_STREAM_BYTES for j in mine if plan.stages[j].frozen_bytes) if on_ssd else 0
+        gpus.append(GpuShare(None, sum(saved[j] for j in mine), placement, 0 if on_ssd else frozen, streamed))
+    if short:
+        raise RunBudgetTooSmall(plan.model, short)
+    return tuple(gpus)
+
+
+class RunBudgetTooSmall(PlanInfeasibleError):
+    """A run's memory.host_budget_mb holds no placement of some ranks' stages: `shortfalls`, gpu -> its
+    BudgetShortfall (what it holds and the least budget that would do)."""
+
+    def __init__(self, model: str, shortfalls: dict[int, BudgetShortfall]):
+        self.shortfalls = shortfalls
+        g = max(shortfalls, key=lambda k: shortfalls[k].need)
+        super().__init__(f"{model}, gpu {g}: {shortfalls[g]}")
 
 
 def _memory(plan: Plan, budget: HostBudget, gpus: tuple[GpuShare, ...], saved: list[int]) -> MemoryPlan:

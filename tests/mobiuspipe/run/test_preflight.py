@@ -289,7 +289,7 @@ def test_a_host_budget_too_small_is_refused_before_launch_naming_every_rank(tmp_
     assert named is not None
     need = float(named.group(1))
     enough = _write(tmp_path / "enough.yaml", _ssd_doc(tmp_path, host_budget_mb=need * 1.001))  # 4 digits shown
-    assert preflight.launch_checks(load_config(enough), None) == 2
+    assert preflight.launch_checks(load_config(enough), None)[0] == 2
 
 
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # @record, with pytest capturing stderr
@@ -332,7 +332,7 @@ def test_ssd_dir_needs_room_for_the_plans_states_and_an_earlier_runs_files_count
     earlier = tmp_path / "ssd" / "rank1"
     earlier.mkdir(parents=True)
     (earlier / "old.bin").write_bytes(b"x" * 8192)  # an earlier run's store: discarded at start-up
-    assert preflight.launch_checks(cfg, None) == 2
+    assert preflight.launch_checks(cfg, None)[0] == 2
     os.link(earlier / "old.bin", tmp_path / "checkpoint-link.bin")  # a checkpoint links it: it stays
     with pytest.raises(ConfigError, match="memory.ssd_dir: expected room"):
         preflight.launch_checks(cfg, None)
@@ -372,7 +372,7 @@ def test_the_host_memory_must_hold_what_the_ranks_keep_there(tmp_path, monkeypat
     assert frozen == sum(s.frozen_bytes for s in plan.stages) > 0
     need = sum(sum(h.values()) for h in held)
     monkeypatch.setattr(room, "_mem_available", lambda: need)
-    assert preflight.launch_checks(cfg, None) == 2  # just fits
+    assert preflight.launch_checks(cfg, None)[0] == 2  # just fits
     monkeypatch.setattr(room, "_mem_available", lambda: need - 1)
     with pytest.raises(ConfigError, match=r"host memory: expected room for the .* that ranks 0..1 hold in this "
                        r"host.s memory \(states .*, frozen .*\), found .* available \(MemAvailable\); fix: "
@@ -381,6 +381,6 @@ def test_the_host_memory_must_hold_what_the_ranks_keep_there(tmp_path, monkeypat
     ssd = _run_doc(lora={"rank": 2}, memory={"frozen": "ssd", "ssd_dir": "s"})
     cfg = load_config(_write(tmp_path / "ssd.yaml", ssd))
     monkeypatch.setattr(room, "_mem_available", lambda: 1 << 40)
-    assert preflight.launch_checks(cfg, None) == 2  # the base streams from the SSD through 4 MiB a stage
+    assert preflight.launch_checks(cfg, None)[0] == 2  # the base streams from the SSD through 4 MiB a stage
     streamed = sum(room.host_bytes_of(cfg, plan, g, placed[g])["frozen"] for g in range(plan.num_gpus))
     assert streamed == 4 * 2**20 * sum(1 for s in plan.stages if s.frozen_bytes)

@@ -3,6 +3,7 @@ weights are bit-identical to the same run with the states in host memory, in fp3
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 from functools import partial
@@ -21,11 +22,19 @@ from mobiuspipe.optim.loss_scale import LossScaler
 from mobiuspipe.run.run_lock import LOCK_FILE
 from mobiuspipe.runtime.stage_states import least_share
 from mobiuspipe.startup.config_plan import model_spec, plan_for_config
+from partition.errors import PlanInfeasibleError
 from partition.rules.placement import FROZEN_STREAM_BYTES, LEAST_SHARE_BYTES
 from partition.rules.tiers import HostBudget, host_held_bytes, place_tiers
 
 
-def _run(precision: str, memory: MemoryConfig | None, steps: int = 3, overlap: bool = True):
+def _run(
+    precision: str,
+    memory: MemoryConfig | None,
+    steps: int = 3,
+    overlap: bool = True,
+    planned: MemoryConfig | None = None,
+):
+    """Train the small GPT for `steps` steps with `memory`, on a plan made for it (or for the `planned` settings)."""
     torch.set_num_threads(1)
     cfg = config_from_dict(
         {
@@ -43,7 +52,7 @@ def _run(precision: str, memory: MemoryConfig | None, steps: int = 3, overlap: b
     with Pipeline(
         layer_factories(model_spec(cfg), t.seed),
         lm_loss,
-        plan=plan_for_config(cfg),
+        plan=plan_for_config(dataclasses.replace(cfg, memory=planned or memory or MemoryConfig())),
         optimizer=opt,
         memory=memory,
         loss_scaler=scaler,
@@ -106,8 +115,11 @@ def test_ssd_tier_mistakes(tmp_path):
     with pytest.warns(UserWarning, match="discarding the states an earlier run left in"):
         again = _run("fp32", MemoryConfig(optimizer="ssd", ssd_dir=str(tmp_path)), steps=1)
     assert again[0] == first[0]  # the same losses as in an empty folder
+    small = MemoryConfig(optimizer="ssd", ssd_dir=str(tmp_path / "small"), host_budget_mb=0.1)
+    with pytest.raises(PlanInfeasibleError, match=r"raise memory.host_budget_mb to at least 0.5126, or set"):
+        _run("fp32", small, steps=1)  # the planner finds it
     with pytest.raises(PipelineError, match=r"raise memory.host_budget_mb to at least 0.5126, or set memory.weights"):
-        _run("fp32", MemoryConfig(optimizer="ssd", ssd_dir=str(tmp_path / "small"), host_budget_mb=0.1), steps=1)
+        _run("fp32", small, steps=1, planned=MemoryConfig())  # and the Pipeline, given a plan made for other settings
     with pytest.raises(ConfigError, match="memory.weights: expected host or auto unless optimizer is ssd"):
         config_from_dict({"memory": {"optimizer": "auto", "weights": "ssd", "ssd_dir": "x"}})
     with pytest.raises(ConfigError, match="memory.weights: expected host when optimizer is host"):
