@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from foundation.timing import Stopwatch
@@ -32,6 +33,7 @@ from topology import Topology
 
 __all__ = [
     "make_plan",
+    "plan_batch",
     "sim_stages",
     "predict_step",
     "Prediction",
@@ -94,6 +96,30 @@ def make_plan(
         more = [p for p in ranked[MIP_CANDIDATES:] if p.num_stages > best.num_stages][:WALK_RETRIES]
         best = _chosen(shared + more, profile, topo, memory, host_budget, activation_tiers)
     return dataclasses.replace(best, solver=dataclasses.replace(info, wall_s=round(watch.s, 6)))
+
+
+def plan_batch(
+    profile_of: Callable[[int], Profile],
+    batch_size: int,
+    topo: Topology,
+    num_microbatches: int | None = None,
+    **options,
+) -> Plan:
+    """The fastest plan of a batch of `batch_size` sequences per pass: make_plan (with `options`) for each count M of
+    microbatches that divides the batch, on the profile of its microbatch size (profile_of(batch_size // M)), the
+    least predicted step kept (the same batch, so the same work: the least step is the most throughput; a tie goes
+    to fewer, larger microbatches). num_microbatches fixes M. PlanInfeasibleError, the one of the most microbatches
+    (the smallest, likeliest to fit), when no count fits."""
+    counts = [num_microbatches] if num_microbatches else [m for m in range(1, batch_size + 1) if batch_size % m == 0]
+    plans, errors = [], []
+    for m in counts:
+        try:
+            plans.append(make_plan(profile_of(batch_size // m), topo, m, **options))
+        except PlanInfeasibleError as e:
+            errors.append(e)
+    if not plans:
+        raise errors[-1]
+    return min(plans, key=lambda p: (p.predicted_step_time_s, p.num_microbatches))
 
 
 WALK_RETRIES = 8
@@ -322,10 +348,10 @@ def _check_layers_fit(arr: LayerArrays, profile: Profile, memory: int) -> None:
         need = arena_bytes(arr.params(l, l), arr.grads(l, l)) + arr.activations(l, l)
         if need > memory and not _fits_in_some_stage(arr, l, memory):
             raise PlanInfeasibleError(
-                f"layer {l} ({layer.name}) alone needs {need / GiB:.2f} GiB ({WEIGHT_SLOTS} x "
-                f"{arr.params(l, l) / GiB:.2f} GiB of arena slots for its weights and the next stage's prefetch + "
-                f"{arr.grads(l, l) / GiB:.2f} GiB for its gradients + "
-                f"{arr.activations(l, l) / GiB:.2f} GiB of activations) but a gpu has {memory / GiB:.2f} GiB usable"
+                f"layer {l} ({layer.name}) alone needs {fmt_bytes(need)} ({WEIGHT_SLOTS} x "
+                f"{fmt_bytes(arr.params(l, l))} of arena slots for its weights and the next stage's prefetch + "
+                f"{fmt_bytes(arr.grads(l, l))} for its gradients + "
+                f"{fmt_bytes(arr.activations(l, l))} of activations) but a gpu has {fmt_bytes(memory)} usable"
                 f"{_net_of(profile.workspace_bytes)}: use a smaller microbatch, GPUs with more memory, or a smaller "
                 "model"
             )

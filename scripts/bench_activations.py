@@ -112,7 +112,8 @@ def profile_of(cfg: RunConfig, kind: str) -> Profile:
 
 def _measured(cfg: RunConfig) -> Profile:
     x, y = batch(cfg, 0)
-    mb = cfg.microbatch_size
+    mb, m = cfg.microbatch_size, cfg.data.num_microbatches
+    assert mb is not None and m is not None, "the benchmark's configs fix data.num_microbatches"
     layers = [make() for make in layer_factories(model_spec(cfg), cfg.train.seed)]
     profile = measure_profile(
         layers,
@@ -124,7 +125,7 @@ def _measured(cfg: RunConfig) -> Profile:
         microbatch_size=mb,
         seq_len=cfg.model.seq_len,
         loss_fn=lambda out: lm_loss(out, y[:mb]),
-        microbatches=cfg.data.num_microbatches,
+        microbatches=m,
     )
     return dataclasses.replace(profile, target_bytes=y[:mb].numel() * y.element_size())
 
@@ -137,7 +138,9 @@ def plan_for(policy: str, cfg: RunConfig, kind: str) -> Plan:
     kw: dict = {"num_stages": cfg.plan.num_stages, "solver": "dp", "activations": "auto" if auto else "recompute"}
     if policy == "offload":
         kw["host_budget"] = HostBudget(HOST_GIB << 30, "the benchmark's")
-    plan = make_plan(profile, topo, cfg.data.num_microbatches, **kw)
+    m = cfg.data.num_microbatches
+    assert m is not None, "the benchmark's configs fix data.num_microbatches"
+    plan = make_plan(profile, topo, m, **kw)
     if policy == "keep":
         plan, _ = with_activations(plan, profile, topo, 1 << 62, modes={"device": ("keep",)})
     return plan

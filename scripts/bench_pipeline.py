@@ -144,6 +144,7 @@ def bench_size(size: str, args: argparse.Namespace, tmp: Path) -> list[Row]:
     """Rows (a)..(f) of one model size, measured one after the other, each with the others' CPU share."""
     cfg = config_from_dict(run_dict(size, 1, args.steps))
     m, w = cfg.data.num_microbatches, args.warmup
+    assert m is not None, "the benchmark's configs fix data.num_microbatches"
     jobs = {
         "a": lambda: plain_row(size, "a", cfg, 1, 1, w),
         "b": lambda: plain_row(size, "b", cfg, 1, m, w),

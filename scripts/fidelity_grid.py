@@ -139,6 +139,7 @@ def measure(parts: dict) -> Profile:
     data = open_data(cfg.data, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size)
     x, y = data.batch(0, cfg.data.batch_size)
     m = cfg.data.num_microbatches
+    assert m is not None, "the grid's configs fix data.num_microbatches"
     xm, ym = x[: x.shape[0] // m], y[: y.shape[0] // m]
     with torch_threads(1):
         return measure_profile(

@@ -279,8 +279,10 @@ def _config_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile, Hos
         topology = args.topology if args.topology in PRESETS else os.path.abspath(args.topology)  # cwd-relative
         cfg = dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, topology=topology, num_gpus=None))
     args.activation_tiers = ",".join(activation_tiers(cfg))  # as the run plans (--explain too)
-    profile = gpt_profile(cfg) if args.profile is None else _given_profile(args.profile, model_spec(cfg))
-    return plan_from_config(cfg, args.solver, profile), run_topology(cfg), profile, run_budget(cfg)
+    given = None if args.profile is None else _given_profile(args.profile, model_spec(cfg))
+    plan = plan_from_config(cfg, args.solver, given)
+    profile = given or gpt_profile(cfg, plan.microbatch_size)  # the chosen microbatches' (--compare, --explain)
+    return plan, run_topology(cfg), profile, run_budget(cfg)
 
 
 def _stage_json(plan: Plan) -> list[dict]:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from foundation.units import fmt_bytes
 from mobiuspipe.cli._common import CliError, positive_int, write_output
+from partition.plan import load_plan
 from partition.spec.analytic import DTYPE_BYTES, analytic_profile
 from partition.spec.hardware import MFU_DEFAULT, device_spec
 from partition.spec.hf import ModelConfigError
@@ -213,7 +214,6 @@ def _refined(args: argparse.Namespace) -> tuple[Profile, str, list[str]]:
     """--profile refined by the traced run in --refine, how, and a line per stage of what the run measured."""
     from mobiuspipe.profiling.refine import refine_profile
     from mobiuspipe.runtime.action_trace import read_chrome
-    from partition.plan import load_plan
     from partition.rules.tiers import HostBudget
     from partition.search import predict_step
 
@@ -287,7 +287,9 @@ def _run_profile(path: str | None, folder: Path) -> tuple[Profile, str]:
             f"--refine {folder}: the run followed a plan file, so give --profile FILE, the profile that plan was made "
             f"from (without one, the analytic profile of the run's config.yaml is used for a run that planned itself)"
         )
-    return gpt_profile(cfg), f"the analytic profile of {config}"
+    plan = folder / "plan.yaml"
+    size = load_plan(str(plan)).microbatch_size if plan.is_file() else None  # the run's, when the planner chose it
+    return gpt_profile(cfg, size), f"the analytic profile of {config}"
 
 
 def run(args: argparse.Namespace, out) -> int:

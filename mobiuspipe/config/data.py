@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from importlib import resources
 
 from foundation.loader import Problem, at_least, non_empty, rule
-from mobiuspipe.config.section import Section, divisible
+from mobiuspipe.config.section import AUTO_COUNT, Section, divisible
 
 __all__ = ["DataConfig", "FORMATS", "TOKEN_DTYPES", "is_jsonl", "is_token_file"]
 
@@ -105,14 +105,17 @@ class DataConfig(Section):
     sequence), read in file order, never shuffled; it must hold at least one batch. None = no held-out set. A
     relative path is resolved against the config file's folder."""
     batch_size: int = 8
-    """Sequences per optimizer step (sequences); a multiple of num_microbatches."""
-    num_microbatches: int = 4
-    """Microbatches each batch is split into for the pipeline (count)."""
+    """Sequences per optimizer step (sequences; per pass with train.accumulation_steps); a multiple of
+    num_microbatches."""
+    num_microbatches: int | None = dataclasses.field(default=None, metadata=AUTO_COUNT)
+    """Microbatches each batch is split into for the pipeline (count); auto (or null, or left out): the planner
+    weighs every count that divides batch_size, each with its microbatch size, and keeps the fastest predicted step
+    that fits the memory (`mobiuspipe partition --config` shows the choice)."""
 
     @property
-    def microbatch_size(self) -> int:
-        """Sequences per microbatch."""
-        return self.batch_size // self.num_microbatches
+    def microbatch_size(self) -> int | None:
+        """Sequences per microbatch; None when the planner chooses them (num_microbatches auto)."""
+        return None if self.num_microbatches is None else self.batch_size // self.num_microbatches
 
     @property
     def text_path(self) -> str:
@@ -124,8 +127,12 @@ class DataConfig(Section):
     def check_values(self) -> list[Problem]:
         return [
             *at_least(self, "batch_size", 1, "use at least 1 sequence per step, e.g. 8"),
-            *at_least(self, "num_microbatches", 1, "use at least 1 microbatch, e.g. 4"),
-            *divisible("batch_size", self.batch_size, "num_microbatches", self.num_microbatches),
+            *(
+                at_least(self, "num_microbatches", 1, "use at least 1 microbatch, e.g. 4, or auto")
+                + divisible("batch_size", self.batch_size, "num_microbatches", self.num_microbatches)
+                if self.num_microbatches is not None
+                else []
+            ),
             *rule(
                 self.token_dtype in TOKEN_DTYPES,
                 "token_dtype",

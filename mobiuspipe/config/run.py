@@ -26,7 +26,7 @@ from mobiuspipe.config.lr_schedule import SCHEDULES, lr_at
 from mobiuspipe.config.memory import MemoryConfig
 from mobiuspipe.config.model import ModelConfig
 from mobiuspipe.config.runtime import RuntimeConfig
-from mobiuspipe.config.section import WRITTEN_PATH, Section, mebibytes
+from mobiuspipe.config.section import AUTO_COUNT, WRITTEN_PATH, Section, mebibytes
 from mobiuspipe.errors import ConfigError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -35,15 +35,6 @@ DEFAULT_GPUS = 2
 """CPU stand-ins a run plans for when the config names neither a topology nor plan.num_gpus."""
 MAPPINGS = ("cross", "round-robin", "search")
 """The stage->gpu mappings a plan may ask for."""
-
-
-def auto_or_count(raw: Any) -> Any:
-    """A count as written, or None for "auto" (foundation.loader's "convert": the planner chooses it)."""
-    if raw == "auto":
-        return None
-    if isinstance(raw, str):
-        raise ValueError("a count (an integer), or auto for the planner's choice")
-    return raw
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -241,7 +232,7 @@ class PlanConfig(Section):
     num_gpus: int | None = None
     """Gpus (torchrun ranks) the stages are spread over (count); None = the topology's gpu count, or 2
     without a topology; with a topology it must equal its gpu count."""
-    num_stages: int | None = field(default=None, metadata={"convert": auto_or_count, "example": "auto"})
+    num_stages: int | None = field(default=None, metadata=AUTO_COUNT)
     """Stages the layers are cut into (count), >= the gpu count and <= the model's layers (model.num_blocks + 2);
     auto (or null, or left out): the planner searches every count and keeps the fastest, as `mobiuspipe partition`
     does."""
@@ -306,8 +297,8 @@ class RunConfig(Section):
         return self.model.num_layers
 
     @property
-    def microbatch_size(self) -> int:
-        """Sequences per microbatch: batch_size // num_microbatches."""
+    def microbatch_size(self) -> int | None:
+        """Sequences per microbatch: batch_size // num_microbatches; None when the planner chooses them."""
         return self.data.microbatch_size
 
     def check_values(self) -> list[Problem]:

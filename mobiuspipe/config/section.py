@@ -3,14 +3,30 @@ value rules several sections share."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from foundation.loader import Checked, Problem, found_text, rule
 from mobiuspipe.errors import InvalidConfig
 
-__all__ = ["Section", "divisible", "mebibytes", "WRITTEN_PATH"]
+__all__ = ["Section", "divisible", "mebibytes", "WRITTEN_PATH", "AUTO_COUNT", "auto_or_count"]
 
 WRITTEN_PATH = {"out_path": True}
 """Field metadata of a path the run writes (out_dir, export_dir, ssd_dir): relative to the config file's folder,
 made absolute when the config is loaded, and it need not exist yet (the rule: mobiuspipe/config/run.py)."""
+
+
+def auto_or_count(raw: Any) -> Any:
+    """A count as written, or None for "auto" (foundation.loader's "convert": the planner chooses it)."""
+    if raw == "auto":
+        return None
+    if isinstance(raw, str):
+        raise ValueError("a count (an integer), or auto for the planner's choice")
+    return raw
+
+
+AUTO_COUNT = {"convert": auto_or_count, "example": "auto"}
+"""Field metadata of a count the planner chooses when the config says auto (the field holds None; the reference
+shows `auto`)."""
 
 
 class Section(Checked):

@@ -16,9 +16,9 @@ from mobiuspipe.config import DEFAULT_GPUS, RunConfig
 from mobiuspipe.errors import ConfigError
 from mobiuspipe.startup.lora import adapter_counts, lora_spec
 from mobiuspipe.startup.machine import discovered_topology
-from partition import make_plan
 from partition.plan import Plan, load_plan
 from partition.rules.tiers import HostBudget, RunMemory
+from partition.search import plan_batch
 from partition.spec.analytic import analytic_profile, dtype_bytes
 from partition.spec.hardware import device_spec, gpu_spec
 from partition.spec.lora import frozen_layers
@@ -33,6 +33,7 @@ __all__ = [
     "plan_problems",
     "replan_advice",
     "plan_from_config",
+    "profile_count",
     "run_budget",
     "run_topology",
     "num_ranks",
@@ -86,9 +87,10 @@ def num_ranks(cfg: RunConfig) -> int:
     return load_plan(cfg.plan.file).num_gpus if cfg.plan.file else run_topology(cfg).num_gpus
 
 
-def gpt_profile(cfg: RunConfig) -> Profile:
+def gpt_profile(cfg: RunConfig, microbatch_size: int | None = None) -> Profile:
     """The analytic profile of the config's model in train.precision, on the run's gpu 0 (its layout's tflops, or
-    the table's figure for its name) or the CPU stand-in."""
+    the table's figure for its name) or the CPU stand-in, for microbatches of `microbatch_size` sequences (default:
+    the config's; the whole batch when the planner chooses them, data.num_microbatches auto)."""
     if torch.cuda.is_available():
         g = run_topology(cfg).gpus[0]
         device = gpu_spec(g.name, g.memory_bytes, g.link_gbps, g.tflops)
@@ -98,7 +100,7 @@ def gpt_profile(cfg: RunConfig) -> Profile:
     return analytic_profile(
         spec,
         device,
-        microbatch_size=cfg.microbatch_size,
+        microbatch_size=microbatch_size or cfg.microbatch_size or cfg.data.batch_size,
         dtype=cfg.train.precision,
         adapters=adapters(cfg),
         frozen=frozen_base(cfg),
@@ -124,20 +126,37 @@ def adapters(cfg: RunConfig) -> tuple[int, ...] | None:
 
 def plan_from_config(cfg: RunConfig, solver: str = "auto", profile: Profile | None = None) -> Plan:
     """The plan made from the config alone (its analytic profile, or `profile` of its model) by the whole planner,
-    as `mobiuspipe partition` makes it: the stage count searched (plan.num_stages auto) with the MIP (`solver`), the
-    activation choice, and each stage's tiers placed by the run's memory settings (run_budget). `mobiuspipe train`
-    makes it once and hands it to its ranks; ranks under a plain torchrun each make it and compare it.
-    `mobiuspipe partition --config` passes its --solver and --profile and writes the result for plan.file."""
-    return make_plan(
-        gpt_profile(cfg) if profile is None else profile,
+    as `mobiuspipe partition` makes it: the microbatch count and size searched for data.batch_size
+    (data.num_microbatches auto; partition.search.plan_batch), the stage count searched (plan.num_stages auto) with
+    the MIP (`solver`), the activation choice, and each stage's tiers placed by the run's memory settings
+    (run_budget). `mobiuspipe train` makes it once and hands it to its ranks; ranks under a plain torchrun each make
+    it and compare it. `mobiuspipe partition --config` passes its --solver and --profile and writes the result for
+    plan.file."""
+    return plan_batch(
+        lambda size: gpt_profile(cfg, size) if profile is None else profile,
+        cfg.data.batch_size,
         run_topology(cfg),
-        cfg.data.num_microbatches,
+        cfg.data.num_microbatches if profile is None else profile_count(cfg, profile),
         num_stages=cfg.plan.num_stages,
         mapping=cfg.plan.mapping,
         solver=solver,
         host_budget=run_budget(cfg),
         activation_tiers=activation_tiers(cfg),
     )
+
+
+def profile_count(cfg: RunConfig, profile: Profile) -> int:
+    """The microbatches of data.batch_size a profile's microbatch size makes; ConfigError when it does not divide the
+    batch, or makes another count than data.num_microbatches fixes."""
+    size, batch, count = profile.microbatch_size, cfg.data.batch_size, cfg.data.num_microbatches
+    if batch % size or (count is not None and count * size != batch):
+        fixed = f" in data.num_microbatches {count}" if count is not None else ""
+        raise ConfigError(
+            f"config {cfg.source}: the profile's microbatches of {size} sequences do not make data.batch_size {batch}"
+            f"{fixed}: profile the model at a microbatch size that does (data.batch_size / data.num_microbatches), or "
+            f"set data.batch_size to a multiple of {size}"
+        )
+    return batch // size
 
 
 def run_budget(cfg: RunConfig) -> HostBudget:
@@ -233,6 +252,14 @@ def _microbatch_problems(plan: Plan, cfg: RunConfig, made: str, replan: str) -> 
     both give the same fix, the settings that make the plan's microbatches."""
     d, count, size = cfg.data, plan.num_microbatches, plan.microbatch_size
     batch = count * size
+    if d.num_microbatches is None:  # auto: the plan's count, which must make the batch
+        return rule(
+            d.batch_size == batch,
+            "data.batch_size",
+            f"{batch} sequences ({made}: {count} microbatches of {size})",
+            str(d.batch_size),
+            f"{replan}, or set data.batch_size: {batch}",
+        )
     settings = [f"data.num_microbatches: {count}"] * (d.num_microbatches != count)
     settings += [f"data.batch_size: {batch}"] * (d.batch_size != batch)
     fix = f"{replan}, or set {' and '.join(settings)}"

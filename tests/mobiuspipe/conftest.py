@@ -16,7 +16,7 @@ from mobiuspipe.config import RunConfig
 from mobiuspipe.data.dataset import open_data
 from mobiuspipe.models.gpt import build_layers, lm_loss
 from mobiuspipe.optim import CPUAdam
-from mobiuspipe.startup.config_plan import model_spec
+from mobiuspipe.startup.config_plan import model_spec, plan_for_config
 
 
 def reference_run(
@@ -52,7 +52,7 @@ def _reference_run(cfg: RunConfig, microbatched: bool, optimizer) -> tuple[list[
         for group in opt.param_groups:
             group["lr"] = cfg.train.lr_of(step)
         opt.zero_grad()
-        chunks = cfg.data.num_microbatches if microbatched else 1
+        chunks = (cfg.data.num_microbatches or plan_for_config(cfg).num_microbatches) if microbatched else 1
         total = 0.0
         for xi, yi in zip(x.chunk(chunks), y.chunk(chunks)):
             loss = lm_loss(model(xi), yi) / chunks

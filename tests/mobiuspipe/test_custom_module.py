@@ -150,7 +150,7 @@ def test_mistakes_are_named():
     x, y = torch.randn(4, 4), torch.randn(4, 1)
     with pytest.raises(PipelineError, match="needs a plan .* or a sample batch"):
         Pipeline(layers(), F.mse_loss)
-    with pytest.raises(PlanInfeasibleError, match="GiB"):  # stand-ins of 128 bytes each
+    with pytest.raises(PlanInfeasibleError, match="128 B usable"):  # stand-ins of 128 bytes each
         Pipeline(layers(), F.mse_loss, sample=(x, y), num_microbatches=2, topology=cpu_standin(1, 128))
     with pytest.raises(PipelineError, match="layer 1 is a str"):
         Pipeline([nn.Linear(4, 4), "head"], F.mse_loss, sample=(x, y))  # pyright: ignore[reportArgumentType]

@@ -164,7 +164,7 @@ def test_partition_config_plans_from_a_given_profile_of_its_model(tmp_path):
     from mobiuspipe.startup.config_plan import gpt_profile
 
     cfg_path = tmp_path / "run.yaml"
-    cfg_path.write_text("train: {precision: fp32}\n")
+    cfg_path.write_text("train: {precision: fp32}\ndata: {num_microbatches: 4}\n")
     base = gpt_profile(load_config(str(cfg_path)))
     slow = dataclasses.replace(
         base,

@@ -31,7 +31,12 @@ def _write(path: Path, doc: dict) -> Path:
 
 
 def _run_doc(**sections) -> dict:
-    doc = {"model": dict(MODEL), "train": {"precision": "fp32", "steps": 1}, "plan": {"num_gpus": 2, "num_stages": 3}}
+    doc = {
+        "model": dict(MODEL),
+        "data": {"num_microbatches": 4},
+        "train": {"precision": "fp32", "steps": 1},
+        "plan": {"num_gpus": 2, "num_stages": 3},
+    }
     for name, values in sections.items():
         doc[name] = {**doc.get(name, {}), **values}
     return doc

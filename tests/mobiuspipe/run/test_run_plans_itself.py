@@ -1,10 +1,12 @@
-"""A run plans itself with the whole planner: without plan.num_stages and with memory.optimizer and memory.weights
-auto, `mobiuspipe train` follows the plan `mobiuspipe partition --config` writes, stage for stage and tier for tier;
-the plan records each stage's optimizer_tier and weights_tier, and a tight host budget puts states on the SSD; memory
-settings other than auto force their tier over the plan's."""
+"""A run plans itself with the whole planner: without plan.num_stages and data.num_microbatches, and with
+memory.optimizer and memory.weights auto, `mobiuspipe train` follows the plan `mobiuspipe partition --config` writes,
+stage for stage and tier for tier; the plan records each stage's optimizer_tier and weights_tier, and a tight host
+budget puts states on the SSD; memory settings other than auto force their tier over the plan's; the microbatch count
+and size are the fastest of every count that divides the batch, checked against planning each one."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +23,7 @@ from partition.rules.placement import BudgetShortfall, run_placement
 
 RUN = {
     "model": {"num_blocks": 4, "d_model": 32, "num_heads": 2, "seq_len": 16},
-    "data": {"batch_size": 4, "num_microbatches": 2},
+    "data": {"batch_size": 4},  # the planner picks the microbatches
     "train": {"steps": 2, "precision": "fp32", "tensorboard": False},
     "plan": {"num_gpus": 2},
 }
@@ -105,3 +107,34 @@ def test_a_plan_file_with_an_impossible_tier_pair_is_refused(tmp_path):
     doc["stages"][0]["optimizer_tier"] = "host"
     with pytest.raises(PlanFileError, match="weights_tier.*admits: host"):
         Plan.from_dict(doc)
+
+
+def _every_count(cfg, divisors) -> dict[int, float]:
+    """The predicted step of the plan of each microbatch count, made one by one (the search's reference)."""
+    out = {}
+    for m in divisors:
+        one = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, num_microbatches=m))
+        try:
+            out[m] = plan_from_config(one).predicted_step_time_s
+        except PlanInfeasibleError:
+            pass
+    return out
+
+
+@pytest.mark.parametrize("memory_mb", [64.0, 0.5])
+def test_the_microbatches_are_the_fastest_count_that_fits(tmp_path, memory_mb):
+    run = {**RUN, "data": {"batch_size": 12}, "plan": {"num_gpus": 2, "device_memory_mb": memory_mb}}
+    cfg = config_from_dict(run)
+    plan = plan_from_config(cfg)
+    every = _every_count(cfg, [1, 2, 3, 4, 6, 12])
+    assert plan.num_microbatches * plan.microbatch_size == 12
+    assert plan.predicted_step_time_s == min(every.values())
+    assert plan.num_microbatches == min(every, key=lambda m: (every[m], m))
+    if memory_mb < 1:  # the whole batch in one microbatch does not fit this device
+        assert 1 not in every and plan.num_microbatches > 1
+
+
+def test_a_fixed_microbatch_count_is_kept(tmp_path):
+    cfg = config_from_dict({**RUN, "data": {"batch_size": 12, "num_microbatches": 3}})
+    plan = plan_from_config(cfg)
+    assert (plan.num_microbatches, plan.microbatch_size) == (3, 4)
