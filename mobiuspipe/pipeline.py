@@ -46,6 +46,7 @@ from mobiuspipe.runtime.activations import ActivationsSpec, stage_modes
 from mobiuspipe.runtime.channels import LAYOUT, Channels, neighbour_pairs
 from mobiuspipe.runtime.comm import Comm
 from mobiuspipe.runtime.engine import Engine, LossFn, StepOptions, StepTimes
+from mobiuspipe.runtime.host_threads import update_cpus
 from mobiuspipe.runtime.ranks import join_group, leave_group, rank_info
 from mobiuspipe.runtime.stage import Stage
 from mobiuspipe.runtime.stage_states import AdamHyper, SsdTier
@@ -287,7 +288,16 @@ class Pipeline:
             activations=self.activations,
             swaps=make_swaps(swapped, self.plan, device, self.memory, self.info, ledger),
             trace=self.trace,
+            update_cores=self._update_cores(device),
         )
+
+    def _update_cores(self, device: Device) -> set[int] | None:
+        """The cores of this rank's gpu (its NUMA node's, as the plan's topology records them) that the host update
+        runs on; None off a gpu or where the topology does not know them (mobiuspipe.runtime.host_threads)."""
+        layout = self.plan.layout
+        if layout is None or self.info.rank >= layout.num_gpus:
+            return None
+        return update_cpus(layout.gpus[self.info.rank].cpu_affinity, device.is_cuda)
 
     def _channels(self, tied: Sequence[tuple[str, str]], timeout_s: float) -> Channels:
         """One communicator per direction of each pair of ranks that exchange messages (mobiuspipe.runtime.channels),

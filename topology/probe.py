@@ -9,7 +9,9 @@ import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 from foundation.timing import Stopwatch
@@ -31,7 +33,15 @@ BUFFERED_NOTE = (
 )
 
 
-def probe(t: Topology, ssd_dir: str | Path | None, *, size_mb: int = 256, repeats: int = 3, devices=None) -> Topology:
+def probe(
+    t: Topology,
+    ssd_dir: str | Path | None,
+    *,
+    size_mb: int = 256,
+    repeats: int = 3,
+    devices=None,
+    host_adam: Callable[[list[str]], float] | None = None,
+) -> Topology:
     """`t` with `measured` filled in, each gpu's link_gbps set to its host->gpu bandwidth alone and each root
     complex's uplink_gbps to what its whole group moved at once (switch uplinks are kept: not measured).
 
@@ -40,7 +50,9 @@ def probe(t: Topology, ssd_dir: str | Path | None, *, size_mb: int = 256, repeat
     gpu copying at once; a device-to-device copy per ordered gpu pair. Best of `repeats`, GB/s = 1e9 bytes/s.
 
     ssd_dir: folder whose drive is measured (None = skip the SSD). devices: CUDA device index per topology gpu,
-    overriding the mapping by UUID (or by index when the topology has no UUIDs).
+    overriding the mapping by UUID (or by index when the topology has no UUIDs). host_adam: measures the host
+    update's parameters per second (appending its note); default topology.probe_cpu.probe_host_adam, torch's AdamW
+    in this process (`mobiuspipe topology --probe` gives the runtime's own update, every rank at once).
     """
     for name, value in (("size_mb", size_mb), ("repeats", repeats)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -52,7 +64,7 @@ def probe(t: Topology, ssd_dir: str | Path | None, *, size_mb: int = 256, repeat
     else:
         ssd = _probe_ssd(Path(ssd_dir), size_mb, repeats, notes)
     h2d, group, d2d = _probe_gpus(t, size_mb, repeats, devices, notes)
-    adam = probe_host_adam(notes, repeats=repeats)
+    adam = (host_adam or partial(probe_host_adam, repeats=repeats))(notes)
     m = Measured(
         h2d_gbps=h2d,
         h2d_group_gbps=group,

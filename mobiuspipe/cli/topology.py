@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 
 from mobiuspipe.cli._common import CliError, positive_int
 
@@ -49,9 +50,15 @@ def _topology_of(args: argparse.Namespace):
 
     t = load_topology(args.layout) if args.layout else discover(args.sysfs_root)
     if args.probe:
+        from mobiuspipe.optim.adam_rate import probe_rank_adam
+        from mobiuspipe.runtime.host_threads import rank_threads
         from topology.probe import probe
 
-        t = probe(t, args.ssd_dir, size_mb=args.probe_mb)
+        # the update as the ranks run it: each its share of the cores, all at once; params as large as the transfers
+        adam = partial(
+            probe_rank_adam, ranks=t.num_gpus, threads=rank_threads(None, t.num_gpus), params=args.probe_mb * 2**18
+        )
+        t = probe(t, args.ssd_dir, size_mb=args.probe_mb, host_adam=adam)
     if args.save:
         save_topology(t, args.save)
     return t

@@ -3,10 +3,11 @@ deterministic kernels)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from foundation.loader import Problem, rule
-from mobiuspipe.config.section import Section
+from mobiuspipe.config.section import AUTO_COUNT, Section
 
 __all__ = ["RuntimeConfig", "MAX_THREADS"]
 
@@ -20,8 +21,10 @@ class RuntimeConfig(Section):
 
     comm_timeout_s: float = 60.0
     """Seconds a receive may wait (s); longer fails with a message naming the peer rank."""
-    threads: int = 1
-    """Torch intra-op threads per rank (count)."""
+    threads: int | None = dataclasses.field(default=None, metadata=AUTO_COUNT)
+    """Torch intra-op threads per rank (count): the compute on CPU stand-ins and the host update's CPU Adam kernel use
+    them. auto (or null, or left out): each rank of this host gets its share of the cores the process may run on
+    (their count over torchrun's LOCAL_WORLD_SIZE, at least 1; mobiuspipe/runtime/host_threads.py)."""
     trace_steps: tuple[int, ...] = ()
     """Optimizer steps (0-based) whose every action each rank times: when it started and ended on the host's
     clock; the run writes them to out_dir/trace.json (Chrome trace events, like `mobiuspipe simulate --trace`)."""
@@ -41,11 +44,11 @@ class RuntimeConfig(Section):
                 "use e.g. 60.0",
             ),
             *rule(
-                1 <= self.threads <= MAX_THREADS,
+                self.threads is None or 1 <= self.threads <= MAX_THREADS,
                 "threads",
                 f"a thread count in [1, {MAX_THREADS}]",
                 repr(self.threads),
-                "use 1, or the cores a rank may use",
+                "use auto (each rank's share of the cores), or the cores a rank may use",
             ),
             *rule(
                 all(s >= 0 for s in self.trace_steps),

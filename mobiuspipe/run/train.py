@@ -48,6 +48,7 @@ from mobiuspipe.run.preflight import at_start_up, rank_checks, report
 from mobiuspipe.run.run_lock import TOKEN_ENV, RunLocks, new_token, run_folders
 from mobiuspipe.run.usage import RankStep, folder_bytes, host_rss_bytes
 from mobiuspipe.runtime.action_trace import as_sim_result, write_chrome
+from mobiuspipe.runtime.host_threads import rank_threads
 from mobiuspipe.runtime.ranks import gather_all
 from mobiuspipe.startup.config_plan import adapters, model_spec
 from mobiuspipe.startup.lora import lora_spec, starting_adapters, write_adapter
@@ -60,7 +61,7 @@ __all__ = ["main", "open_run", "train", "with_resume"]
 
 def train(cfg: RunConfig) -> None:
     """Train the config's model for cfg.train.steps steps as this rank of the job (the group must not exist yet)."""
-    torch.set_num_threads(cfg.runtime.threads)
+    torch.set_num_threads(rank_threads(cfg.runtime.threads))
     if cfg.runtime.deterministic:
         deterministic_kernels()
     torch.manual_seed(cfg.train.seed)  # dropout masks (the recompute replays each forward's)

@@ -32,6 +32,7 @@ from mobiuspipe.runtime.activations import StageMode, parts_of
 from mobiuspipe.runtime.clock import ActionClock
 from mobiuspipe.runtime.comm import Comm, TensorSpec
 from mobiuspipe.runtime.compute import Compute, LossFn, MessageKey, StepOptions, StepState, StepTimes
+from mobiuspipe.runtime.host_threads import pinned_to
 from mobiuspipe.runtime.stage import Stage
 from mobiuspipe.runtime.stage_states import DeviceStates
 from mobiuspipe.schedule.actions import Action, Kind
@@ -62,8 +63,11 @@ class Engine:
         activations: dict[int, StageMode] | None = None,
         swaps: dict[int, Swap] | None = None,
         trace: ActionTrace | None = None,
+        update_cores: set[int] | None = None,
     ):
-        """trace: records when each action of the steps it wants ran (Pipeline(trace_steps=...)); None: none."""
+        """trace: records when each action of the steps it wants ran (Pipeline(trace_steps=...)); None: none.
+        update_cores: the cores the host-update thread is pinned to (mobiuspipe.runtime.host_threads; None: not
+        pinned)."""
         self.mapping, self.rank, self.stages, self.schedule = mapping, rank, stages, schedule
         self.device, self.arena, self.comm, self.loss_fn = device, arena, comm, loss_fn
         self.num_microbatches, self.dtype = num_microbatches, dtype
@@ -111,7 +115,9 @@ class Engine:
         """The pass being run: its inputs, messages, saved tensors, loss and times (shared with compute)."""
         self.clock = ActionClock(device.compute)
         """When the actions ran: CUDA events on a gpu, the host's clock on the stand-in (mobiuspipe.runtime.clock)."""
-        self.updater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-optimizer")
+        self.updater = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="host-optimizer", initializer=pinned_to(update_cores)
+        )
         self._specs: dict[tuple, dict[MessageKey, TensorSpec]] = {}  # batch shape -> specs of its messages
         self._dispatch = {
             Kind.LOAD: self._load,

@@ -16,6 +16,7 @@ from mobiuspipe.config import RunConfig
 from mobiuspipe.data.dataset import open_data
 from mobiuspipe.models.gpt import build_layers, lm_loss
 from mobiuspipe.optim import CPUAdam
+from mobiuspipe.runtime.host_threads import rank_threads
 from mobiuspipe.startup.config_plan import model_spec, plan_for_config
 
 
@@ -32,7 +33,8 @@ def reference_run(
     checks also run against torch.optim.AdamW.
     """
     threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.runtime.threads)  # the ranks' thread count, so reductions round alike
+    ranks = plan_for_config(cfg).num_gpus  # the ranks' thread count (each its share of the cores), so sums round alike
+    torch.set_num_threads(rank_threads(cfg.runtime.threads, ranks))
     try:
         return _reference_run(cfg, microbatched, optimizer)
     finally:

@@ -43,7 +43,7 @@ def test_importing_probe_does_not_import_torch():
 
 
 def test_ssd_probe_measures_and_cleans_up(tmp_path):
-    t = probe(cpu_standin(2, 2**30), tmp_path, **FAST)
+    t = probe(cpu_standin(2, 2**30), tmp_path, size_mb=8, repeats=1)
     m = _measured(t)
     assert m.ssd_read_gbps > 0 and m.ssd_write_gbps > 0
     assert m.ssd_dir == str(tmp_path)
@@ -55,7 +55,7 @@ def test_ssd_probe_measures_and_cleans_up(tmp_path):
 
 
 def test_no_ssd_dir_skips_the_ssd():
-    m = _measured(probe(cpu_standin(1, 2**30), None, **FAST))
+    m = _measured(probe(cpu_standin(1, 2**30), None, size_mb=8, repeats=1))
     assert (m.ssd_read_gbps, m.ssd_write_gbps, m.ssd_dir) == (0.0, 0.0, "")
     assert any("ssd_dir" in n for n in m.notes)
 
@@ -63,7 +63,7 @@ def test_no_ssd_dir_skips_the_ssd():
 def test_missing_folder(tmp_path):
     folder = tmp_path / "nope"
     with pytest.raises(TopologyError, match="does not exist|nothing there") as e:
-        probe(cpu_standin(1, 2**30), folder, **FAST)
+        probe(cpu_standin(1, 2**30), folder, size_mb=8, repeats=1)
     assert str(folder) in str(e.value) and "mkdir" in str(e.value)
 
 
@@ -71,7 +71,7 @@ def test_file_instead_of_folder(tmp_path):
     f = tmp_path / "afile"
     f.write_text("x")
     with pytest.raises(TopologyError, match="expected a directory, found a file") as e:
-        probe(cpu_standin(1, 2**30), f, **FAST)
+        probe(cpu_standin(1, 2**30), f, size_mb=8, repeats=1)
     assert str(f) in str(e.value)
 
 
@@ -82,7 +82,7 @@ def test_read_only_folder(tmp_path):
     folder.chmod(0o500)
     try:
         with pytest.raises(TopologyError, match="writable") as e:
-            probe(cpu_standin(1, 2**30), folder, **FAST)
+            probe(cpu_standin(1, 2**30), folder, size_mb=8, repeats=1)
         assert str(folder) in str(e.value)
     finally:
         folder.chmod(0o700)
@@ -91,7 +91,7 @@ def test_read_only_folder(tmp_path):
 def test_unwritable_folder_even_as_root(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "access", lambda path, mode: False)
     with pytest.raises(TopologyError, match="expected a writable directory") as e:
-        probe(cpu_standin(1, 2**30), tmp_path, **FAST)
+        probe(cpu_standin(1, 2**30), tmp_path, size_mb=8, repeats=1)
     assert str(tmp_path) in str(e.value) and "chmod" in str(e.value)
 
 
@@ -99,7 +99,7 @@ def test_too_little_space(tmp_path, monkeypatch):
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 * 2**20, 5 * 2**20, 5 * 2**20))
     with pytest.raises(TopologyError, match="GiB free") as e:
-        probe(cpu_standin(1, 2**30), tmp_path, **FAST)
+        probe(cpu_standin(1, 2**30), tmp_path, size_mb=8, repeats=1)
     assert str(tmp_path) in str(e.value)
     assert list(tmp_path.iterdir()) == []
 
@@ -115,7 +115,7 @@ def test_o_direct_refused_falls_back_to_buffered(tmp_path, monkeypatch):
         return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", fake_open)
-    m = _measured(probe(cpu_standin(1, 2**30), tmp_path, **FAST))
+    m = _measured(probe(cpu_standin(1, 2**30), tmp_path, size_mb=8, repeats=1))
     assert m.ssd_read_gbps > 0 and m.ssd_write_gbps > 0
     assert any("O_DIRECT" in n and "page cache" in n for n in m.notes)
     assert list(tmp_path.iterdir()) == []
@@ -130,7 +130,7 @@ def test_short_write_names_file_and_offset(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "write", short_write)
     with pytest.raises(TopologyError, match=r"short write to .*probe.* at offset \d+: 4096 of .*errno") as e:
-        probe(cpu_standin(1, 2**30), tmp_path, **FAST)
+        probe(cpu_standin(1, 2**30), tmp_path, size_mb=8, repeats=1)
     assert str(tmp_path) in str(e.value)
     assert list(tmp_path.iterdir()) == []
 
@@ -146,7 +146,7 @@ def test_failing_write_names_errno(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "write", failing_write)
     with pytest.raises(TopologyError, match=rf"offset \d+: errno {errno.ENOSPC}"):
-        probe(cpu_standin(1, 2**30), tmp_path, **FAST)
+        probe(cpu_standin(1, 2**30), tmp_path, size_mb=8, repeats=1)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -214,7 +214,7 @@ def test_gpu_probe(tmp_path):
 
     n = torch.cuda.device_count()
     t = cpu_standin(n, 2**30)
-    f = probe(t, None, **FAST)
+    f = probe(t, None, size_mb=8, repeats=1)
     m = _measured(f)
     assert len(m.h2d_gbps) == n and all(v > 0 for v in m.h2d_gbps)
     assert len(m.h2d_group_gbps) == n and all(v > 0 for v in m.h2d_group_gbps)

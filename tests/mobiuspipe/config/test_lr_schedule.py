@@ -14,6 +14,7 @@ from mobiuspipe.data.dataset import open_data
 from mobiuspipe.errors import ConfigError, PipelineError
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
+from mobiuspipe.runtime.host_threads import rank_threads
 from mobiuspipe.startup.config_plan import model_spec, plan_for_config
 
 
@@ -62,7 +63,7 @@ def _cfg():
 
 def _run(cfg, memory=None):
     t = cfg.train
-    torch.set_num_threads(cfg.runtime.threads)  # as train() does, and as the reference does
+    torch.set_num_threads(rank_threads(cfg.runtime.threads))  # as train() does, and as the reference does
     data = open_data(cfg.data, cfg.model.seq_len, t.seed, cfg.model.vocab_size)
     opt = partial(CPUAdam, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
     plan = plan_for_config(cfg)

@@ -21,6 +21,7 @@ from mobiuspipe.data.dataset import open_data, open_eval
 from mobiuspipe.data.tokenizer import load_tokenizer
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
+from mobiuspipe.runtime.host_threads import rank_threads
 from mobiuspipe.startup.config_plan import model_spec, plan_for_config
 
 WORDS = "the cat sat on mat quick brown fox pipelines stream weights Ünïcode 12345 dog lazy , .".split()
@@ -180,7 +181,7 @@ def test_a_pipelined_run_on_tokenized_jsonl_equals_plain_pytorch(tmp_path, token
     data = open_data(cfg.data, cfg.model.seq_len, t.seed, cfg.model.vocab_size)
     optimizer = partial(CPUAdam, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
     losses, threads = [], torch.get_num_threads()
-    torch.set_num_threads(cfg.runtime.threads)  # as train() does, and as the reference does
+    torch.set_num_threads(rank_threads(cfg.runtime.threads))  # as train() does, and as the reference does
     try:
         with Pipeline(
             layer_factories(model_spec(cfg), t.seed), lm_loss, plan=plan_for_config(cfg), optimizer=optimizer

@@ -83,7 +83,9 @@ def _config(folder, write_config) -> str:
     folder.mkdir()
     model = {"num_blocks": 2, "d_model": 16, "num_heads": 2, "seq_len": 16}
     train = {"steps": 3, "precision": "fp32", "out_dir": str(folder / "out"), "tensorboard": False}
-    return str(write_config(folder, {"model": model, "train": train, "plan": {"num_gpus": 2, "num_stages": 4}}))
+    runtime = {"threads": 1}  # two hosts of one rank take every core each by default: the same threads as one host
+    doc = {"model": model, "train": train, "plan": {"num_gpus": 2, "num_stages": 4}, "runtime": runtime}
+    return str(write_config(folder, doc))
 
 
 def _train(config: str, *node: str) -> subprocess.Popen:

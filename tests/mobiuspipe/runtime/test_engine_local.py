@@ -13,6 +13,7 @@ from mobiuspipe.config import config_from_dict
 from mobiuspipe.data.dataset import open_data
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
+from mobiuspipe.runtime.host_threads import rank_threads
 from mobiuspipe.startup.config_plan import model_spec, plan_for_config
 
 
@@ -29,7 +30,7 @@ def _cfg(blocks: int, d: int, heads: int, seq: int, batch: int, m: int, stages: 
 
 def _run_local(cfg) -> tuple[list[float], dict[str, torch.Tensor], int, int]:
     threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.runtime.threads)  # as train() does, and as the reference does
+    torch.set_num_threads(rank_threads(cfg.runtime.threads))  # as train() does, and as the reference does
     try:
         return _engine_run(cfg)
     finally:
