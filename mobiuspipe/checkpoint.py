@@ -174,6 +174,9 @@ def snapshot(pipe: Checkpointed, folder: Path) -> Snapshot:
         stage.wait_update()
         rel = f"rank{pipe.rank}/stage{j}"
         t, extra = stage.states.export_state(folder / rel)
+        lagging = stage.lagging_weights()  # the delayed update: what the next (delayed) step loads
+        if lagging is not None:
+            t["lagging"], extra["last_update"] = lagging[0].clone(), lagging[1]
         tensors.update({f"stage{j}/{k}": v.contiguous() for k, v in t.items()})
         if "records" in extra:
             extra["dir"] = rel
@@ -263,7 +266,10 @@ def load_checkpoint(pipe: Checkpointed, folder: Path, run: dict | None = None) -
         own = {k[len(f"stage{j}/") :]: v for k, v in tensors.items() if k.startswith(f"stage{j}/")}
         extra = state["stages"][str(j)]
         try:
+            lagging = own.pop("lagging", None)
             stage.states.import_state(own, extra, folder / extra["dir"] if "dir" in extra else None)
+            if stage.versions > 1:
+                stage.resume_lagging(lagging, extra.get("last_update", -1))
         except RecordError as e:
             raise CheckpointError(
                 f"checkpoint {folder}: stage {j}'s states are damaged: {e}; remove {folder} to resume from the one "

@@ -105,6 +105,7 @@ class Pipeline:
         trace_steps: Sequence[int] = (),
         lora: LoraSpec | None = None,
         adapters: Start | None = None,
+        delayed_update: int | None = None,
     ):
         """Build this rank's stages.
 
@@ -144,13 +145,23 @@ class Pipeline:
           layer ("layer.self_attn.q_proj.lora_A.weight") -> tensor (for a PEFT adapter folder DIR of a Hugging
           Face model m: mobiuspipe.models.hf_export.adapter_layers(m, mobiuspipe.lora.peft_format.load_adapter(DIR)
           [1])).
+        delayed_update: N, ZeRO-Offload's one-step delayed parameter update from optimizer step N on: step s >= N
+          computes on the weights before the update of step s - 1, which runs on the host while step s computes
+          (clipped or skipped as step s - 1 asked); the steps before N update before the next step loads. Every
+          pending update is applied before state_dict(), a checkpoint or close() returns. None: off. The weights
+          the device loads and the offloaded gradients are then kept twice in host memory.
         """
         if accumulation_steps < 1 or (max_grad_norm is not None and not max_grad_norm > 0):
             raise PipelineError(
                 f"accumulation_steps {accumulation_steps!r} must be >= 1 and max_grad_norm {max_grad_norm!r} "
                 f"positive (or None for no clipping)"
             )
+        if delayed_update is not None and delayed_update < 0:
+            raise PipelineError(
+                f"delayed_update {delayed_update!r}: expected the first delayed optimizer step, >= 0 (or None: off)"
+            )
         self.accumulation_steps, self.max_grad_norm = accumulation_steps, max_grad_norm
+        self.delayed_update = delayed_update
         makers = factories(layers)
         if adapters is not None and lora is None:
             raise PipelineError("adapters= continues a saved LoRA adapter: give its LoraSpec as lora= beside it")
@@ -248,6 +259,7 @@ class Pipeline:
         device = Device(self.info.local_rank)
         dtype = TORCH_DTYPES[self.precision]
         tiers = self._state_tiers(make_optimizer, {j: plan.stages[j].trains for j in mine})  # LoRA: the adapters
+        self._check_delayed()
         stages = {}
         for j in mine:  # one stage's layers at a time: they become its states before the next is built
             layers = {l: build(makers[l], l) for l in plan.stages[j].layers}
@@ -265,6 +277,7 @@ class Pipeline:
                 weights_on_ssd=on_ssd,
                 frozen_store=frozen_store,
                 on_device=on_device,
+                versions=1 if self.delayed_update is None else 2,
             )
         m, swapped = plan.num_microbatches, swap_tiers(plan, self.memory, self.activations)
         self.plan = plan_as_run(plan, self.activations, swapped, device.is_cuda)  # its walk is this run's
@@ -291,6 +304,20 @@ class Pipeline:
             update_cores=self._update_cores(device),
         )
 
+    def _check_delayed(self) -> None:
+        """The delayed update keeps two versions of the loaded weights and gradients in host memory: every rank
+        refuses it alike where some stage keeps them on the SSD or the gpu (state_tiers are every rank's)."""
+        if self.delayed_update is None:
+            return
+        other = sorted(j for j, (opt, wts) in self.state_tiers.items() if wts != "host")
+        if other:
+            raise PipelineError(
+                f"delayed_update: stages {other} keep their weights and gradients on the "
+                f"{self.state_tiers[other[0]][1]} (memory.weights ssd, or memory.optimizer device), where the delayed "
+                f"update does not run yet (it keeps two versions of them in host memory); keep them in host memory "
+                f"(memory.weights: host, memory.optimizer: host, ssd or auto), or drop the delayed update"
+            )
+
     def _update_cores(self, device: Device) -> set[int] | None:
         """The cores of this rank's gpu (its NUMA node's, as the plan's topology records them) that the host update
         runs on; None off a gpu or where the topology does not know them (mobiuspipe.runtime.host_threads)."""
@@ -311,8 +338,9 @@ class Pipeline:
     def _state_tiers(self, make_optimizer: OptimizerFactory, params: dict[int, int]) -> dict[int, SsdTier | None]:
         """Stage j -> its SSD tier or None (host), agreed with every rank (mobiuspipe.startup.tiers)."""
         recorded = {j: (self.plan.stages[j].optimizer_tier, self.plan.stages[j].weights_tier) for j in params}
+        versions = 1 if self.delayed_update is None else 2  # the delayed update keeps two of the loaded weights
         self.placement, self.state_tiers, self.store, tiers = agree_on_tiers(
-            self.info, self.memory, TORCH_DTYPES[self.precision].itemsize, make_optimizer, params, recorded
+            self.info, self.memory, TORCH_DTYPES[self.precision].itemsize, make_optimizer, params, recorded, versions
         )
         return tiers
 
@@ -384,6 +412,7 @@ class Pipeline:
                 want_norm=last and self.max_grad_norm is not None,
                 hold_updates=not last or self._hold_updates,
                 lr=self._lr,
+                lag=self._delayed(self.step),
             )
             part, t = engine.run_step(xp, yp, options)
             if not last:
@@ -396,8 +425,17 @@ class Pipeline:
     @property
     def _hold_updates(self) -> bool:
         """Whether every update of a step waits for its whole backward (fp16's overflow check, clipping's norm,
-        or the serialized baseline)."""
-        return self.scaler is not None or self.max_grad_norm is not None or not self.overlap_updates
+        the serialized baseline, or a step whose update the next step does not wait for: the delayed update)."""
+        return (
+            self.scaler is not None
+            or self.max_grad_norm is not None
+            or not self.overlap_updates
+            or self._delayed(self.step + 1)
+        )
+
+    def _delayed(self, step: int) -> bool:
+        """Whether optimizer step `step` computes on the weights before the update of the step before it."""
+        return self.delayed_update is not None and step >= self.delayed_update
 
     def _clip(self, tied_sumsq: float, loss_scale: float) -> tuple[float, float]:
         """(the global gradient norm, what the updates divide the gradients by): the loss scale, times

@@ -232,6 +232,7 @@ def _predicted(plan: Plan, topo: Topology, memory: MemoryPlan) -> Prediction:
         ssd=ssd.link,
         host_cores=host_cores(topo),
         overhead_s=loop_overhead(topo),
+        delayed=memory.budget.delayed,
     )
     bound = step_bound(sim, stages, topo, ssd.link)
     placed = tuple(

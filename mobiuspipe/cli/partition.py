@@ -93,6 +93,12 @@ def register(sub) -> None:
         "records it, else unlimited)",
     )
     p.add_argument(
+        "--delayed-update",
+        action="store_true",
+        help="plan a run with the delayed update (train.delayed_update): each step's host updates run during the "
+        "next step, so the step is the longer of the pipeline and the updates",
+    )
+    p.add_argument(
         "--activation-tiers",
         default="host",
         metavar="TIERS",
@@ -138,9 +144,9 @@ def register(sub) -> None:
 
 def budget_of(args: argparse.Namespace, topo: Topology) -> HostBudget:
     """The host budget of --host-memory-gb (GiB), else the topology's; CliError for a value that is not > 0."""
-    text = getattr(args, "host_memory_gb", None)
+    text, delayed = getattr(args, "host_memory_gb", None), bool(getattr(args, "delayed_update", False))
     if text is None:
-        return host_budget(topo)
+        return dataclasses.replace(host_budget(topo), delayed=delayed)
     try:
         gib = float(text)
     except ValueError:
@@ -151,7 +157,7 @@ def budget_of(args: argparse.Namespace, topo: Topology) -> HostBudget:
             f"{text!r}: give the server's DRAM (e.g. --host-memory-gb 512), or leave the option out to use the "
             f"topology's (unlimited when it does not record it)"
         )
-    return host_budget(topo, int(gib * GiB))
+    return dataclasses.replace(host_budget(topo, int(gib * GiB)), delayed=delayed)
 
 
 def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile, HostBudget]:
@@ -258,11 +264,12 @@ def _given_profile(path: str, spec: ModelSpec) -> Profile:
 def _config_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile, HostBudget]:
     """The plan `mobiuspipe train` makes at start-up for this config (model, devices, stages, mapping, tiers)."""
     given = [f for f in ("model", "stages", "host_memory_gb") if getattr(args, f) is not None]
+    given += ["delayed_update"] if getattr(args, "delayed_update", False) else []
     if given:
         got = ", --".join(g.replace("_", "-") for g in given)
         raise CliError(
-            f"--config takes the model, stages and host memory from its file (plan.num_stages, "
-            f"memory.host_budget_mb per rank); found --{got}: drop them or drop --config"
+            f"--config takes the model, stages, host memory and delayed update from its file (plan.num_stages, "
+            f"memory.host_budget_mb per rank, train.delayed_update); found --{got}: drop them or drop --config"
         )
     from mobiuspipe.config import load_config
     from mobiuspipe.startup.config_plan import (

@@ -65,6 +65,14 @@ class TrainConfig(Section):
     accumulation_steps: int = 1
     """Pipeline passes per optimizer step (count): each pass is data.batch_size sequences, their gradients
     summed before one update, so a step trains on accumulation_steps * batch_size sequences."""
+    delayed_update: int | None = None
+    """ZeRO-Offload's one-step delayed parameter update from this optimizer step on (0-based): step s >= N computes
+    its gradients on the weights before the update of step s - 1, which the host runs meanwhile, so the update leaves
+    the critical path (the steps before N update before the next step starts). Clipping, fp16's skipped steps and
+    accumulation apply to each step's own gradients as without it. Every pending update is applied before each
+    checkpoint, the export and the end of the run; a checkpoint keeps the weights the next step loads, so a resume
+    repeats the run bit for bit. The weights the device loads and the offloaded gradients are kept twice in host
+    memory (memory.weights host). null = off."""
     precision: str = "bf16"
     """Dtype of the weights and gradients on the device: "bf16" (default), "fp16" (with dynamic loss
     scaling) or "fp32"; the master weights and Adam moments stay fp32 on the host. The plan's dtype."""
@@ -123,6 +131,11 @@ class TrainConfig(Section):
     def check_values(self) -> list[Problem]:
         return [
             *at_least(self, "steps", 1, "run at least 1 step, e.g. 20"),
+            *(
+                at_least(self, "delayed_update", 0, "start the delayed update at a step >= 0, e.g. 2, or null (off)")
+                if self.delayed_update is not None
+                else []
+            ),
             *positive(self, "lr", "use a positive learning rate such as 0.003"),
             *rule(
                 self.lr_schedule in SCHEDULES,

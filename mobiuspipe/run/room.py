@@ -54,11 +54,23 @@ def placements(cfg: RunConfig, plan: Plan) -> tuple[dict[int, Placement], list[P
         recorded = {j: (plan.stages[j].optimizer_tier, plan.stages[j].weights_tier) for j in params}
         try:
             placed[g] = run_placement(
-                mem.optimizer, mem.weights, recorded, params, int(mem.host_budget_mb * MiB), least_share(b), b
+                mem.optimizer,
+                mem.weights,
+                recorded,
+                params,
+                int(mem.host_budget_mb * MiB),
+                least_share(b),
+                b,
+                _versions(cfg),
             )
         except BudgetShortfall as e:
             short[g] = e
     return placed, [shortfall_problem(short, mem.host_budget_mb)] if short else []
+
+
+def _versions(cfg: RunConfig) -> int:
+    """The versions of its weights and gradients each stage keeps in host memory: 2 with train.delayed_update."""
+    return 1 if cfg.train.delayed_update is None else 2
 
 
 def shortfall_problem(short: dict[int, BudgetShortfall], budget_mb: float) -> Problem:
@@ -145,7 +157,9 @@ def host_bytes_of(cfg: RunConfig, plan: Plan, g: int, placement: Placement) -> d
     for j in plan.stages_of(g):
         s = plan.stages[j]
         opt, wts = placement.optimizer[j], placement.weights[j]
-        out["states"] += host_bytes(s.trains, opt, wts, b) + (placement.slot_bytes if opt == "ssd" else 0)
+        out["states"] += host_bytes(s.trains, opt, wts, b, _versions(cfg)) + (
+            placement.slot_bytes if opt == "ssd" else 0
+        )
         if s.frozen_bytes:
             out["frozen"] += s.frozen_bytes if cfg.memory.frozen == "host" else FROZEN_STREAM_BYTES
         if cfg.memory.activation_tier in ("plan", "host"):

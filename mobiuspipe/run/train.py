@@ -111,6 +111,7 @@ def _train(
         tied=hf.tied_params() if hf else (),
         accumulation_steps=t.accumulation_steps,
         max_grad_norm=t.max_grad_norm,
+        delayed_update=t.delayed_update,
         trace_steps=cfg.runtime.trace_steps,
         lora=lora,
         adapters=starting_adapters(cfg, hf),

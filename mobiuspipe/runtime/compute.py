@@ -106,6 +106,9 @@ class StepOptions:
     """Every host update waits for start_updates (a pass before the last; fp16's overflow check, clipping's norm)."""
     lr: float | None = None
     """The learning rate of the updates this pass starts (bound when each starts); None: the optimizer's own."""
+    lag: bool = False
+    """A delayed step (train.delayed_update): its LOADs read the weights before the update of the step before, which
+    runs while this step computes."""
 
 
 class Compute:

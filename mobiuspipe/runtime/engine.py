@@ -189,8 +189,9 @@ class Engine:
 
     # -- weights -------------------------------------------------------------------------------
     def _load(self, a: Action) -> None:
+        options = self.options
         with Stopwatch() as sw:
-            self.stages[a.stage].load(self.arena)
+            self.stages[a.stage].load(self.arena, options.step if options.lag else None)
         self.state.times.load_s += sw.s
 
     def _release(self, a: Action) -> None:
@@ -199,7 +200,7 @@ class Engine:
     def _offload(self, a: Action) -> None:
         stage = self.stages[a.stage]
         with Stopwatch() as sw:
-            stage.offload(self.arena, self.options.accumulate, self.options.want_norm)
+            stage.offload(self.arena, self.options.accumulate, self.options.want_norm, self.options.step)
         self.state.times.load_s += sw.s
         if self.options.hold_updates or a.stage in self._held:
             self._deferred.append(stage)
@@ -222,7 +223,7 @@ class Engine:
         """Start stage's host update at this step's learning rate (traced as "U" when the step is)."""
         step = self.state.step
         note = partial(self.trace.add, step, "U", stage.index, -1) if self.trace.wants(step) else None
-        stage.start_update(self.updater, grad_scale, self.options.lr, note)
+        stage.start_update(self.updater, grad_scale, self.options.lr, note, step)
 
     def grad_sumsq(self) -> float:
         """The squared norm of the gradients this rank offloaded in this step (each stage's, summed)."""

@@ -97,10 +97,12 @@ class Stage:
         weights_on_ssd: bool = False,
         frozen_store: SSDStore | None = None,
         on_device: AdamHyper | None = None,
+        versions: int = 1,
     ):
         """ssd: the SSD tier of the optimizer states (None: host), weights_on_ssd: of the weights and gradients too;
         frozen_store: the store that keeps the frozen weights (None: host memory); on_device: keep the states on the
-        gpu, stepped by AdamW with these hyper-parameters (DeviceStates)."""
+        gpu, stepped by AdamW with these hyper-parameters (DeviceStates); versions: 2 for the delayed update (the
+        loaded weights and the gradients kept twice: HostStates and SsdStates only)."""
         self.index, self.dtype = index, dtype
         self.order = sorted(layers)
         self.params = _param_slices(layers, self.order, trainable=True)
@@ -123,9 +125,9 @@ class Stage:
         if on_device is not None:
             self.states = DeviceStates(flat, dtype, device, on_device)
         elif ssd is None:
-            self.states = HostStates(flat, dtype, device.pin, make_optimizer)
+            self.states = HostStates(flat, dtype, device.pin, make_optimizer, versions)
         elif not weights_on_ssd:
-            self.states = SsdStates(flat, dtype, device.pin, ssd, f"stage{index}")
+            self.states = SsdStates(flat, dtype, device.pin, ssd, f"stage{index}", versions)
         else:
             self.states = SsdStreamStates(flat, dtype, ssd, f"stage{index}")
         self.device = device
@@ -136,20 +138,33 @@ class Stage:
         self.weights: Slot | None = None
         self.grads: Slot | None = None
         self.loading: list[CopyHandle] = []
-        self.updating: Future | None = None
+        self.versions = versions
+        self._updates: list[Future] = []
+        """The host updates started and not yet waited for, oldest first."""
+        self._newest = 0
+        """The version of the weights the last update started writes (the initial weights: 0)."""
+        self._last_update = -1
+        """The optimizer step whose update started last (-1: none)."""
         self._leaves: list[torch.Tensor] = []
         self._forward_leaves: list[torch.Tensor] = []
         """Weight leaves of the graphs a keep or selective forward visit keeps until the backward (views of that
         visit's slot, whose bytes are never read again: their .grad is all the backward touches)."""
 
     # -- weights: host tier <-> arena -------------------------------------------------------------
-    def load(self, arena: DeviceArena) -> None:
-        """Start copying the weights into a free slot (after this stage's pending update): the trainable ones from
-        their tier, then the frozen ones."""
-        self.wait_update()
+    def load(self, arena: DeviceArena, lag_of: int | None = None) -> None:
+        """Start copying the weights into a free slot: the trainable ones from their tier, then the frozen ones. The
+        weights after every update started (waited for); lag_of (a delayed step of the delayed update: its optimizer
+        step): the weights before the update of step lag_of - 1, which may still run while this step computes."""
+        version = self._newest
+        if lag_of is not None and self._last_update == lag_of - 1 and self.versions > 1:
+            self._wait_updates(leave=1)  # every update but the step before's, which writes the other version
+            version = 1 - self._newest
+        else:
+            self.wait_update()
         self.weights = arena.acquire(self.weight_nbytes, f"stage {self.index} weights")
         after = self.weights.take_busy()
-        self.loading = [self.states.load_into(self.weights.view(self.dtype, self.numel), self.device, after)]
+        dst = self.weights.view(self.dtype, self.numel)
+        self.loading = [self.states.load_into(dst, self.device, after, version)]
         if self.frozen_weights is not None:
             frozen = self.weights.data[self.frozen_start : self.weight_nbytes]
             self.loading.append(self.frozen_weights.load_into(frozen, self.device, after))
@@ -179,12 +194,14 @@ class Stage:
             for p, w in zip(self.params, leaves):
                 w.grad = p.of(gflat)
 
-    def offload(self, arena: DeviceArena, accumulate: bool = False, norm: bool = False) -> None:
+    def offload(self, arena: DeviceArena, accumulate: bool = False, norm: bool = False, step: int = 0) -> None:
         """Start copying the accumulated gradients to the host tier (which adds them to its gradients: accumulate)
         on the copy-out stream, and free their slot for whoever orders after that copy; with norm the tier notes
-        the squared norm of its gradients (states.grad_sumsq)."""
+        the squared norm of its gradients (states.grad_sumsq). `step`: the optimizer step, whose parity picks the
+        gradient buffer with two versions (the update of the step before may still read the other)."""
         grads = _held(self.grads, self.index, "gradients")
-        copy = self.states.take_grads(grads.view(self.dtype, self.numel), self.device, accumulate, norm)
+        into = step % self.versions
+        copy = self.states.take_grads(grads.view(self.dtype, self.numel), self.device, accumulate, norm, into)
         arena.release(grads, [copy] if copy is not None else [])
         self.grads, self._leaves, self._forward_leaves = None, [], []
 
@@ -193,22 +210,52 @@ class Stage:
         return self.states.grads_finite()
 
     def start_update(
-        self, updater: Executor, grad_scale: float = 1.0, lr: float | None = None, note: Callable | None = None
+        self,
+        updater: Executor,
+        grad_scale: float = 1.0,
+        lr: float | None = None,
+        note: Callable | None = None,
+        step: int = 0,
     ) -> None:
-        """Start the host update of the offloaded gradients (divided by grad_scale) on `updater`, at learning
-        rate lr (None: the optimizer's own); note(start), if given, is called when it ends (a trace's record)."""
-        self.updating = updater.submit(self._update, grad_scale, lr, note)
+        """Start the host update of optimizer step `step`'s offloaded gradients (divided by grad_scale) on
+        `updater`, at learning rate lr (None: the optimizer's own); note(start), if given, is called when it ends (a
+        trace's record). With two versions it writes the one the last update did not (which a delayed step may be
+        loading), from the gradient buffer of its step."""
+        out = 1 - self._newest if self.versions > 1 else 0
+        grads = step % self.versions
+        self._updates.append(updater.submit(self._update, grad_scale, lr, note, grads, out))
+        self._newest, self._last_update = out, step
 
-    def _update(self, grad_scale: float, lr: float | None, note: Callable | None) -> None:
+    def _update(self, grad_scale: float, lr: float | None, note: Callable | None, grads: int, out: int) -> None:
         start = time.perf_counter()
-        self.states.step(grad_scale, lr)
+        self.states.step(grad_scale, lr, grads, out)
         if note is not None:
             note(start)
 
     def wait_update(self) -> None:
-        if self.updating is not None:
-            self.updating.result()
-            self.updating = None
+        """Wait for every update started (after it, the states hold every step's)."""
+        self._wait_updates(leave=0)
+
+    def _wait_updates(self, leave: int) -> None:
+        """Wait for the updates started but the last `leave` of them."""
+        while len(self._updates) > leave:
+            self._updates.pop(0).result()
+
+    def lagging_weights(self) -> tuple[torch.Tensor, int] | None:
+        """With two versions, after wait_update: (the weights a delayed step after the last update loads, that
+        update's step), what a checkpoint keeps beside the states; None with one version or before any update."""
+        if self.versions == 1 or self._last_update < 0:
+            return None
+        assert isinstance(self.states, HostStates)  # SsdStates too: the tiers that keep two versions
+        return self.states.version(1 - self._newest), self._last_update
+
+    def resume_lagging(self, weights: torch.Tensor | None, last_update: int) -> None:
+        """After the states are restored (every version their newest weights): the weights a delayed step loads (None:
+        the newest) and the step whose update the checkpoint holds the last of (a checkpoint's lagging_weights)."""
+        self._updates, self._newest, self._last_update = [], 0, last_update
+        if weights is not None:
+            assert isinstance(self.states, HostStates)
+            self.states.version(1).copy_(weights)
 
     # -- compute ----------------------------------------------------------------------------------
     def trainable_keys(self) -> list[str]:

@@ -85,38 +85,65 @@ class SsdTier:
 
 class HostStates:
     """The master weights as one flat fp32 parameter in host memory (pinned on CUDA), stepped by the
-    optimizer the factory makes; the fp32 master is itself what fp32 training loads. The device-dtype
-    weights (bf16/fp16) and the offloaded gradients are host tensors too."""
+    optimizer the factory makes; the fp32 master is itself what fp32 training loads (one version). The device-dtype
+    weights (bf16/fp16) and the offloaded gradients are host tensors too.
 
-    def __init__(self, flat: torch.Tensor, dtype: torch.dtype, pin, make_optimizer):
+    versions 2 (the delayed update, train.delayed_update): the weights the device loads and the offloaded gradients
+    are kept twice, so that a step's loads read one version of the weights while the update of the step before
+    writes the other from the other gradients (mobiuspipe.runtime.stage.Stage picks them); in fp32 the loaded
+    versions are then copies of the master, which that update changes in place."""
+
+    def __init__(self, flat: torch.Tensor, dtype: torch.dtype, pin, make_optimizer, versions: int = 1):
         self._pin, self._incoming = pin, None
-        self._taking: tuple[CopyHandle, bool, bool] | None = None  # the offload in flight: copy, accumulate, norm
+        self._taking: tuple[CopyHandle, bool, bool, int] | None = None  # in flight: copy, accumulate, norm, into
         self._settling = threading.Lock()
-        self.loads_master = dtype == torch.float32
+        self.loads_master = dtype == torch.float32 and versions == 1
         """fp32 training: the device loads the master itself and master.grad is the offloaded gradient buffer."""
         self.master = nn.Parameter(pin(flat) if self.loads_master else flat)  # pinned only where copies read it
-        self.weights = self.master.data if self.loads_master else pin(flat.to(dtype))
-        self.grads = pin(torch.zeros(flat.numel(), dtype=dtype))
+        first = self.master.data if self.loads_master else pin(flat.to(dtype, copy=True))
+        self._weights = [first] + [pin(flat.to(dtype, copy=True)) for _ in range(versions - 1)]
+        self._grads = [pin(torch.zeros(flat.numel(), dtype=dtype)) for _ in range(versions)]
+        self._taken = 0
+        """The gradient buffer take_grads filled last (what the norm, the overflow check and a tied exchange read)."""
         self.sumsq: float | None = None
         """The squared L2 norm of the gradients take_grads last took, when asked for it (read: grad_sumsq)."""
         if self.loads_master:
-            self.master.grad = self.grads
+            self.master.grad = self._grads[0]
         self.optimizer = make_optimizer([self.master])
 
-    def load_into(self, dst: torch.Tensor, device: Device, after: Sequence[CopyHandle] = ()) -> CopyHandle:
-        """Start copying the weights the device computes with into dst (its arena slot, flat), after `after`: every
-        user of dst (its slot's release mark and the copies that still read it)."""
-        return device.copy_in(dst, self.weights, after, computed=False)
+    @property
+    def weights(self) -> torch.Tensor:
+        """The device-dtype weights of version 0 (the only one without the delayed update)."""
+        return self._weights[0]
 
-    def take_grads(self, src: torch.Tensor, device: Device, accumulate: bool = False, norm: bool = False) -> CopyHandle:
+    @property
+    def grads(self) -> torch.Tensor:
+        """The gradients take_grads took last."""
+        return self._grads[self._taken]
+
+    def version(self, i: int) -> torch.Tensor:
+        """Version i of the weights the device loads (a checkpoint saves the one a delayed step reads)."""
+        return self._weights[i]
+
+    def load_into(
+        self, dst: torch.Tensor, device: Device, after: Sequence[CopyHandle] = (), version: int = 0
+    ) -> CopyHandle:
+        """Start copying the weights the device computes with (their `version`) into dst (its arena slot, flat),
+        after `after`: every user of dst (its slot's release mark and the copies that still read it)."""
+        return device.copy_in(dst, self._weights[version], after, computed=False)
+
+    def take_grads(
+        self, src: torch.Tensor, device: Device, accumulate: bool = False, norm: bool = False, into: int = 0
+    ) -> CopyHandle:
         """Start copying the stage's accumulated gradients (flat, device dtype) off the device on the copy-out
-        stream, into the gradients (or, accumulate: into a buffer that _settle adds to the ones taken before);
-        with norm, _settle notes the squared L2 norm of the result (float64). Nothing here blocks the compute
+        stream, into gradient buffer `into` (or, accumulate: into a buffer that _settle adds to the ones taken
+        before); with norm, _settle notes the squared L2 norm of the result (float64). Nothing here blocks the compute
         thread: whoever reads the gradients (the update, the overflow check, the norm, a tied exchange) settles
         them first. Returns the copy (the slot src lies in is free once it has ended)."""
         self._settle()  # the previous pass's gradients are in before this pass's are added to them
-        copy = device.copy_out(self._incoming_buffer() if accumulate else self.grads, src)
-        self._taking = (copy, accumulate, norm)
+        copy = device.copy_out(self._incoming_buffer() if accumulate else self._grads[into], src)
+        self._taking = (copy, accumulate, norm, into)
+        self._taken = into
         return copy
 
     def _settle(self) -> None:
@@ -125,17 +152,17 @@ class HostStates:
         with self._settling:
             if self._taking is None:
                 return
-            copy, accumulate, norm = self._taking
+            copy, accumulate, norm, into = self._taking
             copy.synchronize()
             if accumulate:
-                self.grads.add_(self._incoming_buffer())
-            self.sumsq = sum_of_squares(self.grads) if norm else None
+                self._grads[into].add_(self._incoming_buffer())
+            self.sumsq = sum_of_squares(self._grads[into]) if norm else None
             self._taking = None
 
     def _incoming_buffer(self) -> torch.Tensor:
         """A host buffer like the gradients, for an accumulated pass on its way (made at the first one)."""
         if self._incoming is None:
-            self._incoming = self._pin(torch.empty_like(self.grads))
+            self._incoming = self._pin(torch.empty_like(self._grads[0]))
         return self._incoming
 
     def grad_sumsq(self) -> float:
@@ -157,25 +184,30 @@ class HostStates:
         self._settle()
         self.grads[offset : offset + t.numel()].add_(t)
 
-    def step(self, grad_scale: float, lr: float | None = None) -> None:
-        """One update from the offloaded gradients divided by grad_scale, at lr (None: the optimizer's own)."""
+    def step(self, grad_scale: float, lr: float | None = None, grads: int = 0, out: int = 0) -> None:
+        """One update from gradient buffer `grads` divided by grad_scale, at lr (None: the optimizer's own), the next
+        weights written into version `out`."""
         self._settle()
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-        if self.loads_master:
+        g, weights = self._grads[grads], self._weights[out]
+        if g.dtype == torch.float32:  # fp32: the update reads master.grad, the buffer itself
             if grad_scale != 1.0:
-                self.grads.mul_(1.0 / grad_scale)  # master.grad is this buffer
+                g.mul_(1.0 / grad_scale)
+            self.master.grad = g
             self.optimizer.step()
+            if not self.loads_master:
+                weights.copy_(self.master.data)
             return
-        grad = self.grads if grad_scale == 1.0 else self.grads.float().mul_(1.0 / grad_scale)
+        grad = g if grad_scale == 1.0 else g.float().mul_(1.0 / grad_scale)
         step_fused = getattr(self.optimizer, "step_fused", None)
         if step_fused is not None:
-            step_fused({self.master: self.weights}, grads={self.master: grad})
+            step_fused({self.master: weights}, grads={self.master: grad})
             return
         self.master.grad = grad.float()
         self.optimizer.step()
-        self.weights.copy_(self.master.data)
+        weights.copy_(self.master.data)
 
     def master_weights(self) -> torch.Tensor:
         return plain(self.master.data)
@@ -196,7 +228,8 @@ class HostStates:
         export_state linked the files of states on SSD."""
         self.master.data.copy_(tensors["master"])
         if not self.loads_master:
-            self.weights.copy_(self.master.data)
+            for w in self._weights:
+                w.copy_(self.master.data)
         state = {k[4:]: v for k, v in tensors.items() if k.startswith("opt/")}
         sd = self.optimizer.state_dict()
         groups = extra.get("param_groups") or [
@@ -240,19 +273,26 @@ class DeviceStates:
         out["exp_avg_sq"] = state["exp_avg_sq"]
         return out if self.loads_master else {**out, "weights": self.weights}
 
-    def load_into(self, dst: torch.Tensor, device: Device, after: Sequence[CopyHandle] = ()) -> CopyHandle:
+    def load_into(
+        self, dst: torch.Tensor, device: Device, after: Sequence[CopyHandle] = (), version: int = 0
+    ) -> CopyHandle:
         """Copy the weights into dst (their arena slot) on the compute stream, after the noted update and the
-        `after` copies; returns a handle that has ended (the copy is ordered on the stream that computes)."""
+        `after` copies; returns a handle that has ended (the copy is ordered on the stream that computes). One
+        version (no delayed update)."""
+        _one_version(version)
         self._apply()
         for copy in after:
             copy.wait()
         dst.copy_(self.weights)
         return CopyHandle()
 
-    def take_grads(self, src: torch.Tensor, device: Device, accumulate: bool = False, norm: bool = False) -> None:
+    def take_grads(
+        self, src: torch.Tensor, device: Device, accumulate: bool = False, norm: bool = False, into: int = 0
+    ) -> None:
         """Copy (accumulate: add) the stage's gradients from its slot into the resident ones on the compute stream;
         with norm, their squared norm stays on the gpu until grad_sumsq reads it. None: nothing in flight, the slot
         is free for whatever the compute stream runs next."""
+        _one_version(into)
         if accumulate:
             self.grads.add_(src)
         else:
@@ -273,8 +313,9 @@ class DeviceStates:
         """Add host tensor t into the gradients from element offset on (a tied parameter's other half)."""
         self.grads[offset : offset + t.numel()].add_(self._device.to_device(t))
 
-    def step(self, grad_scale: float, lr: float | None = None) -> None:
+    def step(self, grad_scale: float, lr: float | None = None, grads: int = 0, out: int = 0) -> None:
         """Note one update from the gradients divided by grad_scale, at lr (the compute thread applies it)."""
+        _one_version(grads, out)
         if self._pending is not None:
             raise RuntimeError("a gpu-resident update was noted twice with no LOAD of the stage between them")
         self._pending = (grad_scale, lr)
@@ -321,6 +362,13 @@ class DeviceStates:
             group.update({k: v for k, v in saved.items() if k in group and k != "params"})
 
 
+def _one_version(*indices: int) -> None:
+    """A tier that keeps one version of its weights and gradients is asked for version 0 only (a Pipeline refuses
+    the delayed update over it first)."""
+    if any(indices):
+        raise RuntimeError(f"versions {indices} of a tier that keeps one: a bug in the Stage's choice of versions")
+
+
 def _tensor(v) -> torch.Tensor:
     """An optimizer state value as a tensor (torch keeps AdamW's step as a tensor; some keep a number)."""
     return v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=torch.float64)
@@ -363,20 +411,23 @@ class SsdStates(HostStates):
     """The master weights and both moments in the rank's SSD store (records `{prefix}/g...`), stepped by
     OutOfCoreAdam through the tier's host budget; the device-dtype weights and gradients stay in memory."""
 
-    def __init__(self, flat: torch.Tensor, dtype: torch.dtype, pin, tier: SsdTier, prefix: str):
+    def __init__(self, flat: torch.Tensor, dtype: torch.dtype, pin, tier: SsdTier, prefix: str, versions: int = 1):
         self._pin, self._incoming = pin, None
         self._taking, self._settling = None, threading.Lock()
-        self.weights = pin(flat.to(dtype))
-        self.grads = pin(torch.zeros(flat.numel(), dtype=dtype))
+        self.loads_master = False
+        self._weights = [pin(flat.to(dtype, copy=True)) for _ in range(versions)]
+        self._grads = [pin(torch.zeros(flat.numel(), dtype=dtype)) for _ in range(versions)]
+        self._taken = 0
         self.sumsq: float | None = None
         self.optimizer = _ooc_adam(flat, tier, prefix, tier.host_budget_bytes)
 
-    def step(self, grad_scale: float, lr: float | None = None) -> None:
+    def step(self, grad_scale: float, lr: float | None = None, grads: int = 0, out: int = 0) -> None:
         self._settle()
         if lr is not None:
             self.optimizer.lr = lr
-        grad = self.grads if grad_scale == 1.0 else self.grads.float().mul_(1.0 / grad_scale)
-        self.optimizer.step({"w": grad}, {"w": self.weights})
+        g = self._grads[grads]
+        grad = g if grad_scale == 1.0 else g.float().mul_(1.0 / grad_scale)
+        self.optimizer.step({"w": grad}, {"w": self._weights[out]})
 
     def master_weights(self) -> torch.Tensor:
         return self.optimizer.read_state(("param",))["w"]["param"]
@@ -386,7 +437,9 @@ class SsdStates(HostStates):
 
     def import_state(self, tensors: dict[str, torch.Tensor], extra: dict, link_dir: Path | None = None) -> None:
         _import_ooc(self.optimizer, tensors, extra, link_dir)
-        self.weights.copy_(self.master_weights())
+        master = self.master_weights()
+        for w in self._weights:
+            w.copy_(master)
 
 
 class SsdStreamStates:
@@ -400,12 +453,18 @@ class SsdStreamStates:
         self.stream = SsdWeights(tier.store, f"{prefix}/lowp", flat.to(dtype), self.optimizer.group_elems)
         self.sumsq: float | None = None
 
-    def load_into(self, dst: torch.Tensor, device: Device, after: Sequence[CopyHandle] = ()) -> CopyHandle:
+    def load_into(
+        self, dst: torch.Tensor, device: Device, after: Sequence[CopyHandle] = (), version: int = 0
+    ) -> CopyHandle:
+        _one_version(version)
         return device.stream_in(lambda copy: self.stream.load_into(dst, copy), after, computed=False)
 
-    def take_grads(self, src: torch.Tensor, device: Device, accumulate: bool = False, norm: bool = False) -> None:
+    def take_grads(
+        self, src: torch.Tensor, device: Device, accumulate: bool = False, norm: bool = False, into: int = 0
+    ) -> None:
         """Write the gradients to their SSD records through the staging buffers (the copy off the device is done
-        when this returns: None, no copy in flight)."""
+        when this returns: None, no copy in flight). One version (no delayed update)."""
+        _one_version(into)
         fp16 = src.dtype == torch.float16  # only fp16 asks grads_finite
         self.stream.save_grads(src, check_finite=fp16, accumulate=accumulate, norm=norm)
         self.sumsq = self.stream.sumsq
@@ -424,7 +483,8 @@ class SsdStreamStates:
     def add_grads(self, offset: int, t: torch.Tensor) -> None:
         self.stream.add_grads(offset, t)
 
-    def step(self, grad_scale: float, lr: float | None = None) -> None:
+    def step(self, grad_scale: float, lr: float | None = None, grads: int = 0, out: int = 0) -> None:
+        _one_version(grads, out)
         if lr is not None:
             self.optimizer.lr = lr
         self.stream.grad_scale = grad_scale

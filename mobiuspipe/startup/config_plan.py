@@ -162,9 +162,9 @@ def profile_count(cfg: RunConfig, profile: Profile) -> int:
 def run_budget(cfg: RunConfig) -> HostBudget:
     """The planner's host budget for a run: each rank's states placed by memory.optimizer and memory.weights under
     memory.host_budget_mb, the frozen base where memory.frozen says (partition.rules.tiers.RunMemory)."""
-    mem = cfg.memory
+    mem, delayed = cfg.memory, cfg.train.delayed_update is not None
     run = RunMemory(mem.optimizer, mem.weights, mem.frozen, int(mem.host_budget_mb * MiB))
-    return HostBudget(None, f"memory.host_budget_mb {mem.host_budget_mb:g} MiB per rank for the states", run)
+    return HostBudget(None, f"memory.host_budget_mb {mem.host_budget_mb:g} MiB per rank for the states", run, delayed)
 
 
 def activation_tiers(cfg: RunConfig) -> tuple[str, ...]:

@@ -26,16 +26,17 @@ def agree_on_tiers(
     make_optimizer: Callable,
     params: dict[int, int],
     recorded: dict[int, tuple[str, str]],
+    versions: int = 1,
 ) -> tuple[Placement, dict[int, tuple[str, str]], SSDStore | None, dict[int, SsdTier | None]]:
     """(this rank's placement, every stage's (optimizer tier, weights tier), the rank's store or None, stage j
     -> its SSD tier or None) for this rank's stages (params: stage -> parameter count): the tiers memory.optimizer
     and memory.weights name, or where they say auto those the plan records (recorded: stage -> (optimizer_tier,
-    weights_tier); partition.rules.placement.run_placement); the store is there too when memory.frozen is ssd. Every
-    rank raises the first failing rank's error."""
+    weights_tier); partition.rules.placement.run_placement; versions 2: the delayed update's); the store is there too
+    when memory.frozen is ssd. Every rank raises the first failing rank's error."""
     b = dtype_bytes
     try:
         mine: Placement | str = run_placement(
-            mem.optimizer, mem.weights, recorded, params, int(mem.host_budget_mb * MiB), least_share(b), b
+            mem.optimizer, mem.weights, recorded, params, int(mem.host_budget_mb * MiB), least_share(b), b, versions
         )
     except ValueError as e:
         mine = str(e)

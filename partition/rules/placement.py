@@ -105,20 +105,30 @@ def device_state_bytes(n: int, dtype_bytes: int) -> int:
     return STATE_BYTES * n + dtype_bytes * n + (dtype_bytes * n if dtype_bytes != 4 else 0)
 
 
-def host_bytes(n: int, optimizer: str, weights: str, dtype_bytes: int) -> int:
-    """Host bytes a stage of n parameters keeps in memory besides its share of the budget (see above)."""
+def host_bytes(n: int, optimizer: str, weights: str, dtype_bytes: int, versions: int = 1) -> int:
+    """Host bytes a stage of n parameters keeps in memory besides its share of the budget (see above); versions 2
+    (the delayed update) keeps the device-dtype weights and the gradients twice (in fp32 the loaded weights are then
+    copies of the master, not the master itself)."""
     if optimizer == "device":
         return 0
+    b, k = dtype_bytes, versions
     if optimizer == "host":
-        return STATE_BYTES * n + dtype_bytes * n + (dtype_bytes * n if dtype_bytes != 4 else 0)
-    return 0 if weights == "ssd" else 2 * dtype_bytes * n
+        return STATE_BYTES * n + k * b * n + (k * b * n if b != 4 or k > 1 else 0)
+    return 0 if weights == "ssd" else 2 * k * b * n
 
 
 def place_states(
-    optimizer: str, weights: str, params: dict[int, int], budget_bytes: int, least_slot_bytes: int, dtype_bytes: int
+    optimizer: str,
+    weights: str,
+    params: dict[int, int],
+    budget_bytes: int,
+    least_slot_bytes: int,
+    dtype_bytes: int,
+    versions: int = 1,
 ) -> Placement:
     """Tiers of stages {j: parameter count} by memory.optimizer (host | ssd | auto | device) and memory.weights
-    (host | ssd | auto) under the rank's host budget. ValueError when nothing fits, naming the budget that would."""
+    (host | ssd | auto) under the rank's host budget (versions: host_bytes'). ValueError when nothing fits, naming
+    the budget that would."""
     if optimizer == "device":
         return Placement(dict.fromkeys(params, "device"), dict.fromkeys(params, "device"), 0)
     opt = {j: "ssd" if optimizer == "ssd" else "host" for j in params}
@@ -131,10 +141,10 @@ def place_states(
         if step:
             j, kind = moves[step - 1]
             (opt if kind == "optimizer" else wts)[j] = "ssd"
-        slot = _slot(params, opt, wts, budget_bytes, least_slot_bytes, dtype_bytes, fixed)
+        slot = _slot(params, opt, wts, budget_bytes, least_slot_bytes, dtype_bytes, fixed, versions)
         if slot is not None:
             return Placement(dict(opt), {j: wts[j] if opt[j] == "ssd" else "host" for j in params}, slot)
-    held = sum(host_bytes(n, opt[j], wts[j], dtype_bytes) for j, n in params.items())
+    held = sum(host_bytes(n, opt[j], wts[j], dtype_bytes, versions) for j, n in params.items())
     raise BudgetShortfall(budget_bytes, params, optimizer, weights, held, least_slot_bytes)
 
 
@@ -146,6 +156,7 @@ def run_placement(
     budget_bytes: int,
     least_slot_bytes: int,
     dtype_bytes: int,
+    versions: int = 1,
 ) -> Placement:
     """The tiers a run gives its stages {j: parameter count}: what memory.optimizer and memory.weights name, where
     they name a tier; where they say auto, the tier the plan records for the stage (recorded: j -> (its
@@ -154,21 +165,21 @@ def run_placement(
     the rank's budget does not hold the result (with either setting auto, as place_states' auto rule would ask: each
     stage on SSD streams through a quarter of the budget over their count at least)."""
     if any(recorded.get(j, ("auto", "auto")) == ("auto", "auto") for j in params):
-        return place_states(optimizer, weights, params, budget_bytes, least_slot_bytes, dtype_bytes)
+        return place_states(optimizer, weights, params, budget_bytes, least_slot_bytes, dtype_bytes, versions)
     opt = {j: recorded[j][0] if optimizer == "auto" else optimizer for j in params}
     wts = {j: recorded[j][1] if weights == "auto" else weights for j in params}
     wts = {j: "device" if opt[j] == "device" else "ssd" if opt[j] == wts[j] == "ssd" else "host" for j in params}
     fixed = optimizer != "auto" and weights != "auto"
-    slot = _slot(params, opt, wts, budget_bytes, least_slot_bytes, dtype_bytes, fixed)
+    slot = _slot(params, opt, wts, budget_bytes, least_slot_bytes, dtype_bytes, fixed, versions)
     if slot is None:
-        held = sum(host_bytes(n, opt[j], wts[j], dtype_bytes) for j, n in params.items())
+        held = sum(host_bytes(n, opt[j], wts[j], dtype_bytes, versions) for j, n in params.items())
         raise BudgetShortfall(budget_bytes, params, optimizer, weights, held, least_slot_bytes)
     return Placement(opt, wts, slot)
 
 
-def _slot(params, opt, wts, budget: int, least: int, b: int, fixed: bool) -> int | None:
+def _slot(params, opt, wts, budget: int, least: int, b: int, fixed: bool, versions: int = 1) -> int | None:
     """The share of each stage on SSD if this placement fits (0 when none is on SSD), else None."""
-    held = sum(host_bytes(n, opt[j], wts[j], b) for j, n in params.items())
+    held = sum(host_bytes(n, opt[j], wts[j], b, versions) for j, n in params.items())
     k = sum(1 for t in opt.values() if t == "ssd")
     if k == 0:
         return 0 if fixed or held <= budget else None

@@ -75,6 +75,9 @@ Not modelled (small next to a stage's weights, or outside one step): activations
 flows (they keep their fixed comm_s but their bytes are counted in link traffic); the next step's loads
 waiting for this step's updates.
 
+The delayed update (delayed=True): the updates a step runs are the step before's, whose gradients are all there when
+it starts: they run from 0, one after the other, while the pipeline computes (the steady state).
+
 Reported: step time = when the last update (or the last compute) ends, at least D, plus overhead_s; per gpu
 its compute busy seconds and fraction; bytes per link (gpu link, switch and root complex uplinks, NVLink, then
 the SSD's reads and writes, of updates, loads and offloads alike, when a stage has state there); per gpu the
@@ -137,11 +140,13 @@ def simulate(
     memory_bytes: int | None = None,
     host_cores: float | None = None,
     overhead_s: float = 0.0,
+    delayed: bool = False,
 ) -> SimResult:
     """Event times of one step (see the module docstring); with a topology, loads and offloads share links;
     with an SsdLink, the updates of stages with SSD bytes stream them; with memory_bytes, loads prefetch only
     what fits (partial prefetch); with host_cores, the computations share that many cores; overhead_s, the
-    loop's seconds outside the schedule, is added to the step time.
+    loop's seconds outside the schedule, is added to the step time. delayed (the delayed update): the host updates are
+    the step before's, run from the step's start one after the other, so the step is max(pipeline, updates).
 
     Raises ValueError for stages with SSD bytes but no SsdLink, RuntimeError if the schedule cannot make
     progress (a stage on a gpu that does not exist: a bug).
@@ -180,7 +185,8 @@ def simulate(
             graph.add(("arrive", "B", j, i), [_sent(graph, "B", j + 1, i)], stages[j].comm_s)
     tasks = graph.run()
     events = _events(tasks, stages)
-    events += _host_updates([e for e in events if e[0] == "offload"], stages, ssd)
+    offloads = [e for e in events if e[0] == "offload"]
+    events += _host_updates([(*e[:5], 0.0) for e in offloads] if delayed else offloads, stages, ssd)
     busy = tuple(sum(e[5] - e[4] for e in events if e[1] == g and e[0] in ("F", "B")) for g in range(num_gpus))
     if topology is not None:
         moves += _activation_moves(stages, microbatches, topology, paths)

@@ -52,14 +52,24 @@ def train_plain(
     weight_decay=0.0,
     max_norm=None,
     after=None,
+    delayed: int | None = None,
 ):
     """Losses per step (and the gradient norms before clipping) of transformers' model trained with
     torch.optim.AdamW on (x, y) batches, gradients accumulated over the microbatches as the pipeline does
     (microbatches = every microbatch of the step, all accumulation passes), clipped by clip_grad_norm_;
-    after(step, model) is called after each step's update."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    losses, norms = [], []
-    for x, y in batches:
+    after(step, model) is called after each step's update. delayed (train.delayed_update): from that step on, a
+    step's gradients are computed before the update of the step before is applied (then it is), the last one
+    applied at the end (after() is then not called)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    losses, norms, pending = [], [], None
+
+    def apply(grads) -> None:
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+
+    for s, (x, y) in enumerate(batches):
         opt.zero_grad()
         total = 0.0
         for xi, yi in zip(x.chunk(microbatches), y.chunk(microbatches)):
@@ -67,11 +77,23 @@ def train_plain(
             loss.backward()
             total += loss.item()
         if max_norm is not None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
-        opt.step()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
         losses.append(total)
-        if after is not None:
-            after(len(losses) - 1, model)
+        if delayed is None:
+            opt.step()
+            if after is not None:
+                after(len(losses) - 1, model)
+            continue
+        grads = [p.grad.clone() for p in params]
+        if pending is not None:
+            apply(pending)
+            pending = None
+        if s + 1 >= delayed:
+            pending = grads
+        else:
+            apply(grads)
+    if pending is not None:
+        apply(pending)
     return (losses, norms) if max_norm is not None else losses
 
 

@@ -85,17 +85,19 @@ def _instruction_data(tmp_path, chat_tokenizer_dir) -> dict:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    "kind,targets,continued,clip,frozen,optimizer",
+    "kind,targets,continued,clip,frozen,optimizer,delayed",
     [
-        ("llama", ("q_proj", "v_proj", "down_proj", "lm_head"), False, 0.5, "host", "device"),
-        ("gpt2", ("c_attn", "c_fc"), True, None, "ssd", "host"),
+        ("llama", ("q_proj", "v_proj", "down_proj", "lm_head"), False, 0.5, "host", "device", None),
+        ("gpt2", ("c_attn", "c_fc"), True, None, "ssd", "host", None),
+        ("gpt2", ("c_attn",), False, 0.05, "host", "host", 1),
     ],
 )
 def test_a_lora_run_trains_as_peft_does_and_exports_its_adapter(
-    tmp_path, launch, hf_kit, chat_tokenizer_dir, kind, targets, continued, clip, frozen, optimizer
+    tmp_path, launch, hf_kit, chat_tokenizer_dir, kind, targets, continued, clip, frozen, optimizer, delayed
 ):
     """frozen: where the base is (memory.frozen; on the SSD, streamed at each load, the same numbers); optimizer:
-    where the adapters' states are (memory.optimizer; on the gpu, clipped by the norm taken there)."""
+    where the adapters' states are (memory.optimizer; on the gpu, clipped by the norm taken there); delayed: the
+    delayed update from that step on (train.delayed_update), against peft under the same rule."""
     from transformers import AutoModelForCausalLM
 
     write_config, torchrun = launch
@@ -116,6 +118,7 @@ def test_a_lora_run_trains_as_peft_does_and_exports_its_adapter(
             "seed": 5,
             "precision": "fp32",
             "max_grad_norm": clip,
+            "delayed_update": delayed,
             "out_dir": str(out),
             "export_dir": str(export),
         },
@@ -132,7 +135,7 @@ def test_a_lora_run_trains_as_peft_does_and_exports_its_adapter(
     batches = [train.batch(s, 8) for s in range(STEPS)]
     assert continued == bool((batches[0][1] == IGNORE).any())  # instruction data: prompts and padding masked
     frozen = {n: p.detach().clone() for n, p in ref.named_parameters() if not p.requires_grad}
-    want = hf_kit.train_plain(ref, batches, microbatches=4, lr=LR, max_norm=clip)
+    want = hf_kit.train_plain(ref, batches, microbatches=4, lr=LR, max_norm=clip, delayed=delayed)
     want = want[0] if clip else want
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in records if r["kind"] == "train"] == pytest.approx(want, rel=1e-5)

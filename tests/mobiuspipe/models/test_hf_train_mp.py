@@ -29,16 +29,19 @@ def _eval_loss(model, batches) -> float:
     return sum(losses) / len(losses)
 
 
-@pytest.mark.parametrize("kind,passes,clip", [("gpt2", 2, 0.3), ("llama", 1, None)])
-def test_hf_model_trains_as_transformers_does(tmp_path, launch, hf_kit, kind, passes, clip):
+@pytest.mark.parametrize(
+    "kind,passes,clip,delayed", [("gpt2", 2, 0.3, None), ("llama", 1, None, None), ("gpt2", 2, 0.3, 2)]
+)
+def test_hf_model_trains_as_transformers_does(tmp_path, launch, hf_kit, kind, passes, clip, delayed):
     """GPT-2 also accumulates 2 passes and clips to a global norm that counts the tied pair (split over the
-    ranks) once."""
+    ranks) once; with the delayed update from step 2 (train.delayed_update) and its states on the SSD, it trains
+    as transformers under the same rule (no evaluation: each flushes the pending update)."""
     from transformers import AutoModelForCausalLM
 
     write_config, torchrun = launch
     model = hf_kit.save_model(kind, tmp_path / "src", seed=11)
-    rows = 8 * passes  # sequences per optimizer step
-    train_ids = hf_kit.token_file(tmp_path / "train.bin", 3 * rows * T + 1 + 5, seed=4)
+    rows, steps = 8 * passes, 3 if delayed is None else 4  # sequences per optimizer step; steps
+    train_ids = hf_kit.token_file(tmp_path / "train.bin", steps * rows * T + 1 + 5, seed=4)
     eval_ids = hf_kit.token_file(tmp_path / "eval.bin", 2 * 8 * T + 1 + 3, seed=5)
     out, export = tmp_path / "out", tmp_path / "export"
     cfg_path = write_config(
@@ -53,7 +56,7 @@ def test_hf_model_trains_as_transformers_does(tmp_path, launch, hf_kit, kind, pa
                 "num_microbatches": 4,
             },
             "train": {
-                "steps": 3,
+                "steps": steps,
                 "lr": 0.004,
                 "seed": 2,
                 "precision": "fp32",
@@ -61,11 +64,12 @@ def test_hf_model_trains_as_transformers_does(tmp_path, launch, hf_kit, kind, pa
                 "export_dir": str(export),
                 "accumulation_steps": passes,
                 "max_grad_norm": clip,
-                "eval_every": 2,
-                "eval_at_start": True,
-            },
+                "delayed_update": delayed,
+            }
+            | ({"eval_every": 2, "eval_at_start": True} if delayed is None else {}),
             "plan": {"num_gpus": 2, "num_stages": 4, "mapping": "cross"},
-        },
+        }
+        | ({"memory": {"optimizer": "ssd", "ssd_dir": str(tmp_path / "ssd")}} if delayed is not None else {}),
     )
     proc = torchrun(cfg_path, 2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -79,17 +83,20 @@ def test_hf_model_trains_as_transformers_does(tmp_path, launch, hf_kit, kind, pa
         if step in (1, 2):  # eval_every 2 over 3 steps: after step 2 and after the last
             evals[step] = _eval_loss(trained, held_out)
 
-    batches = [hf_kit.in_order(train_ids, s * rows, rows, T) for s in range(3)]
-    want = hf_kit.train_plain(model, batches, microbatches=4 * passes, lr=0.004, max_norm=clip, after=evaluate)
+    batches = [hf_kit.in_order(train_ids, s * rows, rows, T) for s in range(steps)]
+    want = hf_kit.train_plain(
+        model, batches, microbatches=4 * passes, lr=0.004, max_norm=clip, after=evaluate, delayed=delayed
+    )
     want, want_norms = want if clip else (want, None)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     got = [r["loss"] for r in records if r["kind"] == "train"]
     assert got == pytest.approx(want, rel=1e-5)
     norms = [r["grad_norm"] for r in records if r["kind"] == "train"]
-    assert norms == (pytest.approx(want_norms, rel=1e-5) if clip else [None] * 3)
-    got_evals = {r["step"]: r["loss"] for r in records if r["kind"] == "eval"}
-    assert got_evals == pytest.approx(evals, rel=1e-5) and set(got_evals) == {-1, 1, 2}
-    assert "eval before training: loss" in proc.stdout and "eval after step 1: loss" in proc.stdout
+    assert norms == (pytest.approx(want_norms, rel=1e-5) if clip else [None] * steps)
+    if delayed is None:
+        got_evals = {r["step"]: r["loss"] for r in records if r["kind"] == "eval"}
+        assert got_evals == pytest.approx(evals, rel=1e-5) and set(got_evals) == {-1, 1, 2}
+        assert "eval before training: loss" in proc.stdout and "eval after step 1: loss" in proc.stdout
 
     assert cli_main(["export", "--run", str(out), "--to", str(tmp_path / "again")]) == 0
     x = torch.randint(0, hf_kit.VOCAB, (2, 17))

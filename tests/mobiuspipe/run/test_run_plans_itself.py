@@ -138,3 +138,18 @@ def test_a_fixed_microbatch_count_is_kept(tmp_path):
     cfg = config_from_dict({**RUN, "data": {"batch_size": 12, "num_microbatches": 3}})
     plan = plan_from_config(cfg)
     assert (plan.num_microbatches, plan.microbatch_size) == (3, 4)
+
+
+def test_a_delayed_run_is_planned_with_its_updates_under_the_pipeline_and_its_second_versions_in_memory(tmp_path):
+    """train.delayed_update: the plan's step is max(pipeline, updates), never longer than the same plan's without it;
+    and the weights and gradients kept twice count in the host budget (a budget that holds a rank's states without
+    the delay puts some of them on the SSD with it)."""
+    base = {**RUN, "data": {"batch_size": 4, "num_microbatches": 2}, "plan": {"num_gpus": 2, "num_stages": 4}}
+    delayed = {**base, "train": {**RUN["train"], "delayed_update": 1}}
+    plain, late = plan_from_config(config_from_dict(base)), plan_from_config(config_from_dict(delayed))
+    assert late.predicted_step_time_s <= plain.predicted_step_time_s
+    mem = {"optimizer": "auto", "ssd_dir": str(tmp_path), "host_budget_mb": 0.7}  # 34,112 params: 16 B each fit
+    fits = plan_from_config(config_from_dict({**base, "memory": mem}))
+    assert {s.optimizer_tier for s in fits.stages} == {"host"}
+    tight = plan_from_config(config_from_dict({**delayed, "memory": mem}))  # 28 B a parameter do not
+    assert "ssd" in {s.optimizer_tier for s in tight.stages}

@@ -16,6 +16,10 @@ def test_host_bytes_per_choice():
     assert host_bytes(10, "host", "host", 4) == 10 * (12 + 4)  # fp32 loads the master: no second copy
     assert host_bytes(10, "ssd", "host", 2) == 10 * 4
     assert host_bytes(10, "ssd", "ssd", 2) == 0
+    # the delayed update keeps the loaded weights and the gradients twice (fp32: copies of the master, not it)
+    assert host_bytes(10, "host", "host", 2, versions=2) == 10 * (12 + 2 * 2 + 2 * 2)
+    assert host_bytes(10, "host", "host", 4, versions=2) == 10 * (12 + 2 * 4 + 2 * 4)
+    assert host_bytes(10, "ssd", "host", 2, versions=2) == 10 * 8
     assert LEAST == 65536
 
 

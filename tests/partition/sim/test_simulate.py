@@ -340,3 +340,17 @@ def test_sim_stages_carry_the_plans_bytes():
     loads = sum(st[e[2]].param_bytes for e in res.events if e[0] == "load")
     acts = sum(2 * 4 * s.output_bytes for j, s in enumerate(st[:-1]) if s.gpu != st[j + 1].gpu)
     assert b[("rc0", "h2d")] + b[("rc1", "h2d")] == loads + acts  # weights down, activations up and down
+
+
+def test_the_delayed_update_runs_the_step_befores_updates_under_the_pipeline():
+    """The delayed update: the updates a step runs are the step before's, all ready at 0, one after the other, so the
+    step is max(pipeline, updates); the same plan with a host Adam longer than the pipeline is bound by it."""
+    stages = _two_stages()
+    res = simulate(stages, num_gpus=2, microbatches=2, delayed=True)
+    # in the order the gradients arrived: s1's, then s0's, from 0
+    assert _ev(res, "update", 1) == (0.0, 0.25)
+    assert _ev(res, "update", 0) == (0.25, 0.75)
+    assert res.step_time_s == 14.25  # gpu0's offload ends the pipeline (against 14.75 with the updates after it)
+    slow = [dataclasses.replace(s, update_s=10.0) for s in stages]
+    assert simulate(slow, num_gpus=2, microbatches=2, delayed=True).step_time_s == 20.0
+    assert simulate(slow, num_gpus=2, microbatches=2).step_time_s == 12.25 + 10.0 + 10.0  # after the offloads
