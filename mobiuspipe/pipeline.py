@@ -18,6 +18,7 @@ this same class.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -260,6 +261,7 @@ class Pipeline:
         dtype = TORCH_DTYPES[self.precision]
         tiers = self._state_tiers(make_optimizer, {j: plan.stages[j].trains for j in mine})  # LoRA: the adapters
         self._check_delayed()
+        plan = _with_tiers(plan, self.state_tiers)  # what the run does, forced settings included
         stages = {}
         for j in mine:  # one stage's layers at a time: they become its states before the next is built
             layers = {l: build(makers[l], l) for l in plan.stages[j].layers}
@@ -532,3 +534,12 @@ class Pipeline:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _with_tiers(plan: Plan, state_tiers: dict[int, tuple[str, str]]) -> Plan:
+    """The plan with each stage's tiers as the run keeps its states (the plan's, or what memory settings forced)."""
+    stages = tuple(
+        dataclasses.replace(s, optimizer_tier=state_tiers[j][0], weights_tier=state_tiers[j][1])
+        for j, s in enumerate(plan.stages)
+    )
+    return dataclasses.replace(plan, stages=stages)

@@ -62,13 +62,8 @@ def train_plain(
     applied at the end (after() is then not called)."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    losses, norms, pending = [], [], None
-
-    def apply(grads) -> None:
-        for p, g in zip(params, grads):
-            p.grad = g
-        opt.step()
-
+    losses, norms = [], []
+    rule = DelayedRule(params, opt, delayed) if delayed is not None else None
     for s, (x, y) in enumerate(batches):
         opt.zero_grad()
         total = 0.0
@@ -79,22 +74,42 @@ def train_plain(
         if max_norm is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
         losses.append(total)
-        if delayed is None:
-            opt.step()
-            if after is not None:
-                after(len(losses) - 1, model)
+        if rule is not None:
+            rule.update(s)
             continue
-        grads = [p.grad.clone() for p in params]
-        if pending is not None:
-            apply(pending)
-            pending = None
-        if s + 1 >= delayed:
-            pending = grads
-        else:
-            apply(grads)
-    if pending is not None:
-        apply(pending)
+        opt.step()
+        if after is not None:
+            after(len(losses) - 1, model)
+    if rule is not None:
+        rule.finish()
     return (losses, norms) if max_norm is not None else losses
+
+
+class DelayedRule:
+    """The delayed update's rule (train.delayed_update) over a plain optimizer: after step s's gradients (clipped),
+    update(s) applies the update of step s - 1 if it was held back, then step s's own unless step s + 1 is delayed
+    (s + 1 >= delayed), in which case it is held back; finish() applies the last one held back."""
+
+    def __init__(self, params: list, opt: torch.optim.Optimizer, delayed: int):
+        self.params, self.opt, self.delayed, self.pending = params, opt, delayed, None
+
+    def update(self, s: int) -> None:
+        grads = [p.grad.clone() for p in self.params]
+        self.finish()
+        if s + 1 >= self.delayed:
+            self.pending = grads
+        else:
+            self._apply(grads)
+
+    def finish(self) -> None:
+        if self.pending is not None:
+            self._apply(self.pending)
+            self.pending = None
+
+    def _apply(self, grads: list) -> None:
+        for p, g in zip(self.params, grads):
+            p.grad = g
+        self.opt.step()
 
 
 def random_batches(steps: int, batch: int, seq_len: int, seed: int = 1):

@@ -153,3 +153,22 @@ def test_a_delayed_run_is_planned_with_its_updates_under_the_pipeline_and_its_se
     assert {s.optimizer_tier for s in fits.stages} == {"host"}
     tight = plan_from_config(config_from_dict({**delayed, "memory": mem}))  # 28 B a parameter do not
     assert "ssd" in {s.optimizer_tier for s in tight.stages}
+
+
+def test_a_forced_setting_is_written_into_the_runs_plan(tmp_path):
+    """A plan file that puts every state in host memory, run with memory.optimizer ssd: the run's plan (what
+    out_dir/plan.yaml keeps) records the tiers the run used."""
+    import torch.nn.functional as F
+
+    from mobiuspipe import Pipeline
+    from mobiuspipe.config import MemoryConfig
+    from mobiuspipe.models.gpt import layer_factories
+    from mobiuspipe.startup.config_plan import model_spec
+
+    cfg = config_from_dict({**RUN, "data": {"batch_size": 4, "num_microbatches": 2}, "plan": {"num_gpus": 1}})
+    plan = plan_from_config(cfg)
+    assert {s.optimizer_tier for s in plan.stages} == {"host"}
+    forced = MemoryConfig(optimizer="ssd", ssd_dir=str(tmp_path), host_budget_mb=4)
+    layers = layer_factories(model_spec(cfg), 0)
+    with Pipeline(layers, F.cross_entropy, plan=plan, memory=forced) as pipe:
+        assert {(s.optimizer_tier, s.weights_tier) for s in pipe.plan.stages} == {("ssd", "host")}

@@ -20,6 +20,7 @@ from mobiuspipe.errors import PipelineError
 from mobiuspipe.models.gpt import build_layers, layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.startup.config_plan import model_spec, plan_for_config
+from tests.mobiuspipe.hf_fixtures import DelayedRule
 
 STEPS, BATCH = 6, 4
 
@@ -82,12 +83,7 @@ def _reference(cfg, delayed: int, clip: float | None) -> tuple[list[float], dict
     m = cfg.data.num_microbatches
     assert m is not None
 
-    def apply(grads: list[torch.Tensor]) -> None:
-        for p, g in zip(params, grads):
-            p.grad = g
-        opt.step()
-
-    losses, pending = [], None
+    losses, rule = [], DelayedRule(params, opt, delayed)
     for s in range(STEPS):
         x, y = data.batch(s, BATCH)
         for p in params:
@@ -100,16 +96,8 @@ def _reference(cfg, delayed: int, clip: float | None) -> tuple[list[float], dict
         losses.append(total)
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(params, clip)
-        grads = [p.grad.clone() for p in params]  # pyright: ignore[reportOptionalMemberAccess]
-        if pending is not None:
-            apply(pending)
-            pending = None
-        if s + 1 >= delayed:
-            pending = grads
-        else:
-            apply(grads)
-    if pending is not None:
-        apply(pending)
+        rule.update(s)
+    rule.finish()
     weights = {
         f"{l}.{name}": p.detach().clone() for l in range(spec.num_layers) for name, p in layers[l].named_parameters()
     }
