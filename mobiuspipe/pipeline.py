@@ -18,7 +18,6 @@ this same class.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +39,8 @@ from mobiuspipe.memory.device import Device
 from mobiuspipe.memory.ledger import DeviceLedger
 from mobiuspipe.memory.store.ssd_store import SSDStore
 from mobiuspipe.optim import CPUAdam
+from mobiuspipe.optim.host_threads import update_cpus
+from mobiuspipe.optim.hyper import AdamHyper
 from mobiuspipe.optim.loss_scale import LossScaler, scaler_for
 from mobiuspipe.profiling.profiler import TORCH_DTYPES
 from mobiuspipe.runtime.action_trace import ActionTrace
@@ -47,10 +48,9 @@ from mobiuspipe.runtime.activations import ActivationsSpec, stage_modes
 from mobiuspipe.runtime.channels import LAYOUT, Channels, neighbour_pairs
 from mobiuspipe.runtime.comm import Comm
 from mobiuspipe.runtime.engine import Engine, LossFn, StepOptions, StepTimes
-from mobiuspipe.runtime.host_threads import update_cpus
 from mobiuspipe.runtime.ranks import join_group, leave_group, rank_info
 from mobiuspipe.runtime.stage import Stage
-from mobiuspipe.runtime.stage_states import AdamHyper, SsdTier
+from mobiuspipe.runtime.stage_states import SsdTier
 from mobiuspipe.runtime.tied import TiedGrads, tied_ranks
 from mobiuspipe.schedule import build_schedule, check_schedules
 from mobiuspipe.startup.plan import (
@@ -66,7 +66,7 @@ from mobiuspipe.startup.plan import (
     same_plan_everywhere,
 )
 from mobiuspipe.startup.swaps import make_swaps, plan_as_run, swap_tiers
-from mobiuspipe.startup.tiers import agree_on_tiers
+from mobiuspipe.startup.tiers import agree_on_tiers, check_delayed, with_tiers
 from mobiuspipe.step_result import StepResult
 from partition.plan import Plan
 from partition.rules.costmodel import WEIGHT_SLOTS
@@ -260,8 +260,8 @@ class Pipeline:
         device = Device(self.info.local_rank)
         dtype = TORCH_DTYPES[self.precision]
         tiers = self._state_tiers(make_optimizer, {j: plan.stages[j].trains for j in mine})  # LoRA: the adapters
-        self._check_delayed()
-        plan = _with_tiers(plan, self.state_tiers)  # what the run does, forced settings included
+        check_delayed(self.delayed_update, self.state_tiers)
+        plan = with_tiers(plan, self.state_tiers)  # what the run does, forced settings included
         stages = {}
         for j in mine:  # one stage's layers at a time: they become its states before the next is built
             layers = {l: build(makers[l], l) for l in plan.stages[j].layers}
@@ -306,23 +306,9 @@ class Pipeline:
             update_cores=self._update_cores(device),
         )
 
-    def _check_delayed(self) -> None:
-        """The delayed update keeps two versions of the loaded weights and gradients in host memory: every rank
-        refuses it alike where some stage keeps them on the SSD or the gpu (state_tiers are every rank's)."""
-        if self.delayed_update is None:
-            return
-        other = sorted(j for j, (opt, wts) in self.state_tiers.items() if wts != "host")
-        if other:
-            raise PipelineError(
-                f"delayed_update: stages {other} keep their weights and gradients on the "
-                f"{self.state_tiers[other[0]][1]} (memory.weights ssd, or memory.optimizer device), where the delayed "
-                f"update does not run yet (it keeps two versions of them in host memory); keep them in host memory "
-                f"(memory.weights: host, memory.optimizer: host, ssd or auto), or drop the delayed update"
-            )
-
     def _update_cores(self, device: Device) -> set[int] | None:
         """The cores of this rank's gpu (its NUMA node's, as the plan's topology records them) that the host update
-        runs on; None off a gpu or where the topology does not know them (mobiuspipe.runtime.host_threads)."""
+        runs on; None off a gpu or where the topology does not know them (mobiuspipe.optim.host_threads)."""
         layout = self.plan.layout
         if layout is None or self.info.rank >= layout.num_gpus:
             return None
@@ -534,12 +520,3 @@ class Pipeline:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _with_tiers(plan: Plan, state_tiers: dict[int, tuple[str, str]]) -> Plan:
-    """The plan with each stage's tiers as the run keeps its states (the plan's, or what memory settings forced)."""
-    stages = tuple(
-        dataclasses.replace(s, optimizer_tier=state_tiers[j][0], weights_tier=state_tiers[j][1])
-        for j, s in enumerate(plan.stages)
-    )
-    return dataclasses.replace(plan, stages=stages)

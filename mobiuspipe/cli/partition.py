@@ -475,9 +475,9 @@ def run(args: argparse.Namespace, out) -> int:
         notes.append(f"timeline written to {args.timeline}")
     doc, extra = plan_to_json(plan, pred), ""
     if args.compare:
-        results = compare(plan, topo, profile)
+        results = compare(plan, topo, profile, budget.delayed)
         doc["compare"] = compare_json(plan, topo, profile, results)
-        extra = "\n" + compare_text(plan, topo, profile, results)
+        extra = "\n" + compare_text(plan, topo, profile, results, budget.delayed)
         if pred.memory.ssd_bytes:
             doc["compare"]["note"] = _COMPARE_NOTE
             extra += _COMPARE_NOTE + "\n"

@@ -51,7 +51,7 @@ def _topology_of(args: argparse.Namespace):
     t = load_topology(args.layout) if args.layout else discover(args.sysfs_root)
     if args.probe:
         from mobiuspipe.optim.adam_rate import probe_rank_adam
-        from mobiuspipe.runtime.host_threads import rank_threads
+        from mobiuspipe.optim.host_threads import rank_threads
         from topology.probe import probe
 
         # the update as the ranks run it: each its share of the cores, all at once; params as large as the transfers

@@ -24,7 +24,7 @@ class RuntimeConfig(Section):
     threads: int | None = dataclasses.field(default=None, metadata=AUTO_COUNT)
     """Torch intra-op threads per rank (count): the compute on CPU stand-ins and the host update's CPU Adam kernel use
     them. auto (or null, or left out): each rank of this host gets its share of the cores the process may run on
-    (their count over torchrun's LOCAL_WORLD_SIZE, at least 1; mobiuspipe/runtime/host_threads.py)."""
+    (their count over torchrun's LOCAL_WORLD_SIZE, at least 1; mobiuspipe/optim/host_threads.py)."""
     trace_steps: tuple[int, ...] = ()
     """Optimizer steps (0-based) whose every action each rank times: when it started and ended on the host's
     clock; the run writes them to out_dir/trace.json (Chrome trace events, like `mobiuspipe simulate --trace`)."""

@@ -2,7 +2,7 @@
 the planner's host-update rate).
 
 Method: `ranks` processes (one per gpu of the topology) each take `threads` threads (its share of the cores, as
-runtime.threads auto gives a rank: mobiuspipe.runtime.host_threads.rank_threads), and step CPUAdam on `params` fp32
+runtime.threads auto gives a rank: mobiuspipe.optim.host_threads.rank_threads), and step CPUAdam on `params` fp32
 parameters with bf16 gradients, writing the next bf16 weights in the same pass (CPUAdam.step_fused: what a bf16 run's
 update does), all at once: the memory bandwidth they share is what bounds the update. One warm-up step, then
 `repeats` steps together; a rank's rate is params / its median step, and the probe reports the slowest rank's.

@@ -37,6 +37,7 @@ from mobiuspipe.models.hf import HFModel, open_hf
 from mobiuspipe.models.hf import layer_factories as hf_layer_factories
 from mobiuspipe.models.hf_export import check_export_dir, finish_export, partial_dir, write_shard
 from mobiuspipe.optim import CPUAdam
+from mobiuspipe.optim.host_threads import rank_threads
 from mobiuspipe.pipeline import Pipeline
 from mobiuspipe.profiling.profiler import TORCH_DTYPES
 from mobiuspipe.run.checkpoints import Checkpointer, StopSignals, resume_run, run_identity
@@ -48,7 +49,6 @@ from mobiuspipe.run.preflight import at_start_up, rank_checks, report
 from mobiuspipe.run.run_lock import TOKEN_ENV, RunLocks, new_token, run_folders
 from mobiuspipe.run.usage import RankStep, folder_bytes, host_rss_bytes
 from mobiuspipe.runtime.action_trace import as_sim_result, write_chrome
-from mobiuspipe.runtime.host_threads import rank_threads
 from mobiuspipe.runtime.ranks import gather_all
 from mobiuspipe.startup.config_plan import adapters, model_spec
 from mobiuspipe.startup.lora import lora_spec, starting_adapters, write_adapter

@@ -27,14 +27,14 @@ from mobiuspipe.memory.device import Device
 from mobiuspipe.memory.ledger import DeviceLedger
 from mobiuspipe.memory.measure import DevicePeak
 from mobiuspipe.memory.swap import Swap
+from mobiuspipe.optim.host_threads import pinned_to
 from mobiuspipe.runtime.action_trace import ActionTrace
 from mobiuspipe.runtime.activations import StageMode, parts_of
 from mobiuspipe.runtime.clock import ActionClock
 from mobiuspipe.runtime.comm import Comm, TensorSpec
 from mobiuspipe.runtime.compute import Compute, LossFn, MessageKey, StepOptions, StepState, StepTimes
-from mobiuspipe.runtime.host_threads import pinned_to
+from mobiuspipe.runtime.device_states import DeviceStates
 from mobiuspipe.runtime.stage import Stage
-from mobiuspipe.runtime.stage_states import DeviceStates
 from mobiuspipe.schedule.actions import Action, Kind
 
 __all__ = ["Engine", "StepOptions", "StepTimes", "LossFn"]
@@ -66,7 +66,7 @@ class Engine:
         update_cores: set[int] | None = None,
     ):
         """trace: records when each action of the steps it wants ran (Pipeline(trace_steps=...)); None: none.
-        update_cores: the cores the host-update thread is pinned to (mobiuspipe.runtime.host_threads; None: not
+        update_cores: the cores the host-update thread is pinned to (mobiuspipe.optim.host_threads; None: not
         pinned)."""
         self.mapping, self.rank, self.stages, self.schedule = mapping, rank, stages, schedule
         self.device, self.arena, self.comm, self.loss_fn = device, arena, comm, loss_fn

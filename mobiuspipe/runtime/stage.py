@@ -29,10 +29,10 @@ from torch.func import functional_call
 from mobiuspipe.memory.arena import DeviceArena, Slot
 from mobiuspipe.memory.device import CopyHandle, Device
 from mobiuspipe.memory.store.ssd_store import SSDStore
+from mobiuspipe.optim.hyper import AdamHyper
+from mobiuspipe.runtime.device_states import DeviceStates
 from mobiuspipe.runtime.frozen import Frozen, FrozenWeights, SsdFrozenWeights
 from mobiuspipe.runtime.stage_states import (
-    AdamHyper,
-    DeviceStates,
     HostStates,
     SsdStates,
     SsdStreamStates,

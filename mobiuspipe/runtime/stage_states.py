@@ -2,8 +2,8 @@
 the fp32 master and moments in the rank's SSD store (SsdStates: OutOfCoreAdam through a fixed host budget);
 or those and the device-dtype weights and gradients too (SsdStreamStates). Each loads the weights into the
 arena, takes the offloaded gradients, steps, and writes the next device weights (bf16/fp16, or fp32) in
-the same pass; all give the same bits (the same AdamW kernel, elementwise). Or all on the gpu (DeviceStates: LoRA's
-adapters), stepped there by torch's AdamW. A stage's frozen weights are mobiuspipe.runtime.frozen's.
+the same pass; all give the same bits (the same AdamW kernel, elementwise). Or all on the gpu (DeviceStates, in
+mobiuspipe.runtime.device_states: LoRA's adapters). A stage's frozen weights are mobiuspipe.runtime.frozen's.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import shutil
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,9 +22,11 @@ from mobiuspipe.memory.aio import ALIGN
 from mobiuspipe.memory.device import CopyHandle, Device
 from mobiuspipe.memory.store.ssd_store import SSDStore
 from mobiuspipe.memory.weight_stream import BUFFERS, SsdWeights, sum_of_squares
+from mobiuspipe.optim.hyper import AdamHyper
 from mobiuspipe.optim.ooc_adam import OutOfCoreAdam
 from mobiuspipe.optim.ooc_groups import BYTES_PER_ELEM, ELEM_ALIGN, least_budget_bytes
 from mobiuspipe.optim.ooc_links import adopt_records, link_records
+from mobiuspipe.runtime.device_states import DeviceStates, one_version
 from mobiuspipe.standin.places import plain
 
 ADAM_SLOTS = 4
@@ -41,37 +43,11 @@ def least_share(dtype_bytes: int) -> int:
 __all__ = [
     "least_share",
     "HostStates",
-    "DeviceStates",
     "SsdStates",
     "SsdStreamStates",
     "StageStates",
     "SsdTier",
-    "AdamHyper",
 ]
-
-
-@dataclass(frozen=True)
-class AdamHyper:
-    """AdamW's hyper-parameters, as the ssd tier needs them (the host tier takes an optimizer factory)."""
-
-    lr: float
-    betas: tuple[float, float]
-    eps: float
-    weight_decay: float
-
-    @classmethod
-    def of(cls, make_optimizer: Callable) -> AdamHyper:
-        """Read them off the optimizer the factory makes (it must be an AdamW: CPUAdam or torch's)."""
-        probe = make_optimizer([nn.Parameter(torch.zeros(1))])
-        d = probe.defaults
-        if not {"lr", "betas", "eps", "weight_decay"} <= set(d) or type(probe) is torch.optim.Adam:
-            raise ValueError(
-                f"optimizer states on SSD are stepped by AdamW, but the optimizer factory makes a "
-                f"{type(probe).__name__}; give CPUAdam or torch.optim.AdamW, or keep the states on the host"
-            )
-        return cls(
-            float(d["lr"]), (float(d["betas"][0]), float(d["betas"][1])), float(d["eps"]), float(d["weight_decay"])
-        )
 
 
 @dataclass(frozen=True)
@@ -240,135 +216,6 @@ class HostStates:
         self.optimizer.load_state_dict({"state": {0: state} if state else {}, "param_groups": groups})
 
 
-class DeviceStates:
-    """The trainable weights' states on the gpu itself (memory.optimizer: device; what a LoRA plan chooses when its
-    adapters' states fit beside the arena): the fp32 master, AdamW's moments, the accumulated gradients and (bf16,
-    fp16) the device-dtype weights are device tensors, stepped by torch's AdamW on the device. No gradient leaves
-    the gpu and no host update runs: step() only notes the update, and the compute thread applies it on its stream
-    before the stage's next LOAD copies the weights into the arena, or before anyone reads the states. Every device
-    operation thus runs on the compute thread, in stream order; the update thread does no device work."""
-
-    def __init__(self, flat: torch.Tensor, dtype: torch.dtype, device: Device, hyper: AdamHyper):
-        self._device = device
-        self.loads_master = dtype == torch.float32
-        self.master = nn.Parameter(device.to_device(flat))
-        self.weights = self.master.data if self.loads_master else device.to_device(flat, dtype)
-        self.grads = device.empty(flat.shape, dtype)
-        self.grads.zero_()
-        self.optimizer = torch.optim.AdamW(
-            [self.master], lr=hyper.lr, betas=hyper.betas, eps=hyper.eps, weight_decay=hyper.weight_decay
-        )
-        self.optimizer.state[self.master] = {  # made now, as AdamW would at its first step: the ledger sees them
-            "step": torch.tensor(0.0),
-            "exp_avg": torch.zeros_like(self.master.data),
-            "exp_avg_sq": torch.zeros_like(self.master.data),
-        }
-        self._pending: tuple[float, float | None] | None = None
-        self._sumsq: torch.Tensor | None = None
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """What it holds on the gpu, by name (the ledger counts them)."""
-        state = self.optimizer.state[self.master]
-        out = {"master": self.master.data, "grads": self.grads, "exp_avg": state["exp_avg"]}
-        out["exp_avg_sq"] = state["exp_avg_sq"]
-        return out if self.loads_master else {**out, "weights": self.weights}
-
-    def load_into(
-        self, dst: torch.Tensor, device: Device, after: Sequence[CopyHandle] = (), version: int = 0
-    ) -> CopyHandle:
-        """Copy the weights into dst (their arena slot) on the compute stream, after the noted update and the
-        `after` copies; returns a handle that has ended (the copy is ordered on the stream that computes). One
-        version (no delayed update)."""
-        _one_version(version)
-        self._apply()
-        for copy in after:
-            copy.wait()
-        dst.copy_(self.weights)
-        return CopyHandle()
-
-    def take_grads(
-        self, src: torch.Tensor, device: Device, accumulate: bool = False, norm: bool = False, into: int = 0
-    ) -> None:
-        """Copy (accumulate: add) the stage's gradients from its slot into the resident ones on the compute stream;
-        with norm, their squared norm stays on the gpu until grad_sumsq reads it. None: nothing in flight, the slot
-        is free for whatever the compute stream runs next."""
-        _one_version(into)
-        if accumulate:
-            self.grads.add_(src)
-        else:
-            self.grads.copy_(src)
-        self._sumsq = torch.linalg.vector_norm(self.grads, dtype=torch.float64).square() if norm else None
-
-    def grad_sumsq(self) -> float:
-        return 0.0 if self._sumsq is None else float(self._sumsq)
-
-    def grads_finite(self) -> bool:
-        return bool(torch.isfinite(self.grads).all())
-
-    def grad_slice(self, offset: int, n: int) -> torch.Tensor:
-        """A host copy of elements offset .. offset + n of the gradients."""
-        return self._device.to_host(self.grads[offset : offset + n])
-
-    def add_grads(self, offset: int, t: torch.Tensor) -> None:
-        """Add host tensor t into the gradients from element offset on (a tied parameter's other half)."""
-        self.grads[offset : offset + t.numel()].add_(self._device.to_device(t))
-
-    def step(self, grad_scale: float, lr: float | None = None, grads: int = 0, out: int = 0) -> None:
-        """Note one update from the gradients divided by grad_scale, at lr (the compute thread applies it)."""
-        _one_version(grads, out)
-        if self._pending is not None:
-            raise RuntimeError("a gpu-resident update was noted twice with no LOAD of the stage between them")
-        self._pending = (grad_scale, lr)
-
-    def _apply(self) -> None:
-        """The noted update, on the calling (compute) thread's stream: AdamW over the master, then the weights."""
-        if self._pending is None:
-            return
-        (grad_scale, lr), self._pending = self._pending, None
-        if lr is not None:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-        grad = self.grads.float() if self.grads.dtype != torch.float32 else self.grads.clone()
-        self.master.grad = grad if grad_scale == 1.0 else grad.mul_(1.0 / grad_scale)
-        self.optimizer.step()
-        self.master.grad = None
-        if not self.loads_master:
-            self.weights.copy_(self.master.data)
-
-    def master_weights(self) -> torch.Tensor:
-        self._apply()
-        return self._device.to_host(self.master.data)
-
-    def export_state(self, link_dir: Path | None = None) -> tuple[dict[str, torch.Tensor], dict]:
-        """As HostStates.export_state, copied to the host."""
-        self._apply()
-        state = self.optimizer.state[self.master]
-        tensors = {"master": self._device.to_host(self.master.data), "opt/step": state["step"].clone()}
-        tensors.update({f"opt/{k}": self._device.to_host(state[k]) for k in ("exp_avg", "exp_avg_sq")})
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        return tensors, {"param_groups": groups}
-
-    def import_state(self, tensors: dict[str, torch.Tensor], extra: dict, link_dir: Path | None = None) -> None:
-        """Set the states export_state gave (as HostStates.import_state), copied into the gpu's."""
-        self._pending = None
-        self.master.data.copy_(self._device.to_device(tensors["master"]))
-        if not self.loads_master:
-            self.weights.copy_(self.master.data)
-        state = self.optimizer.state[self.master]
-        for k in ("exp_avg", "exp_avg_sq"):
-            state[k].copy_(self._device.to_device(tensors[f"opt/{k}"]))
-        state["step"] = tensors["opt/step"].to(torch.float32).reshape(())
-        for group, saved in zip(self.optimizer.param_groups, extra.get("param_groups") or []):
-            group.update({k: v for k, v in saved.items() if k in group and k != "params"})
-
-
-def _one_version(*indices: int) -> None:
-    """A tier that keeps one version of its weights and gradients is asked for version 0 only (a Pipeline refuses
-    the delayed update over it first)."""
-    if any(indices):
-        raise RuntimeError(f"versions {indices} of a tier that keeps one: a bug in the Stage's choice of versions")
-
-
 def _tensor(v) -> torch.Tensor:
     """An optimizer state value as a tensor (torch keeps AdamW's step as a tensor; some keep a number)."""
     return v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=torch.float64)
@@ -456,7 +303,7 @@ class SsdStreamStates:
     def load_into(
         self, dst: torch.Tensor, device: Device, after: Sequence[CopyHandle] = (), version: int = 0
     ) -> CopyHandle:
-        _one_version(version)
+        one_version(version)
         return device.stream_in(lambda copy: self.stream.load_into(dst, copy), after, computed=False)
 
     def take_grads(
@@ -464,7 +311,7 @@ class SsdStreamStates:
     ) -> None:
         """Write the gradients to their SSD records through the staging buffers (the copy off the device is done
         when this returns: None, no copy in flight). One version (no delayed update)."""
-        _one_version(into)
+        one_version(into)
         fp16 = src.dtype == torch.float16  # only fp16 asks grads_finite
         self.stream.save_grads(src, check_finite=fp16, accumulate=accumulate, norm=norm)
         self.sumsq = self.stream.sumsq
@@ -484,7 +331,7 @@ class SsdStreamStates:
         self.stream.add_grads(offset, t)
 
     def step(self, grad_scale: float, lr: float | None = None, grads: int = 0, out: int = 0) -> None:
-        _one_version(grads, out)
+        one_version(grads, out)
         if lr is not None:
             self.optimizer.lr = lr
         self.stream.grad_scale = grad_scale

@@ -4,6 +4,7 @@ stage's tiers, and the rank's SSD store."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Callable
@@ -12,11 +13,13 @@ from foundation.units import MiB
 from mobiuspipe.config.memory import MemoryConfig
 from mobiuspipe.errors import PipelineError
 from mobiuspipe.memory.store.ssd_store import SSDStore
+from mobiuspipe.optim.hyper import AdamHyper
 from mobiuspipe.runtime.ranks import RankInfo, gather_all
-from mobiuspipe.runtime.stage_states import AdamHyper, SsdTier, least_share
+from mobiuspipe.runtime.stage_states import SsdTier, least_share
+from partition.plan import Plan
 from partition.rules.placement import Placement, run_placement
 
-__all__ = ["agree_on_tiers"]
+__all__ = ["agree_on_tiers", "check_delayed", "with_tiers"]
 
 
 def agree_on_tiers(
@@ -69,3 +72,27 @@ def _store(info: RankInfo, mem: MemoryConfig) -> SSDStore:
         warnings.warn(f"discarding the states an earlier run left in {store.folder}", stacklevel=2)
         store.clear()
     return store
+
+
+def check_delayed(delayed_update: int | None, state_tiers: dict[int, tuple[str, str]]) -> None:
+    """The delayed update keeps two versions of the loaded weights and gradients in host memory: every rank refuses it
+    alike where some stage keeps them on the SSD or the gpu (state_tiers: every stage's, from agree_on_tiers)."""
+    if delayed_update is None:
+        return
+    other = sorted(j for j, (_, weights) in state_tiers.items() if weights != "host")
+    if other:
+        raise PipelineError(
+            f"delayed_update: stages {other} keep their weights and gradients on the {state_tiers[other[0]][1]} "
+            f"(memory.weights ssd, or memory.optimizer device), where the delayed update does not run yet (it keeps "
+            f"two versions of them in host memory); keep them in host memory (memory.weights: host, memory.optimizer: "
+            f"host, ssd or auto), or drop the delayed update"
+        )
+
+
+def with_tiers(plan: Plan, state_tiers: dict[int, tuple[str, str]]) -> Plan:
+    """The plan with each stage's tiers as the run keeps its states (the plan's, or what memory settings forced)."""
+    stages = tuple(
+        dataclasses.replace(s, optimizer_tier=state_tiers[j][0], weights_tier=state_tiers[j][1])
+        for j, s in enumerate(plan.stages)
+    )
+    return dataclasses.replace(plan, stages=stages)

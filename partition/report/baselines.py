@@ -79,19 +79,23 @@ class BaselineResult:
         return dataclasses.asdict(self) | {"notes": list(self.notes)}
 
 
-def predict(plan: Plan, topo: Topology) -> SimResult:
-    """The plan's step on the topology with shared links (what `mobiuspipe simulate` reports)."""
-    return simulate(sim_stages(plan.stages, topo), topo.num_gpus, plan.num_microbatches, topology=topo)
+def predict(plan: Plan, topo: Topology, delayed: bool = False) -> SimResult:
+    """The plan's step on the topology with shared links (what `mobiuspipe simulate` reports); delayed: with the
+    delayed update."""
+    return simulate(sim_stages(plan.stages, topo), topo.num_gpus, plan.num_microbatches, topology=topo, delayed=delayed)
 
 
-def sequential_mapping(profile: Profile, topo: Topology, microbatches: int, **plan_options) -> BaselineResult:
-    """mobiuspipe with round-robin stage->gpu mapping (make_plan(..., mapping="round-robin", **plan_options))."""
+def sequential_mapping(
+    profile: Profile, topo: Topology, microbatches: int, delayed: bool = False, **plan_options
+) -> BaselineResult:
+    """mobiuspipe with round-robin stage->gpu mapping (make_plan(..., mapping="round-robin", **plan_options)); delayed:
+    with the delayed update."""
     name = "mobiuspipe, sequential mapping"
     try:
         plan = make_plan(profile, topo, microbatches, mapping="round-robin", **plan_options)
     except PlanInfeasibleError as e:
         return BaselineResult(name, None, f"no plan: {e}")
-    sim = predict(plan, topo)
+    sim = predict(plan, topo, delayed)
     return BaselineResult(
         name,
         sim.step_time_s,

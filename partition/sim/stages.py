@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from partition.plan import StagePlan
 from partition.rules.mapping import peer_gbps
+from partition.rules.memory_plan import MemoryPlan
 from partition.rules.peer import peer_gpu
-from partition.rules.tiers import MemoryPlan, ssd_info
+from partition.rules.tiers import ssd_info
 from partition.sim.swaps import SWAP_TIERS
 from partition.sim.types import SimStage
 from topology import Topology

@@ -16,7 +16,7 @@ from mobiuspipe.config import RunConfig
 from mobiuspipe.data.dataset import open_data
 from mobiuspipe.models.gpt import build_layers, lm_loss
 from mobiuspipe.optim import CPUAdam
-from mobiuspipe.runtime.host_threads import rank_threads
+from mobiuspipe.optim.host_threads import rank_threads
 from mobiuspipe.startup.config_plan import model_spec, plan_for_config
 
 

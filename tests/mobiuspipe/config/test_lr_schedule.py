@@ -14,7 +14,7 @@ from mobiuspipe.data.dataset import open_data
 from mobiuspipe.errors import ConfigError, PipelineError
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
-from mobiuspipe.runtime.host_threads import rank_threads
+from mobiuspipe.optim.host_threads import rank_threads
 from mobiuspipe.startup.config_plan import model_spec, plan_for_config
 
 

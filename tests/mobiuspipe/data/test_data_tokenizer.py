@@ -21,7 +21,7 @@ from mobiuspipe.data.dataset import open_data, open_eval
 from mobiuspipe.data.tokenizer import load_tokenizer
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
-from mobiuspipe.runtime.host_threads import rank_threads
+from mobiuspipe.optim.host_threads import rank_threads
 from mobiuspipe.startup.config_plan import model_spec, plan_for_config
 
 WORDS = "the cat sat on mat quick brown fox pipelines stream weights Ünïcode 12345 dog lazy , .".split()

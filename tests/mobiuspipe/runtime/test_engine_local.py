@@ -13,7 +13,7 @@ from mobiuspipe.config import config_from_dict
 from mobiuspipe.data.dataset import open_data
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
-from mobiuspipe.runtime.host_threads import rank_threads
+from mobiuspipe.optim.host_threads import rank_threads
 from mobiuspipe.startup.config_plan import model_spec, plan_for_config
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from mobiuspipe.config import config_from_dict
 from mobiuspipe.errors import ConfigError
-from mobiuspipe.runtime.host_threads import parse_cpulist, pinned_to, rank_threads, update_cpus
+from mobiuspipe.optim.host_threads import parse_cpulist, pinned_to, rank_threads, update_cpus
 
 ALLOWED = sorted(os.sched_getaffinity(0))
 

@@ -1,0 +1,145 @@
+"""A stage's trainable states on the gpu itself (memory.optimizer: device; LoRA's adapters, whose states are small):
+DeviceStates, stepped by torch's AdamW on the device; and the rule of the tiers that keep one version of their
+weights and gradients (one_version)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mobiuspipe.memory.device import CopyHandle, Device
+from mobiuspipe.optim.hyper import AdamHyper
+
+__all__ = ["DeviceStates", "one_version"]
+
+
+class DeviceStates:
+    """The trainable weights' states on the gpu itself (memory.optimizer: device; what a LoRA plan chooses when its
+    adapters' states fit beside the arena): the fp32 master, AdamW's moments, the accumulated gradients and (bf16,
+    fp16) the device-dtype weights are device tensors, stepped by torch's AdamW on the device. No gradient leaves
+    the gpu and no host update runs: step() only notes the update, and the compute thread applies it on its stream
+    before the stage's next LOAD copies the weights into the arena, or before anyone reads the states. Every device
+    operation thus runs on the compute thread, in stream order; the update thread does no device work."""
+
+    def __init__(self, flat: torch.Tensor, dtype: torch.dtype, device: Device, hyper: AdamHyper):
+        self._device = device
+        self.loads_master = dtype == torch.float32
+        self.master = nn.Parameter(device.to_device(flat))
+        self.weights = self.master.data if self.loads_master else device.to_device(flat, dtype)
+        self.grads = device.empty(flat.shape, dtype)
+        self.grads.zero_()
+        self.optimizer = torch.optim.AdamW(
+            [self.master], lr=hyper.lr, betas=hyper.betas, eps=hyper.eps, weight_decay=hyper.weight_decay
+        )
+        self.optimizer.state[self.master] = {  # made now, as AdamW would at its first step: the ledger sees them
+            "step": torch.tensor(0.0),
+            "exp_avg": torch.zeros_like(self.master.data),
+            "exp_avg_sq": torch.zeros_like(self.master.data),
+        }
+        self._pending: tuple[float, float | None] | None = None
+        self._sumsq: torch.Tensor | None = None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """What it holds on the gpu, by name (the ledger counts them)."""
+        state = self.optimizer.state[self.master]
+        out = {"master": self.master.data, "grads": self.grads, "exp_avg": state["exp_avg"]}
+        out["exp_avg_sq"] = state["exp_avg_sq"]
+        return out if self.loads_master else {**out, "weights": self.weights}
+
+    def load_into(
+        self, dst: torch.Tensor, device: Device, after: Sequence[CopyHandle] = (), version: int = 0
+    ) -> CopyHandle:
+        """Copy the weights into dst (their arena slot) on the compute stream, after the noted update and the
+        `after` copies; returns a handle that has ended (the copy is ordered on the stream that computes). One
+        version (no delayed update)."""
+        one_version(version)
+        self._apply()
+        for copy in after:
+            copy.wait()
+        dst.copy_(self.weights)
+        return CopyHandle()
+
+    def take_grads(
+        self, src: torch.Tensor, device: Device, accumulate: bool = False, norm: bool = False, into: int = 0
+    ) -> None:
+        """Copy (accumulate: add) the stage's gradients from its slot into the resident ones on the compute stream;
+        with norm, their squared norm stays on the gpu until grad_sumsq reads it. None: nothing in flight, the slot
+        is free for whatever the compute stream runs next."""
+        one_version(into)
+        if accumulate:
+            self.grads.add_(src)
+        else:
+            self.grads.copy_(src)
+        self._sumsq = torch.linalg.vector_norm(self.grads, dtype=torch.float64).square() if norm else None
+
+    def grad_sumsq(self) -> float:
+        return 0.0 if self._sumsq is None else float(self._sumsq)
+
+    def grads_finite(self) -> bool:
+        return bool(torch.isfinite(self.grads).all())
+
+    def grad_slice(self, offset: int, n: int) -> torch.Tensor:
+        """A host copy of elements offset .. offset + n of the gradients."""
+        return self._device.to_host(self.grads[offset : offset + n])
+
+    def add_grads(self, offset: int, t: torch.Tensor) -> None:
+        """Add host tensor t into the gradients from element offset on (a tied parameter's other half)."""
+        self.grads[offset : offset + t.numel()].add_(self._device.to_device(t))
+
+    def step(self, grad_scale: float, lr: float | None = None, grads: int = 0, out: int = 0) -> None:
+        """Note one update from the gradients divided by grad_scale, at lr (the compute thread applies it)."""
+        one_version(grads, out)
+        if self._pending is not None:
+            raise RuntimeError("a gpu-resident update was noted twice with no LOAD of the stage between them")
+        self._pending = (grad_scale, lr)
+
+    def _apply(self) -> None:
+        """The noted update, on the calling (compute) thread's stream: AdamW over the master, then the weights."""
+        if self._pending is None:
+            return
+        (grad_scale, lr), self._pending = self._pending, None
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        grad = self.grads.float() if self.grads.dtype != torch.float32 else self.grads.clone()
+        self.master.grad = grad if grad_scale == 1.0 else grad.mul_(1.0 / grad_scale)
+        self.optimizer.step()
+        self.master.grad = None
+        if not self.loads_master:
+            self.weights.copy_(self.master.data)
+
+    def master_weights(self) -> torch.Tensor:
+        self._apply()
+        return self._device.to_host(self.master.data)
+
+    def export_state(self, link_dir: Path | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+        """As HostStates.export_state, copied to the host."""
+        self._apply()
+        state = self.optimizer.state[self.master]
+        tensors = {"master": self._device.to_host(self.master.data), "opt/step": state["step"].clone()}
+        tensors.update({f"opt/{k}": self._device.to_host(state[k]) for k in ("exp_avg", "exp_avg_sq")})
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        return tensors, {"param_groups": groups}
+
+    def import_state(self, tensors: dict[str, torch.Tensor], extra: dict, link_dir: Path | None = None) -> None:
+        """Set the states export_state gave (as HostStates.import_state), copied into the gpu's."""
+        self._pending = None
+        self.master.data.copy_(self._device.to_device(tensors["master"]))
+        if not self.loads_master:
+            self.weights.copy_(self.master.data)
+        state = self.optimizer.state[self.master]
+        for k in ("exp_avg", "exp_avg_sq"):
+            state[k].copy_(self._device.to_device(tensors[f"opt/{k}"]))
+        state["step"] = tensors["opt/step"].to(torch.float32).reshape(())
+        for group, saved in zip(self.optimizer.param_groups, extra.get("param_groups") or []):
+            group.update({k: v for k, v in saved.items() if k in group and k != "params"})
+
+
+def one_version(*indices: int) -> None:
+    """A tier that keeps one version of its weights and gradients is asked for version 0 only (a Pipeline refuses
+    the delayed update over it first)."""
+    if any(indices):
+        raise RuntimeError(f"versions {indices} of a tier that keeps one: a bug in the Stage's choice of versions")
