@@ -39,20 +39,22 @@ from mobiuspipe.memory.device import Device
 from mobiuspipe.memory.ledger import DeviceLedger
 from mobiuspipe.memory.store.ssd_store import SSDStore
 from mobiuspipe.optim import CPUAdam
-from mobiuspipe.optim.host_threads import update_cpus
+from mobiuspipe.optim.clipping import clip_scale
+from mobiuspipe.optim.host_threads import update_cores_of
 from mobiuspipe.optim.hyper import AdamHyper
 from mobiuspipe.optim.loss_scale import LossScaler, scaler_for
 from mobiuspipe.profiling.profiler import TORCH_DTYPES
 from mobiuspipe.runtime.action_trace import ActionTrace
 from mobiuspipe.runtime.activations import ActivationsSpec, stage_modes
-from mobiuspipe.runtime.channels import LAYOUT, Channels, neighbour_pairs
+from mobiuspipe.runtime.channels import LAYOUT
 from mobiuspipe.runtime.comm import Comm
 from mobiuspipe.runtime.engine import Engine, LossFn, StepOptions, StepTimes
 from mobiuspipe.runtime.ranks import join_group, leave_group, rank_info
 from mobiuspipe.runtime.stage import Stage
 from mobiuspipe.runtime.stage_states import SsdTier
-from mobiuspipe.runtime.tied import TiedGrads, tied_ranks
+from mobiuspipe.runtime.tied import TiedGrads
 from mobiuspipe.schedule import build_schedule, check_schedules
+from mobiuspipe.startup.channels import open_channels
 from mobiuspipe.startup.plan import (
     PlanRequest,
     PlanSource,
@@ -295,7 +297,7 @@ class Pipeline:
             arena=DeviceArena(
                 plan.slot_bytes, WEIGHT_SLOTS, device.torch_device, ledger, device.place, plan.grad_slot_bytes
             ),
-            comm=Comm(rank, comm_timeout_s, ledger, self._channels(tied, comm_timeout_s), device.place),
+            comm=Comm(rank, comm_timeout_s, ledger, open_channels(self.info, plan, tied, comm_timeout_s), device.place),
             loss_fn=loss_fn,
             num_microbatches=m,
             dtype=dtype,
@@ -303,25 +305,8 @@ class Pipeline:
             activations=self.activations,
             swaps=make_swaps(swapped, self.plan, device, self.memory, self.info, ledger),
             trace=self.trace,
-            update_cores=self._update_cores(device),
+            update_cores=update_cores_of(plan.layout, rank, device.is_cuda),
         )
-
-    def _update_cores(self, device: Device) -> set[int] | None:
-        """The cores of this rank's gpu (its NUMA node's, as the plan's topology records them) that the host update
-        runs on; None off a gpu or where the topology does not know them (mobiuspipe.optim.host_threads)."""
-        layout = self.plan.layout
-        if layout is None or self.info.rank >= layout.num_gpus:
-            return None
-        return update_cpus(layout.gpus[self.info.rank].cpu_affinity, device.is_cuda)
-
-    def _channels(self, tied: Sequence[tuple[str, str]], timeout_s: float) -> Channels:
-        """One communicator per direction of each pair of ranks that exchange messages (mobiuspipe.runtime.channels),
-        set up before step 0 in one order on every rank."""
-        pairs = neighbour_pairs(self.plan.mapping) | tied_ranks(tied, self.plan)
-        channels = Channels(self.info.rank, LAYOUT, pairs if self.info.world_size > 1 else (), timeout_s)
-        cuda = torch.cuda.is_available()
-        channels.warm_up(torch.device("cuda", self.info.local_rank) if cuda else torch.device("cpu"))
-        return channels
 
     def _state_tiers(self, make_optimizer: OptimizerFactory, params: dict[int, int]) -> dict[int, SsdTier | None]:
         """Stage j -> its SSD tier or None (host), agreed with every rank (mobiuspipe.startup.tiers)."""
@@ -414,31 +399,21 @@ class Pipeline:
     def _hold_updates(self) -> bool:
         """Whether every update of a step waits for its whole backward (fp16's overflow check, clipping's norm,
         the serialized baseline, or a step whose update the next step does not wait for: the delayed update)."""
-        return (
-            self.scaler is not None
-            or self.max_grad_norm is not None
-            or not self.overlap_updates
-            or self._delayed(self.step + 1)
-        )
+        waits = self.scaler is not None or self.max_grad_norm is not None or not self.overlap_updates
+        return waits or self._delayed(self.step + 1)
 
     def _delayed(self, step: int) -> bool:
         """Whether optimizer step `step` computes on the weights before the update of the step before it."""
         return self.delayed_update is not None and step >= self.delayed_update
 
     def _clip(self, tied_sumsq: float, loss_scale: float) -> tuple[float, float]:
-        """(the global gradient norm, what the updates divide the gradients by): the loss scale, times
-        1 / clip_grad_norm_'s coefficient max_norm / (norm + 1e-6) when that is below 1. The norm is rounded to
-        float32 so that tiers whose float64 sums round differently still agree. (0.0, scale) without clipping."""
+        """(the global gradient norm, what the updates divide the gradients by: mobiuspipe.optim.clipping); (0.0,
+        the loss scale) without clipping."""
         if self.max_grad_norm is None:
             return 0.0, loss_scale
-        (total,) = self._reduce(
-            [self.engine.grad_sumsq() + tied_sumsq],
-            torch.distributed.ReduceOp.SUM,
-            f"the grad norm of step {self.step}",
-        )
-        norm = float(torch.tensor(math.sqrt(max(total, 0.0)) / loss_scale, dtype=torch.float32))
-        coef = self.max_grad_norm / (norm + 1e-6)
-        return norm, loss_scale / coef if coef < 1.0 else loss_scale
+        what = f"the grad norm of step {self.step}"
+        (total,) = self._reduce([self.engine.grad_sumsq() + tied_sumsq], torch.distributed.ReduceOp.SUM, what)
+        return clip_scale(total, loss_scale, self.max_grad_norm)
 
     def eval_batch(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """The batch's mean loss under the current weights (after every pending update), forward only: no

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-__all__ = ["rank_threads", "parse_cpulist", "update_cpus", "pinned_to"]
+__all__ = ["rank_threads", "parse_cpulist", "update_cpus", "update_cores_of", "pinned_to"]
 
 
 def _allowed() -> set[int]:
@@ -61,6 +61,13 @@ def update_cpus(cpu_affinity: str, on_gpu: bool) -> set[int] | None:
     except ValueError:
         return None
     return near or None
+
+
+def update_cores_of(layout, rank: int, on_gpu: bool) -> set[int] | None:
+    """update_cpus for `rank`'s gpu in a plan's topology (layout: a topology.Topology, or None: the plan has none)."""
+    if layout is None or rank >= layout.num_gpus:
+        return None
+    return update_cpus(layout.gpus[rank].cpu_affinity, on_gpu)
 
 
 def pinned_to(cores: set[int] | None) -> Callable[[], None]:

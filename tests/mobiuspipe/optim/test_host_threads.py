@@ -66,7 +66,7 @@ def test_a_pipeline_on_a_gpu_pins_its_update_thread_to_the_gpus_cores(monkeypatc
     import torch
     import torch.nn.functional as F
 
-    import mobiuspipe.pipeline
+    import mobiuspipe.optim.host_threads
     from mobiuspipe import Pipeline
 
     core = {ALLOWED[-1]}
@@ -76,7 +76,7 @@ def test_a_pipeline_on_a_gpu_pins_its_update_thread_to_the_gpus_cores(monkeypatc
         asked.append(cpu_affinity)
         return core
 
-    monkeypatch.setattr(mobiuspipe.pipeline, "update_cpus", on_a_gpu)
+    monkeypatch.setattr(mobiuspipe.optim.host_threads, "update_cpus", on_a_gpu)
     layers = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)]
     with Pipeline(layers, F.mse_loss, sample=(torch.randn(4, 4), torch.randn(4, 1)), num_microbatches=2) as pipe:
         assert pipe.engine.updater.submit(os.sched_getaffinity, 0).result() == core
