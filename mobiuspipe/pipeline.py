@@ -69,6 +69,7 @@ from mobiuspipe.startup.plan import (
 )
 from mobiuspipe.startup.swaps import make_swaps, plan_as_run, swap_tiers
 from mobiuspipe.startup.tiers import agree_on_tiers, check_delayed, with_tiers
+from mobiuspipe.startup.update_policy import UpdatePolicy
 from mobiuspipe.step_result import StepResult
 from partition.plan import Plan
 from partition.rules.costmodel import WEIGHT_SLOTS
@@ -109,6 +110,7 @@ class Pipeline:
         lora: LoraSpec | None = None,
         adapters: Start | None = None,
         delayed_update: int | None = None,
+        speculative_update: bool = True,
     ):
         """Build this rank's stages.
 
@@ -153,6 +155,9 @@ class Pipeline:
           (clipped or skipped as step s - 1 asked); the steps before N update before the next step loads. Every
           pending update is applied before state_dict(), a checkpoint or close() returns. None: off. The weights
           the device loads and the offloaded gradients are then kept twice in host memory.
+        speculative_update: with max_grad_norm or fp16, start each stage's update as its gradients arrive, keep what
+          it overwrites, and once the step's checks are known keep it, or roll it back and redo (or drop) it: the
+          held update's bits (train.speculative_update; mobiuspipe.startup.update_policy). False: they wait.
         """
         if accumulation_steps < 1 or (max_grad_norm is not None and not max_grad_norm > 0):
             raise PipelineError(
@@ -164,7 +169,6 @@ class Pipeline:
                 f"delayed_update {delayed_update!r}: expected the first delayed optimizer step, >= 0 (or None: off)"
             )
         self.accumulation_steps, self.max_grad_norm = accumulation_steps, max_grad_norm
-        self.delayed_update = delayed_update
         makers = factories(layers)
         if adapters is not None and lora is None:
             raise PipelineError("adapters= continues a saved LoRA adapter: give its LoraSpec as lora= beside it")
@@ -185,6 +189,8 @@ class Pipeline:
             self.memory = memory or MemoryConfig()
             self.activations = stage_modes(self.memory.activations if activations is None else activations, self.plan)
             self.overlap_updates = overlap_updates
+            checked = self.scaler is not None or max_grad_norm is not None
+            self.updates = UpdatePolicy(checked, overlap_updates, delayed_update, speculative_update)
             self.store: SSDStore | None = None
             self.trace = ActionTrace(trace_steps)
             self.engine = self._build_engine(
@@ -262,7 +268,7 @@ class Pipeline:
         device = Device(self.info.local_rank)
         dtype = TORCH_DTYPES[self.precision]
         tiers = self._state_tiers(make_optimizer, {j: plan.stages[j].trains for j in mine})  # LoRA: the adapters
-        check_delayed(self.delayed_update, self.state_tiers)
+        check_delayed(self.updates.delayed_update, self.state_tiers)
         plan = with_tiers(plan, self.state_tiers)  # what the run does, forced settings included
         stages = {}
         for j in mine:  # one stage's layers at a time: they become its states before the next is built
@@ -281,7 +287,7 @@ class Pipeline:
                 weights_on_ssd=on_ssd,
                 frozen_store=frozen_store,
                 on_device=on_device,
-                versions=1 if self.delayed_update is None else 2,
+                versions=self.updates.copies.versions,
             )
         m, swapped = plan.num_microbatches, swap_tiers(plan, self.memory, self.activations)
         self.plan = plan_as_run(plan, self.activations, swapped, device.is_cuda)  # its walk is this run's
@@ -311,9 +317,14 @@ class Pipeline:
     def _state_tiers(self, make_optimizer: OptimizerFactory, params: dict[int, int]) -> dict[int, SsdTier | None]:
         """Stage j -> its SSD tier or None (host), agreed with every rank (mobiuspipe.startup.tiers)."""
         recorded = {j: (self.plan.stages[j].optimizer_tier, self.plan.stages[j].weights_tier) for j in params}
-        versions = 1 if self.delayed_update is None else 2  # the delayed update keeps two of the loaded weights
         self.placement, self.state_tiers, self.store, tiers = agree_on_tiers(
-            self.info, self.memory, TORCH_DTYPES[self.precision].itemsize, make_optimizer, params, recorded, versions
+            self.info,
+            self.memory,
+            TORCH_DTYPES[self.precision].itemsize,
+            make_optimizer,
+            params,
+            recorded,
+            self.updates.copies,
         )
         return tiers
 
@@ -348,6 +359,7 @@ class Pipeline:
         skipped = self._skip_on_overflow()
         norm, grad_scale = self._clip(tied_sumsq, scale or 1.0)
         skipped = skipped or not math.isfinite(norm)  # an inf/nan gradient: no weight changes
+        rolled_back = engine.rolled_back
         engine.start_updates(apply=not skipped, grad_scale=grad_scale)  # the updates held back, if any
         if not self.overlap_updates:
             engine.wait_updates()
@@ -363,6 +375,7 @@ class Pipeline:
             grad_norm=None if self.max_grad_norm is None else norm,
             own_times=times,
             own_device_peak_bytes=own_peak,
+            updates_rolled_back=engine.rolled_back - rolled_back,
         )
         if self.trace.wants(self.step):
             self.trace.add(self.step, "step", -1, -1, start)
@@ -383,9 +396,10 @@ class Pipeline:
                 loss_scale=loss_scale,
                 accumulate=p > 0,
                 want_norm=last and self.max_grad_norm is not None,
-                hold_updates=not last or self._hold_updates,
+                hold_updates=not last or self.updates.holds(self.step),
+                speculate=last and self.updates.speculates(self.step),
                 lr=self._lr,
-                lag=self._delayed(self.step),
+                lag=self.updates.delayed(self.step),
             )
             part, t = engine.run_step(xp, yp, options)
             if not last:
@@ -394,17 +408,6 @@ class Pipeline:
             times = StepTimes(times.compute_s + t.compute_s, times.load_s + t.load_s, times.comm_s + t.comm_s)
             peak = max(peak, engine.peak.step_bytes)
         return loss, times, peak
-
-    @property
-    def _hold_updates(self) -> bool:
-        """Whether every update of a step waits for its whole backward (fp16's overflow check, clipping's norm,
-        the serialized baseline, or a step whose update the next step does not wait for: the delayed update)."""
-        waits = self.scaler is not None or self.max_grad_norm is not None or not self.overlap_updates
-        return waits or self._delayed(self.step + 1)
-
-    def _delayed(self, step: int) -> bool:
-        """Whether optimizer step `step` computes on the weights before the update of the step before it."""
-        return self.delayed_update is not None and step >= self.delayed_update
 
     def _clip(self, tied_sumsq: float, loss_scale: float) -> tuple[float, float]:
         """(the global gradient norm, what the updates divide the gradients by: mobiuspipe.optim.clipping); (0.0,

@@ -34,3 +34,6 @@ class StepResult:
     """This rank's own compute, load and comm seconds, summed over the step's pipeline passes."""
     own_device_peak_bytes: int = 0
     """This rank's measured device peak: the largest of the step's passes."""
+    updates_rolled_back: int = 0
+    """This rank's speculative updates of the step that were rolled back (Pipeline's speculative_update: the step
+    clipped, or skipped on an overflow): each was redone, or dropped, after the backward."""

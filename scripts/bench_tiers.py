@@ -1,19 +1,23 @@
 """Step time with every state on SSD against its floor, the overlap of the updates with the backward, and bf16 vs
 fp32, measured in one run on one rank (a CPU stand-in) of a GPT cut into several stages.
 
-Rows (median step time over --steps steps after one warm-up step; the fp32 rows are three Pipelines alive at
+Rows (median step time over --steps steps after one warm-up step; the fp32 rows are Pipelines alive at
 once, stepped in turn, so that the machine's drift touches them alike; bf16 then alone, 2 steps):
   host fp32 / host bf16   every state in host memory: the compute of the step (the yardstick), and bf16's cost
   ssd                     memory.optimizer and memory.weights ssd under --budget-mb: the updates overlap the
                           backward of earlier stages
   ssd serialized          the same with overlap_updates=False: every update after the backward
+  ssd clip, ...           (--clip) the ssd row with max_grad_norm: never triggering, with the speculative update
+                          and with the updates held for the norm; and triggering every step (all rolled back)
+  host clip, speculative  (--clip) host fp32 with clipping that never triggers: what keeping the overwritten
+                          states costs
 The floor of the ssd step is max(host fp32 step, the I/O floor), where the I/O floor is the largest of three
 lower bounds measured by fio on the same disk with the engine's kind of buffer pages: reading the step's R
 bytes, writing its W bytes, and reading and writing min(R, W) bytes at once. R and W are what the ssd step
 moved (/proc/self/io). Bar (issue 10): ssd <= 1.2x its floor; the overlap gain is serialized / ssd
-(Fuyou reports 1.09-1.38x).
+(Fuyou reports 1.09-1.38x). Bar (issue 27): the gain with clipping within 5% of the gain without.
 
-  .venv/bin/python scripts/bench_tiers.py --ssd-dir /path/on/nvme
+  .venv/bin/python scripts/bench_tiers.py --ssd-dir /path/on/nvme [--clip]
 """
 
 from __future__ import annotations
@@ -38,6 +42,15 @@ from mobiuspipe.startup.config_plan import model_spec, plan_for_config
 
 MiB = 1 << 20
 
+CLIP_ROWS = {
+    "ssd clip, speculative": {"max_grad_norm": 1e9, "speculative_update": True},
+    "ssd clip, held": {"max_grad_norm": 1e9, "speculative_update": False},
+    "ssd clip, all clipped": {"max_grad_norm": 1e-9, "speculative_update": True},
+}
+"""--clip's rows: clipping that never triggers (the speculative updates stand), the same with every update held for
+the norm (before the speculative update), and clipping that triggers every step (every update rolled back and
+redone after the backward: the worst case)."""
+
 
 def _io_bytes() -> tuple[int, int]:
     """Bytes this process has read from and written to storage so far (/proc/self/io)."""
@@ -54,11 +67,15 @@ def _config(args: argparse.Namespace, precision: str) -> dict:
     }
 
 
-def _pipeline(args: argparse.Namespace, precision: str, memory: MemoryConfig | None, overlap: bool) -> Pipeline:
+def _pipeline(
+    args: argparse.Namespace, precision: str, memory: MemoryConfig | None, overlap: bool, clip: dict | None = None
+) -> Pipeline:
+    """clip: Pipeline's max_grad_norm and speculative_update, for the clipping rows."""
     cfg = config_from_dict(_config(args, precision))
     layers = layer_factories(model_spec(cfg), 1)
     opt = partial(CPUAdam, lr=1e-4)
-    return Pipeline(layers, lm_loss, plan=plan_for_config(cfg), optimizer=opt, memory=memory, overlap_updates=overlap)
+    plan = plan_for_config(cfg)
+    return Pipeline(layers, lm_loss, plan=plan, optimizer=opt, memory=memory, overlap_updates=overlap, **(clip or {}))
 
 
 def _step(p: Pipeline, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int, int]:
@@ -71,8 +88,8 @@ def _step(p: Pipeline, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int, in
     return sw.s, after[0] - before[0], after[1] - before[1]
 
 
-def run(args: argparse.Namespace, rows: dict[str, tuple[str, MemoryConfig | None, bool]], steps: int) -> dict:
-    """Each row {name: (precision, memory, overlap)} a Pipeline, all alive at once and stepped in turn (row by
+def run(args: argparse.Namespace, rows: dict[str, tuple], steps: int) -> dict:
+    """Each row {name: (precision, memory, overlap[, clip])} a Pipeline, all alive at once and stepped in turn (row by
     row within each step, so that the machine's drift touches every row alike); per row the median step
     seconds over `steps` steps after one untimed step, the bytes read and written per step, and the pages
     of its out-of-core Adam's slots."""
@@ -131,6 +148,7 @@ def main() -> None:
     p.add_argument("--budget-mb", type=float, default=160.0, help="host_budget_mb of the ssd rows")
     p.add_argument("--steps", type=int, default=6, help="timed steps per row (the bf16 row: 2)")
     p.add_argument("--ssd-dir", default=None, help="a folder on the disk to measure (default: a temp folder)")
+    p.add_argument("--clip", action="store_true", help="add the clipping rows (the speculative update's)")
     args = p.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(dir=args.ssd_dir) as tmp:
@@ -139,7 +157,13 @@ def main() -> None:
             return MemoryConfig(optimizer="ssd", weights="ssd", ssd_dir=f"{tmp}/{name}", host_budget_mb=args.budget_mb)
 
         fp32 = {"host fp32": ("fp32", None, True), "ssd": ("fp32", on_ssd("a"), True)}
-        rows = run(args, {**fp32, "ssd serialized": ("fp32", on_ssd("b"), False)}, args.steps)
+        fp32["ssd serialized"] = ("fp32", on_ssd("b"), False)
+        if args.clip:
+            fp32.update(
+                {name: ("fp32", on_ssd(f"c{i}"), True, clip) for i, (name, clip) in enumerate(CLIP_ROWS.items())}
+            )
+            fp32["host clip, speculative"] = ("fp32", None, True, CLIP_ROWS["ssd clip, speculative"])
+        rows = run(args, fp32, args.steps)
         rows["host bf16"] = run(args, {"host bf16": ("bf16", None, True)}, 2)["host bf16"]
         ssd = rows["ssd"]
         t_io, note = io_floor(Path(tmp), ssd["read"], ssd["written"], ssd["pages"])
@@ -163,6 +187,15 @@ def main() -> None:
         f"gain {rows['ssd serialized']['step_s'] / ssd['step_s']:.2f}x (serialized / overlapped); bf16 / fp32 "
         f"with host states {rows['host bf16']['step_s'] / host:.2f}x"
     )
+    if args.clip:
+        serialized, gain = rows["ssd serialized"]["step_s"], rows["ssd serialized"]["step_s"] / ssd["step_s"]
+        gains = {name: serialized / rows[name]["step_s"] for name in CLIP_ROWS}
+        print(
+            "overlap gain with clipping: "
+            + "; ".join(f"{name} {g:.2f}x ({g / gain:.3f} of the gain without)" for name, g in gains.items())
+            + "; host states: the speculative update's copies cost "
+            + f"{rows['host clip, speculative']['step_s'] / host:.3f}x the host fp32 step"
+        )
 
 
 if __name__ == "__main__":

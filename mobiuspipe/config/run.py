@@ -60,8 +60,16 @@ class TrainConfig(Section):
     """AdamW decoupled weight decay (fraction of lr * weight per step); >= 0."""
     max_grad_norm: float | None = None
     """Clip the gradients to this global L2 norm (over every stage and rank) before each update, as
-    torch.nn.utils.clip_grad_norm_ does; None = no clipping. Clipping makes every update wait for the
-    whole backward (no overlap of the updates with it)."""
+    torch.nn.utils.clip_grad_norm_ does; None = no clipping. The norm is known only after the whole backward: the
+    updates start before it speculatively (speculative_update), or wait for it."""
+    speculative_update: bool = True
+    """With max_grad_norm or fp16: each stage's host update starts as soon as its gradients are offloaded, assuming
+    no clipping and no overflow, and keeps what it overwrites (host states: a copy of the master and the moments, 12
+    bytes a parameter, and of the weights it writes; SSD states: a second set of records on the SSD) until the step's
+    norm and overflow check are known. Then it stands, or is rolled back and redone with the clipped gradients (or
+    dropped with a skipped step): the weights are bit for bit those of updates that wait for the norm. A step that
+    clips costs its updates twice. false: every update waits for the whole backward. Stages holding a tied parameter
+    always wait."""
     accumulation_steps: int = 1
     """Pipeline passes per optimizer step (count): each pass is data.batch_size sequences, their gradients
     summed before one update, so a step trains on accumulation_steps * batch_size sequences."""

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from mobiuspipe.memory.aio import ALIGN, aligned_empty, round_up
-from mobiuspipe.memory.store.ssd_store import SSDStore, StoreFuture, drain
+from mobiuspipe.memory.store.ssd_store import NEXT, SSDStore, StoreFuture, drain
 from mobiuspipe.standin.places import host_buffer
 
 
@@ -126,6 +126,7 @@ class SsdWeights(SsdRecords):
         self._incoming_buffer: torch.Tensor | None = None
         self._reads: dict[int, StoreFuture[torch.Tensor]] = {}
         self._writes: dict[int, StoreFuture[None]] = {}
+        self._suffix = ""  # NEXT while a tentative update writes the w records beside the ones a load reads
 
     # -- OFFLOAD ------------------------------------------------------------------------------------
     def save_grads(self, src: torch.Tensor, check_finite: bool, accumulate: bool = False, norm: bool = False) -> None:
@@ -203,13 +204,26 @@ class SsdWeights(SsdRecords):
         return self.buffers[2 + i % 2][: self.record_elems[i]]
 
     def written(self, i: int) -> None:
-        self._writes[i] = self.store.put_async(self._key("w", i), self.buffers[2 + i % 2][: self.record_elems[i]])
+        key = self._key("w", i) + self._suffix
+        self._writes[i] = self.store.put_async(key, self.buffers[2 + i % 2][: self.record_elems[i]])
+
+    def start_update(self, tentative: bool) -> None:
+        """Before an update: a tentative one writes its weights beside the w records (commit() swaps them in)."""
+        if tentative and self._key("w", 0) + NEXT not in self.store.keys():
+            need = sum(self.record_elems) * self.dtype.itemsize
+            self.store.check_space(need, f"the second set of weight records of {self.prefix!r} (speculative updates)")
+        self._suffix = NEXT if tentative else ""
+
+    def commit(self) -> None:
+        """Make the weights the tentative update wrote the w records (their entries exchange names)."""
+        for i in range(len(self.groups)):
+            self.store.swap(self._key("w", i), self._key("w", i) + NEXT)
 
     def end_update(self, failed: bool) -> None:
         """Let every read and write of the update end: raising the first error, or after a failed update
         dropping theirs (that failure is already on its way up)."""
         pending = [*self._reads.values(), *self._writes.values()]
-        self._reads, self._writes = {}, {}
+        self._reads, self._writes, self._suffix = {}, {}, ""
         if failed:
             drain(pending)
             return

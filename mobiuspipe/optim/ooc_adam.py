@@ -21,7 +21,7 @@ import torch
 
 from foundation.units import fmt_bytes
 from mobiuspipe.memory.aio import aligned_empty, round_up
-from mobiuspipe.memory.store.ssd_store import SSDStore, StoreFuture, drain
+from mobiuspipe.memory.store.ssd_store import NEXT, SSDStore, StoreFuture, drain
 from mobiuspipe.optim.cpu_adam import adamw_update, check_adamw_args
 from mobiuspipe.optim.ooc_groups import (
     BYTES_PER_ELEM,
@@ -82,6 +82,9 @@ class OutOfCoreAdam:
         ]
         self.io_note = store.engine.register(self.slots)  # "" when the slots are io_uring fixed buffers
         self.broken = ""  # why the states on disk are inconsistent (a step failed halfway), or ""
+        self.pending = False
+        """A tentative step's states lie in the second set of records, not yet committed or rolled back."""
+        self._writing = ""  # the suffix of the records a step writes: NEXT for a tentative step
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -158,8 +161,8 @@ class OutOfCoreAdam:
             )
         return cls(store, meta, slots, impl, simd)
 
-    def _key(self, i: int) -> str:
-        return f"{self.prefix}/g{i:06d}"
+    def _key(self, i: int, suffix: str = "") -> str:
+        return f"{self.prefix}/g{i:06d}{suffix}"
 
     def _sections(self, i: int, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Group i's record in a slot and its three sections (weights, exp_avg, exp_avg_sq)."""
@@ -189,18 +192,47 @@ class OutOfCoreAdam:
         low_precision_out: dict[str, torch.Tensor] | None = None,
         *,
         pipelined: bool = True,
+        tentative: bool = False,
     ) -> None:
         """One AdamW step of every parameter from grads {name: gradient}; each tensor of
         low_precision_out {name: bf16/fp16/fp32 tensor} receives that parameter's updated weights.
-        pipelined=False runs read, update and write-back of each group one after the other."""
+        pipelined=False runs read, update and write-back of each group one after the other. tentative: the
+        updated states go to a second set of records (made at the first such step), the ones read stay as they
+        were, until commit() makes the step's states the optimizer's or roll_back() forgets it."""
         g_flat = self._check_grads(grads)
         o_flat = self._check_outputs(low_precision_out or {})
-        self._run_step(lambda i, slot: self._update(i, slot, g_flat, o_flat), pipelined)
+        self._run_step(lambda i, slot: self._update(i, slot, g_flat, o_flat), pipelined, tentative)
 
-    def step_streamed(self, stream: GroupStream, *, pipelined: bool = True) -> None:
+    def commit(self) -> None:
+        """Make the tentative step's states the optimizer's (the records exchange names: no byte moves)."""
+        self._check_pending("commit")
+        for i in range(len(self.groups)):
+            self.store.swap(self._key(i), self._key(i, NEXT))
+        self.pending = False
+
+    def roll_back(self) -> None:
+        """Forget the tentative step: the states and the step count are as before it, bit for bit."""
+        self._check_pending("roll_back")
+        self.step_count -= 1
+        self.pending = False
+        self._save_meta()
+
+    def _check_pending(self, what: str) -> None:
+        if not self.pending:
+            raise RuntimeError(f"OutOfCoreAdam.{what}: no tentative step is pending (step(tentative=True) first)")
+
+    def _check_next_space(self) -> None:
+        """The first tentative step's second set of records fits the store's disk (ENOSPC names what needs it)."""
+        if self._key(0, NEXT) not in self.store.keys():
+            need = BYTES_PER_ELEM * sum(self.section_elems)
+            self.store.check_space(
+                need, f"the second set of optimizer records of {self.prefix!r} (speculative updates)"
+            )
+
+    def step_streamed(self, stream: GroupStream, *, pipelined: bool = True, tentative: bool = False) -> None:
         """One AdamW step of a one-parameter optimizer whose gradient and updated weights do not fit in
         memory either: group i takes stream.grad(i) and writes into stream.out(i) (both group-sized, in
-        the stream's dtypes), then stream.written(i) is called; groups come in order."""
+        the stream's dtypes), then stream.written(i) is called; groups come in order. tentative: as step's."""
         if len(self.names) != 1:
             raise ValueError(f"step_streamed needs an optimizer of one (flat) parameter, not {len(self.names)}")
 
@@ -209,17 +241,26 @@ class OutOfCoreAdam:
             self._kernel(i, slot, seg, stream.grad(i)[: seg.numel], stream.out(i)[: seg.numel])
             stream.written(i)
 
-        self._run_step(update, pipelined)
+        self._run_step(update, pipelined, tentative)
 
-    def _run_step(self, update, pipelined: bool) -> None:
-        """Count the step, run update(i, slot) over every group, and mark the states broken if it fails."""
+    def _run_step(self, update, pipelined: bool, tentative: bool = False) -> None:
+        """Count the step, run update(i, slot) over every group, and mark the states broken if it fails (a tentative
+        step's failure leaves them as they were)."""
         if self.broken:
             raise RuntimeError(self.broken)
+        if self.pending:
+            raise RuntimeError("OutOfCoreAdam: the tentative step before is not settled: commit() or roll_back() it")
+        if tentative:
+            self._check_next_space()
         self.step_count += 1
         run = self._run_pipelined if pipelined else self._run_serial
+        self._writing = NEXT if tentative else ""
         try:
             run(update)
         except BaseException as exc:
+            if tentative:
+                self.step_count -= 1  # the records it read are untouched
+                raise
             self.broken = (
                 f"step {self.step_count} of the out-of-core optimizer in {self.store.folder} failed "
                 f"({type(exc).__name__}: {exc}); some groups on disk took the step and others did "
@@ -228,6 +269,9 @@ class OutOfCoreAdam:
             )
             self.store.meta[self.prefix]["broken"] = self.broken  # open() refuses it, even after a restart
             raise
+        finally:
+            self._writing = ""
+        self.pending = tentative
         self._save_meta()
 
     def _update(self, i: int, slot: torch.Tensor, grads: dict, outs: dict) -> None:
@@ -266,7 +310,7 @@ class OutOfCoreAdam:
 
     def _write(self, i: int) -> StoreFuture[None]:
         rec, _, _, _ = self._sections(i, self.slots[i % len(self.slots)])
-        return self.store.put_async(self._key(i), rec)
+        return self.store.put_async(self._key(i, self._writing), rec)
 
     def _run_serial(self, update) -> None:
         for i in range(len(self.groups)):
@@ -333,9 +377,12 @@ class OutOfCoreAdam:
 
     def flush(self) -> None:
         """Make the states, the step count and the current hyper-parameters durable (the store's flush).
-        Refused after a failed step: a checkpoint of half-stepped states would resume silently wrong."""
+        Refused after a failed step: a checkpoint of half-stepped states would resume silently wrong; and while a
+        tentative step is pending."""
         if self.broken:
             raise RuntimeError(self.broken)
+        if self.pending:
+            raise RuntimeError("OutOfCoreAdam.flush: a tentative step is pending: commit() or roll_back() it first")
         self._save_meta()
         self.store.flush()
 

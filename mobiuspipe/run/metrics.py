@@ -79,6 +79,7 @@ class StepMetrics:
             "host_rss_bytes": self.host_rss_bytes,
             "ssd_bytes": self.ssd_bytes,
             "grad_norm": r.grad_norm,
+            "updates_rolled_back": r.updates_rolled_back,
             "checkpoint_s": self.checkpoint_s,
             "eta_s": self.eta_s,
         }

@@ -28,6 +28,7 @@ from foundation.checked import Problem
 from foundation.units import MiB, fmt_bytes
 from mobiuspipe.config import RunConfig
 from mobiuspipe.runtime.stage_states import least_share
+from mobiuspipe.startup.config_plan import run_copies
 from partition.plan import Plan
 from partition.rules.placement import (
     FROZEN_STREAM_BYTES,
@@ -61,16 +62,11 @@ def placements(cfg: RunConfig, plan: Plan) -> tuple[dict[int, Placement], list[P
                 int(mem.host_budget_mb * MiB),
                 least_share(b),
                 b,
-                _versions(cfg),
+                run_copies(cfg),
             )
         except BudgetShortfall as e:
             short[g] = e
     return placed, [shortfall_problem(short, mem.host_budget_mb)] if short else []
-
-
-def _versions(cfg: RunConfig) -> int:
-    """The versions of its weights and gradients each stage keeps in host memory: 2 with train.delayed_update."""
-    return 1 if cfg.train.delayed_update is None else 2
 
 
 def shortfall_problem(short: dict[int, BudgetShortfall], budget_mb: float) -> Problem:
@@ -157,7 +153,7 @@ def host_bytes_of(cfg: RunConfig, plan: Plan, g: int, placement: Placement) -> d
     for j in plan.stages_of(g):
         s = plan.stages[j]
         opt, wts = placement.optimizer[j], placement.weights[j]
-        out["states"] += host_bytes(s.trains, opt, wts, b, _versions(cfg)) + (
+        out["states"] += host_bytes(s.trains, opt, wts, b, run_copies(cfg)) + (
             placement.slot_bytes if opt == "ssd" else 0
         )
         if s.frozen_bytes:

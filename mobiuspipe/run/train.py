@@ -112,6 +112,7 @@ def _train(
         accumulation_steps=t.accumulation_steps,
         max_grad_norm=t.max_grad_norm,
         delayed_update=t.delayed_update,
+        speculative_update=t.speculative_update,
         trace_steps=cfg.runtime.trace_steps,
         lora=lora,
         adapters=starting_adapters(cfg, hf),

@@ -104,6 +104,9 @@ class StepOptions:
     """OFFLOAD has the tiers note their gradients' squared norm (gradient clipping, on the last pass)."""
     hold_updates: bool = False
     """Every host update waits for start_updates (a pass before the last; fp16's overflow check, clipping's norm)."""
+    speculate: bool = False
+    """The updates held for fp16's overflow check or clipping's norm start at once, tentatively, where the stage's
+    tier can undo them (Stage.speculates); start_updates then keeps, redoes or drops each."""
     lr: float | None = None
     """The learning rate of the updates this pass starts (bound when each starts); None: the optimizer's own."""
     lag: bool = False

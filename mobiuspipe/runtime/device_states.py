@@ -24,6 +24,9 @@ class DeviceStates:
     before the stage's next LOAD copies the weights into the arena, or before anyone reads the states. Every device
     operation thus runs on the compute thread, in stream order; the update thread does no device work."""
 
+    speculates = True
+    """A tentative update is only noted, like any (HostStates.speculates): undoing it forgets the note."""
+
     def __init__(self, flat: torch.Tensor, dtype: torch.dtype, device: Device, hyper: AdamHyper):
         self._device = device
         self.loads_master = dtype == torch.float32
@@ -89,12 +92,20 @@ class DeviceStates:
         """Add host tensor t into the gradients from element offset on (a tied parameter's other half)."""
         self.grads[offset : offset + t.numel()].add_(self._device.to_device(t))
 
-    def step(self, grad_scale: float, lr: float | None = None, grads: int = 0, out: int = 0) -> None:
-        """Note one update from the gradients divided by grad_scale, at lr (the compute thread applies it)."""
+    def step(
+        self, grad_scale: float, lr: float | None = None, grads: int = 0, out: int = 0, tentative: bool = False
+    ) -> None:
+        """Note one update from the gradients divided by grad_scale, at lr (the compute thread applies it at the
+        stage's next LOAD; a tentative one stays a note until settle_tentative)."""
         one_version(grads, out)
         if self._pending is not None:
             raise RuntimeError("a gpu-resident update was noted twice with no LOAD of the stage between them")
         self._pending = (grad_scale, lr)
+
+    def settle_tentative(self, keep: bool) -> None:
+        """Keep the noted tentative update, or forget it (nothing was applied)."""
+        if not keep:
+            self._pending = None
 
     def _apply(self) -> None:
         """The noted update, on the calling (compute) thread's stream: AdamW over the master, then the weights."""

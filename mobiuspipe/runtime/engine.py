@@ -76,6 +76,9 @@ class Engine:
         self._held: set[int] = set()
         """Stages whose updates wait for start_updates whatever the options say (tied parameters)."""
         self._deferred: list[Stage] = []
+        self._tentative: list[Stage] = []  # stages whose update of this step started tentatively
+        self.rolled_back = 0
+        """Tentative updates rolled back (redone, or dropped with a skipped step) so far."""
         self.last = len(mapping) - 1
         modes = activations or {}
         self.parts = {
@@ -202,28 +205,37 @@ class Engine:
         with Stopwatch() as sw:
             stage.offload(self.arena, self.options.accumulate, self.options.want_norm, self.options.step)
         self.state.times.load_s += sw.s
-        if self.options.hold_updates or a.stage in self._held:
+        held = self.options.hold_updates or a.stage in self._held
+        if held and self.options.speculate and a.stage not in self._held and stage.speculates:
+            self._start_update(stage, self.options.loss_scale, tentative=True)
+            self._tentative.append(stage)
+        elif held:
             self._deferred.append(stage)
         else:
             self._start_update(stage, 1.0)
 
     def overflowed(self) -> bool:
-        """Whether a gradient offloaded in this step (and held back) is inf or nan on this rank."""
-        return not all(s.grads_finite() for s in self._deferred)
+        """Whether a gradient offloaded in this step (and held back, or updated tentatively) is inf or nan on this
+        rank."""
+        return not all(s.grads_finite() for s in self._deferred + self._tentative)
 
     def start_updates(self, apply: bool, grad_scale: float | None = None) -> None:
         """Start the held-back host updates (gradients divided by grad_scale, default the loss scale), or drop
-        them (a skipped step, or a pass of an accumulated step that is not its last)."""
+        them (a skipped step, or a pass of an accumulated step that is not its last); and settle the tentative ones
+        alike (Stage.validate_update)."""
+        scale = self.options.loss_scale if grad_scale is None else grad_scale
         for stage in self._deferred:
             if apply:
-                self._start_update(stage, self.options.loss_scale if grad_scale is None else grad_scale)
-        self._deferred = []
+                self._start_update(stage, scale)
+        for stage in self._tentative:
+            self.rolled_back += stage.validate_update(self.updater, apply, scale)
+        self._deferred, self._tentative = [], []
 
-    def _start_update(self, stage: Stage, grad_scale: float) -> None:
+    def _start_update(self, stage: Stage, grad_scale: float, tentative: bool = False) -> None:
         """Start stage's host update at this step's learning rate (traced as "U" when the step is)."""
         step = self.state.step
         note = partial(self.trace.add, step, "U", stage.index, -1) if self.trace.wants(step) else None
-        stage.start_update(self.updater, grad_scale, self.options.lr, note, step)
+        stage.start_update(self.updater, grad_scale, self.options.lr, note, step, tentative)
 
     def grad_sumsq(self) -> float:
         """The squared norm of the gradients this rank offloaded in this step (each stage's, summed)."""

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -81,6 +82,22 @@ class FrozenSlice:
     def of(self, flat: torch.Tensor) -> torch.Tensor:
         """This parameter's view of a uint8 tensor laid out like the stage's frozen bytes."""
         return flat[self.offset : self.offset + self.nbytes].view(self.dtype).view(self.shape)
+
+
+class _Tentative(NamedTuple):
+    """A speculative update in flight (Stage.start_update(tentative=True)): what it assumed and wrote."""
+
+    newest: int
+    """The version of the weights the update before it wrote (restored if the step is skipped)."""
+    last_update: int
+    grad_scale: float
+    """What it divided the gradients by (the loss scale: no clipping assumed)."""
+    lr: float | None
+    note: Callable | None
+    grads: int
+    """The gradient buffer it read."""
+    out: int
+    """The version of the weights it wrote."""
 
 
 class Stage:
@@ -145,6 +162,8 @@ class Stage:
         """The version of the weights the last update started writes (the initial weights: 0)."""
         self._last_update = -1
         """The optimizer step whose update started last (-1: none)."""
+        self._tentative: _Tentative | None = None
+        """The tentative update started last, until validate_update settles it."""
         self._leaves: list[torch.Tensor] = []
         self._forward_leaves: list[torch.Tensor] = []
         """Weight leaves of the graphs a keep or selective forward visit keeps until the backward (views of that
@@ -216,21 +235,53 @@ class Stage:
         lr: float | None = None,
         note: Callable | None = None,
         step: int = 0,
+        tentative: bool = False,
     ) -> None:
         """Start the host update of optimizer step `step`'s offloaded gradients (divided by grad_scale) on
         `updater`, at learning rate lr (None: the optimizer's own); note(start), if given, is called when it ends (a
         trace's record). With two versions it writes the one the last update did not (which a delayed step may be
-        loading), from the gradient buffer of its step."""
+        loading), from the gradient buffer of its step. tentative (where states.speculates): a speculative update,
+        kept until validate_update says whether it stands."""
         out = 1 - self._newest if self.versions > 1 else 0
         grads = step % self.versions
-        self._updates.append(updater.submit(self._update, grad_scale, lr, note, grads, out))
+        if tentative:
+            self._tentative = _Tentative(self._newest, self._last_update, grad_scale, lr, note, grads, out)
+        self._updates.append(updater.submit(self._update, grad_scale, lr, note, grads, out, tentative))
         self._newest, self._last_update = out, step
 
-    def _update(self, grad_scale: float, lr: float | None, note: Callable | None, grads: int, out: int) -> None:
+    def _update(
+        self, grad_scale: float, lr: float | None, note: Callable | None, grads: int, out: int, tentative: bool = False
+    ) -> None:
         start = time.perf_counter()
-        self.states.step(grad_scale, lr, grads, out)
+        self.states.step(grad_scale, lr, grads, out, tentative)
         if note is not None:
             note(start)
+
+    def validate_update(self, updater: Executor, apply: bool, grad_scale: float) -> bool:
+        """Settle the tentative update, once the step knows whether to apply it (no overflow) and what to divide the
+        gradients by (the loss scale, over the clipping coefficient when that is below 1): it stands when it assumed
+        both; otherwise it is rolled back and, when the step applies, redone with grad_scale, all on `updater` after
+        it. Returns whether it was rolled back."""
+        t, self._tentative = self._tentative, None
+        if t is None:
+            raise RuntimeError(f"stage {self.index}: validate_update without a tentative update started")
+        keep = apply and grad_scale == t.grad_scale
+        self._updates.append(updater.submit(self._settle_update, keep, apply, grad_scale, t.lr, t.note, t.grads, t.out))
+        if not apply:  # the step is skipped: no update wrote a version
+            self._newest, self._last_update = t.newest, t.last_update
+        return not keep
+
+    def _settle_update(
+        self, keep: bool, apply: bool, grad_scale: float, lr: float | None, note: Callable | None, grads: int, out: int
+    ) -> None:
+        self.states.settle_tentative(keep)
+        if apply and not keep:
+            self._update(grad_scale, lr, note, grads, out)
+
+    @property
+    def speculates(self) -> bool:
+        """Whether this stage's updates may start tentatively (its states' tier keeps what they overwrite)."""
+        return self.states.speculates
 
     def wait_update(self) -> None:
         """Wait for every update started (after it, the states hold every step's)."""

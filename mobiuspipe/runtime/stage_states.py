@@ -26,6 +26,7 @@ from mobiuspipe.optim.hyper import AdamHyper
 from mobiuspipe.optim.ooc_adam import OutOfCoreAdam
 from mobiuspipe.optim.ooc_groups import BYTES_PER_ELEM, ELEM_ALIGN, least_budget_bytes
 from mobiuspipe.optim.ooc_links import adopt_records, link_records
+from mobiuspipe.optim.undo import StepUndo
 from mobiuspipe.runtime.device_states import DeviceStates, one_version
 from mobiuspipe.standin.places import plain
 
@@ -86,6 +87,7 @@ class HostStates:
         if self.loads_master:
             self.master.grad = self._grads[0]
         self.optimizer = make_optimizer([self.master])
+        self._undo = StepUndo()
 
     @property
     def weights(self) -> torch.Tensor:
@@ -160,17 +162,25 @@ class HostStates:
         self._settle()
         self.grads[offset : offset + t.numel()].add_(t)
 
-    def step(self, grad_scale: float, lr: float | None = None, grads: int = 0, out: int = 0) -> None:
+    speculates = True
+    """Whether step(tentative=True) and settle_tentative work here (a speculative update: Pipeline's)."""
+
+    def step(
+        self, grad_scale: float, lr: float | None = None, grads: int = 0, out: int = 0, tentative: bool = False
+    ) -> None:
         """One update from gradient buffer `grads` divided by grad_scale, at lr (None: the optimizer's own), the next
-        weights written into version `out`."""
+        weights written into version `out`. tentative: keep what it overwrites until settle_tentative (the
+        gradients are never written: the norm and the overflow check may read them meanwhile)."""
         self._settle()
+        if tentative:
+            self._undo.save(self.optimizer, self.master, () if self.loads_master else (self._weights[out],))
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
         g, weights = self._grads[grads], self._weights[out]
         if g.dtype == torch.float32:  # fp32: the update reads master.grad, the buffer itself
             if grad_scale != 1.0:
-                g.mul_(1.0 / grad_scale)
+                g = g.mul(1.0 / grad_scale) if tentative else g.mul_(1.0 / grad_scale)
             self.master.grad = g
             self.optimizer.step()
             if not self.loads_master:
@@ -184,6 +194,13 @@ class HostStates:
         self.master.grad = grad.float()
         self.optimizer.step()
         weights.copy_(self.master.data)
+
+    def settle_tentative(self, keep: bool) -> None:
+        """The step(tentative=True) before was right (keep) or is undone: every state and weight bit as before it."""
+        if keep:
+            self._undo.drop()
+        else:
+            self._undo.restore()
 
     def master_weights(self) -> torch.Tensor:
         return plain(self.master.data)
@@ -267,14 +284,32 @@ class SsdStates(HostStates):
         self._taken = 0
         self.sumsq: float | None = None
         self.optimizer = _ooc_adam(flat, tier, prefix, tier.host_budget_bytes)
+        self._undo = StepUndo()
+        self._lr = self.optimizer.lr  # before a tentative step
 
-    def step(self, grad_scale: float, lr: float | None = None, grads: int = 0, out: int = 0) -> None:
+    def step(
+        self, grad_scale: float, lr: float | None = None, grads: int = 0, out: int = 0, tentative: bool = False
+    ) -> None:
+        """HostStates.step; tentative: the out-of-core Adam writes its states beside the ones it read (a second set
+        of records on the SSD) and the weights it overwrites are kept in memory, until settle_tentative."""
         self._settle()
+        self._lr = self.optimizer.lr
+        if tentative:
+            self._undo.save(None, None, (self._weights[out],))
         if lr is not None:
             self.optimizer.lr = lr
         g = self._grads[grads]
         grad = g if grad_scale == 1.0 else g.float().mul_(1.0 / grad_scale)
-        self.optimizer.step({"w": grad}, {"w": self._weights[out]})
+        self.optimizer.step({"w": grad}, {"w": self._weights[out]}, tentative=tentative)
+
+    def settle_tentative(self, keep: bool) -> None:
+        if keep:
+            self.optimizer.commit()
+            self._undo.drop()
+            return
+        self.optimizer.roll_back()
+        self.optimizer.lr = self._lr
+        self._undo.restore()
 
     def master_weights(self) -> torch.Tensor:
         return self.optimizer.read_state(("param",))["w"]["param"]
@@ -299,6 +334,7 @@ class SsdStreamStates:
         self.optimizer = _ooc_adam(flat, tier, prefix, adam_budget)
         self.stream = SsdWeights(tier.store, f"{prefix}/lowp", flat.to(dtype), self.optimizer.group_elems)
         self.sumsq: float | None = None
+        self._lr = self.optimizer.lr  # before a tentative step
 
     def load_into(
         self, dst: torch.Tensor, device: Device, after: Sequence[CopyHandle] = (), version: int = 0
@@ -330,17 +366,33 @@ class SsdStreamStates:
     def add_grads(self, offset: int, t: torch.Tensor) -> None:
         self.stream.add_grads(offset, t)
 
-    def step(self, grad_scale: float, lr: float | None = None, grads: int = 0, out: int = 0) -> None:
+    speculates = True
+
+    def step(
+        self, grad_scale: float, lr: float | None = None, grads: int = 0, out: int = 0, tentative: bool = False
+    ) -> None:
+        """HostStates.step, streamed; tentative: the optimizer states and the weights are written beside the records
+        they replace once settle_tentative keeps them (no byte more is read or written)."""
         one_version(grads, out)
+        self._lr = self.optimizer.lr
         if lr is not None:
             self.optimizer.lr = lr
         self.stream.grad_scale = grad_scale
+        self.stream.start_update(tentative)
         try:
-            self.optimizer.step_streamed(self.stream)
+            self.optimizer.step_streamed(self.stream, tentative=tentative)
         except BaseException:
             self.stream.end_update(failed=True)
             raise
         self.stream.end_update(failed=False)
+
+    def settle_tentative(self, keep: bool) -> None:
+        if keep:
+            self.optimizer.commit()
+            self.stream.commit()
+            return
+        self.optimizer.roll_back()
+        self.optimizer.lr = self._lr
 
     def master_weights(self) -> torch.Tensor:
         return self.optimizer.read_state(("param",))["w"]["param"]

@@ -16,7 +16,9 @@ from mobiuspipe.config import DEFAULT_GPUS, RunConfig
 from mobiuspipe.errors import ConfigError
 from mobiuspipe.startup.lora import adapter_counts, lora_spec
 from mobiuspipe.startup.machine import discovered_topology
+from mobiuspipe.startup.update_policy import UpdatePolicy
 from partition.plan import Plan, load_plan
+from partition.rules.placement import HostCopies
 from partition.rules.tiers import HostBudget, RunMemory
 from partition.search import plan_batch
 from partition.spec.analytic import analytic_profile, dtype_bytes
@@ -162,9 +164,17 @@ def profile_count(cfg: RunConfig, profile: Profile) -> int:
 def run_budget(cfg: RunConfig) -> HostBudget:
     """The planner's host budget for a run: each rank's states placed by memory.optimizer and memory.weights under
     memory.host_budget_mb, the frozen base where memory.frozen says (partition.rules.tiers.RunMemory)."""
-    mem, delayed = cfg.memory, cfg.train.delayed_update is not None
+    mem, copies = cfg.memory, run_copies(cfg)
     run = RunMemory(mem.optimizer, mem.weights, mem.frozen, int(mem.host_budget_mb * MiB))
-    return HostBudget(None, f"memory.host_budget_mb {mem.host_budget_mb:g} MiB per rank for the states", run, delayed)
+    source = f"memory.host_budget_mb {mem.host_budget_mb:g} MiB per rank for the states"
+    return HostBudget(None, source, run, delayed=copies.versions > 1, speculative=copies.undo)
+
+
+def run_copies(cfg: RunConfig) -> HostCopies:
+    """What each stage of the run keeps in host memory beyond its states (UpdatePolicy.copies)."""
+    t = cfg.train
+    checked = t.max_grad_norm is not None or t.precision == "fp16"
+    return UpdatePolicy(checked, delayed_update=t.delayed_update, speculative=t.speculative_update).copies
 
 
 def activation_tiers(cfg: RunConfig) -> tuple[str, ...]:

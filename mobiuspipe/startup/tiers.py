@@ -17,7 +17,7 @@ from mobiuspipe.optim.hyper import AdamHyper
 from mobiuspipe.runtime.ranks import RankInfo, gather_all
 from mobiuspipe.runtime.stage_states import SsdTier, least_share
 from partition.plan import Plan
-from partition.rules.placement import Placement, run_placement
+from partition.rules.placement import PLAIN, HostCopies, Placement, run_placement
 
 __all__ = ["agree_on_tiers", "check_delayed", "with_tiers"]
 
@@ -29,17 +29,17 @@ def agree_on_tiers(
     make_optimizer: Callable,
     params: dict[int, int],
     recorded: dict[int, tuple[str, str]],
-    versions: int = 1,
+    copies: HostCopies = PLAIN,
 ) -> tuple[Placement, dict[int, tuple[str, str]], SSDStore | None, dict[int, SsdTier | None]]:
     """(this rank's placement, every stage's (optimizer tier, weights tier), the rank's store or None, stage j
     -> its SSD tier or None) for this rank's stages (params: stage -> parameter count): the tiers memory.optimizer
     and memory.weights name, or where they say auto those the plan records (recorded: stage -> (optimizer_tier,
-    weights_tier); partition.rules.placement.run_placement; versions 2: the delayed update's); the store is there too
-    when memory.frozen is ssd. Every rank raises the first failing rank's error."""
+    weights_tier); partition.rules.placement.run_placement, with the run's copies: UpdatePolicy.copies); the store
+    is there too when memory.frozen is ssd. Every rank raises the first failing rank's error."""
     b = dtype_bytes
     try:
         mine: Placement | str = run_placement(
-            mem.optimizer, mem.weights, recorded, params, int(mem.host_budget_mb * MiB), least_share(b), b, versions
+            mem.optimizer, mem.weights, recorded, params, int(mem.host_budget_mb * MiB), least_share(b), b, copies
         )
     except ValueError as e:
         mine = str(e)

@@ -47,6 +47,9 @@ class HostBudget:
     delayed: bool = False
     """The run delays its updates (train.delayed_update): each step's host updates run during the next step, which
     the simulator then bounds by max(pipeline, host updates) (partition.sim.simulate)."""
+    speculative: bool = False
+    """The run's updates start speculatively (clipping or fp16 with train.speculative_update) and keep a copy of what
+    they overwrite in host memory (partition.rules.placement.HostCopies)."""
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,10 @@ Host bytes per parameter n of a stage (b = bytes of the training dtype, B = its 
   optimizer ssd, weights ssd:     B (the Adam's slots and the weight stream's staging buffers)
   optimizer device:               0: the fp32 master, the moments, the gradients and the device-dtype weights are
                                   on the gpu, device_state_bytes of them (weights: device too)
+and what the run keeps beside them (HostCopies): the delayed update's second version of the weights and gradients
+(b n each; in fp32 the loaded weights are then a copy of the master), and the speculative update's copy of what it
+overwrites: the master and the moments (12 n) where the optimizer is in memory, and the weights it writes (b n; none
+where the master is what is loaded); on SSD its states and weights go to a second set of records instead.
 `auto` moves, largest stage first, first the optimizer states and then the weights to SSD, until what
 stays in memory leaves every stage on SSD a share B of at least a quarter of the budget over their count
 and at least the least share the out-of-core Adam takes.
@@ -27,6 +31,8 @@ __all__ = [
     "place_states",
     "run_placement",
     "host_bytes",
+    "HostCopies",
+    "PLAIN",
     "TIERS",
     "OPTIMIZER_TIERS",
     "FROZEN_TIERS",
@@ -53,6 +59,20 @@ FROZEN_TIERS = ("host", "ssd")
 FROZEN_STREAM_BYTES = 4 * 1024 * KiB
 """Host bytes through which each stage whose frozen weights are on the SSD streams them at each LOAD: the runtime's
 4 staging buffers of one 1 MiB record each (mobiuspipe.runtime.stage_states.SsdFrozenWeights)."""
+
+
+@dataclass(frozen=True)
+class HostCopies:
+    """What a run keeps in host memory beyond one set of each stage's states (see the module docstring)."""
+
+    versions: int = 1
+    """2 with the delayed update (train.delayed_update): the loaded weights and the gradients twice."""
+    undo: bool = False
+    """The speculative update (clipping or fp16 with train.speculative_update): a copy of what it overwrites."""
+
+
+PLAIN = HostCopies()
+"""One set of states and nothing beside it."""
 
 
 @dataclass(frozen=True)
@@ -105,16 +125,18 @@ def device_state_bytes(n: int, dtype_bytes: int) -> int:
     return STATE_BYTES * n + dtype_bytes * n + (dtype_bytes * n if dtype_bytes != 4 else 0)
 
 
-def host_bytes(n: int, optimizer: str, weights: str, dtype_bytes: int, versions: int = 1) -> int:
-    """Host bytes a stage of n parameters keeps in memory besides its share of the budget (see above); versions 2
-    (the delayed update) keeps the device-dtype weights and the gradients twice (in fp32 the loaded weights are then
-    copies of the master, not the master itself)."""
+def host_bytes(n: int, optimizer: str, weights: str, dtype_bytes: int, copies: HostCopies = PLAIN) -> int:
+    """Host bytes a stage of n parameters keeps in memory besides its share of the budget, with the run's copies
+    (see above)."""
     if optimizer == "device":
         return 0
-    b, k = dtype_bytes, versions
+    b, k = dtype_bytes, copies.versions
+    loads_master = b == 4 and k == 1  # fp32, one version: the device loads the master itself
+    undo_weights = b * n if copies.undo and not (optimizer == "host" and loads_master) else 0
     if optimizer == "host":
-        return STATE_BYTES * n + k * b * n + (k * b * n if b != 4 or k > 1 else 0)
-    return 0 if weights == "ssd" else 2 * k * b * n
+        undo = STATE_BYTES * n + undo_weights if copies.undo else 0
+        return STATE_BYTES * n + k * b * n + (0 if loads_master else k * b * n) + undo
+    return 0 if weights == "ssd" else 2 * k * b * n + undo_weights
 
 
 def place_states(
@@ -124,10 +146,10 @@ def place_states(
     budget_bytes: int,
     least_slot_bytes: int,
     dtype_bytes: int,
-    versions: int = 1,
+    copies: HostCopies = PLAIN,
 ) -> Placement:
     """Tiers of stages {j: parameter count} by memory.optimizer (host | ssd | auto | device) and memory.weights
-    (host | ssd | auto) under the rank's host budget (versions: host_bytes'). ValueError when nothing fits, naming
+    (host | ssd | auto) under the rank's host budget (copies: host_bytes'). ValueError when nothing fits, naming
     the budget that would."""
     if optimizer == "device":
         return Placement(dict.fromkeys(params, "device"), dict.fromkeys(params, "device"), 0)
@@ -141,10 +163,10 @@ def place_states(
         if step:
             j, kind = moves[step - 1]
             (opt if kind == "optimizer" else wts)[j] = "ssd"
-        slot = _slot(params, opt, wts, budget_bytes, least_slot_bytes, dtype_bytes, fixed, versions)
+        slot = _slot(params, opt, wts, budget_bytes, least_slot_bytes, dtype_bytes, fixed, copies)
         if slot is not None:
             return Placement(dict(opt), {j: wts[j] if opt[j] == "ssd" else "host" for j in params}, slot)
-    held = sum(host_bytes(n, opt[j], wts[j], dtype_bytes, versions) for j, n in params.items())
+    held = sum(host_bytes(n, opt[j], wts[j], dtype_bytes, copies) for j, n in params.items())
     raise BudgetShortfall(budget_bytes, params, optimizer, weights, held, least_slot_bytes)
 
 
@@ -156,7 +178,7 @@ def run_placement(
     budget_bytes: int,
     least_slot_bytes: int,
     dtype_bytes: int,
-    versions: int = 1,
+    copies: HostCopies = PLAIN,
 ) -> Placement:
     """The tiers a run gives its stages {j: parameter count}: what memory.optimizer and memory.weights name, where
     they name a tier; where they say auto, the tier the plan records for the stage (recorded: j -> (its
@@ -165,21 +187,21 @@ def run_placement(
     the rank's budget does not hold the result (with either setting auto, as place_states' auto rule would ask: each
     stage on SSD streams through a quarter of the budget over their count at least)."""
     if any(recorded.get(j, ("auto", "auto")) == ("auto", "auto") for j in params):
-        return place_states(optimizer, weights, params, budget_bytes, least_slot_bytes, dtype_bytes, versions)
+        return place_states(optimizer, weights, params, budget_bytes, least_slot_bytes, dtype_bytes, copies)
     opt = {j: recorded[j][0] if optimizer == "auto" else optimizer for j in params}
     wts = {j: recorded[j][1] if weights == "auto" else weights for j in params}
     wts = {j: "device" if opt[j] == "device" else "ssd" if opt[j] == wts[j] == "ssd" else "host" for j in params}
     fixed = optimizer != "auto" and weights != "auto"
-    slot = _slot(params, opt, wts, budget_bytes, least_slot_bytes, dtype_bytes, fixed, versions)
+    slot = _slot(params, opt, wts, budget_bytes, least_slot_bytes, dtype_bytes, fixed, copies)
     if slot is None:
-        held = sum(host_bytes(n, opt[j], wts[j], dtype_bytes, versions) for j, n in params.items())
+        held = sum(host_bytes(n, opt[j], wts[j], dtype_bytes, copies) for j, n in params.items())
         raise BudgetShortfall(budget_bytes, params, optimizer, weights, held, least_slot_bytes)
     return Placement(opt, wts, slot)
 
 
-def _slot(params, opt, wts, budget: int, least: int, b: int, fixed: bool, versions: int = 1) -> int | None:
+def _slot(params, opt, wts, budget: int, least: int, b: int, fixed: bool, copies: HostCopies = PLAIN) -> int | None:
     """The share of each stage on SSD if this placement fits (0 when none is on SSD), else None."""
-    held = sum(host_bytes(n, opt[j], wts[j], b, versions) for j, n in params.items())
+    held = sum(host_bytes(n, opt[j], wts[j], b, copies) for j, n in params.items())
     k = sum(1 for t in opt.values() if t == "ssd")
     if k == 0:
         return 0 if fixed or held <= budget else None

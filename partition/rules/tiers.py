@@ -67,6 +67,7 @@ from partition.rules.placement import (
     LEAST_SHARE_BYTES,
     STATE_BYTES,
     BudgetShortfall,
+    HostCopies,
     device_state_bytes,
     host_bytes,
     place_states,
@@ -82,7 +83,7 @@ __all__ = [
     "HostBudget",
     "RunMemory",
     "RunBudgetTooSmall",
-    "versions_of",
+    "copies_of",
     "SsdInfo",
     "StageTiers",
     "GpuShare",
@@ -159,7 +160,7 @@ def activation_host_caps(plan: Plan, budget: HostBudget) -> list[int]:
     b, share = dtype_bytes(plan.dtype), budget.bytes // plan.num_gpus
     states = [0] * plan.num_gpus
     for s in plan.stages:
-        states[s.gpu] += host_bytes(s.trains, "host", "host", b, versions_of(budget)) + s.frozen_bytes
+        states[s.gpu] += host_bytes(s.trains, "host", "host", b, copies_of(budget)) + s.frozen_bytes
     return [max(0, share - n) for n in states]
 
 
@@ -177,7 +178,7 @@ def place_tiers(plan: Plan, budget: HostBudget, gpu_states: bool | None = None) 
     else:
         gpu = run.optimizer == "device" if run and run.optimizer != "auto" else states_fit_gpus(plan)
     if run is not None:
-        return _memory(plan, budget, _run_place(plan, run, saved, gpu, versions_of(budget)), saved)
+        return _memory(plan, budget, _run_place(plan, run, saved, gpu, copies_of(budget)), saved)
     try:
         return _memory(plan, budget, _place(plan, budget, saved, "host", gpu), saved)
     except PlanInfeasibleError:
@@ -231,20 +232,19 @@ def _place(plan: Plan, budget: HostBudget, saved: list[int], frozen: str, gpu: b
         else:
             try:
                 left = share - saved_g - frozen_g - streamed
-                placement = place_states("auto", "auto", params, left, LEAST_SHARE_BYTES, b, versions_of(budget))
+                placement = place_states("auto", "auto", params, left, LEAST_SHARE_BYTES, b, copies_of(budget))
             except ValueError:
                 raise _too_small(plan, budget, share, saved, frozen) from None
         gpus.append(GpuShare(share, saved_g, placement, frozen_g, streamed))
     return tuple(gpus)
 
 
-def versions_of(budget: HostBudget) -> int:
-    """How many versions of its device-dtype weights and gradients a stage keeps in host memory: 2 with the delayed
-    update (partition.rules.placement.host_bytes)."""
-    return 2 if budget.delayed else 1
+def copies_of(budget: HostBudget) -> HostCopies:
+    """What a stage keeps in host memory beyond its states under this budget's run (partition.rules.placement)."""
+    return HostCopies(versions=2 if budget.delayed else 1, undo=budget.speculative)
 
 
-def _run_place(plan: Plan, run: RunMemory, saved: list[int], gpu: bool, versions: int) -> tuple[GpuShare, ...]:
+def _run_place(plan: Plan, run: RunMemory, saved: list[int], gpu: bool, copies: HostCopies) -> tuple[GpuShare, ...]:
     """Every gpu's placement as its rank makes it under the run's settings (RunMemory); PlanInfeasibleError naming
     memory.host_budget_mb when a rank's budget does not hold its stages' states."""
     b = dtype_bytes(plan.dtype)
@@ -254,7 +254,7 @@ def _run_place(plan: Plan, run: RunMemory, saved: list[int], gpu: bool, versions
         mine = plan.stages_of(g)
         params = {j: plan.stages[j].trains for j in mine}
         try:
-            placement = place_states(optimizer, run.weights, params, run.state_bytes, LEAST_SHARE_BYTES, b, versions)
+            placement = place_states(optimizer, run.weights, params, run.state_bytes, LEAST_SHARE_BYTES, b, copies)
         except BudgetShortfall as e:
             short[g] = e
             continue
@@ -292,7 +292,7 @@ def _memory(plan: Plan, budget: HostBudget, gpus: tuple[GpuShare, ...], saved: l
         stream = (p.slot_bytes if opt == "ssd" else 0) + (FROZEN_STREAM_BYTES if fz else 0)
         in_memory = {
             "optimizer": states,
-            "weights": host_bytes(n, opt, wts, b, versions_of(budget)) - states,
+            "weights": host_bytes(n, opt, wts, b, copies_of(budget)) - states,
             "frozen": s.frozen_bytes - fz,
         }
         on_ssd = {

@@ -136,9 +136,9 @@ def in_order(ids: np.ndarray, first: int, rows: int, seq_len: int) -> tuple[torc
     return seqs[:, :-1], seqs[:, 1:]
 
 
-def lora_pipeline(m, spec, batches, precision="fp32", activations=None, weight_decay=0.0, tied=(), memory=None):
+def lora_pipeline(m, spec, batches, precision="fp32", activations=None, weight_decay=0.0, tied=(), memory=None, **kw):
     """A Pipeline of Hugging Face model m's layers with LoRA `spec`: 3 stages on this rank, 4 microbatches, planned
-    from batches[0], CPUAdam at lr 5e-3 (the rate the LoRA tests give peft's AdamW)."""
+    from batches[0], CPUAdam at lr 5e-3 (the rate the LoRA tests give peft's AdamW); kw: Pipeline's other options."""
     from functools import partial
 
     from mobiuspipe import Pipeline
@@ -158,4 +158,5 @@ def lora_pipeline(m, spec, batches, precision="fp32", activations=None, weight_d
         tied=tied,
         memory=memory,
         lora=spec,
+        **kw,
     )

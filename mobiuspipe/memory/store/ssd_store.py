@@ -28,9 +28,13 @@ from mobiuspipe.memory.store.folder import direct_refused, lock_folder, remove_o
 from mobiuspipe.memory.store.future import StoreFuture, checksum, drain
 from mobiuspipe.memory.store.index import Entry
 
-__all__ = ["SSDStore", "StoreFuture", "checksum", "drain"]
+__all__ = ["SSDStore", "StoreFuture", "checksum", "drain", "NEXT"]
 
 _T = TypeVar("_T", bound="torch.Tensor | None")  # what one tracked future returns: the tensor read, or None
+
+
+NEXT = ".next"
+"""The suffix of the key a speculative write goes to beside the key it replaces once it stands (SSDStore.swap)."""
 
 
 class SSDStore:
@@ -143,6 +147,16 @@ class SSDStore:
                     self._dirty.add(name)
 
         return self._track(key, StoreFuture(finish, lambda: self.engine.done(ticket)))
+
+    def swap(self, a: str, b: str) -> None:
+        """Exchange the tensors of keys a and b (their index entries: no byte moves); flush() makes it durable. A
+        speculative write goes to key + NEXT and swap commits it."""
+        self._check_open()
+        self._settle(a)
+        self._settle(b)
+        with self._mutex:
+            ea, eb = self._entry(a), self._entry(b)
+            self.index.entries[a], self.index.entries[b] = eb, ea
 
     def delete(self, key: str) -> None:
         """Remove key and its file."""

@@ -274,3 +274,30 @@ def test_adapter_states_on_the_gpu_train_as_peft_and_resume_bit_for_bit(tmp_path
         resumed = pipe.state_dict(frozen=False)
     assert first + rest == straight
     assert all(torch.equal(resumed[k], final[k]) for k in final)
+
+
+def test_adapter_states_on_the_gpu_speculate_to_the_held_updates_bits(tmp_path, hf_kit):
+    """memory.optimizer device with clipping that triggers on some steps: a tentative update is a note until the
+    step's norm is known, kept or forgotten then; the run equals the one whose updates wait, bit for bit."""
+    from mobiuspipe.config import MemoryConfig
+
+    hf_kit.save_model("llama", tmp_path / "base", seed=6)
+    m = open_hf(tmp_path / "base", 13)
+    spec = LoraSpec(rank=4, alpha=8.0, targets=TARGETS["llama"])
+    batches = hf_kit.random_batches(4, 8, 13, seed=8)
+
+    def run(speculative: bool, clip: float):
+        torch.manual_seed(3)
+        memory = MemoryConfig(optimizer="device")
+        with hf_kit.lora_pipeline(
+            m, spec, batches, "bf16", memory=memory, max_grad_norm=clip, speculative_update=speculative
+        ) as pipe:
+            steps = [pipe.train_batch(x, y) for x, y in batches]
+            return [(r.loss, r.grad_norm, r.updates_rolled_back) for r in steps], pipe.state_dict(frozen=False)
+
+    norms = sorted(n or 0.0 for _, n, _ in run(False, 1e9)[0])
+    clip = (norms[1] + norms[2]) / 2  # two steps clip, two do not
+    (held, held_w), (spec_steps, spec_w) = run(False, clip), run(True, clip)
+    assert [s[:2] for s in spec_steps] == [s[:2] for s in held]
+    assert [r > 0 for *_, r in spec_steps] == [(n or 0.0) > clip for _, n, _ in held]
+    assert all(torch.equal(spec_w[k], held_w[k]) for k in held_w)

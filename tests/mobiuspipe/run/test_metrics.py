@@ -53,6 +53,6 @@ def test_a_record_has_the_step_results_figures_then_the_runs(tmp_path):
     assert list(row) == [
         "kind", "step", "loss", "tokens_per_s", "step_s", "compute_s", "load_s", "comm_s", "arena_peak_bytes",
         "arena_budget_bytes", "loss_scale", "skipped", "device_peak_bytes", "lr", "ranks", "flops_per_step",
-        "tflops", "mfu", "host_rss_bytes", "ssd_bytes", "grad_norm", "checkpoint_s", "eta_s",
+        "tflops", "mfu", "host_rss_bytes", "ssd_bytes", "grad_norm", "updates_rolled_back", "checkpoint_s", "eta_s",
     ]  # fmt: skip
     assert (row["loss"], row["comm_s"], row["arena_budget_bytes"]) == (2.5, 0.02, 4 * 2**20)

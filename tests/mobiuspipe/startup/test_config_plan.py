@@ -148,3 +148,26 @@ def test_the_run_offers_the_activation_tiers_it_can_run(monkeypatch, tmp_path):
     assert activation_tiers(cfg(2, True)) == ("host", "ssd", "peer")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # two hosts of one rank each
     assert activation_tiers(cfg(2, False)) == ("host",)
+
+
+@pytest.mark.parametrize(
+    "train, undo, versions",
+    [
+        ({}, False, 1),
+        ({"max_grad_norm": 1.0}, True, 1),
+        ({"precision": "fp16"}, True, 1),
+        ({"max_grad_norm": 1.0, "speculative_update": False}, False, 1),
+        ({"max_grad_norm": 1.0, "delayed_update": 1}, False, 2),
+        ({"max_grad_norm": 1.0, "delayed_update": 4}, True, 2),
+    ],
+)
+def test_the_runs_budget_counts_the_copies_its_updates_keep(train, undo, versions):
+    """The speculative update's copy is counted where some step speculates (clipping or fp16, not delayed from step 1
+    on), the delayed update's second version where it delays (mobiuspipe.startup.update_policy)."""
+    from mobiuspipe.startup.config_plan import run_budget, run_copies
+
+    cfg = config_from_dict({"model": {"num_blocks": 2, "d_model": 16, "num_heads": 2, "seq_len": 8}, "train": train})
+    copies = run_copies(cfg)
+    assert (copies.undo, copies.versions) == (undo, versions)
+    budget = run_budget(cfg)
+    assert (budget.speculative, budget.delayed) == (undo, versions == 2)

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from partition.rules.placement import LEAST_SHARE_BYTES, BudgetShortfall, host_bytes, place_states
+from partition.rules.placement import LEAST_SHARE_BYTES, BudgetShortfall, HostCopies, host_bytes, place_states
 
 PARAMS = {0: 1000, 2: 50_000, 4: 20_000}
 LEAST = LEAST_SHARE_BYTES  # 64 KiB: the Adam's 4 slots of one 4 KiB-aligned group, and 4 staging pages
@@ -17,9 +17,22 @@ def test_host_bytes_per_choice():
     assert host_bytes(10, "ssd", "host", 2) == 10 * 4
     assert host_bytes(10, "ssd", "ssd", 2) == 0
     # the delayed update keeps the loaded weights and the gradients twice (fp32: copies of the master, not it)
-    assert host_bytes(10, "host", "host", 2, versions=2) == 10 * (12 + 2 * 2 + 2 * 2)
-    assert host_bytes(10, "host", "host", 4, versions=2) == 10 * (12 + 2 * 4 + 2 * 4)
-    assert host_bytes(10, "ssd", "host", 2, versions=2) == 10 * 8
+    two = HostCopies(versions=2)
+    assert host_bytes(10, "host", "host", 2, two) == 10 * (12 + 2 * 2 + 2 * 2)
+    assert host_bytes(10, "host", "host", 4, two) == 10 * (12 + 2 * 4 + 2 * 4)
+    assert host_bytes(10, "ssd", "host", 2, two) == 10 * 8
+
+
+def test_the_speculative_updates_copy_counts_what_it_overwrites_in_memory():
+    """The master and moments (12) where the optimizer is in memory, and the weights it writes (b) unless they are
+    the master itself (fp32, one version); nothing for stages streamed from SSD (a second set of records there)."""
+    undo = HostCopies(undo=True)
+    assert host_bytes(10, "host", "host", 2, undo) == 10 * (12 + 2 + 2 + 12 + 2)
+    assert host_bytes(10, "host", "host", 4, undo) == 10 * (12 + 4 + 12)
+    assert host_bytes(10, "host", "host", 4, HostCopies(versions=2, undo=True)) == 10 * (12 + 8 + 8 + 12 + 4)
+    assert host_bytes(10, "ssd", "host", 2, undo) == 10 * (2 + 2 + 2)
+    assert host_bytes(10, "ssd", "ssd", 2, undo) == 0
+    assert host_bytes(10, "device", "device", 2, undo) == 0
     assert LEAST == 65536
 
 
