@@ -7,7 +7,7 @@ from types import MappingProxyType
 
 from topology.errors import TopologyError
 from topology.pci import pcie_gbps
-from topology.types import Gpu, NvLink, RootComplex, Switch, Topology
+from topology.types import Gpu, Measured, NvLink, RootComplex, Switch, Topology
 
 __all__ = [
     "PCIE3_X16_GBPS",
@@ -18,6 +18,7 @@ __all__ = [
     "preset",
     "cpu_standin",
     "STANDIN_NAME",
+    "STANDIN_MESSAGES",
 ]
 
 PCIE3_X16_GBPS = pcie_gbps(3, 16)
@@ -122,8 +123,25 @@ STANDIN_NAME = "cpu-standin"
 """The gpu name of a CPU stand-in."""
 
 
-def cpu_standin(num_gpus: int, memory_bytes: int, link_gbps: float = 10.0) -> Topology:
-    """`num_gpus` CPU stand-ins ("cpu-standin"), each with a `memory_bytes` budget, under one root complex "host".
+STANDIN_MESSAGES = Measured(
+    message_latency_s=100e-6,
+    message_gbps=1.0,
+    message_send_s=60e-6,
+    message_recv_s=900e-6,
+    notes=("typical stand-in message costs (scripts/bench_standin_plans.py), not measured on this machine",),
+)
+"""What a message between two CPU stand-in ranks of one host typically costs (topology.types.Measured's legend),
+traced by scripts/bench_standin_plans.py on this project's 2-core VM: posting it 58-66 us; taking it 0.4-1.8 ms
+(mostly waiting for the sender's process to get a core), 0.9 ms in the 4-stage run; gloo's latency 0.1 ms
+(`topology --probe`). A run that plans for stand-ins it has not probed plans with these (mobiuspipe.startup.
+config_plan.run_topology); `topology --probe` and `profile --refine` measure a machine's own."""
+
+
+def cpu_standin(
+    num_gpus: int, memory_bytes: int, link_gbps: float = 10.0, measured: Measured | None = None
+) -> Topology:
+    """`num_gpus` CPU stand-ins ("cpu-standin"), each with a `memory_bytes` budget, under one root complex "host";
+    `measured`: what is known of its messages (e.g. STANDIN_MESSAGES), None: nothing.
 
     The uplink is `link_gbps * num_gpus`: copies between CPU buffers do not contend for one shared link
     the way PCIe transfers under a root complex do, so every stand-in keeps its full `link_gbps` even
@@ -148,4 +166,5 @@ def cpu_standin(num_gpus: int, memory_bytes: int, link_gbps: float = 10.0) -> To
         )
         for i in range(num_gpus)
     )
-    return Topology(name=f"cpu-standin-{num_gpus}", gpus=gpus, root_complexes=(rc,), source="cpu-standin")
+    name, source = f"cpu-standin-{num_gpus}", "cpu-standin"
+    return Topology(name=name, gpus=gpus, root_complexes=(rc,), source=source, measured=measured)

@@ -27,6 +27,7 @@ from partition.spec.lora import frozen_layers
 from partition.spec.models import ModelSpec, layer_param_counts
 from partition.spec.profile import Profile
 from topology import Topology, cpu_standin, load_topology
+from topology.presets import STANDIN_MESSAGES
 
 __all__ = [
     "model_spec",
@@ -64,12 +65,14 @@ def plan_for_config(cfg: RunConfig) -> Plan:
 def run_topology(cfg: RunConfig) -> Topology:
     """The machine a run plans for: plan.topology (a preset or a layout file); else, with GPUs, this host's
     discovered topology narrowed to the first plan.num_gpus (default: all) CUDA devices; else plan.num_gpus
-    CPU stand-ins of plan.device_memory_mb each. ConfigError when the gpu or stage count does not fit it."""
+    CPU stand-ins of plan.device_memory_mb each, whose messages cost what they typically do (STANDIN_MESSAGES).
+    ConfigError when the gpu or stage count does not fit it."""
     p = cfg.plan
     if p.topology is None and torch.cuda.is_available():
         return discovered_topology(torch.cuda.device_count() if p.num_gpus is None else p.num_gpus)
     if p.topology is None:
-        return cpu_standin(DEFAULT_GPUS if p.num_gpus is None else p.num_gpus, int(p.device_memory_mb * MiB))
+        n = DEFAULT_GPUS if p.num_gpus is None else p.num_gpus
+        return cpu_standin(n, int(p.device_memory_mb * MiB), measured=STANDIN_MESSAGES)
     topo = load_topology(p.topology)  # a layout file's path is absolute: load_config made it so
     if p.num_gpus is not None and p.num_gpus != topo.num_gpus:
         raise ConfigError(

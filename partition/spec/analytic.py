@@ -23,7 +23,8 @@ Per layer l (names "embedding", "block", "head"):
                                                             output element, so the layer is not free)
                     head       2*b*s*h*V                   (the logits matmul)
   bwd_flops         2 * fwd_flops                          (input and weight gradients, same matmuls)
-  fwd_s, bwd_s      fwd_flops / R, bwd_flops / R
+  fwd_s, bwd_s      fwd_flops / R + c, bwd_flops / R         (c: the device's forward_call_s, each layer
+                                                            forward's fixed cost, 0 on a GPU)
   activation_bytes  block gpt  s*b*(18h + 4f + 5*a*s) * e/2 (Korthikanti et al. 2022, "Reducing Activation
                                                             Recomputation in Large Transformer Models",
                                                             no sequence or tensor parallelism, counted for
@@ -87,7 +88,7 @@ def _check_args(microbatch_size: int, mfu: float) -> None:
         raise ValueError(f"mfu must be in (0, 1], found {mfu!r}; {MFU_DEFAULT} is the documented default")
 
 
-def _layer(name: str, n: int, e: int, act: int, out: int, fwd_flops: float, rate: float) -> LayerProfile:
+def _layer(name: str, n: int, e: int, act: int, out: int, fwd_flops: float, rate: float, call_s: float) -> LayerProfile:
     bwd_flops = 2.0 * fwd_flops
     return LayerProfile(
         name=name,
@@ -97,7 +98,7 @@ def _layer(name: str, n: int, e: int, act: int, out: int, fwd_flops: float, rate
         output_bytes=out,
         fwd_flops=fwd_flops,
         bwd_flops=bwd_flops,
-        fwd_s=fwd_flops / rate,
+        fwd_s=fwd_flops / rate + call_s,
         bwd_s=bwd_flops / rate,
     )
 
@@ -111,7 +112,7 @@ def _block_act_units(spec: ModelSpec) -> int:
 
 
 def _with_adapters(
-    x: LayerProfile, a: int, e: int, tokens: int, rate: float, base: tuple[int, int] | None
+    x: LayerProfile, a: int, e: int, tokens: int, rate: float, call_s: float, base: tuple[int, int] | None
 ) -> LayerProfile:
     """Layer x with a adapter parameters beside its frozen ones (the legend's LoRA paragraph), the frozen ones kept
     as `base` says (items, bytes; None: x's, in the dtype); tokens = b*s."""
@@ -125,7 +126,7 @@ def _with_adapters(
         trainable_count=a,
         fwd_flops=fwd,
         bwd_flops=bwd,
-        fwd_s=fwd / rate,
+        fwd_s=fwd / rate + call_s,
         bwd_s=bwd / rate,
     )
 
@@ -150,15 +151,16 @@ def analytic_profile(
     hidden = s * b * h * e
     block_act = s * b * _block_act_units(spec) * (e // 2)  # e is even: kept integral
     block_flops = float(2 * b * s * block_matmul_params(spec) + 4 * b * s * s * h)
-    embedding = _layer("embedding", counts[0], e, hidden, hidden, float(2 * b * s * h), rate)
-    blocks = [_layer("block", n, e, block_act, hidden, block_flops, rate) for n in counts[1:-1]]
-    head = _layer("head", counts[-1], e, hidden + s * b * v * 4, s * b * v * e, float(2 * b * s * h * v), rate)
+    c = device.forward_call_s
+    embedding = _layer("embedding", counts[0], e, hidden, hidden, float(2 * b * s * h), rate, c)
+    blocks = [_layer("block", n, e, block_act, hidden, block_flops, rate, c) for n in counts[1:-1]]
+    head = _layer("head", counts[-1], e, hidden + s * b * v * 4, s * b * v * e, float(2 * b * s * h * v), rate, c)
     layers = (embedding, *blocks, head)
     if adapters is not None:
         if len(adapters) != len(layers):
             raise ValueError(f"adapters: expected a count for each of the {len(layers)} layers, found {len(adapters)}")
         bases = list(zip(*frozen)) if frozen is not None else [None] * len(layers)
-        layers = tuple(_with_adapters(x, a, e, s * b, rate, z) for x, a, z in zip(layers, adapters, bases))
+        layers = tuple(_with_adapters(x, a, e, s * b, rate, c, z) for x, a, z in zip(layers, adapters, bases))
     return Profile(
         model=spec.name,
         device=device.name,

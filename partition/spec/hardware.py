@@ -35,6 +35,11 @@ for GPT models of 1.7B-1T parameters. A measured profile replaces it."""
 
 _PCIE3, _PCIE4, _PCIE5 = 15.75, 31.5, 63.0
 
+STANDIN_FORWARD_CALL_S = 330e-6
+"""A CPU stand-in's forward_call_s: the tiny GPT of scripts/run.sh (d_model 64), traced by
+scripts/bench_standin_plans.py on this project's 2-core VM, took 309-341 us more per layer forward than a linear
+fit of its microbatch size predicts (BENCHMARKS.md)."""
+
 
 @dataclass(frozen=True)
 class DeviceSpec:
@@ -48,12 +53,16 @@ class DeviceSpec:
     """Device memory; 0 means "take it from the topology" (the CPU stand-in's budget)."""
     pcie_gbps: float
     """Host<->device link bandwidth, one direction, GB/s."""
+    forward_call_s: float = 0.0
+    """Seconds each layer's forward call costs beyond its FLOPs as mobiuspipe runs it (the Python of the call: the
+    parameter views, functional_call, the saved-tensor hooks; the backward runs in autograd's engine), charged to
+    every forward and recompute [s]. A GPU's is 0: its launches overlap the kernels queued before them."""
 
     def __post_init__(self) -> None:
-        if not self.peak_tflops > 0 or not self.pcie_gbps > 0 or self.memory_bytes < 0:
+        if not self.peak_tflops > 0 or not self.pcie_gbps > 0 or self.memory_bytes < 0 or not self.forward_call_s >= 0:
             raise ValueError(
-                f"device {self.name!r}: need peak_tflops > 0, pcie_gbps > 0 and memory_bytes >= 0, found "
-                f"{self.peak_tflops}, {self.pcie_gbps} and {self.memory_bytes}"
+                f"device {self.name!r}: need peak_tflops > 0, pcie_gbps > 0, memory_bytes >= 0 and forward_call_s "
+                f">= 0, found {self.peak_tflops}, {self.pcie_gbps}, {self.memory_bytes} and {self.forward_call_s}"
             )
 
     def to_dict(self) -> dict:
@@ -77,8 +86,9 @@ _TABLE = (
     DeviceSpec("NVIDIA H100 80GB HBM3", 989.0, 80 * GiB, _PCIE5),
     DeviceSpec("NVIDIA H200", 989.0, 141 * GiB, _PCIE5),
     # A CPU pretending to be a GPU (CI, laptops): ~50 GFLOPS of fp32 matmul on a few cores; its memory
-    # budget comes from the topology (the stand-in's arena), its "link" is a memcpy.
-    DeviceSpec("cpu-standin", 0.05, 0, 10.0),
+    # budget comes from the topology (the stand-in's arena), its "link" is a memcpy. Each layer's forward costs
+    # STANDIN_FORWARD_CALL_S beyond its FLOPs.
+    DeviceSpec("cpu-standin", 0.05, 0, 10.0, STANDIN_FORWARD_CALL_S),
 )
 
 DEVICES: MappingProxyType[str, DeviceSpec] = MappingProxyType({d.name: d for d in _TABLE})

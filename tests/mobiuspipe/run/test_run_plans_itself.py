@@ -42,6 +42,13 @@ def _cut(plan: Plan) -> list[tuple]:
     ]
 
 
+def _too_big_are_on_ssd(plan: Plan, budget_mb: float) -> bool:
+    """Whether every stage whose fp32 states (16 bytes a parameter) the budget cannot hold keeps them on the SSD, and
+    there is such a stage."""
+    big = [s for s in plan.stages if 16 * s.trains > budget_mb * MiB]
+    return bool(big) and all(s.optimizer_tier == "ssd" for s in big)
+
+
 def test_a_run_follows_the_plan_partition_writes_for_its_config(tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text(yaml.safe_dump(_config(tmp_path)))
@@ -53,15 +60,14 @@ def test_a_run_follows_the_plan_partition_writes_for_its_config(tmp_path):
     planned, ran = load_plan(written), load_plan(tmp_path / "out" / "plan.yaml")
     assert _cut(ran) == _cut(planned)
     assert planned.num_stages != 4  # searched (4 was the fixed default): the tight budget's SSD traffic weighs in
-    tiers = {s.optimizer_tier for s in planned.stages}
-    assert tiers == {"ssd"}, tiers  # a 0.25 MiB budget holds no stage's 12 bytes a parameter
-    assert "optimizer states (auto): ssd for stages" in run.stdout
+    assert _too_big_are_on_ssd(planned, 0.25)
+    assert "optimizer states (auto): host for stage 0; ssd for stage 1" in run.stdout
 
 
 def test_the_plan_records_the_tiers_and_a_1_mib_budget_puts_states_on_the_ssd(tmp_path):
     big = {**_config(tmp_path, host_budget_mb=1), "model": {**RUN["model"], "d_model": 64}}
     plan = plan_from_config(config_from_dict(big))
-    assert {s.optimizer_tier for s in plan.stages} == {"ssd"}
+    assert _too_big_are_on_ssd(plan, 1)
     roomy = plan_from_config(config_from_dict(_config(tmp_path, host_budget_mb=64)))
     assert {(s.optimizer_tier, s.weights_tier) for s in roomy.stages} == {("host", "host")}
     path = tmp_path / "plan.yaml"

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
 
 from mobiuspipe.config import config_from_dict, load_config
 from mobiuspipe.errors import ConfigError
@@ -171,3 +174,33 @@ def test_the_runs_budget_counts_the_copies_its_updates_keep(train, undo, version
     assert (copies.undo, copies.versions) == (undo, versions)
     budget = run_budget(cfg)
     assert (budget.speculative, budget.delayed) == (undo, versions == 2)
+
+
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "tiny-gpt.yaml"
+MEASURED_MS = {(3, 2): 34.0, (4, 2): 33.2, (4, 4): 48.0, (6, 4): 60.0, (8, 4): 72.0, (4, 8): 85.3, (8, 8): 132.5}
+"""Median steps of the tiny GPT on 2 CPU stand-ins at (stages, microbatches), measured by
+scripts/bench_standin_plans.py on 2026-11-27 (BENCHMARKS.md)."""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the run plans for this host's gpus, not CPU stand-ins")
+def test_the_stand_in_planner_ranks_plans_as_they_measured_and_auto_picks_a_fastest():
+    """With the stand-in's per-call and per-message costs, every pair of plans measured 1.3x or more apart is
+    predicted in the same order, and auto's plan is predicted no slower than any of them (on 2026-11-26 auto picked
+    8 x 8, measured 4x the best)."""
+    import dataclasses
+
+    from mobiuspipe.startup.config_plan import plan_from_config
+
+    cfg = load_config(EXAMPLE)
+
+    def predicted(stages, microbatches) -> float:
+        plan = dataclasses.replace(cfg.plan, num_stages=stages)
+        data = dataclasses.replace(cfg.data, num_microbatches=microbatches)
+        return plan_from_config(dataclasses.replace(cfg, plan=plan, data=data)).predicted_step_time_s
+
+    ms = {k: predicted(*k) for k in MEASURED_MS}
+    for a, b in ((a, b) for a in MEASURED_MS for b in MEASURED_MS if MEASURED_MS[b] >= 1.3 * MEASURED_MS[a]):
+        assert ms[a] < ms[b], (a, b, ms)
+    auto = plan_from_config(cfg)
+    assert auto.predicted_step_time_s <= min(ms.values()) * 1.05
+    assert (len(auto.stages), auto.num_microbatches) in {(3, 2), (4, 2)}
