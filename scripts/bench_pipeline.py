@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+import yaml
 from benchlib import cpu_mark, cpu_model, markdown_table, other_share, torch_threads, torchrun_metrics
 from torch import nn
 
@@ -41,6 +44,8 @@ ROWS = {
     "d": "mobiuspipe, 2 ranks x 1 thread, 4 stages, cross",
     "e": "mobiuspipe, 1 rank x 1 thread, 4 stages",
     "f": "as (d), bf16 weights and gradients (fp32 master)",
+    "g": "torch.distributed.pipelining ScheduleLoopedBFS, 2 ranks x 1 thread, (d)'s cuts and mapping, all in memory",
+    "h": "as (d), 512 MiB stand-ins (the peer's room: the plan keeps every activation)",
 }
 """What each row of the table measures."""
 
@@ -66,12 +71,14 @@ class Row:
         return self.tokens / self.step_s
 
 
-def run_dict(size: str, num_gpus: int, steps: int, out_dir: str | None = None, precision: str = "fp32") -> dict:
-    """The YAML-able run config of `size` on `num_gpus` ranks, 4 stages, 1 thread per rank."""
+def run_dict(
+    size: str, num_gpus: int, steps: int, out_dir: str | None = None, precision: str = "fp32", device_mb: float = 64.0
+) -> dict:
+    """The YAML-able run config of `size` on `num_gpus` ranks, 4 stages, 1 thread per rank, stand-ins of device_mb."""
     return {
         **SIZES[size],
         "train": {"steps": steps, "out_dir": out_dir, "log_every": steps, "precision": precision},
-        "plan": {"num_gpus": num_gpus, "num_stages": 4, "mapping": "cross"},
+        "plan": {"num_gpus": num_gpus, "num_stages": 4, "mapping": "cross", "device_memory_mb": device_mb},
         "runtime": {"threads": 1},
     }
 
@@ -113,11 +120,13 @@ def tokens_per_step(cfg: RunConfig) -> int:
     return cfg.data.batch_size * cfg.model.seq_len
 
 
-def pipeline_row(size: str, key: str, nproc: int, args: argparse.Namespace, tmp: Path, precision: str = "fp32") -> Row:
+def pipeline_row(
+    size: str, key: str, nproc: int, args: argparse.Namespace, tmp: Path, precision: str = "fp32", device_mb=64.0
+) -> Row:
     """Measure mobiuspipe on `nproc` ranks (row `key`) in `precision` (fp32: the arithmetic of plain torch)."""
     folder = tmp / f"{size}-{key}"
     folder.mkdir()
-    d = run_dict(size, nproc, args.steps, str(folder / "out"), precision)
+    d = run_dict(size, nproc, args.steps, str(folder / "out"), precision, device_mb)
     recs = torchrun_metrics(d, nproc, folder, args.timeout)
     w = args.warmup
     compute, load, comm = (steady([r[k] for r in recs], w) for k in ("compute_s", "load_s", "comm_s"))
@@ -134,6 +143,23 @@ def pipeline_row(size: str, key: str, nproc: int, args: argparse.Namespace, tmp:
     )
 
 
+def torch_pipelining_row(size: str, key: str, args: argparse.Namespace, tmp: Path) -> Row:
+    """Measure torch.distributed.pipelining on 2 ranks (row `key`) with mobiuspipe's cuts
+    (scripts/torch_pipelining_run.py)."""
+    folder = tmp / f"{size}-{key}"
+    folder.mkdir()
+    d = run_dict(size, 2, args.steps)
+    (folder / "run.yaml").write_text(yaml.safe_dump(d))
+    script = Path(__file__).with_name("torch_pipelining_run.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    cmd += ["--config", str(folder / "run.yaml"), "--out", str(folder / "times.json")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    out = json.loads((folder / "times.json").read_text())
+    return Row(size, key, steady(out["step_s"], args.warmup), tokens_per_step(config_from_dict(d)), out["losses"][-1])
+
+
 def plain_row(size: str, key: str, cfg: RunConfig, threads: int, chunks: int, warmup: int) -> Row:
     """Measure plain PyTorch (row `key`) on `threads` threads with `chunks` microbatches."""
     times, loss = plain_run(cfg, threads, chunks)
@@ -141,7 +167,7 @@ def plain_row(size: str, key: str, cfg: RunConfig, threads: int, chunks: int, wa
 
 
 def bench_size(size: str, args: argparse.Namespace, tmp: Path) -> list[Row]:
-    """Rows (a)..(f) of one model size, measured one after the other, each with the others' CPU share."""
+    """Rows (a)..(g) of one model size, measured one after the other, each with the others' CPU share."""
     cfg = config_from_dict(run_dict(size, 1, args.steps))
     m, w = cfg.data.num_microbatches, args.warmup
     assert m is not None, "the benchmark's configs fix data.num_microbatches"
@@ -152,9 +178,11 @@ def bench_size(size: str, args: argparse.Namespace, tmp: Path) -> list[Row]:
         "d": lambda: pipeline_row(size, "d", 2, args, tmp),
         "e": lambda: pipeline_row(size, "e", 1, args, tmp),
         "f": lambda: pipeline_row(size, "f", 2, args, tmp, "bf16"),
+        "g": lambda: torch_pipelining_row(size, "g", args, tmp),
+        "h": lambda: pipeline_row(size, "h", 2, args, tmp, device_mb=512.0),
     }
     rows = []
-    for key, job in jobs.items():
+    for key, job in ((k, j) for k, j in jobs.items() if k in args.rows):
         mark = cpu_mark()
         row = job()
         rows.append(replace(row, other_cpu=other_share(mark)[0]))
@@ -222,7 +250,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the median (default 3)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds each torchrun may take (default 300)")
     p.add_argument("--markdown", action="store_true", help="also print the table as Markdown for BENCHMARKS.md")
+    p.add_argument(
+        "--rows", nargs="+", choices=sorted(ROWS), default=sorted(ROWS), help="rows to measure (a and c always)"
+    )
     args = p.parse_args(argv)
+    args.rows = sorted({*args.rows, "a", "c"})  # the ratios' references
     if args.steps <= args.warmup:
         p.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
     return args
@@ -249,6 +281,12 @@ def main(argv: list[str] | None = None) -> int:
     print(text_table(table))
     if args.markdown:
         print("\n" + markdown_table(HEADER, table))
+    for size in args.sizes:
+        g = ref.get(f"{size}/g")
+        for key in ("d", "h"):
+            if g and (ours := ref.get(f"{size}/{key}")):
+                speed = g.step_s / ours.step_s
+                print(f"{size}: mobiuspipe ({key}) steps at {speed:.2f}x the speed of torch.distributed.pipelining (g)")
     return 0
 
 

@@ -184,7 +184,7 @@ def _measured(t: Topology) -> list[str]:
     if m.ssd_dir:
         lines.append(f"  ssd {m.ssd_dir}: read {m.ssd_read_gbps:.2f} GB/s, write {m.ssd_write_gbps:.2f} GB/s")
     if m.host_adam_params_per_s:
-        lines.append(f"  host Adam: {m.host_adam_params_per_s / 1e9:.2f}e9 params/s")
+        lines.append(f"  host Adam: {m.host_adam_params_per_s / 1e9:.2f}e9 params/s a rank, every rank at once")
     if m.host_cores:
         lines.append(f"  host cores: {m.host_cores:.2f} (computations at once, in units of one alone)")
     if m.message_latency_s:

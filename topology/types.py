@@ -118,7 +118,8 @@ class Measured:
     ssd_read_gbps: float = 0.0
     ssd_write_gbps: float = 0.0
     host_adam_params_per_s: float = 0.0
-    """Parameters per second the host's optimizer updates (the planner's host-update rate)."""
+    """Parameters per second one rank's host optimizer updates while every rank (one per gpu) updates at once (the
+    planner's host-update rate, per rank)."""
     notes: tuple[str, ...] = ()
     host_cores: float = 0.0
     """Cores one-thread processes computing at once get, in units of one computing alone (CPU stand-ins'

@@ -2,8 +2,8 @@
 
 Every baseline trains on the same step as the plan: M microbatches of the profile's microbatch size, the
 same layers, times and bytes (partition.spec.profile), the same links (partition.sim.simulate: flows share the
-PCIe links and uplinks on their path) and the same host Adam rate (search.host_adam_rate: measured, or
-HOST_ADAM_PARAMS_PER_S).
+PCIe links and uplinks on their path) and the same host Adam rate per rank (search.host_adam_rate: measured, or
+HOST_ADAM_PARAMS_PER_S; each gpu's process updates its own share, the processes at once).
 
 gpipe            GPipe / torchgpipe: N contiguous stages, one per gpu, everything resident. Memory per gpu
                  = 16 bytes/param (fp16 weights 2 + fp16 gradients 2 + fp32 master 4 + Adam m, v 8;
@@ -24,8 +24,9 @@ zero_offload     DeepSpeed ZeRO-3 with parameters and optimizer offloaded to CPU
                  gpu. A collective ends when every gpu's flows ended (all gpus wait for it). Parameters are
                  prefetched one layer ahead (two buffers); reduce-scatters run behind the backward, one at a
                  time. Compute per layer: k*F_l forward, k*(F_l+B_l) backward (checkpointing: recompute), the
-                 same on every gpu. CPU Adam over all parameters runs after the last gradient arrived
-                 (DeepSpeed's step() follows backward(); ZeRO-3 has no delayed update). Memory per gpu: two
+                 same on every gpu. Each rank's CPU Adam over its 1/N partition of the parameters runs after the
+                 last gradient arrived, the ranks at once (DeepSpeed's step() follows backward(); ZeRO-3 has no
+                 delayed update). Memory per gpu: two
                  layers of parameters + one of gradients + k x every layer's input (checkpoints) + k x one
                  layer's live activations. Not modelled (all would slow DeepSpeed down): per-collective
                  latency, small buckets, the fp32<->fp16 conversions and the host-side gradient reduction.
@@ -218,7 +219,7 @@ def _zero_graph(arr: LayerArrays, topo: Topology, k: int, passes: int) -> TaskGr
         if phase == "B" and arr.grads(l, l) > 0:  # under LoRA a layer without adapters has no gradient
             flows = _collective(arr.grads(l, l), n, paths, "d2h", "h2d")
             reduce = graph.add(("reduce", p, l), (compute, reduce), flows=flows)
-    graph.add(("adam",), (compute, reduce), arr.trainable(0, last) / host_adam_rate(topo))
+    graph.add(("adam",), (compute, reduce), arr.trainable(0, last) / n / host_adam_rate(topo))  # a partition a rank
     return graph
 
 

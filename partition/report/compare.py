@@ -42,7 +42,7 @@ def compare_json(
     results = results or compare(plan, topo, profile, delayed)
     base = results[0].step_time_s
     rows = [r.to_dict() | {"speedup": (r.step_time_s / base) if r.step_time_s and base else None} for r in results]
-    adam = sum(s.trains for s in plan.stages) / host_adam_rate(topo)
+    adam = max(sum(s.trains for s in plan.stages if s.gpu == g) for g in range(plan.num_gpus)) / host_adam_rate(topo)
     return {
         "model": plan.model,
         "topology": topo.name,
@@ -79,8 +79,8 @@ def compare_text(
         else "assumed: partition.search.HOST_ADAM_PARAMS_PER_S; `topology --probe --save` measures it"
     )
     lines.append(
-        f"host Adam over the trained parameters takes {d['host_adam_s']:.1f} s at {host_adam_rate(topo):.3g} "
-        f"params/s ({measured}); mobiuspipe runs it "
+        f"host Adam over a rank's trained parameters takes {d['host_adam_s']:.1f} s (the busiest rank; the ranks at "
+        f"once) at {host_adam_rate(topo):.3g} params/s a rank ({measured}); mobiuspipe runs it "
         + ("under the next step (the delayed update)" if delayed else "behind the backward")
         + ", ZeRO-3 offload after it (modelled without a delayed update)"
     )

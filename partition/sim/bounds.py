@@ -7,7 +7,8 @@ Legend (one step; units in brackets):
   L_k      link k's busy seconds: bytes it moved / its capacity (GB/s * 1e9)                [s]
   D        the SSD's busy seconds: bytes the step reads / R + bytes it writes / W (updates,  [s]
            loads and offloads: SimResult.link_bytes' "ssd" rows)
-  U        the host Adam's busy seconds: sum over stages of update_s                         [s]
+  U        the host Adam's busy seconds: the busiest rank's update thread, the sum of update_s [s]
+           over its gpu's stages (each rank updates its own stages, the ranks at once)
 
 Each resource is busy at most T, so T >= max(C_g, L_k, D, U); the step is "bound by" the resource with
 the most busy seconds, the tightest of these lower bounds. A step far above all of them is bound by the
@@ -67,7 +68,9 @@ def step_bound(sim: SimResult, stages: list[SimStage], topo: Topology | None, ss
     moved = {d: b for n, d, b in sim.link_bytes if n == "ssd"}
     busy["ssd"] = ssd.seconds(moved.get("read", 0), moved.get("write", 0)) if ssd else 0.0
     names["ssd"] = "ssd"
-    busy["host_adam"], names["host_adam"] = sum(s.update_s for s in stages), "host"
+    per_rank = [sum(s.update_s for s in stages if s.gpu == g) for g in range(len(sim.compute_busy_s))]
+    r = max(range(len(per_rank)), key=lambda k: per_rank[k], default=0)
+    busy["host_adam"], names["host_adam"] = max(per_rank, default=0.0), f"rank {r}'s update thread"
     return StepBound(sim.step_time_s, busy, names)
 
 

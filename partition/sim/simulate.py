@@ -30,11 +30,14 @@ Resources and rules (times in seconds, bytes, GB/s = 1e9 bytes/s):
   offload   one gpu->host engine per gpu: after B(j, M-1) the stage's gradients go to host. One gradient
             slot: a backward visit starts after the previous offload ended. With ssd_weights the offload
             also writes grad_bytes to the SSD.
-  update    the host CPU runs one stage's Adam at a time, in the order the gradients arrived. A stage with
-            state on the SSD (ssd_read_bytes / ssd_write_bytes > 0) streams it through the update: the update
-            takes max(update_s, ssd_s), ssd_s = ssd_read_bytes / R + ssd_write_bytes / W (R, W the SsdLink's
-            GB/s; one drive serves its reads and writes in turn, so their times add). Updates run one at a
-            time, so among themselves the SSD is one more resource in the update chain.
+  update    each gpu's rank runs its stages' Adam one at a time on its own update thread, in the order their
+            gradients arrived; the ranks' threads run at once, each at the host Adam rate (a rate per rank:
+            `topology --probe` measures it with every rank updating at once, sharing the memory bandwidth). A
+            stage with state on the SSD (ssd_read_bytes / ssd_write_bytes > 0) streams it through the update: the
+            update takes max(update_s, ssd_s), ssd_s = ssd_read_bytes / R + ssd_write_bytes / W (R, W the
+            SsdLink's GB/s; one drive serves its reads and writes in turn, so their times add), and the drive
+            serves one update's stream at a time: such an update also waits for the drive to be free of the
+            previous one's ssd_s.
   ssd       loads of ssd_weights and ssd_frozen stages and offloads of ssd_weights stages share the drive among
             themselves: without a topology a load takes max(load_s, param_bytes / R) and an offload max(offload_s,
             grad_bytes / W); with a topology the load's flow also crosses the link ("ssd", "read") of R GB/s and the
@@ -76,7 +79,7 @@ flows (they keep their fixed comm_s but their bytes are counted in link traffic)
 waiting for this step's updates.
 
 The delayed update (delayed=True): the updates a step runs are the step before's, whose gradients are all there when
-it starts: they run from 0, one after the other, while the pipeline computes (the steady state).
+it starts: they run from 0, each rank's one after the other, while the pipeline computes (the steady state).
 
 Reported: step time = when the last update (or the last compute) ends, at least D, plus overhead_s; per gpu
 its compute busy seconds and fraction; bytes per link (gpu link, switch and root complex uplinks, NVLink, then
@@ -346,12 +349,18 @@ def update_seconds(stage: SimStage, ssd: SsdLink | None) -> float:
 
 
 def _host_updates(offloads: list, stages: list[SimStage], ssd: SsdLink | None) -> list:
-    """One Adam at a time on the host, in the order the gradients arrived."""
-    free, out = 0.0, []
+    """Each gpu's updates one at a time on its rank's thread, in the order their gradients arrived; an update that
+    streams states through the SSD also waits for the drive (the legend)."""
+    free: dict[int, float] = {}
+    drive, out = 0.0, []
     for _, g, j, _, _start, stop in sorted(offloads, key=lambda e: (e[5], e[4], e[1], e[2])):
-        t0 = max(free, stop)
-        free = t0 + update_seconds(stages[j], ssd)
-        out.append(("update", g, j, -1, t0, free))
+        streams = ssd is not None and (stages[j].ssd_read_bytes > 0 or stages[j].ssd_write_bytes > 0)
+        t0 = max(free.get(g, 0.0), stop, drive if streams else 0.0)
+        free[g] = t0 + update_seconds(stages[j], ssd)
+        if streams:
+            assert ssd is not None
+            drive = t0 + ssd.seconds(stages[j].ssd_read_bytes, stages[j].ssd_write_bytes)
+        out.append(("update", g, j, -1, t0, free[g]))
     return out
 
 

@@ -15,12 +15,13 @@ from topology import Topology
 __all__ = ["HOST_ADAM_PARAMS_PER_S", "host_adam_rate", "host_cores", "loop_overhead", "sim_stages"]
 
 HOST_ADAM_PARAMS_PER_S = 1.0e9
-"""Parameters per second the host's Adam updates when the topology has no measurement (`topology --probe`
-measures it): torch AdamW ran ~0.9-1e9/s on this project's 2-core machine."""
+"""Parameters per second each rank's host Adam updates (its share of the cores, every rank updating at once) when the
+topology has no measurement (`topology --probe` measures it): torch AdamW ran ~0.9-1e9/s on one core of this
+project's 2-core machine; a server's rank has several cores and its share of the memory bandwidth."""
 
 
 def host_adam_rate(topo: Topology) -> float:
-    """The topology's measured host Adam rate, else HOST_ADAM_PARAMS_PER_S."""
+    """The topology's measured host Adam rate of one rank, else HOST_ADAM_PARAMS_PER_S."""
     m = topo.measured
     return m.host_adam_params_per_s if m and m.host_adam_params_per_s > 0 else HOST_ADAM_PARAMS_PER_S
 

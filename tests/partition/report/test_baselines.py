@@ -126,10 +126,10 @@ def test_zero_offload_gpus_share_their_uplink(groups, before_adam):
     # One layer of 4e9 parameters, 2 gpus, 2 microbatches (one each). Gather: each gpu receives 8 GB and sends
     # 4 GB. Under one 16 GB/s uplink both receive at 8 GB/s: [0, 1]; F [1, 2]; B (resident) [2, 4]; reduce-scatter:
     # 8 GB up, 4 GB down each: [4, 5]. On two root complexes every flow runs at 16: gather [0, .5], F [.5, 1.5],
-    # B [1.5, 3.5], reduce [3.5, 4]. Then Adam over 4e9 parameters.
+    # B [1.5, 3.5], reduce [3.5, 4]. Then each rank's Adam over its half of the 4e9 parameters, the ranks at once.
     prof = _profile((4_000_000_000, 0, 0, 1.0, 1.0))
     res = zero_offload(prof, _box(groups), 2)
-    assert res.step_time_s == before_adam + 4e9 / HOST_ADAM_PARAMS_PER_S
+    assert res.step_time_s == before_adam + 4e9 / 2 / HOST_ADAM_PARAMS_PER_S
 
 
 def test_zero_offload_memory_accumulates_gradients_when_a_big_microstep_does_not_fit():
@@ -175,5 +175,5 @@ def test_gpt3_175b_on_2_plus_2_mobiuspipe_vs_baselines(gpt3_175b):
     )
     assert isinstance(zero, BaselineResult) and zero.step_time_s > mine
     assert seq.step_time_s >= mine * (1 - 1e-3)
-    adam = sum(s.param_count for s in plan.stages) / HOST_ADAM_PARAMS_PER_S
-    assert mine > adam and zero.step_time_s > adam  # the host Adam bounds both from below
+    adam = max(sum(s.param_count for s in plan.stages if s.gpu == g) for g in range(4)) / HOST_ADAM_PARAMS_PER_S
+    assert mine > adam and zero.step_time_s > adam  # the busiest rank's host Adam bounds both from below

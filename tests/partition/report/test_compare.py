@@ -54,13 +54,14 @@ def test_compare_175b_names_the_gpipe_oom():
 
 
 def test_the_delayed_update_puts_mobiuspipes_host_adam_under_the_next_step():
-    """175B on 2+2 is bound by the host Adam: with the delayed update mobiuspipe's rows take the longer of the pipeline
-    and the updates, and the ZeRO-3 row (modelled without it) is unchanged."""
+    """175B on 2+2: with the delayed update mobiuspipe's rows take the longer of the pipeline and the updates (each
+    rank's, the ranks at once), no longer the pipeline and then the last stage's update; the ZeRO-3 row (modelled
+    without it) is unchanged."""
     prof, topo, plan = _planned("gpt3-175b")
     held, delayed = compare(plan, topo, prof), compare(plan, topo, prof, delayed=True)
     adam = compare_json(plan, topo, prof, held)["host_adam_s"]
     late, before = delayed[0].step_time_s, held[0].step_time_s
-    assert late is not None and before is not None and late < before
-    assert late == pytest.approx(adam, rel=1e-6)
+    assert late is not None and before is not None and adam <= late < before
+    assert delayed[2].step_time_s == held[2].step_time_s
     assert delayed[2].step_time_s == held[2].step_time_s
     assert "under the next step (the delayed update)" in compare_text(plan, topo, prof, delayed, delayed=True)

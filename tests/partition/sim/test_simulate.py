@@ -137,12 +137,12 @@ def test_receives_share_the_host_cores():
 def test_two_gpus_four_stages_unhidden_load_stalls():
     # mapping [0, 1, 0, 1]; every stage F 1, B 2 (a backward visit takes 3 per microbatch), comm .5,
     # offload .5. Stage 2's load takes 4 s, longer than stage 0's forward visit (2 s): it cannot hide.
-    # s3's update is 4 s, so the host Adam queue is visible too.
+    # s3's update is 8 s, so gpu1's update queue is visible too.
     stages = [
         _st(0, 1.0, 2.0, 1.0, 0.5, 0.25, 0.5),
         _st(1, 1.0, 2.0, 1.0, 0.5, 0.25, 0.5),
         _st(0, 1.0, 2.0, 4.0, 0.5, 0.25, 0.5),
-        _st(1, 1.0, 2.0, 1.0, 0.5, 4.0, 0.0),
+        _st(1, 1.0, 2.0, 1.0, 0.5, 8.0, 0.0),
     ]
     res = simulate(stages, num_gpus=2, microbatches=2)
     # gpu0 visits F0 F2 B2 B0, gpu1 visits F1 F3 B3 B1 (slots alternate 0, 1, 1 (resident), 0).
@@ -183,11 +183,12 @@ def test_two_gpus_four_stages_unhidden_load_stalls():
     assert _ev(res, "B", 0, 0) == (19.0, 22.0)
     assert _ev(res, "B", 0, 1) == (22.0, 25.0)
     assert _ev(res, "offload", 0) == (25.0, 25.5)
-    # host Adam, one stage at a time in offload order: s3 [15, 19]; s2 arrived 18.5 but waits -> [19, 19.25];
-    # s1 [22, 22.25]; s0 [25.5, 25.75].
-    assert _ev(res, "update", 3) == (15.0, 19.0)
-    assert _ev(res, "update", 2) == (19.0, 19.25)
-    assert _ev(res, "update", 1) == (22.0, 22.25)
+    # host Adam, each rank one stage at a time in offload order, the ranks at once: gpu1's s3 [15, 23]; gpu0's s2
+    # arrived 18.5 and runs beside it -> [18.5, 18.75]; gpu1's s1 arrived 22 but waits for s3 -> [23, 23.25];
+    # gpu0's s0 [25.5, 25.75].
+    assert _ev(res, "update", 3) == (15.0, 23.0)
+    assert _ev(res, "update", 2) == (18.5, 18.75)
+    assert _ev(res, "update", 1) == (23.0, 23.25)
     assert _ev(res, "update", 0) == (25.5, 25.75)
     assert res.step_time_s == 25.75
     assert res.compute_busy_s == (16.0, 16.0)
@@ -343,14 +344,15 @@ def test_sim_stages_carry_the_plans_bytes():
 
 
 def test_the_delayed_update_runs_the_step_befores_updates_under_the_pipeline():
-    """The delayed update: the updates a step runs are the step before's, all ready at 0, one after the other, so the
-    step is max(pipeline, updates); the same plan with a host Adam longer than the pipeline is bound by it."""
+    """The delayed update: the updates a step runs are the step before's, all ready at 0, each rank's one after the
+    other (the ranks at once), so the step is max(pipeline, updates); the same plan with a host Adam longer than the
+    pipeline is bound by it."""
     stages = _two_stages()
     res = simulate(stages, num_gpus=2, microbatches=2, delayed=True)
-    # in the order the gradients arrived: s1's, then s0's, from 0
+    # each on its gpu's rank, from 0
     assert _ev(res, "update", 1) == (0.0, 0.25)
-    assert _ev(res, "update", 0) == (0.25, 0.75)
+    assert _ev(res, "update", 0) == (0.0, 0.5)
     assert res.step_time_s == 14.25  # gpu0's offload ends the pipeline (against 14.75 with the updates after it)
-    slow = [dataclasses.replace(s, update_s=10.0) for s in stages]
+    slow = [dataclasses.replace(s, update_s=20.0) for s in stages]
     assert simulate(slow, num_gpus=2, microbatches=2, delayed=True).step_time_s == 20.0
-    assert simulate(slow, num_gpus=2, microbatches=2).step_time_s == 12.25 + 10.0 + 10.0  # after the offloads
+    assert simulate(slow, num_gpus=2, microbatches=2).step_time_s == 14.25 + 20.0  # after gpu0's offload
