@@ -147,17 +147,16 @@ class Pipeline:
           memory in the training dtype and get no gradient, offload or optimizer state (`tied` pairs, frozen,
           need no exchange). A new adapter starts as PEFT's (B zero), drawn from torch's seed and the layer.
         adapters: with lora, a saved adapter to continue instead: layer index -> adapter parameter name in the
-          layer ("layer.self_attn.q_proj.lora_A.weight") -> tensor (for a PEFT adapter folder DIR of a Hugging
-          Face model m: mobiuspipe.models.hf_export.adapter_layers(m, mobiuspipe.lora.peft_format.load_adapter(DIR)
-          [1])).
+          layer ("layer.self_attn.q_proj.lora_A.weight") -> tensor (a PEFT adapter folder DIR of a Hugging Face
+          model m: mobiuspipe.models.hf_export.adapter_layers(m, mobiuspipe.lora.peft_format.load_adapter(DIR)[1])).
         delayed_update: N, ZeRO-Offload's one-step delayed parameter update from optimizer step N on: step s >= N
           computes on the weights before the update of step s - 1, which runs on the host while step s computes
           (clipped or skipped as step s - 1 asked); the steps before N update before the next step loads. Every
-          pending update is applied before state_dict(), a checkpoint or close() returns. None: off. The weights
-          the device loads and the offloaded gradients are then kept twice in host memory.
-        speculative_update: with max_grad_norm or fp16, start each stage's update as its gradients arrive, keep what
-          it overwrites, and once the step's checks are known keep it, or roll it back and redo (or drop) it: the
-          held update's bits (train.speculative_update; mobiuspipe.startup.update_policy). False: they wait.
+          pending update is applied before state_dict(), a checkpoint or close() returns. None: off. The loaded
+          weights and the offloaded gradients are then kept twice in host memory.
+        speculative_update: with max_grad_norm or fp16, start each stage's update as its gradients arrive (not after a
+          step that clipped or overflowed), keep what it overwrites, and once the step's checks are known keep it, or
+          roll it back and redo (or drop) it: the held update's bits (train.speculative_update). False: they wait.
         """
         if accumulation_steps < 1 or (max_grad_norm is not None and not max_grad_norm > 0):
             raise PipelineError(
@@ -207,6 +206,7 @@ class Pipeline:
             raise
         self.step = 0
         self._lr: float | None = None  # set_lr: the rate of the updates of the next steps (None: the optimizer's)
+        self._passed = True  # the last step neither clipped nor overflowed (UpdatePolicy.speculates)
         self._closed = False
 
     def _agree_on_plan(self, given: Plan | None, makers, loss_fn, sample, request: PlanRequest) -> Plan:
@@ -359,7 +359,7 @@ class Pipeline:
         skipped = self._skip_on_overflow()
         norm, grad_scale = self._clip(tied_sumsq, scale or 1.0)
         skipped = skipped or not math.isfinite(norm)  # an inf/nan gradient: no weight changes
-        rolled_back = engine.rolled_back
+        rolled_back, self._passed = engine.rolled_back, not skipped and grad_scale == (scale or 1.0)
         engine.start_updates(apply=not skipped, grad_scale=grad_scale)  # the updates held back, if any
         if not self.overlap_updates:
             engine.wait_updates()
@@ -397,7 +397,7 @@ class Pipeline:
                 accumulate=p > 0,
                 want_norm=last and self.max_grad_norm is not None,
                 hold_updates=not last or self.updates.holds(self.step),
-                speculate=last and self.updates.speculates(self.step),
+                speculate=last and self.updates.speculates(self.step, self._passed),
                 lr=self._lr,
                 lag=self.updates.delayed(self.step),
             )

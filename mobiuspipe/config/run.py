@@ -68,8 +68,9 @@ class TrainConfig(Section):
     bytes a parameter, and of the weights it writes; SSD states: a second set of records on the SSD) until the step's
     norm and overflow check are known. Then it stands, or is rolled back and redone with the clipped gradients (or
     dropped with a skipped step): the weights are bit for bit those of updates that wait for the norm. A step that
-    clips costs its updates twice. false: every update waits for the whole backward. Stages holding a tied parameter
-    always wait."""
+    clips costs its updates twice, so after a step that clipped or overflowed the next one's updates wait, and the
+    speculation resumes after a step that did neither. false: every update waits for the whole backward. Stages
+    holding a tied parameter always wait."""
     accumulation_steps: int = 1
     """Pipeline passes per optimizer step (count): each pass is data.batch_size sequences, their gradients
     summed before one update, so a step trains on accumulation_steps * batch_size sequences."""

@@ -30,9 +30,11 @@ class UpdatePolicy:
         because the next step is delayed (it starts them)."""
         return self.checked or not self.overlap or self.delayed(step + 1)
 
-    def speculates(self, step: int) -> bool:
-        """Whether the updates of `step`, held only for the checks, start tentatively (Stage.validate_update)."""
-        return self.speculative and self.checked and self.overlap and not self.delayed(step + 1)
+    def speculates(self, step: int, last_passed: bool = True) -> bool:
+        """Whether the updates of `step`, held only for the checks, start tentatively (Stage.validate_update):
+        not after a step that clipped or overflowed (last_passed False), as the next one likely does too (a rollback
+        costs the update twice); speculation resumes after a step that did neither."""
+        return self.speculative and self.checked and self.overlap and not self.delayed(step + 1) and last_passed
 
     @property
     def copies(self) -> HostCopies:

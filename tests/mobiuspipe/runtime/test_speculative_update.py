@@ -82,13 +82,19 @@ def test_a_speculative_update_gives_the_held_updates_bits_whether_it_stands_or_i
     assert _same(spec_w, held_w)
     clipped = [float(n) > clip for _, n, _, _ in held]
     assert any(clipped) and not all(clipped)
-    assert [r > 0 for *_, r in spec] == clipped  # a clipped step redoes its updates, the others stand
+    assert [r > 0 for *_, r in spec] == _redone(clipped)  # a clipped step redoes its updates, the others stand
     assert all(r == 0 for *_, r in held)
     for ssd in _on_ssd(cfg, tmp_path):
         on_ssd, ssd_w, _ = _run(ssd, clip, speculative=True)
         assert [s[:3] for s in on_ssd] == [s[:3] for s in held]
-        assert [r > 0 for *_, r in on_ssd] == clipped
+        assert [r > 0 for *_, r in on_ssd] == _redone(clipped)
         assert _same(ssd_w, held_w)
+
+
+def _redone(failed: list[bool]) -> list[bool]:
+    """Which steps roll their updates back, given which clip or overflow: those that speculated (the first, and each
+    after a step that did neither) and failed."""
+    return [f and (s == 0 or not failed[s - 1]) for s, f in enumerate(failed)]
 
 
 def _on_ssd(cfg, tmp_path):
@@ -111,7 +117,7 @@ def test_fp16_overflowed_steps_drop_their_speculative_updates_bit_for_bit(tmp_pa
     spec, spec_w, _ = _run(cfg, 0.05, speculative=True, scaler=scaler())
     assert [s[2] for s in held] == [True, True, False, False, False, False]
     assert [s[:3] for s in spec] == [s[:3] for s in held]
-    assert all(r > 0 for *_, r in spec)  # skipped (dropped) or clipped (redone): every step rolled back
+    assert [r > 0 for *_, r in spec] == _redone([True] * STEPS)  # every step fails: only the first speculates
     assert _same(spec_w, held_w)
     for ssd in _on_ssd(cfg, tmp_path):
         on_ssd, ssd_w, _ = _run(ssd, 0.05, speculative=True, scaler=scaler())
@@ -210,7 +216,7 @@ def test_steps_before_a_delayed_update_speculate_and_the_run_keeps_its_bits():
     assert [s[:2] for s in spec] == [s[:2] for s in held]
     assert _same(spec_w, held_w)
     assert [r > 0 for *_, r in spec[2:]] == [False] * (STEPS - 2)  # no speculation from step 2 on
-    assert [r > 0 for *_, r in spec[:2]] == [(n or 0.0) > clip for _, n, _ in held[:2]]
+    assert [r > 0 for *_, r in spec[:2]] == _redone([(n or 0.0) > clip for _, n, _ in held[:2]])
 
 
 def test_the_policy_says_which_steps_speculate_and_what_they_keep_in_memory():
@@ -219,6 +225,7 @@ def test_the_policy_says_which_steps_speculate_and_what_they_keep_in_memory():
 
     clip = UpdatePolicy(checked=True)
     assert clip.holds(0) and clip.speculates(0) and clip.copies == HostCopies(1, undo=True)
+    assert not clip.speculates(1, last_passed=False)  # after a step that clipped or overflowed
     assert not UpdatePolicy(checked=False).holds(0) and UpdatePolicy(checked=False).copies == HostCopies()
     assert not UpdatePolicy(checked=True, speculative=False).speculates(0)
     assert not UpdatePolicy(checked=True, overlap=False).speculates(0)
