@@ -80,8 +80,9 @@ class TrainConfig(Section):
     the critical path (the steps before N update before the next step starts). Clipping, fp16's skipped steps and
     accumulation apply to each step's own gradients as without it. Every pending update is applied before each
     checkpoint, the export and the end of the run; a checkpoint keeps the weights the next step loads, so a resume
-    repeats the run bit for bit. The weights the device loads and the offloaded gradients are kept twice in host
-    memory (memory.weights host). null = off."""
+    repeats the run bit for bit. The weights the device loads and the offloaded gradients are kept twice (in host
+    memory, or as two sets of records on the SSD with memory.weights ssd); refused with memory.optimizer device.
+    null = off."""
     precision: str = "bf16"
     """Dtype of the weights and gradients on the device: "bf16" (default), "fp16" (with dynamic loss
     scaling) or "fp32"; the master weights and Adam moments stay fp32 on the host. The plan's dtype."""

@@ -5,7 +5,10 @@ its ranks hold there (host_room).
 
 SSD bytes of a stage of n parameters (b = bytes of the training dtype), as the ranks' stores allocate them:
   optimizer on ssd:  12 n (fp32 master, exp_avg, exp_avg_sq)
-  weights on ssd:    2 b n more (the weights the device loads and the gradients it offloads)
+  weights on ssd:    2 b n more (the weights the device loads and the gradients it offloads), twice with the
+                     delayed update (two versions of each)
+  the speculative update (UpdatePolicy.copies undo): a second set of the optimizer's records, 12 n, and of the
+                     weights' with weights on ssd, b n (where each tentative update writes)
   frozen on ssd (memory.frozen ssd): the stage's frozen bytes (StagePlan.frozen_bytes: LoRA's base)
   activations on ssd (memory.activation_tier ssd, or the plan's choice under `plan`): H_j per microbatch, all
   the step's microbatches at once at most (H_j: the plan's held bytes, else its activation bytes).
@@ -89,11 +92,14 @@ def shortfall_problem(short: dict[int, BudgetShortfall], budget_mb: float) -> Pr
 
 def ssd_bytes(cfg: RunConfig, plan: Plan, g: int, placement: Placement | None) -> int:
     """Bytes gpu g's rank writes under memory.ssd_dir (see the module docstring)."""
-    b, total = dtype_bytes(plan.dtype), 0
+    b, total, copies = dtype_bytes(plan.dtype), 0, run_copies(cfg)
+    twice = copies.undo  # the speculative update: a second set of records
     for j in plan.stages_of(g):
         s = plan.stages[j]
         if placement is not None and placement.optimizer[j] == "ssd":
-            total += STATE_BYTES * s.trains + (2 * b * s.trains if placement.weights[j] == "ssd" else 0)
+            streamed = placement.weights[j] == "ssd"
+            total += STATE_BYTES * s.trains + (2 * copies.versions * b * s.trains if streamed else 0)
+            total += (STATE_BYTES * s.trains + (b * s.trains if streamed else 0)) if twice else 0
         if cfg.memory.frozen == "ssd":
             total += s.frozen_bytes
         if _activations_on_ssd(cfg, s.activation_tier):

@@ -146,7 +146,7 @@ class Stage:
         elif not weights_on_ssd:
             self.states = SsdStates(flat, dtype, device.pin, ssd, f"stage{index}", versions)
         else:
-            self.states = SsdStreamStates(flat, dtype, ssd, f"stage{index}")
+            self.states = SsdStreamStates(flat, dtype, ssd, f"stage{index}", versions)
         self.device = device
         """The gpu the stage's slots and buffers are on, and whose copy streams move its weights and gradients."""
         self.buffers = {l: {n: _buffer_on(b, device, dtype) for n, b in layers[l].named_buffers()} for l in self.order}
@@ -297,7 +297,7 @@ class Stage:
         update's step), what a checkpoint keeps beside the states; None with one version or before any update."""
         if self.versions == 1 or self._last_update < 0:
             return None
-        assert isinstance(self.states, HostStates)  # SsdStates too: the tiers that keep two versions
+        assert not isinstance(self.states, DeviceStates)  # the gpu tier keeps one version
         return self.states.version(1 - self._newest), self._last_update
 
     def resume_lagging(self, weights: torch.Tensor | None, last_update: int) -> None:
@@ -305,8 +305,8 @@ class Stage:
         the newest) and the step whose update the checkpoint holds the last of (a checkpoint's lagging_weights)."""
         self._updates, self._newest, self._last_update = [], 0, last_update
         if weights is not None:
-            assert isinstance(self.states, HostStates)
-            self.states.version(1).copy_(weights)
+            assert not isinstance(self.states, DeviceStates)  # the gpu tier keeps one version
+            self.states.set_version(1, weights)
 
     # -- compute ----------------------------------------------------------------------------------
     def trainable_keys(self) -> list[str]:

@@ -27,7 +27,7 @@ from mobiuspipe.optim.ooc_adam import OutOfCoreAdam
 from mobiuspipe.optim.ooc_groups import BYTES_PER_ELEM, ELEM_ALIGN, least_budget_bytes
 from mobiuspipe.optim.ooc_links import adopt_records, link_records
 from mobiuspipe.optim.undo import StepUndo
-from mobiuspipe.runtime.device_states import DeviceStates, one_version
+from mobiuspipe.runtime.device_states import DeviceStates
 from mobiuspipe.standin.places import plain
 
 ADAM_SLOTS = 4
@@ -102,6 +102,10 @@ class HostStates:
     def version(self, i: int) -> torch.Tensor:
         """Version i of the weights the device loads (a checkpoint saves the one a delayed step reads)."""
         return self._weights[i]
+
+    def set_version(self, i: int, weights: torch.Tensor) -> None:
+        """Copy `weights` into version i of the weights the device loads (a resumed delayed run's lagging weights)."""
+        self._weights[i].copy_(weights)
 
     def load_into(
         self, dst: torch.Tensor, device: Device, after: Sequence[CopyHandle] = (), version: int = 0
@@ -328,28 +332,27 @@ class SsdStreamStates:
     """Everything on SSD: the optimizer states as in SsdStates, and the device-dtype weights and gradients
     as records too (SsdWeights), streamed through staging buffers carved from the stage's budget."""
 
-    def __init__(self, flat: torch.Tensor, dtype: torch.dtype, tier: SsdTier, prefix: str):
+    def __init__(self, flat: torch.Tensor, dtype: torch.dtype, tier: SsdTier, prefix: str, versions: int = 1):
         adam = ADAM_SLOTS * BYTES_PER_ELEM  # host bytes per group element: the Adam's slots, then the buffers
-        adam_budget = tier.host_budget_bytes * adam // (adam + BUFFERS * dtype.itemsize)
+        adam_budget = tier.host_budget_bytes * adam // (adam + versions * BUFFERS * dtype.itemsize)  # 2: the update's
         self.optimizer = _ooc_adam(flat, tier, prefix, adam_budget)
-        self.stream = SsdWeights(tier.store, f"{prefix}/lowp", flat.to(dtype), self.optimizer.group_elems)
+        groups = self.optimizer.group_elems
+        self.stream = SsdWeights(tier.store, f"{prefix}/lowp", flat.to(dtype), groups, versions)
         self.sumsq: float | None = None
         self._lr = self.optimizer.lr  # before a tentative step
 
     def load_into(
         self, dst: torch.Tensor, device: Device, after: Sequence[CopyHandle] = (), version: int = 0
     ) -> CopyHandle:
-        one_version(version)
-        return device.stream_in(lambda copy: self.stream.load_into(dst, copy), after, computed=False)
+        return device.stream_in(lambda copy: self.stream.load_into(dst, copy, version), after, computed=False)
 
     def take_grads(
         self, src: torch.Tensor, device: Device, accumulate: bool = False, norm: bool = False, into: int = 0
     ) -> None:
-        """Write the gradients to their SSD records through the staging buffers (the copy off the device is done
-        when this returns: None, no copy in flight). One version (no delayed update)."""
-        one_version(into)
+        """Write the gradients to their SSD records (version `into`) through the staging buffers (the copy off the
+        device is done when this returns: None, no copy in flight)."""
         fp16 = src.dtype == torch.float16  # only fp16 asks grads_finite
-        self.stream.save_grads(src, check_finite=fp16, accumulate=accumulate, norm=norm)
+        self.stream.save_grads(src, check_finite=fp16, accumulate=accumulate, norm=norm, version=into)
         self.sumsq = self.stream.sumsq
 
     def grad_sumsq(self) -> float:
@@ -373,12 +376,11 @@ class SsdStreamStates:
     ) -> None:
         """HostStates.step, streamed; tentative: the optimizer states and the weights are written beside the records
         they replace once settle_tentative keeps them (no byte more is read or written)."""
-        one_version(grads, out)
         self._lr = self.optimizer.lr
         if lr is not None:
             self.optimizer.lr = lr
         self.stream.grad_scale = grad_scale
-        self.stream.start_update(tentative)
+        self.stream.start_update(tentative, grads, out)
         try:
             self.optimizer.step_streamed(self.stream, tentative=tentative)
         except BaseException:
@@ -403,6 +405,14 @@ class SsdStreamStates:
     def import_state(self, tensors: dict[str, torch.Tensor], extra: dict, link_dir: Path | None = None) -> None:
         _import_ooc(self.optimizer, tensors, extra, link_dir)
         self.stream.rewrite(self.master_weights().to(self.stream.dtype))
+
+    def version(self, i: int) -> torch.Tensor:
+        """A host copy of version i of the weights the device loads (read from its records)."""
+        return self.stream.read(i)
+
+    def set_version(self, i: int, weights: torch.Tensor) -> None:
+        """Write `weights` as version i of the weights the device loads (a resumed delayed run's lagging weights)."""
+        self.stream.rewrite(weights, i)
 
 
 StageStates = HostStates | DeviceStates | SsdStates | SsdStreamStates

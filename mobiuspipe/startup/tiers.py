@@ -75,17 +75,17 @@ def _store(info: RankInfo, mem: MemoryConfig) -> SSDStore:
 
 
 def check_delayed(delayed_update: int | None, state_tiers: dict[int, tuple[str, str]]) -> None:
-    """The delayed update keeps two versions of the loaded weights and gradients in host memory: every rank refuses it
-    alike where some stage keeps them on the SSD or the gpu (state_tiers: every stage's, from agree_on_tiers)."""
+    """The delayed update keeps two versions of the loaded weights and gradients (in host memory, or as records on the
+    SSD): every rank refuses it alike where some stage keeps its states on the gpu (state_tiers: every stage's, from
+    agree_on_tiers), whose update runs on the gpu's own stream at the stage's next load and has nothing to hide."""
     if delayed_update is None:
         return
-    other = sorted(j for j, (_, weights) in state_tiers.items() if weights != "host")
+    other = sorted(j for j, (_, weights) in state_tiers.items() if weights == "device")
     if other:
         raise PipelineError(
-            f"delayed_update: stages {other} keep their weights and gradients on the {state_tiers[other[0]][1]} "
-            f"(memory.weights ssd, or memory.optimizer device), where the delayed update does not run yet (it keeps "
-            f"two versions of them in host memory); keep them in host memory (memory.weights: host, memory.optimizer: "
-            f"host, ssd or auto), or drop the delayed update"
+            f"delayed_update: stages {other} keep their states on the gpu (memory.optimizer device), whose update "
+            f"runs on the gpu at the stage's next load and has nothing to hide under the next step; keep them on the "
+            f"host (memory.optimizer: host, ssd or auto), or drop the delayed update"
         )
 
 

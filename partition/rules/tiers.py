@@ -288,16 +288,19 @@ def _memory(plan: Plan, budget: HostBudget, gpus: tuple[GpuShare, ...], saved: l
         opt, wts, n = p.optimizer[j], p.weights[j], s.trains
         frozen = "ssd" if gpus[s.gpu].frozen_stream_bytes and s.frozen_bytes else "host"
         fz = s.frozen_bytes if frozen == "ssd" else 0  # the frozen bytes on the SSD, each LOAD reads
-        states = STATE_BYTES * n if opt == "host" else 0
+        copies = copies_of(budget)
+        sets = 2 if copies.undo else 1  # the speculative update's second set of states (a copy, or records)
+        states = sets * STATE_BYTES * n if opt == "host" else 0
         stream = (p.slot_bytes if opt == "ssd" else 0) + (FROZEN_STREAM_BYTES if fz else 0)
         in_memory = {
             "optimizer": states,
-            "weights": host_bytes(n, opt, wts, b, copies_of(budget)) - states,
+            "weights": host_bytes(n, opt, wts, b, copies) - states,
             "frozen": s.frozen_bytes - fz,
         }
+        streamed = (2 * copies.versions + sets - 1) * s.gradient_bytes  # weights and gradients, versions, undo
         on_ssd = {
-            "optimizer": STATE_BYTES * n if opt == "ssd" else 0,
-            "weights": 2 * s.gradient_bytes if wts == "ssd" else 0,
+            "optimizer": sets * STATE_BYTES * n if opt == "ssd" else 0,
+            "weights": streamed if wts == "ssd" else 0,
             "frozen": fz,
         }
         for k, v in in_memory.items():

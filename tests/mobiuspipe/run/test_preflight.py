@@ -343,6 +343,26 @@ def test_ssd_dir_needs_room_for_the_plans_states_and_an_earlier_runs_files_count
         preflight.launch_checks(cfg, None)
 
 
+def test_the_speculative_updates_second_records_count_toward_the_room(tmp_path):
+    """With clipping, each stage on SSD keeps a second set of its optimizer records (and with weights on SSD, of its
+    weights) where the tentative updates write; without speculation it does not."""
+    from mobiuspipe.run import room
+
+    def need(**train) -> tuple[int, int]:
+        doc = _ssd_doc(tmp_path, weights="ssd")
+        doc["train"] = {**doc.get("train", {}), **train}
+        cfg = load_config(_write(tmp_path / "run.yaml", doc))
+        plan = preflight.plan_from_config(cfg)
+        placed, _ = room.placements(cfg, plan)
+        return room.ssd_need(cfg, plan, placed, range(2)), sum(s.param_count for s in plan.stages)
+
+    plain, n = need()
+    clipped, _ = need(max_grad_norm=1.0)
+    held, _ = need(max_grad_norm=1.0, speculative_update=False)
+    b = 4  # the test config's fp32
+    assert plain == held == (12 + 2 * b) * n and clipped == plain + (12 + b) * n
+
+
 def test_ssd_activations_count_toward_the_room(tmp_path):
     from mobiuspipe.run import room
 

@@ -124,17 +124,27 @@ def test_a_delay_from_past_the_last_step_changes_no_bit():
     assert all(torch.equal(weights[k], plain_weights[k]) for k in plain_weights)
 
 
-def test_states_on_the_ssd_give_the_same_bits_as_in_memory(tmp_path):
-    on_ssd = MemoryConfig(optimizer="ssd", ssd_dir=str(tmp_path), host_budget_mb=4)
-    host = _train(_cfg("bf16"), 1, 0.05)
-    ssd = _train(_cfg("bf16", on_ssd), 1, 0.05)
+def _ssd(folder, weights: str) -> MemoryConfig:
+    """The optimizer states on the SSD, and the weights and gradients too (weights "ssd": streamed, two versions of
+    their records) or in memory."""
+    return MemoryConfig(optimizer="ssd", weights=weights, ssd_dir=str(folder), host_budget_mb=4)
+
+
+@pytest.mark.parametrize("weights", ["host", "ssd"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_states_on_the_ssd_give_the_same_bits_as_in_memory(tmp_path, weights, precision):
+    host = _train(_cfg(precision), 1, 0.05)
+    ssd = _train(_cfg(precision, _ssd(tmp_path, weights)), 1, 0.05)
     assert ssd[0] == host[0]
     for k in host[1]:
         assert torch.equal(ssd[1][k], host[1][k]), k
 
 
-def test_a_resume_from_a_checkpoint_repeats_the_run_bit_for_bit(tmp_path):
-    cfg = _cfg("bf16")
+@pytest.mark.parametrize("memory", ["host", "ssd weights"])
+def test_a_resume_from_a_checkpoint_repeats_the_run_bit_for_bit(tmp_path, memory):
+    """In memory and with the weights streamed from the SSD, whose lagging version the checkpoint reads back from the
+    records and the resume writes into them."""
+    cfg = _cfg("bf16", None if memory == "host" else _ssd(tmp_path / "ssd", "ssd"))
     straight = _train(cfg, 1, 0.05)
     with _pipeline(cfg, 1, 0.05) as first:
         _train(cfg, 1, 0.05, range(3), first)
@@ -147,10 +157,10 @@ def test_a_resume_from_a_checkpoint_repeats_the_run_bit_for_bit(tmp_path):
         assert torch.equal(resumed[1][k], straight[1][k]), k
 
 
-def test_tiers_off_host_memory_are_refused_and_a_negative_step_too(tmp_path):
-    streamed = MemoryConfig(optimizer="ssd", weights="ssd", ssd_dir=str(tmp_path), host_budget_mb=4)
-    with pytest.raises(PipelineError, match=r"delayed_update: stages \[0, 1, 2, 3\] keep their weights .* on the ssd"):
-        _pipeline(_cfg("bf16", streamed), 1, None)
+def test_states_on_the_gpu_are_refused_and_a_negative_step_too(tmp_path):
+    on_gpu = MemoryConfig(optimizer="device")
+    with pytest.raises(PipelineError, match=r"delayed_update: stages \[0, 1, 2, 3\] keep their states on the gpu"):
+        _pipeline(_cfg("bf16", on_gpu), 1, None)
     with pytest.raises(PipelineError, match="delayed_update -1: expected the first delayed optimizer step"):
         _pipeline(_cfg(), -1, None)
 
