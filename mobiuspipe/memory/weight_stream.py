@@ -236,7 +236,7 @@ class SsdWeights(SsdRecords):
     def start_update(self, tentative: bool, grads: int = 0, out: int = 0) -> None:
         """Before an update from the d records of version `grads` into the w records of version `out`: a tentative
         one writes its weights beside those (commit() swaps them in)."""
-        if tentative and self._key("w", 0, out) + NEXT not in self.store.keys():
+        if tentative and self._key("w", 0, out) + NEXT not in self.store:
             need = sum(self.record_elems) * self.dtype.itemsize
             self.store.check_space(need, f"the second set of weight records of {self.prefix!r} (speculative updates)")
         self._suffix = NEXT if tentative else ""

@@ -223,7 +223,7 @@ class OutOfCoreAdam:
 
     def _check_next_space(self) -> None:
         """The first tentative step's second set of records fits the store's disk (ENOSPC names what needs it)."""
-        if self._key(0, NEXT) not in self.store.keys():
+        if self._key(0, NEXT) not in self.store:
             need = BYTES_PER_ELEM * sum(self.section_elems)
             self.store.check_space(
                 need, f"the second set of optimizer records of {self.prefix!r} (speculative updates)"

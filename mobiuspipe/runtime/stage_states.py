@@ -242,6 +242,15 @@ def _tensor(v) -> torch.Tensor:
     return v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=torch.float64)
 
 
+def _settle_ooc(opt: OutOfCoreAdam, keep: bool, lr_before: float) -> None:
+    """Keep an out-of-core Adam's tentative step, or roll it back with the learning rate it had before it."""
+    if keep:
+        opt.commit()
+    else:
+        opt.roll_back()
+        opt.lr = lr_before
+
+
 def _export_ooc(opt: OutOfCoreAdam, link_dir: Path | None) -> tuple[dict[str, torch.Tensor], dict]:
     """An out-of-core AdamW's states in export_state's form: its records hard-linked into link_dir (no
     bytes copied), or where that cannot be (another filesystem), read from the store (fp32 flat)."""
@@ -307,13 +316,11 @@ class SsdStates(HostStates):
         self.optimizer.step({"w": grad}, {"w": self._weights[out]}, tentative=tentative)
 
     def settle_tentative(self, keep: bool) -> None:
+        _settle_ooc(self.optimizer, keep, self._lr)
         if keep:
-            self.optimizer.commit()
             self._undo.drop()
-            return
-        self.optimizer.roll_back()
-        self.optimizer.lr = self._lr
-        self._undo.restore()
+        else:
+            self._undo.restore()
 
     def master_weights(self) -> torch.Tensor:
         return self.optimizer.read_state(("param",))["w"]["param"]
@@ -389,12 +396,9 @@ class SsdStreamStates:
         self.stream.end_update(failed=False)
 
     def settle_tentative(self, keep: bool) -> None:
+        _settle_ooc(self.optimizer, keep, self._lr)
         if keep:
-            self.optimizer.commit()
             self.stream.commit()
-            return
-        self.optimizer.roll_back()
-        self.optimizer.lr = self._lr
 
     def master_weights(self) -> torch.Tensor:
         return self.optimizer.read_state(("param",))["w"]["param"]

@@ -27,6 +27,7 @@ from mobiuspipe.startup.machine import discovered_topology
 from partition import make_plan
 from partition.plan import Plan, load_plan
 from topology import Topology, cpu_standin, load_topology
+from topology.presets import STANDIN_MESSAGES
 
 __all__ = [
     "PlanRequest",
@@ -225,11 +226,12 @@ def _device_name(device: torch.device) -> str:
 
 def _topology(topology: Topology | str | None, info: RankInfo, device: torch.device) -> Topology:
     """The given topology (a preset name or layout file), else the discovered gpus of the job's ranks, else
-    one stand-in per rank with this device's memory."""
+    one stand-in per rank with this device's memory, whose messages cost what they typically do (STANDIN_MESSAGES,
+    as a run from a config plans with)."""
     if isinstance(topology, Topology):
         return topology
     if topology is not None:
         return load_topology(topology)
     if device.type == "cuda":
         return discovered_topology(info.world_size)
-    return cpu_standin(info.world_size, STANDIN_MEMORY_BYTES)
+    return cpu_standin(info.world_size, STANDIN_MEMORY_BYTES, measured=STANDIN_MESSAGES)

@@ -204,3 +204,17 @@ def test_the_stand_in_planner_ranks_plans_as_they_measured_and_auto_picks_a_fast
     auto = plan_from_config(cfg)
     assert auto.predicted_step_time_s <= min(ms.values()) * 1.05
     assert (len(auto.stages), auto.num_microbatches) in {(3, 2), (4, 2)}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the run plans for this host's gpus, not CPU stand-ins")
+def test_the_python_api_and_a_config_run_plan_stand_ins_with_the_same_message_costs():
+    """Pipeline(plan=None) and a run from a config (the torchrun entry) both plan unprobed stand-ins with
+    STANDIN_MESSAGES, so the same model gets the same choice either way."""
+    from mobiuspipe.runtime.ranks import RankInfo
+    from mobiuspipe.startup import plan as api_plan
+    from mobiuspipe.startup.config_plan import run_topology
+    from topology.presets import STANDIN_MESSAGES
+
+    info = RankInfo(rank=0, world_size=2, local_rank=0, under_torchrun=False)
+    from_api = api_plan._topology(None, info, torch.device("cpu"))
+    assert from_api.measured == run_topology(_cfg()).measured == STANDIN_MESSAGES
