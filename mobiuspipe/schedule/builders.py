@@ -8,7 +8,7 @@ stays resident into its backward).
 A stage in `swapped` (its held activations live off the device: host, SSD or a peer gpu) finishes the copy
 out of microbatch i after the forward of microbatch i+1, so that the copy overlaps that compute (SO), and
 starts the copy back of microbatch i `prefetch` microbatches ahead of its backward (SI). The last stage has
-no held activations (its forward is fused into its backward).
+no held activations: its forward is fused into its backward, which takes each microbatch as it arrives.
 """
 
 from __future__ import annotations

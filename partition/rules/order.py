@@ -3,7 +3,10 @@
 For gpu g with stages J = [j for j, h in enumerate(mapping) if h == g] (ascending), the visits are
 F(J[0]) .. F(J[-1]), B(J[-1]) .. B(J[0]); each visit runs all microbatches of one stage in one phase.
 Two successive visits of the same stage (only F(J[-1]), B(J[-1])) share its weights: the gpu's last
-forward stage stays resident into its backward. The runtime's schedule (mobiuspipe.schedule.builders),
+forward stage stays resident into its backward. The model's last stage is fused (its forward runs inside its
+backward, with the loss): its forward visit runs nothing, and its backward visit takes each microbatch's input
+as it arrives, RA F B SG per microbatch, so that B(last, 0) starts when microbatch 0 arrives instead of after the
+last one (a 1F1B of the last stage). The runtime's schedule (mobiuspipe.schedule.builders),
 the aggregated timeline the MIP optimizes (partition.rules.timeline) and the simulator (partition.sim.simulate)
 all take their order from here; steps_of spells out the runtime's whole action list as plain tuples
 (the schedule builder turns them into typed actions, partition.rules.lifetimes walks the bytes they hold).
@@ -54,7 +57,8 @@ def steps_of(
 ) -> list[Step]:
     """Gpu's actions of one step in the order it runs them: at the start of each visit the next visit's stage
     is loaded (prefetch); per microbatch RA F SA (forward) or RG B SG (backward), the receive and send left
-    out at the pipeline's ends; OFFLOAD after a backward visit; RELEASE unless the next visit keeps the stage.
+    out at the pipeline's ends, and RA F B SG in the last stage's backward visit (its forward visit is empty);
+    OFFLOAD after a backward visit; RELEASE unless the next visit keeps the stage.
     A stage in `swapped` (its held activations live off the device) finishes the swap-out of microbatch i
     after the forward of i+1, so that the copy overlaps that compute (SO), and starts the swap-in of
     microbatch i `prefetch` microbatches ahead of its backward (SI); the last stage holds nothing (its
@@ -85,6 +89,11 @@ def steps_of(
 
 
 def _microbatch(j: int, i: int, phase: str, last: int) -> list[Step]:
+    if j == last:  # fused: F only stores the input that B runs forward, loss and backward on
+        if phase == "F":
+            return []
+        receive, send = ([("RA", j, i)], [("SG", j, i)]) if j > 0 else ([], [])
+        return receive + [("F", j, i), ("B", j, i)] + send
     if phase == "F":
         return ([("RA", j, i)] if j > 0 else []) + [("F", j, i)] + ([("SA", j, i)] if j < last else [])
     return ([("RG", j, i)] if j < last else []) + [("B", j, i)] + ([("SG", j, i)] if j > 0 else [])

@@ -28,7 +28,9 @@ Each gpu runs its visits F(j0) .. F(jk), B(jk) .. B(j0) (partition.rules.order).
              The gpu's last forward stage stays resident for its backward (no load)
   step       T >= EB_j + o_j for every j
 This is exact for a pipeline of identical microbatches (the classic flow-shop recurrence) and an
-approximation when a gpu's visit is delayed mid-stream; partition.sim.simulate times every microbatch.
+approximation when a gpu's visit is delayed mid-stream; partition.sim.simulate times every microbatch. The
+runtime fuses the last stage (its forward inside its backward, each microbatch as it arrives: partition.rules
+.order); the aggregate keeps its forward visit (f_j) ahead of its backward visit, an upper bound of that.
 """
 
 from __future__ import annotations

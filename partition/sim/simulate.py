@@ -8,7 +8,8 @@ Resources and rules (times in seconds, bytes, GB/s = 1e9 bytes/s):
             stage j-1), B(j,i) after B(j+1,i) arrived (+ comm_s of stage j); F takes F_j, B takes R_j + B_j
             (the stage recomputes its forward first: recompute_s, F_j unless the profile measured it apart).
             The last stage is fused (SimStage.fused, set by partition.search.sim_stages), as the runtime
-            runs it: its F does nothing (0 s) and its B computes forward, loss and backward at once.
+            runs it: its forward visit runs nothing, and its B(last, i) computes forward, loss and backward at
+            once as soon as F(last-1, i) arrived (partition.rules.order: a 1F1B of the last stage).
   cores     with host_cores C (CPU stand-ins, whose "gpus" are host threads: Topology.measured.host_cores),
             every F and B is a flow of its seconds of one core over the link ("host", "cores") of C cores
             and its gpu's own link of 1 core: while k computations run at once each gets min(1, C / k) of
@@ -259,9 +260,9 @@ def _add_gpu(
                 load = _load(graph, (g, j, k, "rest"), st, 1.0 - share, (load, prev_op), paths, flows, moves, ssd)
             prev_load = load
         first = None
-        for i in range(m):
-            wait = None if (phase == "F" and j == 0) or (phase == "B" and j == last) else ("arrive", phase, j, i)
-            if wait and (recv := _recv_s(stages, j, phase, g)):
+        for i in range(0 if phase == "F" and st.fused else m):  # a fused stage's F visit runs nothing
+            wait = _awaited(stages, j, i, phase, last)
+            if wait and (recv := _recv_s(stages, j, wait[1], g)):
                 wait = graph.add(("recv", phase, j, i), (prev_op, wait), *_on_thread(recv, g, cores))
             dur = st.f_s if phase == "F" else st.b_s
             deps = (load, prev_op, wait, prev_off if phase == "B" else None)
@@ -282,6 +283,14 @@ def _add_gpu(
             prev_off = graph.add(("offload", g, j), (prev_op, prev_off), dur, (move,) if flows and st.offloads else ())
             spans.append((first, prev_off, "grads"))  # the gradient slot
     return spans
+
+
+def _awaited(stages: list[SimStage], j: int, i: int, phase: str, last: int) -> tuple[str, str, int, int] | None:
+    """The message (j, i) in `phase` waits for: the forward's input, the backward's output gradient; the last stage's
+    backward, fused, waits for its input (none for stage 0's forward, nor for the unfused last stage's backward)."""
+    if phase == "B" and j == last:
+        return ("arrive", "F", j, i) if stages[j].fused and j > 0 else None
+    return None if phase == "F" and j == 0 else ("arrive", phase, j, i)
 
 
 def _on_thread(seconds: float, g: int, cores: bool) -> tuple[float, tuple]:

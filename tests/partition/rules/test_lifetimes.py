@@ -55,12 +55,13 @@ def test_two_gpus_cross_mapping_sends_released_when_the_schedules_prove_them_tak
     """Stages 0, 2 on gpu 0 and 1, 3 on gpu 1, two microbatches; a message to the other gpu holds its bytes
     and a header, 100 + E. On gpu 0 at B2.0: the arena (weights of 2 and of 0, prefetched, gradients of 2:
     70 + 50 + 70); held (0,0), (0,1), (2,1): 8 + 8 + 100; the gradient for (2,0): 100; in flight SA2.0 and
-    SA2.1 (gpu 1 took them at RA3.*, which gpu 0 learns at RG2.0: the next call, SG2.0, drops them); SA0.0
-    and SA0.1 were dropped at SA2.0 and SA2.1 (known taken once RA2.0 and RA2.1 arrived); work 3000."""
+    SA2.1 (gpu 1 took SA2.0 at RA3.0, which gpu 0 learns at RG2.0: the next call, SG2.0, drops it; it takes
+    SA2.1 at RA3.1, after it sent SG3.0: SG2.1 drops it); SA0.0 and SA0.1 were dropped at SA2.0 and SA2.1
+    (known taken once RA2.0 and RA2.1 arrived); work 3000."""
     msg = 100 + HEADER_BYTES
     timeline = dict(device_timeline([0, 1, 0, 1], 0, 2, FOUR))
     assert timeline[("B", 2, 0)] == 190 + 116 + 100 + 2 * msg + 3000
-    assert timeline[("B", 2, 1)] == 190 + 16 + 100 + msg + 3000  # SG2.0 in flight, SA2.* dropped at SG2.0
+    assert timeline[("B", 2, 1)] == 190 + 16 + 100 + 2 * msg + 3000  # SA2.1 and SG2.0 in flight
     # SA2.0: stage 2's weights; held (0,*), (2,0); SA0.0 dropped as SA2.0 starts, SA0.1 not yet; SA2.0 itself
     assert timeline[("SA", 2, 0)] == 70 + 16 + 100 + 2 * msg
     assert device_peak([0, 1, 0, 1], 0, 2, FOUR) == 190 + 116 + 100 + 2 * msg + 3000
@@ -74,15 +75,17 @@ def test_two_gpus_sends_held_until_the_flush():
     assert timeline[("B", 2, 0)] == 190 + 116 + 100 + 4 * msg + 3000
     assert timeline[("B", 2, 1)] == 190 + 16 + 100 + 5 * msg + 3000
     assert device_peak([0, 1, 0, 1], 0, 2, FOUR, sends_until_flush=True) == timeline[("B", 2, 1)]
-    # gpu 1 at B3.0: weights of 3 and (prefetched) 1, gradients of 3; held (1,*), (3,1); its sends so far,
-    # SA1.0 and SA1.1 (the last stage sends no activation)
+    # gpu 1 at B3.0: weights of 3 and (prefetched) 1, gradients of 3; held (1,*), and not (3,1): the last
+    # stage takes each input as it arrives, RA3.1 comes after B3.0; its sends so far, SA1.0 and SA1.1 (the last
+    # stage sends no activation). At B3.1 SG3.0 has joined them.
     gpu1 = dict(device_timeline([0, 1, 0, 1], 1, 2, FOUR, sends_until_flush=True))
-    assert gpu1[("B", 3, 0)] == 80 + 80 + 60 + 200 + 100 + 2 * msg + 4000
+    assert gpu1[("B", 3, 0)] == 80 + 80 + 60 + 200 + 2 * msg + 4000
+    assert gpu1[("B", 3, 1)] == 80 + 80 + 60 + 200 + 3 * msg + 4000
 
 
 def test_the_walk_follows_the_runtime_order():
     assert [f"{k}{j}" + (f".{i}" if i >= 0 else "") for k, j, i in steps_of([0, 1, 0], 0, 2)] == (
-        "L0 L2 F0.0 SA0.0 F0.1 SA0.1 R0 RA2.0 F2.0 RA2.1 F2.1 L0 B2.0 SG2.0 B2.1 SG2.1 O2 R2 "
+        "L0 L2 F0.0 SA0.0 F0.1 SA0.1 R0 L0 RA2.0 F2.0 B2.0 SG2.0 RA2.1 F2.1 B2.1 SG2.1 O2 R2 "
         "RG0.0 B0.0 RG0.1 B0.1 O0 R0"
     ).split()
 

@@ -33,16 +33,28 @@ def _ev(res, kind, j, i=-1):
 
 def test_fused_last_stage_takes_no_forward_and_its_backward_runs_forward_and_backward():
     # One gpu, stages 0 (F 1, B 2) and 1 (F 1, B 2, fused), M = 2, transfers free.
-    # F(0,0) [0,1], F(0,1) [1,2]; F(1,i) take 0: [2,2]; B(1,0) = F + B = 3: [2,5], B(1,1) [5,8];
+    # F(0,0) [0,1], F(0,1) [1,2]; stage 1's forward visit runs nothing; B(1,0) = F + B = 3: [2,5], B(1,1) [5,8];
     # B(0,0) [8,11], B(0,1) [11,14]. Unfused, F(1,*) would add 2: the step would be 16.
     stages = [_st(0, 1.0, 2.0), _st(0, 1.0, 2.0, fused=True)]
     res = simulate(stages, num_gpus=1, microbatches=2)
-    assert _ev(res, "F", 1, 0) == (2.0, 2.0) and _ev(res, "F", 1, 1) == (2.0, 2.0)
+    assert not [e for e in res.events if e[0] == "F" and e[2] == 1]
     assert _ev(res, "B", 1, 0) == (2.0, 5.0)
     assert _ev(res, "B", 0, 1) == (11.0, 14.0)
     assert res.step_time_s == 14.0
     unfused = simulate([_st(0, 1.0, 2.0), _st(0, 1.0, 2.0)], num_gpus=1, microbatches=2)
     assert unfused.step_time_s == 16.0
+
+
+def test_fused_last_stage_starts_each_backward_when_its_input_arrives():
+    # Stage 0 (F 1, B 2: a backward of 3 with its recompute) on gpu 0, stage 1 (B 3, fused) on gpu 1, M = 2,
+    # transfers free. B(1,0) starts when F(0,0) arrives, not after F(0,1): B(1,0) [1,4], B(1,1) [4,7] (its input
+    # came at 2); B(0,0) [4,7] (gpu 0 idle since 2), B(0,1) [7,10]. Waiting for every input first, as an unfused
+    # F visit would: B(1,*) [2,5] [5,8], B(0,*) [5,8] [8,11], a step of 11.
+    stages = [_st(0, 1.0, 2.0), _st(1, 0.0, 3.0, fused=True)]
+    res = simulate(stages, num_gpus=2, microbatches=2)
+    assert _ev(res, "B", 1, 0) == (1.0, 4.0) and _ev(res, "B", 1, 1) == (4.0, 7.0)
+    assert _ev(res, "B", 0, 0) == (4.0, 7.0) and _ev(res, "B", 0, 1) == (7.0, 10.0)
+    assert res.step_time_s == 10.0
 
 
 def test_backward_redoes_the_recompute_time_not_the_forward_time():
