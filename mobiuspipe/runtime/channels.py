@@ -81,6 +81,12 @@ class Channels:
         only once waited on (gloo's send requests: Comm then holds every send until its flush)."""
         return torch.cuda.is_available() or self._strict
 
+    @property
+    def receives_apart(self) -> bool:
+        """Whether the receives from each peer have a queue of their own ("direction"), so that a receive posted
+        early runs after the receives posted before it and cannot get ahead of a send."""
+        return self.layout == "direction"
+
     def warm_up(self, device: torch.device) -> None:
         """Set up every communicator of this rank now, in one order on every rank (NCCL connects lazily at first
         contact otherwise, and lazy set-ups in different orders can deadlock)."""

@@ -23,7 +23,7 @@ from mobiuspipe.standin import StandInError
 from mobiuspipe.standin.p2p import StrictWork
 from mobiuspipe.standin.places import is_host
 
-__all__ = ["Comm", "TensorSpec"]
+__all__ = ["Comm", "Posted", "TensorSpec"]
 
 _DTYPES = (
     torch.float32,
@@ -71,6 +71,16 @@ class TensorSpec:
         return cls(tuple(dims[:ndim]), _DTYPES[code])
 
 
+@dataclass(frozen=True)
+class Posted:
+    """A receive posted and not yet taken: its request, the buffer it fills, and who and what it awaits."""
+
+    work: dist.Work | StrictWork
+    buf: torch.Tensor
+    peer: str
+    doing: str
+
+
 class Comm:
     """Point-to-point traffic of one rank. Sends are asynchronous: a sent tensor is held until its send has
     completed, and dropped then (at the next send or receive), so the device does not keep a stage's
@@ -105,11 +115,20 @@ class Comm:
         self._sends.append((work, t, dst, what))
 
     def recv(self, spec: TensorSpec, device: torch.device, src: int, tag: int, what: str) -> torch.Tensor:
+        return self.take(self.post_recv(spec, device, src, tag, what))
+
+    def post_recv(self, spec: TensorSpec, device: torch.device, src: int, tag: int, what: str) -> Posted:
+        """Start a receive into a new buffer and return at once; take() waits for it. Receives from one rank are
+        matched in the order they are posted."""
         self._release_sent()
         buf = self._place(torch.empty(spec.shape, dtype=spec.dtype, device=device))
         peer, doing = f"rank {src}", f"receiving {what} from rank {src}"
-        self._wait(self._start(lambda: self.channels.frm(src).irecv(buf, tag), peer, doing), peer, doing)
-        return buf
+        return Posted(self._start(lambda: self.channels.frm(src).irecv(buf, tag), peer, doing), buf, peer, doing)
+
+    def take(self, posted: Posted) -> torch.Tensor:
+        """The buffer of a posted receive, once it has arrived (on NCCL: once the compute stream waits for it)."""
+        self._wait(posted.work, posted.peer, posted.doing)
+        return posted.buf
 
     def _release_sent(self) -> None:
         """Drop the tensors whose sends have completed (their errors, if any, raise here)."""

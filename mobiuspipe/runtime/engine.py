@@ -31,7 +31,7 @@ from mobiuspipe.optim.host_threads import pinned_to
 from mobiuspipe.runtime.action_trace import ActionTrace
 from mobiuspipe.runtime.activations import StageMode, parts_of
 from mobiuspipe.runtime.clock import ActionClock
-from mobiuspipe.runtime.comm import Comm, TensorSpec
+from mobiuspipe.runtime.comm import Comm, Posted, TensorSpec
 from mobiuspipe.runtime.compute import Compute, LossFn, MessageKey, StepOptions, StepState, StepTimes
 from mobiuspipe.runtime.device_states import DeviceStates
 from mobiuspipe.runtime.stage import Stage
@@ -122,6 +122,10 @@ class Engine:
             max_workers=1, thread_name_prefix="host-optimizer", initializer=pinned_to(update_cores)
         )
         self._specs: dict[tuple, dict[MessageKey, TensorSpec]] = {}  # batch shape -> specs of its messages
+        self._ahead = _receives_ahead(schedule, mapping, rank) if comm.channels.receives_apart else {}
+        """Each receive from another rank -> the next one of the step, posted before the first is waited for: its
+        bytes move (in gloo's threads, on NCCL's stream) while this rank computes, and its sender's send completes."""
+        self._posted: dict[MessageKey, Posted] = {}
         self._dispatch = {
             Kind.LOAD: self._load,
             Kind.RELEASE: self._release,
@@ -325,22 +329,38 @@ class Engine:
         self.ledger.drop(("outbox", a.kind, a.stage, a.microbatch))  # Comm holds it while in flight
         st.times.comm_s += sw.s
 
-    def _recv(self, a: Action, src_stage: int, what: str) -> None:
+    def _recv(self, a: Action, src_stage: int) -> None:
         if self.mapping[src_stage] == self.rank:
             return  # handed over by _send on this rank
         st, key = self.state, (a.kind, a.stage, a.microbatch)
-        tag_stage = src_stage if a.kind is Kind.RECV_ACT else a.stage + 1
-        send_kind = Kind.SEND_ACT if a.kind is Kind.RECV_ACT else Kind.SEND_GRAD
-        src, dev = self.mapping[src_stage], self.device.torch_device
-        what = f"{what} for stage {a.stage} microbatch {a.microbatch} (step {st.step})"
         with Stopwatch() as sw:
-            if st.learning:
-                st.specs[key] = self.comm.recv_spec(dev, src, self._tag(send_kind, tag_stage, a.microbatch, True), what)
-            st.inbox[key] = self.comm.recv(
-                st.specs[key], dev, src, self._tag(send_kind, tag_stage, a.microbatch, False), what
-            )
-        self.ledger.hold(("inbox", *key), st.inbox[key])
+            if st.learning:  # the first step of a batch shape: its header first, nothing posted ahead
+                src, tag, what = self._source(a)
+                st.specs[key] = self.comm.recv_spec(self.device.torch_device, src, tag + 1, what)
+                posted = self._post(a)
+            else:
+                posted = self._posted.pop(key, None) or self._post(a)
+                if (ahead := self._ahead.get(key)) is not None:
+                    self._posted[(ahead.kind, ahead.stage, ahead.microbatch)] = self._post(ahead)
+            st.inbox[key] = self.comm.take(posted)
         st.times.comm_s += sw.s
+
+    def _post(self, a: Action) -> Posted:
+        """Post the receive of `a` into a new device buffer (held in the ledger from now)."""
+        src, tag, what = self._source(a)
+        key = (a.kind, a.stage, a.microbatch)
+        posted = self.comm.post_recv(self.state.specs[key], self.device.torch_device, src, tag, what)
+        self.ledger.hold(("inbox", *key), posted.buf)
+        return posted
+
+    def _source(self, a: Action) -> tuple[int, int, str]:
+        """The rank a receive comes from, the tag of its tensor (its header's is one more) and what it is."""
+        act = a.kind is Kind.RECV_ACT
+        src_stage = a.stage - 1 if act else a.stage + 1
+        send_kind = Kind.SEND_ACT if act else Kind.SEND_GRAD
+        what = f"{'activation' if act else 'output gradient'} for stage {a.stage} microbatch {a.microbatch}"
+        tag = self._tag(send_kind, src_stage, a.microbatch, False)
+        return self.mapping[src_stage], tag, f"{what} (step {self.state.step})"
 
     def _send_act(self, a: Action) -> None:
         self._send(a, a.stage + 1, "activation")
@@ -349,7 +369,18 @@ class Engine:
         self._send(a, a.stage - 1, "input gradient")
 
     def _recv_act(self, a: Action) -> None:
-        self._recv(a, a.stage - 1, "activation")
+        self._recv(a, a.stage - 1)
 
     def _recv_grad(self, a: Action) -> None:
-        self._recv(a, a.stage + 1, "output gradient")
+        self._recv(a, a.stage + 1)
+
+
+def _receives_ahead(schedule: list[Action], mapping: list[int], rank: int) -> dict[MessageKey, Action]:
+    """Each receive of the schedule from another rank -> the next such receive (the step's last has none)."""
+    remote = [
+        a
+        for a in schedule
+        if (a.kind is Kind.RECV_ACT and mapping[a.stage - 1] != rank)
+        or (a.kind is Kind.RECV_GRAD and mapping[a.stage + 1] != rank)
+    ]
+    return {(a.kind, a.stage, a.microbatch): b for a, b in zip(remote, remote[1:])}

@@ -25,7 +25,9 @@ What the walk holds, and when (mirroring mobiuspipe.runtime.engine's DeviceLedge
   inputs   I_0 of every microbatch on stage 0's gpu from the step's start (the runtime copies them in ahead of
            the step's loads: Compute.device_inputs) to F(0,i).
   inbox    I_j from RA(j,i) to F(j,i); O_j from RG(j,i) to the end of B(j,i). From a stage of the same
-           gpu the message arrives at the sender's SA / SG, so up to M of them queue ("inbox").
+           gpu the message arrives at the sender's SA / SG, so up to M of them queue ("inbox"). A receive from
+           another gpu is posted one ahead, at the gpu's previous such receive (mobiuspipe.runtime.engine), and
+           holds its buffer from there.
   outbox   O_j from F(j,i) to SA(j,i); I_j from B(j,i) to SG(j,i)  ("outbox").
   sending  a message to another gpu, O_j or I_j plus E, from its send until the sender's first send or
            receive after it learnt the message was taken ("sending": Comm drops completed sends at its next
@@ -92,12 +94,30 @@ def device_timeline(
     if mapping[0] == gpu:  # the runtime copies every microbatch's input in at the step's start, ahead of the loads
         for i in range(microbatches):
             walk.hold(("in", 0, i), stages[0].input)
+    ahead = _receives_ahead(mapping, gpu, steps)
     out = []
     for kind, j, i in steps:
         for key in releases.get((kind, j, i), ()):
             walk.drop(key)
-        out.append(((kind, j, i), _step(walk, mapping, gpu, (kind, j, i), stages)))
+        top = _step(walk, mapping, gpu, (kind, j, i), stages)
+        if (kind, j, i) in ahead:  # the next receive from another gpu is posted before this one is waited for
+            _, k, n = nxt = ahead[(kind, j, i)]
+            walk.hold(_inbox(nxt), stages[k].input if nxt[0] == "RA" else stages[k].output)
+            top = max(top, walk.total)
+        out.append(((kind, j, i), top))
     return out
+
+
+def _receives_ahead(mapping: list[int], gpu: int, steps: list[Step]) -> dict[Step, Step]:
+    """Each receive of gpu's steps from another gpu -> the next such receive (posted at the first)."""
+    remote = [s for s in steps if s[0] in ("RA", "RG") and _partner(mapping, s)[0] != gpu]
+    return dict(zip(remote, remote[1:]))
+
+
+def _inbox(step: Step) -> tuple:
+    """The walk's key of a receive's buffer."""
+    kind, j, i = step
+    return ("in", j, i) if kind == "RA" else ("gin", j, i)
 
 
 def device_peak(
@@ -184,10 +204,9 @@ def _step(walk: _Walk, mapping: list[int], gpu: int, step: Step, stages: Sequenc
             walk.hold(("weights", j), s.params)
         else:
             walk.drop(("weights", j) if kind == "R" else ("grads", j))
-    elif kind == "RA" and mapping[j - 1] != gpu:
-        walk.hold(("in", j, i), s.input)
-    elif kind == "RG" and mapping[j + 1] != gpu:
-        walk.hold(("gin", j, i), s.output)
+    elif kind in ("RA", "RG") and _partner(mapping, step)[0] != gpu:
+        if _inbox(step) not in walk.held:  # else posted at the receive before it
+            walk.hold(_inbox(step), s.input if kind == "RA" else s.output)
     elif kind == "F":
         top = walk.total + max(0, s.held - s.input - s.held_output) + (s.output if j < last else 0)
         walk.drop(("in", j, i))

@@ -240,12 +240,13 @@ def test_planned_figure_per_gpu_and_the_end_of_run_line():
     a0, a1, a2 = 64 + 0 + 64, 64 + 64 + 64, 24 + 64 + 24
     assert [s.activation_bytes for s in plan.stages] == [a0, a1, a2]
     # on a gpu the walk adds the messages to the memory rule's arena + A_j: on gpu 0 at B0.0, the gradient
-    # received for (0,0) (64 B) and stage 2's three input gradients sent to gpu 1 (64 B and an 80-byte header
-    # each: RG0.0 proves only that gpu 1 took the first, and Comm drops it at its next call); on gpu 1 at
-    # B1.0, the gradient received for (1,0), the three activations sent to stage 2, and the inputs of (1,1)
-    # and (1,2) (64 B each), which stay on the gpu until their B recomputes from them (stage 0's inputs, the
-    # ids of plan.input_bytes, are 0 in this hand profile)
-    assert planned_device_bytes(plan) == [slots + a0 + 64 + 3 * 144, slots + a1 + 64 + 3 * 144 + 2 * 64]
+    # received for (0,0) and the one for (0,1), whose receive is posted at RG0.0 (64 B each), and stage 2's
+    # three input gradients sent to gpu 1 (64 B and an 80-byte header each: RG0.0 proves only that gpu 1 took
+    # the first, and Comm drops it at its next call); on gpu 1 at B1.0, the gradients received for (1,0) and
+    # posted for (1,1), the three activations sent to stage 2, and the inputs of (1,1) and (1,2) (64 B each),
+    # which stay on the gpu until their B recomputes from them (stage 0's inputs, the ids of
+    # plan.input_bytes, are 0 in this hand profile)
+    assert planned_device_bytes(plan) == [slots + a0 + 2 * 64 + 3 * 144, slots + a1 + 2 * 64 + 3 * 144 + 2 * 64]
     line = device_peak_line([1536, 600], [1024, 700], "ledger", {"arena": 1000, "saved": 536})
     assert line == (
         "device peak, measured (ledger) vs planned (lifetime walk): "

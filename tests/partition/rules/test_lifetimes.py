@@ -54,33 +54,37 @@ FOUR = [
 def test_two_gpus_cross_mapping_sends_released_when_the_schedules_prove_them_taken():
     """Stages 0, 2 on gpu 0 and 1, 3 on gpu 1, two microbatches; a message to the other gpu holds its bytes
     and a header, 100 + E. On gpu 0 at B2.0: the arena (weights of 2 and of 0, prefetched, gradients of 2:
-    70 + 50 + 70); held (0,0), (0,1), (2,1): 8 + 8 + 100; the gradient for (2,0): 100; in flight SA2.0 and
+    70 + 50 + 70); held (0,0), (0,1), (2,1): 8 + 8 + 100; the gradients for (2,0) and for (2,1), whose
+    receive is posted at RG2.0, one ahead: 2 x 100; in flight SA2.0 and
     SA2.1 (gpu 1 took SA2.0 at RA3.0, which gpu 0 learns at RG2.0: the next call, SG2.0, drops it; it takes
     SA2.1 at RA3.1, after it sent SG3.0: SG2.1 drops it); SA0.0 and SA0.1 were dropped at SA2.0 and SA2.1
     (known taken once RA2.0 and RA2.1 arrived); work 3000."""
     msg = 100 + HEADER_BYTES
     timeline = dict(device_timeline([0, 1, 0, 1], 0, 2, FOUR))
-    assert timeline[("B", 2, 0)] == 190 + 116 + 100 + 2 * msg + 3000
-    assert timeline[("B", 2, 1)] == 190 + 16 + 100 + 2 * msg + 3000  # SA2.1 and SG2.0 in flight
-    # SA2.0: stage 2's weights; held (0,*), (2,0); SA0.0 dropped as SA2.0 starts, SA0.1 not yet; SA2.0 itself
-    assert timeline[("SA", 2, 0)] == 70 + 16 + 100 + 2 * msg
-    assert device_peak([0, 1, 0, 1], 0, 2, FOUR) == 190 + 116 + 100 + 2 * msg + 3000
+    assert timeline[("B", 2, 0)] == 190 + 116 + 200 + 2 * msg + 3000
+    # SA2.1 and SG2.0 in flight; the gradients for (2,1) and (0,0) (posted at RG2.1)
+    assert timeline[("B", 2, 1)] == 190 + 16 + 200 + 2 * msg + 3000
+    # SA2.0: stage 2's weights; held (0,*), (2,0); the input of (2,1), posted at RA2.0; SA0.0 dropped as SA2.0
+    # starts, SA0.1 not yet; SA2.0 itself
+    assert timeline[("SA", 2, 0)] == 70 + 16 + 100 + 100 + 2 * msg
+    assert device_peak([0, 1, 0, 1], 0, 2, FOUR) == 190 + 116 + 200 + 2 * msg + 3000
 
 
 def test_two_gpus_sends_held_until_the_flush():
     """gloo (the CPU stand-in): every send stays until the step's end. At B2.1 gpu 0 has sent SA0.0, SA0.1,
-    SA2.0, SA2.1 and SG2.0."""
+    SA2.0, SA2.1 and SG2.0 (the rest as in the test above)."""
     msg = 100 + HEADER_BYTES
     timeline = dict(device_timeline([0, 1, 0, 1], 0, 2, FOUR, sends_until_flush=True))
-    assert timeline[("B", 2, 0)] == 190 + 116 + 100 + 4 * msg + 3000
-    assert timeline[("B", 2, 1)] == 190 + 16 + 100 + 5 * msg + 3000
+    assert timeline[("B", 2, 0)] == 190 + 116 + 200 + 4 * msg + 3000
+    assert timeline[("B", 2, 1)] == 190 + 16 + 200 + 5 * msg + 3000
     assert device_peak([0, 1, 0, 1], 0, 2, FOUR, sends_until_flush=True) == timeline[("B", 2, 1)]
     # gpu 1 at B3.0: weights of 3 and (prefetched) 1, gradients of 3; held (1,*), and not (3,1): the last
-    # stage takes each input as it arrives, RA3.1 comes after B3.0; its sends so far, SA1.0 and SA1.1 (the last
-    # stage sends no activation). At B3.1 SG3.0 has joined them.
+    # stage takes each input as it arrives, RA3.1 comes after B3.0, but its receive is posted at RA3.0 (100);
+    # its sends so far, SA1.0 and SA1.1 (the last stage sends no activation). At B3.1 SG3.0 has joined them,
+    # and the receive of RG1.0 is posted (100).
     gpu1 = dict(device_timeline([0, 1, 0, 1], 1, 2, FOUR, sends_until_flush=True))
-    assert gpu1[("B", 3, 0)] == 80 + 80 + 60 + 200 + 2 * msg + 4000
-    assert gpu1[("B", 3, 1)] == 80 + 80 + 60 + 200 + 3 * msg + 4000
+    assert gpu1[("B", 3, 0)] == 80 + 80 + 60 + 200 + 100 + 2 * msg + 4000
+    assert gpu1[("B", 3, 1)] == 80 + 80 + 60 + 200 + 100 + 3 * msg + 4000
 
 
 def test_the_walk_follows_the_runtime_order():
