@@ -7,8 +7,9 @@ or in the SSD store (SsdFrozenWeights):
 each in the training dtype if it is floating, else in its own (an NF4 base's codes and scales:
 mobiuspipe.lora.quant), the widest items first so that each lies at an offset of its item size with no padding;
 loaded into the same slot after the trainable ones and never offloaded or updated.
-LOAD copies the weights in the training dtype into an arena slot; the layers then run on views of the slot through
-torch.func.functional_call, so no module ever owns device memory. The gradients of all of the stage's
+LOAD copies the weights in the training dtype into an arena slot; the layers (on the meta device) then run on views
+of the slot, bound to them once per visit and way of running (mobiuspipe.layers.bind) and unbound at RELEASE, so no
+module owns device memory beyond the visit. The gradients of all of the stage's
 microbatches accumulate (in the training dtype) into a second slot, which OFFLOAD hands to the states
 tier. The host update steps the fp32 master weights and writes the next low-precision copy in the same
 pass where the optimizer can (CPUAdam.step_fused). Buffers (masks, rotary tables, ...) are small and
@@ -25,8 +26,8 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
+from mobiuspipe.layers import bind, members, unbind
 from mobiuspipe.memory.arena import DeviceArena, Slot
 from mobiuspipe.memory.device import CopyHandle, Device
 from mobiuspipe.memory.store.ssd_store import SSDStore
@@ -152,6 +153,11 @@ class Stage:
         self.buffers = {l: {n: _buffer_on(b, device, dtype) for n, b in layers[l].named_buffers()} for l in self.order}
         self._persistent = {l: _persistent_buffer_names(layers[l]) for l in self.order}
         self.layers = {l: layers[l].to("meta") for l in self.order}  # shapes only; weights live in the tiers
+        self._members = {l: members(self.layers[l]) for l in self.order}
+        self._views: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+        """Per way of running ("kept", "grad", "plain"), the tensors each layer runs on in this visit."""
+        self._bound: dict[int, str] = {}
+        """Layer -> the way of running its modules are bound to now (none: unbound)."""
         self.weights: Slot | None = None
         self.grads: Slot | None = None
         self.loading: list[CopyHandle] = []
@@ -181,6 +187,7 @@ class Stage:
         else:
             self.wait_update()
         self.weights = arena.acquire(self.weight_nbytes, f"stage {self.index} weights")
+        self._rebind()
         after = self.weights.take_busy()
         dst = self.weights.view(self.dtype, self.numel)
         self.loading = [self.states.load_into(dst, self.device, after, version)]
@@ -193,6 +200,9 @@ class Stage:
         that compute only, not for what is queued by the time it is issued."""
         arena.release(_held(self.weights, self.index, "weights"), [self.device.computed()])
         self.weights, self._leaves = None, []
+        self._rebind()
+        for l in self.order:
+            unbind(self._members[l])
 
     def wait_loaded(self) -> None:
         for copy in self.loading:
@@ -212,6 +222,7 @@ class Stage:
         for leaves in (self._leaves, self._forward_leaves):
             for p, w in zip(self.params, leaves):
                 w.grad = p.of(gflat)
+        self._rebind()
 
     def offload(self, arena: DeviceArena, accumulate: bool = False, norm: bool = False, step: int = 0) -> None:
         """Start copying the accumulated gradients to the host tier (which adds them to its gradients: accumulate)
@@ -223,6 +234,7 @@ class Stage:
         copy = self.states.take_grads(grads.view(self.dtype, self.numel), self.device, accumulate, norm, into)
         arena.release(grads, [copy] if copy is not None else [])
         self.grads, self._leaves, self._forward_leaves = None, [], []
+        self._rebind()
 
     def grads_finite(self) -> bool:
         """Whether the offloaded gradients hold no inf or nan (an fp16 overflow)."""
@@ -346,10 +358,20 @@ class Stage:
     ) -> torch.Tensor:
         """Run the stage's layers (or some of them, in order) on x with the weights in the arena: leaves that
         collect grads if with_grad; kept: the leaves of a forward whose graph is kept until the backward."""
-        tensors = self._tensors(with_grad, kept)
+        how = "kept" if kept else "grad" if with_grad else "plain"
         for l in self.order if layers is None else layers:
-            x = functional_call(self.layers[l], tensors[l], (x,))
+            if self._bound.get(l) != how:
+                if how not in self._views:
+                    self._views[how] = self._tensors(with_grad, kept)
+                bind(self._members[l], self._views[how][l])
+                self._bound[l] = how
+            x = self.layers[l](x)
         return x
+
+    def _rebind(self) -> None:
+        """The tensors the layers run on change (a new slot, new leaves): each layer binds again at its next call."""
+        self._views.clear()
+        self._bound.clear()
 
     def state_dict(self, frozen: bool = True) -> dict[str, torch.Tensor]:
         """Master weights and persistent buffers (host copies) named as nn.Sequential(*layers).state_dict();
