@@ -8,7 +8,7 @@ each in the training dtype if it is floating, else in its own (an NF4 base's cod
 mobiuspipe.lora.quant), the widest items first so that each lies at an offset of its item size with no padding;
 loaded into the same slot after the trainable ones and never offloaded or updated.
 LOAD copies the weights in the training dtype into an arena slot; the layers (on the meta device) then run on views
-of the slot, bound to them once per visit and way of running (mobiuspipe.layers.bind) and unbound at RELEASE, so no
+of the slot, bound to them once per visit and way of running (mobiuspipe.models.bind) and unbound at RELEASE, so no
 module owns device memory beyond the visit. The gradients of all of the stage's
 microbatches accumulate (in the training dtype) into a second slot, which OFFLOAD hands to the states
 tier. The host update steps the fp32 master weights and writes the next low-precision copy in the same
@@ -27,10 +27,10 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from mobiuspipe.layers import bind, members, unbind
 from mobiuspipe.memory.arena import DeviceArena, Slot
 from mobiuspipe.memory.device import CopyHandle, Device
 from mobiuspipe.memory.store.ssd_store import SSDStore
+from mobiuspipe.models.bind import bind, members, unbind
 from mobiuspipe.optim.hyper import AdamHyper
 from mobiuspipe.runtime.device_states import DeviceStates
 from mobiuspipe.runtime.frozen import Frozen, FrozenWeights, SsdFrozenWeights

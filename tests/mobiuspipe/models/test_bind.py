@@ -1,4 +1,4 @@
-"""mobiuspipe.layers.bind: a meta layer bound to tensors computes what torch.func.functional_call computes with them,
+"""mobiuspipe.models.bind: a meta layer bound to tensors computes what torch.func.functional_call computes with them,
 tied parameters and buffers included, and unbind gives the layer back its own."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from mobiuspipe.layers import bind, members, unbind
+from mobiuspipe.models.bind import bind, members, unbind
 
 
 class Tied(nn.Module):
