@@ -27,4 +27,7 @@ def test_peak_rss_is_the_budget_plus_a_fixed_overhead(tmp_path):
     assert "weights (auto): ssd for stages" in run["placement"]
     stage_build = 3 * 4 * run["params"] / 8  # a stage's fp32 layers, flat copy and device-dtype copy
     fixed = base["peak_rss_bytes"] - base["arena_bytes"]  # its states: a few KiB
-    assert run["peak_rss_bytes"] <= run["budget_bytes"] + run["arena_bytes"] + fixed + stage_build + 8 * MiB
+    # 16 MiB of slack: the rest of the stand-in's device (messages, kept activations) and the allocator; peaks of one
+    # commit move by 2 MB run to run (389.4 and 390.7 MB on 2026-11-27), where 8 MiB failed one run in two. The states
+    # (fp32_state_bytes / 2 a rank, 52 MB) would not fit.
+    assert run["peak_rss_bytes"] <= run["budget_bytes"] + run["arena_bytes"] + fixed + stage_build + 16 * MiB
