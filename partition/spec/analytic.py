@@ -25,17 +25,21 @@ Per layer l (names "embedding", "block", "head"):
   bwd_flops         2 * fwd_flops                          (input and weight gradients, same matmuls)
   fwd_s, bwd_s      fwd_flops / R + c, bwd_flops / R         (c: the device's forward_call_s, each layer
                                                             forward's fixed cost, 0 on a GPU)
-  activation_bytes  block gpt  s*b*(18h + 4f + 5*a*s) * e/2 (Korthikanti et al. 2022, "Reducing Activation
+  activation_bytes  block gpt  s*b*(18h + 4f + 2a) * e/2   (Korthikanti et al. 2022, "Reducing Activation
                                                             Recomputation in Large Transformer Models",
                                                             no sequence or tensor parallelism, counted for
-                                                            2-byte activations: attention 11sbh + 5as^2b,
-                                                            LayerNorms 4sbh, MLP 19sbh = 3sbh + 4sbf;
-                                                            at f = 4h: s*b*h*(34 + 5*a*s/h) * e/2)
-                    block llama s*b*(12h + 4*k*h/a + 8f + 2*a*s) * e/2
+                                                            2-byte activations: attention 11sbh, LayerNorms
+                                                            4sbh, MLP 19sbh = 3sbh + 4sbf; their 5as^2b of
+                                                            scores, softmax and its dropout mask are not kept:
+                                                            the layers run attention through SDPA, whose fused
+                                                            (flash, memory-efficient) kernels keep only the
+                                                            log-sum-exp, a fp32 values a token = 2a units;
+                                                            at f = 4h: s*b*(34h + 2a) * e/2)
+                    block llama s*b*(12h + 4*k*h/a + 8f + 2a) * e/2
                                                            (the same count for a llama block, which has no
                                                             dropout: RMSNorm inputs 4sbh; attention: the
                                                             normed input 2sbh, Q 2sbh, K and V 4sbh*k/a,
-                                                            softmax output 2as^2b, o-proj input 2sbh;
+                                                            the log-sum-exp 2ab, o-proj input 2sbh;
                                                             SwiGLU MLP: the normed input 2sbh and, each
                                                             s*b*f wide, gate output (SiLU input), SiLU
                                                             output, up output and their product (down's
@@ -53,8 +57,9 @@ adapters' own saved activations (r values per token and target) are left out: un
 With the base quantized (`frozen`: partition.spec.lora.frozen_layers), its items and bytes are those of the codes and
 scales (about 1 byte per weight of each linear layer in int8, 0.52 in NF4); its FLOPs are unchanged (the
 dequantized weight computes as the dense one; the dequantization's own work is left out).
-LayerNorm, RMSNorm, SiLU/GELU and bias FLOPs are left out (under 1% of a block for h >= 512). The
-s^2 terms assume attention keeps its score matrix; a fused (flash) kernel keeps O(s) instead.
+LayerNorm, RMSNorm, SiLU/GELU and bias FLOPs are left out (under 1% of a block for h >= 512). Attention's
+activations are a fused kernel's, O(s): mobiuspipe runs every model's attention through SDPA (the built-in GPT,
+and the Hugging Face layers with attn_implementation "sdpa"); an unfused one would keep 5as^2b more (GPT).
 """
 
 from __future__ import annotations
@@ -105,10 +110,10 @@ def _layer(name: str, n: int, e: int, act: int, out: int, fwd_flops: float, rate
 
 def _block_act_units(spec: ModelSpec) -> int:
     """A block's activations per token in 2-byte units (the legend's count divided by s*b)."""
-    h, f, a, s = spec.d_model, spec.ffn, spec.num_heads, spec.seq_len
+    h, f, a = spec.d_model, spec.ffn, spec.num_heads
     if spec.family == "llama":
-        return 12 * h + 4 * spec.kv_heads * spec.head_dim + 8 * f + 2 * a * s
-    return 18 * h + 4 * f + 5 * a * s
+        return 12 * h + 4 * spec.kv_heads * spec.head_dim + 8 * f + 2 * a
+    return 18 * h + 4 * f + 2 * a
 
 
 def _with_adapters(

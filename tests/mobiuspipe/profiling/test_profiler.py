@@ -108,16 +108,15 @@ def test_matmul_flops_match_the_analytic_count(measured, analytic):
 
 
 def test_activation_bytes_against_the_analytic_estimate(measured, analytic):
-    """Observed (torch 2.13, CPU, fp32): block 0.73 of Korthikanti's estimate (the fused attention keeps no
-    s^2 scores, no dropout; without the 5as^2b term the estimate is within 5%), head 1.42 (it also keeps
-    the LayerNorm output and the targets), embedding 0.05 (the real layer keeps only its token indices; the
-    analytic profile charges its output, which the next block's LayerNorm also keeps)."""
+    """Observed (torch 2.13, CPU, fp32): block 0.94 of the estimate (Korthikanti's count with SDPA's fused attention:
+    no s^2 scores, the log-sum-exp; the LayerNorms keep a little less), which stays above what is kept, so the plan's
+    walk of a keep stage stays an upper bound (before, with the 5as^2b term: 0.73); head 1.42 (it also keeps the
+    LayerNorm output and the targets), embedding 0.05 (the real layer keeps only its token indices; the analytic
+    profile charges its output, which the next block's LayerNorm also keeps)."""
     m, a = measured.profile.layers, analytic.layers
     for i in (1, 7):
         assert 1 / 3 < m[i].activation_bytes / a[i].activation_bytes < 3
-    s, b, a_heads = SPEC.seq_len, B, SPEC.num_heads
-    no_scores = a[1].activation_bytes - 5 * a_heads * s * s * b * 2  # e = 4: 2-byte units x 2
-    assert 0.8 < m[1].activation_bytes / no_scores < 1.2
+    assert 0.9 < m[1].activation_bytes / a[1].activation_bytes <= 1.0
     assert m[0].activation_bytes < a[0].activation_bytes
 
 

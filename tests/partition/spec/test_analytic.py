@@ -22,8 +22,8 @@ def test_tiny_fp16_by_hand():
     # flops: 2*3*4*8 ; 2*3*4*768 + 4*3*16*8 ; 2*3*4*8*16
     assert (emb.fwd_flops, blk.fwd_flops, head.fwd_flops) == (192.0, 19968.0, 3072.0)
     assert (emb.bwd_flops, blk.bwd_flops, head.bwd_flops) == (384.0, 39936.0, 6144.0)
-    # activations: s*b*h*e = 96*2 ; 96*(34 + 5*2*4/8) ; 192 + 4*3*16*4
-    assert (emb.activation_bytes, blk.activation_bytes, head.activation_bytes) == (192, 3744, 960)
+    # activations: s*b*h*e = 96*2 ; s*b*(34h + 2a) = 12*(272 + 4) (SDPA keeps no s x s scores) ; 192 + 4*3*16*4
+    assert (emb.activation_bytes, blk.activation_bytes, head.activation_bytes) == (192, 3312, 960)
     # outputs: s*b*h*e ; s*b*V*e = 4*3*16*2
     assert (emb.output_bytes, blk.output_bytes, head.output_bytes) == (192, 192, 384)
     assert blk.fwd_s == pytest.approx(19968 / 5e11, rel=1e-12)
@@ -63,7 +63,7 @@ def test_gpt3_175b_on_3090ti():
     assert sum(x.param_count for x in p.layers) == spec.param_count
     blk = p.layers[1]
     s, h, a = 2048, 12288, 96
-    assert blk.activation_bytes == s * h * 34 + 5 * a * s * s
+    assert blk.activation_bytes == s * h * 34 + 2 * a * s
     assert blk.fwd_s == pytest.approx((24 * s * h * h + 4 * s * s * h) / 40e12)
     assert 0.15 < blk.fwd_s < 0.25  # ~7.6 TFLOP per block at 40 TFLOP/s
 
@@ -85,8 +85,8 @@ def test_tiny_llama_by_hand():
     # matmul weights m = 2d^2 + 2d*k*hd + 3df = 128 + 64 + 288; fwd = 2*b*s*m + 4*b*s^2*h
     assert blk.fwd_flops == 2 * 3 * 5 * 480 + 4 * 3 * 25 * 8 == 16800.0
     assert blk.bwd_flops == 33600.0
-    # s*b*(12h + 4*k*hd + 8f + 2*a*s) * e/2 = 15 * (96 + 16 + 96 + 40)
-    assert blk.activation_bytes == 15 * 248 == 3720
+    # s*b*(12h + 4*k*hd + 8f + 2a) * e/2 = 15 * (96 + 16 + 96 + 8)
+    assert blk.activation_bytes == 15 * 216 == 3240
     assert (emb.activation_bytes, emb.output_bytes, blk.output_bytes) == (240, 240, 240)
     assert (head.activation_bytes, head.output_bytes) == (240 + 15 * 16 * 4, 15 * 16 * 2)
     assert blk.fwd_s == pytest.approx(16800 / 5e11, rel=1e-12)
@@ -95,8 +95,8 @@ def test_tiny_llama_by_hand():
 def test_gpt_mlp_width_generalizes_the_korthikanti_count():
     wide = ModelSpec("w", num_blocks=1, d_model=8, num_heads=2, seq_len=4, vocab_size=16, ffn_dim=20)
     blk = analytic_profile(wide, DEV, microbatch_size=3).layers[1]
-    # s*b*(18h + 4f + 5as) * e/2 ; fwd 2*b*s*(4h^2 + 2hf) + 4*b*s^2*h
-    assert blk.activation_bytes == 12 * (144 + 80 + 40)
+    # s*b*(18h + 4f + 2a) * e/2 ; fwd 2*b*s*(4h^2 + 2hf) + 4*b*s^2*h
+    assert blk.activation_bytes == 12 * (144 + 80 + 4)
     assert blk.fwd_flops == 2 * 12 * (256 + 320) + 4 * 3 * 16 * 8
     same = ModelSpec("tiny", num_blocks=2, d_model=8, num_heads=2, seq_len=4, vocab_size=16, ffn_dim=32)
     assert analytic_profile(same, DEV, 3) == analytic_profile(TINY, DEV, 3)
@@ -110,5 +110,5 @@ def test_llama2_70b_on_a100():
     s, h = 4096, 8192
     m = 2 * h * h + 2 * h * 8 * 128 + 3 * h * 28672
     assert blk.fwd_flops == 2 * s * m + 4 * s * s * h
-    assert blk.activation_bytes == s * (12 * h + 4 * 8 * 128 + 8 * 28672 + 2 * 64 * s)
+    assert blk.activation_bytes == s * (12 * h + 4 * 8 * 128 + 8 * 28672 + 2 * 64)
     assert 1.0 < blk.fwd_flops / 1e12 < 10.0  # ~7.3 TFLOP per block and sequence
