@@ -69,8 +69,9 @@ def make_plan(
     host_budget: the host memory the states must fit (partition.rules.tiers); states that do not fit go to the
     SSD and the final simulation streams their traffic under the updates. None: unlimited, all in memory.
     activations: "auto" chooses each stage's activation policy under the memory (partition.rules.activation_choice)
-    on the fastest plan whose lifetime walk then fits (the candidates, then up to WALK_RETRIES plans with more
-    stages; PlanInfeasibleError when none does); "recompute" plans every stage to recompute from its input
+    on every candidate and keeps the fastest whose lifetime walk then fits, each step predicted again with its
+    choice (which can reorder them); when none fits, the first of up to WALK_RETRIES plans with more stages that
+    does (PlanInfeasibleError when none does); "recompute" plans every stage to recompute from its input
     (the runtime's path before the choice) under the memory rule alone. activation_tiers: the tiers off the
     device the choice may hold activations on ("host", "ssd": the run has memory.ssd_dir).
     """
@@ -94,7 +95,7 @@ def make_plan(
     best = shared[0]
     if activations == "auto":
         more = [p for p in ranked[MIP_CANDIDATES:] if p.num_stages > best.num_stages][:WALK_RETRIES]
-        best = _chosen(shared + more, profile, topo, memory, host_budget, activation_tiers)
+        best = _chosen(shared, more, profile, topo, memory, host_budget, activation_tiers)
     return dataclasses.replace(best, solver=dataclasses.replace(info, wall_s=round(watch.s, 6)))
 
 
@@ -127,31 +128,58 @@ WALK_RETRIES = 8
 
 
 def _chosen(
-    plans: list[Plan],
+    shared: list[Plan],
+    more: list[Plan],
     profile: Profile,
     topo: Topology,
     memory: int,
     budget: HostBudget | None,
     tiers: tuple[str, ...],
 ) -> Plan:
-    """The first of plans whose lifetime walk fits the memory with each stage's activation policy chosen
-    (partition.rules.activation_choice), its step predicted again with them; PlanInfeasibleError naming the first
-    plan's shortfall when none fits (the memory rule alone would have let it through, and the run exceed it)."""
+    """The fastest of the candidates (shared) whose lifetime walk fits the memory with each stage's activation policy
+    chosen (partition.rules.activation_choice), each step predicted again with its choice (the choice can reorder
+    them: it saves more recompute on some cuts than on others); when none fits, the first of `more` that does;
+    PlanInfeasibleError naming the first plan's shortfall when none fits (the memory rule alone would have let it
+    through, and the run exceed it)."""
     budget = budget or HostBudget(None, "unlimited")
-    errors = []
-    for plan in plans:
-        try:
-            caps = activation_host_caps(plan, budget)
-            chosen, _ = with_activations(plan, profile, topo, memory, host_caps=caps, tiers=tiers)
-            return _gpu_states_if_faster(_shared([chosen], topo, budget)[0], profile, topo, memory, budget, tiers)
-        except ValueError as e:  # PlanInfeasibleError (the states) too
-            errors.append(e)
+    errors: list[ValueError] = []
+    fitting = _with_choices(shared, profile, topo, memory, budget, tiers, errors, every=True)
+    fitting = fitting or _with_choices(more, profile, topo, memory, budget, tiers, errors, every=False)
+    if fitting:
+        return min(fitting, key=lambda p: (p.predicted_step_time_s, p.num_stages))
+    plans = shared + more
     raise PlanInfeasibleError(
         f"no plan of {profile.model} fits {fmt_bytes(memory)} per gpu on the lifetime walk (the arena, held "
         f"activations, queued messages and the computing stage's live bytes) with {plans[0].num_microbatches} "
         f"microbatches of {profile.microbatch_size}: with {plans[0].num_stages} stages, {errors[0]}; use a smaller "
         f"microbatch size or sequence length, fewer microbatches, more stages, or gpus with more memory"
     )
+
+
+def _with_choices(
+    plans: list[Plan],
+    profile: Profile,
+    topo: Topology,
+    memory: int,
+    budget: HostBudget,
+    tiers: tuple[str, ...],
+    errors: list[ValueError],
+    every: bool,
+) -> list[Plan]:
+    """The plans whose walk fits with their activation choice, re-predicted (every: all of them; else the first);
+    the others' errors appended to `errors`."""
+    out = []
+    for plan in plans:
+        try:
+            caps = activation_host_caps(plan, budget)
+            chosen, _ = with_activations(plan, profile, topo, memory, host_caps=caps, tiers=tiers)
+            out.append(_gpu_states_if_faster(_shared([chosen], topo, budget)[0], profile, topo, memory, budget, tiers))
+        except ValueError as e:  # PlanInfeasibleError (the states) too
+            errors.append(e)
+            continue
+        if not every:
+            break
+    return out
 
 
 def _gpu_states_if_faster(
