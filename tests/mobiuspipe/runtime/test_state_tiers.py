@@ -138,9 +138,9 @@ def test_ssd_tier_mistakes(tmp_path):
 @pytest.mark.slow
 def test_torchrun_entry_with_auto_states_equals_plain_pytorch(tmp_path, launch, reference):
     """auto under 0.2 MiB (fp32: 12 + 4 + 4 bytes per parameter in memory): neither rank's two stages fit
-    (rank 0: 13,824 and 7,224 parameters, rank 1: 7,224 and 6,192), so both move their optimizer states to
-    SSD and then the weights of their largest stage (hand-computed in the terms of
-    tests/partition/rules/test_placement.py)."""
+    (the plan's cut: rank 0 stages 0 and 2 of 6,600 and 14,448 parameters, rank 1 stages 1 and 3 of 7,224 and 6,192),
+    so both move their optimizer states to SSD and then the weights of their largest stage (hand-computed in the
+    terms of tests/partition/rules/test_placement.py)."""
     write_config, torchrun = launch
     cfg_path = write_config(
         tmp_path,
@@ -157,7 +157,7 @@ def test_torchrun_entry_with_auto_states_equals_plain_pytorch(tmp_path, launch, 
     stores = sorted(p.name for p in (tmp_path / "ssd").iterdir() if p.name != LOCK_FILE)  # the run held the folder
     assert stores == ["rank0", "rank1"]
     line = (
-        "optimizer states (auto): ssd for stages 0, 1, 2, 3; weights (auto): host for stages 2, 3; ssd for stages 0, 1"
+        "optimizer states (auto): ssd for stages 0, 1, 2, 3; weights (auto): host for stages 0, 3; ssd for stages 1, 2"
     )
     assert line in proc.stdout, proc.stdout[-2000:]
     metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
