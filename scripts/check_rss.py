@@ -6,7 +6,9 @@ launcher's children: RUSAGE_CHILDREN's ru_maxrss, taken in a fresh process) and 
   states    host_budget_mb: the states kept in memory and the SSD stages' streaming shares (a run that
             keeps everything in memory counts its 16 bytes per parameter, shared by the ranks, instead)
   arena     the plan's device arena, which on a CPU stand-in is host memory too (on a GPU it is not)
-  overhead  the rest: the interpreter, torch, gloo, the activations and each stage's build-time copy.
+  device    the plan's whole stand-in device walk (partition.rules.device_peak, the largest rank): the arena and
+            what the stage holds beside it (kept activations, messages), host memory too on a CPU stand-in
+  overhead  the rest: the interpreter, torch, gloo and each stage's build-time copy.
 With --baseline, the same run on a model of a few thousand parameters measures the overhead that does not
 depend on the model. A check, not a timed benchmark: its figures go into BENCHMARKS.md.
 
@@ -27,6 +29,7 @@ import yaml
 from foundation.timing import Stopwatch
 from mobiuspipe.config import config_from_dict
 from mobiuspipe.startup.config_plan import model_spec, plan_for_config
+from partition.rules.device_peak import planned_device_bytes
 from partition.spec.models import layer_param_counts
 
 MiB = 1 << 20
@@ -71,6 +74,7 @@ def measure(d_model: int, blocks: int, budget_mb: float, args: argparse.Namespac
         peak = int(out.stdout.split("MAXRSS_KIB")[-1].split()[0]) * 1024
         banner = next((line for line in out.stdout.splitlines() if "optimizer states (" in line), "")
     params = sum(layer_param_counts(model_spec(cfg)))
+    device = max(planned_device_bytes(plan, standin=True))
     in_memory = int(budget_mb * MiB) if "ssd" in banner else 16 * params // args.ranks  # all in memory: their size
     return {
         "params": params,
@@ -79,7 +83,8 @@ def measure(d_model: int, blocks: int, budget_mb: float, args: argparse.Namespac
         "budget_bytes": int(budget_mb * MiB),
         "in_memory_bytes": in_memory,
         "arena_bytes": plan.arena_bytes,
-        "overhead_bytes": peak - in_memory - plan.arena_bytes,
+        "device_bytes": device,
+        "overhead_bytes": peak - in_memory - device,
         "wall_s": sw.s,
         "placement": banner.split("; optimizer states")[-1].strip(),
     }
@@ -112,8 +117,9 @@ def main() -> None:
         print(
             f"{name}: {r['params'] / 1e6:.1f}M parameters ({r['fp32_state_bytes'] / MiB:.0f} MiB of fp32 states, "
             f"{r['fp32_state_bytes'] / args.ranks / r['budget_bytes']:.1f}x the per-rank budget); peak RSS of the "
-            f"largest rank {r['peak_rss_bytes'] / MiB:.0f} MiB = states {r['in_memory_bytes'] / MiB:.0f} + arena "
-            f"{r['arena_bytes'] / MiB:.0f} + overhead {r['overhead_bytes'] / MiB:.0f} MiB; {r['wall_s']:.0f} s; "
+            f"largest rank {r['peak_rss_bytes'] / MiB:.0f} MiB = states {r['in_memory_bytes'] / MiB:.0f} + stand-in "
+            f"device {r['device_bytes'] / MiB:.0f} (arena {r['arena_bytes'] / MiB:.0f}) + overhead "
+            f"{r['overhead_bytes'] / MiB:.0f} MiB; {r['wall_s']:.0f} s; "
             f"{r['placement']}"
         )
 
