@@ -1,7 +1,8 @@
 """Host memory stays within the budget: a run whose fp32 states are six times a rank's host budget trains with
 its states on SSD, and its largest rank's peak RSS exceeds the budget and the stand-in's device (the plan's walk:
 the arena and the activations beside it, host memory on a CPU stand-in) by no more than a run of a model of a
-few thousand parameters takes in all (the interpreter, torch, gloo), plus room for one stage's build-time copies (scripts/check_rss.py measures both)."""
+few thousand parameters takes in all (the interpreter, torch, gloo), plus room for one stage's build-time copies
+(scripts/check_rss.py measures both)."""
 
 import json
 import subprocess
