@@ -132,9 +132,9 @@ class Engine:
             Kind.FWD: self.compute.fwd,
             Kind.BWD: self.compute.bwd,
             Kind.SEND_ACT: self._send_act,
-            Kind.RECV_ACT: self._recv_act,
+            Kind.RECV_ACT: self._recv,
             Kind.SEND_GRAD: self._send_grad,
-            Kind.RECV_GRAD: self._recv_grad,
+            Kind.RECV_GRAD: self._recv,
             Kind.OFFLOAD: self._offload,
             Kind.SWAP_OUT: self.compute.swap_out,
             Kind.SWAP_IN: self.compute.swap_in,
@@ -329,14 +329,15 @@ class Engine:
         self.ledger.drop(("outbox", a.kind, a.stage, a.microbatch))  # Comm holds it while in flight
         st.times.comm_s += sw.s
 
-    def _recv(self, a: Action, src_stage: int) -> None:
-        if self.mapping[src_stage] == self.rank:
+    def _recv(self, a: Action) -> None:
+        if self.mapping[_sender_stage(a)] == self.rank:
             return  # handed over by _send on this rank
         st, key = self.state, (a.kind, a.stage, a.microbatch)
         with Stopwatch() as sw:
             if st.learning:  # the first step of a batch shape: its header first, nothing posted ahead
-                src, tag, what = self._source(a)
-                st.specs[key] = self.comm.recv_spec(self.device.torch_device, src, tag + 1, what)
+                src, _, what = self._source(a)
+                header = self._tag(_sender_kind(a), _sender_stage(a), a.microbatch, True)
+                st.specs[key] = self.comm.recv_spec(self.device.torch_device, src, header, what)
                 posted = self._post(a)
             else:
                 posted = self._posted.pop(key, None) or self._post(a)
@@ -354,13 +355,11 @@ class Engine:
         return posted
 
     def _source(self, a: Action) -> tuple[int, int, str]:
-        """The rank a receive comes from, the tag of its tensor (its header's is one more) and what it is."""
-        act = a.kind is Kind.RECV_ACT
-        src_stage = a.stage - 1 if act else a.stage + 1
-        send_kind = Kind.SEND_ACT if act else Kind.SEND_GRAD
-        what = f"{'activation' if act else 'output gradient'} for stage {a.stage} microbatch {a.microbatch}"
-        tag = self._tag(send_kind, src_stage, a.microbatch, False)
-        return self.mapping[src_stage], tag, f"{what} (step {self.state.step})"
+        """The rank a receive comes from, the tag of its tensor and what it is."""
+        what = "activation" if a.kind is Kind.RECV_ACT else "output gradient"
+        tag = self._tag(_sender_kind(a), _sender_stage(a), a.microbatch, False)
+        where = f"for stage {a.stage} microbatch {a.microbatch} (step {self.state.step})"
+        return self.mapping[_sender_stage(a)], tag, f"{what} {where}"
 
     def _send_act(self, a: Action) -> None:
         self._send(a, a.stage + 1, "activation")
@@ -368,19 +367,17 @@ class Engine:
     def _send_grad(self, a: Action) -> None:
         self._send(a, a.stage - 1, "input gradient")
 
-    def _recv_act(self, a: Action) -> None:
-        self._recv(a, a.stage - 1)
 
-    def _recv_grad(self, a: Action) -> None:
-        self._recv(a, a.stage + 1)
+def _sender_stage(a: Action) -> int:
+    """The stage whose send a receive takes: the stage before (an activation) or after (a gradient)."""
+    return a.stage - 1 if a.kind is Kind.RECV_ACT else a.stage + 1
+
+
+def _sender_kind(a: Action) -> Kind:
+    return Kind.SEND_ACT if a.kind is Kind.RECV_ACT else Kind.SEND_GRAD
 
 
 def _receives_ahead(schedule: list[Action], mapping: list[int], rank: int) -> dict[MessageKey, Action]:
     """Each receive of the schedule from another rank -> the next such receive (the step's last has none)."""
-    remote = [
-        a
-        for a in schedule
-        if (a.kind is Kind.RECV_ACT and mapping[a.stage - 1] != rank)
-        or (a.kind is Kind.RECV_GRAD and mapping[a.stage + 1] != rank)
-    ]
+    remote = [a for a in schedule if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD) and mapping[_sender_stage(a)] != rank]
     return {(a.kind, a.stage, a.microbatch): b for a, b in zip(remote, remote[1:])}
