@@ -66,6 +66,8 @@ class Run:
     weights: dict[str, torch.Tensor]
     step_s: list[float]
     skipped: list[bool] = field(default_factory=list)
+    rolled_back: list[int] = field(default_factory=list)
+    """Each step's speculative updates rolled back (the step clipped or overflowed)."""
     peak_bytes: int = 0
     """The runtime's measured device peak: the ledger's on the stand-in, max_memory_allocated on CUDA."""
     reserved_bytes: int = 0
@@ -121,8 +123,12 @@ def pipeline_run(
     memory: MemoryConfig | None = None,
     accumulation: int = 1,
     scaler: LossScaler | None = None,
+    clip: float | None = None,
+    delayed: int | None = None,
+    speculative: bool = True,
 ) -> Run:
-    """steps steps of the GPT through a Pipeline on this rank's gpu."""
+    """steps steps of the GPT through a Pipeline on this rank's gpu; clip, delayed and speculative: the Pipeline's
+    max_grad_norm, delayed_update and speculative_update."""
     torch.manual_seed(0)
     rows = size.batch * accumulation
     data = batches(size, steps, rows)
@@ -141,6 +147,9 @@ def pipeline_run(
         activations=activations,
         accumulation_steps=accumulation,
         loss_scaler=scaler,
+        max_grad_norm=clip,
+        delayed_update=delayed,
+        speculative_update=speculative,
     ) as pipe:
         for step, (x, y) in enumerate(data):
             start = time.perf_counter()
@@ -149,6 +158,7 @@ def pipeline_run(
             run.step_s.append(time.perf_counter() - start)
             run.losses.append(r.loss)
             run.skipped.append(bool(r.skipped))
+            run.rolled_back.append(r.updates_rolled_back)
             run.load_wait_s += r.own_times.load_s if step else 0.0
         run.weights = pipe.state_dict()
         run.peak_bytes = pipe.engine.peak.run_bytes
@@ -174,12 +184,23 @@ def _moved_bytes(pipe: Pipeline) -> int:
     return sum(stages[j].nbytes for j in loads) + sum(s.nbytes for s in stages.values())
 
 
-def plain_run(size: Size, precision: str, steps: int, device: torch.device, accumulation: int = 1) -> Run:
+def plain_run(
+    size: Size,
+    precision: str,
+    steps: int,
+    device: torch.device,
+    accumulation: int = 1,
+    clip: float | None = None,
+    delayed: int | None = None,
+) -> Run:
     """The pipeline's precision recipe without a pipeline: the GPT as one nn.Sequential on `device` in the
     training dtype, each microbatch's loss in fp32 divided by the microbatch count, the gradients accumulated over
     the same microbatches in the training dtype, an fp32 master on the host stepped by CPUAdam (in bf16/fp16 its
     step_fused, which writes the next low-precision weights in the same pass). With accumulation, each pass's
-    gradients are summed on the device and the passes' sums added on the host, in order, as the tiers do."""
+    gradients are summed on the device and the passes' sums added on the host, in order, as the tiers do. clip:
+    the host gradients scaled as torch.nn.utils.clip_grad_norm_ scales them. delayed: from step `delayed` on, step
+    s computes on the weights before step s - 1's update, which is applied after step s's gradients (train.
+    delayed_update's rule); the last one held back is applied at the end."""
     dtype = TORCH_DTYPES[precision]
     spec = size.spec()
     layers = build_layers(spec, seed=3)
@@ -188,8 +209,8 @@ def plain_run(size: Size, precision: str, steps: int, device: torch.device, accu
     model = model.to(device, dtype)
     opt = CPUAdam(master, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     m = size.microbatches * accumulation
-    run = Run([], {}, [])
-    for x, y in batches(size, steps, size.batch * accumulation):
+    run, held = Run([], {}, []), None
+    for step, (x, y) in enumerate(batches(size, steps, size.batch * accumulation)):
         start = time.perf_counter()
         total, grads = 0.0, []
         for xp, yp in zip(x.chunk(accumulation), y.chunk(accumulation)):
@@ -200,24 +221,40 @@ def plain_run(size: Size, precision: str, steps: int, device: torch.device, accu
                 total += float(loss.detach())
             got = [_grad(p).to("cpu", copy=True) for p in model.parameters()]
             grads = got if not grads else [g.add_(h) for g, h in zip(grads, got)]
-        if dtype == torch.float32:
-            for g, w in zip(grads, master):
-                w.grad = g
-            opt.step()
-            lows = [w.detach() for w in master]
+        if clip is not None:  # clip_grad_norm_'s coefficient, on the host gradients
+            coef = clip / (float(torch.nn.utils.get_total_norm(grads)) + 1e-6)
+            grads = [g.mul_(coef) for g in grads] if coef < 1 else grads
+        if held is not None:
+            _apply(model, opt, master, held)
+            held = None
+        if delayed is not None and step + 1 >= delayed:
+            held = grads
         else:
-            lows = [torch.empty_like(g) for g in grads]
-            opt.step_fused(dict(zip(master, lows)), grads=dict(zip(master, grads)))
-        with torch.no_grad():
-            for p, low in zip(model.parameters(), lows):
-                p.copy_(low)
+            _apply(model, opt, master, grads)
         if device.type == "cuda":
             torch.cuda.synchronize()
         run.step_s.append(time.perf_counter() - start)
         run.losses.append(total)
+    if held is not None:
+        _apply(model, opt, master, held)
     names = [f"{l}.{n}" for l in range(spec.num_layers) for n, _ in layers[l].named_parameters()]
     run.weights = {n: w.detach().clone() for n, w in zip(names, master)}
     return run
+
+
+def _apply(model: nn.Module, opt: CPUAdam, master: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """One CPUAdam step of the fp32 master on `grads`, its result written into the model's weights (cast)."""
+    if grads[0].dtype == torch.float32:
+        for g, w in zip(grads, master):
+            w.grad = g
+        opt.step()
+        lows = [w.detach() for w in master]
+    else:
+        lows = [torch.empty_like(g) for g in grads]
+        opt.step_fused(dict(zip(master, lows)), grads=dict(zip(master, grads)))
+    with torch.no_grad():
+        for p, low in zip(model.parameters(), lows):
+            p.copy_(low)
 
 
 def _grad(p: nn.Parameter) -> torch.Tensor:

@@ -32,4 +32,11 @@ def test_gpu_check_passes_on_the_strict_stand_ins(tmp_path):
     assert checks["peak at or below the plan"]["ok"] and checks["2 ranks [0,1,0,1], peer tier, P2P off"]["ok"]
     assert checks["LoRA, int8 base, vs plain PyTorch"]["ok"] and checks["LoRA, nf4 base, vs plain PyTorch"]["ok"]
     assert checks["LoRA, nf4 base, states on the gpu, vs plain PyTorch"]["ok"]
+    assert (
+        checks["fp32 clipped: speculated updates = waiting ones"]["ok"]
+        and checks["fp32 clipped vs plain PyTorch"]["ok"]
+    )
+    for precision in ("fp32", "bf16"):
+        assert checks[f"{precision} delayed update vs plain PyTorch"]["figure"] == "bit-identical"
+        assert checks[f"{precision} delayed update, on SSD"]["ok"]
     assert "checks pass" in proc.stdout.splitlines()[-1]
