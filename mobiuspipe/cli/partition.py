@@ -287,7 +287,7 @@ def _config_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile, Hos
         cfg = dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, topology=topology, num_gpus=None))
     args.activation_tiers = ",".join(activation_tiers(cfg))  # as the run plans (--explain too)
     given = None if args.profile is None else _given_profile(args.profile, model_spec(cfg))
-    plan = plan_from_config(cfg, args.solver, given)
+    plan = plan_from_config(cfg, args.solver, given, time_limit_s=args.time_limit, gap=args.gap)
     profile = given or gpt_profile(cfg, plan.microbatch_size)  # the chosen microbatches' (--compare, --explain)
     return plan, run_topology(cfg), profile, run_budget(cfg)
 

@@ -129,14 +129,15 @@ def adapters(cfg: RunConfig) -> tuple[int, ...] | None:
     return None if spec is None else tuple(adapter_counts(cfg, spec))
 
 
-def plan_from_config(cfg: RunConfig, solver: str = "auto", profile: Profile | None = None) -> Plan:
+def plan_from_config(cfg: RunConfig, solver: str = "auto", profile: Profile | None = None, **mip: float) -> Plan:
     """The plan made from the config alone (its analytic profile, or `profile` of its model) by the whole planner,
     as `mobiuspipe partition` makes it: the microbatch count and size searched for data.batch_size
     (data.num_microbatches auto; partition.search.plan_batch), the stage count searched (plan.num_stages auto) with
     the MIP (`solver`), the activation choice, and each stage's tiers placed by the run's memory settings
-    (run_budget). `mobiuspipe train` makes it once and hands it to its ranks; ranks under a plain torchrun each make
-    it and compare it. `mobiuspipe partition --config` passes its --solver and --profile and writes the result for
-    plan.file."""
+    (run_budget); mip: the MIP's time_limit_s and gap (partition.make_plan's defaults where absent).
+    `mobiuspipe train` makes it once and hands it to its ranks; ranks under a plain torchrun each make it and compare
+    it. `mobiuspipe partition --config` passes its --solver, --profile, --time-limit and --gap and writes the result
+    for plan.file."""
     return plan_batch(
         lambda size: gpt_profile(cfg, size) if profile is None else profile,
         cfg.data.batch_size,
@@ -145,6 +146,7 @@ def plan_from_config(cfg: RunConfig, solver: str = "auto", profile: Profile | No
         num_stages=cfg.plan.num_stages,
         mapping=cfg.plan.mapping,
         solver=solver,
+        **mip,
         host_budget=run_budget(cfg),
         activation_tiers=activation_tiers(cfg),
     )

@@ -252,6 +252,24 @@ def test_partition_from_a_run_config(tmp_path, capsys):
     assert "partition needs --model and --topology" in capsys.readouterr().err
 
 
+def test_partition_from_a_run_config_passes_the_solver_limits_on(tmp_path, monkeypatch, capsys):
+    """--time-limit and --gap reach the planner with --config as without it (a plan written for plan.file may take
+    longer than the run's own start-up would)."""
+    from mobiuspipe.startup import config_plan
+
+    seen, plan_batch = [], config_plan.plan_batch
+
+    def spy(*args, **options):
+        seen.append((options["time_limit_s"], options["gap"]))
+        return plan_batch(*args, **options)
+
+    monkeypatch.setattr(config_plan, "plan_batch", spy)
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("plan: {num_gpus: 2, num_stages: 3}\n")
+    assert cli.main(["partition", "--config", str(cfg), "--time-limit", "7.5", "--gap", "0.2", "--json"]) == 0
+    assert seen == [(7.5, 0.2)]
+
+
 def test_a_path_on_the_command_line_is_relative_to_the_current_folder(tmp_path, monkeypatch, capsys):
     """--topology FILE with --config: from the current folder, not the config's (the config's own paths are)."""
     from topology import save_topology
