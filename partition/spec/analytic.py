@@ -44,8 +44,16 @@ Per layer l (names "embedding", "block", "head"):
                                                             s*b*f wide, gate output (SiLU input), SiLU
                                                             output, up output and their product (down's
                                                             input): 8sbf)
-                    embedding  s*b*h*e                     (the summed embeddings, input of the first block)
-                    head       s*b*h*e + s*b*V*4           (the normalized input, fp32 logits for the loss)
+                    embedding  8*s*(b + 1)                 (the int64 token ids and a GPT's positions, which
+                                                            its gathers keep; a llama keeps the ids alone; the
+                                                            summed embeddings are its output, which the first
+                                                            block keeps)
+                    head       2*s*b*h*e + s*b*V*4 + 16*s*b + 4
+                                                           (the final norm's input and output, the latter the
+                                                            logits matmul's input; the fp32 log-softmax of the
+                                                            loss, which the runtime computes on fp32 logits; the
+                                                            norm's fp32 statistics, the int64 targets and the
+                                                            loss's fp32 total weight)
   output_bytes      embedding, block  s*b*h*e ;  head  s*b*V*e
 Per microbatch: input_bytes and target_bytes 8*s*b (int64 token ids).
 
@@ -157,9 +165,10 @@ def analytic_profile(
     block_act = s * b * _block_act_units(spec) * (e // 2)  # e is even: kept integral
     block_flops = float(2 * b * s * block_matmul_params(spec) + 4 * b * s * s * h)
     c = device.forward_call_s
-    embedding = _layer("embedding", counts[0], e, hidden, hidden, float(2 * b * s * h), rate, c)
+    embedding = _layer("embedding", counts[0], e, 8 * s * (b + 1), hidden, float(2 * b * s * h), rate, c)
     blocks = [_layer("block", n, e, block_act, hidden, block_flops, rate, c) for n in counts[1:-1]]
-    head = _layer("head", counts[-1], e, hidden + s * b * v * 4, s * b * v * e, float(2 * b * s * h * v), rate, c)
+    head_act = 2 * hidden + s * b * v * 4 + 16 * s * b + 4
+    head = _layer("head", counts[-1], e, head_act, s * b * v * e, float(2 * b * s * h * v), rate, c)
     layers = (embedding, *blocks, head)
     if adapters is not None:
         if len(adapters) != len(layers):

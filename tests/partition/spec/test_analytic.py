@@ -22,8 +22,9 @@ def test_tiny_fp16_by_hand():
     # flops: 2*3*4*8 ; 2*3*4*768 + 4*3*16*8 ; 2*3*4*8*16
     assert (emb.fwd_flops, blk.fwd_flops, head.fwd_flops) == (192.0, 19968.0, 3072.0)
     assert (emb.bwd_flops, blk.bwd_flops, head.bwd_flops) == (384.0, 39936.0, 6144.0)
-    # activations: s*b*h*e = 96*2 ; s*b*(34h + 2a) = 12*(272 + 4) (SDPA keeps no s x s scores) ; 192 + 4*3*16*4
-    assert (emb.activation_bytes, blk.activation_bytes, head.activation_bytes) == (192, 3312, 960)
+    # activations: 8*s*(b + 1) = 8*4*4 (int64 ids and positions) ; s*b*(34h + 2a) = 12*(272 + 4) (SDPA keeps no
+    # s x s scores) ; 2*s*b*h*e + s*b*V*4 + 16*s*b + 4 = 2*192 + 768 + 192 + 4
+    assert (emb.activation_bytes, blk.activation_bytes, head.activation_bytes) == (128, 3312, 1348)
     # outputs: s*b*h*e ; s*b*V*e = 4*3*16*2
     assert (emb.output_bytes, blk.output_bytes, head.output_bytes) == (192, 192, 384)
     assert blk.fwd_s == pytest.approx(19968 / 5e11, rel=1e-12)
@@ -40,9 +41,11 @@ def test_dtype_scaling():
         assert x32.param_bytes == 2 * x16.param_bytes
         assert x32.output_bytes == 2 * x16.output_bytes
         assert x32.fwd_flops == x16.fwd_flops
-    for i in range(3):  # embedding and blocks; the head keeps fp32 logits in both
+    assert f.layers[0].activation_bytes == h.layers[0].activation_bytes  # int64 ids and positions in both
+    for i in (1, 2):
         assert f.layers[i].activation_bytes == 2 * h.layers[i].activation_bytes
-    assert f.layers[-1].activation_bytes == 4 * 3 * 8 * 4 + 4 * 3 * 16 * 4
+    # the head: its norm's input and output in the dtype; the fp32 log-softmax, statistics, targets in both
+    assert f.layers[-1].activation_bytes == 2 * 4 * 3 * 8 * 4 + 4 * 3 * 16 * 4 + 16 * 4 * 3 + 4
 
 
 def test_bad_dtype():
@@ -87,8 +90,10 @@ def test_tiny_llama_by_hand():
     assert blk.bwd_flops == 33600.0
     # s*b*(12h + 4*k*hd + 8f + 2a) * e/2 = 15 * (96 + 16 + 96 + 8)
     assert blk.activation_bytes == 15 * 216 == 3240
-    assert (emb.activation_bytes, emb.output_bytes, blk.output_bytes) == (240, 240, 240)
-    assert (head.activation_bytes, head.output_bytes) == (240 + 15 * 16 * 4, 15 * 16 * 2)
+    # the embedding: 8*s*(b + 1) (ids; a llama has no positions: the bound of both families); the head: 2*s*b*h*e +
+    # s*b*V*4 + 16*s*b + 4
+    assert (emb.activation_bytes, emb.output_bytes, blk.output_bytes) == (8 * 5 * 4, 240, 240)
+    assert (head.activation_bytes, head.output_bytes) == (2 * 240 + 15 * 16 * 4 + 16 * 15 + 4, 15 * 16 * 2)
     assert blk.fwd_s == pytest.approx(16800 / 5e11, rel=1e-12)
 
 
