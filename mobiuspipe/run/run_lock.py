@@ -5,12 +5,14 @@ where they lie elsewhere) before it launches anything and holds them until torch
 (TOKEN_ENV) and find the locks theirs. Under a user's own torchrun, rank 0 takes them at start-up. A second run on a
 held folder stops before it writes anything (RunFolderError, exit 2), naming the holder's pid and host. The kernel
 drops a lock when its process dies, whatever the signal: a lock file left by a dead run is taken over, with a line
-saying so. Taking a lock makes the folder if it is missing and writes the lock file only; the holder's file is read,
-never changed, by a run that finds it held.
+saying so (a run that ends releases its lock emptied: the next one takes it over silently). Taking a lock makes the
+folder if it is missing and writes the lock file only; the holder's file is read, never changed, by a run that finds
+it held.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -128,8 +130,11 @@ class RunLocks:
         self._fds.append(fd)
 
     def release(self) -> None:
-        """Give every lock back (the lock files stay: the next run takes them over). Idempotent."""
+        """Give every lock back, emptied: the lock files stay and the next run takes them over without a word (a
+        run that ended without releasing, killed or crashed, leaves its record: the next run names it). Idempotent."""
         for fd in self._fds:
+            with contextlib.suppress(OSError):  # a folder gone or read-only by now: the flock drops all the same
+                os.ftruncate(fd, 0)
             os.close(fd)  # closing the last descriptor drops the flock
         self._fds = []
 

@@ -83,6 +83,17 @@ def test_a_lock_a_dead_run_left_is_taken_over_with_a_line(tmp_path):
     assert "left (no process holds it)" in said.getvalue()
 
 
+def test_a_lock_a_run_released_is_taken_over_without_a_word(tmp_path):
+    """A run that ended (released its locks) is not a dead run: the next run says nothing of it."""
+    ended = HOLD.replace("time.sleep(120)", "locks.release()").replace("RunLocks.take(", "locks = RunLocks.take(")
+    subprocess.run([sys.executable, "-c", ended, str(tmp_path)], check=True)
+    assert (tmp_path / LOCK_FILE).read_text() == ""
+    said = io.StringIO()
+    with RunLocks.take({"train.out_dir": tmp_path}, "mine", out=said):
+        assert '"token": "mine"' in (tmp_path / LOCK_FILE).read_text()
+    assert said.getvalue() == ""
+
+
 def test_a_second_take_in_the_same_process_is_refused_too(tmp_path):
     with RunLocks.take({"train.out_dir": tmp_path}, "one"), pytest.raises(RunFolderError, match="pid"):
         RunLocks.take({"train.out_dir": tmp_path}, "two")
