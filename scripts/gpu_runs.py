@@ -55,6 +55,8 @@ LORA_SIZE = Size(d_model=128, heads=4, blocks=4, seq=64, vocab=512, batch=8, mic
 LORA_TARGETS = ("qkv", "fc")
 GPU_SIZE = Size(d_model=1024, heads=16, blocks=8, seq=512, vocab=8192, batch=8, microbatches=4, stages=8)
 CPU_SIZE = Size(d_model=48, heads=4, blocks=8, seq=32, vocab=256, batch=8, microbatches=4, stages=8)
+UPDATES_SIZE = Size(d_model=256, heads=4, blocks=6, seq=128, vocab=2048, batch=8, microbatches=4, stages=8)
+"""The updates check's GPT on a GPU: the paths (pinned versions, rollbacks) do not depend on the size; the time does."""
 
 
 @dataclass
@@ -194,13 +196,13 @@ def plain_run(
     delayed: int | None = None,
 ) -> Run:
     """The pipeline's precision recipe without a pipeline: the GPT as one nn.Sequential on `device` in the
-    training dtype, each microbatch's loss in fp32 divided by the microbatch count, the gradients accumulated over
-    the same microbatches in the training dtype, an fp32 master on the host stepped by CPUAdam (in bf16/fp16 its
-    step_fused, which writes the next low-precision weights in the same pass). With accumulation, each pass's
-    gradients are summed on the device and the passes' sums added on the host, in order, as the tiers do. clip:
-    the host gradients scaled as torch.nn.utils.clip_grad_norm_ scales them. delayed: from step `delayed` on, step
-    s computes on the weights before step s - 1's update, which is applied after step s's gradients (train.
-    delayed_update's rule); the last one held back is applied at the end."""
+    training dtype, each microbatch's loss in fp32 divided by the microbatch count, the gradients accumulated over the
+    same microbatches in the training dtype, an fp32 master on the host stepped by CPUAdam (in bf16/fp16 its step_fused,
+    which writes the next low-precision weights in the same pass). With accumulation, each pass's gradients are summed
+    on the device and the passes' sums added on the host, in order, as the tiers do. clip: the host gradients scaled as
+    torch.nn.utils.clip_grad_norm_ scales them, in the pipeline's arithmetic (_clipped). delayed: from step `delayed`
+    on, step s computes on the weights before step s - 1's update, which is applied after step s's gradients
+    (train.delayed_update's rule); the last one held back is applied at the end."""
     dtype = TORCH_DTYPES[precision]
     spec = size.spec()
     layers = build_layers(spec, seed=3)
@@ -221,9 +223,8 @@ def plain_run(
                 total += float(loss.detach())
             got = [_grad(p).to("cpu", copy=True) for p in model.parameters()]
             grads = got if not grads else [g.add_(h) for g, h in zip(grads, got)]
-        if clip is not None:  # clip_grad_norm_'s coefficient, on the host gradients
-            coef = clip / (float(torch.nn.utils.get_total_norm(grads)) + 1e-6)
-            grads = [g.mul_(coef) for g in grads] if coef < 1 else grads
+        if clip is not None:
+            grads = _clipped(grads, clip)
         if held is not None:
             _apply(model, opt, master, held)
             held = None
@@ -240,6 +241,16 @@ def plain_run(
     names = [f"{l}.{n}" for l in range(spec.num_layers) for n, _ in layers[l].named_parameters()]
     run.weights = {n: w.detach().clone() for n, w in zip(names, master)}
     return run
+
+
+def _clipped(grads: list[torch.Tensor], clip: float) -> list[torch.Tensor]:
+    """The gradients scaled by clip_grad_norm_'s coefficient clip / (norm + 1e-6) where it is below 1, in the
+    pipeline's arithmetic (mobiuspipe.optim.clipping): the norm from float64 sums of squares, rounded to float32, and
+    the gradients multiplied by the inverse of the factor the updates divide them by."""
+    sumsq = sum(float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2 for g in grads)
+    norm = float(torch.tensor(sumsq**0.5, dtype=torch.float32))
+    coef = clip / (norm + 1e-6)
+    return [g.mul_(1.0 / (1.0 / coef)) for g in grads] if coef < 1.0 else grads
 
 
 def _apply(model: nn.Module, opt: CPUAdam, master: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
