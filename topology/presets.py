@@ -19,6 +19,8 @@ __all__ = [
     "cpu_standin",
     "STANDIN_NAME",
     "STANDIN_MESSAGES",
+    "DEFAULT_RESERVE_BYTES",
+    "reserve_bytes",
 ]
 
 PCIE3_X16_GBPS = pcie_gbps(3, 16)
@@ -121,6 +123,20 @@ def preset(name: str) -> Topology:
 
 STANDIN_NAME = "cpu-standin"
 """The gpu name of a CPU stand-in."""
+
+DEFAULT_RESERVE_BYTES = 1 << 30
+"""Memory of each real gpu a plan leaves to what the runtime does not allocate itself: the CUDA context (0.74 GiB
+measured on an H200 with CUDA 13: gpu_check's "reserved / used by the process"), NCCL's buffers, the allocator's
+rounding (bytes; `mobiuspipe partition --reserve-gib`'s default, a run's plan.reserve_mb when null)."""
+
+
+def reserve_bytes(topo: Topology, reserve_mb: float | None = None) -> int:
+    """Bytes of each gpu a plan for `topo` leaves alone: reserve_mb MiB if given; else 0 on CPU stand-ins (their
+    budget is the arena's own memory: no context) and DEFAULT_RESERVE_BYTES on real gpus, a preset's or a layout's
+    too (the machine the plan is for has a CUDA context)."""
+    if reserve_mb is not None:
+        return int(reserve_mb * 2**20)
+    return 0 if all(g.name == STANDIN_NAME for g in topo.gpus) else DEFAULT_RESERVE_BYTES
 
 
 STANDIN_MESSAGES = Measured(

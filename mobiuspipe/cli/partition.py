@@ -26,6 +26,7 @@ from partition.spec.lora import BASE_DTYPES, LoraShape, adapter_counts, default_
 from partition.spec.models import ModelSpec
 from partition.spec.profile import Profile, load_profile
 from topology import PRESETS, Topology, load_topology
+from topology.presets import reserve_bytes
 
 __all__ = ["register", "run", "plan_to_json", "render_plan"]
 
@@ -80,8 +81,9 @@ def register(sub) -> None:
     p.add_argument(
         "--reserve-gib",
         type=non_negative_float,
-        default=1.0,
-        help="GiB of each gpu kept out of the plan for the CUDA context and allocator (1.0)",
+        default=None,
+        help="GiB of each gpu kept out of the plan for the CUDA context, NCCL and the allocator (1.0 on real gpus, "
+        "0 on CPU stand-ins; with --config, its plan.reserve_mb)",
     )
     p.add_argument(
         "--host-memory-gb",
@@ -178,9 +180,10 @@ def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile, Ho
     except ValueError as e:
         raise CliError(f"topology {topo.name!r}, gpu 0: {e}") from e
     smallest = min(g.memory_bytes for g in topo.gpus)
-    if args.reserve_gib * GiB >= smallest:
+    reserve = reserve_bytes(topo, None if args.reserve_gib is None else args.reserve_gib * 1024)
+    if reserve >= smallest:
         raise CliError(
-            f"--reserve-gib {args.reserve_gib:g} leaves no memory: the smallest gpu of topology "
+            f"--reserve-gib {reserve / GiB:g} leaves no memory: the smallest gpu of topology "
             f"{topo.name!r} has {smallest / GiB:.2f} GiB; expected a reserve below that (default 1.0)"
         )
     adapters = adapters_of(args, spec)
@@ -208,7 +211,7 @@ def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile, Ho
         args.microbatches,
         num_stages=args.stages,
         mapping=args.mapping,
-        reserve_bytes=int(args.reserve_gib * GiB),
+        reserve_bytes=reserve,
         solver=args.solver,
         time_limit_s=args.time_limit,
         gap=args.gap,
@@ -285,6 +288,8 @@ def _config_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile, Hos
     if args.topology is not None:  # plan the run for another machine than its config names
         topology = args.topology if args.topology in PRESETS else os.path.abspath(args.topology)  # cwd-relative
         cfg = dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, topology=topology, num_gpus=None))
+    if args.reserve_gib is not None:  # leave another reserve than the run's plan.reserve_mb
+        cfg = dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, reserve_mb=args.reserve_gib * 1024))
     args.activation_tiers = ",".join(activation_tiers(cfg))  # as the run plans (--explain too)
     given = None if args.profile is None else _given_profile(args.profile, model_spec(cfg))
     plan = plan_from_config(cfg, args.solver, given, time_limit_s=args.time_limit, gap=args.gap)

@@ -264,6 +264,10 @@ class PlanConfig(Section):
     cyclic gpu order, up to 4 gpus; the fastest predicted wins)."""
     device_memory_mb: float = 64.0
     """Memory budget of each CPU stand-in device (MiB); on CUDA the real GPU memory is used."""
+    reserve_mb: float | None = None
+    """Memory of each gpu the plan leaves alone (MiB, >= 0) for what the runtime does not allocate itself: the CUDA
+    context, NCCL's buffers, the allocator's rounding, other processes on the gpu. null: 1024 on a real gpu (or a
+    preset's, or a layout's), 0 on a CPU stand-in, whose budget is device_memory_mb itself."""
 
     def check_values(self) -> list[Problem]:
         gpus = DEFAULT_GPUS if self.num_gpus is None else self.num_gpus
@@ -290,6 +294,11 @@ class PlanConfig(Section):
                 "use `mapping: cross` or `mapping: round-robin`",
             ),
             *mebibytes(self, "device_memory_mb", "use a positive budget in MiB, e.g. 64.0"),
+            *(
+                at_least(self, "reserve_mb", 0, "use 0 or more MiB, e.g. 1024, or null (1024 on a real gpu)")
+                if self.reserve_mb is not None
+                else []
+            ),
         ]
 
 

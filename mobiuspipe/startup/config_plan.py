@@ -27,7 +27,7 @@ from partition.spec.lora import frozen_layers
 from partition.spec.models import ModelSpec, layer_param_counts
 from partition.spec.profile import Profile
 from topology import Topology, cpu_standin, load_topology
-from topology.presets import STANDIN_MESSAGES
+from topology.presets import STANDIN_MESSAGES, reserve_bytes
 
 __all__ = [
     "model_spec",
@@ -130,22 +130,24 @@ def adapters(cfg: RunConfig) -> tuple[int, ...] | None:
 
 
 def plan_from_config(cfg: RunConfig, solver: str = "auto", profile: Profile | None = None, **mip: float) -> Plan:
-    """The plan made from the config alone (its analytic profile, or `profile` of its model) by the whole planner,
-    as `mobiuspipe partition` makes it: the microbatch count and size searched for data.batch_size
+    """The plan made from the config alone (its analytic profile, or `profile` of its model) by the whole planner, as
+    `mobiuspipe partition` makes it: the microbatch count and size searched for data.batch_size
     (data.num_microbatches auto; partition.search.plan_batch), the stage count searched (plan.num_stages auto) with
     the MIP (`solver`), the activation choice, and each stage's tiers placed by the run's memory settings
-    (run_budget); mip: the MIP's time_limit_s and gap (partition.make_plan's defaults where absent).
-    `mobiuspipe train` makes it once and hands it to its ranks; ranks under a plain torchrun each make it and compare
-    it. `mobiuspipe partition --config` passes its --solver, --profile, --time-limit and --gap and writes the result
-    for plan.file."""
+    (run_budget), each gpu's plan.reserve_mb left alone (topology.presets.reserve_bytes); mip: the MIP's
+    time_limit_s and gap (partition.make_plan's defaults where absent). `mobiuspipe train` makes it once and hands
+    it to its ranks; ranks under a plain torchrun each make it and compare it. `mobiuspipe partition --config`
+    passes its --solver, --profile, --time-limit, --gap and --reserve-gib and writes the result for plan.file."""
+    topo = run_topology(cfg)
     return plan_batch(
         lambda size: gpt_profile(cfg, size) if profile is None else profile,
         cfg.data.batch_size,
-        run_topology(cfg),
+        topo,
         cfg.data.num_microbatches if profile is None else profile_count(cfg, profile),
         num_stages=cfg.plan.num_stages,
         mapping=cfg.plan.mapping,
         solver=solver,
+        reserve_bytes=reserve_bytes(topo, cfg.plan.reserve_mb),
         **mip,
         host_budget=run_budget(cfg),
         activation_tiers=activation_tiers(cfg),

@@ -27,7 +27,7 @@ from mobiuspipe.startup.machine import discovered_topology
 from partition import make_plan
 from partition.plan import Plan, load_plan
 from topology import Topology, cpu_standin, load_topology
-from topology.presets import STANDIN_MESSAGES
+from topology.presets import STANDIN_MESSAGES, reserve_bytes
 
 __all__ = [
     "PlanRequest",
@@ -217,7 +217,16 @@ def _measure_and_plan(layers, loss_fn, sample, info: RankInfo, request: PlanRequ
     )
     profile = dataclasses.replace(profile, target_bytes=ym.numel() * ym.element_size())
     topo = _topology(request.topology, info, device)
-    return make_plan(profile, topo, m, num_stages=request.num_stages, mapping=request.mapping, solver="dp").to_dict()
+    plan = make_plan(
+        profile,
+        topo,
+        m,
+        num_stages=request.num_stages,
+        mapping=request.mapping,
+        solver="dp",
+        reserve_bytes=reserve_bytes(topo),
+    )
+    return plan.to_dict()
 
 
 def _device_name(device: torch.device) -> str:

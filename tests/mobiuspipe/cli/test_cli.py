@@ -359,3 +359,25 @@ def test_an_empty_config_and_a_run_without_out_dir_say_what_they_do(tmp_path):
     assert not _has_keys(tmp_path / "empty.yaml") and _has_keys(tmp_path / "some.yaml")
     assert "this run writes no files" in _writes(config_from_dict({}))
     assert _writes(config_from_dict({"train": {"out_dir": str(tmp_path / "out")}})) == ""
+
+
+def test_a_run_plans_without_a_reserve_on_stand_ins_and_with_one_on_real_gpus(tmp_path, capsys):
+    """plan.reserve_mb: null leaves 1 GiB of a real gpu (a preset's) to the CUDA context, NCCL and the allocator,
+    nothing of a stand-in's budget; a number replaces it, and `partition --config --reserve-gib` replaces that."""
+    from topology.presets import DEFAULT_RESERVE_BYTES, RTX_3090_TI_BYTES, cpu_standin, reserve_bytes
+
+    assert reserve_bytes(cpu_standin(2, 64 << 20)) == 0 and reserve_bytes(preset("2+2")) == DEFAULT_RESERVE_BYTES
+    assert reserve_bytes(preset("2+2"), 512.0) == 512 << 20 and reserve_bytes(cpu_standin(1, 64 << 20), 8.0) == 8 << 20
+    cfg = tmp_path / "run.yaml"
+
+    def usable(text: str, *extra: str) -> int:
+        cfg.write_text(text)
+        assert cli.main(["partition", "--config", str(cfg), "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)["gpu_memory_bytes"]
+
+    assert usable("plan: {num_gpus: 2, num_stages: 4, device_memory_mb: 64}\n") == 64 << 20
+    assert usable("plan: {num_stages: 8, topology: 2+2}\n") == RTX_3090_TI_BYTES - DEFAULT_RESERVE_BYTES
+    assert usable("plan: {num_stages: 8, topology: 2+2, reserve_mb: 3072}\n") == RTX_3090_TI_BYTES - (3 << 30)
+    assert usable("plan: {num_stages: 8, topology: 2+2}\n", "--reserve-gib", "2") == RTX_3090_TI_BYTES - (2 << 30)
+    cfg.write_text("plan: {reserve_mb: -1}\n")
+    assert_user_error(["partition", "--config", str(cfg)], "plan.reserve_mb", "0 or more MiB")
