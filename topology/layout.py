@@ -28,7 +28,8 @@ loads it):
     nvme:                            # optional: drives for the SSD tier (switch, model: optional)
       - {name: nvme0, pci_bus_id: "0000:3d:00.0", root_complex: rc0, numa_node: 0, link_gbps: 7.88}
     measured: null                   # optional: what `mobiuspipe topology --probe` measured: h2d_gbps,
-                                     # h2d_group_gbps (per gpu), d2d_gbps (gpu x gpu), ssd_dir, ssd_read_gbps,
+                                     # h2d_group_gbps (per gpu), d2d_gbps (gpu x gpu), matmul_tflops
+                                     # (per gpu), ssd_dir, ssd_read_gbps,
                                      # ssd_write_gbps, host_adam_params_per_s, host_cores,
                                      # message_latency_s, message_gbps, message_send_s,
                                      # message_recv_s, step_overhead_s, notes

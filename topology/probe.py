@@ -1,4 +1,5 @@
-"""Bandwidths in GB/s (1e9 B/s) measured into a Topology: SSD by timed O_DIRECT 1 MiB I/O, GPUs by CUDA-event copies."""
+"""Bandwidths in GB/s (1e9 B/s) measured into a Topology: SSD by timed O_DIRECT 1 MiB I/O, GPUs by CUDA-event copies;
+each GPU's bf16 matmul rate in TFLOPS."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from topology.errors import TopologyError
 from topology.probe_cpu import probe_host_adam
 from topology.types import Measured, Topology
 
-__all__ = ["probe", "NO_CUDA_NOTE"]
+__all__ = ["probe", "matmul_tflops", "NO_CUDA_NOTE"]
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _SPACE_MARGIN = 1.1
@@ -47,7 +48,8 @@ def probe(
 
     Method: sequential write (then fsync) and read of a `size_mb` MiB temporary file in 1 MiB blocks; pinned
     host->gpu copies (non_blocking, own stream, CUDA events) per gpu alone, then per contention group with every
-    gpu copying at once; a device-to-device copy per ordered gpu pair. Best of `repeats`, GB/s = 1e9 bytes/s.
+    gpu copying at once; a device-to-device copy per ordered gpu pair; an 8192^3 bf16 matmul per gpu (matmul_tflops).
+    Best of `repeats`, GB/s = 1e9 bytes/s.
 
     ssd_dir: folder whose drive is measured (None = skip the SSD). devices: CUDA device index per topology gpu,
     overriding the mapping by UUID (or by index when the topology has no UUIDs). host_adam: measures the host
@@ -63,12 +65,13 @@ def probe(
         notes.append("no ssd_dir given: SSD bandwidth not measured")
     else:
         ssd = _probe_ssd(Path(ssd_dir), size_mb, repeats, notes)
-    h2d, group, d2d = _probe_gpus(t, size_mb, repeats, devices, notes)
+    h2d, group, d2d, matmul = _probe_gpus(t, size_mb, repeats, devices, notes)
     adam = (host_adam or partial(probe_host_adam, repeats=repeats))(notes)
     m = Measured(
         h2d_gbps=h2d,
         h2d_group_gbps=group,
         d2d_gbps=d2d,
+        matmul_tflops=matmul,
         ssd_dir=str(ssd_dir or ""),
         ssd_read_gbps=ssd[0],
         ssd_write_gbps=ssd[1],
@@ -82,7 +85,11 @@ def _fold_measured(t: Topology, m: Measured) -> Topology:
     """`t` with `m` attached and written into the links: gpu link_gbps = m.h2d_gbps[g], root complex uplink_gbps
     = sum of m.h2d_group_gbps over its gpus. A 0 (not measured) keeps the value `t` had."""
     n = t.num_gpus
-    for name, values in (("h2d_gbps", m.h2d_gbps), ("h2d_group_gbps", m.h2d_group_gbps)):
+    for name, values in (
+        ("h2d_gbps", m.h2d_gbps),
+        ("h2d_group_gbps", m.h2d_group_gbps),
+        ("matmul_tflops", m.matmul_tflops),
+    ):
         if values and len(values) != n:
             raise TopologyError(
                 f"measured.{name} has {len(values)} values but topology {t.name!r} has {n} gpus; "
@@ -244,15 +251,16 @@ def _read_file(path: Path, buf: mmap.mmap, blocks: int, direct: bool) -> float:
 
 
 def _probe_gpus(t: Topology, size_mb: int, repeats: int, devices, notes: list[str]):
-    """(h2d alone, h2d in its group at once, d2d matrix) per topology gpu, GB/s; () each without CUDA."""
+    """(h2d alone, h2d in its group at once, d2d matrix) per topology gpu, GB/s, and each gpu's bf16 matmul rate,
+    TFLOPS; () each without CUDA."""
     try:
         import torch
     except ImportError:
         notes.append("torch not installed: host<->GPU and GPU<->GPU bandwidths not measured")
-        return (), (), ()
+        return (), (), (), ()
     if not torch.cuda.is_available():
         notes.append(NO_CUDA_NOTE)
-        return (), (), ()
+        return (), (), (), ()
     devs = _cuda_devices(torch, t, devices, notes)
     nbytes, n = size_mb * MiB, t.num_gpus
     alone = tuple(_h2d_together(torch, [d], nbytes, repeats)[0] for d in devs)
@@ -263,8 +271,34 @@ def _probe_gpus(t: Topology, size_mb: int, repeats: int, devices, notes: list[st
     d2d = tuple(
         tuple(0.0 if a == b else _d2d(torch, devs[a], devs[b], nbytes, repeats) for b in range(n)) for a in range(n)
     )
+    matmul = tuple(matmul_tflops(torch, f"cuda:{d}", repeats) for d in devs)
     torch.cuda.empty_cache()
-    return alone, tuple(group), d2d
+    return alone, tuple(group), d2d, matmul
+
+
+def matmul_tflops(torch, device: str, repeats: int, n: int = 8192) -> float:
+    """TFLOPS (1e12 FLOP/s) of an n x n x n bf16 matmul on `device` (2 n^3 FLOPs), the best of `repeats` after one
+    warm-up, each bracketed by synchronizations (on CUDA, CUDA events on the current stream)."""
+    a = torch.randn(n, n, device=device).to(torch.bfloat16)
+    b = torch.randn(n, n, device=device).to(torch.bfloat16)
+    cuda = device.startswith("cuda")
+    best = float("inf")
+    for k in range(repeats + 1):  # the first is a warm-up
+        if cuda:
+            with torch.cuda.device(device):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                torch.matmul(a, b)
+                end.record()
+            end.synchronize()
+            s = start.elapsed_time(end) * 1e-3
+        else:
+            with Stopwatch() as sw:
+                torch.matmul(a, b)
+            s = sw.s
+        if k:
+            best = min(best, s)
+    return 2 * n**3 / best / 1e12
 
 
 def _norm_uuid(u: str) -> str:

@@ -181,6 +181,8 @@ def _measured(t: Topology) -> list[str]:
         lines.append(row("host->gpu, whole group copying", m.h2d_group_gbps))
     for a, d2d in enumerate(m.d2d_gbps):
         lines.append(row(f"gpu{a}->", d2d))
+    if m.matmul_tflops:
+        lines.append(row("bf16 matmul, TFLOPS", m.matmul_tflops))
     if m.ssd_dir:
         lines.append(f"  ssd {m.ssd_dir}: read {m.ssd_read_gbps:.2f} GB/s, write {m.ssd_write_gbps:.2f} GB/s")
     if m.host_adam_params_per_s:

@@ -114,6 +114,9 @@ class Measured:
     """Per gpu, host->gpu while its whole contention group copies at once."""
     d2d_gbps: tuple[tuple[float, ...], ...] = ()
     """gpu a -> gpu b, 0 on the diagonal."""
+    matmul_tflops: tuple[float, ...] = ()
+    """Per gpu, a large bf16 matmul's rate (1e12 FLOP/s; a lower bound of the datasheet's dense peak, which cuBLAS
+    reaches 70-90% of): the planner's peak of a gpu its table does not list and the layout gives no tflops for."""
     ssd_dir: str = ""
     ssd_read_gbps: float = 0.0
     ssd_write_gbps: float = 0.0

@@ -20,7 +20,7 @@ from partition.rules.tiers import HostBudget, activation_host_caps, host_budget
 from partition.search import Prediction, make_plan, predict_step
 from partition.sim.simulate import SimResult
 from partition.spec.analytic import analytic_profile, dtype_bytes
-from partition.spec.hardware import gpu_spec
+from partition.spec.hardware import topology_gpu_spec
 from partition.spec.lookup import get_model
 from partition.spec.lora import BASE_DTYPES, LoraShape, adapter_counts, default_targets, frozen_layers
 from partition.spec.models import ModelSpec
@@ -175,8 +175,7 @@ def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile, Ho
     spec = get_model(args.model)
     topo = load_topology(args.topology)
     try:
-        g = topo.gpus[0]
-        device = gpu_spec(g.name, g.memory_bytes, g.link_gbps, g.tflops)
+        device = topology_gpu_spec(topo)
     except ValueError as e:
         raise CliError(f"topology {topo.name!r}, gpu 0: {e}") from e
     smallest = min(g.memory_bytes for g in topo.gpus)

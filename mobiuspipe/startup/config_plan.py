@@ -22,7 +22,7 @@ from partition.rules.placement import HostCopies
 from partition.rules.tiers import HostBudget, RunMemory
 from partition.search import plan_batch
 from partition.spec.analytic import analytic_profile, dtype_bytes
-from partition.spec.hardware import device_spec, gpu_spec
+from partition.spec.hardware import device_spec, topology_gpu_spec
 from partition.spec.lora import frozen_layers
 from partition.spec.models import ModelSpec, layer_param_counts
 from partition.spec.profile import Profile
@@ -93,12 +93,12 @@ def num_ranks(cfg: RunConfig) -> int:
 
 
 def gpt_profile(cfg: RunConfig, microbatch_size: int | None = None) -> Profile:
-    """The analytic profile of the config's model in train.precision, on the run's gpu 0 (its layout's tflops, or
-    the table's figure for its name) or the CPU stand-in, for microbatches of `microbatch_size` sequences (default:
-    the config's; the whole batch when the planner chooses them, data.num_microbatches auto)."""
+    """The analytic profile of the config's model in train.precision, on the run's gpu 0 (its layout's tflops, the
+    table's figure for its name, or the matmul rate its probe measured) or the CPU stand-in, for microbatches of
+    `microbatch_size` sequences (default: the config's; the whole batch when the planner chooses them,
+    data.num_microbatches auto)."""
     if torch.cuda.is_available():
-        g = run_topology(cfg).gpus[0]
-        device = gpu_spec(g.name, g.memory_bytes, g.link_gbps, g.tflops)
+        device = topology_gpu_spec(run_topology(cfg))
     else:
         device = device_spec("cpu-standin")
     spec = model_spec(cfg)

@@ -24,8 +24,9 @@ from dataclasses import asdict, dataclass
 from types import MappingProxyType
 
 from foundation.units import GiB
+from topology import Topology
 
-__all__ = ["DEVICES", "DeviceSpec", "MFU_DEFAULT", "device_spec"]
+__all__ = ["DEVICES", "DeviceSpec", "MFU_DEFAULT", "device_spec", "gpu_spec", "topology_gpu_spec"]
 
 MFU_DEFAULT = 0.5
 """Model FLOPs utilization: the fraction of peak_tflops a well-fed layer (large matmuls, microbatch
@@ -107,19 +108,33 @@ def _short(name: str) -> str:
 _BY_SHORT = MappingProxyType({_short(n): d for n, d in DEVICES.items()})
 
 
-def gpu_spec(name: str, memory_bytes: int, link_gbps: float, tflops: float = 0.0) -> DeviceSpec:
+def gpu_spec(
+    name: str, memory_bytes: int, link_gbps: float, tflops: float = 0.0, measured_tflops: float = 0.0
+) -> DeviceSpec:
     """The spec of one gpu of a topology: its own figures where it gives tflops (a GPU the table does not list,
-    as a layout file describes it), else the table's by its name."""
+    as a layout file describes it), else the table's by its name, else its own figures with the matmul rate
+    `topology --probe` measured as its peak (measured_tflops > 0; a lower bound of the datasheet's peak)."""
     if tflops > 0:
         return DeviceSpec(name, float(tflops), int(memory_bytes), float(link_gbps))
     try:
         return device_spec(name)
     except ValueError as e:
+        if measured_tflops > 0:
+            return DeviceSpec(name, float(measured_tflops), int(memory_bytes), float(link_gbps))
         raise ValueError(
-            f"{e}. For a GPU the table does not list, write `tflops:` (its peak dense fp16/bf16 TFLOPS, from the "
-            f"vendor's datasheet) under the gpu in a layout file (`mobiuspipe topology --save server.yaml` writes "
-            f"one to start from) and plan with it (--topology server.yaml, or plan.topology)"
+            f"{e}. For a GPU the table does not list, measure it (`mobiuspipe topology --probe --save "
+            f"server.yaml` writes its bf16 matmul rate into the layout) or write `tflops:` (its peak dense "
+            f"fp16/bf16 TFLOPS, from the vendor's datasheet) under the gpu in a layout file (`mobiuspipe topology "
+            f"--save server.yaml` writes one to start from), and plan with it (--topology server.yaml, or "
+            f"plan.topology)"
         ) from None
+
+
+def topology_gpu_spec(topo: Topology, index: int = 0) -> DeviceSpec:
+    """gpu_spec of gpu `index` of `topo`, with the matmul rate its probe measured, if any."""
+    g = topo.gpus[index]
+    rates = topo.measured.matmul_tflops if topo.measured is not None else ()
+    return gpu_spec(g.name, g.memory_bytes, g.link_gbps, g.tflops, rates[index] if rates else 0.0)
 
 
 def device_spec(name: str) -> DeviceSpec:

@@ -162,6 +162,7 @@ def test_fold_writes_measurements_into_links():
         h2d_gbps=(12.0, 12.5, 11.5, 13.0),
         h2d_group_gbps=(4.0, 4.5, 3.5, 12.9),
         d2d_gbps=tuple(tuple(0.0 if a == b else 9.0 for b in range(4)) for a in range(4)),
+        matmul_tflops=(150.0, 151.0, 149.5, 150.5),
         ssd_dir="/x",
         ssd_read_gbps=3.2,
         ssd_write_gbps=2.1,
@@ -182,6 +183,25 @@ def test_fold_keeps_unmeasured_values():
     assert [r.uplink_gbps for r in f.root_complexes] == [t.root_complexes[0].uplink_gbps, 12.0]
     with pytest.raises(TopologyError, match="one per gpu"):
         _fold_measured(t, Measured(h2d_gbps=(1.0,)))
+    with pytest.raises(TopologyError, match="measured.matmul_tflops has 1 values"):
+        _fold_measured(t, Measured(matmul_tflops=(1.0,)))
+
+
+def test_the_matmul_rate_is_two_n_cubed_over_the_fastest_run():
+    """On the CPU (the same function times a CUDA device with events): 2 n^3 FLOPs over the best of the repeats,
+    against a timing of the same matmul here, within the machine's noise."""
+    import time
+
+    import torch
+
+    rate = probe_mod.matmul_tflops(torch, "cpu", repeats=3, n=256)
+    a = torch.randn(256, 256).to(torch.bfloat16)
+    times = []
+    for _ in range(4):
+        start = time.perf_counter()
+        torch.matmul(a, a)
+        times.append(time.perf_counter() - start)
+    assert 0.2 < rate / (2 * 256**3 / min(times[1:]) / 1e12) < 5
 
 
 def _fake_torch(uuids):
@@ -222,6 +242,13 @@ def test_gpu_probe(tmp_path):
     assert [g.link_gbps for g in f.gpus] == list(m.h2d_gbps)
     assert f.root_complexes[0].uplink_gbps == pytest.approx(sum(m.h2d_group_gbps))
     assert NO_CUDA_NOTE not in m.notes
+    # the bf16 matmul rate: positive, and at most the datasheet's dense peak where the table lists the gpu
+    from partition.spec.hardware import DEVICES
+
+    assert len(m.matmul_tflops) == n and all(v > 1.0 for v in m.matmul_tflops)
+    for i, rate in enumerate(m.matmul_tflops):
+        listed = DEVICES.get(torch.cuda.get_device_name(i))
+        assert listed is None or rate <= 1.05 * listed.peak_tflops, (rate, listed)
 
 
 def test_probe_measures_host_adam_and_the_planner_uses_it(tmp_path):

@@ -9,13 +9,15 @@ from dataclasses import replace
 import pytest
 
 from mobiuspipe.cli import main
-from partition.spec.hardware import gpu_spec
+from partition.spec.hardware import gpu_spec, topology_gpu_spec
 from topology import TopologyError, load_topology, preset, save_topology
+from topology.types import Measured
 
 NAME = "NVIDIA RTX 6000 Ada Generation"
 
 
 def _layout(tmp_path, tflops: float):
+    tmp_path.mkdir(exist_ok=True)
     t = preset("2+2")
     t = replace(t, gpus=tuple(replace(g, name=NAME, memory_bytes=48 * 2**30, tflops=tflops) for g in t.gpus))
     return save_topology(t, tmp_path / "server.yaml")
@@ -41,6 +43,23 @@ def test_without_tflops_the_error_names_the_fix(tmp_path, capsys):
     code, _, err = _partition(_layout(tmp_path, 0.0), capsys)
     assert code == 2 and f"unknown device {NAME!r}" in err
     assert "write `tflops:`" in err and "layout file" in err and "hardware.py" not in err
+    assert "topology --probe --save server.yaml" in err
+
+
+def test_an_unlisted_gpu_plans_from_the_matmul_rate_its_probe_measured(tmp_path, capsys):
+    """`topology --probe --save` writes each gpu's bf16 matmul rate into the layout: a GPU the table does not list
+    plans from it as it would from the same tflops written by hand; a layout's own tflops comes first."""
+    path = _layout(tmp_path, 0.0)
+    t = load_topology(str(path))
+    measured = Measured(matmul_tflops=(364.25,) * t.num_gpus)
+    save_topology(replace(t, measured=measured), path)
+    code, out, _ = _partition(path, capsys)
+    assert code == 0
+    by_hand, _, _ = _partition(_layout(tmp_path / "hand", 364.25), capsys), None, None
+    assert json.loads(out)["predicted_step_time_s"] == json.loads(by_hand[1])["predicted_step_time_s"]
+    assert topology_gpu_spec(load_topology(str(path))).peak_tflops == 364.25
+    written = replace(load_topology(str(path)), gpus=tuple(replace(g, tflops=100.0) for g in t.gpus))
+    assert topology_gpu_spec(written).peak_tflops == 100.0
 
 
 def test_a_listed_gpu_keeps_the_tables_figure_and_a_negative_tflops_is_refused(tmp_path):
