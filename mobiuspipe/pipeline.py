@@ -67,6 +67,7 @@ from mobiuspipe.startup.plan import (
     read_plan,
     same_plan_everywhere,
 )
+from mobiuspipe.startup.room import check_room
 from mobiuspipe.startup.swaps import make_swaps, plan_as_run, swap_tiers
 from mobiuspipe.startup.tiers import agree_on_tiers, check_delayed, with_tiers
 from mobiuspipe.startup.update_policy import UpdatePolicy
@@ -195,6 +196,7 @@ class Pipeline:
             self.engine = self._build_engine(
                 makers, loss_fn, optimizer or partial(CPUAdam), num_microbatches, comm_timeout_s, tied
             )
+            check_room(self.info, self.planned_device_bytes()[self.rank], self.engine.device.torch_device, self.plan)
             self.ties = TiedGrads(tied, self.plan, self.engine.stages, self.info) if tied else None
             if self.ties is not None:
                 self.engine.hold_updates_of(self.ties.held_stages)
@@ -337,8 +339,7 @@ class Pipeline:
 
     def train_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> StepResult:
         """train_batch(*batch)."""
-        x, y = batch
-        return self.train_batch(x, y)
+        return self.train_batch(*batch)
 
     def train_batch(self, x: torch.Tensor, y: torch.Tensor) -> StepResult:
         """One optimizer step on the batch (inputs x, targets y; the same on every rank), split into the
@@ -424,8 +425,7 @@ class Pipeline:
         plan's microbatches and gets the loss."""
         self._check_batch(x, y, passes=1)
         what = f"evaluation after step {self.step}"
-        (loss,) = self._reduce([self.engine.eval_loss(x, y, what)], torch.distributed.ReduceOp.SUM, what)
-        return loss
+        return self._reduce([self.engine.eval_loss(x, y, what)], torch.distributed.ReduceOp.SUM, what)[0]
 
     def _skip_on_overflow(self) -> bool:
         """fp16: whether a gradient overflowed on any rank (then the step is skipped on every rank and the

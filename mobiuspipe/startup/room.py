@@ -1,0 +1,70 @@
+"""The gpu memory a run's plan needs against what the gpu can give it at start-up (torch.cuda.mem_get_info): a gpu
+shared with another process, or a CUDA context larger than the plan's reserve, fails before the first step with the
+figures and the fix, not with an out-of-memory error in the middle of one."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from foundation.units import MiB, fmt_bytes
+from mobiuspipe.errors import PipelineError
+from mobiuspipe.runtime.ranks import RankInfo, gather_all
+from partition.plan import Plan
+
+__all__ = ["Room", "check_room", "room_problem"]
+
+
+@dataclass(frozen=True)
+class Room:
+    """A gpu's memory as CUDA reports it to this process (bytes)."""
+
+    free: int
+    """mem_get_info's free bytes: what no process, context or library holds."""
+    total: int
+    reserved: int
+    """What this process's caching allocator holds (memory_reserved), in use or cached: the run's own."""
+
+    @property
+    def usable(self) -> int:
+        """What the run can hold at its peak: the free bytes and its allocator's."""
+        return self.free + self.reserved
+
+    @property
+    def outside(self) -> int:
+        """What is held outside this process's allocator: the CUDA context, NCCL's buffers, other processes."""
+        return self.total - self.free - self.reserved
+
+
+def room_problem(planned: int, room: Room, gpu: int, assumed: int) -> str | None:
+    """What is wrong when the plan's peak on `gpu` (planned: its walk and workspaces) exceeds what the gpu can give
+    the run; assumed: the bytes of the gpu the plan was made to use (its gpu_memory_bytes and workspaces). None if
+    it fits."""
+    if planned <= room.usable:
+        return None
+    short = planned - room.usable
+    return (
+        f"gpu {gpu} has too little free memory for the plan: its peak is {fmt_bytes(planned)} (the plan assumed "
+        f"{fmt_bytes(assumed)} of the gpu's {fmt_bytes(room.total)}), but the run can have {fmt_bytes(room.usable)}: "
+        f"{fmt_bytes(room.outside)} is held outside this process's allocator (the CUDA context, NCCL, other "
+        f"processes on the gpu). Free the gpu, or plan again leaving {math.ceil(short / MiB)} MiB more of it "
+        f"(raise plan.reserve_mb, or `mobiuspipe partition --reserve-gib`)"
+    )
+
+
+def check_room(info: RankInfo, planned: int, device: torch.device, plan: Plan) -> None:
+    """Every rank raises PipelineError (the first failing rank's room_problem) if the plan's peak on some rank's gpu
+    does not fit it now; nothing on the stand-in, whose budget is the plan's own. planned: the plan's peak on this
+    rank's gpu (Pipeline.planned_device_bytes)."""
+    if device.type != "cuda":
+        return
+    free, total = torch.cuda.mem_get_info(device)
+    room = Room(free, total, torch.cuda.memory_reserved(device))
+    assumed = plan.gpu_memory_bytes + plan.workspace_bytes
+    every = gather_all(info, room_problem(planned, room, info.rank, assumed))
+    failed = [(r, why) for r, why in enumerate(every) if why is not None]
+    if failed:
+        r, why = failed[0]
+        raise PipelineError(f"rank {r}: {why}")
