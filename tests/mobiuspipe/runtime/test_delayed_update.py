@@ -6,7 +6,6 @@ bit for bit); tiers that keep the weights off host memory are refused."""
 
 from __future__ import annotations
 
-import dataclasses
 from functools import partial
 
 import pytest
@@ -14,28 +13,18 @@ import torch
 from torch import nn
 
 from mobiuspipe import Pipeline
-from mobiuspipe.config import MemoryConfig, config_from_dict
+from mobiuspipe.config import MemoryConfig
 from mobiuspipe.data.dataset import open_data
 from mobiuspipe.errors import PipelineError
 from mobiuspipe.models.gpt import build_layers, layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.startup.config_plan import model_spec, plan_for_config
 from tests.mobiuspipe.hf_fixtures import DelayedRule
-
-STEPS, BATCH = 6, 4
+from tests.mobiuspipe.runtime.update_runs import BATCH, STEPS, update_config
 
 
 def _cfg(precision: str = "fp32", memory: MemoryConfig | None = None):
-    cfg = config_from_dict(
-        {
-            "model": {"num_blocks": 3, "d_model": 24, "num_heads": 3, "seq_len": 13},
-            "data": {"batch_size": BATCH, "num_microbatches": 2},
-            "train": {"steps": STEPS, "lr": 0.01, "weight_decay": 0.05, "seed": 3, "precision": precision},
-            "plan": {"num_gpus": 1, "num_stages": 4, "device_memory_mb": 256},
-            "runtime": {"threads": 1},
-        }
-    )
-    return dataclasses.replace(cfg, memory=memory or MemoryConfig())
+    return update_config(precision, memory, seed=3)
 
 
 def _optimizer(cfg):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mobiuspipe import Pipeline
-from mobiuspipe.config import MemoryConfig, config_from_dict
+from mobiuspipe.config import MemoryConfig
 from mobiuspipe.data.dataset import open_data
 from mobiuspipe.memory.store.ssd_store import SSDStore
 from mobiuspipe.models.gpt import layer_factories, lm_loss
@@ -23,21 +23,11 @@ from mobiuspipe.optim.loss_scale import LossScaler
 from mobiuspipe.optim.ooc_adam import OutOfCoreAdam
 from mobiuspipe.optim.undo import StepUndo
 from mobiuspipe.startup.config_plan import model_spec, plan_for_config
-
-STEPS, BATCH = 6, 4
+from tests.mobiuspipe.runtime.update_runs import BATCH, STEPS, update_config
 
 
 def _cfg(precision: str, memory: MemoryConfig | None = None):
-    cfg = config_from_dict(
-        {
-            "model": {"num_blocks": 3, "d_model": 24, "num_heads": 3, "seq_len": 13},
-            "data": {"batch_size": BATCH, "num_microbatches": 2},
-            "train": {"steps": STEPS, "lr": 0.01, "weight_decay": 0.05, "seed": 5, "precision": precision},
-            "plan": {"num_gpus": 1, "num_stages": 4, "device_memory_mb": 256},
-            "runtime": {"threads": 1},
-        }
-    )
-    return dataclasses.replace(cfg, memory=memory or MemoryConfig())
+    return update_config(precision, memory, seed=5)
 
 
 def _run(cfg, clip: float | None, speculative: bool, scaler: LossScaler | None = None, trace=()):
