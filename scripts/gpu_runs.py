@@ -18,8 +18,10 @@ from torch import nn
 
 from mobiuspipe import Pipeline
 from mobiuspipe.config import MemoryConfig
+from mobiuspipe.memory.weight_stream import sum_of_squares
 from mobiuspipe.models.gpt import build_layers, layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
+from mobiuspipe.optim.clipping import clip_scale
 from mobiuspipe.optim.loss_scale import LossScaler
 from mobiuspipe.profiling.profiler import TORCH_DTYPES, measure_profile
 from mobiuspipe.runtime.action_trace import write_chrome
@@ -244,13 +246,11 @@ def plain_run(
 
 
 def _clipped(grads: list[torch.Tensor], clip: float) -> list[torch.Tensor]:
-    """The gradients scaled by clip_grad_norm_'s coefficient clip / (norm + 1e-6) where it is below 1, in the
-    pipeline's arithmetic (mobiuspipe.optim.clipping): the norm from float64 sums of squares, rounded to float32, and
-    the gradients multiplied by the inverse of the factor the updates divide them by."""
-    sumsq = sum(float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2 for g in grads)
-    norm = float(torch.tensor(sumsq**0.5, dtype=torch.float32))
-    coef = clip / (norm + 1e-6)
-    return [g.mul_(1.0 / (1.0 / coef)) for g in grads] if coef < 1.0 else grads
+    """The gradients scaled by clip_grad_norm_'s coefficient where it is below 1, in the pipeline's arithmetic: the
+    squared norm summed in float64 (weight_stream.sum_of_squares), the factor the updates divide the gradients by
+    from mobiuspipe.optim.clipping, and the gradients multiplied by its inverse (StageStates' update)."""
+    _, scale = clip_scale(sum(sum_of_squares(g) for g in grads), 1.0, clip)
+    return [g.mul_(1.0 / scale) for g in grads] if scale != 1.0 else grads
 
 
 def _apply(model: nn.Module, opt: CPUAdam, master: list[torch.Tensor], grads: list[torch.Tensor]) -> None:

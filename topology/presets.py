@@ -125,9 +125,10 @@ STANDIN_NAME = "cpu-standin"
 """The gpu name of a CPU stand-in."""
 
 DEFAULT_RESERVE_BYTES = 1 << 30
-"""Memory of each real gpu a plan leaves to what the runtime does not allocate itself: the CUDA context (0.74 GiB
-measured on an H200 with CUDA 13: gpu_check's "reserved / used by the process"), NCCL's buffers, the allocator's
-rounding (bytes; `mobiuspipe partition --reserve-gib`'s default, a run's plan.reserve_mb when null)."""
+"""Memory of each real gpu a plan leaves to what the runtime does not allocate itself: the CUDA context (0.74 GiB on
+an H200 with CUDA 13: gpu_check's "reserved / used by the process" row, 1.61 GiB used less 0.87 GiB in the allocator,
+BENCHMARKS.md), NCCL's buffers, the allocator's rounding (bytes; `mobiuspipe partition --reserve-gib`'s default, a
+run's plan.reserve_mb when null)."""
 
 
 def reserve_bytes(topo: Topology, reserve_mb: float | None = None) -> int:

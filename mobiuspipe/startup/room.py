@@ -50,7 +50,7 @@ def room_problem(planned: int, room: Room, gpu: int, assumed: int) -> str | None
         f"{fmt_bytes(assumed)} of the gpu's {fmt_bytes(room.total)}), but the run can have {fmt_bytes(room.usable)}: "
         f"{fmt_bytes(room.outside)} is held outside this process's allocator (the CUDA context, NCCL, other "
         f"processes on the gpu). Free the gpu, or plan again leaving {math.ceil(short / MiB)} MiB more of it "
-        f"(raise plan.reserve_mb, or `mobiuspipe partition --reserve-gib`)"
+        f"(a run's plan.reserve_mb; for a plan file, or a Pipeline given one, `mobiuspipe partition --reserve-gib`)"
     )
 
 

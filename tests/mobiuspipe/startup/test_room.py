@@ -27,7 +27,7 @@ def test_a_plan_past_it_names_the_figures_and_how_much_more_to_leave():
     said = room_problem(21 * GiB + 300 * MiB + 1, room, 2, 23 * GiB)
     assert said is not None and said.startswith("gpu 2 has too little free memory for the plan")
     assert "the plan assumed 23.00 GiB of the gpu's 24.00 GiB" in said and "3.00 GiB is held outside" in said
-    assert "leaving 301 MiB more of it (raise plan.reserve_mb" in said
+    assert "leaving 301 MiB more of it (a run's plan.reserve_mb; for a plan file" in said
 
 
 def test_the_check_reads_cuda_on_a_gpu_and_nothing_on_the_stand_in(monkeypatch):
