@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleLoopedBFS
-from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from mobiuspipe.config import load_config
 from mobiuspipe.data.dataset import open_data
@@ -39,7 +38,7 @@ def main() -> None:
     spec, t = model_spec(cfg), cfg.train
     layers = build_layers(spec, t.seed)
     mine = [j for j in range(len(plan.stages)) if j % ranks == rank]
-    stages: list[_PipelineStageBase] = [
+    stages = [
         PipelineStage(
             nn.Sequential(*(layers[l] for l in range(plan.stages[j].first, plan.stages[j].last + 1))),
             j,
@@ -48,7 +47,7 @@ def main() -> None:
         )
         for j in mine
     ]
-    schedule = ScheduleLoopedBFS(stages, plan.num_microbatches, loss_fn=lm_loss)
+    schedule = ScheduleLoopedBFS([*stages], plan.num_microbatches, loss_fn=lm_loss)  # a list of the base type
     params = [q for s in stages for q in s.submod.parameters()]
     opt = torch.optim.AdamW(params, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
     data = open_data(cfg.data, cfg.model.seq_len, t.seed, cfg.model.vocab_size)

@@ -26,6 +26,8 @@ __all__ = ["Link", "Channels", "LAYOUTS", "LAYOUT", "neighbour_pairs"]
 LAYOUTS = ("pair", "direction")
 LAYOUT = "direction"
 """The layout runs use (the schedule checker proves their schedules under it)."""
+WARM_UP_TAG = 0
+"""The tag of the message warm_up sends on each channel before any of the run's."""
 
 
 def neighbour_pairs(mapping: list[int]) -> set[tuple[int, int]]:
@@ -88,10 +90,16 @@ class Channels:
         return self.layout == "direction"
 
     def warm_up(self, device: torch.device) -> None:
-        """Set up every communicator of this rank now, in one order on every rank (NCCL connects lazily at first
-        contact otherwise, and lazy set-ups in different orders can deadlock)."""
-        for _, group in sorted(self._groups.items()):
+        """Set up every communicator of this rank now, and its connection in the direction it carries, in one order
+        on every rank: NCCL connects lazily at first contact otherwise (lazy set-ups in different orders can
+        deadlock), and its point-to-point buffers then exist before the start-up room check reads the gpu's free
+        memory. Each pair's one-element message goes first on both of its ends (it pairs by order)."""
+        for (src, dst), group in sorted(self._groups.items()):
             dist.all_reduce(torch.zeros(1, device=device), group=group)
+            if self.rank == src:
+                self.to(dst).isend(torch.zeros(1, device=device), tag=WARM_UP_TAG).wait()
+            else:
+                self.frm(src).irecv(torch.empty(1, device=device), tag=WARM_UP_TAG).wait()
 
     def to(self, dst: int) -> Link | StrictLink:
         """The link messages to rank dst go on."""

@@ -11,15 +11,46 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mobiuspipe.runtime.channels import Channels
+from mobiuspipe.runtime.channels import Channels, Link
+from mobiuspipe.standin.p2p import StrictLink
 
 WAIT = timedelta(seconds=3)
+
+
+def _warm_up(ch: Channels, rank: int, peer: int) -> str | None:
+    """Warm the channels up, spying on their links: with a communicator per direction, each carries one message
+    first, in the order of the pairs (0, 1) then (1, 0) on both ranks. What went wrong, or None."""
+    seen: list[tuple[str, int]] = []
+    spied = {}
+    for kind in (Link, StrictLink):
+        for op in ("isend", "irecv"):
+            spied[kind, op] = getattr(kind, op)
+            setattr(kind, op, _spy(spied[kind, op], op, seen))
+    try:
+        ch.warm_up(torch.device("cpu"))
+    finally:
+        for (kind, op), f in spied.items():
+            setattr(kind, op, f)
+    if ch.layout == "pair":
+        return None if not seen else f"warm-up sent {seen} on the default group"
+    want = [("isend", 0), ("irecv", 0)] if rank == 0 else [("irecv", 0), ("isend", 0)]
+    return None if seen == want else f"warm-up posted {seen}, expected {want}"
+
+
+def _spy(f, op: str, seen: list):
+    def spied(self, t, tag):
+        seen.append((op, tag))
+        return f(self, t, tag)
+
+    return spied
 
 
 def _cross(layout: str, rank: int, peer: int) -> str:
     """Both ranks send 1 MiB to each other first, then receive: NCCL's 'both send, then both receive' hang."""
     ch = Channels(rank, layout, [(0, 1), (1, 0)], timeout_s=30)
-    ch.warm_up(torch.device("cpu"))
+    wrong = _warm_up(ch, rank, peer)
+    if wrong is not None:
+        return wrong
     sent = ch.to(peer).isend(torch.full((1 << 18,), float(rank)), tag=7)
     got = torch.empty(1 << 18)
     done = ch.frm(peer).irecv(got, tag=7).wait(WAIT)
