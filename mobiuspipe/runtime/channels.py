@@ -78,10 +78,15 @@ class Channels:
                     self._groups[(a, b)] = group
 
     @property
+    def strict(self) -> bool:
+        """Whether the links follow NCCL's rules on the CPU stand-in (StrictLink, MOBIUSPIPE_STRICT=1)."""
+        return self._strict
+
+    @property
     def reports_completion(self) -> bool:
         """Whether a send reports completion once its receiver took it (NCCL, the strict stand-in), rather than
         only once waited on (gloo's send requests: Comm then holds every send until its flush)."""
-        return torch.cuda.is_available() or self._strict
+        return torch.cuda.is_available() or self.strict
 
     @property
     def receives_apart(self) -> bool:

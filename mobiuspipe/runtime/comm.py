@@ -117,13 +117,21 @@ class Comm:
     def recv(self, spec: TensorSpec, device: torch.device, src: int, tag: int, what: str) -> torch.Tensor:
         return self.take(self.post_recv(spec, device, src, tag, what))
 
-    def post_recv(self, spec: TensorSpec, device: torch.device, src: int, tag: int, what: str) -> Posted:
+    def post_recv(
+        self, spec: TensorSpec, device: torch.device, src: int, tag: int, what: str, early: bool = False
+    ) -> Posted:
         """Start a receive into a new buffer and return at once; take() waits for it. Receives from one rank are
-        matched in the order they are posted."""
+        matched in the order they are posted. early: posted ahead of the action that takes it. On CUDA a call that
+        synchronizes the whole device (cudaFree when the caching allocator retries, a pinned allocation) waits for
+        NCCL's receive kernel, so until it arrives the rank may be stuck at any call; the strict stand-in takes that
+        worst case and waits for it here (mobiuspipe.schedule.ahead chooses the posts that survive it)."""
         self._release_sent()
         buf = self._place(torch.empty(spec.shape, dtype=spec.dtype, device=device))
         peer, doing = f"rank {src}", f"receiving {what} from rank {src}"
-        return Posted(self._start(lambda: self.channels.frm(src).irecv(buf, tag), peer, doing), buf, peer, doing)
+        posted = Posted(self._start(lambda: self.channels.frm(src).irecv(buf, tag), peer, doing), buf, peer, doing)
+        if early and self.channels.strict:
+            self._wait(posted.work, peer, doing)
+        return posted
 
     def take(self, posted: Posted) -> torch.Tensor:
         """The buffer of a posted receive, once it has arrived (on NCCL: once the compute stream waits for it)."""

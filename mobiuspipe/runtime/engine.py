@@ -342,15 +342,16 @@ class Engine:
             else:
                 posted = self._posted.pop(key, None) or self._post(a)
                 if (ahead := self._ahead.get(key)) is not None:
-                    self._posted[(ahead.kind, ahead.stage, ahead.microbatch)] = self._post(ahead)
+                    self._posted[(ahead.kind, ahead.stage, ahead.microbatch)] = self._post(ahead, early=True)
             st.inbox[key] = self.comm.take(posted)
         st.times.comm_s += sw.s
 
-    def _post(self, a: Action) -> Posted:
-        """Post the receive of `a` into a new device buffer (held in the ledger from now)."""
+    def _post(self, a: Action, early: bool = False) -> Posted:
+        """Post the receive of `a` into a new device buffer (held in the ledger from now); early: ahead of its action
+        (Comm.post_recv)."""
         src, tag, what = self._source(a)
         key = (a.kind, a.stage, a.microbatch)
-        posted = self.comm.post_recv(self.state.specs[key], self.device.torch_device, src, tag, what)
+        posted = self.comm.post_recv(self.state.specs[key], self.device.torch_device, src, tag, what, early)
         self.ledger.hold(("inbox", *key), posted.buf)
         return posted
 
