@@ -53,7 +53,7 @@ from mobiuspipe.runtime.ranks import join_group, leave_group, rank_info
 from mobiuspipe.runtime.stage import Stage
 from mobiuspipe.runtime.stage_states import SsdTier
 from mobiuspipe.runtime.tied import TiedGrads
-from mobiuspipe.schedule import build_schedule, check_schedules
+from mobiuspipe.schedule import build_schedules, receives_ahead
 from mobiuspipe.startup.channels import open_channels
 from mobiuspipe.startup.plan import (
     PlanRequest,
@@ -293,8 +293,7 @@ class Pipeline:
             )
         m, swapped = plan.num_microbatches, swap_tiers(plan, self.memory, self.activations)
         self.plan = plan_as_run(plan, self.activations, swapped, device.is_cuda)  # its walk is this run's
-        schedules = [build_schedule(plan.mapping, g, m, frozenset(swapped)) for g in range(plan.num_gpus)]
-        check_schedules(plan.mapping, m, schedules, LAYOUT)
+        schedules = build_schedules(plan.mapping, plan.num_gpus, m, frozenset(swapped), LAYOUT)
         ledger = DeviceLedger()  # the arena, comm and engine count what they hold on the device
         return Engine(
             mapping=plan.mapping,
@@ -314,6 +313,7 @@ class Pipeline:
             swaps=make_swaps(swapped, self.plan, device, self.memory, self.info, ledger),
             trace=self.trace,
             update_cores=update_cores_of(plan.layout, rank, device.is_cuda),
+            ahead=receives_ahead(plan.mapping, schedules)[rank],
         )
 
     def _state_tiers(self, make_optimizer: OptimizerFactory, params: dict[int, int]) -> dict[int, SsdTier | None]:

@@ -64,10 +64,13 @@ class Engine:
         swaps: dict[int, Swap] | None = None,
         trace: ActionTrace | None = None,
         update_cores: set[int] | None = None,
+        ahead: dict[MessageKey, Action] | None = None,
     ):
         """trace: records when each action of the steps it wants ran (Pipeline(trace_steps=...)); None: none.
         update_cores: the cores the host-update thread is pinned to (mobiuspipe.optim.host_threads; None: not
-        pinned)."""
+        pinned). ahead: each receive from another rank -> the receive to post once it has arrived
+        (mobiuspipe.schedule.ahead.receives_ahead, this rank's; None: none); kept only where the channels give each
+        direction its own queue."""
         self.mapping, self.rank, self.stages, self.schedule = mapping, rank, stages, schedule
         self.device, self.arena, self.comm, self.loss_fn = device, arena, comm, loss_fn
         self.num_microbatches, self.dtype = num_microbatches, dtype
@@ -122,9 +125,9 @@ class Engine:
             max_workers=1, thread_name_prefix="host-optimizer", initializer=pinned_to(update_cores)
         )
         self._specs: dict[tuple, dict[MessageKey, TensorSpec]] = {}  # batch shape -> specs of its messages
-        self._ahead = _receives_ahead(schedule, mapping, rank) if comm.channels.receives_apart else {}
-        """Each receive from another rank -> the next one of the step, posted before the first is waited for: its
-        bytes move (in gloo's threads, on NCCL's stream) while this rank computes, and its sender's send completes."""
+        self._ahead = dict(ahead or {}) if comm.channels.receives_apart else {}
+        """A receive from another rank -> the next one, posted once the first has arrived: its bytes move (in gloo's
+        threads, on NCCL's stream) while this rank computes, and its sender's send completes."""
         self._posted: dict[MessageKey, Posted] = {}
         self._dispatch = {
             Kind.LOAD: self._load,
@@ -376,9 +379,3 @@ def _sender_stage(a: Action) -> int:
 
 def _sender_kind(a: Action) -> Kind:
     return Kind.SEND_ACT if a.kind is Kind.RECV_ACT else Kind.SEND_GRAD
-
-
-def _receives_ahead(schedule: list[Action], mapping: list[int], rank: int) -> dict[MessageKey, Action]:
-    """Each receive of the schedule from another rank -> the next such receive (the step's last has none)."""
-    remote = [a for a in schedule if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD) and mapping[_sender_stage(a)] != rank]
-    return {(a.kind, a.stage, a.microbatch): b for a, b in zip(remote, remote[1:])}

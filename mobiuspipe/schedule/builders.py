@@ -14,9 +14,10 @@ no held activations: its forward is fused into its backward, which takes each mi
 from __future__ import annotations
 
 from mobiuspipe.schedule.actions import Action, Kind
+from mobiuspipe.schedule.check import check_schedules
 from partition.rules.order import steps_of
 
-__all__ = ["build_schedule"]
+__all__ = ["build_schedule", "build_schedules"]
 
 
 def build_schedule(
@@ -25,3 +26,12 @@ def build_schedule(
     """The ordered actions gpu runs in one step, given stage -> gpu mapping (partition.rules.order.steps_of, typed;
     swapped, prefetch: above)."""
     return [Action(Kind(kind), j, i) for kind, j, i in steps_of(mapping, gpu, microbatches, swapped, prefetch)]
+
+
+def build_schedules(
+    mapping: list[int], gpus: int, microbatches: int, swapped: frozenset[int], channels: str
+) -> list[list[Action]]:
+    """The lists of gpus 0 .. gpus-1, checked to run together on the channel layout (check_schedules)."""
+    schedules = [build_schedule(mapping, g, microbatches, swapped) for g in range(gpus)]
+    check_schedules(mapping, microbatches, schedules, channels)
+    return schedules

@@ -4,11 +4,11 @@ no deadlock."""
 from __future__ import annotations
 
 from mobiuspipe.schedule.actions import Action, Kind
+from mobiuspipe.schedule.nccl import PEER, NcclRun, is_receive, sender
 from partition.rules.costmodel import WEIGHT_SLOTS
 
 __all__ = ["ScheduleError", "check_schedules"]
 
-_PEER = {Kind.SEND_ACT: (Kind.RECV_ACT, +1), Kind.SEND_GRAD: (Kind.RECV_GRAD, -1)}
 _SWAPS = (Kind.SWAP_OUT, Kind.SWAP_IN)
 
 
@@ -92,99 +92,12 @@ def _needs(a: Action, num_stages: int, m: int) -> list[tuple[Kind, int, int]]:
 
 
 def _check_runs(mapping: list[int], schedules: list[list[Action]], channels: str) -> None:
-    """Run all lists together under NCCL's rules and fail on a deadlock: a rank posts a send and goes on, but
-    the send completes only when the peer's matching receive is posted; the operations a rank posts on one
-    channel (mobiuspipe.runtime.channels: "pair", both ways of a pair on one queue, or "direction") run in post order,
-    so an operation starts only at the head of its queue; a receive blocks its rank until it completes; every
-    send completes before the step ends (Comm.flush). Messages between stages of one gpu are handed over."""
-    run = _NcclRun(mapping, schedules, channels)
+    """Run all lists together under NCCL's rules (mobiuspipe.schedule.nccl) and fail on a deadlock."""
+    run = NcclRun(mapping, schedules, channels)
     while run.post() | run.match():
         pass
-    if any(run.pc[g] < len(acts) for g, acts in enumerate(schedules)) or any(run.queues.values()):
+    if not run.finished:
         raise ScheduleError(f"deadlock under NCCL's rules (channels {channels!r}): {run.stuck()}")
-
-
-class _NcclRun:
-    """The state of _check_runs: each gpu's next action, its posted operations per channel, what arrived."""
-
-    def __init__(self, mapping: list[int], schedules: list[list[Action]], channels: str):
-        self.mapping, self.schedules, self.channels = mapping, schedules, channels
-        self.pc = [0] * len(schedules)
-        self.queues: dict[tuple[int, object], list[tuple[bool, tuple[Kind, int, int], int]]] = {}
-        """(gpu, channel) -> [(is a send, the message (send kind, stage, microbatch), the peer)], oldest first."""
-        self.arrived: set[tuple[Kind, int, int]] = set()
-        self._posted: set[tuple[int, int]] = set()  # (gpu, action index) of receives already posted
-
-    def _channel(self, src: int, dst: int) -> object:
-        return frozenset((src, dst)) if self.channels == "pair" else (src, dst)
-
-    def post(self) -> bool:
-        """Run each gpu's list until it waits on a receive that has not completed; whether any moved."""
-        moved = False
-        for g, acts in enumerate(self.schedules):
-            while self.pc[g] < len(acts):
-                a = acts[self.pc[g]]
-                if a.kind in _PEER:
-                    msg, peer = (a.kind, a.stage, a.microbatch), self.mapping[a.stage + _PEER[a.kind][1]]
-                    self._post(g, peer, True, msg)
-                elif a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
-                    msg = _sender(a)
-                    peer = self.mapping[msg[1]]
-                    if (g, self.pc[g]) not in self._posted:
-                        self._posted.add((g, self.pc[g]))
-                        self._post(g, peer, False, msg)
-                    if msg not in self.arrived:
-                        break
-                self.pc[g] += 1
-                moved = True
-        return moved
-
-    def _post(self, g: int, peer: int, send: bool, msg: tuple[Kind, int, int]) -> None:
-        if peer == g:  # handed over on the gpu
-            if send:
-                self.arrived.add(msg)
-            return
-        ch = self._channel(g, peer) if send else self._channel(peer, g)
-        self.queues.setdefault((g, ch), []).append((send, msg, peer))
-
-    def match(self) -> bool:
-        """Complete every send and receive that head their two queues together; whether any did."""
-        done = False
-        for (_, ch), q in self.queues.items():
-            while q and q[0][0]:
-                _, msg, h = q[0]
-                other = self.queues.get((h, ch), [])
-                if not other or other[0][0] or other[0][1] != msg:
-                    break
-                q.pop(0)
-                other.pop(0)
-                self.arrived.add(msg)
-                done = True
-        return done
-
-    def stuck(self) -> str:
-        """Where each unfinished gpu waits, and the heads of its queues."""
-        out = []
-        for g, acts in enumerate(self.schedules):
-            heads = [
-                f"{'send' if q[0][0] else 'receive'} {_name(q[0][1])} {'to' if q[0][0] else 'from'} gpu {q[0][2]}"
-                for (h, _), q in self.queues.items()
-                if h == g and q
-            ]
-            if self.pc[g] < len(acts) or heads:
-                at = str(acts[self.pc[g]]) if self.pc[g] < len(acts) else "the end of the step"
-                out.append(f"gpu {g} waits at {at}, its queues start with [{'; '.join(heads)}]")
-        return "; ".join(out)
-
-
-def _name(msg: tuple[Kind, int, int]) -> str:
-    return str(Action(*msg))
-
-
-def _sender(a: Action) -> tuple[Kind, int, int]:
-    if a.kind is Kind.RECV_ACT:
-        return (Kind.SEND_ACT, a.stage - 1, a.microbatch)
-    return (Kind.SEND_GRAD, a.stage + 1, a.microbatch)
 
 
 def _check_pair_order(mapping: list[int], schedules: list[list[Action]]) -> None:
@@ -197,13 +110,9 @@ def _check_pair_order(mapping: list[int], schedules: list[list[Action]]) -> None
             sent = [
                 (a.kind, a.stage, a.microbatch)
                 for a in acts
-                if a.kind in _PEER and mapping[a.stage + _PEER[a.kind][1]] == h
+                if a.kind in PEER and mapping[a.stage + PEER[a.kind][1]] == h
             ]
-            taken = [
-                _sender(a)
-                for a in schedules[h]
-                if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD) and mapping[_sender(a)[1]] == g
-            ]
+            taken = [sender(a) for a in schedules[h] if is_receive(a) and mapping[sender(a)[1]] == g]
             if sent != taken:
                 k = next(i for i, (x, y) in enumerate(zip(sent + [None], taken + [None])) if x != y)
                 raise ScheduleError(

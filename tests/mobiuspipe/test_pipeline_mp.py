@@ -27,17 +27,7 @@ def _load_run(out):
     [
         (4, 2, 4, "cross"),
         (5, 2, 3, "round-robin"),
-        pytest.param(
-            3,
-            3,
-            2,
-            "cross",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="rank 1 posts RG1.0 ahead once RA1.1 has arrived, rank 2 posts RA2.1 once RA2.0 has; each "
-                "waits there (a device-wide synchronization on CUDA) for a message the other sends after its own post",
-            ),
-        ),
+        (3, 3, 2, "cross"),
     ],
 )
 def test_pipeline_equals_plain_pytorch(tmp_path, launch, reference, read_events, stages, gpus, microbatches, mapping):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mobiuspipe.runtime.engine import _receives_ahead
 from mobiuspipe.schedule import Action, Kind, ScheduleError, build_schedule, check_schedules
 from partition.rules.mapping import round_robin
 from partition.rules.order import Visit, visits_of
@@ -128,15 +127,3 @@ def test_builder_timeline_and_simulator_visit_stages_in_one_order(seed):
     assert _builder_visits(mapping, gpus, m) == {g: [v for v in vs if v != fused] for g, vs in want.items()}, mapping
     assert _timeline_visits(mapping, gpus, m, rng) == want, mapping
     assert _simulator_visits(mapping, gpus, m, rng) == want, mapping
-
-
-def test_each_receive_from_another_rank_posts_the_next_one():
-    """The engine posts each receive from another rank at the one before it (Engine._ahead): on gpu 0 of the
-    cross mapping [0, 1, 0, 1], RA2.0 -> RA2.1 -> RG2.0 -> RG2.1 -> RG0.0 -> RG0.1; receives handed over on
-    the same gpu take no part."""
-    schedule = build_schedule([0, 1, 0, 1], 0, 2)
-    chain = {f"{k[0].value}{k[1]}.{k[2]}": str(a) for k, a in _receives_ahead(schedule, [0, 1, 0, 1], 0).items()}
-    assert chain == {"RA2.0": "RA2.1", "RA2.1": "RG2.0", "RG2.0": "RG2.1", "RG2.1": "RG0.0", "RG0.0": "RG0.1"}
-    assert _receives_ahead(build_schedule([0, 0, 1], 0, 2), [0, 0, 1], 0) == {
-        (Kind.RECV_GRAD, 1, 0): Action(Kind.RECV_GRAD, 1, 1)
-    }
