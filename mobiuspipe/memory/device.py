@@ -60,6 +60,11 @@ class Device:
         """A one-thread executor whose thread is bound to this gpu (for work that issues copies)."""
         return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=self.bind_thread)
 
+    def bound(self) -> bool:
+        """Whether the calling thread is bound to this gpu (bind_thread; on CUDA, its current device)."""
+        current = torch.cuda.current_device() if self.is_cuda else getattr(_bound, "index", 0)
+        return current == self.index
+
     def _check_thread(self, what: str) -> None:
         """The strict stand-in's rule: device work only from a thread bound to this gpu."""
         if self.is_cuda or not strict():
