@@ -44,8 +44,8 @@ class Device:
         self.torch_device = torch.device("cuda", local_rank) if self.is_cuda else torch.device("cpu")
         self.compute = torch.cuda.current_stream(self.torch_device) if self.is_cuda else None
         """The stream the rank computes on (named, not taken from the calling thread's current stream)."""
-        self._in = CopyStream(local_rank, self.is_cuda, "copy-in", self.compute)
-        self._out = CopyStream(local_rank, self.is_cuda, "copy-out", self.compute)
+        self._in = CopyStream(local_rank, self.is_cuda, "copy-in", self.compute, self._check_thread)
+        self._out = CopyStream(local_rank, self.is_cuda, "copy-out", self.compute, self._check_thread)
         self._peers: dict[int, CopyStream] = {}
         self._loader: ThreadPoolExecutor | None = None  # CUDA: runs stream_in's jobs; made on first use
 
@@ -56,9 +56,16 @@ class Device:
             torch.cuda.set_device(self.index)
         _bound.index = self.index
 
-    def executor(self, name: str) -> ThreadPoolExecutor:
-        """A one-thread executor whose thread is bound to this gpu (for work that issues copies)."""
-        return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=self.bind_thread)
+    def executor(self, name: str, also: Callable[[], None] | None = None) -> ThreadPoolExecutor:
+        """A one-thread executor whose thread is bound to this gpu (for work that issues copies or waits for them);
+        also: more set-up of the thread, after binding it (pinning it to cores)."""
+
+        def start() -> None:
+            self.bind_thread()
+            if also is not None:
+                also()
+
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=start)
 
     def bound(self) -> bool:
         """Whether the calling thread is bound to this gpu (bind_thread; on CUDA, its current device)."""
@@ -66,16 +73,15 @@ class Device:
         return current == self.index
 
     def _check_thread(self, what: str) -> None:
-        """The strict stand-in's rule: device work only from a thread bound to this gpu."""
-        if self.is_cuda or not strict():
+        """The strict stand-in's rule: device work, and waits for copies, only from a thread bound to this gpu."""
+        if self.is_cuda or not strict() or self.bound():
             return
-        current = getattr(_bound, "index", 0)
-        if current != self.index:
-            raise StandInError(
-                f"{what} for gpu {self.index} from thread {threading.current_thread().name!r}, whose current "
-                f"device is {current}: a new CUDA thread's current device is 0, so its streams and events would be "
-                f"gpu {current}'s; make the thread with Device.executor (or call bind_thread in it)"
-            )
+        raise StandInError(
+            f"{what} for gpu {self.index} from thread {threading.current_thread().name!r}, whose current device is "
+            f"{getattr(_bound, 'index', 0)}: a new CUDA thread's current device is 0, so its streams and events would "
+            f"be gpu 0's and its first CUDA call would make a context there; make the thread with Device.executor "
+            f"(or call bind_thread in it)"
+        )
 
     # -- where tensors live: the copy functions (the strict stand-in marks each tensor's place) ------------
     @property
@@ -167,13 +173,13 @@ class Device:
 
         if self._loader is None:
             self._loader = self.executor("ssd-loader")
-        return CopyHandle(future=self._loader.submit(on_stream))
+        return CopyHandle(future=self._loader.submit(on_stream), check=self._check_thread)
 
     def computed(self) -> CopyHandle:
         """A mark after the compute queued so far: a copy `after` it waits for that compute (a released slot's last
         users). On the stand-in, whose compute is synchronous, it has ended already."""
         ev = self._computed()
-        return CopyHandle() if ev is None else CopyHandle(event=ev, compute=self.compute)
+        return CopyHandle() if ev is None else CopyHandle(event=ev, compute=self.compute, check=self._check_thread)
 
     def _computed(self) -> torch.cuda.Event | None:
         """CUDA: an event after the compute queued so far; None on the stand-in (its compute is synchronous)."""

@@ -27,8 +27,11 @@ class CopyHandle:
         future: Future | None = None,
         event: torch.cuda.Event | None = None,
         compute: torch.cuda.Stream | None = None,
+        check: Callable[[str], None] | None = None,
     ):
-        self._future, self._event, self._compute = future, event, compute
+        """check(what): raises if the calling thread may not wait for the copy (Device._check_thread: CUDA's
+        event waits from a thread whose current device is another gpu's would set up a context there)."""
+        self._future, self._event, self._compute, self._check = future, event, compute, check
 
     def wait(self) -> None:
         if self._future is not None:
@@ -39,6 +42,8 @@ class CopyHandle:
 
     def synchronize(self) -> None:
         """Block this thread until the copy has ended (its source may then be refilled by the host)."""
+        if self._check is not None:
+            self._check("waiting for a copy to end")
         if self._future is not None:
             self._future.result()
         if self._event is not None:
@@ -46,6 +51,8 @@ class CopyHandle:
 
     def done(self) -> bool:
         """Whether the copy has ended (a failed stand-in copy counts as ended: its error comes out of wait)."""
+        if self._check is not None:
+            self._check("asking whether a copy has ended")
         if self._future is not None and not self._future.done():
             return False
         return self._event is None or self._event.query()
@@ -58,11 +65,19 @@ class CopyHandle:
 
 class CopyStream:
     """The copies of one queue of gpu `index` (module docstring); compute: the stream that waits for them (CUDA:
-    the rank's compute stream, on whatever gpu; None on the stand-in)."""
+    the rank's compute stream, on whatever gpu; None on the stand-in); check: given to each copy's handle
+    (CopyHandle)."""
 
-    def __init__(self, index: int, cuda: bool, name: str, compute: torch.cuda.Stream | None = None):
+    def __init__(
+        self,
+        index: int,
+        cuda: bool,
+        name: str,
+        compute: torch.cuda.Stream | None = None,
+        check: Callable[[str], None] | None = None,
+    ):
         self.index, self.name = index, name
-        self._compute = compute
+        self._compute, self._check = compute, check
         self._stream = torch.cuda.Stream(torch.device("cuda", index)) if cuda else None
         self._thread = None if cuda else ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
 
@@ -77,7 +92,8 @@ class CopyStream:
         `ready`) have ended."""
         if self._stream is None:
             assert self._thread is not None
-            return CopyHandle(future=self._thread.submit(_copy_after, [h._future for h in after], dst, src))
+            future = self._thread.submit(_copy_after, [h._future for h in after], dst, src)
+            return CopyHandle(future=future, check=self._check)
         stream = self._stream
         if ready is not None:
             stream.wait_event(ready)
@@ -87,12 +103,12 @@ class CopyStream:
             dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
-        return CopyHandle(event=done, compute=self._compute)
+        return CopyHandle(event=done, compute=self._compute, check=self._check)
 
     def run(self, job: Callable[[], None]) -> CopyHandle:
         """The stand-in only: job() on the stream's thread, in order with its copies."""
         assert self._thread is not None, "a CUDA stream runs no host jobs"
-        return CopyHandle(future=self._thread.submit(job))
+        return CopyHandle(future=self._thread.submit(job), check=self._check)
 
     def close(self) -> None:
         if self._thread is not None:

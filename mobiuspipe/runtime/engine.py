@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import torch
@@ -121,9 +120,8 @@ class Engine:
         """The pass being run: its inputs, messages, saved tensors, loss and times (shared with compute)."""
         self.clock = ActionClock(device.compute)
         """When the actions ran: CUDA events on a gpu, the host's clock on the stand-in (mobiuspipe.runtime.clock)."""
-        self.updater = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="host-optimizer", initializer=pinned_to(update_cores)
-        )
+        self.updater = device.executor("host-optimizer", also=pinned_to(update_cores))
+        """The host updates' thread: bound to the rank's gpu (it waits for the gradients' copies), pinned near it."""
         self._specs: dict[tuple, dict[MessageKey, TensorSpec]] = {}  # batch shape -> specs of its messages
         self._ahead = dict(ahead or {}) if comm.channels.receives_apart else {}
         """A receive from another rank -> the next one, posted once the first has arrived: its bytes move (in gloo's
