@@ -67,16 +67,17 @@ class DeviceStates:
 
     def take_grads(
         self, src: torch.Tensor, device: Device, accumulate: bool = False, norm: bool = False, into: int = 0
-    ) -> None:
+    ) -> CopyHandle:
         """Copy (accumulate: add) the stage's gradients from its slot into the resident ones on the compute stream;
-        with norm, their squared norm stays on the gpu until grad_sumsq reads it. None: nothing in flight, the slot
-        is free for whatever the compute stream runs next."""
+        with norm, their squared norm stays on the gpu until grad_sumsq reads it. The handle marks the end of that
+        work (Device.computed): the slot may be refilled after it, by a copy stream too."""
         one_version(into)
         if accumulate:
             self.grads.add_(src)
         else:
             self.grads.copy_(src)
         self._sumsq = torch.linalg.vector_norm(self.grads, dtype=torch.float64).square() if norm else None
+        return device.computed()
 
     def grad_sumsq(self) -> float:
         return 0.0 if self._sumsq is None else float(self._sumsq)

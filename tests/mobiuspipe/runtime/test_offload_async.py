@@ -65,3 +65,23 @@ def test_a_slot_freed_under_a_copy_is_refilled_after_it(held_stream):
         c.wait()
     again.data.fill_(1)  # the new holder writes only now
     assert bool((host == 7).all())
+
+
+def test_the_device_tier_frees_the_gradient_slot_after_the_compute_that_reads_it(monkeypatch):
+    """DeviceStates copies the slot's gradients on the compute stream: the slot goes back with a mark after that work
+    (Device.computed), so a load on a copy stream into it waits for the copy (on CUDA the mark is an event)."""
+    from mobiuspipe.memory.streams import CopyHandle
+    from mobiuspipe.optim.hyper import AdamHyper
+    from mobiuspipe.runtime.device_states import DeviceStates
+
+    device = Device(0, use_cuda=False)
+    try:
+        states = DeviceStates(torch.zeros(10), torch.float32, device, AdamHyper.of(partial(CPUAdam)))
+        mark = CopyHandle()
+        monkeypatch.setattr(device, "computed", lambda: mark)  # what a CUDA device records on its compute stream
+        src = device.to_device(torch.arange(10.0))
+        assert states.take_grads(src, device) is mark
+        assert states.take_grads(src, device, accumulate=True) is mark
+        assert device.to_host(states.grads).tolist() == [2.0 * i for i in range(10)]
+    finally:
+        device.close()
