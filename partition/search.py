@@ -12,7 +12,7 @@ from partition.errors import PlanInfeasibleError
 from partition.mip.solvers import NO_MIP, mip_installed
 from partition.plan import Plan, SolverInfo, StagePlan
 from partition.rules.activation_choice import with_activations
-from partition.rules.costmodel import WEIGHT_SLOTS, LayerArrays, arena_bytes
+from partition.rules.costmodel import WEIGHT_SLOTS, LayerArrays, arena_bytes, slot_weight_bytes
 from partition.rules.dp import solve_dp
 from partition.rules.mapping import mapping_candidates, mapping_score, stage_contention
 from partition.rules.tiers import (
@@ -465,7 +465,7 @@ def stage_plan(arr: LayerArrays, a: int, b: int, gpu: int, load_gbps: float) -> 
         last=b,
         gpu=gpu,
         param_count=arr.param_count(a, b),
-        param_bytes=arr.params(a, b),
+        param_bytes=slot_weight_bytes(arr.grads(a, b), arr.params(a, b) - arr.grads(a, b)),
         trainable_count=_unless_all(arr.trainable(a, b), arr.param_count(a, b)),
         grad_bytes=_unless_all(arr.grads(a, b), arr.params(a, b)),
         activation_bytes=arr.activations(a, b),

@@ -41,6 +41,7 @@ from mobiuspipe.runtime.stage_states import (
     SsdTier,
     StageStates,
 )
+from partition.rules.costmodel import frozen_start
 
 __all__ = ["Stage", "ParamSlice", "FrozenSlice"]
 
@@ -130,8 +131,8 @@ class Stage:
         """Bytes of the trainable weights (and of their gradients)."""
         self.frozen = _frozen_slices(layers, self.order, dtype)
         """The frozen parameters: offsets in the frozen bytes, which follow the trainable ones in the weight slot."""
-        self.frozen_start = self.nbytes  # a multiple of the training dtype's size, which no frozen item exceeds
-        """Where the frozen bytes start in the weight slot (bytes)."""
+        self.frozen_start = frozen_start(self.nbytes, sum(f.nbytes for f in self.frozen))
+        """Where the frozen bytes start in the weight slot (bytes): aligned for the widest frozen item."""
         self.weight_nbytes = self.frozen_start + sum(f.nbytes for f in self.frozen)
         """Bytes of the weight slot the stage fills: its trainable weights, then its frozen ones."""
         flat = _flat(layers, self.order, trainable=True, dtype=torch.float32)

@@ -2,7 +2,8 @@
 
 Legend (stage j holds layers a..b; all per ONE microbatch unless marked; units in brackets):
   M        number of microbatches per step                                               [-]
-  P_j      sum of P_l: parameter bytes loaded into the gpu for stage j                   [bytes]
+  P_j      sum of P_l: parameter bytes loaded into the gpu for stage j (under LoRA, up to [bytes]
+           FROZEN_ALIGN - 1 more: its frozen ones start aligned, frozen_start)
   A_j      sum of A_l + O_{a-1} + O_b: live activations while stage j runs backward on
            one microbatch (the stage recomputes its forward from its saved input, so all
            of its layers' activations are live at once, plus the input and output buffers)[bytes]
@@ -42,7 +43,17 @@ from numpy.typing import DTypeLike
 from partition.spec.analytic import DTYPE_BYTES
 from partition.spec.profile import Profile
 
-__all__ = ["WEIGHT_SLOTS", "GRAD_SLOTS", "ARENA_SLOTS", "LayerArrays", "stage_cost", "arena_bytes"]
+__all__ = [
+    "WEIGHT_SLOTS",
+    "GRAD_SLOTS",
+    "ARENA_SLOTS",
+    "FROZEN_ALIGN",
+    "LayerArrays",
+    "stage_cost",
+    "arena_bytes",
+    "frozen_start",
+    "slot_weight_bytes",
+]
 
 WEIGHT_SLOTS = 2
 """Arena slots for weights: the computing stage's and the prefetched next stage's of the same gpu."""
@@ -52,6 +63,23 @@ ARENA_SLOTS = WEIGHT_SLOTS + GRAD_SLOTS
 """Slots in the device arena: WEIGHT_SLOTS of W bytes (the largest stage's parameter bytes) and GRAD_SLOTS of
 W_grad (the largest stage's gradient bytes: W without LoRA, its adapters' alone with it); the memory rule is
 arena_bytes(W, W_grad) + A_j <= G."""
+
+
+FROZEN_ALIGN = 8
+"""Bytes: a stage's frozen weights start in its weight slot at a multiple of this after its trainable ones, so that
+each frozen item (the widest first: a quantized base's int32 scales) is viewed in place at an offset its element
+size divides."""
+
+
+def frozen_start(trainable_bytes: int, frozen_bytes: int) -> int:
+    """Where a stage's frozen weights start in its weight slot (bytes): right after its trainable ones, rounded up to
+    FROZEN_ALIGN when it has frozen ones. A stage's P_j is this plus frozen_bytes."""
+    return trainable_bytes + (-trainable_bytes % FROZEN_ALIGN if frozen_bytes else 0)
+
+
+def slot_weight_bytes(trainable_bytes: int, frozen_bytes: int) -> int:
+    """P_j: the bytes a stage's weights take in its weight slot, the trainable ones, then the frozen ones."""
+    return frozen_start(trainable_bytes, frozen_bytes) + frozen_bytes
 
 
 def arena_bytes(weight_slot: int, grad_slot: int) -> int:

@@ -8,7 +8,7 @@ import pytest
 from foundation.timing import Stopwatch
 from foundation.units import GiB, fmt_bytes
 from partition.errors import PlanInfeasibleError
-from partition.rules.costmodel import ARENA_SLOTS, LayerArrays
+from partition.rules.costmodel import ARENA_SLOTS, LayerArrays, frozen_start, slot_weight_bytes
 from partition.rules.device_peak import planned_device_bytes
 from partition.rules.dp import solve_dp
 from partition.rules.mapping import make_mapping, stage_contention
@@ -236,3 +236,33 @@ def test_the_plan_fits_its_lifetime_walk_or_is_refused():
         PlanInfeasibleError, match=r"no plan of small fits .* on the lifetime walk .* with 6 stages, gpu 0 needs"
     ):
         make_plan(prof, topo, 2, num_stages=6)
+
+
+@pytest.mark.parametrize(
+    "trainable,frozen,start",
+    [(3834, 100, 3840), (3840, 100, 3840), (3834, 0, 3834), (1, 7, 8), (0, 5, 0)],
+)
+def test_a_stages_frozen_weights_start_aligned_in_its_slot(trainable, frozen, start):
+    """Hand-computed: the frozen bytes follow the trainable ones from the next multiple of 8 (FROZEN_ALIGN); with no
+    frozen bytes nothing is added; P_j is that start plus the frozen bytes."""
+    assert frozen_start(trainable, frozen) == start
+    assert slot_weight_bytes(trainable, frozen) == start + frozen
+
+
+def test_a_lora_plans_slot_counts_the_alignment():
+    """A layer of 2 bf16 adapter weights beside 12 frozen bytes: P = 2 + 6 (to the boundary) + 12 = 20, not 14."""
+    layer = LayerProfile(
+        name="l",
+        param_count=14,
+        param_bytes=14,
+        trainable_count=1,
+        activation_bytes=8,
+        output_bytes=8,
+        fwd_flops=1e6,
+        bwd_flops=2e6,
+        fwd_s=1e-3,
+        bwd_s=2e-3,
+    )
+    profile = Profile(model="m", device="cpu-standin", dtype="bf16", microbatch_size=1, seq_len=1, layers=(layer,))
+    plan = make_plan(profile, cpu_standin(1, 1 << 20), 1, solver="dp")
+    assert plan.stages[0].param_bytes == 20 and plan.slot_bytes == 20

@@ -12,6 +12,7 @@ from torch import nn
 from mobiuspipe import LoraSpec
 from mobiuspipe.lora.quant import Int8Linear, NF4Linear, quantizable
 from mobiuspipe.models.hf import hf_key, open_hf
+from partition.rules.costmodel import FROZEN_ALIGN
 from partition.spec.lora import int8_bytes, int8_numel, nf4_bytes, nf4_numel
 
 peft = pytest.importorskip("peft")
@@ -137,17 +138,30 @@ def test_a_quantized_base_trains_as_peft_on_its_dequantized_weights(tmp_path, hf
     assert slot < 0.5 * dense_slot  # fp32 dense against the codes (measured: 0.40 NF4, 0.42 int8 beside the adapters)
 
 
-@pytest.mark.parametrize(("precision", "base_dtype"), [("fp32", "nf4"), ("bf16", "nf4"), ("bf16", "int8")])
-def test_a_quantized_run_resumes_bit_for_bit(tmp_path, hf_kit, precision, base_dtype):
-    """The checkpoint holds the adapters; the base is quantized again from the model folder, the same bytes."""
-    hf_kit.save_model("llama", tmp_path / "base", seed=2, **SIZES)
+@pytest.mark.parametrize(
+    ("precision", "base_dtype", "rank", "sizes"),
+    [
+        ("fp32", "nf4", 4, SIZES),
+        ("bf16", "nf4", 4, SIZES),
+        ("bf16", "int8", 4, SIZES),
+        ("bf16", "int8", 3, {**SIZES, "intermediate_size": 255}),  # odd adapter counts: the int32 scales at an offset
+    ],
+)
+def test_a_quantized_run_resumes_bit_for_bit(tmp_path, hf_kit, precision, base_dtype, rank, sizes):
+    """The checkpoint holds the adapters; the base is quantized again from the model folder, the same bytes. With an
+    odd count of bf16 adapter weights the frozen items still start where their int32 scales can be viewed in place
+    (FROZEN_ALIGN), inside the slot the plan counted."""
+    hf_kit.save_model("llama", tmp_path / "base", seed=2, **sizes)
     m = open_hf(tmp_path / "base", 13)
-    spec = LoraSpec(rank=4, alpha=8.0, targets=TARGETS, base_dtype=base_dtype)
+    spec = LoraSpec(rank=rank, alpha=8.0, targets=TARGETS, base_dtype=base_dtype)
     batches = hf_kit.random_batches(4, 8, 13, seed=3)
     torch.manual_seed(1)
     with hf_kit.lora_pipeline(m, spec, batches, precision) as pipe:
         straight = [pipe.train_batch(x, y).loss for x, y in batches]
         final = pipe.state_dict(frozen=False)
+        stages = list(pipe.stages.values())
+        assert all(s.frozen_start % FROZEN_ALIGN == 0 and s.weight_nbytes <= pipe.plan.slot_bytes for s in stages)
+        assert any(s.frozen_start > s.nbytes for s in stages) == (rank % 2 == 1)
     torch.manual_seed(1)
     with hf_kit.lora_pipeline(m, spec, batches, precision) as pipe:
         first = [pipe.train_batch(x, y).loss for x, y in batches[:2]]
