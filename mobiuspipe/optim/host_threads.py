@@ -9,13 +9,16 @@ Pinning: the Adam update is bound by memory bandwidth, so it runs best on the co
 holds the states it steps, the node of the rank's gpu, where its pinned buffers are too. The gpu's cpulist comes from
 the topology (NVML's CPU affinity or sysfs's local_cpulist: topology.types.Gpu.cpu_affinity), kept to the cores this
 process may use; where the topology does not know it, or on a CPU stand-in (whose gpus are not real), the thread is
-not pinned.
+not pinned. A pinned thread lowers torch's threads to its cores where they were more (one gpu on a two-socket host
+would otherwise run a team of all the host's cores on one node's).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+
+import torch
 
 __all__ = ["rank_threads", "parse_cpulist", "update_cpus", "update_cores_of", "pinned_to"]
 
@@ -72,10 +75,14 @@ def update_cores_of(layout, rank: int, on_gpu: bool) -> set[int] | None:
 
 def pinned_to(cores: set[int] | None) -> Callable[[], None]:
     """A thread initializer (ThreadPoolExecutor's) that pins the calling thread to `cores` (Linux: the affinity of
-    the thread alone; its OpenMP workers, started after, inherit it); a no-op for None."""
+    the thread alone; its OpenMP workers, started after, inherit it) and lowers torch's threads to len(cores) where
+    they were more: a team larger than the cores it may run on spins against itself (torch's thread count is the
+    process's, which on a gpu computes on the gpu, not in that pool); a no-op for None."""
 
     def pin() -> None:
         if cores:
             os.sched_setaffinity(0, cores)
+            if torch.get_num_threads() > len(cores):
+                torch.set_num_threads(len(cores))
 
     return pin

@@ -51,13 +51,31 @@ def test_the_update_cores_are_the_gpus_that_this_process_may_use():
     assert update_cpus("garbage", on_gpu=True) is None
 
 
-def test_a_pinned_thread_runs_on_its_cores_and_leaves_the_process_alone():
+def test_a_pinned_thread_runs_on_its_cores_and_leaves_the_processs_cores_alone():
     core = {ALLOWED[-1]}
     with ThreadPoolExecutor(1, initializer=pinned_to(core)) as pool:
         assert pool.submit(os.sched_getaffinity, 0).result() == core
     assert sorted(os.sched_getaffinity(0)) == ALLOWED
     with ThreadPoolExecutor(1, initializer=pinned_to(None)) as pool:
         assert sorted(pool.submit(os.sched_getaffinity, 0).result()) == ALLOWED
+
+
+def test_pinning_lowers_torchs_threads_to_the_pinned_cores_and_never_raises_them():
+    """CPU Adam's OpenMP team comes from the pinned thread: more threads than its cores would spin on each other."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(len(ALLOWED) + 3)
+        with ThreadPoolExecutor(1, initializer=pinned_to({ALLOWED[-1]})) as pool:
+            assert pool.submit(torch.get_num_threads).result() == 1
+        torch.set_num_threads(1)
+        with ThreadPoolExecutor(1, initializer=pinned_to(set(ALLOWED))) as pool:
+            assert pool.submit(torch.get_num_threads).result() == 1
+        with ThreadPoolExecutor(1, initializer=pinned_to(None)) as pool:
+            assert pool.submit(torch.get_num_threads).result() == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_pipeline_on_a_gpu_pins_its_update_thread_to_the_gpus_cores(monkeypatch):
