@@ -95,12 +95,13 @@ class Channels:
         return self.layout == "direction"
 
     def warm_up(self, device: torch.device) -> None:
-        """Set up every communicator of this rank now, and its connection in the direction it carries, in one order
-        on every rank: NCCL connects lazily at first contact otherwise (lazy set-ups in different orders can
-        deadlock), and its point-to-point buffers then exist before the start-up room check reads the gpu's free
-        memory. Each pair's one-element message goes first on both of its ends (it pairs by order)."""
-        for (src, dst), group in sorted(self._groups.items()):
-            dist.all_reduce(torch.zeros(1, device=device), group=group)
+        """Set up every channel of this rank now, in one order on every rank, by a one-element message in the
+        direction it carries: NCCL makes a group's point-to-point communicator and connection lazily at first
+        contact otherwise (lazy set-ups in different orders can deadlock), and its buffers then exist before the
+        start-up room check reads the gpu's free memory. No collective runs on a channel's group: ProcessGroupNCCL
+        gives collectives a communicator of their own, which would hold memory and carry nothing. The message goes
+        first on both ends of its channel (it pairs by order)."""
+        for (src, dst), _ in sorted(self._groups.items()):
             if self.rank == src:
                 self.to(dst).isend(torch.zeros(1, device=device), tag=WARM_UP_TAG).wait()
             else:

@@ -19,18 +19,24 @@ WAIT = timedelta(seconds=3)
 
 def _warm_up(ch: Channels, rank: int, peer: int) -> str | None:
     """Warm the channels up, spying on their links: with a communicator per direction, each carries one message
-    first, in the order of the pairs (0, 1) then (1, 0) on both ranks. What went wrong, or None."""
+    first, in the order of the pairs (0, 1) then (1, 0) on both ranks, and no collective runs. What went wrong, or
+    None."""
     seen: list[tuple[str, int]] = []
     spied = {}
     for kind in (Link, StrictLink):
         for op in ("isend", "irecv"):
             spied[kind, op] = getattr(kind, op)
             setattr(kind, op, _spy(spied[kind, op], op, seen))
+    collectives = []
+    all_reduce, dist.all_reduce = dist.all_reduce, lambda *a, **k: collectives.append(a)
     try:
         ch.warm_up(torch.device("cpu"))
     finally:
+        dist.all_reduce = all_reduce
         for (kind, op), f in spied.items():
             setattr(kind, op, f)
+    if collectives:
+        return f"warm-up ran {len(collectives)} collectives on the channels' groups"
     if ch.layout == "pair":
         return None if not seen else f"warm-up sent {seen} on the default group"
     want = [("isend", 0), ("irecv", 0)] if rank == 0 else [("irecv", 0), ("isend", 0)]
