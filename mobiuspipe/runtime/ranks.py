@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import PrefixStore
 from torch.distributed.rendezvous import rendezvous as env_rendezvous
 
-from mobiuspipe.errors import WorldSizeError
+from mobiuspipe.errors import PipelineError, WorldSizeError
 
 __all__ = ["RankInfo", "rank_info", "join_group", "leave_group", "gather_all"]
 
@@ -49,12 +49,23 @@ def rank_info() -> RankInfo:
 
 
 def join_group(info: RankInfo, timeout_s: float) -> bool:
-    """Create the process group if the job has several ranks and none exists; True if this call made it."""
-    if info.world_size == 1 or dist.is_initialized():
+    """Create the process group if the job has several ranks and none exists; True if this call made it. On CUDA
+    the rank's gpu becomes the current device first, in a group the caller made too: NCCL and the object
+    collectives work on it."""
+    if info.world_size == 1:
         return False
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(info.local_rank)  # before any collective: NCCL uses the current device
+    if dist.is_initialized():
+        found = dist.get_backend()
+        if found != backend:
+            raise PipelineError(
+                f"the process group uses the {found!r} backend, but this job's messages are "
+                f"{'gpu' if backend == 'nccl' else 'host'} tensors, which need {backend!r}: make it with "
+                f"dist.init_process_group({backend!r}), or let the Pipeline make it (torchrun's variables suffice)"
+            )
+        return False
     timeout = timedelta(seconds=timeout_s)
     store, rank, world = next(env_rendezvous("env://", timeout=timeout))
     # A job torchrun restarts (--max-restarts) meets again in the same store: without a prefix of its own,
