@@ -20,7 +20,8 @@ class RuntimeConfig(Section):
     """How the ranks run: communication timeout and CPU threads."""
 
     comm_timeout_s: float = 60.0
-    """Seconds a receive may wait (s); longer fails with a message naming the peer rank."""
+    """Seconds a receive may wait (s); longer fails with a message naming the peer rank (on gloo; on NCCL, the
+    process group's timeout: its watchdog ends the rank, timing each operation from its post)."""
     threads: int | None = dataclasses.field(default=None, metadata=AUTO_COUNT)
     """Torch intra-op threads per rank (count): the compute on CPU stand-ins and the host update's CPU Adam kernel use
     them. auto (or null, or left out): each rank of this host gets its share of the cores the process may run on
