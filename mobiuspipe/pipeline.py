@@ -49,7 +49,7 @@ from mobiuspipe.runtime.activations import ActivationsSpec, stage_modes
 from mobiuspipe.runtime.channels import LAYOUT
 from mobiuspipe.runtime.comm import Comm
 from mobiuspipe.runtime.engine import Engine, LossFn, StepOptions, StepTimes
-from mobiuspipe.runtime.ranks import join_group, leave_group, rank_info
+from mobiuspipe.runtime.ranks import abort_group, join_group, leave_group, rank_info
 from mobiuspipe.runtime.stage import Stage
 from mobiuspipe.runtime.stage_states import SsdTier
 from mobiuspipe.runtime.tied import TiedGrads
@@ -201,9 +201,9 @@ class Pipeline:
             if self.ties is not None:
                 self.engine.hold_updates_of(self.ties.held_stages)
         except BaseException:
-            store = getattr(self, "store", None)
-            if store is not None:
+            if (store := getattr(self, "store", None)) is not None:
                 store.close()
+            abort_group(self._owns_group)
             leave_group(self._owns_group)
             raise
         self.step = 0
@@ -458,8 +458,7 @@ class Pipeline:
         return checkpoint.load_checkpoint(self, Path(folder))
 
     def resume_at(self, step: int, scaler: dict | None = None) -> None:
-        """Go on from a restored checkpoint: the next train_batch is optimizer step `step`, with the loss scaler's
-        state as saved (fp16; None: as it is)."""
+        """Go on from a restored checkpoint: train_batch runs step `step` next, fp16's scaler as saved (None: kept)."""
         if step < 0:
             raise PipelineError(f"resume_at needs a step >= 0, not {step}")
         if self.scaler is not None and scaler is not None:
@@ -480,13 +479,14 @@ class Pipeline:
             out[j] = stage.state_dict(frozen)
         return out
 
-    def close(self) -> None:
-        """Wait for the pending host updates, stop this rank's threads, leave the process group (if this
-        Pipeline joined it). Idempotent."""
+    def close(self, failed: bool = False) -> None:
+        """Wait for the pending host updates, stop this rank's threads, leave the process group (if this Pipeline
+        joined it; failed, as a `with` block left by an error: on NCCL aborted first, ranks.abort_group). Idempotent."""
         if self._closed:
             return
         self._closed = True
         try:
+            abort_group(self._owns_group and failed)
             self.engine.finish()
             if self.store is not None:
                 self.store.close()  # flushes the index: the states on disk are the last step's
@@ -497,4 +497,4 @@ class Pipeline:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        self.close(failed=exc[0] is not None)

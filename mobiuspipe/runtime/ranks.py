@@ -7,18 +7,19 @@ sets (RANK, WORLD_SIZE, LOCAL_RANK), else the process is a job of one rank and n
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import PrefixStore
+from torch.distributed.distributed_c10d import PrefixStore, _abort_process_group
 from torch.distributed.rendezvous import rendezvous as env_rendezvous
 
 from mobiuspipe.errors import PipelineError, WorldSizeError
 
-__all__ = ["RankInfo", "rank_info", "join_group", "leave_group", "gather_all"]
+__all__ = ["RankInfo", "rank_info", "join_group", "leave_group", "abort_group", "gather_all"]
 
 
 @dataclass(frozen=True)
@@ -77,9 +78,22 @@ def join_group(info: RankInfo, timeout_s: float) -> bool:
 
 
 def leave_group(owned: bool) -> None:
-    """Destroy the process group if join_group made it."""
+    """Destroy the process group if join_group made it (and abort_group has not)."""
     if owned and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def abort_group(owned: bool) -> None:
+    """After an error, on NCCL: abort the communicators of the group join_group made. The rank may have sends and
+    receives no peer will ever match, and a graceful destroy (or a wait for copies queued behind those kernels) would
+    wait for them until NCCL's watchdog ends the rank, its error unsaid. Nothing on gloo, whose operations do not
+    hold the teardown (leave_group follows)."""
+    if not owned or not dist.is_initialized() or dist.get_backend() != "nccl":
+        return
+    try:
+        _abort_process_group()  # every group of the job (torch marks the call experimental)
+    except (RuntimeError, ValueError) as e:
+        print(f"mobiuspipe: NCCL's communicators did not abort ({e}): leaving the group gracefully", file=sys.stderr)
 
 
 def gather_all(info: RankInfo, obj: Any) -> list[Any]:

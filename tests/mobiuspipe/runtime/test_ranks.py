@@ -3,6 +3,8 @@ carries this job's tensors."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -35,3 +37,49 @@ def test_a_callers_group_of_the_wrong_backend_is_refused(monkeypatch, backend, c
     _made_by_caller(monkeypatch, backend, cuda)
     with pytest.raises(PipelineError, match=rf"uses the '{backend}' backend.*need '{need}'.*init_process_group"):
         join_group(RankInfo(0, 2, 0, True), 30.0)
+
+
+def test_after_an_error_on_nccl_the_communicators_are_aborted(monkeypatch, capsys):
+    """A graceful destroy waits for NCCL kernels no peer will match; abort_group does not (gloo: nothing to do)."""
+    import mobiuspipe.runtime.ranks as ranks
+
+    aborted = []
+    monkeypatch.setattr(ranks, "_abort_process_group", lambda: aborted.append(1))
+    _made_by_caller(monkeypatch, "nccl", cuda=True)
+    ranks.abort_group(False)  # a group the caller made is the caller's
+    assert aborted == []
+    ranks.abort_group(True)
+    assert aborted == [1]
+    _made_by_caller(monkeypatch, "gloo", cuda=False)
+    ranks.abort_group(True)
+    assert aborted == [1]
+
+    def refuses():
+        raise RuntimeError("abort is not supported")
+
+    _made_by_caller(monkeypatch, "nccl", cuda=True)
+    monkeypatch.setattr(ranks, "_abort_process_group", refuses)
+    ranks.abort_group(True)  # the graceful leave follows: one line says why
+    assert "did not abort (abort is not supported): leaving the group gracefully" in capsys.readouterr().err
+
+
+def test_a_pipeline_left_by_an_error_aborts_before_it_waits(monkeypatch):
+    """Pipeline.__exit__ with an exception aborts the group it joined before waiting for the host updates."""
+    import mobiuspipe.pipeline as pipeline_module
+    from mobiuspipe import Pipeline
+
+    order = []
+    monkeypatch.setattr(pipeline_module, "abort_group", lambda owned: order.append(("abort", owned)))
+    sample = (torch.randn(4, 4), torch.randn(4, 4))
+    loss = torch.nn.functional.mse_loss
+    for failed in (False, True):
+        layers = [torch.nn.Linear(4, 4) for _ in range(2)]
+        with pytest.raises(KeyError) if failed else nullcontext():
+            with Pipeline(layers, loss, sample=sample, num_microbatches=2, num_stages=2) as pipe:
+                monkeypatch.setattr(pipe, "_owns_group", True)  # as if it had made the job's group
+                finish = pipe.engine.finish
+                monkeypatch.setattr(pipe.engine, "finish", lambda f=finish: (order.append(("finish",)), f()))
+                pipe.train_batch(*sample)
+                if failed:
+                    raise KeyError("a failure mid-run")
+    assert order == [("abort", False), ("finish",), ("abort", True), ("finish",)]
