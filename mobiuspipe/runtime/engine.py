@@ -67,7 +67,7 @@ class Engine:
     ):
         """trace: records when each action of the steps it wants ran (Pipeline(trace_steps=...)); None: none.
         update_cores: the cores the host-update thread is pinned to (mobiuspipe.optim.host_threads; None: not
-        pinned). ahead: each receive from another rank -> the receive to post once it has arrived
+        pinned). ahead: each receive from another rank -> the receive to post as it is taken
         (mobiuspipe.schedule.ahead.receives_ahead, this rank's; None: none); kept only where the channels give each
         direction its own queue."""
         self.mapping, self.rank, self.stages, self.schedule = mapping, rank, stages, schedule
@@ -124,7 +124,7 @@ class Engine:
         """The host updates' thread: bound to the rank's gpu (it waits for the gradients' copies), pinned near it."""
         self._specs: dict[tuple, dict[MessageKey, TensorSpec]] = {}  # batch shape -> specs of its messages
         self._ahead = dict(ahead or {}) if comm.channels.receives_apart else {}
-        """A receive from another rank -> the next one, posted once the first has arrived: its bytes move (in gloo's
+        """A receive from another rank -> the next one, posted as the first is taken: its bytes move (in gloo's
         threads, on NCCL's stream) while this rank computes, and its sender's send completes."""
         self._posted: dict[MessageKey, Posted] = {}
         self._dispatch = {
