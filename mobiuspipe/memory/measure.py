@@ -20,7 +20,7 @@ import torch
 
 from mobiuspipe.memory.ledger import DeviceLedger
 
-__all__ = ["DevicePeak", "counting_saved"]
+__all__ = ["DevicePeak", "counting_saved", "retry_warning"]
 
 
 @contextmanager
@@ -57,6 +57,9 @@ class DevicePeak:
         """The ledger's bytes by kind at its peak of the last step."""
         self.run_parts: dict[str, int] = {}
         """The ledger's bytes by kind at the peak of the step with the largest measured peak."""
+        self.alloc_retries = 0
+        """CUDA: the times so far the caching allocator freed its cache to retry an allocation (num_alloc_retries);
+        each synchronizes the whole gpu. 0 on the stand-in."""
 
     def start_step(self) -> None:
         self.ledger.reset_peak()
@@ -69,4 +72,20 @@ class DevicePeak:
         self.parts = dict(self.ledger.peak_parts)
         if self.step_bytes > self.run_bytes:
             self.run_bytes, self.run_parts = self.step_bytes, self.parts
+        if self.cuda:
+            self.alloc_retries = int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
         return self.step_bytes
+
+
+def retry_warning(gpu: int, retries: int, before: int, ranks: int) -> str | None:
+    """What to tell the user when gpu's caching allocator retried allocations (retries so far, `before` at the last
+    look) in a job of several ranks: freeing its cache synchronizes the whole gpu, which waits for NCCL's send and
+    receive kernels in flight, and two ranks doing so at once while each has a send to the other outstanding hang
+    (mobiuspipe.schedule.nccl's rules). None when there is nothing new, or one rank."""
+    if retries <= before or ranks < 2:
+        return None
+    return (
+        f"gpu {gpu}: the caching allocator freed its cache to find memory ({retries} times so far); each time "
+        f"synchronizes the whole gpu, which with NCCL messages in flight on two ranks at once can hang the job: plan "
+        f"again leaving more of the gpu to the runtime (plan.reserve_mb, `mobiuspipe partition --reserve-gib`)"
+    )

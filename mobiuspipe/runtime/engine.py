@@ -15,6 +15,7 @@ stage's output during its backward), "autograd" (saved for backward), "buffers";
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterable
 from functools import partial
 
@@ -24,7 +25,7 @@ from foundation.timing import Stopwatch
 from mobiuspipe.memory.arena import DeviceArena
 from mobiuspipe.memory.device import Device
 from mobiuspipe.memory.ledger import DeviceLedger
-from mobiuspipe.memory.measure import DevicePeak
+from mobiuspipe.memory.measure import DevicePeak, retry_warning
 from mobiuspipe.memory.swap import Swap
 from mobiuspipe.optim.host_threads import pinned_to
 from mobiuspipe.runtime.action_trace import ActionTrace
@@ -178,7 +179,12 @@ class Engine:
             for a, s, e in spans:
                 self.trace.add(step, a.kind.value, a.stage, a.microbatch, clock.seconds(s), clock.seconds(e))
             self.trace.add(step, "flush", -1, -1, start, end)
+        before = self.peak.alloc_retries
         self.peak.end_step()
+        if (
+            why := retry_warning(self.device.index, self.peak.alloc_retries, before, len(set(self.mapping)))
+        ) is not None:
+            warnings.warn(why, RuntimeWarning, stacklevel=2)
         return loss, self.state.times
 
     def wait_updates(self) -> None:
