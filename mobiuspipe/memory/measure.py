@@ -78,11 +78,12 @@ class DevicePeak:
 
 
 def retry_warning(gpu: int, retries: int, before: int, ranks: int) -> str | None:
-    """What to tell the user when gpu's caching allocator retried allocations (retries so far, `before` at the last
-    look) in a job of several ranks: freeing its cache synchronizes the whole gpu, which waits for NCCL's send and
-    receive kernels in flight, and two ranks doing so at once while each has a send to the other outstanding hang
-    (mobiuspipe.schedule.nccl's rules). None when there is nothing new, or one rank."""
-    if retries <= before or ranks < 2:
+    """What to tell the user, once a run, when gpu's caching allocator starts retrying allocations (retries so far,
+    `before` at the last look) in a job of several ranks: freeing its cache synchronizes the whole gpu, which waits
+    for NCCL's send and receive kernels in flight, and two ranks doing so at once while each has a send to the other
+    outstanding hang (mobiuspipe.schedule.nccl's rules). None unless these are the run's first retries, or with one
+    rank."""
+    if before > 0 or retries == 0 or ranks < 2:
         return None
     return (
         f"gpu {gpu}: the caching allocator freed its cache to find memory ({retries} times so far); each time "

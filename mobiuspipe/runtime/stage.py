@@ -41,7 +41,7 @@ from mobiuspipe.runtime.stage_states import (
     SsdTier,
     StageStates,
 )
-from partition.rules.costmodel import frozen_start
+from partition.rules.costmodel import frozen_start, slot_weight_bytes
 
 __all__ = ["Stage", "ParamSlice", "FrozenSlice"]
 
@@ -131,9 +131,10 @@ class Stage:
         """Bytes of the trainable weights (and of their gradients)."""
         self.frozen = _frozen_slices(layers, self.order, dtype)
         """The frozen parameters: offsets in the frozen bytes, which follow the trainable ones in the weight slot."""
-        self.frozen_start = frozen_start(self.nbytes, sum(f.nbytes for f in self.frozen))
+        frozen_nbytes = sum(f.nbytes for f in self.frozen)
+        self.frozen_start = frozen_start(self.nbytes, frozen_nbytes)
         """Where the frozen bytes start in the weight slot (bytes): aligned for the widest frozen item."""
-        self.weight_nbytes = self.frozen_start + sum(f.nbytes for f in self.frozen)
+        self.weight_nbytes = slot_weight_bytes(self.nbytes, frozen_nbytes)  # the plan's P_j of these layers
         """Bytes of the weight slot the stage fills: its trainable weights, then its frozen ones."""
         flat = _flat(layers, self.order, trainable=True, dtype=torch.float32)
         self.frozen_weights = _frozen_tier(
