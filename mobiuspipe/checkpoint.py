@@ -37,7 +37,7 @@ from mobiuspipe.memory.device import Device
 from mobiuspipe.memory.store.index import fsync_path
 from mobiuspipe.optim.loss_scale import LossScaler
 from mobiuspipe.optim.ooc_links import RecordError
-from mobiuspipe.runtime.ranks import RankInfo, gather_all
+from mobiuspipe.runtime.peers.ranks import RankInfo, gather_all
 from mobiuspipe.runtime.stage import Stage
 from partition.plan import Plan, save_plan
 

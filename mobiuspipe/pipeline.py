@@ -34,27 +34,21 @@ from mobiuspipe.layers import LayerSpec, build, factories
 from mobiuspipe.lora.layers import Start, with_adapters
 from mobiuspipe.lora.quant import quantized
 from mobiuspipe.lora.spec import LoraSpec
-from mobiuspipe.memory.arena import DeviceArena
 from mobiuspipe.memory.device import Device
-from mobiuspipe.memory.ledger import DeviceLedger
 from mobiuspipe.memory.store.ssd_store import SSDStore
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.optim.clipping import clip_scale
-from mobiuspipe.optim.host_threads import update_cores_of
 from mobiuspipe.optim.hyper import AdamHyper
 from mobiuspipe.optim.loss_scale import LossScaler, scaler_for
 from mobiuspipe.profiling.profiler import TORCH_DTYPES
 from mobiuspipe.runtime.action_trace import ActionTrace
 from mobiuspipe.runtime.activations import ActivationsSpec, stage_modes
-from mobiuspipe.runtime.channels import LAYOUT
-from mobiuspipe.runtime.comm import Comm
 from mobiuspipe.runtime.engine import Engine, LossFn, StepOptions, StepTimes
-from mobiuspipe.runtime.ranks import abort_group, join_group, leave_group, rank_info
+from mobiuspipe.runtime.peers.ranks import Membership, rank_info
 from mobiuspipe.runtime.stage import Stage
 from mobiuspipe.runtime.stage_states import SsdTier
 from mobiuspipe.runtime.tied import TiedGrads
-from mobiuspipe.schedule import build_schedules, receives_ahead
-from mobiuspipe.startup.channels import open_channels
+from mobiuspipe.startup.engine import wire_engine
 from mobiuspipe.startup.plan import (
     PlanRequest,
     PlanSource,
@@ -68,12 +62,10 @@ from mobiuspipe.startup.plan import (
     same_plan_everywhere,
 )
 from mobiuspipe.startup.room import check_room
-from mobiuspipe.startup.swaps import make_swaps, plan_as_run, swap_tiers
 from mobiuspipe.startup.tiers import agree_on_tiers, check_delayed, with_tiers
 from mobiuspipe.startup.update_policy import UpdatePolicy
 from mobiuspipe.step_result import StepResult
 from partition.plan import Plan
-from partition.rules.costmodel import WEIGHT_SLOTS
 from partition.rules.device_peak import planned_device_bytes
 from topology import Topology
 
@@ -102,6 +94,7 @@ class Pipeline:
         loss_scaler: LossScaler | None = None,
         memory: MemoryConfig | None = None,
         comm_timeout_s: float = 60.0,
+        hang_timeout_s: float = 1800.0,
         overlap_updates: bool = True,
         tied: Sequence[tuple[str, str]] = (),
         accumulation_steps: int = 1,
@@ -127,7 +120,9 @@ class Pipeline:
           with host_budget_mb per rank; "auto": in memory while they fit host_budget_mb, the largest stages
           on SSD otherwise); default host. `self.placement` says where this rank's stages went,
           `self.state_tiers` where every stage of the job went.
-        comm_timeout_s: a receive waiting longer fails, naming the rank that stopped answering.
+        comm_timeout_s: a rank that gives no sign of life this long is lost (mobiuspipe.runtime.peers.liveness):
+          every rank stops, naming it. hang_timeout_s: the process group's deadline, that ends a hang among live
+          ranks (NCCL times an operation from its post: more than a step takes).
         overlap_updates: False starts the host updates only after the step's backward and waits for them
           before train_batch returns (the serialized baseline the overlap is measured against).
         tied: pairs of parameters, named as state_dict() names them ("0.wte.weight", "13.lm_head.weight"),
@@ -180,10 +175,11 @@ class Pipeline:
         given = None if plan is None else read_plan(plan)
         if given is not None:
             check_world(given, self.info)  # before any process starts waiting for the others
-        self._owns_group = join_group(self.info, comm_timeout_s)
+        self.group = Membership(self.info, comm_timeout_s, hang_timeout_s)
         try:
             request = PlanRequest(num_microbatches or 4, num_stages, mapping, topology, precision or "fp32")
             self.plan = self._agree_on_plan(given, makers, loss_fn, sample, request)
+            self.group.watch()  # from here on, a rank may be busy as long as it needs while it lives
             self.precision = check_precision(self.plan, precision)
             self.scaler = scaler_for(self.precision, loss_scaler)
             self.memory = memory or MemoryConfig()
@@ -193,9 +189,7 @@ class Pipeline:
             self.updates = UpdatePolicy(checked, overlap_updates, delayed_update, speculative_update)
             self.store: SSDStore | None = None
             self.trace = ActionTrace(trace_steps)
-            self.engine = self._build_engine(
-                makers, loss_fn, optimizer or partial(CPUAdam), num_microbatches, comm_timeout_s, tied
-            )
+            self.engine = self._build_engine(makers, loss_fn, optimizer or partial(CPUAdam), num_microbatches, tied)
             check_room(self.info, self.planned_device_bytes()[self.rank], self.engine.device.torch_device, self.plan)
             self.ties = TiedGrads(tied, self.plan, self.engine.stages, self.info) if tied else None
             if self.ties is not None:
@@ -203,8 +197,8 @@ class Pipeline:
         except BaseException:
             if (store := getattr(self, "store", None)) is not None:
                 store.close()
-            abort_group(self._owns_group)
-            leave_group(self._owns_group)
+            self.group.abort()
+            self.group.close(failed=True)
             raise
         self.step = 0
         self._lr: float | None = None  # set_lr: the rate of the updates of the next steps (None: the optimizer's)
@@ -261,7 +255,6 @@ class Pipeline:
         loss_fn: LossFn,
         make_optimizer: OptimizerFactory,
         num_microbatches: int | None,
-        comm_timeout_s: float,
         tied: Sequence[tuple[str, str]],
     ) -> Engine:
         plan, rank = self.plan, self.info.rank
@@ -291,30 +284,10 @@ class Pipeline:
                 on_device=on_device,
                 versions=self.updates.copies.versions,
             )
-        m, swapped = plan.num_microbatches, swap_tiers(plan, self.memory, self.activations)
-        self.plan = plan_as_run(plan, self.activations, swapped, device.is_cuda)  # its walk is this run's
-        schedules = build_schedules(plan.mapping, plan.num_gpus, m, frozenset(swapped), LAYOUT)
-        ledger = DeviceLedger()  # the arena, comm and engine count what they hold on the device
-        return Engine(
-            mapping=plan.mapping,
-            rank=rank,
-            stages=stages,
-            schedule=schedules[rank],
-            device=device,
-            arena=DeviceArena(
-                plan.slot_bytes, WEIGHT_SLOTS, device.torch_device, ledger, device.place, plan.grad_slot_bytes
-            ),
-            comm=Comm(rank, comm_timeout_s, ledger, open_channels(self.info, plan, tied, comm_timeout_s), device.place),
-            loss_fn=loss_fn,
-            num_microbatches=m,
-            dtype=dtype,
-            ledger=ledger,
-            activations=self.activations,
-            swaps=make_swaps(swapped, self.plan, device, self.memory, self.info, ledger),
-            trace=self.trace,
-            update_cores=update_cores_of(plan.layout, rank, device.is_cuda),
-            ahead=receives_ahead(plan.mapping, schedules)[rank],
+        self.plan, engine = wire_engine(
+            plan, self.info, self.group, stages, device, loss_fn, dtype, self.memory, self.activations, self.trace, tied
         )
+        return engine
 
     def _state_tiers(self, make_optimizer: OptimizerFactory, params: dict[int, int]) -> dict[int, SsdTier | None]:
         """Stage j -> its SSD tier or None (host), agreed with every rank (mobiuspipe.startup.tiers)."""
@@ -481,17 +454,18 @@ class Pipeline:
 
     def close(self, failed: bool = False) -> None:
         """Wait for the pending host updates, stop this rank's threads, leave the process group (if this Pipeline
-        joined it; failed, as a `with` block left by an error: on NCCL aborted first, ranks.abort_group). Idempotent."""
+        joined it; failed, as a `with` block left by an error: on NCCL aborted first, ranks.Membership). Idempotent."""
         if self._closed:
             return
         self._closed = True
         try:
-            abort_group(self._owns_group and failed)
-            self.engine.finish()
+            if failed:
+                self.group.abort()
+            self.engine.finish(failed)
             if self.store is not None:
                 self.store.close()  # flushes the index: the states on disk are the last step's
         finally:
-            leave_group(self._owns_group)
+            self.group.close(failed)
 
     def __enter__(self) -> Pipeline:
         return self

@@ -20,8 +20,15 @@ class RuntimeConfig(Section):
     """How the ranks run: communication timeout and CPU threads."""
 
     comm_timeout_s: float = 60.0
-    """Seconds a receive may wait (s); longer fails with a message naming the peer rank (on gloo; on NCCL, the
-    process group's timeout: its watchdog ends the rank, timing each operation from its post)."""
+    """Seconds a rank may give no sign of life (s): each rank beats in the job's store from a thread of its own, and
+    a rank that has not for this long (its process died or is stopped) is lost: every other rank stops with a
+    message naming it. A live rank may be busy as long as it needs (a checkpoint, SSD states' set-up, a long
+    stage). On the lax CPU stand-in (MOBIUSPIPE_STRICT=0) a point-to-point receive also fails after waiting this
+    long."""
+    hang_timeout_s: float = 1800.0
+    """Seconds live ranks may wait for one message or collective (s): the process group's deadline, which ends a
+    hang (ranks waiting on each other). NCCL times an operation from its post, so on a gpu it must exceed the
+    longest step, and the start-up's planning and SSD set-up."""
     threads: int | None = dataclasses.field(default=None, metadata=AUTO_COUNT)
     """Torch intra-op threads per rank (count): the compute on CPU stand-ins and the host update's CPU Adam kernel use
     them. auto (or null, or left out): each rank of this host gets its share of the cores the process may run on
@@ -43,6 +50,13 @@ class RuntimeConfig(Section):
                 "a number of seconds > 0 and at most 1e9 (about 32 years)",
                 repr(self.comm_timeout_s),
                 "use e.g. 60.0",
+            ),
+            *rule(
+                self.comm_timeout_s <= self.hang_timeout_s <= 1e9,
+                "hang_timeout_s",
+                f"a number of seconds >= comm_timeout_s ({self.comm_timeout_s:g}) and at most 1e9",
+                repr(self.hang_timeout_s),
+                "use e.g. 1800.0 (30 minutes), more than a step takes",
             ),
             *rule(
                 self.threads is None or 1 <= self.threads <= MAX_THREADS,

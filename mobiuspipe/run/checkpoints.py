@@ -23,7 +23,7 @@ from mobiuspipe.checkpoint import (
 )
 from mobiuspipe.config import RunConfig, TrainConfig
 from mobiuspipe.pipeline import Pipeline
-from mobiuspipe.runtime.ranks import gather_all
+from mobiuspipe.runtime.peers.ranks import gather_all
 
 __all__ = ["StopSignals", "resume_run", "run_identity", "Checkpointer"]
 

@@ -27,7 +27,7 @@ from mobiuspipe.config import RunConfig
 from mobiuspipe.errors import ConfigError, PeerLostError
 from mobiuspipe.run.checkpoints import resume_root
 from mobiuspipe.run.room import host_room, placements, shortfall_problem, ssd_need, ssd_room
-from mobiuspipe.runtime.ranks import rank_info
+from mobiuspipe.runtime.peers.ranks import rank_info
 from mobiuspipe.startup.config_plan import num_ranks, plan_from_config, plan_problems, replan_advice
 from partition.plan import Plan, load_plan
 from partition.rules.tiers import RunBudgetTooSmall

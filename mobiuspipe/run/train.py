@@ -49,7 +49,7 @@ from mobiuspipe.run.preflight import at_start_up, rank_checks, report
 from mobiuspipe.run.run_lock import TOKEN_ENV, RunLocks, new_token, run_folders
 from mobiuspipe.run.usage import RankStep, folder_bytes, host_rss_bytes
 from mobiuspipe.runtime.action_trace import as_sim_result, write_chrome
-from mobiuspipe.runtime.ranks import gather_all
+from mobiuspipe.runtime.peers.ranks import gather_all
 from mobiuspipe.startup.config_plan import adapters, model_spec
 from mobiuspipe.startup.lora import lora_spec, starting_adapters, write_adapter
 from mobiuspipe.step_result import StepResult
@@ -108,6 +108,7 @@ def _train(
         precision=t.precision,
         memory=cfg.memory,
         comm_timeout_s=cfg.runtime.comm_timeout_s,
+        hang_timeout_s=cfg.runtime.hang_timeout_s,
         tied=hf.tied_params() if hf else (),
         accumulation_steps=t.accumulation_steps,
         max_grad_norm=t.max_grad_norm,

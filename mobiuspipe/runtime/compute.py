@@ -34,8 +34,8 @@ from mobiuspipe.runtime.activations import (
     entry,
     keeping,
 )
-from mobiuspipe.runtime.comm import TensorSpec
 from mobiuspipe.runtime.kept_swap import rebuild, release, spans_out
+from mobiuspipe.runtime.peers.comm import TensorSpec
 from mobiuspipe.runtime.stage import Stage
 from mobiuspipe.schedule.actions import Action, Kind
 

@@ -31,9 +31,9 @@ from mobiuspipe.optim.host_threads import pinned_to
 from mobiuspipe.runtime.action_trace import ActionTrace
 from mobiuspipe.runtime.activations import StageMode, parts_of
 from mobiuspipe.runtime.clock import ActionClock
-from mobiuspipe.runtime.comm import Comm, Posted, TensorSpec
 from mobiuspipe.runtime.compute import Compute, LossFn, MessageKey, StepOptions, StepState, StepTimes
 from mobiuspipe.runtime.device_states import DeviceStates
+from mobiuspipe.runtime.peers.comm import Comm, Posted, TensorSpec
 from mobiuspipe.runtime.stage import Stage
 from mobiuspipe.schedule.actions import Action, Kind
 
@@ -192,13 +192,14 @@ class Engine:
         for s in self.stages.values():
             s.wait_update()
 
-    def finish(self) -> None:
-        """Wait for every pending host update (call before reading weights or exiting)."""
+    def finish(self, failed: bool = False) -> None:
+        """Wait for every pending host update (call before reading weights or exiting); failed: the run ends by an
+        error, and the links do not wait for messages a lost peer will never match."""
         self.wait_updates()
         self.updater.shutdown(wait=True)
         for swap in set(self.swaps.values()):
             swap.close()
-        self.comm.close()
+        self.comm.close(failed)
         self.device.close()
 
     # -- weights -------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ ActionKey = tuple[Kind, int, int]
 """An action by (kind, stage, microbatch)."""
 
 CHANNELS = "direction"
-"""Receives go ahead only where each direction of a pair has its own queue (mobiuspipe.runtime.channels): on a
+"""Receives go ahead only where each direction of a pair has its own queue (mobiuspipe.runtime.peers.channels): on a
 shared one, a receive posted early could get ahead of a send."""
 
 

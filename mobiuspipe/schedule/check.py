@@ -20,7 +20,7 @@ def check_schedules(
     mapping: list[int], microbatches: int, schedules: list[list[Action]], channels: str = "direction"
 ) -> None:
     """Raise ScheduleError unless every gpu's list is valid on its own and all lists run together under NCCL's
-    rules on the runtime's channel layout (mobiuspipe.runtime.channels)."""
+    rules on the runtime's channel layout (mobiuspipe.runtime.peers.channels)."""
     for g, acts in enumerate(schedules):
         _check_local(mapping, g, microbatches, acts)
     _check_pair_order(mapping, schedules)

@@ -2,7 +2,7 @@
 cannot deadlock (mobiuspipe.schedule.check) and the choice of receives posted ahead (mobiuspipe.schedule.ahead) run it.
 
 Rules: a rank posts a send and goes on, but the send completes only when the peer's matching receive is posted; the
-operations a rank posts on one channel (mobiuspipe.runtime.channels: "pair", both ways of a pair on one queue, or
+operations a rank posts on one channel (mobiuspipe.runtime.peers.channels: "pair", both ways of a pair on one queue, or
 "direction") run in post order, so an operation starts only at the head of its queue; a receive blocks its rank until
 it completes; every send completes before the step ends (Comm.flush). Messages between stages of one gpu are handed
 over. A receive posted ahead (NcclRun's `early`) blocks its rank from the action after the one that posted it, until

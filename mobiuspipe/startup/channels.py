@@ -1,5 +1,5 @@
 """The communicators a rank opens before step 0: one per direction of each pair of ranks that exchange messages
-(mobiuspipe.runtime.channels), the neighbours of the plan's mapping and the halves of tied parameters."""
+(mobiuspipe.runtime.peers.channels), the neighbours of the plan's mapping and the halves of tied parameters."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
-from mobiuspipe.runtime.channels import LAYOUT, Channels, neighbour_pairs
-from mobiuspipe.runtime.ranks import RankInfo
+from mobiuspipe.runtime.peers.channels import LAYOUT, Channels, neighbour_pairs
+from mobiuspipe.runtime.peers.ranks import RankInfo
 from mobiuspipe.runtime.tied import tied_ranks
 from partition.plan import Plan
 

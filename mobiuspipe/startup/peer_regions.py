@@ -24,7 +24,7 @@ from mobiuspipe.memory.device import Device
 from mobiuspipe.memory.ledger import DeviceLedger
 from mobiuspipe.memory.swap import Swap
 from mobiuspipe.memory.swap_peer import PeerSwap, open_shared, share_region, shm_region
-from mobiuspipe.runtime.ranks import RankInfo, gather_all
+from mobiuspipe.runtime.peers.ranks import RankInfo, gather_all
 from mobiuspipe.standin.places import gpu_buffer
 from partition.plan import Plan
 from partition.rules.peer import regions

@@ -22,7 +22,7 @@ from torch import nn
 
 from mobiuspipe.errors import PipelineError, WorldSizeError
 from mobiuspipe.profiling.profiler import TORCH_DTYPES, measure_profile
-from mobiuspipe.runtime.ranks import RankInfo
+from mobiuspipe.runtime.peers.ranks import RankInfo
 from mobiuspipe.startup.machine import discovered_topology
 from partition import make_plan
 from partition.plan import Plan, load_plan

@@ -1,7 +1,7 @@
 """The gpu memory a run's plan needs against what the gpu can give it at start-up (torch.cuda.mem_get_info): a gpu
 shared with another process, or a CUDA context larger than the plan's reserve, fails before the first step with the
 figures and the fix, not with an out-of-memory error in the middle of one. It runs after the channels' warm-up
-(mobiuspipe.runtime.channels), so NCCL's communicators and point-to-point buffers are already in the figures."""
+(mobiuspipe.runtime.peers.channels), so NCCL's communicators and point-to-point buffers are already in the figures."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from foundation.units import MiB, fmt_bytes
 from mobiuspipe.errors import PipelineError
-from mobiuspipe.runtime.ranks import RankInfo, gather_all
+from mobiuspipe.runtime.peers.ranks import RankInfo, gather_all
 from partition.plan import Plan
 
 __all__ = ["Room", "check_room", "room_problem"]

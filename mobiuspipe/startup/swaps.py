@@ -13,7 +13,7 @@ from mobiuspipe.memory.ledger import DeviceLedger
 from mobiuspipe.memory.store.ssd_store import SSDStore
 from mobiuspipe.memory.swap import HostSwap, Swap
 from mobiuspipe.memory.swap_ssd import SsdSwap
-from mobiuspipe.runtime.ranks import RankInfo
+from mobiuspipe.runtime.peers.ranks import RankInfo
 from mobiuspipe.startup.peer_regions import open_regions
 from partition.plan import Plan
 

@@ -54,7 +54,7 @@ from partition.rules.order import Step, steps_of
 __all__ = ["HEADER_BYTES", "StageBytes", "device_timeline", "device_peak", "device_peaks"]
 
 HEADER_BYTES = 80
-"""E of the legend: mobiuspipe.runtime.comm.TensorSpec's header, MAX_DIMS + 2 = 10 int64s."""
+"""E of the legend: mobiuspipe.runtime.peers.comm.TensorSpec's header, MAX_DIMS + 2 = 10 int64s."""
 
 
 @dataclass(frozen=True)

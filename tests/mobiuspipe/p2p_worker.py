@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mobiuspipe.runtime.channels import Channels, Link
+from mobiuspipe.runtime.peers.channels import Channels, Link
 from mobiuspipe.standin.p2p import StrictLink
 
 WAIT = timedelta(seconds=3)

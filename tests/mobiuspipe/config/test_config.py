@@ -234,6 +234,7 @@ def test_bool_is_not_a_number(tmp_path, text, key):
         ("plan", "mapping: ring", "plan.mapping", "'ring'"),
         ("plan", "device_memory_mb: 0", "plan.device_memory_mb", "0.0"),
         ("runtime", "comm_timeout_s: -1", "runtime.comm_timeout_s", "-1.0"),
+        ("runtime", "hang_timeout_s: 10", "runtime.hang_timeout_s", ">= comm_timeout_s (60)"),
         ("runtime", "threads: 0", "runtime.threads", "0"),
         ("model", "vocab_size: 0", "model.vocab_size", "0"),
         ("model", "vocab_size: 65537", "model.vocab_size", "65537"),

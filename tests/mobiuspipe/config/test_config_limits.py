@@ -34,7 +34,8 @@ def test_values_the_run_could_not_use(section, key, value, expected):
 
 
 def test_limits_that_are_fine():
-    cfg = config_from_dict({"train": {"seed": 2**32 - 1}, "runtime": {"threads": MAX_THREADS, "comm_timeout_s": 1e9}})
+    runtime = {"threads": MAX_THREADS, "comm_timeout_s": 1e9, "hang_timeout_s": 1e9}
+    cfg = config_from_dict({"train": {"seed": 2**32 - 1}, "runtime": runtime})
     assert cfg.train.seed == 2**32 - 1 and cfg.runtime.threads == MAX_THREADS
 
 

@@ -21,7 +21,7 @@ from mobiuspipe.memory.ledger import DeviceLedger
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.run.metrics import device_peak_line
-from mobiuspipe.runtime.comm import Comm
+from mobiuspipe.runtime.peers.comm import Comm
 from mobiuspipe.startup.config_plan import model_spec, plan_for_config
 from partition import make_plan
 from partition.rules.device_peak import planned_device_bytes

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from mobiuspipe.errors import PeerLostError
-from mobiuspipe.runtime.comm import Comm, TensorSpec
+from mobiuspipe.runtime.peers.comm import Comm, TensorSpec
 
 RESET = "[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1196: Connection reset by peer\nmore"
 

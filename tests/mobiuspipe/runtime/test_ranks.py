@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from mobiuspipe.errors import PipelineError
-from mobiuspipe.runtime.ranks import RankInfo, join_group
+from mobiuspipe.runtime.peers import ranks
+from mobiuspipe.runtime.peers.ranks import RankInfo, join_group
 
 
 def _made_by_caller(monkeypatch, backend: str, cuda: bool) -> list[int]:
@@ -41,7 +42,7 @@ def test_a_callers_group_of_the_wrong_backend_is_refused(monkeypatch, backend, c
 
 def test_after_an_error_on_nccl_the_communicators_are_aborted(monkeypatch, capsys):
     """A graceful destroy waits for NCCL kernels no peer will match; abort_group does not (gloo: nothing to do)."""
-    import mobiuspipe.runtime.ranks as ranks
+    import mobiuspipe.runtime.peers.ranks as ranks
 
     aborted = []
     monkeypatch.setattr(ranks, "_abort_process_group", lambda: aborted.append(1))
@@ -65,21 +66,21 @@ def test_after_an_error_on_nccl_the_communicators_are_aborted(monkeypatch, capsy
 
 def test_a_pipeline_left_by_an_error_aborts_before_it_waits(monkeypatch):
     """Pipeline.__exit__ with an exception aborts the group it joined before waiting for the host updates."""
-    import mobiuspipe.pipeline as pipeline_module
     from mobiuspipe import Pipeline
 
     order = []
-    monkeypatch.setattr(pipeline_module, "abort_group", lambda owned: order.append(("abort", owned)))
+    monkeypatch.setattr(ranks, "abort_group", lambda owned: order.append(("abort", owned)))
     sample = (torch.randn(4, 4), torch.randn(4, 4))
     loss = torch.nn.functional.mse_loss
     for failed in (False, True):
         layers = [torch.nn.Linear(4, 4) for _ in range(2)]
         with pytest.raises(KeyError) if failed else nullcontext():
             with Pipeline(layers, loss, sample=sample, num_microbatches=2, num_stages=2) as pipe:
-                monkeypatch.setattr(pipe, "_owns_group", True)  # as if it had made the job's group
+                monkeypatch.setattr(pipe.group, "owned", True)  # as if it had made the job's group
                 finish = pipe.engine.finish
-                monkeypatch.setattr(pipe.engine, "finish", lambda f=finish: (order.append(("finish",)), f()))
+                spy = lambda failed, f=finish: (order.append(("finish", failed)), f(failed))  # noqa: E731
+                monkeypatch.setattr(pipe.engine, "finish", spy)
                 pipe.train_batch(*sample)
                 if failed:
                     raise KeyError("a failure mid-run")
-    assert order == [("abort", False), ("finish",), ("abort", True), ("finish",)]
+    assert order == [("finish", False), ("abort", True), ("finish", True)]

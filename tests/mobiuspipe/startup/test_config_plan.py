@@ -210,7 +210,7 @@ def test_the_stand_in_planner_ranks_plans_as_they_measured_and_auto_picks_a_fast
 def test_the_python_api_and_a_config_run_plan_stand_ins_with_the_same_message_costs():
     """Pipeline(plan=None) and a run from a config (the torchrun entry) both plan unprobed stand-ins with
     STANDIN_MESSAGES, so the same model gets the same choice either way."""
-    from mobiuspipe.runtime.ranks import RankInfo
+    from mobiuspipe.runtime.peers.ranks import RankInfo
     from mobiuspipe.startup import plan as api_plan
     from mobiuspipe.startup.config_plan import run_topology
     from topology.presets import STANDIN_MESSAGES

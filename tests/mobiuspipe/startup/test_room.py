@@ -11,7 +11,7 @@ import torch
 from foundation.units import GiB, MiB
 from mobiuspipe.config import config_from_dict
 from mobiuspipe.errors import PipelineError
-from mobiuspipe.runtime.ranks import RankInfo
+from mobiuspipe.runtime.peers.ranks import RankInfo
 from mobiuspipe.startup.config_plan import plan_for_config
 from mobiuspipe.startup.room import Room, check_room, room_problem
 

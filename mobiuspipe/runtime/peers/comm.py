@@ -1,10 +1,12 @@
 """Activations and their gradients between ranks: torch.distributed send/recv with a deadline per receive.
 
 gloo carries CPU tensors (the stand-in); NCCL carries device tensors on CUDA. Without GPU peer-to-peer,
-NCCL stages the bytes through host memory itself. A receive that fails or outlives the timeout raises
-PeerLostError naming this rank, the peer and what was awaited, instead of hanging. On NCCL a wait only
-orders the compute stream after the receive (a wait with a timeout would block the host until it ends): the
-deadline is the process group's, whose watchdog ends a receive that outlives it.
+NCCL stages the bytes through host memory itself. A wait that fails raises PeerLostError naming this rank,
+the peer and what was awaited. Under a watch on the peers' signs of life (mobiuspipe.runtime.peers.liveness) a
+wait lasts while its peer lives and fails once the watch finds a peer lost; a hang among live ranks ends
+at the process group's deadline. On NCCL a wait only orders the compute stream after the receive (the
+host blocks later, at a synchronization, which the watch's abort ends). gloo's own receives cannot be
+waited for in slices: on the lax stand-in a receive still fails once it has waited comm_timeout_s.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import torch.distributed as dist
 
 from mobiuspipe.errors import PeerLostError, PipelineError
 from mobiuspipe.memory.ledger import DeviceLedger
-from mobiuspipe.runtime.channels import Channels
+from mobiuspipe.runtime.peers.channels import Channels
+from mobiuspipe.runtime.peers.liveness import Watch
+from mobiuspipe.runtime.peers.ranks import POLL_S, await_work
 from mobiuspipe.standin import StandInError
 from mobiuspipe.standin.p2p import StrictWork
 from mobiuspipe.standin.places import is_host
@@ -94,9 +98,11 @@ class Comm:
         ledger: DeviceLedger | None = None,
         channels: Channels | None = None,
         place: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+        watch: Watch | None = None,
     ):
-        """place: marks a received tensor as the gpu's memory (Device.place)."""
-        self.rank = rank
+        """place: marks a received tensor as the gpu's memory (Device.place); watch: the rank's watch on its
+        peers (None: every wait has the deadline timeout_s)."""
+        self.rank, self.watch = rank, watch
         self._place = place
         self._stream_waits = torch.cuda.is_available()  # NCCL: waits order the compute stream only
         self.channels = channels or Channels(rank)
@@ -156,9 +162,9 @@ class Comm:
             self._wait(work, f"rank {dst}", f"sending {what} to rank {dst}")
             self._forget(work)
 
-    def close(self) -> None:
-        """Stop this rank's links (call after flush)."""
-        self.channels.close()
+    def close(self, failed: bool = False) -> None:
+        """Stop this rank's links (call after flush); failed: at once, not waiting for what they still carry."""
+        self.channels.close(failed)
 
     def _forget(self, work) -> None:
         if self.ledger is not None:
@@ -175,7 +181,7 @@ class Comm:
     def all_reduce(self, t: torch.Tensor, op, what: str) -> torch.Tensor:
         """In-place all-reduce of t over every rank, under the same deadline as receives."""
         work = self._start(lambda: dist.all_reduce(t, op=op, async_op=True), "another rank", what)
-        self._wait(work, "another rank", f"all-reduce of {what}")
+        self._wait(work, "another rank", f"all-reduce of {what}", collective=True)
         return t
 
     def _start(self, post, peer: str, what: str):
@@ -184,18 +190,39 @@ class Comm:
         try:
             return post()
         except RuntimeError as e:
+            self._check_peers()
             raise PeerLostError(self._message(peer, what, str(e).splitlines()[0])) from e
 
-    def _wait(self, work, peer: str, what: str) -> None:
+    def _wait(self, work, peer: str, what: str, collective: bool = False) -> None:
+        """Wait for work: on NCCL for the compute stream's order only; under a watch while the peers live (on the
+        lax stand-in a receive or send still for timeout at most: gloo's cannot be waited for in slices);
+        otherwise for timeout at most."""
         try:
-            ok = work.wait() if self._stream_waits else work.wait(self.timeout)
+            if self._stream_waits:
+                self._check_peers()
+                ok = work.wait()
+            elif self.watch is not None and isinstance(work, StrictWork):
+                while not work.wait(timedelta(seconds=POLL_S[1])):
+                    self.watch.check()
+                ok = True
+            elif self.watch is not None and collective:
+                await_work(work, self.watch)
+                ok = True
+            else:
+                ok = work.wait(self.timeout)
         except RuntimeError as e:
+            self._check_peers()  # a lost peer's verdict says more than the backend's error
             raise PeerLostError(self._message(peer, what, str(e).splitlines()[0])) from e
         if ok is False:
             raise PeerLostError(self._message(peer, what, f"no answer within {self.timeout.total_seconds():g} s"))
 
+    def _check_peers(self) -> None:
+        if self.watch is not None:
+            self.watch.check()
+
     def _message(self, peer: str, what: str, cause: str) -> str:
         return (
             f"rank {self.rank}: {what} failed ({cause}); {peer} has probably died or hangs: look at its log "
-            f"above. Raise runtime.comm_timeout_s if {peer} is only slow"
+            f"above. If {peer} is only slow, raise runtime.comm_timeout_s (how long a rank may give no sign of "
+            f"life) or runtime.hang_timeout_s (how long live ranks may wait)"
         )

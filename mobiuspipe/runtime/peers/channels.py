@@ -52,8 +52,8 @@ class Link:
             raise RuntimeError(f"rank {self.rank}: {what} with rank {self.peer} returned no request")
         return work
 
-    def close(self) -> None:
-        pass
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Nothing to stop: the backend runs the operations (the signature is StrictLink's)."""
 
 
 class Channels:
@@ -131,7 +131,11 @@ class Channels:
             self._links[key] = (StrictLink if self._strict else Link)(self.rank, peer, group)
         return self._links[key]
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Stop every link; failed: without waiting for operations a lost peer will never match."""
         for link in self._links.values():
-            link.close()
+            if failed:
+                link.close(timeout_s=0.0)
+            else:
+                link.close()
         self._links.clear()

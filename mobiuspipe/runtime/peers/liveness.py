@@ -1,0 +1,155 @@
+"""Each rank's sign of life in the job's store, and its watch on the other ranks' (one thread per rank).
+
+Every beat_s a rank adds 1 to its counter in the store and reads the others'. A peer whose counter has not
+moved for lost_after_s (runtime.comm_timeout_s) is lost: its process died or is stopped. A live peer may be
+busy as long as it needs (writing a checkpoint, setting up SSD states, a long stage): its thread beats
+meanwhile. The waits that would outlive a lost peer ask check() as they wait (Comm's, ranks.gather_all's);
+on NCCL, where the host blocks at a synchronization instead, the watch also calls on_lost (the
+communicators' abort), which ends the kernels waiting for the lost peer. A rank that ends its run well
+marks itself done: it is watched no more. The thread needs the GIL for a moment each beat: a rank whose main
+thread holds it longer than lost_after_s in one call looks lost.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from mobiuspipe.errors import PeerLostError
+
+__all__ = ["Liveness", "Watch", "KeyStore", "beat_interval", "watching", "current"]
+
+MAX_BEAT_S = 5.0
+"""The longest interval between two beats (s)."""
+BEATS_PER_TIMEOUT = 8
+"""Beats a rank makes within lost_after_s: a late beat or two is not a loss."""
+
+
+class KeyStore(Protocol):
+    """The part of torch.distributed's Store the watch uses: add(key, n) adds n to a counter, returns its value."""
+
+    def add(self, key: str, value: int) -> int: ...
+
+
+class Watch(Protocol):
+    """What a wait asks while it waits: check() raises PeerLostError once a peer is lost (Liveness)."""
+
+    def check(self) -> None: ...
+
+
+def beat_interval(lost_after_s: float) -> float:
+    """Seconds between two beats of a rank watched with lost_after_s (s)."""
+    return min(lost_after_s / BEATS_PER_TIMEOUT, MAX_BEAT_S)
+
+
+class Liveness:
+    """This rank's beats and its watch on the other ranks (module docstring)."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        store: KeyStore,
+        lost_after_s: float,
+        on_lost: Callable[[], None] = lambda: None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        """store: the job's store, under a prefix of its own (keys: the rank, "done" + the rank)."""
+        self.rank, self.lost_after_s, self.beat_s = rank, lost_after_s, beat_interval(lost_after_s)
+        self._peers = [p for p in range(world_size) if p != rank]
+        self._store, self._on_lost, self._clock = store, on_lost, clock
+        now = clock()
+        self._seen = {p: (-1, now) for p in self._peers}  # peer -> (its count, when it last moved)
+        self._store_down_since: float | None = None
+        self._verdict: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"liveness-{rank}", daemon=True)
+
+    @property
+    def verdict(self) -> str | None:
+        """Why a peer counts as lost (a PeerLostError's message), or None while every peer lives."""
+        return self._verdict
+
+    def check(self) -> None:
+        """Raise PeerLostError if a peer is lost."""
+        if self._verdict is not None:
+            raise PeerLostError(self._verdict)
+
+    def start(self) -> Liveness:
+        self.look()  # the first beat before any wait
+        self._thread.start()
+        return self
+
+    def stop(self, done: bool) -> None:
+        """Stop beating; done: this rank ended its run well (its peers watch it no more), else it just stops."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        if done:
+            try:
+                self._store.add(f"done{self.rank}", 1)
+            except RuntimeError as e:  # the store's host has gone: nobody is left to tell
+                print(f"mobiuspipe: rank {self.rank} could not mark its run done in the store ({e})", file=sys.stderr)
+
+    def _run(self) -> None:
+        while self._verdict is None and not self._stop.wait(self.beat_s):
+            self.look()
+
+    def look(self) -> None:
+        """One beat, and one look at every peer's count (the thread's step; tests call it with a fake clock)."""
+        now = self._clock()
+        try:
+            self._store.add(str(self.rank), 1)
+            counts = {p: self._store.add(str(p), 0) for p in self._peers}
+            done = {p for p in self._peers if self._store.add(f"done{p}", 0)}
+        except RuntimeError as e:
+            self._store_down(now, e)
+            return
+        self._store_down_since = None
+        for p, count in counts.items():
+            last, since = self._seen[p]
+            if count != last:
+                self._seen[p] = (count, now)
+            elif p not in done and now - since >= self.lost_after_s:
+                self._lost(
+                    f"rank {p} has given no sign of life for {now - since:.0f} s (runtime.comm_timeout_s is "
+                    f"{self.lost_after_s:g}): its process died or is stopped; look at its log. Raise "
+                    f"runtime.comm_timeout_s if rank {p} can pause that long (a debugger, a host swapping)"
+                )
+                return
+
+    def _store_down(self, now: float, e: RuntimeError) -> None:
+        """The store did not answer: lost once it has not answered for lost_after_s."""
+        if self._store_down_since is None:
+            self._store_down_since = now
+        elif now - self._store_down_since >= self.lost_after_s:
+            cause = str(e).splitlines()[0] if str(e) else type(e).__name__
+            self._lost(
+                f"the job's store has not answered for {now - self._store_down_since:.0f} s ({cause}): the "
+                f"process that hosts it (torchrun's agent, or rank 0 when the job was started without torchrun) "
+                f"has probably died; look at its log"
+            )
+
+    def _lost(self, why: str) -> None:
+        self._verdict = f"rank {self.rank}: {why}"
+        try:
+            self._on_lost()
+        except Exception as e:  # noqa: BLE001 -- the verdict stands; the waits raise it
+            print(f"mobiuspipe: rank {self.rank}: after a lost peer, {e!r}", file=sys.stderr)
+
+
+_current: Liveness | None = None
+
+
+def watching(liveness: Liveness | None) -> None:
+    """Make liveness this process's watch (None: no watch), which ranks.gather_all's waits ask."""
+    global _current
+    _current = liveness
+
+
+def current() -> Liveness | None:
+    """This process's watch on its peers, if it runs one."""
+    return _current

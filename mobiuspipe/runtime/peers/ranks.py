@@ -1,0 +1,204 @@
+"""Who this process is in the job (rank, world size, local rank) and its membership of the process group.
+
+The answer comes from torch.distributed when a process group exists, else from the variables torchrun
+sets (RANK, WORLD_SIZE, LOCAL_RANK), else the process is a job of one rank and needs no group. Once the
+ranks have agreed on a plan, a Membership watches the others' signs of life (mobiuspipe.runtime.peers.liveness):
+a peer that gives none for comm_timeout_s is lost, while the process group's deadline (hang_timeout_s)
+only ends operations that live ranks wait on for longer, a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import PrefixStore, _abort_process_group, _get_default_store
+from torch.distributed.rendezvous import rendezvous as env_rendezvous
+
+from mobiuspipe.errors import PeerLostError, PipelineError, WorldSizeError
+from mobiuspipe.runtime.peers import liveness
+from mobiuspipe.runtime.peers.liveness import Liveness, Watch
+
+__all__ = [
+    "RankInfo",
+    "rank_info",
+    "Membership",
+    "join_group",
+    "leave_group",
+    "abort_group",
+    "gather_all",
+    "await_work",
+]
+
+BEAT_PREFIX = "mobiuspipe/beat"
+"""Where in the job's store the ranks count their beats."""
+POLL_S = (2e-4, 0.05)
+"""The first and the longest pause (s) between two looks at an operation a watched wait waits for."""
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """This process: its rank (= its gpu in the plan), how many ranks the job has, its gpu on this host."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    under_torchrun: bool
+    """True when torchrun (or another launcher) started this process as part of a job."""
+
+
+def rank_info() -> RankInfo:
+    """This process's place in the job (see the module docstring)."""
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if dist.is_available() and dist.is_initialized():
+        return RankInfo(dist.get_rank(), dist.get_world_size(), local, True)
+    if "WORLD_SIZE" not in os.environ:
+        return RankInfo(0, 1, 0, False)
+    try:
+        return RankInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), local, True)
+    except (KeyError, ValueError) as e:
+        raise WorldSizeError(
+            f"WORLD_SIZE is set but RANK is {os.environ.get('RANK')!r}: start training with "
+            f"`torchrun --nproc_per_node N ...`, which sets both"
+        ) from e
+
+
+class Membership:
+    """This rank in the job's process group: joined (or found made by the caller), its peers watched once the ranks
+    agree on a plan, and left (aborted first after an error)."""
+
+    def __init__(self, info: RankInfo, comm_timeout_s: float, hang_timeout_s: float):
+        """comm_timeout_s: a peer silent this long is lost; hang_timeout_s: the process group's deadline (s)."""
+        if not 0 < comm_timeout_s <= hang_timeout_s:
+            raise PipelineError(
+                f"comm_timeout_s {comm_timeout_s!r} and hang_timeout_s {hang_timeout_s!r}: expected 0 < comm_timeout_s "
+                f"<= hang_timeout_s (how long a rank may give no sign of life, then how long live ranks may wait)"
+            )
+        self.info, self.comm_timeout_s, self.hang_timeout_s = info, comm_timeout_s, hang_timeout_s
+        self.owned = join_group(info, hang_timeout_s)
+        self.liveness: Liveness | None = None
+
+    def watch(self) -> None:
+        """Start beating and watching the other ranks (in a job of several ranks: self.liveness)."""
+        if self.info.world_size > 1 and self.liveness is None:
+            store = PrefixStore(BEAT_PREFIX, _get_default_store())
+            self.liveness = Liveness(self.info.rank, self.info.world_size, store, self.comm_timeout_s, self._abort)
+            liveness.watching(self.liveness.start())
+
+    def _abort(self) -> None:
+        abort_group(self.owned)
+
+    def abort(self) -> None:
+        """After an error: stop beating (the peers will find this rank lost) and abort the group (abort_group)."""
+        self._unwatch(done=False)
+        self._abort()
+
+    def close(self, failed: bool = False) -> None:
+        """Stop watching (done: the peers watch this rank no more, unless failed) and leave the group (leave_group)."""
+        self._unwatch(done=not failed)
+        leave_group(self.owned)
+
+    def _unwatch(self, done: bool) -> None:
+        if self.liveness is not None:
+            liveness.watching(None)
+            self.liveness.stop(done)
+            self.liveness = None
+
+
+def join_group(info: RankInfo, timeout_s: float) -> bool:
+    """Create the process group if the job has several ranks and none exists, with timeout_s as its operations'
+    deadline; True if this call made it. On CUDA the rank's gpu becomes the current device first, in a group the
+    caller made too: NCCL and the object collectives work on it."""
+    if info.world_size == 1:
+        return False
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(info.local_rank)  # before any collective: NCCL uses the current device
+    if dist.is_initialized():
+        found = dist.get_backend()
+        if found != backend:
+            raise PipelineError(
+                f"the process group uses the {found!r} backend, but this job's messages are "
+                f"{'gpu' if backend == 'nccl' else 'host'} tensors, which need {backend!r}: make it with "
+                f"dist.init_process_group({backend!r}), or let the Pipeline make it (torchrun's variables suffice)"
+            )
+        return False
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world = next(env_rendezvous("env://", timeout=timeout))
+    # A job torchrun restarts (--max-restarts) meets again in the same store: without a prefix of its own,
+    # a restarted rank can read the address its dead peer left there and wait on it forever.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = PrefixStore(f"mobiuspipe/attempt{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    return True
+
+
+def leave_group(owned: bool) -> None:
+    """Destroy the process group if join_group made it (and abort_group has not)."""
+    if owned and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def abort_group(owned: bool) -> None:
+    """After an error, on NCCL: abort the communicators of the group join_group made. The rank may have sends and
+    receives no peer will ever match, and a graceful destroy (or a wait for copies queued behind those kernels) would
+    wait for them until NCCL's watchdog ends the rank, its error unsaid. Nothing on gloo, whose operations do not
+    hold the teardown (leave_group follows)."""
+    if not owned or not dist.is_initialized() or dist.get_backend() != "nccl":
+        return
+    try:
+        _abort_process_group()  # every group of the job (torch marks the call experimental)
+    except (RuntimeError, ValueError) as e:
+        print(f"mobiuspipe: NCCL's communicators did not abort ({e}): leaving the group gracefully", file=sys.stderr)
+
+
+def gather_all(info: RankInfo, obj: Any) -> list[Any]:
+    """Every rank's obj (picklable), in rank order, on every rank; [obj] in a job of one rank. Under a watch
+    (Membership.watch) it waits while every peer lives, however long they take to come."""
+    if info.world_size == 1:
+        return [obj]
+    watch = liveness.current()
+    if watch is None:
+        out: list[Any] = [None] * info.world_size
+        dist.all_gather_object(out, obj)
+        return out
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(size) for _ in range(info.world_size)]
+    _gathered(info, dist.all_gather(sizes, size, async_op=True), watch)
+    counts = [int(s) for s in sizes]
+    padded = torch.zeros(max(counts), dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data
+    parts = [torch.empty_like(padded) for _ in range(info.world_size)]
+    _gathered(info, dist.all_gather(parts, padded, async_op=True), watch)
+    return [pickle.loads(p[:n].cpu().numpy().tobytes()) for p, n in zip(parts, counts)]
+
+
+def _gathered(info: RankInfo, work, watch: Liveness) -> None:
+    try:
+        await_work(work, watch)
+    except RuntimeError as e:
+        watch.check()  # a lost peer's verdict says more than the backend's error
+        raise PeerLostError(
+            f"rank {info.rank}: a gather of every rank's data failed ({str(e).splitlines()[0]}); a rank has "
+            f"probably died or hangs: look at the other ranks' logs"
+        ) from e
+
+
+def await_work(work, watch: Watch) -> None:
+    """Wait until work (an operation whose is_completed() reports its end) has ended, asking watch whether every
+    peer lives as it waits (PeerLostError if not); its error, if it failed."""
+    pause = POLL_S[0]
+    while not work.is_completed():
+        watch.check()
+        time.sleep(pause)
+        pause = min(2 * pause, POLL_S[1])
+    work.wait()

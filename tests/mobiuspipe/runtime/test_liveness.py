@@ -1,0 +1,195 @@
+"""The ranks' signs of life: a peer that stops beating is lost after comm_timeout_s, one that beats or ended its run
+well is not, a store that stops answering is a loss too; the waits that ask the watch raise its verdict."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mobiuspipe.errors import PeerLostError, PipelineError
+from mobiuspipe.runtime.peers.comm import Comm, Posted
+from mobiuspipe.runtime.peers.liveness import MAX_BEAT_S, Liveness, beat_interval
+from mobiuspipe.runtime.peers.ranks import Membership, RankInfo, await_work
+from mobiuspipe.standin.p2p import StrictWork
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class DictStore:
+    """A store of counters; `down` makes every call fail as a store whose host died would."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.down = False
+
+    def add(self, key: str, value: int) -> int:
+        if self.down:
+            raise RuntimeError("Connection reset by peer\nmore")
+        self.counts[key] = self.counts.get(key, 0) + value
+        return self.counts[key]
+
+
+def _watch(store: DictStore, clock: FakeClock, lost_after_s: float = 10.0, rank: int = 0, world: int = 3):
+    aborted: list[int] = []
+    w = Liveness(rank, world, store, lost_after_s, on_lost=lambda: aborted.append(1), clock=clock)
+    return w, aborted
+
+
+def test_a_peer_that_stops_beating_is_lost_after_the_timeout():
+    store, clock = DictStore(), FakeClock()
+    w, aborted = _watch(store, clock)
+    for _ in range(5):  # ranks 1 and 2 beat as often as rank 0 looks
+        store.add("1", 1)
+        store.add("2", 1)
+        w.look()
+        clock.now += 3.0
+    w.check()
+    for _ in range(3):  # rank 2 stops; rank 1 goes on
+        store.add("1", 1)
+        w.look()
+        clock.now += 3.0
+    assert w.verdict is None  # 9 s of silence: not yet
+    store.add("1", 1)
+    w.look()
+    assert w.verdict is not None and w.verdict.startswith("rank 0: rank 2 has given no sign of life for 12 s")
+    assert "runtime.comm_timeout_s is 10" in w.verdict and "rank 1" not in w.verdict
+    assert aborted == [1]
+    with pytest.raises(PeerLostError, match="rank 2 has given no sign of life"):
+        w.check()
+
+
+def test_a_peer_that_never_beat_is_lost_too():
+    store, clock = DictStore(), FakeClock()
+    w, _ = _watch(store, clock, world=2)
+    w.look()
+    clock.now += 10.0
+    w.look()
+    assert w.verdict is not None and "rank 1 has given no sign of life for 10 s" in w.verdict
+
+
+def test_a_peer_that_ended_its_run_is_not_watched():
+    store, clock = DictStore(), FakeClock()
+    w, aborted = _watch(store, clock, world=2)
+    w.look()
+    store.add("done1", 1)  # rank 1's Membership.close after a run that went well
+    clock.now += 60.0
+    w.look()
+    assert w.verdict is None and aborted == []
+
+
+def test_a_store_that_stops_answering_is_a_loss_once_it_has_been_silent_that_long():
+    store, clock = DictStore(), FakeClock()
+    w, aborted = _watch(store, clock, world=2)
+    w.look()
+    store.down = True
+    clock.now += 1.0
+    w.look()
+    clock.now += 5.0
+    w.look()
+    store.down = False  # it came back: the count starts again
+    store.add("1", 1)
+    w.look()
+    store.down = True
+    clock.now += 1.0
+    w.look()
+    clock.now += 9.9
+    w.look()
+    assert w.verdict is None
+    clock.now += 0.1
+    w.look()
+    assert w.verdict is not None and "the job's store has not answered for 10 s (Connection reset by peer)" in w.verdict
+    assert "more" not in w.verdict and aborted == [1]
+
+
+def test_beats_come_several_times_per_timeout_and_at_most_a_few_seconds_apart():
+    assert beat_interval(8.0) == pytest.approx(1.0)
+    assert beat_interval(3600.0) == MAX_BEAT_S
+
+
+def test_two_ranks_on_one_store_find_the_one_that_stopped():
+    """Threads as a job runs them, on torch's in-memory store: both live, then rank 1 stops without its done mark."""
+    store = dist.HashStore()  # pyright: ignore[reportPrivateImportUsage]
+    ranks = [Liveness(r, 2, store, lost_after_s=0.8) for r in (0, 1)]
+    for r in ranks:
+        r.start()
+    time.sleep(1.6)  # twice the timeout: both beat meanwhile
+    assert [r.verdict for r in ranks] == [None, None]
+    ranks[1].stop(done=False)
+    deadline = time.monotonic() + 10
+    while ranks[0].verdict is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ranks[0].stop(done=False)
+    assert ranks[0].verdict is not None and "rank 1 has given no sign of life" in ranks[0].verdict
+
+
+class _Verdict:
+    """A watch whose verdict comes after `after_s`."""
+
+    def __init__(self, after_s: float) -> None:
+        self.at = time.monotonic() + after_s
+
+    def check(self) -> None:
+        if time.monotonic() >= self.at:
+            raise PeerLostError("rank 0: rank 1 has given no sign of life for 60 s")
+
+
+def test_a_watched_receive_waits_past_the_timeout_and_ends_with_the_verdict(monkeypatch):
+    monkeypatch.setenv("MOBIUSPIPE_STRICT", "1")
+    watch = _Verdict(after_s=0.5)
+    comm = Comm(rank=0, timeout_s=0.1, watch=watch)
+    work = StrictWork()
+    threading.Timer(0.3, work._end).start()  # arrives after the timeout, before any verdict: waited for
+    comm.take(Posted(work, torch.zeros(1), "rank 1", "receiving x from rank 1"))
+    with pytest.raises(PeerLostError, match="^rank 0: rank 1 has given no sign of life"):
+        comm.take(Posted(StrictWork(), torch.zeros(1), "rank 1", "receiving y from rank 1"))
+
+
+def test_an_error_after_a_verdict_reports_the_verdict(monkeypatch):
+    monkeypatch.setenv("MOBIUSPIPE_STRICT", "1")
+    comm = Comm(rank=0, timeout_s=5, watch=_Verdict(after_s=0.0))
+    work = StrictWork()
+    work._end(RuntimeError("Connection closed by peer"))
+    with pytest.raises(PeerLostError, match="no sign of life"):
+        comm.take(Posted(work, torch.zeros(1), "rank 1", "receiving x from rank 1"))
+
+
+class _Flips:
+    """A request that completes after `n` looks."""
+
+    def __init__(self, n: int) -> None:
+        self.looks, self.n = 0, n
+
+    def is_completed(self) -> bool:
+        self.looks += 1
+        return self.looks > self.n
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        return True
+
+
+def test_await_work_polls_until_done_or_lost():
+    work = _Flips(5)
+    await_work(work, _Verdict(after_s=60))
+    assert work.looks == 6
+    with pytest.raises(PeerLostError):
+        await_work(_Flips(10**9), _Verdict(after_s=0.05))
+
+
+def test_the_timeouts_must_be_ordered():
+    with pytest.raises(PipelineError, match="expected 0 < comm_timeout_s <= hang_timeout_s"):
+        Membership(RankInfo(0, 1, 0, False), 60.0, 30.0)
+    one = Membership(RankInfo(0, 1, 0, False), 60.0, 60.0)
+    one.watch()  # a job of one rank has nobody to watch
+    assert one.liveness is None
+    one.close()
