@@ -169,6 +169,7 @@ def gather_all(info: RankInfo, obj: Any) -> list[Any]:
         out: list[Any] = [None] * info.world_size
         dist.all_gather_object(out, obj)
         return out
+    watch.check()  # no collective begins after a peer is lost
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
     size = torch.tensor([data.numel()], dtype=torch.int64, device=device)

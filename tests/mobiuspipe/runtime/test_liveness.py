@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from mobiuspipe.errors import PeerLostError, PipelineError
+from mobiuspipe.runtime.peers import ranks
 from mobiuspipe.runtime.peers.comm import Comm, Posted
 from mobiuspipe.runtime.peers.liveness import MAX_BEAT_S, Liveness, beat_interval
 from mobiuspipe.runtime.peers.ranks import Membership, RankInfo, await_work
@@ -193,3 +194,25 @@ def test_the_timeouts_must_be_ordered():
     one.watch()  # a job of one rank has nobody to watch
     assert one.liveness is None
     one.close()
+
+
+def test_a_lost_peer_aborts_the_group_the_rank_made(monkeypatch):
+    """On NCCL the host blocks at a synchronization, not in a wait that asks the watch: the abort ends the kernels that
+    wait for the lost peer (abort_group does nothing off NCCL). The rank then leaves the group without its done mark."""
+    calls: list[tuple[str, bool]] = []
+    store = dist.HashStore()  # pyright: ignore[reportPrivateImportUsage]
+    monkeypatch.setattr(ranks, "join_group", lambda info, timeout_s: True)
+    monkeypatch.setattr(ranks, "_get_default_store", lambda: store)
+    monkeypatch.setattr(ranks, "abort_group", lambda owned: calls.append(("abort", owned)))
+    monkeypatch.setattr(ranks, "leave_group", lambda owned: calls.append(("leave", owned)))
+    group = Membership(RankInfo(0, 2, 0, True), 0.4, 60.0)
+    group.watch()  # rank 1 never beats
+    assert group.liveness is not None
+    deadline = time.monotonic() + 10
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert calls == [("abort", True)]
+    with pytest.raises(PeerLostError, match="rank 1 has given no sign of life"):
+        ranks.gather_all(RankInfo(0, 2, 0, True), "anything")  # every wait under the watch raises its verdict
+    group.close(failed=True)
+    assert calls == [("abort", True), ("leave", True)] and store.add(f"{ranks.BEAT_PREFIX}/done0", 0) == 0
