@@ -99,7 +99,27 @@ def _give(nbytes: int, device: Device, name: str) -> tuple[torch.Tensor, object]
 def _open(handle: object, nbytes: int) -> torch.Tensor:
     if isinstance(handle, str):
         return shm_region(handle, nbytes)
-    return open_shared(handle)
+    try:
+        return open_shared(handle)
+    except RuntimeError as e:
+        raise PipelineError(_refused(str(e).splitlines()[0] if str(e) else type(e).__name__)) from e
+
+
+def _refused(cause: str) -> str:
+    """Why this rank could not open a peer's region (CUDA IPC), and what to do."""
+    expandable = "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
+    why = (
+        "under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True torch shares the region as a file descriptor that "
+        "the opening process takes with pidfd_getfd, which a container without ptrace rights refuses (pytorch "
+        "#165685): leave expandable_segments out of PYTORCH_CUDA_ALLOC_CONF for this job, or give the container "
+        "--cap-add SYS_PTRACE; "
+        if expandable
+        else "CUDA IPC needs both ranks' processes on one host and able to open each other's memory; "
+    )
+    return (
+        f"activation_tier peer: this rank could not open the region another rank's gpu gives it ({cause}); {why}"
+        "or park activations in host memory (memory.activation_tier: host)"
+    )
 
 
 PEER_STAGED_ENV = "MOBIUSPIPE_PEER_STAGED"
