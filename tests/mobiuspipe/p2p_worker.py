@@ -5,13 +5,17 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from mobiuspipe.errors import PeerLostError
 from mobiuspipe.runtime.peers.channels import Channels, Link
+from mobiuspipe.runtime.peers.comm import Comm, TensorSpec
+from mobiuspipe.runtime.peers.ranks import Membership, RankInfo
 from mobiuspipe.standin.p2p import StrictLink
 
 WAIT = timedelta(seconds=3)
@@ -79,10 +83,27 @@ def _order(rank: int) -> str:
         return f"error: {e}"
 
 
+def _hang(rank: int) -> str:
+    """Both ranks, alive and beating, wait for a message the other never sends (a schedule's bug): the wait outlives
+    comm_timeout_s (1 s: nobody is lost) and ends at the channels' deadline (hang_timeout_s, 4 s)."""
+    group = Membership(RankInfo(rank, 2, rank, True), comm_timeout_s=1.0, hang_timeout_s=4.0)
+    group.watch()
+    comm = Comm(rank, 1.0, channels=Channels(rank, "direction", [(0, 1), (1, 0)], 4.0), watch=group.liveness)
+    start = time.monotonic()
+    try:
+        comm.recv(TensorSpec((4,), torch.float32), torch.device("cpu"), 1 - rank, 3, "a message never sent")
+        return "received"
+    except PeerLostError as e:
+        return f"after {time.monotonic() - start:.1f} s: {e}"
+
+
 def main(scenario: str, out: Path) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
     rank = dist.get_rank()
-    result = _order(rank) if scenario == "order" else _cross(scenario, rank, 1 - rank)
+    if scenario == "hang":
+        result = _hang(rank)
+    else:
+        result = _order(rank) if scenario == "order" else _cross(scenario, rank, 1 - rank)
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     os._exit(0)  # a link stuck on purpose would hold the process group's teardown
 

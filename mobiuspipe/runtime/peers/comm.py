@@ -221,8 +221,13 @@ class Comm:
             self.watch.check()
 
     def _message(self, peer: str, what: str, cause: str) -> str:
-        return (
-            f"rank {self.rank}: {what} failed ({cause}); {peer} has probably died or hangs: look at its log "
-            f"above. If {peer} is only slow, raise runtime.comm_timeout_s (how long a rank may give no sign of "
-            f"life) or runtime.hang_timeout_s (how long live ranks may wait)"
+        if self.watch is None:  # a deadline per wait
+            return (
+                f"rank {self.rank}: {what} failed ({cause}); {peer} has probably died or hangs: look at its log "
+                f"above. Raise runtime.comm_timeout_s if {peer} is only slow"
+            )
+        return (  # the peer gave signs of life until now: it died just now, or the ranks wait on each other
+            f"rank {self.rank}: {what} failed ({cause}); {peer} has died, or it lives and the ranks wait on each "
+            f"other (a hang, which runtime.hang_timeout_s ends): look at its log above. Raise runtime.hang_timeout_s "
+            f"if {peer} only takes that long"
         )

@@ -42,6 +42,16 @@ def test_both_send_first(tmp_path, layout, strict, want):
 
 
 @pytest.mark.slow
+def test_a_hang_among_live_ranks_ends_at_the_hang_timeout(tmp_path):
+    """Both ranks live (their beats go on), so comm_timeout_s (1 s) finds nobody lost; the wait ends at the channels'
+    deadline, hang_timeout_s (4 s), naming the peer and the message."""
+    for result in _two_ranks(tmp_path, "hang", "1"):
+        assert result.startswith("after ") and "receiving a message never sent from rank" in result, result
+        assert "the ranks wait on each other (a hang, which runtime.hang_timeout_s ends)" in result
+        assert 3.5 <= float(result.split()[1]) < 20, result
+
+
+@pytest.mark.slow
 def test_a_receive_paired_with_the_wrong_send_is_an_error(tmp_path):
     rank0, rank1 = _two_ranks(tmp_path, "order", "1")
     assert rank0.startswith("error:") and "pairs the sends and receives of a pair by order" in rank0
