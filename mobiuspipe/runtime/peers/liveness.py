@@ -6,16 +6,21 @@ busy as long as it needs (writing a checkpoint, setting up SSD states, a long st
 meanwhile. The waits that would outlive a lost peer ask check() as they wait (Comm's, ranks.gather_all's);
 on NCCL, where the host blocks at a synchronization instead, the watch also calls on_lost (the
 communicators' abort), which ends the kernels waiting for the lost peer. A rank that ends its run well
-marks itself done: it is watched no more. The thread needs the GIL for a moment each beat: a rank whose main
-thread holds it longer than lost_after_s in one call looks lost.
+marks itself done: it is watched no more. The calls to the store run on a thread of their own (a store whose
+host is stopped answers no call, and TCPStore's timeout does not end an add): the watch gives each a beat,
+and a store that has not answered for lost_after_s is lost too. The threads need the GIL for a moment each
+beat: a rank whose main thread holds it longer than lost_after_s in one call looks lost.
 """
 
 from __future__ import annotations
 
+import queue
 import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as NoAnswer
 from typing import Protocol
 
 from mobiuspipe.errors import PeerLostError
@@ -65,6 +70,8 @@ class Liveness:
         self._seen = {p: (-1, now) for p in self._peers}  # peer -> (its count, when it last moved)
         self._store_down_since: float | None = None
         self._verdict: str | None = None
+        self._calls = _Calls(f"liveness-store-{rank}")
+        self._call: Future | None = None  # the look at the store under way
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"liveness-{rank}", daemon=True)
 
@@ -87,12 +94,13 @@ class Liveness:
         """Stop beating; done: this rank ended its run well (its peers watch it no more), else it just stops."""
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join()
+            self._thread.join()  # a look waits a beat at most
         if done:
             try:
-                self._store.add(f"done{self.rank}", 1)
-            except RuntimeError as e:  # the store's host has gone: nobody is left to tell
-                print(f"mobiuspipe: rank {self.rank} could not mark its run done in the store ({e})", file=sys.stderr)
+                self._calls.submit(lambda: self._store.add(f"done{self.rank}", 1)).result(self.lost_after_s)
+            except (RuntimeError, NoAnswer) as e:  # the store's host has gone: nobody is left to tell
+                print(f"mobiuspipe: rank {self.rank} could not mark its run done in the store ({e!r})", file=sys.stderr)
+        self._calls.close()
 
     def _run(self) -> None:
         while self._verdict is None and not self._stop.wait(self.beat_s):
@@ -101,14 +109,18 @@ class Liveness:
     def look(self) -> None:
         """One beat, and one look at every peer's count (the thread's step; tests call it with a fake clock)."""
         now = self._clock()
+        if self._call is None:
+            self._call = self._calls.submit(self._read)
         try:
-            self._store.add(str(self.rank), 1)
-            counts = {p: self._store.add(str(p), 0) for p in self._peers}
-            done = {p for p in self._peers if self._store.add(f"done{p}", 0)}
-        except RuntimeError as e:
-            self._store_down(now, e)
+            counts, done = self._call.result(self.beat_s)
+        except NoAnswer:
+            self._store_down(now, f"no answer within {self.beat_s:g} s")
             return
-        self._store_down_since = None
+        except RuntimeError as e:
+            self._call = None
+            self._store_down(now, str(e).splitlines()[0] if str(e) else type(e).__name__)
+            return
+        self._call, self._store_down_since = None, None
         for p, count in counts.items():
             last, since = self._seen[p]
             if count != last:
@@ -121,12 +133,17 @@ class Liveness:
                 )
                 return
 
-    def _store_down(self, now: float, e: RuntimeError) -> None:
+    def _read(self) -> tuple[dict[int, int], set[int]]:
+        """This rank's beat, then every peer's count and which peers ended their run (calls to the store)."""
+        self._store.add(str(self.rank), 1)
+        counts = {p: self._store.add(str(p), 0) for p in self._peers}
+        return counts, {p for p in self._peers if self._store.add(f"done{p}", 0)}
+
+    def _store_down(self, now: float, cause: str) -> None:
         """The store did not answer: lost once it has not answered for lost_after_s."""
         if self._store_down_since is None:
             self._store_down_since = now
         elif now - self._store_down_since >= self.lost_after_s:
-            cause = str(e).splitlines()[0] if str(e) else type(e).__name__
             self._lost(
                 f"the job's store has not answered for {now - self._store_down_since:.0f} s ({cause}): the "
                 f"process that hosts it (torchrun's agent, or rank 0 when the job was started without torchrun) "
@@ -139,6 +156,31 @@ class Liveness:
             self._on_lost()
         except Exception as e:  # noqa: BLE001 -- the verdict stands; the waits raise it
             print(f"mobiuspipe: rank {self.rank}: after a lost peer, {e!r}", file=sys.stderr)
+
+
+class _Calls:
+    """Calls run one after another on a daemon thread of their own: a call that never returns holds that thread
+    only (and no exit of the process waits for it)."""
+
+    def __init__(self, name: str):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, call: Callable[[], object]) -> Future:
+        future: Future = Future()
+        self._queue.put((call, future))
+        return future
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            call, future = item
+            try:
+                future.set_result(call())
+            except BaseException as e:  # noqa: BLE001 -- handed to whoever waits on the future
+                future.set_exception(e)
 
 
 _current: Liveness | None = None

@@ -32,6 +32,7 @@ __all__ = [
     "Membership",
     "join_group",
     "leave_group",
+    "attempt_prefix",
     "abort_group",
     "gather_all",
     "await_work",
@@ -39,6 +40,8 @@ __all__ = [
 
 BEAT_PREFIX = "mobiuspipe/beat"
 """Where in the job's store the ranks count their beats."""
+MIN_STORE_TIMEOUT_S = 1.0
+"""The shortest deadline of a beat's call to the store (s)."""
 POLL_S = (2e-4, 0.05)
 """The first and the longest pause (s) between two looks at an operation a watched wait waits for."""
 
@@ -88,9 +91,20 @@ class Membership:
     def watch(self) -> None:
         """Start beating and watching the other ranks (in a job of several ranks: self.liveness)."""
         if self.info.world_size > 1 and self.liveness is None:
-            store = PrefixStore(BEAT_PREFIX, _get_default_store())
+            store = self._beat_store()
             self.liveness = Liveness(self.info.rank, self.info.world_size, store, self.comm_timeout_s, self._abort)
             liveness.watching(self.liveness.start())
+
+    def _beat_store(self):
+        """Where the beats go: where join_group met the others through MASTER_ADDR and MASTER_PORT, a client of that
+        store of its own whose calls fail after half of comm_timeout_s (a store host that stops, rank 0 when no
+        torchrun agent hosts it, then counts as lost, and no call holds the watch); else the group's store."""
+        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not (self.owned and addr and port):
+            return PrefixStore(BEAT_PREFIX, _get_default_store())
+        timeout = timedelta(seconds=max(self.comm_timeout_s / 2, MIN_STORE_TIMEOUT_S))
+        client = dist.TCPStore(addr, int(port), is_master=False, timeout=timeout)  # pyright: ignore[reportPrivateImportUsage]
+        return PrefixStore(f"{attempt_prefix()}/{BEAT_PREFIX}", client)
 
     def _abort(self) -> None:
         abort_group(self.owned)
@@ -132,12 +146,15 @@ def join_group(info: RankInfo, timeout_s: float) -> bool:
         return False
     timeout = timedelta(seconds=timeout_s)
     store, rank, world = next(env_rendezvous("env://", timeout=timeout))
-    # A job torchrun restarts (--max-restarts) meets again in the same store: without a prefix of its own,
-    # a restarted rank can read the address its dead peer left there and wait on it forever.
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = PrefixStore(f"mobiuspipe/attempt{attempt}", store)
+    store = PrefixStore(attempt_prefix(), store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return True
+
+
+def attempt_prefix() -> str:
+    """The job's keys in its store, this attempt's alone: a job torchrun restarts (--max-restarts) meets again in the
+    same store, and a restarted rank could read the address its dead peer left there and wait on it forever."""
+    return f"mobiuspipe/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def leave_group(owned: bool) -> None:

@@ -113,6 +113,32 @@ def test_a_store_that_stops_answering_is_a_loss_once_it_has_been_silent_that_lon
     assert "more" not in w.verdict and aborted == [1]
 
 
+class StoppedStore:
+    """A store whose host is stopped: a call never returns (TCPStore's timeout does not end an add)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def add(self, key: str, value: int) -> int:
+        self.release.wait()
+        return 0
+
+
+def test_a_store_whose_host_is_stopped_is_a_loss_and_holds_no_wait():
+    store, clock = StoppedStore(), FakeClock()
+    w = Liveness(0, 2, store, lost_after_s=0.8, clock=clock)  # a look waits a beat (0.1 s) for the store
+    start = time.monotonic()
+    w.look()
+    clock.now += 0.9
+    w.look()
+    assert time.monotonic() - start < 2
+    assert w.verdict is not None and "the job's store has not answered for 1 s (no answer within 0.1 s)" in w.verdict
+    start = time.monotonic()
+    w.stop(done=True)  # marking the run done waits lost_after_s at most, then says why it could not
+    assert time.monotonic() - start < 2
+    store.release.set()
+
+
 def test_beats_come_several_times_per_timeout_and_at_most_a_few_seconds_apart():
     assert beat_interval(8.0) == pytest.approx(1.0)
     assert beat_interval(3600.0) == MAX_BEAT_S
@@ -201,6 +227,7 @@ def test_a_lost_peer_aborts_the_group_the_rank_made(monkeypatch):
     wait for the lost peer (abort_group does nothing off NCCL). The rank then leaves the group without its done mark."""
     calls: list[tuple[str, bool]] = []
     store = dist.HashStore()  # pyright: ignore[reportPrivateImportUsage]
+    monkeypatch.delenv("MASTER_ADDR", raising=False)  # the group's own store, not a client of its own
     monkeypatch.setattr(ranks, "join_group", lambda info, timeout_s: True)
     monkeypatch.setattr(ranks, "_get_default_store", lambda: store)
     monkeypatch.setattr(ranks, "abort_group", lambda owned: calls.append(("abort", owned)))
