@@ -419,8 +419,7 @@ class Pipeline:
     def _reduce(self, values: list[float], op, what: str) -> list[float]:
         if self.info.world_size == 1:
             return values
-        t = torch.tensor(values, dtype=torch.float64, device=self.engine.device.torch_device)
-        return self.engine.comm.all_reduce(t, op, what).tolist()
+        return self.engine.comm.reduce_values(values, op, what, self.engine.device.torch_device)
 
     def save_checkpoint(self, root, keep: int = 2) -> Path:
         """Every rank, at the same step: this step's checkpoint in root/step-N (mobiuspipe.checkpoint)."""

@@ -179,9 +179,16 @@ class Comm:
         return TensorSpec.decode(self.recv(header, device, src, tag, f"the shape of {what}"))
 
     def all_reduce(self, t: torch.Tensor, op, what: str) -> torch.Tensor:
-        """In-place all-reduce of t over every rank, under the same deadline as receives."""
+        """In-place all-reduce of t over every rank, waited for as receives are."""
         work = self._start(lambda: dist.all_reduce(t, op=op, async_op=True), "another rank", what)
         self._wait(work, "another rank", f"all-reduce of {what}", collective=True)
+        return t
+
+    def reduce_values(self, values: list[float], op, what: str, device: torch.device) -> list[float]:
+        """values all-reduced over every rank (as float64 on device), read on the host. On NCCL the read is where the
+        host waits; a watch that found a peer lost meanwhile has aborted the reduction: its verdict, not the values."""
+        t = self.all_reduce(torch.tensor(values, dtype=torch.float64, device=device), op, what).tolist()
+        self._check_peers()
         return t
 
     def _start(self, post, peer: str, what: str):

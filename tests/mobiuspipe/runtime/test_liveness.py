@@ -243,3 +243,22 @@ def test_a_lost_peer_aborts_the_group_the_rank_made(monkeypatch):
         ranks.gather_all(RankInfo(0, 2, 0, True), "anything")  # every wait under the watch raises its verdict
     group.close(failed=True)
     assert calls == [("abort", True), ("leave", True)] and store.add(f"{ranks.BEAT_PREFIX}/done0", 0) == 0
+
+
+class _Done:
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        return True
+
+
+def test_values_reduced_after_a_verdict_are_not_returned(monkeypatch):
+    """On NCCL the watch's abort ends a reduction early: its values are whatever the buffer held."""
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op, async_op: _Done())
+    cpu = torch.device("cpu")
+    alive = Comm(rank=0, timeout_s=5, watch=_Verdict(after_s=60))
+    assert alive.reduce_values([1.5, 2.0], dist.ReduceOp.SUM, "the loss", cpu) == [1.5, 2.0]
+    lost = Comm(rank=0, timeout_s=5, watch=_Verdict(after_s=0))
+    with pytest.raises(PeerLostError, match="no sign of life"):
+        lost.reduce_values([1.5], dist.ReduceOp.SUM, "the loss", cpu)
