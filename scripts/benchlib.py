@@ -7,8 +7,11 @@ import json
 import os
 import platform
 import re
+import signal
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -340,3 +343,41 @@ def torchrun_metrics(d: dict, nproc: int, folder: Path, timeout: float) -> list[
         raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     lines = (Path(d["train"]["out_dir"]) / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
+
+
+def stopped_rank_run(d: dict, folder: Path, timeout: float) -> tuple[int | None, float, str]:
+    """Two ranks of mobiuspipe.train with config `d`, started without torchrun (whose agent would end the job
+    itself); once rank 0 has logged a step, rank 1 is stopped (SIGSTOP: alive, silent). Rank 0's exit status (None
+    if it ran on for `timeout` s), the seconds it took to stop, and its error line (or its last words)."""
+    cfg_path = folder / "run.yaml"
+    cfg_path.write_text(yaml.safe_dump(d))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"}
+        env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        cmd = [sys.executable, "-m", "mobiuspipe.train", "--config", str(cfg_path)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    r0, r1 = procs
+    try:
+        assert r0.stdout is not None  # a PIPE
+        for line in r0.stdout:
+            if line.startswith("step "):
+                break
+        r1.send_signal(signal.SIGSTOP)
+        start = time.monotonic()
+        try:
+            _, err = r0.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None, time.monotonic() - start, "still running"
+        waited = time.monotonic() - start
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+            p.wait()
+    said = [line for line in err.splitlines() if line.startswith("mobiuspipe.train: error:")]
+    return r0.returncode, waited, (said or err.strip().splitlines() or ["no output"])[-1]

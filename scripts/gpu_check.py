@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_runs as runs
-from benchlib import torchrun_metrics
+from benchlib import stopped_rank_run, torchrun_metrics
 
 from mobiuspipe import _ext
 from mobiuspipe.config import MemoryConfig
@@ -340,6 +340,25 @@ def two_ranks(t: Table, folder: Path, gpus: int, cuda: bool) -> None:
         "losses equal one rank's" if same else f"{losses}",
         "= one rank",
     )
+    stopped_rank(t, folder, cuda)
+
+
+def stopped_rank(t: Table, folder: Path, cuda: bool) -> None:
+    """A rank stopped mid-run (alive, silent): the other stops within comm_timeout_s, naming it. On NCCL its host
+    waits at a synchronization, which only the watch's abort of the communicators ends."""
+    timeout_s = 10.0 if cuda else 3.0
+    run = folder / "stopped"
+    run.mkdir()
+    d = {
+        "model": {"num_blocks": 2, "d_model": 64, "num_heads": 4, "seq_len": 64},
+        "data": {"batch_size": 8, "num_microbatches": 4},
+        "train": {"steps": 100000, "out_dir": str(run / "out")},
+        "plan": {"num_gpus": 2, "num_stages": 4},
+        "runtime": {"comm_timeout_s": timeout_s, "threads": 1},
+    }
+    code, waited, said = stopped_rank_run(d, run, timeout=timeout_s + 60)
+    ok = code == 2 and "rank 1 has given no sign of life" in said and waited < timeout_s + 20
+    t.add("a stopped rank is named", ok, f"after {waited:.0f} s: {said[25:105]}", f"< {timeout_s + 20:g} s")
 
 
 def _cause(text: str) -> str:

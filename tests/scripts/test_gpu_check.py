@@ -30,6 +30,7 @@ def test_gpu_check_passes_on_the_strict_stand_ins(tmp_path):
                     assert checks[f"{precision} {policy} on {tier}"]["ok"] is True
     assert checks["fp32 accumulation 2 vs plain PyTorch"]["ok"] and checks["fp16 skipped step leaves the weights"]["ok"]
     assert checks["peak at or below the plan"]["ok"] and checks["2 ranks [0,1,0,1], peer tier, P2P off"]["ok"]
+    assert checks["a stopped rank is named"]["ok"] is True
     assert checks["LoRA, int8 base, vs plain PyTorch"]["ok"] and checks["LoRA, nf4 base, vs plain PyTorch"]["ok"]
     assert checks["LoRA, nf4 base, states on the gpu, vs plain PyTorch"]["ok"]
     assert (
