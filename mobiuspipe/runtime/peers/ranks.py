@@ -107,6 +107,10 @@ class Membership:
         return PrefixStore(f"{attempt_prefix()}/{BEAT_PREFIX}", client)
 
     def _abort(self) -> None:
+        """The watch's answer to a lost peer (on its own thread, bound first to the rank's gpu: a new thread's is gpu
+        0, where NCCL's calls would make a context)."""
+        if torch.cuda.is_available():
+            torch.cuda.set_device(self.info.local_rank)
         abort_group(self.owned)
 
     def abort(self) -> None:

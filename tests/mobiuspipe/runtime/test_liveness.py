@@ -225,24 +225,26 @@ def test_the_timeouts_must_be_ordered():
 def test_a_lost_peer_aborts_the_group_the_rank_made(monkeypatch):
     """On NCCL the host blocks at a synchronization, not in a wait that asks the watch: the abort ends the kernels that
     wait for the lost peer (abort_group does nothing off NCCL). The rank then leaves the group without its done mark."""
-    calls: list[tuple[str, bool]] = []
+    calls: list[tuple[str, object]] = []
     store = dist.HashStore()  # pyright: ignore[reportPrivateImportUsage]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the abort binds the watch's thread to the gpu
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("device", d)))
     monkeypatch.delenv("MASTER_ADDR", raising=False)  # the group's own store, not a client of its own
     monkeypatch.setattr(ranks, "join_group", lambda info, timeout_s: True)
     monkeypatch.setattr(ranks, "_get_default_store", lambda: store)
     monkeypatch.setattr(ranks, "abort_group", lambda owned: calls.append(("abort", owned)))
     monkeypatch.setattr(ranks, "leave_group", lambda owned: calls.append(("leave", owned)))
-    group = Membership(RankInfo(0, 2, 0, True), 0.4, 60.0)
-    group.watch()  # rank 1 never beats
+    group = Membership(RankInfo(1, 2, 1, True), 0.4, 60.0)
+    group.watch()  # rank 0 never beats
     assert group.liveness is not None
     deadline = time.monotonic() + 10
-    while not calls and time.monotonic() < deadline:
+    while len(calls) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert calls == [("abort", True)]
-    with pytest.raises(PeerLostError, match="rank 1 has given no sign of life"):
-        ranks.gather_all(RankInfo(0, 2, 0, True), "anything")  # every wait under the watch raises its verdict
+    assert calls == [("device", 1), ("abort", True)]
+    with pytest.raises(PeerLostError, match="rank 0 has given no sign of life"):
+        ranks.gather_all(RankInfo(1, 2, 1, True), "anything")  # every wait under the watch raises its verdict
     group.close(failed=True)
-    assert calls == [("abort", True), ("leave", True)] and store.add(f"{ranks.BEAT_PREFIX}/done0", 0) == 0
+    assert calls[2:] == [("leave", True)] and store.add(f"{ranks.BEAT_PREFIX}/done1", 0) == 0
 
 
 class _Done:
