@@ -41,7 +41,7 @@ __all__ = [
 BEAT_PREFIX = "mobiuspipe/beat"
 """Where in the job's store the ranks count their beats."""
 MIN_STORE_TIMEOUT_S = 1.0
-"""The shortest deadline of a beat's call to the store (s)."""
+"""The shortest deadline of the beats' store client for its connection (s)."""
 POLL_S = (2e-4, 0.05)
 """The first and the longest pause (s) between two looks at an operation a watched wait waits for."""
 
@@ -97,8 +97,9 @@ class Membership:
 
     def _beat_store(self):
         """Where the beats go: where join_group met the others through MASTER_ADDR and MASTER_PORT, a client of that
-        store of its own whose calls fail after half of comm_timeout_s (a store host that stops, rank 0 when no
-        torchrun agent hosts it, then counts as lost, and no call holds the watch); else the group's store."""
+        store of its own (a call stuck on a stopped store host, rank 0 when no torchrun agent hosts it, then holds no
+        lock the group's own calls need; its connection gives up after half of comm_timeout_s); else the group's
+        store."""
         addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if not (self.owned and addr and port):
             return PrefixStore(BEAT_PREFIX, _get_default_store())
