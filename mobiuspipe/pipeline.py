@@ -90,6 +90,7 @@ class Pipeline:
         num_stages: int | None = None,
         mapping: str = "cross",
         topology: Topology | str | None = None,
+        reserve_mb: float | None = None,
         precision: str | None = None,
         loss_scaler: LossScaler | None = None,
         memory: MemoryConfig | None = None,
@@ -111,7 +112,8 @@ class Pipeline:
         plan: a Plan, the path of a plan file (`mobiuspipe partition -o`), or None to measure the layers on
           one microbatch of `sample` = (x, y) and plan for num_microbatches (default 4), num_stages (default:
           the fastest count), mapping ("cross", "round-robin", "search") on `topology` (a Topology, preset
-          name or layout file; default one CPU stand-in or the gpu of each rank).
+          name or layout file; default one CPU stand-in or the gpu of each rank), leaving reserve_mb MiB of each gpu
+          alone for the CUDA context, NCCL and the allocator (default 1 GiB on a gpu, none on a stand-in).
         optimizer: makes each stage's optimizer from its parameters (default CPUAdam with its defaults).
         precision: "fp32", "bf16" or "fp16", the dtype of the weights and gradients on the device (the master
           weights and the optimizer stay fp32 on the host); default the plan's dtype (fp32 when planning).
@@ -159,6 +161,8 @@ class Pipeline:
                 f"accumulation_steps {accumulation_steps!r} must be >= 1 and max_grad_norm {max_grad_norm!r} "
                 f"positive (or None for no clipping)"
             )
+        if reserve_mb is not None and not 0 <= reserve_mb < 2**40:
+            raise PipelineError(f"reserve_mb {reserve_mb!r}: expected MiB >= 0 (or None: 1 GiB on a gpu)")
         if delayed_update is not None and delayed_update < 0:
             raise PipelineError(
                 f"delayed_update {delayed_update!r}: expected the first delayed optimizer step, >= 0 (or None: off)"
@@ -177,7 +181,7 @@ class Pipeline:
             check_world(given, self.info)  # before any process starts waiting for the others
         self.group = Membership(self.info, comm_timeout_s, hang_timeout_s)
         try:
-            request = PlanRequest(num_microbatches or 4, num_stages, mapping, topology, precision or "fp32")
+            request = PlanRequest(num_microbatches or 4, num_stages, mapping, topology, precision or "fp32", reserve_mb)
             self.plan = self._agree_on_plan(given, makers, loss_fn, sample, request)
             self.group.watch()  # from here on, a rank may be busy as long as it needs while it lives
             self.precision = check_precision(self.plan, precision)

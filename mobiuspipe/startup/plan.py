@@ -158,6 +158,9 @@ class PlanRequest:
     topology: Topology | str | None = None
     """A Topology, a preset name or a layout file; None: one stand-in (or this rank's gpu) per rank."""
     precision: str = "fp32"
+    reserve_mb: float | None = None
+    """MiB of each gpu the plan leaves alone (CUDA context, NCCL, the allocator); None: topology.presets.reserve_bytes'
+    default (1 GiB on a gpu, none on a CPU stand-in)."""
 
 
 def plan_from_profile(
@@ -224,7 +227,7 @@ def _measure_and_plan(layers, loss_fn, sample, info: RankInfo, request: PlanRequ
         num_stages=request.num_stages,
         mapping=request.mapping,
         solver="dp",
-        reserve_bytes=reserve_bytes(topo),
+        reserve_bytes=reserve_bytes(topo, request.reserve_mb),
     )
     return plan.to_dict()
 
