@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -57,6 +58,7 @@ from mobiuspipe.startup.plan import (
     check_precision,
     check_stage_layers,
     check_world,
+    hang_warning,
     plan_from_profile,
     read_plan,
     same_plan_everywhere,
@@ -184,6 +186,9 @@ class Pipeline:
             request = PlanRequest(num_microbatches or 4, num_stages, mapping, topology, precision or "fp32", reserve_mb)
             self.plan = self._agree_on_plan(given, makers, loss_fn, sample, request)
             self.group.watch()  # from here on, a rank may be busy as long as it needs while it lives
+            why = hang_warning(self.plan.num_gpus, self.plan.predicted_step_time_s, hang_timeout_s)
+            if why is not None and self.info.rank == 0:
+                warnings.warn(why, RuntimeWarning, stacklevel=2)
             self.precision = check_precision(self.plan, precision)
             self.scaler = scaler_for(self.precision, loss_scaler)
             self.memory = memory or MemoryConfig()

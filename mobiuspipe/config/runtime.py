@@ -28,7 +28,8 @@ class RuntimeConfig(Section):
     hang_timeout_s: float = 1800.0
     """Seconds live ranks may wait for one message or collective (s): the process group's deadline, which ends a
     hang (ranks waiting on each other). NCCL times an operation from its post, so on a gpu it must exceed the
-    longest step, and the start-up's planning and SSD set-up."""
+    longest step, and the start-up's planning and SSD set-up: rank 0 warns when 3 of the plan's predicted passes
+    would outlast it."""
     threads: int | None = dataclasses.field(default=None, metadata=AUTO_COUNT)
     """Torch intra-op threads per rank (count): the compute on CPU stand-ins and the host update's CPU Adam kernel use
     them. auto (or null, or left out): each rank of this host gets its share of the cores the process may run on

@@ -39,6 +39,7 @@ __all__ = [
     "check_batch",
     "check_cut",
     "check_stage_layers",
+    "hang_warning",
     "same_plan_everywhere",
     "plan_from_profile",
 ]
@@ -105,6 +106,23 @@ def check_cut(plan: Plan, num_layers: int, num_microbatches: int | None) -> None
             f"the plan is for {plan.num_microbatches} microbatches, {num_microbatches} were asked "
             f"for: make them equal or re-plan with --microbatches {num_microbatches}"
         )
+
+
+HANG_PASSES = 3
+"""Pipeline passes (at the plan's predicted time each) that hang_timeout_s should outlast: NCCL times an operation
+from its post, and a receive posted at a pass's start may end with it."""
+
+
+def hang_warning(gpus: int, pass_s: float, hang_timeout_s: float) -> str | None:
+    """What to tell a job of `gpus` ranks whose hang_timeout_s (s) a few of its passes (pass_s each: the plan's
+    predicted step) would outlive, or None."""
+    if gpus < 2 or HANG_PASSES * pass_s <= hang_timeout_s:
+        return None
+    return (
+        f"runtime.hang_timeout_s is {hang_timeout_s:g} s but the plan predicts {pass_s:.0f} s a pass: NCCL times "
+        f"each message from its post, so a slow pass could end the job as a hang; raise runtime.hang_timeout_s to "
+        f"{HANG_PASSES} passes or more ({HANG_PASSES * pass_s:.0f} s)"
+    )
 
 
 def check_stage_layers(plan: Plan, j: int, layers: dict[int, nn.Module]) -> None:
