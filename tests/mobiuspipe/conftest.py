@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -100,6 +102,26 @@ def torchrun(config: Path, nproc: int, timeout: float = 240) -> subprocess.Compl
 def launch():
     """(write_config, torchrun) helpers."""
     return write_config, torchrun
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_rank(cmd: list[str], rank: int, world: int, port: int) -> subprocess.Popen:
+    """One rank of a job started without torchrun (whose agent would end the job itself when a rank dies): cmd with
+    the variables torchrun sets, its output piped as text."""
+    env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)}
+    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture
+def by_hand():
+    """(free_port, spawn_rank) helpers: the ranks of a job started without torchrun."""
+    return free_port, spawn_rank
 
 
 def _load_helper(file: str):

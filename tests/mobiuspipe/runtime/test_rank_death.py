@@ -4,10 +4,7 @@ answers no beat, and rank 1 names the store."""
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 
@@ -16,36 +13,17 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank(rank: int, port: int, config) -> subprocess.Popen:
-    env = {
-        **os.environ,
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": "2",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-    }
-    return subprocess.Popen(
-        [sys.executable, "-m", "mobiuspipe.train", "--config", str(config)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+def _train(config) -> list[str]:
+    return [sys.executable, "-m", "mobiuspipe.train", "--config", str(config)]
 
 
 @pytest.mark.parametrize("how,timeout,lost", [(signal.SIGKILL, 20, 1), (signal.SIGSTOP, 8, 1), (signal.SIGSTOP, 8, 0)])
-def test_survivor_names_the_dead_or_hung_rank(tmp_path, launch, how, timeout, lost):
+def test_survivor_names_the_dead_or_hung_rank(tmp_path, launch, by_hand, how, timeout, lost):
     write_config, _ = launch
+    free_port, spawn_rank = by_hand
     cfg = write_config(tmp_path, {"train": {"steps": 100000}, "runtime": {"comm_timeout_s": timeout}})
-    port = _free_port()
-    r0, r1 = _rank(0, port, cfg), _rank(1, port, cfg)
+    port = free_port()
+    r0, r1 = spawn_rank(_train(cfg), 0, 2, port), spawn_rank(_train(cfg), 1, 2, port)
     try:
         stdout0, stderr0 = r0.stdout, r0.stderr
         assert stdout0 is not None and stderr0 is not None  # both are PIPEs
@@ -72,13 +50,14 @@ def test_survivor_names_the_dead_or_hung_rank(tmp_path, launch, how, timeout, lo
     assert any(n in line[0] for n in names), line[0]
 
 
-def test_ranks_with_different_plans_stop_before_work(tmp_path):
-    port = _free_port()
+def test_ranks_with_different_plans_stop_before_work(tmp_path, by_hand):
+    free_port, spawn_rank = by_hand
+    port = free_port()
     procs = []
     for rank, stages in ((0, 4), (1, 3)):
         cfg = tmp_path / f"r{rank}.yaml"
         cfg.write_text(f"plan: {{num_stages: {stages}}}\ntrain: {{steps: 1, out_dir: {tmp_path / 'out'}}}\n")
-        procs.append(_rank(rank, port, cfg))
+        procs.append(spawn_rank(_train(cfg), rank, 2, port))
     try:
         outs = [p.communicate(timeout=120) for p in procs]
     finally:

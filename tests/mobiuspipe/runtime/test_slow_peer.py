@@ -4,8 +4,6 @@ stage) is slow, not lost: its peers wait for it; only a rank that gives no sign 
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,25 +15,11 @@ pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("slow_peer_worker.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ranks(stall_s: float, comm_timeout_s: float) -> list[subprocess.CompletedProcess]:
-    port, procs = _free_port(), []
-    for rank in (0, 1):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-        cmd = [sys.executable, str(WORKER), str(stall_s), str(comm_timeout_s)]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+def _ranks(by_hand, stall_s: float, comm_timeout_s: float) -> list[subprocess.CompletedProcess]:
+    free_port, spawn_rank = by_hand
+    port = free_port()
+    cmd = [sys.executable, str(WORKER), str(stall_s), str(comm_timeout_s)]
+    procs = [spawn_rank(cmd, rank, 2, port) for rank in (0, 1)]
     try:
         outs = [p.communicate(timeout=120) for p in procs]
     finally:
@@ -46,9 +30,9 @@ def _ranks(stall_s: float, comm_timeout_s: float) -> list[subprocess.CompletedPr
     return [subprocess.CompletedProcess(p.args, p.returncode, o, e) for p, (o, e) in zip(procs, outs)]
 
 
-def test_a_busy_peer_is_waited_for():
+def test_a_busy_peer_is_waited_for(by_hand):
     stall_s, timeout_s = 9.0, 3.0
-    ranks = _ranks(stall_s, timeout_s)
+    ranks = _ranks(by_hand, stall_s, timeout_s)
     for r in ranks:
         assert r.returncode == 0, r.stderr[-3000:]
     lines = [r.stdout.splitlines() for r in ranks]
