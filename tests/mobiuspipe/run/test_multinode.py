@@ -8,7 +8,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 
@@ -73,12 +72,6 @@ def test_the_cli_refuses_before_launching(tmp_path, capsys):
     assert "launching" not in err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _config(folder, write_config) -> str:
     folder.mkdir()
     model = {"num_blocks": 2, "d_model": 16, "num_heads": 2, "seq_len": 16}
@@ -117,11 +110,11 @@ def _run(folder) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_two_nodes_train_as_one_node_with_two_ranks(tmp_path, launch):
+def test_two_nodes_train_as_one_node_with_two_ranks(tmp_path, launch, by_hand):
     write_config, _ = launch
     one, two = _config(tmp_path / "one", write_config), _config(tmp_path / "two", write_config)
     _finish([_train(one)], 120)
-    endpoint = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "test"]
+    endpoint = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{by_hand[0]()}", "--rdzv-id", "test"]
     outs = _finish([_train(two, *endpoint, "--node-rank", str(r)) for r in (0, 1)], 120)
     assert all("--nproc_per_node 1 " in out and "--rdzv_backend c10d" in out for out in outs)
     assert sum("step 2 [3/3]" in out for out in outs) == 1  # rank 0 reports, on whichever node it is

@@ -47,6 +47,13 @@ def _watch(store: DictStore, clock: FakeClock, lost_after_s: float = 10.0, rank:
     return w, aborted
 
 
+def _looks(w: Liveness, clock: FakeClock, *gaps_s: float) -> None:
+    """A look after each gap of the fake clock."""
+    for gap in gaps_s:
+        clock.now += gap
+        w.look()
+
+
 def test_a_peer_that_stops_beating_is_lost_after_the_timeout():
     store, clock = DictStore(), FakeClock()
     w, aborted = _watch(store, clock)
@@ -73,9 +80,7 @@ def test_a_peer_that_stops_beating_is_lost_after_the_timeout():
 def test_a_peer_that_never_beat_is_lost_too():
     store, clock = DictStore(), FakeClock()
     w, _ = _watch(store, clock, world=2)
-    w.look()
-    clock.now += 10.0
-    w.look()
+    _looks(w, clock, 0.0, 10.0)
     assert w.verdict is not None and "rank 1 has given no sign of life for 10 s" in w.verdict
 
 
@@ -94,21 +99,14 @@ def test_a_store_that_stops_answering_is_a_loss_once_it_has_been_silent_that_lon
     w, aborted = _watch(store, clock, world=2)
     w.look()
     store.down = True
-    clock.now += 1.0
-    w.look()
-    clock.now += 5.0
-    w.look()
+    _looks(w, clock, 1.0, 5.0)
     store.down = False  # it came back: the count starts again
     store.add("1", 1)
     w.look()
     store.down = True
-    clock.now += 1.0
-    w.look()
-    clock.now += 9.9
-    w.look()
+    _looks(w, clock, 1.0, 9.9)
     assert w.verdict is None
-    clock.now += 0.1
-    w.look()
+    _looks(w, clock, 0.1)
     assert w.verdict is not None and "the job's store has not answered for 10 s (Connection reset by peer)" in w.verdict
     assert "more" not in w.verdict and aborted == [1]
 
