@@ -1,4 +1,4 @@
-"""Activations and their gradients between ranks: torch.distributed send/recv with a deadline per receive.
+"""Activations and their gradients between ranks: torch.distributed send/recv, waited for while the peers live.
 
 gloo carries CPU tensors (the stand-in); NCCL carries device tensors on CUDA. Without GPU peer-to-peer,
 NCCL stages the bytes through host memory itself. A wait that fails raises PeerLostError naming this rank,
@@ -21,8 +21,7 @@ import torch.distributed as dist
 from mobiuspipe.errors import PeerLostError, PipelineError
 from mobiuspipe.memory.ledger import DeviceLedger
 from mobiuspipe.runtime.peers.channels import Channels
-from mobiuspipe.runtime.peers.liveness import Watch
-from mobiuspipe.runtime.peers.ranks import POLL_S, await_work
+from mobiuspipe.runtime.peers.liveness import POLL_S, Watch, await_work
 from mobiuspipe.standin import StandInError
 from mobiuspipe.standin.p2p import StrictWork
 from mobiuspipe.standin.places import is_host

@@ -25,12 +25,14 @@ from typing import Protocol
 
 from mobiuspipe.errors import PeerLostError
 
-__all__ = ["Liveness", "Watch", "KeyStore", "beat_interval", "watching", "current"]
+__all__ = ["Liveness", "Watch", "KeyStore", "beat_interval", "await_work", "watching", "current"]
 
 MAX_BEAT_S = 5.0
 """The longest interval between two beats (s)."""
 BEATS_PER_TIMEOUT = 8
 """Beats a rank makes within lost_after_s: a late beat or two is not a loss."""
+POLL_S = (2e-4, 0.05)
+"""The first and the longest pause (s) between two looks at an operation a watched wait waits for."""
 
 
 class KeyStore(Protocol):
@@ -43,6 +45,17 @@ class Watch(Protocol):
     """What a wait asks while it waits: check() raises PeerLostError once a peer is lost (Liveness)."""
 
     def check(self) -> None: ...
+
+
+def await_work(work, watch: Watch) -> None:
+    """Wait until work (an operation whose is_completed() reports its end) has ended, asking watch whether every
+    peer lives as it waits (PeerLostError if not); its error, if it failed."""
+    pause = POLL_S[0]
+    while not work.is_completed():
+        watch.check()
+        time.sleep(pause)
+        pause = min(2 * pause, POLL_S[1])
+    work.wait()
 
 
 def beat_interval(lost_after_s: float) -> float:

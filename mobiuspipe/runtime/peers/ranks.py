@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import pickle
 import sys
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -24,7 +23,7 @@ from torch.distributed.rendezvous import rendezvous as env_rendezvous
 
 from mobiuspipe.errors import PeerLostError, PipelineError, WorldSizeError
 from mobiuspipe.runtime.peers import liveness
-from mobiuspipe.runtime.peers.liveness import Liveness, Watch
+from mobiuspipe.runtime.peers.liveness import Liveness, await_work
 
 __all__ = [
     "RankInfo",
@@ -35,15 +34,12 @@ __all__ = [
     "attempt_prefix",
     "abort_group",
     "gather_all",
-    "await_work",
 ]
 
 BEAT_PREFIX = "mobiuspipe/beat"
 """Where in the job's store the ranks count their beats."""
 MIN_STORE_TIMEOUT_S = 1.0
 """The shortest deadline of the beats' store client for its connection (s)."""
-POLL_S = (2e-4, 0.05)
-"""The first and the longest pause (s) between two looks at an operation a watched wait waits for."""
 
 
 @dataclass(frozen=True)
@@ -206,6 +202,7 @@ def gather_all(info: RankInfo, obj: Any) -> list[Any]:
 
 
 def _gathered(info: RankInfo, work, watch: Liveness) -> None:
+    """Wait for a gather's operation while the peers live; its failure as PeerLostError (the verdict if any)."""
     try:
         await_work(work, watch)
     except RuntimeError as e:
@@ -214,14 +211,3 @@ def _gathered(info: RankInfo, work, watch: Liveness) -> None:
             f"rank {info.rank}: a gather of every rank's data failed ({str(e).splitlines()[0]}); a rank has "
             f"probably died or hangs: look at the other ranks' logs"
         ) from e
-
-
-def await_work(work, watch: Watch) -> None:
-    """Wait until work (an operation whose is_completed() reports its end) has ended, asking watch whether every
-    peer lives as it waits (PeerLostError if not); its error, if it failed."""
-    pause = POLL_S[0]
-    while not work.is_completed():
-        watch.check()
-        time.sleep(pause)
-        pause = min(2 * pause, POLL_S[1])
-    work.wait()

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from mobiuspipe.errors import PeerLostError, PipelineError
 from mobiuspipe.runtime.peers import ranks
 from mobiuspipe.runtime.peers.comm import Comm, Posted
-from mobiuspipe.runtime.peers.liveness import MAX_BEAT_S, Liveness, beat_interval
-from mobiuspipe.runtime.peers.ranks import Membership, RankInfo, await_work
+from mobiuspipe.runtime.peers.liveness import MAX_BEAT_S, Liveness, await_work, beat_interval
+from mobiuspipe.runtime.peers.ranks import Membership, RankInfo
 from mobiuspipe.standin.p2p import StrictWork
 
 
