@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from foundation.shm import shm_space
 from mobiuspipe import checkpoint
 from mobiuspipe.config import MemoryConfig
 from mobiuspipe.errors import PipelineError
@@ -64,6 +65,7 @@ from mobiuspipe.startup.plan import (
     same_plan_everywhere,
 )
 from mobiuspipe.startup.room import check_room
+from mobiuspipe.startup.shm import shm_error, shm_warning
 from mobiuspipe.startup.tiers import agree_on_tiers, check_delayed, with_tiers
 from mobiuspipe.startup.update_policy import UpdatePolicy
 from mobiuspipe.step_result import StepResult
@@ -182,6 +184,8 @@ class Pipeline:
         if given is not None:
             check_world(given, self.info)  # before any process starts waiting for the others
         self.group = Membership(self.info, comm_timeout_s, hang_timeout_s)
+        if (why := shm_warning(self.info, torch.cuda.is_available(), shm_space())) is not None:
+            warnings.warn(why, RuntimeWarning, stacklevel=2)
         try:
             request = PlanRequest(num_microbatches or 4, num_stages, mapping, topology, precision or "fp32", reserve_mb)
             self.plan = self._agree_on_plan(given, makers, loss_fn, sample, request)
@@ -203,11 +207,13 @@ class Pipeline:
             self.ties = TiedGrads(tied, self.plan, self.engine.stages, self.info) if tied else None
             if self.ties is not None:
                 self.engine.hold_updates_of(self.ties.held_stages)
-        except BaseException:
+        except BaseException as e:
             if (store := getattr(self, "store", None)) is not None:
                 store.close()
             self.group.abort()
             self.group.close(failed=True)
+            if (told := shm_error(e, shm_space())) is not None:
+                raise told from e
             raise
         self.step = 0
         self._lr: float | None = None  # set_lr: the rate of the updates of the next steps (None: the optimizer's)

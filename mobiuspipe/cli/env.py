@@ -1,4 +1,4 @@
-"""`mobiuspipe env`: versions, usable solvers, CUDA and NVML state, and CPU threads of this machine."""
+"""`mobiuspipe env`: versions, usable solvers, CUDA and NVML state, CPU threads and shared memory of this machine."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ import platform
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
+from foundation.shm import SHM_ADVISED_BYTES, shm_space
+from foundation.units import fmt_bytes
+
 __all__ = ["register", "run", "collect_env", "render_env"]
 
 NOT_INSTALLED = "not installed"
@@ -20,7 +23,7 @@ GUROBI_NOTE = "installed (size-limited license unless a full one is present)"
 
 def register(sub) -> None:
     """Add the `env` subcommand to the CLI's subparsers."""
-    p = sub.add_parser("env", help="versions, solvers, CUDA, NVML and CPU threads of this machine")
+    p = sub.add_parser("env", help="versions, solvers, CUDA, NVML, CPU threads and shared memory of this machine")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.set_defaults(func=run)
 
@@ -114,7 +117,28 @@ def collect_env() -> dict:
         "nvml": _nvml(),
         "cpu_count": os.cpu_count(),
         "torch_threads": cuda["torch_threads"],
+        "shm": _shm(),
     }
+
+
+def _shm() -> dict | None:
+    """/dev/shm's size (None where there is none): NCCL between gpus without peer-to-peer keeps its messages there."""
+    space = shm_space()
+    if space is None:
+        return None
+    return {"path": space.path, "total_bytes": space.total, "free_bytes": space.free, "small": space.small}
+
+
+def _shm_line(s: dict | None) -> str:
+    if s is None:
+        return "none (not Linux)"
+    line = f"{s['path']}: {fmt_bytes(s['total_bytes'])}, {fmt_bytes(s['free_bytes'])} free"
+    if s["small"]:
+        line += (
+            f"; below {fmt_bytes(SHM_ADVISED_BYTES)}: NCCL between gpus without peer-to-peer may fail there "
+            f"(a container: --shm-size=1g or --ipc=host)"
+        )
+    return line
 
 
 def _cuda_line(c: dict) -> str:
@@ -139,6 +163,7 @@ def render_env(d: dict) -> str:
         ("cuda", _cuda_line(d["cuda"])),
         ("nvml", _nvml_line(d["nvml"])),
         ("cpus", f"{d['cpu_count']} (torch threads {d['torch_threads']})"),
+        ("shm", _shm_line(d["shm"])),
     ]
     width = max(len(k) for k, _ in rows) + 2
     return "".join(f"{k:<{width}}{v}\n" for k, v in rows)

@@ -19,6 +19,8 @@ import uuid
 
 import torch
 
+from foundation.shm import SHM_DIR, shm_fix, shm_space
+from foundation.units import fmt_bytes
 from mobiuspipe.errors import PipelineError
 from mobiuspipe.memory.device import Device
 from mobiuspipe.memory.ledger import DeviceLedger
@@ -91,7 +93,13 @@ def _give(nbytes: int, device: Device, name: str) -> tuple[torch.Tensor, object]
     """A region of nbytes on this rank's device and what the parking rank opens it with."""
     if device.is_cuda:
         return share_region(nbytes, device.torch_device)
-    folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    folder = SHM_DIR if os.path.isdir(SHM_DIR) else tempfile.gettempdir()
+    space = shm_space(folder)
+    if space is not None and nbytes > space.free:  # a mapped file that outgrows its folder kills the process (SIGBUS)
+        raise PipelineError(
+            f"activation_tier peer: the CPU stand-in's region of {fmt_bytes(nbytes)} is a file in {folder}, which has "
+            f"too little room ({shm_fix(space)}), or park activations in host memory (memory.activation_tier: host)"
+        )
     path = os.path.join(folder, name)
     return shm_region(path, nbytes), path
 

@@ -3,6 +3,7 @@
 import contextlib
 import io
 import json
+import os
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -60,13 +61,27 @@ def test_env_json_has_every_section(capsys):
     assert {"dp", "highs", "gurobi"} <= set(d["solvers"])
     assert {"available", "device_count", "devices"} <= set(d["cuda"])
     assert d["nvml"]["ok"] or d["nvml"]["error"]  # failure names the NVML error class
+    st = os.statvfs("/dev/shm")
+    assert d["shm"]["path"] == "/dev/shm" and d["shm"]["total_bytes"] == st.f_blocks * st.f_frsize
+    assert d["shm"]["small"] == (d["shm"]["total_bytes"] < 512 * 2**20)
 
 
 def test_env_text(capsys):
     assert cli.main(["env"]) == 0
     out = capsys.readouterr().out
-    for word in ("python", "torch", "solvers", "cuda", "nvml", "cpus"):
+    for word in ("python", "torch", "solvers", "cuda", "nvml", "cpus", "shm"):
         assert any(line.startswith(word) for line in out.splitlines()), word
+
+
+def test_env_text_says_when_shm_is_small():
+    from mobiuspipe.cli.env import _shm_line
+
+    small = {"path": "/dev/shm", "total_bytes": 64 * 2**20, "free_bytes": 60 * 2**20, "small": True}
+    assert _shm_line(small) == (
+        "/dev/shm: 64.00 MiB, 60.00 MiB free; below 512.00 MiB: NCCL between gpus without peer-to-peer may fail "
+        "there (a container: --shm-size=1g or --ipc=host)"
+    )
+    assert _shm_line(dict(small, total_bytes=2**30, small=False)) == "/dev/shm: 1.00 GiB, 60.00 MiB free"
 
 
 def test_module_entry_runs_env():
