@@ -1,6 +1,7 @@
 """A live rank that is busy longer than runtime.comm_timeout_s (a checkpoint's write, SSD states' set-up, a long
 stage) is slow, not lost: its peers wait for it; only a rank that gives no sign of life for that long is lost
-(test_rank_death.py)."""
+(test_rank_death.py). On the strict stand-in and on the lax one (MOBIUSPIPE_STRICT=0, a CPU user's), whose
+receives are gloo's own."""
 
 from __future__ import annotations
 
@@ -30,7 +31,14 @@ def _ranks(by_hand, stall_s: float, comm_timeout_s: float) -> list[subprocess.Co
     return [subprocess.CompletedProcess(p.args, p.returncode, o, e) for p, (o, e) in zip(procs, outs)]
 
 
-def test_a_busy_peer_is_waited_for(by_hand):
+LAX_FAILS = pytest.mark.xfail(
+    strict=True, reason="the lax stand-in's receive fails once it has waited comm_timeout_s, though its peer lives"
+)
+
+
+@pytest.mark.parametrize("strict", ["1", pytest.param("0", marks=LAX_FAILS)])
+def test_a_busy_peer_is_waited_for(by_hand, monkeypatch, strict):
+    monkeypatch.setenv("MOBIUSPIPE_STRICT", strict)  # the ranks inherit it
     stall_s, timeout_s = 9.0, 3.0
     ranks = _ranks(by_hand, stall_s, timeout_s)
     for r in ranks:
