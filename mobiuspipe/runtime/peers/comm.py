@@ -5,8 +5,9 @@ NCCL stages the bytes through host memory itself. A wait that fails raises PeerL
 the peer and what was awaited. Under a watch on the peers' signs of life (mobiuspipe.runtime.peers.liveness) a
 wait lasts while its peer lives and fails once the watch finds a peer lost; a hang among live ranks ends
 at the process group's deadline. On NCCL a wait only orders the compute stream after the receive (the
-host blocks later, at a synchronization, which the watch's abort ends). gloo's own receives cannot be
-waited for in slices: on the lax stand-in a receive still fails once it has waited comm_timeout_s.
+host blocks later, at a synchronization, which the watch's abort ends). gloo's own point-to-point waits (the lax
+stand-in's) can be neither polled nor sliced: they run on a thread of their own (liveness.Waiter) while this one
+asks the watch.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from mobiuspipe.errors import PeerLostError, PipelineError
 from mobiuspipe.memory.ledger import DeviceLedger
 from mobiuspipe.runtime.peers.channels import Channels
-from mobiuspipe.runtime.peers.liveness import POLL_S, Watch, await_work
+from mobiuspipe.runtime.peers.liveness import POLL_S, Waiter, Watch, await_work
 from mobiuspipe.standin import StandInError
 from mobiuspipe.standin.p2p import StrictWork
 from mobiuspipe.standin.places import is_host
@@ -108,6 +109,7 @@ class Comm:
         self.timeout = timedelta(seconds=timeout_s)
         self.ledger = ledger
         self._sends: list[tuple[dist.Work | StrictWork, torch.Tensor, int, str]] = []
+        self._waiter = Waiter()  # gloo's point-to-point waits under a watch
 
     def send(self, t: torch.Tensor, dst: int, tag: int, what: str) -> None:
         self._release_sent()
@@ -164,6 +166,7 @@ class Comm:
     def close(self, failed: bool = False) -> None:
         """Stop this rank's links (call after flush); failed: at once, not waiting for what they still carry."""
         self.channels.close(failed)
+        self._waiter.close()
 
     def _forget(self, work) -> None:
         if self.ledger is not None:
@@ -200,9 +203,9 @@ class Comm:
             raise PeerLostError(self._message(peer, what, str(e).splitlines()[0])) from e
 
     def _wait(self, work, peer: str, what: str, collective: bool = False) -> None:
-        """Wait for work: on NCCL for the compute stream's order only; under a watch while the peers live (on the
-        lax stand-in a receive or send still for timeout at most: gloo's cannot be waited for in slices);
-        otherwise for timeout at most."""
+        """Wait for work: on NCCL for the compute stream's order only; under a watch while the peers live (gloo's
+        point-to-point waits on the waiter's thread, until the process group's deadline); otherwise for timeout at
+        most."""
         try:
             if self._stream_waits:
                 self._check_peers()
@@ -214,6 +217,8 @@ class Comm:
             elif self.watch is not None and collective:
                 await_work(work, self.watch)
                 ok = True
+            elif self.watch is not None:
+                ok = self._waiter.wait(work.wait, self.watch)
             else:
                 ok = work.wait(self.timeout)
         except RuntimeError as e:

@@ -25,7 +25,7 @@ from typing import Protocol
 
 from mobiuspipe.errors import PeerLostError
 
-__all__ = ["Liveness", "Watch", "KeyStore", "beat_interval", "await_work", "watching", "current"]
+__all__ = ["Liveness", "Watch", "KeyStore", "Waiter", "beat_interval", "await_work", "watching", "current"]
 
 MAX_BEAT_S = 5.0
 """The longest interval between two beats (s)."""
@@ -56,6 +56,48 @@ def await_work(work, watch: Watch) -> None:
         time.sleep(pause)
         pause = min(2 * pause, POLL_S[1])
     work.wait()
+
+
+class Waiter:
+    """A daemon thread that runs the blocking waits nothing can poll or slice (gloo's point-to-point ones: their
+    is_completed() stays False, and a wait that times out closes the pair) while the caller asks the watch. After a
+    verdict the thread may stay blocked until its process group's deadline: being a daemon, it never holds up the
+    process's exit."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def wait(self, wait: Callable[[], object], watch: Watch) -> object:
+        """What wait() returns (or its error), waited for on the thread while watch.check() is asked."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="mobiuspipe-waiter", daemon=True)
+            self._thread.start()
+        done, answer = threading.Event(), []
+        self._jobs.put((wait, answer, done))
+        pause = POLL_S[0]
+        while not done.wait(pause):
+            watch.check()
+            pause = min(2 * pause, POLL_S[1])
+        value, error = answer[0]
+        if error is not None:
+            raise error
+        return value
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            wait, answer, done = job
+            try:
+                answer.append((wait(), None))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller, who raises it
+                answer.append((None, e))
+            done.set()
+
+    def close(self) -> None:
+        """Let the thread end once its wait, if any, has (never waited for: it may be blocked on a lost peer)."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread = None
 
 
 def beat_interval(lost_after_s: float) -> float:

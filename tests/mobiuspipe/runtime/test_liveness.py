@@ -14,7 +14,7 @@ import torch.distributed as dist
 from mobiuspipe.errors import PeerLostError, PipelineError
 from mobiuspipe.runtime.peers import ranks
 from mobiuspipe.runtime.peers.comm import Comm, Posted
-from mobiuspipe.runtime.peers.liveness import MAX_BEAT_S, Liveness, await_work, beat_interval
+from mobiuspipe.runtime.peers.liveness import MAX_BEAT_S, Liveness, Waiter, await_work, beat_interval
 from mobiuspipe.runtime.peers.ranks import Membership, RankInfo
 from mobiuspipe.standin.p2p import StrictWork
 
@@ -209,6 +209,61 @@ def test_await_work_polls_until_done_or_lost():
     assert work.looks == 6
     with pytest.raises(PeerLostError):
         await_work(_Flips(10**9), _Verdict(after_s=0.05))
+
+
+class _GlooWork:
+    """A gloo point-to-point request: is_completed() stays False; wait() blocks until it ends (or fails)."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.ended, self.error, self.threads = threading.Event(), error, []
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        assert timeout is None  # the process group's deadline, not comm_timeout_s
+        self.threads.append(threading.current_thread())
+        self.ended.wait()
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+def test_the_waiter_waits_on_its_thread_while_the_watch_is_asked():
+    waiter = Waiter()
+    works = [_GlooWork() for _ in range(2)]
+    for work in works:
+        threading.Timer(0.2, work.ended.set).start()  # past any sliced deadline: waited for all the same
+        assert waiter.wait(work.wait, _Verdict(after_s=60)) is True
+    assert works[0].threads == works[1].threads and works[0].threads[0] is not threading.current_thread()
+    assert works[0].threads[0].daemon  # a thread blocked on a lost peer never holds up the process's exit
+    failed = _GlooWork(RuntimeError("Connection closed by peer"))
+    failed.ended.set()
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        waiter.wait(failed.wait, _Verdict(after_s=60))
+    waiter.close()
+
+
+def test_the_waiter_ends_a_wait_with_the_verdict_while_its_thread_stays_blocked():
+    waiter, work = Waiter(), _GlooWork()
+    t0 = time.monotonic()
+    with pytest.raises(PeerLostError, match="no sign of life"):
+        waiter.wait(work.wait, _Verdict(after_s=0.2))
+    assert time.monotonic() - t0 < 2 and work.threads[0].is_alive()
+    waiter.close()
+    work.ended.set()
+    work.threads[0].join(5)
+    assert not work.threads[0].is_alive()  # once its wait ends, the closed waiter's thread ends
+
+
+def test_a_watched_lax_receive_waits_past_the_timeout(monkeypatch):
+    monkeypatch.setenv("MOBIUSPIPE_STRICT", "0")
+    comm = Comm(rank=0, timeout_s=0.05, watch=_Verdict(after_s=60))
+    work = _GlooWork()
+    threading.Timer(0.3, work.ended.set).start()
+    got = comm.take(Posted(work, torch.ones(2), "rank 1", "receiving x from rank 1"))  # type: ignore[arg-type]
+    assert got.tolist() == [1.0, 1.0]
+    comm.close()
 
 
 def test_the_timeouts_must_be_ordered():

@@ -31,12 +31,7 @@ def _ranks(by_hand, stall_s: float, comm_timeout_s: float) -> list[subprocess.Co
     return [subprocess.CompletedProcess(p.args, p.returncode, o, e) for p, (o, e) in zip(procs, outs)]
 
 
-LAX_FAILS = pytest.mark.xfail(
-    strict=True, reason="the lax stand-in's receive fails once it has waited comm_timeout_s, though its peer lives"
-)
-
-
-@pytest.mark.parametrize("strict", ["1", pytest.param("0", marks=LAX_FAILS)])
+@pytest.mark.parametrize("strict", ["1", "0"])
 def test_a_busy_peer_is_waited_for(by_hand, monkeypatch, strict):
     monkeypatch.setenv("MOBIUSPIPE_STRICT", strict)  # the ranks inherit it
     stall_s, timeout_s = 9.0, 3.0
