@@ -23,8 +23,7 @@ class RuntimeConfig(Section):
     """Seconds a rank may give no sign of life (s): each rank beats in the job's store from a thread of its own, and
     a rank that has not for this long (its process died or is stopped) is lost: every other rank stops with a
     message naming it. A live rank may be busy as long as it needs (a checkpoint, SSD states' set-up, a long
-    stage). On the lax CPU stand-in (MOBIUSPIPE_STRICT=0) a point-to-point receive also fails after waiting this
-    long."""
+    stage)."""
     hang_timeout_s: float = 1800.0
     """Seconds live ranks may wait for one message or collective (s): the process group's deadline, which ends a
     hang (ranks waiting on each other). NCCL times an operation from its post, so on a gpu it must exceed the
