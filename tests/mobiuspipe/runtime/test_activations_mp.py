@@ -58,15 +58,13 @@ def _train(launch, tmp_path: Path, name: str, memory: dict) -> tuple[list[float]
 
 
 def test_memory_activations_and_tiers_under_torchrun(launch, tmp_path):
-    """The torchrun entry: keep, the plan's choice (the default), a recompute stage's input swapped to the host,
-    to SSD and to the other rank's memory (the peer tier, staged), and kept graphs on the peer and on SSD (SO /
-    SI in both ranks' schedules) all equal recompute on the device, bit for bit; the peer regions' shared
-    memory files are gone after."""
+    """The torchrun entry: the plan's choice (the default), a recompute stage's input swapped to SSD and to the other
+    rank's memory (the peer tier, staged), and kept graphs on the peer and on SSD (SO / SI in both ranks' schedules)
+    all equal recompute on the device, bit for bit; the peer regions' shared memory files are gone after. (keep on
+    the device and the host tier, on one rank: test_activation_tiers.py; keep on two: the test above.)"""
     losses, weights = _train(launch, tmp_path, "recompute", {"activations": "recompute", "activation_tier": "device"})
     runs = {
-        "keep": {"activations": "keep"},
         "plan": {},
-        "host": {"activations": "recompute", "activation_tier": "host"},
         "ssd": {"activations": "recompute", "activation_tier": "ssd", "ssd_dir": str(tmp_path / "ssd")},
         "peer": {"activations": "recompute", "activation_tier": "peer"},
         "keep-peer": {"activations": "keep", "activation_tier": "peer"},

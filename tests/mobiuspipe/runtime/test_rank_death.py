@@ -21,9 +21,9 @@ def _train(config) -> list[str]:
     "how,timeout,lost,strict",
     [
         (signal.SIGKILL, 20, 1, "1"),
-        (signal.SIGSTOP, 8, 1, "1"),
-        (signal.SIGSTOP, 8, 0, "1"),
-        (signal.SIGSTOP, 8, 1, "0"),
+        (signal.SIGSTOP, 5, 1, "1"),
+        (signal.SIGSTOP, 5, 0, "1"),
+        (signal.SIGSTOP, 5, 1, "0"),
     ],
 )
 def test_survivor_names_the_dead_or_hung_rank(tmp_path, launch, by_hand, monkeypatch, how, timeout, lost, strict):

@@ -34,7 +34,7 @@ def _ranks(by_hand, stall_s: float, comm_timeout_s: float) -> list[subprocess.Co
 @pytest.mark.parametrize("strict", ["1", "0"])
 def test_a_busy_peer_is_waited_for(by_hand, monkeypatch, strict):
     monkeypatch.setenv("MOBIUSPIPE_STRICT", strict)  # the ranks inherit it
-    stall_s, timeout_s = 9.0, 3.0
+    stall_s, timeout_s = 6.0, 2.0
     ranks = _ranks(by_hand, stall_s, timeout_s)
     for r in ranks:
         assert r.returncode == 0, r.stderr[-3000:]
