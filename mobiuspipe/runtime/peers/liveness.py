@@ -65,14 +65,14 @@ class Waiter:
     process's exit."""
 
     def __init__(self):
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._jobs: queue.SimpleQueue | None = None
+        """The waits for the thread (None: no thread yet, or closed); one caller at a time, as a Comm is used."""
 
     def wait(self, wait: Callable[[], object], watch: Watch) -> object:
         """What wait() returns (or its error), waited for on the thread while watch.check() is asked."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="mobiuspipe-waiter", daemon=True)
-            self._thread.start()
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            threading.Thread(target=self._run, args=(self._jobs,), name="mobiuspipe-waiter", daemon=True).start()
         done, answer = threading.Event(), []
         self._jobs.put((wait, answer, done))
         pause = POLL_S[0]
@@ -84,8 +84,9 @@ class Waiter:
             raise error
         return value
 
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
+    @staticmethod
+    def _run(jobs: queue.SimpleQueue) -> None:
+        while (job := jobs.get()) is not None:
             wait, answer, done = job
             try:
                 answer.append((wait(), None))
@@ -95,9 +96,9 @@ class Waiter:
 
     def close(self) -> None:
         """Let the thread end once its wait, if any, has (never waited for: it may be blocked on a lost peer)."""
-        if self._thread is not None:
+        if self._jobs is not None:
             self._jobs.put(None)
-            self._thread = None
+            self._jobs = None
 
 
 def beat_interval(lost_after_s: float) -> float:

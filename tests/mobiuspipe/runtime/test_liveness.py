@@ -251,6 +251,11 @@ def test_the_waiter_ends_a_wait_with_the_verdict_while_its_thread_stays_blocked(
         waiter.wait(work.wait, _Verdict(after_s=0.2))
     assert time.monotonic() - t0 < 2 and work.threads[0].is_alive()
     waiter.close()
+    later = _GlooWork()
+    later.ended.set()
+    assert waiter.wait(later.wait, _Verdict(after_s=60)) is True  # a new thread: the old one is still blocked
+    assert later.threads[0] is not work.threads[0]
+    waiter.close()
     work.ended.set()
     work.threads[0].join(5)
     assert not work.threads[0].is_alive()  # once its wait ends, the closed waiter's thread ends
