@@ -106,13 +106,26 @@ def test_a_mistake_one_rank_finds_while_running_is_the_last_line_and_exit_2(tmp_
     assert len(err.splitlines()) < 10, err
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+IGNORED_FAILS = pytest.mark.xfail(
+    strict=True, reason="torchrun inherits the ignored SIGINT: the job runs on to its end and exits 0"
+)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_ctrl_c_during_start_up_ends_the_job_with_one_line(tmp_path):
-    job = _launch(tmp_path, start_new_session=True)  # its own group, as a terminal's foreground job
+@pytest.mark.parametrize("ignored", [False, pytest.param(True, marks=IGNORED_FAILS)])
+def test_ctrl_c_during_start_up_ends_the_job_with_one_line(tmp_path, ignored):
+    """Also when `mobiuspipe train` starts with SIGINT ignored, as a non-interactive shell starts a command run with
+    `&`: the launcher takes Ctrl-C, so its job must too."""
+    popen = {"preexec_fn": _ignore_sigint} if ignored else {}
+    job = _launch(tmp_path, start_new_session=True, **popen)  # its own group, as a terminal's foreground job
     assert job.stderr is not None
     assert job.stderr.readline().startswith("mobiuspipe: launching")
-    time.sleep(1.5)  # torchrun and the ranks are starting: importing torch, building the plan
+    time.sleep(0.3 if ignored else 1.5)  # torchrun and the ranks are starting: importing torch, building the plan
     os.killpg(job.pid, signal.SIGINT)
     out, err = job.communicate(timeout=120)
     assert job.returncode == 130, err[-3000:]
