@@ -87,7 +87,7 @@ def run(args: argparse.Namespace, out) -> int:
     from mobiuspipe.errors import StartUpError
     from mobiuspipe.run.job_stderr import JobStderr
     from mobiuspipe.run.parent_death import ENV as DEATH_ENV
-    from mobiuspipe.run.parent_death import die_with_parent
+    from mobiuspipe.run.parent_death import launched_child
     from mobiuspipe.run.preflight import ERRORS_ENV, PLAN_ENV, launch_checks, lost_peer, rank_mistake
     from mobiuspipe.run.run_lock import TOKEN_ENV, RunLocks, new_token, run_folders
     from mobiuspipe.run.train import open_run, with_resume
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace, out) -> int:
             save_plan(plan, Path(errors) / "plan.yaml")
             env[PLAN_ENV] = str(Path(errors) / "plan.yaml")
         me = os.getpid()  # torchrun dies with this process, its ranks with torchrun (mobiuspipe.run.parent_death)
-        torchrun = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, preexec_fn=lambda: die_with_parent(me))
+        torchrun = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, preexec_fn=lambda: launched_child(me))
         assert torchrun.stderr is not None
         stderr = JobStderr(torchrun.stderr, sys.stderr.buffer, lambda: rank_mistake(Path(errors)) is not None)
         stopped: list[str] = []

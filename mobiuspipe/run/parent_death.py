@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 
-__all__ = ["ENV", "die_with_parent"]
+__all__ = ["ENV", "die_with_parent", "launched_child"]
 
 ENV = "MOBIUSPIPE_DIE_WITH_PARENT"
 """Set (to "1") in the environment of the ranks `mobiuspipe train` starts: each dies with its torchrun."""
@@ -34,3 +34,12 @@ def die_with_parent(parent: int, signum: int = signal.SIGKILL) -> bool:
     if os.getppid() != parent or parent == 1:  # it died before the request was in place
         os.kill(os.getpid(), signum)
     return True
+
+
+def launched_child(parent: int) -> None:
+    """The set-up of torchrun's process before its exec (subprocess's preexec_fn): it dies with `parent` (the
+    launcher), and SIGINT ends it and its ranks as it ends a terminal's foreground job even where the launcher started
+    with SIGINT ignored (a command a non-interactive shell runs with &): the launcher takes Ctrl-C as the job's end,
+    so the job must take it too."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    die_with_parent(parent)
