@@ -10,7 +10,7 @@ import platform
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
-from foundation.shm import SHM_ADVISED_BYTES, shm_space
+from foundation.shm import SHM_ADVISED_BYTES, ShmSpace, shm_space
 from foundation.units import fmt_bytes
 
 __all__ = ["register", "run", "collect_env", "render_env"]
@@ -132,7 +132,7 @@ def _shm() -> dict | None:
 def _shm_line(s: dict | None) -> str:
     if s is None:
         return "none (not Linux)"
-    line = f"{s['path']}: {fmt_bytes(s['total_bytes'])}, {fmt_bytes(s['free_bytes'])} free"
+    line = ShmSpace(s["path"], s["total_bytes"], s["free_bytes"]).describe()
     if s["small"]:
         line += (
             f"; below {fmt_bytes(SHM_ADVISED_BYTES)}: NCCL between gpus without peer-to-peer may fail there "

@@ -27,7 +27,7 @@ from mobiuspipe.config import RunConfig
 from mobiuspipe.errors import ConfigError, PeerLostError
 from mobiuspipe.run.checkpoints import resume_root
 from mobiuspipe.run.room import host_room, placements, shortfall_problem, ssd_need, ssd_room
-from mobiuspipe.runtime.peers.ranks import rank_info
+from mobiuspipe.runtime.peers.ranks import local_world_size, rank_info
 from mobiuspipe.startup.config_plan import num_ranks, plan_from_config, plan_problems, replan_advice
 from partition.plan import Plan, load_plan
 from partition.rules.tiers import RunBudgetTooSmall
@@ -107,7 +107,7 @@ def rank_checks(cfg: RunConfig) -> Plan:
     how = f"torchrun started {info.world_size} (WORLD_SIZE)" if info.under_torchrun else "1, not started by torchrun"
     plan = _plan_file(cfg, (info.world_size, how)) or _handed_plan(cfg) or _made_plan(cfg)
     first = info.rank - info.local_rank  # torchrun numbers a host's ranks in a row
-    _check_memory(cfg, plan, range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))))
+    _check_memory(cfg, plan, range(first, first + local_world_size(info.world_size)))
     _check_out_dir(cfg)
     return plan
 

@@ -3,7 +3,6 @@ and the plan itself (read from plan.file and checked against the model, or made 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -14,6 +13,7 @@ from foundation.checked import Problem, format_problems, rule
 from foundation.units import MiB
 from mobiuspipe.config import DEFAULT_GPUS, RunConfig
 from mobiuspipe.errors import ConfigError
+from mobiuspipe.runtime.peers.ranks import local_world_size
 from mobiuspipe.startup.lora import adapter_counts, lora_spec
 from mobiuspipe.startup.machine import discovered_topology
 from mobiuspipe.startup.update_policy import UpdatePolicy
@@ -189,7 +189,7 @@ def activation_tiers(cfg: RunConfig) -> tuple[str, ...]:
     memory.ssd_dir is set; the next rank's gpu when the run has several, all on this host (partition.rules.peer;
     torchrun's LOCAL_WORLD_SIZE below the rank count: several hosts)."""
     n = num_ranks(cfg)
-    one_host = int(os.environ.get("LOCAL_WORLD_SIZE", n)) >= n
+    one_host = local_world_size(n) >= n
     return ("host",) + (("ssd",) if cfg.memory.ssd_dir else ()) + (("peer",) if n > 1 and one_host else ())
 
 

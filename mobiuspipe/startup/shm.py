@@ -4,30 +4,24 @@ and NCCL's failure there ("unhandled system error", a segment it could not creat
 
 from __future__ import annotations
 
-import os
-
 from foundation.shm import ShmSpace, shm_fix
 from mobiuspipe.errors import PipelineError
-from mobiuspipe.runtime.peers.ranks import RankInfo
+from mobiuspipe.runtime.peers.ranks import RankInfo, local_world_size
 
-__all__ = ["local_ranks", "shm_warning", "shm_error"]
+__all__ = ["shm_warning", "shm_error"]
 
 _SEGMENT_WORDS = ("shared memory", "/dev/shm", "shm_open", "posix_fallocate")
 """What NCCL's last error says when it could not make a segment in /dev/shm (NVIDIA/nccl #290, #328, #342)."""
 
 
-def local_ranks(info: RankInfo) -> int:
-    """The job's ranks on this host: torchrun's LOCAL_WORLD_SIZE, else all of them."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
-
-
 def shm_warning(info: RankInfo, cuda: bool, space: ShmSpace | None) -> str | None:
     """What the first rank of a host warns of when its gpus talk through a /dev/shm below foundation.shm's advised
     size; None where nothing is wrong (one rank on the host, no gpu: gloo's messages go by socket)."""
-    if not cuda or space is None or not space.small or local_ranks(info) < 2 or info.local_rank != 0:
+    local = local_world_size(info.world_size)
+    if not cuda or space is None or not space.small or local < 2 or info.local_rank != 0:
         return None
     return (
-        f"{local_ranks(info)} ranks share this host's gpus, and NCCL between gpus without peer-to-peer keeps about "
+        f"{local} ranks share this host's gpus, and NCCL between gpus without peer-to-peer keeps about "
         f"9 MiB per channel and peer in {space.path}: it may fail at its first message with 'unhandled system error'. "
         + shm_fix(space)
     )

@@ -28,6 +28,7 @@ from mobiuspipe.runtime.peers.liveness import Liveness, await_work
 __all__ = [
     "RankInfo",
     "rank_info",
+    "local_world_size",
     "Membership",
     "join_group",
     "leave_group",
@@ -67,6 +68,11 @@ def rank_info() -> RankInfo:
             f"WORLD_SIZE is set but RANK is {os.environ.get('RANK')!r}: start training with "
             f"`torchrun --nproc_per_node N ...`, which sets both"
         ) from e
+
+
+def local_world_size(world_size: int) -> int:
+    """The job's ranks on this host: torchrun's LOCAL_WORLD_SIZE, else all world_size of them (one host)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
 
 class Membership:
