@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
 from mobiuspipe.runtime.peers.channels import LAYOUT, Channels, neighbour_pairs
 from mobiuspipe.runtime.peers.ranks import RankInfo
 from mobiuspipe.runtime.tied import tied_ranks
@@ -16,9 +14,6 @@ __all__ = ["open_channels"]
 
 
 def open_channels(info: RankInfo, plan: Plan, tied: Sequence[tuple[str, str]], timeout_s: float) -> Channels:
-    """This rank's channels, set up and warmed up in one order on every rank (none with one rank)."""
+    """This rank's channels, made in one order on every rank (none with one rank); Comm.warm_up sets them up."""
     pairs = neighbour_pairs(plan.mapping) | tied_ranks(tied, plan)
-    channels = Channels(info.rank, LAYOUT, pairs if info.world_size > 1 else (), timeout_s)
-    cuda = torch.cuda.is_available()
-    channels.warm_up(torch.device("cuda", info.local_rank) if cuda else torch.device("cpu"))
-    return channels
+    return Channels(info.rank, LAYOUT, pairs if info.world_size > 1 else (), timeout_s)

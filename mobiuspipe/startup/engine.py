@@ -47,6 +47,8 @@ def wire_engine(
     schedules = build_schedules(plan.mapping, plan.num_gpus, m, frozenset(swapped), LAYOUT)
     ledger = DeviceLedger()  # the arena, comm and engine count what they hold on the device
     channels = open_channels(info, plan, tied, group.hang_timeout_s)
+    comm = Comm(info.rank, group.comm_timeout_s, ledger, channels, device.place, group.liveness)
+    comm.warm_up(device.torch_device)
     engine = Engine(
         mapping=plan.mapping,
         rank=info.rank,
@@ -56,7 +58,7 @@ def wire_engine(
         arena=DeviceArena(
             plan.slot_bytes, WEIGHT_SLOTS, device.torch_device, ledger, device.place, plan.grad_slot_bytes
         ),
-        comm=Comm(info.rank, group.comm_timeout_s, ledger, channels, device.place, group.liveness),
+        comm=comm,
         loss_fn=loss_fn,
         num_microbatches=m,
         dtype=dtype,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -19,6 +20,7 @@ from mobiuspipe.runtime.peers.ranks import Membership, RankInfo
 from mobiuspipe.standin.p2p import StrictLink
 
 WAIT = timedelta(seconds=3)
+WARM_UP_BOUND_S = 15.0
 
 
 def _warm_up(ch: Channels, rank: int, peer: int) -> str | None:
@@ -97,11 +99,45 @@ def _hang(rank: int) -> str:
         return f"after {time.monotonic() - start:.1f} s: {e}"
 
 
+def _warm_up_lost(rank: int, out: Path) -> str:
+    """Rank 1 stops beating before the channels' warm-up and never takes part (as if stopped there); rank 0's
+    warm-up message waits for it: the watch should end that wait once rank 1 has given no sign of life for
+    comm_timeout_s (1.5 s), long before the channels' deadline (hang_timeout_s, 60 s). Rank 0 gives the warm-up
+    WARM_UP_BOUND_S, then reports it hung; rank 1 stays until rank 0 has written its outcome."""
+    group = Membership(RankInfo(rank, 2, rank, True), comm_timeout_s=1.5, hang_timeout_s=60.0)
+    group.watch()
+    channels = Channels(rank, "direction", [(0, 1), (1, 0)], 60.0)
+    if rank == 1:
+        assert group.liveness is not None
+        group.liveness.stop(done=False)
+        deadline = time.monotonic() + 2 * WARM_UP_BOUND_S
+        while not (out / "rank0.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return "stopped"
+    comm = Comm(rank, 1.5, channels=channels, watch=group.liveness)
+    outcome: list[str] = []
+    start = time.monotonic()
+
+    def warm_up() -> None:
+        try:
+            comm.warm_up(torch.device("cpu"))
+            outcome.append("warmed up")
+        except PeerLostError as e:
+            outcome.append(f"after {time.monotonic() - start:.1f} s: {e}")
+
+    thread = threading.Thread(target=warm_up, daemon=True)
+    thread.start()
+    thread.join(WARM_UP_BOUND_S)
+    return outcome[0] if outcome else f"hung for {WARM_UP_BOUND_S:g} s"
+
+
 def main(scenario: str, out: Path) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
     rank = dist.get_rank()
     if scenario == "hang":
         result = _hang(rank)
+    elif scenario == "warm_up_lost":
+        result = _warm_up_lost(rank, out)
     else:
         result = _order(rank) if scenario == "order" else _cross(scenario, rank, 1 - rank)
     (out / f"rank{rank}.json").write_text(json.dumps(result))

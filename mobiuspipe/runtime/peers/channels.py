@@ -12,14 +12,14 @@ to NCCL's rule.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from mobiuspipe.standin import strict
-from mobiuspipe.standin.p2p import StrictLink
+from mobiuspipe.standin.p2p import StrictLink, StrictWork
 
 __all__ = ["Link", "Channels", "LAYOUTS", "LAYOUT", "neighbour_pairs"]
 
@@ -94,18 +94,23 @@ class Channels:
         early runs after the receives posted before it and cannot get ahead of a send."""
         return self.layout == "direction"
 
-    def warm_up(self, device: torch.device) -> None:
+    def warm_up(self, device: torch.device, wait: Callable[[dist.Work | StrictWork, int], None] | None = None) -> None:
         """Set up every channel of this rank now, in one order on every rank, by a one-element message in the
         direction it carries: NCCL makes a group's point-to-point communicator and connection lazily at first
         contact otherwise (lazy set-ups in different orders can deadlock), and its buffers then exist before the
         start-up room check reads the gpu's free memory. No collective runs on a channel's group: ProcessGroupNCCL
         gives collectives a communicator of their own, which would hold memory and carry nothing. The message goes
-        first on both ends of its channel (it pairs by order)."""
+        first on both ends of its channel (it pairs by order). wait(work, peer): how each message is waited for
+        (Comm.warm_up's, watched; None: the backend's own wait)."""
         for (src, dst), _ in sorted(self._groups.items()):
             if self.rank == src:
-                self.to(dst).isend(torch.zeros(1, device=device), tag=WARM_UP_TAG).wait()
+                work, peer = self.to(dst).isend(torch.zeros(1, device=device), tag=WARM_UP_TAG), dst
             else:
-                self.frm(src).irecv(torch.empty(1, device=device), tag=WARM_UP_TAG).wait()
+                work, peer = self.frm(src).irecv(torch.empty(1, device=device), tag=WARM_UP_TAG), src
+            if wait is None:
+                work.wait()
+            else:
+                wait(work, peer)
 
     def to(self, dst: int) -> Link | StrictLink:
         """The link messages to rank dst go on."""

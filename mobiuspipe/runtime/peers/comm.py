@@ -111,6 +111,10 @@ class Comm:
         self._sends: list[tuple[dist.Work | StrictWork, torch.Tensor, int, str]] = []
         self._waiter = Waiter()  # gloo's point-to-point waits under a watch
 
+    def warm_up(self, device: torch.device) -> None:
+        """Set up every channel of this rank (Channels.warm_up), before the run's first message."""
+        self.channels.warm_up(device)
+
     def send(self, t: torch.Tensor, dst: int, tag: int, what: str) -> None:
         self._release_sent()
         if is_host(t):

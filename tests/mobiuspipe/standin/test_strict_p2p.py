@@ -52,6 +52,19 @@ def test_a_hang_among_live_ranks_ends_at_the_hang_timeout(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(reason="the channels' warm-up waits unwatched: a peer lost there holds it until hang_timeout_s")
+@pytest.mark.parametrize("strict", ["1", "0"])
+def test_a_peer_lost_before_the_warm_up_is_named(tmp_path, strict):
+    """Rank 1 stops beating before the channels' warm-up (as a rank stopped there would): rank 0's warm-up message
+    waits for it under the watch and fails once rank 1 has been silent for comm_timeout_s (1.5 s), naming it, not at
+    the channels' deadline (60 s); on the strict stand-in and on gloo's own waits (the lax one)."""
+    rank0, rank1 = _two_ranks(tmp_path, "warm_up_lost", strict)
+    assert rank1 == "stopped"
+    assert rank0.startswith("after ") and "rank 1 has given no sign of life" in rank0, rank0
+    assert float(rank0.split()[1]) < 1.5 + 5, rank0
+
+
+@pytest.mark.slow
 def test_a_receive_paired_with_the_wrong_send_is_an_error(tmp_path):
     rank0, rank1 = _two_ranks(tmp_path, "order", "1")
     assert rank0.startswith("error:") and "pairs the sends and receives of a pair by order" in rank0
