@@ -112,8 +112,13 @@ class Comm:
         self._waiter = Waiter()  # gloo's point-to-point waits under a watch
 
     def warm_up(self, device: torch.device) -> None:
-        """Set up every channel of this rank (Channels.warm_up), before the run's first message."""
-        self.channels.warm_up(device)
+        """Set up every channel of this rank (Channels.warm_up), before the run's first message, each message waited
+        for as the run's are: a peer lost meanwhile is named once the watch finds it (not at the channels' deadline)."""
+
+        def wait(work, peer: int) -> None:
+            self._wait(work, f"rank {peer}", f"setting up the channel with rank {peer} (its first message)")
+
+        self.channels.warm_up(device, wait)
 
     def send(self, t: torch.Tensor, dst: int, tag: int, what: str) -> None:
         self._release_sent()
