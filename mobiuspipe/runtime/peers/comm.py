@@ -203,12 +203,17 @@ class Comm:
         return t
 
     def _start(self, post, peer: str, what: str):
-        """post() (an isend, irecv or collective); the backend's error on posting it (gloo reports a peer that
-        closed its connection here, not at the wait) as PeerLostError."""
+        """post() (an isend, irecv or collective), once the watch has found no peer lost; the backend's error on
+        posting it (gloo reports a peer that closed its connection here, not at the wait) as PeerLostError. After
+        the watch's abort (on NCCL) the groups are gone and torch refuses the post with a ValueError: the verdict
+        is raised instead."""
+        self._check_peers()
         try:
             return post()
-        except RuntimeError as e:
-            self._check_peers()
+        except (RuntimeError, ValueError) as e:
+            self._check_peers()  # a lost peer's verdict, also when it came while posting
+            if isinstance(e, ValueError):
+                raise
             raise PeerLostError(self._message(peer, what, str(e).splitlines()[0])) from e
 
     def _wait(self, work, peer: str, what: str, collective: bool = False) -> None:

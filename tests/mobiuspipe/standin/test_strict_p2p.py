@@ -64,7 +64,6 @@ def test_a_peer_lost_before_the_warm_up_is_named(tmp_path, strict):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="after the watch's abort unregisters the groups, the next post raises torch's ValueError")
 @pytest.mark.parametrize("call", ["send", "all_reduce"])
 def test_the_call_after_the_watchs_abort_names_the_lost_peer(tmp_path, call):
     """On NCCL the watch aborts every group once a peer is lost (torch's _abort_process_group unregisters them too),
