@@ -9,6 +9,9 @@ waits for the peer's ticket, which the peer's link sends only when the matching 
 its queue, then moves the bytes. Two links whose heads are both sends (or both receives) wait on each other
 forever, as NCCL would: the waiting rank's receive times out. A ticket carries the receiver's tag, so a
 message paired with the wrong receive (order differs from tags) is an error, not silent corruption.
+NCCL also makes a pair's communicator lazily, inside the first send or receive posted on it, and that post
+blocks the host until the peer joins: a StrictLink's first post meets the peer's first post on the same link
+(on the posting thread) before it returns.
 """
 
 from __future__ import annotations
@@ -23,7 +26,11 @@ import torch.distributed as dist
 
 from mobiuspipe.standin import StandInError
 
-__all__ = ["StrictLink", "StrictWork"]
+__all__ = ["StrictLink", "StrictWork", "MEET_TAG"]
+
+MEET_TAG = 2**31 - 1
+"""The gloo tag of the message two links exchange at first contact (the traffic's tags, 2k and 2k + 1, stay below
+it for a billion messages)."""
 
 
 class StrictWork:
@@ -64,6 +71,7 @@ class StrictLink:
         self.rank, self.peer, self.group = rank, peer, group
         self._ops: queue.Queue[_Op | None] = queue.Queue()
         self._sent = self._taken = 0  # messages this link sent to / took from the peer so far
+        self._met = False  # whether the first post has met the peer's (NCCL's lazy set-up)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"strict-p2p-{rank}-{peer}", daemon=True)
         self._thread.start()
@@ -81,8 +89,19 @@ class StrictLink:
         self._thread.join(timeout_s)
 
     def _post(self, op: _Op) -> StrictWork:
+        if not self._met:
+            self._meet()
         self._ops.put(op)
         return op.work
+
+    def _meet(self) -> None:
+        """Block until the peer posts its first operation on this link too, as NCCL's lazy set-up of the pair's
+        communicator blocks the first post; the group's timeout ends a wait for a peer that never comes (an
+        error, raised to the poster)."""
+        sent = dist.isend(torch.zeros(1), self.peer, group=self.group, tag=MEET_TAG)
+        dist.recv(torch.empty(1), self.peer, group=self.group, tag=MEET_TAG)
+        sent.wait()
+        self._met = True
 
     def _run(self) -> None:
         while (op := self._ops.get()) is not None:
