@@ -47,7 +47,7 @@ def wire_engine(
     schedules = build_schedules(plan.mapping, plan.num_gpus, m, frozenset(swapped), LAYOUT)
     ledger = DeviceLedger()  # the arena, comm and engine count what they hold on the device
     channels = open_channels(info, plan, tied, group.hang_timeout_s)
-    comm = Comm(info.rank, group.comm_timeout_s, ledger, channels, device.place, group.liveness)
+    comm = Comm(info.rank, group.comm_timeout_s, ledger, channels, device.place, group.liveness, device.bind_thread)
     comm.warm_up(device.torch_device)
     engine = Engine(
         mapping=plan.mapping,

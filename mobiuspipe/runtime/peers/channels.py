@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,8 @@ __all__ = ["Link", "Channels", "LAYOUTS", "LAYOUT", "neighbour_pairs"]
 LAYOUTS = ("pair", "direction")
 LAYOUT = "direction"
 """The layout runs use (the schedule checker proves their schedules under it)."""
+Work = dist.Work | StrictWork
+"""A posted operation's request: the backend's, or a StrictLink's."""
 WARM_UP_TAG = 0
 """The tag of the message warm_up sends on each channel before any of the run's."""
 
@@ -94,23 +97,28 @@ class Channels:
         early runs after the receives posted before it and cannot get ahead of a send."""
         return self.layout == "direction"
 
-    def warm_up(self, device: torch.device, wait: Callable[[dist.Work | StrictWork, int], None] | None = None) -> None:
+    def warm_up(self, device: torch.device, run: Callable[[int, Callable[[], Work]], None] | None = None) -> None:
         """Set up every channel of this rank now, in one order on every rank, by a one-element message in the
         direction it carries: NCCL makes a group's point-to-point communicator and connection lazily at first
         contact otherwise (lazy set-ups in different orders can deadlock), and its buffers then exist before the
         start-up room check reads the gpu's free memory. No collective runs on a channel's group: ProcessGroupNCCL
         gives collectives a communicator of their own, which would hold memory and carry nothing. The message goes
-        first on both ends of its channel (it pairs by order). wait(work, peer): how each message is waited for
-        (Comm.warm_up's, watched; None: the backend's own wait)."""
+        first on both ends of its channel (it pairs by order). run(peer, post): posts a message (post() returns its
+        request) and waits for it (Comm.warm_up's, under the watch); None: here, by the backend's own wait."""
         for (src, dst), _ in sorted(self._groups.items()):
             if self.rank == src:
-                work, peer = self.to(dst).isend(torch.zeros(1, device=device), tag=WARM_UP_TAG), dst
+                peer, post = dst, partial(self._warm_up_message, True, dst, device)
             else:
-                work, peer = self.frm(src).irecv(torch.empty(1, device=device), tag=WARM_UP_TAG), src
-            if wait is None:
-                work.wait()
+                peer, post = src, partial(self._warm_up_message, False, src, device)
+            if run is None:
+                post().wait()
             else:
-                wait(work, peer)
+                run(peer, post)
+
+    def _warm_up_message(self, send: bool, peer: int, device: torch.device) -> Work:
+        if send:
+            return self.to(peer).isend(torch.zeros(1, device=device), tag=WARM_UP_TAG)
+        return self.frm(peer).irecv(torch.empty(1, device=device), tag=WARM_UP_TAG)
 
     def to(self, dst: int) -> Link | StrictLink:
         """The link messages to rank dst go on."""

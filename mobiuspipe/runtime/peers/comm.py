@@ -99,9 +99,11 @@ class Comm:
         channels: Channels | None = None,
         place: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
         watch: Watch | None = None,
+        bind: Callable[[], None] | None = None,
     ):
         """place: marks a received tensor as the gpu's memory (Device.place); watch: the rank's watch on its
-        peers (None: every wait has the deadline timeout_s)."""
+        peers (None: every wait has the deadline timeout_s); bind: binds a thread to the rank's gpu
+        (Device.bind_thread), for the waiter's thread."""
         self.rank, self.watch = rank, watch
         self._place = place
         self._stream_waits = torch.cuda.is_available()  # NCCL: waits order the compute stream only
@@ -109,16 +111,28 @@ class Comm:
         self.timeout = timedelta(seconds=timeout_s)
         self.ledger = ledger
         self._sends: list[tuple[dist.Work | StrictWork, torch.Tensor, int, str]] = []
-        self._waiter = Waiter()  # gloo's point-to-point waits under a watch
+        self._waiter = Waiter(bind)  # gloo's point-to-point waits under a watch, and the warm-up's posts
 
     def warm_up(self, device: torch.device) -> None:
-        """Set up every channel of this rank (Channels.warm_up), before the run's first message, each message waited
-        for as the run's are: a peer lost meanwhile is named once the watch finds it (not at the channels' deadline)."""
+        """Set up every channel of this rank (Channels.warm_up), before the run's first message. On NCCL a channel's
+        first post makes its communicator and blocks the host until the peer joins (so does the strict stand-in's):
+        under a watch each warm-up message, posted and waited for, runs on the waiter's thread while this one asks
+        the watch, so a peer lost before or during the warm-up is named once the watch finds it (after the verdict
+        that thread may stay blocked: a daemon)."""
+        if self.watch is None:
+            self.channels.warm_up(device)
+            return
+        watch = self.watch
 
-        def wait(work, peer: int) -> None:
-            self._wait(work, f"rank {peer}", f"setting up the channel with rank {peer} (its first message)")
+        def run(peer: int, post: Callable[[], dist.Work | StrictWork]) -> None:
+            what = f"setting up the channel with rank {peer} (its first message)"
+            try:
+                self._waiter.wait(lambda: post().wait(), watch)
+            except RuntimeError as e:
+                self._check_peers()  # a lost peer's verdict says more than the backend's error
+                raise PeerLostError(self._message(f"rank {peer}", what, str(e).splitlines()[0])) from e
 
-        self.channels.warm_up(device, wait)
+        self.channels.warm_up(device, run)
 
     def send(self, t: torch.Tensor, dst: int, tag: int, what: str) -> None:
         self._release_sent()

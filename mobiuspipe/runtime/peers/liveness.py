@@ -64,7 +64,9 @@ class Waiter:
     verdict the thread may stay blocked until its process group's deadline: being a daemon, it never holds up the
     process's exit."""
 
-    def __init__(self):
+    def __init__(self, bind: Callable[[], None] | None = None):
+        """bind: run first on the thread (binding it to the rank's gpu, for posts that make NCCL communicators)."""
+        self._bind = bind
         self._jobs: queue.SimpleQueue | None = None
         """The waits for the thread (None: no thread yet, or closed); one caller at a time, as a Comm is used."""
 
@@ -72,7 +74,8 @@ class Waiter:
         """What wait() returns (or its error), waited for on the thread while watch.check() is asked."""
         if self._jobs is None:
             self._jobs = queue.SimpleQueue()
-            threading.Thread(target=self._run, args=(self._jobs,), name="mobiuspipe-waiter", daemon=True).start()
+            args = (self._jobs, self._bind)
+            threading.Thread(target=self._run, args=args, name="mobiuspipe-waiter", daemon=True).start()
         done, answer = threading.Event(), []
         self._jobs.put((wait, answer, done))
         pause = POLL_S[0]
@@ -85,7 +88,9 @@ class Waiter:
         return value
 
     @staticmethod
-    def _run(jobs: queue.SimpleQueue) -> None:
+    def _run(jobs: queue.SimpleQueue, bind: Callable[[], None] | None) -> None:
+        if bind is not None:
+            bind()
         while (job := jobs.get()) is not None:
             wait, answer, done = job
             try:

@@ -261,6 +261,18 @@ def test_the_waiter_ends_a_wait_with_the_verdict_while_its_thread_stays_blocked(
     assert not work.threads[0].is_alive()  # once its wait ends, the closed waiter's thread ends
 
 
+def test_the_waiters_thread_is_bound_before_its_first_job():
+    """The warm-up posts on the waiter's thread, where NCCL makes communicators: the thread runs bind (the rank's
+    gpu, Device.bind_thread) before any job."""
+    bound: list[threading.Thread] = []
+    waiter = Waiter(bind=lambda: bound.append(threading.current_thread()))
+    work = _GlooWork()
+    work.ended.set()
+    assert waiter.wait(work.wait, _Verdict(after_s=60)) is True
+    assert bound == work.threads and bound[0] is not threading.current_thread()
+    waiter.close()
+
+
 def test_a_watched_lax_receive_waits_past_the_timeout(monkeypatch):
     monkeypatch.setenv("MOBIUSPIPE_STRICT", "0")
     comm = Comm(rank=0, timeout_s=0.05, watch=_Verdict(after_s=60))

@@ -52,19 +52,7 @@ def test_a_hang_among_live_ranks_ends_at_the_hang_timeout(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "strict",
-    [
-        pytest.param(
-            "1",
-            marks=pytest.mark.xfail(
-                reason="NCCL's (and now the strict stand-in's) first post on a channel blocks the host until the peer "
-                "joins: the watch cannot end a wait that is not a wait"
-            ),
-        ),
-        "0",
-    ],
-)
+@pytest.mark.parametrize("strict", ["1", "0"])
 def test_a_peer_lost_before_the_warm_up_is_named(tmp_path, strict):
     """Rank 1 stops beating before the channels' warm-up (as a rank stopped there would): rank 0's warm-up message
     waits for it under the watch and fails once rank 1 has been silent for comm_timeout_s (1.5 s), naming it, not at
