@@ -100,7 +100,8 @@ class StrictLink:
         error, raised to the poster)."""
         sent = dist.isend(torch.zeros(1), self.peer, group=self.group, tag=MEET_TAG)
         dist.recv(torch.empty(1), self.peer, group=self.group, tag=MEET_TAG)
-        sent.wait()
+        if sent is not None:  # None only for a rank outside the group (Link says so at its first post)
+            sent.wait()
         self._met = True
 
     def _run(self) -> None:
