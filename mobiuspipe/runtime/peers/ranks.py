@@ -133,6 +133,13 @@ class Membership:
             self.liveness = None
 
 
+NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+"""What NCCL's watchdog does with an operation that failed or outlived the group's deadline (hang_timeout_s), unless
+the user set it: 2 aborts the communicator only, so the rank's next wait or post raises and the rank says what
+hung. torch's default, 3, ends the process at once without a word, and would race the watch's own abort of a lost
+peer's communicators (torch's note on _abort_process_group asks for the watchdog's handling off beside it)."""
+
+
 def join_group(info: RankInfo, timeout_s: float) -> bool:
     """Create the process group if the job has several ranks and none exists, with timeout_s as its operations'
     deadline; True if this call made it. On CUDA the rank's gpu becomes the current device first, in a group the
@@ -142,6 +149,7 @@ def join_group(info: RankInfo, timeout_s: float) -> bool:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(info.local_rank)  # before any collective: NCCL uses the current device
+        os.environ.setdefault(*NCCL_ERROR_HANDLING)  # read as ProcessGroupNCCL is made
     if dist.is_initialized():
         found = dist.get_backend()
         if found != backend:

@@ -3,6 +3,7 @@ carries this job's tensors."""
 
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
 
 import pytest
@@ -31,6 +32,22 @@ def test_a_callers_group_is_kept_and_the_ranks_gpu_becomes_current(monkeypatch):
     assert join_group(RankInfo(1, 2, 1, True), 30.0) is False  # not made here: not ours to destroy
     assert current == [1]
     assert _made_by_caller(monkeypatch, "gloo", cuda=False) == [] and not join_group(RankInfo(0, 2, 0, True), 30.0)
+
+
+@pytest.mark.parametrize("preset", [None, "1"])
+def test_on_nccl_the_watchdog_aborts_communicators_without_ending_the_process(monkeypatch, preset):
+    """TORCH_NCCL_ASYNC_ERROR_HANDLING 2 (abort the communicator only) unless the user chose; the channels' groups,
+    made after join_group, read it; nothing on gloo."""
+    if preset is None:
+        monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", preset)
+    _made_by_caller(monkeypatch, "gloo", cuda=False)
+    join_group(RankInfo(0, 2, 0, True), 30.0)
+    assert os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == preset
+    _made_by_caller(monkeypatch, "nccl", cuda=True)
+    join_group(RankInfo(0, 2, 0, True), 30.0)
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == (preset or "2")
 
 
 @pytest.mark.parametrize("backend,cuda,need", [("gloo", True, "nccl"), ("nccl", False, "gloo")])
