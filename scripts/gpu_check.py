@@ -436,11 +436,12 @@ def main() -> int:
         if base is not None:
             run, plan = base["fp32"]  # the plan the run was made from: one profile, so one X and W
             t.figures = t.guarded("memory and speed", memory_and_speed, t, run, size, device, plan, cuda, args) or {}
+        # the short sections before the longer newer ones: a run cut by its time limit keeps the rows it saved
+        t.machine = t.guarded("machine", machine, t, cuda) or {}
+        t.guarded("gpu-marked tests", gpu_tests, t, cuda)
         small = runs.UPDATES_SIZE if cuda else size
         t.guarded("updates", updates, t, small, device, topology, Path(tmp), args.steps)
         t.guarded("LoRA over a quantized base", quantized_lora, t, device, args.steps)
-        t.machine = t.guarded("machine", machine, t, cuda) or {}
-        t.guarded("gpu-marked tests", gpu_tests, t, cuda)
         t.guarded("two ranks", two_ranks, t, Path(tmp), torch.cuda.device_count() if cuda else 2, cuda)
     t.save()
     failed = t.failed()
