@@ -90,22 +90,39 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _cpu_flash_flops():
-    """FlopCounterMode formulas for the CPU flash-attention kernels (same counts as the CUDA ones)."""
+SDPA_KERNELS = (
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+)
+"""The attention kernels (each with a `_backward`) whose flops _attention_flops counts, where this torch has them."""
+
+
+def _query_heads(q, k, v) -> tuple:
+    """The shapes (batch, heads, seq, dim) of q, k and v with k and v given the query's heads: grouped-query
+    attention hands a kernel fewer key/value heads, but it computes every query head against them."""
+    return q, (k[0], q[1], *k[2:]), (v[0], q[1], *v[2:])
+
+
+def _attention_flops() -> dict:
+    """FlopCounterMode formulas for the attention kernels on the CPU and CUDA, counted at the query's heads: torch's
+    own (and torch 2.11's sdpa_flop_count, the GPU image's) refuse a grouped-query attention's fewer key/value heads,
+    and torch has none for the CPU's flash kernel before 2.13."""
     aten = torch.ops.aten
-    if not hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
-        return {}
 
     def fwd(q, k, v, *args, out_shape=None, **kwargs) -> int:
-        return flop_counter.sdpa_flop_count(q, k, v)
+        return flop_counter.sdpa_flop_count(*_query_heads(q, k, v))
 
     def bwd(grad_out, q, k, v, *args, out_shape=None, **kwargs) -> int:
-        return flop_counter.sdpa_backward_flop_count(grad_out, q, k, v)
+        return flop_counter.sdpa_backward_flop_count(grad_out, *_query_heads(q, k, v))
 
-    return {
-        aten._scaled_dot_product_flash_attention_for_cpu: fwd,
-        aten._scaled_dot_product_flash_attention_for_cpu_backward: bwd,
-    }
+    formulas = {}
+    for name in SDPA_KERNELS:
+        for op, formula in ((name, fwd), (f"{name}_backward", bwd)):
+            if hasattr(aten, op):
+                formulas[getattr(aten, op)] = formula
+    return formulas
 
 
 class _Run:
@@ -193,9 +210,9 @@ class _Run:
         return fwd.s, redo.s, bwd.s, kept
 
     def flops(self) -> tuple[float, float]:
-        with flop_counter.FlopCounterMode(display=False, custom_mapping=_cpu_flash_flops()) as f:
+        with flop_counter.FlopCounterMode(display=False, custom_mapping=_attention_flops()) as f:
             y = self.forward()
-        with flop_counter.FlopCounterMode(display=False, custom_mapping=_cpu_flash_flops()) as b:
+        with flop_counter.FlopCounterMode(display=False, custom_mapping=_attention_flops()) as b:
             self.backward(y)
         return float(f.get_total_flops()), float(b.get_total_flops())
 

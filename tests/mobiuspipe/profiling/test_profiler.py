@@ -193,10 +193,7 @@ def _equal_heads(count):
     return counted
 
 
-@pytest.mark.parametrize(
-    "equal_heads",
-    [False, pytest.param(True, marks=pytest.mark.xfail(reason="the profiler hands torch's formula GQA's k and v"))],
-)
+@pytest.mark.parametrize("equal_heads", [False, True])
 def test_grouped_query_attention_is_counted_as_its_heads_compute(monkeypatch, equal_heads):
     """A GQA layer's flops equal those of the same attention with k and v repeated to the query's heads, also on a
     torch whose sdpa formulas need equal heads (2.11 refuses GQA there; 2.13 counts it at the query's heads)."""
