@@ -1,5 +1,6 @@
 // Python bindings of the mobiuspipe C++ extension (mobiuspipe._C).
 #include <torch/extension.h>
+#include <torch/version.h>
 
 #include "adam/cpu_adam.h"
 #include "io/async_io.h"
@@ -35,6 +36,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("crc32c_combine", &mobiuspipe::crc32c_combine, "CRC-32C of A + B from those of A and B and len(B)",
         py::arg("crc1"), py::arg("crc2"), py::arg("len2"));
   m.def("crc32c_has_hw", &mobiuspipe::crc32c_has_hw, "whether the SSE4.2 crc32 instruction is used");
+  m.attr("TORCH_VERSION") = py::make_tuple(TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR, TORCH_VERSION_PATCH);
   m.attr("IO_ALIGN") = mobiuspipe::kAlign;
   m.attr("IO_SHORT_READ") = mobiuspipe::kShortRead;
   m.attr("IO_SHORT_WRITE") = mobiuspipe::kShortWrite;

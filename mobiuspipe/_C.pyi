@@ -2,6 +2,7 @@
 
 import torch
 
+TORCH_VERSION: tuple[int, int, int]  # the torch it was built against (major, minor, patch)
 IO_ALIGN: int  # O_DIRECT alignment of memory, offsets and lengths (bytes)
 IO_SHORT_READ: int  # status: the file ended before the requested bytes
 IO_SHORT_WRITE: int  # status: a write made no progress

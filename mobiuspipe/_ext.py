@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import NoReturn
 
@@ -18,14 +19,35 @@ class _Missing:
         )
 
 
+def _release(version: str) -> tuple[int, ...]:
+    """(major, minor, patch) of a torch version string ("2.11.0+cu130", "2.13.0a0+git1234": local tags aside)."""
+    parts = [re.match(r"\d+", part) for part in version.split("+")[0].split(".")[:3]]
+    return tuple(int(m.group()) if m else 0 for m in parts)
+
+
+def _built_for_another_torch(module) -> str | None:
+    """Why an extension that loaded must not be used: built against another torch release, whose ABI can load and
+    then fail inside a call; None if it matches."""
+    import torch
+
+    built, running = tuple(getattr(module, "TORCH_VERSION", ())), _release(torch.__version__)
+    if built == running:
+        return None
+    said = ".".join(map(str, built)) if built else "an unknown torch (a build older than this check)"
+    return f"built against torch {said}, but this is torch {'.'.join(map(str, running))}"
+
+
 try:
     import torch  # noqa: F401  (the extension links against libtorch: load it first)
 
-    from mobiuspipe import _C as C
+    from mobiuspipe import _C
 
+    if (_stale := _built_for_another_torch(_C)) is not None:
+        raise ImportError(_stale)
+    C = _C
     HAVE_C = True
     WHY_NOT = ""
-except ImportError as exc:  # not built, or built for another torch/Python (undefined symbol)
+except ImportError as exc:  # not built, built for another torch/Python (undefined symbol), or for another torch
     C = _Missing()
     HAVE_C = False
     WHY_NOT = f"{type(exc).__name__}: {exc}"

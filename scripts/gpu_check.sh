@@ -17,7 +17,9 @@ cd "$root"
 export CUBLAS_WORKSPACE_CONFIG="${CUBLAS_WORKSPACE_CONFIG:-:4096:8}"
 # The C++ extension (CPUAdam's SIMD kernel, O_DIRECT I/O): a GPU box with a preinstalled torch has none built for
 # it; the PyTorch fallback's host Adam would bound the step. Build it (about a minute) unless told not to.
-if [ "${MOBIUSPIPE_NO_BUILD:-0}" != 1 ] && ! PYTHONPATH="$root" "$py" -c "from mobiuspipe import _C" 2>/dev/null; then
+# (an extension built against another torch counts as none: mobiuspipe._ext refuses it)
+usable='import sys, warnings; warnings.simplefilter("ignore"); from mobiuspipe import _ext; sys.exit(0 if _ext.HAVE_C else 1)'
+if [ "${MOBIUSPIPE_NO_BUILD:-0}" != 1 ] && ! PYTHONPATH="$root" "$py" -c "$usable" 2>/dev/null; then
     PYTHONPATH="$root" timeout 300 "$py" -m mobiuspipe._build || echo "gpu_check: the C++ extension did not build; the PyTorch fallback runs"
 fi
 PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" exec timeout 480 "$py" "$root/scripts/gpu_check.py" "$@"
