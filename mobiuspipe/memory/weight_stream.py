@@ -23,10 +23,24 @@ from mobiuspipe.memory.aio import ALIGN, aligned_empty, round_up
 from mobiuspipe.memory.store.ssd_store import NEXT, SSDStore, StoreFuture, drain
 from mobiuspipe.standin.places import host_buffer
 
+NORM_CHUNK = 1 << 20
+"""Elements of a flat tensor squared_norm sums at a time: vector_norm(dtype=float64) casts its whole input to float64
+first (8 bytes an element), so a chunk's cast is all it makes (8 MiB); on the CPU it is also about 4x faster than
+one call over 50M elements, the chunks staying in cache."""
+
+
+def squared_norm(t: torch.Tensor) -> torch.Tensor:
+    """The squared L2 norm of t summed in float64, as a float64 tensor on t's device (no host synchronization)."""
+    flat = t.reshape(-1)
+    total = flat.new_zeros((), dtype=torch.float64)
+    for chunk in flat.split(NORM_CHUNK):
+        total = total + torch.linalg.vector_norm(chunk, dtype=torch.float64).square()
+    return total
+
 
 def sum_of_squares(t: torch.Tensor) -> float:
-    """The squared L2 norm of t, summed in float64."""
-    return float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2 if t.numel() else 0.0
+    """The squared L2 norm of t, summed in float64 (squared_norm, read on the host)."""
+    return float(squared_norm(t))
 
 
 __all__ = ["SsdRecords", "SsdWeights", "BUFFERS"]

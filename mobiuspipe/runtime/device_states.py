@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from mobiuspipe.memory.device import CopyHandle, Device
+from mobiuspipe.memory.weight_stream import squared_norm
 from mobiuspipe.optim.hyper import AdamHyper
 
 __all__ = ["DeviceStates", "one_version"]
@@ -76,7 +77,7 @@ class DeviceStates:
             self.grads.add_(src)
         else:
             self.grads.copy_(src)
-        self._sumsq = torch.linalg.vector_norm(self.grads, dtype=torch.float64).square() if norm else None
+        self._sumsq = squared_norm(self.grads) if norm else None
         return device.computed()
 
     def grad_sumsq(self) -> float:

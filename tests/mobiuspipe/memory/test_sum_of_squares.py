@@ -26,17 +26,15 @@ def test_it_is_the_float64_sum_of_squares(n, dtype):
     assert sum_of_squares(t) == pytest.approx(want, rel=1e-12, abs=0.0)
 
 
-@pytest.mark.xfail(reason="torch.linalg.vector_norm(t, dtype=float64) casts the whole tensor to float64 first")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_it_makes_no_float64_copy_of_the_gradients(dtype):
     t = torch.randn(1 << 24).to(dtype)  # a float64 copy: 128 MiB
     open("/proc/self/clear_refs", "w").write("5")  # the peak resident size starts again from now
     before = _rss_mib()
     sum_of_squares(t)
-    assert _peak_mib() - before < 32
+    assert _peak_mib() - before < 48  # a chunk's cast or two, and the allocator's slack
 
 
-@pytest.mark.xfail(reason="DeviceStates takes the norm with one vector_norm(dtype=float64): a float64 copy on the gpu")
 def test_the_gpu_resident_states_take_the_norm_without_a_float64_copy():
     """memory.optimizer: device (LoRA's adapters on the gpu): the norm is taken on the device, where a float64 copy
     of the gradients is memory the plan does not count; its value is the float64 sum of squares."""
@@ -47,7 +45,7 @@ def test_the_gpu_resident_states_take_the_norm_without_a_float64_copy():
     from mobiuspipe.optim.hyper import AdamHyper
     from mobiuspipe.runtime.device_states import DeviceStates
 
-    n = 1 << 23  # a float64 copy: 64 MiB
+    n = 1 << 24  # a float64 copy: 128 MiB
     device = Device(0, use_cuda=False)
     try:
         states = DeviceStates(torch.zeros(n), torch.float32, device, AdamHyper.of(partial(CPUAdam)))
@@ -58,6 +56,6 @@ def test_the_gpu_resident_states_take_the_norm_without_a_float64_copy():
         grew = _peak_mib() - before
         want = float(device.to_host(src).double().square().sum())
         assert states.grad_sumsq() == pytest.approx(want, rel=1e-12, abs=0.0)
-        assert grew < 32
+        assert grew < 48
     finally:
         device.close()
