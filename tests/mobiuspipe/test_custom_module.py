@@ -167,6 +167,24 @@ def test_mistakes_are_named():
             pipe.train_batch(x, y)
 
 
+@pytest.mark.xfail(reason="a batch on a gpu is taken (on CUDA: pin_memory of a CUDA tensor raises mid-step)")
+def test_a_batch_on_a_gpu_is_refused_with_the_fix():
+    """train_batch and eval_batch take host tensors: the pipeline copies each microbatch to its gpu itself, through
+    pinned memory, ahead of the loads. On CUDA a batch already on a gpu failed inside the step ("cannot pin
+    'torch.cuda.LongTensor'"), the last stage's rank mid-step while its peers waited; the stand-in's gpu tensors
+    were taken."""
+    from mobiuspipe.standin.places import on_gpu
+
+    x, y = torch.randn(4, 4), torch.randn(4, 1)
+    with Pipeline([nn.Linear(4, 4), nn.Linear(4, 1)], F.mse_loss, sample=(x, y), num_microbatches=2) as pipe:
+        for bad_x, bad_y, which in ((on_gpu(x, 0), y, "inputs"), (x, on_gpu(y, 0), "targets")):
+            with pytest.raises(PipelineError, match=rf"the batch's {which} are on gpu 0.*host tensors.*\.cpu\(\)"):
+                pipe.train_batch(bad_x, bad_y)
+            with pytest.raises(PipelineError, match=rf"the batch's {which} are on gpu 0"):
+                pipe.eval_batch(bad_x, bad_y)
+        assert pipe.train_batch(x, y).loss > 0  # the host batch still trains
+
+
 def test_the_python_api_page_shows_the_example_as_it_is():
     page = (EXAMPLE.parents[1] / "docs" / "python-api.md").read_text()
     assert "```python\n" + EXAMPLE.read_text() + "```" in page, (
