@@ -23,6 +23,7 @@ from torch import nn
 from mobiuspipe.errors import PipelineError, WorldSizeError
 from mobiuspipe.profiling.profiler import TORCH_DTYPES, measure_profile
 from mobiuspipe.runtime.peers.ranks import RankInfo
+from mobiuspipe.standin.places import gpu_of
 from mobiuspipe.startup.machine import discovered_topology
 from partition import make_plan
 from partition.plan import Plan, load_plan
@@ -81,7 +82,16 @@ def check_precision(plan: Plan, precision: str | None) -> str:
 
 
 def check_batch(plan: Plan, passes: int, x, y) -> None:
-    """A batch (inputs x, targets y) must hold `passes` times the plan's microbatches along dimension 0."""
+    """A batch (inputs x, targets y) must be host tensors holding `passes` times the plan's microbatches along
+    dimension 0."""
+    for t, which in ((x, "inputs"), (y, "targets")):
+        where = _device_of(t)
+        if where is not None:
+            raise PipelineError(
+                f"the batch's {which} are on {where}; train_batch and eval_batch take host tensors (the pipeline "
+                f"copies each microbatch to its gpu itself, through pinned memory, ahead of the stages' loads): "
+                f"pass {which} as {which}.cpu()"
+            )
     m, b = plan.num_microbatches, plan.microbatch_size
     want = passes * m * b
     if x.dim() == 0 or x.shape[0] != want or y.dim() == 0 or y.shape[0] != want:
@@ -92,6 +102,14 @@ def check_batch(plan: Plan, passes: int, x, y) -> None:
             f"{tuple(x.shape)} and targets of shape {tuple(y.shape)}: batch the data to that "
             f"size or re-plan with --microbatches/--microbatch-size"
         )
+
+
+def _device_of(t: torch.Tensor) -> str | None:
+    """Where a tensor that is not host memory lives ("cuda:1", or a CPU stand-in's "gpu 0"); None for host memory."""
+    if t.device.type != "cpu":
+        return str(t.device)
+    gpu = gpu_of(t)
+    return None if gpu is None else f"gpu {gpu}"
 
 
 def check_cut(plan: Plan, num_layers: int, num_microbatches: int | None) -> None:

@@ -167,7 +167,6 @@ def test_mistakes_are_named():
             pipe.train_batch(x, y)
 
 
-@pytest.mark.xfail(reason="a batch on a gpu is taken (on CUDA: pin_memory of a CUDA tensor raises mid-step)")
 def test_a_batch_on_a_gpu_is_refused_with_the_fix():
     """train_batch and eval_batch take host tensors: the pipeline copies each microbatch to its gpu itself, through
     pinned memory, ahead of the loads. On CUDA a batch already on a gpu failed inside the step ("cannot pin
