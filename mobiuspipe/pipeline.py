@@ -330,8 +330,8 @@ class Pipeline:
         return self.train_batch(*batch)
 
     def train_batch(self, x: torch.Tensor, y: torch.Tensor) -> StepResult:
-        """One optimizer step on the batch (inputs x, targets y; the same on every rank), split into the
-        plan's microbatches along dimension 0. Returns when this rank's part of the step is done (the host
+        """One optimizer step on the batch (inputs x, targets y: host tensors, the same on every rank), split into
+        the plan's microbatches along dimension 0. Returns when this rank's part of the step is done (the host
         updates may still run; the next step waits for them where it needs their weights)."""
         self._check_batch(x, y)
         engine, start = self.engine, time.perf_counter()
