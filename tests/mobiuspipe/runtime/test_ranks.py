@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mobiuspipe.errors import PipelineError
+from mobiuspipe.errors import PipelineError, WorldSizeError
 from mobiuspipe.runtime.peers import ranks
 from mobiuspipe.runtime.peers.ranks import RankInfo, join_group
 
@@ -32,6 +32,23 @@ def test_a_callers_group_is_kept_and_the_ranks_gpu_becomes_current(monkeypatch):
     assert join_group(RankInfo(1, 2, 1, True), 30.0) is False  # not made here: not ours to destroy
     assert current == [1]
     assert _made_by_caller(monkeypatch, "gloo", cuda=False) == [] and not join_group(RankInfo(0, 2, 0, True), 30.0)
+
+
+@pytest.mark.xfail(reason="LOCAL_RANK defaults to 0: every rank of a group made without torchrun takes gpu 0")
+def test_a_callers_group_without_local_rank_is_refused_on_cuda(monkeypatch):
+    """A process group made by the caller (mp.spawn, say) with no LOCAL_RANK: on CUDA every rank would take gpu 0 and
+    NCCL would fail with "Duplicate GPU detected"; the error says what to set. The stand-in has nothing to collide."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert ranks.rank_info() == RankInfo(1, 2, 0, True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(WorldSizeError, match=r"LOCAL_RANK is not set.*gpu 0.*set LOCAL_RANK"):
+        ranks.rank_info()
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert ranks.rank_info() == RankInfo(1, 2, 1, True)
 
 
 @pytest.mark.parametrize("preset", [None, "1"])
