@@ -58,7 +58,14 @@ def rank_info() -> RankInfo:
     """This process's place in the job (see the module docstring)."""
     local = int(os.environ.get("LOCAL_RANK", 0))
     if dist.is_available() and dist.is_initialized():
-        return RankInfo(dist.get_rank(), dist.get_world_size(), local, True)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if world > 1 and "LOCAL_RANK" not in os.environ and torch.cuda.is_available():
+            raise WorldSizeError(
+                f"rank {rank} of a process group of {world}: LOCAL_RANK is not set, so every rank would take gpu 0 "
+                f"(NCCL then stops with 'Duplicate GPU detected'): set LOCAL_RANK to this process's gpu on its host "
+                f"before making the Pipeline (torchrun sets it)"
+            )
+        return RankInfo(rank, world, local, True)
     if "WORLD_SIZE" not in os.environ:
         return RankInfo(0, 1, 0, False)
     try:

@@ -34,7 +34,6 @@ def test_a_callers_group_is_kept_and_the_ranks_gpu_becomes_current(monkeypatch):
     assert _made_by_caller(monkeypatch, "gloo", cuda=False) == [] and not join_group(RankInfo(0, 2, 0, True), 30.0)
 
 
-@pytest.mark.xfail(reason="LOCAL_RANK defaults to 0: every rank of a group made without torchrun takes gpu 0")
 def test_a_callers_group_without_local_rank_is_refused_on_cuda(monkeypatch):
     """A process group made by the caller (mp.spawn, say) with no LOCAL_RANK: on CUDA every rank would take gpu 0 and
     NCCL would fail with "Duplicate GPU detected"; the error says what to set. The stand-in has nothing to collide."""
