@@ -14,6 +14,10 @@ venv="$root/.venv"
 py="${PYTHON:-python3}"
 
 system="${MOBIUSPIPE_SYSTEM_TORCH:-0}"
+# The torch releases this project runs on (pyproject.toml's requirement; a test keeps the two equal): 2.10 is the
+# oldest whose suite passes (the pinned torchao 0.18 needs F.ScalingType, absent up to 2.9; transformers 5.x turns
+# itself off below 2.6); checked on 2.10.0, 2.11.0 and 2.13.0.
+torch_spec="torch>=2.10,<=2.14.1"
 if [ ! -x "$venv/bin/python" ]; then
     echo "[setup] creating $venv" >&2
     if [ "$system" = "1" ]; then "$py" -m venv --system-site-packages "$venv"; else "$py" -m venv "$venv"; fi
@@ -22,10 +26,28 @@ vpy="$venv/bin/python"
 
 has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 cpu_torch_on_gpu() { has_gpu && "$vpy" -c "import torch, sys; sys.exit(torch.version.cuda is not None)" 2>/dev/null; }
+# torch_in_range SPEC: whether the venv's torch is within SPEC ("torch>=A,<=B"); says why not on stderr
+torch_in_range() {
+    "$vpy" - "$1" <<'PY'
+import re, sys
+import torch
+spec = sys.argv[1]
+have = tuple(int(x) for x in re.findall(r"\d+", torch.__version__.split("+")[0])[:3])
+for op, v in re.findall(r"(>=|<=)([\d.]+)", spec):
+    want = tuple(int(x) for x in v.split("."))
+    if not (have[: len(want)] >= want if op == ">=" else have[: len(want)] <= want):
+        print(f"[setup] torch {torch.__version__} is outside {spec}, the releases this project runs on", file=sys.stderr)
+        sys.exit(1)
+PY
+}
 
 if [ "$system" = "1" ]; then
     if ! "$vpy" -c "import torch" 2>/dev/null; then
         echo "[setup] MOBIUSPIPE_SYSTEM_TORCH=1, but $py has no torch: run with the python that has it (PYTHON=...)" >&2
+        exit 2
+    fi
+    if ! torch_in_range "$torch_spec"; then
+        echo "[setup] use a python whose torch is in that range (PYTHON=...), or set up without MOBIUSPIPE_SYSTEM_TORCH, which installs one" >&2
         exit 2
     fi
     "$vpy" -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation --no-index -e . \
@@ -51,11 +73,11 @@ fi
 pipq=("$vpy" -m pip install --quiet --disable-pip-version-check)
 if cpu_torch_on_gpu; then
     echo "[setup] NVIDIA GPU found, but .venv holds a CPU build of torch: installing the CUDA build over it" >&2
-    "${pipq[@]}" --force-reinstall "torch>=2.3,<=2.14.1"
+    "${pipq[@]}" --force-reinstall "$torch_spec"
 elif ! "$vpy" -c "import torch" 2>/dev/null; then
     if has_gpu; then
         echo "[setup] NVIDIA GPU found: installing the CUDA build of torch" >&2
-        "${pipq[@]}" "torch>=2.3,<=2.14.1"
+        "${pipq[@]}" "$torch_spec"
     else
         echo "[setup] no GPU: installing torch 2.13.0 (CPU build)" >&2
         "${pipq[@]}" "torch==2.13.0" || "${pipq[@]}" "torch==2.13.0" \
