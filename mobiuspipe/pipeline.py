@@ -64,7 +64,7 @@ from mobiuspipe.startup.plan import (
     read_plan,
     same_plan_everywhere,
 )
-from mobiuspipe.startup.room import check_room
+from mobiuspipe.startup.room import check_room, out_of_memory
 from mobiuspipe.startup.shm import shm_error, shm_warning
 from mobiuspipe.startup.tiers import agree_on_tiers, check_delayed, with_tiers
 from mobiuspipe.startup.update_policy import UpdatePolicy
@@ -213,6 +213,9 @@ class Pipeline:
             self.group.abort()
             self.group.close(failed=True)
             if (told := shm_error(e, shm_space())) is not None:
+                raise told from e
+            gpu = torch.device("cuda", self.info.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+            if (told := out_of_memory(e, self.info.rank, gpu, getattr(self, "plan", None))) is not None:
                 raise told from e
             raise
         self.step = 0

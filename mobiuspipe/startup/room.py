@@ -15,7 +15,7 @@ from mobiuspipe.errors import PipelineError
 from mobiuspipe.runtime.peers.ranks import RankInfo, gather_all
 from partition.plan import Plan
 
-__all__ = ["Room", "check_room", "room_problem"]
+__all__ = ["Room", "check_room", "room_problem", "out_of_memory"]
 
 
 @dataclass(frozen=True)
@@ -69,3 +69,25 @@ def check_room(info: RankInfo, planned: int, device: torch.device, plan: Plan) -
     if failed:
         r, why = failed[0]
         raise PipelineError(f"rank {r}: {why}")
+
+
+def out_of_memory(e: BaseException, gpu: int, device: torch.device, plan: Plan | None) -> PipelineError | None:
+    """What to tell the user when the run ran out of gpu memory while it set up (the arena, the stages' states, the
+    peer regions are made before check_room can compare): the figures and the fix, as check_room gives them, for
+    the plan's whole assumed share of the gpu (its gpu_memory_bytes and workspaces); None for another error, or off
+    CUDA."""
+    if not isinstance(e, torch.OutOfMemoryError) or device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    room = Room(free, total, torch.cuda.memory_reserved(device))
+    cause = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if plan is not None:
+        assumed = plan.gpu_memory_bytes + plan.workspace_bytes
+        if (why := room_problem(assumed, room, gpu, assumed)) is not None:
+            return PipelineError(f"rank {gpu} ran out of gpu memory while setting up ({cause}); {why}")
+    return PipelineError(
+        f"rank {gpu} ran out of gpu memory while setting up ({cause}): {fmt_bytes(room.outside)} of the gpu's "
+        f"{fmt_bytes(room.total)} is held outside this process's allocator (the CUDA context, NCCL, other "
+        f"processes). Free the gpu, or plan again leaving more of it (a run's plan.reserve_mb; for a plan file, or a "
+        f"Pipeline given one, `mobiuspipe partition --reserve-gib`)"
+    )

@@ -13,7 +13,7 @@ from mobiuspipe.config import config_from_dict
 from mobiuspipe.errors import PipelineError
 from mobiuspipe.runtime.peers.ranks import RankInfo
 from mobiuspipe.startup.config_plan import plan_for_config
-from mobiuspipe.startup.room import Room, check_room, room_problem
+from mobiuspipe.startup.room import Room, check_room, out_of_memory, room_problem
 
 
 def test_a_plan_within_the_free_memory_and_the_allocators_own_fits():
@@ -44,3 +44,23 @@ def test_the_check_reads_cuda_on_a_gpu_and_nothing_on_the_stand_in(monkeypatch):
     check_room(one, 5 * GiB, gpu, plan)
     with pytest.raises(PipelineError, match=r"rank 0: gpu 0 .* \(the plan assumed 7.00 GiB of the gpu's 8.00 GiB\)"):
         check_room(one, 5 * GiB + 1, gpu, plan)
+
+
+def test_running_out_of_memory_while_setting_up_names_the_room(monkeypatch):
+    """The arena, the states and the peer regions are made before check_room compares: an out-of-memory error there
+    (a shared gpu, a context larger than the reserve) says what is held and how much more to leave, as the check
+    does; other errors, and the stand-in's, pass through."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * GiB, 24 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 1 * GiB)
+    plan = replace(plan_for_config(config_from_dict({})), gpu_memory_bytes=22 * GiB, workspace_bytes=0)
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+    gpu = torch.device("cuda", 1)
+    said = out_of_memory(oom, 1, gpu, plan)
+    assert isinstance(said, PipelineError)
+    text = str(said)
+    assert text.startswith("rank 1 ran out of gpu memory while setting up (CUDA out of memory. Tried to allocate")
+    assert "21.00 GiB is held outside this process's allocator" in text and "leaving 19456 MiB more" in text
+    unplanned = out_of_memory(oom, 1, gpu, None)  # before the plan was agreed (profiling on the gpu)
+    assert unplanned is not None and "plan.reserve_mb" in str(unplanned)
+    assert out_of_memory(RuntimeError("other"), 1, gpu, plan) is None
+    assert out_of_memory(oom, 1, torch.device("cpu"), plan) is None
