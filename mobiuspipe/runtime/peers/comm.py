@@ -129,8 +129,7 @@ class Comm:
             try:
                 self._waiter.wait(lambda: post().wait(), watch)
             except RuntimeError as e:
-                self._check_peers()  # a lost peer's verdict says more than the backend's error
-                raise PeerLostError(self._message(f"rank {peer}", what, str(e).splitlines()[0])) from e
+                raise self._failed(e, f"rank {peer}", what) from e
 
         self.channels.warm_up(device, run)
 
@@ -224,11 +223,11 @@ class Comm:
         self._check_peers()
         try:
             return post()
-        except (RuntimeError, ValueError) as e:
-            self._check_peers()  # a lost peer's verdict, also when it came while posting
-            if isinstance(e, ValueError):
-                raise
-            raise PeerLostError(self._message(peer, what, str(e).splitlines()[0])) from e
+        except ValueError:  # the groups are gone: after the watch's abort its verdict says why
+            self._check_peers()
+            raise
+        except RuntimeError as e:
+            raise self._failed(e, peer, what) from e
 
     def _wait(self, work, peer: str, what: str, collective: bool = False) -> None:
         """Wait for work: on NCCL for the compute stream's order only; under a watch while the peers live (gloo's
@@ -250,10 +249,15 @@ class Comm:
             else:
                 ok = work.wait(self.timeout)
         except RuntimeError as e:
-            self._check_peers()  # a lost peer's verdict says more than the backend's error
-            raise PeerLostError(self._message(peer, what, str(e).splitlines()[0])) from e
+            raise self._failed(e, peer, what) from e
         if ok is False:
             raise PeerLostError(self._message(peer, what, f"no answer within {self.timeout.total_seconds():g} s"))
+
+    def _failed(self, e: BaseException, peer: str, what: str) -> PeerLostError:
+        """The backend's error e as PeerLostError; a lost peer's verdict, if the watch has one, is raised instead (it
+        says more than the backend's error)."""
+        self._check_peers()
+        return PeerLostError(self._message(peer, what, str(e).splitlines()[0]))
 
     def _check_peers(self) -> None:
         if self.watch is not None:
