@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from mobiuspipe.standin import StandInError
 
-__all__ = ["StrictLink", "StrictWork", "MEET_TAG"]
+__all__ = ["StrictLink", "StrictWork"]
 
 MEET_TAG = 2**31 - 1
 """The gloo tag of the message two links exchange at first contact (the traffic's tags, 2k and 2k + 1, stay below

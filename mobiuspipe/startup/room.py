@@ -39,6 +39,18 @@ class Room:
         return self.total - self.free - self.reserved
 
 
+HELD_OUTSIDE = "is held outside this process's allocator (the CUDA context, NCCL, other processes on the gpu)"
+"""What Room.outside holds, as the messages say it."""
+REPLAN = "(a run's plan.reserve_mb; for a plan file, or a Pipeline given one, `mobiuspipe partition --reserve-gib`)"
+"""Where the gpu memory a plan leaves alone is set, as the messages say it."""
+
+
+def room_now(device: torch.device) -> Room:
+    """The rank's gpu as CUDA reports it now (mem_get_info, and this process's allocator)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return Room(free, total, torch.cuda.memory_reserved(device))
+
+
 def room_problem(planned: int, room: Room, gpu: int, assumed: int) -> str | None:
     """What is wrong when the plan's peak on `gpu` (planned: its walk and workspaces) exceeds what the gpu can give
     the run; assumed: the bytes of the gpu the plan was made to use (its gpu_memory_bytes and workspaces). None if
@@ -49,9 +61,8 @@ def room_problem(planned: int, room: Room, gpu: int, assumed: int) -> str | None
     return (
         f"gpu {gpu} has too little free memory for the plan: its peak is {fmt_bytes(planned)} (the plan assumed "
         f"{fmt_bytes(assumed)} of the gpu's {fmt_bytes(room.total)}), but the run can have {fmt_bytes(room.usable)}: "
-        f"{fmt_bytes(room.outside)} is held outside this process's allocator (the CUDA context, NCCL, other "
-        f"processes on the gpu). Free the gpu, or plan again leaving {math.ceil(short / MiB)} MiB more of it "
-        f"(a run's plan.reserve_mb; for a plan file, or a Pipeline given one, `mobiuspipe partition --reserve-gib`)"
+        f"{fmt_bytes(room.outside)} {HELD_OUTSIDE}. Free the gpu, or plan again leaving {math.ceil(short / MiB)} MiB "
+        f"more of it {REPLAN}"
     )
 
 
@@ -61,8 +72,7 @@ def check_room(info: RankInfo, planned: int, device: torch.device, plan: Plan) -
     rank's gpu (Pipeline.planned_device_bytes)."""
     if device.type != "cuda":
         return
-    free, total = torch.cuda.mem_get_info(device)
-    room = Room(free, total, torch.cuda.memory_reserved(device))
+    room = room_now(device)
     assumed = plan.gpu_memory_bytes + plan.workspace_bytes
     every = gather_all(info, room_problem(planned, room, info.rank, assumed))
     failed = [(r, why) for r, why in enumerate(every) if why is not None]
@@ -78,8 +88,7 @@ def out_of_memory(e: BaseException, gpu: int, device: torch.device, plan: Plan |
     CUDA."""
     if not isinstance(e, torch.OutOfMemoryError) or device.type != "cuda":
         return None
-    free, total = torch.cuda.mem_get_info(device)
-    room = Room(free, total, torch.cuda.memory_reserved(device))
+    room = room_now(device)
     cause = str(e).splitlines()[0] if str(e) else type(e).__name__
     if plan is not None:
         assumed = plan.gpu_memory_bytes + plan.workspace_bytes
@@ -87,7 +96,5 @@ def out_of_memory(e: BaseException, gpu: int, device: torch.device, plan: Plan |
             return PipelineError(f"rank {gpu} ran out of gpu memory while setting up ({cause}); {why}")
     return PipelineError(
         f"rank {gpu} ran out of gpu memory while setting up ({cause}): {fmt_bytes(room.outside)} of the gpu's "
-        f"{fmt_bytes(room.total)} is held outside this process's allocator (the CUDA context, NCCL, other "
-        f"processes). Free the gpu, or plan again leaving more of it (a run's plan.reserve_mb; for a plan file, or a "
-        f"Pipeline given one, `mobiuspipe partition --reserve-gib`)"
+        f"{fmt_bytes(room.total)} {HELD_OUTSIDE}. Free the gpu, or plan again leaving more of it {REPLAN}"
     )
