@@ -7,6 +7,8 @@ runs) see the GPU."""
 
 import importlib.util
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -14,9 +16,25 @@ os.environ.setdefault("MOBIUSPIPE_STRICT", "1")
 
 
 def pytest_configure(config):
-    """Hide CUDA unless the gpu-marked tests are selected (before any test asks torch for a device)."""
+    """Hide CUDA unless the gpu-marked tests are selected (before any test asks torch for a device); give the
+    processes the tests start a temporary folder of the session's own."""
     if "gpu" not in (config.getoption("markexpr") or ""):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    config.children_tmp = _children_tmpdir()
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "children_tmp", None):
+        shutil.rmtree(config.children_tmp, ignore_errors=True)
+
+
+def _children_tmpdir() -> str:
+    """A folder, removed after the session, that the ranks, torchruns and launchers the tests start take as TMPDIR
+    (torchrun keeps a torchelastic_* folder a launch; a launcher a test kills keeps its start-up folder). The tests'
+    own process keeps the temporary folder it had."""
+    tempfile.tempdir = tempfile.gettempdir()
+    os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="mobiuspipe-tests-")
+    return os.environ["TMPDIR"]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -104,12 +104,12 @@ def run(args: argparse.Namespace, out) -> int:
         )
     open_run(config)
     nproc, plan = launch_checks(config, args.nproc, args.nnodes)
-    cmd = torchrun_command(config.source, nproc, args)
     # On one machine the run's folders are this run's until torchrun ends (its ranks find them held under `token`).
     # Across machines every host runs this command and any may get rank 0, which takes them at start-up instead.
     token = new_token() if args.nnodes == 1 else None
     folders = run_folders(config.train.out_dir, config.train.checkpoint_root, config.memory.ssd_dir) if token else {}
     with RunLocks.take(folders, token or ""), tempfile.TemporaryDirectory(prefix="mobiuspipe-start-up-") as errors:
+        cmd = torchrun_command(config.source, nproc, args, log_dir=str(Path(errors) / "torchrun"))
         print(f"mobiuspipe: launching {shlex.join(cmd)}", file=sys.stderr, flush=True)
         out.flush()
         env = {**os.environ, ERRORS_ENV: errors, DEATH_ENV: "1", **({TOKEN_ENV: token} if token else {})}
@@ -180,10 +180,12 @@ def _wait_for(torchrun: subprocess.Popen, errors: Path | None, stderr: JobStderr
         signal.signal(signal.SIGTERM, old_term)
 
 
-def torchrun_command(config: str, nproc: int, args: argparse.Namespace) -> list[str]:
+def torchrun_command(config: str, nproc: int, args: argparse.Namespace, log_dir: str | None = None) -> list[str]:
     """The torchrun command line for `nproc` ranks over args.nnodes nodes (standalone on one node); CliError
-    for node options that do not fit together."""
+    for node options that do not fit together. log_dir: where torchrun keeps its per-rank folders (by default it
+    makes a /tmp/torchelastic_* folder a run and never removes it)."""
     head = [sys.executable, "-m", "torch.distributed.run"]
+    head += [] if log_dir is None else ["--log-dir", log_dir]
     tail = ["-m", "mobiuspipe.train", "--config", config]
     tail += [] if args.resume is None else ["--resume", args.resume]
     head += [] if not args.max_restarts else ["--max-restarts", str(args.max_restarts)]

@@ -82,7 +82,7 @@ def test_the_launcher_turns_a_ranks_start_up_mistake_into_exit_2(
     """torchrun replaced by a script: it fails, with or without leaving a mistake as a rank does."""
     leave = f"open(os.path.join(os.environ[{preflight.ERRORS_ENV!r}], 'rank0'), 'w').write('x: the mistake')"
     body = f"import os, sys, time; leave = lambda: {leave}; {script}"  # one line, as the launch line shows it
-    monkeypatch.setattr(cli_train, "torchrun_command", lambda *args: [sys.executable, "-c", body])
+    monkeypatch.setattr(cli_train, "torchrun_command", lambda *args, **kw: [sys.executable, "-c", body])
     config = _run(tmp_path)
     args = ["train", "--config", str(config)] + (["--max-restarts", str(restarts)] if restarts else [])
     t0 = time.monotonic()

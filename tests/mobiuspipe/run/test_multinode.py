@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,8 +83,14 @@ def _config(folder, write_config) -> str:
 
 
 def _train(config: str, *node: str) -> subprocess.Popen:
+    """A launch whose temporary files go to TMPDIR, the folder `tmp` beside its config (made)."""
+    tmp = Path(config).parent / "tmp"
+    tmp.mkdir(exist_ok=True)
     cmd = [sys.executable, "-m", "mobiuspipe", "train", "--config", config, *node]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env
+    )
 
 
 def _finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:
@@ -121,6 +128,10 @@ def test_two_nodes_train_as_one_node_with_two_ranks(tmp_path, launch, by_hand):
     (losses, weights), (ref_losses, ref_weights) = _run(tmp_path / "two"), _run(tmp_path / "one")
     assert len(losses) == 3 and losses == ref_losses  # the same ranks, plan and arithmetic: bit for bit
     assert weights.keys() == ref_weights.keys() and all(torch.equal(weights[k], ref_weights[k]) for k in weights)
+    # no folder of the launch's left in TMPDIR (torchrun made a torchelastic_* one a launch and kept it); torch's
+    # caches (torchinductor_USER, which importing torchao makes) stay, as they do for any torch program
+    left = [p.name for run in ("one", "two") for p in (tmp_path / run / "tmp").iterdir()]
+    assert [name for name in left if not name.startswith("torchinductor_")] == []
 
 
 def test_resume_and_restarts_reach_torchrun_and_the_entry():
