@@ -263,7 +263,7 @@ class Engine:
         m, last = self.num_microbatches, self.last
         xs, ys = x.chunk(m), y.chunk(m)
         handed: dict[tuple[int, int], torch.Tensor] = {}
-        total = 0.0
+        losses: list[torch.Tensor] = []  # read once all are queued: one host wait, not one a microbatch
         modes = {j: [layer.training for layer in s.layers.values()] for j, s in self.stages.items()}
         for s in self.stages.values():
             for layer in s.layers.values():
@@ -278,7 +278,7 @@ class Engine:
                         with torch.no_grad():
                             out = stage.forward(self._eval_input(j, i, xs, handed, what), with_grad=False)
                         if j == last:
-                            total += float(self.loss_fn(out.float(), ys[i].to(out.device))) / m
+                            losses.append(self.loss_fn(out.float(), ys[i].to(out.device)))
                         elif self.mapping[j + 1] == self.rank:
                             handed[(j + 1, i)] = out
                         else:
@@ -290,6 +290,9 @@ class Engine:
             for j, s in self.stages.items():
                 for layer, mode in zip(s.layers.values(), modes[j]):
                     layer.train(mode)
+        total = 0.0
+        for loss in torch.stack(losses).tolist() if losses else []:
+            total += loss / m
         return total
 
     def _eval_tag(self, j: int, i: int, header: bool) -> int:

@@ -184,7 +184,6 @@ def test_a_batch_on_a_gpu_is_refused_with_the_fix():
         assert pipe.train_batch(x, y).loss > 0  # the host batch still trains
 
 
-@pytest.mark.xfail(strict=True, reason="eval reads each microbatch's loss as it is queued")
 def test_eval_waits_for_its_losses_once_not_once_a_microbatch(monkeypatch):
     """eval_batch read each microbatch's loss as it was queued (float(loss)): on CUDA a host wait a microbatch,
     the last stage's next kernels launched only after it. The losses are now read together at the end; the value is
