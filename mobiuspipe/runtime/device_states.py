@@ -9,10 +9,12 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.optim.adamw import adamw
 
 from mobiuspipe.memory.device import CopyHandle, Device
 from mobiuspipe.memory.weight_stream import squared_norm
 from mobiuspipe.optim.hyper import AdamHyper
+from partition.rules.placement import UPDATE_CHUNK
 
 __all__ = ["DeviceStates", "one_version"]
 
@@ -110,19 +112,41 @@ class DeviceStates:
             self._pending = None
 
     def _apply(self) -> None:
-        """The noted update, on the calling (compute) thread's stream: AdamW over the master, then the weights."""
+        """The noted update, on the calling (compute) thread's stream: AdamW over the master, then the weights. It
+        steps UPDATE_CHUNK parameters at a time with torch's AdamW (the functional form the optimizer runs, each
+        element's arithmetic unchanged), so that its temporaries are a chunk's, which the plan counts
+        (partition.rules.placement.device_state_bytes), not the stage's."""
         if self._pending is None:
             return
         (grad_scale, lr), self._pending = self._pending, None
+        group = self.optimizer.param_groups[0]
         if lr is not None:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-        grad = self.grads.float() if self.grads.dtype != torch.float32 else self.grads.clone()
-        self.master.grad = grad if grad_scale == 1.0 else grad.mul_(1.0 / grad_scale)
-        self.optimizer.step()
-        self.master.grad = None
+            group["lr"] = lr
+        state = self.optimizer.state[self.master]
+        master, grads = self.master.data, self.grads
+        for a in range(0, master.numel(), UPDATE_CHUNK):
+            b = min(a + UPDATE_CHUNK, master.numel())
+            grad = grads[a:b].float()  # fp32: the gradients themselves, which AdamW only reads
+            if grad_scale != 1.0:
+                grad = grad.mul(1.0 / grad_scale)
+            adamw(
+                [master[a:b]],
+                [grad],
+                [state["exp_avg"][a:b]],
+                [state["exp_avg_sq"][a:b]],
+                [],
+                [state["step"].clone()],  # AdamW counts each list's step itself: the state's goes up once below
+                amsgrad=False,
+                beta1=group["betas"][0],
+                beta2=group["betas"][1],
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=False,
+            )
+        state["step"] += 1
         if not self.loads_master:
-            self.weights.copy_(self.master.data)
+            self.weights.copy_(master)
 
     def master_weights(self) -> torch.Tensor:
         self._apply()

@@ -9,7 +9,8 @@ Host bytes per parameter n of a stage (b = bytes of the training dtype, B = its 
   optimizer ssd, weights host:    b n gradients + b n weights + B (the out-of-core Adam's slots)
   optimizer ssd, weights ssd:     B (the Adam's slots and the weight stream's staging buffers)
   optimizer device:               0: the fp32 master, the moments, the gradients and the device-dtype weights are
-                                  on the gpu, device_state_bytes of them (weights: device too)
+                                  on the gpu, device_state_bytes of them (weights: device too), with the working
+                                  memory of their update (UPDATE_WORK_BYTES a parameter of one UPDATE_CHUNK)
 and what the run keeps beside them (HostCopies): the delayed update's second version of the weights and gradients
 (b n each; in fp32 the loaded weights are then a copy of the master), and the speculative update's copy of what it
 overwrites: the master and the moments (12 n) where the optimizer is in memory, and the weights it writes (b n; none
@@ -38,6 +39,8 @@ __all__ = [
     "FROZEN_TIERS",
     "device_state_bytes",
     "STATE_BYTES",
+    "UPDATE_CHUNK",
+    "UPDATE_WORK_BYTES",
     "LEAST_SHARE_BYTES",
     "FROZEN_STREAM_BYTES",
 ]
@@ -45,6 +48,11 @@ __all__ = [
 TIERS = ("host", "ssd", "auto")
 """Where a kind of state may live: memory.optimizer and memory.weights take one of these."""
 STATE_BYTES = 12
+UPDATE_CHUNK = 1 << 20
+"""Parameters the gpu-resident states' update (mobiuspipe.runtime.device_states) steps at a time."""
+UPDATE_WORK_BYTES = 12
+"""Gpu bytes per parameter of a chunk that update works in beside the states: the chunk's fp32 gradient (cast or
+unscaled) and AdamW's square root of the second moment and its quotient."""
 """Bytes per parameter of the optimizer states: fp32 master + exp_avg + exp_avg_sq."""
 LEAST_SHARE_BYTES = 4 * STATE_BYTES * KiB + 4 * 4 * KiB
 """The least host share of a stage on SSD, for every training dtype (fp32, bf16, fp16): the out-of-core Adam's
@@ -121,8 +129,10 @@ class BudgetShortfall(ValueError):
 def device_state_bytes(n: int, dtype_bytes: int) -> int:
     """Gpu bytes of the states of n parameters on the device tier: the fp32 master and AdamW's two moments (12 n),
     the gradients (b n) and, unless the training dtype is fp32 (the master is then what a LOAD copies), the weights
-    (b n): 16 n in fp32 and in bf16/fp16 alike."""
-    return STATE_BYTES * n + dtype_bytes * n + (dtype_bytes * n if dtype_bytes != 4 else 0)
+    (b n): 16 n in fp32 and in bf16/fp16 alike; and the working memory of their update, UPDATE_WORK_BYTES for each
+    parameter of a chunk (counted for every stage, although a gpu updates one stage at a time)."""
+    work = UPDATE_WORK_BYTES * min(n, UPDATE_CHUNK)
+    return STATE_BYTES * n + dtype_bytes * n + (dtype_bytes * n if dtype_bytes != 4 else 0) + work
 
 
 def host_bytes(n: int, optimizer: str, weights: str, dtype_bytes: int, copies: HostCopies = PLAIN) -> int:

@@ -65,7 +65,6 @@ def test_the_update_is_torchs_adamw_bit_for_bit(device, n, dtype):
     assert torch.equal(device.to_host(states.master_weights()), ref.data)
 
 
-@pytest.mark.xfail(strict=True, reason="the update copies the whole gradient and AdamW's temporaries are stage-sized")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_update_works_in_the_memory_the_plan_counts(device, dtype):
     """The update's working memory (beyond the states) is at most what device_state_bytes counts beyond them: a

@@ -89,8 +89,10 @@ def _no_room_on_the_gpus(plan):
 
 
 def test_with_room_on_the_gpus_a_lora_plan_keeps_the_adapters_states_there():
-    """The gpu tier: the adapters' master, moments, gradients and weights (16 bytes each) on the gpus, no host
-    state, no offload and no host update in the simulator; without the room, the host as before."""
+    """The gpu tier: the adapters' master, moments, gradients and weights (16 bytes each) and their update's working
+    memory on the gpus, no host state, no offload and no host update in the simulator; without the room, the host
+    as before."""
+    from partition.rules.placement import UPDATE_CHUNK, UPDATE_WORK_BYTES
     from partition.rules.tiers import states_fit_gpus
 
     (_, lora), topo, a = _plans()
@@ -99,7 +101,8 @@ def test_with_room_on_the_gpus_a_lora_plan_keeps_the_adapters_states_there():
     assert mem.to_dict()["tiers"] == {"optimizer": "device", "weights": "device", "frozen": "host"}
     assert mem.host_by_kind["optimizer"] == mem.host_by_kind["weights"] == 0 and mem.ssd_bytes == 0
     bare = place_tiers(_no_room_on_the_gpus(lora), HostBudget(None, "unlimited"))
-    assert mem.device_bytes == bare.device_bytes + 16 * sum(a)
+    work = UPDATE_WORK_BYTES * sum(min(s.trains, UPDATE_CHUNK) for s in lora.stages)  # a chunk of each stage
+    assert mem.device_bytes == bare.device_bytes + 16 * sum(a) + work
     sims = sim_stages(lora.stages, topo, mem)
     assert all(not x.offloads and x.update_s == 0.0 and x.offload_s == 0.0 for x in sims)
     assert not states_fit_gpus(_no_room_on_the_gpus(lora))
