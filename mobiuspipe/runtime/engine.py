@@ -264,10 +264,10 @@ class Engine:
         xs, ys = x.chunk(m), y.chunk(m)
         handed: dict[tuple[int, int], torch.Tensor] = {}
         losses: list[torch.Tensor] = []  # read once all are queued: one host wait, not one a microbatch
-        modes = {j: [layer.training for layer in s.layers.values()] for j, s in self.stages.items()}
-        for s in self.stages.values():
-            for layer in s.layers.values():
-                layer.eval()
+        modules = [mod for s in self.stages.values() for layer in s.layers.values() for mod in layer.modules()]
+        modes = [mod.training for mod in modules]  # each module's own: a layer's train(mode) would set them all
+        for mod in modules:
+            mod.eval()
         try:
             for j in sorted(self.stages):
                 stage = self.stages[j]
@@ -278,7 +278,7 @@ class Engine:
                         with torch.no_grad():
                             out = stage.forward(self._eval_input(j, i, xs, handed, what), with_grad=False)
                         if j == last:
-                            losses.append(self.loss_fn(out.float(), ys[i].to(out.device)))
+                            losses.append(self.loss_fn(out.float(), self.device.to_device(ys[i])))
                         elif self.mapping[j + 1] == self.rank:
                             handed[(j + 1, i)] = out
                         else:
@@ -287,9 +287,8 @@ class Engine:
                     stage.release(self.arena)
             self.comm.flush()
         finally:
-            for j, s in self.stages.items():
-                for layer, mode in zip(s.layers.values(), modes[j]):
-                    layer.train(mode)
+            for mod, mode in zip(modules, modes):
+                mod.training = mode
         total = 0.0
         for loss in torch.stack(losses).tolist() if losses else []:
             total += loss / m

@@ -203,7 +203,6 @@ def test_eval_waits_for_its_losses_once_not_once_a_microbatch(monkeypatch):
         assert reads == [] and got == ref
 
 
-@pytest.mark.xfail(strict=True, reason="eval restores the top-level layers' modes only, and copies targets blocking")
 def test_eval_leaves_every_module_as_it_found_it_and_copies_without_blocking(monkeypatch):
     """A layer whose dropout the user had turned off (eval mode) inside a training block: evaluation set every
     layer to eval and back with layer.train(mode), which sets all its submodules, so that dropout fired in every
