@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from mobiuspipe.memory.pinned import PinnedBlocks, cuda_registration
 from mobiuspipe.memory.streams import CopyHandle, CopyStream
 from mobiuspipe.standin import StandInError, strict
 from mobiuspipe.standin.places import gpu_of, on_gpu, on_host, plain
@@ -48,6 +49,8 @@ class Device:
         self._out = CopyStream(local_rank, self.is_cuda, "copy-out", self.compute, self._check_thread)
         self._peers: dict[int, CopyStream] = {}
         self._loader: ThreadPoolExecutor | None = None  # CUDA: runs stream_in's jobs; made on first use
+        self._pinned = PinnedBlocks(*cuda_registration()) if self.is_cuda else None
+        """CUDA: the page-locked buffers of pin and host_empty, of their own size (mobiuspipe.memory.pinned)."""
 
     # -- threads -----------------------------------------------------------------------------------------
     def bind_thread(self) -> None:
@@ -89,16 +92,24 @@ class Device:
         return not self.is_cuda and strict()
 
     def pin(self, t: torch.Tensor) -> torch.Tensor:
-        """Page-locked host memory where CUDA exists (fast async copies); a plain CPU tensor otherwise."""
+        """t in page-locked host memory where CUDA exists (fast async copies: a copy of t, kept until the Device
+        closes, for buffers a run keeps); t itself otherwise."""
         if self.is_cuda:
-            return t.pin_memory()
+            out = self.host_empty(t.numel() * t.element_size()).view(t.dtype).view(t.shape)
+            return out.copy_(t)
         return on_host(t) if self._marks else t
 
     def host_empty(self, nbytes: int) -> torch.Tensor:
-        """nbytes of (pinned, on CUDA) host memory, uint8."""
-        if self.is_cuda:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        """nbytes of host memory, uint8: on CUDA page-locked, of that size, kept until the Device closes
+        (mobiuspipe.memory.pinned)."""
+        if self._pinned is not None:
+            return self._pinned.empty(nbytes)
         return self.pin(torch.empty(nbytes, dtype=torch.uint8))
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Host bytes page-locked by pin and host_empty now (0 on the stand-in)."""
+        return 0 if self._pinned is None else self._pinned.nbytes
 
     def place(self, t: torch.Tensor) -> torch.Tensor:
         """t, which lies in this gpu's memory (the stand-in: marked as its memory under strict mode)."""
@@ -212,6 +223,9 @@ class Device:
             stream.close()
         if self._loader is not None:
             self._loader.shutdown(wait=True)
+        if self._pinned is not None:
+            torch.cuda.synchronize(self.torch_device)  # no copy reads or fills a buffer any more
+            self._pinned.close()
 
 
 _bound = threading.local()
