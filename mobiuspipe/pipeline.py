@@ -199,7 +199,9 @@ class Pipeline:
             self.activations = stage_modes(self.memory.activations if activations is None else activations, self.plan)
             self.overlap_updates = overlap_updates
             checked = self.scaler is not None or max_grad_norm is not None
-            self.updates = UpdatePolicy(checked, overlap_updates, delayed_update, speculative_update)
+            self.updates = UpdatePolicy(
+                checked, overlap_updates, delayed_update, speculative_update, accumulates=accumulation_steps > 1
+            )
             self.store: SSDStore | None = None
             self.trace = ActionTrace(trace_steps)
             self.engine = self._build_engine(makers, loss_fn, optimizer or partial(CPUAdam), num_microbatches, tied)

@@ -3,6 +3,7 @@ and the plan itself (read from plan.file and checked against the model, or made 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -174,14 +175,17 @@ def run_budget(cfg: RunConfig) -> HostBudget:
     mem, copies = cfg.memory, run_copies(cfg)
     run = RunMemory(mem.optimizer, mem.weights, mem.frozen, int(mem.host_budget_mb * MiB))
     source = f"memory.host_budget_mb {mem.host_budget_mb:g} MiB per rank for the states"
-    return HostBudget(None, source, run, delayed=copies.versions > 1, speculative=copies.undo)
+    return HostBudget(
+        None, source, run, delayed=copies.versions > 1, speculative=copies.undo, accumulates=copies.accumulates
+    )
 
 
 def run_copies(cfg: RunConfig) -> HostCopies:
     """What each stage of the run keeps in host memory beyond its states (UpdatePolicy.copies)."""
     t = cfg.train
     checked = t.max_grad_norm is not None or t.precision == "fp16"
-    return UpdatePolicy(checked, delayed_update=t.delayed_update, speculative=t.speculative_update).copies
+    policy = UpdatePolicy(checked, delayed_update=t.delayed_update, speculative=t.speculative_update)
+    return dataclasses.replace(policy, accumulates=t.accumulation_steps > 1).copies
 
 
 def activation_tiers(cfg: RunConfig) -> tuple[str, ...]:

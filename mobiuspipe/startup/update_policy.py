@@ -20,6 +20,9 @@ class UpdatePolicy:
     overlap: bool = True
     delayed_update: int | None = None
     speculative: bool = True
+    accumulates: bool = False
+    """Several pipeline passes a step (accumulation_steps > 1): the host tiers keep a buffer for a pass's gradients
+    on their way (HostCopies.accumulates)."""
 
     def delayed(self, step: int) -> bool:
         """Whether optimizer step `step` computes on the weights before the update of the step before it."""
@@ -39,6 +42,8 @@ class UpdatePolicy:
     @property
     def copies(self) -> HostCopies:
         """What each stage keeps in host memory beyond its states: the delayed update's second version; the
-        speculative update's copy where some step speculates (with delayed_update N: the steps before N - 1)."""
+        speculative update's copy where some step speculates (with delayed_update N: the steps before N - 1);
+        accumulation's buffer for a pass's gradients."""
         some = self.delayed_update is None or self.delayed_update >= 2
-        return HostCopies(1 if self.delayed_update is None else 2, self.speculative and self.checked and some)
+        undo = self.speculative and self.checked and some
+        return HostCopies(1 if self.delayed_update is None else 2, undo, self.accumulates)

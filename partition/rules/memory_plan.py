@@ -50,6 +50,9 @@ class HostBudget:
     speculative: bool = False
     """The run's updates start speculatively (clipping or fp16 with train.speculative_update) and keep a copy of what
     they overwrite in host memory (partition.rules.placement.HostCopies)."""
+    accumulates: bool = False
+    """The run adds several passes' gradients a step (train.accumulation_steps > 1): a buffer for a pass's gradients
+    on their way (partition.rules.placement.HostCopies)."""
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ Host bytes per parameter n of a stage (b = bytes of the training dtype, B = its 
                                   on the gpu, device_state_bytes of them (weights: device too), with the working
                                   memory of their update (UPDATE_WORK_BYTES a parameter of one UPDATE_CHUNK)
 and what the run keeps beside them (HostCopies): the delayed update's second version of the weights and gradients
-(b n each; in fp32 the loaded weights are then a copy of the master), and the speculative update's copy of what it
+(b n each; in fp32 the loaded weights are then a copy of the master), gradient accumulation's buffer for a pass's
+gradients on their way (b n where the gradients are in memory), and the speculative update's copy of what it
 overwrites: the master and the moments (12 n) where the optimizer is in memory, and the weights it writes (b n; none
 where the master is what is loaded); on SSD its states and weights go to a second set of records instead.
 `auto` moves, largest stage first, first the optimizer states and then the weights to SSD, until what
@@ -77,6 +78,9 @@ class HostCopies:
     """2 with the delayed update (train.delayed_update): the loaded weights and the gradients twice."""
     undo: bool = False
     """The speculative update (clipping or fp16 with train.speculative_update): a copy of what it overwrites."""
+    accumulates: bool = False
+    """Several passes a step (train.accumulation_steps > 1): a pass's gradients on their way to be added to the
+    ones before, b n, where the gradients are in memory."""
 
 
 PLAIN = HostCopies()
@@ -143,10 +147,11 @@ def host_bytes(n: int, optimizer: str, weights: str, dtype_bytes: int, copies: H
     b, k = dtype_bytes, copies.versions
     loads_master = b == 4 and k == 1  # fp32, one version: the device loads the master itself
     undo_weights = b * n if copies.undo and not (optimizer == "host" and loads_master) else 0
+    incoming = b * n if copies.accumulates else 0
     if optimizer == "host":
         undo = STATE_BYTES * n + undo_weights if copies.undo else 0
-        return STATE_BYTES * n + k * b * n + (0 if loads_master else k * b * n) + undo
-    return 0 if weights == "ssd" else 2 * k * b * n + undo_weights
+        return STATE_BYTES * n + k * b * n + (0 if loads_master else k * b * n) + undo + incoming
+    return 0 if weights == "ssd" else 2 * k * b * n + undo_weights + incoming
 
 
 def place_states(

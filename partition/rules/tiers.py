@@ -241,7 +241,7 @@ def _place(plan: Plan, budget: HostBudget, saved: list[int], frozen: str, gpu: b
 
 def copies_of(budget: HostBudget) -> HostCopies:
     """What a stage keeps in host memory beyond its states under this budget's run (partition.rules.placement)."""
-    return HostCopies(versions=2 if budget.delayed else 1, undo=budget.speculative)
+    return HostCopies(versions=2 if budget.delayed else 1, undo=budget.speculative, accumulates=budget.accumulates)
 
 
 def _run_place(plan: Plan, run: RunMemory, saved: list[int], gpu: bool, copies: HostCopies) -> tuple[GpuShare, ...]:

@@ -36,6 +36,28 @@ def test_the_speculative_updates_copy_counts_what_it_overwrites_in_memory():
     assert LEAST == 65536
 
 
+def test_accumulation_counts_the_buffer_a_passs_gradients_arrive_in():
+    """train.accumulation_steps > 1: the host tiers copy each later pass's gradients into a buffer of their own
+    (b n) before adding them; it was counted by no budget. None where the gradients are not in memory."""
+    acc = HostCopies(accumulates=True)
+    assert host_bytes(10, "host", "host", 2, acc) == 10 * (12 + 2 + 2 + 2)
+    assert host_bytes(10, "host", "host", 4, acc) == 10 * (12 + 4 + 4)
+    assert host_bytes(10, "ssd", "host", 2, acc) == 10 * (2 + 2 + 2)
+    assert host_bytes(10, "ssd", "ssd", 2, acc) == 0
+    assert host_bytes(10, "device", "device", 2, acc) == 0
+
+
+def test_a_runs_accumulation_reaches_its_copies():
+    from mobiuspipe.config import RunConfig
+    from mobiuspipe.startup.config_plan import run_budget, run_copies
+    from partition.rules.tiers import copies_of
+
+    one = RunConfig.from_dict({})
+    two = RunConfig.from_dict({"train": {"accumulation_steps": 2}})
+    assert not run_copies(one).accumulates and run_copies(two).accumulates
+    assert copies_of(run_budget(two)).accumulates and not copies_of(run_budget(one)).accumulates
+
+
 def test_auto_moves_optimizer_states_then_weights_largest_first():
     everything = 16 * 71_000  # 1,136,000 bytes
     p = place_states("auto", "auto", PARAMS, everything, LEAST, 2)
