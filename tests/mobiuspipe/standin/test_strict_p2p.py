@@ -19,7 +19,7 @@ WORKER = Path(__file__).parents[1] / "p2p_worker.py"
 
 def _two_ranks(tmp_path, scenario: str, strict: str) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    env = {"MOBIUSPIPE_STRICT": strict, "PYTHONPATH": str(WORKER.parent)}
+    env = {"MOBIUSPIPE_STRICT": strict, "PYTHONPATH": os.pathsep.join([str(WORKER.parent), *sys.path])}
     proc = subprocess.run(
         [*cmd, str(WORKER), scenario, str(tmp_path)],
         capture_output=True,
