@@ -115,7 +115,7 @@ class DeviceStates:
         """The noted update, on the calling (compute) thread's stream: AdamW over the master, then the weights. It
         steps UPDATE_CHUNK parameters at a time with torch's AdamW (the functional form the optimizer runs, each
         element's arithmetic unchanged), so that its temporaries are a chunk's, which the plan counts
-        (partition.rules.placement.device_state_bytes), not the stage's."""
+        (partition.rules.placement.gpu_state_bytes), not the stage's."""
         if self._pending is None:
             return
         (grad_scale, lr), self._pending = self._pending, None

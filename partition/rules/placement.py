@@ -9,8 +9,8 @@ Host bytes per parameter n of a stage (b = bytes of the training dtype, B = its 
   optimizer ssd, weights host:    b n gradients + b n weights + B (the out-of-core Adam's slots)
   optimizer ssd, weights ssd:     B (the Adam's slots and the weight stream's staging buffers)
   optimizer device:               0: the fp32 master, the moments, the gradients and the device-dtype weights are
-                                  on the gpu, device_state_bytes of them (weights: device too), with the working
-                                  memory of their update (UPDATE_WORK_BYTES a parameter of one UPDATE_CHUNK)
+                                  on the gpu, device_state_bytes of them (weights: device too), and a gpu holds
+                                  the working memory of one update beside them (gpu_state_bytes)
 and what the run keeps beside them (HostCopies): the delayed update's second version of the weights and gradients
 (b n each; in fp32 the loaded weights are then a copy of the master), gradient accumulation's buffer for a pass's
 gradients on their way (b n where the gradients are in memory), and the speculative update's copy of what it
@@ -23,6 +23,7 @@ and at least the least share the out-of-core Adam takes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from foundation.units import KiB
@@ -39,6 +40,7 @@ __all__ = [
     "OPTIMIZER_TIERS",
     "FROZEN_TIERS",
     "device_state_bytes",
+    "gpu_state_bytes",
     "STATE_BYTES",
     "UPDATE_CHUNK",
     "UPDATE_WORK_BYTES",
@@ -133,10 +135,16 @@ class BudgetShortfall(ValueError):
 def device_state_bytes(n: int, dtype_bytes: int) -> int:
     """Gpu bytes of the states of n parameters on the device tier: the fp32 master and AdamW's two moments (12 n),
     the gradients (b n) and, unless the training dtype is fp32 (the master is then what a LOAD copies), the weights
-    (b n): 16 n in fp32 and in bf16/fp16 alike; and the working memory of their update, UPDATE_WORK_BYTES for each
-    parameter of a chunk (counted for every stage, although a gpu updates one stage at a time)."""
-    work = UPDATE_WORK_BYTES * min(n, UPDATE_CHUNK)
-    return STATE_BYTES * n + dtype_bytes * n + (dtype_bytes * n if dtype_bytes != 4 else 0) + work
+    (b n): 16 n in fp32 and in bf16/fp16 alike."""
+    return STATE_BYTES * n + dtype_bytes * n + (dtype_bytes * n if dtype_bytes != 4 else 0)
+
+
+def gpu_state_bytes(counts: Sequence[int], dtype_bytes: int) -> int:
+    """Gpu bytes of one gpu's stages of these parameter counts on the device tier: their states
+    (device_state_bytes) and the working memory of one update, UPDATE_WORK_BYTES for each parameter of the largest
+    stage's chunk (the compute thread updates one stage at a time)."""
+    work = UPDATE_WORK_BYTES * min(max(counts, default=0), UPDATE_CHUNK)
+    return sum(device_state_bytes(n, dtype_bytes) for n in counts) + work
 
 
 def host_bytes(n: int, optimizer: str, weights: str, dtype_bytes: int, copies: HostCopies = PLAIN) -> int:

@@ -21,7 +21,7 @@ Legend (stage j of a plan, gpu g; units in brackets):
 
 State kinds, as the runtime keeps them (partition.rules.placement, mobiuspipe/runtime/stage_states.py):
   optimizer     fp32 master + Adam exp_avg + exp_avg_sq, 12 T_j: host or ssd; or, for a LoRA plan whose adapters'
-                states (partition.rules.placement.device_state_bytes) fit every gpu's memory beside the plan's
+                states (partition.rules.placement.gpu_state_bytes) fit every gpu's memory beside the plan's
                 walk (device_peak), on the gpus for every stage (memory.optimizer device): no offload, no
                 host update.
   frozen        a LoRA stage's frozen weights Z_j, read-only, never written back: host, or ssd for every stage of
@@ -68,7 +68,7 @@ from partition.rules.placement import (
     STATE_BYTES,
     BudgetShortfall,
     HostCopies,
-    device_state_bytes,
+    gpu_state_bytes,
     host_bytes,
     place_states,
 )
@@ -188,7 +188,7 @@ def place_tiers(plan: Plan, budget: HostBudget, gpu_states: bool | None = None) 
 
 
 def states_fit_gpus(plan: Plan) -> bool:
-    """Whether the plan is LoRA's (frozen weights) and every gpu holds its stages' states (device_state_bytes)
+    """Whether the plan is LoRA's (frozen weights) and every gpu holds its stages' states (gpu_state_bytes)
     beside the plan's walk (partition.rules.device_peak, less the workspace the usable memory is net of)."""
     if not gpu_states_bytes(plan):
         return False
@@ -205,10 +205,8 @@ def gpu_states_bytes(plan: Plan) -> int:
 
 
 def _gpu_states(plan: Plan) -> list[int]:
-    b, need = dtype_bytes(plan.dtype), [0] * plan.num_gpus
-    for s in plan.stages:
-        need[s.gpu] += device_state_bytes(s.trains, b)
-    return need
+    b = dtype_bytes(plan.dtype)
+    return [gpu_state_bytes([plan.stages[j].trains for j in plan.stages_of(g)], b) for g in range(plan.num_gpus)]
 
 
 def _place(plan: Plan, budget: HostBudget, saved: list[int], frozen: str, gpu: bool) -> tuple[GpuShare, ...]:
@@ -326,7 +324,8 @@ def _memory(plan: Plan, budget: HostBudget, gpus: tuple[GpuShare, ...], saved: l
                 frozen=frozen,
             )
         )
-    gpu_states = sum(device_state_bytes(s.trains, b) for s, r in zip(plan.stages, rows) if r.optimizer == "device")
+    device = [(s.gpu, s.trains) for s, r in zip(plan.stages, rows) if r.optimizer == "device"]
+    gpu_states = sum(gpu_state_bytes([n for g, n in device if g == gpu], b) for gpu in range(plan.num_gpus))
     return MemoryPlan(tuple(rows), gpus, budget, _device_bytes(plan) + gpu_states, host, ssd)
 
 

@@ -1,5 +1,5 @@
 """The gpu-resident states' update (memory.optimizer: device, LoRA's adapters on the gpu): torch's AdamW, bit for bit,
-in working memory the plan counts (partition.rules.placement.device_state_bytes) however large the stage."""
+in working memory the plan counts (partition.rules.placement.gpu_state_bytes) however large the stage."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from mobiuspipe.memory.device import Device
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.optim.hyper import AdamHyper
 from mobiuspipe.runtime.device_states import DeviceStates
-from partition.rules.placement import device_state_bytes
+from partition.rules.placement import gpu_state_bytes
 
 HYPER: dict = dict(lr=3e-3, betas=(0.85, 0.97), eps=1e-7, weight_decay=0.05)
 
@@ -67,13 +67,13 @@ def test_the_update_is_torchs_adamw_bit_for_bit(device, n, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_update_works_in_the_memory_the_plan_counts(device, dtype):
-    """The update's working memory (beyond the states) is at most what device_state_bytes counts beyond them: a
+    """The update's working memory (beyond the states) is at most what gpu_state_bytes counts beyond them: a
     stage of 16M parameters once took a float32 copy of its gradients and AdamW's stage-sized temporaries (192 MiB
     in fp32) that no plan counted."""
     n = 1 << 24
     states = DeviceStates(torch.zeros(n), dtype, device, AdamHyper.of(partial(CPUAdam, **HYPER)))
     src = device.to_device(torch.randn(n).to(dtype))
-    counted = device_state_bytes(n, torch.finfo(dtype).bits // 8) - _state_bytes(states)
+    counted = gpu_state_bytes([n], torch.finfo(dtype).bits // 8) - _state_bytes(states)
     for _ in range(2):  # the allocator's first growth is not the update's
         states.take_grads(src, device)
         states.step(4.0)

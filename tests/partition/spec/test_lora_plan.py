@@ -101,7 +101,8 @@ def test_with_room_on_the_gpus_a_lora_plan_keeps_the_adapters_states_there():
     assert mem.to_dict()["tiers"] == {"optimizer": "device", "weights": "device", "frozen": "host"}
     assert mem.host_by_kind["optimizer"] == mem.host_by_kind["weights"] == 0 and mem.ssd_bytes == 0
     bare = place_tiers(_no_room_on_the_gpus(lora), HostBudget(None, "unlimited"))
-    work = UPDATE_WORK_BYTES * sum(min(s.trains, UPDATE_CHUNK) for s in lora.stages)  # a chunk of each stage
+    largest = [max(lora.stages[j].trains for j in lora.stages_of(g)) for g in range(lora.num_gpus)]
+    work = UPDATE_WORK_BYTES * sum(min(n, UPDATE_CHUNK) for n in largest)  # each gpu: a chunk of its largest stage
     assert mem.device_bytes == bare.device_bytes + 16 * sum(a) + work
     sims = sim_stages(lora.stages, topo, mem)
     assert all(not x.offloads and x.update_s == 0.0 and x.offload_s == 0.0 for x in sims)
