@@ -4,6 +4,7 @@ on lax stand-ins and plain PyTorch, bit for bit where the arithmetic is the same
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from mobiuspipe.config import load_config
 pytestmark = pytest.mark.slow
 
 
-def _run(tmp_path, launch, strict: str, monkeypatch) -> tuple[list[dict], dict[str, torch.Tensor]]:
+def _run(tmp_path, launch, strict: str, monkeypatch, **train) -> tuple[list[dict], dict[str, torch.Tensor]]:
     write_config, torchrun = launch
     folder = tmp_path / f"strict{strict}"
     folder.mkdir()
@@ -24,7 +25,7 @@ def _run(tmp_path, launch, strict: str, monkeypatch) -> tuple[list[dict], dict[s
         {
             "model": {"num_blocks": 4, "d_model": 24, "num_heads": 3, "seq_len": 19},
             "data": {"batch_size": 6, "num_microbatches": 3, "eval_path": str(folder / "held_out.txt")},
-            "train": {"steps": 3, "lr": 0.01, "seed": 3, "precision": "fp32", "out_dir": str(folder / "out")},
+            "train": {"steps": 3, "lr": 0.01, "seed": 3, "precision": "fp32", "out_dir": str(folder / "out"), **train},
             "plan": {"num_gpus": 2, "num_stages": 6, "mapping": "round-robin"},
             "runtime": {"comm_timeout_s": 20},
         },
@@ -52,6 +53,44 @@ def test_six_stages_on_two_ranks_with_evaluation(tmp_path, launch, reference, mo
     assert [r["loss"] for r in strict if r["kind"] == "train"] == pytest.approx(ref_losses, rel=1e-5)
     for k, w in ref_weights.items():
         torch.testing.assert_close(strict_weights[k], w, rtol=1e-5, atol=1e-6, msg=k)
+
+
+HEADER_SPY = """
+import os
+if "RANK" in os.environ:  # a rank (its exit skips atexit: the file is written as it goes)
+    from mobiuspipe.runtime import engine
+    from mobiuspipe.runtime.peers import comm
+
+    sent, real = [], comm.Comm.send_spec
+    path = os.path.join(os.environ["HEADER_SPY"], "rank" + os.environ["RANK"])
+
+    def send_spec(self, spec, device, dst, tag, what):
+        if tag >= engine.EVAL_TAG_BASE:
+            sent.append(tag)
+            with open(path, "w") as f:
+                f.write(repr(sent))
+        return real(self, spec, device, dst, tag, what)
+
+    comm.Comm.send_spec = send_spec
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="evaluation sends a shape header with every message")
+def test_evaluation_sends_each_messages_shape_once_a_batch_shape(tmp_path, launch, monkeypatch):
+    """Evaluation sent a shape header before every activation between ranks, on NCCL a host wait on each side;
+    as training does, it now learns the shapes at a batch shape's first evaluation batch and sends none after (the
+    run evaluates after each of 3 steps, several batches each, all of one shape)."""
+    import sys
+
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(HEADER_SPY)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "inject"), *sys.path]))
+    monkeypatch.setenv("HEADER_SPY", str(tmp_path))
+    records, _ = _run(tmp_path, launch, "1", monkeypatch, eval_every=1)
+    assert sum(r["kind"] == "eval" for r in records) >= 3
+    sent = [eval((tmp_path / f"rank{r}").read_text()) for r in (0, 1)]
+    assert [len(tags) for tags in sent] == [9, 6]  # stages 0, 2, 4 and 1, 3 send 3 microbatches each, once
+    assert all(len(set(tags)) == len(tags) for tags in sent)
 
 
 def _hf_run(tmp_path, launch, hf_kit, strict: str, monkeypatch) -> tuple[list[float], dict[str, torch.Tensor]]:
