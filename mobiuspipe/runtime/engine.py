@@ -124,6 +124,7 @@ class Engine:
         self.updater = device.executor("host-optimizer", also=pinned_to(update_cores))
         """The host updates' thread: bound to the rank's gpu (it waits for the gradients' copies), pinned near it."""
         self._specs: dict[tuple, dict[MessageKey, TensorSpec]] = {}  # batch shape -> specs of its messages
+        self._eval_specs: dict[tuple, dict[tuple[int, int], TensorSpec]] = {}  # the same for evaluation's
         self._ahead = dict(ahead or {}) if comm.channels.receives_apart else {}
         """A receive from another rank -> the next one, posted as the first is taken: its bytes move (in gloo's
         threads, on NCCL's stream) while this rank computes, and its sender's send completes."""
@@ -258,10 +259,14 @@ class Engine:
         """This rank's share of the batch's mean loss with no gradient, no recompute and no update (nonzero on the
         last stage's rank only). Each stage is visited in order: its weights loaded (after its pending update),
         every microbatch run in eval mode (dropout off), each output handed to the next stage (on this rank, or
-        sent with its shape header), the slot released. A rank only waits for a lower stage, which its holder
-        visits before any higher one, so the visit order cannot deadlock."""
+        sent, with its shape header at a batch shape's first evaluation: the specs are learned then, as training's
+        are), the slot released. A rank only waits for a lower stage, which its holder visits before any higher one,
+        so the visit order cannot deadlock."""
         m, last = self.num_microbatches, self.last
         xs, ys = x.chunk(m), y.chunk(m)
+        shape = (tuple(x.shape), x.dtype)
+        learning = shape not in self._eval_specs
+        specs = {} if learning else self._eval_specs[shape]
         handed: dict[tuple[int, int], torch.Tensor] = {}
         losses: list[torch.Tensor] = []  # read once all are queued: one host wait, not one a microbatch
         modules = [mod for s in self.stages.values() for layer in s.layers.values() for mod in layer.modules()]
@@ -276,16 +281,17 @@ class Engine:
                 try:
                     for i in range(m):
                         with torch.no_grad():
-                            out = stage.forward(self._eval_input(j, i, xs, handed, what), with_grad=False)
+                            out = stage.forward(self._eval_input(j, i, xs, handed, specs, what), with_grad=False)
                         if j == last:
                             losses.append(self.loss_fn(out.float(), self.device.to_device(ys[i])))
                         elif self.mapping[j + 1] == self.rank:
                             handed[(j + 1, i)] = out
                         else:
-                            self._eval_send(out, j, i, what)
+                            self._eval_send(out, j, i, learning, what)
                 finally:
                     stage.release(self.arena)
             self.comm.flush()
+            self._eval_specs[shape] = specs  # learned: every rank's evaluation of this shape has passed
         finally:
             for mod, mode in zip(modules, modes):
                 mod.training = mode
@@ -297,8 +303,9 @@ class Engine:
     def _eval_tag(self, j: int, i: int, header: bool) -> int:
         return EVAL_TAG_BASE + (j * self.num_microbatches + i) * 2 + header
 
-    def _eval_input(self, j: int, i: int, xs, handed: dict, what: str) -> torch.Tensor:
-        """Stage j's input for microbatch i: the batch's (stage 0), handed over on this rank, or received."""
+    def _eval_input(self, j: int, i: int, xs, handed: dict, specs: dict, what: str) -> torch.Tensor:
+        """Stage j's input for microbatch i: the batch's (stage 0), handed over on this rank, or received (its spec
+        from `specs`, else from its header, then kept there)."""
         dev = self.device.torch_device
         if j == 0:
             x = xs[i]
@@ -307,12 +314,15 @@ class Engine:
             return handed.pop((j, i))
         src = self.mapping[j - 1]
         what = f"the activation of stage {j - 1} microbatch {i} ({what})"
-        spec = self.comm.recv_spec(dev, src, self._eval_tag(j - 1, i, True), what)
-        return self.comm.recv(spec, dev, src, self._eval_tag(j - 1, i, False), what)
+        if (j, i) not in specs:
+            specs[(j, i)] = self.comm.recv_spec(dev, src, self._eval_tag(j - 1, i, True), what)
+        return self.comm.recv(specs[(j, i)], dev, src, self._eval_tag(j - 1, i, False), what)
 
-    def _eval_send(self, out: torch.Tensor, j: int, i: int, what: str) -> None:
+    def _eval_send(self, out: torch.Tensor, j: int, i: int, learning: bool, what: str) -> None:
+        """Send stage j's output for microbatch i to the next stage's rank, after its shape header when learning."""
         dst, what = self.mapping[j + 1], f"the activation of stage {j} microbatch {i} ({what})"
-        self.comm.send_spec(TensorSpec.of(out, what), out.device, dst, self._eval_tag(j, i, True), what)
+        if learning:
+            self.comm.send_spec(TensorSpec.of(out, what), out.device, dst, self._eval_tag(j, i, True), what)
         self.comm.send(out, dst, self._eval_tag(j, i, False), what)
 
     # -- communication -------------------------------------------------------------------------

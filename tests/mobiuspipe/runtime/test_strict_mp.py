@@ -75,7 +75,6 @@ if "RANK" in os.environ:  # a rank (its exit skips atexit: the file is written a
 """
 
 
-@pytest.mark.xfail(strict=True, reason="evaluation sends a shape header with every message")
 def test_evaluation_sends_each_messages_shape_once_a_batch_shape(tmp_path, launch, monkeypatch):
     """Evaluation sent a shape header before every activation between ranks, on NCCL a host wait on each side;
     as training does, it now learns the shapes at a batch shape's first evaluation batch and sends none after (the
