@@ -198,9 +198,14 @@ def abort_group(owned: bool) -> None:
         print(f"mobiuspipe: NCCL's communicators did not abort ({e}): leaving the group gracefully", file=sys.stderr)
 
 
+GATHER_CHUNK = 64 << 20
+"""Bytes gather_all moves a collective at a time: on NCCL through the gpu, beside the arena, world_size times."""
+
+
 def gather_all(info: RankInfo, obj: Any) -> list[Any]:
     """Every rank's obj (picklable), in rank order, on every rank; [obj] in a job of one rank. Under a watch
-    (Membership.watch) it waits while every peer lives, however long they take to come."""
+    (Membership.watch) it waits while every peer lives, however long they take to come, and moves the pickled
+    objects GATHER_CHUNK bytes at a time (on NCCL gpu memory the plan does not count)."""
     if info.world_size == 1:
         return [obj]
     watch = liveness.current()
@@ -210,16 +215,23 @@ def gather_all(info: RankInfo, obj: Any) -> list[Any]:
         return out
     watch.check()  # no collective begins after a peer is lost
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
     size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     sizes = [torch.empty_like(size) for _ in range(info.world_size)]
     _gathered(info, dist.all_gather(sizes, size, async_op=True), watch)
     counts = [int(s) for s in sizes]
-    padded = torch.zeros(max(counts), dtype=torch.uint8, device=device)
-    padded[: data.numel()] = data
-    parts = [torch.empty_like(padded) for _ in range(info.world_size)]
-    _gathered(info, dist.all_gather(parts, padded, async_op=True), watch)
-    return [pickle.loads(p[:n].cpu().numpy().tobytes()) for p, n in zip(parts, counts)]
+    out = [bytearray(n) for n in counts]
+    for start in range(0, max(counts), GATHER_CHUNK):
+        n = min(GATHER_CHUNK, max(counts) - start)
+        piece = torch.zeros(n, dtype=torch.uint8, device=device)
+        mine = data[start : start + n]
+        piece[: mine.numel()] = mine.to(device)
+        parts = [torch.empty_like(piece) for _ in range(info.world_size)]
+        _gathered(info, dist.all_gather(parts, piece, async_op=True), watch)
+        for whole, part, count in zip(out, parts, counts):
+            if count > start:
+                whole[start : min(count, start + n)] = part[: min(count, start + n) - start].cpu().numpy().tobytes()
+    return [pickle.loads(whole) for whole in out]
 
 
 def _gathered(info: RankInfo, work, watch: Liveness) -> None:
