@@ -28,9 +28,12 @@ class RecordError(ValueError):
 def link_records(opt: OutOfCoreAdam, folder: Path) -> dict:
     """Hard-link every record of opt into folder (created); its description. Call between steps; fsync the
     files before trusting the links (a later write of a record goes to a new file, so they stay as linked).
-    OSError when folder's filesystem cannot link the store's files (the caller copies the states instead)."""
+    OSError when folder's filesystem cannot link the store's files (the caller copies the states instead).
+    The store is flushed first: that removes its own names for the records an earlier checkpoint linked and a
+    later write replaced, which otherwise outlive that checkpoint's pruning (a copy of the states a checkpoint)."""
     if opt.broken:
         raise RuntimeError(opt.broken)
+    opt.flush()
     folder.mkdir(parents=True, exist_ok=True)
     records = {}
     for i in range(len(opt.groups)):

@@ -180,7 +180,6 @@ def test_a_checkpoint_of_other_data_or_batches_is_named(tmp_path):
     )
 
 
-@pytest.mark.xfail(strict=True, reason="the store keeps its own name for every record a pruned checkpoint linked")
 @pytest.mark.parametrize("tier", ["ssd", "ssd-all"])
 def test_the_ssd_store_does_not_grow_with_the_checkpoints(tmp_path, tier):
     """A checkpoint hard-links the store's records; the next write of each goes to a new file and the store's name
