@@ -8,6 +8,8 @@ file in the checkpoint folder with dtype, shape, nbytes and checksum (the store'
 
 from __future__ import annotations
 
+import errno
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -25,21 +27,39 @@ class RecordError(ValueError):
     """A linked record is missing, short or fails its checksum: the message names the file."""
 
 
+NO_LINKS = (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EOPNOTSUPP)
+"""os.link's errors where a filesystem cannot link the store's file there: the record is copied instead."""
+COPIED = (
+    "the checkpoint folder is on another filesystem than memory.ssd_dir (or one without hard links): each SSD "
+    "record is copied into it, file by file; a checkpoint folder on the store's filesystem costs no copy"
+)
+"""Said once a run (one text: Python's warnings show it once)."""
+
+
 def link_records(opt: OutOfCoreAdam, folder: Path) -> dict:
     """Hard-link every record of opt into folder (created); its description. Call between steps; fsync the
     files before trusting the links (a later write of a record goes to a new file, so they stay as linked).
-    OSError when folder's filesystem cannot link the store's files (the caller copies the states instead).
+    Where folder's filesystem cannot link the store's files (NO_LINKS), each record is copied there as a file.
     The store is flushed first: that removes its own names for the records an earlier checkpoint linked and a
     later write replaced, which otherwise outlive that checkpoint's pruning (a copy of the states a checkpoint)."""
     if opt.broken:
         raise RuntimeError(opt.broken)
     opt.flush()
     folder.mkdir(parents=True, exist_ok=True)
-    records = {}
+    records, link = {}, True
     for i in range(len(opt.groups)):
         key = f"{opt.prefix}/g{i:06d}"
         entry = opt.store.info(key)
-        opt.store.link_to(key, str(folder / entry.file))
+        if link:
+            try:
+                opt.store.link_to(key, str(folder / entry.file))
+            except OSError as e:
+                if e.errno not in NO_LINKS:
+                    raise
+                warnings.warn(COPIED, RuntimeWarning, stacklevel=2)
+                link = False
+        if not link:
+            opt.store.copy_to(key, str(folder / entry.file))
         records[key] = {k: v for k, v in asdict(entry).items() if k != "damaged"}
     layout = {"prefix": opt.prefix, "names": opt.names, "shapes": [opt.shapes[n] for n in opt.names]}
     return {**layout, "group_elems": opt.group_elems, "step": opt.step_count, "records": records}

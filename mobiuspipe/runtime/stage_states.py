@@ -8,9 +8,7 @@ mobiuspipe.runtime.device_states: LoRA's adapters). A stage's frozen weights are
 
 from __future__ import annotations
 
-import shutil
 import threading
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -252,19 +250,11 @@ def _settle_ooc(opt: OutOfCoreAdam, keep: bool, lr_before: float) -> None:
 
 
 def _export_ooc(opt: OutOfCoreAdam, link_dir: Path | None) -> tuple[dict[str, torch.Tensor], dict]:
-    """An out-of-core AdamW's states in export_state's form: its records hard-linked into link_dir (no
-    bytes copied), or where that cannot be (another filesystem), read from the store (fp32 flat)."""
+    """An out-of-core AdamW's states in export_state's form: its records hard-linked into link_dir (no bytes
+    copied; copied file by file where link_dir's filesystem cannot link them), or without link_dir read from the
+    store (fp32 flat)."""
     if link_dir is not None:
-        try:
-            return {}, {"records": link_records(opt, link_dir)}
-        except OSError as e:
-            shutil.rmtree(link_dir, ignore_errors=True)
-            warnings.warn(
-                f"the checkpoint folder {link_dir.parent} cannot hard-link the SSD store's files ({e.strerror or e}): "
-                "its states are copied through memory; a checkpoint folder on the store's filesystem costs no copy",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        return {}, {"records": link_records(opt, link_dir)}
     state = opt.read_state()["w"]
     tensors = {"master": state["param"], "opt/exp_avg": state["exp_avg"], "opt/exp_avg_sq": state["exp_avg_sq"]}
     tensors["opt/step"] = torch.tensor(float(opt.step_count), dtype=torch.float32)

@@ -187,6 +187,17 @@ class SSDStore:
         os.link(os.path.join(self.folder, entry.file), path)
         return replace(entry)
 
+    def copy_to(self, key: str, path: str) -> Entry:
+        """Copy key's file to path, as link_to where path's filesystem cannot link it (the copy streams: no more
+        host memory than a buffer's); path's file is a checkpoint's own."""
+        self._check_open()
+        self._settle(key)
+        entry = self._entry(key)
+        if entry.damaged:
+            raise SwapIOError(f"tensor {key!r} cannot be trusted: {entry.damaged}", entry.file)
+        shutil.copyfile(os.path.join(self.folder, entry.file), path)
+        return replace(entry)
+
     def adopt(self, key: str, path: str, entry: Entry) -> None:
         """Make the file at path (described by entry: dtype, shape, nbytes, checksum) key's tensor: linked in
         when path's filesystem allows, else copied; the file at path is never written. flush() after."""
