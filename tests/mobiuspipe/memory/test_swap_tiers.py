@@ -149,3 +149,33 @@ def test_a_peer_region_holds_the_bytes_in_shared_memory_and_has_a_size(tmp_path)
     finally:
         os.unlink(path)
         device.close()
+
+
+@pytest.mark.xfail(strict=True, reason="the pool keeps buffers for every size seen")
+def test_a_pool_of_varying_sizes_reuses_the_larger_buffers():
+    """The host, staged-peer and SSD tiers keep their buffers in a BufferPool, once keyed by exact size: a batch
+    padded to its longest sequence (a new size each step) added buffers for every size seen, never freed (on CUDA
+    page-locked memory). A request now takes the smallest free buffer that holds it."""
+    import random
+
+    from mobiuspipe.memory.swap import BufferPool
+
+    made = []
+
+    def allocate(n: int) -> torch.Tensor:
+        made.append(n)
+        return torch.empty(n, dtype=torch.uint8)
+
+    pool = BufferPool(allocate)
+    sizes = [1000 - 37 * k for k in range(13)]
+    order = random.Random(0)
+    for step in range(5):  # the longest first, then any order: two buffers live at a time
+        for n in sizes if step == 0 else order.sample(sizes, len(sizes)):
+            a, b = pool.take(n), pool.take(n // 2 + 1)
+            assert (a.numel(), b.numel()) == (n, n // 2 + 1) and a.data_ptr() != b.data_ptr()
+            a.fill_(1)
+            b.fill_(2)
+            assert int(a.sum()) == n  # b's fill did not reach into a
+            pool.give(a)
+            pool.give(b)
+    assert made == [1000, 501] and pool.buffers == 2
