@@ -63,12 +63,16 @@ DeviceSwap = Swap
 
 
 class BufferPool:
-    """Host buffers by size, reused: the held sets of a stage have the same sizes every microbatch."""
+    """Host buffers, reused: a request takes the smallest free buffer that holds it (its first nbytes), else a new
+    one of its size. The held sets of a stage have the same sizes every microbatch, so each takes a buffer of its
+    own size back; sizes that vary (a batch padded to its longest sequence) reuse the buffers of the larger ones
+    instead of adding buffers for every size seen."""
 
     def __init__(self, allocate):
         self._allocate = allocate  # nbytes -> a uint8 host tensor
         self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
         self._pending: list[tuple[torch.Tensor, Sequence[CopyHandle]]] = []  # given back, copies still reading
+        self._lent: dict[int, torch.Tensor] = {}  # id of a lent view (alive until given back) -> its whole buffer
 
     @classmethod
     def host(cls, device: Device) -> BufferPool:
@@ -76,16 +80,27 @@ class BufferPool:
         return cls(device.host_empty)
 
     def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 host tensor of nbytes (the start of a pooled buffer, or a new one)."""
         self._reap()
-        free = self._free[nbytes]
-        return free.pop() if free else self._allocate(nbytes)
+        fits = [size for size, bufs in self._free.items() if size >= nbytes and bufs]
+        whole = self._free[min(fits)].pop() if fits else self._allocate(nbytes)
+        view = whole[:nbytes]
+        self._lent[id(view)] = whole
+        return view
 
     def give(self, buf: torch.Tensor, after: Sequence[CopyHandle] = ()) -> None:
-        """Take buf back; it is reused once the `after` copies (which still read or write it) have ended."""
+        """Take buf (from take) back; it is reused once the `after` copies (which still read or write it) have
+        ended."""
+        whole = self._lent.pop(id(buf))
         if all(h.done() for h in after):
-            self._free[buf.numel()].append(buf)
+            self._free[whole.numel()].append(whole)
         else:
-            self._pending.append((buf, after))
+            self._pending.append((whole, after))
+
+    @property
+    def buffers(self) -> int:
+        """Buffers the pool has made (lent, free or waiting for their copies)."""
+        return len(self._lent) + len(self._pending) + sum(len(b) for b in self._free.values())
 
     def _reap(self) -> None:
         waiting = []

@@ -151,7 +151,6 @@ def test_a_peer_region_holds_the_bytes_in_shared_memory_and_has_a_size(tmp_path)
         device.close()
 
 
-@pytest.mark.xfail(strict=True, reason="the pool keeps buffers for every size seen")
 def test_a_pool_of_varying_sizes_reuses_the_larger_buffers():
     """The host, staged-peer and SSD tiers keep their buffers in a BufferPool, once keyed by exact size: a batch
     padded to its longest sequence (a new size each step) added buffers for every size seen, never freed (on CUDA
