@@ -40,11 +40,12 @@ def link_records(opt: OutOfCoreAdam, folder: Path) -> dict:
     """Hard-link every record of opt into folder (created); its description. Call between steps; fsync the
     files before trusting the links (a later write of a record goes to a new file, so they stay as linked).
     Where folder's filesystem cannot link the store's files (NO_LINKS), each record is copied there as a file.
-    The store is flushed first: that removes its own names for the records an earlier checkpoint linked and a
-    later write replaced, which otherwise outlive that checkpoint's pruning (a copy of the states a checkpoint)."""
+    First the store removes its own names for the records an earlier checkpoint linked and a later write replaced
+    (SSDStore.release_replaced), which would otherwise outlive that checkpoint's pruning (a copy of the states a
+    checkpoint)."""
     if opt.broken:
         raise RuntimeError(opt.broken)
-    opt.flush()
+    opt.store.release_replaced()
     folder.mkdir(parents=True, exist_ok=True)
     records, link = {}, True
     for i in range(len(opt.groups)):

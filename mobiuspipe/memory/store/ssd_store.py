@@ -179,24 +179,34 @@ class SSDStore:
         """Hard-link key's file at path (a checkpoint's copy that costs no bytes); while a second link exists,
         the file is never written in place: the next put of key goes to a new file. OSError when path's
         filesystem cannot link it (another device: EXDEV). Call flush() first (the bytes durable)."""
-        self._check_open()
-        self._settle(key)
-        entry = self._entry(key)
-        if entry.damaged:
-            raise SwapIOError(f"tensor {key!r} cannot be trusted: {entry.damaged}", entry.file)
+        entry = self._finished(key)
         os.link(os.path.join(self.folder, entry.file), path)
         return replace(entry)
 
     def copy_to(self, key: str, path: str) -> Entry:
         """Copy key's file to path, as link_to where path's filesystem cannot link it (the copy streams: no more
         host memory than a buffer's); path's file is a checkpoint's own."""
+        entry = self._finished(key)
+        shutil.copyfile(os.path.join(self.folder, entry.file), path)
+        return replace(entry)
+
+    def release_replaced(self) -> None:
+        """flush() when files replaced since the last one wait for removal (a checkpoint linked them, a later put
+        wrote their key anew): a checkpoint calls it before linking, so that the store's names for them go once
+        the index no longer needs them, not at close."""
+        with self._mutex:
+            waiting = bool(self._retired)
+        if waiting:
+            self.flush()
+
+    def _finished(self, key: str) -> Entry:
+        """key's entry once its I/O has ended; SwapIOError when it cannot be trusted."""
         self._check_open()
         self._settle(key)
         entry = self._entry(key)
         if entry.damaged:
             raise SwapIOError(f"tensor {key!r} cannot be trusted: {entry.damaged}", entry.file)
-        shutil.copyfile(os.path.join(self.folder, entry.file), path)
-        return replace(entry)
+        return entry
 
     def adopt(self, key: str, path: str, entry: Entry) -> None:
         """Make the file at path (described by entry: dtype, shape, nbytes, checksum) key's tensor: linked in
