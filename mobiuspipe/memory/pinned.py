@@ -2,7 +2,7 @@
 master weights, gradients and staging, the activation pools).
 
 torch's pinned allocator (`pin_memory()`, `torch.empty(pin_memory=True)`) rounds each block up to a power of two
-and keeps freed blocks cached: a stage's 2.2 GiB of bf16 weights takes 4 GiB that can never be swapped out, which
+and keeps freed blocks cached: a stage's 2.2 GiB of bf16 weights gets a 4 GiB block that can never be swapped out, which
 no host budget counts. These buffers are ordinary page-aligned memory registered with CUDA instead
 (cudaHostRegister: copies from them are asynchronous DMA as from torch's pinned blocks), unregistered when the gpu's
 Device closes. Small buffers made and dropped as a run goes (a microbatch's tokens) stay with torch's allocator,

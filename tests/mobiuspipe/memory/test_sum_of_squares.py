@@ -8,14 +8,7 @@ import pytest
 import torch
 
 from mobiuspipe.memory.weight_stream import sum_of_squares
-
-
-def _rss_mib() -> int:
-    return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) // 1024
-
-
-def _peak_mib() -> int:
-    return int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) // 1024
+from tests.mobiuspipe.peak_rss import peak_growth_bytes
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, (1 << 20) + 3, 3 * (1 << 20) - 1])
@@ -30,10 +23,7 @@ def test_it_is_the_float64_sum_of_squares(n, dtype):
 def test_it_makes_no_float64_copy_of_the_gradients(dtype):
     t = torch.randn(1 << 24).to(dtype)  # a float64 copy: 128 MiB
     sum_of_squares(t)  # the allocator's first growth is not the norm's copy
-    open("/proc/self/clear_refs", "w").write("5")  # the peak resident size starts again from now
-    before = _rss_mib()
-    sum_of_squares(t)
-    assert _peak_mib() - before < 48  # a chunk's cast or two, and the allocator's slack
+    assert peak_growth_bytes(lambda: sum_of_squares(t)) < 48 << 20  # a chunk's cast or two, and the allocator's slack
 
 
 def test_the_gpu_resident_states_take_the_norm_without_a_float64_copy():
@@ -52,12 +42,9 @@ def test_the_gpu_resident_states_take_the_norm_without_a_float64_copy():
         states = DeviceStates(torch.zeros(n), torch.float32, device, AdamHyper.of(partial(CPUAdam)))
         src = device.to_device(torch.randn(n, generator=torch.Generator().manual_seed(1)))
         states.take_grads(src, device, norm=True)  # the allocator's first growth is not the norm's copy
-        open("/proc/self/clear_refs", "w").write("5")
-        before = _rss_mib()
-        states.take_grads(src, device, norm=True)
-        grew = _peak_mib() - before
+        grew = peak_growth_bytes(lambda: states.take_grads(src, device, norm=True))
         want = float(device.to_host(src).double().square().sum())
         assert states.grad_sumsq() == pytest.approx(want, rel=1e-12, abs=0.0)
-        assert grew < 48
+        assert grew < 48 << 20
     finally:
         device.close()
