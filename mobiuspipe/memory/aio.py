@@ -38,18 +38,18 @@ def round_up(n: int, align: int = ALIGN) -> int:
     return -(-n // align) * align
 
 
-def aligned_empty(nbytes: int, pin: bool | None = None) -> torch.Tensor:
+def aligned_empty(nbytes: int) -> torch.Tensor:
     """A uint8 tensor of nbytes whose memory starts on an ALIGN boundary and is padded to a multiple of
-    ALIGN (so O_DIRECT can use it without bounce buffers); pinned when CUDA is present (pin=None).
+    ALIGN (so O_DIRECT can use it without bounce buffers), in pageable memory: a buffer a gpu copies from or into
+    is page-locked by its Device (Device.host_empty, mobiuspipe.memory.pinned), at its own size.
 
-    Unpinned buffers of 2 MiB or more are 2 MiB-aligned and advised into transparent huge pages before
+    Buffers of 2 MiB or more are 2 MiB-aligned and advised into transparent huge pages before
     their first touch (env MOBIUSPIPE_HUGE_PAGES=0 turns this off): the kernel then pins 512x fewer pages
     per direct I/O. scripts/bench_buffers.py measures what it is worth (BENCHMARKS.md)."""
-    pin = torch.cuda.is_available() if pin is None else pin
-    huge = not pin and nbytes >= HUGE_PAGE and os.environ.get("MOBIUSPIPE_HUGE_PAGES", "1") != "0"
+    huge = nbytes >= HUGE_PAGE and os.environ.get("MOBIUSPIPE_HUGE_PAGES", "1") != "0"
     align = HUGE_PAGE if huge else ALIGN
     padded = round_up(max(nbytes, 1), align)
-    raw = torch.empty(padded + align, dtype=torch.uint8, pin_memory=pin)
+    raw = torch.empty(padded + align, dtype=torch.uint8)
     skip = (-raw.data_ptr()) % align
     buf = raw[skip : skip + padded]
     if align == HUGE_PAGE:

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from mobiuspipe.memory.aio import aligned_empty
 from mobiuspipe.memory.pinned import PinnedBlocks, cuda_registration
 from mobiuspipe.memory.streams import CopyHandle, CopyStream
 from mobiuspipe.standin import StandInError, strict
@@ -100,11 +101,11 @@ class Device:
         return on_host(t) if self._marks else t
 
     def host_empty(self, nbytes: int) -> torch.Tensor:
-        """nbytes of host memory, uint8: on CUDA page-locked, of that size, kept until the Device closes
-        (mobiuspipe.memory.pinned)."""
+        """nbytes of host memory, uint8, aligned for O_DIRECT (mobiuspipe.memory.aio.aligned_empty): on CUDA
+        page-locked, of that size, kept until the Device closes (mobiuspipe.memory.pinned)."""
         if self._pinned is not None:
             return self._pinned.empty(nbytes)
-        return self.pin(torch.empty(nbytes, dtype=torch.uint8))
+        return self.pin(aligned_empty(nbytes))
 
     @property
     def pinned_bytes(self) -> int:

@@ -1,5 +1,5 @@
 """Page-locked host memory of the size asked for, for the buffers a run keeps from start to end (the host tiers'
-master weights, gradients and staging, the activation pools).
+master weights, gradients and staging, the SSD tiers' staging buffers, the activation pools).
 
 torch's pinned allocator (`pin_memory()`, `torch.empty(pin_memory=True)`) rounds each block up to a power of two
 and keeps freed blocks cached: a stage's 2.2 GiB of bf16 weights gets a 4 GiB block that can never be swapped out, which
@@ -39,7 +39,7 @@ class PinnedBlocks:
     def empty(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of nbytes in page-locked host memory, aligned to ALIGN (O_DIRECT may use it too), of
         nbytes rounded up to ALIGN."""
-        buf = aligned_empty(nbytes, pin=False)
+        buf = aligned_empty(nbytes)
         size = round_up(max(nbytes, 1), ALIGN)
         code = self._register(buf.data_ptr(), size)
         if code != 0:

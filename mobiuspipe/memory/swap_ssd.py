@@ -10,7 +10,6 @@ from concurrent.futures import Future
 
 import torch
 
-from mobiuspipe.memory.aio import aligned_empty
 from mobiuspipe.memory.device import CopyHandle, Device
 from mobiuspipe.memory.store.ssd_store import SSDStore
 from mobiuspipe.memory.swap import BufferPool, CopySwap, Key, _nbytes
@@ -29,7 +28,7 @@ class SsdSwap(CopySwap):
     def __init__(self, device: Device, store: SSDStore, owns_store: bool = False):
         super().__init__(device)
         self.store, self.owns_store = store, owns_store
-        self._pool = BufferPool(aligned_empty)
+        self._pool = BufferPool.host(device)  # aligned for O_DIRECT; on CUDA page-locked at each buffer's size
         self._lock = threading.Lock()  # the pool is shared by the compute and I/O threads
         self._io = device.executor("activation-ssd")  # it issues copies: bound to the gpu
         self._written: dict[Key, Future] = {}  # -> the held tensors' (dtype, shape)s once on SSD

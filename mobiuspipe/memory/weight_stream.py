@@ -19,9 +19,8 @@ from collections.abc import Callable
 
 import torch
 
-from mobiuspipe.memory.aio import ALIGN, aligned_empty, round_up
+from mobiuspipe.memory.aio import ALIGN, round_up
 from mobiuspipe.memory.store.ssd_store import NEXT, SSDStore, StoreFuture, drain
-from mobiuspipe.standin.places import host_buffer
 
 NORM_CHUNK = 1 << 20
 """Elements of a flat tensor squared_norm sums at a time: vector_norm(dtype=float64) casts its whole input to float64
@@ -42,12 +41,11 @@ def sum_of_squares(t: torch.Tensor) -> float:
     return float(squared_norm(t))
 
 
-__all__ = ["SsdRecords", "SsdWeights", "BUFFERS"]
+__all__ = ["SsdRecords", "SsdWeights", "BUFFERS", "HostEmpty"]
 
-
-def _staging(nbytes: int, dtype: torch.dtype) -> torch.Tensor:
-    """One staging buffer of nbytes (aligned for O_DIRECT, pinned where a gpu copies from it)."""
-    return host_buffer(aligned_empty(nbytes)).view(dtype)
+HostEmpty = Callable[[int], torch.Tensor]
+"""nbytes -> a uint8 host buffer aligned for O_DIRECT (the gpu's Device.host_empty: on CUDA page-locked at its own
+size, kept until the Device closes)."""
 
 
 BUFFERS = 4
@@ -65,15 +63,24 @@ class SsdRecords:
     KINDS = ("w",)
     """The records kept per group, for the disk space checked up front."""
 
-    def __init__(self, store: SSDStore, prefix: str, weights: torch.Tensor, group_elems: int, versions: int = 1):
-        """Write `weights` (flat) as the w records (of every version)."""
+    def __init__(
+        self,
+        store: SSDStore,
+        prefix: str,
+        weights: torch.Tensor,
+        group_elems: int,
+        host_empty: HostEmpty,
+        versions: int = 1,
+    ):
+        """Write `weights` (flat) as the w records (of every version); the staging buffers come from host_empty."""
         self.store, self.prefix, self.dtype, self.versions = store, prefix, weights.dtype, versions
+        self._host_empty = host_empty
         numel = weights.numel()
         self.groups = [(a, min(group_elems, numel - a)) for a in range(0, numel, group_elems)]
         per = ALIGN // self.dtype.itemsize
         self.record_elems = [round_up(n, per) for _, n in self.groups]
         size = max(self.record_elems, default=per) * self.dtype.itemsize
-        self.buffers = [_staging(size, self.dtype) for _ in range(BUFFERS)]
+        self.buffers = self._staging(size, BUFFERS)
         self._record_bytes = size
         need = len(self.KINDS) * versions * size * len(self.groups)
         store.check_space(need, f"the records of {prefix}")
@@ -106,6 +113,10 @@ class SsdRecords:
             raise
 
     # -- records ----------------------------------------------------------------------------------------
+    def _staging(self, nbytes: int, count: int) -> list[torch.Tensor]:
+        """count staging buffers of nbytes each, viewed as the records' dtype."""
+        return [self._host_empty(nbytes).view(self.dtype) for _ in range(count)]
+
     def _key(self, kind: str, i: int, version: int = 0) -> str:
         return f"{self.prefix}/{kind}{i:06d}" + (f".v{version}" if version else "")
 
@@ -143,9 +154,17 @@ class SsdWeights(SsdRecords):
 
     KINDS = ("w", "d")
 
-    def __init__(self, store: SSDStore, prefix: str, weights: torch.Tensor, group_elems: int, versions: int = 1):
+    def __init__(
+        self,
+        store: SSDStore,
+        prefix: str,
+        weights: torch.Tensor,
+        group_elems: int,
+        host_empty: HostEmpty,
+        versions: int = 1,
+    ):
         """Write the initial weights (flat, in the device dtype) as the stage's w records (of every version)."""
-        super().__init__(store, prefix, weights, group_elems, versions)
+        super().__init__(store, prefix, weights, group_elems, host_empty, versions)
         self.grad_scale = 1.0
         self.finite: bool | None = None
         """Whether the last saved gradient was all finite; None when save_grads was not asked to check."""
@@ -159,7 +178,7 @@ class SsdWeights(SsdRecords):
         self._grads, self._out = 0, 0  # the versions the update in progress reads (d) and writes (w)
         self._tentative_out: int | None = None  # the w version a tentative update wrote beside, until commit
         size = self.buffers[0].numel() * self.dtype.itemsize
-        self._update_buffers = self.buffers if versions == 1 else [_staging(size, self.dtype) for _ in range(BUFFERS)]
+        self._update_buffers = self.buffers if versions == 1 else self._staging(size, BUFFERS)
         """The update's staging buffers: with two versions its own, as it runs while the next step's LOADs and
         OFFLOADs use the others."""
 
@@ -195,7 +214,7 @@ class SsdWeights(SsdRecords):
     def _incoming(self) -> torch.Tensor:
         """A host buffer of one record for a device gradient on its way to be added (made at first use)."""
         if self._incoming_buffer is None:
-            self._incoming_buffer = host_buffer(aligned_empty(self._record_bytes)).view(self.dtype)
+            self._incoming_buffer = self._staging(self._record_bytes, 1)[0]
         return self._incoming_buffer
 
     def read_grads(self, offset: int, n: int) -> torch.Tensor:

@@ -77,7 +77,7 @@ class OutOfCoreAdam:
         # elements per section of each group's record: the group's size, padded to ELEM_ALIGN
         self.section_elems = [section_elems(g) for g in self.groups]
         self.slots = [
-            aligned_empty(BYTES_PER_ELEM * self.group_elems, pin=False).view(torch.float32)  # no gpu copies them
+            aligned_empty(BYTES_PER_ELEM * self.group_elems).view(torch.float32)  # pageable: no gpu copies them
             for _ in range(min(slots, max(len(self.groups), 1)))
         ]
         self.io_note = store.engine.register(self.slots)  # "" when the slots are io_uring fixed buffers

@@ -11,7 +11,7 @@ import torch
 
 from mobiuspipe.memory.device import CopyHandle, Device
 from mobiuspipe.memory.store.ssd_store import SSDStore
-from mobiuspipe.memory.weight_stream import BUFFERS, SsdRecords
+from mobiuspipe.memory.weight_stream import BUFFERS, HostEmpty, SsdRecords
 from partition.rules.placement import FROZEN_STREAM_BYTES
 
 __all__ = ["FrozenWeights", "SsdFrozenWeights", "Frozen"]
@@ -44,8 +44,9 @@ class SsdFrozenWeights:
     FROZEN_STREAM_BYTES / BUFFERS bytes, and read at each LOAD through BUFFERS staging buffers of that size (the
     only host memory it takes), straight into the arena slot; never written back."""
 
-    def __init__(self, flat: torch.Tensor, store: SSDStore, prefix: str):
-        self.records = SsdRecords(store, f"{prefix}/frozen", flat, FROZEN_STREAM_BYTES // BUFFERS)
+    def __init__(self, flat: torch.Tensor, store: SSDStore, prefix: str, host_empty: HostEmpty):
+        """Write flat (the frozen bytes) as records; the staging buffers come from host_empty (Device.host_empty)."""
+        self.records = SsdRecords(store, f"{prefix}/frozen", flat, FROZEN_STREAM_BYTES // BUFFERS, host_empty)
         self.nbytes = flat.numel()
 
     def load_into(self, dst: torch.Tensor, device: Device, after: Sequence[CopyHandle] = ()) -> CopyHandle:

@@ -149,7 +149,7 @@ class Stage:
         elif not weights_on_ssd:
             self.states = SsdStates(flat, dtype, device.pin, ssd, f"stage{index}", versions)
         else:
-            self.states = SsdStreamStates(flat, dtype, ssd, f"stage{index}", versions)
+            self.states = SsdStreamStates(flat, dtype, ssd, f"stage{index}", device.host_empty, versions)
         self.device = device
         """The gpu the stage's slots and buffers are on, and whose copy streams move its weights and gradients."""
         self.buffers = {l: {n: _buffer_on(b, device, dtype) for n, b in layers[l].named_buffers()} for l in self.order}
@@ -429,7 +429,9 @@ def _frozen_tier(flat: torch.Tensor, device: Device, store: SSDStore | None, ind
     """Where the stage keeps its frozen bytes: nowhere (none), the SSD store, or host memory (pinned on CUDA)."""
     if not flat.numel():
         return None
-    return FrozenWeights(flat, device.pin) if store is None else SsdFrozenWeights(flat, store, f"stage{index}")
+    if store is None:
+        return FrozenWeights(flat, device.pin)
+    return SsdFrozenWeights(flat, store, f"stage{index}", device.host_empty)
 
 
 def _frozen_dtype(p: torch.Tensor, dtype: torch.dtype) -> torch.dtype:

@@ -19,7 +19,7 @@ from torch import nn
 from mobiuspipe.memory.aio import ALIGN
 from mobiuspipe.memory.device import CopyHandle, Device
 from mobiuspipe.memory.store.ssd_store import SSDStore
-from mobiuspipe.memory.weight_stream import BUFFERS, SsdWeights, sum_of_squares
+from mobiuspipe.memory.weight_stream import BUFFERS, HostEmpty, SsdWeights, sum_of_squares
 from mobiuspipe.optim.hyper import AdamHyper
 from mobiuspipe.optim.ooc_adam import OutOfCoreAdam
 from mobiuspipe.optim.ooc_groups import BYTES_PER_ELEM, ELEM_ALIGN, least_budget_bytes
@@ -329,12 +329,21 @@ class SsdStreamStates:
     """Everything on SSD: the optimizer states as in SsdStates, and the device-dtype weights and gradients
     as records too (SsdWeights), streamed through staging buffers carved from the stage's budget."""
 
-    def __init__(self, flat: torch.Tensor, dtype: torch.dtype, tier: SsdTier, prefix: str, versions: int = 1):
+    def __init__(
+        self,
+        flat: torch.Tensor,
+        dtype: torch.dtype,
+        tier: SsdTier,
+        prefix: str,
+        host_empty: HostEmpty,
+        versions: int = 1,
+    ):
+        """host_empty makes the stream's staging buffers (the gpu's Device.host_empty)."""
         adam = ADAM_SLOTS * BYTES_PER_ELEM  # host bytes per group element: the Adam's slots, then the buffers
         adam_budget = tier.host_budget_bytes * adam // (adam + versions * BUFFERS * dtype.itemsize)  # 2: the update's
         self.optimizer = _ooc_adam(flat, tier, prefix, adam_budget)
         groups = self.optimizer.group_elems
-        self.stream = SsdWeights(tier.store, f"{prefix}/lowp", flat.to(dtype), groups, versions)
+        self.stream = SsdWeights(tier.store, f"{prefix}/lowp", flat.to(dtype), groups, host_empty, versions)
         self.sumsq: float | None = None
         self._lr = self.optimizer.lr  # before a tentative step
 

@@ -10,6 +10,8 @@ import torch
 from mobiuspipe.memory.device import Device
 from mobiuspipe.memory.store.ssd_store import SSDStore
 from mobiuspipe.memory.swap_ssd import SsdSwap
+from mobiuspipe.memory.weight_stream import BUFFERS, SsdWeights
+from mobiuspipe.runtime.frozen import SsdFrozenWeights
 from mobiuspipe.runtime.stage import _frozen_tier
 
 
@@ -32,7 +34,6 @@ def as_on_a_cuda_host(monkeypatch) -> None:
     monkeypatch.setenv("MOBIUSPIPE_STRICT", "0")  # the stand-in's marks follow is_available; not what is tested
 
 
-@pytest.mark.xfail(strict=True, reason="the SSD activation tier's pool pins through torch's allocator")
 def test_the_ssd_activation_tier_stages_through_the_devices_buffers(monkeypatch, tmp_path):
     device = AskingDevice()
     swap = SsdSwap(device, SSDStore(str(tmp_path / "act")), owns_store=True)
@@ -50,7 +51,6 @@ def test_the_ssd_activation_tier_stages_through_the_devices_buffers(monkeypatch,
         device.close()
 
 
-@pytest.mark.xfail(strict=True, reason="the SSD frozen weights' staging buffers pin through torch's allocator")
 def test_the_ssd_frozen_weights_stage_through_the_devices_buffers(monkeypatch, tmp_path):
     device = AskingDevice()
     flat = torch.randint(0, 256, (3 * 4096 + 5,), dtype=torch.uint8)
@@ -58,8 +58,31 @@ def test_the_ssd_frozen_weights_stage_through_the_devices_buffers(monkeypatch, t
     as_on_a_cuda_host(monkeypatch)
     try:
         frozen = _frozen_tier(flat, device, store, 0)
+        assert isinstance(frozen, SsdFrozenWeights)
         assert device.asked == [b.nbytes for b in frozen.records.buffers]
         assert torch.equal(frozen.read(), flat)
+    finally:
+        store.close()
+        device.close()
+
+
+@pytest.mark.parametrize("versions", [1, 2])
+def test_the_ssd_weight_stream_stages_through_the_devices_buffers(monkeypatch, tmp_path, versions):
+    """Its staging buffers (BUFFERS, and BUFFERS more for the delayed update's second version) and the buffer a device
+    gradient is added through, each of one record's bytes."""
+    device = AskingDevice()
+    store = SSDStore(str(tmp_path / "store"))
+    as_on_a_cuda_host(monkeypatch)
+    try:
+        weights = torch.randn(3000)
+        stream = SsdWeights(store, "s0/lowp", weights, 1024, device.host_empty, versions)
+        record = 1024 * 4
+        assert device.asked == [record] * BUFFERS * versions
+        g1, g2 = torch.randn(3000), torch.randn(3000)
+        stream.save_grads(g1, check_finite=True)
+        stream.save_grads(g2, check_finite=True, accumulate=True)
+        assert device.asked == [record] * (BUFFERS * versions + 1)
+        assert torch.equal(stream.read_grads(0, 3000), g1 + g2) and torch.equal(stream.read(), weights)
     finally:
         store.close()
         device.close()

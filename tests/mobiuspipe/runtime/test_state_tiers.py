@@ -73,13 +73,14 @@ def test_the_planners_least_share_is_the_runtimes():
 def test_the_planners_frozen_stream_share_is_the_runtimes(tmp_path):
     """FROZEN_STREAM_BYTES (the host memory the planner gives a stage whose frozen weights are on the SSD) is what
     SsdFrozenWeights' staging buffers take; the bytes come back as they went in (an odd size: a short record)."""
+    from mobiuspipe.memory.aio import aligned_empty
     from mobiuspipe.memory.store.ssd_store import SSDStore
     from mobiuspipe.runtime.frozen import SsdFrozenWeights
 
     flat = torch.randint(0, 256, (3 * MiB + 5,), dtype=torch.uint8)
     store = SSDStore(str(tmp_path / "store"))
     try:
-        frozen = SsdFrozenWeights(flat, store, "stage0")
+        frozen = SsdFrozenWeights(flat, store, "stage0", aligned_empty)
         assert sum(b.nbytes for b in frozen.records.buffers) == FROZEN_STREAM_BYTES
         assert torch.equal(frozen.read(), flat)
     finally:

@@ -78,7 +78,7 @@ def test_host_states_accumulate_a_device_gradient(strict, dtype):
 def test_ssd_weights_accumulate_a_device_gradient(strict, tmp_path):
     device = Device(0, use_cuda=False)
     with SSDStore(tmp_path / "ssd") as store:
-        stream = SsdWeights(store, "s0/lowp", torch.randn(3000), group_elems=1024)
+        stream = SsdWeights(store, "s0/lowp", torch.randn(3000), 1024, device.host_empty)
         g1, g2 = torch.randn(3000), torch.randn(3000)
         stream.save_grads(device.to_device(g1), check_finite=True)
         stream.save_grads(device.to_device(g2), check_finite=True, accumulate=True, norm=True)
