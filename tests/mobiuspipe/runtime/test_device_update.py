@@ -77,3 +77,21 @@ def test_the_update_works_in_the_memory_the_plan_counts(device, dtype):
 
 def _state_bytes(states: DeviceStates) -> int:
     return sum(t.numel() * t.element_size() for t in states.tensors().values())
+
+
+@pytest.mark.xfail(strict=True, reason="isfinite over the whole gradients: a byte a parameter")
+def test_the_finite_check_works_in_a_chunks_memory(device):
+    """fp16's overflow check (grads_finite, every step) once made a bool of every gradient (32 MiB here, a byte a
+    parameter no plan counts); it checks a chunk at a time. Its answer is the same: an inf or a nan anywhere, the
+    last element too, is found."""
+    n = 1 << 25
+    states = DeviceStates(torch.zeros(n), torch.float16, device, AdamHyper.of(partial(CPUAdam, **HYPER)))
+    grads = torch.randn(n).to(torch.float16)
+    states.take_grads(device.to_device(grads), device)
+    assert states.grads_finite()
+    assert peak_growth_bytes(states.grads_finite) <= 4 << 20
+    for at, bad in ((n - 1, float("inf")), (12345, float("nan")), ((1 << 20) + 1, float("-inf"))):
+        wrong = grads.clone()
+        wrong[at] = bad
+        states.take_grads(device.to_device(wrong), device)
+        assert not states.grads_finite()
