@@ -18,7 +18,7 @@ from torch import nn
 
 from mobiuspipe import Pipeline
 from mobiuspipe.config import MemoryConfig
-from mobiuspipe.memory.weight_stream import sum_of_squares
+from mobiuspipe.memory.reduce import sum_of_squares
 from mobiuspipe.models.gpt import build_layers, layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.optim.clipping import clip_scale

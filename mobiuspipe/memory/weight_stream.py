@@ -20,26 +20,8 @@ from collections.abc import Callable
 import torch
 
 from mobiuspipe.memory.aio import ALIGN, round_up
+from mobiuspipe.memory.reduce import all_finite, sum_of_squares
 from mobiuspipe.memory.store.ssd_store import NEXT, SSDStore, StoreFuture, drain
-
-NORM_CHUNK = 1 << 20
-"""Elements of a flat tensor squared_norm sums at a time: vector_norm(dtype=float64) casts its whole input to float64
-first (8 bytes an element), so a chunk's cast is all it makes (8 MiB)."""
-
-
-def squared_norm(t: torch.Tensor) -> torch.Tensor:
-    """The squared L2 norm of t summed in float64, as a float64 tensor on t's device (no host synchronization)."""
-    flat = t.reshape(-1)
-    total = flat.new_zeros((), dtype=torch.float64)
-    for chunk in flat.split(NORM_CHUNK):
-        total = total + torch.linalg.vector_norm(chunk, dtype=torch.float64).square()
-    return total
-
-
-def sum_of_squares(t: torch.Tensor) -> float:
-    """The squared L2 norm of t, summed in float64 (squared_norm, read on the host)."""
-    return float(squared_norm(t))
-
 
 __all__ = ["SsdRecords", "SsdWeights", "BUFFERS", "HostEmpty"]
 
@@ -205,7 +187,7 @@ class SsdWeights(SsdRecords):
             else:
                 buf.copy_(part)
             if self.finite is not None:
-                self.finite = self.finite and bool(torch.isfinite(buf).all())
+                self.finite = self.finite and all_finite(buf)
             if self.sumsq is not None:
                 self.sumsq += sum_of_squares(buf)
 
@@ -234,7 +216,7 @@ class SsdWeights(SsdRecords):
             part = buf[lo - a : hi - a]
             part.add_(t[lo - offset : hi - offset])
             if self.finite is not None:
-                self.finite = self.finite and bool(torch.isfinite(part).all())
+                self.finite = self.finite and all_finite(part)
             self.store.put(self._key("d", i, self._taken), buf)
 
     def _overlaps(self, offset: int, n: int) -> list[tuple[int, int, int]]:

@@ -12,7 +12,7 @@ from torch import nn
 from torch.optim.adamw import adamw
 
 from mobiuspipe.memory.device import CopyHandle, Device
-from mobiuspipe.memory.weight_stream import squared_norm
+from mobiuspipe.memory.reduce import all_finite, squared_norm
 from mobiuspipe.optim.hyper import AdamHyper
 from partition.rules.placement import UPDATE_CHUNK
 
@@ -86,7 +86,7 @@ class DeviceStates:
         return 0.0 if self._sumsq is None else float(self._sumsq)
 
     def grads_finite(self) -> bool:
-        return bool(torch.isfinite(self.grads).all())
+        return all_finite(self.grads)
 
     def grad_slice(self, offset: int, n: int) -> torch.Tensor:
         """A host copy of elements offset .. offset + n of the gradients."""

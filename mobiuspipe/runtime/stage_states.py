@@ -18,8 +18,9 @@ from torch import nn
 
 from mobiuspipe.memory.aio import ALIGN
 from mobiuspipe.memory.device import CopyHandle, Device
+from mobiuspipe.memory.reduce import all_finite, sum_of_squares
 from mobiuspipe.memory.store.ssd_store import SSDStore
-from mobiuspipe.memory.weight_stream import BUFFERS, HostEmpty, SsdWeights, sum_of_squares
+from mobiuspipe.memory.weight_stream import BUFFERS, HostEmpty, SsdWeights
 from mobiuspipe.optim.hyper import AdamHyper
 from mobiuspipe.optim.ooc_adam import OutOfCoreAdam
 from mobiuspipe.optim.ooc_groups import BYTES_PER_ELEM, ELEM_ALIGN, least_budget_bytes
@@ -152,7 +153,7 @@ class HostStates:
 
     def grads_finite(self) -> bool:
         self._settle()
-        return bool(torch.isfinite(self.grads).all())
+        return all_finite(self.grads)
 
     def grad_slice(self, offset: int, n: int) -> torch.Tensor:
         """A copy of elements offset .. offset + n of the offloaded gradients (device dtype)."""

@@ -16,7 +16,7 @@ import torch
 
 from mobiuspipe.errors import PipelineError
 from mobiuspipe.memory.device import Device
-from mobiuspipe.memory.weight_stream import sum_of_squares
+from mobiuspipe.memory.reduce import sum_of_squares
 from mobiuspipe.runtime.peers.comm import Comm, TensorSpec
 from mobiuspipe.runtime.peers.ranks import RankInfo, gather_all
 from mobiuspipe.runtime.stage import ParamSlice, Stage

@@ -79,7 +79,6 @@ def _state_bytes(states: DeviceStates) -> int:
     return sum(t.numel() * t.element_size() for t in states.tensors().values())
 
 
-@pytest.mark.xfail(strict=True, reason="isfinite over the whole gradients: a byte a parameter")
 def test_the_finite_check_works_in_a_chunks_memory(device):
     """fp16's overflow check (grads_finite, every step) once made a bool of every gradient (32 MiB here, a byte a
     parameter no plan counts); it checks a chunk at a time. Its answer is the same: an inf or a nan anywhere, the

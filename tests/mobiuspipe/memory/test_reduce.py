@@ -1,13 +1,14 @@
-"""The squared L2 norm clipping reads from each stage's gradients (every step with max_grad_norm): summed in
-float64 as the reference is, without a float64 copy of the whole gradient (8 bytes a parameter: gigabytes of host
-memory for a large stage's gradients, counted by no budget)."""
+"""The reductions over a stage's gradients (mobiuspipe.memory.reduce). The squared L2 norm clipping reads (every step
+with max_grad_norm): summed in float64 as the reference is, without a float64 copy of the whole gradient (8 bytes a
+parameter: gigabytes of host memory for a large stage's gradients, counted by no budget). fp16's overflow check: the
+answer torch.isfinite gives, without its temporaries."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mobiuspipe.memory.weight_stream import sum_of_squares
+from mobiuspipe.memory.reduce import all_finite, sum_of_squares
 from tests.mobiuspipe.peak_rss import peak_growth_bytes
 
 
@@ -48,3 +49,18 @@ def test_the_gpu_resident_states_take_the_norm_without_a_float64_copy():
         assert grew < 48 << 20
     finally:
         device.close()
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, (1 << 20) + 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_all_finite_is_torchs_isfinite_all(n, dtype):
+    g = torch.Generator().manual_seed(n)
+    t = (torch.randn(n, generator=g) * 1e3).to(dtype)
+    assert all_finite(t) and all_finite(t[:0])
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for at in {0, n // 2, n - 1}:
+            wrong = t.clone()
+            wrong[at] = bad
+            assert not all_finite(wrong) and not bool(torch.isfinite(wrong).all())
+    big = torch.full((n,), torch.finfo(dtype).max, dtype=dtype)  # the largest finite value is finite
+    assert all_finite(big) and all_finite(-big)
