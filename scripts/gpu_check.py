@@ -216,6 +216,11 @@ def memory_and_speed(
             None,
             f"{base.reserved_bytes / 2**30:.2f} / {base.used_bytes / 2**30:.2f} GiB",
         )
+        t.add(
+            "host memory page-locked by the run",
+            None,
+            f"{base.pinned_bytes / 2**20:.1f} MiB (cudaHostRegister, each buffer at its own size)",
+        )
         w = library_bytes(device, torch.float32)
         t.add(
             "beyond the walk: X + W (MiB)",

@@ -84,6 +84,9 @@ class Run:
     """The compute thread's seconds waiting for loads, summed over the steps after the first."""
     loaded_bytes: int = 0
     """Bytes one step moves host -> device (weights loaded) and back (gradients offloaded)."""
+    pinned_bytes: int = 0
+    """Host bytes the run's Device page-locked at its end (Device.pinned_bytes: registered at each buffer's size on
+    CUDA; 0 on the stand-in)."""
     ledger_parts: dict[str, int] = field(default_factory=dict)
     """The runtime's ledger by kind (arena, inputs, saved, inbox, ...) at its peak in the step of the largest peak:
     what the runtime knows it holds; the allocator's peak beyond it is transients and libraries' buffers."""
@@ -168,6 +171,7 @@ def pipeline_run(
         run.peak_bytes = pipe.engine.peak.run_bytes
         run.ledger_parts = dict(pipe.engine.peak.run_parts)
         run.loaded_bytes = _moved_bytes(pipe)
+        run.pinned_bytes = pipe.engine.device.pinned_bytes
         as_run = plan_as_run(pipe.plan, pipe.activations, swap_tiers(pipe.plan, memory, pipe.activations), False)
         cuda = torch.cuda.is_available()
         run.planned_bytes = planned_device_bytes(as_run if not cuda else pipe.plan, not cuda, sends_until_flush=False)[
