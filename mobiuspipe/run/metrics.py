@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import sys
 from dataclasses import asdict, dataclass, replace
@@ -158,16 +159,40 @@ def perplexity(loss: float) -> float:
 def _open_records(path: Path, first_step: int) -> TextIO:
     """metrics.jsonl for appending, holding only the records of steps before first_step (a resumed run's
     earlier part; none for a new run)."""
-    keep = []
     if first_step > 0 and path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                if json.loads(line)["step"] < first_step:
-                    keep.append(line + "\n")
-            except (ValueError, KeyError, TypeError):
-                continue  # a line torn by the crash the run resumes from
-    path.write_text("".join(keep))
-    return open(path, "a")
+        _keep_records_before(path, first_step)
+        return open(path, "a")
+    return open(path, "w")
+
+
+def _keep_records_before(path: Path, first_step: int) -> None:
+    """Rewrite path with only its records of steps before first_step, read and written a line at a time through a
+    file beside it that replaces it whole: a write that fails (a full disk) leaves every record where it was."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        with open(path) as old, open(tmp, "w") as new:
+            for line in old:
+                if _step_of(line) < first_step:
+                    new.write(line if line.endswith("\n") else line + "\n")
+            new.flush()
+            os.fsync(new.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise OSError(
+            e.errno,
+            f"could not keep the earlier records of {path} for the resumed run ({e.strerror or e}); the file is as it "
+            f"was: free space in {path.parent} and start the run again",
+        ) from e
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _step_of(line: str) -> float:
+    """The step of a metrics.jsonl line; infinity for a line torn by the crash the run resumes from."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return math.inf
 
 
 class Reporter:
