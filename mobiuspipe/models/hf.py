@@ -14,6 +14,7 @@ for the Pipeline, which sums their gradients before both update alike.
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -170,8 +171,9 @@ class DecoderLayer(nn.Module):
         return _hidden(self.layer(x, position_ids=pos, position_embeddings=(cos, sin)))
 
     def _rotary_on(self, device: torch.device) -> nn.Module:
+        """The rotary module on `device`: a copy of the first one (Module.to moves a module in place)."""
         if device not in self._rotary:
-            self._rotary[device] = next(iter(self._rotary.values())).to(device)
+            self._rotary[device] = copy.deepcopy(next(iter(self._rotary.values()))).to(device)
         return self._rotary[device]
 
 
@@ -208,10 +210,20 @@ def skeleton(m: HFModel, l: int) -> nn.Module:
         return TokenEmbedding(c)
     if l < last:
         with torch.device("cpu"):  # the rotary table's inv_freq is computed, not loaded
-            rotary = getattr(mod, f"{prefix}RotaryEmbedding")(config=c)
+            rotary = _static_rope(getattr(mod, f"{prefix}RotaryEmbedding")(config=c))
         return DecoderLayer(getattr(mod, f"{prefix}DecoderLayer")(c, layer_idx=l - 1), rotary)
     norm = getattr(mod, f"{prefix}RMSNorm")(c.hidden_size, eps=c.rms_norm_eps)
     return NormHead(norm, nn.Linear(c.hidden_size, c.vocab_size, bias=False))
+
+
+def _static_rope(rotary: nn.Module) -> nn.Module:
+    """rotary, without dynamic rope's check in every forward. transformers' dynamic rope reads max(position_ids) + 1
+    on the host twice a forward (on CUDA a wait for the compute stream each) to grow its table past
+    max_position_embeddings; a pipeline's sequences never pass it (open_hf refuses them), where the table is the
+    default one, so the check is dropped (its type, which the check reads, named default)."""
+    if "dynamic" in str(getattr(rotary, "rope_type", "")):
+        rotary.rope_type = "default"  # pyright: ignore  (a plain str attribute of transformers' rotary module)
+    return rotary
 
 
 def build_layer(m: HFModel, l: int) -> nn.Module:
