@@ -42,7 +42,11 @@ class Problem:
 
 
 def join_key(prefix: str, key: str) -> str:
-    """`train` + `lr` -> `train.lr`; `gpus` + `[2]` -> `gpus[2]`; an empty prefix leaves the key alone."""
+    """`train` + `lr` -> `train.lr`; `gpus` + `[2]` -> `gpus[2]`; an empty prefix leaves the key alone. A key that
+    is blank, padded or unprintable (a line break) is quoted as Python writes it: `gpus[0]['\\n']`, so a message
+    stays one line and shows the key."""
+    if not key.isprintable() or not key.strip() or key != key.strip():
+        return f"{prefix}[{key!r}]"
     if not prefix:
         return key
     return f"{prefix}{key}" if key.startswith("[") else f"{prefix}.{key}"

@@ -374,3 +374,14 @@ def test_nothing_is_built_on_a_missing_path(tmp_path):
     with pytest.raises(ShelfError, match="script: expected an existing file"):
         from_plain(Opens, {"script": "nope.sh"}, where="o", error=ShelfError, base_dir=str(tmp_path))
     assert opened == []
+
+
+@pytest.mark.parametrize("key", ["\n", "a\tb", " ", "", "x\x00"])
+def test_a_key_the_message_cannot_show_as_text_is_quoted(key):
+    """A key with a line break or other unprintable characters (found by test_fuzz's layouts) is written as Python
+    writes it, so an error message stays one line and says which key."""
+    from foundation.checked import join_key
+
+    joined = join_key("gpus[0]", key)
+    assert joined == f"gpus[0][{key!r}]" and joined.isprintable()
+    assert join_key("train", "lr") == "train.lr" and join_key("gpus", "[2]") == "gpus[2]" and join_key("", "k") == "k"
