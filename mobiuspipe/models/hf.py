@@ -4,7 +4,8 @@ The folder is what `save_pretrained` writes: config.json and the weights, model.
 listed in model.safetensors.index.json. Nothing is downloaded. Layers, each one tensor in, one out:
   0        the token embedding (GPT-2: + the position table, then dropout): ids (b, T) -> (b, T, d)
   1..L     decoder layer l - 1, transformers' own class; positions 0..T-1, causal attention through
-           PyTorch's SDPA (Llama family: the rotary tables computed in each layer)
+           PyTorch's SDPA (transformers' SDPA function; in fp32 with grouped queries, the key/value heads
+           repeated first: `ATTENTION`) (Llama family: the rotary tables computed in each layer)
   L + 1    the final norm and the vocabulary projection: (b, T, d) -> logits (b, T, V)
 Each layer is built on the meta device and then materialized with only its own tensors, read from the
 safetensors files (mobiuspipe.models.hf_weights), so a rank reads the layers of its stages alone. With
@@ -90,11 +91,35 @@ def open_hf(folder: str | os.PathLike, seq_len: int) -> HFModel:
     spec = read_hf_config(path)  # checks model_type and the shape keys, naming the file and key
     files = tensor_files(path)
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    config._attn_implementation = "sdpa"  # causal through SDPA's is_causal: the layers get no mask
+    _register_attention()
+    config._attn_implementation = ATTENTION  # causal through SDPA's is_causal: the layers get no mask
     _check_trainable(config, seq_len, path)
     m = HFModel(path, config, replace(spec, seq_len=seq_len), files)
     check_tensors(m, [_shapes(m, l) for l in range(m.num_layers)])  # the headers only: no weight is read
     return m
+
+
+ATTENTION = "mobiuspipe_sdpa"
+"""The name the layers' attention function has in transformers' AttentionInterface (see `_sdpa`)."""
+
+
+def _sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, **kwargs):
+    """transformers' SDPA attention, with fewer key/value heads than query heads repeated first in fp32: on CUDA the
+    kernels that take fp32 are the memory-efficient one, which refuses grouped queries, and the math one, which keeps
+    the (b, a, s, s) probabilities for backward (torch's sdp_utils); repeated, the memory-efficient one runs, keeping
+    K and V at every head. fp16 and bf16 keep the grouped heads (the flash kernel takes them)."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    groups = query.shape[1] // key.shape[1]
+    if query.dtype == torch.float32 and groups > 1:
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, _sdpa)
 
 
 def _shapes(m: HFModel, l: int) -> dict[str, tuple[int, ...]]:

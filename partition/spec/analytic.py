@@ -6,6 +6,7 @@ Legend (for ONE microbatch; units in brackets):
   h    d_model, hidden size                                                            [-]
   a    num_heads                                                                       [-]
   k    kv_heads (llama: grouped-query attention; gpt: k = a)                           [-]
+  hd   head_dim, h / a                                                                 [-]
   f    ffn, the MLP width (gpt default 4h)                                             [-]
   m    block_matmul_params: gpt 4h^2 + 2hf (= 12h^2 at f = 4h); llama 2h^2 + 2h*k*h/a + 3hf  [-]
   V    vocab_size                                                                      [-]
@@ -25,35 +26,43 @@ Per layer l (names "embedding", "block", "head"):
   bwd_flops         2 * fwd_flops                          (input and weight gradients, same matmuls)
   fwd_s, bwd_s      fwd_flops / R + c, bwd_flops / R         (c: the device's forward_call_s, each layer
                                                             forward's fixed cost, 0 on a GPU)
-  activation_bytes  block gpt  s*b*(18h + 4f + 2a) * e/2   (Korthikanti et al. 2022, "Reducing Activation
-                                                            Recomputation in Large Transformer Models",
-                                                            no sequence or tensor parallelism, counted for
-                                                            2-byte activations: attention 11sbh, LayerNorms
-                                                            4sbh, MLP 19sbh = 3sbh + 4sbf; their 5as^2b of
-                                                            scores, softmax and its dropout mask are not kept:
-                                                            the layers run attention through SDPA, whose fused
-                                                            (flash, memory-efficient) kernels keep only the
-                                                            log-sum-exp, a fp32 values a token = 2a units;
-                                                            at f = 4h: s*b*(34h + 2a) * e/2)
-                    block llama s*b*(12h + 4*k*h/a + 8f + 2a) * e/2
-                                                           (the same count for a llama block, which has no
-                                                            dropout: RMSNorm inputs 4sbh; attention: the
-                                                            normed input 2sbh, Q 2sbh, K and V 4sbh*k/a,
-                                                            the log-sum-exp 2ab, o-proj input 2sbh;
-                                                            SwiGLU MLP: the normed input 2sbh and, each
-                                                            s*b*f wide, gate output (SiLU input), SiLU
-                                                            output, up output and their product (down's
-                                                            input): 8sbf)
-                    embedding  8*s*(b + 1)                 (the int64 token ids and a GPT's positions, which
-                                                            its gathers keep; a llama keeps the ids alone; the
-                                                            summed embeddings are its output, which the first
-                                                            block keeps)
-                    head       2*s*b*h*e + s*b*V*4 + 16*s*b + 4
-                                                           (the final norm's input and output, the latter the
-                                                            logits matmul's input; the fp32 log-softmax of the
-                                                            loss, which the runtime computes on fp32 logits; the
-                                                            norm's fp32 statistics, the int64 targets and the
-                                                            loss's fp32 total weight)
+  activation_bytes  what the layer's training forward keeps for backward, counted tensor by tensor as torch's
+                    autograd saves them (checked with saved-tensor hooks against the built-in GPT and transformers'
+                    GPT-2, Llama, Mistral and Qwen2 layers, tests/mobiuspipe/models/test_hf_activations.py); t = s*b
+                    tokens, p = the activation's kept tensors (partition.spec.models.ACTIVATIONS: 1 for torch's
+                    gelu and silu, 4 for GPT-2's gelu_new)
+                    block gpt   t*(2*N + A + e*f*(p + 1) + D) + L
+                    block llama t*(2*N + A + e*f*(p + 3)) + L + 2*e*hd*s
+                      N  a norm, per token: LayerNorm  2*e*h + 8   (its input, its output (the next matmul's input),
+                                                                    fp32 mean and 1/std)
+                                            RMSNorm    4*h + 2*e*h + 4  (transformers' LlamaRMSNorm: an fp32 copy of its
+                                                                    input (the input itself in fp32), the normalized
+                                                                    values cast back, its output, fp32 1/rms)
+                      A  attention, per token, fused (flash, memory-efficient):  e*(2h + 2c)  (Q, K and V, the output
+                                                                    (the projection's input, a view of it)); c = k*h/a,
+                                                                    or h in fp32 with grouped queries (the layers
+                                                                    repeat K and V then: CUDA's kernels that take fp32
+                                                                    refuse grouped queries); the log-sum-exp L =
+                                                                    4*a*b*ceil(s/32)*32 (fp32, rows padded to 32 by the
+                                                                    memory-efficient kernel), in place of Korthikanti
+                                                                    et al. 2022's 5as^2b of scores, softmax and mask
+                         with dropout on a device with no fused kernel for it (the CPU stand-in): the math kernel,
+                                            4*3h + e*h per token (Q, K and V in fp32, the output's copy) and
+                                            L = 3 * 4*a*s^2*b (fp32 probabilities, their mask and the dropped ones)
+                      the MLP: gpt its input (the first norm's output is counted in N), the activation's p tensors and
+                         the second matmul's input; llama (SwiGLU) the gate's p, the gate's activation, the up
+                         projection, their product (down's input)
+                      D  gpt residual dropout: 2*e*h (two masks, at the dtype's width as the stand-in keeps them; a GPU
+                         keeps a bool: an upper bound); 0 without it
+                      2*e*hd*s  llama: the rotary cos and sin tables of the microbatch's positions
+                    embedding  gpt    8*s*(b + 1) + t*e*h*[embedding dropout]  (the int64 token ids and positions,
+                                                                    which its gathers keep; the dropout's mask; the
+                                                                    summed embeddings are its output, which the first
+                                                                    block keeps)
+                               llama  8*s*b                          (the ids)
+                    head       t*(N + 4*V + 8) + 4                   (the final norm; the fp32 log-softmax of the loss,
+                                                                    which the runtime computes on fp32 logits; the
+                                                                    int64 targets; the loss's fp32 total weight)
   output_bytes      embedding, block  s*b*h*e ;  head  s*b*V*e
 Per microbatch: input_bytes and target_bytes 8*s*b (int64 token ids).
 
@@ -65,9 +74,9 @@ adapters' own saved activations (r values per token and target) are left out: un
 With the base quantized (`frozen`: partition.spec.lora.frozen_layers), its items and bytes are those of the codes and
 scales (about 1 byte per weight of each linear layer in int8, 0.52 in NF4); its FLOPs are unchanged (the
 dequantized weight computes as the dense one; the dequantization's own work is left out).
-LayerNorm, RMSNorm, SiLU/GELU and bias FLOPs are left out (under 1% of a block for h >= 512). Attention's
-activations are a fused kernel's, O(s): mobiuspipe runs every model's attention through SDPA (the built-in GPT,
-and the Hugging Face layers with attn_implementation "sdpa"); an unfused one would keep 5as^2b more (GPT).
+LayerNorm, RMSNorm, SiLU/GELU and bias FLOPs are left out (under 1% of a block for h >= 512). mobiuspipe runs every
+model's attention through SDPA (the built-in GPT, and the Hugging Face layers through mobiuspipe.models.hf's
+attention function).
 """
 
 from __future__ import annotations
@@ -76,7 +85,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from partition.spec.hardware import MFU_DEFAULT, DeviceSpec
-from partition.spec.models import ModelSpec, block_matmul_params, layer_param_counts
+from partition.spec.models import ACTIVATIONS, ModelSpec, block_matmul_params, layer_param_counts
 from partition.spec.profile import LayerProfile, Profile
 
 __all__ = ["DTYPE_BYTES", "analytic_profile", "dtype_bytes"]
@@ -116,12 +125,44 @@ def _layer(name: str, n: int, e: int, act: int, out: int, fwd_flops: float, rate
     )
 
 
-def _block_act_units(spec: ModelSpec) -> int:
-    """A block's activations per token in 2-byte units (the legend's count divided by s*b)."""
-    h, f, a = spec.d_model, spec.ffn, spec.num_heads
+LSE_ALIGN = 32
+"""The memory-efficient kernel pads each row of its log-sum-exp to a multiple of this many positions (torch's
+kAlignLSE)."""
+
+
+def _norm_bytes(spec: ModelSpec, e: int) -> int:
+    """N of the legend: what a norm keeps per token."""
+    h = spec.d_model
+    return 4 * h + 2 * e * h + 4 if spec.family == "llama" else 2 * e * h + 8
+
+
+def _attention_bytes(spec: ModelSpec, e: int, s: int, b: int, fused_dropout: bool) -> int:
+    """A's tokens' share and L of the legend for one microbatch."""
+    h, a = spec.d_model, spec.num_heads
+    if spec.attn_dropout > 0 and not fused_dropout:
+        return s * b * (4 * 3 * h + e * h) + 3 * 4 * a * s * s * b
+    grouped = spec.kv_heads < spec.num_heads
+    c = h if grouped and e == 4 else spec.kv_heads * spec.head_dim
+    return s * b * e * (2 * h + 2 * c) + 4 * a * b * -(-s // LSE_ALIGN) * LSE_ALIGN
+
+
+def _block_act(spec: ModelSpec, e: int, s: int, b: int, fused_dropout: bool) -> int:
+    """A block's activation_bytes for one microbatch (the legend)."""
+    h, f, p = spec.d_model, spec.ffn, ACTIVATIONS[spec.act]
+    kept = 2 * _norm_bytes(spec, e)
     if spec.family == "llama":
-        return 12 * h + 4 * spec.kv_heads * spec.head_dim + 8 * f + 2 * a
-    return 18 * h + 4 * f + 2 * a
+        kept += e * f * (p + 3)
+        rope = 2 * e * spec.head_dim * s
+    else:
+        kept += e * f * (p + 1) + (2 * e * h if spec.resid_dropout > 0 else 0)
+        rope = 0
+    return s * b * kept + _attention_bytes(spec, e, s, b, fused_dropout) + rope
+
+
+def _embedding_act(spec: ModelSpec, e: int, s: int, b: int) -> int:
+    if spec.family == "llama":
+        return TOKEN_BYTES * s * b
+    return TOKEN_BYTES * s * (b + 1) + (s * b * e * spec.d_model if spec.embd_dropout > 0 else 0)
 
 
 def _with_adapters(
@@ -162,12 +203,12 @@ def analytic_profile(
     rate = device.peak_tflops * 1e12 * mfu
     counts = layer_param_counts(spec)
     hidden = s * b * h * e
-    block_act = s * b * _block_act_units(spec) * (e // 2)  # e is even: kept integral
+    block_act = _block_act(spec, e, s, b, device.fused_attention_dropout)
     block_flops = float(2 * b * s * block_matmul_params(spec) + 4 * b * s * s * h)
     c = device.forward_call_s
-    embedding = _layer("embedding", counts[0], e, 8 * s * (b + 1), hidden, float(2 * b * s * h), rate, c)
+    embedding = _layer("embedding", counts[0], e, _embedding_act(spec, e, s, b), hidden, float(2 * b * s * h), rate, c)
     blocks = [_layer("block", n, e, block_act, hidden, block_flops, rate, c) for n in counts[1:-1]]
-    head_act = 2 * hidden + s * b * v * 4 + 16 * s * b + 4
+    head_act = s * b * (_norm_bytes(spec, e) + 4 * v + TOKEN_BYTES) + 4
     head = _layer("head", counts[-1], e, head_act, s * b * v * e, float(2 * b * s * h * v), rate, c)
     layers = (embedding, *blocks, head)
     if adapters is not None:

@@ -58,6 +58,10 @@ class DeviceSpec:
     """Seconds each layer's forward call costs beyond its FLOPs as mobiuspipe runs it (the Python of the call: the
     parameter views, functional_call, the saved-tensor hooks; the backward runs in autograd's engine), charged to
     every forward and recompute [s]. A GPU's is 0: its launches overlap the kernels queued before them."""
+    fused_attention_dropout: bool = True
+    """The device's SDPA has fused kernels that apply dropout (CUDA's flash and memory-efficient kernels, which keep
+    the random generator's state, not a mask); False: attention with dropout runs the math kernel, which keeps the
+    (b, a, s, s) probabilities (the CPU's flash kernel takes no dropout)."""
 
     def __post_init__(self) -> None:
         if not self.peak_tflops > 0 or not self.pcie_gbps > 0 or self.memory_bytes < 0 or not self.forward_call_s >= 0:
@@ -89,7 +93,7 @@ _TABLE = (
     # A CPU pretending to be a GPU (CI, laptops): ~50 GFLOPS of fp32 matmul on a few cores; its memory
     # budget comes from the topology (the stand-in's arena), its "link" is a memcpy. Each layer's forward costs
     # STANDIN_FORWARD_CALL_S beyond its FLOPs.
-    DeviceSpec("cpu-standin", 0.05, 0, 10.0, STANDIN_FORWARD_CALL_S),
+    DeviceSpec("cpu-standin", 0.05, 0, 10.0, STANDIN_FORWARD_CALL_S, fused_attention_dropout=False),
 )
 
 DEVICES: MappingProxyType[str, DeviceSpec] = MappingProxyType({d.name: d for d in _TABLE})

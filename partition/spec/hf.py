@@ -7,6 +7,10 @@ Supported `model_type`s and the keys read (all positive integers unless said oth
                          hidden_size / num_attention_heads
   gpt2                   (family "gpt")    n_layer, n_embd, n_head, n_positions, vocab_size; n_inner
                          optional or null (null = 4 * n_embd)
+Read for the activations a training forward keeps (partition.spec.analytic): a llama's hidden_act (default "silu")
+and attention_dropout (default 0); GPT-2's activation_function (default "gelu_new") and embd_pdrop, resid_pdrop and
+attn_pdrop (default 0.1 each), transformers' defaults where a key is absent; an activation outside
+partition.spec.models.ACTIVATIONS is refused.
 Counted as the runtime trains them (mobiuspipe.models.hf), parameter for parameter: qwen2's q/k/v biases
 counted; a tied head (tie_word_embeddings) counted in full, as its stage holds its own copy; gpt2's
 position table has n_positions rows whatever the sequence length; llama/mistral with attention_bias or
@@ -20,7 +24,7 @@ import json
 from pathlib import Path
 
 from foundation.errors import UserError
-from partition.spec.models import ModelSpec
+from partition.spec.models import ACTIVATIONS, ModelSpec
 
 __all__ = ["ModelConfigError", "SUPPORTED", "read_hf_config", "spec_from_hf_dict"]
 
@@ -65,6 +69,27 @@ def _opt_int(d: dict, key: str, meaning: str, where: str) -> int | None:
     return _int(d, key, meaning, where)
 
 
+def _activation(d: dict, key: str, default: str, where: str) -> str:
+    """The MLP activation `d[key]` (default when absent); ModelConfigError when it is not one the planner counts."""
+    v = d.get(key, default)
+    if v not in ACTIVATIONS:
+        raise ModelConfigError(
+            f"{where}: {key!r} is {v!r}; the planner counts what these activations keep for backward: "
+            f"{', '.join(ACTIVATIONS)}; use a model with one of them"
+        )
+    return v
+
+
+def _probability(d: dict, key: str, default: float, where: str) -> float:
+    """The dropout probability `d[key]` (default when absent or null), a number in [0, 1)."""
+    v = d.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < 1:
+        raise ModelConfigError(f"{where}: {key!r} (a dropout probability) must be a number in [0, 1), found {v!r}")
+    return float(v)
+
+
 def _llama_spec(d: dict, name: str, where: str) -> ModelSpec:
     n = {k: _int(d, k, m, where) for k, m in _LLAMA.items()}
     kv = _opt_int(d, "num_key_value_heads", "the number of key/value heads", where)
@@ -91,6 +116,8 @@ def _llama_spec(d: dict, name: str, where: str) -> ModelSpec:
         ffn_dim=n["intermediate_size"],
         num_kv_heads=kv or 0,
         qkv_bias=d["model_type"] == "qwen2",
+        activation=_activation(d, "hidden_act", "silu", where),
+        attn_dropout=_probability(d, "attention_dropout", 0.0, where),
     )
 
 
@@ -107,6 +134,10 @@ def _gpt2_spec(d: dict, name: str, where: str) -> ModelSpec:
         family="gpt",
         ffn_dim=inner or 0,
         positions=n["n_positions"],
+        activation=_activation(d, "activation_function", "gelu_new", where),
+        embd_dropout=_probability(d, "embd_pdrop", 0.1, where),
+        resid_dropout=_probability(d, "resid_pdrop", 0.1, where),
+        attn_dropout=_probability(d, "attn_pdrop", 0.1, where),
     )
 
 

@@ -25,10 +25,17 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from types import MappingProxyType
 
-__all__ = ["FAMILIES", "MODELS", "ModelSpec", "layer_param_counts", "block_matmul_params"]
+__all__ = ["ACTIVATIONS", "FAMILIES", "MODELS", "ModelSpec", "layer_param_counts", "block_matmul_params"]
 
 FAMILIES = ("gpt", "llama")
 """Layer structures a spec can have (see the module docstring)."""
+DEFAULT_ACTIVATION = MappingProxyType({"gpt": "gelu", "llama": "silu"})
+"""The MLP activation of a spec whose `activation` is "" (the built-in GPT's torch gelu; a llama's SwiGLU gate)."""
+ACTIVATIONS = MappingProxyType({"gelu": 1, "gelu_pytorch_tanh": 1, "gelu_new": 4, "relu": 0, "silu": 1, "swish": 1})
+"""MLP activations a spec accepts, by transformers' names (ACT2FN) -> the tensors of the MLP's width each keeps for
+backward beside its output: torch's gelu (exact or tanh) and silu their input, relu none (its output, which the next
+matmul keeps); transformers' gelu_new, its tanh formula written in Python (GPT-2's default): its input, the tanh,
+half the input and 1 + the tanh."""
 
 _POSITIVE = ("num_blocks", "d_model", "num_heads", "seq_len", "vocab_size")
 
@@ -58,6 +65,15 @@ class ModelSpec:
     """Rows of the position table P ("gpt" only; GPT-2's n_positions); 0 means seq_len."""
     qkv_bias: bool = False
     """The q, k and v projections have biases ("llama" only: Qwen2)."""
+    activation: str = ""
+    """The MLP's activation, one of ACTIVATIONS (GPT-2's activation_function; a llama's hidden_act, its SwiGLU
+    gate); "" means the family's (DEFAULT_ACTIVATION)."""
+    embd_dropout: float = 0.0
+    """Probability of the dropout after the embedding ("gpt" only: GPT-2's embd_pdrop; the built-in GPT has none)."""
+    resid_dropout: float = 0.0
+    """Probability of the dropouts on a block's two residual branches ("gpt" only: GPT-2's resid_pdrop)."""
+    attn_dropout: float = 0.0
+    """Probability of the dropout on the attention probabilities (GPT-2's attn_pdrop, a llama's attention_dropout)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -72,6 +88,7 @@ class ModelSpec:
                 raise ValueError(f"model {self.name!r}: {f} must be an integer >= 0 (0 = the default), found {v!r}")
         if self.family not in FAMILIES:
             raise ValueError(f"model {self.name!r}: family must be one of {', '.join(FAMILIES)}, found {self.family!r}")
+        self._check_training()
         if self.d_model % self.num_heads:
             raise ValueError(
                 f"model {self.name!r}: d_model {self.d_model} is not a multiple of num_heads {self.num_heads} "
@@ -79,6 +96,22 @@ class ModelSpec:
                 f"pick a head count that divides d_model"
             )
         self._check_family()
+
+    def _check_training(self) -> None:
+        if self.activation and self.activation not in ACTIVATIONS:
+            raise ValueError(
+                f"model {self.name!r}: activation {self.activation!r} is not supported; supported: "
+                f"{', '.join(ACTIVATIONS)} (transformers' names), or \"\" for the family's"
+            )
+        for f in ("embd_dropout", "resid_dropout", "attn_dropout"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < 1:
+                raise ValueError(f"model {self.name!r}: {f} must be a probability in [0, 1), found {v!r}")
+        if self.family == "llama" and (self.embd_dropout or self.resid_dropout):
+            raise ValueError(
+                f"model {self.name!r}: a llama block has no embedding or residual dropout; embd_dropout and "
+                f"resid_dropout must be 0, found {self.embd_dropout} and {self.resid_dropout}"
+            )
 
     def _check_family(self) -> None:
         if self.family == "gpt" and self.num_kv_heads not in (0, self.num_heads):
@@ -110,6 +143,11 @@ class ModelSpec:
     def ffn(self) -> int:
         """The MLP width f actually used (ffn_dim, or 4 * d_model when it is 0)."""
         return self.ffn_dim or 4 * self.d_model
+
+    @property
+    def act(self) -> str:
+        """The MLP activation actually used (activation, or the family's when it is "")."""
+        return self.activation or DEFAULT_ACTIVATION[self.family]
 
     @property
     def kv_heads(self) -> int:
@@ -167,6 +205,7 @@ def _llama2(name: str, blocks: int, d: int, heads: int, kv: int, ffn: int) -> Mo
         family="llama",
         ffn_dim=ffn,
         num_kv_heads=kv,
+        activation="silu",
     )
 
 

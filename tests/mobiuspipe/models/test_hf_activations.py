@@ -20,9 +20,10 @@ SIZES = {
     "llama": dict(hidden_size=40, intermediate_size=67, num_attention_heads=4, num_key_value_heads=2),
 }
 DROPOUT = {"gpt2": dict(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1), "llama": dict(attention_dropout=0.1)}
-LOWEST = 0.8
-"""The least share of its count a layer keeps: the count is an upper bound (a dropout mask counted at the dtype's
-width, which a GPU keeps in one byte; a norm's statistics counted in fp32), not a loose guess."""
+LOWEST = 0.95
+"""The least share of its count a layer keeps on the stand-in: the count is an upper bound (a norm's statistics
+counted in fp32, a CUDA kernel's padded log-sum-exp), not a loose guess. (On a GPU a dropout mask is a bool where the
+stand-in keeps it at the dtype's width, as counted.)"""
 
 
 def _layers(tmp_path, hf_kit, kind: str, dtype: str, **over):
@@ -56,19 +57,26 @@ def _measured_and_counted(m, layers, dtype: str):
     return measured.layers, counted.layers
 
 
-@pytest.mark.xfail(strict=True, reason="defect: the analytic profile counts the built-in GPT's activations")
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize(
-    "kind, dropout",
-    [("gpt2", False), ("gpt2", True), ("llama", False), ("llama", True), ("qwen2", False), ("mistral", False)],
+    "kind, over",
+    [
+        ("gpt2", {}),
+        ("gpt2", DROPOUT["gpt2"]),
+        ("gpt2", {"activation_function": "relu"}),
+        ("gpt2", {"activation_function": "gelu_pytorch_tanh"}),
+        ("llama", {}),
+        ("llama", DROPOUT["llama"]),
+        ("qwen2", {}),
+        ("mistral", {}),
+    ],
 )
-def test_a_layer_keeps_at_most_what_the_plan_counts(tmp_path, hf_kit, kind, dropout, dtype):
+def test_a_layer_keeps_at_most_what_the_plan_counts(tmp_path, hf_kit, kind, over, dtype):
     """GPT-2's `gelu_new` (transformers' tanh formula, four tensors of the MLP's width kept where torch's gelu keeps
     one), its dropouts (masks; attention's through the stand-in's math kernel, which keeps the s x s probabilities:
     CPU's fused kernel takes no dropout), the Llama family's RMSNorm (an fp32 copy of its input beside the
     normalized output) and rotary tables, and the log-sum-exp's fp32 values: each layer's kept bytes within
-    [LOWEST, 1] of its count."""
-    over = DROPOUT["gpt2" if kind == "gpt2" else "llama"] if dropout else {}
+    [LOWEST, 1] of its count; with GPT-2's other activations too."""
     m, layers = _layers(tmp_path, hf_kit, kind, dtype, **over)
     measured, counted = _measured_and_counted(m, layers, dtype)
     for l, (got, want) in enumerate(zip(measured, counted, strict=True)):
@@ -78,7 +86,6 @@ def test_a_layer_keeps_at_most_what_the_plan_counts(tmp_path, hf_kit, kind, drop
         )
 
 
-@pytest.mark.xfail(strict=True, reason="defect: fp32 grouped-query attention runs CUDA's math kernel")
 def test_fp32_grouped_query_attention_reaches_sdpa_with_every_head(tmp_path, hf_kit, monkeypatch):
     """On CUDA, fp32 attention with fewer key/value heads than query heads runs the math kernel (flash and cuDNN take
     fp16/bf16 only, the memory-efficient kernel refuses grouped queries: torch's sdp_utils), which keeps the

@@ -61,6 +61,30 @@ def test_gpt2_124m_shape_counts_like_gpt2():
     assert spec.param_count - 50257 * 768 == 124_439_808  # GPT-2 small, tied head: the well-known 124M
 
 
+def test_what_the_activations_depend_on_is_read_with_transformers_defaults():
+    gpt2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "n_positions": 32, "vocab_size": 97}
+    spec = spec_from_hf_dict(gpt2, "g")  # GPT2Config's defaults: gelu_new, 0.1 dropouts
+    assert (spec.act, spec.embd_dropout, spec.resid_dropout, spec.attn_dropout) == ("gelu_new", 0.1, 0.1, 0.1)
+    d = {**gpt2, "activation_function": "relu", "embd_pdrop": 0, "resid_pdrop": 0.0, "attn_pdrop": None}
+    spec = spec_from_hf_dict(d, "g")
+    assert (spec.act, spec.embd_dropout, spec.resid_dropout, spec.attn_dropout) == ("relu", 0.0, 0.0, 0.1)
+    assert (spec_from_hf_dict(LLAMA_TINY, "l").act, spec_from_hf_dict(LLAMA_TINY, "l").attn_dropout) == ("silu", 0.0)
+    assert spec_from_hf_dict({**LLAMA_TINY, "attention_dropout": 0.05}, "l").attn_dropout == 0.05
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        ({"hidden_act": "gelu_fast"}, r"c.json: 'hidden_act' is 'gelu_fast'; the planner counts .*: gelu, .*silu"),
+        ({"attention_dropout": 1.5}, r"'attention_dropout' \(a dropout probability\) must be a number in \[0, 1\)"),
+        ({"attention_dropout": "0.1"}, "found '0.1'"),
+    ],
+)
+def test_an_activation_or_dropout_the_planner_cannot_count_is_refused(change, needle):
+    with pytest.raises(ModelConfigError, match=needle):
+        spec_from_hf_dict({**LLAMA_TINY, **change}, "l", "c.json")
+
+
 def test_qwen2_is_llama_style():
     spec = spec_from_hf_dict({**LLAMA_TINY, "model_type": "qwen2", "num_key_value_heads": 2}, "q")
     assert (spec.family, spec.kv_heads) == ("llama", 2)

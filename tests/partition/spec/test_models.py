@@ -97,6 +97,11 @@ def test_gpt_with_own_mlp_width():
         ({"num_kv_heads": 1}, "grouped-query"),  # gpt has no GQA
         ({"family": "llama"}, "ffn_dim"),  # llama needs its MLP width
         ({"family": "llama", "ffn_dim": 8, "num_kv_heads": 3}, "multiple of num_kv_heads"),
+        ({"activation": "mish"}, r"activation 'mish' is not supported; supported: gelu, .*gelu_new"),
+        ({"resid_dropout": 1.0}, r"resid_dropout must be a probability in \[0, 1\), found 1.0"),
+        ({"attn_dropout": -0.1}, "attn_dropout"),
+        ({"embd_dropout": True}, "embd_dropout"),
+        ({"family": "llama", "ffn_dim": 8, "resid_dropout": 0.1}, "no embedding or residual dropout"),
     ],
 )
 def test_spec_rejects_bad_family_fields(kw, needle):
@@ -106,7 +111,9 @@ def test_spec_rejects_bad_family_fields(kw, needle):
 
 def test_old_spec_dicts_still_load():
     d = {"name": "x", "num_blocks": 2, "d_model": 8, "num_heads": 2, "seq_len": 4, "vocab_size": 16}
-    assert ModelSpec.from_dict(d).family == "gpt"
+    spec = ModelSpec.from_dict(d)
+    assert (spec.family, spec.act, spec.attn_dropout) == ("gpt", "gelu", 0.0)  # the built-in GPT's
+    assert ModelSpec.from_dict({**d, "family": "llama", "ffn_dim": 8}).act == "silu"
 
 
 @pytest.mark.parametrize("name", sorted(NOMINAL))
