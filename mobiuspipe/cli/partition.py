@@ -22,7 +22,7 @@ from partition.search import make_plan, predict_step
 from partition.spec.analytic import analytic_profile, dtype_bytes
 from partition.spec.hardware import topology_gpu_spec
 from partition.spec.lookup import get_model
-from partition.spec.lora import BASE_DTYPES, LoraShape, adapter_counts, default_targets, frozen_layers
+from partition.spec.lora import BASE_DTYPES, LoraShape, adapter_counts, adapter_kept, default_targets, frozen_layers
 from partition.spec.models import ModelSpec
 from partition.spec.profile import Profile, load_profile
 from topology import PRESETS, Topology, load_topology
@@ -77,6 +77,14 @@ def register(sub) -> None:
         help="with --lora: comma-separated linear layers that get adapters, named as PEFT's target_modules "
         "(e.g. q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj); default: PEFT's for the model "
         "(q_proj,v_proj for a llama, c_attn for a gpt)",
+    )
+    p.add_argument(
+        "--lora-dropout",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="with --lora: the adapters' dropout probability (PEFT's lora_dropout), which keeps each target's "
+        "dropped input and mask for backward (default 0)",
     )
     p.add_argument(
         "--reserve-gib",
@@ -185,7 +193,8 @@ def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile, Ho
             f"--reserve-gib {reserve / GiB:g} leaves no memory: the smallest gpu of topology "
             f"{topo.name!r} has {smallest / GiB:.2f} GiB; expected a reserve below that (default 1.0)"
         )
-    adapters = adapters_of(args, spec)
+    lora = lora_of(args, spec)
+    adapters = None if lora is None else adapter_counts(spec, lora)
     if args.profile and adapters is not None:
         raise CliError(
             "--lora with --profile: a profile file holds the layers it measured, adapters or not; expected one "
@@ -201,6 +210,7 @@ def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile, Ho
             dtype=args.dtype,
             adapters=adapters,
             frozen=frozen_layers(spec, dtype_bytes(args.dtype), args.base_dtype) if args.base_dtype else None,
+            adapter_kept=None if lora is None else adapter_kept(spec, lora, dtype_bytes(args.dtype)),
         )
     )
     budget = budget_of(args, topo)
@@ -220,23 +230,29 @@ def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile, Ho
     return plan, topo, profile, budget
 
 
-def adapters_of(args: argparse.Namespace, spec: ModelSpec) -> list[int] | None:
-    """The adapter parameters of each layer that --lora and --lora-targets ask for (None without --lora);
-    CliError for targets without --lora or a target that names no linear layer of the model."""
-    targets = getattr(args, "lora_targets", None)
+def lora_of(args: argparse.Namespace, spec: ModelSpec) -> LoraShape | None:
+    """The adapters --lora, --lora-targets and --lora-dropout ask for (None without --lora); CliError for those
+    flags without --lora, a dropout that is no probability or a target that names no linear layer of the model."""
+    targets, dropout = getattr(args, "lora_targets", None), getattr(args, "lora_dropout", 0.0)
     if args.lora is None:
         if targets:
             raise CliError(f"--lora-targets {targets!r} without --lora: give the adapters' rank, e.g. --lora 16")
+        if dropout:
+            raise CliError(f"--lora-dropout {dropout:g} without --lora: give the adapters' rank, e.g. --lora 16")
         if getattr(args, "base_dtype", None):
             raise CliError(
                 f"--base-dtype {args.base_dtype} without --lora: only a frozen base is quantized; add --lora"
             )
         return None
+    if not 0 <= dropout < 1:
+        raise CliError(f"--lora-dropout: expected a probability in [0, 1), found {dropout:g}")
     names = tuple(t.strip() for t in (targets or "").split(",") if t.strip()) or default_targets(spec)
+    lora = LoraShape(args.lora, names, dropout)
     try:
-        return adapter_counts(spec, LoraShape(args.lora, names))
+        adapter_counts(spec, lora)
     except ValueError as e:
         raise CliError(f"--lora-targets: {e}; give some of those names") from e
+    return lora
 
 
 def activation_tiers_of(args: argparse.Namespace) -> tuple[str, ...]:

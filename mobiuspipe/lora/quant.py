@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mobiuspipe.lora.layers import is_linear
-from partition.spec.lora import NF4_BLOCK, NF4_SCALER_BLOCK, nf4_quantizable
+from partition.spec.lora import DEQUANT_CHUNK, NF4_BLOCK, NF4_SCALER_BLOCK, nf4_quantizable
 
 __all__ = ["NF4Linear", "Int8Linear", "QUANTIZERS", "quantize_frozen", "quantized", "quantizable"]
 
@@ -41,12 +41,11 @@ def _nf4():
 
 
 def _int8():
-    """torchao's Int8Tensor and PerRow, and the dequantization its Int8Tensor.dequantize calls."""
+    """torchao's Int8Tensor and PerRow."""
     from torchao.quantization.granularity import PerRow
-    from torchao.quantization.quant_primitives import dequantize_affine
     from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor
 
-    return Int8Tensor, PerRow, dequantize_affine
+    return Int8Tensor, PerRow
 
 
 def quantizable(weight: torch.Tensor) -> bool:
@@ -86,7 +85,7 @@ class NF4Linear(nn.Module):
 
 def _nf4_weight(shape: tuple[int, ...], *codes_and_dtype) -> torch.Tensor:
     *codes, dtype = codes_and_dtype
-    return dequantize(shape, *codes).to(dtype)
+    return dequantize(shape, *codes, dtype=dtype)
 
 
 class Int8Linear(nn.Module):
@@ -95,7 +94,7 @@ class Int8Linear(nn.Module):
 
     def __init__(self, base: nn.Module):
         super().__init__()
-        int8_tensor, per_row, _ = _int8()
+        int8_tensor, per_row = _int8()
         weight = base.get_parameter("weight").detach()
         self.conv1d = not isinstance(base, nn.Linear)
         w = (weight.t() if self.conv1d else weight).to(torch.bfloat16).contiguous()  # [out, in]
@@ -119,30 +118,47 @@ class Int8Linear(nn.Module):
 
 
 def dequantize_int8(qdata: torch.Tensor, qscale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An int8 weight ([out, in]) dequantized to `dtype` as torchao's Int8Tensor.dequantize does (symmetric: no
-    zero point), over tensors wherever they are (the stage's weight slot)."""
-    dequantize_affine = _int8()[2]
-    scale = qscale.view(torch.float32)
-    return dequantize_affine(qdata, (1, qdata.shape[1]), scale, None, torch.int8, output_dtype=dtype)
+    """An int8 weight ([out, in]) dequantized to `dtype`, bit for bit as torchao's Int8Tensor.dequantize gives it
+    (each value times its row's float32 scale, computed in float32 and rounded once to `dtype`; symmetric: no zero
+    point), over tensors wherever they are (the stage's weight slot). In place in the result: the weight in `dtype`
+    is all it allocates (torchao's takes 7-9 bytes a weight: a copy, a float32 product, the cast)."""
+    w = qdata.to(dtype)  # exact: an int8 value fits each dtype's significand
+    return w.mul_(qscale.view(torch.float32).view(-1, 1))  # computed in float32, rounded once into w
 
 
-def dequantize(shape: tuple[int, ...], qdata, qscalers, qfactor, qmean, table) -> torch.Tensor:
-    """An NF4 weight of `shape` dequantized to bfloat16 by torchao's NF4Tensor.get_original_weight, over tensors
-    wherever they are (the stage's weight slot)."""
-    nf4, bf16 = _nf4(), torch.bfloat16
-    meta = nf4.SubclassTensorArgs(torch.Size(shape), (shape[1], 1), 0, bf16, qdata.device, False)
-    tensor = nf4.NF4Tensor(
-        meta,
-        NF4_BLOCK,
-        qdata.numel() * 2 // NF4_BLOCK,
-        NF4_SCALER_BLOCK,
-        qscalers,
-        qfactor.view(bf16),
-        qmean.view(bf16).reshape(()),
-        qdata,
-        table.to(bf16),  # a buffer: the stage holds it in the training dtype; its values are bf16's
-    )
-    return tensor.get_original_weight()
+def _pairs(table: torch.Tensor) -> torch.Tensor:
+    """The two bfloat16 values of every byte of NF4 codes (high nibble first, as torchao interleaves them): [256, 2]."""
+    byte = torch.arange(256, device=table.device)
+    return torch.stack([table[byte >> 4], table[byte & 0b1111]], dim=1).to(torch.bfloat16)
+
+
+def _scalers(qscalers: torch.Tensor, qfactor: torch.Tensor, qmean: torch.Tensor) -> torch.Tensor:
+    """Each block's bfloat16 scale, undoing the double quantization as torchao's NF4Tensor.dequantize_scalers does."""
+    bf16 = torch.bfloat16
+    blocks = qscalers.view(-1, NF4_SCALER_BLOCK) / qfactor.view(bf16).unsqueeze(-1)
+    return blocks.flatten().to(bf16) + qmean.view(bf16).reshape(())
+
+
+def dequantize(shape: tuple[int, ...], qdata, qscalers, qfactor, qmean, table, *, dtype=torch.bfloat16) -> torch.Tensor:
+    """An NF4 weight of `shape` dequantized to `dtype`, bit for bit as torchao's NF4Tensor.get_original_weight gives
+    it in bfloat16 (then cast), over tensors wherever they are (the stage's weight slot): each code byte looked up
+    as its two values, each block of NF4_BLOCK values times its bfloat16 scale (rounded once to bfloat16), written
+    into the result DEQUANT_CHUNK weights at a time (torchao's takes 14 bytes a weight: int64 codes, the values,
+    their products and the interleaving)."""
+    pairs, scalers = _pairs(table), _scalers(qscalers, qfactor, qmean)
+    out = torch.empty(shape, dtype=dtype, device=qdata.device)
+    for start in range(0, qdata.numel(), DEQUANT_CHUNK // 2):  # bytes of codes, two weights each
+        _dequantize_chunk(out.view(-1), qdata, start, pairs, scalers)
+    return out
+
+
+def _dequantize_chunk(out: torch.Tensor, qdata: torch.Tensor, start: int, pairs, scalers) -> None:
+    """The weights of the chunk of codes from byte `start` into `out` (flat); its temporaries end with the call."""
+    codes = qdata[start : start + DEQUANT_CHUNK // 2]
+    values = torch.index_select(pairs, 0, codes.int()).view(-1, NF4_BLOCK)
+    first = start * 2 // NF4_BLOCK
+    values.mul_(scalers[first : first + values.shape[0]].unsqueeze(-1))
+    out[start * 2 : start * 2 + values.numel()].copy_(values.view(-1))
 
 
 class _FrozenLinear(torch.autograd.Function):

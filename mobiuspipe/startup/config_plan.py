@@ -15,7 +15,7 @@ from foundation.units import MiB
 from mobiuspipe.config import DEFAULT_GPUS, RunConfig
 from mobiuspipe.errors import ConfigError
 from mobiuspipe.runtime.peers.ranks import local_world_size
-from mobiuspipe.startup.lora import adapter_counts, lora_spec
+from mobiuspipe.startup.lora import adapter_counts, adapter_kept, lora_spec
 from mobiuspipe.startup.machine import discovered_topology
 from mobiuspipe.startup.update_policy import UpdatePolicy
 from partition.plan import Plan, load_plan
@@ -24,7 +24,7 @@ from partition.rules.tiers import HostBudget, RunMemory
 from partition.search import plan_batch
 from partition.spec.analytic import analytic_profile, dtype_bytes
 from partition.spec.hardware import device_spec, topology_gpu_spec
-from partition.spec.lora import frozen_layers
+from partition.spec.lora import FrozenBase, frozen_layers
 from partition.spec.models import ModelSpec, layer_param_counts
 from partition.spec.profile import Profile
 from topology import Topology, cpu_standin, load_topology
@@ -110,16 +110,24 @@ def gpt_profile(cfg: RunConfig, microbatch_size: int | None = None) -> Profile:
         dtype=cfg.train.precision,
         adapters=adapters(cfg),
         frozen=frozen_base(cfg),
+        adapter_kept=kept_by_adapters(cfg),
     )
 
 
-def frozen_base(cfg: RunConfig) -> tuple[list[int], list[int]] | None:
-    """The items and bytes of each layer's frozen base when the run keeps it quantized (lora.base_dtype; None: in
-    the training dtype, or no LoRA)."""
+def frozen_base(cfg: RunConfig) -> FrozenBase | None:
+    """Each layer's frozen base when the run keeps it quantized (lora.base_dtype; None: in the training dtype, or no
+    LoRA)."""
     spec = lora_spec(cfg)
     if spec is None or spec.base_dtype is None:
         return None
     return frozen_layers(model_spec(cfg), dtype_bytes(cfg.train.precision), spec.base_dtype)
+
+
+@lru_cache(maxsize=8)
+def kept_by_adapters(cfg: RunConfig) -> tuple[int, ...] | None:
+    """The bytes a token each layer's LoRA adapters keep for backward in train.precision (None: no LoRA)."""
+    spec = lora_spec(cfg)
+    return None if spec is None else tuple(adapter_kept(cfg, spec, dtype_bytes(cfg.train.precision)))
 
 
 @lru_cache(maxsize=8)
@@ -241,12 +249,12 @@ def replan_advice(cfg: RunConfig, what: str) -> str:
 
 
 def _stage_problems(
-    plan: Plan, spec: ModelSpec, lora: Sequence[int] | None, frozen: tuple[list[int], list[int]] | None, replan: str
+    plan: Plan, spec: ModelSpec, lora: Sequence[int] | None, frozen: FrozenBase | None, replan: str
 ) -> list[Problem]:
     """Stages whose parameters in this model (with its LoRA adapters: `lora` per layer; its base kept as `frozen`
     says: items per layer) differ from the plan's (all of them, and those that train) or overflow its slot (one
     Problem)."""
-    base, size = (layer_param_counts(spec) if frozen is None else frozen[0]), dtype_bytes(plan.dtype)
+    base, size = (layer_param_counts(spec) if frozen is None else frozen.items), dtype_bytes(plan.dtype)
     trains = base if lora is None else lora
     counts = base if lora is None else [n + a for n, a in zip(base, lora)]
     wrong = []

@@ -13,14 +13,15 @@ from torch import nn
 
 from mobiuspipe.config import RunConfig
 from mobiuspipe.errors import ConfigError
-from mobiuspipe.lora.layers import Start, adapter_parameters, add_adapters, linear_names
+from mobiuspipe.lora.layers import A, LoraLinear, Start, adapter_parameters, add_adapters, linear_names
 from mobiuspipe.lora.peft_format import CONFIG, load_adapter, read_spec, save_adapter
 from mobiuspipe.lora.spec import LoraSpec, matches
 from mobiuspipe.models import gpt
 from mobiuspipe.models.hf import HFModel, open_hf, skeleton
 from mobiuspipe.models.hf_export import MARKER, adapter_layers, adapter_tensors, marker_text
+from partition.spec.lora import kept_per_token
 
-__all__ = ["lora_spec", "default_targets", "adapter_counts", "starting_adapters", "write_adapter"]
+__all__ = ["lora_spec", "default_targets", "adapter_counts", "adapter_kept", "starting_adapters", "write_adapter"]
 
 PEFT_DEFAULTS = {"llama": ("q_proj", "v_proj"), "mistral": ("q_proj", "v_proj"), "qwen2": ("q_proj", "v_proj")}
 """PEFT's target_modules when none are given, by model_type (its TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING);
@@ -84,6 +85,20 @@ def lora_spec(cfg: RunConfig) -> LoraSpec | None:
 def _meta_layer(cfg: RunConfig, hf: HFModel | None, l: int) -> nn.Module:
     with torch.device("meta"):
         return skeleton(hf, l) if hf is not None else gpt.skeleton(cfg.model.spec(), l)
+
+
+def adapter_kept(cfg: RunConfig, spec: LoraSpec, e: int) -> list[int]:
+    """The bytes a token the adapters of each layer keep for backward in a dtype of e bytes (partition.spec.lora's
+    k_l: A's outputs, and with dropout the dropped inputs and their masks), counted on the model's own layers built
+    on the meta device."""
+    hf, last = _hf(cfg), cfg.model.num_layers - 1
+    kept = {}
+    for l in sorted({0, min(1, last), last}):  # the blocks are alike
+        layer = _meta_layer(cfg, hf, l)
+        add_adapters(layer, spec)
+        adapters = [getattr(m, A) for m in layer.modules() if isinstance(m, LoraLinear)]
+        kept[l] = sum(kept_per_token(a.out_features, a.in_features, spec.dropout, e) for a in adapters)
+    return [kept[0]] + [kept[min(1, last)]] * (last - 1) + [kept[last]]
 
 
 def adapter_counts(cfg: RunConfig, spec: LoraSpec) -> list[int]:

@@ -69,11 +69,15 @@ Per microbatch: input_bytes and target_bytes 8*s*b (int64 token ids).
 With LoRA (a_l adapter parameters of layer l: partition.spec.lora.adapter_counts), the base's n_l parameters are
 frozen: param_count n_l + a_l, trainable_count a_l, param_bytes (n_l + a_l) * e; fwd_flops gains 2*b*s*a_l (the
 adapters' matmuls); the backward computes no weight gradient of the base, only its input gradient, so
-bwd_flops = (fwd_flops without the adapters) + 2 * 2*b*s*a_l (the adapters' input and weight gradients). The
-adapters' own saved activations (r values per token and target) are left out: under 1% of a block's at r <= 64.
+bwd_flops = (fwd_flops without the adapters) + 2 * 2*b*s*a_l (the adapters' input and weight gradients);
+activation_bytes gains s*b*k_l, what the adapters keep (partition.spec.lora.adapter_kept: A's outputs, and with
+dropout the dropped inputs and their masks). A frozen linear keeps no input of its own, which stays counted (an
+upper bound).
 With the base quantized (`frozen`: partition.spec.lora.frozen_layers), its items and bytes are those of the codes and
 scales (about 1 byte per weight of each linear layer in int8, 0.52 in NF4); its FLOPs are unchanged (the
-dequantized weight computes as the dense one; the dequantization's own work is left out).
+dequantized weight computes as the dense one; the dequantization's own work is left out); workspace_bytes (X_l) is
+what dequantizing the layer's largest weight allocates (partition.spec.lora.dequantized_bytes: the weight in the
+dtype, and NF4's chunk of temporaries). Elsewhere X_l = 0.
 LayerNorm, RMSNorm, SiLU/GELU and bias FLOPs are left out (under 1% of a block for h >= 512). mobiuspipe runs every
 model's attention through SDPA (the built-in GPT, and the Hugging Face layers through mobiuspipe.models.hf's
 attention function).
@@ -85,6 +89,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from partition.spec.hardware import MFU_DEFAULT, DeviceSpec
+from partition.spec.lora import FrozenBase
 from partition.spec.models import ACTIVATIONS, ModelSpec, block_matmul_params, layer_param_counts
 from partition.spec.profile import LayerProfile, Profile
 
@@ -166,18 +171,20 @@ def _embedding_act(spec: ModelSpec, e: int, s: int, b: int) -> int:
 
 
 def _with_adapters(
-    x: LayerProfile, a: int, e: int, tokens: int, rate: float, call_s: float, base: tuple[int, int] | None
+    x: LayerProfile, a: int, kept: int, e: int, tokens: int, rate: float, call_s: float, base: tuple[int, int, int]
 ) -> LayerProfile:
-    """Layer x with a adapter parameters beside its frozen ones (the legend's LoRA paragraph), the frozen ones kept
-    as `base` says (items, bytes; None: x's, in the dtype); tokens = b*s."""
+    """Layer x with a adapter parameters beside its frozen ones, keeping `kept` bytes a token (the legend's LoRA
+    paragraph), the frozen ones kept as `base` says (items, bytes, X_l); tokens = b*s."""
     adapter_flops = float(2 * tokens * a)
     fwd, bwd = x.fwd_flops + adapter_flops, x.fwd_flops + 2 * adapter_flops
-    items, nbytes = base if base is not None else (x.param_count, x.param_count * e)
+    items, nbytes, dequantized = base
     return replace(
         x,
         param_count=items + a,
         param_bytes=nbytes + a * e,
         trainable_count=a,
+        activation_bytes=x.activation_bytes + tokens * kept,
+        workspace_bytes=dequantized,
         fwd_flops=fwd,
         bwd_flops=bwd,
         fwd_s=fwd / rate + call_s,
@@ -192,11 +199,13 @@ def analytic_profile(
     dtype: str = "fp16",
     mfu: float = MFU_DEFAULT,
     adapters: Sequence[int] | None = None,
-    frozen: tuple[Sequence[int], Sequence[int]] | None = None,
+    frozen: FrozenBase | None = None,
+    adapter_kept: Sequence[int] | None = None,
 ) -> Profile:
     """Profile of `spec` on `device` for microbatches of `microbatch_size` sequences (see the legend); with
     `adapters` (a_l of every layer), of the model with those LoRA adapters, its base frozen, kept as `frozen`
-    says (items and bytes per layer: an int8 or NF4 base) or in the dtype."""
+    says (items and bytes per layer: an int8 or NF4 base) or in the dtype, the adapters keeping `adapter_kept`
+    bytes a token (k_l of every layer; None: 0)."""
     e = dtype_bytes(dtype)
     _check_args(microbatch_size, mfu)
     s, b, h, v = spec.seq_len, microbatch_size, spec.d_model, spec.vocab_size
@@ -214,8 +223,14 @@ def analytic_profile(
     if adapters is not None:
         if len(adapters) != len(layers):
             raise ValueError(f"adapters: expected a count for each of the {len(layers)} layers, found {len(adapters)}")
-        bases = list(zip(*frozen)) if frozen is not None else [None] * len(layers)
-        layers = tuple(_with_adapters(x, a, e, s * b, rate, c, z) for x, a, z in zip(layers, adapters, bases))
+        dense = [(x.param_count, x.param_count * e, 0) for x in layers]
+        bases = list(zip(frozen.items, frozen.nbytes, frozen.dequantized)) if frozen is not None else dense
+        kept = adapter_kept if adapter_kept is not None else [0] * len(layers)
+        if len(kept) != len(layers):
+            raise ValueError(f"adapter_kept: expected a count for each of the {len(layers)} layers, found {len(kept)}")
+        layers = tuple(
+            _with_adapters(x, a, k, e, s * b, rate, c, z) for x, a, k, z in zip(layers, adapters, kept, bases)
+        )
     return Profile(
         model=spec.name,
         device=device.name,

@@ -6,6 +6,10 @@ Legend (per layer l; units in brackets):
   a_l    adapter parameters of layer l: r (i + o) for each target linear layer of it
          (A is r x i, B is o x r; no biases)                                                 [-]
   n_l    the layer's own parameters (partition.spec.models.layer_param_counts): frozen     [-]
+  e      bytes per element of the training dtype                                            [bytes]
+  k_l    bytes a token the adapters of layer l keep for backward: for each target r * e (A's output, which B
+         keeps) and, with dropout, 2 * e * i (the dropped input, which A keeps, and the dropout's mask, at the
+         dtype's width as the CPU stand-in keeps it; a GPU keeps a byte: an upper bound)     [bytes]
 A frozen base kept quantized (BASE_DTYPES) keeps a linear weight of i x o values as:
   nf4    (where 16,384 divides i o) codes i o / 2, one int8 scale per 64 values, one bf16 factor per 256 scales,
          one bf16 mean: about 0.52 bytes per weight (nf4_numel, nf4_bytes)
@@ -30,16 +34,21 @@ __all__ = [
     "block_linears",
     "head_linears",
     "adapter_counts",
+    "adapter_kept",
+    "kept_per_token",
     "target_names",
     "default_targets",
     "BASE_DTYPES",
     "NF4_BLOCK",
     "NF4_SCALER_BLOCK",
     "nf4_quantizable",
+    "DEQUANT_CHUNK",
+    "dequantized_bytes",
     "nf4_numel",
     "nf4_bytes",
     "int8_numel",
     "int8_bytes",
+    "FrozenBase",
     "frozen_layers",
 ]
 
@@ -49,6 +58,8 @@ NF4_BLOCK = 64
 """Weights per NF4 block (one absmax scale each): QLoRA's 64 (torchao's default)."""
 NF4_SCALER_BLOCK = 256
 """Scales per block of NF4's second quantization (one factor each): QLoRA's 256."""
+DEQUANT_CHUNK = 1 << 20
+"""NF4 weights dequantized at a time (mobiuspipe.lora.quant.dequantize; a multiple of NF4_BLOCK)."""
 
 
 def nf4_quantizable(numel: int) -> bool:
@@ -80,6 +91,17 @@ def int8_bytes(in_features: int, out_features: int) -> int:
     return in_features * out_features + 4 * out_features
 
 
+def dequantized_bytes(numel: int, e: int, base_dtype: str) -> int:
+    """Bytes dequantizing a frozen weight of `numel` values kept in `base_dtype` allocates, its result in a dtype of
+    e bytes included (mobiuspipe.lora.quant; each forward, recompute and backward of its layer does it): int8 the
+    weight alone (converted, then scaled in place); NF4 the weight, its blocks' scales (numel / 64 bfloat16 values,
+    twice while they are made) and a chunk's int32 code indices and looked-up values (4 bytes a weight of at most
+    DEQUANT_CHUNK)."""
+    if base_dtype == "int8":
+        return e * numel
+    return e * numel + 2 * 2 * (numel // NF4_BLOCK) + 4 * min(numel, DEQUANT_CHUNK)
+
+
 def _kept(lin: Linear, base_dtype: str) -> tuple[int, int] | None:
     """(items, bytes) of a frozen linear weight kept in `base_dtype`; None where that form does not take it."""
     n = lin.in_features * lin.out_features
@@ -90,16 +112,19 @@ def _kept(lin: Linear, base_dtype: str) -> tuple[int, int] | None:
 
 @dataclass(frozen=True)
 class LoraShape:
-    """What the planner needs of a LoRA adapter: its rank and target module names."""
+    """What the planner needs of a LoRA adapter: its rank, target module names and dropout probability."""
 
     rank: int
     targets: tuple[str, ...]
+    dropout: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ValueError(f"LoRA rank: expected an integer >= 1, found {self.rank!r}")
         if not self.targets or not all(isinstance(t, str) and t for t in self.targets):
             raise ValueError(f"LoRA targets: expected module names such as q_proj or c_attn, found {self.targets!r}")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, int | float) or not 0 <= self.dropout < 1:
+            raise ValueError(f"LoRA dropout: expected a probability in [0, 1), found {self.dropout!r}")
         object.__setattr__(self, "targets", tuple(sorted(set(self.targets))))
 
 
@@ -167,22 +192,57 @@ def adapter_counts(spec: ModelSpec, lora: LoraShape) -> list[int]:
     return [0] + [count(block_linears(spec))] * spec.num_blocks + [count(head_linears(spec))]
 
 
-def frozen_layers(spec: ModelSpec, dtype_bytes: int, base_dtype: str = "nf4") -> tuple[list[int], list[int]]:
-    """(items, bytes) of each layer of `spec` with its block and head linear weights in `base_dtype` (one of
-    BASE_DTYPES) where that form takes them (the rest, biases, norms and embeddings in the dtype of `dtype_bytes`),
-    adapters left out: the frozen base as a LoRA run with that base_dtype keeps it."""
+def kept_per_token(rank: int, in_features: int, dropout: float, e: int) -> int:
+    """Bytes a token one adapter keeps for backward (k_l's term for one target of the legend)."""
+    return rank * e + (2 * e * in_features if dropout > 0 else 0)
+
+
+def adapter_kept(spec: ModelSpec, lora: LoraShape, e: int) -> list[int]:
+    """k_l of the legend for every layer of `spec`, embedding first (its targets checked by adapter_counts)."""
+
+    def kept(lins: tuple[Linear, ...]) -> int:
+        return sum(
+            kept_per_token(lora.rank, x.in_features, lora.dropout, e) for x in lins if x.targeted_by(lora.targets)
+        )
+
+    return [0] + [kept(block_linears(spec))] * spec.num_blocks + [kept(head_linears(spec))]
+
+
+@dataclass(frozen=True)
+class FrozenBase:
+    """How a LoRA run with a quantized base keeps each layer's frozen weights (embedding first; adapters left
+    out)."""
+
+    items: tuple[int, ...]
+    """Items of each layer: the quantized weights' codes and scales, the rest (biases, norms, embeddings) one each."""
+    nbytes: tuple[int, ...]
+    """Bytes of each layer, the rest in the training dtype."""
+    dequantized: tuple[int, ...]
+    """What dequantizing the layer's largest quantized weight allocates while the layer computes (dequantized_bytes;
+    0 where none is quantized): its X_l (partition.spec.profile)."""
+
+
+def frozen_layers(spec: ModelSpec, dtype_bytes: int, base_dtype: str = "nf4") -> FrozenBase:
+    """Each layer of `spec` with its block and head linear weights in `base_dtype` (one of BASE_DTYPES) where that
+    form takes them (the rest, biases, norms and embeddings in the dtype of `dtype_bytes`), adapters left out: the
+    frozen base as a LoRA run with that base_dtype keeps it."""
     if base_dtype not in BASE_DTYPES:
         raise ValueError(f"base_dtype: expected one of {', '.join(BASE_DTYPES)}, found {base_dtype!r}")
 
-    def shrink(lins: tuple[Linear, ...]) -> tuple[int, int]:
-        items = bytes_ = 0
+    def shrink(lins: tuple[Linear, ...]) -> tuple[int, int, int]:
+        items = bytes_ = most = 0
         for x in lins:
             n, kept = x.in_features * x.out_features, _kept(x, base_dtype)
             if kept is not None:
                 items, bytes_ = items + n - kept[0], bytes_ + n * dtype_bytes - kept[1]
-        return items, bytes_
+                most = max(most, dequantized_bytes(n, dtype_bytes, base_dtype))
+        return items, bytes_, most
 
     counts = layer_param_counts(spec)
     block, head = shrink(block_linears(spec)), shrink(head_linears(spec))
-    less = [(0, 0)] + [block] * spec.num_blocks + [head]
-    return [n - i for n, (i, _) in zip(counts, less)], [n * dtype_bytes - b for n, (_, b) in zip(counts, less)]
+    less = [(0, 0, 0)] + [block] * spec.num_blocks + [head]
+    return FrozenBase(
+        items=tuple(n - i for n, (i, _, _) in zip(counts, less)),
+        nbytes=tuple(n * dtype_bytes - b for n, (_, b, _) in zip(counts, less)),
+        dequantized=tuple(x for _, _, x in less),
+    )

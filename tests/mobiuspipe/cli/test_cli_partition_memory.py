@@ -173,6 +173,10 @@ def test_lora_options_are_checked(capsys):
     assert code == 0 and "LoRA: 8,388,608 parameters train (the adapters); the frozen base, 12.55 GiB," in out
     code, _, err = run(base + ["--base-dtype", "nf4"], capsys)
     assert code == 2 and "--base-dtype nf4 without --lora" in err
+    code, _, err = run(base + ["--lora-dropout", "0.1"], capsys)
+    assert code == 2 and "--lora-dropout 0.1 without --lora" in err
+    code, _, err = run(base + ["--lora", "8", "--lora-dropout", "1"], capsys)
+    assert code == 2 and "--lora-dropout: expected a probability in [0, 1), found 1" in err
 
 
 ARGV_70B = ["partition", "--model", "llama2-70b", "--topology", "2+2", "--host-memory-gb", "128", "--solver", "dp"]

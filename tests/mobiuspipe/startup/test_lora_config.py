@@ -150,7 +150,7 @@ def test_a_quantized_bases_items_and_bytes_are_the_tables(tmp_path, hf_kit, base
     nbytes = [
         sum(p.numel() * (4 if p.is_floating_point() else p.element_size()) for p in x.parameters()) for x in layers
     ]
-    assert items == [n + k for n, k in zip(base[0], a)] and nbytes == [b + 4 * k for b, k in zip(base[1], a)]
+    assert items == [n + k for n, k in zip(base.items, a)] and nbytes == [b + 4 * k for b, k in zip(base.nbytes, a)]
     from partition.spec.models import layer_param_counts
 
     assert nbytes[1] < most * 4 * layer_param_counts(model_spec(cfg))[1]  # the block's projections quantized

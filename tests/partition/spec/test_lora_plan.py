@@ -10,7 +10,7 @@ from partition.search import make_plan
 from partition.sim.stages import sim_stages
 from partition.spec.analytic import analytic_profile
 from partition.spec.hardware import DeviceSpec
-from partition.spec.lora import LoraShape, adapter_counts, default_targets
+from partition.spec.lora import LoraShape, adapter_counts, adapter_kept, default_targets, frozen_layers
 from partition.spec.models import MODELS, ModelSpec
 from topology import cpu_standin
 
@@ -56,6 +56,25 @@ def test_the_analytic_profile_of_an_adapted_model():
     assert plain.layers[1].trains == plain.layers[1].param_count and lora.layers[1].trains == 64
     with pytest.raises(ValueError, match="a count for each of the 4 layers"):
         analytic_profile(TINY, DEV, adapters=[0, 1])
+
+
+def test_what_the_adapters_keep_by_hand():
+    """A's output (r * e a token) per target and, with dropout, the dropped input and its mask (2 * e * i)."""
+    every = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+    # fp16, rank 3: 7 block targets, inputs 12 (six of them) and 7 (down_proj); the head's lm_head reads 12
+    assert adapter_kept(LLAMA, LoraShape(3, every), 2) == [0, 42, 42, 42, 6]
+    block = 42 + 2 * 2 * (6 * 12 + 7)
+    assert adapter_kept(LLAMA, LoraShape(3, every, dropout=0.05), 2) == [0, block, block, block, 6 + 2 * 2 * 12]
+    a = adapter_counts(TINY, LoraShape(2, ("c_fc",)))
+    kept = adapter_kept(TINY, LoraShape(2, ("c_fc",), dropout=0.1), 4)  # 2 * 4 + 2 * 4 * 8 = 72
+    assert kept == [0, 72, 72, 0]
+    plain = analytic_profile(TINY, DEV, microbatch_size=3, dtype="fp32", adapters=a)
+    lora = analytic_profile(TINY, DEV, microbatch_size=3, dtype="fp32", adapters=a, adapter_kept=kept)
+    assert [y.activation_bytes - x.activation_bytes for x, y in zip(plain.layers, lora.layers)] == [0, 864, 864, 0]
+    with pytest.raises(ValueError, match="adapter_kept: expected a count for each of the 4 layers, found 2"):
+        analytic_profile(TINY, DEV, adapters=a, adapter_kept=[0, 1])
+    with pytest.raises(ValueError, match=r"LoRA dropout: expected a probability in \[0, 1\), found 1"):
+        LoraShape(2, ("c_fc",), dropout=1)
 
 
 def _plans():
@@ -142,3 +161,18 @@ def test_the_baselines_under_lora_train_the_adapters_alone():
     arr = LayerArrays.of(lora)
     n, t = arr.param_count(1, 3), arr.trainable(1, 3)
     assert gpipe_stage_bytes(arr, 1, 3, 0) == 16 * t + 2 * (n - t) + arr.activations(1, 3)
+
+
+def test_a_quantized_base_counts_its_dequantized_weight_while_a_layer_computes():
+    """X_l: dequantizing the layer's largest weight allocates it in the dtype (int8) and NF4's chunk of temporaries
+    and its blocks' scales; the profile's X is the largest (llama2-70b: the head's 8192 x 32000)."""
+    spec = MODELS["llama2-70b"]
+    a = adapter_counts(spec, LoraShape(16, ("q_proj", "v_proj")))
+    mlp, head = 8192 * 28672, 8192 * 32000
+    for base_dtype, e, x in (("nf4", 2, lambda n: 2 * n + 4 * (n // 64) + 4 * (1 << 20)), ("int8", 4, lambda n: 4 * n)):
+        frozen = frozen_layers(spec, e, base_dtype)
+        assert frozen.dequantized == (0,) + (x(mlp),) * 80 + (x(head),)
+        dtype = "bf16" if e == 2 else "fp32"
+        p = analytic_profile(spec, DEV, dtype=dtype, adapters=a, frozen=frozen)
+        assert [y.workspace_bytes for y in p.layers] == list(frozen.dequantized) and p.workspace_bytes == x(head)
+    assert analytic_profile(spec, DEV, dtype="bf16", adapters=a).workspace_bytes == 0  # a dense base: no X
