@@ -12,7 +12,8 @@ Legend (for ONE microbatch; units in brackets):
   V    vocab_size                                                                      [-]
   e    bytes per element: 2 for fp16/bf16, 4 for fp32                                  [bytes]
   n_l  parameters of layer l (partition.spec.models.layer_param_counts)                     [-]
-  R    = peak_tflops * 1e12 * mfu: sustained rate of the device                        [FLOP/s]
+  R    = tflops(dtype) * 1e12 * mfu: sustained rate of the device in the run's dtype   [FLOP/s]
+       (partition.spec.hardware.DeviceSpec.tflops: the fp16/bf16 tensor rate, or fp32's on CUDA cores)
 
 Per layer l (names "embedding", "block", "head"):
   param_bytes       n_l * e
@@ -209,7 +210,7 @@ def analytic_profile(
     e = dtype_bytes(dtype)
     _check_args(microbatch_size, mfu)
     s, b, h, v = spec.seq_len, microbatch_size, spec.d_model, spec.vocab_size
-    rate = device.peak_tflops * 1e12 * mfu
+    rate = device.tflops(dtype) * 1e12 * mfu
     counts = layer_param_counts(spec)
     hidden = s * b * h * e
     block_act = _block_act(spec, e, s, b, device.fused_attention_dropout)

@@ -14,6 +14,10 @@ so their figure is half of the headline number. Sources (vendor documents):
   H200 SXM             NVIDIA H200 Tensor Core GPU datasheet, "BF16 Tensor Core" 1,979 with sparsity -> 989
                        dense; 141 GB (NVML's name "NVIDIA H200", seen with 143,771 MiB)
   V100 SXM2            NVIDIA Tesla V100 datasheet, "Tensor Performance": 125
+fp32_tflops is the dense fp32 rate on CUDA cores (non-tensor), what an fp32 run's matmuls get: torch leaves TF32
+off for matmuls by default and mobiuspipe does not turn it on. Sources: the same documents' FP32 rows: 3090 35.6;
+3090 Ti 84 SMs x 128 FP32 units x 2 x 1.86 GHz = 40.0; 4090 82.6; A100 19.5; H100 PCIe 51, SXM5 67; H200 67;
+V100 15.7.
 PCIe per direction: 3.0 x16 = 8 GT/s x 16 x 128/130 / 8 = 15.75 GB/s; 4.0 x16 = 31.5; 5.0 x16 = 63.0.
 Memory is the marketing size in GiB, what NVML reports up to a few MiB of reserve.
 """
@@ -58,17 +62,27 @@ class DeviceSpec:
     """Seconds each layer's forward call costs beyond its FLOPs as mobiuspipe runs it (the Python of the call: the
     parameter views, functional_call, the saved-tensor hooks; the backward runs in autograd's engine), charged to
     every forward and recompute [s]. A GPU's is 0: its launches overlap the kernels queued before them."""
+    fp32_tflops: float = 0.0
+    """Dense fp32 throughput without tensor cores, 1e12 FLOP/s (an fp32 run's rate); 0: unknown (a GPU the table
+    does not list: its fp32 plans use peak_tflops, an optimistic rate)."""
     fused_attention_dropout: bool = True
     """The device's SDPA has fused kernels that apply dropout (CUDA's flash and memory-efficient kernels, which keep
     the random generator's state, not a mask); False: attention with dropout runs the math kernel, which keeps the
     (b, a, s, s) probabilities (the CPU's flash kernel takes no dropout)."""
 
     def __post_init__(self) -> None:
+        if not self.fp32_tflops >= 0:
+            raise ValueError(f"device {self.name!r}: fp32_tflops must be >= 0 (0: unknown), found {self.fp32_tflops}")
         if not self.peak_tflops > 0 or not self.pcie_gbps > 0 or self.memory_bytes < 0 or not self.forward_call_s >= 0:
             raise ValueError(
                 f"device {self.name!r}: need peak_tflops > 0, pcie_gbps > 0, memory_bytes >= 0 and forward_call_s "
                 f">= 0, found {self.peak_tflops}, {self.pcie_gbps}, {self.memory_bytes} and {self.forward_call_s}"
             )
+
+    def tflops(self, dtype: str) -> float:
+        """The matmul rate a run in `dtype` ("fp16", "bf16", "fp32") gets, 1e12 FLOP/s: fp32_tflops for fp32 where
+        known, else peak_tflops."""
+        return self.fp32_tflops if dtype == "fp32" and self.fp32_tflops > 0 else self.peak_tflops
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -79,17 +93,17 @@ class DeviceSpec:
 
 
 _TABLE = (
-    DeviceSpec("NVIDIA GeForce RTX 3090", 71.0, 24 * GiB, _PCIE4),
-    DeviceSpec("NVIDIA GeForce RTX 3090 Ti", 80.0, 24 * GiB, _PCIE4),
-    DeviceSpec("NVIDIA GeForce RTX 4090", 165.2, 24 * GiB, _PCIE4),
-    DeviceSpec("Tesla V100-SXM2-32GB", 125.0, 32 * GiB, _PCIE3),
-    DeviceSpec("NVIDIA A100-SXM4-40GB", 312.0, 40 * GiB, _PCIE4),
-    DeviceSpec("NVIDIA A100-SXM4-80GB", 312.0, 80 * GiB, _PCIE4),
-    DeviceSpec("NVIDIA A100-PCIE-40GB", 312.0, 40 * GiB, _PCIE4),
-    DeviceSpec("NVIDIA A100 80GB PCIe", 312.0, 80 * GiB, _PCIE4),
-    DeviceSpec("NVIDIA H100 PCIe", 756.0, 80 * GiB, _PCIE5),
-    DeviceSpec("NVIDIA H100 80GB HBM3", 989.0, 80 * GiB, _PCIE5),
-    DeviceSpec("NVIDIA H200", 989.0, 141 * GiB, _PCIE5),
+    DeviceSpec("NVIDIA GeForce RTX 3090", 71.0, 24 * GiB, _PCIE4, fp32_tflops=35.6),
+    DeviceSpec("NVIDIA GeForce RTX 3090 Ti", 80.0, 24 * GiB, _PCIE4, fp32_tflops=40.0),
+    DeviceSpec("NVIDIA GeForce RTX 4090", 165.2, 24 * GiB, _PCIE4, fp32_tflops=82.6),
+    DeviceSpec("Tesla V100-SXM2-32GB", 125.0, 32 * GiB, _PCIE3, fp32_tflops=15.7),
+    DeviceSpec("NVIDIA A100-SXM4-40GB", 312.0, 40 * GiB, _PCIE4, fp32_tflops=19.5),
+    DeviceSpec("NVIDIA A100-SXM4-80GB", 312.0, 80 * GiB, _PCIE4, fp32_tflops=19.5),
+    DeviceSpec("NVIDIA A100-PCIE-40GB", 312.0, 40 * GiB, _PCIE4, fp32_tflops=19.5),
+    DeviceSpec("NVIDIA A100 80GB PCIe", 312.0, 80 * GiB, _PCIE4, fp32_tflops=19.5),
+    DeviceSpec("NVIDIA H100 PCIe", 756.0, 80 * GiB, _PCIE5, fp32_tflops=51.0),
+    DeviceSpec("NVIDIA H100 80GB HBM3", 989.0, 80 * GiB, _PCIE5, fp32_tflops=67.0),
+    DeviceSpec("NVIDIA H200", 989.0, 141 * GiB, _PCIE5, fp32_tflops=67.0),
     # A CPU pretending to be a GPU (CI, laptops): ~50 GFLOPS of fp32 matmul on a few cores; its memory
     # budget comes from the topology (the stand-in's arena), its "link" is a memcpy. Each layer's forward costs
     # STANDIN_FORWARD_CALL_S beyond its FLOPs.

@@ -119,3 +119,16 @@ def test_llama2_70b_on_a100():
     norm, attention, mlp = 4 * h + 2 * 2 * h + 4, 2 * (2 * h + 2 * 8 * 128), 2 * 28672 * 4
     assert blk.activation_bytes == s * (2 * norm + attention + mlp) + 4 * 64 * s + 2 * 2 * 128 * s
     assert 1.0 < blk.fwd_flops / 1e12 < 10.0  # ~7.3 TFLOP per block and sequence
+
+
+def test_an_fp32_profile_runs_at_the_fp32_rate_where_the_table_knows_it():
+    """Without TF32 an fp32 matmul runs on CUDA cores: an A100's 19.5 TFLOP/s, not its 312 of bf16 tensor cores; a
+    device without an fp32 figure (a layout's, the probe's: bf16) keeps its one rate."""
+    a100 = device_spec("A100-SXM4-80GB")
+    f, b = (analytic_profile(TINY, a100, microbatch_size=3, dtype=d, mfu=0.5) for d in ("fp32", "bf16"))
+    assert f.layers[1].fwd_flops == b.layers[1].fwd_flops
+    assert f.layers[1].fwd_s == pytest.approx(f.layers[1].fwd_flops / (19.5e12 * 0.5), rel=1e-12)
+    assert b.layers[1].fwd_s == pytest.approx(b.layers[1].fwd_flops / (312e12 * 0.5), rel=1e-12)
+    assert (a100.tflops("fp32"), a100.tflops("fp16"), DEV.tflops("fp32")) == (19.5, 312.0, 1.0)
+    with pytest.raises(ValueError, match="fp32_tflops must be >= 0"):
+        DeviceSpec("x", 1.0, 0, 1.0, fp32_tflops=-1.0)
