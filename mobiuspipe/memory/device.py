@@ -25,7 +25,22 @@ from mobiuspipe.memory.streams import CopyHandle, CopyStream
 from mobiuspipe.standin import StandInError, strict
 from mobiuspipe.standin.places import gpu_of, on_gpu, on_host, plain
 
-__all__ = ["Device", "CopyHandle", "CopyStream"]
+__all__ = ["Device", "CopyHandle", "CopyStream", "PIN_COPY_LIMIT", "upload_route"]
+
+PIN_COPY_LIMIT = 16 << 20
+"""Bytes up to which Device.to_device takes a pageable host tensor through torch's pinned allocator (a block rounded
+up to a power of two and kept in its cache: small ones only); a larger one is copied from pageable memory."""
+
+
+def upload_route(t: torch.Tensor) -> str:
+    """How Device.to_device copies host tensor t on CUDA: "pinned" (t is page-locked: read in place, the host does not
+    wait), "pin" (a pageable t up to PIN_COPY_LIMIT: through torch's pinned allocator, the host does not wait) or
+    "pageable" (larger: from pageable memory, the host waiting until the stream has passed the copy; a stage's
+    states at start-up or from a checkpoint would otherwise take blocks of up to twice their size that stay
+    page-locked in torch's cache, counted by no budget)."""
+    if t.is_pinned():
+        return "pinned"
+    return "pin" if t.numel() * t.element_size() <= PIN_COPY_LIMIT else "pageable"
 
 
 def deterministic_kernels() -> None:
@@ -121,14 +136,15 @@ class Device:
         return self.place(torch.empty(shape, dtype=dtype, device=self.torch_device))
 
     def to_device(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """A copy of host tensor t in this gpu's memory (in dtype, if given), ordered on the calling thread's stream.
-        On CUDA it does not block the host: t goes through pinned memory (the pinned block is kept until the copy
-        ends), where a pageable source would make the copy wait for everything queued on the stream. A t that is
-        pinned already is read in place, after this returns: the caller must not change it until the stream has
-        passed the copy."""
+        """A copy of host tensor t in this gpu's memory (in dtype, if given), ordered on the calling thread's stream,
+        by upload_route: on CUDA a small or pinned t does not block the host (a small one goes through torch's pinned
+        memory, its block kept until the copy ends; a pinned one is read in place after this returns: the caller must
+        not change it until the stream has passed the copy); a large pageable one (a stage's states at start-up or
+        from a checkpoint) blocks the host until the stream has passed the copy."""
         if self.is_cuda:
-            src = t if t.is_pinned() else t.pin_memory()
-            return src.to(self.torch_device, dtype=dtype or t.dtype, non_blocking=True)
+            route = upload_route(t)
+            src = t.pin_memory() if route == "pin" else t
+            return src.to(self.torch_device, dtype=dtype or t.dtype, non_blocking=route != "pageable")
         return self.place(plain(t).to(dtype=dtype or t.dtype, copy=True))
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
