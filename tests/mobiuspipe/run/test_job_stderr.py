@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -64,6 +65,29 @@ def test_a_long_traceback_watched_for_signals_reaches_the_terminal_whole():
     pump.finish(quiet=False)
     os.close(wake_write)
     assert out.getvalue() == b"".join(lines)
+
+
+@pytest.mark.xfail(strict=True, reason="defect: a line in a burst never waits for the signal it reports")
+def test_a_line_that_reports_a_signal_waits_for_it_within_a_burst():
+    """Under load the launcher can run after its job has reacted to the same Ctrl-C: a rank's "Fatal Python error"
+    (interrupted while importing), torchrun's "Received 2 death signal", a KeyboardInterrupt. Such a line waits for
+    the signal (its wakeup byte here 0.2 s late) even inside a burst, so it and what follows are held."""
+    read, write = os.pipe()
+    wake_read, wake_write = os.pipe()
+    out = io.BytesIO()
+    pump = JobStderr(os.fdopen(read, "rb"), out, lambda: False)
+    pump.watch(wake_read, (signal.SIGINT,))
+    late = threading.Timer(0.3, lambda: os.write(wake_write, bytes([signal.SIGINT])))
+    with os.fdopen(write, "wb") as w:
+        w.write(b"step 0\n")  # after a quiet spell: waits GRACE_S, nothing comes
+        w.flush()
+        time.sleep(0.1)  # the lines below are a burst
+        late.start()
+        w.write(b"Fatal Python error: init_import_site: Failed to import the site module\nKeyboardInterrupt\n")
+    late.join()
+    pump.finish(quiet=True)
+    os.close(wake_write)
+    assert out.getvalue() == b"step 0\n"
 
 
 RUN = {
