@@ -23,6 +23,12 @@ GRACE_S = 0.05
 (seconds); the lines of a burst that follows only look (a traceback is not slowed down line by line)."""
 QUIET_S = 0.5
 """A line that comes this long after the one before starts a burst (seconds)."""
+SIGNAL_WORDS = (b"death signal", b"got signal", b"KeyboardInterrupt", b"Fatal Python error", b"SIGINT", b"SIGTERM")
+"""Words of a line that reports a signal (torchrun's "Received 2 death signal" and SignalException, an interpreter
+interrupted as it imports): such a line waits for the signal's wakeup byte SIGNAL_GRACE_S even inside a burst."""
+SIGNAL_GRACE_S = 1.0
+"""How long a line that reports a signal waits for it (seconds): under load the launcher can run well after its
+job has reacted to the same Ctrl-C."""
 DRAIN_S = 5.0
 """How long to wait, once torchrun has ended, for the last lines of its ranks (seconds)."""
 
@@ -51,13 +57,13 @@ class JobStderr:
         os.set_blocking(fd, False)
         self._wakeup, self._signals = fd, signals
 
-    def _signalled(self, wait: bool) -> bool:
-        """Whether a watched signal has arrived, waiting up to GRACE_S for one when `wait`: a Ctrl-C reaches this
-        process and the job together, and the job's first lines about it can come before this process has run."""
+    def _signalled(self, wait_s: float) -> bool:
+        """Whether a watched signal has arrived, waiting up to wait_s for one: a Ctrl-C reaches this process and the
+        job together, and the job's first lines about it can come before this process has run."""
         if self._wakeup is None:
             return False
         try:
-            select.select([self._wakeup], [], [], GRACE_S if wait else 0.0)
+            select.select([self._wakeup], [], [], wait_s)
             arrived = os.read(self._wakeup, 64)
         except (OSError, ValueError):  # none arrived (BlockingIOError), or finish() closed the pipe
             return False
@@ -67,7 +73,7 @@ class JobStderr:
         last = 0.0
         for line in iter(pipe.readline, b""):
             now = time.monotonic()
-            self._holding = self._holding or self._signalled(now - last > QUIET_S) or self._explained()
+            self._holding = self._holding or self._signalled(_grace(line, now - last)) or self._explained()
             last = now
             if self._holding:
                 self._held.append(line)
@@ -85,3 +91,10 @@ class JobStderr:
         shown = [line for line in self._held if line.startswith(OWN_PREFIX)] if quiet else self._held
         self._out.write(b"".join(shown))
         self._out.flush()
+
+
+def _grace(line: bytes, since_last_s: float) -> float:
+    """How long `line` waits for a signal: SIGNAL_GRACE_S if it reports one, GRACE_S if it starts a burst, else 0."""
+    if any(word in line for word in SIGNAL_WORDS):
+        return SIGNAL_GRACE_S
+    return GRACE_S if since_last_s > QUIET_S else 0.0

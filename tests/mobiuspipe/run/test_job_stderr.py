@@ -67,7 +67,6 @@ def test_a_long_traceback_watched_for_signals_reaches_the_terminal_whole():
     assert out.getvalue() == b"".join(lines)
 
 
-@pytest.mark.xfail(strict=True, reason="defect: a line in a burst never waits for the signal it reports")
 def test_a_line_that_reports_a_signal_waits_for_it_within_a_burst():
     """Under load the launcher can run after its job has reacted to the same Ctrl-C: a rank's "Fatal Python error"
     (interrupted while importing), torchrun's "Received 2 death signal", a KeyboardInterrupt. Such a line waits for
