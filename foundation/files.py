@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import yaml
 
 from foundation.checked import Problem, format_problems, join_key
 
-__all__ = ["read_file", "write_file", "dump_text", "StrictLoader", "StrictDumper"]
+__all__ = ["read_file", "write_file", "write_text_whole", "fsync_folder", "dump_text", "StrictLoader", "StrictDumper"]
 
 _FLOAT_TAG = "tag:yaml.org,2002:float"
 _EXPONENT_FLOAT = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
@@ -183,7 +184,41 @@ def dump_text(data: Any, suffix: str, header: str = "") -> str:
 
 
 def write_file(data: Any, path: str | os.PathLike, header: str = "") -> Path:
-    """Write plain data as dump_text gives it for the path's suffix; OSError when the file cannot be written."""
+    """Write plain data as dump_text gives it for the path's suffix, replacing the file whole (write_text_whole);
+    OSError when the file cannot be written."""
     path = Path(path)
-    path.write_text(dump_text(data, path.suffix, header), encoding="utf-8")
+    write_text_whole(path, dump_text(data, path.suffix, header))
     return path
+
+
+def write_text_whole(path: str | os.PathLike, text: str) -> None:
+    """Write `text` (UTF-8) into `path` through a file beside it, flushed to the disk, that then replaces it (a
+    symlink's target; the old file's permissions kept): a write that fails (a full disk) leaves the file as it was
+    and no partial file. OSError when it cannot be written."""
+    path = Path(path).resolve()
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        if path.exists():
+            os.chmod(tmp, stat.S_IMODE(path.stat().st_mode))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_folder(path.parent)
+
+
+def fsync_folder(folder: str | os.PathLike) -> None:
+    """Flush a folder's entries to the disk (after a rename in it), where the file system allows it."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # a file system that cannot sync a folder (EINVAL): the rename stands as the system keeps it
+        pass
+    finally:
+        os.close(fd)

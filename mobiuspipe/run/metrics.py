@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
+from foundation.files import fsync_folder
 from foundation.units import MiB, fmt_bytes
 from mobiuspipe.run.flops import rate
 from mobiuspipe.run.tb_events import EventLog
@@ -177,6 +178,7 @@ def _keep_records_before(path: Path, first_step: int) -> None:
             new.flush()
             os.fsync(new.fileno())
         os.replace(tmp, path)
+        fsync_folder(path.parent)
     except OSError as e:
         raise OSError(
             e.errno,

@@ -25,6 +25,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from foundation.errors import UserError
+from foundation.files import write_text_whole
 from foundation.timing import Stopwatch
 from foundation.units import fmt_bytes
 from mobiuspipe.checkpoint import CheckpointError
@@ -213,7 +214,7 @@ def _write_records(cfg: RunConfig, pipe: Pipeline) -> None:
     if out is None or pipe.rank != 0:
         return
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(cfg.to_yaml())
+    write_text_whole(out / "config.yaml", cfg.to_yaml())  # a resume writes over it: whole or not at all
     save_plan(pipe.plan, out / "plan.yaml")
 
 

@@ -22,7 +22,6 @@ except OSError as e:
 """
 
 
-@pytest.mark.xfail(strict=True, reason="defect: write_file truncates the file, then writes it in place")
 @pytest.mark.parametrize("name", ["config.yaml", "plan.json"])
 def test_a_write_that_fails_partway_leaves_the_file_as_it_was(tmp_path, name):
     path = tmp_path / name
