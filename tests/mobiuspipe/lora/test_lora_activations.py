@@ -20,15 +20,20 @@ TARGETS = {
     "gpt2": ["c_attn", "c_proj", "c_fc"],
     "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
 }
+"""Every linear layer of a block; None in a test: PEFT's defaults (qkv, c_attn; q_proj and v_proj)."""
+LOWEST = 0.95
+"""The least share of its count an adapted layer keeps on the stand-in: the count follows what the frozen base keeps
+(no input of a frozen linear layer unless an adapter or another op keeps it, no frozen norm's normalized values)."""
 SIZES = {
     "gpt2": dict(n_embd=40, n_head=5, n_inner=72, n_layer=2, n_positions=S, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0),
     "llama": dict(hidden_size=40, intermediate_size=67, num_attention_heads=4, num_key_value_heads=2),
 }
 
 
-def _run(tmp_path, hf_kit, kind: str, dropout: float, precision: str):
-    """The config's profile and its layers as a rank builds them, adapted and in the training dtype."""
-    lora = {"rank": 4, "targets": TARGETS[kind], "dropout": dropout}
+def _run(tmp_path, hf_kit, kind: str, dropout: float, precision: str, every: bool = True):
+    """The config's profile and its layers as a rank builds them, adapted (every linear layer of a block, or PEFT's
+    default targets) and in the training dtype."""
+    lora = {"rank": 4, "dropout": dropout} | ({"targets": TARGETS[kind]} if every else {})
     if kind == "gpt":
         model = {"num_blocks": 2, "d_model": 40, "num_heads": 5, "seq_len": S, "vocab_size": VOCAB}
     else:
@@ -47,13 +52,16 @@ def _run(tmp_path, hf_kit, kind: str, dropout: float, precision: str):
     return cfg, [layer.to(TORCH_DTYPES[precision]).train() for layer in made]
 
 
+@pytest.mark.xfail(strict=True, reason="the count keeps what only a trained base keeps (a frozen linear's input)")
+@pytest.mark.parametrize("every", [True, False])
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 @pytest.mark.parametrize("kind", ["gpt", "gpt2", "llama"])
-def test_an_adapted_layer_keeps_at_most_what_the_plan_counts(tmp_path, hf_kit, kind, dropout, precision):
+def test_an_adapted_layer_keeps_what_the_plan_counts(tmp_path, hf_kit, kind, dropout, precision, every):
     """An adapter keeps its A's output (r values a token, which B keeps) and, with dropout, the dropped input (A
-    keeps it) and the mask; the frozen base keeps no input of its own."""
-    cfg, layers = _run(tmp_path, hf_kit, kind, dropout, precision)
+    keeps it) and the mask; the frozen base keeps no input of its own, its norms no normalized values, its
+    embedding nothing: each layer keeps [LOWEST, 1] of its count (the embedding none)."""
+    cfg, layers = _run(tmp_path, hf_kit, kind, dropout, precision, every)
     g = torch.Generator().manual_seed(4)
     x, y = (torch.randint(0, VOCAB, (B, S), generator=g) for _ in range(2))
     measured = measure_layers(
@@ -71,7 +79,8 @@ def test_an_adapted_layer_keeps_at_most_what_the_plan_counts(tmp_path, hf_kit, k
         max_repeats=1,
     ).profile.layers
     counted = gpt_profile(cfg, microbatch_size=B).layers
-    for l, (got, want) in enumerate(zip(measured, counted, strict=True)):
-        assert got.activation_bytes <= want.activation_bytes, (
+    assert measured[0].activation_bytes == counted[0].activation_bytes == 0  # a frozen embedding
+    for l, (got, want) in enumerate(zip(measured[1:], counted[1:], strict=True), start=1):
+        assert LOWEST * want.activation_bytes <= got.activation_bytes <= want.activation_bytes, (
             f"layer {l} ({got.name}): kept {got.activation_bytes} B, counted {want.activation_bytes} B"
         )
