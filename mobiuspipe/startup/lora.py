@@ -13,13 +13,14 @@ from torch import nn
 
 from mobiuspipe.config import RunConfig
 from mobiuspipe.errors import ConfigError
-from mobiuspipe.lora.layers import A, LoraLinear, Start, adapter_parameters, add_adapters, linear_names
+from mobiuspipe.lora.layers import Start, adapter_parameters, add_adapters, linear_names
 from mobiuspipe.lora.peft_format import CONFIG, load_adapter, read_spec, save_adapter
 from mobiuspipe.lora.spec import LoraSpec, matches
 from mobiuspipe.models import gpt
 from mobiuspipe.models.hf import HFModel, open_hf, skeleton
 from mobiuspipe.models.hf_export import MARKER, adapter_layers, adapter_tensors, marker_text
-from partition.spec.lora import kept_per_token
+from partition.spec.lora import LoraShape
+from partition.spec.lora import adapter_kept as table_kept
 
 __all__ = ["lora_spec", "default_targets", "adapter_counts", "adapter_kept", "starting_adapters", "write_adapter"]
 
@@ -87,18 +88,19 @@ def _meta_layer(cfg: RunConfig, hf: HFModel | None, l: int) -> nn.Module:
         return skeleton(hf, l) if hf is not None else gpt.skeleton(cfg.model.spec(), l)
 
 
+BUILT_IN_NAMES = {"qkv": "attn.c_attn", "proj": "attn.c_proj", "fc": "mlp.c_fc", "out": "mlp.c_proj", "lm": "lm_head"}
+"""The built-in GPT's linear layers -> the names partition.spec.lora gives them (GPT-2's)."""
+
+
 def adapter_kept(cfg: RunConfig, spec: LoraSpec, e: int) -> list[int]:
-    """The bytes a token the adapters of each layer keep for backward in a dtype of e bytes (partition.spec.lora's
-    k_l: A's outputs, and with dropout the dropped inputs and their masks), counted on the model's own layers built
-    on the meta device."""
-    hf, last = _hf(cfg), cfg.model.num_layers - 1
-    kept = {}
-    for l in sorted({0, min(1, last), last}):  # the blocks are alike
-        layer = _meta_layer(cfg, hf, l)
-        add_adapters(layer, spec)
-        adapters = [getattr(m, A) for m in layer.modules() if isinstance(m, LoraLinear)]
-        kept[l] = sum(kept_per_token(a.out_features, a.in_features, spec.dropout, e) for a in adapters)
-    return [kept[0]] + [kept[min(1, last)]] * (last - 1) + [kept[last]]
+    """partition.spec.lora's k_l of each layer of the config's model in a dtype of e bytes: what its adapters keep
+    for backward, less what its frozen base does not (a Hugging Face model's linear layers have the table's names;
+    the built-in GPT's are translated)."""
+    hf = _hf(cfg)
+    if hf is not None:
+        return table_kept(hf.spec, LoraShape(spec.rank, spec.targets, spec.dropout), e)
+    targets = tuple(name for ours, name in BUILT_IN_NAMES.items() if matches(ours, spec.targets))
+    return table_kept(cfg.model.spec(), LoraShape(spec.rank, targets, spec.dropout), e)
 
 
 def adapter_counts(cfg: RunConfig, spec: LoraSpec) -> list[int]:

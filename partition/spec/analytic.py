@@ -71,9 +71,9 @@ With LoRA (a_l adapter parameters of layer l: partition.spec.lora.adapter_counts
 frozen: param_count n_l + a_l, trainable_count a_l, param_bytes (n_l + a_l) * e; fwd_flops gains 2*b*s*a_l (the
 adapters' matmuls); the backward computes no weight gradient of the base, only its input gradient, so
 bwd_flops = (fwd_flops without the adapters) + 2 * 2*b*s*a_l (the adapters' input and weight gradients);
-activation_bytes gains s*b*k_l, what the adapters keep (partition.spec.lora.adapter_kept: A's outputs, and with
-dropout the dropped inputs and their masks). A frozen linear keeps no input of its own, which stays counted (an
-upper bound).
+activation_bytes gains s*b*k_l (partition.spec.lora.adapter_kept: what the adapters keep, A's outputs and with
+dropout the dropped inputs and their masks, less what a frozen base does not keep: the inputs of its linear layers
+that no adapter or other op keeps, its RMSNorms' normalized values); the embedding, frozen, keeps nothing.
 With the base quantized (`frozen`: partition.spec.lora.frozen_layers), its items and bytes are those of the codes and
 scales (about 1 byte per weight of each linear layer in int8, 0.52 in NF4); its FLOPs are unchanged (the
 dequantized weight computes as the dense one; the dequantization's own work is left out); workspace_bytes (X_l) is
@@ -232,6 +232,7 @@ def analytic_profile(
         layers = tuple(
             _with_adapters(x, a, k, e, s * b, rate, c, z) for x, a, k, z in zip(layers, adapters, kept, bases)
         )
+        layers = (replace(layers[0], activation_bytes=0), *layers[1:])  # a frozen embedding
     return Profile(
         model=spec.name,
         device=device.name,

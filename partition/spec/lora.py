@@ -7,9 +7,16 @@ Legend (per layer l; units in brackets):
          (A is r x i, B is o x r; no biases)                                                 [-]
   n_l    the layer's own parameters (partition.spec.models.layer_param_counts): frozen     [-]
   e      bytes per element of the training dtype                                            [bytes]
-  k_l    bytes a token the adapters of layer l keep for backward: for each target r * e (A's output, which B
-         keeps) and, with dropout, 2 * e * i (the dropped input, which A keeps, and the dropout's mask, at the
-         dtype's width as the CPU stand-in keeps it; a GPU keeps a byte: an upper bound)     [bytes]
+  k_l    bytes a token LoRA changes in what layer l keeps for backward from the count of a trained layer
+         (partition.spec.analytic; negative: less) [bytes]:
+           + for each target r * e (A's output, which B keeps) and, with dropout, 2 * e * i (the dropped input,
+             which A keeps, and the dropout's mask, at the dtype's width as the CPU stand-in keeps it; a GPU keeps
+             a byte: an upper bound)
+           - e * i for each input of the layer's linear layers that nothing keeps once the base is frozen: a
+             frozen linear keeps no input (autograd saves it for the weight's gradient), an adapter keeps it where
+             it has no dropout, another op where it reads it too (LinearInput.kept_anyway)
+           - e * h for each RMSNorm (llama: two a block, one in the head): a frozen one keeps no normalized values
+         (The frozen embedding keeps nothing: the analytic profile's LoRA paragraph.)
 A frozen base kept quantized (BASE_DTYPES) keeps a linear weight of i x o values as:
   nf4    (where 16,384 divides i o) codes i o / 2, one int8 scale per 64 values, one bf16 factor per 256 scales,
          one bf16 mean: about 0.52 bytes per weight (nf4_numel, nf4_bytes)
@@ -36,6 +43,8 @@ __all__ = [
     "adapter_counts",
     "adapter_kept",
     "kept_per_token",
+    "LinearInput",
+    "block_inputs",
     "target_names",
     "default_targets",
     "BASE_DTYPES",
@@ -197,15 +206,48 @@ def kept_per_token(rank: int, in_features: int, dropout: float, e: int) -> int:
     return rank * e + (2 * e * in_features if dropout > 0 else 0)
 
 
+@dataclass(frozen=True)
+class LinearInput:
+    """An input of a layer's linear layers: its width, the linear layers that read it (names as Linear's) and
+    whether another op of the layer keeps it anyway (attention's output, which SDPA keeps; relu's output)."""
+
+    width: int
+    readers: tuple[str, ...]
+    kept_anyway: bool = False
+
+
+def block_inputs(spec: ModelSpec) -> tuple[LinearInput, ...]:
+    """The inputs of a block's linear layers (see LinearInput)."""
+    h, f = spec.d_model, spec.ffn
+    if spec.family == "llama":
+        return (
+            LinearInput(h, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+            LinearInput(h, ("self_attn.o_proj",), kept_anyway=True),
+            LinearInput(h, ("mlp.gate_proj", "mlp.up_proj")),
+            LinearInput(f, ("mlp.down_proj",)),
+        )
+    return (
+        LinearInput(h, ("attn.c_attn",)),
+        LinearInput(h, ("attn.c_proj",), kept_anyway=True),
+        LinearInput(h, ("mlp.c_fc",)),
+        LinearInput(f, ("mlp.c_proj",), kept_anyway=spec.act == "relu"),
+    )
+
+
 def adapter_kept(spec: ModelSpec, lora: LoraShape, e: int) -> list[int]:
     """k_l of the legend for every layer of `spec`, embedding first (its targets checked by adapter_counts)."""
+    rms = spec.family == "llama"
 
-    def kept(lins: tuple[Linear, ...]) -> int:
-        return sum(
-            kept_per_token(lora.rank, x.in_features, lora.dropout, e) for x in lins if x.targeted_by(lora.targets)
-        )
+    def kept(lins: tuple[Linear, ...], inputs: tuple[LinearInput, ...], norms: int) -> int:
+        targets = {x.name for x in lins if x.targeted_by(lora.targets)}
+        adds = sum(kept_per_token(lora.rank, x.in_features, lora.dropout, e) for x in lins if x.name in targets)
+        by_adapter = lora.dropout == 0  # an adapter with dropout keeps its own dropped copy, not the input
+        dropped = [i for i in inputs if not i.kept_anyway and not (by_adapter and targets & set(i.readers))]
+        return adds - e * sum(i.width for i in dropped) - norms * e * spec.d_model
 
-    return [0] + [kept(block_linears(spec))] * spec.num_blocks + [kept(head_linears(spec))]
+    head = (LinearInput(spec.d_model, ("lm_head",)),)
+    block = kept(block_linears(spec), block_inputs(spec), 2 if rms else 0)
+    return [0] + [block] * spec.num_blocks + [kept(head_linears(spec), head, 1 if rms else 0)]
 
 
 @dataclass(frozen=True)

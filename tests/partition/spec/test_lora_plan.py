@@ -59,18 +59,32 @@ def test_the_analytic_profile_of_an_adapted_model():
 
 
 def test_what_the_adapters_keep_by_hand():
-    """A's output (r * e a token) per target and, with dropout, the dropped input and its mask (2 * e * i)."""
+    """A's output (r * e a token) per target and, with dropout, the dropped input and its mask (2 * e * i); less each
+    input of a linear layer nothing keeps once the base is frozen (e * i) and a frozen RMSNorm's normalized values
+    (e * h)."""
     every = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
-    # fp16, rank 3: 7 block targets, inputs 12 (six of them) and 7 (down_proj); the head's lm_head reads 12
-    assert adapter_kept(LLAMA, LoraShape(3, every), 2) == [0, 42, 42, 42, 6]
-    block = 42 + 2 * 2 * (6 * 12 + 7)
-    assert adapter_kept(LLAMA, LoraShape(3, every, dropout=0.05), 2) == [0, block, block, block, 6 + 2 * 2 * 12]
+    # fp16, rank 3, h 12: 7 block targets (r * e = 6 each) keep every input; the two RMSNorms keep 2 * 2 * 12 less;
+    # the head: lm_head's 6, its norm 24 less
+    assert adapter_kept(LLAMA, LoraShape(3, every), 2) == [0, 42 - 48, 42 - 48, 42 - 48, 6 - 24]
+    # with dropout each target keeps its own dropped input and mask (inputs 12, six of them, and 7): + 2 * 2 * 79; the
+    # inputs themselves (q/k/v's, gate/up's, down's: 12 + 12 + 7) are kept by nothing (o_proj's is SDPA's output)
+    block = 42 + 2 * 2 * (6 * 12 + 7) - 2 * (12 + 12 + 7) - 48
+    head = 6 + 2 * 2 * 12 - 2 * 12 - 24
+    assert adapter_kept(LLAMA, LoraShape(3, every, dropout=0.05), 2) == [0, block, block, block, head]
     a = adapter_counts(TINY, LoraShape(2, ("c_fc",)))
-    kept = adapter_kept(TINY, LoraShape(2, ("c_fc",), dropout=0.1), 4)  # 2 * 4 + 2 * 4 * 8 = 72
-    assert kept == [0, 72, 72, 0]
+    # fp32, h 8, f 32: c_fc's 2 * 4 + 2 * 4 * 8 = 72; c_attn's, c_fc's (dropped) and mlp.c_proj's inputs nothing
+    # keeps: 4 * (8 + 8 + 32); the head's lm_head input: 4 * 8
+    kept = adapter_kept(TINY, LoraShape(2, ("c_fc",), dropout=0.1), 4)
+    assert kept == [0, 72 - 192, 72 - 192, -32]
     plain = analytic_profile(TINY, DEV, microbatch_size=3, dtype="fp32", adapters=a)
     lora = analytic_profile(TINY, DEV, microbatch_size=3, dtype="fp32", adapters=a, adapter_kept=kept)
-    assert [y.activation_bytes - x.activation_bytes for x, y in zip(plain.layers, lora.layers)] == [0, 864, 864, 0]
+    assert [y.activation_bytes - x.activation_bytes for x, y in zip(plain.layers, lora.layers)] == [
+        0,
+        -1440,
+        -1440,
+        -384,
+    ]
+    assert plain.layers[0].activation_bytes == 0  # the frozen embedding keeps nothing
     with pytest.raises(ValueError, match="adapter_kept: expected a count for each of the 4 layers, found 2"):
         analytic_profile(TINY, DEV, adapters=a, adapter_kept=[0, 1])
     with pytest.raises(ValueError, match=r"LoRA dropout: expected a probability in \[0, 1\), found 1"):
