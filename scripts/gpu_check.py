@@ -298,6 +298,12 @@ def quantized_lora(t: Table, device: torch.device, steps: int) -> None:
         t.add(f"LoRA, {base_dtype} base{where}, vs plain PyTorch", rel <= 1e-5, f"losses within {rel:.1e}", "<= 1e-5")
 
 
+def hf_counts(t: Table, device: torch.device, folder: Path) -> None:
+    """What Hugging Face layers keep for backward on this device's kernels within what the plan counts."""
+    for name, ratio in runs.hf_kept(device, folder):
+        t.add(f"HF {name}: kept within the count", ratio <= 1.0, f"{ratio:.3f} of it at most", "<= 1")
+
+
 def gpu_tests(t: Table, cuda: bool) -> None:
     """The gpu-marked tests (pytest -m gpu): on a GPU they run (the CUDA clock, NVML, the probe)."""
     if not cuda:
@@ -447,6 +453,7 @@ def main() -> int:
         small = runs.UPDATES_SIZE if cuda else size
         t.guarded("updates", updates, t, small, device, topology, Path(tmp), args.steps)
         t.guarded("LoRA over a quantized base", quantized_lora, t, device, args.steps)
+        t.guarded("HF layers' kept bytes", hf_counts, t, device, Path(tmp))
         t.guarded("two ranks", two_ranks, t, Path(tmp), torch.cuda.device_count() if cuda else 2, cuda)
     t.save()
     failed = t.failed()

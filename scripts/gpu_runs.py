@@ -394,3 +394,45 @@ def lora_runs(
                 p.copy_(w.detach())
         want.append(total)
     return got, want
+
+
+def hf_kept(device: torch.device, folder: Path) -> list[tuple[str, float]]:
+    """What small random GPT-2 (its default dropouts) and Llama (grouped queries) layers keep for backward on
+    `device` (measure_layers: saved-tensor hooks) over what the analytic profile counts, the most of any layer, for
+    bf16 and fp32: [(name, ratio)]; at most 1 where the count holds on this device's kernels."""
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+
+    from mobiuspipe.models.hf import layer_factories as hf_factories
+    from mobiuspipe.models.hf import open_hf
+    from partition.spec.analytic import analytic_profile
+    from partition.spec.hardware import DeviceSpec, device_spec
+
+    s, b, vocab = 256, 2, 1000
+    configs = {
+        "gpt2": GPT2Config(vocab_size=vocab, n_embd=256, n_layer=1, n_head=4, n_positions=s, bos_token_id=0,
+                           eos_token_id=0),
+        "llama": LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=688, num_hidden_layers=1,
+                             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=s),
+    }  # fmt: skip
+    cuda = device.type == "cuda"  # a GPU's kernels fuse attention's dropout; its rate does not matter here
+    spec_device = DeviceSpec(torch.cuda.get_device_name(device), 1.0, 0, 1.0) if cuda else device_spec("cpu-standin")
+    out = []
+    for kind, config in configs.items():
+        AutoModelForCausalLM.from_config(config).save_pretrained(str(folder / kind))
+        m = open_hf(folder / kind, s)
+        x, y = torch.randint(0, vocab, (b, s)), torch.randint(0, vocab, (b, s), device=device)
+        for dtype in ("bf16", "fp32"):
+            layers = [f().to(TORCH_DTYPES[dtype]).train() for f in hf_factories(m)]
+            kw = dict(name=kind, device_name=spec_device.name, dtype_name=dtype, microbatch_size=b, seq_len=s)
+            loss = partial(_float_loss, targets=y)
+            measured = measure_profile(layers, x, device=device, loss_fn=loss, warmup=0, min_repeats=1, max_repeats=1,
+                                       **kw)  # fmt: skip
+            counted = analytic_profile(m.spec, spec_device, microbatch_size=b, dtype=dtype)
+            ratios = [g.activation_bytes / c.activation_bytes for g, c in zip(measured.layers, counted.layers) if c]
+            out.append((f"{kind} {dtype}", max(ratios)))
+    return out
+
+
+def _float_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The runtime's loss: on fp32 logits."""
+    return lm_loss(logits.float(), targets)

@@ -33,6 +33,7 @@ def test_gpu_check_passes_on_the_strict_stand_ins(tmp_path):
     assert checks["a stopped rank is named"]["ok"] is True
     assert checks["LoRA, int8 base, vs plain PyTorch"]["ok"] and checks["LoRA, nf4 base, vs plain PyTorch"]["ok"]
     assert checks["LoRA, nf4 base, states on the gpu, vs plain PyTorch"]["ok"]
+    assert all(checks[f"HF {m} {p}: kept within the count"]["ok"] for m in ("gpt2", "llama") for p in ("bf16", "fp32"))
     assert (
         checks["fp32 clipped: speculated updates = waiting ones"]["ok"]
         and checks["fp32 clipped vs plain PyTorch"]["figure"] == "bit-identical"
