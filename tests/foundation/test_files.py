@@ -42,3 +42,17 @@ def test_a_write_replaces_the_file_and_reads_back(tmp_path):
     write_file({"a": 2, "b": "x"}, path)
     assert read_file(path, where="a", error=ValueError, fix="-") == {"a": 2, "b": "x"}
     assert [p.name for p in tmp_path.iterdir()] == ["a.yaml"]
+
+
+def test_a_write_over_a_symlink_writes_its_target_and_keeps_the_files_permissions(tmp_path):
+    """A plan or layout kept elsewhere and linked into a run folder stays linked; a file made private stays so."""
+    target = tmp_path / "shared" / "plan.yaml"
+    target.parent.mkdir()
+    write_file({"a": 1}, target)
+    target.chmod(0o600)
+    link = tmp_path / "plan.yaml"
+    link.symlink_to(target)
+    write_file({"a": 2}, link)
+    assert link.is_symlink() and link.resolve() == target
+    assert target.read_text() == "a: 2\n" and target.stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in target.parent.iterdir()) == ["plan.yaml"]
