@@ -2,12 +2,13 @@
 
 Copies run on streams of their own (mobiuspipe.memory.streams), one per direction so that loads and swap-ins
 (host -> device) run beside swap-outs and offloads (device -> host); a copy between host memory and a peer
-gpu's memory runs on a stream of that gpu (peer_stream), since CUDA runs it there. A thread that does device
-work (issues copies, waits on their events) must first bind itself to the gpu (bind_thread, or make it with
-executor): a new CUDA thread's current device is 0 whatever rank it serves. Under MOBIUSPIPE_STRICT=1 the
-stand-in refuses device work from a thread bound to another gpu (or to none, on gpus other than 0), marks
-the tensors it places (mobiuspipe.standin.places), and refuses a copy between host memory and another gpu's
-memory on this gpu's streams.
+gpu's memory runs on a stream of that gpu (peer_stream), since CUDA runs it there. The SSD weights' loads and
+gradient offloads run as jobs off the compute thread (stream_in, stream_out) that issue their copies group by
+group. A thread that does device work (issues copies, waits on their events) must first bind itself to the gpu
+(bind_thread, or make it with executor): a new CUDA thread's current device is 0 whatever rank it serves. Under
+MOBIUSPIPE_STRICT=1 the stand-in refuses device work from a thread bound to another gpu (or to none, on gpus
+other than 0), marks the tensors it places (mobiuspipe.standin.places), and refuses a copy between host memory
+and another gpu's memory on this gpu's streams.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -65,6 +66,7 @@ class Device:
         self._out = CopyStream(local_rank, self.is_cuda, "copy-out", self.compute, self._check_thread)
         self._peers: dict[int, CopyStream] = {}
         self._loader: ThreadPoolExecutor | None = None  # CUDA: runs stream_in's jobs; made on first use
+        self._offloader: ThreadPoolExecutor | None = None  # CUDA: runs stream_out's jobs; made on first use
         self._pinned = PinnedBlocks(*cuda_registration()) if self.is_cuda else None
         """CUDA: the page-locked buffers of pin and host_empty, of their own size (mobiuspipe.memory.pinned)."""
 
@@ -203,6 +205,39 @@ class Device:
             self._loader = self.executor("ssd-loader")
         return CopyHandle(future=self._loader.submit(on_stream), check=self._check_thread)
 
+    def stream_out(
+        self, job: Callable[[Callable[[torch.Tensor, torch.Tensor], object], Callable[[], None]], None]
+    ) -> tuple[CopyHandle, Future]:
+        """Run job(copy, copied) off the compute thread, where copy(dst, src) moves device memory src (written by the
+        compute queued so far) into host memory dst and returns once dst holds it (an offloader fills a few staging
+        buffers in turn and writes them to the SSD), and copied() says the job's last copy off the device has ended.
+        Returns (copies, whole): `copies` ends at copied() (or with the job): src's memory may be reused after it
+        (an arena slot's release mark); `whole` is the job's future (what reads the job's output waits for it)."""
+        self._check_thread("a copy off the device")
+        copies: Future = Future()
+
+        def run(copy: Callable[[torch.Tensor, torch.Tensor], object]) -> None:
+            def copied() -> None:
+                if not copies.done():
+                    copies.set_result(None)
+
+            try:
+                job(copy, copied)
+            except BaseException as e:
+                if not copies.done():
+                    copies.set_exception(e)
+                raise
+            copied()
+
+        if not self.is_cuda:
+            whole = self._out.submit(lambda: run(lambda dst, src: dst.copy_(src)))
+            return CopyHandle(future=copies, check=self._check_thread), whole
+        ready = self._computed()  # src is written by the compute queued until now
+        if self._offloader is None:
+            self._offloader = self.executor("ssd-offloader")
+        whole = self._offloader.submit(run, lambda dst, src: self._out.copy(dst, src, (), ready).synchronize())
+        return CopyHandle(future=copies, check=self._check_thread), whole
+
     def computed(self) -> CopyHandle:
         """A mark after the compute queued so far: a copy `after` it waits for that compute (a released slot's last
         users). On the stand-in, whose compute is synchronous, it has ended already."""
@@ -236,10 +271,11 @@ class Device:
             torch.cuda.synchronize(self.torch_device)
 
     def close(self) -> None:
+        for worker in (self._loader, self._offloader):  # their jobs issue copies on the streams
+            if worker is not None:
+                worker.shutdown(wait=True)
         for stream in (self._in, self._out, *self._peers.values()):
             stream.close()
-        if self._loader is not None:
-            self._loader.shutdown(wait=True)
         if self._pinned is not None:
             torch.cuda.synchronize(self.torch_device)  # no copy reads or fills a buffer any more
             self._pinned.close()

@@ -58,7 +58,10 @@ class CopyHandle:
         return self._event is None or self._event.query()
 
     def _follow(self, stream: torch.cuda.Stream) -> None:
-        """Make a CUDA stream wait for this copy."""
+        """Make a CUDA stream wait for this copy: a job's (Device.stream_in, stream_out) by waiting on the host for
+        the job, whose copies have ended when it has (as the stand-in's copies wait for it)."""
+        if self._future is not None:
+            self._future.result()
         if self._event is not None:
             stream.wait_event(self._event)
 
@@ -107,8 +110,12 @@ class CopyStream:
 
     def run(self, job: Callable[[], None]) -> CopyHandle:
         """The stand-in only: job() on the stream's thread, in order with its copies."""
+        return CopyHandle(future=self.submit(job), check=self._check)
+
+    def submit(self, job: Callable[[], None]) -> Future:
+        """The stand-in only: job() on the stream's thread, in order with its copies; its future."""
         assert self._thread is not None, "a CUDA stream runs no host jobs"
-        return CopyHandle(future=self._thread.submit(job), check=self._check)
+        return self._thread.submit(job)
 
     def close(self) -> None:
         if self._thread is not None:

@@ -37,6 +37,9 @@ weights while updating (with two versions, the update has four of its own)."""
 Copy = Callable[[torch.Tensor, torch.Tensor], object]
 """copy(dst on the device, src in a staging buffer): returns once src may be reused."""
 
+CopyOut = Callable[[torch.Tensor, torch.Tensor], object]
+"""copy(dst a staging buffer, src on the device): returns once dst holds src."""
+
 
 class SsdRecords:
     """A flat tensor kept in the store as w records of group_elems elements each, streamed into the device by
@@ -166,26 +169,37 @@ class SsdWeights(SsdRecords):
 
     # -- OFFLOAD ------------------------------------------------------------------------------------
     def save_grads(
-        self, src: torch.Tensor, check_finite: bool, accumulate: bool = False, norm: bool = False, version: int = 0
+        self,
+        src: torch.Tensor,
+        copy: CopyOut,
+        check_finite: bool,
+        accumulate: bool = False,
+        norm: bool = False,
+        version: int = 0,
+        copied: Callable[[], None] = lambda: None,
     ) -> None:
-        """Write src (the stage's flat gradient, in the device dtype) as the d records of `version`, or add it to them
-        (accumulate: each record read, added to, written); on the way, with check_finite, note whether the
-        result is all finite (fp16's overflow check, which then needs no second read; a pass the other
-        dtypes do not pay), and with norm its squared L2 norm (self.sumsq, float64)."""
+        """Write src (the stage's flat gradient on the device, in the device dtype; copy moves each group's part off
+        it) as the d records of `version`, or add it to them (accumulate: each record read, added to, written);
+        copied() once the last part is off the device. On the way, with check_finite, note whether the result is
+        all finite (fp16's overflow check, which then needs no second read; a pass the other dtypes do not pay),
+        and with norm its squared L2 norm (self.sumsq, float64)."""
         self.finite = True if check_finite else None
         self.sumsq = 0.0 if norm else None
         self._taken = version
+        last = len(self.groups) - 1
 
         def fill(i: int, buf: torch.Tensor) -> None:
             part = self._slice(src, i)
-            if accumulate:  # src is device memory: copied to the host first, then added there
+            if accumulate:  # copied to the host first, then added there
                 out = self.buffers[i % len(self.buffers)][: self.record_elems[i]]
                 self.store.get(self._key("d", i, version), out=out)
                 incoming = self._incoming()[: part.numel()]
-                incoming.copy_(part)
+                copy(incoming, part)
                 buf.add_(incoming)
             else:
-                buf.copy_(part)
+                copy(buf, part)
+            if i == last:
+                copied()
             if self.finite is not None:
                 self.finite = self.finite and all_finite(buf)
             if self.sumsq is not None:

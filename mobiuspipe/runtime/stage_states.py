@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -347,33 +348,59 @@ class SsdStreamStates:
         self.stream = SsdWeights(tier.store, f"{prefix}/lowp", flat.to(dtype), groups, host_empty, versions)
         self.sumsq: float | None = None
         self._lr = self.optimizer.lr  # before a tentative step
+        self._offload: Future | None = None
+        """The last gradient offload (Device.stream_out's job): what reads the d records or the staging buffers
+        waits for it (_settle)."""
 
     def load_into(
         self, dst: torch.Tensor, device: Device, after: Sequence[CopyHandle] = (), version: int = 0
     ) -> CopyHandle:
-        return device.stream_in(lambda copy: self.stream.load_into(dst, copy, version), after, computed=False)
+        """As HostStates.load_into, streamed from the w records; after the offload in flight, which uses the same
+        staging buffers (waited for off the compute thread)."""
+
+        def job(copy) -> None:
+            self._settle()
+            self.stream.load_into(dst, copy, version)
+
+        return device.stream_in(job, after, computed=False)
 
     def take_grads(
         self, src: torch.Tensor, device: Device, accumulate: bool = False, norm: bool = False, into: int = 0
-    ) -> None:
-        """Write the gradients to their SSD records (version `into`) through the staging buffers (the copy off the
-        device is done when this returns: None, no copy in flight)."""
+    ) -> CopyHandle:
+        """Start writing the gradients to their SSD records (version `into`) through the staging buffers, off the
+        compute thread (Device.stream_out: group by group, each copied off the device on the copy-out stream, then
+        written); whoever reads them (the update, the norm, the overflow check, a tied exchange) waits for that.
+        Returns the copies off the device (src's slot is free once they have ended)."""
         fp16 = src.dtype == torch.float16  # only fp16 asks grads_finite
-        self.stream.save_grads(src, check_finite=fp16, accumulate=accumulate, norm=norm, version=into)
-        self.sumsq = self.stream.sumsq
+
+        def job(copy, copied) -> None:
+            self.stream.save_grads(src, copy, fp16, accumulate, norm, into, copied)
+            self.sumsq = self.stream.sumsq
+
+        copies, self._offload = device.stream_out(job)
+        return copies
+
+    def _settle(self) -> None:
+        """Wait for the gradient offload in flight, if any (raising its error)."""
+        if self._offload is not None:
+            self._offload.result()
 
     def grad_sumsq(self) -> float:
+        self._settle()
         return self.sumsq or 0.0
 
     def grads_finite(self) -> bool:
+        self._settle()
         if self.stream.finite is None:
             raise RuntimeError("the gradient's finiteness is checked on the way to SSD in fp16 training only")
         return self.stream.finite
 
     def grad_slice(self, offset: int, n: int) -> torch.Tensor:
+        self._settle()
         return self.stream.read_grads(offset, n)
 
     def add_grads(self, offset: int, t: torch.Tensor) -> None:
+        self._settle()
         self.stream.add_grads(offset, t)
 
     speculates = True
@@ -383,6 +410,7 @@ class SsdStreamStates:
     ) -> None:
         """HostStates.step, streamed; tentative: the optimizer states and the weights are written beside the records
         they replace once settle_tentative keeps them (no byte more is read or written)."""
+        self._settle()
         self._lr = self.optimizer.lr
         if lr is not None:
             self.optimizer.lr = lr
@@ -408,14 +436,17 @@ class SsdStreamStates:
 
     def import_state(self, tensors: dict[str, torch.Tensor], extra: dict, link_dir: Path | None = None) -> None:
         _import_ooc(self.optimizer, tensors, extra, link_dir)
+        self._settle()
         self.stream.rewrite(self.master_weights().to(self.stream.dtype))
 
     def version(self, i: int) -> torch.Tensor:
         """A host copy of version i of the weights the device loads (read from its records)."""
+        self._settle()
         return self.stream.read(i)
 
     def set_version(self, i: int, weights: torch.Tensor) -> None:
         """Write `weights` as version i of the weights the device loads (a resumed delayed run's lagging weights)."""
+        self._settle()
         self.stream.rewrite(weights, i)
 
 

@@ -79,10 +79,14 @@ def test_the_ssd_weight_stream_stages_through_the_devices_buffers(monkeypatch, t
         record = 1024 * 4
         assert device.asked == [record] * BUFFERS * versions
         g1, g2 = torch.randn(3000), torch.randn(3000)
-        stream.save_grads(g1, check_finite=True)
-        stream.save_grads(g2, check_finite=True, accumulate=True)
+        stream.save_grads(g1, _copy, check_finite=True)
+        stream.save_grads(g2, _copy, check_finite=True, accumulate=True)
         assert device.asked == [record] * (BUFFERS * versions + 1)
         assert torch.equal(stream.read_grads(0, 3000), g1 + g2) and torch.equal(stream.read(), weights)
     finally:
         store.close()
         device.close()
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)

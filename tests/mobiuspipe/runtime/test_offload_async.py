@@ -105,7 +105,6 @@ def ssd_stream(held_stream, tmp_path):
         states.grad_sumsq()  # the offload in flight ends before the store closes
 
 
-@pytest.mark.xfail(reason="defect: the SSD stream's gradient offload runs on the compute thread", strict=True)
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_the_ssd_stream_takes_grads_off_the_compute_thread(ssd_stream, accumulate):
     """The d records are written on the copy-out stream's side, group by group: take_grads returns while the copies
@@ -125,3 +124,44 @@ def test_the_ssd_stream_takes_grads_off_the_compute_thread(ssd_stream, accumulat
     assert states.grad_sumsq() == pytest.approx(float(want.double().square().sum()), rel=1e-12)
     assert torch.equal(states.grad_slice(0, 5000), want) and copy.done()
 
+
+def test_a_load_of_the_ssd_stream_waits_for_its_offload(ssd_stream):
+    """LOAD and OFFLOAD share the stage's staging buffers: a load issued while the offload waits for the stream
+    starts after it, and both move the right bytes."""
+    device, gate, states, weights = ssd_stream
+    grads = torch.randn(5000)
+    states.take_grads(device.to_device(grads), device)
+    dst = device.to_device(torch.zeros(5000))
+    load = states.load_into(dst, device)
+    assert not load.done()
+    gate.set()
+    load.wait()
+    assert torch.equal(device.to_host(dst), weights)
+    assert torch.equal(states.grad_slice(0, 5000), grads)
+
+
+@pytest.mark.gpu
+def test_a_copy_after_an_offload_jobs_handle_waits_for_the_job():
+    """A slot freed under an SSD offload (a job's handle, not an event) is refilled only after the job's copies: a
+    CUDA stream cannot wait for a host job, so the issuing thread does (the stand-in's copy stream waits as well).
+    Runs on the GPU where there is one (gpu_check's `-m gpu`), on the stand-in otherwise."""
+    device = Device(0)
+    gate = threading.Event()
+    try:
+        src = device.to_device(torch.full((1 << 20,), 7.0))
+        host = device.pin(torch.zeros(1 << 20))
+
+        def job(copy, copied) -> None:
+            gate.wait()
+            copy(host, src)
+
+        copies, whole = device.stream_out(job)
+        timer = threading.Timer(0.2, gate.set)
+        timer.start()
+        device.copy_in(src, device.pin(torch.ones(1 << 20)), [copies]).synchronize()
+        whole.result()
+        timer.join()
+        assert bool((host == 7).all()) and bool((device.to_host(src) == 1).all())
+    finally:
+        gate.set()
+        device.close()
