@@ -20,7 +20,7 @@ loads it):
         index: 0                     # optional; default its position, and must equal it
         numa_node: 0                 # optional; default the numa node of its root complex
         # optional too: uuid, pcie_gen, pcie_width, cpu_affinity ("0-11,24-35"), tflops (peak dense
-        # fp16/bf16 TFLOPS, for a gpu partition/spec/hardware.py does not list)
+        # fp16/bf16 TFLOPS, for a gpu partition/spec/hardware.py does not list), fp32_tflops (its dense fp32 rate)
       - {name: NVIDIA GeForce RTX 3090 Ti, memory_bytes: 24GiB, pci_bus_id: "0000:1b:00.0",
          root_complex: rc0, link_gbps: 15.75, switch: sw0}
     nvlinks: [{a: 0, b: 1, links: 4, gbps: 56.0}]            # optional
@@ -29,7 +29,7 @@ loads it):
       - {name: nvme0, pci_bus_id: "0000:3d:00.0", root_complex: rc0, numa_node: 0, link_gbps: 7.88}
     measured: null                   # optional: what `mobiuspipe topology --probe` measured: h2d_gbps,
                                      # h2d_group_gbps (per gpu), d2d_gbps (gpu x gpu), matmul_tflops
-                                     # (per gpu), ssd_dir, ssd_read_gbps,
+                                     # and matmul_fp32_tflops (per gpu), ssd_dir, ssd_read_gbps,
                                      # ssd_write_gbps, host_adam_params_per_s, host_cores,
                                      # message_latency_s, message_gbps, message_send_s,
                                      # message_recv_s, step_overhead_s, notes

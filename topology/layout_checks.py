@@ -41,9 +41,12 @@ def _part_check(cls: type, bandwidth: str) -> Any:
 
 
 def _tflops(obj: SimpleNamespace) -> list[Problem]:
-    """A gpu's tflops is 0 (the table's) or more."""
-    fix = "write its peak dense fp16/bf16 TFLOPS from the vendor's datasheet (e.g. 165.2), or 0 for the table's"
-    return at_least(obj, "tflops", 0, fix) if "tflops" in vars(obj) else []
+    """A gpu's tflops and fp32_tflops are 0 (the table's) or more."""
+    fixes = {
+        "tflops": "write its peak dense fp16/bf16 TFLOPS from the vendor's datasheet (e.g. 165.2), or 0 (the table's)",
+        "fp32_tflops": "write its dense fp32 TFLOPS (CUDA cores, no TF32) from its datasheet (e.g. 82.6), or 0",
+    }
+    return [p for key, fix in fixes.items() if key in vars(obj) for p in at_least(obj, key, 0, fix)]
 
 
 LEAST_GPU_BYTES = 64 * 2**20

@@ -48,7 +48,8 @@ def probe(
 
     Method: sequential write (then fsync) and read of a `size_mb` MiB temporary file in 1 MiB blocks; pinned
     host->gpu copies (non_blocking, own stream, CUDA events) per gpu alone, then per contention group with every
-    gpu copying at once; a device-to-device copy per ordered gpu pair; an 8192^3 bf16 matmul per gpu (matmul_tflops).
+    gpu copying at once; a device-to-device copy per ordered gpu pair; an 8192^3 bf16 matmul per gpu (matmul_tflops),
+    and the same in fp32 with TF32 off (matmul_fp32_tflops).
     Best of `repeats`, GB/s = 1e9 bytes/s.
 
     ssd_dir: folder whose drive is measured (None = skip the SSD). devices: CUDA device index per topology gpu,
@@ -65,13 +66,14 @@ def probe(
         notes.append("no ssd_dir given: SSD bandwidth not measured")
     else:
         ssd = _probe_ssd(Path(ssd_dir), size_mb, repeats, notes)
-    h2d, group, d2d, matmul = _probe_gpus(t, size_mb, repeats, devices, notes)
+    h2d, group, d2d, matmul, fp32 = _probe_gpus(t, size_mb, repeats, devices, notes)
     adam = (host_adam or partial(probe_host_adam, repeats=repeats))(notes)
     m = Measured(
         h2d_gbps=h2d,
         h2d_group_gbps=group,
         d2d_gbps=d2d,
         matmul_tflops=matmul,
+        matmul_fp32_tflops=fp32,
         ssd_dir=str(ssd_dir or ""),
         ssd_read_gbps=ssd[0],
         ssd_write_gbps=ssd[1],
@@ -89,6 +91,7 @@ def _fold_measured(t: Topology, m: Measured) -> Topology:
         ("h2d_gbps", m.h2d_gbps),
         ("h2d_group_gbps", m.h2d_group_gbps),
         ("matmul_tflops", m.matmul_tflops),
+        ("matmul_fp32_tflops", m.matmul_fp32_tflops),
     ):
         if values and len(values) != n:
             raise TopologyError(
@@ -251,16 +254,16 @@ def _read_file(path: Path, buf: mmap.mmap, blocks: int, direct: bool) -> float:
 
 
 def _probe_gpus(t: Topology, size_mb: int, repeats: int, devices, notes: list[str]):
-    """(h2d alone, h2d in its group at once, d2d matrix) per topology gpu, GB/s, and each gpu's bf16 matmul rate,
-    TFLOPS; () each without CUDA."""
+    """(h2d alone, h2d in its group at once, d2d matrix) per topology gpu, GB/s, and each gpu's bf16 and fp32 matmul
+    rates, TFLOPS; () each without CUDA."""
     try:
         import torch
     except ImportError:
         notes.append("torch not installed: host<->GPU and GPU<->GPU bandwidths not measured")
-        return (), (), (), ()
+        return (), (), (), (), ()
     if not torch.cuda.is_available():
         notes.append(NO_CUDA_NOTE)
-        return (), (), (), ()
+        return (), (), (), (), ()
     devs = _cuda_devices(torch, t, devices, notes)
     nbytes, n = size_mb * MiB, t.num_gpus
     alone = tuple(_h2d_together(torch, [d], nbytes, repeats)[0] for d in devs)
@@ -272,15 +275,31 @@ def _probe_gpus(t: Topology, size_mb: int, repeats: int, devices, notes: list[st
         tuple(0.0 if a == b else _d2d(torch, devs[a], devs[b], nbytes, repeats) for b in range(n)) for a in range(n)
     )
     matmul = tuple(matmul_tflops(torch, f"cuda:{d}", repeats) for d in devs)
+    fp32 = tuple(matmul_tflops(torch, f"cuda:{d}", repeats, dtype="fp32") for d in devs)
     torch.cuda.empty_cache()
-    return alone, tuple(group), d2d, matmul
+    return alone, tuple(group), d2d, matmul, fp32
 
 
-def matmul_tflops(torch, device: str, repeats: int, n: int = 8192) -> float:
-    """TFLOPS (1e12 FLOP/s) of an n x n x n bf16 matmul on `device` (2 n^3 FLOPs), the best of `repeats` after one
-    warm-up, each bracketed by synchronizations (on CUDA, CUDA events on the current stream)."""
-    a = torch.randn(n, n, device=device).to(torch.bfloat16)
-    b = torch.randn(n, n, device=device).to(torch.bfloat16)
+def matmul_tflops(torch, device: str, repeats: int, n: int = 8192, dtype: str = "bf16") -> float:
+    """TFLOPS (1e12 FLOP/s) of an n x n x n matmul in `dtype` ("bf16" or "fp32") on `device` (2 n^3 FLOPs), the best
+    of `repeats` after one warm-up, each bracketed by synchronizations (on CUDA, CUDA events on the current stream).
+    fp32 runs with TF32 off, as mobiuspipe's fp32 runs compute (torch's default, which it keeps)."""
+    kind = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    a = torch.randn(n, n, device=device).to(kind)
+    b = torch.randn(n, n, device=device).to(kind)
+    cuda = device.startswith("cuda")
+    if cuda and dtype == "fp32":
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            return _best_rate(torch, device, a, b, repeats, n)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+    return _best_rate(torch, device, a, b, repeats, n)
+
+
+def _best_rate(torch, device: str, a, b, repeats: int, n: int) -> float:
+    """matmul_tflops' timing of a @ b."""
     cuda = device.startswith("cuda")
     best = float("inf")
     for k in range(repeats + 1):  # the first is a warm-up

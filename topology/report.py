@@ -183,6 +183,8 @@ def _measured(t: Topology) -> list[str]:
         lines.append(row(f"gpu{a}->", d2d))
     if m.matmul_tflops:
         lines.append(row("bf16 matmul, TFLOPS", m.matmul_tflops))
+    if m.matmul_fp32_tflops:
+        lines.append(row("fp32 matmul, TFLOPS", m.matmul_fp32_tflops))
     if m.ssd_dir:
         lines.append(f"  ssd {m.ssd_dir}: read {m.ssd_read_gbps:.2f} GB/s, write {m.ssd_write_gbps:.2f} GB/s")
     if m.host_adam_params_per_s:

@@ -58,6 +58,9 @@ class Gpu:
     tflops: float = 0.0
     """Peak dense fp16/bf16 tensor throughput, 1e12 FLOP/s, for a GPU that partition/spec/hardware.py does not list
     (a layout file's, from the vendor's datasheet); 0 = the table's figure for its name."""
+    fp32_tflops: float = 0.0
+    """Dense fp32 throughput on CUDA cores (an fp32 run's rate: TF32 stays off), 1e12 FLOP/s, from the vendor's
+    datasheet; 0 = the table's figure for its name, else the fp32 matmul rate a probe measured, else tflops."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,9 @@ class Measured:
     matmul_tflops: tuple[float, ...] = ()
     """Per gpu, a large bf16 matmul's rate (1e12 FLOP/s; a lower bound of the datasheet's dense peak, which cuBLAS
     reaches 70-90% of): the planner's peak of a gpu its table does not list and the layout gives no tflops for."""
+    matmul_fp32_tflops: tuple[float, ...] = ()
+    """Per gpu, the same matmul's rate in fp32 (TF32 off, as a run computes): the planner's fp32 rate of a gpu its
+    table does not list and the layout gives no fp32_tflops for."""
     ssd_dir: str = ""
     ssd_read_gbps: float = 0.0
     ssd_write_gbps: float = 0.0

@@ -24,7 +24,7 @@ Memory is the marketing size in GiB, what NVML reports up to a few MiB of reserv
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from types import MappingProxyType
 
 from foundation.units import GiB
@@ -64,7 +64,8 @@ class DeviceSpec:
     every forward and recompute [s]. A GPU's is 0: its launches overlap the kernels queued before them."""
     fp32_tflops: float = 0.0
     """Dense fp32 throughput without tensor cores, 1e12 FLOP/s (an fp32 run's rate); 0: unknown (a GPU the table
-    does not list: its fp32 plans use peak_tflops, an optimistic rate)."""
+    does not list, with neither a layout's fp32_tflops nor a probe's fp32 rate: its fp32 plans use peak_tflops, an
+    optimistic rate)."""
     fused_attention_dropout: bool = True
     """The device's SDPA has fused kernels that apply dropout (CUDA's flash and memory-efficient kernels, which keep
     the random generator's state, not a mask); False: attention with dropout runs the math kernel, which keeps the
@@ -127,22 +128,35 @@ _BY_SHORT = MappingProxyType({_short(n): d for n, d in DEVICES.items()})
 
 
 def gpu_spec(
-    name: str, memory_bytes: int, link_gbps: float, tflops: float = 0.0, measured_tflops: float = 0.0
+    name: str,
+    memory_bytes: int,
+    link_gbps: float,
+    tflops: float = 0.0,
+    measured_tflops: float = 0.0,
+    fp32_tflops: float = 0.0,
+    measured_fp32_tflops: float = 0.0,
 ) -> DeviceSpec:
     """The spec of one gpu of a topology: its own figures where it gives tflops (a GPU the table does not list,
     as a layout file describes it), else the table's by its name, else its own figures with the matmul rate
-    `topology --probe` measured as its peak (measured_tflops > 0; a lower bound of the datasheet's peak)."""
+    `topology --probe` measured as its peak (measured_tflops > 0; a lower bound of the datasheet's peak). Its fp32
+    rate likewise: the layout's fp32_tflops, else the table's (for a gpu it lists), else the probe's fp32 matmul
+    rate (measured_fp32_tflops), else none (DeviceSpec.tflops then gives fp32 the bf16 rate)."""
+    fp32 = float(fp32_tflops)
     if tflops > 0:
-        return DeviceSpec(name, float(tflops), int(memory_bytes), float(link_gbps))
+        rate = fp32 or float(measured_fp32_tflops)
+        return DeviceSpec(name, float(tflops), int(memory_bytes), float(link_gbps), fp32_tflops=rate)
     try:
-        return device_spec(name)
+        listed = device_spec(name)
+        return replace(listed, fp32_tflops=fp32) if fp32 > 0 else listed
     except ValueError as e:
         if measured_tflops > 0:
-            return DeviceSpec(name, float(measured_tflops), int(memory_bytes), float(link_gbps))
+            rate = fp32 or float(measured_fp32_tflops)
+            return DeviceSpec(name, float(measured_tflops), int(memory_bytes), float(link_gbps), fp32_tflops=rate)
         raise ValueError(
             f"{e}. For a GPU the table does not list, measure it (`mobiuspipe topology --probe --save "
-            f"server.yaml` writes its bf16 matmul rate into the layout) or write `tflops:` (its peak dense "
-            f"fp16/bf16 TFLOPS, from the vendor's datasheet) under the gpu in a layout file (`mobiuspipe topology "
+            f"server.yaml` writes its bf16 and fp32 matmul rates into the layout) or write `tflops:` (its peak dense "
+            f"fp16/bf16 TFLOPS, from the vendor's datasheet; `fp32_tflops:` its fp32 rate, for fp32 runs) under "
+            f"the gpu in a layout file (`mobiuspipe topology "
             f"--save server.yaml` writes one to start from), and plan with it (--topology server.yaml, or "
             f"plan.topology)"
         ) from None
@@ -150,9 +164,11 @@ def gpu_spec(
 
 def topology_gpu_spec(topo: Topology, index: int = 0) -> DeviceSpec:
     """gpu_spec of gpu `index` of `topo`, with the matmul rate its probe measured, if any."""
-    g = topo.gpus[index]
-    rates = topo.measured.matmul_tflops if topo.measured is not None else ()
-    return gpu_spec(g.name, g.memory_bytes, g.link_gbps, g.tflops, rates[index] if rates else 0.0)
+    g, m = topo.gpus[index], topo.measured
+    rates = m.matmul_tflops if m is not None else ()
+    fp32 = m.matmul_fp32_tflops if m is not None else ()
+    measured, measured_fp32 = (rates[index] if rates else 0.0), (fp32[index] if fp32 else 0.0)
+    return gpu_spec(g.name, g.memory_bytes, g.link_gbps, g.tflops, measured, g.fp32_tflops, measured_fp32)
 
 
 def device_spec(name: str) -> DeviceSpec:

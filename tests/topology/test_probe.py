@@ -185,17 +185,20 @@ def test_fold_keeps_unmeasured_values():
         _fold_measured(t, Measured(h2d_gbps=(1.0,)))
     with pytest.raises(TopologyError, match="measured.matmul_tflops has 1 values"):
         _fold_measured(t, Measured(matmul_tflops=(1.0,)))
+    with pytest.raises(TopologyError, match="measured.matmul_fp32_tflops has 1 values"):
+        _fold_measured(t, Measured(matmul_fp32_tflops=(1.0,)))
 
 
-def test_the_matmul_rate_is_two_n_cubed_over_the_fastest_run():
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_matmul_rate_is_two_n_cubed_over_the_fastest_run(dtype):
     """On the CPU (the same function times a CUDA device with events): 2 n^3 FLOPs over the best of the repeats,
     against a timing of the same matmul here, within the machine's noise."""
     import time
 
     import torch
 
-    rate = probe_mod.matmul_tflops(torch, "cpu", repeats=3, n=256)
-    a = torch.randn(256, 256).to(torch.bfloat16)
+    rate = probe_mod.matmul_tflops(torch, "cpu", repeats=3, n=256, dtype=dtype)
+    a = torch.randn(256, 256).to(torch.bfloat16 if dtype == "bf16" else torch.float32)
     times = []
     for _ in range(4):
         start = time.perf_counter()

@@ -69,3 +69,39 @@ def test_a_listed_gpu_keeps_the_tables_figure_and_a_negative_tflops_is_refused(t
     path.write_text(path.read_text().replace("tflops: 1.0", "tflops: -5"))
     with pytest.raises(TopologyError, match=r"gpus\[0\]\.tflops"):
         load_topology(str(path))
+
+
+def _fp32_step(path, capsys) -> float:
+    code = main(
+        ["partition", "--model", "gpt3-1.3b", "--topology", str(path), "--solver", "dp", "--dtype", "fp32", "--json"]
+    )
+    out, _ = capsys.readouterr()
+    assert code == 0
+    return json.loads(out)["predicted_step_time_s"]
+
+
+def test_an_unlisted_gpu_plans_fp32_from_the_fp32_rate_its_probe_measured(tmp_path, capsys):
+    """`topology --probe` measures the fp32 matmul too (TF32 off): an fp32 plan of a GPU the table does not list
+    runs at that rate, not at its bf16 rate; a layout's fp32_tflops comes first."""
+    path = _layout(tmp_path, 0.0)
+    t = load_topology(str(path))
+    save_topology(replace(t, measured=Measured(matmul_tflops=(364.25,) * t.num_gpus)), path)
+    at_bf16 = _fp32_step(path, capsys)
+    assert topology_gpu_spec(load_topology(str(path))).tflops("fp32") == 364.25  # no fp32 figure: the bf16 rate
+    measured = Measured(matmul_tflops=(364.25,) * t.num_gpus, matmul_fp32_tflops=(91.0,) * t.num_gpus)
+    save_topology(replace(t, measured=measured), path)
+    spec = topology_gpu_spec(load_topology(str(path)))
+    assert (spec.tflops("fp32"), spec.tflops("bf16")) == (91.0, 364.25)  # the measured figures round-trip
+    assert _fp32_step(path, capsys) > at_bf16
+    written = replace(load_topology(str(path)), gpus=tuple(replace(g, fp32_tflops=45.5) for g in t.gpus))
+    assert topology_gpu_spec(written).tflops("fp32") == 45.5
+
+
+def test_a_layouts_fp32_tflops_comes_before_the_tables_and_a_negative_one_is_refused(tmp_path):
+    assert gpu_spec("NVIDIA GeForce RTX 4090", 24 * 2**30, 31.5).tflops("fp32") == 82.6
+    assert gpu_spec("NVIDIA GeForce RTX 4090", 24 * 2**30, 31.5, fp32_tflops=70.0).tflops("fp32") == 70.0
+    assert gpu_spec(NAME, 48 * 2**30, 31.5, 364.25, fp32_tflops=91.1).tflops("fp32") == 91.1
+    path = _layout(tmp_path, 1.0)
+    path.write_text(path.read_text().replace("fp32_tflops: 0.0", "fp32_tflops: -5", 1))
+    with pytest.raises(TopologyError, match=r"gpus\[0\]\.fp32_tflops"):
+        load_topology(str(path))
