@@ -195,6 +195,7 @@ def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile, Ho
         )
     lora = lora_of(args, spec)
     adapters = None if lora is None else adapter_counts(spec, lora)
+    width = dtype_bytes(args.dtype)
     if args.profile and adapters is not None:
         raise CliError(
             "--lora with --profile: a profile file holds the layers it measured, adapters or not; expected one "
@@ -209,8 +210,8 @@ def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile, Ho
             microbatch_size=args.microbatch_size,
             dtype=args.dtype,
             adapters=adapters,
-            frozen=frozen_layers(spec, dtype_bytes(args.dtype), args.base_dtype) if args.base_dtype else None,
-            adapter_kept=None if lora is None else adapter_kept(spec, lora, dtype_bytes(args.dtype)),
+            frozen=frozen_layers(spec, width, args.base_dtype) if args.base_dtype else None,
+            adapter_kept=None if lora is None else adapter_kept(spec, lora, width, device.mask_bytes(width)),
         )
     )
     budget = budget_of(args, topo)

@@ -110,7 +110,7 @@ def gpt_profile(cfg: RunConfig, microbatch_size: int | None = None) -> Profile:
         dtype=cfg.train.precision,
         adapters=adapters(cfg),
         frozen=frozen_base(cfg),
-        adapter_kept=kept_by_adapters(cfg),
+        adapter_kept=kept_by_adapters(cfg, device.mask_bytes(dtype_bytes(cfg.train.precision))),
     )
 
 
@@ -124,10 +124,11 @@ def frozen_base(cfg: RunConfig) -> FrozenBase | None:
 
 
 @lru_cache(maxsize=8)
-def kept_by_adapters(cfg: RunConfig) -> tuple[int, ...] | None:
-    """The bytes a token each layer's LoRA adapters keep for backward in train.precision (None: no LoRA)."""
+def kept_by_adapters(cfg: RunConfig, mask_bytes: int) -> tuple[int, ...] | None:
+    """The bytes a token each layer's LoRA adapters keep for backward in train.precision, with dropout masks of
+    mask_bytes an element (the device's: DeviceSpec.mask_bytes); None: no LoRA."""
     spec = lora_spec(cfg)
-    return None if spec is None else tuple(adapter_kept(cfg, spec, dtype_bytes(cfg.train.precision)))
+    return None if spec is None else tuple(adapter_kept(cfg, spec, dtype_bytes(cfg.train.precision), mask_bytes))
 
 
 @lru_cache(maxsize=8)

@@ -92,15 +92,15 @@ BUILT_IN_NAMES = {"qkv": "attn.c_attn", "proj": "attn.c_proj", "fc": "mlp.c_fc",
 """The built-in GPT's linear layers -> the names partition.spec.lora gives them (GPT-2's)."""
 
 
-def adapter_kept(cfg: RunConfig, spec: LoraSpec, e: int) -> list[int]:
-    """partition.spec.lora's k_l of each layer of the config's model in a dtype of e bytes: what its adapters keep
-    for backward, less what its frozen base does not (a Hugging Face model's linear layers have the table's names;
-    the built-in GPT's are translated)."""
+def adapter_kept(cfg: RunConfig, spec: LoraSpec, e: int, m: int) -> list[int]:
+    """partition.spec.lora's k_l of each layer of the config's model in a dtype of e bytes, with dropout masks of m
+    bytes an element: what its adapters keep for backward, less what its frozen base does not (a Hugging Face
+    model's linear layers have the table's names; the built-in GPT's are translated)."""
     hf = _hf(cfg)
     if hf is not None:
-        return table_kept(hf.spec, LoraShape(spec.rank, spec.targets, spec.dropout), e)
+        return table_kept(hf.spec, LoraShape(spec.rank, spec.targets, spec.dropout), e, m)
     targets = tuple(name for ours, name in BUILT_IN_NAMES.items() if matches(ours, spec.targets))
-    return table_kept(cfg.model.spec(), LoraShape(spec.rank, targets, spec.dropout), e)
+    return table_kept(cfg.model.spec(), LoraShape(spec.rank, targets, spec.dropout), e, m)
 
 
 def adapter_counts(cfg: RunConfig, spec: LoraSpec) -> list[int]:

@@ -31,7 +31,9 @@ Per layer l (names "embedding", "block", "head"):
                     autograd saves them (checked with saved-tensor hooks against the built-in GPT and transformers'
                     GPT-2, Llama, Mistral and Qwen2 layers, tests/mobiuspipe/models/test_hf_activations.py); t = s*b
                     tokens, p = the activation's kept tensors (partition.spec.models.ACTIVATIONS: 1 for torch's
-                    gelu and silu, 4 for GPT-2's gelu_new)
+                    gelu and silu, 4 for GPT-2's gelu_new), m = a dropout mask's bytes an element (DeviceSpec.
+                    mask_bytes: 1 on a GPU, whose fused dropout keeps a bool; e on the CPU stand-in, which keeps
+                    the dropout's noise in the dtype)
                     block gpt   t*(2*N + A + e*f*(p + 1) + D) + L
                     block llama t*(2*N + A + e*f*(p + 3)) + L + 2*e*hd*s
                       N  a norm, per token: LayerNorm  2*e*h + 8   (its input, its output (the next matmul's input),
@@ -53,10 +55,9 @@ Per layer l (names "embedding", "block", "head"):
                       the MLP: gpt its input (the first norm's output is counted in N), the activation's p tensors and
                          the second matmul's input; llama (SwiGLU) the gate's p, the gate's activation, the up
                          projection, their product (down's input)
-                      D  gpt residual dropout: 2*e*h (two masks, at the dtype's width as the stand-in keeps them; a GPU
-                         keeps a bool: an upper bound); 0 without it
+                      D  gpt residual dropout: 2*m*h (two masks); 0 without it
                       2*e*hd*s  llama: the rotary cos and sin tables of the microbatch's positions
-                    embedding  gpt    8*s*(b + 1) + t*e*h*[embedding dropout]  (the int64 token ids and positions,
+                    embedding  gpt    8*s*(b + 1) + t*m*h*[embedding dropout]  (the int64 token ids and positions,
                                                                     which its gathers keep; the dropout's mask; the
                                                                     summed embeddings are its output, which the first
                                                                     block keeps)
@@ -152,23 +153,24 @@ def _attention_bytes(spec: ModelSpec, e: int, s: int, b: int, fused_dropout: boo
     return s * b * e * (2 * h + 2 * c) + 4 * a * b * -(-s // LSE_ALIGN) * LSE_ALIGN
 
 
-def _block_act(spec: ModelSpec, e: int, s: int, b: int, fused_dropout: bool) -> int:
+def _block_act(spec: ModelSpec, e: int, s: int, b: int, device: DeviceSpec) -> int:
     """A block's activation_bytes for one microbatch (the legend)."""
-    h, f, p = spec.d_model, spec.ffn, ACTIVATIONS[spec.act]
+    h, f, p, m = spec.d_model, spec.ffn, ACTIVATIONS[spec.act], device.mask_bytes(e)
     kept = 2 * _norm_bytes(spec, e)
     if spec.family == "llama":
         kept += e * f * (p + 3)
         rope = 2 * e * spec.head_dim * s
     else:
-        kept += e * f * (p + 1) + (2 * e * h if spec.resid_dropout > 0 else 0)
+        kept += e * f * (p + 1) + (2 * m * h if spec.resid_dropout > 0 else 0)
         rope = 0
-    return s * b * kept + _attention_bytes(spec, e, s, b, fused_dropout) + rope
+    return s * b * kept + _attention_bytes(spec, e, s, b, device.fused_dropout) + rope
 
 
-def _embedding_act(spec: ModelSpec, e: int, s: int, b: int) -> int:
+def _embedding_act(spec: ModelSpec, e: int, s: int, b: int, m: int) -> int:
+    """The embedding's activation_bytes for one microbatch (the legend; m: a dropout mask's bytes an element)."""
     if spec.family == "llama":
         return TOKEN_BYTES * s * b
-    return TOKEN_BYTES * s * (b + 1) + (s * b * e * spec.d_model if spec.embd_dropout > 0 else 0)
+    return TOKEN_BYTES * s * (b + 1) + (s * b * m * spec.d_model if spec.embd_dropout > 0 else 0)
 
 
 def _with_adapters(
@@ -213,10 +215,19 @@ def analytic_profile(
     rate = device.tflops(dtype) * 1e12 * mfu
     counts = layer_param_counts(spec)
     hidden = s * b * h * e
-    block_act = _block_act(spec, e, s, b, device.fused_attention_dropout)
+    block_act = _block_act(spec, e, s, b, device)
     block_flops = float(2 * b * s * block_matmul_params(spec) + 4 * b * s * s * h)
     c = device.forward_call_s
-    embedding = _layer("embedding", counts[0], e, _embedding_act(spec, e, s, b), hidden, float(2 * b * s * h), rate, c)
+    embedding = _layer(
+        "embedding",
+        counts[0],
+        e,
+        _embedding_act(spec, e, s, b, device.mask_bytes(e)),
+        hidden,
+        float(2 * b * s * h),
+        rate,
+        c,
+    )
     blocks = [_layer("block", n, e, block_act, hidden, block_flops, rate, c) for n in counts[1:-1]]
     head_act = s * b * (_norm_bytes(spec, e) + 4 * v + TOKEN_BYTES) + 4
     head = _layer("head", counts[-1], e, head_act, s * b * v * e, float(2 * b * s * h * v), rate, c)

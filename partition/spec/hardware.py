@@ -66,10 +66,12 @@ class DeviceSpec:
     """Dense fp32 throughput without tensor cores, 1e12 FLOP/s (an fp32 run's rate); 0: unknown (a GPU the table
     does not list, with neither a layout's fp32_tflops nor a probe's fp32 rate: its fp32 plans use peak_tflops, an
     optimistic rate)."""
-    fused_attention_dropout: bool = True
-    """The device's SDPA has fused kernels that apply dropout (CUDA's flash and memory-efficient kernels, which keep
-    the random generator's state, not a mask); False: attention with dropout runs the math kernel, which keeps the
-    (b, a, s, s) probabilities (the CPU's flash kernel takes no dropout)."""
+    fused_dropout: bool = True
+    """The device runs CUDA's fused dropout: F.dropout keeps a bool mask (1 byte an element: native_dropout), and
+    SDPA's flash and memory-efficient kernels apply attention's dropout keeping the random generator's state, not a
+    mask. False (the CPU stand-in): F.dropout multiplies by a noise tensor in the activations' dtype, which it keeps,
+    and attention with dropout runs the math kernel, which keeps the (b, a, s, s) probabilities (the CPU's flash
+    kernel takes no dropout)."""
 
     def __post_init__(self) -> None:
         if not self.fp32_tflops >= 0:
@@ -79,6 +81,10 @@ class DeviceSpec:
                 f"device {self.name!r}: need peak_tflops > 0, pcie_gbps > 0, memory_bytes >= 0 and forward_call_s "
                 f">= 0, found {self.peak_tflops}, {self.pcie_gbps}, {self.memory_bytes} and {self.forward_call_s}"
             )
+
+    def mask_bytes(self, e: int) -> int:
+        """Bytes a dropout keeps per element of activations of e bytes (fused_dropout)."""
+        return 1 if self.fused_dropout else e
 
     def tflops(self, dtype: str) -> float:
         """The matmul rate a run in `dtype` ("fp16", "bf16", "fp32") gets, 1e12 FLOP/s: fp32_tflops for fp32 where
@@ -108,7 +114,7 @@ _TABLE = (
     # A CPU pretending to be a GPU (CI, laptops): ~50 GFLOPS of fp32 matmul on a few cores; its memory
     # budget comes from the topology (the stand-in's arena), its "link" is a memcpy. Each layer's forward costs
     # STANDIN_FORWARD_CALL_S beyond its FLOPs.
-    DeviceSpec("cpu-standin", 0.05, 0, 10.0, STANDIN_FORWARD_CALL_S, fused_attention_dropout=False),
+    DeviceSpec("cpu-standin", 0.05, 0, 10.0, STANDIN_FORWARD_CALL_S, fused_dropout=False),
 )
 
 DEVICES: MappingProxyType[str, DeviceSpec] = MappingProxyType({d.name: d for d in _TABLE})

@@ -9,9 +9,9 @@ Legend (per layer l; units in brackets):
   e      bytes per element of the training dtype                                            [bytes]
   k_l    bytes a token LoRA changes in what layer l keeps for backward from the count of a trained layer
          (partition.spec.analytic; negative: less) [bytes]:
-           + for each target r * e (A's output, which B keeps) and, with dropout, 2 * e * i (the dropped input,
-             which A keeps, and the dropout's mask, at the dtype's width as the CPU stand-in keeps it; a GPU keeps
-             a byte: an upper bound)
+           + for each target r * e (A's output, which B keeps) and, with dropout, (e + m) * i (the dropped input,
+             which A keeps, and the dropout's mask of m bytes an element: 1 on a GPU, e on the CPU stand-in;
+             partition.spec.hardware.DeviceSpec.mask_bytes)
            - e * i for each input of the layer's linear layers that nothing keeps once the base is frozen: a
              frozen linear keeps no input (autograd saves it for the weight's gradient), an adapter keeps it where
              it has no dropout, another op where it reads it too (LinearInput.kept_anyway)
@@ -201,9 +201,10 @@ def adapter_counts(spec: ModelSpec, lora: LoraShape) -> list[int]:
     return [0] + [count(block_linears(spec))] * spec.num_blocks + [count(head_linears(spec))]
 
 
-def kept_per_token(rank: int, in_features: int, dropout: float, e: int) -> int:
-    """Bytes a token one adapter keeps for backward (k_l's term for one target of the legend)."""
-    return rank * e + (2 * e * in_features if dropout > 0 else 0)
+def kept_per_token(rank: int, in_features: int, dropout: float, e: int, m: int) -> int:
+    """Bytes a token one adapter keeps for backward (k_l's term for one target of the legend; m: a dropout mask's
+    bytes an element)."""
+    return rank * e + ((e + m) * in_features if dropout > 0 else 0)
 
 
 @dataclass(frozen=True)
@@ -234,13 +235,14 @@ def block_inputs(spec: ModelSpec) -> tuple[LinearInput, ...]:
     )
 
 
-def adapter_kept(spec: ModelSpec, lora: LoraShape, e: int) -> list[int]:
-    """k_l of the legend for every layer of `spec`, embedding first (its targets checked by adapter_counts)."""
+def adapter_kept(spec: ModelSpec, lora: LoraShape, e: int, m: int) -> list[int]:
+    """k_l of the legend for every layer of `spec`, embedding first (its targets checked by adapter_counts), in a dtype
+    of e bytes on a device whose dropout masks take m bytes an element (DeviceSpec.mask_bytes(e))."""
     rms = spec.family == "llama"
 
     def kept(lins: tuple[Linear, ...], inputs: tuple[LinearInput, ...], norms: int) -> int:
         targets = {x.name for x in lins if x.targeted_by(lora.targets)}
-        adds = sum(kept_per_token(lora.rank, x.in_features, lora.dropout, e) for x in lins if x.name in targets)
+        adds = sum(kept_per_token(lora.rank, x.in_features, lora.dropout, e, m) for x in lins if x.name in targets)
         by_adapter = lora.dropout == 0  # an adapter with dropout keeps its own dropped copy, not the input
         dropped = [i for i in inputs if not i.kept_anyway and not (by_adapter and targets & set(i.readers))]
         return adds - e * sum(i.width for i in dropped) - norms * e * spec.d_model

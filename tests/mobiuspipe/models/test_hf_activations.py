@@ -22,8 +22,8 @@ SIZES = {
 DROPOUT = {"gpt2": dict(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1), "llama": dict(attention_dropout=0.1)}
 LOWEST = 0.95
 """The least share of its count a layer keeps on the stand-in: the count is an upper bound (a norm's statistics
-counted in fp32, a CUDA kernel's padded log-sum-exp), not a loose guess. (On a GPU a dropout mask is a bool where the
-stand-in keeps it at the dtype's width, as counted.)"""
+counted in fp32, a CUDA kernel's padded log-sum-exp), not a loose guess. (A dropout's mask is counted as each device
+keeps it: in the dtype on the stand-in, a bool on a GPU: DeviceSpec.fused_dropout.)"""
 
 
 def _layers(tmp_path, hf_kit, kind: str, dtype: str, **over):

@@ -132,3 +132,20 @@ def test_an_fp32_profile_runs_at_the_fp32_rate_where_the_table_knows_it():
     assert (a100.tflops("fp32"), a100.tflops("fp16"), DEV.tflops("fp32")) == (19.5, 312.0, 1.0)
     with pytest.raises(ValueError, match="fp32_tflops must be >= 0"):
         DeviceSpec("x", 1.0, 0, 1.0, fp32_tflops=-1.0)
+
+
+@pytest.mark.parametrize("dtype, e", [("fp16", 2), ("fp32", 4)])
+def test_a_dropout_mask_takes_a_byte_on_a_gpu_and_the_dtypes_width_on_the_stand_in(dtype, e):
+    """GPT-2's residual dropouts (two masks a block) and its embedding dropout (one): CUDA's fused dropout keeps a
+    bool, the CPU's a noise tensor in the dtype (DeviceSpec.fused_dropout); attention's dropout off here."""
+    from dataclasses import replace
+
+    dropped = replace(TINY, resid_dropout=0.1, embd_dropout=0.1)
+    standin = replace(DEV, fused_dropout=False)
+    t, h = 3 * 4, TINY.d_model
+    for device, m in ((DEV, 1), (standin, e)):
+        plain = analytic_profile(TINY, device, microbatch_size=3, dtype=dtype).layers
+        more = analytic_profile(dropped, device, microbatch_size=3, dtype=dtype).layers
+        grown = [y.activation_bytes - x.activation_bytes for x, y in zip(plain, more)]
+        assert grown == [t * m * h, t * 2 * m * h, t * 2 * m * h, 0]
+    assert device_spec("cpu-standin").mask_bytes(e) == e and device_spec("NVIDIA H200").mask_bytes(e) == 1

@@ -59,22 +59,31 @@ def test_the_analytic_profile_of_an_adapted_model():
 
 
 def test_what_the_adapters_keep_by_hand():
-    """A's output (r * e a token) per target and, with dropout, the dropped input and its mask (2 * e * i); less each
-    input of a linear layer nothing keeps once the base is frozen (e * i) and a frozen RMSNorm's normalized values
-    (e * h)."""
+    """A's output (r * e a token) per target and, with dropout, the dropped input and its mask ((e + m) * i: m the
+    mask's bytes an element, e on the stand-in, 1 on a GPU); less each input of a linear layer nothing keeps once the
+    base is frozen (e * i) and a frozen RMSNorm's normalized values (e * h)."""
     every = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
     # fp16, rank 3, h 12: 7 block targets (r * e = 6 each) keep every input; the two RMSNorms keep 2 * 2 * 12 less;
     # the head: lm_head's 6, its norm 24 less
-    assert adapter_kept(LLAMA, LoraShape(3, every), 2) == [0, 42 - 48, 42 - 48, 42 - 48, 6 - 24]
+    assert adapter_kept(LLAMA, LoraShape(3, every), 2, 2) == [0, 42 - 48, 42 - 48, 42 - 48, 6 - 24]
     # with dropout each target keeps its own dropped input and mask (inputs 12, six of them, and 7): + 2 * 2 * 79; the
     # inputs themselves (q/k/v's, gate/up's, down's: 12 + 12 + 7) are kept by nothing (o_proj's is SDPA's output)
     block = 42 + 2 * 2 * (6 * 12 + 7) - 2 * (12 + 12 + 7) - 48
     head = 6 + 2 * 2 * 12 - 2 * 12 - 24
-    assert adapter_kept(LLAMA, LoraShape(3, every, dropout=0.05), 2) == [0, block, block, block, head]
+    assert adapter_kept(LLAMA, LoraShape(3, every, dropout=0.05), 2, 2) == [0, block, block, block, head]
+    gpu_block = 42 + (2 + 1) * (6 * 12 + 7) - 2 * (12 + 12 + 7) - 48  # a bool mask: one byte an element
+    gpu_head = 6 + (2 + 1) * 12 - 2 * 12 - 24
+    assert adapter_kept(LLAMA, LoraShape(3, every, dropout=0.05), 2, 1) == [
+        0,
+        gpu_block,
+        gpu_block,
+        gpu_block,
+        gpu_head,
+    ]
     a = adapter_counts(TINY, LoraShape(2, ("c_fc",)))
     # fp32, h 8, f 32: c_fc's 2 * 4 + 2 * 4 * 8 = 72; c_attn's, c_fc's (dropped) and mlp.c_proj's inputs nothing
     # keeps: 4 * (8 + 8 + 32); the head's lm_head input: 4 * 8
-    kept = adapter_kept(TINY, LoraShape(2, ("c_fc",), dropout=0.1), 4)
+    kept = adapter_kept(TINY, LoraShape(2, ("c_fc",), dropout=0.1), 4, 4)
     assert kept == [0, 72 - 192, 72 - 192, -32]
     plain = analytic_profile(TINY, DEV, microbatch_size=3, dtype="fp32", adapters=a)
     lora = analytic_profile(TINY, DEV, microbatch_size=3, dtype="fp32", adapters=a, adapter_kept=kept)
