@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import pytest
+
 from partition.rules.device_peak import planned_device_bytes
 from partition.rules.peer import PAD, SLACK, peer_gpu, regions
 from tests.partition.rules.test_activation_choice import _plan
@@ -38,3 +40,47 @@ def test_each_gpu_parks_on_the_next_and_the_walk_holds_the_region_there():
     base = planned_device_bytes(on_host, standin=True)
     got = planned_device_bytes(parked, standin=True)
     assert [g - b for g, b in zip(got, base)] == [want.get((0, 1), 0), want.get((1, 0), 0)]
+
+
+@pytest.mark.xfail(reason="defect: the plan leaves no room for the parking process's CUDA context", strict=True)
+def test_a_gpu_that_gives_a_region_keeps_room_for_the_parking_process_context():
+    """On a gpu (not the stand-in) the parking rank's process opens its region on the peer, which makes a CUDA context
+    there (C): the activation choice keeps D_g + C within the budget, the walk leaves C out (it lies outside every
+    allocator, where the start-up room check sees it), and the stand-in has no context."""
+    from partition.rules.activation_choice import _Walker, choose_activations
+    from partition.rules.activations import Link
+    from partition.rules.peer import CONTEXT_BYTES, context_bytes
+    from tests.partition.rules.test_activation_choice import _options, _profile
+
+    plan, profile = _plan(gpus=2, stages=4), _profile()
+    links = {"device": None, "host": Link(10.0, 10.0), "peer": Link(10.0, 10.0)}
+    opts = _options(plan, profile, links)
+    costs = [next(c for c in o if c.policy.tier == "peer") if j == 0 else o[0] for j, o in enumerate(opts)]
+    p = peer_gpu(plan.stages[0].gpu, 2)
+    on_gpu, standin = _Walker(plan, standin=False), _Walker(plan, standin=True)
+    assert [on_gpu.need(costs, g) - on_gpu.peak(costs, g) for g in (p, 1 - p)] == [CONTEXT_BYTES, 0]
+    assert standin.needs(costs) == standin.peaks(costs)
+    parked = dataclasses.replace(
+        plan,
+        stages=tuple(
+            dataclasses.replace(s, activation_tier=c.policy.tier, held_bytes=c.held_bytes)
+            for s, c in zip(plan.stages, costs)
+        ),
+    )
+    assert context_bytes(parked)[p] == CONTEXT_BYTES and context_bytes(parked, standin=True) == [0, 0]
+    modes = {"device": ("recompute",), "host": ("recompute",), "peer": ("recompute", "selective", "keep")}
+
+    def choose(budget: int) -> tuple[list[int], list[bool]]:
+        """The choice's needs (D_g + C where g gives a region) under budget, and which gpus give one."""
+        choice = choose_activations(plan, profile, budget, links, standin=False, modes=modes, host_caps=[0, 0])
+        gives = [
+            any(c.policy.tier == "peer" and peer_gpu(s.gpu, 2) == g for s, c in zip(plan.stages, choice.costs))
+            for g in (0, 1)
+        ]
+        return [peak + CONTEXT_BYTES * give for peak, give in zip(choice.peaks, gives)], gives
+
+    needs, gives = choose(10**12)
+    assert all(gives)  # plenty of memory: both gpus park on each other
+    for budget, parks in ((max(needs), True), (CONTEXT_BYTES - 1, False)):  # below one context: nothing parks
+        needs, gives = choose(budget)
+        assert max(needs) <= budget and any(gives) == parks
