@@ -10,7 +10,8 @@ tier, sum of M H_j, within the host memory the states leave it (partition.rules.
 no change saves time.
 
 Legend (units in brackets): C_j, H_j, T_j, R_j, X_j as in partition.rules.activations [s, bytes]; D_g the walk's
-peak on gpu g [bytes]; G the budget: usable gpu memory [bytes].
+peak on gpu g [bytes]; G the budget: usable gpu memory [bytes]. "Within G" is D_g + C_g <= G, C_g the context a
+peer's process makes on gpu g when it parks there (partition.rules.peer's C; 0 on the stand-in).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from partition.rules.activations import MODES, ActivationPolicy, Link, PolicyCos
 from partition.rules.costmodel import LayerArrays
 from partition.rules.device_peak import stage_bytes
 from partition.rules.lifetimes import device_peak
-from partition.rules.peer import peer_gpu, region_bytes
+from partition.rules.peer import CONTEXT_BYTES, peer_gpu, region_bytes
 from partition.rules.tiers import ssd_info
 from partition.spec.profile import Profile
 from topology.types import Topology
@@ -99,6 +100,16 @@ class _Walker:
         swapped = frozenset(j for j, c in enumerate(costs) if c.policy.tier != "device")
         own = device_peak(plan.mapping, gpu, plan.num_microbatches, stages, arena, self.standin, swapped)
         return own + self.region(costs, gpu)
+
+    def need(self, costs: list[PolicyCost], gpu: int) -> int:
+        """What gpu must have free under a choice: its D_g and, on a gpu (not the stand-in) that gives a peer a
+        region, the context the parking rank's process makes there (partition.rules.peer's C)."""
+        region = self.region(costs, gpu)
+        context = CONTEXT_BYTES if region > 0 and not self.standin else 0
+        return self.peak(costs, gpu) + context
+
+    def needs(self, costs: list[PolicyCost]) -> list[int]:
+        return [self.need(costs, g) for g in range(self.plan.num_gpus)]
 
     def region(self, costs: list[PolicyCost], gpu: int) -> int:
         """The bytes gpu gives its peers' stages on the peer tier (partition.rules.peer), the whole step."""
@@ -238,12 +249,12 @@ def _fit(walker: _Walker, opts: list[list[PolicyCost]], costs: list[PolicyCost],
     costs = list(costs)
     order = sorted(range(len(costs)), key=lambda j: -costs[j].held_bytes)
     for j in order:
-        if max(walker.peaks(costs)) <= budget:
+        if max(walker.needs(costs)) <= budget:
             return costs
         off = [c for c in opts[j] if c.policy.mode == "recompute" and c.policy.tier != "device"]
         if off and costs[j].policy.tier == "device":
             costs[j] = min(off, key=lambda c: c.exposed_s)
-    peaks = walker.peaks(costs)
+    peaks = walker.needs(costs)
     if max(peaks) > budget:
         g = max(range(len(peaks)), key=lambda x: peaks[x])
         raise ValueError(
@@ -265,7 +276,7 @@ def _improve(walker: _Walker, opts: list[list[PolicyCost]], costs: list[PolicyCo
                 return costs
             trial = costs[:j] + [opts[j][k]] + costs[j + 1 :]
             g = walker.plan.stages[j].gpu
-            fits = all(walker.peak(trial, h) <= budget for h in walker.affected(j, costs[j], opts[j][k]))
+            fits = all(walker.need(trial, h) <= budget for h in walker.affected(j, costs[j], opts[j][k]))
             if fits and walker.host_fits(trial, costs, g):
                 costs = trial
                 break
@@ -282,7 +293,7 @@ def _weigh(
         g = plan.stages[j].gpu
         for c in o:
             trial = costs[:j] + [c] + costs[j + 1 :]
-            peak = max(walker.peak(trial, h) for h in walker.affected(j, costs[j], c))
+            peak = max(walker.need(trial, h) for h in walker.affected(j, costs[j], c))
             host = None if walker.host_fits(trial, costs, g) else walker.host(trial, g)
             rows.append(Considered(j, c, peak, _verdict(c, costs[j], peak, budget, g, len(o), host, walker.host_caps)))
     return rows

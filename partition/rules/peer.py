@@ -8,6 +8,10 @@ gpu by index; on a box of two root complexes the cross mapping puts it under the
             gpu g, p = P(g) [bytes]. Under the Mobius order every microbatch of every stage of g is parked at
             the turn from forwards to backwards, so M * H_j each; SLACK and PAD cover the runtime's spans being
             a little larger than the plan's H_j (a kept graph's storages, aligned).
+  C        = CONTEXT_BYTES on a gpu p that gives a region (0 on the CPU stand-in): rank g's process opens the
+            region on p, which makes a CUDA context of its own there [bytes]. It lies outside every allocator, so
+            the walk leaves it out (the start-up room check sees it beside the run's own context, outside what
+            the run may use) and the activation choice keeps it free beside the walk.
 """
 
 from __future__ import annotations
@@ -16,12 +20,17 @@ import math
 
 from partition.plan import Plan
 
-__all__ = ["SLACK", "PAD", "peer_gpu", "region_bytes", "regions"]
+__all__ = ["SLACK", "PAD", "CONTEXT_BYTES", "peer_gpu", "region_bytes", "regions", "context_bytes"]
 
 SLACK = 1.25
 """Headroom of a region over the plan's held bytes (the runtime's spans cover whole storages)."""
 PAD = 1 << 12
 """Bytes per parked microbatch for the spans' alignment (256 bytes each: 16 spans) and small tensors."""
+CONTEXT_BYTES = 400 * 2**20
+"""C of the legend: the CUDA context a parking rank's process makes on its peer's gpu by opening the region there
+(CUDA IPC). About 400 MB with CUDA 11.7 and later, which loads kernels lazily (NVIDIA's PyTorch engineers in
+pytorch/pytorch#109888 and #107667: 300-400 MB a context); not measured here: gpu_check's "another process's
+context" row measures one on the GPU it runs on."""
 
 
 def peer_gpu(gpu: int, num_gpus: int) -> int:
@@ -43,4 +52,13 @@ def regions(plan: Plan) -> dict[tuple[int, int], int]:
             continue
         key = (peer_gpu(s.gpu, plan.num_gpus), s.gpu)
         out[key] = out.get(key, 0) + region_bytes(plan.num_microbatches, s.held_bytes)
+    return out
+
+
+def context_bytes(plan: Plan, standin: bool = False) -> list[int]:
+    """C of the legend on every gpu of the plan: CONTEXT_BYTES for each rank whose process opens a region on it."""
+    out = [0] * plan.num_gpus
+    if not standin:
+        for owner, _ in regions(plan):
+            out[owner] += CONTEXT_BYTES
     return out

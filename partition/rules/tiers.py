@@ -62,6 +62,7 @@ from partition.plan import Plan
 from partition.rules.device_peak import planned_device_bytes
 from partition.rules.memory_plan import KINDS, GpuShare, HostBudget, MemoryPlan, RunMemory, SsdInfo, StageTiers
 from partition.rules.order import visits_of
+from partition.rules.peer import context_bytes
 from partition.rules.placement import (
     FROZEN_STREAM_BYTES,
     LEAST_SHARE_BYTES,
@@ -192,8 +193,10 @@ def states_fit_gpus(plan: Plan) -> bool:
     beside the plan's walk (partition.rules.device_peak, less the workspace the usable memory is net of)."""
     if not gpu_states_bytes(plan):
         return False
-    walk, need = planned_device_bytes(plan), _gpu_states(plan)
-    return all(walk[g] - plan.workspace_bytes + need[g] <= plan.gpu_memory_bytes for g in range(plan.num_gpus))
+    walk, need, contexts = planned_device_bytes(plan), _gpu_states(plan), context_bytes(plan)
+    return all(
+        walk[g] - plan.workspace_bytes + need[g] + contexts[g] <= plan.gpu_memory_bytes for g in range(plan.num_gpus)
+    )
 
 
 def gpu_states_bytes(plan: Plan) -> int:
