@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_runs as runs
 from benchlib import stopped_rank_run, torchrun_metrics
+from gpu_context import contexts
 
 from mobiuspipe import _ext
 from mobiuspipe.config import MemoryConfig
@@ -450,6 +451,7 @@ def main() -> int:
         # the short sections before the longer newer ones: a run cut by its time limit keeps the rows it saved
         t.machine = t.guarded("machine", machine, t, cuda) or {}
         t.guarded("gpu-marked tests", gpu_tests, t, cuda)
+        t.guarded("contexts", contexts, t.add, device, cuda)
         small = runs.UPDATES_SIZE if cuda else size
         t.guarded("updates", updates, t, small, device, topology, Path(tmp), args.steps)
         t.guarded("LoRA over a quantized base", quantized_lora, t, device, args.steps)
