@@ -372,8 +372,11 @@ class SsdStreamStates:
         written); whoever reads them (the update, the norm, the overflow check, a tied exchange) waits for that.
         Returns the copies off the device (src's slot is free once they have ended)."""
         fp16 = src.dtype == torch.float16  # only fp16 asks grads_finite
+        before = self._offload
 
         def job(copy, copied) -> None:
+            if before is not None:
+                before.result()  # ended (the jobs run in order); its error, if any, is this job's too
             self.stream.save_grads(src, copy, fp16, accumulate, norm, into, copied)
             self.sumsq = self.stream.sumsq
 

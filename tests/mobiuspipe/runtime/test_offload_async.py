@@ -165,3 +165,24 @@ def test_a_copy_after_an_offload_jobs_handle_waits_for_the_job():
     finally:
         gate.set()
         device.close()
+
+
+def test_a_failed_offload_fails_the_next_one_of_its_stage(ssd_stream, monkeypatch):
+    """An accumulation pass's offload adds to the records the one before wrote: that one's error is its too, so that
+    settling the last offload reports it (not the records it could not read)."""
+    device, gate, states, _ = ssd_stream
+    gate.set()
+    save, calls = states.stream.save_grads, []
+
+    def first_fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device")
+        return save(*args, **kwargs)
+
+    monkeypatch.setattr(states.stream, "save_grads", first_fails)
+    states.take_grads(device.to_device(torch.randn(5000)), device)
+    states.take_grads(device.to_device(torch.randn(5000)), device, accumulate=True)
+    with pytest.raises(OSError, match="No space left"):
+        states.grad_sumsq()
+    states._offload = None  # the fixture's teardown settles the stage
