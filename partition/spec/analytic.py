@@ -218,16 +218,8 @@ def analytic_profile(
     block_act = _block_act(spec, e, s, b, device)
     block_flops = float(2 * b * s * block_matmul_params(spec) + 4 * b * s * s * h)
     c = device.forward_call_s
-    embedding = _layer(
-        "embedding",
-        counts[0],
-        e,
-        _embedding_act(spec, e, s, b, device.mask_bytes(e)),
-        hidden,
-        float(2 * b * s * h),
-        rate,
-        c,
-    )
+    embedding_act = _embedding_act(spec, e, s, b, device.mask_bytes(e))
+    embedding = _layer("embedding", counts[0], e, embedding_act, hidden, float(2 * b * s * h), rate, c)
     blocks = [_layer("block", n, e, block_act, hidden, block_flops, rate, c) for n in counts[1:-1]]
     head_act = s * b * (_norm_bytes(spec, e) + 4 * v + TOKEN_BYTES) + 4
     head = _layer("head", counts[-1], e, head_act, s * b * v * e, float(2 * b * s * h * v), rate, c)
