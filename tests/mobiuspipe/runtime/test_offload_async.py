@@ -186,3 +186,39 @@ def test_a_failed_offload_fails_the_next_one_of_its_stage(ssd_stream, monkeypatc
     with pytest.raises(OSError, match="No space left"):
         states.grad_sumsq()
     states._offload = None  # the fixture's teardown settles the stage
+
+
+
+class _HeldWrite:
+    """A write that happens when its result is asked for, once `gate` is open (the drive holding it till then)."""
+
+    def __init__(self, put_async, key: str, t: torch.Tensor, gate: threading.Event):
+        self.put_async, self.key, self.t, self.gate = put_async, key, t, gate
+
+    def result(self, timeout=None):
+        assert self.gate.wait(30), "the test never opened the writes"
+        self.put_async(self.key, self.t).result()
+
+
+def test_the_slot_is_free_at_the_last_copy_off_the_device_not_the_last_write(held_stream, tmp_path, monkeypatch):
+    """The handle OFFLOAD releases the gradient slot with ends once every group is in a staging buffer: the next
+    holder need not wait for the SSD's writes (held here), which the readers of the gradients do wait for."""
+    from mobiuspipe.memory.store.ssd_store import SSDStore
+    from mobiuspipe.optim.hyper import AdamHyper
+    from mobiuspipe.runtime.stage_states import SsdStreamStates, SsdTier, least_share
+
+    device, gate = held_stream
+    gate.set()
+    writes = threading.Event()
+    with SSDStore(tmp_path / "job") as store:
+        tier = SsdTier(store, least_share(4), AdamHyper.of(partial(CPUAdam)))
+        states = SsdStreamStates(torch.randn(3000), torch.float32, tier, "s0", device.host_empty)
+        assert len(states.stream.groups) == 3  # each fits a staging buffer of its own: no fill waits for a write
+        put_async = store.put_async
+        monkeypatch.setattr(store, "put_async", lambda key, t: _HeldWrite(put_async, key, t, writes))
+        grads = torch.randn(3000)
+        copies = states.take_grads(device.to_device(grads), device)
+        copies.wait()  # the slot may be refilled now
+        assert not states._offload.done()  # while the writes wait for the drive
+        writes.set()
+        assert torch.equal(states.grad_slice(0, 3000), grads)
