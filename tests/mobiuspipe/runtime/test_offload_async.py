@@ -188,7 +188,6 @@ def test_a_failed_offload_fails_the_next_one_of_its_stage(ssd_stream, monkeypatc
     states._offload = None  # the fixture's teardown settles the stage
 
 
-
 class _HeldWrite:
     """A write that happens when its result is asked for, once `gate` is open (the drive holding it till then)."""
 
@@ -219,6 +218,7 @@ def test_the_slot_is_free_at_the_last_copy_off_the_device_not_the_last_write(hel
         grads = torch.randn(3000)
         copies = states.take_grads(device.to_device(grads), device)
         copies.wait()  # the slot may be refilled now
-        assert not states._offload.done()  # while the writes wait for the drive
+        offload = states._offload
+        assert offload is not None and not offload.done()  # while the writes wait for the drive
         writes.set()
         assert torch.equal(states.grad_slice(0, 3000), grads)
