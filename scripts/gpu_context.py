@@ -42,10 +42,10 @@ def peer_context_bytes(device: torch.device) -> int:
     regions, opened = spawn.Queue(), spawn.Queue()
     region = torch.empty(1 << 20, dtype=torch.uint8, device=device)
     torch.cuda.synchronize(device)
+    before = torch.cuda.mem_get_info(device)[0]  # before the child exists: all it makes on the gpu is counted
     child = spawn.Process(target=_open_and_wait, args=(regions, opened), daemon=True)
     child.start()
     try:
-        before = torch.cuda.mem_get_info(device)[0]
         regions.put(region)
         try:
             opened.get(timeout=WAIT_S)
