@@ -12,6 +12,7 @@ import tempfile
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -287,15 +288,24 @@ def matmul_tflops(torch, device: str, repeats: int, n: int = 8192, dtype: str = 
     kind = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     a = torch.randn(n, n, device=device).to(kind)
     b = torch.randn(n, n, device=device).to(kind)
-    cuda = device.startswith("cuda")
-    if cuda and dtype == "fp32":
-        tf32 = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = False
-        try:
+    if device.startswith("cuda") and dtype == "fp32":
+        with ieee_matmuls(torch):
             return _best_rate(torch, device, a, b, repeats, n)
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = tf32
     return _best_rate(torch, device, a, b, repeats, n)
+
+
+@contextmanager
+def ieee_matmuls(torch):
+    """cuBLAS's fp32 matmuls in full fp32 (no TF32) inside, the setting as it was after: torch's
+    backends.cuda.matmul.fp32_precision, the API torch >= 2.9 wants (its legacy allow_tf32 refuses to be read once
+    the two were mixed)."""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "ieee"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = before
 
 
 def _best_rate(torch, device: str, a, b, repeats: int, n: int) -> float:

@@ -268,3 +268,19 @@ def test_probe_measures_host_adam_and_the_planner_uses_it(tmp_path):
     assert host_adam_rate(t) == HOST_ADAM_PARAMS_PER_S
     measured = dataclasses.replace(t, measured=Measured(host_adam_params_per_s=rate))
     assert host_adam_rate(measured) == rate
+
+
+def test_the_fp32_matmul_is_timed_without_tf32_and_the_setting_restored():
+    """torch's new API (the legacy allow_tf32 refuses to be read once the two were mixed); the flag is global, so the
+    CPU can check it."""
+    import torch
+
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    try:
+        matmul.fp32_precision = "tf32"
+        with probe_mod.ieee_matmuls(torch):
+            assert matmul.fp32_precision == "ieee"
+        assert matmul.fp32_precision == "tf32"
+    finally:
+        matmul.fp32_precision = before
