@@ -206,28 +206,30 @@ class Device:
         return CopyHandle(future=self._loader.submit(on_stream), check=self._check_thread)
 
     def stream_out(
-        self, job: Callable[[Callable[[torch.Tensor, torch.Tensor], object], Callable[[], None]], None]
+        self, job: Callable[[Callable[[torch.Tensor, torch.Tensor], object], Callable[[], None]], object]
     ) -> tuple[CopyHandle, Future]:
         """Run job(copy, copied) off the compute thread, where copy(dst, src) moves device memory src (written by the
         compute queued so far) into host memory dst and returns once dst holds it (an offloader fills a few staging
         buffers in turn and writes them to the SSD), and copied() says the job's last copy off the device has ended.
         Returns (copies, whole): `copies` ends at copied() (or with the job): src's memory may be reused after it
-        (an arena slot's release mark); `whole` is the job's future (what reads the job's output waits for it)."""
+        (an arena slot's release mark); `whole` is the job's future, of what it returns (what reads the job's
+        output waits for it). The jobs run one at a time, in order."""
         self._check_thread("a copy off the device")
         copies: Future = Future()
 
-        def run(copy: Callable[[torch.Tensor, torch.Tensor], object]) -> None:
+        def run(copy: Callable[[torch.Tensor, torch.Tensor], object]) -> object:
             def copied() -> None:
                 if not copies.done():
                     copies.set_result(None)
 
             try:
-                job(copy, copied)
+                out = job(copy, copied)
             except BaseException as e:
                 if not copies.done():
                     copies.set_exception(e)
                 raise
             copied()
+            return out
 
         if not self.is_cuda:
             whole = self._out.submit(lambda: run(lambda dst, src: dst.copy_(src)))

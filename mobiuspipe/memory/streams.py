@@ -112,7 +112,7 @@ class CopyStream:
         """The stand-in only: job() on the stream's thread, in order with its copies."""
         return CopyHandle(future=self.submit(job), check=self._check)
 
-    def submit(self, job: Callable[[], None]) -> Future:
+    def submit(self, job: Callable[[], object]) -> Future:
         """The stand-in only: job() on the stream's thread, in order with its copies; its future."""
         assert self._thread is not None, "a CUDA stream runs no host jobs"
         return self._thread.submit(job)

@@ -116,8 +116,12 @@ class SsdRecords:
         out = (self.buffers if buffers is None else buffers)[b][: self.record_elems[i]]
         return self.store.get_async(self._key(kind, i, version), out=out)
 
-    def _put_all(self, kind: str, fill: Callable[[int, torch.Tensor], object], version: int = 0) -> None:
-        """fill(i, buffer) then write it as record i of `version`, for every group, BUFFERS writes in flight."""
+    def _put_all(
+        self, kind: str, fill: Callable[[int, torch.Tensor], object], version: int = 0, wait: bool = True
+    ) -> list[StoreFuture[None]]:
+        """fill(i, buffer) then write it as record i of `version`, for every group, BUFFERS writes in flight. wait
+        False: returns the writes still in flight, which whoever reads the records or refills the buffers waits for
+        (else [])."""
         k, writes = len(self.buffers), {}
         try:
             for i in range(len(self.groups)):
@@ -127,8 +131,11 @@ class SsdRecords:
                 buf[self.groups[i][1] :].zero_()  # the padding: stored bytes are fully defined
                 fill(i, buf[: self.groups[i][1]])
                 writes[i] = self.store.put_async(self._key(kind, i, version), buf)
+            if not wait:
+                return list(writes.values())
             for w in writes.values():
                 w.result()
+            return []
         except BaseException:
             drain(writes.values())  # the buffers must be idle before anyone reuses them
             raise
@@ -177,12 +184,14 @@ class SsdWeights(SsdRecords):
         norm: bool = False,
         version: int = 0,
         copied: Callable[[], None] = lambda: None,
-    ) -> None:
+        wait: bool = True,
+    ) -> list[StoreFuture[None]]:
         """Write src (the stage's flat gradient on the device, in the device dtype; copy moves each group's part off
         it) as the d records of `version`, or add it to them (accumulate: each record read, added to, written);
         copied() once the last part is off the device. On the way, with check_finite, note whether the result is
         all finite (fp16's overflow check, which then needs no second read; a pass the other dtypes do not pay),
-        and with norm its squared L2 norm (self.sumsq, float64)."""
+        and with norm its squared L2 norm (self.sumsq, float64). wait False: returns the last writes, still in
+        flight (_put_all), which must end before the records are read or the staging buffers refilled."""
         self.finite = True if check_finite else None
         self.sumsq = 0.0 if norm else None
         self._taken = version
@@ -205,7 +214,7 @@ class SsdWeights(SsdRecords):
             if self.sumsq is not None:
                 self.sumsq += sum_of_squares(buf)
 
-        self._put_all("d", fill, version)
+        return self._put_all("d", fill, version, wait)
 
     def _incoming(self) -> torch.Tensor:
         """A host buffer of one record for a device gradient on its way to be added (made at first use)."""

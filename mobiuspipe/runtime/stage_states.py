@@ -349,8 +349,8 @@ class SsdStreamStates:
         self.sumsq: float | None = None
         self._lr = self.optimizer.lr  # before a tentative step
         self._offload: Future | None = None
-        """The last gradient offload (Device.stream_out's job): what reads the d records or the staging buffers
-        waits for it (_settle)."""
+        """The last gradient offload (Device.stream_out's job, of the writes it left in flight): what reads the d
+        records or the staging buffers waits for it and its writes (_settle)."""
 
     def load_into(
         self, dst: torch.Tensor, device: Device, after: Sequence[CopyHandle] = (), version: int = 0
@@ -370,23 +370,25 @@ class SsdStreamStates:
         """Start writing the gradients to their SSD records (version `into`) through the staging buffers, off the
         compute thread (Device.stream_out: group by group, each copied off the device on the copy-out stream, then
         written); whoever reads them (the update, the norm, the overflow check, a tied exchange) waits for that.
-        Returns the copies off the device (src's slot is free once they have ended)."""
+        The job ends once its last writes are issued, so another stage's offload need not wait for them. Returns
+        the copies off the device (src's slot is free once they have ended)."""
         fp16 = src.dtype == torch.float16  # only fp16 asks grads_finite
         before = self._offload
 
-        def job(copy, copied) -> None:
-            if before is not None:
-                before.result()  # ended (the jobs run in order); its error, if any, is this job's too
-            self.stream.save_grads(src, copy, fp16, accumulate, norm, into, copied)
+        def job(copy, copied) -> list:
+            if before is not None:  # this stage's last offload (its job has ended: they run in order) and its writes
+                _written(before)  # an error of it is this job's too
+            writes = self.stream.save_grads(src, copy, fp16, accumulate, norm, into, copied, wait=False)
             self.sumsq = self.stream.sumsq
+            return writes
 
         copies, self._offload = device.stream_out(job)
         return copies
 
     def _settle(self) -> None:
-        """Wait for the gradient offload in flight, if any (raising its error)."""
+        """Wait for the gradient offload in flight and its writes, if any (raising its error)."""
         if self._offload is not None:
-            self._offload.result()
+            _written(self._offload)
 
     def grad_sumsq(self) -> float:
         self._settle()
@@ -451,6 +453,12 @@ class SsdStreamStates:
         """Write `weights` as version i of the weights the device loads (a resumed delayed run's lagging weights)."""
         self._settle()
         self.stream.rewrite(weights, i)
+
+
+def _written(offload: Future) -> None:
+    """Wait for an SSD offload's job and the writes it left in flight."""
+    for write in offload.result():
+        write.result()
 
 
 StageStates = HostStates | DeviceStates | SsdStates | SsdStreamStates

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import zlib
 from collections.abc import Callable
 from typing import Generic, TypeVar
@@ -35,23 +36,27 @@ def checksum(t: torch.Tensor, algo: str) -> int:
 
 
 class StoreFuture(Generic[T_co]):
-    """The pending result of put_async/get_async: result() waits, then returns or raises SwapIOError."""
+    """The pending result of put_async/get_async: result() waits, then returns or raises SwapIOError (from any thread:
+    one finishes the I/O, the others wait for its outcome)."""
 
     def __init__(self, finish: Callable[[], T_co], ready: Callable[[], bool]):
         self._finish, self._ready = finish, ready
         self._outcome: tuple[T_co] | BaseException | None = None  # (value,) or the error, once settled
+        self._finishing = threading.Lock()
 
     def done(self) -> bool:
         """Whether the I/O has ended (result() then does not block)."""
         return self._outcome is not None or self._ready()
 
     def result(self) -> T_co:
-        """The tensor read (get) or None (put); raises the I/O's SwapIOError. Safe to call twice."""
+        """The tensor read (get) or None (put); raises the I/O's SwapIOError. Safe to call twice, from any threads."""
         if self._outcome is None:
-            try:
-                self._outcome = (self._finish(),)
-            except BaseException as exc:  # noqa: BLE001  kept, and raised again on every call
-                self._outcome = exc
+            with self._finishing:
+                if self._outcome is None:
+                    try:
+                        self._outcome = (self._finish(),)
+                    except BaseException as exc:  # noqa: BLE001  kept, and raised again on every call
+                        self._outcome = exc
         if isinstance(self._outcome, BaseException):
             raise self._outcome
         return self._outcome[0]

@@ -193,10 +193,16 @@ class _HeldWrite:
 
     def __init__(self, put_async, key: str, t: torch.Tensor, gate: threading.Event):
         self.put_async, self.key, self.t, self.gate = put_async, key, t, gate
+        self.written = False
+
+    def done(self) -> bool:
+        return self.written
 
     def result(self, timeout=None):
         assert self.gate.wait(30), "the test never opened the writes"
-        self.put_async(self.key, self.t).result()
+        if not self.written:
+            self.put_async(self.key, self.t).result()
+            self.written = True
 
 
 def test_the_slot_is_free_at_the_last_copy_off_the_device_not_the_last_write(held_stream, tmp_path, monkeypatch):
@@ -219,6 +225,37 @@ def test_the_slot_is_free_at_the_last_copy_off_the_device_not_the_last_write(hel
         copies = states.take_grads(device.to_device(grads), device)
         copies.wait()  # the slot may be refilled now
         offload = states._offload
-        assert offload is not None and not offload.done()  # while the writes wait for the drive
+        assert offload is not None and not any(w.done() for w in offload.result())  # the writes wait for the drive
         writes.set()
         assert torch.equal(states.grad_slice(0, 3000), grads)
+
+
+def test_a_stages_offload_does_not_wait_for_another_stages_writes(held_stream, tmp_path, monkeypatch):
+    """The offload jobs run one at a time, but a job ends once its writes are issued: the next stage's gradients come
+    off the device (and its slot is freed) while the stage before's writes still wait for the drive; whoever reads a
+    stage's gradients waits for its own writes."""
+    import time
+
+    from mobiuspipe.memory.store.ssd_store import SSDStore
+    from mobiuspipe.optim.hyper import AdamHyper
+    from mobiuspipe.runtime.stage_states import SsdStreamStates, SsdTier, least_share
+
+    device, gate = held_stream
+    gate.set()
+    writes = threading.Event()
+    with SSDStore(tmp_path / "job") as store:
+        tier = SsdTier(store, least_share(4), AdamHyper.of(partial(CPUAdam)))
+        first, second = (
+            SsdStreamStates(torch.randn(3000), torch.float32, tier, f"s{j}", device.host_empty) for j in (0, 1)
+        )
+        put_async = store.put_async
+        monkeypatch.setattr(store, "put_async", lambda key, t: _HeldWrite(put_async, key, t, writes))
+        g1, g2 = torch.randn(3000), torch.randn(3000)
+        first.take_grads(device.to_device(g1), device)
+        copies = second.take_grads(device.to_device(g2), device)
+        deadline = time.monotonic() + 10
+        while not copies.done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert copies.done()  # the first stage's writes are still held
+        writes.set()
+        assert torch.equal(first.grad_slice(0, 3000), g1) and torch.equal(second.grad_slice(0, 3000), g2)
