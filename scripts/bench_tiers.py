@@ -11,13 +11,16 @@ once, stepped in turn, so that the machine's drift touches them alike; bf16 then
                           and with the updates held for the norm; and triggering every step (all rolled back)
   host clip, speculative  (--clip) host fp32 with clipping that never triggers: what keeping the overwritten
                           states costs
+  ssd delayed             (--delayed) the ssd row with the delayed update (Pipeline(delayed_update=0)): each
+                          step's updates run under the next step; alone after the others, its steps timed without
+                          waiting for the updates (the next step waits for what it needs)
 The floor of the ssd step is max(host fp32 step, the I/O floor), where the I/O floor is the largest of three
 lower bounds measured by fio on the same disk with the engine's kind of buffer pages: reading the step's R
 bytes, writing its W bytes, and reading and writing min(R, W) bytes at once. R and W are what the ssd step
 moved (/proc/self/io). Bar (issue 10): ssd <= 1.2x its floor; the overlap gain is serialized / ssd
 (Fuyou reports 1.09-1.38x). Bar (issue 27): the gain with clipping within 5% of the gain without.
 
-  .venv/bin/python scripts/bench_tiers.py --ssd-dir /path/on/nvme [--clip]
+  .venv/bin/python scripts/bench_tiers.py --ssd-dir /path/on/nvme [--clip] [--delayed]
 """
 
 from __future__ import annotations
@@ -78,21 +81,23 @@ def _pipeline(
     return Pipeline(layers, lm_loss, plan=plan, optimizer=opt, memory=memory, overlap_updates=overlap, **(clip or {}))
 
 
-def _step(p: Pipeline, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int, int]:
-    """Seconds of one step (its updates included: the next step needs them) and the bytes it read and wrote."""
+def _step(p: Pipeline, x: torch.Tensor, y: torch.Tensor, wait: bool = True) -> tuple[float, int, int]:
+    """Seconds of one step (with wait, its updates included: the next step needs them; without, a delayed update's
+    step, whose updates run under the next) and the bytes it read and wrote."""
     before = _io_bytes()
     with Stopwatch() as sw:
         p.train_batch(x, y)
-        p.engine.wait_updates()
+        if wait:
+            p.engine.wait_updates()
     after = _io_bytes()
     return sw.s, after[0] - before[0], after[1] - before[1]
 
 
-def run(args: argparse.Namespace, rows: dict[str, tuple], steps: int) -> dict:
+def run(args: argparse.Namespace, rows: dict[str, tuple], steps: int, wait: bool = True) -> dict:
     """Each row {name: (precision, memory, overlap[, clip])} a Pipeline, all alive at once and stepped in turn (row by
     row within each step, so that the machine's drift touches every row alike); per row the median step
-    seconds over `steps` steps after one untimed step, the bytes read and written per step, and the pages
-    of its out-of-core Adam's slots."""
+    seconds over `steps` steps after one untimed step (wait: as _step), the bytes read and written per step, and
+    the pages of its out-of-core Adam's slots."""
     cfg = config_from_dict(_config(args, "fp32"))
     data = open_data(cfg.data, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size)
     pipes = {name: _pipeline(args, *spec) for name, spec in rows.items()}
@@ -101,7 +106,7 @@ def run(args: argparse.Namespace, rows: dict[str, tuple], steps: int) -> dict:
         for s in range(steps + 1):
             x, y = data.batch(s, 4)
             for name, p in pipes.items():
-                sample = _step(p, x, y)
+                sample = _step(p, x, y, wait)
                 if s:  # the first step learns the shapes and touches every buffer: not timed
                     samples[name].append(sample)
         out = {}
@@ -149,6 +154,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6, help="timed steps per row (the bf16 row: 2)")
     p.add_argument("--ssd-dir", default=None, help="a folder on the disk to measure (default: a temp folder)")
     p.add_argument("--clip", action="store_true", help="add the clipping rows (the speculative update's)")
+    p.add_argument("--delayed", action="store_true", help="add the ssd row with the delayed update, run alone")
     args = p.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(dir=args.ssd_dir) as tmp:
@@ -165,6 +171,9 @@ def main() -> None:
             fp32["host clip, speculative"] = ("fp32", None, True, CLIP_ROWS["ssd clip, speculative"])
         rows = run(args, fp32, args.steps)
         rows["host bf16"] = run(args, {"host bf16": ("bf16", None, True)}, 2)["host bf16"]
+        if args.delayed:
+            delayed = {"ssd delayed": ("fp32", on_ssd("d"), True, {"delayed_update": 0})}
+            rows["ssd delayed"] = run(args, delayed, args.steps, wait=False)["ssd delayed"]
         ssd = rows["ssd"]
         t_io, note = io_floor(Path(tmp), ssd["read"], ssd["written"], ssd["pages"])
     host = rows["host fp32"]["step_s"]
@@ -187,6 +196,8 @@ def main() -> None:
         f"gain {rows['ssd serialized']['step_s'] / ssd['step_s']:.2f}x (serialized / overlapped); bf16 / fp32 "
         f"with host states {rows['host bf16']['step_s'] / host:.2f}x"
     )
+    if args.delayed:
+        print(f"delayed update: ssd step {rows['ssd delayed']['step_s'] / floor:.2f}x the floor")
     if args.clip:
         serialized, gain = rows["ssd serialized"]["step_s"], rows["ssd serialized"]["step_s"] / ssd["step_s"]
         gains = {name: serialized / rows[name]["step_s"] for name in CLIP_ROWS}
