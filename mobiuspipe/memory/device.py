@@ -66,7 +66,7 @@ class Device:
         self._out = CopyStream(local_rank, self.is_cuda, "copy-out", self.compute, self._check_thread)
         self._peers: dict[int, CopyStream] = {}
         self._loader: ThreadPoolExecutor | None = None  # CUDA: runs stream_in's jobs; made on first use
-        self._offloader: ThreadPoolExecutor | None = None  # CUDA: runs stream_out's jobs; made on first use
+        self._offloader: ThreadPoolExecutor | None = None  # runs stream_out's jobs; made on first use
         self._pinned = PinnedBlocks(*cuda_registration()) if self.is_cuda else None
         """CUDA: the page-locked buffers of pin and host_empty, of their own size (mobiuspipe.memory.pinned)."""
 
@@ -231,11 +231,8 @@ class Device:
             copied()
             return out
 
-        if not self.is_cuda:
-            whole = self._out.submit(lambda: run(lambda dst, src: dst.copy_(src)))
-            return CopyHandle(future=copies, check=self._check_thread), whole
-        ready = self._computed()  # src is written by the compute queued until now
-        if self._offloader is None:
+        ready = self._computed()  # src is written by the compute queued until now (None on the stand-in: done)
+        if self._offloader is None:  # one thread, bound to this gpu, on CUDA and on the stand-in alike
             self._offloader = self.executor("ssd-offloader")
         whole = self._offloader.submit(run, lambda dst, src: self._out.copy(dst, src, (), ready).synchronize())
         return CopyHandle(future=copies, check=self._check_thread), whole

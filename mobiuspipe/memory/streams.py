@@ -110,12 +110,8 @@ class CopyStream:
 
     def run(self, job: Callable[[], None]) -> CopyHandle:
         """The stand-in only: job() on the stream's thread, in order with its copies."""
-        return CopyHandle(future=self.submit(job), check=self._check)
-
-    def submit(self, job: Callable[[], object]) -> Future:
-        """The stand-in only: job() on the stream's thread, in order with its copies; its future."""
         assert self._thread is not None, "a CUDA stream runs no host jobs"
-        return self._thread.submit(job)
+        return CopyHandle(future=self._thread.submit(job), check=self._check)
 
     def close(self) -> None:
         if self._thread is not None:
