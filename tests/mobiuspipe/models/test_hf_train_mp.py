@@ -30,12 +30,19 @@ def _eval_loss(model, batches) -> float:
 
 
 @pytest.mark.parametrize(
-    "kind,passes,clip,delayed", [("gpt2", 2, 0.3, None), ("llama", 1, None, None), ("gpt2", 2, 0.3, 2)]
+    "kind,passes,clip,delayed,states",
+    [
+        ("gpt2", 2, 0.3, None, "host"),
+        ("llama", 1, None, None, "host"),
+        ("gpt2", 2, 0.3, 2, "ssd"),
+        ("gpt2", 2, 0.3, None, "device"),
+    ],
 )
-def test_hf_model_trains_as_transformers_does(tmp_path, launch, hf_kit, kind, passes, clip, delayed):
+def test_hf_model_trains_as_transformers_does(tmp_path, launch, hf_kit, kind, passes, clip, delayed, states):
     """GPT-2 also accumulates 2 passes and clips to a global norm that counts the tied pair (split over the
     ranks) once; with the delayed update from step 2 (train.delayed_update) and its states on the SSD, it trains
-    as transformers under the same rule (no evaluation: each flushes the pending update)."""
+    as transformers under the same rule (no evaluation: each flushes the pending update); so it does with its
+    states on the gpu (memory.optimizer device: the tied halves exchanged from gpu memory)."""
     from transformers import AutoModelForCausalLM
 
     write_config, torchrun = launch
@@ -69,7 +76,8 @@ def test_hf_model_trains_as_transformers_does(tmp_path, launch, hf_kit, kind, pa
             | ({"eval_every": 2, "eval_at_start": True} if delayed is None else {}),
             "plan": {"num_gpus": 2, "num_stages": 4, "mapping": "cross"},
         }
-        | ({"memory": {"optimizer": "ssd", "ssd_dir": str(tmp_path / "ssd")}} if delayed is not None else {}),
+        | ({"memory": {"optimizer": "ssd", "ssd_dir": str(tmp_path / "ssd")}} if states == "ssd" else {})
+        | ({"memory": {"optimizer": "device"}} if states == "device" else {}),
     )
     proc = torchrun(cfg_path, 2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
