@@ -88,13 +88,16 @@ class DeviceStates:
     def grads_finite(self) -> bool:
         return all_finite(self.grads)
 
+    grads_on_gpu = True
+    """grad_slice gives, and add_grads takes, gpu memory (HostStates.grads_on_gpu)."""
+
     def grad_slice(self, offset: int, n: int) -> torch.Tensor:
-        """A host copy of elements offset .. offset + n of the gradients."""
-        return self._device.to_host(self.grads[offset : offset + n])
+        """A copy of elements offset .. offset + n of the gradients, on the gpu (ordered on the compute stream)."""
+        return self.grads[offset : offset + n].clone()
 
     def add_grads(self, offset: int, t: torch.Tensor) -> None:
-        """Add host tensor t into the gradients from element offset on (a tied parameter's other half)."""
-        self.grads[offset : offset + t.numel()].add_(self._device.to_device(t))
+        """Add t (gpu memory) into the gradients from element offset on (a tied parameter's other half)."""
+        self.grads[offset : offset + t.numel()].add_(t)
 
     def step(
         self, grad_scale: float, lr: float | None = None, grads: int = 0, out: int = 0, tentative: bool = False

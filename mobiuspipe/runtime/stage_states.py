@@ -156,13 +156,16 @@ class HostStates:
         self._settle()
         return all_finite(self.grads)
 
+    grads_on_gpu = False
+    """Whether grad_slice gives, and add_grads takes, gpu memory (DeviceStates) rather than host memory."""
+
     def grad_slice(self, offset: int, n: int) -> torch.Tensor:
-        """A copy of elements offset .. offset + n of the offloaded gradients (device dtype)."""
+        """A copy of elements offset .. offset + n of the offloaded gradients (device dtype, host memory)."""
         self._settle()
         return self.grads[offset : offset + n].clone()
 
     def add_grads(self, offset: int, t: torch.Tensor) -> None:
-        """Add t into the offloaded gradients from element offset on (a tied parameter's other half)."""
+        """Add t (host memory) into the offloaded gradients from element offset on (a tied parameter's other half)."""
         self._settle()
         self.grads[offset : offset + t.numel()].add_(t)
 
@@ -399,6 +402,8 @@ class SsdStreamStates:
         if self.stream.finite is None:
             raise RuntimeError("the gradient's finiteness is checked on the way to SSD in fp16 training only")
         return self.stream.finite
+
+    grads_on_gpu = False
 
     def grad_slice(self, offset: int, n: int) -> torch.Tensor:
         self._settle()

@@ -1,7 +1,8 @@
 """Parameters that two stages share (tied input and output embeddings): each stage keeps its own copy, and
 after the step's backward both copies get the sum of the two gradients, so both update alike.
 
-The two halves are exchanged between the ranks holding them (or added locally when one rank holds both);
+The two halves are exchanged between the ranks holding them (or added locally when one rank holds both), CHUNK
+elements at a time, from where their states keep them (host memory, the SSD store, or the gpu: DeviceStates);
 a + b and b + a are the same float, so the copies stay bit-identical step after step. The stages holding a
 tied parameter hold their updates until the sum is in (Engine.held), which costs the head stage the
 overlap of its update with the rest of the backward.
@@ -9,14 +10,16 @@ overlap of its update with the rest of the backward.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from mobiuspipe.errors import PipelineError
 from mobiuspipe.memory.device import Device
-from mobiuspipe.memory.reduce import sum_of_squares
+from mobiuspipe.memory.ledger import DeviceLedger
+from mobiuspipe.memory.reduce import squared_norm
 from mobiuspipe.runtime.peers.comm import Comm, TensorSpec
 from mobiuspipe.runtime.peers.ranks import RankInfo, gather_all
 from mobiuspipe.runtime.stage import ParamSlice, Stage
@@ -26,6 +29,10 @@ __all__ = ["TiedGrads", "tied_ranks"]
 
 TAG_BASE = 1 << 30
 """Message tags of the exchange: above every tag the engine uses (those are taken modulo 2^30)."""
+
+CHUNK = 1 << 20
+"""Elements of a tied gradient exchanged and added at a time (4 MiB in fp32): the exchange's gpu memory, a chunk
+sent and a chunk received, stays within the reserve the plan leaves (a whole embedding table's gradient would not)."""
 
 
 @dataclass(frozen=True)
@@ -84,37 +91,107 @@ class TiedGrads:
         this rank adds to the squared gradient norm its stages noted (states.grad_sumsq, taken before the sum) to
         count each pair once, with its summed gradient: minus each held half's, plus the sum's on the rank of
         the pair's first half."""
-        fix = 0.0
+        squares = _Squares()
         for k, (a, b) in enumerate(self.pairs):
             if a.slice is not None and b.slice is not None:
-                ga, gb = self._grad(a), self._grad(b)
-                self._add(a, gb)
-                self._add(b, ga)
-                fix += sum_of_squares(self._grad(a)) - sum_of_squares(ga) - sum_of_squares(gb)
+                self._add_local(a, b, device, squares, comm.ledger)
             elif a.slice is not None or b.slice is not None:
                 own, other = (a, b) if a.slice is not None else (b, a)
-                g = self._exchange(own, other, k, comm, device, step)
-                fix += (sum_of_squares(self._grad(own)) if own is a else 0.0) - sum_of_squares(g)
-        return fix
+                self._exchange(own, other, k, comm, device, step, squares, own is a)
+        return squares.read()
 
-    def _exchange(self, own: _Side, other: _Side, k: int, comm: Comm, device: Device, step: int):
-        """Send this rank's half, add the other's; returns this rank's half as it was."""
+    def _add_local(self, a: _Side, b: _Side, device: Device, squares: _Squares, ledger: DeviceLedger | None) -> None:
+        """Both halves on this rank: each gets the other's gradient added, CHUNK elements at a time."""
+        for lo, n in _chunks(a):
+            ga, gb = self._grad(a, lo, n), self._grad(b, lo, n)
+            squares.add(ga, -1.0)
+            squares.add(gb, -1.0)
+            ga_at_b, gb_at_a = self._moved(ga, a, b, device), self._moved(gb, b, a, device)
+            chunks = ((ga, a), (gb, b), (ga_at_b, b), (gb_at_a, a))
+            with _held(ledger, [t for t, side in chunks if self._on_gpu(side)]):
+                self._add(a, lo, gb_at_a)
+                self._add(b, lo, ga_at_b)
+                squares.add(gb_at_a.add_(ga))  # b + a: the floats add_ put into both halves
+
+    def _exchange(
+        self, own: _Side, other: _Side, k: int, comm: Comm, device: Device, step: int, squares: _Squares, first: bool
+    ) -> None:
+        """Send this rank's half and add the other's, CHUNK elements at a time: a chunk's message and its sum are
+        done before the next is sent, so the exchange holds two chunks of gpu memory at most (none that the plan
+        counts), and gradients kept on the gpu (DeviceStates) never pass through host memory."""
         peer = self.plan.mapping[other.stage]
         what = f"the gradient of tied parameter {own.key} (step {step}) for {other.key}"
-        g = self._grad(own)
-        comm.send(device.to_device(g), peer, TAG_BASE + k, what)
-        got = comm.recv(TensorSpec(tuple(g.shape), g.dtype), device.torch_device, peer, TAG_BASE + k, what)
-        comm.flush()
-        self._add(own, device.to_host(got))
-        return g
+        on_gpu = self._on_gpu(own)
+        for lo, n in _chunks(own):
+            g = self._grad(own, lo, n)
+            squares.add(g, -1.0)
+            comm.send(g if on_gpu else device.to_device(g), peer, TAG_BASE + k, what)
+            received = comm.recv(TensorSpec((n,), g.dtype), device.torch_device, peer, TAG_BASE + k, what)
+            with _held(comm.ledger, [received]):
+                comm.flush()
+                got = received if on_gpu else device.to_host(received)
+                self._add(own, lo, got)
+                if first:
+                    squares.add(got.add_(g))  # the sum, as add_ made it
 
-    def _grad(self, side: _Side) -> torch.Tensor:
-        assert side.slice is not None
-        return self.stages[side.stage].states.grad_slice(side.slice.offset, side.slice.numel)
+    def _states(self, side: _Side):
+        return self.stages[side.stage].states
 
-    def _add(self, side: _Side, t: torch.Tensor) -> None:
+    def _on_gpu(self, side: _Side) -> bool:
+        return self._states(side).grads_on_gpu
+
+    def _grad(self, side: _Side, lo: int, n: int) -> torch.Tensor:
+        """A copy of elements lo .. lo + n of side's gradient, where its states keep it."""
         assert side.slice is not None
-        self.stages[side.stage].states.add_grads(side.slice.offset, t)
+        return self._states(side).grad_slice(side.slice.offset + lo, n)
+
+    def _add(self, side: _Side, lo: int, t: torch.Tensor) -> None:
+        assert side.slice is not None
+        self._states(side).add_grads(side.slice.offset + lo, t)
+
+    def _moved(self, t: torch.Tensor, src: _Side, dst: _Side, device: Device) -> torch.Tensor:
+        """t, a gradient chunk of src's states, where dst's states keep their gradients."""
+        there, here = self._on_gpu(src), self._on_gpu(dst)
+        if there == here:
+            return t
+        return device.to_device(t) if here else device.to_host(t)
+
+
+class _Squares:
+    """A signed sum of squared norms (float64, summed on the device of each tensor), read on the host once."""
+
+    def __init__(self) -> None:
+        self._sums: dict[torch.device, torch.Tensor] = {}
+
+    def add(self, t: torch.Tensor, sign: float = 1.0) -> None:
+        term = sign * squared_norm(t)
+        self._sums[t.device] = self._sums[t.device] + term if t.device in self._sums else term
+
+    def read(self) -> float:
+        return sum(float(v) for v in self._sums.values())
+
+
+@contextmanager
+def _held(ledger: DeviceLedger | None, tensors: list[torch.Tensor]) -> Iterator[None]:
+    """Count tensors (gpu memory) in the ledger while the block runs."""
+    tensors = list({id(t): t for t in tensors}.values())
+    keys = [("tied", id(t)) for t in tensors]
+    if ledger is not None:
+        for key, t in zip(keys, tensors):
+            ledger.hold(key, t)
+    try:
+        yield
+    finally:
+        if ledger is not None:
+            for key in keys:
+                ledger.drop(key)
+
+
+def _chunks(side: _Side) -> list[tuple[int, int]]:
+    """(first element, count) of side's chunks of at most CHUNK elements."""
+    assert side.slice is not None
+    total = side.slice.numel
+    return [(lo, min(CHUNK, total - lo)) for lo in range(0, total, CHUNK)]
 
 
 def _stage_of(plan: Plan, layer: int) -> int:

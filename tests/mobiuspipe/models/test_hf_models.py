@@ -275,7 +275,6 @@ def test_tied_halves_on_ssd_are_bit_identical_to_host(tmp_path, hf_kit, precisio
     assert torch.equal(ssd[a], ssd[b])
 
 
-@pytest.mark.xfail(strict=True, reason="the tied exchange copies whole halves through host memory")
 @pytest.mark.parametrize("chunk", [None, 37])
 def test_tied_halves_with_states_on_the_gpu_train_as_transformers_without_host_copies(
     tmp_path, hf_kit, monkeypatch, chunk
