@@ -20,11 +20,14 @@ The run also measures what posting a message to another rank costs the sender's 
 a B, where the neighbour stage is on another gpu): send_s, the median of those records, which the simulator
 charges on a CPU stand-in's compute stream (topology Measured.message_send_s, SimStage.send_s), and what taking
 one costs the receiver's thread: recv_s, the mean over the RA and RG records whose message came from another gpu
-of  end(R) - max(start(R), end(its SA or SG))  (the receive's time from when both the message was posted
-and the receiver reached it: posting the receive, and gloo's delivery, which on a busy machine waits for the
-sender's process to get a core; the mean, since these delays add up along the step and a few are long; the
-probed latency, 0.1 ms here, is inside it), charged before the F or B that needs the message
-(Measured.message_recv_s, SimStage.recv_s). And what the training loop spends between two steps' schedules:
+of  max(0, end(R) - max(start(R), end(its SA or SG) + comm_s))  (the receive's time from when both the receiver
+reached the message and the simulator has it arrive, comm_s after its send: the latency and bytes that
+partition.sim.stages charges, not counted twice; what is left is posting the receive and gloo's delivery beyond
+the model, which on a busy machine waits for the sender's process to get a core; the mean, since these delays add
+up along the step and a few are long), charged before the F or B that needs the message (Measured.message_recv_s,
+SimStage.recv_s). On a GPU a receive's record, timed by events on the compute stream, ends once the bytes have
+crossed: the transit is all it holds, so recv_s should come out near 0 there (not yet traced on a GPU).
+And what the training loop spends between two steps' schedules:
 step_overhead_s, the median over traced steps s whose next step is traced too of
   (start of rank 0's step s+1) - (start of its step s) - (the schedule's span in step s)
 (the span from the first record of any rank to the last, host updates included; floored at 0): the collectives
@@ -40,6 +43,7 @@ from dataclasses import dataclass
 
 from mobiuspipe.runtime.action_trace import TracedAction, as_sim_result
 from partition.plan import Plan
+from partition.sim.stages import sim_stages
 from partition.sim.types import SimResult
 from partition.spec.profile import LayerProfile, Profile
 from topology.types import Measured
@@ -166,14 +170,26 @@ def send_seconds(per_rank: list[list[TracedAction]], steps: list[int], plan: Pla
 
 def recv_seconds(per_rank: list[list[TracedAction]], steps: list[int], plan: Plan) -> float | None:
     """recv_s of the legend: the mean over the traced RA and RG of `steps` whose message came from another gpu of
-    their seconds from when both ends had reached the message (None: no such receive was traced with its send)."""
+    their seconds from when both the receiver had reached the message and the simulator has it arrive (None: no
+    such receive was traced with its send)."""
+    transit = _transit(plan)
     posted = {(r.step, r.kind, r.stage, r.microbatch): r.end_s for r in _messages(per_rank, steps, plan, ("SA", "SG"))}
     took = []
     for r in _messages(per_rank, steps, plan, ("RA", "RG")):
-        sent = posted.get((r.step, SENT_BY[r.kind], r.stage + NEIGHBOUR[r.kind], r.microbatch))
+        sender = r.stage + NEIGHBOUR[r.kind]
+        sent = posted.get((r.step, SENT_BY[r.kind], sender, r.microbatch))
         if sent is not None:
-            took.append(r.end_s - max(r.start_s, sent))
+            arrived = sent + transit[min(r.stage, sender)]  # an activation of the stage before, a gradient of r's own
+            took.append(max(0.0, r.end_s - max(r.start_s, arrived)))
     return statistics.mean(took) if took else None
+
+
+def _transit(plan: Plan) -> list[float]:
+    """Seconds the simulator takes to deliver stage j's output (or the gradient of it) to the next stage's gpu:
+    comm_s of partition.sim.stages (0 without a layout)."""
+    if plan.layout is None:
+        return [0.0] * plan.num_stages
+    return [s.comm_s for s in sim_stages(plan.stages, plan.layout)]
 
 
 def loop_seconds(per_rank: list[list[TracedAction]], steps: list[int]) -> float | None:
