@@ -102,16 +102,19 @@ class TiedGrads:
 
     def _add_local(self, a: _Side, b: _Side, device: Device, squares: _Squares, ledger: DeviceLedger | None) -> None:
         """Both halves on this rank: each gets the other's gradient added, CHUNK elements at a time."""
-        for lo, n in _chunks(a):
-            ga, gb = self._grad(a, lo, n), self._grad(b, lo, n)
+        ha, hb = self._half(a), self._half(b)
+        for lo, n in ha.chunks():
+            ga, gb = ha.chunk(lo, n), hb.chunk(lo, n)
             squares.add(ga, -1.0)
             squares.add(gb, -1.0)
-            ga_at_b, gb_at_a = self._moved(ga, a, b, device), self._moved(gb, b, a, device)
-            chunks = ((ga, a), (gb, b), (ga_at_b, b), (gb_at_a, a))
-            with _held(ledger, [t for t, side in chunks if self._on_gpu(side)]):
-                self._add(a, lo, gb_at_a)
-                self._add(b, lo, ga_at_b)
-                squares.add(gb_at_a.add_(ga))  # b + a: the floats add_ put into both halves
+            ga_at_b, gb_at_a = _moved(ga, ha, hb, device), _moved(gb, hb, ha, device)
+            on_gpu = [t for t, h in ((ga, ha), (gb, hb), (ga_at_b, hb), (gb_at_a, ha)) if h.on_gpu]
+            with _held(ledger, on_gpu):
+                ha.add(lo, gb_at_a)
+                hb.add(lo, ga_at_b)
+                squares.add(gb_at_a.add_(ga))  # b + a: the floats add_ puts into both halves
+        ha.finish()
+        hb.finish()
 
     def _exchange(
         self, own: _Side, other: _Side, k: int, comm: Comm, device: Device, step: int, squares: _Squares, first: bool
@@ -121,40 +124,65 @@ class TiedGrads:
         counts), and gradients kept on the gpu (DeviceStates) never pass through host memory."""
         peer = self.plan.mapping[other.stage]
         what = f"the gradient of tied parameter {own.key} (step {step}) for {other.key}"
-        on_gpu = self._on_gpu(own)
-        for lo, n in _chunks(own):
-            g = self._grad(own, lo, n)
+        half = self._half(own)
+        for lo, n in half.chunks():
+            g = half.chunk(lo, n)
             squares.add(g, -1.0)
-            comm.send(g if on_gpu else device.to_device(g), peer, TAG_BASE + k, what)
+            comm.send(g if half.on_gpu else device.to_device(g), peer, TAG_BASE + k, what)
             received = comm.recv(TensorSpec((n,), g.dtype), device.torch_device, peer, TAG_BASE + k, what)
             with _held(comm.ledger, [received]):
                 comm.flush()
-                got = received if on_gpu else device.to_host(received)
-                self._add(own, lo, got)
+                got = received if half.on_gpu else device.to_host(received)
+                half.add(lo, got)
                 if first:
-                    squares.add(got.add_(g))  # the sum, as add_ made it
+                    squares.add(got.add_(g))  # the sum, as add_ makes it
+        half.finish()
 
-    def _states(self, side: _Side):
-        return self.stages[side.stage].states
-
-    def _on_gpu(self, side: _Side) -> bool:
-        return self._states(side).grads_on_gpu
-
-    def _grad(self, side: _Side, lo: int, n: int) -> torch.Tensor:
-        """A copy of elements lo .. lo + n of side's gradient, where its states keep it."""
+    def _half(self, side: _Side) -> _Half:
         assert side.slice is not None
-        return self._states(side).grad_slice(side.slice.offset + lo, n)
+        return _Half(self.stages[side.stage].states, side.slice.offset, side.slice.numel)
 
-    def _add(self, side: _Side, lo: int, t: torch.Tensor) -> None:
-        assert side.slice is not None
-        self._states(side).add_grads(side.slice.offset + lo, t)
 
-    def _moved(self, t: torch.Tensor, src: _Side, dst: _Side, device: Device) -> torch.Tensor:
-        """t, a gradient chunk of src's states, where dst's states keep their gradients."""
-        there, here = self._on_gpu(src), self._on_gpu(dst)
-        if there == here:
-            return t
-        return device.to_device(t) if here else device.to_host(t)
+class _Half:
+    """One half of a tied pair as the exchange reads and adds it, CHUNK elements at a time: where its states keep
+    the gradients on the gpu (DeviceStates.grads_on_gpu), each chunk is read and added there; where they are in host
+    memory or the SSD store (read and written a record at a time), the half is read once and what it gets is added
+    once, at finish()."""
+
+    def __init__(self, states, offset: int, numel: int):
+        self.states, self.offset, self.numel = states, offset, numel
+        self.on_gpu: bool = states.grads_on_gpu
+        self._whole = None if self.on_gpu else states.grad_slice(offset, numel)
+        self._gets = None if self._whole is None else torch.empty_like(self._whole)
+
+    def chunks(self) -> list[tuple[int, int]]:
+        """(first element, count) of the chunks of at most CHUNK elements."""
+        return [(lo, min(CHUNK, self.numel - lo)) for lo in range(0, self.numel, CHUNK)]
+
+    def chunk(self, lo: int, n: int) -> torch.Tensor:
+        """A copy of elements lo .. lo + n of the gradient, where the states keep it."""
+        if self._whole is None:
+            return self.states.grad_slice(self.offset + lo, n)
+        return self._whole[lo : lo + n].clone()
+
+    def add(self, lo: int, t: torch.Tensor) -> None:
+        """Add t (where the states keep the gradient) into elements lo .. lo + len(t)."""
+        if self._gets is None:
+            self.states.add_grads(self.offset + lo, t)
+        else:
+            self._gets[lo : lo + t.numel()].copy_(t)
+
+    def finish(self) -> None:
+        """Add what the chunks got, for a half kept off the gpu."""
+        if self._gets is not None:
+            self.states.add_grads(self.offset, self._gets)
+
+
+def _moved(t: torch.Tensor, src: _Half, dst: _Half, device: Device) -> torch.Tensor:
+    """t, a gradient chunk of src, where dst keeps its gradient."""
+    if src.on_gpu == dst.on_gpu:
+        return t
+    return device.to_device(t) if dst.on_gpu else device.to_host(t)
 
 
 class _Squares:
@@ -185,13 +213,6 @@ def _held(ledger: DeviceLedger | None, tensors: list[torch.Tensor]) -> Iterator[
         if ledger is not None:
             for key in keys:
                 ledger.drop(key)
-
-
-def _chunks(side: _Side) -> list[tuple[int, int]]:
-    """(first element, count) of side's chunks of at most CHUNK elements."""
-    assert side.slice is not None
-    total = side.slice.numel
-    return [(lo, min(CHUNK, total - lo)) for lo in range(0, total, CHUNK)]
 
 
 def _stage_of(plan: Plan, layer: int) -> int:

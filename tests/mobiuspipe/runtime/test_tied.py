@@ -1,5 +1,6 @@
 """The tied gradients' exchange between two ranks (runtime.tied), against a scripted peer: a chunk at a time, each
-sent and added before the next, in gpu memory of two chunks, the gradients where their states keep them."""
+sent and added before the next, in gpu memory of two chunks; a half kept on the gpu read and added there a chunk at
+a time, one in host memory or on the SSD read once and added once."""
 
 from __future__ import annotations
 
@@ -51,13 +52,16 @@ class _Peer:
         self.ledger.drop(("sending", len(self.sent)))
 
 
-@pytest.mark.parametrize("optimizer", ["host", "device"])
+@pytest.mark.parametrize("optimizer", ["host", "ssd", "device"])
 def test_an_exchange_adds_the_peers_half_a_chunk_at_a_time(tmp_path, hf_kit, monkeypatch, optimizer):
     monkeypatch.setattr(tied, "CHUNK", CHUNK)
     hf_kit.save_model("gpt2", tmp_path / "src", seed=2)
     m = open_hf(tmp_path / "src", 9)
     x, y = hf_kit.random_batches(1, 4, 9, seed=4)[0]
-    memory = MemoryConfig(optimizer=optimizer)
+    ssd = optimizer == "ssd"
+    memory = MemoryConfig(
+        optimizer=optimizer, weights="ssd" if ssd else "host", ssd_dir=str(tmp_path / "ssd") if ssd else None
+    )
     with Pipeline(layer_factories(m), lm_loss, sample=(x, y), num_microbatches=2, num_stages=3, memory=memory) as pipe:
         pipe.train_batch(x, y)  # gradients in the states
         (a, b), device = m.tied_params()[0], pipe.engine.device
@@ -70,20 +74,28 @@ def test_an_exchange_adds_the_peers_half_a_chunk_at_a_time(tmp_path, hf_kit, mon
         ties = tied.TiedGrads([(a, b)], plan, stages, RankInfo(0, 2, 0, False))
         side = ties.pairs[0][0]
         assert side.slice is not None
-        noise = torch.randn(side.slice.numel, dtype=torch.float64).float()  # a gradient no step leaves
-        ties._add(side, 0, device.place(noise) if optimizer == "device" else noise)
-        before = plain(ties._grad(side, 0, side.slice.numel)).clone()
+        states, at, numel = pipe.engine.stages[side.stage].states, side.slice.offset, side.slice.numel
+        noise = torch.randn(numel, dtype=torch.float64).float()  # a gradient no step leaves
+        states.add_grads(at, device.place(noise) if optimizer == "device" else noise)
+        before = plain(states.grad_slice(at, numel)).clone()
         theirs = torch.randn(before.numel(), dtype=torch.float64).to(before.dtype)
         peer = _Peer(theirs, device)
         to_host = Device.to_host
         copies = []
         monkeypatch.setattr(Device, "to_host", lambda self, t: copies.append(t.numel()) or to_host(self, t))
+        reads, adds, read, add = [], [], states.grad_slice, states.add_grads
+        monkeypatch.setattr(states, "grad_slice", lambda at, n: reads.append((at, n)) or read(at, n))
+        monkeypatch.setattr(states, "add_grads", lambda at, t: adds.append((at, t.numel())) or add(at, t))
         fix = ties.sum(cast(Comm, peer), device, 0)
         monkeypatch.undo()
-        after = plain(ties._grad(side, 0, side.slice.numel))
+        after = plain(states.grad_slice(at, numel))
     assert torch.equal(torch.cat(peer.sent), before) and peer.at == before.numel() and before.abs().min() > 0
     assert torch.equal(after, before + theirs)
     assert fix == pytest.approx(sum_of_squares(before + theirs) - sum_of_squares(before), rel=1e-12)
     assert peer.ledger.peak_bytes == 2 * CHUNK * before.element_size()  # a chunk sent, a chunk received
     n = -(-before.numel() // CHUNK)
     assert copies == ([] if optimizer == "device" else [CHUNK] * (n - 1) + [before.numel() - (n - 1) * CHUNK])
+    if optimizer == "device":  # a chunk at a time on the gpu
+        assert reads == [(at + lo, min(CHUNK, numel - lo)) for lo in range(0, numel, CHUNK)] and len(adds) == n
+    else:  # read and added once: the SSD store reads and writes a record at a time
+        assert reads == adds == [(at, numel)]
