@@ -187,3 +187,28 @@ def test_resume_with_the_run_folder_continues_from_its_newest_checkpoint(tmp_pat
     assert f"mobiuspipe: {tmp_path / 'out'} holds checkpoints: resuming from its newest complete one" in again.stdout
     assert f"resumed from {tmp_path / 'out' / 'checkpoints' / 'step-2'} at step 2" in again.stdout
     assert "step 3 [4/4]" in again.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.xfail(strict=True, reason="a new run or a rollback in a folder of newer checkpoints prunes its own")
+def test_a_run_behind_the_folders_checkpoints_is_refused_and_leaves_them(tmp_path):
+    """A new run in a folder that holds another run's checkpoints, and a resume from an older checkpoint than the
+    folder's newest, would prune their own checkpoints as the oldest and leave a later --resume auto to take the
+    other timeline's: both are refused before they write anything, naming the checkpoints and the ways out."""
+    train = [sys.executable, "-m", "mobiuspipe", "train", "--config"]
+    cfg = str(_config(tmp_path, checkpoint_every=2, steps=4))
+    first = subprocess.run([*train, cfg], capture_output=True, text=True, timeout=150)
+    assert first.returncode == 0, first.stderr[-3000:]
+    out = tmp_path / "out"
+    before = _sums(out)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-4"]
+    fresh = subprocess.run([*train, cfg], capture_output=True, text=True, timeout=150)
+    assert fresh.returncode == 2, fresh.stderr[-3000:]
+    assert "holds the checkpoints of another run (step-2, step-4)" in fresh.stderr
+    assert "--resume auto" in fresh.stderr and "another train.out_dir" in fresh.stderr
+    back = str(out / "checkpoints" / "step-2")
+    rollback = subprocess.run([*train, cfg, "--resume", back], capture_output=True, text=True, timeout=150)
+    assert rollback.returncode == 2, rollback.stderr[-3000:]
+    assert "holds checkpoints after step 2, where this run resumes (step-4)" in rollback.stderr
+    assert _sums(out) == before
