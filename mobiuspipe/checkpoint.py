@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from foundation.errors import UserError
@@ -50,6 +50,7 @@ __all__ = [
     "commit_checkpoint",
     "partial_file",
     "prune",
+    "complete_steps",
     "load_checkpoint",
     "latest_checkpoint",
     "plan_identity",
@@ -199,6 +200,8 @@ def write_snapshot(snap: Snapshot, path: Path) -> tuple[int, str] | str:
         return path.stat().st_size, _digest(path)
     except OSError as e:
         return f"{path}: {e.strerror or e} (errno {e.errno}); free space or fix the folder, then resume"
+    except SafetensorError as e:  # safetensors' own report of a failed write (a full disk, a file size limit)
+        return f"{path}: {e}; free space or fix the folder, then resume"
 
 
 def _commit(partial: Path, final: Path, head: dict, files: dict[str, tuple[int, str]]) -> None:
@@ -208,22 +211,34 @@ def _commit(partial: Path, final: Path, head: dict, files: dict[str, tuple[int, 
     fsync_path(tmp)
     tmp.replace(partial / COMPLETE)
     fsync_path(partial)
-    if final.exists():  # a checkpoint of this step from an earlier attempt: replaced whole
-        shutil.rmtree(final)
+    aside = final.with_name(f".replaced-{final.name}")
+    if final.exists():  # a checkpoint of this step from an earlier attempt: moved aside whole, then removed
+        if aside.exists():  # a crash's, while it removed one before
+            shutil.rmtree(aside, ignore_errors=True)
+        final.replace(aside)
     partial.replace(final)
     fsync_path(final.parent)
+    if aside.exists():
+        shutil.rmtree(aside, ignore_errors=True)  # what a crash leaves of it, prune removes
 
 
 def prune(root: Path, keep: int) -> None:
-    """Remove all but the newest `keep` complete checkpoints (keep 0: none), and the unfinished writes that
-    crashes left of steps up to the newest (a later one may be in flight)."""
-    done = sorted(_steps(root, complete_only=True))
+    """Remove all but the newest `keep` complete checkpoints (keep 0: none), and the unfinished writes and replaced
+    checkpoints that crashes left of steps up to the newest (a later one may be in flight). A run never starts behind
+    the newest (mobiuspipe.run.checkpoints.refuse_later_checkpoints), so the newest are its own."""
+    done = complete_steps(root)
     for step in done[:-keep] if keep > 0 else []:
         shutil.rmtree(root / f"{PREFIX}{step}", ignore_errors=True)
-    for stale in root.glob(f".partial-{PREFIX}*"):
-        tail = stale.name[len(f".partial-{PREFIX}") :]
-        if done and tail.isdigit() and int(tail) <= done[-1]:
-            shutil.rmtree(stale, ignore_errors=True)
+    for kind in (".partial-", ".replaced-"):
+        for stale in root.glob(f"{kind}{PREFIX}*"):
+            tail = stale.name[len(f"{kind}{PREFIX}") :]
+            if done and tail.isdigit() and int(tail) <= done[-1]:
+                shutil.rmtree(stale, ignore_errors=True)
+
+
+def complete_steps(root: Path) -> list[int]:
+    """The steps of the complete checkpoints under root, in order."""
+    return sorted(_steps(root, complete_only=True))
 
 
 def _steps(root: Path, complete_only: bool) -> list[int]:

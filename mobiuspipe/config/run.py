@@ -119,7 +119,9 @@ class TrainConfig(Section):
     """Folder of the checkpoints (step-N folders), relative to the config file's folder; None =
     OUT_DIR/checkpoints."""
     keep_checkpoints: int = 2
-    """Complete checkpoints kept (count, >= 1): older ones are removed once a newer one is committed."""
+    """Complete checkpoints kept (count, >= 1): older ones are removed once a newer one is committed. A run whose
+    checkpoint folder holds checkpoints after the step it starts at (another run's, or the steps a resume from an
+    older one leaves) is refused before it writes anything ([checkpoints](checkpoints.md))."""
     resume: str | None = None
     """"auto": continue from the newest complete checkpoint in the checkpoint folder (start at step 0 when
     there is none: what a job restarted by `torchrun --max-restarts` needs); a step-N folder: continue from

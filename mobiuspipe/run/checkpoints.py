@@ -15,6 +15,7 @@ from mobiuspipe.checkpoint import (
     CheckpointError,
     begin_checkpoint,
     commit_checkpoint,
+    complete_steps,
     latest_checkpoint,
     load_checkpoint,
     partial_file,
@@ -25,7 +26,7 @@ from mobiuspipe.config import RunConfig, TrainConfig
 from mobiuspipe.pipeline import Pipeline
 from mobiuspipe.runtime.peers.ranks import gather_all
 
-__all__ = ["StopSignals", "resume_run", "run_identity", "Checkpointer"]
+__all__ = ["StopSignals", "resume_run", "refuse_later_checkpoints", "run_identity", "Checkpointer"]
 
 
 class StopSignals:
@@ -91,6 +92,34 @@ def resume_run(t: TrainConfig, pipe: Pipeline, run: dict | None = None) -> int:
     if pipe.rank == 0:
         print(f"mobiuspipe: resumed from {folder} at step {every[0]}", flush=True)
     return every[0]
+
+
+def refuse_later_checkpoints(t: TrainConfig, pipe: Pipeline, start: int) -> None:
+    """Every rank raises CheckpointError, before the run writes anything, when its checkpoint root holds complete
+    checkpoints of steps after `start`, where the run begins: another run's (a new run in an old folder) or the
+    steps a resume from an older checkpoint leaves behind. Pruning keeps the newest, so it would remove the run's
+    own checkpoints, and a --resume auto after a crash would take the other timeline's."""
+    why = None
+    root = Path(t.checkpoint_root) if t.checkpoint_root else None
+    if pipe.rank == 0 and root is not None:
+        later = [f"{PREFIX}{s}" for s in complete_steps(root) if s > start]
+        if later and start == 0:
+            why = (
+                f"{root} holds the checkpoints of another run ({', '.join(later)}): this run would start at step 0, "
+                f"prune them as it saves its own and leave a later --resume auto theirs. Continue that run "
+                f"(--resume auto), give this run another train.out_dir (or train.checkpoint_dir), or move them "
+                f"out of {root}; nothing was changed"
+            )
+        elif later:
+            why = (
+                f"{root} holds checkpoints after step {start}, where this run resumes ({', '.join(later)}): it "
+                f"would prune its own checkpoints as older than them, and a later --resume auto would go back to "
+                f"theirs. Move them out of {root} to keep them (or delete them), then resume again; nothing was "
+                f"changed"
+            )
+    why = gather_all(pipe.info, why)[0]
+    if why is not None:
+        raise CheckpointError(why)
 
 
 def resume_root(resume: str, root: Path) -> Path | None:

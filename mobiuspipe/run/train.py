@@ -41,7 +41,7 @@ from mobiuspipe.optim import CPUAdam
 from mobiuspipe.optim.host_threads import rank_threads
 from mobiuspipe.pipeline import Pipeline
 from mobiuspipe.profiling.profiler import TORCH_DTYPES
-from mobiuspipe.run.checkpoints import Checkpointer, StopSignals, resume_run, run_identity
+from mobiuspipe.run.checkpoints import Checkpointer, StopSignals, refuse_later_checkpoints, resume_run, run_identity
 from mobiuspipe.run.flops import device_name, flops_per_token, peak_tflops
 from mobiuspipe.run.metrics import Reporter, device_peak_line, step_metrics
 from mobiuspipe.run.parent_death import ENV as DEATH_ENV
@@ -200,6 +200,7 @@ def _steps(
     run = run_identity(cfg)
     with at_start_up(CheckpointError):  # every rank raises the same one (not so a lost peer's PeerLostError)
         start = resume_run(cfg.train, pipe, run)
+        refuse_later_checkpoints(cfg.train, pipe, start)
     _write_records(cfg, pipe)  # once every start-up check, the resume's included, has passed
     checkpoints = Checkpointer(cfg.train, pipe, cfg.to_yaml(), run)
     try:

@@ -191,7 +191,6 @@ def test_resume_with_the_run_folder_continues_from_its_newest_checkpoint(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=True, reason="a new run or a rollback in a folder of newer checkpoints prunes its own")
 def test_a_run_behind_the_folders_checkpoints_is_refused_and_leaves_them(tmp_path):
     """A new run in a folder that holds another run's checkpoints, and a resume from an older checkpoint than the
     folder's newest, would prune their own checkpoints as the oldest and leave a later --resume auto to take the
