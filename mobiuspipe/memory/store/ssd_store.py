@@ -121,8 +121,6 @@ class SSDStore:
             old = self.index.entries.get(key)
             shared = old is not None and _links(os.path.join(self.folder, old.file)) > 1  # a checkpoint's too
             name = old.file if old and not shared else self.index.new_file()  # a shared file stays as it is
-            if old and shared:
-                self._retired.append(old.file)
         path = os.path.join(self.folder, name)
         nbytes = t.numel() * t.element_size()
         fd = self._open(path, write=True)
@@ -132,6 +130,9 @@ class SSDStore:
         except BaseException:
             os.close(fd)
             raise
+        if old and shared:  # the key moves to the new file: the old one (a checkpoint's) leaves the store
+            with self._mutex:
+                self._retired.append(old.file)
         entry = Entry(name, _dtype_name(t.dtype), list(t.shape), nbytes, 0, self.algo)
 
         def finish() -> None:

@@ -186,7 +186,6 @@ def test_a_full_disk_fails_at_allocation_with_enospc(tmp_path):
     assert "FITS True" in out.stdout
 
 
-@pytest.mark.xfail(strict=True, reason="a put that fails to allocate retires the linked file its key still names")
 def test_a_failed_allocation_keeps_a_checkpoint_linked_record(tmp_path, monkeypatch):
     """A key whose file a checkpoint links gets a new file at its next put; when allocating it fails (a full disk),
     the key keeps its old file, still readable after a flush (which unlinks the files no key names)."""
