@@ -305,9 +305,20 @@ def _read_complete(folder: Path) -> dict:
             "resume from another checkpoint (--resume auto takes the newest complete one)"
         )
     try:
-        return json.loads(marker.read_text())
+        head = json.loads(marker.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint {folder}: {marker} is unreadable ({e}); resume from another") from e
+    missing = [k for k in HEAD_KEYS if not isinstance(head, dict) or k not in head]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {folder}: {marker} lacks {', '.join(missing)} (expected the keys {', '.join(HEAD_KEYS)} "
+            f"that a checkpoint's commit writes); resume from another"
+        )
+    return head
+
+
+HEAD_KEYS = ("step", "world_size", "plan", "files")
+"""What every `complete` marker holds (besides `run`, absent from older checkpoints)."""
 
 
 def _check_fits(head: dict, pipe: Checkpointed, folder: Path) -> None:

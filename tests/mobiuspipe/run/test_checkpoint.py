@@ -130,6 +130,9 @@ def test_damaged_unfinished_or_foreign_checkpoints_are_named(tmp_path):
     f.unlink()
     with _pipeline(cfg, None) as pipe, pytest.raises(CheckpointError, match="rank0.safetensors is missing"):
         load_checkpoint(pipe, new)
+    (new / "complete").write_text('{"step": 2}')  # a marker of the right JSON without its keys
+    with _pipeline(cfg, None) as pipe, pytest.raises(CheckpointError, match="lacks world_size, plan, files"):
+        load_checkpoint(pipe, new)
     (new / "complete").unlink()
     with _pipeline(cfg, None) as pipe, pytest.raises(CheckpointError, match="no `complete` marker"):
         load_checkpoint(pipe, new)
