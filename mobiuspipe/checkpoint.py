@@ -158,6 +158,7 @@ def commit_checkpoint(
         save_plan(pipe.plan, partial / "plan.yaml")
         if config_yaml is not None:
             (partial / "config.yaml").write_text(config_yaml)
+            fsync_path(partial / "config.yaml")  # on the disk before `complete` says the folder is
         files = {f"rank{r}.safetensors": w for r, w in enumerate(every)}
         head = {"step": step, "world_size": pipe.info.world_size, "plan": plan_identity(pipe), "run": run}
         _commit(partial, final, head, files)
