@@ -45,3 +45,7 @@ class StartUpError(UserError, RuntimeError):
 
 class PipelineError(UserError, ValueError):
     """A Pipeline was given layers, a plan, a loss or a batch that do not fit together."""
+
+
+class ExportError(UserError, RuntimeError):
+    """The fine-tuned model could not be written to train.export_dir: names the rank, the file and the fix."""
