@@ -222,3 +222,15 @@ def fsync_folder(folder: str | os.PathLike) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def fsync_files(folder: str | os.PathLike) -> None:
+    """Flush every file directly in `folder`, then the folder's entries, to the disk (before a rename publishes it)."""
+    for path in sorted(Path(folder).iterdir()):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fsync_folder(folder)

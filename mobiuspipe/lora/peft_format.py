@@ -16,6 +16,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from foundation.files import fsync_files, fsync_folder
 from mobiuspipe.errors import ConfigError
 from mobiuspipe.lora.spec import LoraSpec
 
@@ -60,9 +61,14 @@ def save_adapter(
     save_file({PREFIX + k: t.detach().contiguous().cpu() for k, t in sorted(tensors.items())}, str(partial / WEIGHTS))
     for name, text in (extra or {}).items():
         (partial / name).write_text(text)
-    if folder.exists():
-        shutil.rmtree(folder)
+    fsync_files(partial)  # on the disk before it takes the name
+    earlier = folder.with_name(f".{folder.name}.replaced")
+    shutil.rmtree(earlier, ignore_errors=True)  # left by a crash between the renames below
+    if folder.exists():  # moved aside, not removed, until the new one is in place
+        folder.replace(earlier)
     partial.replace(folder)
+    fsync_folder(folder.parent)
+    shutil.rmtree(earlier, ignore_errors=True)
 
 
 def load_adapter(folder: Path, key: str = "model.adapter") -> tuple[LoraSpec, dict[str, torch.Tensor]]:

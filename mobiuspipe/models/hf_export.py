@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from foundation.files import fsync_files, fsync_folder
 from mobiuspipe.errors import ConfigError
 from mobiuspipe.models.hf import HFModel, hf_key, layer_key
 from mobiuspipe.models.hf_weights import INDEX
@@ -119,11 +120,13 @@ def finish_export(
         if (m.folder / side).is_file():
             shutil.copy2(m.folder / side, folder / side)
     (folder / MARKER).write_text(marker_text(owner))
+    fsync_files(folder)  # the new export is on the disk before it takes the name and the old one goes
     earlier = to.with_name(f".{to.name}.replaced")
     shutil.rmtree(earlier, ignore_errors=True)  # left by a run that stopped between the two renames
     if to.exists():
         to.replace(earlier)  # empty, or an export of this owner (check_export_dir)
     folder.replace(to)
+    fsync_folder(to.parent)
     shutil.rmtree(earlier, ignore_errors=True)
 
 

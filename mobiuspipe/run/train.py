@@ -22,6 +22,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from foundation.errors import UserError
@@ -31,12 +32,13 @@ from foundation.units import fmt_bytes
 from mobiuspipe.checkpoint import CheckpointError
 from mobiuspipe.config import RunConfig, load_config
 from mobiuspipe.data.dataset import PackedTokens, open_run_data
+from mobiuspipe.errors import ExportError
 from mobiuspipe.lora.spec import LoraSpec
 from mobiuspipe.memory.device import deterministic_kernels
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.models.hf import HFModel, open_hf
 from mobiuspipe.models.hf import layer_factories as hf_layer_factories
-from mobiuspipe.models.hf_export import check_export_dir, finish_export, partial_dir, write_shard
+from mobiuspipe.models.hf_export import check_export_dir, finish_export, partial_dir, shard_name, write_shard
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.optim.host_threads import rank_threads
 from mobiuspipe.pipeline import Pipeline
@@ -153,8 +155,18 @@ def _export(pipe: Pipeline, hf: HFModel, to: Path, dtype: torch.dtype, owner: st
     """Every rank writes its stages' shards; rank 0 writes the index and config and renames the folder (replacing
     an export of the same owner: a finished run extended or resumed)."""
     folder, stages = partial_dir(to), pipe.plan.num_stages
-    mine = {j: write_shard(hf, j, stages, w, folder, dtype) for j, w in pipe.stage_state_dicts().items()}
-    every = gather_all(pipe.info, mine)
+    shards: dict[int, dict[str, int]] = {}
+    failure = None
+    for j, w in pipe.stage_state_dicts().items():
+        try:
+            shards[j] = write_shard(hf, j, stages, w, folder, dtype)
+        except (OSError, SafetensorError) as e:  # safetensors reports a failed write (a full disk) as its own error
+            failure = f"rank {pipe.rank} could not write {folder / shard_name(j, stages)}: {e}"
+            break
+    every = gather_all(pipe.info, failure or shards)  # every rank's result: none is left waiting when one failed
+    failed = [d for d in every if isinstance(d, str)]
+    if failed:
+        raise ExportError(f"{failed[0]}; free space there (or fix the folder), then export with `mobiuspipe export`")
     if pipe.rank == 0:
         finish_export(hf, {j: names for d in every for j, names in d.items()}, stages, to, dtype, owner)
         print(f"mobiuspipe: exported the fine-tuned model to {to} ({dtype}; from_pretrained loads it)", flush=True)
@@ -165,7 +177,13 @@ def _export_adapter(pipe: Pipeline, hf: HFModel, spec: LoraSpec, to: Path, dtype
     loads onto model.hf (replacing an export of the same owner)."""
     every = gather_all(pipe.info, pipe.state_dict(frozen=False))
     if pipe.rank == 0:
-        write_adapter(hf, spec, {k: v for d in every for k, v in d.items()}, to, dtype, owner)
+        try:
+            write_adapter(hf, spec, {k: v for d in every for k, v in d.items()}, to, dtype, owner)
+        except (OSError, SafetensorError) as e:  # the earlier export stays in place
+            why = f"could not write the LoRA adapter to {to}: {e}"
+            raise ExportError(
+                f"{why}; free space there (or fix the folder), then export with `mobiuspipe export`"
+            ) from e
         print(
             f"mobiuspipe: exported the LoRA adapter to {to} ({dtype}; PeftModel.from_pretrained(base, DIR) loads it "
             f"onto {hf.folder})",

@@ -367,7 +367,6 @@ def test_finish_export_replaces_its_owners_export_and_leaves_no_remains(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "m"]
 
 
-@pytest.mark.xfail(strict=True, reason="a failed shard write escapes the export: that rank dies, its peers wait")
 def test_a_failed_export_write_is_named_and_leaves_the_earlier_export(tmp_path, hf_kit, monkeypatch):
     """A shard that cannot be written (safetensors' own error for a full disk, as an OSError would be) is an
     ExportError naming the rank, the file and the fix, raised after every rank's result is in (no rank is left
