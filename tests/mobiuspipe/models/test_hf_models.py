@@ -205,19 +205,7 @@ def test_clipping_and_accumulation_equal_transformers(tmp_path, hf_kit, kind):
     m = open_hf(tmp_path / "src", 9)
     batches = hf_kit.random_batches(3, 12, 9, seed=3)
     want, want_norms = hf_kit.train_plain(model, batches, microbatches=6, lr=1e-2, max_norm=0.3)
-    opt = partial(CPUAdam, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
-    sample = (batches[0][0][:6], batches[0][1][:6])
-    with Pipeline(
-        layer_factories(m),
-        lm_loss,
-        sample=sample,
-        num_microbatches=3,
-        num_stages=3,
-        optimizer=opt,
-        tied=m.tied_params(),
-        accumulation_steps=2,
-        max_grad_norm=0.3,
-    ) as pipe:
+    with _clipped_pipeline(m, batches) as pipe:
         passes = _record_passes(pipe.engine)
         results = [pipe.train_batch(x, y) for x, y in batches]
     assert [r.loss for r in results] == pytest.approx(want, rel=1e-5)
@@ -228,6 +216,24 @@ def test_clipping_and_accumulation_equal_transformers(tmp_path, hf_kit, kind):
         assert r.own_times.compute_s == sum(t.compute_s for t in times) and r.own_times.compute_s > 0
         assert r.own_times.comm_s == sum(t.comm_s for t in times)
         assert r.own_device_peak_bytes == max(peaks) == r.device_peak_bytes  # one rank: its own is the max
+
+
+def _clipped_pipeline(m, batches, memory=None) -> Pipeline:
+    """m's layers in 3 stages of 3 microbatches, 2 accumulation passes, clipped to 0.3, CPUAdam at transformers'
+    reference settings (hf_kit.train_plain with lr 1e-2), tied as m ties them."""
+    opt = partial(CPUAdam, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    return Pipeline(
+        layer_factories(m),
+        lm_loss,
+        sample=(batches[0][0][:6], batches[0][1][:6]),
+        num_microbatches=3,
+        num_stages=3,
+        optimizer=opt,
+        tied=m.tied_params(),
+        accumulation_steps=2,
+        max_grad_norm=0.3,
+        memory=memory,
+    )
 
 
 def _record_passes(engine) -> list:
@@ -292,20 +298,8 @@ def test_tied_halves_with_states_on_the_gpu_train_as_transformers_without_host_c
     m = open_hf(tmp_path / "src", 9)
     batches = hf_kit.random_batches(3, 12, 9, seed=3)
     want, want_norms = hf_kit.train_plain(model, batches, microbatches=6, lr=1e-2, max_norm=0.3)
-    opt = partial(CPUAdam, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     copies = []
-    with Pipeline(
-        layer_factories(m),
-        lm_loss,
-        sample=(batches[0][0][:6], batches[0][1][:6]),
-        num_microbatches=3,
-        num_stages=3,
-        optimizer=opt,
-        tied=m.tied_params(),
-        accumulation_steps=2,
-        max_grad_norm=0.3,
-        memory=MemoryConfig(optimizer="device"),
-    ) as pipe:
+    with _clipped_pipeline(m, batches, MemoryConfig(optimizer="device")) as pipe:
         to_host = Device.to_host
         monkeypatch.setattr(Device, "to_host", lambda self, t: copies.append(t.shape) or to_host(self, t))
         results = [pipe.train_batch(x, y) for x, y in batches]
