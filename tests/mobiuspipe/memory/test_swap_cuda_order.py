@@ -1,0 +1,143 @@
+"""The activation tiers under CUDA's timing, emulated on the CPU stand-in: on CUDA a copy's wait() orders the
+compute stream and returns at once, so the host races ahead of copies. Emulated here by a non-blocking wait and
+slowed copies, the SSD and staged-peer tiers must keep their staging buffers bounded (a few held sets, not one
+per microbatch) and still bring back every tensor bit for bit; a swap-in, which waits for the compute queued at
+its start, runs on a stream of its own, so the loads issued after it do not queue behind it; and a mark of the
+compute queued so far is taken only on the thread that queues the compute (the strict stand-in refuses it
+elsewhere)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from mobiuspipe.memory import streams
+from mobiuspipe.memory.device import CopyHandle, Device
+from mobiuspipe.memory.store.ssd_store import SSDStore
+from mobiuspipe.memory.swap import HostSwap
+from mobiuspipe.memory.swap_peer import PeerSwap, shm_region
+from mobiuspipe.memory.swap_ssd import SsdSwap
+from mobiuspipe.standin import StandInError
+from mobiuspipe.standin.places import gpu_buffer
+
+M = 8
+"""Microbatches of the stage in the emulated step."""
+
+
+def _held(g: torch.Generator) -> list[torch.Tensor]:
+    """A stage's held set: the same sizes every microbatch, as a stage's are."""
+    return [torch.randn(301, 5, generator=g), torch.randn(3, 77, generator=g).to(torch.bfloat16), torch.randn(999)]
+
+
+@pytest.fixture
+def as_on_cuda(monkeypatch):
+    """wait() returns at once (CUDA: the compute stream waits, not the host) and each copy takes 10 ms."""
+    real = streams._copy_after
+
+    def slow(waits, dst, src):
+        time.sleep(0.01)
+        real(waits, dst, src)
+
+    monkeypatch.setattr(streams, "_copy_after", slow)
+    monkeypatch.setattr(CopyHandle, "wait", lambda self: None)
+
+
+def _step(tier, device: Device, pool) -> tuple[int, dict, dict]:
+    """All forwards (swap-out each, finish the one before), then all backwards (prefetch the one before): the
+    pool's most buffers at any time, what went out and what came back."""
+    g = torch.Generator().manual_seed(3)
+    sent = {(0, i): [device.place(t) for t in _held(g)] for i in range(M)}
+    want = {k: [t.clone() for t in ts] for k, ts in sent.items()}
+    most = 0
+    for k, ts in sent.items():
+        tier.start_out(k, ts)
+        if k[1] > 0:
+            tier.finish_out((0, k[1] - 1))
+        most = max(most, pool.buffers)
+    tier.finish_out((0, M - 1))
+    got = {}
+    tier.start_in((0, M - 1))
+    for i in reversed(range(M)):
+        if i > 0:
+            tier.start_in((0, i - 1))
+        got[(0, i)] = tier.finish_in((0, i))
+        most = max(most, pool.buffers)
+    return most, want, got
+
+
+def _check(device: Device, tier, want: dict, got: dict) -> None:
+    tier.close()
+    device.close()  # every copy has ended
+    for k in want:
+        for a, b in zip(got[k], want[k]):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+@pytest.mark.xfail(strict=True, reason="the activation tiers' CUDA review findings, fixed next")
+def test_the_ssd_tiers_staging_stays_within_a_few_sets_when_the_host_runs_ahead(as_on_cuda, tmp_path):
+    device = Device(1, use_cuda=False)
+    with SSDStore(tmp_path / "act") as store:
+        tier = SsdSwap(device, store)
+        most, want, got = _step(tier, device, tier._pool)
+        _check(device, tier, want, got)
+    assert most <= 4 * 3, f"{most} staging buffers for {M} microbatches of 3 tensors"
+
+
+@pytest.mark.xfail(strict=True, reason="the activation tiers' CUDA review findings, fixed next")
+def test_the_staged_peer_tiers_staging_stays_within_a_few_sets_when_the_host_runs_ahead(as_on_cuda, tmp_path):
+    path = f"/dev/shm/mobiuspipe-test-{os.getpid()}-{tmp_path.name}"
+    device = Device(0, use_cuda=False)
+    try:
+        tier = PeerSwap(device, gpu_buffer(shm_region(path, 1 << 20), 1), True, 1)
+        most, want, got = _step(tier, device, tier.pool)
+        _check(device, tier, want, got)
+    finally:
+        os.unlink(path)
+    assert most <= 4 * 3, f"{most} staging buffers for {M} microbatches of 3 tensors"
+
+
+@pytest.mark.xfail(strict=True, reason="the activation tiers' CUDA review findings, fixed next")
+def test_a_load_does_not_queue_behind_a_swap_in():
+    """On CUDA a swap-in waits for the compute queued at its start (its fresh device tensors may be in use until
+    then); a load on the same stream would wait too, and the next stage's weights would not overlap this one's
+    compute. Emulated by a swap-in held back by an unfinished copy: a load issued after it still ends."""
+    device = Device(0, use_cuda=False)
+    tier = HostSwap(device)
+    tier.start_out((0, 0), [device.place(torch.randn(100))])
+    tier.finish_out((0, 0))
+    gate = threading.Event()
+    real = tier._wrote[(0, 0)]
+    held_back = CopyHandle(future=device._out.run(gate.wait)._future)  # a copy that has not ended
+    tier._wrote[(0, 0)] = [*real, held_back]
+    tier.start_in((0, 0))
+    slot, weights = device.empty((64,), torch.float32), torch.randn(64)
+    load = device.copy_in(slot, weights, computed=False)
+    try:
+        done = load._future.result(timeout=5) is None
+    except TimeoutError:
+        done = False
+    finally:
+        gate.set()
+    tier.finish_in((0, 0))
+    tier.close()
+    device.close()
+    assert done, "the load waited for the swap-in issued before it"
+    assert torch.equal(slot, weights)
+
+
+@pytest.mark.xfail(strict=True, reason="the activation tiers' CUDA review findings, fixed next")
+def test_a_mark_of_the_compute_is_taken_only_on_the_compute_thread(monkeypatch):
+    monkeypatch.setenv("MOBIUSPIPE_STRICT", "1")
+    device = Device(0, use_cuda=False)
+    device.computed()  # the thread that made the Device queues its compute
+    worker = device.executor("io")
+    with pytest.raises(StandInError, match="the compute queued so far"):
+        worker.submit(device.computed).result()
+    with pytest.raises(StandInError, match="the compute queued so far"):
+        worker.submit(device.copy_in, device.empty((4,), torch.float32), torch.zeros(4)).result()
+    worker.shutdown()
+    device.close()
