@@ -1,14 +1,18 @@
 """The gpu a rank drives, with CPU stand-ins for what CUDA provides: copy streams and pinned memory.
 
-Copies run on streams of their own (mobiuspipe.memory.streams), one per direction so that loads and swap-ins
-(host -> device) run beside swap-outs and offloads (device -> host); a copy between host memory and a peer
-gpu's memory runs on a stream of that gpu (peer_stream), since CUDA runs it there. The SSD weights' loads and
+Copies run on streams of their own (mobiuspipe.memory.streams): loads (host -> device, each waiting only for
+its slot's users) on the copy-in stream, held activations coming back (copy_back, each waiting for the compute
+queued at its start) on the swap-in stream, so that no load queues behind that compute, and swap-outs and
+offloads (device -> host) on the copy-out stream; a copy between host memory and a peer gpu's memory runs on a
+stream of that gpu (peer_stream), since CUDA runs it there. The SSD weights' loads and
 gradient offloads run as jobs off the compute thread (stream_in, stream_out) that issue their copies group by
 group. A thread that does device work (issues copies, waits on their events) must first bind itself to the gpu
 (bind_thread, or make it with executor): a new CUDA thread's current device is 0 whatever rank it serves. Under
 MOBIUSPIPE_STRICT=1 the stand-in refuses device work from a thread bound to another gpu (or to none, on gpus
-other than 0), marks the tensors it places (mobiuspipe.standin.places), and refuses a copy between host memory
-and another gpu's memory on this gpu's streams.
+other than 0), refuses a mark of the compute queued so far (computed, or a copy waiting for that compute) from any
+thread but the one that made the Device (the one that queues the compute: a mark taken elsewhere covers whatever
+compute happens to be queued then), marks the tensors it places (mobiuspipe.standin.places), and refuses a copy
+between host memory and another gpu's memory on this gpu's streams.
 """
 
 from __future__ import annotations
@@ -62,7 +66,10 @@ class Device:
         self.torch_device = torch.device("cuda", local_rank) if self.is_cuda else torch.device("cpu")
         self.compute = torch.cuda.current_stream(self.torch_device) if self.is_cuda else None
         """The stream the rank computes on (named, not taken from the calling thread's current stream)."""
+        self._owner = threading.get_ident()
+        """The thread that queues the compute (the one that made the Device)."""
         self._in = CopyStream(local_rank, self.is_cuda, "copy-in", self.compute, self._check_thread)
+        self._back = CopyStream(local_rank, self.is_cuda, "swap-in", self.compute, self._check_thread)
         self._out = CopyStream(local_rank, self.is_cuda, "copy-out", self.compute, self._check_thread)
         self._peers: dict[int, CopyStream] = {}
         self._loader: ThreadPoolExecutor | None = None  # CUDA: runs stream_in's jobs; made on first use
@@ -164,6 +171,16 @@ class Device:
         self._check_copy("a copy to the device", dst, src)
         return self._in.copy(dst, src, after, self._computed() if computed else None)
 
+    def copy_back(
+        self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[CopyHandle] = (), computed: bool = True
+    ) -> CopyHandle:
+        """dst (this gpu's memory, freshly allocated) <- src (host memory, or a peer gpu's) on the swap-in stream: a
+        held tensor coming back, once the `after` copies (which wrote src) and (computed) the compute queued so far
+        have ended (dst's memory may be in use until then; computed False: a mark of it is in `after`). Its own
+        stream, so that the loads issued after it do not wait for that compute too."""
+        self._check_copy("a copy back to the device", dst, src)
+        return self._back.copy(dst, src, after, self._computed() if computed else None)
+
     def copy_out(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[CopyHandle] = ()) -> CopyHandle:
         """dst (host memory) <- src (this gpu's memory) on the copy-out stream, once the compute queued so far
         (which writes src) and the `after` copies have ended."""
@@ -245,9 +262,16 @@ class Device:
 
     def _computed(self) -> torch.cuda.Event | None:
         """CUDA: an event after the compute queued so far; None on the stand-in (its compute is synchronous)."""
+        if not self.is_cuda and strict() and threading.get_ident() != self._owner:
+            raise StandInError(
+                f"a mark of the compute queued so far on gpu {self.index} taken on thread "
+                f"{threading.current_thread().name!r}, not the one that queues the compute: it covers whatever "
+                f"compute happens to be queued then; take it (Device.computed) on the compute thread when the memory "
+                f"is allocated, and pass it to the copy as `after` with computed=False"
+            )
         if self.compute is None:
             return None
-        ev = torch.cuda.Event()
+        ev = torch.cuda.Event(blocking=True)  # a host waiting for it sleeps instead of spinning a core
         ev.record(self.compute)
         return ev
 
@@ -273,7 +297,7 @@ class Device:
         for worker in (self._loader, self._offloader):  # their jobs issue copies on the streams
             if worker is not None:
                 worker.shutdown(wait=True)
-        for stream in (self._in, self._out, *self._peers.values()):
+        for stream in (self._in, self._back, self._out, *self._peers.values()):
             stream.close()
         if self._pinned is not None:
             torch.cuda.synchronize(self.torch_device)  # no copy reads or fills a buffer any more

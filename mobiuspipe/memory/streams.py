@@ -104,7 +104,7 @@ class CopyStream:
             h._follow(stream)
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(blocking=True)  # a host waiting for it sleeps instead of spinning a core
             done.record(stream)
         return CopyHandle(event=done, compute=self._compute, check=self._check)
 

@@ -13,16 +13,22 @@ are (stage, microbatch); one key is out at most once at a time.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Sequence
 
 import torch
 
 from mobiuspipe.memory.device import CopyHandle, Device
 
-__all__ = ["Swap", "DeviceSwap", "CopySwap", "HostSwap", "BufferPool"]
+__all__ = ["Swap", "DeviceSwap", "CopySwap", "HostSwap", "BufferPool", "Window", "DEPTH"]
 
 Key = tuple[int, int]
+
+DEPTH = 2
+"""Held sets whose staging copies (SSD, staged peer) may be in flight at once per direction: one moving while the
+next is issued. On CUDA the host runs ahead of its copies (a wait orders the compute stream, not the host), so
+without a bound a staging pool would take a page-locked buffer per held tensor of every microbatch, registered
+mid-step."""
 
 
 class Swap:
@@ -112,11 +118,28 @@ class BufferPool:
         self._pending = waiting
 
 
+class Window:
+    """At most `depth` groups of copies in flight: make_room() blocks the calling thread until fewer are (the oldest
+    have ended, so the staging buffers they used may be taken again); add(handles) a group just issued."""
+
+    def __init__(self, depth: int = DEPTH):
+        self.depth = depth
+        self._groups: deque[Sequence[CopyHandle]] = deque()
+
+    def make_room(self) -> None:
+        while self._groups and (len(self._groups) >= self.depth or all(h.done() for h in self._groups[0])):
+            for h in self._groups.popleft():
+                h.synchronize()
+
+    def add(self, handles: Sequence[CopyHandle]) -> None:
+        self._groups.append(handles)
+
+
 class CopySwap(Swap, ABC):
     """A tier whose held tensors are copies in memory off the device: _take(t) gives (token, a view of t's
     dtype and shape where the copy goes), _give(token, view, after) frees it once the `after` copies have
-    ended, _copy_out(dst, src) and _copy_in(dst, src, after) copy on the copy streams (one per direction, so a
-    copy back names the copy out it reads)."""
+    ended, _copy_out(dst, src) and _copy_in(dst, src, after) copy on the copy streams (the copy-out and the swap-in
+    streams, so a copy back names the copy out it reads)."""
 
     def __init__(self, device: Device):
         super().__init__()
@@ -186,7 +209,7 @@ class CopySwap(Swap, ABC):
         return self.device.copy_out(dst, src)
 
     def _copy_in(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[CopyHandle]) -> CopyHandle:
-        return self.device.copy_in(dst, src, after)
+        return self.device.copy_back(dst, src, after)
 
 
 class HostSwap(CopySwap):

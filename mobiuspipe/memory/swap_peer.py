@@ -16,7 +16,7 @@ import torch
 
 from foundation.units import fmt_bytes
 from mobiuspipe.memory.device import CopyHandle, Device
-from mobiuspipe.memory.swap import BufferPool, CopySwap, _nbytes
+from mobiuspipe.memory.swap import BufferPool, CopySwap, Key, Window, _nbytes
 
 __all__ = ["PeerSwap", "RegionFull", "shm_region", "share_region", "open_shared"]
 
@@ -61,7 +61,9 @@ class _Ranges:
 class PeerSwap(CopySwap):
     """Held tensors parked in `region` (a uint8 tensor on gpu `peer`, or its CPU stand-in); staged: copy
     through pinned host memory (no peer-to-peer path between the two gpus). A staged copy's hop between the
-    host buffer and the region runs on the peer gpu's stream (CUDA runs it there), after the hop it follows."""
+    host buffer and the region runs on the peer gpu's stream (CUDA runs it there), after the hop it follows; the
+    staged copies of DEPTH held sets at most are in flight per direction (swap.Window), so the pool of staging
+    buffers stays within a few sets when the host runs ahead of its copies."""
 
     name = "peer"
 
@@ -72,6 +74,23 @@ class PeerSwap(CopySwap):
         self.pool = BufferPool.host(device)
         self.stream = device.peer_stream(peer)
         self._freed: list[tuple[int, int, Sequence[CopyHandle]]] = []  # ranges given back, copies still reading
+        self._outs, self._ins = Window(), Window()  # the staged copies in flight, a group per held set
+
+    def start_out(self, key: Key, tensors: list[torch.Tensor]) -> None:
+        if self.staged:
+            self._outs.make_room()
+        super().start_out(key, tensors)
+        if self.staged:
+            self._outs.add(self._out[key][1])
+
+    def start_in(self, key: Key) -> list[torch.Tensor]:
+        starts = self.staged and key not in self._in
+        if starts:
+            self._ins.make_room()
+        dev = super().start_in(key)
+        if starts:
+            self._ins.add(self._in[key][1])
+        return dev
 
     def _take(self, like: torch.Tensor) -> tuple[object, torch.Tensor]:
         n = _nbytes(like)
@@ -109,19 +128,20 @@ class PeerSwap(CopySwap):
 
     def _copy_in(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[CopyHandle]) -> CopyHandle:
         """dst (this gpu) <- src (the region): directly, or the peer's stream into a host buffer (after the
-        copy out that wrote the region) and this gpu's copy-in stream from there."""
+        copy out that wrote the region) and this gpu's swap-in stream from there."""
         if not self.staged:
-            return self.device.copy_in(dst, src, after)
+            return self.device.copy_back(dst, src, after)
         buf = self.pool.take(_nbytes(src))
         view = buf.view(src.dtype).view(src.shape)
         first = self.stream.copy(view, src, after)
-        done = self.device.copy_in(dst, view, [first])
+        done = self.device.copy_back(dst, view, [first])
         self.pool.give(buf, [done])
         return done
 
     def close(self) -> None:
         super().close()
         self.ranges, self._freed = _Ranges(self.region.numel()), []
+        self._outs, self._ins = Window(), Window()
 
 
 def shm_region(path: str, nbytes: int) -> torch.Tensor:

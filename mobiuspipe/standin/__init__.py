@@ -7,7 +7,8 @@ A stand-in that forgives what CUDA does not proves nothing about the GPU. Under 
 - places: a tensor in a gpu's memory and one in (pinned) host memory refuse to meet in one op, except
   through the copy functions, as CUDA refuses a cuda and a cpu tensor;
 - threads: copy streams and events are used only from a thread that set its device, as a new CUDA thread's
-  current device is 0 whatever rank it serves.
+  current device is 0 whatever rank it serves; a mark of the compute queued so far is taken only on the thread
+  that queues the compute (elsewhere it would cover whatever compute happened to be queued then).
 """
 
 from __future__ import annotations

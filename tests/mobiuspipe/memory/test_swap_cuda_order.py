@@ -77,7 +77,6 @@ def _check(device: Device, tier, want: dict, got: dict) -> None:
             assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
-@pytest.mark.xfail(strict=True, reason="the activation tiers' CUDA review findings, fixed next")
 def test_the_ssd_tiers_staging_stays_within_a_few_sets_when_the_host_runs_ahead(as_on_cuda, tmp_path):
     device = Device(1, use_cuda=False)
     with SSDStore(tmp_path / "act") as store:
@@ -87,7 +86,6 @@ def test_the_ssd_tiers_staging_stays_within_a_few_sets_when_the_host_runs_ahead(
     assert most <= 4 * 3, f"{most} staging buffers for {M} microbatches of 3 tensors"
 
 
-@pytest.mark.xfail(strict=True, reason="the activation tiers' CUDA review findings, fixed next")
 def test_the_staged_peer_tiers_staging_stays_within_a_few_sets_when_the_host_runs_ahead(as_on_cuda, tmp_path):
     path = f"/dev/shm/mobiuspipe-test-{os.getpid()}-{tmp_path.name}"
     device = Device(0, use_cuda=False)
@@ -100,7 +98,6 @@ def test_the_staged_peer_tiers_staging_stays_within_a_few_sets_when_the_host_run
     assert most <= 4 * 3, f"{most} staging buffers for {M} microbatches of 3 tensors"
 
 
-@pytest.mark.xfail(strict=True, reason="the activation tiers' CUDA review findings, fixed next")
 def test_a_load_does_not_queue_behind_a_swap_in():
     """On CUDA a swap-in waits for the compute queued at its start (its fresh device tensors may be in use until
     then); a load on the same stream would wait too, and the next stage's weights would not overlap this one's
@@ -129,7 +126,6 @@ def test_a_load_does_not_queue_behind_a_swap_in():
     assert torch.equal(slot, weights)
 
 
-@pytest.mark.xfail(strict=True, reason="the activation tiers' CUDA review findings, fixed next")
 def test_a_mark_of_the_compute_is_taken_only_on_the_compute_thread(monkeypatch):
     monkeypatch.setenv("MOBIUSPIPE_STRICT", "1")
     device = Device(0, use_cuda=False)
