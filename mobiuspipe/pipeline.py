@@ -36,7 +36,7 @@ from mobiuspipe.layers import LayerSpec, build, factories
 from mobiuspipe.lora.layers import Start, with_adapters
 from mobiuspipe.lora.quant import quantized
 from mobiuspipe.lora.spec import LoraSpec
-from mobiuspipe.memory.device import Device
+from mobiuspipe.memory.device import Device, on_compute_stream
 from mobiuspipe.memory.store.ssd_store import SSDStore
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.optim.clipping import clip_scale
@@ -334,6 +334,7 @@ class Pipeline:
         """train_batch(*batch)."""
         return self.train_batch(*batch)
 
+    @on_compute_stream
     def train_batch(self, x: torch.Tensor, y: torch.Tensor) -> StepResult:
         """One optimizer step on the batch (inputs x, targets y: host tensors, the same on every rank), split into
         the plan's microbatches along dimension 0. Returns when this rank's part of the step is done (the host
@@ -412,6 +413,7 @@ class Pipeline:
         (total,) = self._reduce([self.engine.grad_sumsq() + tied_sumsq], torch.distributed.ReduceOp.SUM, what)
         return clip_scale(total, loss_scale, self.max_grad_norm)
 
+    @on_compute_stream
     def eval_batch(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """The batch's mean loss under the current weights (after every pending update), forward only: no
         gradient, no update, dropout off (Engine.eval_loss); every rank calls it with the same batch of the
@@ -441,10 +443,12 @@ class Pipeline:
             return values
         return self.engine.comm.reduce_values(values, op, what, self.engine.device.torch_device)
 
+    @on_compute_stream
     def save_checkpoint(self, root, keep: int = 2) -> Path:
         """Every rank, at the same step: this step's checkpoint in root/step-N (mobiuspipe.checkpoint)."""
         return checkpoint.save_checkpoint(self, Path(root), keep)
 
+    @on_compute_stream
     def load_checkpoint(self, folder) -> int:
         """Every rank: restore a checkpoint's states, scaler, random state and step; the step to go on at."""
         return checkpoint.load_checkpoint(self, Path(folder))
@@ -463,6 +467,7 @@ class Pipeline:
         the trained weights alone (under LoRA: the adapters, not the frozen base)."""
         return {k: v for d in self.stage_state_dicts(frozen).values() for k, v in d.items()}
 
+    @on_compute_stream
     def stage_state_dicts(self, frozen: bool = True) -> dict[int, dict[str, torch.Tensor]]:
         """state_dict() split by stage: {j: the weights of stage j} for this rank's stages."""
         out = {}

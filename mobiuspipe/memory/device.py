@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from functools import wraps
 
 import torch
 
@@ -30,7 +32,7 @@ from mobiuspipe.memory.streams import CopyHandle, CopyStream
 from mobiuspipe.standin import StandInError, strict
 from mobiuspipe.standin.places import gpu_of, on_gpu, on_host, plain
 
-__all__ = ["Device", "CopyHandle", "CopyStream", "PIN_COPY_LIMIT", "upload_route"]
+__all__ = ["Device", "CopyHandle", "CopyStream", "PIN_COPY_LIMIT", "upload_route", "on_compute_stream"]
 
 PIN_COPY_LIMIT = 16 << 20
 """Bytes up to which Device.to_device takes a pageable host tensor through torch's pinned allocator (a block rounded
@@ -53,6 +55,18 @@ def deterministic_kernels() -> None:
     work, since cuBLAS reads its workspace setting once."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
+
+
+def on_compute_stream(method):
+    """A method of an object with a `device` (a Device) whose kernels run on that gpu's compute stream, whatever
+    stream the caller is in (Device.computing)."""
+
+    @wraps(method)
+    def on_stream(self, *args, **kwargs):
+        with self.device.computing():
+            return method(self, *args, **kwargs)
+
+    return on_stream
 
 
 class Device:
@@ -83,6 +97,17 @@ class Device:
         if self.is_cuda:
             torch.cuda.set_device(self.index)
         _bound.index = self.index
+
+    @contextmanager
+    def computing(self) -> Iterator[None]:
+        """Run the body's kernels on this gpu's compute stream, whatever the caller's current device and stream (a
+        user's `torch.cuda.stream` context would otherwise take them off the stream every copy's wait and every
+        compute mark names). The stand-in's compute is the calling thread: nothing to switch."""
+        if not self.is_cuda:
+            yield
+            return
+        with torch.cuda.device(self.index), torch.cuda.stream(self.compute):
+            yield
 
     def executor(self, name: str, also: Callable[[], None] | None = None) -> ThreadPoolExecutor:
         """A one-thread executor whose thread is bound to this gpu (for work that issues copies or waits for them);

@@ -50,7 +50,6 @@ def _use(pipe: Pipeline, cfg, tmp_path) -> tuple[list[float], float, dict[str, t
     return losses, pipe.eval_batch(*data.batch(9, cfg.data.batch_size)), pipe.state_dict()
 
 
-@pytest.mark.xfail(strict=True, reason="the Pipeline does not enter its compute stream yet")
 def test_every_device_operation_of_the_public_methods_runs_in_the_compute_stream(monkeypatch, tmp_path):
     inside, seen = threading.local(), []
     computing = Device.computing
