@@ -323,7 +323,7 @@ class Device:
             if worker is not None:
                 worker.shutdown(wait=True)
         for stream in (self._in, self._back, self._out, *self._peers.values()):
-            stream.close()
+            stream.close()  # on CUDA each waits for its copies: a peer gpu's stream is not this gpu's to synchronize
         if self._pinned is not None:
             torch.cuda.synchronize(self.torch_device)  # no copy reads or fills a buffer any more
             self._pinned.close()

@@ -114,8 +114,11 @@ class CopyStream:
         return CopyHandle(future=self._thread.submit(job), check=self._check)
 
     def close(self) -> None:
+        """Return once every copy issued on the stream has ended (their buffers may be freed next)."""
         if self._thread is not None:
             self._thread.shutdown(wait=True)
+        if self._stream is not None:
+            self._stream.synchronize()
 
 
 def _copy_after(waits: list[Future | None], dst: torch.Tensor, src: torch.Tensor) -> None:
