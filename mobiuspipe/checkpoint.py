@@ -196,7 +196,8 @@ def write_snapshot(snap: Snapshot, path: Path) -> tuple[int, str] | str:
     checksum), or why it failed."""
     try:
         save_file(snap.tensors, str(path), metadata={"state": json.dumps(snap.state)})
-        for f in [*snap.linked, *sorted({f.parent for f in snap.linked}), path]:
+        folders = sorted({d for f in snap.linked for d in (f.parent, f.parent.parent)})  # rank{r}/stage{j}, rank{r}
+        for f in [*snap.linked, *folders, path]:
             fsync_path(f)
         return path.stat().st_size, _digest(path)
     except OSError as e:

@@ -35,6 +35,7 @@ from mobiuspipe.data.dataset import PackedTokens, open_run_data
 from mobiuspipe.errors import ExportError
 from mobiuspipe.lora.spec import LoraSpec
 from mobiuspipe.memory.device import deterministic_kernels
+from mobiuspipe.memory.store.index import fsync_path
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.models.hf import HFModel, open_hf
 from mobiuspipe.models.hf import layer_factories as hf_layer_factories
@@ -397,7 +398,9 @@ def _save_weights(pipe: Pipeline, folder: Path) -> None:
     for j, weights in pipe.stage_state_dicts(frozen=False).items():
         tmp = folder / f".stage{j}.pt.tmp"
         torch.save(weights, tmp)
+        fsync_path(tmp)  # on the disk before it takes the name
         tmp.replace(folder / f"stage{j}.pt")
+    fsync_path(folder)
 
 
 @record

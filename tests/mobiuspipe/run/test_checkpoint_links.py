@@ -181,7 +181,6 @@ def test_a_crashed_stores_files_never_become_new_ones(tmp_path):
     assert torch.equal(torch.frombuffer(kept, dtype=torch.float32), a)
 
 
-@pytest.mark.xfail(strict=True, reason="not yet fsynced")
 def test_every_folder_between_a_linked_file_and_the_checkpoint_is_fsynced(tmp_path, monkeypatch):
     """A crash after `complete` must not lose a folder entry: the linked records' folders (rank0/stage{j}), the
     rank's folder holding them (rank0) and the checkpoint's own are each flushed before the checkpoint is named."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 
 from mobiuspipe.run import train
@@ -16,7 +15,6 @@ class _Pipe:
         return {0: {"0.w": torch.arange(5.0)}, 3: {"4.w": torch.ones(3)}}
 
 
-@pytest.mark.xfail(strict=True, reason="not yet fsynced")
 def test_each_stage_file_is_fsynced_before_its_rename_and_the_folder_after(tmp_path, monkeypatch):
     events = []
     fsync, replace = os.fsync, os.replace
