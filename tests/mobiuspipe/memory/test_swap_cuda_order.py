@@ -9,8 +9,8 @@ elsewhere)."""
 from __future__ import annotations
 
 import os
-import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -106,19 +106,18 @@ def test_a_load_does_not_queue_behind_a_swap_in():
     tier = HostSwap(device)
     tier.start_out((0, 0), [device.place(torch.randn(100))])
     tier.finish_out((0, 0))
-    gate = threading.Event()
-    real = tier._wrote[(0, 0)]
-    held_back = CopyHandle(future=device._out.run(gate.wait)._future)  # a copy that has not ended
-    tier._wrote[(0, 0)] = [*real, held_back]
+    gate: Future = Future()
+    tier._wrote[(0, 0)] = [*tier._wrote[(0, 0)], CopyHandle(future=gate)]  # and a copy that has not ended
     tier.start_in((0, 0))
     slot, weights = device.empty((64,), torch.float32), torch.randn(64)
-    load = device.copy_in(slot, weights, computed=False)
+    load = device.copy_in(slot, weights, computed=False)._future
+    assert load is not None
     try:
-        done = load._future.result(timeout=5) is None
+        done = load.result(timeout=5) is None
     except TimeoutError:
         done = False
     finally:
-        gate.set()
+        gate.set_result(None)
     tier.finish_in((0, 0))
     tier.close()
     device.close()

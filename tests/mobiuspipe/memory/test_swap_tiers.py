@@ -127,6 +127,29 @@ def test_an_ssd_error_comes_out_of_finish_in(tmp_path, monkeypatch):
     device.close()
 
 
+def test_a_failed_ssd_read_comes_out_of_finish_in_and_gives_its_staging_buffers_back(tmp_path, monkeypatch):
+    device = Device()
+    with SSDStore(tmp_path / "act") as store:
+        tier = SsdSwap(device, store)
+        real = store.get_async
+        reads = []
+
+        def second_fails(name, out):
+            reads.append(name)
+            if len(reads) == 2:
+                raise SwapIOError(f"read of {name} failed: input/output error", str(tmp_path / "act"), errno=errno.EIO)
+            return real(name, out=out)
+
+        monkeypatch.setattr(store, "get_async", second_fails)
+        tier.start_out((1, 0), [torch.randn(100), torch.randn(7, 3), torch.randn(5)])
+        tier.finish_out((1, 0))
+        with pytest.raises(SwapIOError, match="input/output error"):
+            tier.finish_in((1, 0))
+        assert tier._pool.buffers == 3 and not tier._pool._lent  # every staging buffer is back in the pool
+        tier.close()
+    device.close()
+
+
 def test_a_peer_region_holds_the_bytes_in_shared_memory_and_has_a_size(tmp_path):
     device, path = Device(), _shm(tmp_path)
     try:

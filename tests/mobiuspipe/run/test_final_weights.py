@@ -4,9 +4,11 @@ before it takes its name, and the folder's entries after."""
 from __future__ import annotations
 
 import os
+from typing import cast
 
 import torch
 
+from mobiuspipe.pipeline import Pipeline
 from mobiuspipe.run import train
 
 
@@ -29,7 +31,7 @@ def test_each_stage_file_is_fsynced_before_its_rename_and_the_folder_after(tmp_p
 
     monkeypatch.setattr(os, "fsync", synced)
     monkeypatch.setattr(os, "replace", renamed)
-    train._save_weights(_Pipe(), tmp_path / "weights")
+    train._save_weights(cast(Pipeline, _Pipe()), tmp_path / "weights")  # what it reads of a Pipeline
     for j in (0, 3):
         rename = events.index(("rename", f".stage{j}.pt.tmp", f"stage{j}.pt"))
         assert ("fsync", f".stage{j}.pt.tmp") in events[:rename]
