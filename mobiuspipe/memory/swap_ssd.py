@@ -18,6 +18,7 @@ from concurrent.futures import Future, wait
 import torch
 
 from mobiuspipe.memory.device import CopyHandle, Device
+from mobiuspipe.memory.store.future import StoreFuture
 from mobiuspipe.memory.store.ssd_store import SSDStore
 from mobiuspipe.memory.swap import DEPTH, BufferPool, CopySwap, Key, Window, _nbytes
 
@@ -125,14 +126,15 @@ class SsdSwap(CopySwap):
         metas = written.result()
         self._reads.make_room()
         staged = [self._take(torch.empty(shape, dtype=dtype, device="meta")) for dtype, shape in metas]
-        reads: list[Future] = []
+        reads: list[StoreFuture] = []
         try:
             for n, (_, v) in enumerate(staged):
                 reads.append(self.store.get_async(_name(key, n), out=v))
             for f in reads:
                 f.result()
         except BaseException:
-            wait(reads)  # no read still fills a buffer given back
+            for f in reads:  # no read still fills a buffer given back
+                _settle(f)
             self._unstage(staged)
             raise
         handles = [self.device.copy_back(d, v, [ready], computed=False) for d, (_, v) in zip(dev, staged)]
@@ -140,6 +142,14 @@ class SsdSwap(CopySwap):
             self._give(buf, view, handles)
         self._reads.add(handles)
         return handles
+
+
+def _settle(f: StoreFuture) -> None:
+    """Wait for a read whose error, if any, another read's has been raised in place of."""
+    try:
+        f.result()
+    except BaseException:  # noqa: BLE001  the first error is the one raised
+        pass
 
 
 def _name(key: Key, n: int) -> str:
