@@ -128,11 +128,11 @@ class HostStates:
         self._taken = into
         return copy
 
-    def _settle(self) -> None:
-        """Wait for the offload in flight (if any) and finish it on the host: the add of an accumulated pass,
-        the norm."""
+    def _settle(self, only: int | None = None) -> None:
+        """Wait for the offload in flight (if any; only: if it fills gradient buffer `only`) and finish it on the host:
+        the add of an accumulated pass, the norm."""
         with self._settling:
-            if self._taking is None:
+            if self._taking is None or only not in (None, self._taking[3]):
                 return
             copy, accumulate, norm, into = self._taking
             copy.synchronize()
@@ -177,8 +177,10 @@ class HostStates:
     ) -> None:
         """One update from gradient buffer `grads` divided by grad_scale, at lr (None: the optimizer's own), the next
         weights written into version `out`. tentative: keep what it overwrites until settle_tentative (the
-        gradients are never written: the norm and the overflow check may read them meanwhile)."""
-        self._settle()
+        gradients are never written: the norm and the overflow check may read them meanwhile). It waits for the
+        offload into buffer `grads` only: with the delayed update the next step's, into the other buffer, may be in
+        flight (on CUDA the host issues it long before the gpu gets there)."""
+        self._settle(grads)
         if tentative:
             self._undo.save(self.optimizer, self.master, () if self.loads_master else (self._weights[out],))
         if lr is not None:
@@ -300,7 +302,7 @@ class SsdStates(HostStates):
     ) -> None:
         """HostStates.step; tentative: the out-of-core Adam writes its states beside the ones it read (a second set
         of records on the SSD) and the weights it overwrites are kept in memory, until settle_tentative."""
-        self._settle()
+        self._settle(grads)
         self._lr = self.optimizer.lr
         if tentative:
             self._undo.save(None, None, (self._weights[out],))
@@ -354,6 +356,8 @@ class SsdStreamStates:
         self._offload: Future | None = None
         """The last gradient offload (Device.stream_out's job, of the writes it left in flight): what reads the d
         records or the staging buffers waits for it and its writes (_settle)."""
+        self._offloads: dict[int, Future] = {}
+        """The last offload into each version of the d records (the update waits for its own version's only)."""
 
     def load_into(
         self, dst: torch.Tensor, device: Device, after: Sequence[CopyHandle] = (), version: int = 0
@@ -386,12 +390,15 @@ class SsdStreamStates:
             return writes
 
         copies, self._offload = device.stream_out(job)
+        self._offloads[into] = self._offload
         return copies
 
-    def _settle(self) -> None:
-        """Wait for the gradient offload in flight and its writes, if any (raising its error)."""
-        if self._offload is not None:
-            _written(self._offload)
+    def _settle(self, version: int | None = None) -> None:
+        """Wait for the gradient offload in flight and its writes, if any (raising its error); version: the last
+        offload into that version of the d records (the update's own staging buffers leave the others to run on)."""
+        offload = self._offload if version is None else self._offloads.get(version)
+        if offload is not None:
+            _written(offload)
 
     def grad_sumsq(self) -> float:
         self._settle()
@@ -419,8 +426,10 @@ class SsdStreamStates:
         self, grad_scale: float, lr: float | None = None, grads: int = 0, out: int = 0, tentative: bool = False
     ) -> None:
         """HostStates.step, streamed; tentative: the optimizer states and the weights are written beside the records
-        they replace once settle_tentative keeps them (no byte more is read or written)."""
-        self._settle()
+        they replace once settle_tentative keeps them (no byte more is read or written). It waits for the offload into
+        version `grads` only (with two versions the update has staging buffers of its own; with one, that is the
+        last offload)."""
+        self._settle(grads)
         self._lr = self.optimizer.lr
         if lr is not None:
             self.optimizer.lr = lr
