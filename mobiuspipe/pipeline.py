@@ -303,6 +303,7 @@ class Pipeline:
                 frozen_store=frozen_store,
                 on_device=on_device,
                 versions=self.updates.copies.versions,
+                accumulates=self.updates.copies.accumulates,
             )
         self.plan, engine = wire_engine(
             plan, self.info, self.group, stages, device, loss_fn, dtype, self.memory, self.activations, self.trace, tied

@@ -216,6 +216,10 @@ class SsdWeights(SsdRecords):
 
         return self._put_all("d", fill, version, wait)
 
+    def make_accumulation_buffer(self) -> None:
+        """Make the buffer an accumulated pass's gradient comes into now (not mid-step, at its first use)."""
+        self._incoming()
+
     def _incoming(self) -> torch.Tensor:
         """A host buffer of one record for a device gradient on its way to be added (made at first use)."""
         if self._incoming_buffer is None:

@@ -68,6 +68,9 @@ class DeviceStates:
         dst.copy_(self.weights)
         return CopyHandle()
 
+    def make_accumulation_buffer(self) -> None:
+        """Nothing: the passes add into the gradients on the gpu."""
+
     def take_grads(
         self, src: torch.Tensor, device: Device, accumulate: bool = False, norm: bool = False, into: int = 0
     ) -> CopyHandle:

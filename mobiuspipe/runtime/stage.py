@@ -117,11 +117,13 @@ class Stage:
         frozen_store: SSDStore | None = None,
         on_device: AdamHyper | None = None,
         versions: int = 1,
+        accumulates: bool = False,
     ):
         """ssd: the SSD tier of the optimizer states (None: host), weights_on_ssd: of the weights and gradients too;
         frozen_store: the store that keeps the frozen weights (None: host memory); on_device: keep the states on the
         gpu, stepped by AdamW with these hyper-parameters (DeviceStates); versions: 2 for the delayed update (the
-        loaded weights and the gradients kept twice: HostStates and SsdStates only)."""
+        loaded weights and the gradients kept twice: HostStates and SsdStates only); accumulates: gradient accumulation
+        (the host buffer a later pass's gradients come into is made now, not mid-step)."""
         self.index, self.dtype = index, dtype
         self.order = sorted(layers)
         self.params = _param_slices(layers, self.order, trainable=True)
@@ -150,6 +152,8 @@ class Stage:
             self.states = SsdStates(flat, dtype, device.pin, ssd, f"stage{index}", versions)
         else:
             self.states = SsdStreamStates(flat, dtype, ssd, f"stage{index}", device.host_empty, versions)
+        if accumulates:
+            self.states.make_accumulation_buffer()
         self.device = device
         """The gpu the stage's slots and buffers are on, and whose copy streams move its weights and gradients."""
         self.buffers = {l: {n: _buffer_on(b, device, dtype) for n, b in layers[l].named_buffers()} for l in self.order}

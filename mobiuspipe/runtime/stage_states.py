@@ -141,8 +141,12 @@ class HostStates:
             self.sumsq = sum_of_squares(self._grads[into]) if norm else None
             self._taking = None
 
+    def make_accumulation_buffer(self) -> None:
+        """Make the buffer an accumulated pass's gradients come into now (on CUDA page-locked: not mid-step)."""
+        self._incoming_buffer()
+
     def _incoming_buffer(self) -> torch.Tensor:
-        """A host buffer like the gradients, for an accumulated pass on its way (made at the first one)."""
+        """A host buffer like the gradients, for an accumulated pass on its way."""
         if self._incoming is None:
             self._incoming = self._pin(torch.empty_like(self._grads[0]))
         return self._incoming
@@ -178,8 +182,7 @@ class HostStates:
         """One update from gradient buffer `grads` divided by grad_scale, at lr (None: the optimizer's own), the next
         weights written into version `out`. tentative: keep what it overwrites until settle_tentative (the
         gradients are never written: the norm and the overflow check may read them meanwhile). It waits for the
-        offload into buffer `grads` only: with the delayed update the next step's, into the other buffer, may be in
-        flight (on CUDA the host issues it long before the gpu gets there)."""
+        offload into buffer `grads` only (the delayed update's next one, into the other, may be in flight)."""
         self._settle(grads)
         if tentative:
             self._undo.save(self.optimizer, self.master, () if self.loads_master else (self._weights[out],))
@@ -392,6 +395,10 @@ class SsdStreamStates:
         copies, self._offload = device.stream_out(job)
         self._offloads[into] = self._offload
         return copies
+
+    def make_accumulation_buffer(self) -> None:
+        """HostStates.make_accumulation_buffer: the stream's record-sized buffer."""
+        self.stream.make_accumulation_buffer()
 
     def _settle(self, version: int | None = None) -> None:
         """Wait for the gradient offload in flight and its writes, if any (raising its error); version: the last
