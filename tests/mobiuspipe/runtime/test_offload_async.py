@@ -259,3 +259,61 @@ def test_a_stages_offload_does_not_wait_for_another_stages_writes(held_stream, t
         assert copies.done()  # the first stage's writes are still held
         writes.set()
         assert torch.equal(first.grad_slice(0, 3000), g1) and torch.equal(second.grad_slice(0, 3000), g2)
+
+
+def test_a_backward_visit_takes_the_slot_an_offload_still_reads_and_waits_only_to_clear_it(held_stream):
+    """The visit's recompute forward does not touch the gradient slot: begin_backward returns while the previous
+    stage's offload still reads it (on CUDA its D2H; with SSD weights a host wait for the job), and zero_grads, before
+    the first backward, waits for that offload. Both stages' gradients come out as plain PyTorch's."""
+    import copy
+
+    from torch import nn
+
+    from mobiuspipe.runtime.stage import Stage
+    from mobiuspipe.standin.places import plain
+
+    device, gate = held_stream
+    torch.manual_seed(0)
+    layers = [nn.Linear(6, 5), nn.Linear(6, 5)]
+    reference = copy.deepcopy(layers)
+    stages = [Stage(j, {j: layer}, device, partial(CPUAdam, lr=0.01)) for j, layer in enumerate(layers)]
+    arena = DeviceArena(
+        stages[0].weight_nbytes, 2, device.torch_device, place=device.place, grad_slot_bytes=stages[0].nbytes
+    )
+    x = torch.randn(3, 6)
+    last, before = stages
+    last.load(arena)
+    last.wait_loaded()
+    last.begin_backward(arena)
+    out = last.forward(device.place(x.clone()), with_grad=True)
+    last.zero_grads()  # before the visit's first backward
+    out.sum().backward()
+    last.offload(arena)  # its copy waits for the held stream
+    before.load(arena)
+    before.wait_loaded()
+    worker = device.executor("compute")
+    took = worker.submit(before.begin_backward, arena)
+    try:
+        took.result(timeout=5)
+        returned = True
+    except TimeoutError:
+        returned = False
+    gate.set()
+    took.result()
+    worker.shutdown()
+    assert returned, "begin_backward waited for the last stage's offload"
+    out = before.forward(device.place(x.clone()), with_grad=True)
+    before.zero_grads()
+    out.sum().backward()
+    for layer in reference:
+        layer(x).sum().backward()
+    assert before.grads is not None
+    got = plain(before.grads.view(torch.float32, before.numel))
+    assert torch.equal(got.sort().values, _grads_of(reference[0]).sort().values)
+    assert torch.equal(last.states.grad_slice(0, last.numel).sort().values, _grads_of(reference[1]).sort().values)
+
+
+def _grads_of(layer: torch.nn.Linear) -> torch.Tensor:
+    w, b = layer.weight.grad, layer.bias.grad
+    assert w is not None and b is not None
+    return torch.cat([w.flatten(), b.flatten()])
