@@ -29,7 +29,7 @@ from mobiuspipe.optim import CPUAdam
 from mobiuspipe.runtime.stage import Stage
 from mobiuspipe.startup.config_plan import model_spec, plan_for_config
 
-TIMED = ("begin_backward", "wait_update", "wait_loaded")
+TIMED = ("begin_backward", "zero_grads", "wait_update", "wait_loaded")
 """The Stage calls the compute thread can block in: the gradient slot's last users, a stage's update, its loads."""
 STEPS, WARM = 4, 2
 

@@ -291,6 +291,7 @@ class Compute:
         """B of a keep or selective stage: its parts from the last back, each passing the gradient at its
         input to the part before."""
         st, key = self.state, (Kind.RECV_GRAD, j, i)
+        stage.zero_grads()
         with Stopwatch() as sw:
             g: torch.Tensor | None = st.inbox[key]
             if kept.swapped is not None:  # back from its tier (SWAP_IN started the copies)
@@ -341,6 +342,7 @@ class Compute:
             out = stage.forward(x, with_grad=True)
             self.ledger.hold(("output", j, i), out)
             loss = self._last_loss(out, i) if j == self.last else None
+        stage.zero_grads()  # the forward did not need the gradient slot: cleared only now
         if loss is not None:
             st.losses.append(loss.detach())
             if loss.requires_grad:  # else nothing before it trains (every weight frozen)

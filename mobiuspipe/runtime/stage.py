@@ -166,6 +166,8 @@ class Stage:
         """Layer -> the way of running its modules are bound to now (none: unbound)."""
         self.weights: Slot | None = None
         self.grads: Slot | None = None
+        self._unzeroed: list[CopyHandle] | None = None
+        """While the gradient slot is not yet zeroed this visit: the offloads still reading it (zero_grads)."""
         self.loading: list[CopyHandle] = []
         self.versions = versions
         self._updates: list[Future] = []
@@ -217,12 +219,11 @@ class Stage:
 
     # -- gradients: arena -> host tier, host update ----------------------------------------------
     def begin_backward(self, arena: DeviceArena) -> None:
-        """Take a gradient slot, zero it, and make the weight leaves accumulate into it."""
+        """Take a gradient slot and make the weight leaves accumulate into it; zero_grads clears it before the visit's
+        first backward (a recompute forward need not wait for the offload still reading the slot)."""
         self.grads = arena.acquire(self.nbytes, f"stage {self.index} gradients", grads=True)
-        for copy in self.grads.take_busy():  # an offload still reading the slot
-            copy.wait()
+        self._unzeroed = self.grads.take_busy()  # the offloads still reading the slot
         gflat = self.grads.view(self.dtype, self.numel)
-        gflat.zero_()
         wflat = _held(self.weights, self.index, "weights").view(self.dtype, self.numel)
         self._leaves = _leaves_of(self.params, wflat)
         for leaves in (self._leaves, self._forward_leaves):
@@ -230,11 +231,21 @@ class Stage:
                 w.grad = p.of(gflat)
         self._rebind()
 
+    def zero_grads(self) -> None:
+        """Before the first backward of a visit: wait for the offloads still reading the gradient slot, then zero it."""
+        if self._unzeroed is None:
+            return
+        for copy in self._unzeroed:
+            copy.wait()
+        _held(self.grads, self.index, "gradients").view(self.dtype, self.numel).zero_()
+        self._unzeroed = None
+
     def offload(self, arena: DeviceArena, accumulate: bool = False, norm: bool = False, step: int = 0) -> None:
         """Start copying the accumulated gradients to the host tier (which adds them to its gradients: accumulate)
         on the copy-out stream, and free their slot for whoever orders after that copy; with norm the tier notes
         the squared norm of its gradients (states.grad_sumsq). `step`: the optimizer step, whose parity picks the
         gradient buffer with two versions (the update of the step before may still read the other)."""
+        self.zero_grads()  # a visit with no backward offloads zeros
         grads = _held(self.grads, self.index, "gradients")
         into = step % self.versions
         copy = self.states.take_grads(grads.view(self.dtype, self.numel), self.device, accumulate, norm, into)
