@@ -17,6 +17,7 @@ from mobiuspipe.memory.store.ssd_store import SSDStore
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.optim.hyper import AdamHyper
 from mobiuspipe.runtime.stage_states import HostStates, SsdStreamStates, SsdTier, least_share
+from tests.mobiuspipe.waits import ended_within
 
 N = 5000
 
@@ -46,11 +47,7 @@ def _updated(kind: str, tmp_path, hold: bool) -> torch.Tensor:
             gate.set()
         updater = device.executor("host-optimizer")
         update_n = updater.submit(states.step, 1.0, None, 0, 1)  # gradients of version 0 -> weights of version 1
-        try:
-            update_n.result(timeout=5)
-            ended = True
-        except TimeoutError:
-            ended = False
+        ended = ended_within(update_n, 5)
         gate.set()
         update_n.result()
         updater.shutdown()

@@ -13,6 +13,7 @@ from mobiuspipe.memory.arena import DeviceArena
 from mobiuspipe.memory.device import Device
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.runtime.stage_states import HostStates
+from tests.mobiuspipe.waits import ended_within
 
 
 def _hold(gate: threading.Event) -> None:
@@ -293,11 +294,7 @@ def test_a_backward_visit_takes_the_slot_an_offload_still_reads_and_waits_only_t
     before.wait_loaded()
     worker = device.executor("compute")
     took = worker.submit(before.begin_backward, arena)
-    try:
-        took.result(timeout=5)
-        returned = True
-    except TimeoutError:
-        returned = False
+    returned = ended_within(took, 5)
     gate.set()
     took.result()
     worker.shutdown()
