@@ -48,7 +48,7 @@ from mobiuspipe.runtime.activations import ActivationsSpec, stage_modes
 from mobiuspipe.runtime.engine import Engine, LossFn, StepOptions, StepTimes
 from mobiuspipe.runtime.peers.ranks import Membership, rank_info
 from mobiuspipe.runtime.stage import Stage
-from mobiuspipe.runtime.stage_states import SsdTier
+from mobiuspipe.runtime.states import SsdTier
 from mobiuspipe.runtime.tied import TiedGrads
 from mobiuspipe.startup.engine import wire_engine
 from mobiuspipe.startup.plan import (

@@ -40,7 +40,7 @@ from mobiuspipe.config import MemoryConfig, config_from_dict
 from mobiuspipe.data.dataset import open_data
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
-from mobiuspipe.runtime.stage_states import SsdStreamStates
+from mobiuspipe.runtime.states import SsdStreamStates
 from mobiuspipe.startup.config_plan import model_spec, plan_for_config
 
 MiB = 1 << 20

@@ -1,5 +1,5 @@
 """What one optimizer step overwrites, kept until the step is validated: the rollback of a speculative update that
-puts back every bit it changed (mobiuspipe.runtime.stage_states)."""
+puts back every bit it changed (mobiuspipe.runtime.states)."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from foundation.checked import Problem
 from foundation.units import MiB, fmt_bytes
 from mobiuspipe.config import RunConfig
-from mobiuspipe.runtime.stage_states import least_share
+from mobiuspipe.runtime.states import least_share
 from mobiuspipe.startup.config_plan import run_copies
 from partition.plan import Plan
 from partition.rules.placement import (

@@ -32,9 +32,9 @@ from mobiuspipe.runtime.action_trace import ActionTrace
 from mobiuspipe.runtime.activations import StageMode, parts_of
 from mobiuspipe.runtime.clock import ActionClock
 from mobiuspipe.runtime.compute import Compute, LossFn, MessageKey, StepOptions, StepState, StepTimes
-from mobiuspipe.runtime.device_states import DeviceStates
 from mobiuspipe.runtime.peers.comm import Comm, Posted, TensorSpec
 from mobiuspipe.runtime.stage import Stage
+from mobiuspipe.runtime.states import DeviceStates
 from mobiuspipe.schedule.actions import Action, Kind
 
 __all__ = ["Engine", "StepOptions", "StepTimes", "LossFn"]

@@ -1,7 +1,7 @@
 """One stage of the pipeline: its layers, its states in the host or SSD tier, its view of the device arena.
 
 The stage's trainable weights are ONE flat tensor: the fp32 master, the optimizer over it and, in bf16/fp16
-training, the low-precision copy live in host memory (pinned on CUDA) or in the SSD store (stage_states). Frozen
+training, the low-precision copy live in host memory (pinned on CUDA) or in the SSD store (runtime.states). Frozen
 parameters (requires_grad False: LoRA's base weights) are a second flat, of bytes, in host memory (FrozenWeights)
 or in the SSD store (SsdFrozenWeights):
 each in the training dtype if it is floating, else in its own (an NF4 base's codes and scales:
@@ -32,9 +32,9 @@ from mobiuspipe.memory.device import CopyHandle, Device
 from mobiuspipe.memory.store.ssd_store import SSDStore
 from mobiuspipe.models.bind import bind, members, unbind
 from mobiuspipe.optim.hyper import AdamHyper
-from mobiuspipe.runtime.device_states import DeviceStates
 from mobiuspipe.runtime.frozen import Frozen, FrozenWeights, SsdFrozenWeights
-from mobiuspipe.runtime.stage_states import (
+from mobiuspipe.runtime.states import (
+    DeviceStates,
     HostStates,
     SsdStates,
     SsdStreamStates,

@@ -15,7 +15,7 @@ from mobiuspipe.errors import PipelineError
 from mobiuspipe.memory.store.ssd_store import SSDStore
 from mobiuspipe.optim.hyper import AdamHyper
 from mobiuspipe.runtime.peers.ranks import RankInfo, gather_all
-from mobiuspipe.runtime.stage_states import SsdTier, least_share
+from mobiuspipe.runtime.states import SsdTier, least_share
 from partition.plan import Plan
 from partition.rules.placement import PLAIN, HostCopies, Placement, run_placement
 

@@ -240,7 +240,7 @@ def test_adapter_states_on_the_gpu_train_as_peft_and_resume_bit_for_bit(tmp_path
     strict stand-in's), counted by the ledger, stepped by torch's AdamW there: nothing is offloaded. fp32 trains as
     peft + AdamW does (1e-5); a checkpoint resumes bit for bit."""
     from mobiuspipe.config import MemoryConfig
-    from mobiuspipe.runtime.device_states import DeviceStates
+    from mobiuspipe.runtime.states import DeviceStates
     from mobiuspipe.standin.places import gpu_of
 
     hf_kit.save_model("llama", tmp_path / "base", seed=6)

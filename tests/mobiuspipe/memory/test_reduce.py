@@ -35,7 +35,7 @@ def test_the_gpu_resident_states_take_the_norm_without_a_float64_copy():
     from mobiuspipe.memory.device import Device
     from mobiuspipe.optim import CPUAdam
     from mobiuspipe.optim.hyper import AdamHyper
-    from mobiuspipe.runtime.device_states import DeviceStates
+    from mobiuspipe.runtime.states import DeviceStates
 
     n = 1 << 24  # a float64 copy: 128 MiB
     device = Device(0, use_cuda=False)

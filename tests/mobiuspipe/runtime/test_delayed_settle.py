@@ -16,7 +16,7 @@ from mobiuspipe.memory.device import Device
 from mobiuspipe.memory.store.ssd_store import SSDStore
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.optim.hyper import AdamHyper
-from mobiuspipe.runtime.stage_states import HostStates, SsdStreamStates, SsdTier, least_share
+from mobiuspipe.runtime.states import HostStates, SsdStreamStates, SsdTier, least_share
 from tests.mobiuspipe.waits import ended_within
 
 N = 5000

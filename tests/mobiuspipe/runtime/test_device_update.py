@@ -11,7 +11,7 @@ import torch
 from mobiuspipe.memory.device import Device
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.optim.hyper import AdamHyper
-from mobiuspipe.runtime.device_states import DeviceStates
+from mobiuspipe.runtime.states import DeviceStates
 from partition.rules.placement import gpu_state_bytes
 from tests.mobiuspipe.peak_rss import peak_growth_bytes
 

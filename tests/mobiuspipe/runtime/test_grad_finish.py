@@ -17,7 +17,7 @@ from mobiuspipe.data.dataset import open_data
 from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.optim.loss_scale import LossScaler
-from mobiuspipe.runtime import stage_states
+from mobiuspipe.runtime.states import HostStates, host
 from mobiuspipe.startup.config_plan import model_spec, plan_for_config
 from tests.mobiuspipe.runtime.update_runs import BATCH, update_config
 
@@ -44,7 +44,7 @@ class _Threads:
 
 def _spy(monkeypatch, threads: _Threads) -> None:
     for name in ("sum_of_squares", "all_finite"):
-        monkeypatch.setattr(stage_states, name, threads.counted(name, getattr(stage_states, name)))
+        monkeypatch.setattr(host, name, threads.counted(name, getattr(host, name)))
     add_ = torch.Tensor.add_
 
     def spied_add_(self, *args, **kwargs):
@@ -73,7 +73,9 @@ def test_the_host_gradients_are_finished_off_the_compute_thread(monkeypatch, cli
     )
     threads = _Threads()
     with pipe:
-        threads.grads = {s.states.grads.untyped_storage().data_ptr() for s in pipe.stages.values()}
+        tiers = [s.states for s in pipe.stages.values()]
+        assert all(isinstance(t, HostStates) for t in tiers)
+        threads.grads = {t.grads.untyped_storage().data_ptr() for t in tiers if isinstance(t, HostStates)}
         _spy(monkeypatch, threads)
         data = open_data(cfg.data, cfg.model.seq_len, t.seed, cfg.model.vocab_size)
         results = [pipe.train_batch(*data.batch(s, PASSES * BATCH)) for s in range(2)]

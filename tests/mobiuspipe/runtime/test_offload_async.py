@@ -12,7 +12,7 @@ import torch
 from mobiuspipe.memory.arena import DeviceArena
 from mobiuspipe.memory.device import Device
 from mobiuspipe.optim import CPUAdam
-from mobiuspipe.runtime.stage_states import HostStates
+from mobiuspipe.runtime.states import HostStates
 from tests.mobiuspipe.waits import ended_within
 
 
@@ -73,7 +73,7 @@ def test_the_device_tier_frees_the_gradient_slot_after_the_compute_that_reads_it
     (Device.computed), so a load on a copy stream into it waits for the copy (on CUDA the mark is an event)."""
     from mobiuspipe.memory.streams import CopyHandle
     from mobiuspipe.optim.hyper import AdamHyper
-    from mobiuspipe.runtime.device_states import DeviceStates
+    from mobiuspipe.runtime.states import DeviceStates
 
     device = Device(0, use_cuda=False)
     try:
@@ -93,7 +93,7 @@ def ssd_stream(held_stream, tmp_path):
     """SsdStreamStates of 5000 fp32 elements in groups of 1024, on the held device, and their first weights."""
     from mobiuspipe.memory.store.ssd_store import SSDStore
     from mobiuspipe.optim.hyper import AdamHyper
-    from mobiuspipe.runtime.stage_states import SsdStreamStates, SsdTier, least_share
+    from mobiuspipe.runtime.states import SsdStreamStates, SsdTier, least_share
 
     device, gate = held_stream
     with SSDStore(tmp_path / "job") as store:
@@ -211,7 +211,7 @@ def test_the_slot_is_free_at_the_last_copy_off_the_device_not_the_last_write(hel
     holder need not wait for the SSD's writes (held here), which the readers of the gradients do wait for."""
     from mobiuspipe.memory.store.ssd_store import SSDStore
     from mobiuspipe.optim.hyper import AdamHyper
-    from mobiuspipe.runtime.stage_states import SsdStreamStates, SsdTier, least_share
+    from mobiuspipe.runtime.states import SsdStreamStates, SsdTier, least_share
 
     device, gate = held_stream
     gate.set()
@@ -239,7 +239,7 @@ def test_a_stages_offload_does_not_wait_for_another_stages_writes(held_stream, t
 
     from mobiuspipe.memory.store.ssd_store import SSDStore
     from mobiuspipe.optim.hyper import AdamHyper
-    from mobiuspipe.runtime.stage_states import SsdStreamStates, SsdTier, least_share
+    from mobiuspipe.runtime.states import SsdStreamStates, SsdTier, least_share
 
     device, gate = held_stream
     gate.set()

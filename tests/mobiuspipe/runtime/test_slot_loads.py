@@ -6,7 +6,7 @@ import torch
 from mobiuspipe.memory.arena import DeviceArena
 from mobiuspipe.memory.device import Device
 from mobiuspipe.optim import CPUAdam
-from mobiuspipe.runtime.stage_states import HostStates
+from mobiuspipe.runtime.states import HostStates
 from mobiuspipe.standin.places import plain
 
 

@@ -20,7 +20,7 @@ from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.optim.loss_scale import LossScaler
 from mobiuspipe.run.run_lock import LOCK_FILE
-from mobiuspipe.runtime.stage_states import least_share
+from mobiuspipe.runtime.states import least_share
 from mobiuspipe.startup.config_plan import model_spec, plan_for_config
 from partition.errors import PlanInfeasibleError
 from partition.rules.placement import FROZEN_STREAM_BYTES, LEAST_SHARE_BYTES

@@ -13,7 +13,7 @@ from mobiuspipe.memory.device import Device
 from mobiuspipe.memory.store.ssd_store import SSDStore
 from mobiuspipe.memory.weight_stream import SsdWeights
 from mobiuspipe.optim import CPUAdam
-from mobiuspipe.runtime.stage_states import HostStates
+from mobiuspipe.runtime.states import HostStates
 from mobiuspipe.standin import StandInError
 from mobiuspipe.standin.places import on_gpu, on_host, place_of
 
