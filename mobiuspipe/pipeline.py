@@ -392,6 +392,7 @@ class Pipeline:
                 loss_scale=loss_scale,
                 accumulate=p > 0,
                 want_norm=last and self.max_grad_norm is not None,
+                check_finite=last and self.scaler is not None,
                 hold_updates=not last or self.updates.holds(self.step),
                 speculate=last and self.updates.speculates(self.step, self._passed),
                 lr=self._lr,

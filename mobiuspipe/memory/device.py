@@ -88,6 +88,7 @@ class Device:
         self._peers: dict[int, CopyStream] = {}
         self._loader: ThreadPoolExecutor | None = None  # CUDA: runs stream_in's jobs; made on first use
         self._offloader: ThreadPoolExecutor | None = None  # runs stream_out's jobs; made on first use
+        self._finisher: ThreadPoolExecutor | None = None  # runs after_copy's work; made on first use
         self._pinned = PinnedBlocks(*cuda_registration()) if self.is_cuda else None
         """CUDA: the page-locked buffers of pin and host_empty, of their own size (mobiuspipe.memory.pinned)."""
 
@@ -279,6 +280,20 @@ class Device:
         whole = self._offloader.submit(run, lambda dst, src: self._out.copy(dst, src, (), ready).synchronize())
         return CopyHandle(future=copies, check=self._check_thread), whole
 
+    def after_copy(self, copy: CopyHandle, work: Callable[[], object]) -> Future:
+        """Run work() off the compute thread once `copy` has ended: host work on what a copy off the device filled (a
+        gradient's accumulated add, its norm), which the compute thread would otherwise wait for and then do while
+        the gpu waits for its next kernels. One thread, bound to this gpu, runs them one at a time, in order; the
+        future gives what work returns or raises its error."""
+        if self._finisher is None:
+            self._finisher = self.executor("host-finisher")
+
+        def run() -> object:
+            copy.synchronize()
+            return work()
+
+        return self._finisher.submit(run)
+
     def computed(self) -> CopyHandle:
         """A mark after the compute queued so far: a copy `after` it waits for that compute (a released slot's last
         users). On the stand-in, whose compute is synchronous, it has ended already."""
@@ -319,7 +334,7 @@ class Device:
             torch.cuda.synchronize(self.torch_device)
 
     def close(self) -> None:
-        for worker in (self._loader, self._offloader):  # their jobs issue copies on the streams
+        for worker in (self._loader, self._offloader, self._finisher):  # their jobs issue or wait for copies
             if worker is not None:
                 worker.shutdown(wait=True)
         for stream in (self._in, self._back, self._out, *self._peers.values()):

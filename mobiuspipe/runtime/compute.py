@@ -102,6 +102,8 @@ class StepOptions:
     """OFFLOAD adds to the gradients the tiers hold (every pass of an accumulated step but the first)."""
     want_norm: bool = False
     """OFFLOAD has the tiers note their gradients' squared norm (gradient clipping, on the last pass)."""
+    check_finite: bool = False
+    """OFFLOAD has the tiers note whether their gradients are all finite (fp16's overflow check, on the last pass)."""
     hold_updates: bool = False
     """Every host update waits for start_updates (a pass before the last; fp16's overflow check, clipping's norm)."""
     speculate: bool = False

@@ -214,9 +214,9 @@ class Engine:
         self.stages[a.stage].release(self.arena)
 
     def _offload(self, a: Action) -> None:
-        stage = self.stages[a.stage]
+        stage, options = self.stages[a.stage], self.options
         with Stopwatch() as sw:
-            stage.offload(self.arena, self.options.accumulate, self.options.want_norm, self.options.step)
+            stage.offload(self.arena, options.accumulate, options.want_norm, options.step, options.check_finite)
         self.state.times.load_s += sw.s
         held = self.options.hold_updates or a.stage in self._held
         if held and self.options.speculate and a.stage not in self._held and stage.speculates:

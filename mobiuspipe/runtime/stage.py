@@ -240,15 +240,18 @@ class Stage:
         _held(self.grads, self.index, "gradients").view(self.dtype, self.numel).zero_()
         self._unzeroed = None
 
-    def offload(self, arena: DeviceArena, accumulate: bool = False, norm: bool = False, step: int = 0) -> None:
+    def offload(
+        self, arena: DeviceArena, accumulate: bool = False, norm: bool = False, step: int = 0, finite: bool = False
+    ) -> None:
         """Start copying the accumulated gradients to the host tier (which adds them to its gradients: accumulate)
         on the copy-out stream, and free their slot for whoever orders after that copy; with norm the tier notes
-        the squared norm of its gradients (states.grad_sumsq). `step`: the optimizer step, whose parity picks the
+        the squared norm of its gradients (states.grad_sumsq), with finite whether they are all finite
+        (states.grads_finite). `step`: the optimizer step, whose parity picks the
         gradient buffer with two versions (the update of the step before may still read the other)."""
         self.zero_grads()  # a visit with no backward offloads zeros
         grads = _held(self.grads, self.index, "gradients")
         into = step % self.versions
-        copy = self.states.take_grads(grads.view(self.dtype, self.numel), self.device, accumulate, norm, into)
+        copy = self.states.take_grads(grads.view(self.dtype, self.numel), self.device, accumulate, norm, into, finite)
         arena.release(grads, [copy] if copy is not None else [])
         self.grads, self._leaves, self._forward_leaves = None, [], []
         self._rebind()

@@ -72,10 +72,17 @@ class DeviceStates:
         """Nothing: the passes add into the gradients on the gpu."""
 
     def take_grads(
-        self, src: torch.Tensor, device: Device, accumulate: bool = False, norm: bool = False, into: int = 0
+        self,
+        src: torch.Tensor,
+        device: Device,
+        accumulate: bool = False,
+        norm: bool = False,
+        into: int = 0,
+        finite: bool = False,
     ) -> CopyHandle:
         """Copy (accumulate: add) the stage's gradients from its slot into the resident ones on the compute stream;
-        with norm, their squared norm stays on the gpu until grad_sumsq reads it. The handle marks the end of that
+        with norm, their squared norm stays on the gpu until grad_sumsq reads it (finite: nothing here, grads_finite
+        reads the resident gradients on the gpu). The handle marks the end of that
         work (Device.computed): the slot may be refilled after it, by a copy stream too."""
         one_version(into)
         if accumulate:

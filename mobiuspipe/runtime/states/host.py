@@ -3,7 +3,6 @@ device loads and the gradients it offloads."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -11,8 +10,8 @@ import torch
 from torch import nn
 
 from mobiuspipe.memory.device import CopyHandle, Device
-from mobiuspipe.memory.reduce import all_finite, sum_of_squares
 from mobiuspipe.optim.undo import StepUndo
+from mobiuspipe.runtime.states.host_grads import HostGrads
 from mobiuspipe.standin.places import plain
 
 __all__ = ["HostStates"]
@@ -29,22 +28,22 @@ class HostStates:
     versions are then copies of the master, which that update changes in place."""
 
     def __init__(self, flat: torch.Tensor, dtype: torch.dtype, pin, make_optimizer, versions: int = 1):
-        self._pin, self._incoming = pin, None
-        self._taking: tuple[CopyHandle, bool, bool, int] | None = None  # in flight: copy, accumulate, norm, into
-        self._settling = threading.Lock()
         self.loads_master = dtype == torch.float32 and versions == 1
         """fp32 training: the device loads the master itself and master.grad is the offloaded gradient buffer."""
         self.master = nn.Parameter(pin(flat) if self.loads_master else flat)  # pinned only where copies read it
-        first = self.master.data if self.loads_master else pin(flat.to(dtype, copy=True))
-        self._weights = [first] + [pin(flat.to(dtype, copy=True)) for _ in range(versions - 1)]
-        self._grads = [pin(torch.zeros(flat.numel(), dtype=dtype)) for _ in range(versions)]
-        self._taken = 0
-        """The gradient buffer take_grads filled last (what the norm, the overflow check and a tied exchange read)."""
-        self.sumsq: float | None = None
-        """The squared L2 norm of the gradients take_grads last took, when asked for it (read: grad_sumsq)."""
+        self._host_memory(flat, dtype, pin, versions, self.master.data if self.loads_master else None)
         if self.loads_master:
-            self.master.grad = self._grads[0]
+            self.master.grad = self._grads.buffer(0)
         self.optimizer = make_optimizer([self.master])
+
+    def _host_memory(
+        self, flat: torch.Tensor, dtype: torch.dtype, pin, versions: int, first: torch.Tensor | None = None
+    ) -> None:
+        """The weights the device loads (`versions` of them, the first `first` if given) and the gradient buffers, in
+        host memory, page-locked by pin; the undo of a tentative step."""
+        self._weights = [first if first is not None else pin(flat.to(dtype, copy=True))]
+        self._weights += [pin(flat.to(dtype, copy=True)) for _ in range(versions - 1)]
+        self._grads = HostGrads(flat.numel(), dtype, pin, versions)
         self._undo = StepUndo()
 
     @property
@@ -55,7 +54,7 @@ class HostStates:
     @property
     def grads(self) -> torch.Tensor:
         """The gradients take_grads took last."""
-        return self._grads[self._taken]
+        return self._grads.last
 
     def version(self, i: int) -> torch.Tensor:
         """Version i of the weights the device loads (a checkpoint saves the one a delayed step reads)."""
@@ -73,63 +72,43 @@ class HostStates:
         return device.copy_in(dst, self._weights[version], after, computed=False)
 
     def take_grads(
-        self, src: torch.Tensor, device: Device, accumulate: bool = False, norm: bool = False, into: int = 0
+        self,
+        src: torch.Tensor,
+        device: Device,
+        accumulate: bool = False,
+        norm: bool = False,
+        into: int = 0,
+        finite: bool = False,
     ) -> CopyHandle:
         """Start copying the stage's accumulated gradients (flat, device dtype) off the device on the copy-out
-        stream, into gradient buffer `into` (or, accumulate: into a buffer that _settle adds to the ones taken
-        before); with norm, _settle notes the squared L2 norm of the result (float64). Nothing here blocks the compute
-        thread: whoever reads the gradients (the update, the overflow check, the norm, a tied exchange) settles
-        them first. Returns the copy (the slot src lies in is free once it has ended)."""
-        self._settle()  # the previous pass's gradients are in before this pass's are added to them
-        copy = device.copy_out(self._incoming_buffer() if accumulate else self._grads[into], src)
-        self._taking = (copy, accumulate, norm, into)
-        self._taken = into
-        return copy
-
-    def _settle(self, only: int | None = None) -> None:
-        """Wait for the offload in flight (if any; only: if it fills gradient buffer `only`) and finish it on the host:
-        the add of an accumulated pass, the norm."""
-        with self._settling:
-            if self._taking is None or only not in (None, self._taking[3]):
-                return
-            copy, accumulate, norm, into = self._taking
-            copy.synchronize()
-            if accumulate:
-                self._grads[into].add_(self._incoming_buffer())
-            self.sumsq = sum_of_squares(self._grads[into]) if norm else None
-            self._taking = None
+        stream, into gradient buffer `into` (accumulate: added to the ones taken before); with norm, note the
+        result's squared L2 norm (float64), with finite whether it is all finite, both off the compute thread
+        (HostGrads). Whoever reads the gradients (the update, the overflow check, the norm, a tied exchange) waits
+        for that. Returns the copy (the slot src lies in is free once it has ended)."""
+        return self._grads.take(src, device, accumulate, norm, finite, into)
 
     def make_accumulation_buffer(self) -> None:
         """Make the buffer an accumulated pass's gradients come into now (on CUDA page-locked: not mid-step)."""
-        self._incoming_buffer()
-
-    def _incoming_buffer(self) -> torch.Tensor:
-        """A host buffer like the gradients, for an accumulated pass on its way."""
-        if self._incoming is None:
-            self._incoming = self._pin(torch.empty_like(self._grads[0]))
-        return self._incoming
+        self._grads.make_accumulation_buffer()
 
     def grad_sumsq(self) -> float:
         """The squared L2 norm of the last offloaded gradients (0.0 when take_grads was not asked for it)."""
-        self._settle()
-        return self.sumsq or 0.0
+        return self._grads.sumsq()
 
     def grads_finite(self) -> bool:
-        self._settle()
-        return all_finite(self.grads)
+        """Whether the last offloaded gradients hold no inf or nan (an fp16 overflow)."""
+        return self._grads.all_finite()
 
     grads_on_gpu = False
     """Whether grad_slice gives, and add_grads takes, gpu memory (DeviceStates) rather than host memory."""
 
     def grad_slice(self, offset: int, n: int) -> torch.Tensor:
         """A copy of elements offset .. offset + n of the offloaded gradients (device dtype, host memory)."""
-        self._settle()
-        return self.grads[offset : offset + n].clone()
+        return self._grads.read(offset, n)
 
     def add_grads(self, offset: int, t: torch.Tensor) -> None:
         """Add t (host memory) into the offloaded gradients from element offset on (a tied parameter's other half)."""
-        self._settle()
-        self.grads[offset : offset + t.numel()].add_(t)
+        self._grads.add(offset, t)
 
     speculates = True
     """Whether step(tentative=True) and settle_tentative work here (a speculative update: Pipeline's)."""
@@ -141,13 +120,13 @@ class HostStates:
         weights written into version `out`. tentative: keep what it overwrites until settle_tentative (the
         gradients are never written: the norm and the overflow check may read them meanwhile). It waits for the
         offload into buffer `grads` only (the delayed update's next one, into the other, may be in flight)."""
-        self._settle(grads)
+        self._grads.settle(grads)
         if tentative:
             self._undo.save(self.optimizer, self.master, () if self.loads_master else (self._weights[out],))
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-        g, weights = self._grads[grads], self._weights[out]
+        g, weights = self._grads.buffer(grads), self._weights[out]
         if g.dtype == torch.float32:  # fp32: the update reads master.grad, the buffer itself
             if grad_scale != 1.0:
                 g = g.mul(1.0 / grad_scale) if tentative else g.mul_(1.0 / grad_scale)

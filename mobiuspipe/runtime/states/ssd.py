@@ -3,12 +3,10 @@
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import torch
 
-from mobiuspipe.optim.undo import StepUndo
 from mobiuspipe.runtime.states.host import HostStates
 from mobiuspipe.runtime.states.ooc import SsdTier, export_ooc, import_ooc, ooc_adam, settle_ooc
 
@@ -20,15 +18,9 @@ class SsdStates(HostStates):
     OutOfCoreAdam through the tier's host budget; the device-dtype weights and gradients stay in memory."""
 
     def __init__(self, flat: torch.Tensor, dtype: torch.dtype, pin, tier: SsdTier, prefix: str, versions: int = 1):
-        self._pin, self._incoming = pin, None
-        self._taking, self._settling = None, threading.Lock()
         self.loads_master = False
-        self._weights = [pin(flat.to(dtype, copy=True)) for _ in range(versions)]
-        self._grads = [pin(torch.zeros(flat.numel(), dtype=dtype)) for _ in range(versions)]
-        self._taken = 0
-        self.sumsq: float | None = None
+        self._host_memory(flat, dtype, pin, versions)
         self.optimizer = ooc_adam(flat, tier, prefix, tier.host_budget_bytes)
-        self._undo = StepUndo()
         self._lr = self.optimizer.lr  # before a tentative step
 
     def step(
@@ -36,13 +28,13 @@ class SsdStates(HostStates):
     ) -> None:
         """HostStates.step; tentative: the out-of-core Adam writes its states beside the ones it read (a second set
         of records on the SSD) and the weights it overwrites are kept in memory, until settle_tentative."""
-        self._settle(grads)
+        self._grads.settle(grads)
         self._lr = self.optimizer.lr
         if tentative:
             self._undo.save(None, None, (self._weights[out],))
         if lr is not None:
             self.optimizer.lr = lr
-        g = self._grads[grads]
+        g = self._grads.buffer(grads)
         grad = g if grad_scale == 1.0 else g.float().mul_(1.0 / grad_scale)
         self.optimizer.step({"w": grad}, {"w": self._weights[out]}, tentative=tentative)
 

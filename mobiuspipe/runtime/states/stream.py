@@ -57,20 +57,26 @@ class SsdStreamStates:
         return device.stream_in(job, after, computed=False)
 
     def take_grads(
-        self, src: torch.Tensor, device: Device, accumulate: bool = False, norm: bool = False, into: int = 0
+        self,
+        src: torch.Tensor,
+        device: Device,
+        accumulate: bool = False,
+        norm: bool = False,
+        into: int = 0,
+        finite: bool = False,
     ) -> CopyHandle:
         """Start writing the gradients to their SSD records (version `into`) through the staging buffers, off the
         compute thread (Device.stream_out: group by group, each copied off the device on the copy-out stream, then
-        written); whoever reads them (the update, the norm, the overflow check, a tied exchange) waits for that.
+        written; with norm noting their squared norm, with finite whether they are all finite, on the way);
+        whoever reads them (the update, the norm, the overflow check, a tied exchange) waits for that.
         The job ends once its last writes are issued, so another stage's offload need not wait for them. Returns
         the copies off the device (src's slot is free once they have ended)."""
-        fp16 = src.dtype == torch.float16  # only fp16 asks grads_finite
         before = self._offload
 
         def job(copy, copied) -> list:
             if before is not None:  # this stage's last offload (its job has ended: they run in order) and its writes
                 _written(before)  # an error of it is this job's too
-            writes = self.stream.save_grads(src, copy, fp16, accumulate, norm, into, copied, wait=False)
+            writes = self.stream.save_grads(src, copy, finite, accumulate, norm, into, copied, wait=False)
             self.sumsq = self.stream.sumsq
             return writes
 
@@ -96,7 +102,9 @@ class SsdStreamStates:
     def grads_finite(self) -> bool:
         self._settle()
         if self.stream.finite is None:
-            raise RuntimeError("the gradient's finiteness is checked on the way to SSD in fp16 training only")
+            raise RuntimeError(
+                "the gradients' finiteness is noted on their way to SSD when take_grads asks for it only"
+            )
         return self.stream.finite
 
     grads_on_gpu = False

@@ -37,7 +37,7 @@ def test_take_grads_returns_before_the_copy_and_readers_wait_for_it(held_stream,
     states = HostStates(torch.zeros(1000), torch.float32, device.pin, partial(CPUAdam))
     first, second = torch.randn(1000), torch.randn(1000)
     if accumulate:
-        states._incoming_buffer()
+        states.make_accumulation_buffer()
         gate.set()
         states.take_grads(device.to_device(first), device)
         gate.clear()
