@@ -381,9 +381,8 @@ class Pipeline:
     def _passes(self, x: torch.Tensor, y: torch.Tensor, loss_scale: float) -> tuple[float, StepTimes, int]:
         """Run the step's pipeline passes (accumulation_steps of them), the gradients of each added to the
         tiers' after the first; the updates start (or are held) in the last. This rank's loss, its times
-        summed over the passes and its largest measured device peak of a pass."""
+        summed over the passes and its measured device peak of the step (read once the passes are issued)."""
         engine, k = self.engine, self.accumulation_steps
-        loss, times, peak = 0.0, StepTimes(), 0
         for p, (xp, yp) in enumerate(zip(x.chunk(k), y.chunk(k))):
             last = p == k - 1
             options = StepOptions(
@@ -398,13 +397,11 @@ class Pipeline:
                 lr=self._lr,
                 lag=self.updates.delayed(self.step),
             )
-            part, t = engine.run_step(xp, yp, options)
+            engine.run_step(xp, yp, options)
             if not last:
                 engine.start_updates(apply=False)  # no update yet: their gradients wait in the tiers for the next pass
-            loss += part
-            times = StepTimes(times.compute_s + t.compute_s, times.load_s + t.load_s, times.comm_s + t.comm_s)
-            peak = max(peak, engine.peak.step_bytes)
-        return loss, times, peak
+        loss, times = engine.end_step()
+        return loss, times, engine.peak.step_bytes
 
     def _clip(self, tied_sumsq: float, loss_scale: float) -> tuple[float, float]:
         """(the global gradient norm, what the updates divide the gradients by: mobiuspipe.optim.clipping); (0.0,

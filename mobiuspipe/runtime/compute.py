@@ -76,15 +76,9 @@ class StepState:
     inbox: dict[MessageKey, torch.Tensor] = field(default_factory=dict)
     outbox: dict[tuple[Kind, int, int], torch.Tensor] = field(default_factory=dict)
     losses: list[torch.Tensor] = field(default_factory=list)
-    """Each microbatch's share of the loss, on the device: read once, at the step's end (loss()), so that the
-    steady state has no host-blocking wait but that one."""
+    """Each microbatch's share of the loss, on the device: read once, at the step's end (Engine.end_step, every
+    pass's at once), so that the steady state has no host-blocking wait but that one."""
     times: StepTimes = field(default_factory=StepTimes)
-
-    def loss(self) -> float:
-        """This rank's share of the step's loss: the microbatches' shares summed in order, in float64."""
-        if not self.losses:
-            return 0.0
-        return sum(torch.stack(self.losses).double().tolist())
 
 
 @dataclass(frozen=True)

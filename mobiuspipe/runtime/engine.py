@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Iterable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -43,8 +44,34 @@ EVAL_TAG_BASE = (1 << 30) + (1 << 24)
 """Message tags of evaluation: above every training tag (< 2^30) and the tied-gradient exchange's."""
 
 
+@dataclass
+class _Pass:
+    """A pass run_step issued and end_step reads: its step, its microbatches' losses (on the device), its times (the
+    stand-in's), its actions' (action, start, end) marks and its flush (not its StepState, whose device inputs would
+    stay allocated until the step's end)."""
+
+    step: int
+    losses: list[torch.Tensor]
+    times: StepTimes
+    spans: list[tuple[Action, object, object]]
+    flush_start: float
+    flush_end: float
+
+
+def _loss_of(losses: list[list[torch.Tensor]]) -> float:
+    """The step's loss from each pass's microbatch losses (on the device), read at once: each pass's summed in order
+    in float64, then the passes in order."""
+    flat = [t for pass_losses in losses for t in pass_losses]
+    values = torch.stack(flat).double().tolist() if flat else []
+    total, k = 0.0, 0
+    for pass_losses in losses:
+        total += sum(values[k : k + len(pass_losses)])
+        k += len(pass_losses)
+    return total
+
+
 class Engine:
-    """One rank: its stages, arena, comm; run_step() executes the schedule once."""
+    """One rank: its stages, arena, comm; run_step() issues one pass of the schedule, end_step() reads the step."""
 
     def __init__(
         self,
@@ -129,6 +156,8 @@ class Engine:
         """A receive from another rank -> the next one, posted as the first is taken: its bytes move (in gloo's
         threads, on NCCL's stream) while this rank computes, and its sender's send completes."""
         self._posted: dict[MessageKey, Posted] = {}
+        self._passes: list[_Pass] = []
+        """The step's passes issued so far (end_step reads them)."""
         self._dispatch = {
             Kind.LOAD: self._load,
             Kind.RELEASE: self._release,
@@ -148,9 +177,10 @@ class Engine:
         gradient is whole only once the ranks have added their halves)."""
         self._held = set(stages)
 
-    def run_step(self, x: torch.Tensor, y: torch.Tensor, options: StepOptions) -> tuple[float, StepTimes]:
-        """One pipeline pass over the batch (x, y) as `options` ask; returns this rank's share of the loss and
-        its times."""
+    def run_step(self, x: torch.Tensor, y: torch.Tensor, options: StepOptions) -> None:
+        """One pipeline pass over the batch (x, y) as `options` ask, issued without waiting for what the device
+        computes; end_step() reads the step's passes once they are all issued (on CUDA the passes of an accumulated
+        step then run back to back: a read at each pass's end would drain the compute stream there)."""
         self.options = options
         step = options.step
         shape = (tuple(x.shape), x.dtype)
@@ -160,10 +190,11 @@ class Engine:
         xs = self.compute.device_inputs(x.chunk(m)) if 0 in self.stages else x.chunk(m)
         self.state = StepState(step, xs, y.chunk(m), specs, learning)
         self.compute.begin(self.state, options)
-        self.peak.start_step()
-        clock = self.clock
-        clock.start_step()
-        spans = []
+        if not options.accumulate:  # the step's first pass
+            self._passes = []
+            self.peak.start_step()
+            self.clock.start_step()
+        clock, spans = self.clock, []
         for a in self.schedule:
             start = clock.mark()
             self._dispatch[a.kind](a)
@@ -172,21 +203,40 @@ class Engine:
         self.comm.flush()
         end = time.perf_counter()
         self.state.times.comm_s += end - start
-        loss = self.state.loss()  # CUDA: the step's one host-blocking wait
+        self._passes.append(_Pass(step, self.state.losses, self.state.times, spans, start, end))
+
+    def end_step(self) -> tuple[float, StepTimes]:
+        """Read what the step's passes left on the device (CUDA: the step's one host-blocking wait): this rank's share
+        of the loss (each pass's microbatches summed in order in float64, then the passes in order) and its times,
+        summed over the passes. The step's measured device peak is then in peak.step_bytes."""
+        passes, self._passes = self._passes, []
+        loss = _loss_of([p.losses for p in passes])
+        clock = self.clock
         if clock.on_device:  # the host's Stopwatches measured kernel launches there
-            b = clock.buckets((a.kind.value, s, e) for a, s, e in spans)
-            self.state.times = StepTimes(b["compute"], b["load"], b["comm"] + end - start)
-        if self.trace.wants(step):
-            for a, s, e in spans:
-                self.trace.add(step, a.kind.value, a.stage, a.microbatch, clock.seconds(s), clock.seconds(e))
-            self.trace.add(step, "flush", -1, -1, start, end)
+            b = clock.buckets((a.kind.value, s, e) for p in passes for a, s, e in p.spans)
+            times = StepTimes(b["compute"], b["load"], b["comm"] + sum(p.flush_end - p.flush_start for p in passes))
+        else:
+            times = StepTimes()
+            for p in passes:
+                t = p.times
+                times = StepTimes(times.compute_s + t.compute_s, times.load_s + t.load_s, times.comm_s + t.comm_s)
+        for p in passes:
+            self._trace(p)
         before = self.peak.alloc_retries
         self.peak.end_step()
         if (
             why := retry_warning(self.device.index, self.peak.alloc_retries, before, len(set(self.mapping)))
         ) is not None:
             warnings.warn(why, RuntimeWarning, stacklevel=2)
-        return loss, self.state.times
+        return loss, times
+
+    def _trace(self, p: _Pass) -> None:
+        """A pass's actions and its flush in the trace, if it wants the step (CUDA: after the clock has settled)."""
+        step, clock = p.step, self.clock
+        if self.trace.wants(step):
+            for a, s, e in p.spans:
+                self.trace.add(step, a.kind.value, a.stage, a.microbatch, clock.seconds(s), clock.seconds(e))
+            self.trace.add(step, "flush", -1, -1, p.flush_start, p.flush_end)
 
     def wait_updates(self) -> None:
         """Wait for every host update started so far."""
