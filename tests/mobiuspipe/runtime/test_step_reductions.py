@@ -18,7 +18,6 @@ from mobiuspipe.optim.loss_scale import LossScaler
 from mobiuspipe.startup.config_plan import model_spec, plan_for_config
 from tests.mobiuspipe.runtime.update_runs import BATCH, update_config
 
-
 _XFAIL = pytest.mark.xfail(strict=True, reason="the overflow flag and the norm take a reduction each (fixed next)")
 
 
