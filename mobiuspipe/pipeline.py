@@ -346,14 +346,15 @@ class Pipeline:
         scale = self.scaler.scale if self.scaler else None
         loss, times, own_peak = self._passes(x, y, scale or 1.0)
         tied_sumsq = self.ties.sum(engine.comm, engine.device, self.step) if self.ties else 0.0
-        (loss,) = self._reduce([loss], torch.distributed.ReduceOp.SUM, f"the loss of step {self.step}")
+        sums, what = [loss, *self._grad_checks(tied_sumsq)], f"the loss and gradient checks of step {self.step}"
+        loss, sumsq, overflows = self._reduce(sums, torch.distributed.ReduceOp.SUM, what)
         c, ld, cm, peak, device_peak = self._reduce(
             [times.compute_s, times.load_s, times.comm_s, engine.arena.peak_bytes, own_peak],
             torch.distributed.ReduceOp.MAX,
             f"the metrics of step {self.step}",
         )
-        skipped = self._skip_on_overflow()
-        norm, grad_scale = self._clip(tied_sumsq, scale or 1.0)
+        skipped = self._skip_on_overflow(overflows > 0)
+        norm, grad_scale = self._clip(sumsq, scale or 1.0)
         skipped = skipped or not math.isfinite(norm)  # an inf/nan gradient: no weight changes
         rolled_back, self._passed = engine.rolled_back, not skipped and grad_scale == (scale or 1.0)
         engine.start_updates(apply=not skipped, grad_scale=grad_scale)  # the updates held back, if any
@@ -403,14 +404,18 @@ class Pipeline:
         loss, times = engine.end_step()
         return loss, times, engine.peak.step_bytes
 
-    def _clip(self, tied_sumsq: float, loss_scale: float) -> tuple[float, float]:
-        """(the global gradient norm, what the updates divide the gradients by: mobiuspipe.optim.clipping); (0.0,
-        the loss scale) without clipping."""
+    def _grad_checks(self, tied_sumsq: float) -> list[float]:
+        """This rank's [squared gradient norm (0.0 without clipping), 1.0 if its gradients overflowed (fp16)], summed
+        over the ranks with the loss."""
+        sumsq = self.engine.grad_sumsq() + tied_sumsq if self.max_grad_norm is not None else 0.0
+        return [sumsq, float(self.scaler is not None and self.engine.overflowed())]
+
+    def _clip(self, total_sumsq: float, loss_scale: float) -> tuple[float, float]:
+        """(the global gradient norm, what the updates divide the gradients by: mobiuspipe.optim.clipping) from the
+        squared norm summed over the ranks; (0.0, the loss scale) without clipping."""
         if self.max_grad_norm is None:
             return 0.0, loss_scale
-        what = f"the grad norm of step {self.step}"
-        (total,) = self._reduce([self.engine.grad_sumsq() + tied_sumsq], torch.distributed.ReduceOp.SUM, what)
-        return clip_scale(total, loss_scale, self.max_grad_norm)
+        return clip_scale(total_sumsq, loss_scale, self.max_grad_norm)
 
     @on_compute_stream
     def eval_batch(self, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -421,16 +426,13 @@ class Pipeline:
         what = f"evaluation after step {self.step}"
         return self._reduce([self.engine.eval_loss(x, y, what)], torch.distributed.ReduceOp.SUM, what)[0]
 
-    def _skip_on_overflow(self) -> bool:
+    def _skip_on_overflow(self, overflow: bool) -> bool:
         """fp16: whether a gradient overflowed on any rank (then the step is skipped on every rank and the
         scale backs off)."""
         if self.scaler is None:
             return False
-        (overflow,) = self._reduce(
-            [float(self.engine.overflowed())], torch.distributed.ReduceOp.MAX, f"the overflow flag of step {self.step}"
-        )
-        self.scaler.update(bool(overflow))
-        return bool(overflow)
+        self.scaler.update(overflow)
+        return overflow
 
     def _check_batch(self, x: torch.Tensor, y: torch.Tensor, passes: int | None = None) -> None:
         if self._closed:
