@@ -12,15 +12,12 @@ from functools import partial
 import pytest
 import torch
 
-from mobiuspipe import Pipeline
 from mobiuspipe.data.dataset import open_data
 from mobiuspipe.memory.device import Device
-from mobiuspipe.models.gpt import layer_factories, lm_loss
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.optim.loss_scale import LossScaler
 from mobiuspipe.runtime.states import HostStates, host_grads
-from mobiuspipe.startup.config_plan import model_spec, plan_for_config
-from tests.mobiuspipe.runtime.update_runs import BATCH, update_config
+from tests.mobiuspipe.runtime.update_runs import BATCH, update_config, update_pipeline
 
 PASSES = 3
 
@@ -61,16 +58,7 @@ def test_the_host_gradients_are_finished_off_the_compute_thread(monkeypatch, cli
     torch.set_num_threads(1)
     cfg = update_config("fp16")
     t = cfg.train
-    pipe = Pipeline(
-        layer_factories(model_spec(cfg), t.seed),
-        lm_loss,
-        plan=plan_for_config(cfg),
-        optimizer=partial(CPUAdam, lr=t.lr),
-        memory=cfg.memory,
-        max_grad_norm=clip,
-        loss_scaler=LossScaler(scale=2.0**8),
-        accumulation_steps=PASSES,
-    )
+    pipe = update_pipeline(cfg, max_grad_norm=clip, loss_scaler=LossScaler(scale=2.0**8), accumulation_steps=PASSES)
     threads = _Threads()
     with pipe:
         tiers = [s.states for s in pipe.stages.values()]

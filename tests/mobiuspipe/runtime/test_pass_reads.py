@@ -7,17 +7,12 @@ and the clock's anchors (a synchronization each on CUDA)."""
 from __future__ import annotations
 
 import threading
-from functools import partial
 
 import torch
 
-from mobiuspipe import Pipeline
 from mobiuspipe.data.dataset import open_data
-from mobiuspipe.models.gpt import layer_factories, lm_loss
-from mobiuspipe.optim import CPUAdam
 from mobiuspipe.runtime.clock import ActionClock
-from mobiuspipe.startup.config_plan import model_spec, plan_for_config
-from tests.mobiuspipe.runtime.update_runs import BATCH, update_config
+from tests.mobiuspipe.runtime.update_runs import BATCH, update_config, update_pipeline
 
 READS = ("tolist", "item", "__float__", "__bool__", "__int__")
 
@@ -28,14 +23,7 @@ def _reads_in_a_steady_step(monkeypatch, passes: int) -> dict[str, int]:
     torch.set_num_threads(1)
     cfg = update_config("bf16")
     t = cfg.train
-    pipe = Pipeline(
-        layer_factories(model_spec(cfg), t.seed),
-        lm_loss,
-        plan=plan_for_config(cfg),
-        optimizer=partial(CPUAdam, lr=t.lr),
-        memory=cfg.memory,
-        accumulation_steps=passes,
-    )
+    pipe = update_pipeline(cfg, accumulation_steps=passes)
     counts = {"reads": 0, "anchors": 0}
     compute = threading.get_ident()
 

@@ -5,18 +5,12 @@ went in one each."""
 
 from __future__ import annotations
 
-from functools import partial
-
 import pytest
 import torch
 
-from mobiuspipe import Pipeline
 from mobiuspipe.data.dataset import open_data
-from mobiuspipe.models.gpt import layer_factories, lm_loss
-from mobiuspipe.optim import CPUAdam
 from mobiuspipe.optim.loss_scale import LossScaler
-from mobiuspipe.startup.config_plan import model_spec, plan_for_config
-from tests.mobiuspipe.runtime.update_runs import BATCH, update_config
+from tests.mobiuspipe.runtime.update_runs import BATCH, update_config, update_pipeline
 
 
 @pytest.mark.parametrize(
@@ -27,15 +21,7 @@ def test_a_step_reduces_twice(monkeypatch, fp16, clip):
     torch.set_num_threads(1)
     cfg = update_config("fp16" if fp16 else "bf16")
     t = cfg.train
-    pipe = Pipeline(
-        layer_factories(model_spec(cfg), t.seed),
-        lm_loss,
-        plan=plan_for_config(cfg),
-        optimizer=partial(CPUAdam, lr=t.lr),
-        memory=cfg.memory,
-        max_grad_norm=clip,
-        loss_scaler=LossScaler(scale=2.0**8) if fp16 else None,
-    )
+    pipe = update_pipeline(cfg, max_grad_norm=clip, loss_scaler=LossScaler(scale=2.0**8) if fp16 else None)
     ops = []
     reduce = pipe._reduce
 

@@ -22,3 +22,24 @@ def update_config(precision: str = "fp32", memory: MemoryConfig | None = None, s
         }
     )
     return dataclasses.replace(cfg, memory=memory or MemoryConfig())
+
+
+def update_pipeline(cfg: RunConfig, **kwargs):
+    """A Pipeline of the run's GPT and plan, CPUAdam at the config's lr; kwargs go to Pipeline (clipping, scaler...)."""
+    from functools import partial
+
+    from mobiuspipe import Pipeline
+    from mobiuspipe.models.gpt import layer_factories, lm_loss
+    from mobiuspipe.optim import CPUAdam
+    from mobiuspipe.startup.config_plan import model_spec, plan_for_config
+
+    t = cfg.train
+    opt = partial(CPUAdam, lr=t.lr)
+    return Pipeline(
+        layer_factories(model_spec(cfg), t.seed),
+        lm_loss,
+        plan=plan_for_config(cfg),
+        optimizer=opt,
+        memory=cfg.memory,
+        **kwargs,
+    )
