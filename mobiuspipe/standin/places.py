@@ -6,7 +6,8 @@ the stages' buffers and received messages as gpu g's (a subclass per gpu), the h
 the host's. An op that takes marked tensors of two places fails, except the copies (copy_, item assignment), as
 CUDA's do; so does an op on a marked tensor that names a device (.to(device), .cpu()): on the stand-in it cannot
 tell the host from a gpu, so the code says which copy it means (Device.to_device, Device.to_host). Tensors no
-one marked (a batch from the data, what autograd computes, a 0-d scalar) meet either; results keep the place.
+one marked (a batch from the data, what autograd computes) meet either, and so does a 0-d host tensor except in a
+join (stack, cat: CUDA lets a host scalar into an elementwise op, not into those); results keep the place.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def _check(func, args: tuple, kwargs: dict) -> None:
             f"{_name(func)} names a device on a tensor in {_place(args)}: on the CPU stand-in that cannot tell the "
             f"host from a gpu; use Device.to_device or Device.to_host (or copy_ into a tensor of the place you mean)"
         )
-    places = {p for t in _leaves(args, kwargs) if (p := _marked(t)) is not None}
+    joins = func in _JOINS  # CUDA lets a 0-d host tensor into an elementwise op, not into a join
+    places = {p for t in _leaves(args, kwargs) if (p := _marked(t, joins)) is not None}
     if len(places) > 1:
         raise StandInError(
             f"{_name(func)} mixes tensors in {' and '.join(sorted(places))}: CUDA refuses an op across devices; "
@@ -124,6 +126,9 @@ _KEEP = {torch.Tensor.__repr__, torch.Tensor.__format__}
 
 _MOVES = {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda}
 
+_JOINS = {torch.stack, torch.cat}
+"""Ops whose tensors must all be on one device, 0-d ones too."""
+
 
 def _names_device(func, args: tuple, kwargs: dict) -> bool:
     if func is not torch.Tensor.to:
@@ -132,8 +137,11 @@ def _names_device(func, args: tuple, kwargs: dict) -> bool:
     return any(isinstance(a, (torch.device, str, torch.Tensor, int)) and not isinstance(a, bool) for a in named)
 
 
-def _marked(t: Any) -> str | None:
-    return t.place if isinstance(t, Placed) and t.dim() > 0 else None
+def _marked(t: Any, join: bool = False) -> str | None:
+    """t's place, if it is marked and must be on the op's device (a 0-d host tensor need not, but in a join)."""
+    if not isinstance(t, Placed) or (t.dim() == 0 and isinstance(t, OnHost) and not join):
+        return None
+    return t.place
 
 
 def _leaves(args: tuple, kwargs: dict):

@@ -33,7 +33,23 @@ def test_two_places_in_one_op_fail_but_copies_pass(strict):
     host[1:3] = gpu[:2]
     assert host.tolist() == [0.0, 0.0, 1.0, 3.0, 4.0]
     assert place_of(gpu * 2 + torch.ones(5)) == "gpu 1's memory"  # results keep the place; unmarked ones mix
-    assert place_of(host.float()) == "host memory" and place_of(host + gpu[0]) == "host memory"  # 0-d: a scalar
+    assert place_of(host.float()) == "host memory"
+
+
+def test_a_0d_host_tensor_meets_a_gpu_one_in_elementwise_ops_only(strict):
+    """CUDA moves a 0-d host tensor into an elementwise op on a gpu, never a 0-d gpu tensor into one on the host or
+    another gpu (pytorch#119609, #38998), and joins (stack, cat) take one device's tensors only."""
+    host, gpu = on_host(torch.arange(3.0)), on_gpu(torch.arange(3.0), 1)
+    assert (gpu + host[2]).tolist() == [2.0, 3.0, 4.0] and place_of(gpu * host[1]) == "gpu 1's memory"
+    for mixed in (
+        lambda: host + gpu[0],
+        lambda: on_gpu(torch.ones(3), 0).add(gpu[1]),
+        lambda: torch.stack([gpu[0], host[0]]),
+        lambda: torch.stack([gpu[0], on_gpu(torch.ones(2), 0)[0]]),
+    ):
+        with pytest.raises(StandInError, match="mixes"):
+            mixed()
+    assert torch.stack([gpu[0], gpu[2]]).tolist() == [0.0, 2.0]
 
 
 def test_naming_a_device_on_a_placed_tensor_fails(strict):
