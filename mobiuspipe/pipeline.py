@@ -345,8 +345,8 @@ class Pipeline:
         engine.arena.reset_peak()
         scale = self.scaler.scale if self.scaler else None
         loss, times, own_peak = self._passes(x, y, scale or 1.0)
-        tied_sumsq = self.ties.sum(engine.comm, engine.device, self.step) if self.ties else 0.0
-        sums, what = [loss, *self._grad_checks(tied_sumsq)], f"the loss and gradient checks of step {self.step}"
+        tied = self.ties.sum(engine.comm, engine.device, self.step) if self.ties else []
+        sums, what = [loss, *self._grad_checks(tied)], f"the loss and gradient checks of step {self.step}"
         loss, sumsq, overflows = self._reduce(sums, torch.distributed.ReduceOp.SUM, what)
         c, ld, cm, peak, device_peak = self._reduce(
             [times.compute_s, times.load_s, times.comm_s, engine.arena.peak_bytes, own_peak],
@@ -404,11 +404,11 @@ class Pipeline:
         loss, times = engine.end_step()
         return loss, times, engine.peak.step_bytes
 
-    def _grad_checks(self, tied_sumsq: float) -> list[float]:
-        """This rank's [squared gradient norm (0.0 without clipping), 1.0 if its gradients overflowed (fp16)], summed
-        over the ranks with the loss."""
-        sumsq = self.engine.grad_sumsq() + tied_sumsq if self.max_grad_norm is not None else 0.0
-        return [sumsq, float(self.scaler is not None and self.engine.overflowed())]
+    def _grad_checks(self, tied: list[torch.Tensor]) -> list[float]:
+        """This rank's [squared gradient norm (0.0 without clipping; tied: the tied pairs' terms of it), 1.0 if its
+        gradients overflowed (fp16)], summed over the ranks with the loss."""
+        sumsq, overflowed = self.engine.grad_checks(self.max_grad_norm is not None, self.scaler is not None, tied)
+        return [sumsq, float(overflowed)]
 
     def _clip(self, total_sumsq: float, loss_scale: float) -> tuple[float, float]:
         """(the global gradient norm, what the updates divide the gradients by: mobiuspipe.optim.clipping) from the

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -27,6 +27,7 @@ from mobiuspipe.memory.arena import DeviceArena
 from mobiuspipe.memory.device import Device
 from mobiuspipe.memory.ledger import DeviceLedger
 from mobiuspipe.memory.measure import DevicePeak, retry_warning
+from mobiuspipe.memory.reduce import read_scalars
 from mobiuspipe.memory.swap import Swap
 from mobiuspipe.optim.host_threads import pinned_to
 from mobiuspipe.runtime.action_trace import ActionTrace
@@ -277,11 +278,6 @@ class Engine:
         else:
             self._start_update(stage, 1.0)
 
-    def overflowed(self) -> bool:
-        """Whether a gradient offloaded in this step (and held back, or updated tentatively) is inf or nan on this
-        rank."""
-        return not all(s.grads_finite() for s in self._deferred + self._tentative)
-
     def start_updates(self, apply: bool, grad_scale: float | None = None) -> None:
         """Start the held-back host updates (gradients divided by grad_scale, default the loss scale), or drop
         them (a skipped step, or a pass of an accumulated step that is not its last); and settle the tentative ones
@@ -300,9 +296,17 @@ class Engine:
         note = partial(self.trace.add, step, "U", stage.index, -1) if self.trace.wants(step) else None
         stage.start_update(self.updater, grad_scale, self.options.lr, note, step, tentative)
 
-    def grad_sumsq(self) -> float:
-        """The squared norm of the gradients this rank offloaded in this step (each stage's, summed)."""
-        return sum(s.states.grad_sumsq() for s in self.stages.values())
+    def grad_checks(self, norm: bool, finite: bool, tied: Sequence[float | torch.Tensor] = ()) -> tuple[float, bool]:
+        """(the squared norm of the gradients this rank offloaded in this step: each stage's and the tied pairs'
+        `tied` terms summed, 0.0 without norm; whether one held back (or updated tentatively) is inf or nan, False
+        without finite). What gpu-resident states keep on the gpu is read at once (read_scalars: one host
+        synchronization, not one a stage)."""
+        own = [s.states.grad_sumsq() for s in self.stages.values()] if norm else []
+        ties = list(tied) if norm else []
+        flags = [s.grads_finite() for s in self._deferred + self._tentative] if finite else []
+        values = read_scalars([*own, *ties, *flags])
+        a, b = len(own), len(own) + len(ties)
+        return sum(values[:a]) + sum(values[a:b]), not all(values[b:])
 
     # -- evaluation ----------------------------------------------------------------------------
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor, what: str) -> float:

@@ -256,8 +256,9 @@ class Stage:
         self.grads, self._leaves, self._forward_leaves = None, [], []
         self._rebind()
 
-    def grads_finite(self) -> bool:
-        """Whether the offloaded gradients hold no inf or nan (an fp16 overflow)."""
+    def grads_finite(self) -> bool | torch.Tensor:
+        """Whether the offloaded gradients hold no inf or nan (an fp16 overflow); a bool tensor on the gpu where the
+        states keep the gradients there (DeviceStates), for the engine to read with the others."""
         return self.states.grads_finite()
 
     def start_update(

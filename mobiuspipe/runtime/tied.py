@@ -86,11 +86,12 @@ class TiedGrads:
                     f"only parameters of one shape can be tied"
                 )
 
-    def sum(self, comm: Comm, device: Device, step: int) -> float:
+    def sum(self, comm: Comm, device: Device, step: int) -> list[torch.Tensor]:
         """Give both halves of every pair this rank holds the sum of their offloaded gradients. Returns what
         this rank adds to the squared gradient norm its stages noted (states.grad_sumsq, taken before the sum) to
         count each pair once, with its summed gradient: minus each held half's, plus the sum's on the rank of
-        the pair's first half."""
+        the pair's first half; as float64 tensors, one a device the halves are on, for the host to read with the
+        stages' figures (Engine.grad_checks)."""
         squares = _Squares()
         for k, (a, b) in enumerate(self.pairs):
             if a.slice is not None and b.slice is not None:
@@ -98,7 +99,7 @@ class TiedGrads:
             elif a.slice is not None or b.slice is not None:
                 own, other = (a, b) if a.slice is not None else (b, a)
                 self._exchange(own, other, k, comm, device, step, squares, own is a)
-        return squares.read()
+        return squares.terms()
 
     def _add_local(self, a: _Side, b: _Side, device: Device, squares: _Squares, ledger: DeviceLedger | None) -> None:
         """Both halves on this rank: each gets the other's gradient added, CHUNK elements at a time."""
@@ -186,7 +187,7 @@ def _moved(t: torch.Tensor, src: _Half, dst: _Half, device: Device) -> torch.Ten
 
 
 class _Squares:
-    """A signed sum of squared norms (float64, summed on the device of each tensor), read on the host once."""
+    """A signed sum of squared norms (float64, summed on the device of each tensor)."""
 
     def __init__(self) -> None:
         self._sums: dict[torch.device, torch.Tensor] = {}
@@ -195,8 +196,9 @@ class _Squares:
         term = sign * squared_norm(t)
         self._sums[t.device] = self._sums[t.device] + term if t.device in self._sums else term
 
-    def read(self) -> float:
-        return sum(float(v) for v in self._sums.values())
+    def terms(self) -> list[torch.Tensor]:
+        """The sum on each device (a float64 tensor of no dimension), for the host to read at once."""
+        return list(self._sums.values())
 
 
 @contextmanager

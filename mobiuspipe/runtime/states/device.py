@@ -12,7 +12,7 @@ from torch import nn
 from torch.optim.adamw import adamw
 
 from mobiuspipe.memory.device import CopyHandle, Device
-from mobiuspipe.memory.reduce import all_finite, squared_norm
+from mobiuspipe.memory.reduce import finite_flag, squared_norm
 from mobiuspipe.optim.hyper import AdamHyper
 from partition.rules.placement import UPDATE_CHUNK
 
@@ -81,8 +81,8 @@ class DeviceStates:
         finite: bool = False,
     ) -> CopyHandle:
         """Copy (accumulate: add) the stage's gradients from its slot into the resident ones on the compute stream;
-        with norm, their squared norm stays on the gpu until grad_sumsq reads it (finite: nothing here, grads_finite
-        reads the resident gradients on the gpu). The handle marks the end of that
+        with norm, their squared norm stays on the gpu, where grad_sumsq gives it (finite: nothing here, grads_finite
+        reduces the resident gradients on the gpu). The handle marks the end of that
         work (Device.computed): the slot may be refilled after it, by a copy stream too."""
         one_version(into)
         if accumulate:
@@ -92,11 +92,15 @@ class DeviceStates:
         self._sumsq = squared_norm(self.grads) if norm else None
         return device.computed()
 
-    def grad_sumsq(self) -> float:
-        return 0.0 if self._sumsq is None else float(self._sumsq)
+    def grad_sumsq(self) -> float | torch.Tensor:
+        """The squared norm take_grads noted, a float64 tensor on the gpu (0.0 when it was not asked for it): the
+        engine reads every stage's at once (read_scalars)."""
+        return 0.0 if self._sumsq is None else self._sumsq
 
-    def grads_finite(self) -> bool:
-        return all_finite(self.grads)
+    def grads_finite(self) -> bool | torch.Tensor:
+        """Whether the gradients (a tied half's add included) hold no inf or nan, a bool tensor on the gpu (read as
+        grad_sumsq's)."""
+        return finite_flag(self.grads)
 
     grads_on_gpu = True
     """grad_slice gives, and add_grads takes, gpu memory (HostStates.grads_on_gpu)."""

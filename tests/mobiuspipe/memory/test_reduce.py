@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mobiuspipe.memory.reduce import all_finite, sum_of_squares
+from mobiuspipe.memory.reduce import all_finite, finite_flag, read_scalars, sum_of_squares
+from mobiuspipe.standin.places import on_gpu
 from tests.mobiuspipe.peak_rss import peak_growth_bytes
 
 
@@ -64,3 +65,25 @@ def test_all_finite_is_torchs_isfinite_all(n, dtype):
             assert not all_finite(wrong) and not bool(torch.isfinite(wrong).all())
     big = torch.full((n,), torch.finfo(dtype).max, dtype=dtype)  # the largest finite value is finite
     assert all_finite(big) and all_finite(-big)
+
+
+def test_read_scalars_reads_each_device_once_and_keeps_the_order(monkeypatch):
+    """Numbers pass as they are; the tensors of a device (gpu 0, gpu 1 and unmarked host here) are read in one copy
+    each, every value back in its place, a float64 norm exactly and a finiteness flag as 1.0 or 0.0."""
+    g = torch.Generator().manual_seed(11)
+    norm0, norm1 = (torch.randn(5, generator=g, dtype=torch.float64).square().sum() for _ in range(2))
+    values = [
+        2.5,
+        on_gpu(norm0, 0),
+        finite_flag(on_gpu(torch.tensor([1.0, float("inf")]), 1)),
+        True,
+        on_gpu(finite_flag(torch.ones(3, dtype=torch.float16)), 0),
+        on_gpu(norm1, 1),
+        torch.tensor(-0.75),
+    ]
+    stacks = []
+    stack = torch.stack
+    monkeypatch.setattr(torch, "stack", lambda ts, *a, **k: stacks.append(len(ts)) or stack(ts, *a, **k))
+    got = read_scalars(values)
+    assert got == [2.5, float(norm0), 0.0, 1.0, 1.0, float(norm1), -0.75]
+    assert sorted(stacks) == [1, 2, 2]  # host; gpu 0; gpu 1
