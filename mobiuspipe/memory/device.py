@@ -176,8 +176,8 @@ class Device:
         memory, its block kept until the copy ends; a pinned one is read in place after this returns: the caller must
         not change it until the stream has passed the copy); a large pageable one (a stage's states at start-up or
         from a checkpoint) blocks the host until the stream has passed the copy."""
+        route = upload_route(t)  # the stand-in's copies all end before this returns
         if self.is_cuda:
-            route = upload_route(t)
             src = t.pin_memory() if route == "pin" else t
             return src.to(self.torch_device, dtype=dtype or t.dtype, non_blocking=route != "pageable")
         return self.place(plain(t).to(dtype=dtype or t.dtype, copy=True))

@@ -1,0 +1,30 @@
+"""A step's and an evaluation's uploads of the microbatches' inputs and targets never make the host wait for the gpu,
+whatever their size. On CUDA a pageable tensor over PIN_COPY_LIMIT is copied with a host wait (the route meant for a
+stage's states at start-up or from a checkpoint): a microbatch's targets, uploaded after its last forward is queued,
+would drain the compute stream once a microbatch, and a later pass's inputs would drain it between passes. Seen on
+the stand-in as the route Device.to_device takes (PIN_COPY_LIMIT set to 0: every batch tensor counts as large)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mobiuspipe.data.dataset import open_data
+from mobiuspipe.memory import device as device_module
+from tests.mobiuspipe.runtime.update_runs import BATCH, update_config, update_pipeline
+
+
+@pytest.mark.xfail(strict=True, reason="a batch tensor over PIN_COPY_LIMIT takes the route that waits")
+def test_a_steps_batch_uploads_never_wait_whatever_their_size(monkeypatch):
+    torch.set_num_threads(1)
+    cfg = update_config("bf16")
+    t = cfg.train
+    routes: list[str] = []
+    route = device_module.upload_route
+    with update_pipeline(cfg, accumulation_steps=2) as pipe:
+        data = open_data(cfg.data, cfg.model.seq_len, t.seed, cfg.model.vocab_size)
+        monkeypatch.setattr(device_module, "PIN_COPY_LIMIT", 0)
+        monkeypatch.setattr(device_module, "upload_route", lambda *a, **k: routes.append(r := route(*a, **k)) or r)
+        pipe.train_batch(*data.batch(0, 2 * BATCH))
+        pipe.eval_batch(*data.batch(1, BATCH))
+    assert routes and set(routes) == {"pin"}, routes
