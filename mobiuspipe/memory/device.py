@@ -35,19 +35,22 @@ from mobiuspipe.standin.places import gpu_of, on_gpu, on_host, plain
 __all__ = ["Device", "CopyHandle", "CopyStream", "PIN_COPY_LIMIT", "upload_route", "on_compute_stream"]
 
 PIN_COPY_LIMIT = 16 << 20
-"""Bytes up to which Device.to_device takes a pageable host tensor through torch's pinned allocator (a block rounded
-up to a power of two and kept in its cache: small ones only); a larger one is copied from pageable memory."""
+"""Bytes up to which Device.to_device takes a pageable host tensor that may wait (a stage's states at start-up or
+from a checkpoint) through torch's pinned allocator (a block rounded up to a power of two and kept in its cache:
+small ones only); a larger one is copied from pageable memory."""
 
 
-def upload_route(t: torch.Tensor) -> str:
+def upload_route(t: torch.Tensor, may_wait: bool = False) -> str:
     """How Device.to_device copies host tensor t on CUDA: "pinned" (t is page-locked: read in place, the host does not
-    wait), "pin" (a pageable t up to PIN_COPY_LIMIT: through torch's pinned allocator, the host does not wait) or
-    "pageable" (larger: from pageable memory, the host waiting until the stream has passed the copy; a stage's
-    states at start-up or from a checkpoint would otherwise take blocks of up to twice their size that stay
-    page-locked in torch's cache, counted by no budget)."""
+    wait), "pin" (a pageable t through torch's pinned allocator, the host does not wait) or "pageable" (from pageable
+    memory, the host waiting until the stream has passed the copy). A copy that may wait (a stage's states at start-up
+    or from a checkpoint, once) takes "pageable" over PIN_COPY_LIMIT: it would otherwise take blocks of up to twice
+    its size that stay page-locked in torch's cache, counted by no budget. One that may not (what a step or an
+    evaluation uploads: a microbatch's inputs and targets, whose blocks the cache hands to the next step's) takes
+    "pin" at any size."""
     if t.is_pinned():
         return "pinned"
-    return "pin" if t.numel() * t.element_size() <= PIN_COPY_LIMIT else "pageable"
+    return "pageable" if may_wait and t.numel() * t.element_size() > PIN_COPY_LIMIT else "pin"
 
 
 def deterministic_kernels() -> None:
@@ -170,13 +173,13 @@ class Device:
         """An uninitialized tensor in this gpu's memory."""
         return self.place(torch.empty(shape, dtype=dtype, device=self.torch_device))
 
-    def to_device(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def to_device(self, t: torch.Tensor, dtype: torch.dtype | None = None, may_wait: bool = False) -> torch.Tensor:
         """A copy of host tensor t in this gpu's memory (in dtype, if given), ordered on the calling thread's stream,
-        by upload_route: on CUDA a small or pinned t does not block the host (a small one goes through torch's pinned
-        memory, its block kept until the copy ends; a pinned one is read in place after this returns: the caller must
-        not change it until the stream has passed the copy); a large pageable one (a stage's states at start-up or
-        from a checkpoint) blocks the host until the stream has passed the copy."""
-        route = upload_route(t)  # the stand-in's copies all end before this returns
+        by upload_route: on CUDA a pageable t goes through torch's pinned memory (its block kept until the copy ends)
+        and a pinned one is read in place after this returns (the caller must not change it until the stream has
+        passed the copy), neither blocking the host; but a large pageable one that may_wait (a stage's states at
+        start-up or from a checkpoint) blocks the host until the stream has passed the copy."""
+        route = upload_route(t, may_wait)  # the stand-in's copies all end before this returns
         if self.is_cuda:
             src = t.pin_memory() if route == "pin" else t
             return src.to(self.torch_device, dtype=dtype or t.dtype, non_blocking=route != "pageable")

@@ -414,8 +414,9 @@ class Stage:
 
 
 def _buffer_on(b: torch.Tensor, device: Device, dtype: torch.dtype) -> torch.Tensor:
-    """A layer's buffer on the device; floating ones in the training dtype, as module.to(dtype) would."""
-    return device.to_device(b, dtype if b.is_floating_point() else b.dtype)
+    """A layer's buffer on the device (once, at start-up: it may wait); floating ones in the training dtype, as
+    module.to(dtype) would."""
+    return device.to_device(b, dtype if b.is_floating_point() else b.dtype, may_wait=True)
 
 
 def _held(slot: Slot | None, j: int, what: str) -> Slot:

@@ -33,8 +33,8 @@ class DeviceStates:
     def __init__(self, flat: torch.Tensor, dtype: torch.dtype, device: Device, hyper: AdamHyper):
         self._device = device
         self.loads_master = dtype == torch.float32
-        self.master = nn.Parameter(device.to_device(flat))
-        self.weights = self.master.data if self.loads_master else device.to_device(flat, dtype)
+        self.master = nn.Parameter(device.to_device(flat, may_wait=True))
+        self.weights = self.master.data if self.loads_master else device.to_device(flat, dtype, may_wait=True)
         self.grads = device.empty(flat.shape, dtype)
         self.grads.zero_()
         self.optimizer = torch.optim.AdamW(
@@ -181,12 +181,12 @@ class DeviceStates:
     def import_state(self, tensors: dict[str, torch.Tensor], extra: dict, link_dir: Path | None = None) -> None:
         """Set the states export_state gave (as HostStates.import_state), copied into the gpu's."""
         self._pending = None
-        self.master.data.copy_(self._device.to_device(tensors["master"]))
+        self.master.data.copy_(self._device.to_device(tensors["master"], may_wait=True))
         if not self.loads_master:
             self.weights.copy_(self.master.data)
         state = self.optimizer.state[self.master]
         for k in ("exp_avg", "exp_avg_sq"):
-            state[k].copy_(self._device.to_device(tensors[f"opt/{k}"]))
+            state[k].copy_(self._device.to_device(tensors[f"opt/{k}"], may_wait=True))
         state["step"] = tensors["opt/step"].to(torch.float32).reshape(())
         for group, saved in zip(self.optimizer.param_groups, extra.get("param_groups") or []):
             group.update({k: v for k, v in saved.items() if k in group and k != "params"})

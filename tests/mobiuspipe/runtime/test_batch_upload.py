@@ -6,7 +6,6 @@ the stand-in as the route Device.to_device takes (PIN_COPY_LIMIT set to 0: every
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from mobiuspipe.data.dataset import open_data
@@ -14,7 +13,6 @@ from mobiuspipe.memory import device as device_module
 from tests.mobiuspipe.runtime.update_runs import BATCH, update_config, update_pipeline
 
 
-@pytest.mark.xfail(strict=True, reason="a batch tensor over PIN_COPY_LIMIT takes the route that waits")
 def test_a_steps_batch_uploads_never_wait_whatever_their_size(monkeypatch):
     torch.set_num_threads(1)
     cfg = update_config("bf16")
