@@ -52,7 +52,7 @@ TIERS = ("host", "ssd", "auto")
 """Where a kind of state may live: memory.optimizer and memory.weights take one of these."""
 STATE_BYTES = 12
 UPDATE_CHUNK = 1 << 20
-"""Parameters the gpu-resident states' update (mobiuspipe.runtime.device_states) steps at a time."""
+"""Parameters the gpu-resident states' update (mobiuspipe.runtime.states.device) steps at a time."""
 UPDATE_WORK_BYTES = 12
 """Gpu bytes per parameter of a chunk that update works in beside the states: the chunk's fp32 gradient (cast or
 unscaled) and AdamW's square root of the second moment and its quotient."""
@@ -61,15 +61,15 @@ LEAST_SHARE_BYTES = 4 * STATE_BYTES * KiB + 4 * 4 * KiB
 """The least host share of a stage on SSD, for every training dtype (fp32, bf16, fp16): the out-of-core Adam's
 4 group slots of one 4 KiB-aligned group (1024 elements x 12 bytes each) and the weight stream's 4 staging
 buffers of one group (1024 elements of <= 4 bytes: one 4 KiB page each) = 64 KiB. The runtime derives it
-from its group layout (mobiuspipe.runtime.stage_states.least_share); tests/mobiuspipe/runtime/test_state_tiers.py checks
-the two agree."""
+from its group layout (mobiuspipe.runtime.states.ooc.least_share); tests/mobiuspipe/runtime/test_state_tiers.py
+checks the two agree."""
 OPTIMIZER_TIERS = (*TIERS, "device")
 """memory.optimizer takes these: the tiers, or the gpu itself (a LoRA plan's adapters, whose states are small)."""
 FROZEN_TIERS = ("host", "ssd")
 """Where a LoRA run's frozen base may live: memory.frozen takes one of these."""
 FROZEN_STREAM_BYTES = 4 * 1024 * KiB
 """Host bytes through which each stage whose frozen weights are on the SSD streams them at each LOAD: the runtime's
-4 staging buffers of one 1 MiB record each (mobiuspipe.runtime.stage_states.SsdFrozenWeights)."""
+4 staging buffers of one 1 MiB record each (mobiuspipe.runtime.frozen.SsdFrozenWeights)."""
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ Legend (stage j of a plan, gpu g; units in brackets):
   L_j      LOADs of stage j per step: 2 (forward, backward), 1 for its gpu's last forward stage,
            which stays resident into its backward (partition.rules.order)                       [-]
 
-State kinds, as the runtime keeps them (partition.rules.placement, mobiuspipe/runtime/stage_states.py):
+State kinds, as the runtime keeps them (partition.rules.placement, mobiuspipe/runtime/states/):
   optimizer     fp32 master + Adam exp_avg + exp_avg_sq, 12 T_j: host or ssd; or, for a LoRA plan whose adapters'
                 states (partition.rules.placement.gpu_state_bytes) fit every gpu's memory beside the plan's
                 walk (device_peak), on the gpus for every stage (memory.optimizer device): no offload, no
