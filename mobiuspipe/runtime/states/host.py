@@ -82,8 +82,8 @@ class HostStates:
     ) -> CopyHandle:
         """Start copying the stage's accumulated gradients (flat, device dtype) off the device on the copy-out
         stream, into gradient buffer `into` (accumulate: added to the ones taken before); with norm, note the
-        result's squared L2 norm (float64), with finite whether it is all finite, both off the compute thread
-        (HostGrads). Whoever reads the gradients (the update, the overflow check, the norm, a tied exchange) waits
+        result's squared L2 norm (float64), with finite whether it is all finite: both off the compute thread, or for
+        a step's only pass reduced from src on the gpu (HostGrads). Whoever reads the gradients (the update, the overflow check, the norm, a tied exchange) waits
         for that. Returns the copy (the slot src lies in is free once it has ended)."""
         return self._grads.take(src, device, accumulate, norm, finite, into)
 
@@ -91,12 +91,14 @@ class HostStates:
         """Make the buffer an accumulated pass's gradients come into now (on CUDA page-locked: not mid-step)."""
         self._grads.make_accumulation_buffer()
 
-    def grad_sumsq(self) -> float:
-        """The squared L2 norm of the last offloaded gradients (0.0 when take_grads was not asked for it)."""
+    def grad_sumsq(self) -> float | torch.Tensor:
+        """The squared L2 norm of the last offloaded gradients (0.0 when take_grads was not asked for it; a 0-d tensor
+        on the gpu when reduced there: HostGrads)."""
         return self._grads.sumsq()
 
-    def grads_finite(self) -> bool:
-        """Whether the last offloaded gradients hold no inf or nan (an fp16 overflow)."""
+    def grads_finite(self) -> bool | torch.Tensor:
+        """Whether the last offloaded gradients hold no inf or nan (an fp16 overflow; a 0-d tensor on the gpu when
+        reduced there)."""
         return self._grads.all_finite()
 
     grads_on_gpu = False

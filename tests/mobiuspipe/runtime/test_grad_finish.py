@@ -83,7 +83,7 @@ def _fp16(g: torch.Generator, n: int, scale: float = 1.0) -> torch.Tensor:
 def test_the_finished_norm_and_finiteness_are_those_of_the_accumulated_gradients(norm):
     """Three passes of odd length added in fp16 as the passes come: the norm is the float64 sum of the squares of the
     fp16 sums; a pass that overflows (finite halves whose sum is not: 60000 + 60000) is seen, and so is a tied half
-    added after the finishing whose sum overflows."""
+    added after the finishing whose sum overflows; a single pass's, reduced on the gpu, alike."""
     device = Device(0, use_cuda=False)
     g = torch.Generator().manual_seed(11)
     n = 4099
@@ -107,10 +107,18 @@ def test_the_finished_norm_and_finiteness_are_those_of_the_accumulated_gradients
     states.take_grads(device.to_device(big), device, finite=True)
     states.take_grads(device.to_device(big), device, accumulate=True, norm=norm, finite=True)
     assert not states.grads_finite()
+
+    one = _fp16(g, n, 100.0)  # a step's only pass: reduced on the gpu, and a tied half's add seen the same
+    states.take_grads(device.to_device(one), device, norm=norm, finite=True)
+    assert float(states.grad_sumsq()) == (pytest.approx(float(one.double().square().sum()), rel=1e-12) if norm else 0)
+    assert bool(states.grads_finite())
+    states.add_grads(7, torch.full((2,), 30000.0, dtype=torch.float16))  # |x| < 2000: finite
+    assert bool(states.grads_finite())
+    states.add_grads(7, torch.full((2,), 40000.0, dtype=torch.float16))  # x + 70000 is not
+    assert not bool(states.grads_finite())
     device.close()
 
 
-@pytest.mark.xfail(strict=True, reason="a single pass's checks read the stage's whole host gradient after its copy")
 @pytest.mark.parametrize("clip", [None, 1.0])
 def test_a_single_pass_steps_checks_reduce_the_slot_on_the_gpu(monkeypatch, clip):
     """With one pass a step, the gradients the host tier receives are the slot's as they are: their squared norm and
