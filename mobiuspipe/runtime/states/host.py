@@ -83,8 +83,9 @@ class HostStates:
         """Start copying the stage's accumulated gradients (flat, device dtype) off the device on the copy-out
         stream, into gradient buffer `into` (accumulate: added to the ones taken before); with norm, note the
         result's squared L2 norm (float64), with finite whether it is all finite: both off the compute thread, or for
-        a step's only pass reduced from src on the gpu (HostGrads). Whoever reads the gradients (the update, the overflow check, the norm, a tied exchange) waits
-        for that. Returns the copy (the slot src lies in is free once it has ended)."""
+        a step's only pass reduced from src on the gpu (HostGrads). Whoever reads the gradients (the update, a tied
+        exchange; the overflow check and the norm when the host finished them) waits for that. Returns the copy
+        (the slot src lies in is free once it has ended)."""
         return self._grads.take(src, device, accumulate, norm, finite, into)
 
     def make_accumulation_buffer(self) -> None:
