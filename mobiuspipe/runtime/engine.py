@@ -299,8 +299,8 @@ class Engine:
     def grad_checks(self, norm: bool, finite: bool, tied: Sequence[float | torch.Tensor] = ()) -> tuple[float, bool]:
         """(the squared norm of the gradients this rank offloaded in this step: each stage's and the tied pairs'
         `tied` terms summed, 0.0 without norm; whether one held back (or updated tentatively) is inf or nan, False
-        without finite). What gpu-resident states keep on the gpu is read at once (read_scalars: one host
-        synchronization, not one a stage)."""
+        without finite). What the states reduced on the gpu (DeviceStates; HostGrads for a step's only pass) is read
+        at once (read_scalars: one host synchronization, not one a stage)."""
         own = [s.states.grad_sumsq() for s in self.stages.values()] if norm else []
         ties = list(tied) if norm else []
         flags = [s.grads_finite() for s in self._deferred + self._tentative] if finite else []

@@ -258,7 +258,8 @@ class Stage:
 
     def grads_finite(self) -> bool | torch.Tensor:
         """Whether the offloaded gradients hold no inf or nan (an fp16 overflow); a bool tensor on the gpu where the
-        states keep the gradients there (DeviceStates), for the engine to read with the others."""
+        states reduced them there (DeviceStates; HostGrads for a step's only pass), for the engine to read with the
+        others."""
         return self.states.grads_finite()
 
     def start_update(
