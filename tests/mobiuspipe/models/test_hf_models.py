@@ -197,40 +197,42 @@ def test_a_checkpoint_changed_after_the_check_fails_on_load(tmp_path, hf_kit):
         layer_factories(m)[-1]()
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "qwen2"])
-def test_clipping_and_accumulation_equal_transformers(tmp_path, hf_kit, kind):
-    """Two accumulation passes of 3 microbatches and a global norm clip (a tied pair counted once) equal
-    transformers with the 6 microbatches accumulated and clip_grad_norm_; the norms reported match its."""
+@pytest.mark.parametrize("kind,passes", [("gpt2", 2), ("qwen2", 2), ("gpt2", 1)])
+def test_clipping_and_accumulation_equal_transformers(tmp_path, hf_kit, kind, passes):
+    """Two accumulation passes of 3 microbatches (or one pass of 6: its norm reduced on the gpu before each
+    offload) and a global norm clip (a tied pair counted once) equal transformers with the 6 microbatches
+    accumulated and clip_grad_norm_; the norms reported match its."""
     model = hf_kit.save_model(kind, tmp_path / "src", seed=8)
     m = open_hf(tmp_path / "src", 9)
     batches = hf_kit.random_batches(3, 12, 9, seed=3)
     want, want_norms = hf_kit.train_plain(model, batches, microbatches=6, lr=1e-2, max_norm=0.3)
-    with _clipped_pipeline(m, batches) as pipe:
-        passes, peaks = _record_passes(pipe.engine)
+    with _clipped_pipeline(m, batches, passes=passes) as pipe:
+        pass_times, peaks = _record_passes(pipe.engine)
         results = [pipe.train_batch(x, y) for x, y in batches]
     assert [r.loss for r in results] == pytest.approx(want, rel=1e-5)
     assert [r.grad_norm for r in results] == pytest.approx(want_norms, rel=1e-5)
     assert all(n > 0.3 for n in want_norms)  # every step clipped
     for k, r in enumerate(results):  # this rank's own figures cover both passes of the step
-        times = passes[2 * k : 2 * k + 2]
+        times = pass_times[passes * k : passes * (k + 1)]
         assert r.own_times.compute_s == sum(t.compute_s for t in times) and r.own_times.compute_s > 0
         assert r.own_times.comm_s == sum(t.comm_s for t in times)
         assert r.own_device_peak_bytes == peaks[k] == r.device_peak_bytes  # the step's; one rank: its own is the max
 
 
-def _clipped_pipeline(m, batches, memory=None) -> Pipeline:
-    """m's layers in 3 stages of 3 microbatches, 2 accumulation passes, clipped to 0.3, CPUAdam at transformers'
-    reference settings (hf_kit.train_plain with lr 1e-2), tied as m ties them."""
+def _clipped_pipeline(m, batches, memory=None, passes=2) -> Pipeline:
+    """m's layers in 3 stages, 6 microbatches of 2 sequences a step in `passes` accumulation passes, clipped to 0.3,
+    CPUAdam at transformers' reference settings (hf_kit.train_plain with lr 1e-2), tied as m ties them."""
     opt = partial(CPUAdam, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    per_pass = 12 // passes
     return Pipeline(
         layer_factories(m),
         lm_loss,
-        sample=(batches[0][0][:6], batches[0][1][:6]),
-        num_microbatches=3,
+        sample=(batches[0][0][:per_pass], batches[0][1][:per_pass]),
+        num_microbatches=6 // passes,
         num_stages=3,
         optimizer=opt,
         tied=m.tied_params(),
-        accumulation_steps=2,
+        accumulation_steps=passes,
         max_grad_norm=0.3,
         memory=memory,
     )
