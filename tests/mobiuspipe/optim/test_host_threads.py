@@ -100,3 +100,24 @@ def test_a_pipeline_on_a_gpu_pins_its_update_thread_to_the_gpus_cores(monkeypatc
         assert pipe.engine.updater.submit(os.sched_getaffinity, 0).result() == core
         layout = pipe.plan.layout
         assert layout is not None and asked == [layout.gpus[0].cpu_affinity]  # the plan's topology knows the cores
+
+
+@pytest.mark.xfail(strict=True, reason="the finisher and the SSD offloader are not pinned yet")
+def test_a_pipeline_on_a_gpu_keeps_its_host_work_threads_near_the_gpu(monkeypatch):
+    """The threads that work on the host buffers of the gpu's NUMA node beside the updater (the gradients' finishing:
+    an accumulated pass's add and its norm; the SSD offloader's staging) run on the same cores as the updater."""
+    import torch
+    import torch.nn.functional as F
+
+    import mobiuspipe.optim.host_threads
+    from mobiuspipe import Pipeline
+
+    core = {ALLOWED[-1]}
+    monkeypatch.setattr(mobiuspipe.optim.host_threads, "update_cpus", lambda cpu_affinity, on_gpu: core)
+    layers = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)]
+    with Pipeline(layers, F.mse_loss, sample=(torch.randn(4, 4), torch.randn(4, 1)), num_microbatches=2) as pipe:
+        device = pipe.engine.device
+        finished = device.after_copy(device.computed(), lambda: os.sched_getaffinity(0))
+        assert finished.result() == core
+        _, offloaded = device.stream_out(lambda copy, copied: os.sched_getaffinity(0))
+        assert offloaded.result() == core
