@@ -50,7 +50,7 @@ from mobiuspipe.runtime.peers.ranks import Membership, rank_info
 from mobiuspipe.runtime.stage import Stage
 from mobiuspipe.runtime.states import SsdTier
 from mobiuspipe.runtime.tied import TiedGrads
-from mobiuspipe.startup.engine import wire_engine
+from mobiuspipe.startup.engine import rank_device, wire_engine
 from mobiuspipe.startup.plan import (
     PlanRequest,
     PlanSource,
@@ -280,7 +280,7 @@ class Pipeline:
         plan, rank = self.plan, self.info.rank
         mine = plan.stages_of(rank)
         check_cut(plan, len(makers), num_microbatches)
-        device = Device(self.info.local_rank)
+        device = rank_device(plan, self.info)
         dtype = TORCH_DTYPES[self.precision]
         tiers = self._state_tiers(make_optimizer, {j: plan.stages[j].trains for j in mine})  # LoRA: the adapters
         check_delayed(self.updates.delayed_update, self.state_tiers)

@@ -92,6 +92,10 @@ class Device:
         self._loader: ThreadPoolExecutor | None = None  # CUDA: runs stream_in's jobs; made on first use
         self._offloader: ThreadPoolExecutor | None = None  # runs stream_out's jobs; made on first use
         self._finisher: ThreadPoolExecutor | None = None  # runs after_copy's work; made on first use
+        self._near: Callable[[], None] | None = None
+        """The set-up that pins a host-work thread to the cores near this gpu (keep_host_work_near)."""
+        self._made: list[str] = []
+        """The executors made so far, by name."""
         self._pinned = PinnedBlocks(*cuda_registration()) if self.is_cuda else None
         """CUDA: the page-locked buffers of pin and host_empty, of their own size (mobiuspipe.memory.pinned)."""
 
@@ -113,15 +117,24 @@ class Device:
         with torch.cuda.device(self.index), torch.cuda.stream(self.compute):
             yield
 
-    def executor(self, name: str, also: Callable[[], None] | None = None) -> ThreadPoolExecutor:
-        """A one-thread executor whose thread is bound to this gpu (for work that issues copies or waits for them);
-        also: more set-up of the thread, after binding it (pinning it to cores)."""
+    def keep_host_work_near(self, pin: Callable[[], None]) -> None:
+        """Have every executor's thread run pin() once bound (optim.host_threads.pinned_to of the cores of this gpu's
+        NUMA node): the updater, the gradients' finisher and the SSD and activation threads work on host buffers
+        there. Before any executor is made."""
+        if self._made:
+            raise RuntimeError(f"keep_host_work_near after the executors {self._made} were made: call it first")
+        self._near = pin
+
+    def executor(self, name: str) -> ThreadPoolExecutor:
+        """A one-thread executor whose thread is bound to this gpu (for work that issues copies or waits for them)
+        and runs near it (keep_host_work_near)."""
 
         def start() -> None:
             self.bind_thread()
-            if also is not None:
-                also()
+            if self._near is not None:
+                self._near()
 
+        self._made.append(name)
         return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=start)
 
     def bound(self) -> bool:

@@ -6,7 +6,9 @@ update thread; with `auto` a rank takes floor(C / R) threads, C the cores this p
 (os.sched_getaffinity) and R the ranks torchrun started on this host (LOCAL_WORLD_SIZE), at least 1.
 
 Pinning: the Adam update is bound by memory bandwidth, so it runs best on the cores of the NUMA node whose memory
-holds the states it steps, the node of the rank's gpu, where its pinned buffers are too. The gpu's cpulist comes from
+holds the states it steps, the node of the rank's gpu, where its pinned buffers are too; so do the rank's other
+host-work threads (the gradients' finisher: an accumulated pass's add and its norm; the SSD and activation threads'
+staging), each a Device.executor (mobiuspipe.startup.engine.rank_device). The gpu's cpulist comes from
 the topology (NVML's CPU affinity or sysfs's local_cpulist: topology.types.Gpu.cpu_affinity), kept to the cores this
 process may use; where the topology does not know it, or on a CPU stand-in (whose gpus are not real), the thread is
 not pinned. A pinned thread lowers torch's threads to its cores where they were more (one gpu on a two-socket host

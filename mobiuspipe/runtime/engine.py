@@ -29,7 +29,6 @@ from mobiuspipe.memory.ledger import DeviceLedger
 from mobiuspipe.memory.measure import DevicePeak, retry_warning
 from mobiuspipe.memory.reduce import read_scalars
 from mobiuspipe.memory.swap import Swap
-from mobiuspipe.optim.host_threads import pinned_to
 from mobiuspipe.runtime.action_trace import ActionTrace
 from mobiuspipe.runtime.activations import StageMode, parts_of
 from mobiuspipe.runtime.clock import ActionClock
@@ -91,14 +90,11 @@ class Engine:
         activations: dict[int, StageMode] | None = None,
         swaps: dict[int, Swap] | None = None,
         trace: ActionTrace | None = None,
-        update_cores: set[int] | None = None,
         ahead: dict[MessageKey, Action] | None = None,
     ):
-        """trace: records when each action of the steps it wants ran (Pipeline(trace_steps=...)); None: none.
-        update_cores: the cores the host-update thread is pinned to (mobiuspipe.optim.host_threads; None: not
-        pinned). ahead: each receive from another rank -> the receive to post as it is taken
-        (mobiuspipe.schedule.ahead.receives_ahead, this rank's; None: none); kept only where the channels give each
-        direction its own queue."""
+        """trace: records when each action of the steps it wants ran (Pipeline(trace_steps=...)); None: none. ahead:
+        each receive from another rank -> the receive to post as it is taken (mobiuspipe.schedule.ahead.receives_ahead,
+        this rank's; None: none); kept only where the channels give each direction its own queue."""
         self.mapping, self.rank, self.stages, self.schedule = mapping, rank, stages, schedule
         self.device, self.arena, self.comm, self.loss_fn = device, arena, comm, loss_fn
         self.num_microbatches, self.dtype = num_microbatches, dtype
@@ -149,7 +145,7 @@ class Engine:
         """The pass being run: its inputs, messages, saved tensors, loss and times (shared with compute)."""
         self.clock = ActionClock(device.compute)
         """When the actions ran: CUDA events on a gpu, the host's clock on the stand-in (mobiuspipe.runtime.clock)."""
-        self.updater = device.executor("host-optimizer", also=pinned_to(update_cores))
+        self.updater = device.executor("host-optimizer")
         """The host updates' thread: bound to the rank's gpu (it waits for the gradients' copies), pinned near it."""
         self._specs: dict[tuple, dict[MessageKey, TensorSpec]] = {}  # batch shape -> specs of its messages
         self._eval_specs: dict[tuple, dict[tuple[int, int], TensorSpec]] = {}  # the same for evaluation's

@@ -1,4 +1,5 @@
-"""One rank's Engine wired from its built stages and the settled plan: schedules, arena, channels, swaps."""
+"""One rank's gpu (its Device) and Engine wired from its built stages and the settled plan: schedules, arena, channels,
+swaps."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from mobiuspipe.config import MemoryConfig
 from mobiuspipe.memory.arena import DeviceArena
 from mobiuspipe.memory.device import Device
 from mobiuspipe.memory.ledger import DeviceLedger
-from mobiuspipe.optim.host_threads import update_cores_of
+from mobiuspipe.optim.host_threads import pinned_to, update_cores_of
 from mobiuspipe.runtime.action_trace import ActionTrace
 from mobiuspipe.runtime.activations import StageMode
 from mobiuspipe.runtime.engine import Engine, LossFn
@@ -24,7 +25,15 @@ from mobiuspipe.startup.swaps import make_swaps, plan_as_run, swap_tiers
 from partition.plan import Plan
 from partition.rules.costmodel import WEIGHT_SLOTS
 
-__all__ = ["wire_engine"]
+__all__ = ["rank_device", "wire_engine"]
+
+
+def rank_device(plan: Plan, info: RankInfo) -> Device:
+    """The rank's gpu, its host-work threads (updater, finisher, SSD and activation threads) pinned to the cores of
+    the gpu's NUMA node where the plan's topology knows them (mobiuspipe.optim.host_threads)."""
+    device = Device(info.local_rank)
+    device.keep_host_work_near(pinned_to(update_cores_of(plan.layout, info.rank, device.is_cuda)))
+    return device
 
 
 def wire_engine(
@@ -66,7 +75,6 @@ def wire_engine(
         activations=activations,
         swaps=make_swaps(swapped, as_run, device, memory, info, ledger),
         trace=trace,
-        update_cores=update_cores_of(plan.layout, info.rank, device.is_cuda),
         ahead=receives_ahead(plan.mapping, schedules)[info.rank],
     )
     return as_run, engine

@@ -102,7 +102,6 @@ def test_a_pipeline_on_a_gpu_pins_its_update_thread_to_the_gpus_cores(monkeypatc
         assert layout is not None and asked == [layout.gpus[0].cpu_affinity]  # the plan's topology knows the cores
 
 
-@pytest.mark.xfail(strict=True, reason="the finisher and the SSD offloader are not pinned yet")
 def test_a_pipeline_on_a_gpu_keeps_its_host_work_threads_near_the_gpu(monkeypatch):
     """The threads that work on the host buffers of the gpu's NUMA node beside the updater (the gradients' finishing:
     an accumulated pass's add and its norm; the SSD offloader's staging) run on the same cores as the updater."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 from functools import partial
 
+import pytest
 import torch
 
 from mobiuspipe import Pipeline
@@ -81,9 +82,12 @@ def test_a_thread_bound_to_another_gpu_may_neither_copy_nor_wait_for_a_copy(monk
             refused = _in_new_thread(wait)
             assert isinstance(refused, StandInError) and "for gpu 1" in str(refused)
         pinned = []
-        pool = device.executor("bound", also=lambda: pinned.append(device.bound()))
+        device.keep_host_work_near(lambda: pinned.append(device.bound()))
+        pool = device.executor("bound")
         pool.submit(copy.synchronize).result()
-        assert pool.submit(copy.done).result() and pinned == [True]  # `also` runs after the binding
+        assert pool.submit(copy.done).result() and pinned == [True]  # the pinning runs after the binding
+        with pytest.raises(RuntimeError, match=r"after the executors \['bound'\] were made"):
+            device.keep_host_work_near(lambda: None)
         pool.shutdown()
         assert dst.tolist() == list(range(6))
     finally:
