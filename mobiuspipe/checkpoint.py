@@ -43,6 +43,7 @@ from partition.plan import Plan, save_plan
 
 __all__ = [
     "CheckpointError",
+    "CheckpointDamaged",
     "Snapshot",
     "save_checkpoint",
     "begin_checkpoint",
@@ -62,6 +63,19 @@ COMPLETE = "complete"
 
 class CheckpointError(UserError, RuntimeError):
     """A checkpoint could not be written or read: names the file or rank and the fix."""
+
+
+class CheckpointDamaged(CheckpointError):
+    """A complete checkpoint whose bytes are not what its commit wrote (a file missing, cut short or of another
+    checksum, an unreadable marker, damaged SSD records): an older one may still resume the run."""
+
+    def __init__(self, folder: Path, damage: str):
+        super().__init__(
+            f"checkpoint {folder}: {damage}; --resume auto passes over it for the newest whole one before it (or "
+            f"remove {folder} and resume from that one)"
+        )
+        self.damage = damage
+        """What is wrong with it, without the advice."""
 
 
 class Checkpointed(Protocol):
@@ -268,12 +282,12 @@ def load_checkpoint(pipe: Checkpointed, folder: Path, run: dict | None = None) -
     path = folder / name
     size, digest = head["files"][name]
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {folder}: {name} is missing; resume from an older checkpoint")
+        raise CheckpointDamaged(folder, f"{name} is missing")
     if path.stat().st_size != size or _digest(path, digest.split(":")[0]) != digest:
-        raise CheckpointError(
-            f"checkpoint {folder}: {path} is corrupted (expected {size} bytes with {digest}, found "
-            f"{path.stat().st_size} bytes{'' if path.stat().st_size != size else ' with another checksum'}); "
-            f"remove {folder} to resume from the one before it"
+        raise CheckpointDamaged(
+            folder,
+            f"{path} is corrupted (expected {size} bytes with {digest}, found {path.stat().st_size} bytes"
+            f"{'' if path.stat().st_size != size else ' with another checksum'})",
         )
     with safe_open(str(path), "pt") as f:  # one open for the tensors and the state in the header
         state = json.loads((f.metadata() or {})["state"])
@@ -288,10 +302,7 @@ def load_checkpoint(pipe: Checkpointed, folder: Path, run: dict | None = None) -
             if stage.versions > 1:
                 stage.resume_lagging(lagging, extra.get("last_update", -1))
         except RecordError as e:
-            raise CheckpointError(
-                f"checkpoint {folder}: stage {j}'s states are damaged: {e}; remove {folder} to resume from the one "
-                "before it"
-            ) from e
+            raise CheckpointDamaged(folder, f"stage {j}'s states are damaged: {e}") from e
     torch.set_rng_state(tensors["rng/torch"])
     if "rng/cuda" in tensors and pipe.device.is_cuda:
         torch.cuda.set_rng_state(tensors["rng/cuda"], pipe.device.torch_device)
@@ -309,12 +320,13 @@ def _read_complete(folder: Path) -> dict:
     try:
         head = json.loads(marker.read_text())
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {folder}: {marker} is unreadable ({e}); resume from another") from e
+        raise CheckpointDamaged(folder, f"{marker} is unreadable ({e})") from e
     missing = [k for k in HEAD_KEYS if not isinstance(head, dict) or k not in head]
     if missing:
-        raise CheckpointError(
-            f"checkpoint {folder}: {marker} lacks {', '.join(missing)} (expected the keys {', '.join(HEAD_KEYS)} "
-            f"that a checkpoint's commit writes); resume from another"
+        raise CheckpointDamaged(
+            folder,
+            f"{marker} lacks {', '.join(missing)} (expected the keys {', '.join(HEAD_KEYS)} that a checkpoint's "
+            "commit writes)",
         )
     return head
 

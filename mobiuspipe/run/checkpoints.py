@@ -4,6 +4,7 @@ asks for (SIGTERM, SIGINT), agreed on by every rank."""
 from __future__ import annotations
 
 import signal
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -12,11 +13,11 @@ from foundation.timing import Stopwatch
 from mobiuspipe.checkpoint import (
     COMPLETE,
     PREFIX,
+    CheckpointDamaged,
     CheckpointError,
     begin_checkpoint,
     commit_checkpoint,
     complete_steps,
-    latest_checkpoint,
     load_checkpoint,
     partial_file,
     prune,
@@ -25,6 +26,9 @@ from mobiuspipe.checkpoint import (
 from mobiuspipe.config import RunConfig, TrainConfig
 from mobiuspipe.pipeline import Pipeline
 from mobiuspipe.runtime.peers.ranks import gather_all
+
+DAMAGED = ".damaged-"
+"""The prefix of a damaged checkpoint's folder once a resume has set it aside (.damaged-step-N)."""
 
 __all__ = ["StopSignals", "resume_run", "refuse_later_checkpoints", "run_identity", "Checkpointer"]
 
@@ -66,32 +70,85 @@ def run_identity(cfg: RunConfig) -> dict:
 
 def resume_run(t: TrainConfig, pipe: Pipeline, run: dict | None = None) -> int:
     """Restore the checkpoint train.resume names (rank 0 chooses, every rank loads its own part); the step
-    the loop starts at (0 without one). Every rank raises the first failing rank's error."""
+    the loop starts at (0 without one). Resuming from the newest under a folder (auto), a damaged one
+    (CheckpointDamaged on any rank) is passed over for the newest whole one before it: set aside as
+    .damaged-step-N under the run's own checkpoint folder (kept as found; no resume, prune or later-checkpoint check
+    takes it), left where it is under another. Every rank raises the first failing rank's error otherwise."""
     if t.resume is None:
         return 0
-    where = resume_root(t.resume, Path(t.checkpoint_root or "."))
-    folder = None
-    if pipe.rank == 0:
-        folder = latest_checkpoint(where) if where is not None else Path(t.resume)
-        if where is not None and t.resume != "auto":
-            print(f"mobiuspipe: {t.resume} holds checkpoints: resuming from its newest complete one", flush=True)
-    folder = gather_all(pipe.info, folder)[0]
-    if folder is None:
+    root = Path(t.checkpoint_root or ".")
+    where = resume_root(t.resume, root)
+    if pipe.rank == 0 and where is not None and t.resume != "auto":
+        print(f"mobiuspipe: {t.resume} holds checkpoints: resuming from its newest complete one", flush=True)
+    passed: list[Path] = []  # rank 0's: the damaged ones passed over, where they are now
+    while True:
+        folder = None
         if pipe.rank == 0:
-            print(f"mobiuspipe: no complete checkpoint under {where}: starting at step 0", flush=True)
-        return 0
+            folder = _newest(where, passed) if where is not None else Path(t.resume)
+        folder = gather_all(pipe.info, folder)[0]
+        if folder is None:
+            return _none_left(pipe, where, passed)
+        every = gather_all(pipe.info, _load(pipe, folder, run))
+        failed = [(r, o) for r, o in enumerate(every) if not isinstance(o, int)]
+        if not failed:
+            if pipe.rank == 0:
+                print(f"mobiuspipe: resumed from {folder} at step {every[0]}", flush=True)
+            return every[0]
+        r, (_, why) = failed[0]
+        if where is None or not all(damaged for _, (damaged, _) in failed):
+            raise CheckpointError(why if r == 0 else f"rank {r}: {why}")
+        if pipe.rank == 0:
+            own = where.resolve() == root.resolve()
+            passed.append(_pass_over(folder, own, why if r == 0 else f"rank {r}: {why}"))
+
+
+def _load(pipe: Pipeline, folder: Path, run: dict | None) -> int | tuple[bool, str]:
+    """The step this rank's part of the checkpoint resumes at, or (whether it is damaged, why it failed)."""
     try:
-        outcome: int | str = load_checkpoint(pipe, folder, run)
+        return load_checkpoint(pipe, folder, run)
+    except CheckpointDamaged as e:
+        return True, str(e)
     except UserError as e:
-        outcome = str(e)
-    every = gather_all(pipe.info, outcome)
-    failed = [(r, o) for r, o in enumerate(every) if isinstance(o, str)]
-    if failed:
-        r, why = failed[0]
-        raise CheckpointError(why if r == 0 else f"rank {r}: {why}")
-    if pipe.rank == 0:
-        print(f"mobiuspipe: resumed from {folder} at step {every[0]}", flush=True)
-    return every[0]
+        return False, str(e)
+
+
+def _newest(where: Path, passed: Sequence[Path]) -> Path | None:
+    """The newest complete checkpoint under where that was not passed over."""
+    steps = [s for s in complete_steps(where) if where / f"{PREFIX}{s}" not in passed]
+    return where / f"{PREFIX}{steps[-1]}" if steps else None
+
+
+def _pass_over(folder: Path, own: bool, why: str) -> Path:
+    """Set a damaged checkpoint aside (own: under the run's checkpoint folder, renamed .damaged-step-N, its bytes
+    kept) and say so; where it is now."""
+    aside = folder
+    if own:
+        aside = folder.with_name(f"{DAMAGED}{folder.name}")
+        n = 1
+        while aside.exists():  # one of the same step set aside before
+            aside, n = folder.with_name(f"{DAMAGED}{folder.name}.{n}"), n + 1
+        folder.rename(aside)
+    kept = f"set aside as {aside} (nothing in it deleted)" if own else "left where it is"
+    print(f"mobiuspipe: checkpoint {folder} is damaged, {kept}; trying the one before it. {why}", flush=True)
+    return aside if own else folder
+
+
+def _none_left(pipe: Pipeline, where: Path | None, passed: Sequence[Path]) -> int:
+    """No checkpoint to resume from: step 0 when there was none, an error (every rank's) when all were damaged."""
+    why = None
+    if pipe.rank == 0 and passed:
+        names = ", ".join(sorted(p.name for p in passed))
+        why = (
+            f"every complete checkpoint under {where} is damaged (set aside as {names}; each named above): start "
+            f"the run anew without --resume (train.resume), or resume from a copy of its checkpoints; nothing was "
+            f"deleted"
+        )
+    elif pipe.rank == 0:
+        print(f"mobiuspipe: no complete checkpoint under {where}: starting at step 0", flush=True)
+    why = gather_all(pipe.info, why)[0]
+    if why is not None:
+        raise CheckpointError(why)
+    return 0
 
 
 def refuse_later_checkpoints(t: TrainConfig, pipe: Pipeline, start: int) -> None:

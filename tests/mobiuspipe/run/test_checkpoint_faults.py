@@ -154,7 +154,6 @@ def _train_config(out: Path, resume: str = "auto"):
     return config_from_dict({"train": {"out_dir": str(out), "resume": resume}}).train
 
 
-@pytest.mark.xfail(strict=True, reason="--resume auto stops at a damaged newest checkpoint")
 @pytest.mark.parametrize("damage", ["truncated", "missing", "marker", "records"])
 def test_resume_auto_sets_a_damaged_newest_checkpoint_aside_and_resumes_from_the_one_before(tmp_path, capsys, damage):
     """A week's run restarted by a job script with --resume auto: the newest checkpoint's bytes are not what its
@@ -195,7 +194,6 @@ def test_resume_auto_sets_a_damaged_newest_checkpoint_aside_and_resumes_from_the
     assert f"resumed from {root / 'step-1'} at step 1" in said
 
 
-@pytest.mark.xfail(strict=True, reason="--resume auto stops at a damaged newest checkpoint")
 def test_resume_auto_with_every_checkpoint_damaged_is_an_error_not_a_fresh_start(tmp_path):
     from mobiuspipe.run.checkpoints import resume_run
 

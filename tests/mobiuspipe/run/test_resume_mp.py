@@ -140,3 +140,27 @@ def test_sigterm_checkpoints_and_stops_then_resume_finishes(tmp_path, launch):
     log = again.communicate(timeout=120)[0]
     assert again.returncode == 0 and f"resumed from {out / 'checkpoints' / f'step-{done}'} at step {done}" in log
     _same(_result(out), _result(whole.parent / "out"))
+
+
+def test_a_damaged_checkpoint_of_one_rank_is_passed_over_by_every_rank(tmp_path, launch):
+    """Rank 1's file of the newest checkpoint cut short: both ranks agree to resume from the one before it, rank 0
+    sets the damaged one aside, and the run ends as the uninterrupted one did, bit for bit."""
+    write_config, torchrun = launch
+    whole = _config(tmp_path, "whole", "fp32", write_config)
+    assert torchrun(whole, 2).returncode == 0
+    cut = _config(tmp_path, "cut", "fp32", write_config)
+    assert torchrun(cut, 2).returncode == 0
+    root = cut.parent / "out" / "checkpoints"
+    newest = max((p for p in root.iterdir() if p.name.startswith("step-")), key=lambda p: int(p.name[5:]))
+    f = newest / "rank1.safetensors"
+    f.write_bytes(f.read_bytes()[:-9])
+    job = _launch(cut)
+    try:
+        log = job.communicate(timeout=240)[0]
+    finally:
+        job.kill()
+    assert job.returncode == 0, log[-3000:]
+    assert f"checkpoint {newest} is damaged, set aside as {root / ('.damaged-' + newest.name)}" in log, log[-3000:]
+    assert "rank 1: checkpoint" in log and "rank1.safetensors is corrupted" in log
+    assert (root / f".damaged-{newest.name}" / "rank1.safetensors").is_file()
+    _same(_result(cut.parent / "out"), _result(whole.parent / "out"))
