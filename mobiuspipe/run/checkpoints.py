@@ -25,12 +25,21 @@ from mobiuspipe.checkpoint import (
 )
 from mobiuspipe.config import RunConfig, TrainConfig
 from mobiuspipe.pipeline import Pipeline
+from mobiuspipe.run.metrics import recorded_steps
+from mobiuspipe.run.run_lock import RunFolderError
 from mobiuspipe.runtime.peers.ranks import gather_all
 
 DAMAGED = ".damaged-"
 """The prefix of a damaged checkpoint's folder once a resume has set it aside (.damaged-step-N)."""
 
-__all__ = ["StopSignals", "resume_run", "refuse_later_checkpoints", "run_identity", "Checkpointer"]
+__all__ = [
+    "StopSignals",
+    "resume_run",
+    "refuse_later_checkpoints",
+    "refuse_writing_over",
+    "run_identity",
+    "Checkpointer",
+]
 
 
 class StopSignals:
@@ -177,6 +186,30 @@ def refuse_later_checkpoints(t: TrainConfig, pipe: Pipeline, start: int) -> None
     why = gather_all(pipe.info, why)[0]
     if why is not None:
         raise CheckpointError(why)
+
+
+def refuse_writing_over(t: TrainConfig, pipe: Pipeline, start: int) -> None:
+    """Every rank raises RunFolderError, before the run writes anything, when it starts at step 0 in an out_dir that
+    holds an earlier run's results it would write over: final weights (a finished run), or without train.resume its
+    step records too. A restart with train.resume that finds no checkpoint (of a run stopped before its first, and
+    before its end) redoes those steps from the same seed and goes on."""
+    why = None
+    out = Path(t.out_dir) if t.out_dir else None
+    if pipe.rank == 0 and out is not None and start == 0:
+        steps = recorded_steps(out / "metrics.jsonl")
+        weights = [p for p in (out / "weights").iterdir() if p.is_file()] if (out / "weights").is_dir() else []
+        if weights or (steps and t.resume is None):
+            found = [f"metrics.jsonl: {steps} steps"] if steps else []
+            found += [f"weights/: {len(weights)} files"] if weights else []
+            none = " but no checkpoint to continue it from" if t.resume is not None else ""
+            why = (
+                f"{out} holds the results of an earlier run ({'; '.join(found)}){none}: this run would start at "
+                f"step 0 and write over them. Give this run another train.out_dir, or move them out of {out} (to "
+                f"keep them) or delete them; nothing was changed"
+            )
+    why = gather_all(pipe.info, why)[0]
+    if why is not None:
+        raise RunFolderError(why)
 
 
 def resume_root(resume: str, root: Path) -> Path | None:

@@ -19,7 +19,7 @@ from mobiuspipe.run.tb_events import EventLog
 from mobiuspipe.run.usage import RankStep
 from mobiuspipe.step_result import StepResult
 
-__all__ = ["StepMetrics", "Reporter", "device_peak_line", "step_metrics", "perplexity"]
+__all__ = ["StepMetrics", "Reporter", "device_peak_line", "step_metrics", "perplexity", "recorded_steps"]
 
 
 @dataclass(frozen=True)
@@ -187,6 +187,22 @@ def _keep_records_before(path: Path, first_step: int) -> None:
         ) from e
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def recorded_steps(path: Path) -> int:
+    """The training steps the metrics.jsonl at path records (0 without the file; torn lines are not steps)."""
+    if not path.is_file():
+        return 0
+    steps = set()
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and record.get("kind") == "train":
+                steps.add(record.get("step"))
+    return len(steps)
 
 
 def _step_of(line: str) -> float:

@@ -211,7 +211,7 @@ def _raise(cfg: RunConfig, problems: list[Problem]) -> None:
 
 
 @contextmanager
-def at_start_up(kind: type[UserError] = UserError) -> Iterator[None]:
+def at_start_up(kind: type[UserError] | tuple[type[UserError], ...] = UserError) -> Iterator[None]:
     """Marks the user errors (of `kind`) raised inside as start-up mistakes, which every rank finds alike (the
     same config and files, before any rank talks to another; or a mistake the ranks have agreed on, as in the
     checkpoint a run resumes from): `report` prints them once per host."""

@@ -44,13 +44,20 @@ from mobiuspipe.optim import CPUAdam
 from mobiuspipe.optim.host_threads import rank_threads
 from mobiuspipe.pipeline import Pipeline
 from mobiuspipe.profiling.profiler import TORCH_DTYPES
-from mobiuspipe.run.checkpoints import Checkpointer, StopSignals, refuse_later_checkpoints, resume_run, run_identity
+from mobiuspipe.run.checkpoints import (
+    Checkpointer,
+    StopSignals,
+    refuse_later_checkpoints,
+    refuse_writing_over,
+    resume_run,
+    run_identity,
+)
 from mobiuspipe.run.flops import device_name, flops_per_token, peak_tflops
 from mobiuspipe.run.metrics import Reporter, device_peak_line, step_metrics
 from mobiuspipe.run.parent_death import ENV as DEATH_ENV
 from mobiuspipe.run.parent_death import die_with_parent
 from mobiuspipe.run.preflight import at_start_up, rank_checks, report
-from mobiuspipe.run.run_lock import TOKEN_ENV, RunLocks, new_token, run_folders
+from mobiuspipe.run.run_lock import TOKEN_ENV, RunFolderError, RunLocks, new_token, run_folders
 from mobiuspipe.run.usage import RankStep, folder_bytes, host_rss_bytes
 from mobiuspipe.runtime.action_trace import as_sim_result, write_chrome
 from mobiuspipe.runtime.peers.ranks import gather_all
@@ -217,9 +224,10 @@ def _steps(
 ) -> bool:
     """The steps from where the run resumes; True when every step ran, False when a signal stopped it."""
     run = run_identity(cfg)
-    with at_start_up(CheckpointError):  # every rank raises the same one (not so a lost peer's PeerLostError)
+    with at_start_up((CheckpointError, RunFolderError)):  # every rank raises the same (not a lost peer's error)
         start = resume_run(cfg.train, pipe, run)
         refuse_later_checkpoints(cfg.train, pipe, start)
+        refuse_writing_over(cfg.train, pipe, start)
     _write_records(cfg, pipe)  # once every start-up check, the resume's included, has passed
     checkpoints = Checkpointer(cfg.train, pipe, cfg.to_yaml(), run)
     try:

@@ -213,7 +213,6 @@ def test_a_run_behind_the_folders_checkpoints_is_refused_and_leaves_them(tmp_pat
     assert _sums(out) == before
 
 
-@pytest.mark.xfail(strict=True, reason="a new run writes over a finished run's records")
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_finished_runs_records_are_never_written_over_by_a_run_from_step_0(tmp_path):
