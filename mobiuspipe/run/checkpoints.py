@@ -154,9 +154,7 @@ def _none_left(pipe: Pipeline, where: Path | None, passed: Sequence[Path]) -> in
         )
     elif pipe.rank == 0:
         print(f"mobiuspipe: no complete checkpoint under {where}: starting at step 0", flush=True)
-    why = gather_all(pipe.info, why)[0]
-    if why is not None:
-        raise CheckpointError(why)
+    _refuse_on_every_rank(pipe, why, CheckpointError)
     return 0
 
 
@@ -183,9 +181,7 @@ def refuse_later_checkpoints(t: TrainConfig, pipe: Pipeline, start: int) -> None
                 f"theirs. Move them out of {root} to keep them (or delete them), then resume again; nothing was "
                 f"changed"
             )
-    why = gather_all(pipe.info, why)[0]
-    if why is not None:
-        raise CheckpointError(why)
+    _refuse_on_every_rank(pipe, why, CheckpointError)
 
 
 def refuse_writing_over(t: TrainConfig, pipe: Pipeline, start: int) -> None:
@@ -207,9 +203,14 @@ def refuse_writing_over(t: TrainConfig, pipe: Pipeline, start: int) -> None:
                 f"step 0 and write over them. Give this run another train.out_dir, or move them out of {out} (to "
                 f"keep them) or delete them; nothing was changed"
             )
+    _refuse_on_every_rank(pipe, why, RunFolderError)
+
+
+def _refuse_on_every_rank(pipe: Pipeline, why: str | None, error: type[UserError]) -> None:
+    """Raise rank 0's refusal (why; None: none, and on the other ranks) as `error` on every rank."""
     why = gather_all(pipe.info, why)[0]
     if why is not None:
-        raise RunFolderError(why)
+        raise error(why)
 
 
 def resume_root(resume: str, root: Path) -> Path | None:
