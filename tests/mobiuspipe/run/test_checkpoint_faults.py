@@ -194,7 +194,10 @@ def test_resume_auto_sets_a_damaged_newest_checkpoint_aside_and_resumes_from_the
     assert f"resumed from {root / 'step-1'} at step 1" in said
 
 
+@pytest.mark.xfail(strict=True, reason="a second resume after all were set aside starts at step 0")
 def test_resume_auto_with_every_checkpoint_damaged_is_an_error_not_a_fresh_start(tmp_path):
+    """Also the next --resume auto (a job script's restart), when the damaged ones are set aside already: starting at
+    step 0 would write over the run's records. The advice is one the run then takes: another out_dir."""
     from mobiuspipe.run.checkpoints import resume_run
 
     root = tmp_path / "out" / "checkpoints"
@@ -203,10 +206,48 @@ def test_resume_auto_with_every_checkpoint_damaged_is_an_error_not_a_fresh_start
             _train(pipe, [s])
             f = save_checkpoint(pipe, root, keep=3) / "rank0.safetensors"
             f.write_bytes(f.read_bytes()[:-1])
-    with _pipe() as pipe, pytest.raises(CheckpointError) as e:
-        resume_run(_train_config(tmp_path / "out"), pipe)
-    assert f"every complete checkpoint under {root} is damaged" in str(e.value)
-    assert "set aside as .damaged-step-1, .damaged-step-2" in str(e.value) and "--resume" in str(e.value)
+    for _ in range(2):
+        with _pipe() as pipe, pytest.raises(CheckpointError) as e:
+            resume_run(_train_config(tmp_path / "out"), pipe)
+        assert f"every complete checkpoint under {root} is damaged" in str(e.value)
+        assert "set aside as .damaged-step-1, .damaged-step-2" in str(e.value)
+        assert "another train.out_dir" in str(e.value) and "--resume PATH" in str(e.value)
+    assert sorted(p.name for p in root.iterdir()) == [".damaged-step-1", ".damaged-step-2"]
+
+
+@pytest.mark.xfail(strict=True, reason="a read error or a marker without the rank's file escapes on one rank")
+@pytest.mark.parametrize("damage", ["read error", "marker without the file"])
+def test_a_checkpoint_that_cannot_be_read_is_damaged_too(tmp_path, monkeypatch, damage):
+    """An I/O error while a rank reads its file (a failing disk), or a marker that names no file for the rank: the
+    rank reports damage, not an exception of its own, and the resume goes back one checkpoint."""
+    import json
+
+    from mobiuspipe.run.checkpoints import resume_run
+
+    want, _ = _reference(3)
+    root = tmp_path / "out" / "checkpoints"
+    with _pipe() as pipe:
+        _train(pipe, [0])
+        save_checkpoint(pipe, root, keep=3)
+        _train(pipe, [1])
+        newest = save_checkpoint(pipe, root, keep=3)
+    if damage == "read error":
+        digest = checkpoint._digest
+
+        def failing(path, algo=None):
+            if Path(path).parent == newest:
+                raise OSError(errno.EIO, "Input/output error", str(path))
+            return digest(path, algo)
+
+        monkeypatch.setattr(checkpoint, "_digest", failing)
+    else:
+        head = json.loads((newest / "complete").read_text())
+        head["files"] = {}
+        (newest / "complete").write_text(json.dumps(head))
+    with _pipe() as pipe:
+        assert resume_run(_train_config(tmp_path / "out"), pipe) == 1
+        assert _train(pipe, [1, 2]) == want[1:]
+    assert (root / ".damaged-step-2").is_dir()
 
 
 def test_a_checkpoint_of_another_plan_is_an_error_and_no_older_one_is_tried(tmp_path):
