@@ -241,7 +241,7 @@ def _commit(partial: Path, final: Path, head: dict, files: dict[str, tuple[int, 
 def prune(root: Path, keep: int) -> None:
     """Remove all but the newest `keep` complete checkpoints (keep 0: none), and the unfinished writes and replaced
     checkpoints that crashes left of steps up to the newest (a later one may be in flight). A run never starts behind
-    the newest (mobiuspipe.run.checkpoints.refuse_later_checkpoints), so the newest are its own."""
+    the newest (mobiuspipe.run.resume.refuse_later_checkpoints), so the newest are its own."""
     done = complete_steps(root)
     for step in done[:-keep] if keep > 0 else []:
         shutil.rmtree(root / f"{PREFIX}{step}", ignore_errors=True)
@@ -278,20 +278,10 @@ def load_checkpoint(pipe: Checkpointed, folder: Path, run: dict | None = None) -
     head = _read_complete(folder)
     _check_fits(head, pipe, folder)
     _check_run(head.get("run"), run, folder)
-    name = f"rank{pipe.rank}.safetensors"
-    path = folder / name
-    size, digest = head["files"][name]
-    if not path.is_file():
-        raise CheckpointDamaged(folder, f"{name} is missing")
-    if path.stat().st_size != size or _digest(path, digest.split(":")[0]) != digest:
-        raise CheckpointDamaged(
-            folder,
-            f"{path} is corrupted (expected {size} bytes with {digest}, found {path.stat().st_size} bytes"
-            f"{'' if path.stat().st_size != size else ' with another checksum'})",
-        )
-    with safe_open(str(path), "pt") as f:  # one open for the tensors and the state in the header
-        state = json.loads((f.metadata() or {})["state"])
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    try:
+        state, tensors = _read_rank_file(folder, head, pipe.rank)
+    except OSError as e:  # a failing disk
+        raise CheckpointDamaged(folder, f"reading rank {pipe.rank}'s file failed ({e})") from e
     for j, stage in pipe.stages.items():
         stage.wait_update()
         own = {k[len(f"stage{j}/") :]: v for k, v in tensors.items() if k.startswith(f"stage{j}/")}
@@ -308,6 +298,26 @@ def load_checkpoint(pipe: Checkpointed, folder: Path, run: dict | None = None) -
         torch.cuda.set_rng_state(tensors["rng/cuda"], pipe.device.torch_device)
     pipe.resume_at(state["step"], state["scaler"])
     return state["step"]
+
+
+def _read_rank_file(folder: Path, head: dict, rank: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(the state, the tensors) of rank's file, checked against the size and checksum the marker (head) holds."""
+    name = f"rank{rank}.safetensors"
+    path = folder / name
+    if not isinstance(head["files"], dict) or name not in head["files"]:
+        raise CheckpointDamaged(folder, f"its `{COMPLETE}` marker names no file of rank {rank} ({name})")
+    size, digest = head["files"][name]
+    if not path.is_file():
+        raise CheckpointDamaged(folder, f"{name} is missing")
+    if path.stat().st_size != size or _digest(path, digest.split(":")[0]) != digest:
+        raise CheckpointDamaged(
+            folder,
+            f"{path} is corrupted (expected {size} bytes with {digest}, found {path.stat().st_size} bytes"
+            f"{'' if path.stat().st_size != size else ' with another checksum'})",
+        )
+    with safe_open(str(path), "pt") as f:  # one open for the tensors and the state in the header
+        state = json.loads((f.metadata() or {})["state"])
+        return state, {k: f.get_tensor(k) for k in f.keys()}
 
 
 def _read_complete(folder: Path) -> dict:

@@ -25,7 +25,7 @@ from foundation.checked import Problem, format_problems, rule
 from foundation.errors import UserError
 from mobiuspipe.config import RunConfig
 from mobiuspipe.errors import ConfigError, PeerLostError
-from mobiuspipe.run.checkpoints import resume_root
+from mobiuspipe.run.resume import resume_root
 from mobiuspipe.run.room import host_room, placements, shortfall_problem, ssd_need, ssd_room
 from mobiuspipe.runtime.peers.ranks import local_world_size, rank_info
 from mobiuspipe.startup.config_plan import num_ranks, plan_from_config, plan_problems, replan_advice

@@ -35,7 +35,7 @@ TOKEN_ENV = "MOBIUSPIPE_RUN_TOKEN"
 
 class RunFolderError(UserError):
     """A folder of this run is held by another run that is still alive, or cannot hold a lock, or holds an earlier
-    run's results that this one would write over (mobiuspipe.run.checkpoints.refuse_writing_over)."""
+    run's results that this one would write over (mobiuspipe.run.resume.refuse_writing_over)."""
 
 
 @dataclass(frozen=True)

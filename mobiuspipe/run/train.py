@@ -44,19 +44,13 @@ from mobiuspipe.optim import CPUAdam
 from mobiuspipe.optim.host_threads import rank_threads
 from mobiuspipe.pipeline import Pipeline
 from mobiuspipe.profiling.profiler import TORCH_DTYPES
-from mobiuspipe.run.checkpoints import (
-    Checkpointer,
-    StopSignals,
-    refuse_later_checkpoints,
-    refuse_writing_over,
-    resume_run,
-    run_identity,
-)
+from mobiuspipe.run.checkpoints import Checkpointer, StopSignals
 from mobiuspipe.run.flops import device_name, flops_per_token, peak_tflops
 from mobiuspipe.run.metrics import Reporter, device_peak_line, step_metrics
 from mobiuspipe.run.parent_death import ENV as DEATH_ENV
 from mobiuspipe.run.parent_death import die_with_parent
 from mobiuspipe.run.preflight import at_start_up, rank_checks, report
+from mobiuspipe.run.resume import refuse_later_checkpoints, refuse_writing_over, resume_run, run_identity
 from mobiuspipe.run.run_lock import TOKEN_ENV, RunFolderError, RunLocks, new_token, run_folders
 from mobiuspipe.run.usage import RankStep, folder_bytes, host_rss_bytes
 from mobiuspipe.runtime.action_trace import as_sim_result, write_chrome

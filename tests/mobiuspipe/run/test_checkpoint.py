@@ -164,7 +164,7 @@ def test_train_checks_the_resume_folder_before_launching(tmp_path):
 
 def test_a_checkpoint_of_other_data_or_batches_is_named(tmp_path):
     """The loop stores run_identity (seed, data file name and size, batches) in `complete` and checks it."""
-    from mobiuspipe.run.checkpoints import run_identity
+    from mobiuspipe.run.resume import run_identity
 
     cfg = _cfg("fp32")
     data = open_data(cfg.data, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size)

@@ -160,7 +160,7 @@ def test_resume_auto_sets_a_damaged_newest_checkpoint_aside_and_resumes_from_the
     commit wrote (a file cut short or gone, an unreadable marker, damaged SSD records). The run resumes from the
     newest whole one, bit-identically, and the damaged one is kept beside the others under a name no resume, prune
     or later-checkpoint check takes."""
-    from mobiuspipe.run.checkpoints import refuse_later_checkpoints, resume_run
+    from mobiuspipe.run.resume import refuse_later_checkpoints, resume_run
 
     ssd = MemoryConfig(optimizer="ssd", ssd_dir=str(tmp_path / "store")) if damage == "records" else None
     want, _ = _reference(4)
@@ -194,11 +194,10 @@ def test_resume_auto_sets_a_damaged_newest_checkpoint_aside_and_resumes_from_the
     assert f"resumed from {root / 'step-1'} at step 1" in said
 
 
-@pytest.mark.xfail(strict=True, reason="a second resume after all were set aside starts at step 0")
 def test_resume_auto_with_every_checkpoint_damaged_is_an_error_not_a_fresh_start(tmp_path):
     """Also the next --resume auto (a job script's restart), when the damaged ones are set aside already: starting at
     step 0 would write over the run's records. The advice is one the run then takes: another out_dir."""
-    from mobiuspipe.run.checkpoints import resume_run
+    from mobiuspipe.run.resume import resume_run
 
     root = tmp_path / "out" / "checkpoints"
     with _pipe() as pipe:
@@ -215,14 +214,13 @@ def test_resume_auto_with_every_checkpoint_damaged_is_an_error_not_a_fresh_start
     assert sorted(p.name for p in root.iterdir()) == [".damaged-step-1", ".damaged-step-2"]
 
 
-@pytest.mark.xfail(strict=True, reason="a read error or a marker without the rank's file escapes on one rank")
 @pytest.mark.parametrize("damage", ["read error", "marker without the file"])
 def test_a_checkpoint_that_cannot_be_read_is_damaged_too(tmp_path, monkeypatch, damage):
     """An I/O error while a rank reads its file (a failing disk), or a marker that names no file for the rank: the
     rank reports damage, not an exception of its own, and the resume goes back one checkpoint."""
     import json
 
-    from mobiuspipe.run.checkpoints import resume_run
+    from mobiuspipe.run.resume import resume_run
 
     want, _ = _reference(3)
     root = tmp_path / "out" / "checkpoints"
@@ -252,7 +250,7 @@ def test_a_checkpoint_that_cannot_be_read_is_damaged_too(tmp_path, monkeypatch, 
 
 def test_a_checkpoint_of_another_plan_is_an_error_and_no_older_one_is_tried(tmp_path):
     """Only damage falls back: a checkpoint of another model or plan says so, and nothing is set aside."""
-    from mobiuspipe.run.checkpoints import resume_run
+    from mobiuspipe.run.resume import resume_run
 
     root = tmp_path / "out" / "checkpoints"
     with _pipe() as pipe:

@@ -161,7 +161,7 @@ def test_a_refused_resume_rewrites_none_of_the_runs_records(tmp_path):
 
 
 def test_resume_reads_a_run_folder_or_a_checkpoint_root_as_auto_there(tmp_path):
-    from mobiuspipe.run.checkpoints import resume_root
+    from mobiuspipe.run.resume import resume_root
 
     run = tmp_path / "run"
     (run / "checkpoints" / "step-2").mkdir(parents=True)

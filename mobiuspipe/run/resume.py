@@ -1,0 +1,202 @@
+"""Where a run starts: the checkpoint train.resume names (a damaged one passed over for the one before it), and the
+refusals of a start that would lose what a run folder holds, agreed on by every rank (rank 0 decides)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from foundation.errors import UserError
+from mobiuspipe.checkpoint import COMPLETE, PREFIX, CheckpointDamaged, CheckpointError, complete_steps, load_checkpoint
+from mobiuspipe.config import RunConfig, TrainConfig
+from mobiuspipe.pipeline import Pipeline
+from mobiuspipe.run.metrics import recorded_steps
+from mobiuspipe.run.run_lock import RunFolderError
+from mobiuspipe.runtime.peers.ranks import gather_all
+
+__all__ = ["DAMAGED", "run_identity", "resume_run", "resume_root", "refuse_later_checkpoints", "refuse_writing_over"]
+
+DAMAGED = ".damaged-"
+"""The prefix of a damaged checkpoint's folder once a resume has set it aside (.damaged-step-N)."""
+
+
+def run_identity(cfg: RunConfig) -> dict:
+    """What a resumed run must share with the checkpoint besides the plan: the seed, the data (by file name and
+    size, so that a moved folder still resumes) and how they are cut into sequences and steps."""
+    d = cfg.data
+    source = Path(d.tokens or d.text_path)
+    return {
+        "seed": cfg.train.seed,
+        "data": source.name,
+        "data_bytes": source.stat().st_size if source.is_file() else None,
+        "tokenizer": Path(d.tokenizer).name if d.tokenizer else None,
+        "shuffle": d.shuffle,
+        "seq_len": cfg.model.seq_len,
+        "batch_size": d.batch_size,
+        "accumulation_steps": cfg.train.accumulation_steps,
+    }
+
+
+def resume_run(t: TrainConfig, pipe: Pipeline, run: dict | None = None) -> int:
+    """Restore the checkpoint train.resume names (rank 0 chooses, every rank loads its own part); the step
+    the loop starts at (0 without one). Resuming from the newest under a folder (auto), a damaged one
+    (CheckpointDamaged on any rank) is passed over for the newest whole one before it (_Search). Every rank raises
+    the first failing rank's error otherwise (one that is not damage first)."""
+    if t.resume is None:
+        return 0
+    root = Path(t.checkpoint_root or ".")
+    where = resume_root(t.resume, root)
+    if pipe.rank == 0 and where is not None and t.resume != "auto":
+        print(f"mobiuspipe: {t.resume} holds checkpoints: resuming from its newest complete one", flush=True)
+    search = _Search(where, root) if where is not None else None
+    while True:
+        choice = (Path(t.resume), None) if search is None else search.next() if pipe.rank == 0 else (None, None)
+        folder, refusal = gather_all(pipe.info, choice)[0]
+        if refusal is not None:
+            raise CheckpointError(refusal)
+        if folder is None:
+            if pipe.rank == 0:
+                print(f"mobiuspipe: no complete checkpoint under {where}: starting at step 0", flush=True)
+            return 0
+        every = gather_all(pipe.info, _load(pipe, folder, run))
+        failed = sorted(((o[0], r, o[1]) for r, o in enumerate(every) if not isinstance(o, int)), key=lambda f: f[0])
+        if not failed:
+            if pipe.rank == 0:
+                print(f"mobiuspipe: resumed from {folder} at step {every[0]}", flush=True)
+            return every[0]
+        damaged, r, why = failed[0]
+        why = why if r == 0 else f"rank {r}: {why}"
+        if search is None or not damaged:
+            raise CheckpointError(why)
+        if pipe.rank == 0:
+            search.pass_over(folder, why)
+
+
+def _load(pipe: Pipeline, folder: Path, run: dict | None) -> int | tuple[bool, str]:
+    """The step this rank's part of the checkpoint resumes at, or (whether it is damaged, why it failed)."""
+    try:
+        return load_checkpoint(pipe, folder, run)
+    except CheckpointDamaged as e:
+        return True, str(e)
+    except UserError as e:
+        return False, str(e)
+
+
+class _Search:
+    """Rank 0's walk back through the complete checkpoints under `where`, newest first, as damaged ones are passed
+    over: under the run's own checkpoint folder (root) each is set aside as .damaged-step-N, its bytes kept (no
+    resume, prune or later-checkpoint check takes it); under another it is left where it is."""
+
+    def __init__(self, where: Path, root: Path):
+        self.where = where
+        self.own = where.resolve() == root.resolve()
+        self.passed: list[Path] = []
+        """The damaged ones passed over, where they are now."""
+        self.refusal: str | None = None
+        """Why the search cannot go on (a damaged one that could not be set aside)."""
+
+    def next(self) -> tuple[Path | None, str | None]:
+        """(the checkpoint to try, None) or (None, why the resume cannot start: every one is damaged, set aside now or
+        by an earlier resume); (None, None) when there is none (a new run)."""
+        steps = [s for s in complete_steps(self.where) if self.where / f"{PREFIX}{s}" not in self.passed]
+        if self.refusal is not None or steps:
+            return (None, self.refusal) if self.refusal is not None else (self.where / f"{PREFIX}{steps[-1]}", None)
+        aside = sorted(d.name for d in self.where.glob(f"{DAMAGED}{PREFIX}*")) if self.own else []
+        if not aside and not self.passed:
+            return None, None
+        names = f"set aside as {', '.join(aside)}" if self.own else f"left as they are: {self._names()}"
+        return None, (
+            f"every complete checkpoint under {self.where} is damaged ({names}): a resume has none to start from, "
+            f"and a run from step 0 would write over this run's results. Resume from a copy of its checkpoints that "
+            f"you trust (--resume PATH), or start the run anew with another train.out_dir; nothing was deleted"
+        )
+
+    def _names(self) -> str:
+        return ", ".join(sorted(p.name for p in self.passed))
+
+    def pass_over(self, folder: Path, why: str) -> None:
+        """Set the damaged checkpoint aside (own folder) and say so."""
+        aside = folder
+        if self.own:
+            aside = folder.with_name(f"{DAMAGED}{folder.name}")
+            n = 1
+            while aside.exists():  # one of the same step set aside before
+                aside, n = folder.with_name(f"{DAMAGED}{folder.name}.{n}"), n + 1
+            try:
+                folder.rename(aside)
+            except OSError as e:
+                self.refusal = (
+                    f"checkpoint {folder} is damaged and could not be set aside as {aside} ({e}): move it out of "
+                    f"{self.where}, then resume again. {why}"
+                )
+                return
+        kept = f"set aside as {aside} (nothing in it deleted)" if self.own else "left where it is"
+        print(f"mobiuspipe: checkpoint {folder} is damaged, {kept}; trying the one before it. {why}", flush=True)
+        self.passed.append(aside)
+
+
+def refuse_later_checkpoints(t: TrainConfig, pipe: Pipeline, start: int) -> None:
+    """Every rank raises CheckpointError, before the run writes anything, when its checkpoint root holds complete
+    checkpoints of steps after `start`, where the run begins: another run's (a new run in an old folder) or the
+    steps a resume from an older checkpoint leaves behind. Pruning keeps the newest, so it would remove the run's
+    own checkpoints, and a --resume auto after a crash would take the other timeline's."""
+    why = None
+    root = Path(t.checkpoint_root) if t.checkpoint_root else None
+    if pipe.rank == 0 and root is not None:
+        later = [f"{PREFIX}{s}" for s in complete_steps(root) if s > start]
+        if later and start == 0:
+            why = (
+                f"{root} holds the checkpoints of another run ({', '.join(later)}): this run would start at step 0, "
+                f"prune them as it saves its own and leave a later --resume auto theirs. Continue that run "
+                f"(--resume auto), give this run another train.out_dir (or train.checkpoint_dir), or move them "
+                f"out of {root}; nothing was changed"
+            )
+        elif later:
+            why = (
+                f"{root} holds checkpoints after step {start}, where this run resumes ({', '.join(later)}): it "
+                f"would prune its own checkpoints as older than them, and a later --resume auto would go back to "
+                f"theirs. Move them out of {root} to keep them (or delete them), then resume again; nothing was "
+                f"changed"
+            )
+    _refuse_on_every_rank(pipe, why, CheckpointError)
+
+
+def refuse_writing_over(t: TrainConfig, pipe: Pipeline, start: int) -> None:
+    """Every rank raises RunFolderError, before the run writes anything, when it starts at step 0 in an out_dir that
+    holds an earlier run's results it would write over: final weights (a finished run), or without train.resume its
+    step records too. A restart with train.resume that finds no checkpoint (of a run stopped before its first, and
+    before its end) redoes those steps from the same seed and goes on."""
+    why = None
+    out = Path(t.out_dir) if t.out_dir else None
+    if pipe.rank == 0 and out is not None and start == 0:
+        steps = recorded_steps(out / "metrics.jsonl")
+        weights = [p for p in (out / "weights").iterdir() if p.is_file()] if (out / "weights").is_dir() else []
+        if weights or (steps and t.resume is None):
+            found = [f"metrics.jsonl: {steps} steps"] if steps else []
+            found += [f"weights/: {len(weights)} files"] if weights else []
+            none = " but no checkpoint to continue it from" if t.resume is not None else ""
+            why = (
+                f"{out} holds the results of an earlier run ({'; '.join(found)}){none}: this run would start at "
+                f"step 0 and write over them. Give this run another train.out_dir, or move them out of {out} (to "
+                f"keep them) or delete them; nothing was changed"
+            )
+    _refuse_on_every_rank(pipe, why, RunFolderError)
+
+
+def _refuse_on_every_rank(pipe: Pipeline, why: str | None, error: type[UserError]) -> None:
+    """Raise rank 0's refusal (why; None: none, and on the other ranks) as `error` on every rank."""
+    why = gather_all(pipe.info, why)[0]
+    if why is not None:
+        raise error(why)
+
+
+def resume_root(resume: str, root: Path) -> Path | None:
+    """Where train.resume takes the newest complete checkpoint from: root for "auto"; a run folder's checkpoints/
+    or a folder of step-N folders, when it names one of those (it then means auto, there); None when it names one
+    checkpoint (a step-N folder, or any other path: loading it says what is wrong)."""
+    if resume == "auto":
+        return root
+    path = Path(resume)
+    if (path / COMPLETE).exists():
+        return None
+    held = (under for under in (path / "checkpoints", path) if under.is_dir() and any(under.glob(f"{PREFIX}*")))
+    return next(held, None)
