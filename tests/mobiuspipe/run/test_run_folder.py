@@ -10,6 +10,7 @@ import io
 import socket
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -218,23 +219,36 @@ def test_a_run_behind_the_folders_checkpoints_is_refused_and_leaves_them(tmp_pat
 def test_a_finished_runs_records_are_never_written_over_by_a_run_from_step_0(tmp_path):
     """A run without checkpoints (checkpoint_every 0) finished: its metrics and final weights are all it leaves. A
     new run in its folder, and a --resume auto that finds no checkpoint to continue from, would start at step 0 and
-    write over them: both are refused before they write anything. A run that stopped before its end (no final
-    weights) restarts from step 0 with --resume auto, as a job script's restart does."""
+    write over them: both are refused before they write anything (exit 2 under `mobiuspipe train`). A run that
+    stopped before its end (no final weights) restarts from step 0 with --resume auto, as a job script's restart
+    does."""
+    from types import SimpleNamespace
+
+    from mobiuspipe.config import load_config
+    from mobiuspipe.run.resume import refuse_writing_over
+
     train = [sys.executable, "-m", "mobiuspipe", "train", "--config"]
-    cfg = str(_config(tmp_path, steps=2))
-    first = subprocess.run([*train, cfg], capture_output=True, text=True, timeout=150)
+    cfg = _config(tmp_path, steps=2)
+    first = subprocess.run([*train, str(cfg)], capture_output=True, text=True, timeout=150)
     assert first.returncode == 0, first.stderr[-3000:]
     out = tmp_path / "out"
     before = _sums(out)
     assert (out / "metrics.jsonl").is_file() and any((out / "weights").iterdir())
-    for extra in ([], ["--resume", "auto"]):
-        again = subprocess.run([*train, cfg, *extra], capture_output=True, text=True, timeout=150)
-        assert again.returncode == 2, again.stderr[-3000:]
-        assert f"{out} holds the results of an earlier run (metrics.jsonl: 2 steps; weights/: 4 files)" in again.stderr
-        assert "another train.out_dir" in again.stderr and "nothing was changed" in again.stderr
-        assert _sums(out) == before
+    again = subprocess.run([*train, str(cfg)], capture_output=True, text=True, timeout=150)
+    assert again.returncode == 2, again.stderr[-3000:]
+    said = f"{out} holds the results of an earlier run (metrics.jsonl: 2 steps; weights/: 4 files): this run would"
+    assert said in again.stderr and "another train.out_dir" in again.stderr and "nothing was changed" in again.stderr
+    assert _sums(out) == before
+
+    t = load_config(cfg).train
+    resumed = replace(t, resume="auto")
+    rank0 = SimpleNamespace(rank=0, info=SimpleNamespace(world_size=1))  # what the rule reads of a Pipeline
+    with pytest.raises(RunFolderError, match="weights/: 4 files\\) but no checkpoint to continue it from"):
+        refuse_writing_over(resumed, rank0, 0)  # type: ignore[arg-type]
+    # a resumed run keeps the records before its step and goes on
+    refuse_writing_over(resumed, rank0, 1)  # type: ignore[arg-type]
     for f in (out / "weights").iterdir():  # a run that stopped before its end: no final weights
         f.unlink()
-    restart = subprocess.run([*train, cfg, "--resume", "auto"], capture_output=True, text=True, timeout=150)
-    assert restart.returncode == 0, restart.stderr[-3000:]
-    assert "no complete checkpoint under" in restart.stdout + restart.stderr
+    refuse_writing_over(resumed, rank0, 0)  # type: ignore[arg-type]
+    with pytest.raises(RunFolderError, match="metrics.jsonl: 2 steps\\): this run would start at step 0"):
+        refuse_writing_over(t, rank0, 0)  # type: ignore[arg-type]
