@@ -49,7 +49,9 @@ def resume_run(t: TrainConfig, pipe: Pipeline, run: dict | None = None) -> int:
         print(f"mobiuspipe: {t.resume} holds checkpoints: resuming from its newest complete one", flush=True)
     search = _Search(where, root) if where is not None else None
     while True:
-        choice = (Path(t.resume), None) if search is None else search.next() if pipe.rank == 0 else (None, None)
+        choice: tuple[Path | None, str | None] = (None, None)  # rank 0's: (the checkpoint to try, a refusal)
+        if pipe.rank == 0:
+            choice = search.next() if search is not None else (Path(t.resume), None)
         folder, refusal = gather_all(pipe.info, choice)[0]
         if refusal is not None:
             raise CheckpointError(refusal)
