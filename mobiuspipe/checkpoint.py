@@ -74,8 +74,6 @@ class CheckpointDamaged(CheckpointError):
             f"checkpoint {folder}: {damage}; --resume auto passes over it for the newest whole one before it (or "
             f"remove {folder} and resume from that one)"
         )
-        self.damage = damage
-        """What is wrong with it, without the advice."""
 
 
 class Checkpointed(Protocol):
