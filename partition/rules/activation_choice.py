@@ -59,7 +59,9 @@ class Choice:
 
 
 class _Walker:
-    """D_g of a plan under a choice of policies, per gpu."""
+    """D_g of a plan under a choice of policies, per gpu. A gpu's D_g depends only on the choices of the stages
+    it runs and of those parked on it (the peer tier): each walk is kept under those choices, so the search's
+    trials of another gpu's stages, and a trial weighed again, take no new walk."""
 
     def __init__(self, plan: Plan, standin: bool, host_caps: list[int] | None = None):
         self.plan, self.standin, self.host_caps = plan, standin, host_caps
@@ -68,6 +70,11 @@ class _Walker:
         self.extra = [
             (plan.input_bytes if j == 0 else 0) + (plan.target_bytes if j == last else 0) for j in range(last + 1)
         ]
+        self.bearing = [  # per gpu, the stages whose choices its D_g depends on
+            [j for j, s in enumerate(plan.stages) if g in (s.gpu, peer_gpu(s.gpu, plan.num_gpus))]
+            for g in range(plan.num_gpus)
+        ]
+        self.walked: dict[tuple, int] = {}
 
     def peaks(self, costs: list[PolicyCost]) -> list[int]:
         """D_g of every gpu of the plan."""
@@ -89,13 +96,21 @@ class _Walker:
 
     def peak(self, costs: list[PolicyCost], gpu: int) -> int:
         """D_g of one gpu (only its stages' choices count)."""
+        key = (gpu, *(costs[j] for j in self.bearing[gpu]))
+        if key not in self.walked:
+            self.walked[key] = self._walk(costs, gpu)
+        return self.walked[key]
+
+    def _walk(self, costs: list[PolicyCost], gpu: int) -> int:
         plan = self.plan
         arena = None if self.standin else plan.arena_bytes
         if gpu not in plan.mapping:
             return (arena or 0) + self.region(costs, gpu)
-        stages = [
+        stages = [  # the walk reads only gpu's own stages
             dataclasses.replace(b, held=c.held_bytes, work=c.work_bytes + e, held_output=c.held_output)
-            for b, c, e in zip(self.base, costs, self.extra)
+            if g == gpu
+            else b
+            for b, c, e, g in zip(self.base, costs, self.extra, plan.mapping)
         ]
         swapped = frozenset(j for j, c in enumerate(costs) if c.policy.tier != "device")
         own = device_peak(plan.mapping, gpu, plan.num_microbatches, stages, arena, self.standin, swapped)
