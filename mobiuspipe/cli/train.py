@@ -89,6 +89,7 @@ def run(args: argparse.Namespace, out) -> int:
     from mobiuspipe.run.parent_death import ENV as DEATH_ENV
     from mobiuspipe.run.parent_death import launched_child
     from mobiuspipe.run.preflight import ERRORS_ENV, PLAN_ENV, launch_checks, lost_peer, rank_mistake
+    from mobiuspipe.run.resume import refuse_before_launch
     from mobiuspipe.run.run_lock import TOKEN_ENV, RunLocks, new_token, run_folders
     from mobiuspipe.run.train import open_run, with_resume
     from partition.plan import save_plan
@@ -103,6 +104,8 @@ def run(args: argparse.Namespace, out) -> int:
             flush=True,
         )
     open_run(config)
+    if args.nnodes == 1:  # a new run in a used out_dir, before the plan is made (across machines rank 0's decides)
+        refuse_before_launch(config.train)
     nproc, plan = launch_checks(config, args.nproc, args.nnodes)
     # On one machine the run's folders are this run's until torchrun ends (its ranks find them held under `token`).
     # Across machines every host runs this command and any may get rank 0, which takes them at start-up instead.

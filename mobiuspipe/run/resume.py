@@ -13,7 +13,15 @@ from mobiuspipe.run.metrics import recorded_steps
 from mobiuspipe.run.run_lock import RunFolderError
 from mobiuspipe.runtime.peers.ranks import gather_all
 
-__all__ = ["DAMAGED", "run_identity", "resume_run", "resume_root", "refuse_later_checkpoints", "refuse_writing_over"]
+__all__ = [
+    "DAMAGED",
+    "run_identity",
+    "resume_run",
+    "resume_root",
+    "refuse_before_launch",
+    "refuse_later_checkpoints",
+    "refuse_writing_over",
+]
 
 DAMAGED = ".damaged-"
 """The prefix of a damaged checkpoint's folder once a resume has set it aside (.damaged-step-N)."""
@@ -138,50 +146,74 @@ class _Search:
 
 def refuse_later_checkpoints(t: TrainConfig, pipe: Pipeline, start: int) -> None:
     """Every rank raises CheckpointError, before the run writes anything, when its checkpoint root holds complete
-    checkpoints of steps after `start`, where the run begins: another run's (a new run in an old folder) or the
-    steps a resume from an older checkpoint leaves behind. Pruning keeps the newest, so it would remove the run's
-    own checkpoints, and a --resume auto after a crash would take the other timeline's."""
-    why = None
-    root = Path(t.checkpoint_root) if t.checkpoint_root else None
-    if pipe.rank == 0 and root is not None:
-        later = [f"{PREFIX}{s}" for s in complete_steps(root) if s > start]
-        if later and start == 0:
-            why = (
-                f"{root} holds the checkpoints of another run ({', '.join(later)}): this run would start at step 0, "
-                f"prune them as it saves its own and leave a later --resume auto theirs. Continue that run "
-                f"(--resume auto), give this run another train.out_dir (or train.checkpoint_dir), or move them "
-                f"out of {root}; nothing was changed"
-            )
-        elif later:
-            why = (
-                f"{root} holds checkpoints after step {start}, where this run resumes ({', '.join(later)}): it "
-                f"would prune its own checkpoints as older than them, and a later --resume auto would go back to "
-                f"theirs. Move them out of {root} to keep them (or delete them), then resume again; nothing was "
-                f"changed"
-            )
-    _refuse_on_every_rank(pipe, why, CheckpointError)
+    checkpoints of steps after `start`, where the run begins (later_checkpoints)."""
+    _refuse_on_every_rank(pipe, later_checkpoints(t, start) if pipe.rank == 0 else None, CheckpointError)
 
 
 def refuse_writing_over(t: TrainConfig, pipe: Pipeline, start: int) -> None:
     """Every rank raises RunFolderError, before the run writes anything, when it starts at step 0 in an out_dir that
-    holds an earlier run's results it would write over: final weights (a finished run), or without train.resume its
-    step records too. A restart with train.resume that finds no checkpoint (of a run stopped before its first, and
-    before its end) redoes those steps from the same seed and goes on."""
-    why = None
+    holds an earlier run's results it would write over (writing_over)."""
+    _refuse_on_every_rank(pipe, writing_over(t, start) if pipe.rank == 0 else None, RunFolderError)
+
+
+def refuse_before_launch(t: TrainConfig) -> None:
+    """What `mobiuspipe train` refuses before it plans and starts torchrun: a run without train.resume, which
+    begins at step 0, in folders that hold another run's checkpoints or results (CheckpointError, RunFolderError).
+    Where the step a run begins at depends on the checkpoints it loads, its ranks decide (resume_run)."""
+    if t.resume is not None:
+        return
+    why = later_checkpoints(t, 0)
+    if why is not None:
+        raise CheckpointError(why)
+    why = writing_over(t, 0)
+    if why is not None:
+        raise RunFolderError(why)
+
+
+def later_checkpoints(t: TrainConfig, start: int) -> str | None:
+    """Why a run that begins at step `start` must not, when its checkpoint root holds complete checkpoints of steps
+    after it: another run's (a new run in an old folder) or the steps a resume from an older checkpoint leaves
+    behind. Pruning keeps the newest, so it would remove the run's own checkpoints, and a --resume auto after a
+    crash would take the other timeline's. None when it may."""
+    root = Path(t.checkpoint_root) if t.checkpoint_root else None
+    later = [f"{PREFIX}{s}" for s in complete_steps(root) if s > start] if root is not None else []
+    if later and start == 0:
+        return (
+            f"{root} holds the checkpoints of another run ({', '.join(later)}): this run would start at step 0, "
+            f"prune them as it saves its own and leave a later --resume auto theirs. Continue that run "
+            f"(--resume auto), give this run another train.out_dir (or train.checkpoint_dir), or move them "
+            f"out of {root}; nothing was changed"
+        )
+    if later:
+        return (
+            f"{root} holds checkpoints after step {start}, where this run resumes ({', '.join(later)}): it "
+            f"would prune its own checkpoints as older than them, and a later --resume auto would go back to "
+            f"theirs. Move them out of {root} to keep them (or delete them), then resume again; nothing was "
+            f"changed"
+        )
+    return None
+
+
+def writing_over(t: TrainConfig, start: int) -> str | None:
+    """Why a run must not start at step `start` in its out_dir, when that is 0 and the folder holds an earlier
+    run's results it would write over: final weights (a finished run), or without train.resume its step records
+    too. A restart with train.resume that finds no checkpoint (of a run stopped before its first, and before its
+    end) redoes those steps from the same seed and goes on. None when it may."""
     out = Path(t.out_dir) if t.out_dir else None
-    if pipe.rank == 0 and out is not None and start == 0:
-        steps = recorded_steps(out / "metrics.jsonl")
-        weights = [p for p in (out / "weights").iterdir() if p.is_file()] if (out / "weights").is_dir() else []
-        if weights or (steps and t.resume is None):
-            found = [f"metrics.jsonl: {steps} steps"] if steps else []
-            found += [f"weights/: {len(weights)} files"] if weights else []
-            none = " but no checkpoint to continue it from" if t.resume is not None else ""
-            why = (
-                f"{out} holds the results of an earlier run ({'; '.join(found)}){none}: this run would start at "
-                f"step 0 and write over them. Give this run another train.out_dir, or move them out of {out} (to "
-                f"keep them) or delete them; nothing was changed"
-            )
-    _refuse_on_every_rank(pipe, why, RunFolderError)
+    if out is None or start != 0:
+        return None
+    steps = recorded_steps(out / "metrics.jsonl")
+    weights = [p for p in (out / "weights").iterdir() if p.is_file()] if (out / "weights").is_dir() else []
+    if not (weights or (steps and t.resume is None)):
+        return None
+    found = [f"metrics.jsonl: {steps} steps"] if steps else []
+    found += [f"weights/: {len(weights)} files"] if weights else []
+    none = " but no checkpoint to continue it from" if t.resume is not None else ""
+    return (
+        f"{out} holds the results of an earlier run ({'; '.join(found)}){none}: this run would start at "
+        f"step 0 and write over them. Give this run another train.out_dir, or move them out of {out} (to "
+        f"keep them) or delete them; nothing was changed"
+    )
 
 
 def _refuse_on_every_rank(pipe: Pipeline, why: str | None, error: type[UserError]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import shutil
 import socket
 import subprocess
 import sys
@@ -146,19 +147,35 @@ def test_a_users_own_torchrun_on_a_held_out_dir_stops_at_start_up(tmp_path, hold
     assert _sums(out) == before
 
 
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """The out_dir of a finished run of 4 steps with a checkpoint every 2 (step-2, step-4, its records and final
+    weights), made once; each test works on its own copy (`used_out_dir`)."""
+    tmp = tmp_path_factory.mktemp("finished")
+    got = subprocess.run(TRAIN + [str(_config(tmp, checkpoint_every=2, steps=4))], capture_output=True, text=True,
+                         timeout=150)  # fmt: skip
+    assert got.returncode == 0, got.stderr[-3000:]
+    return tmp / "out"
+
+
+def used_out_dir(finished: Path, tmp_path: Path) -> Path:
+    """tmp_path/out: a copy of the finished run's out_dir (the folder _config names)."""
+    shutil.copytree(finished, tmp_path / "out")
+    return tmp_path / "out"
+
+
+TRAIN = [sys.executable, "-m", "mobiuspipe", "train", "--config"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_a_refused_resume_rewrites_none_of_the_runs_records(tmp_path):
-    cfg = _config(tmp_path, checkpoint_every=2)
-    first = subprocess.run([sys.executable, "-m", "mobiuspipe", "train", "--config", str(cfg)], capture_output=True,
-                           text=True, timeout=150)  # fmt: skip
-    assert first.returncode == 0, first.stderr[-3000:]
-    records = {n: (tmp_path / "out" / n).read_bytes() for n in ("config.yaml", "plan.yaml", "metrics.jsonl")}
-    bf16 = _config(tmp_path, checkpoint_every=2, precision="bf16", steps=4)
-    cmd = [sys.executable, "-m", "mobiuspipe", "train", "--config", str(bf16), "--resume", "auto"]
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+def test_a_refused_resume_rewrites_none_of_the_runs_records(tmp_path, finished):
+    out = used_out_dir(finished, tmp_path)
+    records = {n: (out / n).read_bytes() for n in ("config.yaml", "plan.yaml", "metrics.jsonl")}
+    bf16 = _config(tmp_path, checkpoint_every=2, precision="bf16", steps=6)
+    again = subprocess.run(TRAIN + [str(bf16), "--resume", "auto"], capture_output=True, text=True, timeout=150)
     assert again.returncode == 2, again.stderr[-3000:]
-    assert {n: (tmp_path / "out" / n).read_bytes() for n in records} == records
+    assert {n: (out / n).read_bytes() for n in records} == records
 
 
 def test_resume_reads_a_run_folder_or_a_checkpoint_root_as_auto_there(tmp_path):
@@ -176,39 +193,34 @@ def test_resume_reads_a_run_folder_or_a_checkpoint_root_as_auto_there(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_resume_with_the_run_folder_continues_from_its_newest_checkpoint(tmp_path):
-    train = [sys.executable, "-m", "mobiuspipe", "train", "--config"]
-    first = subprocess.run([*train, str(_config(tmp_path, checkpoint_every=2))], capture_output=True, text=True,
-                           timeout=150)  # fmt: skip
-    assert first.returncode == 0, first.stderr[-3000:]
-    more = _config(tmp_path, checkpoint_every=2, steps=4)
-    again = subprocess.run([*train, str(more), "--resume", str(tmp_path / "out")], capture_output=True, text=True,
-                           timeout=150)  # fmt: skip
+def test_resume_with_the_run_folder_continues_from_its_newest_checkpoint(tmp_path, finished):
+    out = used_out_dir(finished, tmp_path)
+    more = _config(tmp_path, checkpoint_every=2, steps=6)
+    again = subprocess.run(TRAIN + [str(more), "--resume", str(out)], capture_output=True, text=True, timeout=150)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert f"mobiuspipe: {tmp_path / 'out'} holds checkpoints: resuming from its newest complete one" in again.stdout
-    assert f"resumed from {tmp_path / 'out' / 'checkpoints' / 'step-2'} at step 2" in again.stdout
-    assert "step 3 [4/4]" in again.stdout
+    assert f"mobiuspipe: {out} holds checkpoints: resuming from its newest complete one" in again.stdout
+    assert f"resumed from {out / 'checkpoints' / 'step-4'} at step 4" in again.stdout
+    assert "step 5 [6/6]" in again.stdout
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_run_behind_the_folders_checkpoints_is_refused_and_leaves_them(tmp_path):
+def test_a_run_behind_the_folders_checkpoints_is_refused_and_leaves_them(tmp_path, finished):
     """A new run in a folder that holds another run's checkpoints, and a resume from an older checkpoint than the
     folder's newest, would prune their own checkpoints as the oldest and leave a later --resume auto to take the
-    other timeline's: both are refused before they write anything, naming the checkpoints and the ways out."""
-    train = [sys.executable, "-m", "mobiuspipe", "train", "--config"]
+    other timeline's: both are refused before they write anything, naming the checkpoints and the ways out (the
+    new run by `mobiuspipe train` before it plans and launches)."""
+    out = used_out_dir(finished, tmp_path)
     cfg = str(_config(tmp_path, checkpoint_every=2, steps=4))
-    first = subprocess.run([*train, cfg], capture_output=True, text=True, timeout=150)
-    assert first.returncode == 0, first.stderr[-3000:]
-    out = tmp_path / "out"
     before = _sums(out)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-4"]
-    fresh = subprocess.run([*train, cfg], capture_output=True, text=True, timeout=150)
+    fresh = subprocess.run(TRAIN + [cfg], capture_output=True, text=True, timeout=150)
     assert fresh.returncode == 2, fresh.stderr[-3000:]
     assert "holds the checkpoints of another run (step-2, step-4)" in fresh.stderr
     assert "--resume auto" in fresh.stderr and "another train.out_dir" in fresh.stderr
+    assert "launching" not in fresh.stderr  # refused before torchrun
     back = str(out / "checkpoints" / "step-2")
-    rollback = subprocess.run([*train, cfg, "--resume", back], capture_output=True, text=True, timeout=150)
+    rollback = subprocess.run(TRAIN + [cfg, "--resume", back], capture_output=True, text=True, timeout=150)
     assert rollback.returncode == 2, rollback.stderr[-3000:]
     assert "holds checkpoints after step 2, where this run resumes (step-4)" in rollback.stderr
     assert _sums(out) == before
@@ -216,28 +228,27 @@ def test_a_run_behind_the_folders_checkpoints_is_refused_and_leaves_them(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_finished_runs_records_are_never_written_over_by_a_run_from_step_0(tmp_path):
+def test_a_finished_runs_records_are_never_written_over_by_a_run_from_step_0(tmp_path, finished):
     """A run without checkpoints (checkpoint_every 0) finished: its metrics and final weights are all it leaves. A
     new run in its folder, and a --resume auto that finds no checkpoint to continue from, would start at step 0 and
-    write over them: both are refused before they write anything (exit 2 under `mobiuspipe train`). A run that
-    stopped before its end (no final weights) restarts from step 0 with --resume auto, as a job script's restart
-    does."""
+    write over them: both are refused before they write anything (exit 2 under `mobiuspipe train`, before it
+    launches the new run). A run that stopped before its end (no final weights) restarts from step 0 with
+    --resume auto, as a job script's restart does."""
     from types import SimpleNamespace
 
     from mobiuspipe.config import load_config
     from mobiuspipe.run.resume import refuse_writing_over
 
-    train = [sys.executable, "-m", "mobiuspipe", "train", "--config"]
-    cfg = _config(tmp_path, steps=2)
-    first = subprocess.run([*train, str(cfg)], capture_output=True, text=True, timeout=150)
-    assert first.returncode == 0, first.stderr[-3000:]
-    out = tmp_path / "out"
+    out = used_out_dir(finished, tmp_path)
+    shutil.rmtree(out / "checkpoints")  # what a run with checkpoint_every 0 leaves
+    cfg = _config(tmp_path, steps=4)
     before = _sums(out)
     assert (out / "metrics.jsonl").is_file() and any((out / "weights").iterdir())
-    again = subprocess.run([*train, str(cfg)], capture_output=True, text=True, timeout=150)
+    again = subprocess.run(TRAIN + [str(cfg)], capture_output=True, text=True, timeout=150)
     assert again.returncode == 2, again.stderr[-3000:]
-    said = f"{out} holds the results of an earlier run (metrics.jsonl: 2 steps; weights/: 4 files): this run would"
+    said = f"{out} holds the results of an earlier run (metrics.jsonl: 4 steps; weights/: 4 files): this run would"
     assert said in again.stderr and "another train.out_dir" in again.stderr and "nothing was changed" in again.stderr
+    assert "launching" not in again.stderr
     assert _sums(out) == before
 
     t = load_config(cfg).train
@@ -250,5 +261,5 @@ def test_a_finished_runs_records_are_never_written_over_by_a_run_from_step_0(tmp
     for f in (out / "weights").iterdir():  # a run that stopped before its end: no final weights
         f.unlink()
     refuse_writing_over(resumed, rank0, 0)  # type: ignore[arg-type]
-    with pytest.raises(RunFolderError, match="metrics.jsonl: 2 steps\\): this run would start at step 0"):
+    with pytest.raises(RunFolderError, match="metrics.jsonl: 4 steps\\): this run would start at step 0"):
         refuse_writing_over(t, rank0, 0)  # type: ignore[arg-type]
