@@ -98,7 +98,7 @@ def torchrun(config: Path, nproc: int, timeout: float = 240) -> subprocess.Compl
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def launch():
     """(write_config, torchrun) helpers."""
     return write_config, torchrun
