@@ -84,7 +84,8 @@ def test_the_launcher_turns_a_ranks_start_up_mistake_into_exit_2(
     body = f"import os, sys, time; leave = lambda: {leave}; {script}"  # one line, as the launch line shows it
     monkeypatch.setattr(cli_train, "torchrun_command", lambda *args, **kw: [sys.executable, "-c", body])
     config = _run(tmp_path)
-    args = ["train", "--config", str(config)] + (["--max-restarts", str(restarts)] if restarts else [])
+    args = ["train", "--config", str(config), "--resume", "auto"]  # which checkpoint: the ranks' to find
+    args += ["--max-restarts", str(restarts)] if restarts else []
     t0 = time.monotonic()
     assert cli(args) == code
     assert time.monotonic() - t0 < 20
