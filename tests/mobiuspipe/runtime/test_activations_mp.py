@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,7 @@ def test_memory_activations_and_tiers_under_torchrun(launch, tmp_path):
     rank's memory (the peer tier, staged), and kept graphs on the peer and on SSD (SO / SI in both ranks' schedules)
     all equal recompute on the device, bit for bit; the peer regions' shared memory files are gone after. (keep on
     the device and the host tier, on one rank: test_activation_tiers.py; keep on two: the test above.)"""
+    before = _regions()
     losses, weights = _train(launch, tmp_path, "recompute", {"activations": "recompute", "activation_tier": "device"})
     runs = {
         "plan": {},
@@ -75,4 +77,14 @@ def test_memory_activations_and_tiers_under_torchrun(launch, tmp_path):
         assert got_losses == losses and len(losses) == 3, name
         assert got_weights.keys() == weights.keys()
         assert all(torch.equal(got_weights[k], weights[k]) for k in weights), name
-    assert not list(Path("/dev/shm").glob("mobiuspipe-*")) if Path("/dev/shm").is_dir() else True
+    left = _regions() - before
+    deadline = time.monotonic() + 90  # a region of a test running beside this one (pytest -n) goes when it ends
+    while left and time.monotonic() < deadline:
+        time.sleep(1)
+        left &= _regions()
+    assert not left, left
+
+
+def _regions() -> set[str]:
+    """The peer regions' shared memory files (mobiuspipe.startup.peer_regions) that exist now."""
+    return {p.name for p in Path("/dev/shm").glob("mobiuspipe-*")} if Path("/dev/shm").is_dir() else set()
