@@ -224,6 +224,17 @@ def test_a_run_behind_the_folders_checkpoints_is_refused_and_leaves_them(tmp_pat
     assert rollback.returncode == 2, rollback.stderr[-3000:]
     assert "holds checkpoints after step 2, where this run resumes (step-4)" in rollback.stderr
     assert _sums(out) == before
+    # a user's own torchrun skips the launcher: its ranks refuse the new run with the same words
+    from types import SimpleNamespace
+
+    from mobiuspipe.checkpoint import CheckpointError
+    from mobiuspipe.config import load_config
+    from mobiuspipe.run.resume import refuse_later_checkpoints
+
+    rank0 = SimpleNamespace(rank=0, info=SimpleNamespace(world_size=1))  # what the rule reads of a Pipeline
+    with pytest.raises(CheckpointError) as e:
+        refuse_later_checkpoints(load_config(Path(cfg)).train, rank0, 0)  # type: ignore[arg-type]
+    assert str(e.value) in fresh.stderr
 
 
 @pytest.mark.slow
