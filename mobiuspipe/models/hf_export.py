@@ -22,6 +22,7 @@ from mobiuspipe.models.hf_weights import INDEX
 
 __all__ = [
     "SIDE_FILES",
+    "SIDE_FOLDERS",
     "MARKER",
     "marker_text",
     "check_export_dir",
@@ -37,11 +38,18 @@ SIDE_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
     "vocab.json",
     "merges.txt",
     "tokenizer.model",
 )
-"""Files of the source folder an export copies as they are (those present)."""
+"""Files of the source folder an export copies as they are (those present): the generation settings and the
+tokenizer's files, its chat template included (transformers 5 keeps it in chat_template.jinja, 4.x in
+tokenizer_config.json or chat_template.json), and its named extra templates (SIDE_FOLDERS)."""
+SIDE_FOLDERS = ("additional_chat_templates",)
+"""Folders of the source an export copies whole (those present)."""
 MARKER = "mobiuspipe-export.json"
 """The file an export writes beside the weights: {"owner": the run that wrote it (its out_dir, or the export's own
 path for `mobiuspipe export`)}. A later export of the same owner replaces the folder; nothing else does."""
@@ -119,6 +127,9 @@ def finish_export(
     for side in SIDE_FILES:
         if (m.folder / side).is_file():
             shutil.copy2(m.folder / side, folder / side)
+    for side in SIDE_FOLDERS:
+        if (m.folder / side).is_dir():
+            shutil.copytree(m.folder / side, folder / side)
     (folder / MARKER).write_text(marker_text(owner))
     fsync_files(folder)  # the new export is on the disk before it takes the name and the old one goes
     earlier = to.with_name(f".{to.name}.replaced")

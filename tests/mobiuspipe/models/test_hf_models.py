@@ -369,7 +369,6 @@ def test_finish_export_replaces_its_owners_export_and_leaves_no_remains(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "m"]
 
 
-@pytest.mark.xfail(strict=True, reason="the export copies a fixed list of tokenizer files without the chat template")
 def test_the_export_keeps_the_tokenizer_and_its_chat_template(tmp_path, hf_kit, chat_tokenizer_dir):
     """A chat model's export carries its tokenizer whole: transformers 5 saves the chat template in
     chat_template.jinja, beside tokenizer.json and tokenizer_config.json."""
