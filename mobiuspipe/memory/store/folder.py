@@ -42,14 +42,20 @@ def lock_folder(folder: str) -> int:
     except BlockingIOError:
         holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
-        raise SwapIOError(
-            f"the SSD store folder {folder} is in use by another process (pid {holder}); give each job its own folder",
-            folder,
-            errno=errno.EBUSY,
-        ) from None
+        raise SwapIOError(_in_use(folder, holder), folder, errno=errno.EBUSY) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd
+
+
+def _in_use(folder: str, holder: str) -> str:
+    """Why folder cannot be locked: held by holder (a pid), which may be this process."""
+    if holder == str(os.getpid()):
+        return (
+            f"the SSD store folder {folder} is open already in this process (pid {holder}): an SSDStore holds its "
+            f"folder until close(); close the first one (or use it) before opening the folder again"
+        )
+    return f"the SSD store folder {folder} is in use by another process (pid {holder}); give each job its own folder"
 
 
 def remove_orphans(folder: str, named: set[str]) -> None:

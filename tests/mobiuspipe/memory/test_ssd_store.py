@@ -232,11 +232,26 @@ def test_direct_io_can_be_turned_off(tmp_path, monkeypatch):
         assert not store.direct and store.note == ""
 
 
-def test_a_second_process_cannot_share_the_folder(tmp_path):
+def test_a_second_store_in_the_same_process_is_told_to_close_the_first(tmp_path):
     with _store(tmp_path / "job"):
-        with pytest.raises(SwapIOError, match=f"in use by another process \\(pid {os.getpid()}\\)"):
+        with pytest.raises(SwapIOError, match=f"open already in this process \\(pid {os.getpid()}\\).*close the first"):
             _store(tmp_path / "job")
     _store(tmp_path / "job").close()  # released on close
+
+
+def test_a_second_process_cannot_share_the_folder(tmp_path):
+    code = (
+        "import sys\n"
+        "from mobiuspipe.errors import SwapIOError\n"
+        "from mobiuspipe.memory.store.folder import lock_folder\n"
+        "try:\n    lock_folder(sys.argv[1])\nexcept SwapIOError as e:\n    print(e)\n    sys.exit(3)\n"
+    )
+    with _store(tmp_path / "job"):
+        other = subprocess.run(
+            [sys.executable, "-c", code, str(tmp_path / "job")], capture_output=True, text=True, timeout=120
+        )
+    assert other.returncode == 3, other.stderr
+    assert f"in use by another process (pid {os.getpid()}); give each job its own folder" in other.stdout
 
 
 def test_space_check_and_device_tensors(tmp_path):
