@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import os
+import sys
+
 from foundation.timing import Stopwatch
 from partition.mip.solvers import INF, MipModel, MipResult
 
@@ -32,13 +36,28 @@ def _lp(model: MipModel, highspy):
     return lp
 
 
+def _quiet_highs(highspy):
+    """A silent Highs. A process's first Highs() prints HiGHS's banner on the C library's standard output, before
+    it can be silenced, which would spoil a `--json` document there: the banner goes to standard error."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        h = highspy.Highs()
+        h.silent()
+        ctypes.CDLL(None).fflush(None)  # C's buffered standard output (a pipe's) is written out while it is fd 2
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    return h
+
+
 def solve_highs(model: MipModel, time_limit_s: float, rel_gap: float, start: list[float] | None = None) -> MipResult:
     """Solve with a time limit and a relative gap; `start` is a MIP start (ignored if infeasible)."""
     import highspy
 
     watch = Stopwatch()
-    h = highspy.Highs()
-    h.silent()
+    h = _quiet_highs(highspy)
     h.setOptionValue("time_limit", float(time_limit_s))
     h.setOptionValue("mip_rel_gap", float(rel_gap))
     h.setOptionValue("threads", 1)

@@ -399,7 +399,6 @@ def test_a_run_plans_without_a_reserve_on_stand_ins_and_with_one_on_real_gpus(tm
 
 
 @pytest.mark.mip
-@pytest.mark.xfail(strict=True, reason="highspy prints its banner on fd 1 when the first Highs() is made")
 def test_json_on_stdout_is_the_document_alone_with_highs():
     """--json's stdout is one JSON document and nothing else, also with HiGHS, which writes a banner to the
     process's standard output (C's, not Python's) when a process makes its first solver."""
