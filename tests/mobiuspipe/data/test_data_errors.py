@@ -153,6 +153,23 @@ def test_token_files_that_do_not_fit(tmp_path):
         _open(tmp_path, {"tokens": "t.bin"})
 
 
+@pytest.mark.xfail(strict=True, reason="a uint32 token file read as uint16 passes every check")
+@pytest.mark.parametrize("key", ["tokens", "eval_path"])
+def test_a_uint32_token_file_read_as_uint16_is_refused(tmp_path, key):
+    """Small uint32 ids read as uint16 are the ids with a 0 after each: valid ids, silently wrong data."""
+    ids = np.random.default_rng(3).integers(1, 300, 401, dtype=np.uint32)
+    ids.astype("<u4").tofile(tmp_path / "wide.bin")
+    ids.astype("<u2").tofile(tmp_path / "narrow.bin")
+    data = {"tokens": "narrow.bin", key: "wide.bin"}
+    with pytest.raises(ConfigError) as e:
+        _open(tmp_path, data)
+    assert str(e.value).startswith(f"data.{key}: expected a token file of uint16 ids (data.token_dtype), found ")
+    assert "wide.bin" in str(e.value) and "every second id is 0" in str(e.value)
+    assert str(e.value).endswith("fix: set data.token_dtype: uint32 (the file's ids are 4 bytes each)")
+    _open(tmp_path, {"tokens": "wide.bin", "eval_path": "wide.bin", "token_dtype": "uint32"})  # as written
+    _open(tmp_path, {"tokens": "narrow.bin", "eval_path": "narrow.bin"})
+
+
 def test_bytes_above_a_small_vocabulary_are_refused(tmp_path):
     (tmp_path / "a.txt").write_bytes(bytes([1, 2, 3, 200] * 20))
     with pytest.raises(ConfigError, match=r"vocab_size 100, found ids up to 200 in the bytes of .*a\.txt"):
