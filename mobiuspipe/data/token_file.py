@@ -55,7 +55,28 @@ def open_token_file(path: str, token_dtype: str, key: str) -> np.ndarray:
             f"{path} of {size:,} bytes, not a multiple of {item} ({size % item} left over)",
             f"check data.token_dtype (is it {other}?) or rewrite the file with `mobiuspipe tokenize`",
         )
-    return _map(path, np.dtype(token_dtype).newbyteorder("<"), size // item)
+    tokens = _map(path, np.dtype(token_dtype).newbyteorder("<"), size // item)
+    if token_dtype == "uint16" and _looks_wide(tokens):
+        raise data_error(
+            key,
+            "a token file of uint16 ids (data.token_dtype)",
+            f"{path}, where every second id is 0 in its first {min(len(tokens), WIDTH_SAMPLE):,} uint16 values, as "
+            f"in uint32 ids below 65,536 read two bytes at a time",
+            "set data.token_dtype: uint32 (the file's ids are 4 bytes each)",
+        )
+    return tokens
+
+
+WIDTH_SAMPLE = 8192
+"""uint16 values of a token file's start that _looks_wide reads."""
+
+
+def _looks_wide(tokens: np.ndarray) -> bool:
+    """Whether uint16 `tokens` are uint32 ids read two bytes at a time: every odd value of the first WIDTH_SAMPLE
+    0 (their upper halves) and some even one not (at least 64 values: text whose every second token is id 0
+    is not text)."""
+    head = np.asarray(tokens[: min(len(tokens), WIDTH_SAMPLE) // 2 * 2])
+    return len(head) >= 64 and not head[1::2].any() and bool(head[0::2].any())
 
 
 def open_bytes(path: str, key: str) -> np.ndarray:
