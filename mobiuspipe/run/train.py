@@ -386,7 +386,7 @@ def _states_line(cfg: RunConfig, tiers: dict[int, tuple[str, str]]) -> str:
 
 def _by_tier(tiers: dict[int, str]) -> str:
     parts = []
-    for tier in ("host", "ssd"):
+    for tier in ("device", "host", "ssd"):
         stages = sorted(j for j, t in tiers.items() if t == tier)
         if stages:
             parts.append(f"{tier} for stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}")
