@@ -150,10 +150,22 @@ def test_torchruns_process_takes_sigint_where_the_launcher_ignored_it():
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("ignored", [False, True])
-def test_ctrl_c_during_start_up_ends_the_job_with_one_line(tmp_path, ignored):
+@pytest.mark.parametrize(
+    "ignored, to",
+    [
+        (False, "group"),
+        (True, "group"),
+        pytest.param(
+            True,
+            "launcher",
+            marks=pytest.mark.xfail(strict=True, reason="a SIGINT to the launcher alone is not passed on"),
+        ),
+    ],
+)
+def test_ctrl_c_during_start_up_ends_the_job_with_one_line(tmp_path, ignored, to):
     """Also when `mobiuspipe train` starts with SIGINT ignored, as a non-interactive shell starts a command run with
-    `&`: the launcher takes Ctrl-C, so its job must too."""
+    `&`: the launcher takes Ctrl-C, so its job must too. `to`: the SIGINT goes to the launcher's process group, as a
+    terminal's Ctrl-C does, or to the launcher alone (`kill -INT PID`, a script's way)."""
     popen = {"preexec_fn": _ignore_sigint} if ignored else {}
     job = _launch(tmp_path, start_new_session=True, **popen)  # its own group, as a terminal's foreground job
     assert job.stderr is not None
@@ -161,7 +173,10 @@ def test_ctrl_c_during_start_up_ends_the_job_with_one_line(tmp_path, ignored):
     # torchrun and the ranks are starting: importing torch, building the plan (not in torchrun's first 0.3 s, when
     # now and then its import swallows a SIGINT's KeyboardInterrupt and the job runs on: measured here)
     time.sleep(1.5)
-    os.killpg(job.pid, signal.SIGINT)
+    if to == "group":
+        os.killpg(job.pid, signal.SIGINT)
+    else:
+        os.kill(job.pid, signal.SIGINT)
     out, err = job.communicate(timeout=120)
     assert job.returncode == 130, err[-3000:]
     assert err.endswith("mobiuspipe: stopped by Ctrl-C (SIGINT); torchrun and the ranks have ended\n"), err[-3000:]
