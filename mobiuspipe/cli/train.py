@@ -34,8 +34,9 @@ __all__ = ["register", "run", "torchrun_command"]
 
 POLL_S = 0.1
 """With --max-restarts: how often to look for a rank's start-up mistake while torchrun runs (seconds)."""
-INTERRUPTED_EXIT = 130
-"""The exit code after Ctrl-C or SIGTERM stopped the job (128 + SIGINT, as a shell reports it)."""
+STOPPED_BY = {signal.SIGINT: "Ctrl-C (SIGINT)", signal.SIGTERM: "SIGTERM"}
+"""The signals that stop a job (its ranks checkpoint first), as the last line names them. The exit code is
+128 + the first one's number, as a shell reports a command a signal ended: 130 after Ctrl-C, 143 after SIGTERM."""
 DEFAULT_RDZV_ID = "mobiuspipe"
 """The rendezvous id when --rdzv-id is not given: jobs sharing an endpoint need different ids."""
 
@@ -120,10 +121,12 @@ def run(args: argparse.Namespace, out) -> int:
             save_plan(plan, Path(errors) / "plan.yaml")
             env[PLAN_ENV] = str(Path(errors) / "plan.yaml")
         me = os.getpid()  # torchrun dies with this process, its ranks with torchrun (mobiuspipe.run.parent_death)
-        torchrun = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, preexec_fn=lambda: launched_child(me))
+        torchrun = subprocess.Popen(
+            cmd, env=env, stderr=subprocess.PIPE, preexec_fn=lambda: launched_child(me), start_new_session=True
+        )  # a session of its own: a signal reaches it once, from _wait_for, however it was sent
         assert torchrun.stderr is not None
         stderr = JobStderr(torchrun.stderr, sys.stderr.buffer, lambda: rank_mistake(Path(errors)) is not None)
-        stopped: list[str] = []
+        stopped: list[signal.Signals] = []
         code = _wait_for(torchrun, Path(errors) if args.max_restarts else None, stderr, stopped)
         mistake = rank_mistake(Path(errors)) if code != 0 else None
         stderr.finish(quiet=code != 0 and (mistake is not None or bool(stopped)))
@@ -131,8 +134,9 @@ def run(args: argparse.Namespace, out) -> int:
     if mistake is not None:
         raise StartUpError(mistake)
     if stopped and code != 0:
-        print(f"mobiuspipe: stopped by {stopped[0]}; torchrun and the ranks have ended", file=sys.stderr, flush=True)
-        return INTERRUPTED_EXIT
+        first = stopped[0]
+        print(f"mobiuspipe: stopped by {STOPPED_BY[first]}; torchrun and the ranks have ended", file=sys.stderr)
+        return 128 + first
     if lost is not None:
         print(f"mobiuspipe: {lost}", file=sys.stderr, flush=True)  # the last word, after the failing rank's own
     return code
@@ -145,24 +149,22 @@ def _has_keys(path: Path) -> bool:
     return bool(yaml.safe_load(path.read_text()))
 
 
-def _wait_for(torchrun: subprocess.Popen, errors: Path | None, stderr: JobStderr, stopped: list[str]) -> int:
-    """torchrun's exit code. Ctrl-C reaches torchrun and its ranks from the terminal (they checkpoint and stop),
-    so this process does not die of SIGINT, and passes a SIGTERM on to torchrun instead of dying first; either
-    is noted in `stopped`, and from then on the job's stderr is held (`stderr`). With `errors` (the ranks'
-    mistakes folder) it stops torchrun once a start-up mistake is there, before it restarts."""
+def _wait_for(torchrun: subprocess.Popen, errors: Path | None, stderr: JobStderr, stopped: list[signal.Signals]) -> int:
+    """torchrun's exit code. torchrun runs in a session of its own, so neither a terminal's Ctrl-C nor a signal to
+    this process group reaches it: this process does not die of SIGINT or SIGTERM but passes either on to torchrun,
+    which passes it to its ranks (they checkpoint and stop); it is noted in `stopped`, and from then on the job's
+    stderr is held (`stderr`). Each signal is passed on once, however it came (the terminal, `kill -INT PID`, a
+    signal to the group). With `errors` (the ranks' mistakes folder) it stops torchrun once a start-up mistake is
+    there, before it restarts."""
     from mobiuspipe.run.preflight import start_up_error
 
-    def interrupted(signum, frame) -> None:
-        stopped.append("Ctrl-C (SIGINT)")
+    def stop(signum, frame) -> None:
+        stopped.append(signal.Signals(signum))
         stderr.hold()
+        torchrun.send_signal(signum)
 
-    def terminated(signum, frame) -> None:
-        stopped.append("SIGTERM")
-        stderr.hold()
-        torchrun.send_signal(signal.SIGTERM)
-
-    old_int = signal.signal(signal.SIGINT, interrupted)
-    old_term = signal.signal(signal.SIGTERM, terminated)
+    old_int = signal.signal(signal.SIGINT, stop)
+    old_term = signal.signal(signal.SIGTERM, stop)
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
     old_wakeup = signal.set_wakeup_fd(wake_write, warn_on_full_buffer=False)

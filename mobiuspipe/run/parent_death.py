@@ -3,8 +3,9 @@
 `mobiuspipe train` starts torchrun so that the kernel kills it when the launcher dies, by any signal, SIGKILL
 included, and sets ENV for its ranks, which ask the same of torchrun. So a killed launcher leaves no rank running
 and nothing is written after it: no process of the job outlives it by more than the kernel's delivery. A signal the
-launcher survives (Ctrl-C, SIGTERM) still reaches torchrun and the ranks as before: they checkpoint and stop (torchrun
-starts with SIGINT's default even where the launcher started with it ignored: launched_child). A
+launcher survives (Ctrl-C, SIGTERM) it passes on to torchrun, which runs in a session of its own, and torchrun to the
+ranks: they checkpoint and stop (torchrun starts with SIGINT's default even where the launcher started with it
+ignored: launched_child). A
 user's own torchrun keeps torchrun's rules: its ranks get no parent-death signal (docs/cli.md).
 """
 

@@ -151,21 +151,19 @@ def test_torchruns_process_takes_sigint_where_the_launcher_ignored_it():
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(
-    "ignored, to",
+    "ignored, to, signum",
     [
-        (False, "group"),
-        (True, "group"),
-        pytest.param(
-            True,
-            "launcher",
-            marks=pytest.mark.xfail(strict=True, reason="a SIGINT to the launcher alone is not passed on"),
-        ),
+        (False, "group", signal.SIGINT),
+        (True, "group", signal.SIGINT),
+        (True, "launcher", signal.SIGINT),
+        (False, "launcher", signal.SIGTERM),
     ],
 )
-def test_ctrl_c_during_start_up_ends_the_job_with_one_line(tmp_path, ignored, to):
+def test_ctrl_c_during_start_up_ends_the_job_with_one_line(tmp_path, ignored, to, signum):
     """Also when `mobiuspipe train` starts with SIGINT ignored, as a non-interactive shell starts a command run with
-    `&`: the launcher takes Ctrl-C, so its job must too. `to`: the SIGINT goes to the launcher's process group, as a
-    terminal's Ctrl-C does, or to the launcher alone (`kill -INT PID`, a script's way)."""
+    `&`: the launcher takes Ctrl-C, so its job must too. `to`: the signal goes to the launcher's process group, as a
+    terminal's Ctrl-C does, or to the launcher alone (`kill -INT PID`, a script's way); a SIGTERM ends the job the
+    same way, exit 143."""
     popen = {"preexec_fn": _ignore_sigint} if ignored else {}
     job = _launch(tmp_path, start_new_session=True, **popen)  # its own group, as a terminal's foreground job
     assert job.stderr is not None
@@ -174,10 +172,11 @@ def test_ctrl_c_during_start_up_ends_the_job_with_one_line(tmp_path, ignored, to
     # now and then its import swallows a SIGINT's KeyboardInterrupt and the job runs on: measured here)
     time.sleep(1.5)
     if to == "group":
-        os.killpg(job.pid, signal.SIGINT)
+        os.killpg(job.pid, signum)
     else:
-        os.kill(job.pid, signal.SIGINT)
+        os.kill(job.pid, signum)
     out, err = job.communicate(timeout=120)
-    assert job.returncode == 130, err[-3000:]
-    assert err.endswith("mobiuspipe: stopped by Ctrl-C (SIGINT); torchrun and the ranks have ended\n"), err[-3000:]
+    assert job.returncode == 128 + signum, err[-3000:]
+    name = "Ctrl-C (SIGINT)" if signum == signal.SIGINT else "SIGTERM"
+    assert err.endswith(f"mobiuspipe: stopped by {name}; torchrun and the ranks have ended\n"), err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
