@@ -3,6 +3,7 @@ refusals of a start that would lose what a run folder holds, agreed on by every 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from foundation.errors import UserError
@@ -44,17 +45,28 @@ def run_identity(cfg: RunConfig) -> dict:
     }
 
 
-def resume_run(t: TrainConfig, pipe: Pipeline, run: dict | None = None) -> int:
+Say = Callable[[str], None]
+"""Where rank 0's word on the resume goes (a line without "mobiuspipe: ")."""
+
+
+def _print(line: str) -> None:
+    print(f"mobiuspipe: {line}", flush=True)
+
+
+def resume_run(t: TrainConfig, pipe: Pipeline, run: dict | None = None, say: Say | None = None) -> int:
     """Restore the checkpoint train.resume names (rank 0 chooses, every rank loads its own part); the step
     the loop starts at (0 without one). Resuming from the newest under a folder (auto), a damaged one
     (CheckpointDamaged on any rank) is passed over for the newest whole one before it (_Search). Every rank raises
-    the first failing rank's error otherwise (one that is not damage first)."""
+    the first failing rank's error otherwise (one that is not damage first). Rank 0 tells where the run starts
+    through `say` (a line without its "mobiuspipe: "; None: printed now), which a caller that may still refuse
+    the start holds until it does not."""
     if t.resume is None:
         return 0
+    tell = say or _print
     root = Path(t.checkpoint_root or ".")
     where = resume_root(t.resume, root)
     if pipe.rank == 0 and where is not None and t.resume != "auto":
-        print(f"mobiuspipe: {t.resume} holds checkpoints: resuming from its newest complete one", flush=True)
+        tell(f"{t.resume} holds checkpoints: resuming from its newest complete one")
     search = _Search(where, root) if where is not None else None
     while True:
         choice: tuple[Path | None, str | None] = (None, None)  # rank 0's: (the checkpoint to try, a refusal)
@@ -65,13 +77,13 @@ def resume_run(t: TrainConfig, pipe: Pipeline, run: dict | None = None) -> int:
             raise CheckpointError(refusal)
         if folder is None:
             if pipe.rank == 0:
-                print(f"mobiuspipe: no complete checkpoint under {where}: starting at step 0", flush=True)
+                tell(f"no complete checkpoint under {where}: starting at step 0")
             return 0
         every = gather_all(pipe.info, _load(pipe, folder, run))
         failed = sorted(((o[0], r, o[1]) for r, o in enumerate(every) if not isinstance(o, int)), key=lambda f: f[0])
         if not failed:
             if pipe.rank == 0:
-                print(f"mobiuspipe: resumed from {folder} at step {every[0]}", flush=True)
+                tell(f"resumed from {folder} at step {every[0]}")
             return every[0]
         damaged, r, why = failed[0]
         why = why if r == 0 else f"rank {r}: {why}"
@@ -140,8 +152,10 @@ class _Search:
                 )
                 return
         kept = f"set aside as {aside} (nothing in it deleted)" if self.own else "left where it is"
-        print(f"mobiuspipe: checkpoint {folder} is damaged, {kept}; trying the one before it. {why}", flush=True)
         self.passed.append(aside)
+        left = [s for s in complete_steps(self.where) if self.where / f"{PREFIX}{s}" not in self.passed]
+        then = "trying the one before it" if left else "no complete checkpoint is left before it"
+        print(f"mobiuspipe: checkpoint {folder} is damaged, {kept}; {then}. {why}", flush=True)
 
 
 def refuse_later_checkpoints(t: TrainConfig, pipe: Pipeline, start: int) -> None:

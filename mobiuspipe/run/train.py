@@ -218,10 +218,13 @@ def _steps(
 ) -> bool:
     """The steps from where the run resumes; True when every step ran, False when a signal stopped it."""
     run = run_identity(cfg)
+    said: list[str] = []  # where the run starts, told once nothing refuses the start
     with at_start_up((CheckpointError, RunFolderError)):  # every rank raises the same (not a lost peer's error)
-        start = resume_run(cfg.train, pipe, run)
+        start = resume_run(cfg.train, pipe, run, said.append)
         refuse_later_checkpoints(cfg.train, pipe, start)
         refuse_writing_over(cfg.train, pipe, start)
+    for line in said:
+        print(f"mobiuspipe: {line}", flush=True)
     _write_records(cfg, pipe)  # once every start-up check, the resume's included, has passed
     checkpoints = Checkpointer(cfg.train, pipe, cfg.to_yaml(), run)
     try:

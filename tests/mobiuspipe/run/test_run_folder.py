@@ -223,6 +223,7 @@ def test_a_run_behind_the_folders_checkpoints_is_refused_and_leaves_them(tmp_pat
     rollback = subprocess.run(TRAIN + [cfg, "--resume", back], capture_output=True, text=True, timeout=150)
     assert rollback.returncode == 2, rollback.stderr[-3000:]
     assert "holds checkpoints after step 2, where this run resumes (step-4)" in rollback.stderr
+    assert "resumed from" not in rollback.stdout  # a start it refuses is not announced first
     assert _sums(out) == before
     # a user's own torchrun skips the launcher: its ranks refuse the new run with the same words
     from types import SimpleNamespace
