@@ -127,7 +127,11 @@ def register(sub) -> None:
         type=non_negative_float,
         default=2.0,
         metavar="S",
-        help="seconds the MIP may take in all; on a time-out the best plan found is kept with its gap (2)",
+        help=(
+            "seconds the MIP solver may take in all, shared by the candidate stage counts (at least 0.05 s each); "
+            "the planner's other work (the models' rows, the activation choice) comes on top. On a time-out the "
+            "best plan found is kept with its gap (2)"
+        ),
     )
     p.add_argument("--gap", type=non_negative_float, default=0.01, help="relative MIP gap to stop at (0.01 = 1%%)")
     p.add_argument(

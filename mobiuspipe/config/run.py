@@ -236,7 +236,10 @@ class PlanConfig(Section):
     file: str | None = field(
         default=None,
         metadata={
-            "path_fix": "write one with `mobiuspipe partition -o plan.yaml`, or remove plan.file to plan at start-up"
+            "path_fix": (
+                "write one with `mobiuspipe partition --config RUN.yaml -o FILE` while RUN.yaml has no plan.file, "
+                "then set plan.file; or remove plan.file to plan at start-up"
+            )
         },
     )
     """A plan written by `mobiuspipe partition -o plan.yaml`; None = plan at start-up; a relative

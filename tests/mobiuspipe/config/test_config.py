@@ -164,7 +164,8 @@ def test_a_config_from_a_dict_takes_paths_from_base_dir(tmp_path, monkeypatch):
 def test_missing_relative_path_names_key_and_resolved_path(tmp_path):
     message = load_error(tmp_path, "data:\n  path: nope.txt\nplan:\n  file: plan.yaml\n")
     assert "data.path" in message and str(tmp_path / "nope.txt") in message
-    assert "plan.file" in message and "mobiuspipe partition -o plan.yaml" in message
+    fix = "mobiuspipe partition --config RUN.yaml -o FILE` while RUN.yaml has no plan.file, then set plan.file"
+    assert "plan.file" in message and fix in message
 
 
 def test_unknown_key_suggests_closest(tmp_path):
