@@ -441,6 +441,7 @@ def main() -> int:
     print(f"gpu_check on {name if cuda else 'CPU stand-ins (strict)'}: {size}", flush=True)
     adam = "C++ extension" if _ext.HAVE_C else f"PyTorch fallback ({_ext.WHY_NOT[:80]})"
     print(f"host Adam: {adam}", flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     t = Table(Path(args.out), {"device": name, "torch": torch.__version__, "size": str(size), "host_adam": adam})
     topology = runs.gpu_topology() if cuda else cpu_standin(1, 256 << 20)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
