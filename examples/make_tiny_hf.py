@@ -19,6 +19,8 @@ from importlib import resources
 
 import torch
 
+import mobiuspipe  # noqa: F401  (first: it quiets torchao's warnings about CUDA kernels a CPU build cannot load)
+
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
 SPECIALS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 

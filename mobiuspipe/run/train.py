@@ -17,7 +17,7 @@ import logging
 import os
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 
@@ -409,6 +409,25 @@ def _save_weights(pipe: Pipeline, folder: Path) -> None:
 
 
 @record
+def restart_note(env: Mapping[str, str], resume: str | None) -> str | None:
+    """Rank 0's first line in an attempt torchrun started again after a rank failed (--max-restarts; torchrun's agent
+    sets TORCHELASTIC_RESTART_COUNT and TORCHELASTIC_MAX_RESTARTS): None on the first attempt and on other ranks."""
+    count = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if count == 0 or env.get("RANK", "0") != "0":
+        return None
+    where = (
+        "no train.resume: the run starts again at step 0, which a folder with its checkpoints refuses (--resume auto)"
+        if resume is None
+        else f"train.resume {resume}: the run goes on from "
+        + ("its newest complete checkpoint" if resume == "auto" else resume)
+    )
+    most = env.get("TORCHELASTIC_MAX_RESTARTS", "?")
+    return (
+        f"mobiuspipe: torchrun started the ranks again after a rank failed (restart {count} of at most {most}, "
+        f"--max-restarts); {where}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="mobiuspipe.train", description=(__doc__ or "").partition("\n")[0])
     p.add_argument("--config", required=True, help="YAML run config (see examples/tiny-gpt.yaml)")
@@ -419,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with at_start_up():
             cfg = with_resume(load_config(args.config), args.resume)
+        if (note := restart_note(os.environ, cfg.train.resume)) is not None:
+            print(note, flush=True)
         train(cfg)
     except UserError as e:
         return report(e, "mobiuspipe.train")

@@ -127,6 +127,7 @@ def test_a_killed_rank_restarts_and_resumes_bit_identically(tmp_path, launch, wh
         job.kill()
     assert job.returncode == 0, log[-3000:]
     assert "resumed from" in log and "checkpoints/step-" in log, log[-3000:]
+    assert "torchrun started the ranks again after a rank failed (restart 1 of at most 1" in log, log[-3000:]
     _same(_result(out), _result(whole.parent / "out"))
 
 
