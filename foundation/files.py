@@ -48,6 +48,13 @@ for _cls in (StrictLoader, StrictDumper):  # YAML 1.1 wants a dot and a signed e
     _cls.add_implicit_resolver(_FLOAT_TAG, _EXPONENT_FLOAT, list("-+0123456789"))
 
 
+def _twice(first: tuple[int, int], again: tuple[int, int]) -> str:
+    """Where a key was written twice: by line, and by column too when both are on one line (a flow mapping)."""
+    if first[0] != again[0]:
+        return f"it at line {first[0]} and again at line {again[0]}"
+    return f"it at line {first[0]}, column {first[1]} and again at column {again[1]}"
+
+
 def _yaml_duplicates(node: yaml.Node, path: str, seen: set[int]) -> Iterator[Problem]:
     """Every key written twice in one mapping, anywhere under `node`."""
     if id(node) in seen:
@@ -55,18 +62,15 @@ def _yaml_duplicates(node: yaml.Node, path: str, seen: set[int]) -> Iterator[Pro
     seen.add(id(node))
     children: list[tuple[str, yaml.Node]] = []
     if isinstance(node, yaml.MappingNode):
-        lines: dict[str, int] = {}
+        places: dict[str, tuple[int, int]] = {}  # key -> (line, column) where it was first written, from 1
         for key_node, value_node in node.value:
             name = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else "?"
-            line = key_node.start_mark.line + 1
-            if name in lines:
+            here = (key_node.start_mark.line + 1, key_node.start_mark.column + 1)
+            if name in places:
                 yield Problem(
-                    join_key(path, name),
-                    "each key once per mapping",
-                    f"it at line {lines[name]} and again at line {line}",
-                    _DUPLICATE_FIX,
+                    join_key(path, name), "each key once per mapping", _twice(places[name], here), _DUPLICATE_FIX
                 )
-            lines.setdefault(name, line)
+            places.setdefault(name, here)
             children.append((join_key(path, name), value_node))
     elif isinstance(node, yaml.SequenceNode):
         children = [(f"{path}[{i}]", item) for i, item in enumerate(node.value)]

@@ -215,7 +215,8 @@ def test_duplicate_keys_in_yaml_name_both_lines(tmp_path):
     path = _write(tmp_path, "name: a\nboxes:\n  - {label: x, weight_kg: 1, label: y}\nname: b\n")
     message = _file_error(path)
     assert "2 errors" in message
-    assert "boxes[0].label: expected each key once per mapping, found it at line 3 and again at line 3" in message
+    twice = "boxes[0].label: expected each key once per mapping, found it at line 3, column 6 and again at column 30"
+    assert twice in message
     assert "name: expected each key once per mapping, found it at line 1 and again at line 4" in message
 
 
