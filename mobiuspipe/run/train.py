@@ -28,7 +28,6 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from foundation.errors import UserError
 from foundation.files import write_text_whole
 from foundation.timing import Stopwatch
-from foundation.units import fmt_bytes
 from mobiuspipe.checkpoint import CheckpointError
 from mobiuspipe.config import RunConfig, load_config
 from mobiuspipe.data.dataset import PackedTokens, open_run_data
@@ -44,6 +43,7 @@ from mobiuspipe.optim import CPUAdam
 from mobiuspipe.optim.host_threads import rank_threads
 from mobiuspipe.pipeline import Pipeline
 from mobiuspipe.profiling.profiler import TORCH_DTYPES
+from mobiuspipe.run.banner import start_line
 from mobiuspipe.run.checkpoints import Checkpointer, StopSignals
 from mobiuspipe.run.flops import device_name, flops_per_token, peak_tflops
 from mobiuspipe.run.metrics import Reporter, device_peak_line, step_metrics
@@ -199,7 +199,7 @@ def _training_loop(cfg: RunConfig, pipe: Pipeline, data: PackedTokens, held_out:
     rank, plan = pipe.rank, pipe.plan
     out = Path(cfg.train.out_dir) if cfg.train.out_dir else None
     if rank == 0:
-        print(f"{_banner(cfg, plan)}; {_states_line(cfg, pipe.state_tiers)}; data: {data.describe()}", flush=True)
+        print(start_line(cfg, plan, pipe.state_tiers, data.describe()), flush=True)
     signals = StopSignals()
     try:
         done = _steps(cfg, pipe, data, held_out, signals)
@@ -339,61 +339,6 @@ def _report_device_peak(pipe: Pipeline) -> None:
         measured = [b for b, _ in every]
         parts = max(every, key=lambda e: e[0])[1]
         print(device_peak_line(measured, pipe.planned_device_bytes(), source, parts), flush=True)
-
-
-def _banner(cfg: RunConfig, plan: Plan) -> str:
-    source = f"from {cfg.plan.file}" if cfg.plan.file else "made at start-up"
-    return (
-        f"mobiuspipe: {plan.model}, {plan.num_layers} layers in {plan.num_stages} stages on {plan.num_gpus} "
-        f"ranks (stage -> rank {plan.mapping}, {plan.mapping_rule} mapping; plan {source}); "
-        f"{plan.num_microbatches} microbatches of {plan.microbatch_size}; {plan.dtype} weights, fp32 master; "
-        f"device arena "
-        f"{fmt_bytes(plan.arena_bytes)} per rank ({plan.arena_words()})" + _lora_words(cfg, plan) + _writes(cfg)
-    )
-
-
-def _lora_words(cfg: RunConfig, plan: Plan) -> str:
-    """What the banner says of LoRA: the adapters and what trains (nothing without LoRA)."""
-    spec = lora_spec(cfg)
-    if spec is None:
-        return ""
-    trains, frozen = sum(s.trains for s in plan.stages), sum(s.frozen_bytes for s in plan.stages)
-    start = f"continuing {cfg.model.adapter}" if cfg.model.adapter else "new"
-    form = {"nf4": "NF4", "int8": "int8"}.get(spec.base_dtype or "", plan.dtype)
-    where = "on the SSD, " if cfg.memory.frozen == "ssd" else ""
-    return (
-        f"; LoRA adapters ({start}) of rank {spec.rank}, alpha {spec.alpha:g} on {', '.join(spec.targets)}: "
-        f"{trains:,} parameters train, the base frozen ({where}{fmt_bytes(frozen)} in {form})"
-    )
-
-
-def _writes(cfg: RunConfig) -> str:
-    """What the banner says when the run writes no files (a config without out_dir, an empty one among them)."""
-    if cfg.train.out_dir or cfg.train.checkpoint_root or cfg.train.export_dir:
-        return ""
-    return "; no train.out_dir: this run writes no files (no metrics, checkpoints or weights)"
-
-
-def _states_line(cfg: RunConfig, tiers: dict[int, tuple[str, str]]) -> str:
-    """Where each stage's optimizer states and weights went, e.g. "optimizer states (auto): host for stages
-    1, 2, 3; ssd for stage 0; weights (host): host for stages 0, 1, 2, 3 (under /nvme/run, 1024 MiB host
-    budget per rank)"."""
-    mem = cfg.memory
-    line = "; ".join(
-        f"{what} ({mode}): {_by_tier({j: t[k] for j, t in tiers.items()})}"
-        for k, (what, mode) in enumerate((("optimizer states", mem.optimizer), ("weights", mem.weights)))
-    )
-    on_ssd = any("ssd" in t for t in tiers.values())
-    return line + (f" (under {mem.ssd_dir}, {mem.host_budget_mb:g} MiB host budget per rank)" if on_ssd else "")
-
-
-def _by_tier(tiers: dict[int, str]) -> str:
-    parts = []
-    for tier in ("device", "host", "ssd"):
-        stages = sorted(j for j, t in tiers.items() if t == tier)
-        if stages:
-            parts.append(f"{tier} for stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}")
-    return "; ".join(parts)
 
 
 def _save_weights(pipe: Pipeline, folder: Path) -> None:

@@ -367,13 +367,13 @@ def test_explain_when_even_recompute_does_not_fit_the_walk(monkeypatch):
 def test_an_empty_config_and_a_run_without_out_dir_say_what_they_do(tmp_path):
     from mobiuspipe.cli.train import _has_keys
     from mobiuspipe.config import config_from_dict
-    from mobiuspipe.run.train import _writes
+    from mobiuspipe.run.banner import writes
 
     (tmp_path / "empty.yaml").write_text("# nothing but a comment\n")
     (tmp_path / "some.yaml").write_text("train: {steps: 3}\n")
     assert not _has_keys(tmp_path / "empty.yaml") and _has_keys(tmp_path / "some.yaml")
-    assert "this run writes no files" in _writes(config_from_dict({}))
-    assert _writes(config_from_dict({"train": {"out_dir": str(tmp_path / "out")}})) == ""
+    assert "this run writes no files" in writes(config_from_dict({}))
+    assert writes(config_from_dict({"train": {"out_dir": str(tmp_path / "out")}})) == ""
 
 
 def test_a_run_plans_without_a_reserve_on_stand_ins_and_with_one_on_real_gpus(tmp_path, capsys):
