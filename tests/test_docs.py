@@ -45,3 +45,23 @@ def test_every_relative_link_leads_to_a_file(page):
         if not (page.parent / path).exists():
             broken.append(target)
     assert not broken, f"{page.relative_to(ROOT)} links to missing files: {broken}"
+
+
+LAYOUT_ROOTS = ("foundation", "topology", "partition", "mobiuspipe", "scripts")
+"""The folders whose every module docs/layout.md's tree names (cli/ as a whole: one module per subcommand)."""
+
+
+def test_the_layout_tree_names_every_module():
+    """A module added without its line in docs/layout.md's tree fails here: the tree is where a newcomer looks."""
+    page = (DOCS / "layout.md").read_text()
+    tree = page.split("## Layout", 1)[1].split("```", 2)[1]
+    words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", tree))
+    missing = []
+    for root in LAYOUT_ROOTS:
+        for f in sorted((ROOT / root).rglob("*.py")):
+            rel = f.relative_to(ROOT)
+            if f.name == "__init__.py" or "cli" in rel.parts[:-1] or f.stem.startswith("bench_"):
+                continue
+            if f.stem not in words:
+                missing.append(str(rel))
+    assert not missing, f"docs/layout.md's tree does not name: {', '.join(missing)}"
