@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -151,6 +152,25 @@ def test_the_run_offers_the_activation_tiers_it_can_run(monkeypatch, tmp_path):
     assert activation_tiers(cfg(2, True)) == ("host", "ssd", "peer")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # two hosts of one rank each
     assert activation_tiers(cfg(2, False)) == ("host",)
+
+
+@pytest.mark.xfail(strict=True, reason="the launcher of a multi-node job plans as for one host")
+def test_a_launcher_of_several_nodes_plans_without_the_peer_tier(monkeypatch, tmp_path):
+    """`mobiuspipe train --nnodes 2` plans before torchrun sets LOCAL_WORLD_SIZE: it must not offer the peer tier,
+    which needs every rank on one host (its ranks would stop at start-up on a plan that parks activations there)."""
+    from mobiuspipe.config import config_from_dict
+    from mobiuspipe.run import preflight
+    from mobiuspipe.startup.config_plan import activation_tiers
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    cfg = config_from_dict({"plan": {"num_gpus": 4}, "memory": {"ssd_dir": str(tmp_path)}})
+    assert activation_tiers(cfg, hosts=2) == ("host", "ssd")
+    asked, made = [], SimpleNamespace(num_gpus=4)
+    monkeypatch.setattr(preflight, "plan_from_config", lambda c, **kw: asked.append(kw) or made)
+    monkeypatch.setattr(preflight, "_check_memory", lambda *a: None)
+    monkeypatch.setattr(preflight, "_check_out_dir", lambda *a: None)
+    assert preflight.launch_checks(cfg, None, nnodes=2) == (4, made)
+    assert asked == [{"hosts": 2}]
 
 
 @pytest.mark.parametrize(
