@@ -92,7 +92,7 @@ def launch_checks(cfg: RunConfig, nproc: int | None, nnodes: int = 1) -> tuple[i
     PLAN_ENV; on a CUDA host it reads the gpus through NVML and creates no CUDA context), --nproc against its gpu
     count, the plan's states against the memory settings (on one machine memory.ssd_dir too: across machines each
     host's ranks check their own), train.out_dir writable. Returns the number of ranks to start and the plan."""
-    plan = _plan_file(cfg, None if nproc is None else (nproc, f"--nproc {nproc}")) or _made_plan(cfg)
+    plan = _plan_file(cfg, None if nproc is None else (nproc, f"--nproc {nproc}")) or _made_plan(cfg, nnodes)
     _check_memory(cfg, plan, range(plan.num_gpus) if nnodes == 1 else None)
     _check_out_dir(cfg)
     return (plan.num_gpus if nproc is None else nproc), plan
@@ -126,11 +126,12 @@ def _check_memory(cfg: RunConfig, plan: Plan, host_ranks: range | None) -> None:
     _raise(cfg, problems)
 
 
-def _made_plan(cfg: RunConfig) -> Plan:
-    """The config's plan made now (mobiuspipe.startup.config_plan); a memory.host_budget_mb that holds no rank's
-    states is reported as the placement check reports it, every rank at once."""
+def _made_plan(cfg: RunConfig, hosts: int = 1) -> Plan:
+    """The config's plan made now (mobiuspipe.startup.config_plan) for a job over `hosts` machines (the launcher's
+    --nnodes; a rank reads its own host's ranks from torchrun); a memory.host_budget_mb that holds no rank's states
+    is reported as the placement check reports it, every rank at once."""
     try:
-        return plan_from_config(cfg)
+        return plan_from_config(cfg, hosts=hosts)
     except RunBudgetTooSmall as e:
         _raise(cfg, [shortfall_problem(e.shortfalls, cfg.memory.host_budget_mb)])
         raise

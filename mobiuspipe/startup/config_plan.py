@@ -139,7 +139,9 @@ def adapters(cfg: RunConfig) -> tuple[int, ...] | None:
     return None if spec is None else tuple(adapter_counts(cfg, spec))
 
 
-def plan_from_config(cfg: RunConfig, solver: str = "auto", profile: Profile | None = None, **mip: float) -> Plan:
+def plan_from_config(
+    cfg: RunConfig, solver: str = "auto", profile: Profile | None = None, hosts: int = 1, **mip: float
+) -> Plan:
     """The plan made from the config alone (its analytic profile, or `profile` of its model) by the whole planner, as
     `mobiuspipe partition` makes it: the microbatch count and size searched for data.batch_size
     (data.num_microbatches auto; partition.search.plan_batch), the stage count searched (plan.num_stages auto) with
@@ -147,7 +149,8 @@ def plan_from_config(cfg: RunConfig, solver: str = "auto", profile: Profile | No
     (run_budget), each gpu's plan.reserve_mb left alone (topology.presets.reserve_bytes); mip: the MIP's
     time_limit_s and gap (partition.make_plan's defaults where absent). `mobiuspipe train` makes it once and hands
     it to its ranks; ranks under a plain torchrun each make it and compare it. `mobiuspipe partition --config`
-    passes its --solver, --profile, --time-limit, --gap and --reserve-gib and writes the result for plan.file."""
+    passes its --solver, --profile, --time-limit, --gap and --reserve-gib and writes the result for plan.file.
+    hosts: the machines the job spans (`mobiuspipe train --nnodes`; activation_tiers)."""
     topo = run_topology(cfg)
     return plan_batch(
         lambda size: gpt_profile(cfg, size) if profile is None else profile,
@@ -160,7 +163,7 @@ def plan_from_config(cfg: RunConfig, solver: str = "auto", profile: Profile | No
         reserve_bytes=reserve_bytes(topo, cfg.plan.reserve_mb),
         **mip,
         host_budget=run_budget(cfg),
-        activation_tiers=activation_tiers(cfg),
+        activation_tiers=activation_tiers(cfg, hosts),
     )
 
 
@@ -197,12 +200,13 @@ def run_copies(cfg: RunConfig) -> HostCopies:
     return dataclasses.replace(policy, accumulates=t.accumulation_steps > 1).copies
 
 
-def activation_tiers(cfg: RunConfig) -> tuple[str, ...]:
+def activation_tiers(cfg: RunConfig, hosts: int = 1) -> tuple[str, ...]:
     """The tiers off the device the planner may hold activations on for this run: the host; the SSD when
     memory.ssd_dir is set; the next rank's gpu when the run has several, all on this host (partition.rules.peer;
-    torchrun's LOCAL_WORLD_SIZE below the rank count: several hosts)."""
+    several hosts: `hosts` > 1, as a multi-node launcher knows before torchrun runs, or torchrun's
+    LOCAL_WORLD_SIZE below the rank count, as its ranks see it)."""
     n = num_ranks(cfg)
-    one_host = local_world_size(n) >= n
+    one_host = hosts == 1 and local_world_size(n) >= n
     return ("host",) + (("ssd",) if cfg.memory.ssd_dir else ()) + (("peer",) if n > 1 and one_host else ())
 
 

@@ -154,7 +154,6 @@ def test_the_run_offers_the_activation_tiers_it_can_run(monkeypatch, tmp_path):
     assert activation_tiers(cfg(2, False)) == ("host",)
 
 
-@pytest.mark.xfail(strict=True, reason="the launcher of a multi-node job plans as for one host")
 def test_a_launcher_of_several_nodes_plans_without_the_peer_tier(monkeypatch, tmp_path):
     """`mobiuspipe train --nnodes 2` plans before torchrun sets LOCAL_WORLD_SIZE: it must not offer the peer tier,
     which needs every rank on one host (its ranks would stop at start-up on a plan that parks activations there)."""
