@@ -431,6 +431,12 @@ def main() -> int:
     )
     args = p.parse_args()
     cuda = torch.cuda.is_available()
+    if (why := unusable_gpu(nvidia_driver(), cuda)) is not None:
+        print(f"FAIL  CUDA usable by this torch                  {why}", flush=True)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        row = {"check": "CUDA usable by this torch", "ok": False, "figure": why, "bar": "a GPU here runs the checks"}
+        Path(args.out).write_text(json.dumps({"device": "unusable", "rows": [row], "failed": [row["check"]]}, indent=1))
+        return 1
     torch.set_num_threads(1)  # one order of every CPU reduction on both sides of each comparison
     # Bit-for-bit comparisons need kernels that give the same bits on every run: fp32 attention's backward
     # (SDPA's memory-efficient kernel) adds with atomics otherwise, and plain PyTorch then differs from itself.
@@ -460,11 +466,42 @@ def main() -> int:
         t.guarded("two ranks", two_ranks, t, Path(tmp), torch.cuda.device_count() if cuda else 2, cuda)
     t.save()
     failed = t.failed()
-    print(
-        f"{len(t.rows) - len(failed)} of {len(t.rows)} checks pass; {args.out}"
-        + (f"; FAILED: {failed}" if failed else "")
-    )
+    print(f"{tally(t.rows)}; {args.out}" + (f"; FAILED: {failed}" if failed else ""))
     return 1 if failed else 0
+
+
+def tally(rows: list[dict]) -> str:
+    """The run's count: checks that passed of those with a bar, and the rows that only inform."""
+    checked = [r for r in rows if r["ok"] is not None]
+    passed = sum(r["ok"] is True for r in checked)
+    info = len(rows) - len(checked)
+    return f"{passed} of {len(checked)} checks pass, {info} row{'s' if info != 1 else ''} information only"
+
+
+def nvidia_driver() -> str | None:
+    """The NVIDIA driver this host runs (its /proc version line), None where there is none."""
+    try:
+        return Path("/proc/driver/nvidia/version").read_text().splitlines()[0].strip()
+    except (OSError, IndexError):
+        return None
+
+
+def unusable_gpu(driver: str | None, cuda: bool) -> str | None:
+    """Why a host with an NVIDIA driver has no GPU for this torch (None: it has one, or there is no GPU here, where
+    the checks run on the stand-ins): a CPU build of torch, or one whose CUDA the driver is too old for. Without this
+    a GPU server on a CPU torch ran the stand-ins and passed them."""
+    if driver is None or cuda:
+        return None
+    if torch.version.cuda is None:
+        return (
+            f"the NVIDIA driver is here ({driver[:60]}) but torch {torch.__version__} is a CPU build: install the CUDA "
+            f"build (scripts/setup.sh does, over a CPU .venv; or PYTHON=a python whose torch has CUDA)"
+        )
+    return (
+        f"the NVIDIA driver is here ({driver[:60]}) but torch {torch.__version__} (CUDA {torch.version.cuda}) finds "
+        f"no usable GPU: a driver older than its CUDA needs, or no GPU visible to this process (CUDA_VISIBLE_DEVICES, "
+        f"a container without --gpus); `nvidia-smi` shows the driver's CUDA version"
+    )
 
 
 if __name__ == "__main__":

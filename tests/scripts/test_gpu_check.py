@@ -42,3 +42,28 @@ def test_gpu_check_passes_on_the_strict_stand_ins(tmp_path):
         assert checks[f"{precision} delayed update vs plain PyTorch"]["figure"] == "bit-identical"
         assert checks[f"{precision} delayed update, on SSD"]["ok"]
     assert "checks pass" in proc.stdout.splitlines()[-1]
+
+
+def _gpu_check():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_check
+
+    return gpu_check
+
+
+def test_a_gpu_this_torch_cannot_use_fails_the_check_instead_of_running_the_stand_ins(monkeypatch):
+    gc = _gpu_check()
+    driver = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.65.06"
+    assert gc.unusable_gpu(None, False) is None  # no GPU here: the stand-ins
+    assert gc.unusable_gpu(driver, True) is None  # a GPU torch can use
+    monkeypatch.setattr(gc.torch.version, "cuda", None)
+    assert "is a CPU build: install the CUDA build" in str(gc.unusable_gpu(driver, False))
+    monkeypatch.setattr(gc.torch.version, "cuda", "13.0")
+    assert "finds no usable GPU: a driver older than its CUDA needs" in str(gc.unusable_gpu(driver, False))
+
+
+def test_the_count_leaves_the_information_rows_out():
+    rows = [{"ok": True}, {"ok": True}, {"ok": False}, {"ok": None}]
+    assert _gpu_check().tally(rows) == "2 of 3 checks pass, 1 row information only"
