@@ -44,3 +44,28 @@ def test_a_torch_outside_the_range_is_named_with_it():
         done = _in_range(spec)
         assert done.returncode == 1, spec
         assert f"torch {torch.__version__} is outside {spec}, the releases this project runs on" in done.stderr
+
+
+def _function(name: str) -> str:
+    body = re.search(rf"^{name}\(\) \{{.*?\}}$", SETUP.read_text(), re.M | re.S)
+    assert body, f"scripts/setup.sh defines no {name}"
+    return body.group(0)
+
+
+def test_a_venv_made_without_the_systems_packages_is_told_apart(tmp_path):
+    """MOBIUSPIPE_SYSTEM_TORCH=1 over a .venv an earlier set-up made without --system-site-packages stops with
+    "remove it" (that .venv cannot see the system's torch; the set-up never remakes an existing .venv)."""
+    script = f"{_function('venv_sees_system')}\nvenv_sees_system \"$1\"\n"
+    for text, sees in [
+        ("home = /usr/bin\ninclude-system-site-packages = false\nversion = 3.12.3\n", False),
+        ("home = /usr/bin\ninclude-system-site-packages = true\nversion = 3.12.3\n", True),
+    ]:
+        (tmp_path / "pyvenv.cfg").write_text(text)
+        done = subprocess.run(["bash", "-c", script, "check", str(tmp_path)], capture_output=True, timeout=60)
+        assert (done.returncode == 0) == sees, text
+    assert "rm -rf .venv" in SETUP.read_text()
+
+
+def test_the_set_up_installs_the_release_the_suite_runs_on():
+    pin = re.search(r'^torch_pin="torch==([^"]+)"$', SETUP.read_text(), re.M)
+    assert pin and torch.__version__.split("+")[0] == pin.group(1), "CI's torch is the one setup.sh installs"
