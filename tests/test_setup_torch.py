@@ -55,7 +55,7 @@ def _function(name: str) -> str:
 def test_a_venv_made_without_the_systems_packages_is_told_apart(tmp_path):
     """MOBIUSPIPE_SYSTEM_TORCH=1 over a .venv an earlier set-up made without --system-site-packages stops with
     "remove it" (that .venv cannot see the system's torch; the set-up never remakes an existing .venv)."""
-    script = f"{_function('venv_sees_system')}\nvenv_sees_system \"$1\"\n"
+    script = f'{_function("venv_sees_system")}\nvenv_sees_system "$1"\n'
     for text, sees in [
         ("home = /usr/bin\ninclude-system-site-packages = false\nversion = 3.12.3\n", False),
         ("home = /usr/bin\ninclude-system-site-packages = true\nversion = 3.12.3\n", True),
