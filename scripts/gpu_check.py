@@ -17,13 +17,10 @@ Prints a table (check, result, figure, bar) and writes gpu_check.json; exits 1 i
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import tempfile
-import time
-import traceback
 from pathlib import Path
 
 os.environ.setdefault("MOBIUSPIPE_STRICT", "1")  # the stand-ins as strict as CUDA where there is no GPU
@@ -34,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_runs as runs
 from benchlib import stopped_rank_run, torchrun_metrics
 from gpu_context import contexts
+from gpu_table import Table, tally
 
 from mobiuspipe import _ext
 from mobiuspipe.config import MemoryConfig
@@ -49,41 +47,6 @@ CLIP = 0.05
 """The updates check's max_grad_norm: below the GPT's first gradient norm, so its first step clips."""
 SPEED_STEPS, SKIP = 6, 2
 """The speed check's steps, and how many first steps it leaves out (warm-up, the first host updates' states)."""
-
-
-class Table:
-    """The checks' rows, printed and saved to `path` after each row (a run stopped at its time limit keeps what it
-    found)."""
-
-    def __init__(self, path: Path, head: dict) -> None:
-        self.rows: list[dict] = []
-        self.path, self.head, self.figures, self.machine = path, head, {}, {}
-
-    def add(self, check: str, ok: bool | None, figure: str, bar: str = "") -> None:
-        """ok None: measured only (no bar on this machine)."""
-        self.rows.append({"check": check, "ok": ok, "figure": figure, "bar": bar})
-        mark = {True: "PASS", False: "FAIL", None: "info"}[ok]
-        print(f"{mark:5} {check:44} {figure}  {bar}", flush=True)
-        self.save()
-
-    def failed(self) -> list[str]:
-        return [r["check"] for r in self.rows if r["ok"] is False]
-
-    def save(self) -> None:
-        out = {**self.head, "rows": self.rows, "figures": self.figures, "machine": self.machine}
-        self.path.write_text(json.dumps({**out, "failed": self.failed()}, indent=1))
-
-    def guarded(self, section: str, fn, *args):
-        """fn(*args), or a failed row naming the error (its traceback printed) so the other sections still run."""
-        start = time.perf_counter()
-        try:
-            return fn(*args)
-        except Exception as e:  # noqa: BLE001 - one section's error is a failed row, not the end of the check
-            traceback.print_exc()
-            self.add(section, False, f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:100] if str(e) else ''}")
-            return None
-        finally:
-            print(f"      ({section}: {time.perf_counter() - start:.1f} s)", flush=True)
 
 
 def equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -431,11 +394,11 @@ def main() -> int:
     )
     args = p.parse_args()
     cuda = torch.cuda.is_available()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     if (why := unusable_gpu(nvidia_driver(), cuda)) is not None:
-        print(f"FAIL  CUDA usable by this torch                  {why}", flush=True)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        row = {"check": "CUDA usable by this torch", "ok": False, "figure": why, "bar": "a GPU here runs the checks"}
-        Path(args.out).write_text(json.dumps({"device": "unusable", "rows": [row], "failed": [row["check"]]}, indent=1))
+        Table(Path(args.out), {"device": "unusable", "torch": torch.__version__}).add(
+            "CUDA usable by this torch", False, why, "a GPU here runs the checks"
+        )
         return 1
     torch.set_num_threads(1)  # one order of every CPU reduction on both sides of each comparison
     # Bit-for-bit comparisons need kernels that give the same bits on every run: fp32 attention's backward
@@ -447,7 +410,6 @@ def main() -> int:
     print(f"gpu_check on {name if cuda else 'CPU stand-ins (strict)'}: {size}", flush=True)
     adam = "C++ extension" if _ext.HAVE_C else f"PyTorch fallback ({_ext.WHY_NOT[:80]})"
     print(f"host Adam: {adam}", flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     t = Table(Path(args.out), {"device": name, "torch": torch.__version__, "size": str(size), "host_adam": adam})
     topology = runs.gpu_topology() if cuda else cpu_standin(1, 256 << 20)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
@@ -468,14 +430,6 @@ def main() -> int:
     failed = t.failed()
     print(f"{tally(t.rows)}; {args.out}" + (f"; FAILED: {failed}" if failed else ""))
     return 1 if failed else 0
-
-
-def tally(rows: list[dict]) -> str:
-    """The run's count: checks that passed of those with a bar, and the rows that only inform."""
-    checked = [r for r in rows if r["ok"] is not None]
-    passed = sum(r["ok"] is True for r in checked)
-    info = len(rows) - len(checked)
-    return f"{passed} of {len(checked)} checks pass, {info} row{'s' if info != 1 else ''} information only"
 
 
 def nvidia_driver() -> str | None:

@@ -44,17 +44,17 @@ def test_gpu_check_passes_on_the_strict_stand_ins(tmp_path):
     assert "checks pass" in proc.stdout.splitlines()[-1]
 
 
-def _gpu_check():
+def _script(name: str):
+    """scripts/NAME.py as a module (the scripts import each other from their folder)."""
+    import importlib
     import sys
 
     sys.path.insert(0, str(ROOT / "scripts"))
-    import gpu_check
-
-    return gpu_check
+    return importlib.import_module(name)
 
 
 def test_a_gpu_this_torch_cannot_use_fails_the_check_instead_of_running_the_stand_ins(monkeypatch):
-    gc = _gpu_check()
+    gc = _script("gpu_check")
     driver = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.65.06"
     assert gc.unusable_gpu(None, False) is None  # no GPU here: the stand-ins
     assert gc.unusable_gpu(driver, True) is None  # a GPU torch can use
@@ -66,4 +66,4 @@ def test_a_gpu_this_torch_cannot_use_fails_the_check_instead_of_running_the_stan
 
 def test_the_count_leaves_the_information_rows_out():
     rows = [{"ok": True}, {"ok": True}, {"ok": False}, {"ok": None}]
-    assert _gpu_check().tally(rows) == "2 of 3 checks pass, 1 row information only"
+    assert _script("gpu_table").tally(rows) == "2 of 3 checks pass, 1 row information only"
