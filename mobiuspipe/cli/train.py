@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from mobiuspipe.cli._common import CliError, positive_int
 
 if TYPE_CHECKING:
+    from mobiuspipe.config import RunConfig
     from mobiuspipe.run.job_stderr import JobStderr
 
 __all__ = ["register", "run", "torchrun_command"]
@@ -117,6 +118,7 @@ def run(args: argparse.Namespace, out) -> int:
         print(f"mobiuspipe: launching {shlex.join(cmd)}", file=sys.stderr, flush=True)
         out.flush()
         env = {**os.environ, ERRORS_ENV: errors, DEATH_ENV: "1", **({TOKEN_ENV: token} if token else {})}
+        env |= stop_grace_env(config)
         if not config.plan.file:  # the plan made above, for every rank: one plan however long the MIP took
             save_plan(plan, Path(errors) / "plan.yaml")
             env[PLAN_ENV] = str(Path(errors) / "plan.yaml")
@@ -183,6 +185,20 @@ def _wait_for(torchrun: subprocess.Popen, errors: Path | None, stderr: JobStderr
         os.close(wake_write)  # the read end is the pump's: closed when it finishes
         signal.signal(signal.SIGINT, old_int)
         signal.signal(signal.SIGTERM, old_term)
+
+
+SHUTDOWN_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+"""torchrun's (torch 2.13's) seconds between passing a stop signal to its ranks and killing them (default 30)."""
+
+
+def stop_grace_env(config: RunConfig) -> dict[str, str]:
+    """torchrun's environment for a stop: on Ctrl-C or SIGTERM the ranks finish the step under way and write a
+    checkpoint, on a large model minutes, so torchrun waits runtime.hang_timeout_s for them (the longest one
+    operation of live ranks may take) instead of killing them after 30 s; a value the user set stands. A scheduler's
+    own grace before its SIGKILL (SLURM's KillWait, Kubernetes' terminationGracePeriodSeconds) must cover as much."""
+    if SHUTDOWN_ENV in os.environ:
+        return {}
+    return {SHUTDOWN_ENV: str(max(30, round(config.runtime.hang_timeout_s)))}
 
 
 def torchrun_command(config: str, nproc: int, args: argparse.Namespace, log_dir: str | None = None) -> list[str]:

@@ -3,12 +3,9 @@ checkpoint, which on a large model takes far more than torchrun's default 30 s b
 
 from __future__ import annotations
 
-import pytest
-
 from mobiuspipe.config import config_from_dict
 
 
-@pytest.mark.xfail(strict=True, reason="torchrun's 30 s shutdown grace is left as it is")
 def test_torchrun_waits_for_the_ranks_to_stop_as_long_as_a_hang_may_last(monkeypatch):
     from mobiuspipe.cli import train as cli_train
 
