@@ -51,9 +51,8 @@ def writes(cfg: RunConfig) -> str:
 
 
 def states_line(cfg: RunConfig, tiers: dict[int, tuple[str, str]]) -> str:
-    """Where each stage's optimizer states and weights went, e.g. "optimizer states (auto): host for stages
-    1, 2, 3; ssd for stage 0; weights (host): host for stages 0, 1, 2, 3 (under /nvme/run, 1024 MiB host
-    budget per rank)"."""
+    """Where each stage's optimizer states and weights went, e.g. "optimizer states (auto): host for stages 1-3;
+    ssd for stage 0; weights (host): host for stages 0-3 (under /nvme/run, 1024 MiB host budget per rank)"."""
     mem = cfg.memory
     line = "; ".join(
         f"{what} ({mode}): {_by_tier({j: t[k] for j, t in tiers.items()})}"
