@@ -1,12 +1,14 @@
-"""Byte units: the one KiB/MiB/GiB/TiB, sizes as text (fmt_bytes) and memory strings read back (as_bytes)."""
+"""Byte units: the one KiB/MiB/GiB/TiB, sizes as text (fmt_bytes) and memory strings read back (as_bytes); numbered
+things as runs of numbers (fmt_spans: stages, CPUs)."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from decimal import Decimal
 from typing import Any
 
-__all__ = ["KiB", "MiB", "GiB", "TiB", "fmt_bytes", "as_bytes", "MEMORY_UNITS"]
+__all__ = ["KiB", "MiB", "GiB", "TiB", "fmt_bytes", "fmt_spans", "as_bytes", "MEMORY_UNITS"]
 
 KiB = 2**10
 MiB = 2**20
@@ -39,6 +41,17 @@ def fmt_bytes(nbytes: float, digits: int = 2) -> str:
         if nbytes >= scale:
             return f"{nbytes / scale:.{digits}f} {unit}"
     return f"{int(nbytes)} B"
+
+
+def fmt_spans(ids: Iterable[int], sep: str = ", ") -> str:
+    """Integers as runs, in order: [0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8" (sep between runs: "," for a cpulist)."""
+    runs: list[list[int]] = []
+    for i in sorted(ids):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        elif not runs or i != runs[-1][1]:
+            runs.append([i, i])
+    return sep.join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def as_bytes(value: Any) -> int:

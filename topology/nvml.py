@@ -20,6 +20,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass, replace
 
+from foundation.units import fmt_spans
 from topology.errors import TopologyError
 from topology.pci import normalize_bus_id
 
@@ -193,14 +194,7 @@ def _cpu_affinity(nv, q: _Query, h) -> str:
 
 def cpulist(words: list[int]) -> str:
     """Bitmask words (bit i of word k = CPU 64k+i) -> "0-11,24-35"."""
-    cpus = [64 * k + b for k, w in enumerate(words) for b in range(64) if w >> b & 1]
-    runs: list[list[int]] = []
-    for c in cpus:
-        if runs and runs[-1][1] == c - 1:
-            runs[-1][1] = c
-        else:
-            runs.append([c, c])
-    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+    return fmt_spans((64 * k + b for k, w in enumerate(words) for b in range(64) if w >> b & 1), ",")
 
 
 def _nvlinks(nv, q: _Query, h) -> tuple[tuple[str, int], ...]:

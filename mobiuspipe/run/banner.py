@@ -3,7 +3,7 @@ each stage's states, weights and held activations live, and the data."""
 
 from __future__ import annotations
 
-from foundation.units import fmt_bytes
+from foundation.units import fmt_bytes, fmt_spans
 from mobiuspipe.config import RunConfig
 from mobiuspipe.startup.lora import lora_spec
 from partition.plan import Plan
@@ -67,7 +67,7 @@ def _by_tier(tiers: dict[int, str]) -> str:
     for tier in ("device", "host", "ssd"):
         stages = sorted(j for j, t in tiers.items() if t == tier)
         if stages:
-            parts.append(f"{tier} for stage{'s' if len(stages) > 1 else ''} {_spans(stages)}")
+            parts.append(f"{tier} for stage{'s' if len(stages) > 1 else ''} {fmt_spans(stages)}")
     return "; ".join(parts)
 
 
@@ -77,7 +77,7 @@ def activations_line(plan: Plan) -> str:
     groups: dict[str, list[int]] = {}
     for j, s in enumerate(plan.stages):
         groups.setdefault(_held_words(s.activations, s.activation_tier, s.kept_layers), []).append(j)
-    parts = [f"{words} for stage{'s' if len(js) > 1 else ''} {_spans(js)}" for words, js in groups.items()]
+    parts = [f"{words} for stage{'s' if len(js) > 1 else ''} {fmt_spans(js)}" for words, js in groups.items()]
     return "activations: " + "; ".join(parts)
 
 
@@ -87,16 +87,5 @@ def _held_words(mode: str, tier: str, kept: tuple[int, ...]) -> str:
     if mode == "keep":
         return f"keep on {where}"
     if mode == "selective":
-        return f"selective (layer{'s' if len(kept) > 1 else ''} {_spans(list(kept))} kept), on {where}"
+        return f"selective (layer{'s' if len(kept) > 1 else ''} {fmt_spans(list(kept))} kept), on {where}"
     return f"recompute, inputs on {where}"
-
-
-def _spans(ids: list[int]) -> str:
-    """Ids as runs, in order: [0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
-    runs: list[list[int]] = []
-    for i in sorted(ids):
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from foundation.units import GiB, KiB, MiB, TiB, as_bytes, fmt_bytes
+from foundation.units import GiB, KiB, MiB, TiB, as_bytes, fmt_bytes, fmt_spans
 
 
 def test_constants():
@@ -61,3 +61,9 @@ def test_as_bytes_rejects_with_what_was_expected(value, expected):
     with pytest.raises(ValueError) as info:
         as_bytes(value)
     assert expected in str(info.value)
+
+
+def test_numbers_as_runs_in_order_each_once():
+    assert fmt_spans([]) == ""
+    assert fmt_spans([8, 0, 2, 1, 5, 7, 2]) == "0-2, 5, 7-8"
+    assert fmt_spans(range(4), ",") == "0-3"
