@@ -36,9 +36,19 @@ def _lp(model: MipModel, highspy):
     return lp
 
 
+_BANNER_SHOWN = False
+"""Whether this process has made a Highs already (HiGHS prints its banner at the first only)."""
+
+
 def _quiet_highs(highspy):
     """A silent Highs. A process's first Highs() prints HiGHS's banner on the C library's standard output, before
-    it can be silenced, which would spoil a `--json` document there: the banner goes to standard error."""
+    it can be silenced, which would spoil a `--json` document there: that one is made with fd 1 pointed at fd 2
+    (the banner goes to standard error); the later ones print nothing and are made as they are."""
+    global _BANNER_SHOWN
+    if _BANNER_SHOWN:
+        h = highspy.Highs()
+        h.silent()
+        return h
     sys.stdout.flush()
     saved = os.dup(1)
     try:
@@ -49,6 +59,7 @@ def _quiet_highs(highspy):
     finally:
         os.dup2(saved, 1)
         os.close(saved)
+    _BANNER_SHOWN = True
     return h
 
 
