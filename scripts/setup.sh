@@ -19,7 +19,7 @@ system="${MOBIUSPIPE_SYSTEM_TORCH:-0}"
 # itself off below 2.6); checked on 2.10.0, 2.11.0 and 2.13.0.
 torch_spec="torch>=2.10,<=2.14.1"
 # What a set-up installs where none is there yet: the release the test suite runs on (on a GPU server PyPI's
-# default build of it, CUDA 13: a driver of the 580 series or newer), not the newest in the range.
+# default build of it, a CUDA build whose driver needs say_torch checks), not the newest in the range.
 torch_pin="torch==2.13.0"
 made=0
 if [ ! -x "$venv/bin/python" ]; then
@@ -106,7 +106,7 @@ fi
 pipq=("$vpy" -m pip install --quiet --disable-pip-version-check)
 if cpu_torch_on_gpu; then
     echo "[setup] NVIDIA GPU found, but .venv holds a CPU build of torch: installing the CUDA build over it" >&2
-    "${pipq[@]}" --force-reinstall --no-deps "$torch_pin" && "${pipq[@]}" "$torch_pin"
+    "${pipq[@]}" --force-reinstall "$torch_pin"
 elif ! "$vpy" -c "import torch" 2>/dev/null; then
     if has_gpu; then
         echo "[setup] NVIDIA GPU found: installing the CUDA build of torch" >&2
