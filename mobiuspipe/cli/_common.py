@@ -7,7 +7,7 @@ import argparse
 from foundation.errors import UserError
 from partition.report.trace import RenderError
 
-__all__ = ["CliError", "positive_int", "non_negative_float", "write_output"]
+__all__ = ["CliError", "positive_int", "non_negative_float", "ranks_per_node", "write_output"]
 
 
 class CliError(UserError, ValueError):
@@ -32,6 +32,18 @@ def non_negative_float(text: str) -> float:
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, found {text!r}")
     return value
+
+
+def ranks_per_node(nproc: int, nnodes: int) -> int:
+    """Ranks each node starts; CliError unless nnodes divides nproc."""
+    if nproc % nnodes:
+        fits = [n for n in range(1, nproc + 1) if nproc % n == 0]
+        raise CliError(
+            f"the plan has {nproc} gpus (ranks), which --nnodes {nnodes} does not divide ({nproc} % {nnodes} = "
+            f"{nproc % nnodes}): every node starts the same number of ranks; use --nnodes "
+            f"{' / '.join(map(str, fits))}, or plan for a multiple of {nnodes} gpus (plan.num_gpus)"
+        )
+    return nproc // nnodes
 
 
 def write_output(what: str, path: str, write) -> None:

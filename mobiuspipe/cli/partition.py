@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from foundation.units import GiB
-from mobiuspipe.cli._common import CliError, non_negative_float, positive_int, write_output
+from mobiuspipe.cli._common import CliError, non_negative_float, positive_int, ranks_per_node, write_output
 from partition.plan import Plan, save_plan
 from partition.report.compare import compare, compare_json, compare_text
 from partition.report.explain import explain_json, explain_lines
@@ -40,6 +40,14 @@ def register(sub) -> None:
         "--config",
         metavar="RUN.yaml",
         help="plan a training run's model on its devices instead (then write it with -o for plan.file)",
+    )
+    p.add_argument(
+        "--nnodes",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="with --config: plan for a job over N machines, as `mobiuspipe train --nnodes N` does (no peer "
+        "activation tier, whose two ranks must share a host) (1)",
     )
     p.add_argument("--microbatch-size", type=positive_int, default=1, help="sequences per microbatch (1)")
     p.add_argument("--microbatches", type=positive_int, default=4, help="microbatches per step (4)")
@@ -179,6 +187,11 @@ def make_cli_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile, Ho
     an analytic profile of --model on --topology under --host-memory-gb."""
     if args.config:
         return _config_plan(args)
+    if args.nnodes is not None:
+        raise CliError(
+            "--nnodes plans a run config for several machines (with --config); with --model the tiers are "
+            "--activation-tiers: leave peer out of them for a job over several machines"
+        )
     if not (args.model and args.topology):
         raise CliError(
             "partition needs --model and --topology (e.g. --model gpt3-175b --topology 2+2), "
@@ -299,6 +312,7 @@ def _config_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile, Hos
         activation_tiers,
         gpt_profile,
         model_spec,
+        num_ranks,
         plan_from_config,
         run_budget,
         run_topology,
@@ -310,9 +324,11 @@ def _config_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile, Hos
         cfg = dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, topology=topology, num_gpus=None))
     if args.reserve_gib is not None:  # leave another reserve than the run's plan.reserve_mb
         cfg = dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, reserve_mb=args.reserve_gib * 1024))
-    args.activation_tiers = ",".join(activation_tiers(cfg))  # as the run plans (--explain too)
     given = None if args.profile is None else _given_profile(args.profile, model_spec(cfg))
-    plan = plan_from_config(cfg, args.solver, given, time_limit_s=args.time_limit, gap=args.gap)
+    hosts = args.nnodes or 1
+    ranks_per_node(num_ranks(cfg), hosts)  # every machine starts as many ranks
+    args.activation_tiers = ",".join(activation_tiers(cfg, hosts))  # as the run plans (--explain too)
+    plan = plan_from_config(cfg, args.solver, given, hosts, time_limit_s=args.time_limit, gap=args.gap)
     profile = given or gpt_profile(cfg, plan.microbatch_size)  # the chosen microbatches' (--compare, --explain)
     return plan, run_topology(cfg), profile, run_budget(cfg)
 

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mobiuspipe.cli._common import CliError, positive_int
+from mobiuspipe.cli._common import CliError, positive_int, ranks_per_node
 
 if TYPE_CHECKING:
     from mobiuspipe.config import RunConfig
@@ -214,7 +214,7 @@ def torchrun_command(config: str, nproc: int, args: argparse.Namespace, log_dir:
         if args.node_rank != 0:
             raise CliError(f"--node-rank is {args.node_rank} on a job of one node: give --nnodes N (> 1) as well")
         return [*head, "--nproc_per_node", str(nproc), "--standalone", *tail]
-    per_node = _per_node(nproc, args.nnodes)
+    per_node = ranks_per_node(nproc, args.nnodes)
     if not 0 <= args.node_rank < args.nnodes:
         raise CliError(
             f"--node-rank must be in 0 .. {args.nnodes - 1} (--nnodes {args.nnodes}), found {args.node_rank}: "
@@ -234,18 +234,6 @@ def torchrun_command(config: str, nproc: int, args: argparse.Namespace, log_dir:
         *([] if args.local_addr is None else ["--local_addr", args.local_addr]),
     ]
     return [*head, *nodes, "--nproc_per_node", str(per_node), *tail]
-
-
-def _per_node(nproc: int, nnodes: int) -> int:
-    """Ranks each node starts; CliError unless nnodes divides nproc."""
-    if nproc % nnodes:
-        fits = [n for n in range(1, nproc + 1) if nproc % n == 0]
-        raise CliError(
-            f"the plan has {nproc} gpus (ranks), which --nnodes {nnodes} does not divide ({nproc} % {nnodes} = "
-            f"{nproc % nnodes}): every node starts the same number of ranks; use --nnodes "
-            f"{' / '.join(map(str, fits))}, or plan for a multiple of {nnodes} gpus (plan.num_gpus)"
-        )
-    return nproc // nnodes
 
 
 def _endpoint(text: str | None) -> str:

@@ -285,6 +285,32 @@ def test_partition_from_a_run_config_passes_the_solver_limits_on(tmp_path, monke
     assert seen == [(7.5, 0.2)]
 
 
+def test_partition_plans_a_config_for_several_machines_without_the_peer_tier(tmp_path, monkeypatch, capsys):
+    """--nnodes N plans as `mobiuspipe train --nnodes N` does: a plan written for plan.file of a multi-machine job
+    parks no activations on a peer gpu (its two ranks could be on two hosts, and the ranks would stop at start-up)."""
+    from mobiuspipe.startup import config_plan
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    seen, plan_batch = [], config_plan.plan_batch
+
+    def spy(*args, **options):
+        seen.append(options["activation_tiers"])
+        return plan_batch(*args, **options)
+
+    monkeypatch.setattr(config_plan, "plan_batch", spy)
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"plan: {{num_gpus: 4, num_stages: 4}}\nmemory: {{ssd_dir: {tmp_path}}}\n")
+    assert cli.main(["partition", "--config", str(cfg), "--json"]) == 0
+    assert cli.main(["partition", "--config", str(cfg), "--nnodes", "2", "-o", str(tmp_path / "plan.yaml")]) == 0
+    assert seen == [("host", "ssd", "peer"), ("host", "ssd")]
+    assert "peer" not in (tmp_path / "plan.yaml").read_text()
+    capsys.readouterr()
+    assert cli.main(["partition", "--config", str(cfg), "--nnodes", "3"]) == 2
+    assert "which --nnodes 3 does not divide" in capsys.readouterr().err
+    assert cli.main(["partition", "--model", "gpt3-175b", "--topology", "2+2", "--nnodes", "2"]) == 2
+    assert "leave peer out of them" in capsys.readouterr().err
+
+
 def test_a_path_on_the_command_line_is_relative_to_the_current_folder(tmp_path, monkeypatch, capsys):
     """--topology FILE with --config: from the current folder, not the config's (the config's own paths are)."""
     from topology import save_topology
