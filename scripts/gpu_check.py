@@ -265,7 +265,7 @@ def quantized_lora(t: Table, device: torch.device, steps: int) -> None:
 def hf_counts(t: Table, device: torch.device, folder: Path) -> None:
     """What Hugging Face layers keep for backward on this device's kernels within what the plan counts."""
     for name, ratio in runs.hf_kept(device, folder):
-        t.add(f"HF {name}: kept within the count", ratio <= 1.0, f"{ratio:.3f} of it at most", "<= 1")
+        t.add(f"HF {name}: kept within the count", ratio <= 1.0, f"{ratio:.6f} of it at most", "<= 1")
 
 
 def gpu_tests(t: Table, cuda: bool) -> None:

@@ -233,12 +233,17 @@ class _Run:
         return max(0, torch.cuda.max_memory_allocated(self.device) - kept)
 
     def saved_bytes(self) -> int:
+        """A_l: the bytes of the device's memory the layer's forward keeps for its backward, its parameters left
+        out, and what it keeps elsewhere (on CUDA, flash and memory-efficient attention keep their philox seed
+        and offset in host memory)."""
         params = {p.untyped_storage().data_ptr() for p in self.params}
+        device = torch.device(self.device)
         seen: dict[int, int] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             s = t.untyped_storage()
-            if s.data_ptr() not in params:
+            here = t.device.type == device.type and device.index in (None, t.device.index)
+            if here and s.data_ptr() not in params:
                 seen[s.data_ptr()] = s.nbytes()
             return t
 
