@@ -36,8 +36,9 @@ def _open_and_wait(regions, opened) -> None:
     regions.get(timeout=WAIT_S)
 
 
-def peer_context_bytes(device: torch.device) -> int:
-    """The fall in `device`'s free memory while a child process holds one of its tensors open through CUDA IPC."""
+def peer_context_bytes(device: torch.device, wait_s: float = WAIT_S) -> int:
+    """The fall in `device`'s free memory while a child process holds one of its tensors open through CUDA IPC
+    (RuntimeError if the child has not opened it within wait_s)."""
     spawn = mp.get_context("spawn")  # torch's: its queues send a CUDA tensor as an IPC handle
     regions, opened = spawn.Queue(), spawn.Queue()
     region = torch.empty(1 << 20, dtype=torch.uint8, device=device)
@@ -48,23 +49,23 @@ def peer_context_bytes(device: torch.device) -> int:
     try:
         regions.put(region)
         try:
-            opened.get(timeout=WAIT_S)
+            opened.get(timeout=wait_s)
         except queue.Empty:
-            raise RuntimeError(f"the child did not open the region within {WAIT_S} s") from None
+            raise RuntimeError(f"the child did not open the region within {wait_s:.0f} s") from None
         after = torch.cuda.mem_get_info(device)[0]
         regions.put(None)
         return before - after
     finally:
-        child.join(timeout=WAIT_S)
+        child.join(timeout=min(wait_s, 10))
         if child.is_alive():
             child.kill()
 
 
-def contexts(add: Callable[..., None], device: torch.device, cuda: bool) -> None:
+def contexts(add: Callable[..., None], device: torch.device, cuda: bool, wait_s: float = WAIT_S) -> None:
     """What the plan leaves for CUDA contexts, against what they hold: this process's beyond its allocator (its
     context, the libraries loaded by the checks before) within the default reserve, and another process's context
     on this gpu, made by opening a region through CUDA IPC as a peer-tier rank does, within CONTEXT_BYTES. add:
-    gpu_check's Table.add (check, ok, figure, bar)."""
+    gpu_check's Table.add (check, ok, figure, bar); wait_s: how long the child may take to open the region."""
     if not cuda:
         add("CUDA contexts against the plan's room for them", None, "no GPU here: not measured")
         return
@@ -77,7 +78,7 @@ def contexts(add: Callable[..., None], device: torch.device, cuda: bool) -> None
         f"{own / mib:.0f} MiB",
         f"<= {reserve / mib:.0f}",
     )
-    peer = peer_context_bytes(device)
+    peer = peer_context_bytes(device, wait_s)
     add(
         "another process's context (CUDA IPC)",
         peer <= CONTEXT_BYTES,

@@ -8,16 +8,24 @@ import time
 import traceback
 from pathlib import Path
 
-__all__ = ["Table", "tally"]
+__all__ = ["Table", "tally", "MIN_SECTION_S"]
+
+MIN_SECTION_S = 20.0
+"""Seconds of the time limit a section must have left to start."""
 
 
 class Table:
     """The checks' rows, printed and saved to `path` after each row (a run stopped at its time limit keeps what it
     found)."""
 
-    def __init__(self, path: Path, head: dict) -> None:
+    def __init__(self, path: Path, head: dict, time_limit_s: float = float("inf")) -> None:
         self.rows: list[dict] = []
         self.path, self.head, self.figures, self.machine = path, head, {}, {}
+        self._deadline = time.monotonic() + time_limit_s
+
+    def left(self, most: float = float("inf")) -> float:
+        """Seconds of the time limit left (at most `most`): what a section's subprocess or wait may take."""
+        return max(0.0, min(most, self._deadline - time.monotonic()))
 
     def add(self, check: str, ok: bool | None, figure: str, bar: str = "") -> None:
         """ok None: measured only (no bar on this machine)."""
@@ -34,7 +42,11 @@ class Table:
         self.path.write_text(json.dumps({**out, "failed": self.failed()}, indent=1))
 
     def guarded(self, section: str, fn, *args):
-        """fn(*args), or a failed row naming the error (its traceback printed) so the other sections still run."""
+        """fn(*args), or a failed row naming the error (its traceback printed) so the other sections still run; a
+        row saying it was skipped (None) when less than MIN_SECTION_S of the time limit is left."""
+        if self.left() < MIN_SECTION_S:
+            self.add(section, None, f"skipped: {self.left():.0f} s of the time limit left")
+            return None
         start = time.perf_counter()
         try:
             return fn(*args)

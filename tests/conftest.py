@@ -16,10 +16,15 @@ os.environ.setdefault("MOBIUSPIPE_STRICT", "1")
 
 
 def pytest_configure(config):
-    """Hide CUDA unless the gpu-marked tests are selected (before any test asks torch for a device); give the
-    processes the tests start a temporary folder of the session's own."""
+    """Hide CUDA unless the gpu-marked tests are selected (before any test asks torch for a device), else make its
+    kernels deterministic; give the processes the tests start a temporary folder of the session's own."""
     if "gpu" not in (config.getoption("markexpr") or ""):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    else:  # the gpu tests compare runs bit for bit: kernels that give the same bits each run (cuBLAS's too)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        import torch
+
+        torch.use_deterministic_algorithms(True, warn_only=True)  # an op without such a kernel warns, not fails
     config.children_tmp = _children_tmpdir()
 
 

@@ -67,3 +67,21 @@ def test_a_gpu_this_torch_cannot_use_fails_the_check_instead_of_running_the_stan
 def test_the_count_leaves_the_information_rows_out():
     rows = [{"ok": True}, {"ok": True}, {"ok": False}, {"ok": None}]
     assert _script("gpu_table").tally(rows) == "2 of 3 checks pass, 1 row information only"
+
+
+def test_a_section_past_the_time_limit_is_skipped_with_a_row(tmp_path, monkeypatch):
+    """A GPU is lent for minutes: a section that would start past gpu_check's time limit says it was skipped (the
+    run's table and JSON then show what did not run), and what a section may wait is what is left."""
+    gpu_table = _script("gpu_table")
+    clock = [100.0]
+    monkeypatch.setattr(gpu_table.time, "monotonic", lambda: clock[0])
+    t = gpu_table.Table(tmp_path / "g.json", {}, time_limit_s=60)
+    assert t.left() == 60 and t.left(45) == 45
+    assert t.guarded("first", lambda: 7) == 7
+    clock[0] += 45  # 15 s left: less than a section needs to start
+    ran = []
+    assert t.guarded("second", ran.append, 1) is None and ran == []
+    assert t.rows[-1] == {"check": "second", "ok": None, "figure": "skipped: 15 s of the time limit left", "bar": ""}
+    assert json.loads((tmp_path / "g.json").read_text())["rows"][-1]["check"] == "second"
+    clock[0] += 100
+    assert t.left() == 0
