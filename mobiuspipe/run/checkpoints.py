@@ -33,6 +33,12 @@ class StopSignals:
         for s, old in self._old.items():
             signal.signal(s, old)
 
+    def __enter__(self) -> StopSignals:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 class Checkpointer:
     """The loop's checkpoints: at a due step every rank snapshots its states (the loop waits for that copy

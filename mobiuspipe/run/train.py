@@ -104,31 +104,47 @@ def _train(
     export = Path(t.export_dir) if t.export_dir else None
     if export is not None and first:
         shutil.rmtree(partial_dir(export), ignore_errors=True)  # an earlier run's remains
-    with Pipeline(
-        hf_layer_factories(hf) if hf else layer_factories(model_spec(cfg), t.seed),
-        lm_loss,
-        plan=plan,
-        optimizer=optimizer,
-        num_microbatches=cfg.data.num_microbatches,
-        precision=t.precision,
-        memory=cfg.memory,
-        comm_timeout_s=cfg.runtime.comm_timeout_s,
-        hang_timeout_s=cfg.runtime.hang_timeout_s,
-        tied=hf.tied_params() if hf else (),
-        accumulation_steps=t.accumulation_steps,
-        max_grad_norm=t.max_grad_norm,
-        delayed_update=t.delayed_update,
-        speculative_update=t.speculative_update,
-        trace_steps=cfg.runtime.trace_steps,
-        lora=lora,
-        adapters=starting_adapters(cfg, hf),
-    ) as pipe:
-        done = _training_loop(cfg, pipe, data, held_out)
+    with (
+        Pipeline(
+            hf_layer_factories(hf) if hf else layer_factories(model_spec(cfg), t.seed),
+            lm_loss,
+            plan=plan,
+            optimizer=optimizer,
+            num_microbatches=cfg.data.num_microbatches,
+            precision=t.precision,
+            memory=cfg.memory,
+            comm_timeout_s=cfg.runtime.comm_timeout_s,
+            hang_timeout_s=cfg.runtime.hang_timeout_s,
+            tied=hf.tied_params() if hf else (),
+            accumulation_steps=t.accumulation_steps,
+            max_grad_norm=t.max_grad_norm,
+            delayed_update=t.delayed_update,
+            speculative_update=t.speculative_update,
+            trace_steps=cfg.runtime.trace_steps,
+            lora=lora,
+            adapters=starting_adapters(cfg, hf),
+        ) as pipe,
+        StopSignals() as signals,
+    ):  # a stop after the last step waits for the outputs too
+        done = _training_loop(cfg, pipe, data, held_out, signals)
+        exported = False
         if hf is not None and export is not None and done:
+            exported = True
             if lora is None:
                 _export(pipe, hf, export, TORCH_DTYPES[t.export_dtype], _export_owner(cfg))
             else:
                 _export_adapter(pipe, hf, lora, export, TORCH_DTYPES[t.export_dtype], _export_owner(cfg))
+        if done and signals.received and pipe.rank == 0:
+            _say_late_stop(signals.received, bool(t.out_dir), export if exported else None)
+
+
+def _say_late_stop(signal_name: str, weights: bool, export: Path | None) -> None:
+    """Rank 0's word on a stop signal that came after the last step, once the run's outputs are written."""
+    what = ["the final weights"] * weights + [f"the export to {export}"] * (export is not None)
+    if what:
+        print(
+            f"mobiuspipe: {signal_name} came after the last step: {' and '.join(what)} were written first", flush=True
+        )
 
 
 def with_resume(cfg: RunConfig, resume: str | None) -> RunConfig:
@@ -193,18 +209,17 @@ def _export_adapter(pipe: Pipeline, hf: HFModel, spec: LoraSpec, to: Path, dtype
         )
 
 
-def _training_loop(cfg: RunConfig, pipe: Pipeline, data: PackedTokens, held_out: PackedTokens | None) -> bool:
+def _training_loop(
+    cfg: RunConfig, pipe: Pipeline, data: PackedTokens, held_out: PackedTokens | None, signals: StopSignals
+) -> bool:
     """Every step on this rank, and the evaluations on the held-out data; rank 0 reports and writes out_dir;
-    every rank writes its stages' weights. False when a signal stopped the run (after a checkpoint)."""
+    every rank writes its stages' weights. False when a signal stopped the run (after a checkpoint); one that
+    comes after the last step is left for the caller (the weights are written meanwhile)."""
     rank, plan = pipe.rank, pipe.plan
     out = Path(cfg.train.out_dir) if cfg.train.out_dir else None
     if rank == 0:
         print(start_line(cfg, plan, pipe.state_tiers, data.describe()), flush=True)
-    signals = StopSignals()
-    try:
-        done = _steps(cfg, pipe, data, held_out, signals)
-    finally:
-        signals.close()
+    done = _steps(cfg, pipe, data, held_out, signals)
     _report_device_peak(pipe)
     if cfg.runtime.trace_steps:
         _write_trace(pipe, out)

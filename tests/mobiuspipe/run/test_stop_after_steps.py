@@ -30,7 +30,6 @@ sys.exit(train.main(["--config", sys.argv[1]]))
 """
 
 
-@pytest.mark.xfail(strict=True, reason="the stop handlers are gone once the steps end: the signal kills the rank")
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 def test_a_stop_after_the_last_step_lets_the_final_weights_be_written(tmp_path: Path, sig: str):
     out = tmp_path / "out"
