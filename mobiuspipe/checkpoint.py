@@ -237,13 +237,16 @@ def _commit(partial: Path, final: Path, head: dict, files: dict[str, tuple[int, 
 
 
 def prune(root: Path, keep: int) -> None:
-    """Remove all but the newest `keep` complete checkpoints (keep 0: none), and the unfinished writes and replaced
-    checkpoints that crashes left of steps up to the newest (a later one may be in flight). A run never starts behind
-    the newest (mobiuspipe.run.resume.refuse_later_checkpoints), so the newest are its own."""
+    """Remove all but the newest `keep` complete checkpoints (keep 0: none), and what crashes left of steps up to the
+    newest: unfinished writes, replaced checkpoints and checkpoints half-removed (a later one may be in flight). A
+    checkpoint is renamed .pruning-step-N before its files go, so a kill meanwhile leaves a name this collects. A run
+    never starts behind the newest (mobiuspipe.run.resume.refuse_later_checkpoints), so the newest are its own."""
     done = complete_steps(root)
     for step in done[:-keep] if keep > 0 else []:
-        shutil.rmtree(root / f"{PREFIX}{step}", ignore_errors=True)
-    for kind in (".partial-", ".replaced-"):
+        gone = root / f".pruning-{PREFIX}{step}"
+        (root / f"{PREFIX}{step}").replace(gone)  # one atomic step: no step-N is ever left without its files
+        shutil.rmtree(gone, ignore_errors=True)
+    for kind in (".partial-", ".replaced-", ".pruning-"):
         for stale in root.glob(f"{kind}{PREFIX}*"):
             tail = stale.name[len(f"{kind}{PREFIX}") :]
             if done and tail.isdigit() and int(tail) <= done[-1]:

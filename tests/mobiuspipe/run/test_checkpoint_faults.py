@@ -266,7 +266,6 @@ def test_a_checkpoint_of_another_plan_is_an_error_and_no_older_one_is_tried(tmp_
     assert sorted(p.name for p in root.iterdir()) == ["step-1", "step-2"]
 
 
-@pytest.mark.xfail(strict=True, reason="a checkpoint half-removed by a killed prune is never removed")
 def test_a_checkpoint_pruned_halfway_by_a_kill_is_removed_by_the_next_prune(tmp_path, monkeypatch):
     """A kill while prune removes an old checkpoint (an SSD checkpoint links hundreds of record files) leaves part of
     it, its `complete` perhaps gone first; the next prune removes the rest, or a week of such kills fills the disk."""
