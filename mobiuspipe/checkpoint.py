@@ -23,6 +23,8 @@ from __future__ import annotations
 import json
 import shutil
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -167,13 +169,23 @@ def commit_checkpoint(
         r, why = failed[0]
         raise CheckpointError(f"checkpoint of step {step}: rank {r} could not write its file: {why}")
     if pipe.rank == 0:
-        save_plan(pipe.plan, partial / "plan.yaml")
-        if config_yaml is not None:
-            (partial / "config.yaml").write_text(config_yaml)
-            fsync_path(partial / "config.yaml")  # on the disk before `complete` says the folder is
         files = {f"rank{r}.safetensors": w for r, w in enumerate(every)}
         head = {"step": step, "world_size": pipe.info.world_size, "plan": plan_identity(pipe), "run": run}
-        _commit(partial, final, head, files)
+        try:
+            with _naming(partial / "plan.yaml"):
+                save_plan(pipe.plan, partial / "plan.yaml")
+            if config_yaml is not None:
+                with _naming(partial / "config.yaml"):
+                    (partial / "config.yaml").write_text(config_yaml)
+                    fsync_path(partial / "config.yaml")  # on the disk before `complete` says the folder is
+            _write_complete(partial, head, files)
+        except OSError as e:  # rank 0's own files, as a rank's file's failure is told (write_snapshot)
+            shutil.rmtree(partial, ignore_errors=True)
+            raise CheckpointError(
+                f"checkpoint of step {step}: rank 0 could not write {e.filename or partial}: {e.strerror or e} "
+                f"(errno {e.errno}); free space or fix the folder, then resume"
+            ) from e
+        _move_into_place(partial, final)
         if keep is not None:
             prune(root, keep)
     gather_all(pipe.info, None)  # no rank goes on (or reads it) before it is committed
@@ -218,13 +230,29 @@ def write_snapshot(snap: Snapshot, path: Path) -> tuple[int, str] | str:
         return f"{path}: {e}; free space or fix the folder, then resume"
 
 
-def _commit(partial: Path, final: Path, head: dict, files: dict[str, tuple[int, str]]) -> None:
-    """Write `complete` last (tmp, fsync, rename), then move the folder into place and fsync its parent."""
+@contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """An OSError inside as one that names path (a failed write's own names no file)."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename:
+            raise
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from e
+
+
+def _write_complete(partial: Path, head: dict, files: dict[str, tuple[int, str]]) -> None:
+    """Write `complete` last (tmp, fsync, rename) and fsync the folder."""
     tmp = partial / f".{COMPLETE}.tmp"
-    tmp.write_text(json.dumps({**head, "files": files}, indent=1))
-    fsync_path(tmp)
+    with _naming(tmp):
+        tmp.write_text(json.dumps({**head, "files": files}, indent=1))
+        fsync_path(tmp)
     tmp.replace(partial / COMPLETE)
     fsync_path(partial)
+
+
+def _move_into_place(partial: Path, final: Path) -> None:
+    """Move the complete folder to its name (an earlier one of that name aside first) and fsync its parent."""
     aside = final.with_name(f".replaced-{final.name}")
     if final.exists():  # a checkpoint of this step from an earlier attempt: moved aside whole, then removed
         if aside.exists():  # a crash's, while it removed one before
@@ -244,7 +272,10 @@ def prune(root: Path, keep: int) -> None:
     done = complete_steps(root)
     for step in done[:-keep] if keep > 0 else []:
         gone = root / f".pruning-{PREFIX}{step}"
-        (root / f"{PREFIX}{step}").replace(gone)  # one atomic step: no step-N is ever left without its files
+        try:
+            (root / f"{PREFIX}{step}").replace(gone)  # one atomic step: no step-N is ever left without its files
+        except FileNotFoundError:  # gone already
+            continue
         shutil.rmtree(gone, ignore_errors=True)
     for kind in (".partial-", ".replaced-", ".pruning-"):
         for stale in root.glob(f"{kind}{PREFIX}*"):

@@ -1,5 +1,9 @@
 """The project's exception classes: each names what was expected, what was found and the fix."""
 
+from __future__ import annotations
+
+from pathlib import Path
+
 from foundation.errors import UserError
 from foundation.loader import InvalidValues
 
@@ -49,3 +53,16 @@ class PipelineError(UserError, ValueError):
 
 class ExportError(UserError, RuntimeError):
     """The fine-tuned model could not be written to train.export_dir: names the rank, the file and the fix."""
+
+
+class OutputError(UserError, RuntimeError):
+    """A file the run writes as it goes (its records, TensorBoard's events, the final weights) could not be written:
+    names the rank, the file, the errno and the fix."""
+
+    @classmethod
+    def of(cls, rank: int, path: Path, e: OSError) -> OutputError:
+        """The error of rank's failed write of path."""
+        return cls(
+            f"rank {rank} could not write {path}: {e.strerror or e} (errno {e.errno}); free space in {path.parent}, "
+            f"then run again with --resume auto"
+        )

@@ -14,6 +14,7 @@ from typing import Any, TextIO
 
 from foundation.files import fsync_folder
 from foundation.units import MiB, fmt_bytes
+from mobiuspipe.errors import OutputError
 from mobiuspipe.run.flops import rate
 from mobiuspipe.run.tb_events import EventLog
 from mobiuspipe.run.usage import RankStep
@@ -232,6 +233,7 @@ class Reporter:
         self.tty = stream is not None and stream.isatty()
         self.file = None
         self.events: EventLog | None = None
+        self.records = Path(out_dir) / "metrics.jsonl" if out_dir else None
         if out_dir:
             Path(out_dir).mkdir(parents=True, exist_ok=True)
             self.file = _open_records(Path(out_dir) / "metrics.jsonl", first_step)
@@ -276,11 +278,29 @@ class Reporter:
         return None if self._timed == 0 else self._timed_s / self._timed * max(0, self.steps - m.step - 1)
 
     def _record(self, record: dict[str, Any]) -> None:
-        if self.file:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
-        if self.events:
-            self.events.add(record)
+        """Write record into metrics.jsonl and TensorBoard's events; OutputError (rank 0's, who writes them) when a
+        write fails, the files closed."""
+        try:
+            if self.file:
+                self.file.write(json.dumps(record) + "\n")
+                self.file.flush()
+        except OSError as e:
+            self._close_failed()
+            raise OutputError.of(0, self.records or Path("metrics.jsonl"), e) from e
+        try:
+            if self.events:
+                self.events.add(record)
+        except OSError as e:
+            where = self.events.path if self.events else Path("events")
+            self._close_failed()
+            raise OutputError.of(0, where, e) from e
+
+    def _close_failed(self) -> None:
+        """Close the files after a failed write (what their buffers still hold may fail to be written too)."""
+        try:
+            self.close()
+        except OSError:
+            self.file, self.events = None, None
 
     def close(self) -> None:
         """Close metrics.jsonl and the event files (flushed). Idempotent."""

@@ -69,6 +69,13 @@ class EventLog:
             for old in Path(folder).glob(EVENTS_PREFIX + "*"):
                 old.unlink()
         self.writer = SummaryWriter(log_dir=str(folder), purge_step=first_step or None)
+        self.folder = Path(folder)
+
+    @property
+    def path(self) -> Path:
+        """The events file this log writes (the newest in its folder)."""
+        files = sorted(self.folder.glob(EVENTS_PREFIX + "*"), key=lambda p: p.stat().st_mtime)
+        return files[-1] if files else self.folder / EVENTS_PREFIX
 
     def add(self, record: dict[str, Any]) -> None:
         """Every scalar of the record at its step, flushed (TensorBoard shows a running job's steps)."""

@@ -31,7 +31,7 @@ from foundation.timing import Stopwatch
 from mobiuspipe.checkpoint import CheckpointError
 from mobiuspipe.config import RunConfig, load_config
 from mobiuspipe.data.dataset import PackedTokens, open_run_data
-from mobiuspipe.errors import ExportError
+from mobiuspipe.errors import ExportError, OutputError
 from mobiuspipe.lora.spec import LoraSpec
 from mobiuspipe.memory.device import deterministic_kernels
 from mobiuspipe.memory.store.index import fsync_path
@@ -254,8 +254,14 @@ def _write_records(cfg: RunConfig, pipe: Pipeline) -> None:
     if out is None or pipe.rank != 0:
         return
     out.mkdir(parents=True, exist_ok=True)
-    write_text_whole(out / "config.yaml", cfg.to_yaml())  # a resume writes over it: whole or not at all
-    save_plan(pipe.plan, out / "plan.yaml")
+    for name, write in (
+        ("config.yaml", lambda path: write_text_whole(path, cfg.to_yaml())),  # a resume writes over it: whole or not
+        ("plan.yaml", lambda path: save_plan(pipe.plan, path)),
+    ):
+        try:
+            write(out / name)
+        except OSError as e:
+            raise OutputError.of(0, out / name, e) from e
 
 
 def _run_steps(
@@ -362,8 +368,13 @@ def _save_weights(pipe: Pipeline, folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for j, weights in pipe.stage_state_dicts(frozen=False).items():
         tmp = folder / f".stage{j}.pt.tmp"
-        torch.save(weights, tmp)
-        fsync_path(tmp)  # on the disk before it takes the name
+        try:
+            with open(tmp, "wb") as f:  # a file object: a failed write is an OSError with its errno
+                torch.save(weights, f)
+            fsync_path(tmp)  # on the disk before it takes the name
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise OutputError.of(pipe.rank, tmp, e) from e
         tmp.replace(folder / f"stage{j}.pt")
     fsync_path(folder)
 

@@ -78,7 +78,6 @@ def test_a_failed_checkpoint_write_is_named_and_the_previous_one_resumes(tmp_pat
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
-@pytest.mark.xfail(strict=True, reason="rank 0's writes in the commit raise a bare OSError, .partial-step-N left")
 def test_a_full_disk_at_rank_0s_commit_is_named_and_the_previous_one_resumes(tmp_path, monkeypatch):
     """Rank 0's own files of a checkpoint (plan.yaml, config.yaml, complete), written once every rank's file is:
     a full disk there is the same named error as under a rank's file, the unfinished folder removed."""
