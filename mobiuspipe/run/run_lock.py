@@ -58,15 +58,15 @@ def new_token() -> str:
 
 def run_folders(out_dir: str | None, checkpoint_root: str | None, ssd_dir: str | None = None) -> dict[str, Path]:
     """The folders a run writes that a lock guards, by the config key that names them: out_dir, the checkpoint
-    folder and memory.ssd_dir, each unless it lies inside one before it (a lock on a folder covers what lies
-    inside)."""
+    folder and memory.ssd_dir, each unless it is one before it (RunLocks.take locks one that lies inside another
+    through that one, and checks that no other run holds it)."""
     folders: dict[str, Path] = {}
     for key, path in (
         ("train.out_dir", out_dir),
         ("train.checkpoint_dir", checkpoint_root),
         ("memory.ssd_dir", ssd_dir),
     ):
-        if path and not any(_within(Path(path), held) for held in folders.values()):
+        if path and not any(Path(path).resolve() == held.resolve() for held in folders.values()):
             folders[key] = Path(path)
     return folders
 
@@ -85,13 +85,21 @@ class RunLocks:
     def take(
         cls, folders: dict[str, Path], token: str, inherited: str | None = None, out: TextIO | None = sys.stderr
     ) -> RunLocks:
-        """Lock each folder (key: the config key naming it, for the messages), making it if missing. A folder held
-        by the run whose token is `inherited` (this rank's launcher) is this run's already. RunFolderError, with
-        every lock taken so far given back, if another live run holds one."""
+        """Lock each folder (key: the config key naming it, for the messages), making it if missing; one inside a
+        folder locked before it is that one's already. A folder held by the run whose token is `inherited` (this
+        rank's launcher) is this run's already. RunFolderError, with every lock taken so far given back, if another
+        live run holds one, a folder it lies in, or a folder inside it that this run writes."""
         locks = cls()
+        taken: list[Path] = []
         try:
             for key, folder in folders.items():
+                if any(_within(folder, held) for held in taken):
+                    _refuse_held(key, folder, folder, inherited)
+                    continue
+                for above in folder.resolve().parents:
+                    _refuse_held(key, folder, above, inherited)
                 locks._take(key, folder, token, inherited, out)
+                taken.append(folder)
         except BaseException:
             locks.release()
             raise
@@ -144,6 +152,29 @@ class RunLocks:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _refuse_held(key: str, folder: Path, at: Path, inherited: str | None) -> None:
+    """RunFolderError if another live run holds `at` (folder itself, or a folder it lies in); its lock file is read
+    and tried, never made or changed."""
+    try:
+        fd = os.open(at / LOCK_FILE, os.O_RDONLY)
+    except OSError:  # no lock file (or none this user may read): no run holds it
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _read(fd)
+        if holder is not None and inherited is not None and holder.token == inherited:
+            return  # this rank's launcher holds it for the run
+        where = "is" if at == folder else f"lies inside {at}, which is"
+        who = holder.text() if holder is not None else "another run"
+        raise RunFolderError(
+            f"{key} {folder} {where} in use by {who}: a folder belongs to one run; wait for that run to end, or give "
+            f"this one another {key}"
+        ) from None
+    finally:
+        os.close(fd)  # a lock this took is dropped with it
 
 
 def _read(fd: int) -> Holder | None:

@@ -103,7 +103,6 @@ def test_a_second_take_in_the_same_process_is_refused_too(tmp_path):
         pass  # released: free again
 
 
-@pytest.mark.xfail(strict=True, reason="a lock guards its own folder only, not what lies inside it")
 def test_a_folder_inside_a_live_runs_folder_is_refused(holder, tmp_path):
     """A run whose checkpoint folder lies inside another live run's out_dir would resume from that run's checkpoints
     and write its own among them: refused, naming the holder, and nothing is written inside its folder."""
@@ -117,7 +116,6 @@ def test_a_folder_inside_a_live_runs_folder_is_refused(holder, tmp_path):
     assert _sums(out) == before and not (out / "checkpoints" / LOCK_FILE).exists()
 
 
-@pytest.mark.xfail(strict=True, reason="a lock guards its own folder only, not what lies inside it")
 def test_a_run_whose_folders_hold_a_live_runs_folder_is_refused(tmp_path):
     """The other way round: a live run holds out/checkpoints (its train.checkpoint_dir), and a run with out_dir out
     would write its checkpoints there too."""
@@ -141,14 +139,20 @@ def test_an_unwritable_folder_is_named(tmp_path):
 
 def test_the_checkpoint_and_ssd_folders_get_their_own_locks_only_outside_out_dir(tmp_path):
     out = tmp_path / "out"
-    assert run_folders(str(out), str(out / "checkpoints")) == {"train.out_dir": out}
+    assert run_folders(str(out), str(out / "checkpoints")) == {
+        "train.out_dir": out,
+        "train.checkpoint_dir": out / "checkpoints",
+    }
     assert run_folders(str(out), str(tmp_path / "ck")) == {
         "train.out_dir": out,
         "train.checkpoint_dir": tmp_path / "ck",
     }
     assert run_folders(None, str(tmp_path / "ck")) == {"train.checkpoint_dir": tmp_path / "ck"}
     assert run_folders(None, None) == {}
-    assert run_folders(str(out), None, str(out / "ssd")) == {"train.out_dir": out}
+    assert run_folders(str(out), None, str(out / "ssd")) == {"train.out_dir": out, "memory.ssd_dir": out / "ssd"}
+    assert run_folders(str(out), str(out)) == {"train.out_dir": out}
+    with RunLocks.take(run_folders(str(out), str(out / "checkpoints"), str(out / "ssd")), "mine"):
+        assert [p.relative_to(tmp_path) for p in tmp_path.rglob(LOCK_FILE)] == [Path("out") / LOCK_FILE]
     assert run_folders(str(out), None, "/nvme/x") == {"train.out_dir": out, "memory.ssd_dir": Path("/nvme/x")}
 
 
