@@ -93,6 +93,7 @@ def run(args: argparse.Namespace, out) -> int:
     from mobiuspipe.run.preflight import ERRORS_ENV, PLAN_ENV, launch_checks, lost_peer, rank_mistake
     from mobiuspipe.run.resume import refuse_before_launch
     from mobiuspipe.run.run_lock import TOKEN_ENV, RunLocks, new_token, run_folders
+    from mobiuspipe.run.stop_relay import StopRelay
     from mobiuspipe.run.train import open_run, with_resume
     from partition.plan import save_plan
 
@@ -113,7 +114,12 @@ def run(args: argparse.Namespace, out) -> int:
     # Across machines every host runs this command and any may get rank 0, which takes them at start-up instead.
     token = new_token() if args.nnodes == 1 else None
     folders = run_folders(config.train.out_dir, config.train.checkpoint_root, config.memory.ssd_dir) if token else {}
-    with RunLocks.take(folders, token or ""), tempfile.TemporaryDirectory(prefix="mobiuspipe-start-up-") as errors:
+    relay = StopRelay()  # from here a stop signal stops the job, before torchrun runs too
+    with (
+        RunLocks.take(folders, token or ""),
+        tempfile.TemporaryDirectory(prefix="mobiuspipe-start-up-") as errors,
+        relay.installed(),
+    ):
         cmd = torchrun_command(config.source, nproc, args, log_dir=str(Path(errors) / "torchrun"))
         print(f"mobiuspipe: launching {shlex.join(cmd)}", file=sys.stderr, flush=True)
         out.flush()
@@ -128,8 +134,9 @@ def run(args: argparse.Namespace, out) -> int:
         )  # a session of its own: a signal reaches it once, from _wait_for, however it was sent
         assert torchrun.stderr is not None
         stderr = JobStderr(torchrun.stderr, sys.stderr.buffer, lambda: rank_mistake(Path(errors)) is not None)
-        stopped: list[signal.Signals] = []
-        code = _wait_for(torchrun, Path(errors) if args.max_restarts else None, stderr, stopped)
+        relay.started(torchrun, stderr.hold)
+        stopped = relay.stopped
+        code = _wait_for(torchrun, Path(errors) if args.max_restarts else None, stderr)
         mistake = rank_mistake(Path(errors)) if code != 0 else None
         stderr.finish(quiet=code != 0 and (mistake is not None or bool(stopped)))
         lost = lost_peer(Path(errors)) if code != 0 and mistake is None and not stopped else None
@@ -151,22 +158,14 @@ def _has_keys(path: Path) -> bool:
     return bool(yaml.safe_load(path.read_text()))
 
 
-def _wait_for(torchrun: subprocess.Popen, errors: Path | None, stderr: JobStderr, stopped: list[signal.Signals]) -> int:
+def _wait_for(torchrun: subprocess.Popen, errors: Path | None, stderr: JobStderr) -> int:
     """torchrun's exit code. torchrun runs in a session of its own, so neither a terminal's Ctrl-C nor a signal to
-    this process group reaches it: this process does not die of SIGINT or SIGTERM but passes either on to torchrun,
-    which passes it to its ranks (they checkpoint and stop); it is noted in `stopped`, and from then on the job's
-    stderr is held (`stderr`). Each signal is passed on once, however it came (the terminal, `kill -INT PID`, a
-    signal to the group). With `errors` (the ranks' mistakes folder) it stops torchrun once a start-up mistake is
-    there, before it restarts."""
+    this process group reaches it: this process does not die of SIGINT or SIGTERM but passes either on to torchrun
+    (mobiuspipe.run.stop_relay), which passes it to its ranks (they checkpoint and stop), and from then on the job's
+    stderr is held (`stderr`). With `errors` (the ranks' mistakes folder) it stops torchrun once a start-up mistake
+    is there, before it restarts."""
     from mobiuspipe.run.preflight import start_up_error
 
-    def stop(signum, frame) -> None:
-        stopped.append(signal.Signals(signum))
-        stderr.hold()
-        torchrun.send_signal(signum)
-
-    old_int = signal.signal(signal.SIGINT, stop)
-    old_term = signal.signal(signal.SIGTERM, stop)
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
     old_wakeup = signal.set_wakeup_fd(wake_write, warn_on_full_buffer=False)
@@ -183,8 +182,6 @@ def _wait_for(torchrun: subprocess.Popen, errors: Path | None, stderr: JobStderr
     finally:
         signal.set_wakeup_fd(old_wakeup)
         os.close(wake_write)  # the read end is the pump's: closed when it finishes
-        signal.signal(signal.SIGINT, old_int)
-        signal.signal(signal.SIGTERM, old_term)
 
 
 SHUTDOWN_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
