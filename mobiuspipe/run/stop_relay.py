@@ -1,10 +1,13 @@
 """The launcher's stop signals (SIGINT, SIGTERM), passed on to torchrun, which runs in a session of its own.
 
 Each signal is noted and passed on once, however it came (a terminal's Ctrl-C, `kill -INT PID`, a signal to the
-launcher's group); one that comes before torchrun has started is passed on as soon as it has. torchrun imports torch
-before it sets its own handlers, and that import now and then swallows a SIGINT's KeyboardInterrupt, after which the
-job ran to its end (measured: 2 to 4 of 58 signals, torch 2.11 and 2.13). Until torchrun catches SIGTERM it is sent
-SIGTERM instead, which ends it at once: it has started no rank before it catches SIGTERM.
+launcher's group); one that comes before torchrun has started is passed on as soon as it has. The first goes on as
+SIGTERM, whichever it was, and torchrun passes it to the ranks: a rank that trains takes either as its stop
+(checkpoint, then stop), but a rank still starting up has no handler of its own yet, and a SIGINT's KeyboardInterrupt
+waits there for the call it is in to return (a wait for a peer that died of the same signal: up to
+runtime.hang_timeout_s, seen once), where SIGTERM ends it at once. torchrun itself, while it imports torch, now and
+then swallowed a SIGINT's KeyboardInterrupt, after which the job ran to its end (2 to 4 of 58 signals, torch 2.11 and
+2.13). A later signal goes on as it came (a second Ctrl-C stops the ranks at once).
 """
 
 from __future__ import annotations
@@ -14,20 +17,9 @@ import subprocess
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-__all__ = ["StopRelay", "catches"]
+__all__ = ["StopRelay"]
 
 STOPS = (signal.SIGINT, signal.SIGTERM)
-
-
-def catches(pid: int, sig: signal.Signals) -> bool:
-    """Whether process pid has a handler of its own for sig (Linux's /proc/PID/status, SigCgt); True where that
-    cannot be read (the signal is then passed on as it came)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            mask = next((int(line.split()[1], 16) for line in f if line.startswith("SigCgt:")), None)
-    except (OSError, ValueError):
-        return True
-    return mask is None or bool(mask >> (sig - 1) & 1)
 
 
 class StopRelay:
@@ -57,7 +49,7 @@ class StopRelay:
             self._torchrun, self._hold = torchrun, hold
             if self.stopped:
                 hold()
-                self._pass_on(self.stopped[0])
+                torchrun.send_signal(signal.SIGTERM)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
@@ -65,9 +57,4 @@ class StopRelay:
         self.stopped.append(signal.Signals(signum))
         self._hold()
         if self._torchrun is not None:
-            self._pass_on(signal.Signals(signum))
-
-    def _pass_on(self, sig: signal.Signals) -> None:
-        torchrun = self._torchrun
-        assert torchrun is not None
-        torchrun.send_signal(sig if catches(torchrun.pid, signal.SIGTERM) else signal.SIGTERM)
+            self._torchrun.send_signal(signal.SIGTERM if len(self.stopped) == 1 else signum)

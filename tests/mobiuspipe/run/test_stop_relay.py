@@ -1,31 +1,33 @@
-"""The launcher's stop relay: whether torchrun has its own SIGTERM handler yet is read from /proc (a process that
-has none dies of SIGTERM at once, where its import of torch could swallow a SIGINT)."""
+"""The launcher's stop relay: a signal that comes before torchrun runs is passed on once it does, and the first goes
+on as SIGTERM (a rank still starting up, with no handler yet, dies of it at once; a SIGINT's KeyboardInterrupt waits
+for the C call it is in), a later one as it came."""
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-
-from mobiuspipe.run.stop_relay import catches
-
-HANDLES = (
-    "import signal, time; signal.signal(signal.SIGTERM, lambda *a: None); print('ready', flush=True); time.sleep(60)"
-)
 
 
-def test_catches_tells_a_process_with_its_own_handler_from_one_without():
-    assert catches(os.getpid(), signal.SIGINT)  # Python's own: KeyboardInterrupt
-    handles = subprocess.Popen([sys.executable, "-c", HANDLES], stdout=subprocess.PIPE, text=True)
-    bare = subprocess.Popen(["sleep", "60"])
-    try:
-        assert handles.stdout is not None and handles.stdout.readline() == "ready\n"
-        assert catches(handles.pid, signal.SIGTERM) and not catches(bare.pid, signal.SIGTERM)
-        assert not catches(handles.pid, signal.SIGUSR1)
-    finally:
-        handles.kill()
-        bare.kill()
-        handles.wait()
-        bare.wait()
-    assert catches(2**22 + 7, signal.SIGTERM)  # no such process: unknown, the signal goes as it came
+class _Torchrun:
+    pid = 0
+
+    def __init__(self) -> None:
+        self.got: list[int] = []
+
+    def send_signal(self, sig: int) -> None:
+        self.got.append(sig)
+
+
+def test_the_first_stop_goes_on_as_sigterm_once_torchrun_runs_and_a_later_one_as_it_came():
+    from mobiuspipe.run.stop_relay import StopRelay
+
+    relay, torchrun, held = StopRelay(), _Torchrun(), []
+    before = signal.getsignal(signal.SIGINT)
+    with relay.installed():
+        os.kill(os.getpid(), signal.SIGINT)  # before torchrun has started: noted only
+        assert relay.stopped == [signal.SIGINT] and torchrun.got == []
+        relay.started(torchrun, lambda: held.append(1))  # type: ignore[arg-type]
+        assert torchrun.got == [signal.SIGTERM] and held == [1]
+        os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C
+        assert torchrun.got == [signal.SIGTERM, signal.SIGINT] and held == [1, 1]
+    assert signal.getsignal(signal.SIGINT) is before
