@@ -92,7 +92,7 @@ def run(args: argparse.Namespace, out) -> int:
     from mobiuspipe.run.parent_death import launched_child
     from mobiuspipe.run.preflight import ERRORS_ENV, PLAN_ENV, launch_checks, lost_peer, rank_mistake
     from mobiuspipe.run.resume import refuse_before_launch
-    from mobiuspipe.run.run_lock import TOKEN_ENV, RunLocks, new_token, run_folders
+    from mobiuspipe.run.run_lock import TOKEN_ENV, RunLocks, new_token, refuse_held, run_folders
     from mobiuspipe.run.stop_relay import StopRelay
     from mobiuspipe.run.train import open_run, with_resume
     from partition.plan import save_plan
@@ -107,13 +107,14 @@ def run(args: argparse.Namespace, out) -> int:
             flush=True,
         )
     open_run(config)
-    if args.nnodes == 1:  # a new run in a used out_dir, before the plan is made (across machines rank 0's decides)
-        refuse_before_launch(config.train)
-    nproc, plan = launch_checks(config, args.nproc, args.nnodes)
     # On one machine the run's folders are this run's until torchrun ends (its ranks find them held under `token`).
     # Across machines every host runs this command and any may get rank 0, which takes them at start-up instead.
     token = new_token() if args.nnodes == 1 else None
     folders = run_folders(config.train.out_dir, config.train.checkpoint_root, config.memory.ssd_dir) if token else {}
+    if args.nnodes == 1:  # a new run in a used out_dir, before the plan is made (across machines rank 0's decides)
+        refuse_held(folders)  # a live run's folder: in use, whatever it holds
+        refuse_before_launch(config.train)
+    nproc, plan = launch_checks(config, args.nproc, args.nnodes)
     relay = StopRelay()  # from here a stop signal stops the job, before torchrun runs too
     with (
         RunLocks.take(folders, token or ""),

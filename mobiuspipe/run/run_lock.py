@@ -26,7 +26,7 @@ from typing import TextIO
 
 from mobiuspipe.errors import UserError
 
-__all__ = ["LOCK_FILE", "TOKEN_ENV", "Holder", "RunFolderError", "RunLocks", "new_token", "run_folders"]
+__all__ = ["LOCK_FILE", "TOKEN_ENV", "Holder", "RunFolderError", "RunLocks", "new_token", "refuse_held", "run_folders"]
 
 LOCK_FILE = ".mobiuspipe.lock"
 TOKEN_ENV = "MOBIUSPIPE_RUN_TOKEN"
@@ -152,6 +152,15 @@ class RunLocks:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def refuse_held(folders: dict[str, Path]) -> None:
+    """RunFolderError if another live run holds one of the folders or a folder one lies in, as RunLocks.take would
+    find it, but nothing is made or taken: what a launcher checks first, so that a live run's folder is named in use
+    before anything is said of what it holds."""
+    for key, folder in folders.items():
+        for at in (folder, *folder.resolve().parents):
+            _refuse_held(key, folder, at, None)
 
 
 def _refuse_held(key: str, folder: Path, at: Path, inherited: str | None) -> None:

@@ -171,7 +171,6 @@ def test_mobiuspipe_train_on_a_held_out_dir_stops_before_launch(tmp_path, holder
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(strict=True, reason="the launcher looks at the folder's checkpoints before at its lock")
 def test_a_live_runs_folder_with_checkpoints_is_named_in_use_not_another_runs(tmp_path, holder):
     """The live run has checkpoints by now: a second launch into its folder is told the folder is in use (by that
     pid), not that it "holds the checkpoints of another run" with the advice to resume it, which would then fail."""
