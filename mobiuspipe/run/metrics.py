@@ -234,9 +234,9 @@ class Reporter:
         self.file = None
         self.events: EventLog | None = None
         self.records = Path(out_dir) / "metrics.jsonl" if out_dir else None
-        if out_dir:
+        if out_dir and self.records is not None:
             Path(out_dir).mkdir(parents=True, exist_ok=True)
-            self.file = _open_records(Path(out_dir) / "metrics.jsonl", first_step)
+            self.file = _open_records(self.records, first_step)
             self.events = EventLog(out_dir, first_step) if tensorboard else None
         self._timed, self._timed_s, self._first, self._bar_open = 0, 0.0, True, False
 
