@@ -132,7 +132,7 @@ def run(args: argparse.Namespace, out) -> int:
         me = os.getpid()  # torchrun dies with this process, its ranks with torchrun (mobiuspipe.run.parent_death)
         torchrun = subprocess.Popen(
             cmd, env=env, stderr=subprocess.PIPE, preexec_fn=lambda: launched_child(me), start_new_session=True
-        )  # a session of its own: a signal reaches it once, from _wait_for, however it was sent
+        )  # a session of its own: a signal reaches it once, from the relay, however it was sent
         assert torchrun.stderr is not None
         stderr = JobStderr(torchrun.stderr, sys.stderr.buffer, lambda: rank_mistake(Path(errors)) is not None)
         relay.started(torchrun, stderr.hold)

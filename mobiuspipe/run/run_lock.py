@@ -93,11 +93,10 @@ class RunLocks:
         taken: list[Path] = []
         try:
             for key, folder in folders.items():
-                if any(_within(folder, held) for held in taken):
+                if any(_within(folder, held) for held in taken):  # under this run's own lock: only itself to check
                     _refuse_held(key, folder, folder, inherited)
                     continue
-                for above in folder.resolve().parents:
-                    _refuse_held(key, folder, above, inherited)
+                refuse_held({key: folder}, inherited)
                 locks._take(key, folder, token, inherited, out)
                 taken.append(folder)
         except BaseException:
@@ -154,13 +153,13 @@ class RunLocks:
         self.release()
 
 
-def refuse_held(folders: dict[str, Path]) -> None:
-    """RunFolderError if another live run holds one of the folders or a folder one lies in, as RunLocks.take would
-    find it, but nothing is made or taken: what a launcher checks first, so that a live run's folder is named in use
-    before anything is said of what it holds."""
+def refuse_held(folders: dict[str, Path], inherited: str | None = None) -> None:
+    """RunFolderError if another live run (not the one whose token is `inherited`) holds one of the folders or a
+    folder one lies in; nothing is made or taken. RunLocks.take checks it before each lock; a launcher first, so that
+    a live run's folder is named in use before anything is said of what it holds."""
     for key, folder in folders.items():
         for at in (folder, *folder.resolve().parents):
-            _refuse_held(key, folder, at, None)
+            _refuse_held(key, folder, at, inherited)
 
 
 def _refuse_held(key: str, folder: Path, at: Path, inherited: str | None) -> None:
