@@ -11,8 +11,9 @@ group. A thread that does device work (issues copies, waits on their events) mus
 MOBIUSPIPE_STRICT=1 the stand-in refuses device work from a thread bound to another gpu (or to none, on gpus
 other than 0), refuses a mark of the compute queued so far (computed, or a copy waiting for that compute) from any
 thread but the one that made the Device (the one that queues the compute: a mark taken elsewhere covers whatever
-compute happens to be queued then), marks the tensors it places (mobiuspipe.standin.places), and refuses a copy
-between host memory and another gpu's memory on this gpu's streams.
+compute happens to be queued then), marks the tensors it places (mobiuspipe.standin.places), refuses a copy
+between host memory and another gpu's memory on this gpu's streams, and refuses page-locking host memory during a
+span of messages (stepping), where CUDA may synchronize the whole gpu for it.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ from functools import wraps
 import torch
 
 from mobiuspipe.memory.aio import aligned_empty
-from mobiuspipe.memory.pinned import PinnedBlocks, cuda_registration
+from mobiuspipe.memory.pinned import PinnedBlocks, Register, Unregister, cuda_registration
 from mobiuspipe.memory.streams import CopyHandle, CopyStream
 from mobiuspipe.standin import StandInError, strict
-from mobiuspipe.standin.places import gpu_of, on_gpu, on_host, plain
+from mobiuspipe.standin.places import gpu_of, is_host, on_gpu, on_host, plain
 
 __all__ = ["Device", "CopyHandle", "CopyStream", "PIN_COPY_LIMIT", "upload_route", "on_compute_stream"]
 
@@ -96,8 +97,14 @@ class Device:
         """The set-up that pins a host-work thread to the cores near this gpu (keep_host_work_near)."""
         self._made: list[str] = []
         """The executors made so far, by name."""
-        self._pinned = PinnedBlocks(*cuda_registration()) if self.is_cuda else None
-        """CUDA: the page-locked buffers of pin and host_empty, of their own size (mobiuspipe.memory.pinned)."""
+        self._pinned = PinnedBlocks(*(cuda_registration() if self.is_cuda else self._standin_registration()))
+        """The page-locked buffers of host_empty (and on CUDA pin), of their own size (mobiuspipe.memory.pinned;
+        the stand-in registers nothing, but keeps CUDA's count and rule)."""
+        self._stepping = False
+        """Whether a span of messages (stepping) is on: page-locking waits for its end."""
+        self._unlocked: list[torch.Tensor] = []
+        """CUDA: host_empty's buffers made during the span, page-locked at its end."""
+        self._unlocked_guard = threading.Lock()  # the SSD tier's I/O thread takes buffers too
 
     # -- threads -----------------------------------------------------------------------------------------
     def bind_thread(self) -> None:
@@ -158,25 +165,85 @@ class Device:
     def _marks(self) -> bool:
         return not self.is_cuda and strict()
 
+    # -- page-locked host memory: never while messages may be in flight ------------------------------------
+    @contextmanager
+    def stepping(self) -> Iterator[None]:
+        """The span of a pass of the schedule or an evaluation, from its first message to its flush: page-locking
+        host memory there (cudaHostRegister, torch's pinned allocator) may synchronize the whole gpu, which waits
+        for NCCL's kernels in flight, and two ranks doing so while each has a send to the other outstanding hang
+        (mobiuspipe.schedule.nccl). So host_empty's buffers made in the span are pageable until it ends, when they
+        are page-locked; what a span uploads comes pinned (pinned_batch, before the span) or from those buffers.
+        The strict stand-in refuses a page-locking in the span."""
+        if self._stepping:
+            raise RuntimeError("Device.stepping entered twice: a span of messages is already on")
+        self._stepping = True
+        try:
+            yield
+        finally:
+            self._stepping = False
+            self._lock_unlocked()
+
     def pin(self, t: torch.Tensor) -> torch.Tensor:
         """t in page-locked host memory where CUDA exists (fast async copies: a copy of t, kept until the Device
-        closes, for buffers a run keeps); t itself otherwise."""
+        closes, for buffers a run keeps; made during a span (stepping), pageable until it ends); t itself
+        otherwise."""
         if self.is_cuda:
             out = self.host_empty(t.numel() * t.element_size()).view(t.dtype).view(t.shape)
             return out.copy_(t)
-        return on_host(t) if self._marks else t
+        return self._host_mark(t)
 
     def host_empty(self, nbytes: int) -> torch.Tensor:
         """nbytes of host memory, uint8, aligned for O_DIRECT (mobiuspipe.memory.aio.aligned_empty): on CUDA
-        page-locked, of that size, kept until the Device closes (mobiuspipe.memory.pinned)."""
-        if self._pinned is not None:
-            return self._pinned.empty(nbytes)
-        return self.pin(aligned_empty(nbytes))
+        page-locked, of that size, kept until the Device closes (mobiuspipe.memory.pinned); made during a span
+        (stepping), pageable until the span ends (the copies from and into it meanwhile are correct, the host
+        waiting for each copy into it)."""
+        buf = aligned_empty(nbytes)
+        with self._unlocked_guard:
+            if self._stepping:
+                self._unlocked.append(buf)
+                return self._host_mark(buf)
+        return self._host_mark(self._pinned.lock(buf))
+
+    def _host_mark(self, t: torch.Tensor) -> torch.Tensor:
+        return on_host(t) if self._marks else t
+
+    def pinned_batch(self, ts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Host tensors ts (a batch's microbatches) in torch's page-locked memory, on CUDA (a block cached for the
+        next batch's): taken before a span (stepping) whose uploads read them, so that those take no page-locked
+        memory in it. The stand-in's ts themselves (marked as pinned under strict mode)."""
+        if self.is_cuda:
+            return tuple(t.pin_memory() for t in ts)
+        return tuple(on_host(t) if self._marks else t for t in ts)
+
+    def _lock_unlocked(self) -> None:
+        """Page-lock the buffers host_empty made during the span just ended."""
+        with self._unlocked_guard:
+            unlocked, self._unlocked = self._unlocked, []
+        for buf in unlocked:
+            self._pinned.lock(buf)
+
+    def _standin_registration(self) -> tuple[Register, Unregister]:
+        """The stand-in's cudaHostRegister and cudaHostUnregister: they lock nothing, under CUDA's rule."""
+
+        def register(address: int, nbytes: int) -> int:
+            self._check_page_lock(f"page-locking {nbytes} bytes of host memory (cudaHostRegister)")
+            return 0
+
+        return register, lambda address: 0
+
+    def _check_page_lock(self, what: str) -> None:
+        """The strict stand-in's rule: no page-locking during a span of messages (stepping)."""
+        if self._marks and self._stepping:
+            raise StandInError(
+                f"{what} during a pass or an evaluation, where NCCL's messages may be in flight: page-locking host "
+                f"memory may synchronize the whole gpu, which waits for them, and two ranks doing so at once hang; "
+                f"pin the tensor before the span (Device.pinned_batch) or take a buffer of Device.host_empty"
+            )
 
     @property
     def pinned_bytes(self) -> int:
-        """Host bytes page-locked by pin and host_empty now (0 on the stand-in)."""
-        return 0 if self._pinned is None else self._pinned.nbytes
+        """Host bytes page-locked by host_empty (and on CUDA pin) now; the stand-in's, as CUDA would lock them."""
+        return self._pinned.nbytes
 
     def place(self, t: torch.Tensor) -> torch.Tensor:
         """t, which lies in this gpu's memory (the stand-in: marked as its memory under strict mode)."""
@@ -191,8 +258,13 @@ class Device:
         by upload_route: on CUDA a pageable t goes through torch's pinned memory (its block kept until the copy ends)
         and a pinned one is read in place after this returns (the caller must not change it until the stream has
         passed the copy), neither blocking the host; but a large pageable one that may_wait (a stage's states at
-        start-up or from a checkpoint) blocks the host until the stream has passed the copy."""
+        start-up or from a checkpoint), and during a span (stepping) a pageable one (the strict stand-in refuses it but
+        for a buffer of host_empty), blocks the host until the stream has passed the copy."""
         route = upload_route(t, may_wait)  # the stand-in's copies all end before this returns
+        if route == "pin" and self._stepping:  # no page-locking in a span: a buffer of host_empty not locked yet
+            if not is_host(t):
+                self._check_page_lock(f"an upload of a pageable {tuple(t.shape)} tensor through torch's pinned memory")
+            route = "pageable"
         if self.is_cuda:
             src = t.pin_memory() if route == "pin" else t
             return src.to(self.torch_device, dtype=dtype or t.dtype, non_blocking=route != "pageable")
@@ -355,9 +427,9 @@ class Device:
                 worker.shutdown(wait=True)
         for stream in (self._in, self._back, self._out, *self._peers.values()):
             stream.close()  # on CUDA each waits for its copies: a peer gpu's stream is not this gpu's to synchronize
-        if self._pinned is not None:
+        if self.is_cuda:
             torch.cuda.synchronize(self.torch_device)  # no copy reads or fills a buffer any more
-            self._pinned.close()
+        self._pinned.close()
 
 
 _bound = threading.local()

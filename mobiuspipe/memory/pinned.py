@@ -16,7 +16,7 @@ import torch
 
 from mobiuspipe.memory.aio import ALIGN, aligned_empty, round_up
 
-__all__ = ["PinnedBlocks", "PinnedMemoryError", "cuda_registration"]
+__all__ = ["PinnedBlocks", "PinnedMemoryError", "Register", "Unregister", "cuda_registration"]
 
 Register = Callable[[int, int], int]
 """(address, bytes) -> CUDA's error code (0: registered)."""
@@ -39,8 +39,11 @@ class PinnedBlocks:
     def empty(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of nbytes in page-locked host memory, aligned to ALIGN (O_DIRECT may use it too), of
         nbytes rounded up to ALIGN."""
-        buf = aligned_empty(nbytes)
-        size = round_up(max(nbytes, 1), ALIGN)
+        return self.lock(aligned_empty(nbytes))
+
+    def lock(self, buf: torch.Tensor) -> torch.Tensor:
+        """Page-lock buf, a uint8 buffer of aligned_empty (which rounds its memory up to ALIGN), in place; buf."""
+        size = round_up(max(buf.numel(), 1), ALIGN)
         code = self._register(buf.data_ptr(), size)
         if code != 0:
             raise PinnedMemoryError(

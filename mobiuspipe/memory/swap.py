@@ -27,8 +27,7 @@ Key = tuple[int, int]
 DEPTH = 2
 """Held sets whose staging copies (SSD, staged peer) may be in flight at once per direction: one moving while the
 next is issued. On CUDA the host runs ahead of its copies (a wait orders the compute stream, not the host), so
-without a bound a staging pool would take a page-locked buffer per held tensor of every microbatch, registered
-mid-step."""
+without a bound a staging pool would take a page-locked buffer per held tensor of every microbatch."""
 
 
 class Swap:

@@ -185,20 +185,22 @@ class Engine:
         specs = self._specs.setdefault(shape, {})
         m = self.num_microbatches
         xs = self.compute.device_inputs(x.chunk(m)) if 0 in self.stages else x.chunk(m)
-        self.state = StepState(step, xs, y.chunk(m), specs, learning)
+        ys = self.device.pinned_batch(y.chunk(m)) if self.last in self.stages else y.chunk(m)
+        self.state = StepState(step, xs, ys, specs, learning)
         self.compute.begin(self.state, options)
         if not options.accumulate:  # the step's first pass
             self._passes = []
             self.peak.start_step()
             self.clock.start_step()
         clock, spans = self.clock, []
-        for a in self.schedule:
-            start = clock.mark()
-            self._dispatch[a.kind](a)
-            spans.append((a, start, clock.mark()))
-        start = time.perf_counter()
-        self.comm.flush()
-        end = time.perf_counter()
+        with self.device.stepping():
+            for a in self.schedule:
+                start = clock.mark()
+                self._dispatch[a.kind](a)
+                spans.append((a, start, clock.mark()))
+            start = time.perf_counter()
+            self.comm.flush()
+            end = time.perf_counter()
         self.state.times.comm_s += end - start
         self._passes.append(_Pass(step, self.state.losses, self.state.times, spans, start, end))
 
@@ -313,7 +315,8 @@ class Engine:
         are), the slot released. A rank only waits for a lower stage, which its holder visits before any higher one,
         so the visit order cannot deadlock."""
         m, last = self.num_microbatches, self.last
-        xs, ys = x.chunk(m), y.chunk(m)
+        xs = self.device.pinned_batch(x.chunk(m)) if 0 in self.stages else x.chunk(m)
+        ys = self.device.pinned_batch(y.chunk(m)) if last in self.stages else y.chunk(m)
         shape = (tuple(x.shape), x.dtype)
         learning = shape not in self._eval_specs
         specs = {} if learning else self._eval_specs[shape]
@@ -324,23 +327,8 @@ class Engine:
         for mod in modules:
             mod.eval()
         try:
-            for j in sorted(self.stages):
-                stage = self.stages[j]
-                stage.load(self.arena)
-                stage.wait_loaded()
-                try:
-                    for i in range(m):
-                        with torch.no_grad():
-                            out = stage.forward(self._eval_input(j, i, xs, handed, specs, what), with_grad=False)
-                        if j == last:
-                            losses.append(self.loss_fn(out.float(), self.device.to_device(ys[i])))
-                        elif self.mapping[j + 1] == self.rank:
-                            handed[(j + 1, i)] = out
-                        else:
-                            self._eval_send(out, j, i, learning, what)
-                finally:
-                    stage.release(self.arena)
-            self.comm.flush()
+            with self.device.stepping():
+                self._eval_visits(xs, ys, handed, specs, losses, learning, what)
             self._eval_specs[shape] = specs  # learned: every rank's evaluation of this shape has passed
         finally:
             for mod, mode in zip(modules, modes):
@@ -349,6 +337,28 @@ class Engine:
         for loss in torch.stack(losses).tolist() if losses else []:
             total += loss / m
         return total
+
+    def _eval_visits(self, xs, ys, handed: dict, specs: dict, losses: list, learning: bool, what: str) -> None:
+        """eval_loss's visits of this rank's stages, in order (each microbatch's loss queued in `losses` on the last
+        stage's rank), and the flush of their sends."""
+        m, last = self.num_microbatches, self.last
+        for j in sorted(self.stages):
+            stage = self.stages[j]
+            stage.load(self.arena)
+            stage.wait_loaded()
+            try:
+                for i in range(m):
+                    with torch.no_grad():
+                        out = stage.forward(self._eval_input(j, i, xs, handed, specs, what), with_grad=False)
+                    if j == last:
+                        losses.append(self.loss_fn(out.float(), self.device.to_device(ys[i])))
+                    elif self.mapping[j + 1] == self.rank:
+                        handed[(j + 1, i)] = out
+                    else:
+                        self._eval_send(out, j, i, learning, what)
+            finally:
+                stage.release(self.arena)
+        self.comm.flush()
 
     def _eval_tag(self, j: int, i: int, header: bool) -> int:
         return EVAL_TAG_BASE + (j * self.num_microbatches + i) * 2 + header

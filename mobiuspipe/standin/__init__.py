@@ -8,7 +8,9 @@ A stand-in that forgives what CUDA does not proves nothing about the GPU. Under 
   through the copy functions, as CUDA refuses a cuda and a cpu tensor;
 - threads: copy streams and events are used only from a thread that set its device, as a new CUDA thread's
   current device is 0 whatever rank it serves; a mark of the compute queued so far is taken only on the thread
-  that queues the compute (elsewhere it would cover whatever compute happened to be queued then).
+  that queues the compute (elsewhere it would cover whatever compute happened to be queued then);
+- page-locking: no host memory is page-locked during a pass or an evaluation (Device.stepping), where NCCL's
+  messages may be in flight, since page-locking may synchronize the whole gpu, which waits for them.
 """
 
 from __future__ import annotations

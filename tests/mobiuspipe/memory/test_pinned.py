@@ -9,6 +9,8 @@ import torch
 from mobiuspipe.memory.aio import ALIGN
 from mobiuspipe.memory.device import Device
 from mobiuspipe.memory.pinned import PinnedBlocks, PinnedMemoryError
+from mobiuspipe.standin import StandInError
+from mobiuspipe.standin.places import plain
 
 
 class FakeCuda:
@@ -92,3 +94,67 @@ def test_cuda_pins_a_buffer_at_its_size_and_copies_from_it_asynchronously():
     finally:
         device.close()
     assert device.pinned_bytes == 0
+
+
+# -- no page-locking while messages may be in flight (Device.stepping) --------------------------------------------
+def test_a_buffer_made_during_a_span_is_page_locked_when_the_span_ends(monkeypatch):
+    """cudaHostRegister may synchronize the whole gpu, which waits for NCCL's kernels in flight: a pool's buffer made
+    in step 0 (a held set's first swap-out) is pageable until the pass has flushed its messages."""
+    monkeypatch.setenv("MOBIUSPIPE_STRICT", "1")
+    device = Device(0, use_cuda=False)
+    try:
+        before = device.host_empty(3 * ALIGN)
+        assert device.pinned_bytes == 3 * ALIGN
+        with device.stepping():
+            made = [device.host_empty(n) for n in (ALIGN + 1, 100)]
+            assert device.pinned_bytes == 3 * ALIGN  # not yet
+            made[0].fill_(3)  # usable at once
+        assert device.pinned_bytes == 3 * ALIGN + 2 * ALIGN + ALIGN
+        assert all(b.data_ptr() % ALIGN == 0 for b in (before, *made)) and int(made[0].sum()) == 3 * (ALIGN + 1)
+        with pytest.raises(RuntimeError, match="entered twice"), device.stepping(), device.stepping():
+            pass
+    finally:
+        device.close()
+    assert device.pinned_bytes == 0
+
+
+def test_the_strict_stand_in_refuses_an_upload_through_torchs_pinned_memory_during_a_span(monkeypatch):
+    monkeypatch.setenv("MOBIUSPIPE_STRICT", "1")
+    device = Device(0, use_cuda=False)
+    try:
+        ys = torch.arange(12).chunk(3)
+        pinned = device.pinned_batch(ys)
+        with device.stepping():
+            with pytest.raises(StandInError, match=r"pageable \(4,\) tensor .*Device.pinned_batch"):
+                device.to_device(ys[1])
+            assert torch.equal(plain(device.to_device(pinned[1])), ys[1])  # pinned before the span
+            buf = device.host_empty(16)  # a pool's buffer: locked at the span's end
+            assert torch.equal(plain(device.to_device(buf)), torch.zeros(16, dtype=torch.uint8) + plain(buf))
+        assert torch.equal(plain(device.to_device(ys[1])), ys[1])  # outside a span torch's pinned memory is fine
+        with device.stepping():
+            big = torch.zeros(5 << 20)  # 20 MiB: over PIN_COPY_LIMIT
+            assert device.to_device(big, may_wait=True).shape == big.shape  # from pageable memory: no page-locking
+    finally:
+        device.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_page_locks_a_buffer_made_during_a_span_when_it_ends():
+    device = Device(0)
+    try:
+        t = torch.randn(1000)
+        with device.stepping():
+            buf = device.host_empty(4 * 1000).view(torch.float32)
+            assert not buf.is_pinned() and device.pinned_bytes == 0
+            on_gpu = device.to_device(t)
+            buf.copy_(on_gpu, non_blocking=True)  # into pageable memory: the host waits for it
+            assert torch.equal(buf, t)
+            again = device.to_device(buf)  # from pageable memory, not through torch's pinned allocator
+            assert torch.equal(again.cpu(), t) and not buf.is_pinned()
+        assert buf.is_pinned() and device.pinned_bytes == -(-4000 // ALIGN) * ALIGN
+        back = device.to_device(buf)
+        torch.cuda.synchronize()
+        assert torch.equal(back.cpu(), t)
+    finally:
+        device.close()
