@@ -22,7 +22,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import wraps
 
 import torch
@@ -31,7 +31,7 @@ from mobiuspipe.memory.aio import aligned_empty
 from mobiuspipe.memory.pinned import PinnedBlocks, Register, Unregister, cuda_registration
 from mobiuspipe.memory.streams import CopyHandle, CopyStream
 from mobiuspipe.standin import StandInError, strict
-from mobiuspipe.standin.places import gpu_of, is_host, on_gpu, on_host, plain
+from mobiuspipe.standin.places import gpu_of, in_pass, is_host, on_gpu, on_host, plain
 
 __all__ = ["Device", "CopyHandle", "CopyStream", "PIN_COPY_LIMIT", "upload_route", "on_compute_stream"]
 
@@ -173,12 +173,14 @@ class Device:
         for NCCL's kernels in flight, and two ranks doing so while each has a send to the other outstanding hang
         (mobiuspipe.schedule.nccl). So host_empty's buffers made in the span are pageable until it ends, when they
         are page-locked; what a span uploads comes pinned (pinned_batch, before the span) or from those buffers.
-        The strict stand-in refuses a page-locking in the span."""
+        The strict stand-in refuses a page-locking in the span, and a host read of a gpu's tensor on the calling
+        thread (mobiuspipe.standin.places.in_pass)."""
         if self._stepping:
             raise RuntimeError("Device.stepping entered twice: a span of messages is already on")
         self._stepping = True
         try:
-            yield
+            with in_pass() if self._marks else nullcontext():
+                yield
         finally:
             self._stepping = False
             self._lock_unlocked()

@@ -8,11 +8,17 @@ CUDA's do; so does an op on a marked tensor that names a device (.to(device), .c
 tell the host from a gpu, so the code says which copy it means (Device.to_device, Device.to_host). Tensors no
 one marked (a batch from the data, what autograd computes) meet either, and so does a 0-d host tensor except in a
 join (stack, cat: CUDA lets a host scalar into an elementwise op, not into those); results keep the place.
+During a pass (in_pass, which Device.stepping enters on the compute thread) an op that reads a gpu's tensor on the
+host (item, bool, tolist, nonzero, a boolean mask's indexing...) fails too: on CUDA the host would wait there for
+the compute stream, where the runtime allows one wait a step, the losses' read after the pass.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -20,7 +26,18 @@ from torch._tensor import _convert
 
 from mobiuspipe.standin import StandInError, strict
 
-__all__ = ["Placed", "on_gpu", "on_host", "plain", "place_of", "host_buffer", "gpu_buffer", "gpu_of", "is_host"]
+__all__ = [
+    "Placed",
+    "on_gpu",
+    "on_host",
+    "plain",
+    "place_of",
+    "host_buffer",
+    "gpu_buffer",
+    "gpu_of",
+    "is_host",
+    "in_pass",
+]
 
 
 class Placed(torch.Tensor):
@@ -46,6 +63,12 @@ def _check(func, args: tuple, kwargs: dict) -> None:
     """Raise StandInError if func(*args, **kwargs) is an op CUDA would refuse (module docstring)."""
     if func in _COPIES:
         return
+    if getattr(_pass, "on", False) and _reads_on_host(func, args):
+        raise StandInError(
+            f"{_name(func)} reads {_place(args)} on the host during a pass: on CUDA the host waits there for the "
+            f"compute queued so far (one wait a step is the budget: the losses' read after the pass); keep the value "
+            f"on the gpu, or read it after the pass"
+        )
     if func in _MOVES and _names_device(func, args, kwargs):
         raise StandInError(
             f"{_name(func)} names a device on a tensor in {_place(args)}: on the CPU stand-in that cannot tell the "
@@ -128,6 +151,51 @@ _MOVES = {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda}
 
 _JOINS = {torch.stack, torch.cat}
 """Ops whose tensors must all be on one device, 0-d ones too."""
+
+_READS = {
+    torch.Tensor.__bool__,
+    torch.Tensor.__float__,
+    torch.Tensor.__int__,
+    torch.Tensor.__index__,
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.numpy,
+    torch.Tensor.nonzero,
+    torch.nonzero,
+    torch.Tensor.argwhere,
+    torch.argwhere,
+    torch.Tensor.unique,
+    torch.unique,
+    torch.Tensor.masked_select,
+    torch.masked_select,
+}
+"""Ops that read a tensor's values on the host, or size their result by them (on CUDA a wait for the stream)."""
+
+_pass = threading.local()
+"""on: the calling thread runs a pass (in_pass)."""
+
+
+@contextmanager
+def in_pass() -> Iterator[None]:
+    """The calling thread runs a pass of the schedule or an evaluation: a host read of a gpu's tensor fails in it."""
+    before = getattr(_pass, "on", False)
+    _pass.on = True
+    try:
+        yield
+    finally:
+        _pass.on = before
+
+
+def _reads_on_host(func, args: tuple) -> bool:
+    """Whether func reads a gpu's tensor among args on the host (a boolean mask's indexing too)."""
+    if func is torch.Tensor.__getitem__:
+        index = args[1] if len(args) > 1 else None
+        masks = index if isinstance(index, tuple) else (index,)
+        if not any(isinstance(m, torch.Tensor) and m.dtype == torch.bool for m in masks):
+            return False
+    elif func not in _READS:
+        return False
+    return any(gpu_of(t) is not None for t in _leaves(args, {}) if isinstance(t, torch.Tensor))
 
 
 def _names_device(func, args: tuple, kwargs: dict) -> bool:

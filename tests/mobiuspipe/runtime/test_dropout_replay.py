@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mobiuspipe import Pipeline
+from mobiuspipe.standin.places import plain
 
 
 class RecordingDropout(nn.Module):
@@ -20,7 +21,8 @@ class RecordingDropout(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         keep = torch.rand(x.shape) > 0.3
-        self.masks.setdefault(x.detach().double().sum().item(), []).append(keep)
+        key = plain(x).detach().double().sum().item()  # the test's probe: a host read the strict pass would refuse
+        self.masks.setdefault(key, []).append(keep)
         return self.lin(x) * keep / 0.7
 
 

@@ -52,6 +52,39 @@ def test_a_0d_host_tensor_meets_a_gpu_one_in_elementwise_ops_only(strict):
     assert torch.stack([gpu[0], gpu[2]]).tolist() == [0.0, 2.0]
 
 
+READS = {
+    "__bool__": bool,
+    "__float__": float,
+    "__int__": lambda t: int(t.long()),
+    "item": lambda t: t.item(),
+    "tolist": lambda t: t.tolist(),
+    "numpy": lambda t: t.numpy(),
+    "nonzero": torch.nonzero,
+    "unique": torch.unique,
+    "masked_select": lambda t: t.masked_select(t > 0),
+    "__getitem__": lambda t: t.reshape(-1)[t.reshape(-1) > 0],
+    "__index__": lambda t: [7, 8][t.long()],
+}
+
+
+@pytest.mark.parametrize("read", list(READS), ids=list(READS))
+def test_a_host_read_of_a_gpus_tensor_fails_during_a_pass_only(strict, read):
+    """On CUDA a read of a gpu's values on the host waits for the compute stream: inside a pass of the schedule
+    (Device.stepping) the strict stand-in refuses it; a host tensor's read, and any read outside a pass, pass."""
+    gpu, host = on_gpu(torch.tensor(1.0), 0), on_host(torch.tensor(1.0))
+    device = Device(0, use_cuda=False)
+    try:
+        with device.stepping():
+            with pytest.raises(StandInError, match=r"reads gpu 0's memory on the host during a pass"):
+                READS[read](gpu)
+            READS[read](host)
+            READS[read](torch.tensor(1.0))
+            assert place_of(gpu.reshape(1)[0:1]) == "gpu 0's memory"  # indexing that reads no value
+        READS[read](gpu)
+    finally:
+        device.close()
+
+
 def test_naming_a_device_on_a_placed_tensor_fails(strict):
     gpu = on_gpu(torch.ones(3), 0)
     for move in (lambda: gpu.to("cpu"), lambda: gpu.cpu(), lambda: gpu.to(torch.device("cpu"), torch.float16)):
