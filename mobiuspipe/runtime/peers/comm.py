@@ -25,7 +25,7 @@ from mobiuspipe.runtime.peers.channels import Channels
 from mobiuspipe.runtime.peers.liveness import POLL_S, Waiter, Watch, await_work
 from mobiuspipe.standin import StandInError
 from mobiuspipe.standin.p2p import StrictWork
-from mobiuspipe.standin.places import is_host
+from mobiuspipe.standin.places import is_host, read_waiting
 
 __all__ = ["Comm", "Posted", "TensorSpec"]
 
@@ -71,7 +71,9 @@ class TensorSpec:
 
     @classmethod
     def decode(cls, header: torch.Tensor) -> TensorSpec:
-        code, ndim, *dims = header.tolist()
+        """The spec a received header names: read on the host (a wait for the stream, once a message at a batch
+        shape's first step)."""
+        code, ndim, *dims = read_waiting(header)
         return cls(tuple(dims[:ndim]), _DTYPES[code])
 
 

@@ -15,7 +15,7 @@ from mobiuspipe.memory.weight_stream import SsdWeights
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.runtime.states import HostStates
 from mobiuspipe.standin import StandInError
-from mobiuspipe.standin.places import on_gpu, on_host, place_of
+from mobiuspipe.standin.places import on_gpu, on_host, place_of, read_waiting
 
 
 @pytest.fixture
@@ -80,6 +80,7 @@ def test_a_host_read_of_a_gpus_tensor_fails_during_a_pass_only(strict, read):
             READS[read](host)
             READS[read](torch.tensor(1.0))
             assert place_of(gpu.reshape(1)[0:1]) == "gpu 0's memory"  # indexing that reads no value
+            assert read_waiting(gpu.reshape(1)) == [1.0]  # a read the caller means (a shape header)
         READS[read](gpu)
     finally:
         device.close()
