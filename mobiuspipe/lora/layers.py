@@ -132,12 +132,20 @@ def with_adapters(
     return [partial(_adapted, make, spec, seed, l, start) for l, make in enumerate(makers)]
 
 
+ADAPTED = "_mobiuspipe_adapted"
+"""The attribute _adapted sets on a layer it gave adapters."""
+
+
 def _adapted(make: Callable[[], nn.Module], spec: LoraSpec, seed: int, l: int, start: Start | None) -> nn.Module:
     layer = make()
-    if isinstance(layer, nn.Module):  # anything else is refused by the caller, naming the layer
-        add_adapters(layer, spec, torch.Generator().manual_seed((seed * 1_000_003 + l) % 2**63))
-        if start is not None:
-            load_adapter_tensors(layer, start.get(l, {}), l)
+    if not isinstance(layer, nn.Module):  # refused by the caller, naming the layer
+        return layer
+    if getattr(layer, ADAPTED, False):  # a layer given as a module, made again (rank 0 profiles it, then trains it)
+        return layer
+    add_adapters(layer, spec, torch.Generator().manual_seed((seed * 1_000_003 + l) % 2**63))
+    if start is not None:
+        load_adapter_tensors(layer, start.get(l, {}), l)
+    setattr(layer, ADAPTED, True)
     return layer
 
 

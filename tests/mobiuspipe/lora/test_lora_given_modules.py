@@ -30,7 +30,6 @@ def _train(layers, x, y, lora: LoraSpec) -> tuple[dict[str, torch.Tensor], dict[
         return start, pipe.state_dict(frozen=False), losses
 
 
-@pytest.mark.xfail(strict=True, reason="rank 0 wraps a given module's linear layers twice: no adapter trains")
 @pytest.mark.parametrize("base_dtype", [None, "nf4"])
 def test_given_modules_train_their_adapters_as_factories_do(base_dtype):
     torch.manual_seed(0)
