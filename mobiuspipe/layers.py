@@ -1,13 +1,18 @@
-"""The layers a Pipeline is given: modules, or factories that build them on the ranks that need them."""
+"""The layers a Pipeline is given: modules, or factories that build them on the ranks that need them; in host
+memory, where the pipeline keeps the weights between stage visits (a layer given or built in gpu memory is taken
+off the gpu)."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from functools import partial
 
+import torch
 from torch import nn
 
 from mobiuspipe.errors import PipelineError
+from mobiuspipe.standin.places import gpu_of, plain
 
 __all__ = ["LayerSpec", "factories", "build"]
 
@@ -28,9 +33,10 @@ def factories(layers: nn.Sequential | Sequence[LayerSpec]) -> list[Callable[[], 
     out = []
     for l, item in enumerate(items):
         if isinstance(item, nn.Module):
+            off_the_gpu(item)
             out.append(partial(_same, item))
         elif callable(item):
-            out.append(item)
+            out.append(partial(_made_in_host_memory, item))
         else:
             raise PipelineError(
                 f"layer {l} is a {type(item).__name__}; expected an nn.Module or a zero-argument "
@@ -41,6 +47,47 @@ def factories(layers: nn.Sequential | Sequence[LayerSpec]) -> list[Callable[[], 
 
 def _same(module: nn.Module) -> nn.Module:
     return module
+
+
+def _made_in_host_memory(make: Callable[[], nn.Module]) -> nn.Module:
+    layer = make()
+    if isinstance(layer, nn.Module):  # anything else is refused by build, naming the layer
+        off_the_gpu(layer)
+    return layer
+
+
+def off_the_gpu(layer: nn.Module) -> None:
+    """Move layer's parameters and buffers that lie in gpu memory (CUDA's, or the strict stand-in's marked so) to
+    host memory, shared ones staying shared, with a warning: the pipeline loads each stage into its gpu itself, and
+    a copy left there would take memory no plan counts (and break the host tiers' copies)."""
+    moved: dict[int, torch.Tensor] = {}
+    for mod in layer.modules():
+        for name, p in list(mod.named_parameters(recurse=False)):
+            if _in_gpu_memory(p):
+                if id(p) not in moved:
+                    moved[id(p)] = nn.Parameter(_host_copy(p), p.requires_grad)
+                setattr(mod, name, moved[id(p)])
+        for name, b in list(mod.named_buffers(recurse=False)):
+            if _in_gpu_memory(b):
+                moved.setdefault(id(b), _host_copy(b))
+                setattr(mod, name, moved[id(b)])
+    if moved:
+        warnings.warn(
+            "a layer came in gpu memory: mobiuspipe moved it to host memory, where it keeps the weights between "
+            "stage visits (it loads each stage into its gpu itself); build the layers on the CPU (no device=, no "
+            ".cuda()) to skip the copy and leave the gpu to the plan",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _in_gpu_memory(t: torch.Tensor) -> bool:
+    return t.is_cuda or gpu_of(t) is not None
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """t's values in host memory (unmarked)."""
+    return plain(t.detach()).to("cpu", copy=True) if t.is_cuda else plain(t.detach()).clone()
 
 
 def build(make: Callable[[], nn.Module], l: int) -> nn.Module:

@@ -48,7 +48,6 @@ def _train(layers, x, y, precision: str) -> tuple[list[float], dict[str, torch.T
         return losses, pipe.state_dict()
 
 
-@pytest.mark.xfail(strict=True, reason="a layer in gpu memory crashes the stage's set-up")
 @pytest.mark.parametrize("given", ["modules", "factories"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_layers_in_gpu_memory_train_as_the_same_layers_in_host_memory(monkeypatch, precision, given):
@@ -61,8 +60,22 @@ def test_layers_in_gpu_memory_train_as_the_same_layers_in_host_memory(monkeypatc
         layers = [on_the_gpu(copy.deepcopy(m)) for m in built]
     else:
         layers = [lambda m=m: on_the_gpu(copy.deepcopy(m)) for m in built]
-    with pytest.warns(RuntimeWarning, match=r"in gpu memory .* moved it to host memory"):
+    with pytest.warns(RuntimeWarning, match=r"in gpu memory: mobiuspipe moved it to host memory"):
         got_losses, got = _train(layers, x, y, precision)
     assert got_losses == want_losses
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert all(gpu_of(t) is None for t in got.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_cuda_layers_train_as_the_same_layers_in_host_memory(precision):
+    torch.manual_seed(0)
+    built = [Block(8, 16), Block(16, 16), Block(16, 5)]
+    x, y = torch.randn(6, 8), torch.randn(6, 5)
+    want_losses, want = _train([copy.deepcopy(m) for m in built], x, y, precision)
+    with pytest.warns(RuntimeWarning, match=r"in gpu memory: mobiuspipe moved it to host memory"):
+        got_losses, got = _train([copy.deepcopy(m).cuda() for m in built], x, y, precision)
+    assert got_losses == want_losses
+    assert all(torch.equal(got[k], want[k]) and not got[k].is_cuda for k in want)
