@@ -36,6 +36,7 @@ next layer is fed that layer's recorded output. `measure_layers` returns which l
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ from mobiuspipe.memory.measure import counting_saved
 from mobiuspipe.runtime.activations import keeping
 from partition.spec.profile import LayerProfile, Profile
 
-__all__ = ["Measurement", "measure_layers", "measure_profile"]
+__all__ = ["Measurement", "home_of", "measure_layers", "measure_profile"]
 
 TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -369,7 +370,7 @@ def measure_layers(
     for l, layer in enumerate(layers):
         key = (_signature(layer, x), l == len(layers) - 1 and loss_fn is not None)
         if key not in seen:
-            home = next(iter(layer.parameters()), x).device
+            home = home_of(layer)
             layer.to(device)
             lp, y = _measure_one(
                 layer,
@@ -379,7 +380,8 @@ def measure_layers(
                 (warmup, min_repeats, max_repeats, rel_tol),
                 microbatches,
             )
-            layer.to(home)
+            if home is not None:
+                layer.to(home)
             seen[key] = (l, y)
             out_layers.append(lp)
         else:
@@ -397,6 +399,12 @@ def measure_layers(
         library_bytes=library_bytes(device, TORCH_DTYPES[dtype_name]),
     )
     return Measurement(profile=profile, source=tuple(source))
+
+
+def home_of(layer: nn.Module) -> torch.device | None:
+    """Where layer's tensors are, its parameters' or else its buffers' (None: it holds none)."""
+    first = next(itertools.chain(layer.parameters(), layer.buffers()), None)
+    return None if first is None else first.device
 
 
 def library_bytes(device: torch.device, dtype: torch.dtype) -> int:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from mobiuspipe.models.gpt import build_layers, lm_loss
-from mobiuspipe.profiling.profiler import TORCH_DTYPES, measure_layers, measure_profile
+from mobiuspipe.profiling.profiler import TORCH_DTYPES, home_of, measure_layers, measure_profile
 from partition.spec.analytic import analytic_profile
 from partition.spec.hardware import device_spec
 from partition.spec.models import ModelSpec
@@ -270,12 +270,9 @@ def test_cuda_layers_return_to_the_cpu():
     assert p.layers[0].fwd_s > 0 and next(layer.parameters()).device.type == "cpu"
 
 
-@pytest.mark.xfail(strict=True, reason="a layer without parameters was sent back to the measuring device")
 def test_a_layer_goes_back_where_its_buffers_were():
     """A layer with buffers and no parameters (a positional encoding's table) goes back where the buffers were after
     its measurement, not to the measuring device (on CUDA rank 0's gpu, where no plan counts it)."""
-    from mobiuspipe.profiling.profiler import home_of  # pyright: ignore[reportAttributeAccessIssue]
-
     table = nn.Module()
     table.register_buffer("pe", torch.zeros(4, 3, device="meta"))
     assert home_of(table) == torch.device("meta")
