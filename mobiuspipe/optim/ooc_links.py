@@ -20,7 +20,7 @@ from mobiuspipe.memory.store.index import Entry
 from mobiuspipe.optim.ooc_adam import STATE_PARTS, OutOfCoreAdam
 from mobiuspipe.optim.ooc_groups import plan_groups, section_elems
 
-__all__ = ["link_records", "adopt_records", "RecordError"]
+__all__ = ["link_records", "adopt_records", "read_records", "RecordError"]
 
 
 class RecordError(ValueError):
@@ -81,6 +81,13 @@ def adopt_records(opt: OutOfCoreAdam, folder: Path, desc: dict) -> None:
         opt.store.adopt(key, str(folder / rec["file"]), Entry(**rec))
     opt.step_count, opt.broken = desc["step"], ""
     opt.flush()
+
+
+def read_records(folder: Path, desc: dict) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
+    """The states of the records described by desc (in folder), by parameter name and part (STATE_PARTS), and
+    their step count, for states that leave the SSD store (a run that keeps them in memory now); RecordError when a
+    record fails its check."""
+    return _read_layout(folder, desc), desc["step"]
 
 
 def _verify(path: Path, rec: dict) -> torch.Tensor:

@@ -14,6 +14,7 @@ from torch.optim.adamw import adamw
 from mobiuspipe.memory.device import CopyHandle, Device
 from mobiuspipe.memory.reduce import finite_flag, squared_norm
 from mobiuspipe.optim.hyper import AdamHyper
+from mobiuspipe.runtime.states.ooc import in_memory
 from partition.rules.placement import UPDATE_CHUNK
 
 __all__ = ["DeviceStates", "one_version"]
@@ -180,6 +181,7 @@ class DeviceStates:
 
     def import_state(self, tensors: dict[str, torch.Tensor], extra: dict, link_dir: Path | None = None) -> None:
         """Set the states export_state gave (as HostStates.import_state), copied into the gpu's."""
+        tensors = in_memory(tensors, extra, link_dir)
         self._pending = None
         self.master.data.copy_(self._device.to_device(tensors["master"], may_wait=True))
         if not self.loads_master:

@@ -12,6 +12,7 @@ from torch import nn
 from mobiuspipe.memory.device import CopyHandle, Device
 from mobiuspipe.optim.undo import StepUndo
 from mobiuspipe.runtime.states.host_grads import HostGrads
+from mobiuspipe.runtime.states.ooc import in_memory
 from mobiuspipe.standin.places import plain
 
 __all__ = ["HostStates"]
@@ -170,7 +171,8 @@ class HostStates:
 
     def import_state(self, tensors: dict[str, torch.Tensor], extra: dict, link_dir: Path | None = None) -> None:
         """Set the states export_state gave (the device-dtype weights follow from the master); link_dir: where
-        export_state linked the files of states on SSD."""
+        export_state linked the files of states on SSD (read from there: states that were on SSD)."""
+        tensors = in_memory(tensors, extra, link_dir)
         self.master.data.copy_(tensors["master"])
         if not self.loads_master:
             for w in self._weights:

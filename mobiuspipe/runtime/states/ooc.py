@@ -14,9 +14,18 @@ from mobiuspipe.memory.weight_stream import BUFFERS
 from mobiuspipe.optim.hyper import AdamHyper
 from mobiuspipe.optim.ooc_adam import OutOfCoreAdam
 from mobiuspipe.optim.ooc_groups import ELEM_ALIGN, least_budget_bytes
-from mobiuspipe.optim.ooc_links import adopt_records, link_records
+from mobiuspipe.optim.ooc_links import adopt_records, link_records, read_records
 
-__all__ = ["ADAM_SLOTS", "SsdTier", "least_share", "ooc_adam", "settle_ooc", "export_ooc", "import_ooc"]
+__all__ = [
+    "ADAM_SLOTS",
+    "SsdTier",
+    "least_share",
+    "ooc_adam",
+    "settle_ooc",
+    "export_ooc",
+    "import_ooc",
+    "in_memory",
+]
 
 ADAM_SLOTS = 4
 """Group slots of each stage's out-of-core Adam (read ahead, update, write back, one spare)."""
@@ -68,10 +77,26 @@ def export_ooc(opt: OutOfCoreAdam, link_dir: Path | None) -> tuple[dict[str, tor
     store (fp32 flat)."""
     if link_dir is not None:
         return {}, {"records": link_records(opt, link_dir)}
-    state = opt.read_state()["w"]
+    return _tensors(opt.read_state()["w"], opt.step_count), {}
+
+
+def in_memory(tensors: dict[str, torch.Tensor], extra: dict, link_dir: Path | None) -> dict[str, torch.Tensor]:
+    """export_state's tensors of a stage whose states a checkpoint took from the SSD store (read from their records
+    in link_dir), for a run that keeps them in memory (memory.optimizer changed, or auto under another host
+    budget); any other stage's `tensors` as they are."""
+    if "records" not in extra:
+        return tensors
+    if link_dir is None:
+        raise ValueError("the states were linked into a checkpoint folder: pass it to import_state")
+    states, step = read_records(link_dir, extra["records"])
+    return _tensors(states["w"], step)
+
+
+def _tensors(state: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
+    """An out-of-core AdamW's states of its one flat parameter in export_state's form."""
     tensors = {"master": state["param"], "opt/exp_avg": state["exp_avg"], "opt/exp_avg_sq": state["exp_avg_sq"]}
-    tensors["opt/step"] = torch.tensor(float(opt.step_count), dtype=torch.float32)
-    return tensors, {}
+    tensors["opt/step"] = torch.tensor(float(step), dtype=torch.float32)
+    return tensors
 
 
 def import_ooc(opt: OutOfCoreAdam, tensors: dict[str, torch.Tensor], extra: dict, link_dir: Path | None) -> None:

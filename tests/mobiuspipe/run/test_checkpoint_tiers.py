@@ -21,7 +21,6 @@ def _memory(tier: str, folder) -> MemoryConfig | None:
     return MemoryConfig(optimizer="ssd", ssd_dir=str(folder), host_budget_mb=1.0)
 
 
-@pytest.mark.xfail(strict=True, reason="states written from the SSD store resume only into it (KeyError: 'master')")
 @pytest.mark.parametrize("to", ["host", "device"])
 def test_states_saved_from_the_ssd_store_resume_in_memory(tmp_path, to):
     _resumes_across(tmp_path, "ssd", to)
