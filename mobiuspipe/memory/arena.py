@@ -18,7 +18,12 @@ from mobiuspipe.errors import ArenaError
 from mobiuspipe.memory.ledger import DeviceLedger
 from mobiuspipe.memory.streams import CopyHandle
 
-__all__ = ["DeviceArena", "Slot"]
+__all__ = ["DeviceArena", "Slot", "SLOT_ALIGN"]
+
+SLOT_ALIGN = 256
+"""Bytes every slot's size is rounded up to, so every slot starts at the same alignment within the arena (which
+CUDA allocates 512-byte aligned): cuBLAS picks its kernels by its pointers' alignment (up to 256 bytes), so a stage's
+tensors round alike whichever slot it takes (a resumed run takes its slots in another order)."""
 
 
 @dataclass
@@ -59,8 +64,8 @@ class DeviceArena:
         grad_slot_bytes: int | None = None,
     ):
         """place: marks a tensor as the gpu's memory (Device.place; the strict stand-in's rule)."""
-        self.slot_bytes = _round_up(slot_bytes, 64)
-        self.grad_slot_bytes = None if grad_slot_bytes is None else _round_up(grad_slot_bytes, 64)
+        self.slot_bytes = _round_up(slot_bytes, SLOT_ALIGN)
+        self.grad_slot_bytes = None if grad_slot_bytes is None else _round_up(grad_slot_bytes, SLOT_ALIGN)
         self.budget_bytes = self.slot_bytes * num_slots + (self.grad_slot_bytes or 0)
         self._place = place
         self.buffer = place(torch.empty(self.budget_bytes, dtype=torch.uint8, device=device))
