@@ -14,7 +14,7 @@ from torch import nn
 from mobiuspipe.errors import PipelineError
 from mobiuspipe.standin.places import gpu_of, plain
 
-__all__ = ["LayerSpec", "factories", "build"]
+__all__ = ["LayerSpec", "factories", "build", "check_shared"]
 
 LayerSpec = nn.Module | Callable[[], nn.Module]
 """A layer, or a factory that builds it."""
@@ -43,6 +43,28 @@ def factories(layers: nn.Sequential | Sequence[LayerSpec]) -> list[Callable[[], 
                 f"callable that returns one"
             )
     return out
+
+
+def check_shared(layers: nn.Sequential | Sequence[LayerSpec], tied: Sequence[tuple[str, str]]) -> None:
+    """Refuse a trainable parameter that two given layers share (one tensor: a tied embedding and head) unless `tied`
+    names the pair: the pipeline keeps each layer's weights apart, so it would train as two parameters."""
+    first: dict[int, str] = {}  # id of a parameter -> its name in the first layer that has it
+    declared = {frozenset(pair) for pair in tied}
+    for l, item in enumerate(layers):
+        if not isinstance(item, nn.Module):
+            continue  # a factory's layers are built apart
+        for name, p in item.named_parameters():
+            key = f"{l}.{name}"
+            if not p.requires_grad or first.setdefault(id(p), key) == key:
+                continue
+            pair = (first[id(p)], key)
+            if frozenset(pair) not in declared:
+                a, b = (int(n.split(".", 1)[0]) for n in pair)
+                raise PipelineError(
+                    f"layers {a} and {b} share a parameter ({pair[0]} is {pair[1]}); the pipeline keeps each layer's "
+                    f"weights apart, so the two would train as two parameters: give the pair as tied={[pair]} (both "
+                    f"copies then update with the sum of their gradients), or give the layers apart"
+                )
 
 
 def _same(module: nn.Module) -> nn.Module:
