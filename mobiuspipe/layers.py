@@ -14,7 +14,7 @@ from torch import nn
 from mobiuspipe.errors import PipelineError
 from mobiuspipe.standin.places import gpu_of, plain
 
-__all__ = ["LayerSpec", "factories", "build", "check_shared"]
+__all__ = ["LayerSpec", "factories", "build", "check_layers"]
 
 LayerSpec = nn.Module | Callable[[], nn.Module]
 """A layer, or a factory that builds it."""
@@ -45,7 +45,20 @@ def factories(layers: nn.Sequential | Sequence[LayerSpec]) -> list[Callable[[], 
     return out
 
 
-def check_shared(layers: nn.Sequential | Sequence[LayerSpec], tied: Sequence[tuple[str, str]]) -> None:
+def check_layers(layers: nn.Sequential | Sequence[LayerSpec], tied: Sequence[tuple[str, str]], frozen: bool) -> None:
+    """Refuse what the pipeline cannot take as it is given: a default device other than the cpu, and (unless the
+    base is `frozen`, under LoRA) a shared parameter that `tied` does not name."""
+    if (default := torch.get_default_device()).type != "cpu":
+        raise PipelineError(
+            f"torch.set_default_device({str(default)!r}) is in effect: mobiuspipe keeps the weights and optimizer "
+            f"states in host memory and places on the gpu itself what it loads there, so its host buffers need the "
+            f"cpu as the default; call torch.set_default_device('cpu') after building the layers"
+        )
+    if not frozen:  # a frozen shared parameter's copies stay equal
+        _check_shared(layers, tied)
+
+
+def _check_shared(layers: nn.Sequential | Sequence[LayerSpec], tied: Sequence[tuple[str, str]]) -> None:
     """Refuse a trainable parameter that two given layers share (one tensor: a tied embedding and head) unless `tied`
     names the pair: the pipeline keeps each layer's weights apart, so it would train as two parameters."""
     first: dict[int, str] = {}  # id of a parameter -> its name in the first layer that has it

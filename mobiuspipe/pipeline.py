@@ -32,7 +32,7 @@ from foundation.shm import shm_space
 from mobiuspipe import checkpoint
 from mobiuspipe.config import MemoryConfig
 from mobiuspipe.errors import PipelineError
-from mobiuspipe.layers import LayerSpec, build, check_shared, factories
+from mobiuspipe.layers import LayerSpec, build, check_layers, factories
 from mobiuspipe.lora.layers import Start, with_adapters
 from mobiuspipe.lora.quant import quantized
 from mobiuspipe.lora.spec import LoraSpec
@@ -171,10 +171,9 @@ class Pipeline:
             raise PipelineError(
                 f"delayed_update {delayed_update!r}: expected the first delayed optimizer step, >= 0 (or None: off)"
             )
+        check_layers(layers, tied, frozen=lora is not None)
         self.accumulation_steps, self.max_grad_norm = accumulation_steps, max_grad_norm
         makers = factories(layers)
-        if lora is None:  # under LoRA a shared base parameter is frozen: its copies stay equal
-            check_shared(layers, tied)
         if adapters is not None and lora is None:
             raise PipelineError("adapters= continues a saved LoRA adapter: give its LoraSpec as lora= beside it")
         if lora is not None:

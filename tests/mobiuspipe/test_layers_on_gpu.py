@@ -81,7 +81,6 @@ def test_cuda_layers_train_as_the_same_layers_in_host_memory(precision):
     assert all(torch.equal(got[k], want[k]) and not got[k].is_cuda for k in want)
 
 
-@pytest.mark.xfail(strict=True, reason="the internal host buffers follow the default device: an obscure failure")
 def test_a_default_device_other_than_the_cpu_is_refused_naming_it():
     """torch.set_default_device("cuda") would put the host tiers' buffers on the gpu (here "meta" plays it)."""
     from mobiuspipe.errors import PipelineError
