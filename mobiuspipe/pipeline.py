@@ -40,7 +40,7 @@ from mobiuspipe.memory.device import Device, on_compute_stream
 from mobiuspipe.memory.store.ssd_store import SSDStore
 from mobiuspipe.optim import CPUAdam
 from mobiuspipe.optim.clipping import clip_scale
-from mobiuspipe.optim.hyper import AdamHyper
+from mobiuspipe.optim.hyper import GPU_TIER, AdamHyper
 from mobiuspipe.optim.loss_scale import LossScaler, scaler_for
 from mobiuspipe.profiling.profiler import TORCH_DTYPES
 from mobiuspipe.runtime.action_trace import ActionTrace
@@ -292,7 +292,7 @@ class Pipeline:
             check_stage_layers(plan, j, layers)
             on_ssd = self.placement.weights[j] == "ssd"
             frozen_store = self.store if self.memory.frozen == "ssd" else None
-            on_device = AdamHyper.of(make_optimizer) if self.placement.optimizer[j] == "device" else None
+            on_device = AdamHyper.of(make_optimizer, GPU_TIER) if self.placement.optimizer[j] == "device" else None
             stages[j] = Stage(
                 j,
                 layers,

@@ -53,10 +53,7 @@ def agree_on_tiers(
     state_tiers = {j: (p.optimizer[j], p.weights[j]) for p in every if isinstance(p, Placement) for j in p.optimizer}
     if not placement.on_ssd:
         return placement, state_tiers, _store(info, mem) if mem.frozen == "ssd" else None, {j: None for j in params}
-    try:
-        hyper = AdamHyper.of(make_optimizer)
-    except ValueError as e:
-        raise PipelineError(str(e)) from e
+    hyper = AdamHyper.of(make_optimizer)
     store = _store(info, mem)
     tier = SsdTier(store, placement.slot_bytes, hyper)
     return placement, state_tiers, store, {j: tier if t == "ssd" else None for j, t in placement.optimizer.items()}

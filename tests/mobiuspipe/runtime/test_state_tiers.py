@@ -125,7 +125,10 @@ def test_ssd_tier_mistakes(tmp_path):
         config_from_dict({"memory": {"optimizer": "auto", "weights": "ssd", "ssd_dir": "x"}})
     with pytest.raises(ConfigError, match="memory.weights: expected host when optimizer is host"):
         config_from_dict({"memory": {"weights": "auto"}})
-    with pytest.raises(PipelineError, match="stepped by AdamW, but the optimizer factory makes a SGD"):
+    with pytest.raises(
+        PipelineError,
+        match="stepped by plain AdamW with the factory's hyper-parameters, but the optimizer factory makes a SGD",
+    ):
         Pipeline(
             [torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)],
             torch.nn.functional.mse_loss,
