@@ -183,12 +183,12 @@ class DeviceStates:
         """Set the states export_state gave (as HostStates.import_state), copied into the gpu's."""
         tensors = in_memory(tensors, extra, link_dir)
         self._pending = None
-        self.master.data.copy_(self._device.to_device(tensors["master"], may_wait=True))
+        self.master.data.copy_(tensors["master"])  # from host memory into place: no stage-sized gpu temporary
         if not self.loads_master:
             self.weights.copy_(self.master.data)
         state = self.optimizer.state[self.master]
         for k in ("exp_avg", "exp_avg_sq"):
-            state[k].copy_(self._device.to_device(tensors[f"opt/{k}"], may_wait=True))
+            state[k].copy_(tensors[f"opt/{k}"])
         state["step"] = tensors["opt/step"].to(torch.float32).reshape(())
         for group, saved in zip(self.optimizer.param_groups, extra.get("param_groups") or []):
             group.update({k: v for k, v in saved.items() if k in group and k != "params"})
