@@ -8,7 +8,7 @@ Layout of CHECKPOINT_DIR/step-N (N = optimizer steps done; the run resumes at st
                         states in the SSD store the description of their records and "dir")
   rank{r}/stage{j}/     states in the SSD store: hard links to the store's record files (no bytes copied; the
                         store writes a linked record to a new file), each checked by the crc32c in the metadata.
-                        Where the filesystem cannot link them (another device), they go into the .safetensors.
+                        Where the filesystem cannot link them (another device), they are copied, file by file.
   plan.yaml, config.yaml the plan the run followed and its resolved config (rank 0)
   complete              JSON written last, by rank 0 once every rank reported its files written and fsynced:
                         {"step", "world_size", "plan": the plan's identity, "run": the run's identity,
