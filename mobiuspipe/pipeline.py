@@ -206,7 +206,8 @@ class Pipeline:
             self.store: SSDStore | None = None
             self.trace = ActionTrace(trace_steps)
             self.engine = self._build_engine(makers, loss_fn, optimizer or partial(CPUAdam), num_microbatches, tied)
-            check_room(self.info, self.planned_device_bytes()[self.rank], self.engine.device.torch_device, self.plan)
+            planned, buffers = self.planned_device_bytes()[self.rank], self.engine.buffer_bytes
+            check_room(self.info, planned, self.engine.device.torch_device, self.plan, buffers)
             self.ties = TiedGrads(tied, self.plan, self.engine.stages, self.info) if tied else None
             if self.ties is not None:
                 self.engine.hold_updates_of(self.ties.held_stages)
@@ -420,9 +421,8 @@ class Pipeline:
 
     @on_compute_stream
     def eval_batch(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """The batch's mean loss under the current weights (after every pending update), forward only: no
-        gradient, no update, dropout off (Engine.eval_loss); every rank calls it with the same batch of the
-        plan's microbatches and gets the loss."""
+        """The batch's mean loss under the current weights (after every pending update), forward only: no gradient,
+        no update, dropout off (Engine.eval_loss); every rank calls it with the same batch and gets the loss."""
         self._check_batch(x, y, passes=1)
         what = f"evaluation after step {self.step}"
         return self._reduce([self.engine.eval_loss(x, y, what)], torch.distributed.ReduceOp.SUM, what)[0]

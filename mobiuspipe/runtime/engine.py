@@ -169,6 +169,11 @@ class Engine:
             Kind.SWAP_IN: self.compute.swap_in,
         }
 
+    @property
+    def buffer_bytes(self) -> int:
+        """The bytes of the layers' buffers this rank's stages keep on the gpu all run (no plan counts them)."""
+        return sum({p: n for s in self.stages.values() for p, n in s.buffer_bytes().items()}.values())
+
     def hold_updates_of(self, stages: Iterable[int]) -> None:
         """Have these stages' updates wait for start_updates on every pass (a tied parameter's halves, whose
         gradient is whole only once the ranks have added their halves)."""

@@ -351,9 +351,10 @@ class Stage:
         """The arena slot that holds the stage's weights now (uint8)."""
         return _held(self.weights, self.index, "weights").data
 
-    def buffer_storages(self) -> set[int]:
-        """Data pointers of the storages of the stage's buffers (they live on the device for the whole run)."""
-        return {b.untyped_storage().data_ptr() for bufs in self.buffers.values() for b in bufs.values()}
+    def buffer_bytes(self) -> dict[int, int]:
+        """The bytes of the stage's buffers' storages by data pointer (they live on the device for the whole run)."""
+        bufs = (b for layer in self.buffers.values() for b in layer.values())
+        return {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in bufs}
 
     def _tensors(self, with_grad: bool, kept: bool) -> dict[int, dict[str, torch.Tensor]]:
         """Per layer, its parameters (arena views, or the grad-collecting leaves) and its buffers."""

@@ -51,30 +51,31 @@ def room_now(device: torch.device) -> Room:
     return Room(free, total, torch.cuda.memory_reserved(device))
 
 
-def room_problem(planned: int, room: Room, gpu: int, assumed: int) -> str | None:
-    """What is wrong when the plan's peak on `gpu` (planned: its walk and workspaces) exceeds what the gpu can give
-    the run; assumed: the bytes of the gpu the plan was made to use (its gpu_memory_bytes and workspaces). None if
-    it fits."""
-    if planned <= room.usable:
+def room_problem(planned: int, room: Room, gpu: int, assumed: int, buffers: int = 0) -> str | None:
+    """What is wrong when the plan's peak on `gpu` (planned: its walk and workspaces) and the layers' `buffers` (the
+    stages keep them on the gpu all run; no plan counts them) exceed what the gpu can give the run; assumed: the
+    bytes of the gpu the plan was made to use (its gpu_memory_bytes and workspaces). None if it fits."""
+    if planned + buffers <= room.usable:
         return None
-    short = planned - room.usable
+    short = planned + buffers - room.usable
+    held = f", and the layers' buffers {fmt_bytes(buffers)} (the stages keep them on the gpu)" if buffers else ""
     return (
-        f"gpu {gpu} has too little free memory for the plan: its peak is {fmt_bytes(planned)} (the plan assumed "
+        f"gpu {gpu} has too little free memory for the plan: its peak is {fmt_bytes(planned)}{held} (the plan assumed "
         f"{fmt_bytes(assumed)} of the gpu's {fmt_bytes(room.total)}), but the run can have {fmt_bytes(room.usable)}: "
         f"{fmt_bytes(room.outside)} {HELD_OUTSIDE}. Free the gpu, or plan again leaving {math.ceil(short / MiB)} MiB "
         f"more of it {REPLAN}"
     )
 
 
-def check_room(info: RankInfo, planned: int, device: torch.device, plan: Plan) -> None:
+def check_room(info: RankInfo, planned: int, device: torch.device, plan: Plan, buffers: int = 0) -> None:
     """Every rank raises PipelineError (the first failing rank's room_problem) if the plan's peak on some rank's gpu
     does not fit it now; nothing on the stand-in, whose budget is the plan's own. planned: the plan's peak on this
-    rank's gpu (Pipeline.planned_device_bytes)."""
+    rank's gpu (Pipeline.planned_device_bytes); buffers: its stages' buffers' bytes (Engine.buffer_bytes)."""
     if device.type != "cuda":
         return
     room = room_now(device)
     assumed = plan.gpu_memory_bytes + plan.workspace_bytes
-    every = gather_all(info, room_problem(planned, room, info.rank, assumed))
+    every = gather_all(info, room_problem(planned, room, info.rank, assumed, buffers))
     failed = [(r, why) for r, why in enumerate(every) if why is not None]
     if failed:
         r, why = failed[0]

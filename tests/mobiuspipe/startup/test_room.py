@@ -30,6 +30,41 @@ def test_a_plan_past_it_names_the_figures_and_how_much_more_to_leave():
     assert "leaving 301 MiB more of it (a run's plan.reserve_mb; for a plan file" in said
 
 
+def test_the_layers_buffers_count_beside_the_plans_peak():
+    """A stage keeps its layers' buffers (a causal mask per block) on the gpu all run, outside every plan: they are
+    in the allocator's reserved bytes when the check runs, so without them the check would pass a run that cannot
+    fit its peak."""
+    room = Room(free=20 * GiB, total=24 * GiB, reserved=1 * GiB)
+    assert room_problem(20 * GiB, room, 0, 23 * GiB, buffers=1 * GiB) is None
+    said = room_problem(20 * GiB, room, 0, 23 * GiB, buffers=1 * GiB + 5 * MiB)
+    assert said is not None and "its peak is 20.00 GiB, and the layers' buffers 1.00 GiB (the stages keep" in said
+    assert "leaving 5 MiB more" in said
+
+
+def test_a_stages_buffer_bytes_count_each_storage_once():
+    from torch import nn
+
+    from mobiuspipe import Pipeline
+
+    class Masked(nn.Module):
+        mask: torch.Tensor
+
+        def __init__(self, table: torch.Tensor):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.register_buffer("mask", table)
+            self.register_buffer("same", table)  # one storage, two names
+
+        def forward(self, x):
+            return self.fc(x) * self.mask[0, :4]
+
+    table = torch.ones(8, 8)
+    layers = [Masked(table), Masked(table.clone()), nn.Linear(4, 2)]
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    with Pipeline(layers, torch.nn.functional.mse_loss, sample=(x, y), num_microbatches=2, num_stages=3) as pipe:
+        assert pipe.engine.buffer_bytes == 2 * 8 * 8 * 4  # fp32, one storage a layer
+
+
 def test_the_check_reads_cuda_on_a_gpu_and_nothing_on_the_stand_in(monkeypatch):
     def never(*_):
         raise AssertionError("the stand-in has no CUDA memory to read")
