@@ -183,7 +183,7 @@ class Device:
                 yield
         finally:
             self._stepping = False
-            self._lock_unlocked()
+        self._lock_unlocked()  # not after an error: messages may still be in flight (the next span's end locks them)
 
     def pin(self, t: torch.Tensor) -> torch.Tensor:
         """t in page-locked host memory where CUDA exists (fast async copies: a copy of t, kept until the Device

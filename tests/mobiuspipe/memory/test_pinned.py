@@ -113,6 +113,13 @@ def test_a_buffer_made_during_a_span_is_page_locked_when_the_span_ends(monkeypat
         assert all(b.data_ptr() % ALIGN == 0 for b in (before, *made)) and int(made[0].sum()) == 3 * (ALIGN + 1)
         with pytest.raises(RuntimeError, match="entered twice"), device.stepping(), device.stepping():
             pass
+        with pytest.raises(KeyError), device.stepping():  # a pass that fails may leave messages in flight
+            device.host_empty(ALIGN)
+            raise KeyError("a failed pass")
+        assert device.pinned_bytes == 6 * ALIGN  # so its buffer waits for the next pass's end
+        with device.stepping():
+            pass
+        assert device.pinned_bytes == 7 * ALIGN
     finally:
         device.close()
     assert device.pinned_bytes == 0
