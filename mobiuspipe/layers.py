@@ -33,7 +33,7 @@ def factories(layers: nn.Sequential | Sequence[LayerSpec]) -> list[Callable[[], 
     out = []
     for l, item in enumerate(items):
         if isinstance(item, nn.Module):
-            off_the_gpu(item)
+            _off_the_gpu(item)
             out.append(partial(_same, item))
         elif callable(item):
             out.append(partial(_made_in_host_memory, item))
@@ -87,11 +87,11 @@ def _same(module: nn.Module) -> nn.Module:
 def _made_in_host_memory(make: Callable[[], nn.Module]) -> nn.Module:
     layer = make()
     if isinstance(layer, nn.Module):  # anything else is refused by build, naming the layer
-        off_the_gpu(layer)
+        _off_the_gpu(layer)
     return layer
 
 
-def off_the_gpu(layer: nn.Module) -> None:
+def _off_the_gpu(layer: nn.Module) -> None:
     """Move layer's parameters and buffers that lie in gpu memory (CUDA's, or the strict stand-in's marked so) to
     host memory, shared ones staying shared, with a warning: the pipeline loads each stage into its gpu itself, and
     a copy left there would take memory no plan counts (and break the host tiers' copies)."""

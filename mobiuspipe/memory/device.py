@@ -215,7 +215,7 @@ class Device:
         memory in it. The stand-in's ts themselves (marked as pinned under strict mode)."""
         if self.is_cuda:
             return tuple(t.pin_memory() for t in ts)
-        return tuple(on_host(t) if self._marks else t for t in ts)
+        return tuple(self._host_mark(t) for t in ts)
 
     def _lock_unlocked(self) -> None:
         """Page-lock the buffers host_empty made during the span just ended."""
