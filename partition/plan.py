@@ -109,6 +109,9 @@ class StagePlan(_PlanPart):
     """Where its device-dtype weights and offloaded gradients live: host, ssd (only where optimizer_tier is ssd) or
     device (where optimizer_tier is); auto: a run places them by memory.weights. A run whose memory.weights is auto
     follows it."""
+    buffer_bytes: int = 0
+    """V_j: its layers' buffers (a causal mask), which its gpu keeps the whole run, outside the arena; 0 in plans of
+    profiles that did not measure them (partition.spec.profile's V_l)."""
 
     @property
     def f_s(self) -> float:
@@ -140,7 +143,7 @@ class StagePlan(_PlanPart):
         return self.param_bytes - self.gradient_bytes
 
     def check_values(self) -> list[Problem]:
-        counts = ("param_count", "param_bytes", "activation_bytes", "output_bytes")  # first, gpu: Plan checks
+        counts = ("param_count", "param_bytes", "activation_bytes", "output_bytes", "buffer_bytes")  # first, gpu: Plan
         return [
             *rule(
                 self.activations in MODES,
@@ -257,6 +260,10 @@ class Plan(_PlanPart):
     """X: the most bytes one computing layer holds beyond the walk's (the profile's largest X_l: its
     intermediates' gradients, a weight's gradient before it is added into the slot). gpu_memory_bytes is
     already net of it; 0 in plans of profiles that did not measure it."""
+    buffer_bytes: int = 0
+    """What the plan holds apart on every gpu for its stages' buffers (StagePlan.buffer_bytes, kept the whole run): at
+    least the most any gpu's stages keep (buffers_on). gpu_memory_bytes is already net of it; 0 in plans of profiles
+    that measured none."""
 
     @property
     def num_stages(self) -> int:
@@ -278,6 +285,16 @@ class Plan(_PlanPart):
     @property
     def mapping(self) -> list[int]:
         return [s.gpu for s in self.stages]
+
+    @property
+    def gpu_share_bytes(self) -> int:
+        """The bytes of each gpu the plan was made to use, the gpu's memory less the reserve: gpu_memory_bytes and what
+        it is net of (the workspace X, the buffers held apart)."""
+        return self.gpu_memory_bytes + self.workspace_bytes + self.buffer_bytes
+
+    def buffers_on(self, gpu: int) -> int:
+        """The bytes of the buffers gpu keeps the whole run: its stages' V_j."""
+        return sum(s.buffer_bytes for s in self.stages if s.gpu == gpu)
 
     def stages_of(self, gpu: int) -> list[int]:
         """Indices j of the stages gpu runs, in forward order."""
@@ -333,6 +350,7 @@ def _field_problems(p: Plan) -> list[Problem]:
                 "input_bytes",
                 "target_bytes",
                 "workspace_bytes",
+                "buffer_bytes",
             )
             for q in at_least(p, name, 0, _WRITE_FIX)
         ),
@@ -426,6 +444,16 @@ def _stage_problems(p: Plan) -> list[Problem]:
                 "every gpu to run at least one stage",
                 f"gpus {unused} have no stage",
                 "add stages, or lower num_gpus",
+            )
+        )
+    most = max((p.buffers_on(g) for g in range(p.num_gpus)), default=0)
+    if most > p.buffer_bytes:
+        problems.append(
+            Problem(
+                "buffer_bytes",
+                f"at least the most buffers one gpu's stages keep ({most} bytes)",
+                str(p.buffer_bytes),
+                _WRITE_FIX,
             )
         )
     return problems

@@ -7,13 +7,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from foundation.timing import Stopwatch
-from foundation.units import GiB, fmt_bytes
+from foundation.units import fmt_bytes
 from partition.errors import PlanInfeasibleError
 from partition.mip.solvers import NO_MIP, mip_installed
 from partition.plan import Plan, SolverInfo, StagePlan
 from partition.rules.activation_choice import with_activations
-from partition.rules.costmodel import WEIGHT_SLOTS, LayerArrays, arena_bytes, slot_weight_bytes
+from partition.rules.costmodel import LayerArrays, arena_bytes, slot_weight_bytes
 from partition.rules.dp import solve_dp
+from partition.rules.fits import check_layers_fit, infeasible_stages
 from partition.rules.mapping import mapping_candidates, mapping_score, stage_contention
 from partition.rules.tiers import (
     HostBudget,
@@ -78,25 +79,48 @@ def make_plan(
     watch = Stopwatch()
     _check_memory_known(topo)
     arr = LayerArrays.of(profile)
-    memory = min(g.memory_bytes for g in topo.gpus) - reserve_bytes - profile.workspace_bytes  # X held apart
-    _check_layers_fit(arr, profile, memory)
-    ranked = _dp_plans(profile, topo, arr, microbatches, num_stages, mapping, memory)
-    if not ranked:
-        raise _infeasible_stages(num_stages, arr, memory, profile.workspace_bytes)
-    candidates, info = ranked[:MIP_CANDIDATES], SolverInfo("dp", "optimal", 0.0, 0.0)
-    if solver != "dp" and not mip_installed():
-        info = SolverInfo("dp", f"optimal; {NO_MIP}", 0.0, 0.0)
-    elif solver != "dp":
-        found, info = _mip_plans(
-            profile, topo, arr, candidates, microbatches, mapping, memory, solver, time_limit_s, gap
-        )
-        candidates = candidates + found
-    shared = sorted(_shared(candidates, topo, host_budget), key=lambda p: (p.predicted_step_time_s, p.num_stages))
-    best = shared[0]
-    if activations == "auto":
-        more = [p for p in ranked[MIP_CANDIDATES:] if p.num_stages > best.num_stages][:WALK_RETRIES]
-        best = _chosen(shared, more, profile, topo, memory, host_budget, activation_tiers)
-    return dataclasses.replace(best, solver=dataclasses.replace(info, wall_s=round(watch.s, 6)))
+    usable = min(g.memory_bytes for g in topo.gpus) - reserve_bytes - profile.workspace_bytes  # X held apart
+
+    def searched(held: int) -> Plan:
+        memory = usable - held
+        check_layers_fit(arr, profile, memory, held)
+        ranked = _dp_plans(profile, topo, arr, microbatches, num_stages, mapping, memory)
+        if not ranked:
+            raise infeasible_stages(num_stages, arr, memory, profile.workspace_bytes, held)
+        candidates, info = ranked[:MIP_CANDIDATES], SolverInfo("dp", "optimal", 0.0, 0.0)
+        if solver != "dp" and not mip_installed():
+            info = SolverInfo("dp", f"optimal; {NO_MIP}", 0.0, 0.0)
+        elif solver != "dp":
+            found, info = _mip_plans(
+                profile, topo, arr, candidates, microbatches, mapping, memory, solver, time_limit_s, gap
+            )
+            candidates = candidates + found
+        shared = sorted(_shared(candidates, topo, host_budget), key=lambda p: (p.predicted_step_time_s, p.num_stages))
+        best = shared[0]
+        if activations == "auto":
+            more = [p for p in ranked[MIP_CANDIDATES:] if p.num_stages > best.num_stages][:WALK_RETRIES]
+            best = _chosen(shared, more, profile, topo, memory, host_budget, activation_tiers)
+        return dataclasses.replace(best, solver=info)
+
+    best = _buffers_held_apart(searched, profile.buffer_bytes, topo.num_gpus)
+    return dataclasses.replace(best, solver=dataclasses.replace(best.solver, wall_s=round(watch.s, 6)))
+
+
+BUFFER_TRIES = 3
+"""Plans make_plan makes with a gpu's share of the layers' buffers held apart before it holds all of them apart."""
+
+
+def _buffers_held_apart(searched: Callable[[int], Plan], total: int, num_gpus: int) -> Plan:
+    """The plan searched with the layers' buffers (V_j, each stage's gpu keeps them the whole run) held apart from the
+    memory: first an even share of their `total` (the least any plan's fullest gpu keeps), then the most its plan's
+    gpus keep while that is more (BUFFER_TRIES plans at most), then all of them. One plan when no layer has buffers."""
+    held = -(-total // num_gpus)
+    for _ in range(BUFFER_TRIES):
+        plan = searched(held)
+        if max(plan.buffers_on(g) for g in range(num_gpus)) <= held:
+            return dataclasses.replace(plan, buffer_bytes=held)
+        held = max(plan.buffers_on(g) for g in range(num_gpus))
+    return dataclasses.replace(searched(total), buffer_bytes=total)
 
 
 def plan_batch(
@@ -372,49 +396,6 @@ def _stage_counts(num_stages: int | None, num_gpus: int, num_layers: int) -> lis
     return [num_stages]
 
 
-def _check_layers_fit(arr: LayerArrays, profile: Profile, memory: int) -> None:
-    for l, layer in enumerate(profile.layers):
-        need = arena_bytes(arr.params(l, l), arr.grads(l, l)) + arr.activations(l, l)
-        if need > memory and not _fits_in_some_stage(arr, l, memory):
-            raise PlanInfeasibleError(
-                f"layer {l} ({layer.name}) alone needs {fmt_bytes(need)} ({WEIGHT_SLOTS} x "
-                f"{fmt_bytes(arr.params(l, l))} of arena slots for its weights and the next stage's prefetch + "
-                f"{fmt_bytes(arr.grads(l, l))} for its gradients + "
-                f"{fmt_bytes(arr.activations(l, l))} of activations) but a gpu has {fmt_bytes(memory)} usable"
-                f"{_net_of(profile.workspace_bytes)}: use a smaller microbatch, GPUs with more memory, or a smaller "
-                "model"
-            )
-
-
-def _fits_in_some_stage(arr: LayerArrays, l: int, memory: int) -> bool:
-    """True when some stage a..b holding layer l meets the memory rule on its own (A_j counts only the
-    stage's boundary outputs, so a layer with a large output can fit together with its neighbours)."""
-    L = arr.num_layers
-    return any(
-        arena_bytes(arr.params(a, b), arr.grads(a, b)) + arr.activations(a, b) <= memory
-        for a in range(l + 1)
-        for b in range(l, L)
-    )
-
-
-def _infeasible_stages(num_stages: int | None, arr: LayerArrays, memory: int, workspace: int) -> PlanInfeasibleError:
-    p = arr.params(0, arr.num_layers - 1)
-    return PlanInfeasibleError(
-        f"no cut of the {arr.num_layers} layers into {num_stages or 'any number of'} stages fits: the model has "
-        f"{p / GiB:.2f} GiB of parameters and each stage must satisfy {WEIGHT_SLOTS} x slot + gradient slot + "
-        f"activations <= "
-        f"{memory / GiB:.2f} GiB{_net_of(workspace)}; use more stages (--stages), or leave --stages out to search "
-        f"every count"
-    )
-
-
-def _net_of(workspace: int) -> str:
-    """The note that the usable memory is net of the profile's largest workspace X (none when X is 0)."""
-    if not workspace:
-        return ""
-    return f" (net of the {workspace / GiB:.2f} GiB the largest layer's backward holds beyond its activations)"
-
-
 def _plan_of(
     profile: Profile,
     topo: Topology,
@@ -450,6 +431,7 @@ def _plan_of(
         input_bytes=profile.input_bytes,
         target_bytes=profile.target_bytes,
         workspace_bytes=profile.workspace_bytes,
+        buffer_bytes=max(sum(s.buffer_bytes for s in stages if s.gpu == g) for g in range(topo.num_gpus)),
     )
 
 
@@ -468,6 +450,7 @@ def stage_plan(arr: LayerArrays, a: int, b: int, gpu: int, load_gbps: float) -> 
         param_bytes=slot_weight_bytes(arr.grads(a, b), arr.params(a, b) - arr.grads(a, b)),
         trainable_count=_unless_all(arr.trainable(a, b), arr.param_count(a, b)),
         grad_bytes=_unless_all(arr.grads(a, b), arr.params(a, b)),
+        buffer_bytes=arr.buffers(a, b),
         activation_bytes=arr.activations(a, b),
         output_bytes=int(arr.O[b]),
         fwd_s=arr.fwd(a, b),

@@ -21,6 +21,8 @@ For each layer l, fed the previous layer's output (the first gets `sample_input`
   activation_bytes  the tensors autograd saves for backward (saved_tensors_hooks), counted once per
                     storage (views share one), parameters excluded; the last layer includes its loss
   output_bytes      nbytes of the layer's output
+  buffer_bytes      the layer's buffers as a stage keeps them on its gpu the whole run (floating ones in the
+                    profile's dtype, mobiuspipe.runtime.stage), each tensor once
   library_bytes     CUDA only (0 on the stand-in): the bytes cuBLAS and cuBLASLt keep for a stream (the
                     profile's, once per model)
   workspace_bytes   CUDA only (0 on the stand-in): the allocator's peak over a recompute and its
@@ -36,6 +38,7 @@ next layer is fed that layer's recorded output. `measure_layers` returns which l
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import statistics
 from collections.abc import Sequence
@@ -380,6 +383,7 @@ def measure_layers(
                 (warmup, min_repeats, max_repeats, rel_tol),
                 microbatches,
             )
+            lp = dataclasses.replace(lp, buffer_bytes=_buffer_bytes(layer, TORCH_DTYPES[dtype_name]))
             if home is not None:
                 layer.to(home)
             seen[key] = (l, y)
@@ -399,6 +403,11 @@ def measure_layers(
         library_bytes=library_bytes(device, TORCH_DTYPES[dtype_name]),
     )
     return Measurement(profile=profile, source=tuple(source))
+
+
+def _buffer_bytes(layer: nn.Module, dtype: torch.dtype) -> int:
+    """V_l: the bytes of layer's buffers as a stage holds them, floating ones in `dtype`."""
+    return sum(b.numel() * (dtype.itemsize if b.is_floating_point() else b.element_size()) for b in layer.buffers())
 
 
 def home_of(layer: nn.Module) -> torch.device | None:

@@ -51,14 +51,19 @@ def room_now(device: torch.device) -> Room:
     return Room(free, total, torch.cuda.memory_reserved(device))
 
 
-def room_problem(planned: int, room: Room, gpu: int, assumed: int, buffers: int = 0) -> str | None:
-    """What is wrong when the plan's peak on `gpu` (planned: its walk and workspaces) and the layers' `buffers` (the
-    stages keep them on the gpu all run; no plan counts them) exceed what the gpu can give the run; assumed: the
-    bytes of the gpu the plan was made to use (its gpu_memory_bytes and workspaces). None if it fits."""
-    if planned + buffers <= room.usable:
+def room_problem(planned: int, room: Room, gpu: int, assumed: int, unplanned: int = 0) -> str | None:
+    """What is wrong when the plan's peak on `gpu` (planned: its walk, workspaces and the buffers the plan counts) and
+    the layers' buffers beyond the plan's count (`unplanned`: a plan made from a profile that did not measure them)
+    exceed what the gpu can give the run; assumed: the bytes of the gpu the plan was made to use (its
+    gpu_memory_bytes, workspaces and buffers). None if it fits."""
+    if planned + unplanned <= room.usable:
         return None
-    short = planned + buffers - room.usable
-    held = f", and the layers' buffers {fmt_bytes(buffers)} (the stages keep them on the gpu)" if buffers else ""
+    short = planned + unplanned - room.usable
+    held = (
+        f", and {fmt_bytes(unplanned)} of the layers' buffers (the stages keep them on the gpu) beyond the plan's count"
+        if unplanned
+        else ""
+    )
     return (
         f"gpu {gpu} has too little free memory for the plan: its peak is {fmt_bytes(planned)}{held} (the plan assumed "
         f"{fmt_bytes(assumed)} of the gpu's {fmt_bytes(room.total)}), but the run can have {fmt_bytes(room.usable)}: "
@@ -70,12 +75,13 @@ def room_problem(planned: int, room: Room, gpu: int, assumed: int, buffers: int 
 def check_room(info: RankInfo, planned: int, device: torch.device, plan: Plan, buffers: int = 0) -> None:
     """Every rank raises PipelineError (the first failing rank's room_problem) if the plan's peak on some rank's gpu
     does not fit it now; nothing on the stand-in, whose budget is the plan's own. planned: the plan's peak on this
-    rank's gpu (Pipeline.planned_device_bytes); buffers: its stages' buffers' bytes (Engine.buffer_bytes)."""
+    rank's gpu (Pipeline.planned_device_bytes, its stages' buffers as the plan counts them); buffers: the bytes of its
+    stages' buffers as the run holds them (Engine.buffer_bytes), what is more than the plan's count is added."""
     if device.type != "cuda":
         return
     room = room_now(device)
-    assumed = plan.gpu_memory_bytes + plan.workspace_bytes
-    every = gather_all(info, room_problem(planned, room, info.rank, assumed, buffers))
+    unplanned = max(0, buffers - plan.buffers_on(info.rank))
+    every = gather_all(info, room_problem(planned, room, info.rank, plan.gpu_share_bytes, unplanned))
     failed = [(r, why) for r, why in enumerate(every) if why is not None]
     if failed:
         r, why = failed[0]
@@ -92,7 +98,7 @@ def out_of_memory(e: BaseException, gpu: int, device: torch.device, plan: Plan |
     room = room_now(device)
     cause = str(e).splitlines()[0] if str(e) else type(e).__name__
     if plan is not None:
-        assumed = plan.gpu_memory_bytes + plan.workspace_bytes
+        assumed = plan.gpu_share_bytes
         if (why := room_problem(assumed, room, gpu, assumed)) is not None:
             return PipelineError(f"rank {gpu} ran out of gpu memory while setting up ({cause}); {why}")
     return PipelineError(

@@ -23,6 +23,7 @@ def _stage_json(plan: Plan) -> list[dict]:
             "grad_bytes": s.gradient_bytes,
             "activation_bytes": s.activation_bytes,
             "output_bytes": s.output_bytes,
+            "buffer_bytes": s.buffer_bytes,
             "fwd_s": s.fwd_s,
             "bwd_s": s.bwd_s,
             "load_s": s.load_s,
@@ -64,6 +65,7 @@ def plan_to_json(plan: Plan, pred: Prediction | None = None) -> dict:
         "arena_bytes": plan.arena_bytes,
         "activation_bytes": plan.activation_bytes,
         "gpu_memory_bytes": plan.gpu_memory_bytes,
+        "buffer_bytes": plan.buffer_bytes,
         "solver": {
             "name": plan.solver.name,
             "status": plan.solver.status,
@@ -126,7 +128,8 @@ def _header(plan: Plan) -> list[str]:
         f"predicted step time {p.predicted_step_time_s:.3f} s",
         f"memory per gpu: arena {fmt_bytes(p.arena_bytes)} ({p.arena_words()}) + activations "
         f"{fmt_bytes(p.activation_bytes)} = "
-        f"{fmt_bytes(p.arena_bytes + p.activation_bytes)} of {fmt_bytes(p.gpu_memory_bytes)} usable",
+        f"{fmt_bytes(p.arena_bytes + p.activation_bytes)} of {fmt_bytes(p.gpu_memory_bytes)} usable"
+        + (f" (the layers' buffers, {fmt_bytes(p.buffer_bytes)}, held apart)" if p.buffer_bytes else ""),
         f"solver {s.name}: {s.status}, gap {s.gap:g}, {s.wall_s:.3f} s",
     ] + _lora_line(plan)
 

@@ -13,6 +13,7 @@ Legend (stage j holds layers a..b; all per ONE microbatch unless marked; units i
            F_j when the profile has no separate figure)                                   [s]
   T_j      sum of T_l: the parameters that train (all N_j but under LoRA, its adapters)   [-]
   G_j      bytes of stage j's gradients: T_j in the plan's dtype (P_j when all train)     [bytes]
+  V_j      sum of V_l: the layers' buffers, on stage j's gpu the whole run, outside the arena [bytes]
   beta_j   host->gpu bandwidth stage j's gpu gets under contention (topology.load_gbps)  [GB/s]
   U_j      = P_j / (beta_j * 1e9): time to load stage j's parameters                     [s]
   W        = max_j P_j: size of one weight slot of the device arena                      [bytes]
@@ -101,6 +102,7 @@ class LayerArrays:
     G: np.ndarray | None = None  # prefix sums of gradient bytes (None: the same as P)
     R: np.ndarray | None = None  # prefix sums of recompute seconds (None: the same as F)
     K: np.ndarray | None = None  # prefix sums of kept-forward seconds (None: the same as R)
+    U: np.ndarray | None = None  # prefix sums of buffer bytes (None: no layer has buffers)
 
     @classmethod
     def of(cls, profile: Profile) -> LayerArrays:
@@ -121,6 +123,7 @@ class LayerArrays:
             G=pre(grads, np.int64),
             R=pre([x.redo_s for x in ls]),
             K=pre([x.keep_s for x in ls]),
+            U=pre([x.buffer_bytes for x in ls], np.int64),
         )
 
     @property
@@ -135,6 +138,10 @@ class LayerArrays:
         """A_j for layers a..b inclusive: the layers' saved activations plus input and output buffers."""
         inp = int(self.O[a - 1]) if a > 0 else 0
         return int(self.A[b + 1] - self.A[a]) + inp + int(self.O[b])
+
+    def buffers(self, a: int, b: int) -> int:
+        """V_j for layers a..b inclusive: the layers' buffers, which their stage's gpu keeps the whole run."""
+        return 0 if self.U is None else int(self.U[b + 1] - self.U[a])
 
     def fwd(self, a: int, b: int) -> float:
         return float(self.F[b + 1] - self.F[a])

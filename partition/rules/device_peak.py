@@ -17,7 +17,8 @@ Legend (partition.rules.lifetimes has the walk's; units in brackets):
         (partition.rules.peer: R(g, h), held the whole run) and the states of its stages on the gpu tier
         (partition.rules.placement.device_state_bytes: 16 T_j each, held the whole run); on a gpu plus X
         (make_plan takes X off the memory every rule and walk is held to, so the walk's fit is
-        D_g - X <= G - X)                                                                      [bytes]
+        D_g - X <= G - X); plus V_g, the layers' buffers g's stages keep the whole run (Plan.buffers_on;
+        make_plan holds them apart likewise: plan.buffer_bytes >= V_g)                        [bytes]
 
 Two runtime paths, each walked as it runs; on both H_j = I_j for a recompute stage on tier device (its input
 stays on the device until B recomputes from it; activation_tier host, ssd or peer moves it off on the copy
@@ -94,4 +95,4 @@ def planned_device_bytes(
         peaks[plan.stages[j].gpu] += device_state_bytes(plan.stages[j].trains, DTYPE_BYTES[plan.dtype])
     if not standin:  # the stand-in's ledger counts no transients (its profiles measure none: X = 0 there)
         peaks = [b + plan.workspace_bytes for b in peaks]
-    return peaks
+    return [b + plan.buffers_on(g) for g, b in enumerate(peaks)]

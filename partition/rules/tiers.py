@@ -190,12 +190,14 @@ def place_tiers(plan: Plan, budget: HostBudget, gpu_states: bool | None = None) 
 
 def states_fit_gpus(plan: Plan) -> bool:
     """Whether the plan is LoRA's (frozen weights) and every gpu holds its stages' states (gpu_state_bytes)
-    beside the plan's walk (partition.rules.device_peak, less the workspace the usable memory is net of)."""
+    beside the plan's walk (partition.rules.device_peak, less the workspace and the buffers the usable memory is net
+    of)."""
     if not gpu_states_bytes(plan):
         return False
     walk, need, contexts = planned_device_bytes(plan), _gpu_states(plan), context_bytes(plan)
     return all(
-        walk[g] - plan.workspace_bytes + need[g] + contexts[g] <= plan.gpu_memory_bytes for g in range(plan.num_gpus)
+        walk[g] - plan.workspace_bytes - plan.buffers_on(g) + need[g] + contexts[g] <= plan.gpu_memory_bytes
+        for g in range(plan.num_gpus)
     )
 
 

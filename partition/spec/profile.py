@@ -19,6 +19,10 @@ Symbols (per layer l, for ONE microbatch of `microbatch_size` sequences of `seq_
                          gradient before it is added into the gradient slot (measured on CUDA by
                          the allocator's peak; 0 where not measured: the CPU stand-in, whose
                          ledger counts none, and the analytic profile)                        [bytes]
+  V_l  buffer_bytes      the layer's buffers (a causal mask, a rotary table) as the run keeps them,
+                         floating ones in the training dtype: its stage's gpu holds them the
+                         whole run, outside the arena (0 in the analytic profile: the built-in
+                         and Hugging Face layers keep none there)                             [bytes]
 
 Layer-similarity compression (Mobius, "Profiling"): a transformer's blocks are identical, so a profile
 is stored and solved as runs of consecutive identical layers, (layer, count); `expand` undoes it.
@@ -90,6 +94,8 @@ class LayerProfile(_ProfilePart):
     """X_l of the legend; 0 in profiles that did not measure it."""
     trainable_count: int | None = None
     """T_l of the legend; None: every parameter trains."""
+    buffer_bytes: int = 0
+    """V_l of the legend; 0 in profiles written before profiles measured it."""
 
     @property
     def trains(self) -> int:
@@ -107,7 +113,7 @@ class LayerProfile(_ProfilePart):
         return self.redo_s if self.kept_s is None else self.kept_s
 
     def check_values(self) -> list[Problem]:
-        counts = ("param_count", "param_bytes", "activation_bytes", "output_bytes", "workspace_bytes")
+        counts = ("param_count", "param_bytes", "activation_bytes", "output_bytes", "workspace_bytes", "buffer_bytes")
         amounts = ("fwd_flops", "bwd_flops", "fwd_s", "bwd_s")
         redo = tuple(n for n in ("recompute_s", "kept_s") if getattr(self, n) is not None)
         return [
@@ -147,6 +153,11 @@ class Profile(_ProfilePart):
         """What the compute holds beyond the walk's bytes: the most X_l of any layer (one layer computes at a
         time) and W, the libraries' workspace of the compute stream."""
         return max(x.workspace_bytes for x in self.layers) + self.library_bytes
+
+    @property
+    def buffer_bytes(self) -> int:
+        """The sum of V_l: every layer's buffers."""
+        return sum(x.buffer_bytes for x in self.layers)
 
     def check_values(self) -> list[Problem]:
         return [

@@ -30,15 +30,32 @@ def test_a_plan_past_it_names_the_figures_and_how_much_more_to_leave():
     assert "leaving 301 MiB more of it (a run's plan.reserve_mb; for a plan file" in said
 
 
-def test_the_layers_buffers_count_beside_the_plans_peak():
-    """A stage keeps its layers' buffers (a causal mask per block) on the gpu all run, outside every plan: they are
-    in the allocator's reserved bytes when the check runs, so without them the check would pass a run that cannot
+def test_the_layers_buffers_beyond_the_plans_count_count_beside_its_peak():
+    """A stage keeps its layers' buffers (a causal mask per block) on the gpu all run; a plan counts them only as its
+    profile measured them (a plan file from the analytic profile counts none): what the run holds beyond that count
+    is in the allocator's reserved bytes when the check runs, so without it the check would pass a run that cannot
     fit its peak."""
     room = Room(free=20 * GiB, total=24 * GiB, reserved=1 * GiB)
-    assert room_problem(20 * GiB, room, 0, 23 * GiB, buffers=1 * GiB) is None
-    said = room_problem(20 * GiB, room, 0, 23 * GiB, buffers=1 * GiB + 5 * MiB)
-    assert said is not None and "its peak is 20.00 GiB, and the layers' buffers 1.00 GiB (the stages keep" in said
-    assert "leaving 5 MiB more" in said
+    assert room_problem(20 * GiB, room, 0, 23 * GiB, unplanned=1 * GiB) is None
+    said = room_problem(20 * GiB, room, 0, 23 * GiB, unplanned=1 * GiB + 5 * MiB)
+    assert said is not None and "its peak is 20.00 GiB, and 1.00 GiB of the layers' buffers (the stages keep" in said
+    assert "beyond the plan's count" in said and "leaving 5 MiB more" in said
+
+
+def test_the_check_adds_only_the_buffers_the_plan_did_not_count(monkeypatch):
+    one = RankInfo(rank=0, world_size=1, local_rank=0, under_torchrun=False)
+    plan = replace(plan_for_config(config_from_dict({})), gpu_memory_bytes=6 * GiB, workspace_bytes=0)
+    stages = (replace(plan.stages[0], buffer_bytes=1 * GiB), *plan.stages[1:])
+    counted = replace(plan, stages=stages, buffer_bytes=1 * GiB, gpu_memory_bytes=5 * GiB)
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (4 * GiB, 8 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 1 * GiB)
+    peak = 4 * GiB + 512 * MiB  # of the 5 GiB the run can have
+    check_room(one, peak, gpu, counted, buffers=1 * GiB)  # the peak has them in it already
+    with pytest.raises(PipelineError, match=r"its peak is 4.50 GiB, and 1.00 GiB of the layers' buffers"):
+        check_room(one, peak, gpu, plan, buffers=1 * GiB)  # a plan that counted none
+    with pytest.raises(PipelineError, match=r"and 1.00 GiB of the layers' buffers .* \(the plan assumed 6.00 GiB"):
+        check_room(one, peak, gpu, counted, buffers=2 * GiB)
 
 
 def test_a_stages_buffer_bytes_count_each_storage_once():
@@ -63,6 +80,7 @@ def test_a_stages_buffer_bytes_count_each_storage_once():
     x, y = torch.randn(4, 4), torch.randn(4, 2)
     with Pipeline(layers, torch.nn.functional.mse_loss, sample=(x, y), num_microbatches=2, num_stages=3) as pipe:
         assert pipe.engine.buffer_bytes == 2 * 8 * 8 * 4  # fp32, one storage a layer
+        assert [s.buffer_bytes for s in pipe.plan.stages] == [8 * 8 * 4, 8 * 8 * 4, 0]  # the plan counts them
 
 
 def test_the_check_reads_cuda_on_a_gpu_and_nothing_on_the_stand_in(monkeypatch):
