@@ -17,7 +17,8 @@ def compare(plan: Plan, topo: Topology, profile: Profile, delayed: bool = False)
     with the delayed update (each step's host updates under the next step)."""
     sim = predict(plan, topo, delayed)
     m = plan.num_microbatches
-    reserve = min(g.memory_bytes for g in topo.gpus) - plan.gpu_memory_bytes
+    reserve = min(g.memory_bytes for g in topo.gpus) - plan.gpu_share_bytes  # make_plan holds X and V apart itself
+    net = reserve + plan.workspace_bytes + plan.buffer_bytes  # the baselines' own rules do not
     mine = BaselineResult(
         f"mobiuspipe ({plan.mapping_rule} mapping)",
         sim.step_time_s,
@@ -30,8 +31,8 @@ def compare(plan: Plan, topo: Topology, profile: Profile, delayed: bool = False)
     return [
         mine,
         sequential_mapping(profile, topo, m, delayed, num_stages=plan.num_stages, reserve_bytes=reserve),
-        zero_offload(profile, topo, m, reserve),
-        gpipe(profile, topo, m, reserve),
+        zero_offload(profile, topo, m, net),
+        gpipe(profile, topo, m, net),
     ]
 
 

@@ -67,7 +67,6 @@ def test_the_delayed_update_puts_mobiuspipes_host_adam_under_the_next_step():
     assert "under the next step (the delayed update)" in compare_text(plan, topo, prof, delayed, delayed=True)
 
 
-@pytest.mark.xfail(strict=True, reason="the sequential mapping holds the workspace X apart twice (fixed next)")
 def test_the_baselines_plan_with_the_memory_mobiuspipes_plan_had(monkeypatch):
     """The sequential mapping plans through make_plan, which holds the workspace X and the layers' buffers V apart
     itself: it gets the plan's reserve alone (it got the reserve with X in it, and held X apart twice); the other
