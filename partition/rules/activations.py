@@ -12,7 +12,8 @@ Legend (stage j = layers a..b, one microbatch unless marked; units in brackets):
   run        a maximal run of kept layers, r0 its first layer and r1 its last: its graph holds its layers'
              saved activations and its input and output (the runtime's leaf and output: measured)
   G_j        = sum_run (sum_{l in run} A_l + O_{r0-1} + O_{r1}): the kept graphs                     [bytes]
-  H_j        = G_j + sum_seg O_{s0-1}: held per microbatch from F(j,i) to B(j,i)                  [bytes]
+  H_j        = G_j + sum_seg O_{s0-1}: held per microbatch from F(j,i) to B(j,i), a segment's input
+             counted only where it is not a kept run's output (that tensor is in G_j already)   [bytes]
   T_j        = G_j + (max_seg sum_{l in seg} A_l + I_j + O_b when there are segments): live while
              B(j,i) runs (the graphs until the backward ends, the recomputed segment)             [bytes]
              (recompute: today's A_j of partition.rules.costmodel; keep: G_j = A_j)
@@ -120,7 +121,7 @@ def policy_cost(
     segs = _segments(a, b, kept)
     runs = _segments(a, b, frozenset(range(a, b + 1)) - kept)  # the maximal runs of kept layers
     graphs = sum(int(arr.A[e + 1] - arr.A[s]) + _output(arr, s - 1, input_bytes) + int(arr.O[e]) for s, e in runs)
-    held = graphs + sum(_output(arr, s0 - 1, input_bytes) for s0, _ in segs)
+    held = graphs + sum(_output(arr, s0 - 1, input_bytes) for s0, _ in segs if s0 - 1 not in kept)
     work = graphs
     if segs:
         work += max(int(arr.A[e + 1] - arr.A[s]) for s, e in segs) + _output(arr, a - 1, input_bytes) + int(arr.O[b])
