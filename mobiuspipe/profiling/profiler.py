@@ -366,7 +366,7 @@ def measure_layers(
         raise ValueError(f"microbatches must be >= 1 (the kept forwards timed in a row), found {microbatches}")
     _check_dtype(layers, dtype_name)
     device = torch.device(device)
-    x = sample_input.to(device)
+    x = sample_input.to(device, copy=True)  # its own storage, as the runtime's microbatch: not a slice of a batch
     seen: dict[tuple, tuple[int, torch.Tensor]] = {}
     out_layers: list[LayerProfile] = []
     source: list[int] = []

@@ -237,7 +237,8 @@ def _measure_and_plan(layers, loss_fn, sample, info: RankInfo, request: PlanRequ
     m, dtype = request.num_microbatches, TORCH_DTYPES[request.precision]
     if x.shape[0] % m:
         raise PipelineError(f"the sample batch has {x.shape[0]} rows, not a multiple of num_microbatches={m}")
-    xm, ym = x[: x.shape[0] // m], y[: y.shape[0] // m]
+    # one microbatch in storage of its own, as the runtime holds it (a slice would count the batch's bytes)
+    xm, ym = x[: x.shape[0] // m].clone(), y[: y.shape[0] // m].clone()
     xm = xm.to(dtype) if xm.is_floating_point() else xm
     device = torch.device("cuda", info.local_rank) if torch.cuda.is_available() else torch.device("cpu")
     # measured in the training dtype, on copies: the layers given keep their fp32 weights for the master copy

@@ -34,7 +34,7 @@ def _measured_plan(cfg, precision: str):
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     layers = [make().to(dtype) for make in layer_factories(model_spec(cfg), cfg.train.seed)]
     x, y = open_data(cfg.data, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size).batch(0, batch)
-    xm, ym = x[: batch // m], y[: batch // m]
+    xm, ym = x[: batch // m], y[: batch // m].clone()  # the targets in storage of their own, as a run holds them
     profile = measure_profile(
         layers,
         xm,

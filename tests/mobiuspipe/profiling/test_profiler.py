@@ -162,7 +162,6 @@ def test_saved_bytes_of_a_known_module():
     assert x.fwd_flops == 2 * 3 * 4 * 8
 
 
-@pytest.mark.xfail(strict=True, reason="a sample cut from a batch counts the batch's storage (fixed next)")
 def test_a_microbatch_cut_from_a_batch_counts_its_own_bytes():
     """A Pipeline profiles one microbatch of the sample batch, a slice of it: what the first layer saves of its input
     is that microbatch's bytes, as the runtime holds it (each microbatch copied on its own), not the batch's storage
