@@ -65,7 +65,7 @@ def _store(info: RankInfo, mem: MemoryConfig) -> SSDStore:
         what = "the frozen weights" if mem.frozen == "ssd" else f"memory.optimizer {mem.optimizer}'s states"
         raise PipelineError(f"{what} go to SSD but memory.ssd_dir is not set")
     store = SSDStore(os.path.join(mem.ssd_dir, f"rank{info.rank}"))
-    if store.meta:  # swap space an earlier run (or attempt) left: a run resumes from its checkpoints instead
+    if store.meta or store.keys():  # what an earlier run (or attempt) left: a run resumes from its checkpoints instead
         warnings.warn(f"discarding the states an earlier run left in {store.folder}", stacklevel=2)
         store.clear()
     return store
