@@ -124,6 +124,29 @@ def test_a_failed_read_stops_the_step_and_the_optimizer(tmp_path):
             OutOfCoreAdam.open(store, host_budget_bytes=BUDGET)
 
 
+@pytest.mark.xfail(strict=True, reason="the store's broken mark outlives the restore (fixed next)")
+def test_states_restored_after_a_failed_step_open_again(tmp_path):
+    """write_state (a restore from a copy) mends what a failed step broke: the optimizer steps again, and after a
+    flush the store opens, where the failed step's mark in the store's metadata outlived the restore."""
+    with _store(tmp_path) as store:
+        opt = OutOfCoreAdam.create(store, _params(), host_budget_bytes=BUDGET)
+        gen = torch.Generator().manual_seed(4)
+        opt.step(_grads(gen, torch.float32))
+        saved = opt.read_state()
+        store.engine.inject_fault(5, errno.EIO)
+        with pytest.raises(SwapIOError, match="EIO"):
+            opt.step(_grads(gen, torch.float32))
+        opt.write_state(saved, 1)
+        opt.step(_grads(gen, torch.float32))
+        opt.flush()
+        stepped = opt.read_state()
+    with _store(tmp_path) as store:
+        opt = OutOfCoreAdam.open(store, host_budget_bytes=BUDGET)
+        assert opt.step_count == 2
+        again = opt.read_state()
+        assert all(torch.equal(again[n][k], stepped[n][k]) for n in stepped for k in stepped[n])
+
+
 def test_a_corrupted_group_is_caught_on_the_next_step(tmp_path):
     with _store(tmp_path) as store:
         opt = OutOfCoreAdam.create(store, _params(), host_budget_bytes=BUDGET)
