@@ -372,7 +372,13 @@ class OutOfCoreAdam:
             pending.append(self.store.put_async(self._key(i), rec))
         for f in pending:
             f.result()
+        self.restored(step)
+
+    def restored(self, step: int) -> None:
+        """The records hold whole states again (written, or adopted from a checkpoint) at `step`: what a failed step
+        broke is mended, in the store's metadata too (open() refuses a folder marked broken)."""
         self.step_count, self.broken = step, ""
+        self.store.meta[self.prefix].pop("broken", None)
         self._save_meta()
 
     def flush(self) -> None:

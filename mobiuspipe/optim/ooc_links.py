@@ -79,7 +79,7 @@ def adopt_records(opt: OutOfCoreAdam, folder: Path, desc: dict) -> None:
         _verify(folder / rec["file"], rec)
     for key, rec in desc["records"].items():
         opt.store.adopt(key, str(folder / rec["file"]), Entry(**rec))
-    opt.step_count, opt.broken = desc["step"], ""
+    opt.restored(desc["step"])
     opt.flush()
 
 

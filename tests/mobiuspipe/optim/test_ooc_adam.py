@@ -124,7 +124,6 @@ def test_a_failed_read_stops_the_step_and_the_optimizer(tmp_path):
             OutOfCoreAdam.open(store, host_budget_bytes=BUDGET)
 
 
-@pytest.mark.xfail(strict=True, reason="the store's broken mark outlives the restore (fixed next)")
 def test_states_restored_after_a_failed_step_open_again(tmp_path):
     """write_state (a restore from a copy) mends what a failed step broke: the optimizer steps again, and after a
     flush the store opens, where the failed step's mark in the store's metadata outlived the restore."""
