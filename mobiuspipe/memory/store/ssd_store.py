@@ -130,10 +130,8 @@ class SSDStore:
         except BaseException:
             os.close(fd)
             raise
-        if old and shared:  # the key moves to the new file: the old one (a checkpoint's) leaves the store
-            with self._mutex:
-                self._retired.append(old.file)
         entry = Entry(name, _dtype_name(t.dtype), list(t.shape), nbytes, 0, self.algo)
+        moved = old.file if old and shared else None  # the old file (a checkpoint's) leaves once the key moves
 
         def finish() -> None:
             try:
@@ -146,6 +144,8 @@ class SSDStore:
                 with self._mutex:
                     self.index.entries[key] = entry
                     self._dirty.add(name)
+                    if moved is not None:
+                        self._retired.append(moved)
 
         return self._track(key, StoreFuture(finish, lambda: self.engine.done(ticket)))
 
@@ -291,24 +291,28 @@ class SSDStore:
         """Wait for pending I/O, make the written files durable (fsync) and write the index atomically."""
         self._check_open()
         self.wait_all()
-        for name in sorted(self._dirty):
-            path = os.path.join(self.folder, name)
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                continue
-            try:
-                os.fsync(fd)
-            except OSError as exc:
-                raise swap_error("fsync", path, 0, 0, exc.errno or errno.EIO) from exc
-            finally:
-                os.close(fd)
-        with self._mutex:
+        with self._mutex:  # a put that ends meanwhile (another thread's) waits: the index saved is what was fsynced
+            for name in sorted(self._dirty):
+                self._fsync(name)
             self._dirty.clear()
             store_index.save(self.folder, self.index)
             retired, self._retired = self._retired, []
         for name in retired:
             _unlink(os.path.join(self.folder, name))
+
+    def _fsync(self, name: str) -> None:
+        """Make the store's file `name` durable (a file gone since it was written is skipped)."""
+        path = os.path.join(self.folder, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            raise swap_error("fsync", path, 0, 0, exc.errno or errno.EIO) from exc
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         """flush(), then release the folder."""

@@ -297,7 +297,6 @@ def test_the_store_without_the_extension(tmp_path):
     assert out.stdout.split() == ["python", "False", "crc32", "True"]
 
 
-@pytest.mark.xfail(strict=True, reason="a put retires its key's old file before its entry moves (fixed next)")
 def test_a_flush_while_a_put_moves_a_key_keeps_every_file_the_index_names(tmp_path, monkeypatch):
     """A key whose file a checkpoint links moves to a new file at its next put; a flush from another thread (a
     checkpoint's, while the updater writes) that came before that put's entry moved unlinked the old file while the
