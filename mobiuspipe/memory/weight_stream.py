@@ -61,7 +61,8 @@ class SsdRecords:
         self.store, self.prefix, self.dtype, self.versions = store, prefix, weights.dtype, versions
         self._host_empty = host_empty
         numel = weights.numel()
-        self.groups = [(a, min(group_elems, numel - a)) for a in range(0, numel, group_elems)]
+        # no group for an empty flat (a LoRA stage without adapters: its optimizer's groups hold 0 elements)
+        self.groups = [(a, min(group_elems, numel - a)) for a in range(0, numel, max(group_elems, 1))]
         per = ALIGN // self.dtype.itemsize
         self.record_elems = [round_up(n, per) for _, n in self.groups]
         size = max(self.record_elems, default=per) * self.dtype.itemsize
