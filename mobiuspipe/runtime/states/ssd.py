@@ -35,7 +35,11 @@ class SsdStates(HostStates):
         if lr is not None:
             self.optimizer.lr = lr
         g = self._grads.buffer(grads)
-        grad = g if grad_scale == 1.0 else g.float().mul_(1.0 / grad_scale)
+        grad = g
+        if grad_scale != 1.0:  # .float() is the buffer itself in fp32, which a tentative step must not write
+            grad = (
+                g.mul(1.0 / grad_scale) if tentative and g.dtype == torch.float32 else g.float().mul_(1.0 / grad_scale)
+            )
         self.optimizer.step({"w": grad}, {"w": self._weights[out]}, tentative=tentative)
 
     def settle_tentative(self, keep: bool) -> None:
