@@ -171,7 +171,8 @@ class Engine:
 
     @property
     def buffer_bytes(self) -> int:
-        """The bytes of the layers' buffers this rank's stages keep on the gpu all run (no plan counts them)."""
+        """The bytes of the layers' buffers this rank's stages keep on the gpu all run (a plan counts them as its
+        profile measured them: Plan.buffers_on)."""
         return sum({p: n for s in self.stages.values() for p, n in s.buffer_bytes().items()}.values())
 
     def hold_updates_of(self, stages: Iterable[int]) -> None:

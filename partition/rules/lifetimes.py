@@ -40,7 +40,8 @@ What the walk holds, and when (mirroring mobiuspipe.runtime.engine's DeviceLedge
            storage the outbox, the message and the next stage's inbox hold. Those bytes count once, while
            any of them holds it (O_j of the legend's StageBytes.held_output); a swap-in's copy is its own.
 Not walked: operator temporaries and gradients inside one backward (the CUDA allocator sees them, the
-ledger does not), the stages' registered buffers (not in the plan), and send headers beyond one per message.
+ledger does not), the layers' buffers (held the whole run: partition.rules.device_peak adds each gpu's,
+Plan.buffers_on), and send headers beyond one per message.
 Nor the gradient checks' working memory at O(j) (mobiuspipe.memory.reduce: the norm's float64 cast of one chunk,
 8 MiB), taken right after B(j, M-1) has freed A_j: the walk's top at that B already holds it wherever A_j - I_j,
 the stage's saved activations, is at least that (every stage of a real model; on a gpu X adds more room).
