@@ -60,8 +60,8 @@ def open_token_file(path: str, token_dtype: str, key: str) -> np.ndarray:
         raise data_error(
             key,
             "a token file of uint16 ids (data.token_dtype)",
-            f"{path}, where every second id is 0 in its first {min(len(tokens), WIDTH_SAMPLE):,} uint16 values, as "
-            f"in uint32 ids below 65,536 read two bytes at a time",
+            f"{path}, where every second id is at most {WIDE_HALF} in its first {min(len(tokens), WIDTH_SAMPLE):,} "
+            f"uint16 values, as in uint32 ids below {(WIDE_HALF + 1) << 16:,} read two bytes at a time",
             "set data.token_dtype: uint32 (the file's ids are 4 bytes each)",
         )
     return tokens
@@ -71,12 +71,17 @@ WIDTH_SAMPLE = 8192
 """uint16 values of a token file's start that _looks_wide reads."""
 
 
+WIDE_HALF = 3
+"""The largest upper half of a uint32 id _looks_wide takes: ids below 262,144 (Gemma's vocabulary; Llama 3's 128,256
+gives 0 and 1, and starts each document with 128,000, upper half 1)."""
+
+
 def _looks_wide(tokens: np.ndarray) -> bool:
-    """Whether uint16 `tokens` are uint32 ids read two bytes at a time: every odd value of the first WIDTH_SAMPLE
-    0 (their upper halves) and some even one not (at least 64 values: text whose every second token is id 0
-    is not text)."""
+    """Whether uint16 `tokens` are uint32 ids read two bytes at a time: every odd value of the first WIDTH_SAMPLE at
+    most WIDE_HALF (their upper halves) and some even one above it (at least 64 values: text whose every second token
+    is one of the ids 0 to 3, the special tokens, is not text)."""
     head = np.asarray(tokens[: min(len(tokens), WIDTH_SAMPLE) // 2 * 2])
-    return len(head) >= 64 and not head[1::2].any() and bool(head[0::2].any())
+    return len(head) >= 64 and int(head[1::2].max()) <= WIDE_HALF and int(head[0::2].max()) > WIDE_HALF
 
 
 def open_bytes(path: str, key: str) -> np.ndarray:
