@@ -164,6 +164,12 @@ def refuse_later_checkpoints(t: TrainConfig, pipe: Pipeline, start: int) -> None
     _refuse_on_every_rank(pipe, later_checkpoints(t, start) if pipe.rank == 0 else None, CheckpointError)
 
 
+def refuse_past_end(t: TrainConfig, pipe: Pipeline, start: int) -> None:
+    """Every rank raises CheckpointError, before the run writes anything, when it resumes after its last step
+    (past_end)."""
+    _refuse_on_every_rank(pipe, past_end(t, start) if pipe.rank == 0 else None, CheckpointError)
+
+
 def refuse_writing_over(t: TrainConfig, pipe: Pipeline, start: int) -> None:
     """Every rank raises RunFolderError, before the run writes anything, when it starts at step 0 in an out_dir that
     holds an earlier run's results it would write over (writing_over)."""
@@ -206,6 +212,18 @@ def later_checkpoints(t: TrainConfig, start: int) -> str | None:
             f"changed"
         )
     return None
+
+
+def past_end(t: TrainConfig, start: int) -> str | None:
+    """Why a run must not resume at step `start` past train.steps: it would run no step, write the checkpoint's
+    weights over the run's final ones and cut metrics.jsonl to the steps before `start`. None when it may."""
+    if start <= t.steps:
+        return None
+    return (
+        f"the checkpoint this run resumes from is of step {start}, which is past train.steps {t.steps}: raise "
+        f"train.steps to more than {start} to continue that run, or start a new run in another train.out_dir; "
+        f"nothing was changed"
+    )
 
 
 def writing_over(t: TrainConfig, start: int) -> str | None:

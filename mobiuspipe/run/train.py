@@ -50,7 +50,13 @@ from mobiuspipe.run.metrics import Reporter, device_peak_line, step_metrics
 from mobiuspipe.run.parent_death import ENV as DEATH_ENV
 from mobiuspipe.run.parent_death import die_with_parent
 from mobiuspipe.run.preflight import at_start_up, rank_checks, report
-from mobiuspipe.run.resume import refuse_later_checkpoints, refuse_writing_over, resume_run, run_identity
+from mobiuspipe.run.resume import (
+    refuse_later_checkpoints,
+    refuse_past_end,
+    refuse_writing_over,
+    resume_run,
+    run_identity,
+)
 from mobiuspipe.run.run_lock import TOKEN_ENV, RunFolderError, RunLocks, new_token, run_folders
 from mobiuspipe.run.usage import RankStep, folder_bytes, host_rss_bytes
 from mobiuspipe.runtime.action_trace import as_sim_result, write_chrome
@@ -237,6 +243,7 @@ def _steps(
     with at_start_up((CheckpointError, RunFolderError)):  # every rank raises the same (not a lost peer's error)
         start = resume_run(cfg.train, pipe, run, said.append)
         refuse_later_checkpoints(cfg.train, pipe, start)
+        refuse_past_end(cfg.train, pipe, start)
         refuse_writing_over(cfg.train, pipe, start)
     for line in said:
         print(f"mobiuspipe: {line}", flush=True)

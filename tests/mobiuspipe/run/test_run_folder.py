@@ -232,7 +232,6 @@ def test_a_refused_resume_rewrites_none_of_the_runs_records(tmp_path, finished):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.xfail(strict=True, reason="a resume past train.steps ran no step and wrote over the results (fixed next)")
 def test_a_resume_from_past_the_runs_last_step_is_refused_and_writes_nothing(tmp_path, finished):
     """A finished run of 4 steps resumed with train.steps 2 (an old config, a typo, a requeue with another file): it
     started at step 4, ran nothing, wrote the step-4 checkpoint's weights over the final ones, cut metrics.jsonl to
