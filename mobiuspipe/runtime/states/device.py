@@ -180,7 +180,8 @@ class DeviceStates:
         return tensors, {"param_groups": groups}
 
     def import_state(self, tensors: dict[str, torch.Tensor], extra: dict, link_dir: Path | None = None) -> None:
-        """Set the states export_state gave (as HostStates.import_state), copied into the gpu's."""
+        """Set the states export_state gave (as HostStates.import_state: the hyper-parameters stay the optimizer's
+        own), copied into the gpu's."""
         tensors = in_memory(tensors, extra, link_dir)
         self._pending = None
         self.master.data.copy_(tensors["master"])  # from host memory into place: no stage-sized gpu temporary
@@ -190,8 +191,6 @@ class DeviceStates:
         for k in ("exp_avg", "exp_avg_sq"):
             state[k].copy_(tensors[f"opt/{k}"])
         state["step"] = tensors["opt/step"].to(torch.float32).reshape(())
-        for group, saved in zip(self.optimizer.param_groups, extra.get("param_groups") or []):
-            group.update({k: v for k, v in saved.items() if k in group and k != "params"})
 
 
 def one_version(*indices: int) -> None:

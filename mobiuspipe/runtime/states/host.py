@@ -170,20 +170,17 @@ class HostStates:
         return tensors, {"param_groups": groups}
 
     def import_state(self, tensors: dict[str, torch.Tensor], extra: dict, link_dir: Path | None = None) -> None:
-        """Set the states export_state gave (the device-dtype weights follow from the master); link_dir: where
-        export_state linked the files of states on SSD (read from there: states that were on SSD)."""
+        """Set the states export_state gave (the device-dtype weights follow from the master), keeping the optimizer's
+        own hyper-parameters (a resumed run's, which may differ from the saved ones); link_dir: where export_state
+        linked the files of states on SSD (read from there: states that were on SSD)."""
         tensors = in_memory(tensors, extra, link_dir)
         self.master.data.copy_(tensors["master"])
         if not self.loads_master:
             for w in self._weights:
                 w.copy_(self.master.data)
         state = {k[4:]: v for k, v in tensors.items() if k.startswith("opt/")}
-        sd = self.optimizer.state_dict()
-        groups = extra.get("param_groups") or [
-            {k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]
-        ]
-        for group, now in zip(groups, sd["param_groups"]):
-            group["params"] = now["params"]
+        # the states alone: the hyper-parameters (param_groups) stay the run's own, as the other tiers keep them
+        groups = self.optimizer.state_dict()["param_groups"]
         self.optimizer.load_state_dict({"state": {0: state} if state else {}, "param_groups": groups})
 
 

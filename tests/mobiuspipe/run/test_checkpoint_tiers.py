@@ -54,7 +54,6 @@ def _resumes_across(tmp_path, saved: str, to: str) -> None:
         assert resumed.keys() == weights.keys() and all(torch.equal(resumed[k], weights[k]) for k in weights)
 
 
-@pytest.mark.xfail(strict=True, reason="the host tier kept the checkpoint's hyper-parameters (fixed next)")
 def test_a_resume_trains_with_the_runs_own_hyper_parameters_on_every_tier(tmp_path):
     """A run resumed with another weight_decay (betas, eps) trains with it, as its config.yaml says, on the host tier
     as on the SSD tier: the host tier took the checkpoint's from the optimizer's saved param_groups, the SSD tier the
