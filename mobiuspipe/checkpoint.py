@@ -398,7 +398,7 @@ def _check_run(theirs: dict | None, mine: dict | None, folder: Path) -> None:
     """The checkpoint's data and batches must be this run's: else its steps would go on with other data."""
     if theirs is None or mine is None:
         return
-    differs = [k for k in mine if theirs.get(k) != mine[k]]
+    differs = [k for k in mine if k in theirs and theirs[k] != mine[k]]  # an older checkpoint records fewer
     if differs:
         what = "; ".join(f"{k}: checkpoint {theirs.get(k)!r}, this run {mine[k]!r}" for k in differs)
         raise CheckpointError(

@@ -3,6 +3,7 @@ refusals of a start that would lose what a run folder holds, agreed on by every 
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,19 +31,31 @@ DAMAGED = ".damaged-"
 
 def run_identity(cfg: RunConfig) -> dict:
     """What a resumed run must share with the checkpoint besides the plan: the seed, the data (by file name and
-    size, so that a moved folder still resumes) and how they are cut into sequences and steps."""
+    size, a folder's by its files' names and sizes, so that a moved folder still resumes; how it is read: format,
+    field, split, token dtype) and how they are cut into sequences and steps."""
     d = cfg.data
     source = Path(d.tokens or d.text_path)
     return {
         "seed": cfg.train.seed,
         "data": source.name,
         "data_bytes": source.stat().st_size if source.is_file() else None,
+        "data_files": _files_of(source) if source.is_dir() else None,
+        "format": d.format,
+        "field": d.field,
+        "split": d.split,
+        "token_dtype": d.token_dtype,
         "tokenizer": Path(d.tokenizer).name if d.tokenizer else None,
         "shuffle": d.shuffle,
         "seq_len": cfg.model.seq_len,
         "batch_size": d.batch_size,
         "accumulation_steps": cfg.train.accumulation_steps,
     }
+
+
+def _files_of(folder: Path) -> str:
+    """A datasets folder's files by relative name and size, as one digest (a re-export differs in some size)."""
+    listing = sorted((str(p.relative_to(folder)), p.stat().st_size) for p in folder.rglob("*") if p.is_file())
+    return hashlib.sha256(repr(listing).encode()).hexdigest()[:16]
 
 
 Say = Callable[[str], None]

@@ -183,7 +183,6 @@ def test_a_checkpoint_of_other_data_or_batches_is_named(tmp_path):
     )
 
 
-@pytest.mark.xfail(strict=True, reason="the identity held a folder's name alone and no field or split (fixed next)")
 def test_the_run_identity_tells_a_changed_data_folder_field_or_split(tmp_path):
     """A datasets folder re-exported under the same name, or another data.field, data.split, data.format or
     data.token_dtype, gives other sequences: a resume would go on with other data, repeating some sequences and
