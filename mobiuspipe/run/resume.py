@@ -7,6 +7,8 @@ import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
+import yaml
+
 from foundation.errors import UserError
 from mobiuspipe.checkpoint import COMPLETE, PREFIX, CheckpointDamaged, CheckpointError, complete_steps, load_checkpoint
 from mobiuspipe.config import RunConfig, TrainConfig
@@ -97,6 +99,8 @@ def resume_run(t: TrainConfig, pipe: Pipeline, run: dict | None = None, say: Say
         if not failed:
             if pipe.rank == 0:
                 tell(f"resumed from {folder} at step {every[0]}")
+                if (changed := changed_settings(folder, t)) is not None:
+                    tell(changed)
             return every[0]
         damaged, r, why = failed[0]
         why = why if r == 0 else f"rank {r}: {why}"
@@ -104,6 +108,24 @@ def resume_run(t: TrainConfig, pipe: Pipeline, run: dict | None = None, say: Say
             raise CheckpointError(why)
         if pipe.rank == 0:
             search.pass_over(folder, why)
+
+
+SETTINGS = ("steps", "lr", "lr_schedule", "warmup_steps", "min_lr", "betas", "eps", "weight_decay", "max_grad_norm")
+"""The train settings a resume may change (the optimizer's and the schedule's), which changed_settings names."""
+
+
+def changed_settings(folder: Path, t: TrainConfig) -> str | None:
+    """The line naming the SETTINGS whose values differ from those of the run that wrote the checkpoint in `folder`
+    (its config.yaml; None without one, or when none differs): the resumed steps take the run's own."""
+    try:
+        theirs = (yaml.safe_load((folder / "config.yaml").read_text()) or {}).get("train", {})
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    now = {k: list(v) if isinstance(v, tuple) else v for k, v in ((k, getattr(t, k)) for k in SETTINGS)}
+    differs = [f"{k} {theirs[k]} -> {v}" for k, v in now.items() if k in theirs and v != theirs[k]]
+    if not differs:
+        return None
+    return f"settings changed since the checkpoint's run: {', '.join(differs)}; the resumed steps take the new values"
 
 
 def _load(pipe: Pipeline, folder: Path, run: dict | None) -> int | tuple[bool, str]:
