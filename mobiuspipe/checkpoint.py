@@ -120,6 +120,8 @@ class Snapshot:
     state: dict[str, Any]
     linked: list[Path] = field(default_factory=list)
     """Files hard-linked into the checkpoint (SSD records): fsynced with the rank's file."""
+    failed: str | None = None
+    """Why the snapshot could not be taken (linking or copying SSD records into the folder): write_snapshot says it."""
 
 
 def save_checkpoint(
@@ -136,11 +138,26 @@ def save_checkpoint(
 def begin_checkpoint(pipe: Checkpointed, root: Path) -> Snapshot:
     """Rank 0 makes the step's folder (every rank waits for it); this rank's snapshot of its states."""
     partial = root / f".partial-{PREFIX}{pipe.step}"
+    made = None
     if pipe.rank == 0:
         shutil.rmtree(partial, ignore_errors=True)  # an earlier attempt's remains
-        partial.mkdir(parents=True)
-    gather_all(pipe.info, None)  # the folder exists before any rank writes into it
-    return snapshot(pipe, partial)
+        try:
+            partial.mkdir(parents=True)
+        except OSError as e:
+            made = _failed(partial, e)
+    why = gather_all(pipe.info, made)[0]  # the folder exists before any rank writes into it
+    if why is not None:
+        raise CheckpointError(f"checkpoint of step {pipe.step}: rank 0 could not make its folder {why}")
+    try:
+        return snapshot(pipe, partial)
+    except OSError as e:  # its SSD records linked or copied into the folder: told as its file's failure would be
+        shutil.rmtree(partial / f"rank{pipe.rank}", ignore_errors=True)
+        return Snapshot(pipe.step, {}, {}, failed=_failed(e.filename or partial, e))
+
+
+def _failed(path, e: OSError) -> str:
+    """Why a checkpoint's file or folder could not be written, and what to do."""
+    return f"{path}: {e.strerror or e} (errno {e.errno}); free space or fix the folder, then resume"
 
 
 def partial_file(root: Path, step: int, rank: int) -> Path:
@@ -218,6 +235,8 @@ def snapshot(pipe: Checkpointed, folder: Path) -> Snapshot:
 def write_snapshot(snap: Snapshot, path: Path) -> tuple[int, str] | str:
     """Write a snapshot to path and fsync it and the files linked (safe in a thread of its own); (bytes,
     checksum), or why it failed."""
+    if snap.failed is not None:
+        return snap.failed
     try:
         save_file(snap.tensors, str(path), metadata={"state": json.dumps(snap.state)})
         folders = sorted({d for f in snap.linked for d in (f.parent, f.parent.parent)})  # rank{r}/stage{j}, rank{r}
@@ -225,7 +244,7 @@ def write_snapshot(snap: Snapshot, path: Path) -> tuple[int, str] | str:
             fsync_path(f)
         return path.stat().st_size, _digest(path)
     except OSError as e:
-        return f"{path}: {e.strerror or e} (errno {e.errno}); free space or fix the folder, then resume"
+        return _failed(path, e)
     except SafetensorError as e:  # safetensors' own report of a failed write (a full disk, a file size limit)
         return f"{path}: {e}; free space or fix the folder, then resume"
 

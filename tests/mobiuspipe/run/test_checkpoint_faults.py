@@ -99,7 +99,6 @@ def test_a_full_disk_at_rank_0s_commit_is_named_and_the_previous_one_resumes(tmp
     assert sorted(p.name for p in root.iterdir()) == ["step-2"] and latest_checkpoint(root) == good
 
 
-@pytest.mark.xfail(strict=True, reason="the folder's mkdir and the states' links raised bare OSErrors (fixed next)")
 @pytest.mark.parametrize("where", ["folder", "states"])
 def test_a_full_disk_before_the_ranks_file_is_named_and_the_previous_one_resumes(tmp_path, monkeypatch, where):
     """Making the step's folder (rank 0) and the snapshot's links or copies of SSD records (each rank) come before a
