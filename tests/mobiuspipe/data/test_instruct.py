@@ -35,6 +35,17 @@ def test_prompt_and_response_by_hand(chat_dir):
     assert targets[0].tolist() == want and rows[0].tolist() == [*ex.ids, eos, eos, eos]
 
 
+@pytest.mark.xfail(strict=True, reason="instruction data took transformers' eos_token_id alone (fixed next)")
+def test_a_response_ends_with_the_end_of_text_token_a_text_run_would_take(tmp_path, tokenizer_dir):
+    """A tokenizer folder whose tokenizer_config.json names no eos_token (here: none at all): text data ends each
+    document with the first known end-of-text token the tokenizer has (<|endoftext|>); instruction data ended each
+    response with nothing, so the model never learnt to stop."""
+    tok = load_chat_tokenizer(str(tokenizer_dir(tmp_path / "tok")))
+    ex = encode(tok, {"prompt": "a quick brown", "response": " fox jumps"}, "line 1")
+    eos = tok.tok.convert_tokens_to_ids("<|endoftext|>")
+    assert tok.eos_id == eos and ex.ids[-1] == eos and ex.trained[-1]
+
+
 def test_messages_render_as_apply_chat_template_and_train_the_assistants_tokens(chat_dir):
     tok = load_chat_tokenizer(str(chat_dir))
     messages = [
