@@ -34,6 +34,7 @@ import numpy as np
 
 from mobiuspipe.data.hf_datasets import dataset_records, is_dataset_folder
 from mobiuspipe.data.token_file import data_error, open_token_file, unreadable, write_token_file
+from mobiuspipe.data.tokenizer import load_tokenizer
 
 __all__ = [
     "IGNORE",
@@ -69,7 +70,8 @@ class ChatTokenizer:
 
         self.folder, self.key = folder, key
         self.tok = AutoTokenizer.from_pretrained(folder)
-        self.eos_id: int | None = self.tok.eos_token_id
+        named = self.tok.eos_token_id  # else the end-of-text token text data takes (load_tokenizer's EOS_CANDIDATES)
+        self.eos_id: int | None = named if named is not None else load_tokenizer(folder, key).eos_id
 
     @property
     def pad_id(self) -> int:

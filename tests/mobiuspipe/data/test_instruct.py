@@ -35,7 +35,6 @@ def test_prompt_and_response_by_hand(chat_dir):
     assert targets[0].tolist() == want and rows[0].tolist() == [*ex.ids, eos, eos, eos]
 
 
-@pytest.mark.xfail(strict=True, reason="instruction data took transformers' eos_token_id alone (fixed next)")
 def test_a_response_ends_with_the_end_of_text_token_a_text_run_would_take(tmp_path, tokenizer_dir):
     """A tokenizer folder whose tokenizer_config.json names no eos_token (here: none at all): text data ends each
     document with the first known end-of-text token the tokenizer has (<|endoftext|>); instruction data ended each
