@@ -191,3 +191,23 @@ def test_a_pipelined_run_on_tokenized_jsonl_equals_plain_pytorch(tmp_path, token
     finally:
         torch.set_num_threads(threads)
     assert losses == pytest.approx(reference(cfg)[0], rel=1e-5)
+
+
+@pytest.mark.xfail(strict=True, reason="tokenize had no --split: it read the train split (fixed next)")
+def test_tokenize_reads_the_split_it_is_given(tmp_path, tokenizer_dir, capsys):
+    """A held-out file tokenized from a datasets folder of several splits takes --split (default train, said in the
+    summary): without it, `-o val.bin` held the train split, and evaluation ran on the training data."""
+    import datasets
+
+    folder = tokenizer_dir(tmp_path / "tok", eos="<|endoftext|>")
+    train, held = _docs(6, 300), _docs(3, 44)
+    splits = {"train": train, "validation": held}
+    datasets.DatasetDict(
+        {k: datasets.Dataset.from_list([{"text": d} for d in v]) for k, v in splits.items()}
+    ).save_to_disk(str(tmp_path / "ds"))
+    base = ["tokenize", "--tokenizer", str(folder), "--input", str(tmp_path / "ds")]
+    assert main([*base, "-o", str(tmp_path / "val.bin"), "--split", "validation"]) == 0
+    assert np.fromfile(tmp_path / "val.bin", dtype=np.uint16).tolist() == _direct(folder, held, "<|endoftext|>")
+    assert "split validation" in capsys.readouterr().out
+    assert main([*base, "-o", str(tmp_path / "none.bin"), "--split", "test"]) == 2
+    assert "a split 'test' in the datasets folder" in (err := capsys.readouterr().err) and "--split" in err
