@@ -10,6 +10,7 @@ import os
 
 from mobiuspipe.cli._common import CliError, write_output
 from mobiuspipe.config.data import TOKEN_DTYPES
+from mobiuspipe.data.hf_datasets import is_dataset_folder
 from mobiuspipe.data.instruct import IGNORE, encode, load_chat_tokenizer, mask_path, read_examples, to_rows, write_rows
 from mobiuspipe.data.token_file import write_token_file
 from mobiuspipe.data.tokenizer import TextTokenizer, load_tokenizer, token_chunks
@@ -28,6 +29,11 @@ def register(sub) -> None:
         help="text file (one document) or .jsonl file (one document per line); repeat to concatenate several",
     )
     p.add_argument("--field", default="text", help="JSONL key holding each document's text (default: text)")
+    p.add_argument(
+        "--split",
+        default="train",
+        help="the split of a datasets folder that holds several (default: train; e.g. validation for a held-out file)",
+    )
     p.add_argument(
         "--format",
         choices=("text", "instruction"),
@@ -66,7 +72,7 @@ def run(args: argparse.Namespace, out) -> int:
         def chunks():
             for path in args.input:
                 counts.append(0)
-                for chunk in token_chunks(tok, path, args.field, "--input"):
+                for chunk in token_chunks(tok, path, args.field, "--input", args.split):
                     counts[-1] += len(chunk)
                     yield chunk
 
@@ -77,6 +83,7 @@ def run(args: argparse.Namespace, out) -> int:
         "output": os.path.abspath(args.output),
         "tokens": sum(counts),
         "dtype": args.dtype,
+        "split": args.split,
         "inputs": [{"path": os.path.abspath(p), "tokens": n} for p, n in zip(args.input, counts)],
         "tokenizer": os.path.abspath(tok.folder),
         "vocab_size": tok.vocab_size,
@@ -86,11 +93,17 @@ def run(args: argparse.Namespace, out) -> int:
         print(json.dumps(report, indent=2), file=out)
     else:
         print(
-            f"wrote {report['tokens']:,} tokens ({args.dtype}) from {len(counts)} file(s) to {report['output']} with "
-            f"{tok.describe()}; train on it with `data: {{tokens: {args.output}, token_dtype: {args.dtype}}}`",
+            f"wrote {report['tokens']:,} tokens ({args.dtype}) from {len(counts)} file(s){_split_words(args)} to "
+            f"{report['output']} with {tok.describe()}; train on it with `data: {{tokens: {args.output}, token_dtype: "
+            f"{args.dtype}}}`",
             file=out,
         )
     return 0
+
+
+def _split_words(args: argparse.Namespace) -> str:
+    """ " (split S)" where an input is a datasets folder (the split read of one that holds several), else nothing."""
+    return f" (split {args.split})" if any(is_dataset_folder(p) for p in args.input) else ""
 
 
 def _instructions(args: argparse.Namespace, out) -> int:
@@ -101,7 +114,11 @@ def _instructions(args: argparse.Namespace, out) -> int:
             f"{args.seq_len}; fix: give e.g. --seq-len 2048"
         )
     tok = load_chat_tokenizer(args.tokenizer, "--tokenizer")
-    examples = [encode(tok, record, where) for path in args.input for record, where in read_examples(path, "--input")]
+    examples = [
+        encode(tok, record, where)
+        for path in args.input
+        for record, where in read_examples(path, "--input", args.split)
+    ]
     rows, targets, dropped = to_rows(examples, args.seq_len, tok.pad_id)
     write_output("examples file", args.output, lambda: write_rows(rows, targets, args.output, args.dtype))
     report = {

@@ -52,7 +52,9 @@ def dataset_records(path: str, split: str, key: str) -> Iterator[tuple[dict[str,
                     key,
                     f"a split {split!r} in the datasets folder",
                     f"{path} with splits {splits}",
-                    "set data.split (data.eval_split for eval_path) to one of them",
+                    "give --split one of them"
+                    if key == "--input"
+                    else "set data.split (data.eval_split for eval_path) to one of them",
                 )
             loaded, path = loaded[split], f"{path}[{split}]"
         for n, row in enumerate(loaded):

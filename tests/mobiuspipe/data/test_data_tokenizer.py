@@ -193,7 +193,6 @@ def test_a_pipelined_run_on_tokenized_jsonl_equals_plain_pytorch(tmp_path, token
     assert losses == pytest.approx(reference(cfg)[0], rel=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason="tokenize had no --split: it read the train split (fixed next)")
 def test_tokenize_reads_the_split_it_is_given(tmp_path, tokenizer_dir, capsys):
     """A held-out file tokenized from a datasets folder of several splits takes --split (default train, said in the
     summary): without it, `-o val.bin` held the train split, and evaluation ran on the training data."""
