@@ -162,7 +162,7 @@ def _read(data: DataConfig, path: str, key: str, vocab: Vocabulary, token_file: 
         return tokens, what  # the tokenizer's vocabulary was checked: no id exceeds it
     else:
         tokens, what = open_bytes(path, key), f"the bytes of {path}"
-    check_ids(tokens, vocab, key, what)
+    check_ids(tokens, vocab, key, what, data.token_dtype if token_file else None)
     return tokens, what
 
 

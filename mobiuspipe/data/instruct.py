@@ -218,10 +218,17 @@ def read_rows(path: str, token_dtype: str, seq_len: int, key: str) -> tuple[np.n
     n = len(ids) - len(mask)
     if n <= 0 or len(mask) % n or len(mask) // n != seq_len:
         made = f"seq_len {len(mask) // n}" if n > 0 and len(mask) % n == 0 else "no whole rows"
+        other = "uint32" if token_dtype == "uint16" else "uint16"
+        wide = len(ids) * np.dtype(token_dtype).itemsize // np.dtype(other).itemsize  # the ids read as `other`
+        fix = (
+            f"set data.token_dtype: {other} (the file's ids are {np.dtype(other).itemsize} bytes each)"
+            if wide > len(mask) and len(mask) % (wide - len(mask)) == 0 and len(mask) // (wide - len(mask)) == seq_len
+            else f"tokenize again with --seq-len {seq_len}, or set model.seq_len to the one they were written for"
+        )
         raise data_error(
             key,
             f"examples of model.seq_len {seq_len} + 1 ids ({path} and {mask_file} sizes agree on a row length)",
-            f"{len(ids):,} ids and {len(mask):,} mask bytes: {made}",
-            f"tokenize again with --seq-len {seq_len}, or set model.seq_len to the one they were written for",
+            f"{len(ids):,} ids ({token_dtype}) and {len(mask):,} mask bytes: {made}",
+            fix,
         )
     return ids.reshape(n, seq_len + 1), mask.reshape(n, seq_len)

@@ -107,15 +107,19 @@ class Vocabulary:
         return f"raise model.vocab_size to at least {need}, or use data made with the model's own tokenizer"
 
 
-def check_ids(tokens: np.ndarray, vocab: Vocabulary, key: str, what: str) -> None:
-    """Every id of `tokens` (from `what`) must be below the model's vocabulary size."""
+def check_ids(tokens: np.ndarray, vocab: Vocabulary, key: str, what: str, token_dtype: str | None = None) -> None:
+    """Every id of `tokens` (from `what`; read as `token_dtype` from a token file) must be below the model's
+    vocabulary size."""
     top = int(tokens.max()) if len(tokens) else -1
     if top >= vocab.size:
+        narrow = token_dtype == "uint32" and top >= 1 << 16 and vocab.size <= 1 << 16  # two uint16 ids read as one
         raise data_error(
             key,
             f"token ids below the model's vocab_size {vocab.size}",
             f"ids up to {top} in {what}",
-            vocab.fix(top + 1),
+            "set data.token_dtype: uint16 (the file's ids look 2 bytes each), or " + vocab.fix(top + 1)
+            if narrow
+            else vocab.fix(top + 1),
         )
 
 

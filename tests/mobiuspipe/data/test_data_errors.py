@@ -187,6 +187,13 @@ def test_large_vocabulary_uint32_ids_read_as_uint16_are_refused(tmp_path, vocab)
     opened({"tokens": "wide.bin", "token_dtype": "uint32"})
 
 
+def test_a_uint16_token_file_read_as_uint32_names_the_dtype(tmp_path):
+    """Two uint16 ids read as one uint32 are beyond any vocabulary of uint16 ids: the fix names data.token_dtype."""
+    np.random.default_rng(5).integers(1, 300, 400, dtype=np.uint16).astype("<u2").tofile(tmp_path / "t.bin")
+    with pytest.raises(ConfigError, match=r"fix: set data.token_dtype: uint16 \(the file's ids look 2 bytes each\)"):
+        _open(tmp_path, {"tokens": "t.bin", "token_dtype": "uint32"})
+
+
 def test_bytes_above_a_small_vocabulary_are_refused(tmp_path):
     (tmp_path / "a.txt").write_bytes(bytes([1, 2, 3, 200] * 20))
     with pytest.raises(ConfigError, match=r"vocab_size 100, found ids up to 200 in the bytes of .*a\.txt"):

@@ -174,6 +174,13 @@ def test_tokenized_once_the_examples_train_the_same(tmp_path, chat_dir):
     assert np.array_equal(from_file.rows, from_jsonl.rows) and np.array_equal(from_file.trained, from_jsonl.trained)
     with pytest.raises(ConfigError, match=r"tokenize again with --seq-len 16"):
         open_data(cfg.data, 16, 0, 300)
+    even = tmp_path / "even.bin"  # 3 rows of 14 ids: a size uint32 ids could have
+    assert cli_main([*argv[:-4], "-o", str(even), "--format", "instruction", "--seq-len", "13"]) == 0
+    wide = _config(tmp_path, chat_dir, tokens=str(even), shuffle=False, token_dtype="uint32")
+    with pytest.raises(
+        ConfigError, match=r"\(uint32\) and .*; fix: set data.token_dtype: uint16 \(the file's ids are 2"
+    ):
+        open_data(wide.data, 13, 0, 300)  # a uint16 examples file read as uint32: its dtype, not its seq_len
 
 
 def test_a_datasets_folder_is_read_as_its_jsonl_would_be(tmp_path, chat_dir):
