@@ -28,6 +28,7 @@ import shutil
 from pathlib import Path
 
 from foundation.checked import Problem
+from foundation.host_memory import mem_available as _mem_available
 from foundation.units import MiB, fmt_bytes
 from mobiuspipe.config import RunConfig
 from mobiuspipe.runtime.states import least_share
@@ -203,15 +204,3 @@ def host_room(cfg: RunConfig, plan: Plan, placed: dict[int, Placement], host_ran
             "; or ".join(fixes) or "use a host with more memory",
         )
     ]
-
-
-def _mem_available() -> int | None:
-    """This host's MemAvailable in bytes (Linux), else None."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None

@@ -210,3 +210,19 @@ def test_tokenize_reads_the_split_it_is_given(tmp_path, tokenizer_dir, capsys):
     assert "split validation" in capsys.readouterr().out
     assert main([*base, "-o", str(tmp_path / "none.bin"), "--split", "test"]) == 2
     assert "a split 'test' in the datasets folder" in (err := capsys.readouterr().err) and "--split" in err
+
+
+def test_a_text_file_too_large_to_tokenize_whole_is_refused_before_it_is_read(tmp_path, tokenizer_dir, monkeypatch):
+    """A text file is one document, and the tokenizer holds some 490 bytes a token of it: a corpus too large for the
+    host's memory was read and encoded until the kernel killed the process without a word."""
+    import mobiuspipe.data.tokenizer as tokenizer_module
+
+    folder = tokenizer_dir(tmp_path / "tok", eos="<|endoftext|>")
+    (tmp_path / "corpus.txt").write_text("the quick brown fox " * 500)  # 10,000 bytes: about 1.2 MB to tokenize
+    monkeypatch.setattr(tokenizer_module, "mem_available", lambda: 1 << 20)
+    out = tmp_path / "o.bin"
+    assert main(["tokenize", "--tokenizer", str(folder), "--input", str(tmp_path / "corpus.txt"), "-o", str(out)]) == 2
+    with pytest.raises(Exception, match=r"a text file whose one document the tokenizer can hold in memory.*JSONL"):
+        tokenizer_module.tokenize_file(load_tokenizer(str(folder)), str(tmp_path / "corpus.txt"), "text", "--input")
+    monkeypatch.setattr(tokenizer_module, "mem_available", lambda: 1 << 30)
+    assert main(["tokenize", "--tokenizer", str(folder), "--input", str(tmp_path / "corpus.txt"), "-o", str(out)]) == 0
