@@ -243,6 +243,7 @@ def _measure_and_plan(layers, loss_fn, sample, info: RankInfo, request: PlanRequ
     device = torch.device("cuda", info.local_rank) if torch.cuda.is_available() else torch.device("cpu")
     # measured in the training dtype, on copies: the layers given keep their fp32 weights for the master copy
     built = [make() if dtype == torch.float32 else copy.deepcopy(make()).to(dtype) for make in layers]
+    _check_precision(built, request.precision)
     profile = measure_profile(
         built,
         xm,
@@ -267,6 +268,19 @@ def _measure_and_plan(layers, loss_fn, sample, info: RankInfo, request: PlanRequ
         reserve_bytes=reserve_bytes(topo, request.reserve_mb),
     )
     return plan.to_dict()
+
+
+def _check_precision(built: list[nn.Module], precision: str) -> None:
+    """PipelineError when a layer given in another floating dtype than fp32 is to be trained in fp32 (the profiler's
+    own check would name its dtype_name, not the Pipeline's precision=). Integer parameters are a quantized base's."""
+    for l, layer in enumerate(built):
+        other = sorted({str(p.dtype) for p in layer.parameters() if p.is_floating_point()} - {str(torch.float32)})
+        if precision == "fp32" and other:
+            raise PipelineError(
+                f"layer {l} has {', '.join(other)} parameters, but the Pipeline trains in precision='fp32' (the "
+                f"default): pass precision='bf16' (or 'fp16') to train in that dtype, or give the layers in fp32 "
+                f"(the pipeline keeps an fp32 master copy and loads the precision's weights itself)"
+            )
 
 
 def _device_name(device: torch.device) -> str:

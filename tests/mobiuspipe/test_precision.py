@@ -231,3 +231,14 @@ def test_an_infinite_gradient_skips_the_step_under_clipping(precision):
         assert all(torch.equal(v, before[k]) for k, v in pipe.state_dict().items())
         after = pipe.train_batch(torch.full((4, 1), 1e-3), y)
         assert not after.skipped and after.grad_norm is not None and math.isfinite(after.grad_norm)
+
+
+def test_layers_given_in_bf16_without_a_precision_are_told_to_name_it():
+    """bf16 modules given to a Pipeline that plans itself, with the default precision='fp32': the profiler's error
+    named its own dtype_name, which a Pipeline's user never passes."""
+    layers = [nn.Linear(4, 4).to(torch.bfloat16), nn.Linear(4, 2).to(torch.bfloat16)]
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    with pytest.raises(PipelineError, match=r"layer 0 has torch.bfloat16 parameters, .*pass precision='bf16'"):
+        Pipeline(layers, F.mse_loss, sample=(x, y), num_microbatches=2)
+    with Pipeline(layers, F.mse_loss, sample=(x, y), num_microbatches=2, precision="bf16") as pipe:
+        assert pipe.train_batch(x, y).loss > 0
