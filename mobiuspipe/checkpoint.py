@@ -72,6 +72,8 @@ class CheckpointDamaged(CheckpointError):
     checksum, an unreadable marker, damaged SSD records): an older one may still resume the run."""
 
     def __init__(self, folder: Path, damage: str):
+        self.damage = f"checkpoint {folder}: {damage}"
+        """What is damaged, without the advice (a search that passes over it says what it does instead)."""
         super().__init__(
             f"checkpoint {folder}: {damage}; --resume auto passes over it for the newest whole one before it (or "
             f"remove {folder} and resume from that one)"

@@ -95,19 +95,19 @@ def resume_run(t: TrainConfig, pipe: Pipeline, run: dict | None = None, say: Say
                 tell(f"no complete checkpoint under {where}: starting at step 0")
             return 0
         every = gather_all(pipe.info, _load(pipe, folder, run))
-        failed = sorted(((o[0], r, o[1]) for r, o in enumerate(every) if not isinstance(o, int)), key=lambda f: f[0])
+        failed = sorted(((o[0], r, o[1:]) for r, o in enumerate(every) if not isinstance(o, int)), key=lambda f: f[0])
         if not failed:
             if pipe.rank == 0:
                 tell(f"resumed from {folder} at step {every[0]}")
                 if (changed := changed_settings(folder, t)) is not None:
                     tell(changed)
             return every[0]
-        damaged, r, why = failed[0]
-        why = why if r == 0 else f"rank {r}: {why}"
+        damaged, r, (why, damage) = failed[0]
+        who = "" if r == 0 else f"rank {r}: "
         if search is None or not damaged:
-            raise CheckpointError(why)
+            raise CheckpointError(who + why)
         if pipe.rank == 0:
-            search.pass_over(folder, why)
+            search.pass_over(folder, who + damage)
 
 
 SETTINGS = ("steps", "lr", "lr_schedule", "warmup_steps", "min_lr", "betas", "eps", "weight_decay", "max_grad_norm")
@@ -128,14 +128,15 @@ def changed_settings(folder: Path, t: TrainConfig) -> str | None:
     return f"settings changed since the checkpoint's run: {', '.join(differs)}; the resumed steps take the new values"
 
 
-def _load(pipe: Pipeline, folder: Path, run: dict | None) -> int | tuple[bool, str]:
-    """The step this rank's part of the checkpoint resumes at, or (whether it is damaged, why it failed)."""
+def _load(pipe: Pipeline, folder: Path, run: dict | None) -> int | tuple[bool, str, str]:
+    """The step this rank's part of the checkpoint resumes at, or (whether it is damaged, why it failed, and the
+    damage alone: what a search that passes over it says)."""
     try:
         return load_checkpoint(pipe, folder, run)
     except CheckpointDamaged as e:
-        return True, str(e)
+        return True, str(e), e.damage
     except UserError as e:
-        return False, str(e)
+        return False, str(e), str(e)
 
 
 class _Search:

@@ -245,6 +245,7 @@ def test_resume_auto_sets_a_damaged_newest_checkpoint_aside_and_resumes_from_the
     said = capsys.readouterr().out
     assert f"checkpoint {newest} is damaged" in said and f"set aside as {aside}" in said
     assert f"resumed from {root / 'step-1'} at step 1" in said
+    assert "and resume from that one" not in said  # the advice of a resume naming it, not of one that set it aside
 
 
 def test_resume_auto_with_every_checkpoint_damaged_is_an_error_not_a_fresh_start(tmp_path):
