@@ -304,15 +304,11 @@ class SSDStore:
         """Make the store's file `name` durable (a file gone since it was written is skipped)."""
         path = os.path.join(self.folder, name)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            store_index.fsync_path(path)
         except FileNotFoundError:
             return
-        try:
-            os.fsync(fd)
         except OSError as exc:
             raise swap_error("fsync", path, 0, 0, exc.errno or errno.EIO) from exc
-        finally:
-            os.close(fd)
 
     def close(self) -> None:
         """flush(), then release the folder."""
