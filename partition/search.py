@@ -117,9 +117,10 @@ def _buffers_held_apart(searched: Callable[[int], Plan], total: int, num_gpus: i
     held = -(-total // num_gpus)
     for _ in range(BUFFER_TRIES):
         plan = searched(held)
-        if max(plan.buffers_on(g) for g in range(num_gpus)) <= held:
+        most = max(plan.buffers_on(g) for g in range(num_gpus))
+        if most <= held:
             return dataclasses.replace(plan, buffer_bytes=held)
-        held = max(plan.buffers_on(g) for g in range(num_gpus))
+        held = most
     return dataclasses.replace(searched(total), buffer_bytes=total)
 
 
