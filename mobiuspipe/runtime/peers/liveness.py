@@ -30,6 +30,8 @@ __all__ = ["Liveness", "Watch", "KeyStore", "Waiter", "beat_interval", "await_wo
 MAX_BEAT_S = 5.0
 """The longest interval between two beats (s)."""
 BEATS_PER_TIMEOUT = 8
+QUIET_BEATS = 3
+"""Beats Liveness.quiet_peers waits before it names the peers that gave none."""
 """Beats a rank makes within lost_after_s: a late beat or two is not a loss."""
 POLL_S = (2e-4, 0.05)
 """The first and the longest pause (s) between two looks at an operation a watched wait waits for."""
@@ -145,6 +147,18 @@ class Liveness:
         """Raise PeerLostError if a peer is lost."""
         if self._verdict is not None:
             raise PeerLostError(self._verdict)
+
+    def quiet_peers(self, beats: int = QUIET_BEATS) -> list[int]:
+        """The peers whose count has not moved since now, after waiting `beats` beats (less once a verdict comes): the
+        likely dead, to name when a collective failed before the watch's verdict (a killed rank resets its
+        connections at once, comm_timeout_s before the watch would lose it)."""
+        if not self._thread.is_alive():  # no watch: nothing is known of the peers
+            return []
+        since = self._clock()
+        deadline = time.monotonic() + min(beats * self.beat_s, self.lost_after_s)
+        while self._verdict is None and time.monotonic() < deadline:
+            time.sleep(min(0.05, self.beat_s))
+        return [p for p, (_, moved) in self._seen.items() if moved <= since]
 
     def start(self) -> Liveness:
         self.look()  # the first beat before any wait

@@ -239,8 +239,14 @@ def _gathered(info: RankInfo, work, watch: Liveness) -> None:
     try:
         await_work(work, watch)
     except RuntimeError as e:
+        quiet = watch.quiet_peers()  # a few beats: a killed rank's connections reset before the verdict could come
         watch.check()  # a lost peer's verdict says more than the backend's error
+        who = (
+            f"rank{'s' if len(quiet) > 1 else ''} {', '.join(map(str, quiet))} gave no sign of life since: "
+            "probably died; look at its log"
+            if quiet
+            else "a rank has probably died or hangs: look at the other ranks' logs"
+        )
         raise PeerLostError(
-            f"rank {info.rank}: a gather of every rank's data failed ({str(e).splitlines()[0]}); a rank has "
-            f"probably died or hangs: look at the other ranks' logs"
+            f"rank {info.rank}: a gather of every rank's data failed ({str(e).splitlines()[0]}); {who}"
         ) from e

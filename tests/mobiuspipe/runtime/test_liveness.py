@@ -370,3 +370,28 @@ def test_a_gather_moves_its_data_a_chunk_at_a_time(monkeypatch):
     got = ranks.gather_all(RankInfo(0, 2, 0, False), mine)
     assert torch.equal(got[0]["a"], mine["a"]) and torch.equal(got[1]["b"], peers["b"]) and got[1]["c"] == peers["c"]
     assert sent[0] == 1 and max(sent[1:]) <= 100 and sum(sent[1:]) >= len(pickle.dumps(mine))
+
+
+def test_the_peers_quiet_since_a_failed_collective_are_named():
+    """A killed rank resets its connections at once: a gather fails comm_timeout_s before the watch's verdict. The
+    watch waits a few beats and names the peers whose count did not move meanwhile (the one beating is not named)."""
+    store = DictStore()
+    w = Liveness(0, 3, store, lost_after_s=0.8).start()
+    stop = threading.Event()
+
+    def beats():  # rank 2 lives; rank 1 was killed
+        while not stop.is_set():
+            store.add("2", 1)
+            time.sleep(w.beat_s / 2)
+
+    t = threading.Thread(target=beats)
+    t.start()
+    try:
+        time.sleep(3 * w.beat_s)
+        assert w.quiet_peers() == [1]
+    finally:
+        stop.set()
+        t.join()
+        w.stop(done=True)
+    idle = Liveness(0, 3, DictStore(), lost_after_s=0.8)  # never started: it knows nothing of its peers
+    assert idle.quiet_peers() == []
