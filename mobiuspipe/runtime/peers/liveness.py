@@ -30,9 +30,9 @@ __all__ = ["Liveness", "Watch", "KeyStore", "Waiter", "beat_interval", "await_wo
 MAX_BEAT_S = 5.0
 """The longest interval between two beats (s)."""
 BEATS_PER_TIMEOUT = 8
+"""Beats a rank makes within lost_after_s: a late beat or two is not a loss."""
 QUIET_BEATS = 3
 """Beats Liveness.quiet_peers waits before it names the peers that gave none."""
-"""Beats a rank makes within lost_after_s: a late beat or two is not a loss."""
 POLL_S = (2e-4, 0.05)
 """The first and the longest pause (s) between two looks at an operation a watched wait waits for."""
 
