@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from partition.spec.analytic import DTYPE_BYTES
 from topology.layout import LAYOUT_CHECKS, layout_defaults
 from topology.types import Topology
 
-__all__ = ["StagePlan", "SolverInfo", "Plan", "load_plan", "save_plan", "STATE_TIERS"]
+__all__ = ["StagePlan", "SolverInfo", "Plan", "load_plan", "save_plan", "most_buffers", "STATE_TIERS"]
 
 _WRITE_FIX = "write plans with `mobiuspipe partition ... -o FILE`"
 STATE_TIERS = ("auto", "host", "ssd", "device")
@@ -296,6 +297,11 @@ class Plan(_PlanPart):
         """The bytes of the buffers gpu keeps the whole run: its stages' V_j."""
         return sum(s.buffer_bytes for s in self.stages if s.gpu == gpu)
 
+    @property
+    def most_buffers(self) -> int:
+        """The most buffers one gpu's stages keep (most_buffers of its stages)."""
+        return most_buffers(self.stages, self.num_gpus)
+
     def stages_of(self, gpu: int) -> list[int]:
         """Indices j of the stages gpu runs, in forward order."""
         return [j for j, s in enumerate(self.stages) if s.gpu == gpu]
@@ -446,7 +452,7 @@ def _stage_problems(p: Plan) -> list[Problem]:
                 "add stages, or lower num_gpus",
             )
         )
-    most = max((p.buffers_on(g) for g in range(p.num_gpus)), default=0)
+    most = p.most_buffers
     if most > p.buffer_bytes:
         problems.append(
             Problem(
@@ -457,6 +463,11 @@ def _stage_problems(p: Plan) -> list[Problem]:
             )
         )
     return problems
+
+
+def most_buffers(stages: Sequence[StagePlan], num_gpus: int) -> int:
+    """The most buffers (StagePlan.buffer_bytes) the stages mapped to one of num_gpus gpus keep together."""
+    return max((sum(s.buffer_bytes for s in stages if s.gpu == g) for g in range(num_gpus)), default=0)
 
 
 def save_plan(plan: Plan, path: str | Path) -> None:

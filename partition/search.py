@@ -10,7 +10,7 @@ from foundation.timing import Stopwatch
 from foundation.units import fmt_bytes
 from partition.errors import PlanInfeasibleError
 from partition.mip.solvers import NO_MIP, mip_installed
-from partition.plan import Plan, SolverInfo, StagePlan
+from partition.plan import Plan, SolverInfo, StagePlan, most_buffers
 from partition.rules.activation_choice import with_activations
 from partition.rules.costmodel import LayerArrays, arena_bytes, slot_weight_bytes
 from partition.rules.dp import solve_dp
@@ -117,7 +117,7 @@ def _buffers_held_apart(searched: Callable[[int], Plan], total: int, num_gpus: i
     held = -(-total // num_gpus)
     for _ in range(BUFFER_TRIES):
         plan = searched(held)
-        most = max(plan.buffers_on(g) for g in range(num_gpus))
+        most = plan.most_buffers
         if most <= held:
             return dataclasses.replace(plan, buffer_bytes=held)
         held = most
@@ -432,7 +432,7 @@ def _plan_of(
         input_bytes=profile.input_bytes,
         target_bytes=profile.target_bytes,
         workspace_bytes=profile.workspace_bytes,
-        buffer_bytes=max(sum(s.buffer_bytes for s in stages if s.gpu == g) for g in range(topo.num_gpus)),
+        buffer_bytes=most_buffers(stages, topo.num_gpus),
     )
 
 

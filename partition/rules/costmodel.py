@@ -102,7 +102,7 @@ class LayerArrays:
     G: np.ndarray | None = None  # prefix sums of gradient bytes (None: the same as P)
     R: np.ndarray | None = None  # prefix sums of recompute seconds (None: the same as F)
     K: np.ndarray | None = None  # prefix sums of kept-forward seconds (None: the same as R)
-    U: np.ndarray | None = None  # prefix sums of buffer bytes (None: no layer has buffers)
+    V: np.ndarray | None = None  # prefix sums of buffer bytes (None: no layer has buffers)
 
     @classmethod
     def of(cls, profile: Profile) -> LayerArrays:
@@ -123,7 +123,7 @@ class LayerArrays:
             G=pre(grads, np.int64),
             R=pre([x.redo_s for x in ls]),
             K=pre([x.keep_s for x in ls]),
-            U=pre([x.buffer_bytes for x in ls], np.int64),
+            V=pre([x.buffer_bytes for x in ls], np.int64),
         )
 
     @property
@@ -141,7 +141,7 @@ class LayerArrays:
 
     def buffers(self, a: int, b: int) -> int:
         """V_j for layers a..b inclusive: the layers' buffers, which their stage's gpu keeps the whole run."""
-        return 0 if self.U is None else int(self.U[b + 1] - self.U[a])
+        return 0 if self.V is None else int(self.V[b + 1] - self.V[a])
 
     def fwd(self, a: int, b: int) -> float:
         return float(self.F[b + 1] - self.F[a])
