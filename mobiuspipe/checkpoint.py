@@ -4,8 +4,9 @@ Layout of CHECKPOINT_DIR/step-N (N = optimizer steps done; the run resumes at st
   rank{r}.safetensors   rank r's tensors: "stage{j}/master" (fp32 master weights, flat), "stage{j}/opt/KEY"
                         (optimizer states: AdamW's step, exp_avg, exp_avg_sq), "rng/torch" (the CPU generator),
                         "rng/cuda" (the rank's gpu generator, on CUDA); the header's metadata "state" is JSON:
-                        {"step", "scaler", "stages": {j: extra}} (extra: the optimizer's param_groups, or for
-                        states in the SSD store the description of their records and "dir")
+                        {"step", "scaler", "stages": {j: extra}} (extra: the optimizer's param_groups, a record
+                        a resume does not read back, or for states in the SSD store the description of their
+                        records and "dir")
   rank{r}/stage{j}/     states in the SSD store: hard links to the store's record files (no bytes copied; the
                         store writes a linked record to a new file), each checked by the crc32c in the metadata.
                         Where the filesystem cannot link them (another device), they are copied, file by file.
@@ -157,9 +158,10 @@ def begin_checkpoint(pipe: Checkpointed, root: Path) -> Snapshot:
         return Snapshot(pipe.step, {}, {}, failed=_failed(e.filename or partial, e))
 
 
-def _failed(path, e: OSError) -> str:
+def _failed(path, e: OSError | SafetensorError) -> str:
     """Why a checkpoint's file or folder could not be written, and what to do."""
-    return f"{path}: {e.strerror or e} (errno {e.errno}); free space or fix the folder, then resume"
+    why = f"{e.strerror or e} (errno {e.errno})" if isinstance(e, OSError) else str(e)
+    return f"{path}: {why}; free space or fix the folder, then resume"
 
 
 def partial_file(root: Path, step: int, rank: int) -> Path:
@@ -248,7 +250,7 @@ def write_snapshot(snap: Snapshot, path: Path) -> tuple[int, str] | str:
     except OSError as e:
         return _failed(path, e)
     except SafetensorError as e:  # safetensors' own report of a failed write (a full disk, a file size limit)
-        return f"{path}: {e}; free space or fix the folder, then resume"
+        return _failed(path, e)
 
 
 @contextmanager

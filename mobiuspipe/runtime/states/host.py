@@ -160,7 +160,8 @@ class HostStates:
 
     def export_state(self, link_dir: Path | None = None) -> tuple[dict[str, torch.Tensor], dict]:
         """A copy of what the next step depends on: {"master": fp32 flat, "opt/KEY": the optimizer's state
-        tensors (AdamW: step, exp_avg, exp_avg_sq)} and the optimizer's param_groups (hyper-parameters).
+        tensors (AdamW: step, exp_avg, exp_avg_sq)} and the optimizer's param_groups (hyper-parameters: a record of
+        them, which import_state does not read back: a resumed run keeps its own).
         States on SSD are hard-linked into link_dir instead where it can (see SsdStates)."""
         sd = self.optimizer.state_dict()
         own = sd["state"].get(0, {})
