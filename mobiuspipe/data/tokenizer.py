@@ -134,9 +134,10 @@ def _jsonl_documents(path: str, field: str, key: str) -> Iterator[str]:
             yield record[field]
 
 
-ENCODING_BYTES_PER_TOKEN = 490
-"""Host memory the tokenizers library's Encoding takes per token of one document (ids, tokens, offsets, masks):
-1,417 MiB for the 3.03M tokens of 8.4 MB of text, measured on this project's 2-core VM (2026-11-29)."""
+ENCODING_BYTES_PER_TOKEN = 415
+"""Host memory the tokenizers library's Encoding takes per token of one document (ids, tokens, offsets, masks): the
+peak resident set grew 1,145 MiB for the 2.89M tokens of 8 MB of text (scripts/bench_tokenize_memory.py, this
+project's 2-core VM, 2026-11-29; BENCHMARKS.md)."""
 TEXT_BYTES_PER_TOKEN = 4
 """Bytes of text a token takes, about (English under a BPE vocabulary; the estimate of a text file's tokens)."""
 

@@ -218,8 +218,8 @@ def test_a_text_file_too_large_to_tokenize_whole_is_refused_before_it_is_read(tm
     import mobiuspipe.data.tokenizer as tokenizer_module
 
     folder = tokenizer_dir(tmp_path / "tok", eos="<|endoftext|>")
-    (tmp_path / "corpus.txt").write_text("the quick brown fox " * 500)  # 10,000 bytes: about 1.2 MB to tokenize
-    monkeypatch.setattr(tokenizer_module, "mem_available", lambda: 1 << 20)
+    (tmp_path / "corpus.txt").write_text("the quick brown fox " * 500)  # 10,000 bytes: about 1 MB to tokenize
+    monkeypatch.setattr(tokenizer_module, "mem_available", lambda: 1 << 19)
     out = tmp_path / "o.bin"
     assert main(["tokenize", "--tokenizer", str(folder), "--input", str(tmp_path / "corpus.txt"), "-o", str(out)]) == 2
     with pytest.raises(Exception, match=r"a text file whose one document the tokenizer can hold in memory.*JSONL"):
