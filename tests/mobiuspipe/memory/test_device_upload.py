@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mobiuspipe.memory.device import PIN_COPY_LIMIT, Device, upload_route
+from mobiuspipe.standin.places import plain
 
 
 def test_the_route_of_a_host_tensor_by_its_size():
@@ -43,5 +44,49 @@ def test_cuda_uploads_a_large_pageable_tensor_without_torchs_pinned_cache():
         torch.cuda.synchronize()
         assert torch.equal(got.cpu(), big)
         assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == before
+    finally:
+        device.close()
+
+
+# -- a buffer the Device page-locked itself is read in place (torch's is_pinned does not see it) -------------------
+# cudaHostRegister locks the buffer's aligned bytes, which start past the start of the storage aligned_empty takes;
+# torch's is_pinned() asks CUDA about the storage's start, so it answers False for every one of them (seen on an
+# H200, torch 2.11). Taken for pageable, such a buffer was copied through torch's pinned allocator (a block of up to
+# twice its size kept in its cache), and during a span with the host waiting (a tied embedding's gradient).
+def _routes(monkeypatch) -> list[str]:
+    from mobiuspipe.memory import device as device_module
+
+    routes: list[str] = []
+    route = device_module.upload_route
+    monkeypatch.setattr(device_module, "upload_route", lambda *a, **k: routes.append(r := route(*a, **k)) or r)
+    return routes
+
+
+@pytest.mark.xfail(strict=True, reason="a registered buffer is taken for pageable: fixed next")
+def test_a_buffer_the_device_page_locked_is_uploaded_in_place(monkeypatch):
+    routes = _routes(monkeypatch)
+    device = Device(0, use_cuda=False)
+    try:
+        t = torch.randn(4001)
+        buf = device.host_empty(4 * t.numel()).view(torch.float32)
+        buf.copy_(t)
+        assert torch.equal(plain(device.to_device(buf)), t)
+        with device.stepping():
+            assert torch.equal(plain(device.to_device(buf[7:])), t[7:])
+        assert routes == ["pinned", "pinned"]
+    finally:
+        device.close()
+
+
+@pytest.mark.xfail(strict=True, reason="a registered buffer is taken for pageable: fixed next")
+def test_a_buffer_made_during_a_span_is_pageable_until_it_ends(monkeypatch):
+    routes = _routes(monkeypatch)
+    device = Device(0, use_cuda=False)
+    try:
+        with device.stepping():
+            buf = device.host_empty(4 * 300).view(torch.float32)
+            device.to_device(buf)
+        device.to_device(buf)
+        assert routes == ["pageable", "pinned"]
     finally:
         device.close()
