@@ -41,15 +41,16 @@ from a checkpoint) through torch's pinned allocator (a block rounded up to a pow
 small ones only); a larger one is copied from pageable memory."""
 
 
-def upload_route(t: torch.Tensor, may_wait: bool = False) -> str:
-    """How Device.to_device copies host tensor t on CUDA: "pinned" (t is page-locked: read in place, the host does not
-    wait), "pin" (a pageable t through torch's pinned allocator, the host does not wait) or "pageable" (from pageable
-    memory, the host waiting until the stream has passed the copy). A copy that may wait (a stage's states at start-up
+def upload_route(t: torch.Tensor, may_wait: bool = False, locked: bool = False) -> str:
+    """How Device.to_device copies host tensor t on CUDA: "pinned" (t is page-locked, torch's block or `locked`, a
+    buffer the Device registered itself (Device.page_locked): read in place, the host does not wait), "pin" (a
+    pageable t through torch's pinned allocator, the host does not wait) or "pageable" (from pageable memory, the host
+    waiting until the stream has passed the copy). A copy that may wait (a stage's states at start-up
     or from a checkpoint, once) takes "pageable" over PIN_COPY_LIMIT: it would otherwise take blocks of up to twice
     its size that stay page-locked in torch's cache, counted by no budget. One that may not (what a step or an
     evaluation uploads: a microbatch's inputs and targets, whose blocks the cache hands to the next step's) takes
     "pin" at any size."""
-    if t.is_pinned():
+    if locked or t.is_pinned():
         return "pinned"
     return "pageable" if may_wait and t.numel() * t.element_size() > PIN_COPY_LIMIT else "pin"
 
@@ -206,6 +207,11 @@ class Device:
                 return self._host_mark(buf)
         return self._host_mark(self._pinned.lock(buf))
 
+    def page_locked(self, t: torch.Tensor) -> bool:
+        """Whether host tensor t lies in a buffer this Device page-locked (host_empty's, pin's: torch's is_pinned()
+        answers False for them) or, on CUDA, in a block of torch's pinned allocator."""
+        return self._pinned.holds(t) or (self.is_cuda and t.is_pinned())
+
     def _host_mark(self, t: torch.Tensor) -> torch.Tensor:
         return on_host(t) if self._marks else t
 
@@ -262,7 +268,7 @@ class Device:
         passed the copy), neither blocking the host; but a large pageable one that may_wait (a stage's states at
         start-up or from a checkpoint), and during a span (stepping) a pageable one (the strict stand-in refuses it but
         for a buffer of host_empty), blocks the host until the stream has passed the copy."""
-        route = upload_route(t, may_wait)  # the stand-in's copies all end before this returns
+        route = upload_route(t, may_wait, self.page_locked(t))  # the stand-in's copies all end before this returns
         if route == "pin" and self._stepping:  # no page-locking in a span: a buffer of host_empty not locked yet
             if not is_host(t):
                 self._check_page_lock(f"an upload of a pageable {tuple(t.shape)} tensor through torch's pinned memory")

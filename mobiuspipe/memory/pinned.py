@@ -54,6 +54,13 @@ class PinnedBlocks:
         self._blocks.append((buf, buf.data_ptr()))
         return buf
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether t's bytes lie in one buffer registered now (torch's is_pinned() cannot tell: it asks CUDA about
+        the start of t's storage, which aligned_empty takes larger than the aligned bytes registered)."""
+        start = t.data_ptr()
+        end = start + max(t.numel(), 1) * t.element_size()
+        return any(address <= start and end <= address + buf.numel() for buf, address in self._blocks)
+
     @property
     def nbytes(self) -> int:
         """Bytes registered now (each buffer's size rounded up to ALIGN)."""

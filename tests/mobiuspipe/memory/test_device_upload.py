@@ -62,7 +62,6 @@ def _routes(monkeypatch) -> list[str]:
     return routes
 
 
-@pytest.mark.xfail(strict=True, reason="a registered buffer is taken for pageable: fixed next")
 def test_a_buffer_the_device_page_locked_is_uploaded_in_place(monkeypatch):
     routes = _routes(monkeypatch)
     device = Device(0, use_cuda=False)
@@ -70,6 +69,8 @@ def test_a_buffer_the_device_page_locked_is_uploaded_in_place(monkeypatch):
         t = torch.randn(4001)
         buf = device.host_empty(4 * t.numel()).view(torch.float32)
         buf.copy_(t)
+        assert device.page_locked(buf) and device.page_locked(buf[1000:2000])
+        assert not device.page_locked(torch.randn(4001))
         assert torch.equal(plain(device.to_device(buf)), t)
         with device.stepping():
             assert torch.equal(plain(device.to_device(buf[7:])), t[7:])
@@ -78,15 +79,16 @@ def test_a_buffer_the_device_page_locked_is_uploaded_in_place(monkeypatch):
         device.close()
 
 
-@pytest.mark.xfail(strict=True, reason="a registered buffer is taken for pageable: fixed next")
 def test_a_buffer_made_during_a_span_is_pageable_until_it_ends(monkeypatch):
     routes = _routes(monkeypatch)
     device = Device(0, use_cuda=False)
     try:
         with device.stepping():
             buf = device.host_empty(4 * 300).view(torch.float32)
+            assert not device.page_locked(buf)
             device.to_device(buf)
+        assert device.page_locked(buf)
         device.to_device(buf)
-        assert routes == ["pageable", "pinned"]
+        assert routes == ["pin", "pinned"]  # pageable in the span: to_device copies it with the host waiting
     finally:
         device.close()

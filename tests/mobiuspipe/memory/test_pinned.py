@@ -8,7 +8,7 @@ import torch
 
 from mobiuspipe.memory.aio import ALIGN
 from mobiuspipe.memory.device import Device
-from mobiuspipe.memory.pinned import PinnedBlocks, PinnedMemoryError
+from mobiuspipe.memory.pinned import PinnedBlocks, PinnedMemoryError, cuda_registration
 from mobiuspipe.standin import StandInError
 from mobiuspipe.standin.places import plain
 
@@ -76,6 +76,17 @@ def test_the_stand_in_pins_nothing():
         device.close()
 
 
+def registered_with_cuda(t: torch.Tensor) -> bool:
+    """Whether CUDA holds t's first bytes registered: registering them again fails with
+    cudaErrorHostMemoryAlreadyRegistered (712). torch's is_pinned() cannot tell: it asks about the start of t's
+    storage, which lies before the aligned bytes a Device registers."""
+    register, unregister = cuda_registration()
+    code = register(t.data_ptr(), ALIGN)
+    if code == 0:
+        unregister(t.data_ptr())
+    return code == 712
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_pins_a_buffer_at_its_size_and_copies_from_it_asynchronously():
@@ -84,7 +95,7 @@ def test_cuda_pins_a_buffer_at_its_size_and_copies_from_it_asynchronously():
         n = (1 << 20) + 1  # 4 MiB + 4 bytes: torch's pinned allocator would take 8 MiB
         t = torch.randn(n)
         pinned = device.pin(t)
-        assert pinned.is_pinned() and torch.equal(pinned, t)
+        assert device.page_locked(pinned) and registered_with_cuda(pinned) and torch.equal(pinned, t)
         assert device.pinned_bytes == -(-4 * n // ALIGN) * ALIGN
         on_gpu = pinned.to(device.torch_device, non_blocking=True)
         back = device.host_empty(4 * n).view(torch.float32)
@@ -153,13 +164,15 @@ def test_cuda_page_locks_a_buffer_made_during_a_span_when_it_ends():
         t = torch.randn(1000)
         with device.stepping():
             buf = device.host_empty(4 * 1000).view(torch.float32)
-            assert not buf.is_pinned() and device.pinned_bytes == 0
+            assert not device.page_locked(buf) and not registered_with_cuda(buf) and device.pinned_bytes == 0
             on_gpu = device.to_device(t)
             buf.copy_(on_gpu, non_blocking=True)  # into pageable memory: the host waits for it
             assert torch.equal(buf, t)
             again = device.to_device(buf)  # from pageable memory, not through torch's pinned allocator
-            assert torch.equal(again.cpu(), t) and not buf.is_pinned()
-        assert buf.is_pinned() and device.pinned_bytes == -(-4000 // ALIGN) * ALIGN
+            assert torch.equal(again.cpu(), t) and not registered_with_cuda(buf)
+        assert (
+            device.page_locked(buf) and registered_with_cuda(buf) and device.pinned_bytes == -(-4000 // ALIGN) * ALIGN
+        )
         back = device.to_device(buf)
         torch.cuda.synchronize()
         assert torch.equal(back.cpu(), t)
