@@ -48,7 +48,10 @@ Per layer l (names "embedding", "block", "head"):
                                                                     refuse grouped queries); the log-sum-exp L =
                                                                     4*a*b*ceil(s/32)*32 (fp32, rows padded to 32 by the
                                                                     memory-efficient kernel), in place of Korthikanti
-                                                                    et al. 2022's 5as^2b of scores, softmax and mask
+                                                                    et al. 2022's 5as^2b of scores, softmax and mask;
+                                                                    in half precision on a gpu (fused_dropout) also
+                                                                    R = RNG_STATE_BYTES (the random state's seed and
+                                                                    offset, dropout or not)
                          with dropout on a device with no fused kernel for it (the CPU stand-in): the math kernel,
                                             4*3h + e*h per token (Q, K and V in fp32, the output's copy) and
                                             L = 3 * 4*a*s^2*b (fp32 probabilities, their mask and the dropped ones)
@@ -137,6 +140,13 @@ LSE_ALIGN = 32
 kAlignLSE)."""
 
 
+RNG_STATE_BYTES = 16
+"""R of the legend: what SDPA's half-precision kernels on a gpu keep of the random generator's state for backward,
+dropout or not: a seed and an offset, two int64 tensors on the gpu (an H200 with torch 2.11 runs cuDNN's kernel
+there; gpu_check's HF rows found bf16 layers keeping 16 bytes over a count without them). fp32's memory-efficient
+kernel keeps them on the host."""
+
+
 def _norm_bytes(spec: ModelSpec, e: int) -> int:
     """N of the legend: what a norm keeps per token."""
     h = spec.d_model
@@ -150,7 +160,8 @@ def _attention_bytes(spec: ModelSpec, e: int, s: int, b: int, fused_dropout: boo
         return s * b * (4 * 3 * h + e * h) + 3 * 4 * a * s * s * b
     grouped = spec.kv_heads < spec.num_heads
     c = h if grouped and e == 4 else spec.kv_heads * spec.head_dim
-    return s * b * e * (2 * h + 2 * c) + 4 * a * b * -(-s // LSE_ALIGN) * LSE_ALIGN
+    rng = RNG_STATE_BYTES if fused_dropout and e == 2 else 0
+    return s * b * e * (2 * h + 2 * c) + 4 * a * b * -(-s // LSE_ALIGN) * LSE_ALIGN + rng
 
 
 def _block_act(spec: ModelSpec, e: int, s: int, b: int, device: DeviceSpec) -> int:

@@ -2,6 +2,7 @@
 
 import pytest
 
+from partition.spec.analytic import RNG_STATE_BYTES as R
 from partition.spec.analytic import analytic_profile
 from partition.spec.hardware import DeviceSpec, device_spec
 from partition.spec.models import MODELS, ModelSpec
@@ -23,9 +24,9 @@ def test_tiny_fp16_by_hand():
     assert (emb.fwd_flops, blk.fwd_flops, head.fwd_flops) == (192.0, 19968.0, 3072.0)
     assert (emb.bwd_flops, blk.bwd_flops, head.bwd_flops) == (384.0, 39936.0, 6144.0)
     # activations: 8*s*(b + 1) = 8*4*4 (int64 ids and positions) ; s*b*(2N + A + e*f*(p + 1)) + L, N = 2eh + 8,
-    # A = e*(2h + 2h), p = 1 (gelu), L = 4*a*b*32 (the log-sum-exp, rows padded to 32) = 12*(80 + 64 + 128) + 768 ;
-    # s*b*(N + 4V + 8) + 4 = 12*(40 + 64 + 8) + 4
-    assert (emb.activation_bytes, blk.activation_bytes, head.activation_bytes) == (128, 4032, 1348)
+    # A = e*(2h + 2h), p = 1 (gelu), L = 4*a*b*32 (the log-sum-exp, rows padded to 32), R = 16 (half precision on a
+    # gpu: the random state) = 12*(80 + 64 + 128) + 768 + 16 ; s*b*(N + 4V + 8) + 4 = 12*(40 + 64 + 8) + 4
+    assert (emb.activation_bytes, blk.activation_bytes, head.activation_bytes) == (128, 4032 + R, 1348) and R == 16
     # outputs: s*b*h*e ; s*b*V*e = 4*3*16*2
     assert (emb.output_bytes, blk.output_bytes, head.output_bytes) == (192, 192, 384)
     assert blk.fwd_s == pytest.approx(19968 / 5e11, rel=1e-12)
@@ -67,7 +68,7 @@ def test_gpt3_175b_on_3090ti():
     assert sum(x.param_count for x in p.layers) == spec.param_count
     blk = p.layers[1]
     s, h, a = 2048, 12288, 96
-    assert blk.activation_bytes == s * (2 * (2 * 2 * h + 8) + 2 * 4 * h + 2 * 4 * h * 2) + 4 * a * s
+    assert blk.activation_bytes == s * (2 * (2 * 2 * h + 8) + 2 * 4 * h + 2 * 4 * h * 2) + 4 * a * s + R
     assert blk.fwd_s == pytest.approx((24 * s * h * h + 4 * s * s * h) / 40e12)
     assert 0.15 < blk.fwd_s < 0.25  # ~7.6 TFLOP per block at 40 TFLOP/s
 
@@ -90,8 +91,8 @@ def test_tiny_llama_by_hand():
     assert blk.fwd_flops == 2 * 3 * 5 * 480 + 4 * 3 * 25 * 8 == 16800.0
     assert blk.bwd_flops == 33600.0
     # s*b*(2N + A + e*f*(p + 3)) + L + 2*e*hd*s: N = 4h + 2eh + 4 (RMSNorm's fp32 copy), A = e*(2h + 2*k*hd),
-    # p = 1 (silu), L = 4*a*b*32, the rotary tables 2*e*hd*s
-    assert blk.activation_bytes == 15 * (2 * 68 + 48 + 96) + 4 * 4 * 3 * 32 + 2 * 2 * 2 * 5 == 5776
+    # p = 1 (silu), L = 4*a*b*32, the rotary tables 2*e*hd*s, R
+    assert blk.activation_bytes == 15 * (2 * 68 + 48 + 96) + 4 * 4 * 3 * 32 + 2 * 2 * 2 * 5 + R == 5776 + R
     # the embedding: 8*s*b (the ids; a llama has no positions); the head: s*b*(N + 4V + 8) + 4
     assert (emb.activation_bytes, emb.output_bytes, blk.output_bytes) == (8 * 5 * 3, 240, 240)
     assert (head.activation_bytes, head.output_bytes) == (15 * (68 + 4 * 16 + 8) + 4, 15 * 16 * 2)
@@ -101,8 +102,8 @@ def test_tiny_llama_by_hand():
 def test_gpt_mlp_width_generalizes_the_korthikanti_count():
     wide = ModelSpec("w", num_blocks=1, d_model=8, num_heads=2, seq_len=4, vocab_size=16, ffn_dim=20)
     blk = analytic_profile(wide, DEV, microbatch_size=3).layers[1]
-    # s*b*(2N + A + 2ef) + L = 12*(80 + 64 + 80) + 4*2*3*32 ; fwd 2*b*s*(4h^2 + 2hf) + 4*b*s^2*h
-    assert blk.activation_bytes == 12 * (80 + 64 + 80) + 768
+    # s*b*(2N + A + 2ef) + L + R = 12*(80 + 64 + 80) + 4*2*3*32 + R ; fwd 2*b*s*(4h^2 + 2hf) + 4*b*s^2*h
+    assert blk.activation_bytes == 12 * (80 + 64 + 80) + 768 + R
     assert blk.fwd_flops == 2 * 12 * (256 + 320) + 4 * 3 * 16 * 8
     same = ModelSpec("tiny", num_blocks=2, d_model=8, num_heads=2, seq_len=4, vocab_size=16, ffn_dim=32)
     assert analytic_profile(same, DEV, 3) == analytic_profile(TINY, DEV, 3)
@@ -117,7 +118,7 @@ def test_llama2_70b_on_a100():
     m = 2 * h * h + 2 * h * 8 * 128 + 3 * h * 28672
     assert blk.fwd_flops == 2 * s * m + 4 * s * s * h
     norm, attention, mlp = 4 * h + 2 * 2 * h + 4, 2 * (2 * h + 2 * 8 * 128), 2 * 28672 * 4
-    assert blk.activation_bytes == s * (2 * norm + attention + mlp) + 4 * 64 * s + 2 * 2 * 128 * s
+    assert blk.activation_bytes == s * (2 * norm + attention + mlp) + 4 * 64 * s + 2 * 2 * 128 * s + R
     assert 1.0 < blk.fwd_flops / 1e12 < 10.0  # ~7.3 TFLOP per block and sequence
 
 
