@@ -26,11 +26,11 @@ SLACK = 1.25
 """Headroom of a region over the plan's held bytes (the runtime's spans cover whole storages)."""
 PAD = 1 << 12
 """Bytes per parked microbatch for the spans' alignment (256 bytes each: 16 spans) and small tensors."""
-CONTEXT_BYTES = 400 * 2**20
+CONTEXT_BYTES = 640 * 2**20
 """C of the legend: the CUDA context a parking rank's process makes on its peer's gpu by opening the region there
-(CUDA IPC). About 400 MB with CUDA 11.7 and later, which loads kernels lazily (NVIDIA's PyTorch engineers in
-pytorch/pytorch#109888 and #107667: 300-400 MB a context); not measured here: gpu_check's "another process's
-context" row measures one on the GPU it runs on."""
+(CUDA IPC). Measured by gpu_check's "another process's context" row: 524 MiB on an H200 (torch 2.11, CUDA 13,
+driver 580; 2026-11-29), above the 300-400 MB NVIDIA's PyTorch engineers gave for CUDA 11.7 and later
+(pytorch/pytorch#109888, #107667); a context grows with the gpu's SMs and the CUDA version, so a fifth more."""
 
 
 def peer_gpu(gpu: int, num_gpus: int) -> int:
