@@ -268,20 +268,32 @@ def hf_counts(t: Table, device: torch.device, folder: Path) -> None:
         t.add(f"HF {name}: kept within the count", ratio <= 1.0, f"{ratio:.6f} of it at most", "<= 1")
 
 
-def gpu_tests(t: Table, cuda: bool) -> None:
-    """The gpu-marked tests (pytest -m gpu): on a GPU they run (the CUDA clock, NVML, the probe)."""
+def gpu_tests(t: Table, cuda: bool, log: Path) -> None:
+    """The gpu-marked tests (pytest -m gpu): on a GPU they run (the CUDA clock, NVML, the probe); their output goes
+    to `log`, and the row names the tests that failed."""
     if not cuda:
         t.add("gpu-marked tests", None, "no GPU here: they skip")
         return
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-m", "gpu", "-p", "no:cacheprovider", "tests"]
     limit = t.left(300) - 10
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(limit, 1), cwd=ROOT)
     except subprocess.TimeoutExpired as e:
         t.add("gpu-marked tests", False, f"not finished in {limit:.0f} s: {_last_line(e.stdout)}"[:90], "pass")
         return
-    last = _last_line(proc.stdout)
-    t.add("gpu-marked tests", proc.returncode == 0, last[:90], "pass")
+    log.write_text(proc.stdout + proc.stderr)
+    failed = failed_tests(proc.stdout)
+    figure = _last_line(proc.stdout)[:90] + (f"; failed: {', '.join(failed)}" if failed else "")
+    t.add("gpu-marked tests", proc.returncode == 0, figure, "pass")
+
+
+def failed_tests(out: str) -> list[str]:
+    """The names of the tests pytest's short summary (-rfE) says failed or erred."""
+    return [
+        line.split()[1].split("::")[-1].split(" ")[0]
+        for line in out.splitlines()
+        if line.startswith(("FAILED ", "ERROR ")) and len(line.split()) > 1
+    ]
 
 
 def _last_line(out: str | bytes | None) -> str:
@@ -439,7 +451,7 @@ def main() -> int:
             t.figures = t.guarded("memory and speed", memory_and_speed, t, run, size, device, plan, cuda, args) or {}
         # the short sections before the longer newer ones: a run cut by its time limit keeps the rows it saved
         t.machine = t.guarded("machine", machine, t, cuda) or {}
-        t.guarded("gpu-marked tests", gpu_tests, t, cuda)
+        t.guarded("gpu-marked tests", gpu_tests, t, cuda, Path(args.out).with_name("gpu_tests.log"))
         t.guarded("contexts", contexts, t.add, device, cuda, t.left(120))
         small = runs.UPDATES_SIZE if cuda else size
         t.guarded("updates", updates, t, small, device, topology, Path(tmp), args.steps)

@@ -64,6 +64,16 @@ def test_a_gpu_this_torch_cannot_use_fails_the_check_instead_of_running_the_stan
     assert "finds no usable GPU: a driver older than its CUDA needs" in str(gc.unusable_gpu(driver, False))
 
 
+def test_the_gpu_tests_row_names_the_tests_that_failed():
+    out = (
+        "....F.\n=========================== short test summary info ============================\n"
+        "FAILED tests/mobiuspipe/memory/test_pinned.py::test_cuda_pins_a_buffer - assert (False)\n"
+        "ERROR tests/topology/test_probe.py::test_probe_rate[bf16]\n2 failed, 12 passed in 17.54s\n"
+    )
+    assert _script("gpu_check").failed_tests(out) == ["test_cuda_pins_a_buffer", "test_probe_rate[bf16]"]
+    assert _script("gpu_check").failed_tests("14 passed in 17.54s") == []
+
+
 def test_the_count_leaves_the_information_rows_out():
     rows = [{"ok": True}, {"ok": True}, {"ok": False}, {"ok": None}]
     assert _script("gpu_table").tally(rows) == "2 of 3 checks pass, 1 row information only"
