@@ -172,7 +172,7 @@ def pipeline_run(
         run.ledger_parts = dict(pipe.engine.peak.run_parts)
         run.loaded_bytes = _moved_bytes(pipe)
         run.pinned_bytes = pipe.engine.device.pinned_bytes
-        as_run = plan_as_run(pipe.plan, pipe.activations, swap_tiers(pipe.plan, memory, pipe.activations), False)
+        as_run = plan_as_run(pipe.plan, pipe.activations, swap_tiers(pipe.plan, memory, pipe.activations))
         cuda = torch.cuda.is_available()
         run.planned_bytes = planned_device_bytes(as_run if not cuda else pipe.plan, not cuda, sends_until_flush=False)[
             0

@@ -52,7 +52,7 @@ def wire_engine(
     """The plan as this run runs it (plan_as_run: its walk is the run's) and the Engine of this rank's stages. plan:
     with its state tiers settled (startup.tiers.with_tiers); group: the rank's membership (its timeouts and watch)."""
     m, swapped = plan.num_microbatches, swap_tiers(plan, memory, activations)
-    as_run = plan_as_run(plan, activations, swapped, device.is_cuda)
+    as_run = plan_as_run(plan, activations, swapped)
     schedules = build_schedules(plan.mapping, plan.num_gpus, m, frozenset(swapped), LAYOUT)
     ledger = DeviceLedger()  # the arena, comm and engine count what they hold on the device
     channels = open_channels(info, plan, tied, group.hang_timeout_s)

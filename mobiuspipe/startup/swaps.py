@@ -71,13 +71,13 @@ def make_swaps(
     return out
 
 
-def plan_as_run(plan: Plan, modes: dict, tiers: dict[int, str], on_gpu: bool = False) -> Plan:
+def plan_as_run(plan: Plan, modes: dict, tiers: dict[int, str]) -> Plan:
     """The plan with each stage's activation policy as this run runs it (memory.activations and
     memory.activation_tier may force another than the plan's), so that its lifetime walk is the run's. A
     forced mode's bytes and times come from the stage's sums (the plan has no per-layer figures): recompute
     holds the input and redoes the forward with grad in B; keep and selective hold up to the stage's live
-    activations A_j; keep runs the forward with grad in F; a forced selective is timed as recompute. On a gpu a
-    recompute stage's input left on the device tier goes to the host (the engine's path: "auto", 0 held)."""
+    activations A_j; keep runs the forward with grad in F; a forced selective is timed as recompute. The same on a
+    gpu and on the stand-in: a recompute stage's input on the device tier stays there (compute.fwd), held."""
     stages = []
     for j, s in enumerate(plan.stages):
         mode, tier = modes[j].mode, tiers.get(j, "device")
@@ -87,8 +87,6 @@ def plan_as_run(plan: Plan, modes: dict, tiers: dict[int, str], on_gpu: bool = F
             continue
         inp = plan.stages[j - 1].output_bytes if j > 0 else plan.input_bytes
         held = inp if mode == "recompute" else s.activation_bytes
-        if on_gpu and (mode, tier) == ("recompute", "device"):
-            held, tier = 0, "auto"
         kept = tuple(sorted(modes[j].keep_layers)) if mode == "selective" else ()
         grad = _grad_forward_s(s)
         forward, redo = (grad if s.kept_s is None else s.kept_s, 0.0) if mode == "keep" else (s.fwd_s, grad)
