@@ -140,11 +140,12 @@ LSE_ALIGN = 32
 kAlignLSE)."""
 
 
-RNG_STATE_BYTES = 16
+RNG_STATE_BYTES = 24
 """R of the legend: what SDPA's half-precision kernels on a gpu keep of the random generator's state for backward,
-dropout or not: a seed and an offset, two int64 tensors on the gpu (an H200 with torch 2.11 runs cuDNN's kernel
-there; gpu_check's HF rows found bf16 layers keeping 16 bytes over a count without them). fp32's memory-efficient
-kernel keeps them on the host."""
+dropout or not, as the seed and offset they return: torch's flash kernel a two-element uint64 state and an unused
+uint64 scalar on the gpu (24 bytes; gpu_check's HF rows on an H200, torch 2.11: bf16 GPT-2 and Llama blocks kept
+1.000003 and 1.000004 of a count without it, 23 and 24 bytes), cuDNN's two one-element int64 tensors (16). fp32's
+memory-efficient kernel keeps them on the host."""
 
 
 def _norm_bytes(spec: ModelSpec, e: int) -> int:
