@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -32,12 +31,14 @@ import gpu_runs as runs
 from benchlib import stopped_rank_run, torchrun_metrics
 from gpu_context import contexts
 from gpu_table import Table, tally
+from gpu_tests import gpu_tests
 
 from mobiuspipe import _ext
 from mobiuspipe.config import MemoryConfig
 from mobiuspipe.optim.loss_scale import LossScaler
 from mobiuspipe.profiling.profiler import library_bytes
 from partition.plan import save_plan
+from partition.rules.device_peak import planned_timeline
 from topology import cpu_standin
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -172,6 +173,7 @@ def memory_and_speed(
         f"{own / 2**20:.2f} of {base.planned_bytes / 2**20:.2f} MiB planned{held}",
         "<= plan",
     )
+    action_rows(t, size, plan, cuda)
     parts = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in sorted(base.ledger_parts.items(), key=lambda kv: -kv[1]))
     t.add("the runtime's ledger at its peak (MiB)", None, f"{sum(base.ledger_parts.values()) / 2**20:.1f}: {parts}")
     if cuda:
@@ -268,38 +270,31 @@ def hf_counts(t: Table, device: torch.device, folder: Path) -> None:
         t.add(f"HF {name}: kept within the count", ratio <= 1.0, f"{ratio:.6f} of it at most", "<= 1")
 
 
-def gpu_tests(t: Table, cuda: bool, log: Path) -> None:
-    """The gpu-marked tests (pytest -m gpu): on a GPU they run (the CUDA clock, NVML, the probe); their output goes
-    to `log`, and the row names the tests that failed."""
-    if not cuda:
-        t.add("gpu-marked tests", None, "no GPU here: they skip")
+def action_rows(t: Table, size: runs.Size, plan, cuda: bool) -> None:
+    """Each action's measured peak against the plan's bytes at that action (planned_timeline, of the plan as the run
+    ran it): where the walk is short, not only whether the step's peak is. On the stand-in, the ledger once each
+    action ended against the stand-in's walk."""
+    measured, as_run = runs.action_peaks(size, plan)
+    timeline = planned_timeline(as_run, 0, standin=not cuda, sends_until_flush=False)
+    if [step for step, _ in measured] != [step for step, _ in timeline]:
+        t.add("each action within the plan at it", False, "the run's actions are not the walk's, in order", "the same")
         return
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-m", "gpu", "-p", "no:cacheprovider", "tests"]
-    limit = t.left(300) - 10
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(limit, 1), cwd=ROOT)
-    except subprocess.TimeoutExpired as e:
-        t.add("gpu-marked tests", False, f"not finished in {limit:.0f} s: {_last_line(e.stdout)}"[:90], "pass")
-        return
-    log.write_text(proc.stdout + proc.stderr)
-    failed = failed_tests(proc.stdout)
-    figure = _last_line(proc.stdout)[:90] + (f"; failed: {', '.join(failed)}" if failed else "")
-    t.add("gpu-marked tests", proc.returncode == 0, figure, "pass")
+    room = sorted((planned - got, step) for (step, planned), (_, got) in zip(timeline, measured))
+    least, step = room[0]
+    over = [_action(s) for spare, s in room if spare < 0]
+    figure = f"{len(room)} actions; least room {least / 2**20:.2f} MiB, at {_action(step)}"
+    t.add(
+        "each action within the plan at it",
+        not over,
+        figure + (f"; over: {', '.join(over[:4])}" if over else ""),
+        "<= the walk + X at it" if cuda else "<= the walk at it",
+    )
 
 
-def failed_tests(out: str) -> list[str]:
-    """The names of the tests pytest's short summary (-rfE) says failed or erred."""
-    return [
-        line.split()[1].split("::")[-1].split(" ")[0]
-        for line in out.splitlines()
-        if line.startswith(("FAILED ", "ERROR ")) and len(line.split()) > 1
-    ]
-
-
-def _last_line(out: str | bytes | None) -> str:
-    """A subprocess's last line of output."""
-    text = out.decode(errors="replace") if isinstance(out, bytes) else out or ""
-    return (text.strip().splitlines() or ["no output"])[-1]
+def _action(step: tuple[str, int, int]) -> str:
+    """An action as the schedule prints it: B7.3 (kind, stage, microbatch), L2 (a stage's)."""
+    kind, j, i = step
+    return f"{kind}{j}" + (f".{i}" if i >= 0 else "")
 
 
 def two_ranks(t: Table, folder: Path, gpus: int, cuda: bool) -> None:
@@ -451,7 +446,7 @@ def main() -> int:
             t.figures = t.guarded("memory and speed", memory_and_speed, t, run, size, device, plan, cuda, args) or {}
         # the short sections before the longer newer ones: a run cut by its time limit keeps the rows it saved
         t.machine = t.guarded("machine", machine, t, cuda) or {}
-        t.guarded("gpu-marked tests", gpu_tests, t, cuda, Path(args.out).with_name("gpu_tests.log"))
+        t.guarded("gpu-marked tests", gpu_tests, t.add, t.left(300), cuda, Path(args.out).with_name("gpu_tests.log"))
         t.guarded("contexts", contexts, t.add, device, cuda, t.left(120))
         small = runs.UPDATES_SIZE if cuda else size
         t.guarded("updates", updates, t, small, device, topology, Path(tmp), args.steps)

@@ -185,6 +185,37 @@ def pipeline_run(
     return run
 
 
+Peaks = list[tuple[tuple[str, int, int], int]]
+"""((kind, stage, microbatch), bytes) per action, in the schedule's order."""
+
+
+def action_peaks(size: Size, plan: Plan, steps: int = 2) -> tuple[Peaks, Plan]:
+    """Each action's device bytes in the last of `steps` fp32 steps, and the plan as the run ran it: on CUDA the
+    allocator's peak while the action ran, less what the process held before the run; on the stand-in the ledger's
+    bytes once it ended (the ledger counts no transients). The actions are watched through the engine's dispatch
+    table: the runtime keeps no per-action figure of its own."""
+    data = batches(size, steps, size.batch)
+    cuda = torch.cuda.is_available()
+    before = torch.cuda.memory_allocated() if cuda else 0
+    peaks: Peaks = []
+    with Pipeline(layer_factories(size.spec(), seed=3), lm_loss, plan=plan) as pipe:
+        engine, ledger = pipe.engine, pipe.engine.compute.ledger
+
+        def watched(run, a):
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            run(a)
+            got = torch.cuda.max_memory_allocated() - before if cuda else ledger.bytes
+            peaks.append(((a.kind.value, a.stage, a.microbatch), got))
+
+        engine._dispatch = {kind: partial(watched, run) for kind, run in engine._dispatch.items()}
+        for x, y in data:
+            peaks.clear()
+            pipe.train_batch(x, y)
+        as_run = plan_as_run(pipe.plan, pipe.activations, swap_tiers(pipe.plan, MemoryConfig(), pipe.activations))
+    return peaks, as_run
+
+
 def _moved_bytes(pipe: Pipeline) -> int:
     """Bytes one step moves between host and device: each LOAD's weights, each stage's gradients once."""
     loads = [a.stage for a in pipe.engine.schedule if a.kind.value == "L"]

@@ -16,7 +16,7 @@ __all__ = ["Kind", "Action"]
 
 class Kind(Enum):
     LOAD = "L"  # start copying stage j's weights into a free arena slot (prefetch)
-    FWD = "F"  # forward of (j, i); saves the stage input to host for the backward's recompute
+    FWD = "F"  # forward of (j, i); keeps the stage input (on the device, or its swap tier) for B to recompute from
     SEND_ACT = "SA"  # send the output of (j, i) to the gpu of stage j+1
     RECV_ACT = "RA"  # receive the input of (j, i) from the gpu of stage j-1
     BWD = "B"  # recompute (j, i) with grad, then backward; gradients accumulate in the arena

@@ -39,12 +39,12 @@ from collections.abc import Sequence
 
 from partition.plan import Plan, StagePlan
 from partition.rules.activations import ActivationPolicy
-from partition.rules.lifetimes import StageBytes, device_peaks
+from partition.rules.lifetimes import StageBytes, device_peaks, device_timeline
 from partition.rules.peer import regions
 from partition.rules.placement import device_state_bytes
 from partition.spec.analytic import DTYPE_BYTES
 
-__all__ = ["planned_device_bytes", "stage_bytes"]
+__all__ = ["planned_device_bytes", "planned_timeline", "stage_bytes"]
 
 
 def stage_bytes(plan: Plan, held: Sequence[int] | None = None, chosen: bool = False) -> list[StageBytes]:
@@ -79,20 +79,43 @@ def planned_device_bytes(
     choice's held_bytes; in plans before the choice, the path's own); sends_until_flush: whether sends are held
     to the step's end (default: on the stand-in; the strict stand-in's sends complete as NCCL's do); on_device: the
     stages whose states are on the gpu (memory.optimizer device), resident the whole run (device_state_bytes)."""
-    chosen = [s.held_bytes for s in plan.stages]
-    own = held is None and min(chosen) >= 0
-    if own:
-        held = chosen
-    swapped = frozenset(j for j, s in enumerate(plan.stages) if s.activation_tier not in ("auto", "device"))
-    arena = None if standin else plan.arena_bytes
-    stages = stage_bytes(plan, held, chosen=own)
-    until_flush = standin if sends_until_flush is None else sends_until_flush
-    peaks = device_peaks(plan.mapping, plan.num_microbatches, stages, arena, until_flush, swapped)
-    peaks = peaks + [arena or 0] * (plan.num_gpus - len(peaks))
-    for (owner, _), nbytes in regions(plan).items():  # a peer's region is held the whole run
-        peaks[owner] += nbytes
-    for j in on_device:  # so are the gpu tier's states
-        peaks[plan.stages[j].gpu] += device_state_bytes(plan.stages[j].trains, DTYPE_BYTES[plan.dtype])
-    if not standin:  # the stand-in's ledger counts no transients (its profiles measure none: X = 0 there)
-        peaks = [b + plan.workspace_bytes for b in peaks]
-    return [b + plan.buffers_on(g) for g, b in enumerate(peaks)]
+    walk = _Walked(plan, standin, held, sends_until_flush)
+    peaks = device_peaks(plan.mapping, plan.num_microbatches, walk.stages, walk.arena, walk.until_flush, walk.swapped)
+    peaks = peaks + [walk.arena or 0] * (plan.num_gpus - len(peaks))
+    return [b + _whole_run_bytes(plan, g, standin, on_device) for g, b in enumerate(peaks)]
+
+
+def planned_timeline(
+    plan: Plan, gpu: int, standin: bool = False, sends_until_flush: bool | None = None, on_device: Sequence[int] = ()
+) -> list[tuple[tuple, int]]:
+    """(action, the planned bytes of `gpu` while it runs) for each of gpu's actions of one step, in order: the walk's
+    timeline plus what the gpu holds the whole run, as planned_device_bytes counts it (whose figure is their most)."""
+    walk = _Walked(plan, standin, None, sends_until_flush)
+    timeline = device_timeline(
+        plan.mapping, gpu, plan.num_microbatches, walk.stages, walk.arena, walk.until_flush, walk.swapped
+    )
+    extra = _whole_run_bytes(plan, gpu, standin, on_device)
+    return [(step, b + extra) for step, b in timeline]
+
+
+class _Walked:
+    """What the walk of a plan takes on a gpu or the stand-in: each stage's bytes, the arena (held whole on a gpu),
+    the stages that swap, whether sends are held to the step's end."""
+
+    def __init__(self, plan: Plan, standin: bool, held: Sequence[int] | None, sends_until_flush: bool | None):
+        chosen = [s.held_bytes for s in plan.stages]
+        own = held is None and min(chosen) >= 0
+        self.stages = stage_bytes(plan, chosen if own else held, chosen=own)
+        self.swapped = frozenset(j for j, s in enumerate(plan.stages) if s.activation_tier not in ("auto", "device"))
+        self.arena = None if standin else plan.arena_bytes
+        self.until_flush = standin if sends_until_flush is None else sends_until_flush
+
+
+def _whole_run_bytes(plan: Plan, gpu: int, standin: bool, on_device: Sequence[int]) -> int:
+    """What gpu holds the whole run beside the walk: the regions it gives its peers' parked activations, the states
+    of its stages on the gpu tier, on a gpu X (the stand-in's ledger counts no transients: its profiles measure
+    none), and its stages' buffers V_g."""
+    out = sum(nbytes for (owner, _), nbytes in regions(plan).items() if owner == gpu)
+    dtype_bytes = DTYPE_BYTES[plan.dtype]
+    out += sum(device_state_bytes(plan.stages[j].trains, dtype_bytes) for j in on_device if plan.stages[j].gpu == gpu)
+    return out + (0 if standin else plan.workspace_bytes) + plan.buffers_on(gpu)

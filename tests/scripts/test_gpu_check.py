@@ -30,6 +30,7 @@ def test_gpu_check_passes_on_the_strict_stand_ins(tmp_path):
                     assert checks[f"{precision} {policy} on {tier}"]["ok"] is True
     assert checks["fp32 accumulation 2 vs plain PyTorch"]["ok"] and checks["fp16 skipped step leaves the weights"]["ok"]
     assert checks["peak at or below the plan"]["ok"] and checks["2 ranks [0,1,0,1], peer tier, P2P off"]["ok"]
+    assert checks["each action within the plan at it"]["ok"] is True
     assert checks["a stopped rank is named"]["ok"] is True
     assert checks["LoRA, int8 base, vs plain PyTorch"]["ok"] and checks["LoRA, nf4 base, vs plain PyTorch"]["ok"]
     assert checks["LoRA, nf4 base, states on the gpu, vs plain PyTorch"]["ok"]
@@ -70,8 +71,8 @@ def test_the_gpu_tests_row_names_the_tests_that_failed():
         "FAILED tests/mobiuspipe/memory/test_pinned.py::test_cuda_pins_a_buffer - assert (False)\n"
         "ERROR tests/topology/test_probe.py::test_probe_rate[bf16]\n2 failed, 12 passed in 17.54s\n"
     )
-    assert _script("gpu_check").failed_tests(out) == ["test_cuda_pins_a_buffer", "test_probe_rate[bf16]"]
-    assert _script("gpu_check").failed_tests("14 passed in 17.54s") == []
+    assert _script("gpu_tests").failed_tests(out) == ["test_cuda_pins_a_buffer", "test_probe_rate[bf16]"]
+    assert _script("gpu_tests").failed_tests("14 passed in 17.54s") == []
 
 
 def test_the_count_leaves_the_information_rows_out():

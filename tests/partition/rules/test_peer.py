@@ -81,3 +81,22 @@ def test_a_gpu_that_gives_a_region_keeps_room_for_the_parking_process_context():
     for budget, parks in ((max(needs), True), (CONTEXT_BYTES - 1, False)):  # below one context: nothing parks
         needs, gives = choose(budget)
         assert max(needs) <= budget and any(gives) == parks
+
+
+def test_the_timeline_of_each_gpu_peaks_at_its_planned_figure():
+    """planned_timeline (gpu_check holds each action's measured peak to it) tops out at planned_device_bytes on both
+    paths: the regions a gpu gives, its stages' states on the gpu tier and, on a gpu, X."""
+    from partition.rules.device_peak import planned_timeline
+
+    plan = _plan(gpus=2, stages=4)
+    stages = tuple(
+        dataclasses.replace(s, activations="recompute", activation_tier="peer" if j < 3 else "device", held_bytes=h)
+        for j, (s, h) in enumerate(zip(plan.stages, [1001, 333, 77, 5]))
+    )
+    parked = dataclasses.replace(plan, stages=stages, workspace_bytes=4096)
+    for standin in (False, True):
+        for on_device in ((), (1,)):
+            want = planned_device_bytes(parked, standin, on_device=on_device)
+            got = [max(b for _, b in planned_timeline(parked, g, standin, on_device=on_device)) for g in (0, 1)]
+            assert got == want
+    assert {j for (_, j, _), _ in planned_timeline(parked, 1)} == {1, 3}  # gpu 1's stages' actions only
