@@ -69,3 +69,17 @@ def test_rebuild_refuses_the_wrong_number_of_spans():
     spans, layout = spans_out(held, set())
     with pytest.raises(RuntimeError, match="2 spans came back from the swap tier; 4 went out"):
         rebuild(layout, spans[:2])
+
+
+@pytest.mark.xfail(strict=True, reason="a held host tensor is swapped and comes back on the device: fixed next")
+def test_a_held_tensor_in_host_memory_stays_where_it_is():
+    """CUDA's memory-efficient attention saves its philox seed and offset as 0-d int64 host tensors, which its
+    backward reads on the host with dropout; swapped out with the device tensors, they came back as device tensors
+    (rebuild makes every span on the device), and that read would be of a device pointer. The stand-in's attention
+    saves none, so only a host-marked tensor shows it."""
+    from mobiuspipe.standin.places import on_gpu, on_host
+
+    x, seed = on_gpu(torch.randn(64), 0), on_host(torch.tensor(7))
+    held = [Held(("kept", 0, 0, 0, 0), x), Held(("kept", 0, 0, 0, 1), seed)]
+    spans, layout = spans_out(held, set())
+    assert len(spans) == 1 and [m.held for m in layout.members] == [held[0]]
