@@ -257,6 +257,13 @@ class Device:
         """t, which lies in this gpu's memory (the stand-in: marked as its memory under strict mode)."""
         return on_gpu(t, self.index) if self._marks else t
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether t lies in this gpu's memory: on CUDA, a tensor of this gpu; on the stand-in, one not marked as
+        host memory or another gpu's (unmarked tensors count as the gpu's: the lax stand-in marks nothing)."""
+        if self.is_cuda:
+            return t.device.type == "cuda" and t.device.index == self.index
+        return not is_host(t) and gpu_of(t) in (None, self.index)
+
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized tensor in this gpu's memory."""
         return self.place(torch.empty(shape, dtype=dtype, device=self.torch_device))

@@ -6,11 +6,13 @@ backward each tensor is rebuilt on the span that came back with its own dtype, o
 the backward computes on the same values in the same layouts and alignments (bit for bit), views that shared a
 storage share one again, and a storage moves once however many saved tensors view it. Tensors in the stage's
 buffers stay on the device (they live on; a copy would only add bytes), as do tensors without elements or in a
-layout other than strided.
+layout other than strided; tensors in host memory stay where they are (CUDA's memory-efficient attention keeps its
+philox seed and offset there, read on the host by its backward).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,13 +48,16 @@ class Layout:
     num_spans: int
 
 
-def spans_out(held: list[Held], stays: set[int]) -> tuple[list[torch.Tensor], Layout]:
+def spans_out(
+    held: list[Held], stays: set[int], on_device: Callable[[torch.Tensor], bool]
+) -> tuple[list[torch.Tensor], Layout]:
     """The uint8 spans (views of the held tensors' storages) to swap out, and their Layout. stays: the data
-    pointers of storages that stay on the device (the stage's buffers)."""
+    pointers of storages that stay on the device (the stage's buffers); on_device: whether a tensor lies in the
+    gpu's memory (Device.holds: the others are host tensors, which stay)."""
     groups: dict[int, list[Held]] = {}
     for h in held:
         t = h.t
-        if t is None or t.numel() == 0 or t.layout != torch.strided:
+        if t is None or t.numel() == 0 or t.layout != torch.strided or not on_device(t):
             continue
         ptr = t.untyped_storage().data_ptr()
         if ptr not in stays:
