@@ -1,7 +1,7 @@
 """The activation policy of each stage of a plan, chosen under the device budget, and why (`--explain`).
 
-Every stage starts at recompute from its input, on the path's own tier (the device on the CPU stand-in; the
-host on a gpu, where the runtime copies the input off). If a gpu's walk (partition.rules.lifetimes: arena, held
+Every stage starts at recompute from its input, kept on the device (the runtime keeps it there on a gpu as on
+the CPU stand-in). If a gpu's walk (partition.rules.lifetimes: arena, held
 bytes, queued messages, the computing stage's live bytes) exceeds the budget G, the stages with the most
 held bytes move them off the device, cheapest exposed transfer first, until it fits. Then, greedily, the
 one-stage change that saves the most compute per step C_j (partition.rules.activations: recompute R_j saved,
@@ -147,8 +147,8 @@ def runtime_links(
     topo: Topology, tiers: tuple[str, ...] = ("host",)
 ) -> tuple[dict[str, Link | None], dict[str, tuple[str, ...]], bool]:
     """(links, the modes each tier runs, standin) of what the runtime runs on topo, with the tiers off the
-    device in `tiers`: keep and selective on the device; recompute on the device only on the CPU stand-in (on
-    a gpu an input left in place goes to the host); every mode with its held bytes in host memory
+    device in `tiers`: every mode on the device (a recompute stage's input stays there, on a gpu as on the CPU
+    stand-in); every mode with its held bytes in host memory
     (mobiuspipe.memory.swap's HostSwap over the gpu's link: a recompute stage's input, a keep or selective
     stage's kept graphs and recomputed parts' inputs) or on the SSD (through the gpu's link and the drive,
     which the gpus share: each gets 1/G of its write and read GB/s, partition.rules.tiers.ssd_info; the run needs
@@ -166,8 +166,7 @@ def runtime_links(
     unknown = sorted(set(tiers) - {"host", "ssd", "peer"})
     if unknown:
         raise ValueError(f"activation tiers {unknown}: the planner offers host, ssd and peer")
-    device = MODES if standin else ("selective", "keep")
-    runs = {"device": device, **{t: MODES for t in tiers}}
+    runs: dict[str, tuple[str, ...]] = {t: MODES for t in ("device", *tiers)}
     return {t: links[t] for t in ("device", *tiers)}, runs, standin
 
 
@@ -247,9 +246,8 @@ def choose_activations(
         ]
         for j, s in enumerate(plan.stages)
     ]
-    home = "device" if standin or "host" not in links else "host"
     costs = [
-        next((c for c in o if c.policy == ActivationPolicy(tier=home)), min(o, key=lambda c: c.held_bytes))
+        next((c for c in o if c.policy == ActivationPolicy(tier="device")), min(o, key=lambda c: c.held_bytes))
         for o in opts
     ]
     costs = _fit(walker, opts, costs, budget_bytes)
