@@ -84,10 +84,18 @@ class BufferPool:
         """Host buffers, page-locked where CUDA copies from them."""
         return cls(device.host_empty)
 
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A uint8 host tensor of nbytes (the start of a pooled buffer, or a new one)."""
+    def take(self, nbytes: int, bounded: bool = False) -> torch.Tensor:
+        """A uint8 host tensor of nbytes (the start of a pooled buffer, or a new one). bounded: where none is free
+        but one given back still waits for its copies, wait for them (the host blocks) and reuse it rather than make
+        another: on CUDA a held set's buffers go back pending their copies back, and a pass that runs ahead of
+        them would otherwise double the host memory the plan counts (an accumulated step's next pass)."""
         self._reap()
         fits = [size for size, bufs in self._free.items() if size >= nbytes and bufs]
+        if not fits and bounded and (waiting := self._oldest_pending(nbytes)) is not None:
+            for h in waiting[1]:
+                h.synchronize()
+            self._reap()
+            fits = [size for size, bufs in self._free.items() if size >= nbytes and bufs]
         whole = self._free[min(fits)].pop() if fits else self._allocate(nbytes)
         view = whole[:nbytes]
         self._lent[id(view)] = whole
@@ -106,6 +114,10 @@ class BufferPool:
     def buffers(self) -> int:
         """Buffers the pool has made (lent, free or waiting for their copies)."""
         return len(self._lent) + len(self._pending) + sum(len(b) for b in self._free.values())
+
+    def _oldest_pending(self, nbytes: int) -> tuple[torch.Tensor, Sequence[CopyHandle]] | None:
+        """The buffer given back first that holds nbytes and still waits for its copies."""
+        return next(((buf, after) for buf, after in self._pending if buf.numel() >= nbytes), None)
 
     def _reap(self) -> None:
         waiting = []
@@ -221,7 +233,7 @@ class HostSwap(CopySwap):
         self.pool = BufferPool.host(device)
 
     def _take(self, like: torch.Tensor) -> tuple[object, torch.Tensor]:
-        buf = self.pool.take(_nbytes(like))
+        buf = self.pool.take(_nbytes(like), bounded=True)
         return buf, buf.view(like.dtype).view(like.shape)
 
     def _give(self, token: object, view: torch.Tensor, after: Sequence[CopyHandle] = ()) -> None:

@@ -93,9 +93,21 @@ class PeerSwap(CopySwap):
         return dev
 
     def _take(self, like: torch.Tensor) -> tuple[object, torch.Tensor]:
+        """A range of the region for like's bytes; where none is free, the ranges given back wait for their copies
+        back in turn (the host blocks): on CUDA they go back pending those, and a pass that runs ahead of them (an
+        accumulated step's next) would overflow the region the plan sized for one pass."""
         n = _nbytes(like)
         self._reap()
-        off = self.ranges.take(n)
+        while True:
+            try:
+                off = self.ranges.take(n)
+                break
+            except RegionFull:
+                if not self._freed:
+                    raise
+                for h in self._freed[0][2]:
+                    h.synchronize()
+                self._reap()
         return off, self.region[off : off + n].view(like.dtype).view(like.shape)
 
     def _give(self, token: object, view: torch.Tensor, after: Sequence[CopyHandle] = ()) -> None:

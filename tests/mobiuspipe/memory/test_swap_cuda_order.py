@@ -148,7 +148,6 @@ def _passes(tier, device: Device, passes: int = 2) -> tuple[int, dict, dict]:
     return most, want, got
 
 
-@pytest.mark.xfail(strict=True, reason="the pool grows past one pass's sets when the host runs a pass ahead: next")
 def test_the_host_tiers_buffers_stay_within_one_pass_when_the_host_runs_a_pass_ahead(as_on_cuda):
     """On CUDA finish_in's wait returns at once, so a pass's buffers go back pending their copies back; the next
     pass's swap-outs found none free and page-locked new ones: twice the M * H_j of host memory the plan counts."""
@@ -159,7 +158,6 @@ def test_the_host_tiers_buffers_stay_within_one_pass_when_the_host_runs_a_pass_a
     assert most <= M * 3, f"{most} host buffers for {M} microbatches of 3 tensors"
 
 
-@pytest.mark.xfail(strict=True, reason="the peer region overflows when the host runs a pass ahead: next")
 def test_the_peer_region_the_plan_sizes_holds_two_passes_when_the_host_runs_a_pass_ahead(as_on_cuda, tmp_path):
     """A direct peer tier's region of region_bytes(M, H) (the plan's size) raised RegionFull in the second pass: its
     ranges went back pending the first pass's copies back, which had not ended."""
