@@ -1,13 +1,14 @@
 """The activation policy of each stage of a plan, chosen under the device budget, and why (`--explain`).
 
 Every stage starts at recompute from its input, kept on the device (the runtime keeps it there on a gpu as on
-the CPU stand-in). If a gpu's walk (partition.rules.lifetimes: arena, held
-bytes, queued messages, the computing stage's live bytes) exceeds the budget G, the stages with the most
-held bytes move them off the device, cheapest exposed transfer first, until it fits. Then, greedily, the
-one-stage change that saves the most compute per step C_j (partition.rules.activations: recompute R_j saved,
-transfer X_j exposed) is taken while every gpu's walk stays within G and what its stages hold on the host
-tier, sum of M H_j, within the host memory the states leave it (partition.rules.tiers.activation_host_caps), until
-no change saves time.
+the CPU stand-in). If a gpu's walk (partition.rules.lifetimes: arena, held bytes, queued messages, the computing
+stage's live bytes) exceeds the budget G, the stages with the most held bytes move them off the device, cheapest
+exposed transfer first, until it fits. Then, greedily, the one-stage change that saves the most compute per step
+C_j (partition.rules.activations: recompute R_j saved, transfer X_j exposed) is taken while every gpu's walk stays
+within G and what its stages hold on the host tier, sum of M H_j, within the host memory the states leave it
+(partition.rules.tiers.activation_host_caps), until no change saves time. The same again from every input on the
+host: the start whose choice computes least is kept (from the device, the inputs' bytes can keep the greedy steps
+from keeps that moving them off would make room for).
 
 Legend (units in brackets): C_j, H_j, T_j, R_j, X_j as in partition.rules.activations [s, bytes]; D_g the walk's
 peak on gpu g [bytes]; G the budget: usable gpu memory [bytes]. "Within G" is D_g + C_g <= G, C_g the context a
@@ -246,15 +247,35 @@ def choose_activations(
         ]
         for j, s in enumerate(plan.stages)
     ]
-    costs = [
-        next((c for c in o if c.policy == ActivationPolicy(tier="device")), min(o, key=lambda c: c.held_bytes))
-        for o in opts
-    ]
-    costs = _fit(walker, opts, costs, budget_bytes)
-    costs = _improve(walker, opts, costs, budget_bytes)
+    costs = _best_start(walker, opts, budget_bytes, ("device", "host") if "host" in links else ("device",))
     peaks = walker.peaks(costs)
     weighed = _weigh(walker, plan, opts, costs, budget_bytes) if explain else []
     return Choice(tuple(costs), tuple(peaks), tuple(weighed))
+
+
+def _best_start(walker: _Walker, opts: list[list[PolicyCost]], budget: int, homes: tuple[str, ...]) -> list[PolicyCost]:
+    """The fitted and improved choice with the least compute per step over the starts: every stage recomputing with
+    its input on each tier of `homes` in turn (the device first, which wins ties). One start is not enough: from the
+    device, the inputs' bytes can keep the greedy steps from the keeps that moving them off would make room for;
+    from the host, a plan whose inputs fit pays their transfers. ValueError (_fit's) when no start fits."""
+    best: list[PolicyCost] | None = None
+    error: ValueError | None = None
+    for home in homes:
+        start = [
+            next((c for c in o if c.policy == ActivationPolicy(tier=home)), min(o, key=lambda c: c.held_bytes))
+            for o in opts
+        ]
+        try:
+            costs = _improve(walker, opts, _fit(walker, opts, start, budget), budget)
+        except ValueError as e:
+            error = error or e
+            continue
+        if best is None or sum(c.compute_s for c in costs) < sum(c.compute_s for c in best) - 1e-12:
+            best = costs
+    if best is None:
+        assert error is not None
+        raise error
+    return best
 
 
 def _fit(walker: _Walker, opts: list[list[PolicyCost]], costs: list[PolicyCost], budget: int) -> list[PolicyCost]:
