@@ -261,7 +261,7 @@ def test_a_gpu_offers_and_starts_from_recompute_on_the_device_as_the_stand_in_do
 
 
 def _toy(layers: list[tuple[int, int, float]]) -> Profile:
-    """A profile of layers (activation_bytes, output_bytes, fwd_s), 2 s of backward a layer in thousandths."""
+    """A profile of layers (activation_bytes, output_bytes, fwd_s), each backward 2 ms."""
     ls = tuple(LayerProfile(f"l{k}", 100, 400, a, o, 0.0, 0.0, f, 2e-3) for k, (a, o, f) in enumerate(layers))
     return Profile("toy", "cpu-standin", "fp32", 2, 1, ls, input_bytes=32, target_bytes=24)
 
