@@ -88,6 +88,12 @@ class _Walker:
             m * c.held_bytes for s, c in zip(self.plan.stages, costs) if s.gpu == gpu and c.policy.tier == "host"
         )
 
+    def over_caps(self, costs: list[PolicyCost]) -> int:
+        """Bytes the choice's host tier holds over the gpus' caps, summed (0 without caps)."""
+        if self.host_caps is None:
+            return 0
+        return sum(max(0, self.host(costs, g) - cap) for g, cap in enumerate(self.host_caps))
+
     def host_fits(self, trial: list[PolicyCost], now: list[PolicyCost], gpu: int) -> bool:
         """trial's host bytes on gpu are within its cap, or no more than now's."""
         if self.host_caps is None:
@@ -254,10 +260,16 @@ def choose_activations(
 
 
 def _best_start(walker: _Walker, opts: list[list[PolicyCost]], budget: int, homes: tuple[str, ...]) -> list[PolicyCost]:
-    """The fitted and improved choice with the least compute per step over the starts: every stage recomputing with
-    its input on each tier of `homes` in turn (the device first, which wins ties). One start is not enough: from the
-    device, the inputs' bytes can keep the greedy steps from the keeps that moving them off would make room for;
-    from the host, a plan whose inputs fit pays their transfers. ValueError (_fit's) when no start fits."""
+    """The fitted and improved choice over the starts that holds the least in host memory over the gpus' caps, then
+    computes least per step: every stage recomputing with its input on each tier of `homes` in turn (the device
+    first, which wins ties). One start is not enough: from the device, the inputs' bytes can keep the greedy steps
+    from the keeps that moving them off would make room for; from the host, a plan whose inputs fit pays their
+    transfers, and may stay over the host caps (the greedy takes no change that holds more). ValueError (_fit's) when
+    no start fits."""
+
+    def rank(costs: list[PolicyCost]) -> tuple[int, float]:
+        return walker.over_caps(costs), sum(c.compute_s for c in costs)
+
     best: list[PolicyCost] | None = None
     error: ValueError | None = None
     for home in homes:
@@ -270,7 +282,7 @@ def _best_start(walker: _Walker, opts: list[list[PolicyCost]], budget: int, home
         except ValueError as e:
             error = error or e
             continue
-        if best is None or sum(c.compute_s for c in costs) < sum(c.compute_s for c in best) - 1e-12:
+        if best is None or rank(costs) < (rank(best)[0], rank(best)[1] - 1e-12):
             best = costs
     if best is None:
         assert error is not None

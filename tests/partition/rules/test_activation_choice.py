@@ -295,7 +295,6 @@ def test_the_choice_takes_the_better_of_the_two_starts(layers, budget, better):
     assert sum(c.compute_s for c in got) == pytest.approx(total[better], abs=1e-12)
 
 
-@pytest.mark.xfail(strict=True, reason="the two starts are compared on compute alone: fixed next")
 def test_a_start_over_the_host_caps_loses_to_one_within_them():
     """The host start puts every input on the host and its greedy takes no change that holds more, so it can end over
     the host memory the states leave the activations while computing less: the device start's choice, within them,
