@@ -196,15 +196,38 @@ def _with_choices(
     out = []
     for plan in plans:
         try:
-            caps = activation_host_caps(plan, budget)
-            chosen, _ = with_activations(plan, profile, topo, memory, host_caps=caps, tiers=tiers)
-            out.append(_gpu_states_if_faster(_shared([chosen], topo, budget)[0], profile, topo, memory, budget, tiers))
+            chosen = _best_choice(plan, profile, topo, memory, budget, tiers)
+            out.append(_gpu_states_if_faster(chosen, profile, topo, memory, budget, tiers))
         except ValueError as e:  # PlanInfeasibleError (the states) too
             errors.append(e)
             continue
         if not every:
             break
     return out
+
+
+def _best_choice(
+    plan: Plan, profile: Profile, topo: Topology, memory: int, budget: HostBudget, tiers: tuple[str, ...]
+) -> Plan:
+    """The plan with the activation choice from each start (every input on the device; on the host), its states
+    placed and its step predicted, that predicts the shortest step: a start whose choice holds more in host memory
+    than the states leave may still win once the placement has made room (the states to the SSD). ValueError: the
+    first start's when none fits."""
+    caps = activation_host_caps(plan, budget)
+    best, error = None, None
+    for start in ("device", "host"):
+        try:
+            chosen, _ = with_activations(plan, profile, topo, memory, host_caps=caps, tiers=tiers, starts=(start,))
+            placed = _shared([chosen], topo, budget)[0]
+        except ValueError as e:
+            error = error or e
+            continue
+        if best is None or placed.predicted_step_time_s < best.predicted_step_time_s:
+            best = placed
+    if best is None:
+        assert error is not None
+        raise error
+    return best
 
 
 def _gpu_states_if_faster(

@@ -16,7 +16,7 @@ from partition.report.compare import compare, compare_json, compare_text
 from partition.report.explain import explain_json, explain_lines
 from partition.report.plan_view import plan_to_json, render_plan
 from partition.report.trace import svg_timeline
-from partition.rules.activation_choice import with_activations
+from partition.rules.activation_choice import Choice, with_activations
 from partition.rules.tiers import HostBudget, activation_host_caps, host_budget
 from partition.search import make_plan, predict_step
 from partition.spec.analytic import analytic_profile, dtype_bytes
@@ -285,6 +285,22 @@ def activation_tiers_of(args: argparse.Namespace) -> tuple[str, ...]:
     return tiers
 
 
+def _explained(plan: Plan, profile: Profile, topo: Topology, caps: list[int], tiers: tuple[str, ...]) -> Choice:
+    """The activation choice of the plan, weighed option by option: made again from the start the plan's came from
+    (make_plan keeps the start whose placed plan predicts the shorter step; the plan does not record which)."""
+    chosen = [(s.activations, s.activation_tier) for s in plan.stages]
+    first = None
+    for start in ("device", "host"):
+        choice = with_activations(
+            plan, profile, topo, plan.gpu_memory_bytes, explain=True, host_caps=caps, tiers=tiers, starts=(start,)
+        )[1]
+        if [(p.mode, p.tier) for p in choice.policies] == chosen:
+            return choice
+        first = first or choice
+    assert first is not None
+    return first
+
+
 def _given_profile(path: str, spec: ModelSpec) -> Profile:
     """The profile file at `path`, which must be one of --model's: its model name and its layer count."""
     profile = load_profile(path)
@@ -367,9 +383,7 @@ def run(args: argparse.Namespace, out) -> int:
         try:
             caps = activation_host_caps(plan, budget)
             tiers = activation_tiers_of(args)
-            choice = with_activations(
-                plan, profile, topo, plan.gpu_memory_bytes, explain=True, host_caps=caps, tiers=tiers
-            )[1]
+            choice = _explained(plan, profile, topo, caps, tiers)
             doc["explain"], lines = explain_json(choice), explain_lines(plan, choice)
         except ValueError as e:  # the walk does not fit even recomputing: the plan keeps the memory rule's cut
             doc["explain"], lines = [], [f"activations: no choice: {e}; every stage recomputes"]

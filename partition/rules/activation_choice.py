@@ -197,16 +197,17 @@ def with_activations(
     modes: dict[str, tuple[str, ...]] | None = None,
     host_caps: list[int] | None = None,
     tiers: tuple[str, ...] = ("host",),
+    starts: tuple[str, ...] | None = None,
 ) -> tuple[Plan, Choice]:
     """The plan with each stage's chosen policy recorded (activations, kept_layers, activation_tier,
     held_bytes, recompute_s, work_bytes), and the choice (with explain: every option weighed); modes: the
     modes each tier may run, default what the runtime runs on topo ({"device": ("keep",)} with a large budget:
     the plan as it would be keeping every stage's activations, its walk in planned_device_bytes); host_caps:
     per gpu, the host memory its stages' host tier may hold (partition.rules.tiers.activation_host_caps); tiers:
-    the tiers off the device the run offers (runtime_links)."""
+    the tiers off the device the run offers (runtime_links); starts: choose_activations'."""
     links, runs, standin = runtime_links(topo, tiers)
     choice = choose_activations(
-        plan, profile, budget_bytes, links, standin, runs if modes is None else modes, explain, host_caps
+        plan, profile, budget_bytes, links, standin, runs if modes is None else modes, explain, host_caps, starts
     )
     stages = tuple(
         dataclasses.replace(
@@ -233,13 +234,15 @@ def choose_activations(
     modes: dict[str, tuple[str, ...]] | None = None,
     explain: bool = True,
     host_caps: list[int] | None = None,
+    starts: tuple[str, ...] | None = None,
 ) -> Choice:
     """Each stage's policy under budget_bytes per gpu; links: the tiers the runtime may use, each with its
     bandwidth from the device (None for "device"); modes: the modes each tier may run (default all);
     explain: weigh every option against the choice (Choice.considered; one walk per option); host_caps: per
     gpu, the host bytes M H_j of its host-tier stages may take (None: unlimited; the start, which must fit
-    the device, may exceed it: the tiers' placement then moves states to the SSD or names the shortfall).
-    ValueError when even moving every held byte off the device does not fit."""
+    the device, may exceed it: the tiers' placement then moves states to the SSD or names the shortfall); starts:
+    the tiers whose every-input start the choice begins from (_best_start; default the device, and the host where
+    it is offered). ValueError when even moving every held byte off the device does not fit."""
     arr, m = LayerArrays.of(profile), plan.num_microbatches
     walker = _Walker(plan, standin, host_caps)
     last = plan.num_stages - 1
@@ -253,7 +256,8 @@ def choose_activations(
         ]
         for j, s in enumerate(plan.stages)
     ]
-    costs = _best_start(walker, opts, budget_bytes, ("device", "host") if "host" in links else ("device",))
+    homes = starts or (("device", "host") if "host" in links else ("device",))
+    costs = _best_start(walker, opts, budget_bytes, homes)
     peaks = walker.peaks(costs)
     weighed = _weigh(walker, plan, opts, costs, budget_bytes) if explain else []
     return Choice(tuple(costs), tuple(peaks), tuple(weighed))
