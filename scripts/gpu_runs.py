@@ -174,9 +174,7 @@ def pipeline_run(
         run.pinned_bytes = pipe.engine.device.pinned_bytes
         as_run = plan_as_run(pipe.plan, pipe.activations, swap_tiers(pipe.plan, memory, pipe.activations))
         cuda = torch.cuda.is_available()
-        run.planned_bytes = planned_device_bytes(as_run if not cuda else pipe.plan, not cuda, sends_until_flush=False)[
-            0
-        ]
+        run.planned_bytes = planned_device_bytes(as_run, not cuda, sends_until_flush=False)[0]
     if torch.cuda.is_available():
         run.peak_bytes = torch.cuda.max_memory_allocated()
         run.reserved_bytes = torch.cuda.max_memory_reserved()

@@ -22,7 +22,8 @@ def gpu_tests(add: Callable[..., None], limit_s: float, cuda: bool, log: Path) -
     limit = limit_s - 10
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(limit, 1), cwd=ROOT)
-    except subprocess.TimeoutExpired as e:
+    except subprocess.TimeoutExpired as e:  # a hang is when its output matters most
+        log.write_text(_text(e.stdout) + _text(e.stderr))
         add("gpu-marked tests", False, f"not finished in {limit:.0f} s: {_last_line(e.stdout)}"[:90], "pass")
         return
     log.write_text(proc.stdout + proc.stderr)
@@ -40,7 +41,11 @@ def failed_tests(out: str) -> list[str]:
     ]
 
 
+def _text(out: str | bytes | None) -> str:
+    """A subprocess's output as text (a timed-out one's comes as bytes, or None)."""
+    return out.decode(errors="replace") if isinstance(out, bytes) else out or ""
+
+
 def _last_line(out: str | bytes | None) -> str:
     """A subprocess's last line of output."""
-    text = out.decode(errors="replace") if isinstance(out, bytes) else out or ""
-    return (text.strip().splitlines() or ["no output"])[-1]
+    return (_text(out).strip().splitlines() or ["no output"])[-1]

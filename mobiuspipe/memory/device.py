@@ -210,7 +210,7 @@ class Device:
     def page_locked(self, t: torch.Tensor) -> bool:
         """Whether host tensor t lies in a buffer this Device page-locked (host_empty's, pin's: torch's is_pinned()
         answers False for them) or, on CUDA, in a block of torch's pinned allocator."""
-        return self._pinned.holds(t) or (self.is_cuda and t.is_pinned())
+        return self._pinned.covers(t) or (self.is_cuda and t.is_pinned())
 
     def _host_mark(self, t: torch.Tensor) -> torch.Tensor:
         return on_host(t) if self._marks else t
@@ -257,7 +257,7 @@ class Device:
         """t, which lies in this gpu's memory (the stand-in: marked as its memory under strict mode)."""
         return on_gpu(t, self.index) if self._marks else t
 
-    def holds(self, t: torch.Tensor) -> bool:
+    def in_memory(self, t: torch.Tensor) -> bool:
         """Whether t lies in this gpu's memory: on CUDA, a tensor of this gpu; on the stand-in, one not marked as
         host memory or another gpu's (unmarked tensors count as the gpu's: the lax stand-in marks nothing)."""
         if self.is_cuda:

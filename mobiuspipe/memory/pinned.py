@@ -54,7 +54,7 @@ class PinnedBlocks:
         self._blocks.append((buf, buf.data_ptr()))
         return buf
 
-    def holds(self, t: torch.Tensor) -> bool:
+    def covers(self, t: torch.Tensor) -> bool:
         """Whether t's bytes lie in one buffer registered now (torch's is_pinned() cannot tell: it asks CUDA about
         the start of t's storage, which aligned_empty takes larger than the aligned bytes registered)."""
         start = t.data_ptr()

@@ -228,7 +228,7 @@ class Compute:
         self._put_output(j, i, stage, h)
         self.state.times.compute_s += sw.s
         if j in self.swaps:  # to its tier on the copy stream; the device tensors live until SWAP_OUT
-            spans, kept.swapped = spans_out(kept.held, set(stage.buffer_bytes()), self.device.holds)
+            spans, kept.swapped = spans_out(kept.held, set(stage.buffer_bytes()), self.device.in_memory)
             self.swaps[j].start_out((j, i), spans)
 
     def bwd(self, a: Action) -> None:

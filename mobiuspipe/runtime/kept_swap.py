@@ -53,7 +53,7 @@ def spans_out(
 ) -> tuple[list[torch.Tensor], Layout]:
     """The uint8 spans (views of the held tensors' storages) to swap out, and their Layout. stays: the data
     pointers of storages that stay on the device (the stage's buffers); on_device: whether a tensor lies in the
-    gpu's memory (Device.holds: the others are host tensors, which stay)."""
+    gpu's memory (Device.in_memory: the others are host tensors, which stay)."""
     groups: dict[int, list[Held]] = {}
     for h in held:
         t = h.t

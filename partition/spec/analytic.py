@@ -144,7 +144,7 @@ RNG_STATE_BYTES = 24
 """R of the legend: what SDPA's half-precision kernels on a gpu keep of the random generator's state for backward,
 dropout or not, as the seed and offset they return: torch's flash kernel a two-element uint64 state and an unused
 uint64 scalar on the gpu (24 bytes; gpu_check's HF rows on an H200, torch 2.11: bf16 GPT-2 and Llama blocks kept
-1.000003 and 1.000004 of a count without it, 23 and 24 bytes), cuDNN's two one-element int64 tensors (16). fp32's
+1.000003 and 1.000004 of a count without it, 19-27 and 20-25 bytes), cuDNN's two one-element int64 tensors (16). fp32's
 memory-efficient kernel keeps them on the host."""
 
 

@@ -52,7 +52,8 @@ def test_cuda_uploads_a_large_pageable_tensor_without_torchs_pinned_cache():
 # cudaHostRegister locks the buffer's aligned bytes, which start past the start of the storage aligned_empty takes;
 # torch's is_pinned() asks CUDA about the storage's start, so it answers False for every one of them (seen on an
 # H200, torch 2.11). Taken for pageable, such a buffer was copied through torch's pinned allocator (a block of up to
-# twice its size kept in its cache), and during a span with the host waiting (a tied embedding's gradient).
+# twice its size kept in its cache), and during a span with the host waiting (no upload a run makes hands it one
+# today: the groundwork for those that will).
 def _routes(monkeypatch) -> list[str]:
     from mobiuspipe.memory import device as device_module
 

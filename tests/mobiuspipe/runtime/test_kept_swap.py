@@ -45,7 +45,7 @@ def test_spans_come_back_as_the_same_tensors(seed):
     for h in held:
         ledger.hold(h.key, h.t)  # type: ignore[arg-type]
     device = Device(use_cuda=False)
-    spans, layout = spans_out(held, {buffer.untyped_storage().data_ptr()}, device.holds)
+    spans, layout = spans_out(held, {buffer.untyped_storage().data_ptr()}, device.in_memory)
     assert len(spans) == 3  # base, qkv (three views and a reinterpretation), ints; the buffer stays
     assert sum(s.numel() for s in spans) <= 7 * 13 * 4 + 3 * 5 * 11 * 4 + 9 * 8
     swap = HostSwap(device)
@@ -67,7 +67,7 @@ def test_spans_come_back_as_the_same_tensors(seed):
 
 def test_rebuild_refuses_the_wrong_number_of_spans():
     held, _ = _held(3)
-    spans, layout = spans_out(held, set(), Device(use_cuda=False).holds)
+    spans, layout = spans_out(held, set(), Device(use_cuda=False).in_memory)
     with pytest.raises(RuntimeError, match="2 spans came back from the swap tier; 4 went out"):
         rebuild(layout, spans[:2])
 
@@ -82,6 +82,7 @@ def test_a_held_tensor_in_host_memory_stays_where_it_is():
     x, seed = on_gpu(torch.randn(64), 0), on_host(torch.tensor(7))
     held = [Held(("kept", 0, 0, 0, 0), x), Held(("kept", 0, 0, 0, 1), seed)]
     device = Device(0, use_cuda=False)
-    assert [device.holds(t) for t in (x, seed, on_gpu(torch.ones(2), 1), torch.ones(2))] == [True, False, False, True]
-    spans, layout = spans_out(held, set(), device.holds)
+    other, unmarked = on_gpu(torch.ones(2), 1), torch.ones(2)
+    assert [device.in_memory(t) for t in (x, seed, other, unmarked)] == [True, False, False, True]
+    spans, layout = spans_out(held, set(), device.in_memory)
     assert len(spans) == 1 and [m.held for m in layout.members] == [held[0]]
