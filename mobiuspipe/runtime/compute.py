@@ -60,8 +60,9 @@ class StepState:
     """Everything one step of one rank holds between its actions."""
 
     step: int
-    xs: tuple[torch.Tensor, ...]
-    """Each microbatch's input: on the device on the rank of stage 0 (Compute.device_inputs), else unused."""
+    xs: list[torch.Tensor | None]
+    """Each microbatch's input: on the device on the rank of stage 0 (Compute.device_inputs), each taken (None) by its
+    forward so that nothing here keeps it past the stage's own hold; else unused."""
     ys: tuple[torch.Tensor, ...]
     specs: dict[MessageKey, TensorSpec]
     """Shapes of the messages this rank receives for this batch shape (filled on its first step)."""
@@ -134,7 +135,7 @@ class Compute:
         self.stages, self.parts, self.swaps = stages, parts, swaps
         self.device, self.arena, self.ledger, self.loss_fn = device, arena, ledger, loss_fn
         self.num_microbatches, self.dtype, self.last = num_microbatches, dtype, last
-        self.state = StepState(0, (), (), {}, False)
+        self.state = StepState(0, [], (), {}, False)
         self.options = StepOptions(step=0)
 
     def begin(self, state: StepState, options: StepOptions) -> None:
@@ -159,7 +160,9 @@ class Compute:
         """Stage j's input for microbatch i on the device, held in the ledger as ("inputs", j, i) (stage 0's since
         the step's start: device_inputs)."""
         if j == 0:
-            return self.state.xs[i]
+            x, self.state.xs[i] = self.state.xs[i], None
+            assert x is not None, f"stage 0's input of microbatch {i} was taken already"
+            return x
         x = self._take((Kind.RECV_ACT, j, i))
         self.ledger.hold(("inputs", j, i), x)
         return x

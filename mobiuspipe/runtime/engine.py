@@ -192,7 +192,8 @@ class Engine:
         m = self.num_microbatches
         xs = self.compute.device_inputs(x.chunk(m)) if 0 in self.stages else x.chunk(m)
         ys = self.device.pinned_batch(y.chunk(m)) if self.last in self.stages else y.chunk(m)
-        self.state = StepState(step, xs, ys, specs, learning)
+        self.state = StepState(step, list(xs), ys, specs, learning)
+        del xs  # the state's list alone refers to them: its forward takes each
         self.compute.begin(self.state, options)
         if not options.accumulate:  # the step's first pass
             self._passes = []

@@ -6,7 +6,6 @@ the stand-in as the route Device.to_device takes (PIN_COPY_LIMIT set to 0: every
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from mobiuspipe.data.dataset import open_data
@@ -29,7 +28,6 @@ def test_a_steps_batch_uploads_never_wait_whatever_their_size(monkeypatch):
     assert routes and set(routes) == {"pin"}, routes
 
 
-@pytest.mark.xfail(strict=True, reason="the pass's state keeps every microbatch's device input: fixed next")
 def test_stage_0s_device_inputs_are_let_go_once_used(monkeypatch):
     """Stage 0's inputs go to the device at the pass's start; the walk and the ledger let each go at its forward (or
     at its backward, where the stage keeps it to recompute from), but the pass's state kept every one referenced
