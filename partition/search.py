@@ -241,10 +241,8 @@ def _gpu_states_if_faster(
     if not reserve or states_fit_gpus(plan) or True not in (budget.run.gpu_states if budget.run else (True,)):
         # predict_step has weighed the gpu tier already, or the run keeps its states off the gpus
         return plan
-    caps = activation_host_caps(plan, budget)
     try:
-        lean, _ = with_activations(plan, profile, topo, memory - reserve, host_caps=caps, tiers=tiers)
-        lean = _shared([lean], topo, budget)[0]
+        lean = _best_choice(plan, profile, topo, memory - reserve, budget, tiers)
     except ValueError:  # no choice fits the smaller memory
         return plan
     return lean if lean.predicted_step_time_s < plan.predicted_step_time_s else plan
