@@ -425,10 +425,12 @@ def lora_runs(
     return got, want
 
 
-def hf_kept(device: torch.device, folder: Path) -> list[tuple[str, float]]:
+def hf_kept(device: torch.device, folder: Path) -> list[tuple[str, float, float | None]]:
     """What small random GPT-2 (its default dropouts) and Llama (grouped queries) layers keep for backward on
     `device` (measure_layers: saved-tensor hooks) over what the analytic profile counts, the most of any layer, for
-    bf16 and fp32: [(name, ratio)]; at most 1 where the count holds on this device's kernels."""
+    bf16 and fp32, and likewise the transients their backward allocates beyond it (X_l: the allocator's peak, on
+    CUDA; None on the stand-in, which measures none): [(name, kept ratio, transients ratio)]; each at most 1 where
+    the count holds on this device's kernels."""
     from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
     from mobiuspipe.models.hf import layer_factories as hf_factories
@@ -457,8 +459,10 @@ def hf_kept(device: torch.device, folder: Path) -> list[tuple[str, float]]:
             measured = measure_profile(layers, x, device=device, loss_fn=loss, warmup=0, min_repeats=1, max_repeats=1,
                                        **kw)  # fmt: skip
             counted = analytic_profile(m.spec, spec_device, microbatch_size=b, dtype=dtype)
-            ratios = [g.activation_bytes / c.activation_bytes for g, c in zip(measured.layers, counted.layers) if c]
-            out.append((f"{kind} {dtype}", max(ratios)))
+            pairs = list(zip(measured.layers, counted.layers))
+            kept = max(g.activation_bytes / c.activation_bytes for g, c in pairs if c.activation_bytes)
+            spent = max(g.workspace_bytes / c.workspace_bytes for g, c in pairs) if cuda else None
+            out.append((f"{kind} {dtype}", kept, spent))
     return out
 
 

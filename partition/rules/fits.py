@@ -1,6 +1,7 @@
 """Whether any plan can fit the usable gpu memory G at all (a layer alone, a cut into S stages), and what to say when
 none can: the figures of the memory rule (partition.rules.costmodel: W slots + gradient slot + A_j <= G) and what G is
-net of (the largest layer's workspace X, the layers' buffers V a gpu keeps)."""
+net of (the largest layer's transients X with the math libraries' workspaces W, the layers' buffers V a gpu
+keeps)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ __all__ = ["check_layers_fit", "infeasible_stages"]
 
 
 def check_layers_fit(arr: LayerArrays, profile: Profile, memory: int, buffers: int) -> None:
-    """PlanInfeasibleError naming the first layer that no stage holding it can fit in `memory` (G: net of X and of
-    `buffers`, the layers' buffers held apart on every gpu)."""
+    """PlanInfeasibleError naming the first layer that no stage holding it can fit in `memory` (G: net of X + W and
+    of `buffers`, the layers' buffers held apart on every gpu)."""
     for l, layer in enumerate(profile.layers):
         need = arena_bytes(arr.params(l, l), arr.grads(l, l)) + arr.activations(l, l)
         if need > memory and not _fits_in_some_stage(arr, l, memory):
@@ -42,8 +43,8 @@ def _fits_in_some_stage(arr: LayerArrays, l: int, memory: int) -> bool:
 def infeasible_stages(
     num_stages: int | None, arr: LayerArrays, memory: int, workspace: int, buffers: int
 ) -> PlanInfeasibleError:
-    """The error when no cut into `num_stages` stages (None: any count) fits `memory`, net of `workspace` (X) and
-    `buffers` (V held apart)."""
+    """The error when no cut into `num_stages` stages (None: any count) fits `memory`, net of `workspace` (X + W)
+    and `buffers` (V held apart)."""
     p = arr.params(0, arr.num_layers - 1)
     return PlanInfeasibleError(
         f"no cut of the {arr.num_layers} layers into {num_stages or 'any number of'} stages fits: the model has "
@@ -54,10 +55,13 @@ def infeasible_stages(
 
 
 def _net_of(workspace: int, buffers: int) -> str:
-    """The note that the usable memory is net of the profile's largest workspace X and of the layers' buffers a gpu
-    keeps (none when both are 0)."""
+    """The note that the usable memory is net of the profile's X + W (Profile.workspace_bytes) and of the layers'
+    buffers a gpu keeps (none when both are 0)."""
     parts = (
-        [f"the {workspace / GiB:.2f} GiB the largest layer's backward holds beyond its activations"]
+        [
+            f"the {workspace / GiB:.2f} GiB the largest layer's backward holds beyond its activations and the math "
+            "libraries' workspaces hold"
+        ]
         if workspace
         else []
     )

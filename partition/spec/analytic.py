@@ -80,9 +80,37 @@ dropout the dropped inputs and their masks, less what a frozen base does not kee
 that no adapter or other op keeps, its RMSNorms' normalized values); the embedding, frozen, keeps nothing.
 With the base quantized (`frozen`: partition.spec.lora.frozen_layers), its items and bytes are those of the codes and
 scales (about 1 byte per weight of each linear layer in int8, 0.52 in NF4); its FLOPs are unchanged (the
-dequantized weight computes as the dense one; the dequantization's own work is left out); workspace_bytes (X_l) is
+dequantized weight computes as the dense one; the dequantization's own work is left out); workspace_bytes (X_l) gains
 what dequantizing the layer's largest weight allocates (partition.spec.lora.dequantized_bytes: the weight in the
-dtype, and NF4's chunk of temporaries). Elsewhere X_l = 0.
+dtype, and NF4's chunk of temporaries).
+On a device whose memory holds transients (DeviceSpec.transients: a gpu; not the CPU stand-in, whose ledger counts
+none), workspace_bytes (X_l) is what the layer's backward allocates beyond what its forward kept, at its most (the
+gradients of its intermediates and of its input, a weight's gradient before it is added into the gradient slot);
+r = 1 if the layer's weights train, 0 where they are frozen (LoRA's base); over the layer's linear layers
+(in_L -> out_L: partition.spec.lora.block_linears):
+  embedding  r*e*max(V*h, s*h + P*h)                       (the token table's dense gradient, or before it a gpt's
+                                                              position gradient summed over the microbatch and the
+                                                              position table's; P its rows, a llama none)
+             + r*(4*h + 64)*t where t > 3072                (CUDA's kernel past 3,072 ids sorts them and sums each
+                                                              run of equal ids in fp32 first: torch's
+                                                              embedding_dense_backward_cuda, read, not measured)
+  block      e * max( max_L (t*in_L + r*in_L*out_L + out_L),  (a linear's input and weight gradients and its bias's,
+                                                              at the widest input: the MLP's down projection)
+                      g*t*f )                               (the MLP's activation backward: g = 1 for a gpt whose
+                                                              activation keeps its input alone (torch's gelu: the
+                                                              down projection's kept input, freed by then, makes
+                                                              room), 2 for relu (its kept output is that input),
+                                                              gpt2's gelu_new (a chain of elementwise ops) and a
+                                                              llama's SwiGLU; one more when frozen, but for relu: a
+                                                              frozen down projection keeps no input to free)
+  head       max( 8*t*V, e*(t*h + r*h*V) )                  (the loss's two fp32 t x V gradients, of log-softmax's
+                                                              output and input; then the logits' input and weight
+                                                              gradients, the kept log-softmax freed)
+checked tensor by tensor against the built-in GPT and transformers' GPT-2 and Llama layers, trained and frozen
+(tests/mobiuspipe/profiling/test_transients.py, every op's outputs alive at once on the CPU). What a CUDA kernel
+allocates inside itself (flash attention's fp32 gradient accumulator) comes while the MLP's kept tensors are
+already freed, more than it. Profile.library_bytes (W) is the device's DeviceSpec.library_bytes. Elsewhere X_l is
+the dequantization's alone, and W = 0.
 LayerNorm, RMSNorm, SiLU/GELU and bias FLOPs are left out (under 1% of a block for h >= 512). mobiuspipe runs every
 model's attention through SDPA (the built-in GPT, and the Hugging Face layers through mobiuspipe.models.hf's
 attention function).
@@ -94,7 +122,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from partition.spec.hardware import MFU_DEFAULT, DeviceSpec
-from partition.spec.lora import FrozenBase
+from partition.spec.lora import FrozenBase, block_linears
 from partition.spec.models import ACTIVATIONS, ModelSpec, block_matmul_params, layer_param_counts
 from partition.spec.profile import LayerProfile, Profile
 
@@ -185,6 +213,27 @@ def _embedding_act(spec: ModelSpec, e: int, s: int, b: int, m: int) -> int:
     return TOKEN_BYTES * s * (b + 1) + (s * b * m * spec.d_model if spec.embd_dropout > 0 else 0)
 
 
+SORTED_IDS = 3072
+"""Past this many ids a microbatch's embedding gradient takes CUDA's sorted path (torch's Embedding.cu)."""
+
+
+def _block_transients(spec: ModelSpec, e: int, t: int, trains: bool) -> int:
+    """A block's X_l for t tokens (the legend)."""
+    r = 1 if trains else 0
+    linear = max(t * x.in_features + r * x.in_features * x.out_features + x.out_features for x in block_linears(spec))
+    p = ACTIVATIONS[spec.act]
+    g = (1 if spec.family == "gpt" and p == 1 else 2) + (1 - r if p > 0 else 0)
+    return e * max(linear, g * t * spec.ffn)
+
+
+def _transients(spec: ModelSpec, e: int, t: int, trains: bool) -> tuple[int, int, int]:
+    """X_l of the embedding, a block and the head for t tokens, their weights trained or frozen (the legend)."""
+    h, v, r = spec.d_model, spec.vocab_size, 1 if trains else 0
+    positions = 0 if spec.family == "llama" else spec.seq_len * h + (spec.positions or spec.seq_len) * h
+    embedding = r * (e * max(v * h, positions) + ((4 * h + 64) * t if t > SORTED_IDS else 0))
+    return embedding, _block_transients(spec, e, t, trains), max(8 * t * v, e * (t * h + r * h * v))
+
+
 def _with_adapters(
     x: LayerProfile, a: int, kept: int, e: int, tokens: int, rate: float, call_s: float, base: tuple[int, int, int]
 ) -> LayerProfile:
@@ -199,7 +248,7 @@ def _with_adapters(
         param_bytes=nbytes + a * e,
         trainable_count=a,
         activation_bytes=x.activation_bytes + tokens * kept,
-        workspace_bytes=dequantized,
+        workspace_bytes=x.workspace_bytes + dequantized,
         fwd_flops=fwd,
         bwd_flops=bwd,
         fwd_s=fwd / rate + call_s,
@@ -236,6 +285,10 @@ def analytic_profile(
     head_act = s * b * (_norm_bytes(spec, e) + 4 * v + TOKEN_BYTES) + 4
     head = _layer("head", counts[-1], e, head_act, s * b * v * e, float(2 * b * s * h * v), rate, c)
     layers = (embedding, *blocks, head)
+    if device.transients:
+        xs = _transients(spec, e, s * b, trains=adapters is None)
+        x_of = [xs[0]] + [xs[1]] * len(blocks) + [xs[2]]
+        layers = tuple(replace(x, workspace_bytes=n) for x, n in zip(layers, x_of))
     if adapters is not None:
         if len(adapters) != len(layers):
             raise ValueError(f"adapters: expected a count for each of the {len(layers)} layers, found {len(adapters)}")
@@ -257,4 +310,5 @@ def analytic_profile(
         layers=layers,
         input_bytes=TOKEN_BYTES * s * b,
         target_bytes=TOKEN_BYTES * s * b,
+        library_bytes=device.library_bytes,
     )

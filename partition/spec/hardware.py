@@ -27,10 +27,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from types import MappingProxyType
 
-from foundation.units import GiB
+from foundation.units import GiB, MiB
 from topology import Topology
 
-__all__ = ["DEVICES", "DeviceSpec", "MFU_DEFAULT", "device_spec", "gpu_spec", "topology_gpu_spec"]
+__all__ = ["DEVICES", "DeviceSpec", "LIBRARY_BYTES", "MFU_DEFAULT", "device_spec", "gpu_spec", "topology_gpu_spec"]
 
 MFU_DEFAULT = 0.5
 """Model FLOPs utilization: the fraction of peak_tflops a well-fed layer (large matmuls, microbatch
@@ -44,6 +44,12 @@ STANDIN_FORWARD_CALL_S = 330e-6
 """A CPU stand-in's forward_call_s: the tiny GPT of scripts/run.sh (d_model 64), traced by
 scripts/bench_standin_plans.py on this project's 2-core VM, took 309-341 us more per layer forward than a linear
 fit of its microbatch size predicts (BENCHMARKS.md)."""
+
+LIBRARY_BYTES = 65 * MiB
+"""A gpu's W (partition.spec.profile's library_bytes) where no profile measured it: what cuBLAS and cuBLASLt keep
+for the compute stream, measured on an H200 with torch 2.11 (gpu_check, 2026-11-29: 65.0 MiB; torch's default
+workspaces on Hopper are 32 MiB each, cuBLASLt's apart from cuBLAS's). Other gpus' defaults are smaller (cuBLAS's
+8.125 MiB before Hopper), so it bounds them [bytes]."""
 
 
 @dataclass(frozen=True)
@@ -72,10 +78,19 @@ class DeviceSpec:
     mask. False (the CPU stand-in): F.dropout multiplies by a noise tensor in the activations' dtype, which it keeps,
     and attention with dropout runs the math kernel, which keeps the (b, a, s, s) probabilities (the CPU's flash
     kernel takes no dropout)."""
+    transients: bool = True
+    """The device's memory holds what a computing layer allocates beyond its kept activations (its X_l: gradients
+    of its intermediates, a weight's gradient before it is added in), which a plan holds apart. False: the CPU
+    stand-in, whose ledger counts no transients."""
+    library_bytes: int = LIBRARY_BYTES
+    """W: what the math libraries keep on the device for the compute stream (LIBRARY_BYTES; 0 on the stand-in)
+    [bytes]."""
 
     def __post_init__(self) -> None:
         if not self.fp32_tflops >= 0:
             raise ValueError(f"device {self.name!r}: fp32_tflops must be >= 0 (0: unknown), found {self.fp32_tflops}")
+        if self.library_bytes < 0:
+            raise ValueError(f"device {self.name!r}: library_bytes must be >= 0, found {self.library_bytes}")
         if not self.peak_tflops > 0 or not self.pcie_gbps > 0 or self.memory_bytes < 0 or not self.forward_call_s >= 0:
             raise ValueError(
                 f"device {self.name!r}: need peak_tflops > 0, pcie_gbps > 0, memory_bytes >= 0 and forward_call_s "
@@ -114,7 +129,9 @@ _TABLE = (
     # A CPU pretending to be a GPU (CI, laptops): ~50 GFLOPS of fp32 matmul on a few cores; its memory
     # budget comes from the topology (the stand-in's arena), its "link" is a memcpy. Each layer's forward costs
     # STANDIN_FORWARD_CALL_S beyond its FLOPs.
-    DeviceSpec("cpu-standin", 0.05, 0, 10.0, STANDIN_FORWARD_CALL_S, fused_dropout=False),
+    DeviceSpec(
+        "cpu-standin", 0.05, 0, 10.0, STANDIN_FORWARD_CALL_S, fused_dropout=False, transients=False, library_bytes=0
+    ),
 )
 
 DEVICES: MappingProxyType[str, DeviceSpec] = MappingProxyType({d.name: d for d in _TABLE})
