@@ -23,7 +23,7 @@ from partition.rules.placement import HostCopies
 from partition.rules.tiers import HostBudget, RunMemory
 from partition.search import plan_batch
 from partition.spec.analytic import analytic_profile, dtype_bytes
-from partition.spec.hardware import device_spec, topology_gpu_spec
+from partition.spec.hardware import LIBRARY_BYTES, device_spec, topology_gpu_spec
 from partition.spec.lora import FrozenBase, frozen_layers
 from partition.spec.models import ModelSpec, layer_param_counts
 from partition.spec.profile import Profile
@@ -42,6 +42,7 @@ __all__ = [
     "run_topology",
     "num_ranks",
     "gpt_profile",
+    "run_library_bytes",
     "adapters",
     "frozen_base",
 ]
@@ -152,8 +153,9 @@ def plan_from_config(
     passes its --solver, --profile, --time-limit, --gap and --reserve-gib and writes the result for plan.file.
     hosts: the machines the job spans (`mobiuspipe train --nnodes`; activation_tiers)."""
     topo = run_topology(cfg)
+    given = None if profile is None else run_library_bytes(cfg, profile)
     return plan_batch(
-        lambda size: gpt_profile(cfg, size) if profile is None else profile,
+        lambda size: gpt_profile(cfg, size) if given is None else given,
         cfg.data.batch_size,
         topo,
         cfg.data.num_microbatches if profile is None else profile_count(cfg, profile),
@@ -165,6 +167,16 @@ def plan_from_config(
         host_budget=run_budget(cfg),
         activation_tiers=activation_tiers(cfg, hosts),
     )
+
+
+def run_library_bytes(cfg: RunConfig, profile: Profile) -> Profile:
+    """`profile` with W (Profile.library_bytes) as the run's math libraries will hold it: runtime.deterministic gives
+    cuBLAS a 32 MiB workspace (CUBLAS_WORKSPACE_CONFIG=:4096:8), which a profile measured without it did not have
+    (torch's default before Hopper is 8.125 MiB), so W is at least LIBRARY_BYTES (65 MiB: two 32 MiB workspaces,
+    cuBLAS's and cuBLASLt's, as the H200 measured). A profile with no W (measured on the stand-in) is left alone."""
+    if not (cfg.runtime.deterministic and 0 < profile.library_bytes < LIBRARY_BYTES):
+        return profile
+    return dataclasses.replace(profile, library_bytes=LIBRARY_BYTES)
 
 
 def profile_count(cfg: RunConfig, profile: Profile) -> int:

@@ -237,3 +237,23 @@ def test_the_python_api_and_a_config_run_plan_stand_ins_with_the_same_message_co
     info = RankInfo(rank=0, world_size=2, local_rank=0, under_torchrun=False)
     from_api = api_plan._topology(None, info, torch.device("cpu"))
     assert from_api.measured == run_topology(_cfg()).measured == STANDIN_MESSAGES
+
+
+def test_a_deterministic_run_holds_apart_the_workspaces_it_sets_beyond_what_its_profile_measured():
+    """runtime.deterministic gives cuBLAS 32 MiB workspaces; a profile measured without it (8.125 MiB each before
+    Hopper) held W for those: the plan holds LIBRARY_BYTES apart instead. More measured stays; the stand-in's 0 too."""
+    import dataclasses
+
+    from mobiuspipe.startup.config_plan import gpt_profile, run_library_bytes
+    from partition.spec.hardware import LIBRARY_BYTES
+
+    cfg = _cfg()
+    deterministic = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, deterministic=True))
+    base = gpt_profile(cfg)
+    measured = dataclasses.replace(base, library_bytes=17 * 2**20)
+    assert run_library_bytes(deterministic, measured).library_bytes == LIBRARY_BYTES
+    assert run_library_bytes(cfg, measured) is measured
+    more = dataclasses.replace(base, library_bytes=LIBRARY_BYTES + 1)
+    assert run_library_bytes(deterministic, more) is more
+    standin = dataclasses.replace(base, library_bytes=0)
+    assert run_library_bytes(deterministic, standin) is standin
