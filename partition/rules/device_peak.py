@@ -11,7 +11,8 @@ Legend (partition.rules.lifetimes has the walk's; units in brackets):
   H_j   bytes (j, i) keeps on the device from its forward to its backward                     [bytes]
   X     plan.workspace_bytes: what one computing layer holds beyond A_j (its intermediates'
         gradients, a weight's gradient before it is added into the slot) and the cuBLAS
-        workspaces of the compute stream (W, Profile.library_bytes), measured on CUDA           [bytes]
+        workspaces of the compute stream (W, Profile.library_bytes), measured on CUDA or counted
+        by the analytic profile for a gpu                                                     [bytes]
   D_g   the walk's peak on gpu g: the arena, the held inputs, the messages queued in and out, and
         the computing stage's A_j; plus the regions g gives its peers' parked activations
         (partition.rules.peer: R(g, h), held the whole run) and the states of its stages on the gpu tier

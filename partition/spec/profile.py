@@ -17,8 +17,8 @@ Symbols (per layer l, for ONE microbatch of `microbatch_size` sequences of `seq_
   X_l  workspace_bytes   the most bytes the layer's recompute and backward allocate beyond A_l and
                          O_l while they run: gradients of its intermediates, each weight's
                          gradient before it is added into the gradient slot (measured on CUDA by
-                         the allocator's peak; 0 where not measured: the CPU stand-in, whose
-                         ledger counts none, and the analytic profile)                        [bytes]
+                         the allocator's peak; counted by the analytic profile for a gpu; 0 on
+                         the CPU stand-in, whose ledger counts none)                          [bytes]
   V_l  buffer_bytes      the layer's buffers (a causal mask, a rotary table) as the run keeps them,
                          floating ones in the training dtype: its stage's gpu holds them the
                          whole run, outside the arena (0 in the analytic profile: the built-in
@@ -141,8 +141,8 @@ class Profile(_ProfilePart):
     """Bytes of one microbatch of the loss's targets; 0 in profiles written before profiles recorded it."""
     library_bytes: int = 0
     """W: the device memory the math libraries keep for a stream once it has run the layers (cuBLAS and cuBLASLt
-    workspaces, one set per stream; the runtime computes on its own stream), measured on CUDA; 0 on the stand-in
-    and in the analytic profile [bytes]."""
+    workspaces, one set per stream; the runtime computes on its own stream), measured on CUDA; the device's
+    DeviceSpec.library_bytes in the analytic profile; 0 on the stand-in [bytes]."""
 
     @property
     def num_layers(self) -> int:
