@@ -23,7 +23,7 @@ from partition.rules.placement import HostCopies
 from partition.rules.tiers import HostBudget, RunMemory
 from partition.search import plan_batch
 from partition.spec.analytic import analytic_profile, dtype_bytes
-from partition.spec.hardware import LIBRARY_BYTES, device_spec, topology_gpu_spec
+from partition.spec.hardware import LIBRARY_BYTES, topology_gpu_spec
 from partition.spec.lora import FrozenBase, frozen_layers
 from partition.spec.models import ModelSpec, layer_param_counts
 from partition.spec.profile import Profile
@@ -42,7 +42,7 @@ __all__ = [
     "run_topology",
     "num_ranks",
     "gpt_profile",
-    "run_library_bytes",
+    "with_run_library_bytes",
     "adapters",
     "frozen_base",
 ]
@@ -99,10 +99,7 @@ def gpt_profile(cfg: RunConfig, microbatch_size: int | None = None) -> Profile:
     table's figure for its name, or the matmul rate its probe measured) or the CPU stand-in, for microbatches of
     `microbatch_size` sequences (default: the config's; the whole batch when the planner chooses them,
     data.num_microbatches auto)."""
-    if torch.cuda.is_available():
-        device = topology_gpu_spec(run_topology(cfg))
-    else:
-        device = device_spec("cpu-standin")
+    device = topology_gpu_spec(run_topology(cfg))  # a gpu's for a server planned from a host without one too
     spec = model_spec(cfg)
     return analytic_profile(
         spec,
@@ -153,7 +150,7 @@ def plan_from_config(
     passes its --solver, --profile, --time-limit, --gap and --reserve-gib and writes the result for plan.file.
     hosts: the machines the job spans (`mobiuspipe train --nnodes`; activation_tiers)."""
     topo = run_topology(cfg)
-    given = None if profile is None else run_library_bytes(cfg, profile)
+    given = None if profile is None else with_run_library_bytes(cfg, profile)
     return plan_batch(
         lambda size: gpt_profile(cfg, size) if given is None else given,
         cfg.data.batch_size,
@@ -169,7 +166,7 @@ def plan_from_config(
     )
 
 
-def run_library_bytes(cfg: RunConfig, profile: Profile) -> Profile:
+def with_run_library_bytes(cfg: RunConfig, profile: Profile) -> Profile:
     """`profile` with W (Profile.library_bytes) as the run's math libraries will hold it: runtime.deterministic gives
     cuBLAS a 32 MiB workspace (CUBLAS_WORKSPACE_CONFIG=:4096:8), which a profile measured without it did not have
     (torch's default before Hopper is 8.125 MiB), so W is at least LIBRARY_BYTES (65 MiB: two 32 MiB workspaces,

@@ -65,6 +65,7 @@ def plan_to_json(plan: Plan, pred: Prediction | None = None) -> dict:
         "arena_bytes": plan.arena_bytes,
         "activation_bytes": plan.activation_bytes,
         "gpu_memory_bytes": plan.gpu_memory_bytes,
+        "workspace_bytes": plan.workspace_bytes,
         "buffer_bytes": plan.buffer_bytes,
         "solver": {
             "name": plan.solver.name,
@@ -128,10 +129,19 @@ def _header(plan: Plan) -> list[str]:
         f"predicted step time {p.predicted_step_time_s:.3f} s",
         f"memory per gpu: arena {fmt_bytes(p.arena_bytes)} ({p.arena_words()}) + activations "
         f"{fmt_bytes(p.activation_bytes)} = "
-        f"{fmt_bytes(p.arena_bytes + p.activation_bytes)} of {fmt_bytes(p.gpu_memory_bytes)} usable"
-        + (f" (the layers' buffers, {fmt_bytes(p.buffer_bytes)}, held apart)" if p.buffer_bytes else ""),
+        f"{fmt_bytes(p.arena_bytes + p.activation_bytes)} of {fmt_bytes(p.gpu_memory_bytes)} usable" + _held_apart(p),
         f"solver {s.name}: {s.status}, gap {s.gap:g}, {s.wall_s:.3f} s",
     ] + _lora_line(plan)
+
+
+def _held_apart(p: Plan) -> str:
+    """What the usable memory is net of, beside the reserve: X + W, the layers' buffers (nothing when neither)."""
+    parts = []
+    if p.workspace_bytes:
+        parts.append(f"{fmt_bytes(p.workspace_bytes)} for a layer's backward transients and cuBLAS's workspaces")
+    if p.buffer_bytes:
+        parts.append(f"the layers' buffers, {fmt_bytes(p.buffer_bytes)}")
+    return f" ({' and '.join(parts)} held apart)" if parts else ""
 
 
 def _lora_line(plan: Plan) -> list[str]:

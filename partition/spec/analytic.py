@@ -80,37 +80,49 @@ dropout the dropped inputs and their masks, less what a frozen base does not kee
 that no adapter or other op keeps, its RMSNorms' normalized values); the embedding, frozen, keeps nothing.
 With the base quantized (`frozen`: partition.spec.lora.frozen_layers), its items and bytes are those of the codes and
 scales (about 1 byte per weight of each linear layer in int8, 0.52 in NF4); its FLOPs are unchanged (the
-dequantized weight computes as the dense one; the dequantization's own work is left out); workspace_bytes (X_l) gains
-what dequantizing the layer's largest weight allocates (partition.spec.lora.dequantized_bytes: the weight in the
-dtype, and NF4's chunk of temporaries).
-On a device whose memory holds transients (DeviceSpec.transients: a gpu; not the CPU stand-in, whose ledger counts
+dequantized weight computes as the dense one; the dequantization's own work is left out); workspace_bytes (X_l) is
+what dequantizing the layer's largest weight allocates (q_l: partition.spec.lora.dequantized_bytes, the weight in the
+dtype and NF4's chunk of temporaries).
+On a device whose memory holds transients (DeviceSpec.holds_transients: a gpu; not the CPU stand-in, whose ledger counts
 none), workspace_bytes (X_l) is what the layer's backward allocates beyond what its forward kept, at its most (the
 gradients of its intermediates and of its input, a weight's gradient before it is added into the gradient slot);
-r = 1 if the layer's weights train, 0 where they are frozen (LoRA's base); over the layer's linear layers
+r = 1 if the layer's weights train, 0 where they are frozen (LoRA's base); x_l = q_l + e*a_l with LoRA (what lives
+beside a linear's gradients: the dequantized weight, the adapters' gradients), else 0; over the layer's linear layers
 (in_L -> out_L: partition.spec.lora.block_linears):
-  embedding  r*e*max(V*h, s*h + P*h)                       (the token table's dense gradient, or before it a gpt's
+  embedding  r*e*(max(V*h, s*h + P*h) + d*t*h)              (the token table's dense gradient, or before it a gpt's
                                                               position gradient summed over the microbatch and the
-                                                              position table's; P its rows, a llama none)
+                                                              position table's; P its rows, a llama none; d = 1
+                                                              with embedding dropout: its input's gradient, alive
+                                                              beside them where the mask is a bool)
              + r*(4*h + 64)*t where t > 3072                (CUDA's kernel past 3,072 ids sorts them and sums each
                                                               run of equal ids in fp32 first: torch's
                                                               embedding_dense_backward_cuda, read, not measured)
-  block      e * max( max_L (t*in_L + r*in_L*out_L + out_L),  (a linear's input and weight gradients and its bias's,
-                                                              at the widest input: the MLP's down projection)
-                      g*t*f )                               (the MLP's activation backward: g = 1 for a gpt whose
+  block      max( e*(max_L (t*in_L + r*in_L*out_L + out_L)  (a linear's input and weight gradients and its bias's,
+                     + d*t*h) + x_l,                          at the widest input: the MLP's down projection; d = 1
+                                                              with residual dropout: its output's gradient)
+                  e*g*t*f,                                  (the MLP's activation backward: g = 1 for a gpt whose
                                                               activation keeps its input alone (torch's gelu: the
                                                               down projection's kept input, freed by then, makes
                                                               room), 2 for relu (its kept output is that input),
                                                               gpt2's gelu_new (a chain of elementwise ops) and a
-                                                              llama's SwiGLU; one more when frozen, but for relu: a
-                                                              frozen down projection keeps no input to free)
-  head       max( 8*t*V, e*(t*h + r*h*V) )                  (the loss's two fp32 t x V gradients, of log-softmax's
+                                                              llama's SwiGLU; one more when frozen (a frozen down
+                                                              projection keeps no input to free), but for a gpt's
+                                                              relu)
+                  N'(K) )                                   (a norm's backward, net of K, the kept bytes let go
+                                                              before it: a gpt's LayerNorm 2*e*t*h - K; transformers'
+                                                              RMSNorm, a chain of fp32 ops, (20 - 2*e*r)*t*h - K,
+                                                              measured op by op; a block's K: a llama's MLP's kept
+                                                              e*t*f*(p + 2 + r), a gpt's 0)
+  head       max( 8*t*V, e*(t*h + r*h*V) + x_l, N'(4*t*V) ) (the loss's two fp32 t x V gradients, of log-softmax's
                                                               output and input; then the logits' input and weight
-                                                              gradients, the kept log-softmax freed)
-checked tensor by tensor against the built-in GPT and transformers' GPT-2 and Llama layers, trained and frozen
-(tests/mobiuspipe/profiling/test_transients.py, every op's outputs alive at once on the CPU). What a CUDA kernel
-allocates inside itself (flash attention's fp32 gradient accumulator) comes while the MLP's kept tensors are
-already freed, more than it. Profile.library_bytes (W) is the device's DeviceSpec.library_bytes. Elsewhere X_l is
-the dequantization's alone, and W = 0.
+                                                              gradients, the kept log-softmax freed; then the final
+                                                              norm, the log-softmax freed)
+checked tensor by tensor against the built-in GPT and transformers' GPT-2 (its dropouts with CUDA's bool masks),
+Llama and Qwen2 layers, trained, frozen and with adapters (tests/mobiuspipe/profiling/test_transients.py: every op's
+outputs alive at once on the CPU). What a CUDA kernel allocates inside itself is not seen there: flash attention's
+fp32 gradient accumulator comes once the MLP's kept tensors, more than it, are freed; attention's dropout runs inside
+CUDA's fused kernels (the CPU's math kernel for it keeps s x s tensors a gpu does not). Profile.library_bytes (W) is
+the device's DeviceSpec.library_bytes. Elsewhere X_l is q_l alone, and W = 0.
 LayerNorm, RMSNorm, SiLU/GELU and bias FLOPs are left out (under 1% of a block for h >= 512). mobiuspipe runs every
 model's attention through SDPA (the built-in GPT, and the Hugging Face layers through mobiuspipe.models.hf's
 attention function).
@@ -217,21 +229,37 @@ SORTED_IDS = 3072
 """Past this many ids a microbatch's embedding gradient takes CUDA's sorted path (torch's Embedding.cu)."""
 
 
-def _block_transients(spec: ModelSpec, e: int, t: int, trains: bool) -> int:
-    """A block's X_l for t tokens (the legend)."""
-    r = 1 if trains else 0
+def _norm_transients(spec: ModelSpec, e: int, t: int, r: int, freed: int) -> int:
+    """N' of the legend: what a norm's backward holds at once for t tokens, net of `freed`, the kept bytes let go
+    before it."""
+    h = spec.d_model
+    if spec.family == "llama":
+        return 20 * t * h - 2 * e * r * t * h - freed
+    return 2 * e * t * h - freed
+
+
+def _block_transients(spec: ModelSpec, e: int, t: int, r: int, extra: int) -> int:
+    """A block's X_l for t tokens, its weights trained (r = 1) or frozen, `extra` bytes beside a linear's gradients
+    (the legend)."""
+    out = t * spec.d_model if spec.resid_dropout > 0 else 0
     linear = max(t * x.in_features + r * x.in_features * x.out_features + x.out_features for x in block_linears(spec))
     p = ACTIVATIONS[spec.act]
-    g = (1 if spec.family == "gpt" and p == 1 else 2) + (1 - r if p > 0 else 0)
-    return e * max(linear, g * t * spec.ffn)
+    g = (1 if spec.family == "gpt" and p == 1 else 2) + (1 - r if p > 0 or spec.family == "llama" else 0)
+    mlp = e * t * spec.ffn * (p + 2 + r) if spec.family == "llama" else 0
+    return max(e * (linear + out) + extra, e * g * t * spec.ffn, _norm_transients(spec, e, t, r, mlp))
 
 
-def _transients(spec: ModelSpec, e: int, t: int, trains: bool) -> tuple[int, int, int]:
-    """X_l of the embedding, a block and the head for t tokens, their weights trained or frozen (the legend)."""
+def _layer_transients(spec: ModelSpec, e: int, t: int, l: int, trains: bool, extra: int) -> int:
+    """X_l of layer l (embedding, block or head) for t tokens, its weights trained or frozen, `extra` bytes beside
+    a linear's gradients (a quantized base's dequantized weight, the adapters' gradients; the legend)."""
     h, v, r = spec.d_model, spec.vocab_size, 1 if trains else 0
-    positions = 0 if spec.family == "llama" else spec.seq_len * h + (spec.positions or spec.seq_len) * h
-    embedding = r * (e * max(v * h, positions) + ((4 * h + 64) * t if t > SORTED_IDS else 0))
-    return embedding, _block_transients(spec, e, t, trains), max(8 * t * v, e * (t * h + r * h * v))
+    if l == 0:
+        positions = 0 if spec.family == "llama" else spec.seq_len * h + (spec.positions or spec.seq_len) * h
+        dropout = t * h if spec.embd_dropout > 0 else 0
+        return r * (e * (max(v * h, positions) + dropout) + ((4 * h + 64) * t if t > SORTED_IDS else 0))
+    if l < spec.num_layers - 1:
+        return _block_transients(spec, e, t, r, extra)
+    return max(8 * t * v, e * (t * h + r * h * v) + extra, _norm_transients(spec, e, t, r, 4 * t * v))
 
 
 def _with_adapters(
@@ -248,12 +276,19 @@ def _with_adapters(
         param_bytes=nbytes + a * e,
         trainable_count=a,
         activation_bytes=x.activation_bytes + tokens * kept,
-        workspace_bytes=x.workspace_bytes + dequantized,
+        workspace_bytes=dequantized,
         fwd_flops=fwd,
         bwd_flops=bwd,
         fwd_s=fwd / rate + call_s,
         bwd_s=bwd / rate,
     )
+
+
+def _with_transients(spec: ModelSpec, e: int, t: int, l: int, x: LayerProfile, trains: bool) -> LayerProfile:
+    """Layer l with its X_l on a device that holds transients (the legend): beside a linear's gradients, what x
+    already counts (a quantized base's dequantized weight) and its adapters' gradients."""
+    extra = x.workspace_bytes + (0 if trains else e * (x.trainable_count or 0))
+    return replace(x, workspace_bytes=_layer_transients(spec, e, t, l, trains, extra))
 
 
 def analytic_profile(
@@ -285,10 +320,6 @@ def analytic_profile(
     head_act = s * b * (_norm_bytes(spec, e) + 4 * v + TOKEN_BYTES) + 4
     head = _layer("head", counts[-1], e, head_act, s * b * v * e, float(2 * b * s * h * v), rate, c)
     layers = (embedding, *blocks, head)
-    if device.transients:
-        xs = _transients(spec, e, s * b, trains=adapters is None)
-        x_of = [xs[0]] + [xs[1]] * len(blocks) + [xs[2]]
-        layers = tuple(replace(x, workspace_bytes=n) for x, n in zip(layers, x_of))
     if adapters is not None:
         if len(adapters) != len(layers):
             raise ValueError(f"adapters: expected a count for each of the {len(layers)} layers, found {len(adapters)}")
@@ -301,6 +332,8 @@ def analytic_profile(
             _with_adapters(x, a, k, e, s * b, rate, c, z) for x, a, k, z in zip(layers, adapters, kept, bases)
         )
         layers = (replace(layers[0], activation_bytes=0), *layers[1:])  # a frozen embedding
+    if device.holds_transients:
+        layers = tuple(_with_transients(spec, e, s * b, l, x, adapters is None) for l, x in enumerate(layers))
     return Profile(
         model=spec.name,
         device=device.name,

@@ -78,7 +78,7 @@ class DeviceSpec:
     mask. False (the CPU stand-in): F.dropout multiplies by a noise tensor in the activations' dtype, which it keeps,
     and attention with dropout runs the math kernel, which keeps the (b, a, s, s) probabilities (the CPU's flash
     kernel takes no dropout)."""
-    transients: bool = True
+    holds_transients: bool = True
     """The device's memory holds what a computing layer allocates beyond its kept activations (its X_l: gradients
     of its intermediates, a weight's gradient before it is added in), which a plan holds apart. False: the CPU
     stand-in, whose ledger counts no transients."""
@@ -114,6 +114,9 @@ class DeviceSpec:
         return cls(**d)
 
 
+STANDIN = "cpu-standin"
+"""The CPU stand-in's device name."""
+
 _TABLE = (
     DeviceSpec("NVIDIA GeForce RTX 3090", 71.0, 24 * GiB, _PCIE4, fp32_tflops=35.6),
     DeviceSpec("NVIDIA GeForce RTX 3090 Ti", 80.0, 24 * GiB, _PCIE4, fp32_tflops=40.0),
@@ -130,7 +133,7 @@ _TABLE = (
     # budget comes from the topology (the stand-in's arena), its "link" is a memcpy. Each layer's forward costs
     # STANDIN_FORWARD_CALL_S beyond its FLOPs.
     DeviceSpec(
-        "cpu-standin", 0.05, 0, 10.0, STANDIN_FORWARD_CALL_S, fused_dropout=False, transients=False, library_bytes=0
+        STANDIN, 0.05, 0, 10.0, STANDIN_FORWARD_CALL_S, fused_dropout=False, holds_transients=False, library_bytes=0
     ),
 )
 
@@ -167,6 +170,8 @@ def gpu_spec(
     fp32 = float(fp32_tflops)
     if tflops > 0:
         rate = fp32 or float(measured_fp32_tflops)
+        if name == STANDIN:  # its rates, with the stand-in's ways (its dropout, no transients, no libraries)
+            return replace(DEVICES[STANDIN], peak_tflops=float(tflops), pcie_gbps=float(link_gbps), fp32_tflops=rate)
         return DeviceSpec(name, float(tflops), int(memory_bytes), float(link_gbps), fp32_tflops=rate)
     try:
         listed = device_spec(name)

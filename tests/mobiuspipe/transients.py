@@ -4,9 +4,11 @@ the forward left alive. Kernels' internal scratch is invisible here (a GPU's pro
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -63,3 +65,19 @@ def measured_transients(layer: nn.Module, x: torch.Tensor, loss_fn=None) -> int:
     for p in layer.parameters():
         p.grad = None
     return live.top - live.base
+
+
+@contextlib.contextmanager
+def bool_mask_dropout():
+    """F.dropout as CUDA runs it (torch.native_dropout: a bool mask kept, one byte an element) instead of the CPU's,
+    which keeps its noise in the activations' dtype: a gpu's dropout backward has less of its own to free."""
+    plain = F.dropout
+
+    def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+        return torch.native_dropout(x, p, training)[0] if training and p > 0 else x
+
+    F.dropout = dropout
+    try:
+        yield
+    finally:
+        F.dropout = plain

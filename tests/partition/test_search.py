@@ -23,7 +23,7 @@ from partition.spec.profile import LayerProfile, Profile
 from topology.presets import cpu_standin, preset
 
 TI = device_spec("NVIDIA GeForce RTX 3090 Ti")
-TI_NO_X = dataclasses.replace(TI, transients=False, library_bytes=0)
+TI_NO_X = dataclasses.replace(TI, holds_transients=False, library_bytes=0)
 """TI's rates for plans on stand-in topologies of a few MiB, which a gpu's transients and cuBLAS workspaces (X + W,
 tens of MiB) would not leave room in."""
 SMALL = ModelSpec("small", num_blocks=9, d_model=64, num_heads=4, seq_len=32, vocab_size=97)

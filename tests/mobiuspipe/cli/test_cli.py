@@ -412,9 +412,11 @@ def test_a_run_plans_without_a_reserve_on_stand_ins_and_with_one_on_real_gpus(tm
     cfg = tmp_path / "run.yaml"
 
     def usable(text: str, *extra: str) -> int:
+        """The gpu memory the plan took as its own: its usable bytes and what it held apart (X + W, buffers)."""
         cfg.write_text(text)
         assert cli.main(["partition", "--config", str(cfg), "--json", *extra]) == 0
-        return json.loads(capsys.readouterr().out)["gpu_memory_bytes"]
+        doc = json.loads(capsys.readouterr().out)
+        return doc["gpu_memory_bytes"] + doc["workspace_bytes"] + doc["buffer_bytes"]
 
     assert usable("plan: {num_gpus: 2, num_stages: 4, device_memory_mb: 64}\n") == 64 << 20
     assert usable("plan: {num_stages: 8, topology: 2+2}\n") == RTX_3090_TI_BYTES - DEFAULT_RESERVE_BYTES

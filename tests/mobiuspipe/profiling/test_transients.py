@@ -16,7 +16,7 @@ from partition.spec.analytic import analytic_profile
 from partition.spec.hardware import LIBRARY_BYTES, device_spec
 from partition.spec.lora import LoraShape, adapter_counts
 from partition.spec.models import ModelSpec
-from tests.mobiuspipe.transients import measured_transients
+from tests.mobiuspipe.transients import bool_mask_dropout, measured_transients
 
 GPU = device_spec("NVIDIA GeForce RTX 4090")
 LOOSEST = 1.3
@@ -67,37 +67,64 @@ SIZES = {
 def _hf(tmp_path, hf_kit, kind: str, dtype: str, **over):
     family = "gpt2" if kind == "gpt2" else "llama"
     size = SIZES[family] | ({} if family == "gpt2" else dict(num_hidden_layers=2, max_position_embeddings=S))
-    hf_kit.save_model(kind, tmp_path / "m", seed=3, **size, **over)
+    hf_kit.save_model(kind, tmp_path / "m", seed=3, **(size | over))
     m = open_hf(tmp_path / "m", S)
     return m, [f().to(TORCH_DTYPES[dtype]).train() for f in layer_factories(m)]
+
+
+NARROW = dict(hidden_size=64, intermediate_size=16, num_attention_heads=4, num_key_value_heads=2)
+"""A llama whose MLP is narrower than its width: the RMSNorm's fp32 backward holds the most."""
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("frozen", [False, True])
 @pytest.mark.parametrize(
-    "kind, over", [("gpt2", {}), ("gpt2", {"activation_function": "relu"}), ("llama", {}), ("qwen2", {})]
+    "kind, over",
+    [
+        ("gpt2", {}),
+        ("gpt2", {"activation_function": "relu"}),
+        ("gpt2", {"resid_pdrop": 0.1, "embd_pdrop": 0.1}),
+        ("llama", {}),
+        ("llama", {"hidden_act": "relu"}),
+        ("llama", NARROW),
+        ("qwen2", {}),
+    ],
 )
 def test_hugging_face_layers_need_at_most_the_transients_counted(tmp_path, hf_kit, kind, over, frozen, dtype):
-    """GPT-2's gelu_new (a chain of elementwise ops) and Conv1D, another activation, the Llama family's SwiGLU."""
+    """GPT-2's gelu_new (a chain of elementwise ops) and Conv1D, another activation, its residual and embedding
+    dropouts with CUDA's bool masks (attention's dropout runs inside CUDA's fused kernels, not the CPU's), the
+    Llama family's SwiGLU (a relu gate too) and its fp32 RMSNorm."""
     m, layers = _hf(tmp_path, hf_kit, kind, dtype, **over)
     g = torch.Generator().manual_seed(7)
     x, y = (torch.randint(0, VOCAB, (B, S), generator=g) for _ in range(2))
     adapters = [0] * len(layers) if frozen else None
-    _check(layers, x, y, analytic_profile(m.spec, GPU, B, dtype, adapters=adapters), frozen)
+    with bool_mask_dropout():
+        _check(layers, x, y, analytic_profile(m.spec, GPU, B, dtype, adapters=adapters), frozen)
 
 
-@pytest.mark.parametrize("kind, targets", [("gpt2", ("c_attn", "c_fc")), ("llama", ("q_proj", "down_proj"))])
-def test_lora_layers_need_at_most_the_transients_counted(tmp_path, hf_kit, kind, targets):
-    """Adapters (with dropout) on attention and MLP linears, the base frozen: the adapters' gradients are within the
-    frozen base's count."""
+@pytest.mark.parametrize("base_dtype", [None, "int8", "nf4"])
+@pytest.mark.parametrize(
+    "kind, targets", [("gpt2", ("c_attn", "c_fc")), ("llama", ("q_proj", "down_proj")), ("llama", ("lm_head",))]
+)
+def test_lora_layers_need_at_most_the_transients_counted(tmp_path, hf_kit, kind, targets, base_dtype):
+    """Adapters (with dropout) on attention, MLP and head linears, the base frozen in the dtype or quantized: the
+    adapters' gradients and the dequantized weight beside a linear's gradients."""
+    from mobiuspipe.lora.quant import quantize_frozen
+    from partition.spec.lora import frozen_layers
+
     m, layers = _hf(tmp_path, hf_kit, kind, "bf16")
     lora = LoraSpec(rank=4, alpha=8.0, targets=targets, dropout=0.1)
     for layer in layers:
         add_adapters(layer, lora, torch.Generator().manual_seed(1))
+        if base_dtype is not None:
+            quantize_frozen(layer, base_dtype)
     g = torch.Generator().manual_seed(8)
     x, y = (torch.randint(0, VOCAB, (B, S), generator=g) for _ in range(2))
     counts = adapter_counts(m.spec, LoraShape(4, targets, 0.1))
-    _check(layers, x, y, analytic_profile(m.spec, GPU, B, "bf16", adapters=counts), loosest=LOOSEST_LORA)
+    frozen = None if base_dtype is None else frozen_layers(m.spec, 2, base_dtype)
+    counted = analytic_profile(m.spec, GPU, B, "bf16", adapters=counts, frozen=frozen)
+    with bool_mask_dropout():
+        _check(layers, x, y, counted, loosest=LOOSEST_LORA)
 
 
 def test_a_gpu_profile_holds_the_libraries_workspace_and_the_stand_in_none():

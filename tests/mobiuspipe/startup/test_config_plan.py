@@ -244,16 +244,31 @@ def test_a_deterministic_run_holds_apart_the_workspaces_it_sets_beyond_what_its_
     Hopper) held W for those: the plan holds LIBRARY_BYTES apart instead. More measured stays; the stand-in's 0 too."""
     import dataclasses
 
-    from mobiuspipe.startup.config_plan import gpt_profile, run_library_bytes
+    from mobiuspipe.startup.config_plan import gpt_profile, with_run_library_bytes
     from partition.spec.hardware import LIBRARY_BYTES
 
     cfg = _cfg()
     deterministic = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, deterministic=True))
     base = gpt_profile(cfg)
     measured = dataclasses.replace(base, library_bytes=17 * 2**20)
-    assert run_library_bytes(deterministic, measured).library_bytes == LIBRARY_BYTES
-    assert run_library_bytes(cfg, measured) is measured
+    assert with_run_library_bytes(deterministic, measured).library_bytes == LIBRARY_BYTES
+    assert with_run_library_bytes(cfg, measured) is measured
     more = dataclasses.replace(base, library_bytes=LIBRARY_BYTES + 1)
-    assert run_library_bytes(deterministic, more) is more
+    assert with_run_library_bytes(deterministic, more) is more
     standin = dataclasses.replace(base, library_bytes=0)
-    assert run_library_bytes(deterministic, standin) is standin
+    assert with_run_library_bytes(deterministic, standin) is standin
+
+
+def test_a_config_planned_for_a_gpu_server_from_a_host_without_one_counts_the_gpus_transients():
+    """`mobiuspipe partition --config RUN.yaml --topology 2+2` on a laptop makes the plan a server runs: its profile
+    is the server's gpus', with their transients and cuBLAS workspaces (it was the stand-in's, with none)."""
+    from mobiuspipe.startup.config_plan import gpt_profile
+    from partition.spec.hardware import LIBRARY_BYTES
+
+    server = gpt_profile(_cfg(topology="2+2", num_gpus=None, num_stages=None))
+    here = gpt_profile(_cfg(num_gpus=1, num_stages=None))
+    assert server.device == preset("2+2").gpus[0].name and server.library_bytes == LIBRARY_BYTES
+    assert all(x.workspace_bytes > 0 for x in server.layers)
+    if not torch.cuda.is_available():
+        assert here.device == "cpu-standin" and here.library_bytes == 0
+        assert all(x.workspace_bytes == 0 for x in here.layers)

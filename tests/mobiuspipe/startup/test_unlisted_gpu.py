@@ -105,3 +105,15 @@ def test_a_layouts_fp32_tflops_comes_before_the_tables_and_a_negative_one_is_ref
     path.write_text(path.read_text().replace("fp32_tflops: 0.0", "fp32_tflops: -5", 1))
     with pytest.raises(TopologyError, match=r"gpus\[0\]\.fp32_tflops"):
         load_topology(str(path))
+
+
+def test_an_unlisted_gpu_holds_transients_and_a_stand_in_given_tflops_stays_a_stand_in():
+    """A gpu a layout describes holds a computing layer's transients and cuBLAS's workspaces; a layout's stand-in
+    with a `tflops:` of its own keeps the stand-in's ways (its dropout's noise kept, no transients, no workspaces)."""
+    from partition.spec.hardware import LIBRARY_BYTES
+
+    listed = gpu_spec(NAME, 48 * 2**30, 31.5, tflops=364.25)
+    assert listed.holds_transients and listed.library_bytes == LIBRARY_BYTES and listed.fused_dropout
+    standin = gpu_spec("cpu-standin", 2**30, 5.0, tflops=0.2, fp32_tflops=0.1)
+    assert (standin.peak_tflops, standin.pcie_gbps, standin.fp32_tflops) == (0.2, 5.0, 0.1)
+    assert not standin.holds_transients and standin.library_bytes == 0 and not standin.fused_dropout
