@@ -113,13 +113,18 @@ beside a linear's gradients: the dequantized weight, the adapters' gradients), e
                                                               RMSNorm, a chain of fp32 ops, (20 - 2*e*r)*t*h - K,
                                                               measured op by op; a block's K: a llama's MLP's kept
                                                               e*t*f*(p + 2 + r), a gpt's 0)
+             + e*t*f with adapters                         (an adapted block's forward: its own transients, which
+                                                              the allocator's peak over a recompute sees, measured
+                                                              up to 1.10x the rest with adapters on q and down)
   head       max( 8*t*V, e*(t*h + r*h*V) + x_l, N'(4*t*V) ) (the loss's two fp32 t x V gradients, of log-softmax's
                                                               output and input; then the logits' input and weight
                                                               gradients, the kept log-softmax freed; then the final
                                                               norm, the log-softmax freed)
 checked tensor by tensor against the built-in GPT and transformers' GPT-2 (its dropouts with CUDA's bool masks),
 Llama and Qwen2 layers, trained, frozen and with adapters (tests/mobiuspipe/profiling/test_transients.py: every op's
-outputs alive at once on the CPU). What a CUDA kernel allocates inside itself is not seen there: flash attention's
+outputs alive at once on the CPU; a forward's own transients only with adapters, and with an MLP 2.7 times the
+width or wider: transformers' RMSNorm computes its forward in fp32 too, which a narrower MLP's backward does not
+cover). What a CUDA kernel allocates inside itself is not seen there: flash attention's
 fp32 gradient accumulator comes once the MLP's kept tensors, more than it, are freed; attention's dropout runs inside
 CUDA's fused kernels (the CPU's math kernel for it keeps s x s tensors a gpu does not). Profile.library_bytes (W) is
 the device's DeviceSpec.library_bytes. Elsewhere X_l is q_l alone, and W = 0.
@@ -286,9 +291,12 @@ def _with_adapters(
 
 def _with_transients(spec: ModelSpec, e: int, t: int, l: int, x: LayerProfile, trains: bool) -> LayerProfile:
     """Layer l with its X_l on a device that holds transients (the legend): beside a linear's gradients, what x
-    already counts (a quantized base's dequantized weight) and its adapters' gradients."""
-    extra = x.workspace_bytes + (0 if trains else e * (x.trainable_count or 0))
-    return replace(x, workspace_bytes=_layer_transients(spec, e, t, l, trains, extra))
+    already counts (a quantized base's dequantized weight) and its adapters' gradients; an adapted block's forward
+    one tensor of the MLP's width more."""
+    adapters = 0 if trains else x.trainable_count or 0
+    count = _layer_transients(spec, e, t, l, trains, x.workspace_bytes + e * adapters)
+    adapted_block = adapters and 0 < l < spec.num_layers - 1
+    return replace(x, workspace_bytes=count + (e * t * spec.ffn if adapted_block else 0))
 
 
 def analytic_profile(

@@ -1,6 +1,8 @@
 """X_l measured on the CPU as a gpu's allocator would see it: the most bytes of new tensors alive at once while a
-layer's recompute-free backward runs (every op's outputs tracked through a dispatch mode until freed), beyond what
-the forward left alive. Kernels' internal scratch is invisible here (a GPU's profile measures it)."""
+layer's backward (and its forward) runs (every op's outputs tracked through a dispatch mode until freed), beyond what
+the forward left alive. Not seen: what a kernel allocates inside itself (flash attention's fp32 accumulator, CUDA's
+sorted embedding gradient), an `out=` tensor resized from nothing, and the CPU's own kernels where a gpu's differ
+(attention's dropout): a GPU's profile measures those."""
 
 from __future__ import annotations
 
@@ -47,11 +49,13 @@ class _Live(TorchDispatchMode):
         return out
 
 
-def measured_transients(layer: nn.Module, x: torch.Tensor, loss_fn=None) -> int:
+def measured_transients(layer: nn.Module, x: torch.Tensor, loss_fn=None, forward: bool = False) -> int:
     """X_l of `layer` on input x: its forward with grad (and `loss_fn` on its output), then its backward with
     a fixed gradient (the loss's for the last layer), the trainable weights' gradients already allocated (the
-    runtime's gradient slot) so each weight's new gradient counts until added in; the most bytes alive beyond the
-    forward's."""
+    runtime's gradient slot) so each weight's new gradient counts until added in; the most bytes alive at once over
+    the backward, with `forward` over the forward too, beyond what the forward left alive (the profiler's CUDA figure,
+    forward included: the allocator's peak over a recompute and its backward, less what was allocated once the
+    recompute ended)."""
     x = x.detach().requires_grad_(x.is_floating_point())
     for p in layer.parameters():
         p.grad = torch.zeros_like(p) if p.requires_grad else None
@@ -59,12 +63,13 @@ def measured_transients(layer: nn.Module, x: torch.Tensor, loss_fn=None) -> int:
         y = layer(x)
         y = loss_fn(y) if loss_fn is not None else y
         grad = None if loss_fn is not None else torch.randn_like(y)
+        forward_top = live.top  # the forward's own transients, which the allocator's peak sees too
         live.mark()
         y.backward(grad)
         del y, grad
     for p in layer.parameters():
         p.grad = None
-    return live.top - live.base
+    return max(forward_top if forward else 0, live.top) - live.base
 
 
 @contextlib.contextmanager
