@@ -215,7 +215,7 @@ def _best_choice(
     first start's when none fits."""
     caps = activation_host_caps(plan, budget)
     best, error = None, None
-    for start in ("device", "host"):
+    for start in ("device", "host") if "host" in tiers else ("device",):  # a host start needs the host tier
         try:
             chosen, _ = with_activations(plan, profile, topo, memory, host_caps=caps, tiers=tiers, starts=(start,))
             placed = _shared([chosen], topo, budget)[0]

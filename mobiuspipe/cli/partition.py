@@ -290,7 +290,7 @@ def _explained(plan: Plan, profile: Profile, topo: Topology, caps: list[int], ti
     (make_plan keeps the start whose placed plan predicts the shorter step; the plan does not record which)."""
     chosen = [(s.activations, s.activation_tier) for s in plan.stages]
     first = None
-    for start in ("device", "host"):
+    for start in ("device", "host") if "host" in tiers else ("device",):  # as make_plan's starts
         choice = with_activations(
             plan, profile, topo, plan.gpu_memory_bytes, explain=True, host_caps=caps, tiers=tiers, starts=(start,)
         )[1]
@@ -332,6 +332,7 @@ def _config_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile, Hos
         plan_from_config,
         run_budget,
         run_topology,
+        with_run_library_bytes,
     )
 
     cfg = load_config(args.config)
@@ -345,8 +346,10 @@ def _config_plan(args: argparse.Namespace) -> tuple[Plan, Topology, Profile, Hos
     ranks_per_node(num_ranks(cfg), hosts)  # every machine starts as many ranks
     args.activation_tiers = ",".join(activation_tiers(cfg, hosts))  # as the run plans (--explain too)
     plan = plan_from_config(cfg, args.solver, given, hosts, time_limit_s=args.time_limit, gap=args.gap)
-    profile = given or gpt_profile(cfg, plan.microbatch_size)  # the chosen microbatches' (--compare, --explain)
-    return plan, run_topology(cfg), profile, run_budget(cfg)
+    topo = run_topology(cfg)
+    # the profile the plan was made from, for --compare and --explain (the chosen microbatches' analytic one)
+    profile = with_run_library_bytes(cfg, given) if given else gpt_profile(cfg, plan.microbatch_size, topo)
+    return plan, topo, profile, run_budget(cfg)
 
 
 _COMPARE_NOTE = (

@@ -94,12 +94,13 @@ def num_ranks(cfg: RunConfig) -> int:
     return load_plan(cfg.plan.file).num_gpus if cfg.plan.file else run_topology(cfg).num_gpus
 
 
-def gpt_profile(cfg: RunConfig, microbatch_size: int | None = None) -> Profile:
+def gpt_profile(cfg: RunConfig, microbatch_size: int | None = None, topo: Topology | None = None) -> Profile:
     """The analytic profile of the config's model in train.precision, on the run's gpu 0 (its layout's tflops, the
     table's figure for its name, or the matmul rate its probe measured) or the CPU stand-in, for microbatches of
     `microbatch_size` sequences (default: the config's; the whole batch when the planner chooses them,
-    data.num_microbatches auto)."""
-    device = topology_gpu_spec(run_topology(cfg))  # a gpu's for a server planned from a host without one too
+    data.num_microbatches auto); topo: run_topology(cfg) where the caller has it (a gpu's spec for a server planned
+    from a host without one too)."""
+    device = topology_gpu_spec(topo or run_topology(cfg))
     spec = model_spec(cfg)
     return analytic_profile(
         spec,
@@ -152,7 +153,7 @@ def plan_from_config(
     topo = run_topology(cfg)
     given = None if profile is None else with_run_library_bytes(cfg, profile)
     return plan_batch(
-        lambda size: gpt_profile(cfg, size) if given is None else given,
+        lambda size: gpt_profile(cfg, size, topo) if given is None else given,
         cfg.data.batch_size,
         topo,
         cfg.data.num_microbatches if profile is None else profile_count(cfg, profile),

@@ -7,8 +7,10 @@ exposed transfer first, until it fits. Then, greedily, the one-stage change that
 C_j (partition.rules.activations: recompute R_j saved, transfer X_j exposed) is taken while every gpu's walk stays
 within G and what its stages hold on the host tier, sum of M H_j, within the host memory the states leave it
 (partition.rules.tiers.activation_host_caps), until no change saves time. The same again from every input on the
-host: the start whose choice computes least is kept (from the device, the inputs' bytes can keep the greedy steps
-from keeps that moving them off would make room for).
+host, where the run offers that tier (from the device, the inputs' bytes can keep the greedy steps from keeps that
+moving them off would make room for): choose_activations keeps the start whose choice holds least over the host
+caps, then computes least; make_plan (partition.search._best_choice) the one whose plan, its states placed,
+predicts the shorter step.
 
 Legend (units in brackets): C_j, H_j, T_j, R_j, X_j as in partition.rules.activations [s, bytes]; D_g the walk's
 peak on gpu g [bytes]; G the budget: usable gpu memory [bytes]. "Within G" is D_g + C_g <= G, C_g the context a
@@ -275,6 +277,7 @@ def _best_start(walker: _Walker, opts: list[list[PolicyCost]], budget: int, home
         return walker.over_caps(costs), sum(c.compute_s for c in costs)
 
     best: list[PolicyCost] | None = None
+    best_rank = (0, 0.0)
     error: ValueError | None = None
     for home in homes:
         start = [
@@ -286,8 +289,9 @@ def _best_start(walker: _Walker, opts: list[list[PolicyCost]], budget: int, home
         except ValueError as e:
             error = error or e
             continue
-        if best is None or rank(costs) < (rank(best)[0], rank(best)[1] - 1e-12):
-            best = costs
+        ranked = rank(costs)
+        if best is None or ranked < (best_rank[0], best_rank[1] - 1e-12):  # a tie keeps the earlier start
+            best, best_rank = costs, ranked
     if best is None:
         assert error is not None
         raise error
