@@ -113,6 +113,10 @@ class StagePlan(_PlanPart):
     buffer_bytes: int = 0
     """V_j: its layers' buffers (a causal mask), which its gpu keeps the whole run, outside the arena; 0 in plans of
     profiles that did not measure them (partition.spec.profile's V_l)."""
+    transient_bytes: int = 0
+    """X_j: the most any of its layers holds beyond A_j while it computes (the profile's X_l, workspace_bytes: a
+    backward's intermediates' gradients, a weight's gradient before it is added into the slot), on a gpu; 0 in plans
+    of profiles that did not measure it, and in plans that held the largest X apart on every gpu (workspace_bytes)."""
 
     @property
     def f_s(self) -> float:
@@ -144,7 +148,7 @@ class StagePlan(_PlanPart):
         return self.param_bytes - self.gradient_bytes
 
     def check_values(self) -> list[Problem]:
-        counts = ("param_count", "param_bytes", "activation_bytes", "output_bytes", "buffer_bytes")  # first, gpu: Plan
+        counts = ("param_count", "param_bytes", "activation_bytes", "output_bytes", "buffer_bytes", "transient_bytes")
         return [
             *rule(
                 self.activations in MODES,
@@ -246,7 +250,8 @@ class Plan(_PlanPart):
     activation_bytes: int
     """Largest live activation bytes of any stage (one microbatch)."""
     gpu_memory_bytes: int
-    """Usable memory per gpu the plan was made for (after the reserve and the workspace X)."""
+    """Usable memory per gpu the plan was made for (after the reserve and what it holds apart on every gpu: the
+    workspaces, the buffers); a gpu's walk with its transients (transients_on) is held to it."""
     predicted_step_time_s: float
     solver: SolverInfo
     layout: Topology | None = None
@@ -258,9 +263,9 @@ class Plan(_PlanPart):
     target_bytes: int = 0
     """Bytes of one microbatch of the loss's targets (the profile's; 0 in plans written before plans had it)."""
     workspace_bytes: int = 0
-    """X: the most bytes one computing layer holds beyond the walk's (the profile's largest X_l: its
-    intermediates' gradients, a weight's gradient before it is added into the slot). gpu_memory_bytes is
-    already net of it; 0 in plans of profiles that did not measure it."""
+    """What the plan holds apart on every gpu for the math libraries' workspaces of the compute stream (the profile's
+    W, library_bytes); in plans made before each stage recorded its X_j (transient_bytes), the largest X_l too.
+    gpu_memory_bytes is already net of it; 0 in plans of profiles that did not measure it."""
     buffer_bytes: int = 0
     """What the plan holds apart on every gpu for its stages' buffers (StagePlan.buffer_bytes, kept the whole run): at
     least the most any gpu's stages keep (buffers_on). gpu_memory_bytes is already net of it; 0 in plans of profiles
@@ -290,8 +295,12 @@ class Plan(_PlanPart):
     @property
     def gpu_share_bytes(self) -> int:
         """The bytes of each gpu the plan was made to use, the gpu's memory less the reserve: gpu_memory_bytes and what
-        it is net of (the workspace X, the buffers held apart)."""
+        it is net of (the workspaces, the buffers held apart)."""
         return self.gpu_memory_bytes + self.workspace_bytes + self.buffer_bytes
+
+    def transients_on(self, gpu: int) -> int:
+        """X_g: the most transients one of gpu's stages holds while it computes (the largest X_j of them)."""
+        return max((s.transient_bytes for s in self.stages if s.gpu == gpu), default=0)
 
     def buffers_on(self, gpu: int) -> int:
         """The bytes of the buffers gpu keeps the whole run: its stages' V_j."""

@@ -79,14 +79,14 @@ def make_plan(
     watch = Stopwatch()
     _check_memory_known(topo)
     arr = LayerArrays.of(profile)
-    usable = min(g.memory_bytes for g in topo.gpus) - reserve_bytes - profile.workspace_bytes  # X held apart
+    usable = min(g.memory_bytes for g in topo.gpus) - reserve_bytes - profile.library_bytes  # W held apart
 
     def searched(held: int) -> Plan:
         memory = usable - held
         check_layers_fit(arr, profile, memory, held)
         ranked = _dp_plans(profile, topo, arr, microbatches, num_stages, mapping, memory)
         if not ranked:
-            raise infeasible_stages(num_stages, arr, memory, profile.workspace_bytes, held)
+            raise infeasible_stages(num_stages, arr, memory, profile.library_bytes, held)
         candidates, info = ranked[:MIP_CANDIDATES], SolverInfo("dp", "optimal", 0.0, 0.0)
         if solver != "dp" and not mip_installed():
             info = SolverInfo("dp", f"optimal; {NO_MIP}", 0.0, 0.0)
@@ -386,10 +386,10 @@ def _mip_plans(
 
 def _arena_fits(arr: LayerArrays, ranges: list[tuple[int, int]], memory: int) -> bool:
     """The runtime's arena rule, two weight slots of the largest stage + a gradient slot of the largest stage's
-    gradients + each stage's activations <= G. The MIP's per-stage rule with partial prefetch admits more cuts, which
-    the runtime cannot run yet."""
+    gradients + each stage's activations and transients <= G. The MIP's per-stage rule with partial prefetch (which
+    counts no transients) admits more cuts, which the runtime cannot run yet."""
     arena = arena_bytes(max(arr.params(a, b) for a, b in ranges), max(arr.grads(a, b) for a, b in ranges))
-    return all(arena + arr.activations(a, b) <= memory for a, b in ranges)
+    return all(arena + arr.activations(a, b) + arr.transients(a, b) <= memory for a, b in ranges)
 
 
 def _check_memory_known(topo: Topology) -> None:
@@ -452,7 +452,7 @@ def _plan_of(
         solver=SolverInfo("dp", "optimal", 0.0, 0.0),
         input_bytes=profile.input_bytes,
         target_bytes=profile.target_bytes,
-        workspace_bytes=profile.workspace_bytes,
+        workspace_bytes=profile.library_bytes,
         buffer_bytes=most_buffers(stages, topo.num_gpus),
     )
 
@@ -473,6 +473,7 @@ def stage_plan(arr: LayerArrays, a: int, b: int, gpu: int, load_gbps: float) -> 
         trainable_count=_unless_all(arr.trainable(a, b), arr.param_count(a, b)),
         grad_bytes=_unless_all(arr.grads(a, b), arr.params(a, b)),
         buffer_bytes=arr.buffers(a, b),
+        transient_bytes=arr.transients(a, b),
         activation_bytes=arr.activations(a, b),
         output_bytes=int(arr.O[b]),
         fwd_s=arr.fwd(a, b),

@@ -188,10 +188,11 @@ def memory_and_speed(
             f"{base.pinned_bytes / 2**20:.1f} MiB (cudaHostRegister, each buffer at its own size)",
         )
         w = library_bytes(device, torch.float32)
+        xs = ", ".join(f"{plan.transients_on(g) / 2**20:.1f}" for g in range(plan.num_gpus))
         t.add(
-            "beyond the walk: X + W (MiB)",
+            "beyond the walk: X per gpu + W (MiB)",
             None,
-            f"{plan.workspace_bytes / 2**20:.1f} planned, of which W {w / 2**20:.1f} (cuBLAS workspaces, measured now)",
+            f"{xs} + {plan.workspace_bytes / 2**20:.1f} planned; W {w / 2**20:.1f} (cuBLAS workspaces, measured now)",
         )
         save_plan(plan, Path(args.out).with_name("plan_fp32.yaml"))
         if args.memory_report:

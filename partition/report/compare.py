@@ -17,8 +17,9 @@ def compare(plan: Plan, topo: Topology, profile: Profile, delayed: bool = False)
     with the delayed update (each step's host updates under the next step)."""
     sim = predict(plan, topo, delayed)
     m = plan.num_microbatches
-    reserve = min(g.memory_bytes for g in topo.gpus) - plan.gpu_share_bytes  # make_plan holds X and V apart itself
-    net = reserve + plan.workspace_bytes + plan.buffer_bytes  # the baselines' own rules do not
+    reserve = min(g.memory_bytes for g in topo.gpus) - plan.gpu_share_bytes  # make_plan holds W and V apart itself
+    most_x = max(s.transient_bytes for s in plan.stages)  # and each stage's X within its rule
+    net = reserve + plan.workspace_bytes + most_x + plan.buffer_bytes  # the baselines' own rules do not
     mine = BaselineResult(
         f"mobiuspipe ({plan.mapping_rule} mapping)",
         sim.step_time_s,

@@ -26,7 +26,7 @@ def explain_lines(plan: Plan, choice: Choice) -> list[str]:
     out = [
         HEAD,
         f"budget per gpu {fmt_bytes(plan.gpu_memory_bytes)}; peaks "
-        + ", ".join(f"gpu {g} {fmt_bytes(p)}" for g, p in enumerate(choice.peaks)),
+        + ", ".join(f"gpu {g} {fmt_bytes(p)}" for g, p in enumerate(choice.needs or choice.peaks)),
     ]
     for j, s in enumerate(plan.stages):
         out.append(f"stage {j} (layers {s.first}-{s.last}, gpu {s.gpu}):")

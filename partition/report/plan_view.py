@@ -24,6 +24,7 @@ def _stage_json(plan: Plan) -> list[dict]:
             "activation_bytes": s.activation_bytes,
             "output_bytes": s.output_bytes,
             "buffer_bytes": s.buffer_bytes,
+            "transient_bytes": s.transient_bytes,
             "fwd_s": s.fwd_s,
             "bwd_s": s.bwd_s,
             "load_s": s.load_s,
@@ -129,19 +130,27 @@ def _header(plan: Plan) -> list[str]:
         f"predicted step time {p.predicted_step_time_s:.3f} s",
         f"memory per gpu: arena {fmt_bytes(p.arena_bytes)} ({p.arena_words()}) + activations "
         f"{fmt_bytes(p.activation_bytes)} = "
-        f"{fmt_bytes(p.arena_bytes + p.activation_bytes)} of {fmt_bytes(p.gpu_memory_bytes)} usable" + _held_apart(p),
+        f"{fmt_bytes(p.arena_bytes + p.activation_bytes)} of {fmt_bytes(p.gpu_memory_bytes)} usable" + _memory_notes(p),
         f"solver {s.name}: {s.status}, gap {s.gap:g}, {s.wall_s:.3f} s",
     ] + _lora_line(plan)
 
 
-def _held_apart(p: Plan) -> str:
-    """What the usable memory is net of, beside the reserve: X + W, the layers' buffers (nothing when neither)."""
-    parts = []
+def _memory_notes(p: Plan) -> str:
+    """The usable memory's notes: what each gpu's computing layer holds within it beyond the walk (X_g), and what it is
+    net of beside the reserve: the workspaces (with the largest X in plans made before stages recorded theirs), the
+    layers' buffers (nothing when none of them)."""
+    notes, held = [], []
+    if any(s.transient_bytes for s in p.stages):
+        most = ", ".join(f"gpu {g} {fmt_bytes(p.transients_on(g))}" for g in range(p.num_gpus))
+        notes.append(f"a computing layer's backward transients within it, at most {most}")
     if p.workspace_bytes:
-        parts.append(f"{fmt_bytes(p.workspace_bytes)} for a layer's backward transients and cuBLAS's workspaces")
+        what = "cuBLAS's workspaces" if notes else "a layer's backward transients and cuBLAS's workspaces"
+        held.append(f"{fmt_bytes(p.workspace_bytes)} for {what}")
     if p.buffer_bytes:
-        parts.append(f"the layers' buffers, {fmt_bytes(p.buffer_bytes)}")
-    return f" ({' and '.join(parts)} held apart)" if parts else ""
+        held.append(f"the layers' buffers, {fmt_bytes(p.buffer_bytes)}")
+    if held:
+        notes.append(f"{' and '.join(held)} held apart")
+    return f" ({'; '.join(notes)})" if notes else ""
 
 
 def _lora_line(plan: Plan) -> list[str]:

@@ -13,8 +13,10 @@ caps, then computes least; make_plan (partition.search._best_choice) the one who
 predicts the shorter step.
 
 Legend (units in brackets): C_j, H_j, T_j, R_j, X_j as in partition.rules.activations [s, bytes]; D_g the walk's
-peak on gpu g [bytes]; G the budget: usable gpu memory [bytes]. "Within G" is D_g + C_g <= G, C_g the context a
-peer's process makes on gpu g when it parks there (partition.rules.peer's C; 0 on the stand-in).
+peak on gpu g [bytes]; G the budget: usable gpu memory [bytes]. "Within G" is D_g + X_g + C_g <= G, X_g the most
+transients one of g's computing layers holds beyond the walk (Plan.transients_on; 0 on the stand-in, whose ledger
+counts none), C_g the context a peer's process makes on gpu g when it parks there (partition.rules.peer's C; 0 on
+the stand-in).
 """
 
 from __future__ import annotations
@@ -50,11 +52,12 @@ class Considered:
 @dataclass(frozen=True)
 class Choice:
     """The chosen policy of every stage, with its figures, every gpu's peak D_g, and (with explain) every
-    option weighed."""
+    option weighed; needs: what each gpu must have free under it, held to the budget (D_g + X_g + C_g)."""
 
     costs: tuple[PolicyCost, ...]
     peaks: tuple[int, ...]
     considered: tuple[Considered, ...] = ()
+    needs: tuple[int, ...] = ()
 
     @property
     def policies(self) -> tuple[ActivationPolicy, ...]:
@@ -126,11 +129,13 @@ class _Walker:
         return own + self.region(costs, gpu)
 
     def need(self, costs: list[PolicyCost], gpu: int) -> int:
-        """What gpu must have free under a choice: its D_g and, on a gpu (not the stand-in) that gives a peer a
-        region, the context the parking rank's process makes there (partition.rules.peer's C)."""
-        region = self.region(costs, gpu)
-        context = CONTEXT_BYTES if region > 0 and not self.standin else 0
-        return self.peak(costs, gpu) + context
+        """What gpu must have free under a choice: its D_g and, on a gpu (not the stand-in), its stages' transients
+        X_g and, where it gives a peer a region, the context the parking rank's process makes there
+        (partition.rules.peer's C)."""
+        if self.standin:
+            return self.peak(costs, gpu)
+        context = CONTEXT_BYTES if self.region(costs, gpu) > 0 else 0
+        return self.peak(costs, gpu) + self.plan.transients_on(gpu) + context
 
     def needs(self, costs: list[PolicyCost]) -> list[int]:
         return [self.need(costs, g) for g in range(self.plan.num_gpus)]
@@ -262,7 +267,7 @@ def choose_activations(
     costs = _best_start(walker, opts, budget_bytes, homes)
     peaks = walker.peaks(costs)
     weighed = _weigh(walker, plan, opts, costs, budget_bytes) if explain else []
-    return Choice(tuple(costs), tuple(peaks), tuple(weighed))
+    return Choice(tuple(costs), tuple(peaks), tuple(weighed), tuple(walker.needs(costs)))
 
 
 def _best_start(walker: _Walker, opts: list[list[PolicyCost]], budget: int, homes: tuple[str, ...]) -> list[PolicyCost]:

@@ -14,10 +14,13 @@ Legend (stage j holds layers a..b; all per ONE microbatch unless marked; units i
   T_j      sum of T_l: the parameters that train (all N_j but under LoRA, its adapters)   [-]
   G_j      bytes of stage j's gradients: T_j in the plan's dtype (P_j when all train)     [bytes]
   V_j      sum of V_l: the layers' buffers, on stage j's gpu the whole run, outside the arena [bytes]
+  X_j      max of X_l: what the stage's computing layer holds beyond A_j (the profile's
+           workspace_bytes: its backward's transients), on a gpu while the stage computes   [bytes]
   beta_j   host->gpu bandwidth stage j's gpu gets under contention (topology.load_gbps)  [GB/s]
   U_j      = P_j / (beta_j * 1e9): time to load stage j's parameters                     [s]
   W        = max_j P_j: size of one weight slot of the device arena                      [bytes]
-  G        usable gpu memory = gpu memory - reserve                                      [bytes]
+  G        usable gpu memory = gpu memory - reserve - what every gpu holds apart (the math
+           libraries' workspaces, the layers' buffers: partition.search.make_plan)        [bytes]
 
 Compute of stage j in one step: forward M*F_j, backward M*(F_j + B_j) (recompute, then backward).
 A stage is loaded twice per step (before its forward and before its backward), except the gpu's last
@@ -25,7 +28,7 @@ forward stage, which stays resident into the backward.
 
 Memory rule. The device arena holds three slots of W bytes: the computing stage, the prefetched next
 stage of the same gpu, and the computing stage's gradients. With fixed slots there is no fragmentation,
-so a plan is feasible iff, for every stage j:  3*W + A_j <= G. (The Mobius MIP, partition.mip.model, uses the
+so a plan is feasible iff, for every stage j:  3*W + A_j + X_j <= G. (The Mobius MIP, partition.mip.model, uses the
 paper's per-stage rule with partial prefetch, which admits more cuts; the plan search keeps only the cuts
 this rule, the runtime's, admits.)
 
@@ -63,7 +66,7 @@ GRAD_SLOTS = 1
 ARENA_SLOTS = WEIGHT_SLOTS + GRAD_SLOTS
 """Slots in the device arena: WEIGHT_SLOTS of W bytes (the largest stage's parameter bytes) and GRAD_SLOTS of
 W_grad (the largest stage's gradient bytes: W without LoRA, its adapters' alone with it); the memory rule is
-arena_bytes(W, W_grad) + A_j <= G."""
+arena_bytes(W, W_grad) + A_j + X_j <= G."""
 
 
 FROZEN_ALIGN = 8
@@ -103,6 +106,7 @@ class LayerArrays:
     R: np.ndarray | None = None  # prefix sums of recompute seconds (None: the same as F)
     K: np.ndarray | None = None  # prefix sums of kept-forward seconds (None: the same as R)
     V: np.ndarray | None = None  # prefix sums of buffer bytes (None: no layer has buffers)
+    X: np.ndarray | None = None  # each layer's transients X_l, length L (None: none)
 
     @classmethod
     def of(cls, profile: Profile) -> LayerArrays:
@@ -124,6 +128,7 @@ class LayerArrays:
             R=pre([x.redo_s for x in ls]),
             K=pre([x.keep_s for x in ls]),
             V=pre([x.buffer_bytes for x in ls], np.int64),
+            X=np.asarray([x.workspace_bytes for x in ls], dtype=np.int64),
         )
 
     @property
@@ -142,6 +147,10 @@ class LayerArrays:
     def buffers(self, a: int, b: int) -> int:
         """V_j for layers a..b inclusive: the layers' buffers, which their stage's gpu keeps the whole run."""
         return 0 if self.V is None else int(self.V[b + 1] - self.V[a])
+
+    def transients(self, a: int, b: int) -> int:
+        """X_j for layers a..b inclusive: the most any of them holds beyond A_j while it computes."""
+        return 0 if self.X is None else int(self.X[a : b + 1].max())
 
     def fwd(self, a: int, b: int) -> float:
         return float(self.F[b + 1] - self.F[a])

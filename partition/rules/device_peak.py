@@ -9,17 +9,20 @@ Legend (partition.rules.lifetimes has the walk's; units in brackets):
   I_j   stage j's input per microbatch: stage j-1's output_bytes; I_0 = plan.input_bytes        [bytes]
   Y     plan.target_bytes: one microbatch of the loss's targets                                [bytes]
   H_j   bytes (j, i) keeps on the device from its forward to its backward                     [bytes]
-  X     plan.workspace_bytes: what one computing layer holds beyond A_j (its intermediates'
-        gradients, a weight's gradient before it is added into the slot) and the cuBLAS
-        workspaces of the compute stream (W, Profile.library_bytes), measured on CUDA or counted
-        by the analytic profile for a gpu                                                     [bytes]
+  X_g   plan.transients_on(g): what one of g's computing layers holds beyond A_j (its
+        intermediates' gradients, a weight's gradient before it is added into the slot): the
+        largest X_j of g's stages, measured on CUDA or counted by the analytic profile for a gpu [bytes]
+  K     plan.workspace_bytes: what the plan holds apart on every gpu, the cuBLAS workspaces of
+        the compute stream (W, Profile.library_bytes; and the largest X_l in plans made before
+        stages recorded their X_j)                                                            [bytes]
   D_g   the walk's peak on gpu g: the arena, the held inputs, the messages queued in and out, and
         the computing stage's A_j; plus the regions g gives its peers' parked activations
         (partition.rules.peer: R(g, h), held the whole run) and the states of its stages on the gpu tier
-        (partition.rules.placement.device_state_bytes: 16 T_j each, held the whole run); on a gpu plus X
-        (make_plan takes X off the memory every rule and walk is held to, so the walk's fit is
-        D_g - X <= G - X); plus V_g, the layers' buffers g's stages keep the whole run (Plan.buffers_on;
-        make_plan holds them apart likewise: plan.buffer_bytes >= V_g)                        [bytes]
+        (partition.rules.placement.device_state_bytes: 16 T_j each, held the whole run); on a gpu plus
+        X_g (make_plan holds each stage's to the memory rule, and the walk with it to G) and K (make_plan
+        takes K off the memory every rule and walk is held to, so the walk's fit is D_g - K <= G); plus V_g,
+        the layers' buffers g's stages keep the whole run (Plan.buffers_on; make_plan holds them apart
+        likewise: plan.buffer_bytes >= V_g)                                                    [bytes]
 
 Two runtime paths, each walked as it runs; on both H_j = I_j for a recompute stage on tier device (its input
 stays on the device until B recomputes from it; activation_tier host, ssd or peer moves it off on the copy
@@ -114,9 +117,9 @@ class _Walked:
 
 def _whole_run_bytes(plan: Plan, gpu: int, standin: bool, on_device: Sequence[int]) -> int:
     """What gpu holds the whole run beside the walk: the regions it gives its peers' parked activations, the states
-    of its stages on the gpu tier, on a gpu X (the stand-in's ledger counts no transients: its profiles measure
-    none), and its stages' buffers V_g."""
+    of its stages on the gpu tier, on a gpu X_g and K (the stand-in's ledger counts no transients: its profiles
+    measure none), and its stages' buffers V_g."""
     out = sum(nbytes for (owner, _), nbytes in regions(plan).items() if owner == gpu)
     dtype_bytes = DTYPE_BYTES[plan.dtype]
     out += sum(device_state_bytes(plan.stages[j].trains, dtype_bytes) for j in on_device if plan.stages[j].gpu == gpu)
-    return out + (0 if standin else plan.workspace_bytes) + plan.buffers_on(gpu)
+    return out + (0 if standin else plan.workspace_bytes + plan.transients_on(gpu)) + plan.buffers_on(gpu)

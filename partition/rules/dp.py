@@ -1,7 +1,8 @@
 """Exact dynamic program: cut L layers into S contiguous stages minimizing the largest stage cost.
 
 Solves, for every S at once, min over cuts of max_j c_j (partition.rules.costmodel) subject to the memory rule
-2*W + W_grad + A_j <= G, where W = max_j P_j and W_grad = max_j of the stages' gradient bytes. The rule couples
+2*W + W_grad + A_j + X_j <= G, where W = max_j P_j, W_grad = max_j of the stages' gradient bytes and X_j the most
+transients of stage j's layers. The rule couples
 stages only through W and W_grad, so the DP runs once per candidate W (every distinct interval parameter sum that
 could be the largest stage) with W fixed as a per-stage cap and W_grad taken as the largest gradient of any interval
 within that cap; the best over W is exact where gradients grow with parameters (W_grad = W: every weight trains),
@@ -63,6 +64,17 @@ def interval_grads(arr: LayerArrays) -> np.ndarray:
     return np.where(l > k, g[l] - g[k], 0)
 
 
+def interval_transients(arr: LayerArrays) -> np.ndarray:
+    """X_j of every interval k..l-1 (the most X_l of its layers) as an (L+1)^2 array (0 off the intervals)."""
+    L = arr.num_layers
+    out = np.zeros((L + 1, L + 1), dtype=np.int64)
+    if arr.X is None:
+        return out
+    for k in range(L):
+        out[k, k + 1 :] = np.maximum.accumulate(arr.X[k:])
+    return out
+
+
 def _grad_slot(P: np.ndarray, Gm: np.ndarray, w: int) -> int:
     """W_grad for weight slot w: the largest gradient of any interval whose parameters fit w."""
     return int(Gm[P <= w].max())
@@ -94,6 +106,7 @@ def solve_dp(
     """Optimal cut for each S in stage_counts that has a feasible one (S missing from the result = none)."""
     L = arr.num_layers
     P, A, C = interval_matrices(arr, microbatches, load_gbps)
+    A = A + interval_transients(arr)  # the rule's per-stage need beyond the arena: A_j + X_j
     Gm = interval_grads(arr)
     max_s = min(max(stage_counts), L)
     best: dict[int, DpSolution] = {}
@@ -117,7 +130,8 @@ def _better(a: DpSolution, b: DpSolution) -> bool:
 
 
 def _slot_candidates(P: np.ndarray, Gm: np.ndarray, memory_bytes: int, A: np.ndarray) -> list[int]:
-    """Every interval parameter sum W that is at least the largest single layer and leaves room for some stage.
+    """Every interval parameter sum W that is at least the largest single layer and leaves room for some stage
+    (A: each interval's need beyond the arena, A_j + X_j).
 
     The room test uses the least A over ALL intervals: A_j counts only a stage's boundary outputs, so a
     stage of several layers can need less than any of its layers alone.

@@ -149,12 +149,6 @@ class Profile(_ProfilePart):
         return len(self.layers)
 
     @property
-    def workspace_bytes(self) -> int:
-        """What the compute holds beyond the walk's bytes: the most X_l of any layer (one layer computes at a
-        time) and W, the libraries' workspace of the compute stream."""
-        return max(x.workspace_bytes for x in self.layers) + self.library_bytes
-
-    @property
     def buffer_bytes(self) -> int:
         """The sum of V_l: every layer's buffers."""
         return sum(x.buffer_bytes for x in self.layers)

@@ -70,7 +70,8 @@ def test_gpt3_175b_on_paper_servers(gpt3_175b, topo_name):
     assert plan.num_stages > topo.num_gpus
     assert plan.model == "gpt3-175b" and plan.topology == topo_name and plan.dtype == "fp16"
     assert plan.mapping_rule == "cross" and plan.mapping == make_mapping("cross", topo, plan.num_stages)
-    assert plan.gpu_memory_bytes == 24 * GiB - gpt3_175b.workspace_bytes  # X + W held apart
+    assert plan.gpu_memory_bytes == 24 * GiB - gpt3_175b.library_bytes  # W held apart, each stage's X in its rule
+    assert {s.transient_bytes for s in plan.stages[1:-1]} == {gpt3_175b.layers[1].workspace_bytes}
     _check_plan(plan, gpt3_175b, topo, 4)
 
 
@@ -96,7 +97,7 @@ def test_sweep_picks_the_fastest_stage_count():
 def test_fixed_stage_count_uses_the_dp_cut(num_stages, rule, mb):
     prof = analytic_profile(SMALL, TI, microbatch_size=mb)
     topo = preset("3+1")
-    memory = 24 * GiB - 7 - prof.workspace_bytes
+    memory = 24 * GiB - 7 - prof.library_bytes
     plan = make_plan(prof, topo, 3, num_stages=num_stages, mapping=rule, reserve_bytes=7, solver="dp")
     assert plan.num_stages == num_stages and plan.mapping_rule == rule
     m = make_mapping(rule, topo, num_stages)

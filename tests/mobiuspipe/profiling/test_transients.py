@@ -128,12 +128,12 @@ def test_lora_layers_need_at_most_the_transients_counted(tmp_path, hf_kit, kind,
 
 
 def test_a_gpu_profile_holds_the_libraries_workspace_and_the_stand_in_none():
-    """W: a gpu's profile carries the device's library_bytes (measured on an H200), X and W add up in
-    Profile.workspace_bytes; the stand-in's ledger counts no transients, so its profile has none."""
+    """W: a gpu's profile carries the device's library_bytes (measured on an H200) beside each layer's X; the
+    stand-in's ledger counts no transients, so its profile has none."""
     spec = ModelSpec("t", 2, 48, 3, 37, 301)
     gpu, standin = analytic_profile(spec, GPU, 3, "bf16"), analytic_profile(spec, device_spec("cpu-standin"), 3, "bf16")
     assert gpu.library_bytes == LIBRARY_BYTES > 0
-    assert gpu.workspace_bytes == max(x.workspace_bytes for x in gpu.layers) + LIBRARY_BYTES
+    assert all(x.workspace_bytes > 0 for x in gpu.layers)
     assert standin.library_bytes == 0 and all(x.workspace_bytes == 0 for x in standin.layers)
 
 

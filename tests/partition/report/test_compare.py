@@ -68,9 +68,10 @@ def test_the_delayed_update_puts_mobiuspipes_host_adam_under_the_next_step():
 
 
 def test_the_baselines_plan_with_the_memory_mobiuspipes_plan_had(monkeypatch):
-    """The sequential mapping plans through make_plan, which holds the workspace X and the layers' buffers V apart
-    itself: it gets the plan's reserve alone (it got the reserve with X in it, and held X apart twice); the other
-    baselines, whose rules do not, get the memory the plan's rules had."""
+    """The sequential mapping plans through make_plan, which holds the workspaces W and the layers' buffers V apart
+    itself and each stage's transients X within its rule: it gets the plan's reserve alone (it got the reserve with X
+    in it, and held X apart twice); the other baselines, whose rules do not, get the memory the plan's rules had
+    less the largest X."""
     import dataclasses
 
     import partition.report.compare as compare_module
@@ -81,7 +82,8 @@ def test_the_baselines_plan_with_the_memory_mobiuspipes_plan_had(monkeypatch):
     layers = [dataclasses.replace(x, workspace_bytes=GiB // 4, buffer_bytes=GiB // 8) for x in prof.layers]
     prof = dataclasses.replace(prof, layers=tuple(layers), library_bytes=0)
     plan = make_plan(prof, topo, 4, reserve_bytes=GiB, solver="dp")
-    assert plan.workspace_bytes == GiB // 4 and plan.buffer_bytes > 0
+    assert plan.workspace_bytes == 0 and {s.transient_bytes for s in plan.stages} == {GiB // 4}
+    assert plan.buffer_bytes > 0
     asked = {}
 
     def sequential(*_, reserve_bytes, **__):
@@ -96,4 +98,5 @@ def test_the_baselines_plan_with_the_memory_mobiuspipes_plan_had(monkeypatch):
     monkeypatch.setattr(compare_module, "gpipe", record("gpipe"))
     compare(plan, topo, prof)
     memory = min(g.memory_bytes for g in topo.gpus)
-    assert asked == {"sequential": GiB, "zero": memory - plan.gpu_memory_bytes, "gpipe": memory - plan.gpu_memory_bytes}
+    net = memory - plan.gpu_memory_bytes + GiB // 4
+    assert asked == {"sequential": GiB, "zero": net, "gpipe": net}

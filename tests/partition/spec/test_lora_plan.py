@@ -198,11 +198,13 @@ def test_a_quantized_base_counts_its_dequantized_weight_while_a_layer_computes()
         assert frozen.dequantized == (0,) + (x(mlp),) * 80 + (x(head),)
         dtype = "bf16" if e == 2 else "fp32"
         p = analytic_profile(spec, plain, dtype=dtype, adapters=a, frozen=frozen)
-        assert [y.workspace_bytes for y in p.layers] == list(frozen.dequantized) and p.workspace_bytes == x(head)
+        assert [y.workspace_bytes for y in p.layers] == list(frozen.dequantized)
+        assert max(y.workspace_bytes for y in p.layers) == x(head)
         # on a device that holds transients, the dequantized weight lies beside a linear's gradients: the layer's X
         # is at least each of the two, at most their sum
         dense, both = (analytic_profile(spec, DEV, dtype=dtype, adapters=a, frozen=z) for z in (None, frozen))
         for d, q, y in zip(dense.layers, frozen.dequantized, both.layers):
             assert max(d.workspace_bytes, q) <= y.workspace_bytes <= d.workspace_bytes + q
         assert any(y.workspace_bytes > d.workspace_bytes for d, y in zip(dense.layers, both.layers))
-    assert analytic_profile(spec, plain, dtype="bf16", adapters=a).workspace_bytes == 0  # a dense base: no X
+    dense = analytic_profile(spec, plain, dtype="bf16", adapters=a)
+    assert {y.workspace_bytes for y in dense.layers} == {0}  # a dense base: no X
