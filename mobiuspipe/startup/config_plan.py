@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from foundation.checked import Problem, format_problems, rule
-from foundation.units import MiB
+from foundation.units import MiB, fmt_bytes
 from mobiuspipe.config import DEFAULT_GPUS, RunConfig
 from mobiuspipe.errors import ConfigError
 from mobiuspipe.runtime.peers.ranks import local_world_size
@@ -43,6 +43,7 @@ __all__ = [
     "num_ranks",
     "gpt_profile",
     "with_run_library_bytes",
+    "with_run_workspaces",
     "adapters",
     "frozen_base",
 ]
@@ -60,8 +61,29 @@ def plan_for_config(cfg: RunConfig) -> Plan:
         problems = plan_problems(plan, cfg)
         if problems:
             raise ConfigError(format_problems(f"config {cfg.source}", problems))
-        return plan
+        return with_run_workspaces(cfg, plan)
     return plan_from_config(cfg)
+
+
+def with_run_workspaces(cfg: RunConfig, plan: Plan) -> Plan:
+    """A plan file's plan with W (Plan.workspace_bytes) as the run's math libraries will hold it
+    (with_run_library_bytes): under runtime.deterministic at least LIBRARY_BYTES, the difference taken out of its
+    usable memory (its share of the gpu stays), so that the walk's figure and the start-up room check count it. A
+    plan whose stages record no X_j (made before they did, its workspace_bytes holding the largest X too, or from a
+    profile without W) is left alone."""
+    w = plan.workspace_bytes
+    if not (cfg.runtime.deterministic and 0 < w < LIBRARY_BYTES and any(s.transient_bytes for s in plan.stages)):
+        return plan
+    more = LIBRARY_BYTES - w
+    if more > plan.gpu_memory_bytes:
+        raise ConfigError(
+            f"config {cfg.source}: runtime.deterministic gives cuBLAS workspaces of {fmt_bytes(LIBRARY_BYTES)} per "
+            f"stream, but plan.file {cfg.plan.file} holds {fmt_bytes(w)} apart for them and leaves "
+            f"{fmt_bytes(plan.gpu_memory_bytes)} usable, less than the {fmt_bytes(more)} more they take; remake the "
+            "plan with `mobiuspipe partition --config RUN.yaml -o FILE` (it plans for them), or set "
+            "runtime.deterministic false"
+        )
+    return dataclasses.replace(plan, workspace_bytes=LIBRARY_BYTES, gpu_memory_bytes=plan.gpu_memory_bytes - more)
 
 
 def run_topology(cfg: RunConfig) -> Topology:

@@ -274,7 +274,6 @@ def test_a_config_planned_for_a_gpu_server_from_a_host_without_one_counts_the_gp
         assert all(x.workspace_bytes == 0 for x in here.layers)
 
 
-@pytest.mark.xfail(strict=True, reason="a plan file's W is not raised for runtime.deterministic")
 def test_a_deterministic_run_from_a_plan_file_holds_the_workspaces_it_sets(tmp_path):
     """A plan file made from a profile measured without runtime.deterministic holds its measured W apart: the run
     holds LIBRARY_BYTES instead, the difference out of the usable memory (the gpu's share stays); a plan made
@@ -287,9 +286,9 @@ def test_a_deterministic_run_from_a_plan_file_holds_the_workspaces_it_sets(tmp_p
     base = gpt_profile(_cfg())
     layers = tuple(dataclasses.replace(x, workspace_bytes=1000 + i) for i, x in enumerate(base.layers))
     measured = dataclasses.replace(base, layers=layers, library_bytes=17 * 2**20)
-    made = plan_from_config(_cfg(), solver="dp", profile=measured)
+    made = plan_from_config(_cfg(device_memory_mb=128), solver="dp", profile=measured)
     save_plan(made, tmp_path / "plan.yaml")
-    cfg = _cfg(file=str(tmp_path / "plan.yaml"))
+    cfg = _cfg(file=str(tmp_path / "plan.yaml"), device_memory_mb=128)
     deterministic = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, deterministic=True))
     assert plan_for_config(cfg) == made
     raised = plan_for_config(deterministic)
@@ -298,3 +297,7 @@ def test_a_deterministic_run_from_a_plan_file_holds_the_workspaces_it_sets(tmp_p
     older = dataclasses.replace(made, stages=tuple(dataclasses.replace(s, transient_bytes=0) for s in made.stages))
     save_plan(older, tmp_path / "plan.yaml")
     assert plan_for_config(deterministic) == older
+    small = dataclasses.replace(made, gpu_memory_bytes=LIBRARY_BYTES - 17 * 2**20 - 1)
+    save_plan(small, tmp_path / "plan.yaml")
+    with pytest.raises(ConfigError, match="runtime.deterministic gives cuBLAS workspaces .* remake the plan"):
+        plan_for_config(deterministic)
