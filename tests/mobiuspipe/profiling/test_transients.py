@@ -139,15 +139,19 @@ def test_a_gpu_profile_holds_the_libraries_workspace_and_the_stand_in_none():
 
 RELEASED = dict(hidden_size=40, intermediate_size=108, num_attention_heads=4, num_key_value_heads=2)
 """A llama whose MLP is 2.7 times its width, as the narrowest released ones (Llama-2's 2.69; Mistral's 3.5)."""
+SQUARE = dict(hidden_size=40, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2)
+"""A llama whose MLP is as wide as the model: the forward's fp32 norm weighs most against the backward's count."""
 
 
 @pytest.mark.parametrize("lora", [None, ("q_proj", "down_proj")])
 @pytest.mark.parametrize("frozen", [False, True])
-def test_the_forwards_own_transients_are_within_the_count_at_a_released_mlp_width(tmp_path, hf_kit, frozen, lora):
+@pytest.mark.parametrize("dtype,size", [("bf16", RELEASED), ("bf16", SQUARE), ("fp32", SQUARE)])
+def test_the_forwards_own_transients_are_within_the_count(tmp_path, hf_kit, frozen, lora, dtype, size):
     """A forward's own transients (transformers' RMSNorm computes in fp32, up to three fp32 t x h tensors at once),
-    which a gpu's allocator sees, stay within the count with an MLP 2.7 times the width: under the backward's without
-    adapters; with them by the one MLP-wide tensor more the count gives an adapted block (without it, 1.10x)."""
-    m, layers = _hf(tmp_path, hf_kit, "llama", "bf16", **RELEASED)
+    which a gpu's allocator sees, stay within the count with an MLP 2.7 times the width and as wide as the model, in
+    bf16 and fp32: under the backward's without adapters; with them by the one MLP-wide tensor more the count gives
+    an adapted block (without it, 1.10x at 2.7 times)."""
+    m, layers = _hf(tmp_path, hf_kit, "llama", dtype, **size)
     g = torch.Generator().manual_seed(9)
     x, y = (torch.randint(0, VOCAB, (B, S), generator=g) for _ in range(2))
     counts = None
@@ -162,7 +166,7 @@ def test_the_forwards_own_transients_are_within_the_count_at_a_released_mlp_widt
         for layer in layers:
             for p in layer.parameters():
                 p.requires_grad_(False)
-    counted = analytic_profile(m.spec, GPU, B, "bf16", adapters=counts)
+    counted = analytic_profile(m.spec, GPU, B, dtype, adapters=counts)
     with torch.no_grad():
         hidden = layers[0](x)
     with bool_mask_dropout():
