@@ -141,7 +141,12 @@ def _memory_notes(p: Plan) -> str:
     layers' buffers (nothing when none of them)."""
     notes, held = [], []
     if any(s.transient_bytes for s in p.stages):
-        most = ", ".join(f"gpu {g} {fmt_bytes(p.transients_on(g))}" for g in range(p.num_gpus))
+        each = [p.transients_on(g) for g in range(p.num_gpus)]
+        most = (
+            f"{fmt_bytes(each[0])} on each gpu"
+            if len(set(each)) == 1
+            else ", ".join(f"gpu {g} {fmt_bytes(x)}" for g, x in enumerate(each))
+        )
         notes.append(f"a computing layer's backward transients within it, at most {most}")
     if p.workspace_bytes:
         what = "cuBLAS's workspaces" if notes else "a layer's backward transients and cuBLAS's workspaces"
