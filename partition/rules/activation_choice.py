@@ -13,10 +13,10 @@ caps, then computes least; make_plan (partition.search._best_choice) the one who
 predicts the shorter step.
 
 Legend (units in brackets): C_j, H_j, T_j, R_j, X_j as in partition.rules.activations [s, bytes]; D_g the walk's
-peak on gpu g [bytes]; G the budget: usable gpu memory [bytes]. "Within G" is D_g + X_g + C_g <= G, X_g the most
-transients one of g's computing layers holds beyond the walk (Plan.transients_on; 0 on the stand-in, whose ledger
-counts none), C_g the context a peer's process makes on gpu g when it parks there (partition.rules.peer's C; 0 on
-the stand-in).
+peak on gpu g [bytes]; G the budget: usable gpu memory [bytes]. "Within G" is D_g + N_g + C_g <= G, N_g the most
+transients one of g's computing layers holds beyond the walk (Plan.transients_on, partition.rules.device_peak's X_g:
+not this legend's X_j; 0 on the stand-in, whose ledger counts none), C_g the context a peer's process makes on gpu g
+when it parks there (partition.rules.peer's C; 0 on the stand-in).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class Considered:
 @dataclass(frozen=True)
 class Choice:
     """The chosen policy of every stage, with its figures, every gpu's peak D_g, and (with explain) every
-    option weighed; needs: what each gpu must have free under it, held to the budget (D_g + X_g + C_g)."""
+    option weighed; needs: what each gpu must have free under it, held to the budget (D_g + N_g + C_g)."""
 
     costs: tuple[PolicyCost, ...]
     peaks: tuple[int, ...]
@@ -130,7 +130,7 @@ class _Walker:
 
     def need(self, costs: list[PolicyCost], gpu: int) -> int:
         """What gpu must have free under a choice: its D_g and, on a gpu (not the stand-in), its stages' transients
-        X_g and, where it gives a peer a region, the context the parking rank's process makes there
+        N_g and, where it gives a peer a region, the context the parking rank's process makes there
         (partition.rules.peer's C)."""
         if self.standin:
             return self.peak(costs, gpu)
