@@ -44,6 +44,10 @@ from topology import cpu_standin
 ROOT = Path(__file__).resolve().parent.parent
 BARS = {"hidden": 0.90, "speed": 1.15}
 """The issue's bars on a GPU: share of load time hidden under compute; step time over its floor."""
+ALLOCATOR_ROUNDING = 32 << 10
+"""Bytes a layer's measured transients may exceed their count by: CUDA's caching allocator rounds every block up to
+512 bytes (64 blocks' worth here); the profiler empties its cache first, so that no larger cached block is handed
+out whole (up to 1 MiB more)."""
 CLIP = 0.05
 """The updates check's max_grad_norm: below the GPT's first gradient norm, so its first step clips."""
 SPEED_STEPS, SKIP = 6, 2
@@ -173,7 +177,7 @@ def memory_and_speed(
         f"{own / 2**20:.2f} of {base.planned_bytes / 2**20:.2f} MiB planned{held}",
         "<= plan",
     )
-    action_rows(t, size, plan, cuda)
+    t.guarded("each action within the plan at it", action_rows, t, size, plan, cuda)
     parts = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in sorted(base.ledger_parts.items(), key=lambda kv: -kv[1]))
     t.add("the runtime's ledger at its peak (MiB)", None, f"{sum(base.ledger_parts.values()) / 2**20:.1f}: {parts}")
     if cuda:
@@ -271,7 +275,13 @@ def hf_counts(t: Table, device: torch.device, folder: Path) -> None:
     for name, kept, spent in runs.hf_kept(device, folder):
         t.add(f"HF {name}: kept within the count", kept <= 1.0, f"{kept:.6f} of it at most", "<= 1")
         if spent is not None:
-            t.add(f"HF {name}: transients within the count", spent <= 1.0, f"{spent:.3f} of it at most", "<= 1")
+            ratio, over = spent
+            t.add(
+                f"HF {name}: transients within the count",
+                over <= ALLOCATOR_ROUNDING,
+                f"{ratio:.6f} of it at most ({over:+,} bytes)",
+                f"<= {ALLOCATOR_ROUNDING:,} bytes over",
+            )
 
 
 def action_rows(t: Table, size: runs.Size, plan, cuda: bool) -> None:

@@ -425,12 +425,13 @@ def lora_runs(
     return got, want
 
 
-def hf_kept(device: torch.device, folder: Path) -> list[tuple[str, float, float | None]]:
+def hf_kept(device: torch.device, folder: Path) -> list[tuple[str, float, tuple[float, int] | None]]:
     """What small random GPT-2 (its default dropouts) and Llama (grouped queries) layers keep for backward on
     `device` (measure_layers: saved-tensor hooks) over what the analytic profile counts, the most of any layer, for
     bf16 and fp32, and likewise the transients their backward allocates beyond it (X_l: the allocator's peak, on
-    CUDA; None on the stand-in, which measures none): [(name, kept ratio, transients ratio)]; each at most 1 where
-    the count holds on this device's kernels."""
+    CUDA; None on the stand-in, which measures none): [(name, kept ratio, (transients ratio, the most bytes a
+    layer's measured X is over its count))]; the ratios at most 1 where the count holds on this device's kernels
+    (the allocator rounds each block to 512 bytes: the bytes over say whether that is all)."""
     from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
     from mobiuspipe.models.hf import layer_factories as hf_factories
@@ -461,7 +462,10 @@ def hf_kept(device: torch.device, folder: Path) -> list[tuple[str, float, float 
             counted = analytic_profile(m.spec, spec_device, microbatch_size=b, dtype=dtype)
             pairs = list(zip(measured.layers, counted.layers))
             kept = max(g.activation_bytes / c.activation_bytes for g, c in pairs if c.activation_bytes)
-            spent = max(g.workspace_bytes / c.workspace_bytes for g, c in pairs) if cuda else None
+            spent = None
+            if cuda:
+                ratio = max(g.workspace_bytes / c.workspace_bytes for g, c in pairs)
+                spent = (ratio, max(g.workspace_bytes - c.workspace_bytes for g, c in pairs))
             out.append((f"{kind} {dtype}", kept, spent))
     return out
 

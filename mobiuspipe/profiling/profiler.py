@@ -223,10 +223,12 @@ class _Run:
     def workspace_bytes(self) -> int:
         """X_l: on CUDA, the allocator's peak over a recompute and its backward less what was allocated once the
         recompute ended (the saved activations and the output, which A_l and O_l count, and all held before); 0
-        elsewhere (the stand-in's ledger counts no transients)."""
+        elsewhere (the stand-in's ledger counts no transients). The allocator's cache is emptied first: a cached block
+        up to 1 MiB larger than asked would be handed out whole, and counted whole."""
         if self.device.type != "cuda":
             return 0
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         y = self.recompute()
         torch.cuda.synchronize(self.device)
