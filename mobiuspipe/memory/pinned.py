@@ -10,6 +10,8 @@ whose cache suits them."""
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections.abc import Callable
 
 import torch
@@ -35,6 +37,7 @@ class PinnedBlocks:
     def __init__(self, register: Register, unregister: Unregister):
         self._register, self._unregister = register, unregister
         self._blocks: list[tuple[torch.Tensor, int]] = []  # (the buffer, its address), registered
+        self._spans: list[tuple[int, int]] = []  # (address, end) of each buffer's bytes, by address
 
     def empty(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of nbytes in page-locked host memory, aligned to ALIGN (O_DIRECT may use it too), of
@@ -52,6 +55,7 @@ class PinnedBlocks:
                 f"memory.host_budget_mb or leave more of the host's memory free"
             )
         self._blocks.append((buf, buf.data_ptr()))
+        bisect.insort(self._spans, (buf.data_ptr(), buf.data_ptr() + buf.numel()))
         return buf
 
     def covers(self, t: torch.Tensor) -> bool:
@@ -59,7 +63,8 @@ class PinnedBlocks:
         the start of t's storage, which aligned_empty takes larger than the aligned bytes registered)."""
         start = t.data_ptr()
         end = start + max(t.numel(), 1) * t.element_size()
-        return any(address <= start and end <= address + buf.numel() for buf, address in self._blocks)
+        i = bisect.bisect_right(self._spans, (start, math.inf)) - 1  # the last buffer starting at or before t
+        return i >= 0 and end <= self._spans[i][1]
 
     @property
     def nbytes(self) -> int:
@@ -68,7 +73,7 @@ class PinnedBlocks:
 
     def close(self) -> None:
         """Unregister every buffer (the gpu's copies from and into them have ended)."""
-        blocks, self._blocks = self._blocks, []
+        blocks, self._blocks, self._spans = self._blocks, [], []
         for _, address in blocks:
             self._unregister(address)
 

@@ -47,6 +47,25 @@ def test_a_buffer_is_registered_at_its_own_size_aligned(nbytes):
     assert int(buf.sum()) == 7 * nbytes
 
 
+def test_covers_tells_the_bytes_of_a_registered_buffer_among_many():
+    """A tensor lies in a registered buffer iff all its bytes do, whatever the buffers' order in memory."""
+    g = torch.Generator().manual_seed(3)
+    cuda = FakeCuda()
+    blocks = PinnedBlocks(cuda.register, cuda.unregister)
+    bufs = [blocks.empty(int(n)) for n in torch.randint(1, 3 * ALIGN, (40,), generator=g)]
+    spans = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in bufs]
+    outside = torch.empty(ALIGN, dtype=torch.uint8)
+    views = [outside, outside[5:9]] + [b[a : a + n] for b in bufs for a, n in ((0, b.numel()), (b.numel() // 2, 1))]
+    views += [b.view(-1)[1:].view(torch.uint8) for b in bufs[:5]] + [torch.empty(0, dtype=torch.uint8)]
+    for v in views + [b.as_strided((2,), (1,), b.numel() - 1) for b in bufs[:5]]:  # the last: one byte past its end
+        start = v.data_ptr()
+        end = start + max(v.numel(), 1)
+        assert blocks.covers(v) == any(a <= start and end <= e for a, e in spans)
+    assert blocks.covers(bufs[7][3:]) and not blocks.covers(outside)
+    blocks.close()
+    assert not blocks.covers(bufs[7])
+
+
 def test_close_unregisters_each_buffer_once_and_leaves_its_memory_valid():
     cuda = FakeCuda()
     blocks = PinnedBlocks(cuda.register, cuda.unregister)
