@@ -175,9 +175,10 @@ def _chosen(
     plans = shared + more
     raise PlanInfeasibleError(
         f"no plan of {profile.model} fits {fmt_bytes(memory)} per gpu on the lifetime walk (the arena, held "
-        f"activations, queued messages and the computing stage's live bytes) with {plans[0].num_microbatches} "
-        f"microbatches of {profile.microbatch_size}: with {plans[0].num_stages} stages, {errors[0]}; use a smaller "
-        f"microbatch size or sequence length, fewer microbatches, more stages, or gpus with more memory"
+        f"activations, queued messages, the computing stage's live bytes and transients) with "
+        f"{plans[0].num_microbatches} microbatches of {profile.microbatch_size}: with {plans[0].num_stages} stages, "
+        f"{errors[0]}; use a smaller microbatch size or sequence length, fewer microbatches, more stages, or gpus "
+        "with more memory"
     )
 
 

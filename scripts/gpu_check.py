@@ -456,7 +456,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         base = t.guarded("equivalence", equivalence, t, size, device, topology, Path(tmp), args.steps)
         if base is not None:
-            run, plan = base["fp32"]  # the plan the run was made from: one profile, so one X and W
+            run, plan = base["fp32"]  # the plan the run was made from: one profile, so one X per stage, one W
             t.figures = t.guarded("memory and speed", memory_and_speed, t, run, size, device, plan, cuda, args) or {}
         # the short sections before the longer newer ones: a run cut by its time limit keeps the rows it saved
         t.machine = t.guarded("machine", machine, t, cuda) or {}

@@ -28,7 +28,13 @@ from mobiuspipe.errors import ConfigError, PeerLostError
 from mobiuspipe.run.resume import resume_root
 from mobiuspipe.run.room import host_room, placements, shortfall_problem, ssd_need, ssd_room
 from mobiuspipe.runtime.peers.ranks import local_world_size, rank_info
-from mobiuspipe.startup.config_plan import num_ranks, plan_from_config, plan_problems, replan_advice
+from mobiuspipe.startup.config_plan import (
+    num_ranks,
+    plan_from_config,
+    plan_problems,
+    replan_advice,
+    with_run_workspaces,
+)
 from partition.plan import Plan, load_plan
 from partition.rules.tiers import RunBudgetTooSmall
 
@@ -144,13 +150,14 @@ def _handed_plan(cfg: RunConfig) -> Plan | None:
 
 
 def _plan_file(cfg: RunConfig, job: tuple[int, str] | None) -> Plan | None:
-    """plan.file's plan, with every mismatch with the config and with the job's rank count reported at once
+    """plan.file's plan (its workspaces as the run's libraries hold them: with_run_workspaces), with every mismatch
+    with the config and with the job's rank count reported at once
     (job: the ranks, and how they were asked for); without plan.file, None once the rank count fits the
     gpus the config plans for."""
     if cfg.plan.file:
         plan = load_plan(cfg.plan.file)
         _raise(cfg, _world_problems(cfg, plan.num_gpus, job) + plan_problems(plan, cfg))
-        return plan
+        return with_run_workspaces(cfg, plan)
     _raise(cfg, _world_problems(cfg, num_ranks(cfg), job))
     return None
 

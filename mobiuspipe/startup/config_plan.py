@@ -19,6 +19,7 @@ from mobiuspipe.startup.lora import adapter_counts, adapter_kept, lora_spec
 from mobiuspipe.startup.machine import discovered_topology
 from mobiuspipe.startup.update_policy import UpdatePolicy
 from partition.plan import Plan, load_plan
+from partition.rules.device_peak import gpu_headroom
 from partition.rules.placement import HostCopies
 from partition.rules.tiers import HostBudget, RunMemory
 from partition.search import plan_batch
@@ -75,15 +76,18 @@ def with_run_workspaces(cfg: RunConfig, plan: Plan) -> Plan:
     if not (cfg.runtime.deterministic and 0 < w < LIBRARY_BYTES and any(s.transient_bytes for s in plan.stages)):
         return plan
     more = LIBRARY_BYTES - w
-    if more > plan.gpu_memory_bytes:
+    raised = dataclasses.replace(plan, workspace_bytes=LIBRARY_BYTES, gpu_memory_bytes=plan.gpu_memory_bytes - more)
+    left = gpu_headroom(raised)
+    if min(left) < 0:
+        g = left.index(min(left))
         raise ConfigError(
             f"config {cfg.source}: runtime.deterministic gives cuBLAS workspaces of {fmt_bytes(LIBRARY_BYTES)} per "
-            f"stream, but plan.file {cfg.plan.file} holds {fmt_bytes(w)} apart for them and leaves "
-            f"{fmt_bytes(plan.gpu_memory_bytes)} usable, less than the {fmt_bytes(more)} more they take; remake the "
-            "plan with `mobiuspipe partition --config RUN.yaml -o FILE` (it plans for them), or set "
-            "runtime.deterministic false"
+            f"stream, but plan.file {cfg.plan.file} holds {fmt_bytes(w)} apart for them (its profile was measured "
+            f"without them), and with the {fmt_bytes(more)} more gpu {g} needs {fmt_bytes(-left[g])} more than the "
+            f"plan's usable memory; {replan_advice(cfg, 'for them')} (with --profile FILE when the plan was made from "
+            "a measured profile), or set runtime.deterministic false"
         )
-    return dataclasses.replace(plan, workspace_bytes=LIBRARY_BYTES, gpu_memory_bytes=plan.gpu_memory_bytes - more)
+    return raised
 
 
 def run_topology(cfg: RunConfig) -> Topology:

@@ -52,9 +52,9 @@ def room_now(device: torch.device) -> Room:
 
 
 def room_problem(planned: int, room: Room, gpu: int, assumed: int, unplanned: int = 0) -> str | None:
-    """What is wrong when the plan's peak on `gpu` (planned: its walk, workspaces and the buffers the plan counts) and
-    the layers' buffers beyond the plan's count (`unplanned`: a plan made from a profile that did not measure them)
-    exceed what the gpu can give the run; assumed: the bytes of the gpu the plan was made to use (its
+    """What is wrong when the plan's peak on `gpu` (planned: its walk, transients, workspaces and the buffers the plan
+    counts) and the layers' buffers beyond the plan's count (`unplanned`: a plan made from a profile that did not
+    measure them) exceed what the gpu can give the run; assumed: the bytes of the gpu the plan was made to use (its
     gpu_memory_bytes, workspaces and buffers). None if it fits."""
     if planned + unplanned <= room.usable:
         return None

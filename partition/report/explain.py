@@ -25,7 +25,8 @@ def explain_lines(plan: Plan, choice: Choice) -> list[str]:
     """The text of `--explain`, a block per stage."""
     out = [
         HEAD,
-        f"budget per gpu {fmt_bytes(plan.gpu_memory_bytes)}; peaks "
+        f"budget per gpu {fmt_bytes(plan.gpu_memory_bytes)}; "
+        + ("needs (peak, transients, peers' contexts) " if choice.needs else "peaks ")
         + ", ".join(f"gpu {g} {fmt_bytes(p)}" for g, p in enumerate(choice.needs or choice.peaks)),
     ]
     for j, s in enumerate(plan.stages):

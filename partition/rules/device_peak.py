@@ -13,7 +13,7 @@ Legend (partition.rules.lifetimes has the walk's; units in brackets):
         intermediates' gradients, a weight's gradient before it is added into the slot): the
         largest X_j of g's stages, measured on CUDA or counted by the analytic profile for a gpu [bytes]
   K     plan.workspace_bytes: what the plan holds apart on every gpu, the cuBLAS workspaces of
-        the compute stream (W, Profile.library_bytes; and the largest X_l in plans made before
+        the compute stream (the profile's library_bytes; and the largest X_l in plans made before
         stages recorded their X_j)                                                            [bytes]
   D_g   the walk's peak on gpu g: the arena, the held inputs, the messages queued in and out, and
         the computing stage's A_j; plus the regions g gives its peers' parked activations
@@ -32,7 +32,7 @@ streams, and the walk then counts it as swapped):
   the CPU stand-in (standin=True), as its DeviceLedger counts: the arena's slots in use (P_j each), sends
       held to the step's end (gloo's send requests report completion only once waited on: Comm.flush; not
       so under MOBIUSPIPE_STRICT=1, whose sends complete once taken, as NCCL's do).
-D_g >= S * W + max A_j of gpu g's stages (costmodel's memory rule S*W + A_j <= G) on a gpu: the rule
+D_g >= S * W + max (A_j + X_j) of gpu g's stages (costmodel's memory rule S*W + A_j + X_j <= G) on a gpu: the rule
 leaves out the queued messages and the held inputs. The runtime measures the real peak
 (mobiuspipe.memory.measure) and the torchrun entry compares the two.
 """
@@ -44,11 +44,11 @@ from collections.abc import Sequence
 from partition.plan import Plan, StagePlan
 from partition.rules.activations import ActivationPolicy
 from partition.rules.lifetimes import StageBytes, device_peaks, device_timeline
-from partition.rules.peer import regions
+from partition.rules.peer import context_bytes, regions
 from partition.rules.placement import device_state_bytes
 from partition.spec.analytic import DTYPE_BYTES
 
-__all__ = ["planned_device_bytes", "planned_timeline", "stage_bytes"]
+__all__ = ["gpu_headroom", "planned_device_bytes", "planned_timeline", "stage_bytes"]
 
 
 def stage_bytes(plan: Plan, held: Sequence[int] | None = None, chosen: bool = False) -> list[StageBytes]:
@@ -87,6 +87,16 @@ def planned_device_bytes(
     peaks = device_peaks(plan.mapping, plan.num_microbatches, walk.stages, walk.arena, walk.until_flush, walk.swapped)
     peaks = peaks + [walk.arena or 0] * (plan.num_gpus - len(peaks))
     return [b + _whole_run_bytes(plan, g, standin, on_device) for g, b in enumerate(peaks)]
+
+
+def gpu_headroom(plan: Plan) -> list[int]:
+    """Per gpu, what the plan's usable memory (gpu_memory_bytes) leaves beside what the plan holds to it on a gpu: the
+    walk with X_g, its stages' states on the gpu tier (StagePlan.optimizer_tier device) and the peers' contexts
+    (partition.rules.peer's C), less K and V_g, which the usable memory is net of. Negative where that is over."""
+    on_device = [j for j, s in enumerate(plan.stages) if s.optimizer_tier == "device"]
+    walk, contexts = planned_device_bytes(plan, on_device=on_device), context_bytes(plan)
+    held = [walk[g] - plan.workspace_bytes - plan.buffers_on(g) + contexts[g] for g in range(plan.num_gpus)]
+    return [plan.gpu_memory_bytes - h for h in held]
 
 
 def planned_timeline(

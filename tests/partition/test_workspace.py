@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from partition import make_plan
+from partition.errors import PlanInfeasibleError
 from partition.plan import Plan, load_plan, save_plan
+from partition.rules.activation_choice import choose_activations
+from partition.rules.activations import Link
+from partition.rules.costmodel import LayerArrays, arena_bytes
 from partition.rules.device_peak import planned_device_bytes
+from partition.rules.fits import check_layers_fit
+from partition.search import _arena_fits
 from partition.spec.profile import LayerProfile, Profile, load_profile, save_profile
 from topology import cpu_standin
 
@@ -113,3 +119,37 @@ def _only(j: int, x: int) -> tuple[int, int, int]:
     """X of the three layers: x on layer j, 0 on the others."""
     a, b, c = (x if i == j else 0 for i in range(3))
     return a, b, c
+
+
+def test_the_activation_choice_holds_each_gpus_transients_to_the_budget():
+    """On a gpu the choice holds each gpu's walk with its stages' largest X (N_g) to the budget, on the stand-in the
+    walk alone (its ledger counts no transients): a budget that holds gpu 0's walk but not with its X keeps less."""
+    profile = _profile((5000, 7, 300))
+    plan = _spread(profile)
+    device: dict[str, Link | None] = {"device": None}
+    roomy = choose_activations(plan, profile, 1 << 30, device)
+    assert roomy.needs == tuple(p + x for p, x in zip(roomy.peaks, (5000, 7, 300)))
+    standin = choose_activations(plan, profile, 1 << 30, device, standin=True)
+    assert standin.needs == standin.peaks and standin.policies == roomy.policies
+    tight = roomy.needs[0] - 1
+    assert choose_activations(plan, profile, tight, device, standin=True).policies == roomy.policies
+    held = choose_activations(plan, profile, tight, device)
+    assert held.costs[0].held_bytes < roomy.costs[0].held_bytes and held.needs[0] <= tight
+
+
+def test_the_mip_cuts_pass_the_rule_with_each_stages_transients():
+    """_arena_fits, the filter between a MIP cut and a plan, holds each stage's arena, activations and X to G."""
+    arr = LayerArrays.of(_profile((0, 40, 0)))
+    ranges = [(0, 0), (1, 2)]
+    need = arena_bytes(max(arr.params(a, b) for a, b in ranges), max(arr.grads(a, b) for a, b in ranges))
+    need += max(arr.activations(a, b) + arr.transients(a, b) for a, b in ranges)
+    assert arr.transients(1, 2) == 40 and _arena_fits(arr, ranges, need) and not _arena_fits(arr, ranges, need - 1)
+
+
+def test_a_layer_whose_transients_alone_overflow_is_named():
+    profile = _profile((0, 0, 1000))
+    arr = LayerArrays.of(profile)
+    alone = arena_bytes(arr.params(2, 2), arr.grads(2, 2)) + arr.activations(2, 2)
+    check_layers_fit(arr, profile, alone + 1000, 0)
+    with pytest.raises(PlanInfeasibleError, match=r"layer 2 \(c\) alone needs .* 1000 B its backward holds beyond"):
+        check_layers_fit(arr, profile, alone + 999, 0)

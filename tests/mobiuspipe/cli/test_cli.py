@@ -412,7 +412,7 @@ def test_a_run_plans_without_a_reserve_on_stand_ins_and_with_one_on_real_gpus(tm
     cfg = tmp_path / "run.yaml"
 
     def usable(text: str, *extra: str) -> int:
-        """The gpu memory the plan took as its own: its usable bytes and what it held apart (X + W, buffers)."""
+        """The gpu memory the plan took as its own: its usable bytes and what it held apart (W, buffers)."""
         cfg.write_text(text)
         assert cli.main(["partition", "--config", str(cfg), "--json", *extra]) == 0
         doc = json.loads(capsys.readouterr().out)

@@ -280,7 +280,9 @@ def test_a_deterministic_run_from_a_plan_file_holds_the_workspaces_it_sets(tmp_p
     before stages recorded their X (its workspace_bytes held the largest X too) is read as written."""
     import dataclasses
 
+    from mobiuspipe.run import preflight
     from mobiuspipe.startup.config_plan import gpt_profile, plan_from_config
+    from partition.rules.device_peak import gpu_headroom
     from partition.spec.hardware import LIBRARY_BYTES
 
     base = gpt_profile(_cfg())
@@ -294,10 +296,17 @@ def test_a_deterministic_run_from_a_plan_file_holds_the_workspaces_it_sets(tmp_p
     raised = plan_for_config(deterministic)
     assert raised.workspace_bytes == LIBRARY_BYTES and raised.gpu_share_bytes == made.gpu_share_bytes
     assert raised.gpu_memory_bytes == made.gpu_memory_bytes - (LIBRARY_BYTES - 17 * 2**20)
+    assert preflight._plan_file(deterministic, None) == raised  # the run's own path: mobiuspipe train, its ranks
     older = dataclasses.replace(made, stages=tuple(dataclasses.replace(s, transient_bytes=0) for s in made.stages))
     save_plan(older, tmp_path / "plan.yaml")
     assert plan_for_config(deterministic) == older
-    small = dataclasses.replace(made, gpu_memory_bytes=LIBRARY_BYTES - 17 * 2**20 - 1)
-    save_plan(small, tmp_path / "plan.yaml")
-    with pytest.raises(ConfigError, match="runtime.deterministic gives cuBLAS workspaces .* remake the plan"):
-        plan_for_config(deterministic)
+    left = min(gpu_headroom(made))
+    for short in (0, 1):  # the plan left `left` bytes: the 48 MiB more fit it, or not by `short` bytes
+        tight = dataclasses.replace(made, gpu_memory_bytes=made.gpu_memory_bytes - left + LIBRARY_BYTES - 17 * 2**20)
+        tight = dataclasses.replace(tight, gpu_memory_bytes=tight.gpu_memory_bytes - short)
+        save_plan(tight, tmp_path / "plan.yaml")
+        if not short:
+            assert min(gpu_headroom(plan_for_config(deterministic))) == 0
+            continue
+        with pytest.raises(ConfigError, match=r"runtime.deterministic .* needs 1 B more .* re-plan for them"):
+            plan_for_config(deterministic)
