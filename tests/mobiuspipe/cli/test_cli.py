@@ -15,6 +15,7 @@ import yaml
 from mobiuspipe import cli
 from partition.mip.solvers import mip_installed
 from partition.plan import load_plan
+from partition.spec.hardware import LIBRARY_BYTES
 from partition.spec.models import MODELS
 from topology import preset
 
@@ -127,6 +128,9 @@ def test_partition_json_contract(planned):
     assert d["predicted_step_time_s"] > 0
     for s in d["stages"]:
         assert {"layers", "gpu", "param_bytes", "activation_bytes", "fwd_s", "bwd_s", "load_s"} <= set(s)
+    # a gpu server's plan: each stage's transients (a block's the largest) within the rule, cuBLAS's workspaces apart
+    assert max(s["transient_bytes"] for s in d["stages"]) == max(s["transient_bytes"] for s in d["stages"][1:-1]) > 0
+    assert d["workspace_bytes"] == LIBRARY_BYTES
 
 
 def test_partition_stages_cover_every_layer_in_order(planned):
