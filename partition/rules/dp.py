@@ -2,12 +2,12 @@
 
 Solves, for every S at once, min over cuts of max_j c_j (partition.rules.costmodel) subject to the memory rule
 2*W + W_grad + A_j + X_j <= G, where W = max_j P_j, W_grad = max_j of the stages' gradient bytes and X_j the most
-transients of stage j's layers. The rule couples
-stages only through W and W_grad, so the DP runs once per candidate W (every distinct interval parameter sum that
-could be the largest stage) with W fixed as a per-stage cap and W_grad taken as the largest gradient of any interval
-within that cap; the best over W is exact where gradients grow with parameters (W_grad = W: every weight trains),
-and under LoRA, whose gradients are the adapters', the W_grad used is an upper bound of the cut's own. Each run is
-the textbook recurrence
+transients of stage j's layers. The rule couples stages only through W and W_grad, so the DP runs once per candidate
+W (every distinct interval parameter sum that could be the largest stage) with W fixed as a per-stage cap and W_grad
+taken as the largest gradient of any interval within that cap; the best over W is exact where gradients grow with
+parameters (W_grad = W: every weight trains), and under LoRA, whose gradients are the adapters', the W_grad used is
+an upper bound of the cut's own. X_j is the stage's own, so it leaves the coupling as it was. Each run is the
+textbook recurrence
 
   f[s][l] = min_k max(f[s-1][k], c(k..l-1))      (f[s][l]: first l layers in s stages)
 
