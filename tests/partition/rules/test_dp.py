@@ -12,7 +12,8 @@ from partition.rules.dp import interval_matrices, solve_dp
 from partition.spec.profile import LayerProfile, Profile
 
 
-def _profile(params, acts, outs, fwds, bwds) -> Profile:
+def _profile(params, acts, outs, fwds, bwds, transients=None) -> Profile:
+    xs = [0] * len(params) if transients is None else transients
     layers = tuple(
         LayerProfile(
             name=f"l{i}",
@@ -24,8 +25,9 @@ def _profile(params, acts, outs, fwds, bwds) -> Profile:
             bwd_flops=0.0,
             fwd_s=float(f),
             bwd_s=float(b),
+            workspace_bytes=int(x),
         )
-        for i, (p, a, o, f, b) in enumerate(zip(params, acts, outs, fwds, bwds))
+        for i, (p, a, o, f, b, x) in enumerate(zip(params, acts, outs, fwds, bwds, xs))
     )
     return Profile(model="rand", device="dev", dtype="fp16", microbatch_size=1, seq_len=1, layers=layers)
 
@@ -37,7 +39,13 @@ def _random_profile(rng: np.random.Generator, L: int) -> Profile:
         rng.integers(0, 600, L),
         rng.uniform(1e-4, 1e-2, L),
         rng.uniform(1e-4, 2e-2, L),
+        rng.integers(0, 800, L) * rng.integers(0, 2, L),  # X_l, 0 for about half the layers
     )
+
+
+def _need(arr: LayerArrays, a: int, b: int) -> int:
+    """The memory rule's need beyond the arena of a stage of layers a..b: A_j + X_j."""
+    return arr.activations(a, b) + arr.transients(a, b)
 
 
 def _enumerate(arr: LayerArrays, memory: int, m: int, gbps: float, s: int):
@@ -48,7 +56,7 @@ def _enumerate(arr: LayerArrays, memory: int, m: int, gbps: float, s: int):
         cuts = (0, *inner, L)
         ranges = [(cuts[j], cuts[j + 1] - 1) for j in range(s)]
         W = max(arr.params(a, b) for a, b in ranges)
-        if any(ARENA_SLOTS * W + arr.activations(a, b) > memory for a, b in ranges):
+        if any(ARENA_SLOTS * W + _need(arr, a, b) > memory for a, b in ranges):
             continue
         c = max(stage_cost(arr, a, b, m, gbps) for a, b in ranges)
         if c < best:
@@ -66,8 +74,8 @@ def _check_solution(arr, memory, m, gbps, sol, s):
     W = max(arr.params(a, b) for a, b in sol.ranges)
     assert W <= sol.slot_bytes
     for a, b in sol.ranges:
-        assert ARENA_SLOTS * W + arr.activations(a, b) <= memory
-        assert ARENA_SLOTS * sol.slot_bytes + arr.activations(a, b) <= memory
+        assert ARENA_SLOTS * W + _need(arr, a, b) <= memory
+        assert ARENA_SLOTS * sol.slot_bytes + _need(arr, a, b) <= memory
     achieved = max(stage_cost(arr, a, b, m, gbps) for a, b in sol.ranges)
     assert achieved == pytest.approx(sol.bottleneck_s, rel=1e-12, abs=0)
 
@@ -75,7 +83,7 @@ def _check_solution(arr, memory, m, gbps, sol, s):
 def _memories(arr: LayerArrays, rng: np.random.Generator) -> list[int]:
     """Budgets from 'nothing fits' through 'some cuts fit' to 'everything fits'."""
     L = arr.num_layers
-    need = sorted({ARENA_SLOTS * arr.params(a, b) + arr.activations(a, b) for a in range(L) for b in range(a, L)})
+    need = sorted({ARENA_SLOTS * arr.params(a, b) + _need(arr, a, b) for a in range(L) for b in range(a, L)})
     picks = [need[0] - 1, need[0], need[-1]]
     picks += [int(x) for x in rng.choice(need, size=min(4, len(need)), replace=False)]
     picks += [int(x) + 1 for x in rng.choice(need, size=min(2, len(need)), replace=False)]
@@ -113,7 +121,7 @@ def test_dp_subset_of_stage_counts_and_out_of_range(seed):
     rng = np.random.default_rng(seed)
     L = 7
     arr = LayerArrays.of(_random_profile(rng, L))
-    memory = max(ARENA_SLOTS * arr.params(a, b) + arr.activations(a, b) for a in range(L) for b in range(a, L))
+    memory = max(ARENA_SLOTS * arr.params(a, b) + _need(arr, a, b) for a in range(L) for b in range(a, L))
     full = solve_dp(arr, memory, 3, 1e-3, list(range(1, L + 1)))
     assert set(full) == set(range(1, L + 1))  # everything fits
     part = solve_dp(arr, memory, 3, 1e-3, [0, 2, 5, L + 1, L + 4])
@@ -195,9 +203,9 @@ def test_under_lora_the_dp_uses_the_smaller_gradient_slot(seed):
                     ranges = [(cuts[j], cuts[j + 1] - 1) for j in range(s)]
                     W = max(arr.params(a, b) for a, b in ranges)
                     c = max(stage_cost(arr, a, b, m, gbps) for a, b in ranges)
-                    if all(arena_bytes(W, _bound_grads(arr, W)) + arr.activations(a, b) <= memory for a, b in ranges):
+                    if all(arena_bytes(W, _bound_grads(arr, W)) + _need(arr, a, b) <= memory for a, b in ranges):
                         best = min(best, c)
-                    if all(ARENA_SLOTS * W + arr.activations(a, b) <= memory for a, b in ranges):
+                    if all(ARENA_SLOTS * W + _need(arr, a, b) <= memory for a, b in ranges):
                         old = min(old, c)
                 if math.isinf(best):
                     assert s not in got
@@ -205,6 +213,6 @@ def test_under_lora_the_dp_uses_the_smaller_gradient_slot(seed):
                 sol = got[s]
                 assert sol.bottleneck_s == pytest.approx(best, rel=1e-12, abs=0) and sol.bottleneck_s <= old
                 W, grads = max(arr.params(a, b) for a, b in sol.ranges), max(arr.grads(a, b) for a, b in sol.ranges)
-                assert all(arena_bytes(W, grads) + arr.activations(a, b) <= memory for a, b in sol.ranges)
+                assert all(arena_bytes(W, grads) + _need(arr, a, b) <= memory for a, b in sol.ranges)
                 better += math.isinf(old)
     assert better > 0  # some budgets fit only because the gradient slot is smaller
