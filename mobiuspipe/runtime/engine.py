@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -91,11 +91,18 @@ class Engine:
         swaps: dict[int, Swap] | None = None,
         trace: ActionTrace | None = None,
         ahead: dict[MessageKey, Action] | None = None,
+        releases: Mapping[tuple | None, list[tuple]] | None = None,
     ):
         """trace: records when each action of the steps it wants ran (Pipeline(trace_steps=...)); None: none. ahead:
         each receive from another rank -> the receive to post as it is taken (mobiuspipe.schedule.ahead.receives_ahead,
-        this rank's; None: none); kept only where the channels give each direction its own queue."""
+        this rank's; None: none); kept only where the channels give each direction its own queue. releases: each
+        message action -> the sends to other ranks the schedules prove taken by then, dropped before it
+        (partition.rules.lifetimes.send_releases, this rank's: what the plan's walk drops there; None: none, the
+        sends go as Comm learns they completed)."""
         self.mapping, self.rank, self.stages, self.schedule = mapping, rank, stages, schedule
+        self._releases = {
+            step: {key[1:] for key in keys} for step, keys in (releases or {}).items() if step is not None
+        }  # ("SA", j, i) -> {("SG", k, n), ...}: the sends' own actions
         self.device, self.arena, self.comm, self.loss_fn = device, arena, comm, loss_fn
         self.num_microbatches, self.dtype = num_microbatches, dtype
         self.options = StepOptions(step=0)
@@ -407,12 +414,13 @@ class Engine:
             self.ledger.drop(("outbox", a.kind, a.stage, a.microbatch))
             return
         what = f"{what} of stage {a.stage} microbatch {a.microbatch} (step {st.step})"
-        dst = self.mapping[dst_stage]
+        dst, step = self.mapping[dst_stage], (a.kind.value, a.stage, a.microbatch)
         with Stopwatch() as sw:
+            self.comm.release(self._releases.get(step))
             if st.learning:
                 spec = TensorSpec.of(t, what)
                 self.comm.send_spec(spec, t.device, dst, self._tag(a.kind, a.stage, a.microbatch, True), what)
-            self.comm.send(t, dst, self._tag(a.kind, a.stage, a.microbatch, False), what)
+            self.comm.send(t, dst, self._tag(a.kind, a.stage, a.microbatch, False), what, key=step)
         self.ledger.drop(("outbox", a.kind, a.stage, a.microbatch))  # Comm holds it while in flight
         st.times.comm_s += sw.s
 
@@ -421,6 +429,7 @@ class Engine:
             return  # handed over by _send on this rank
         st, key = self.state, (a.kind, a.stage, a.microbatch)
         with Stopwatch() as sw:
+            self.comm.release(self._releases.get((a.kind.value, a.stage, a.microbatch)))
             if st.learning:  # the first step of a batch shape: its header first, nothing posted ahead
                 src, _, what = self._source(a)
                 header = self._tag(_sender_kind(a), _sender_stage(a), a.microbatch, True)

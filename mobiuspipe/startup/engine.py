@@ -24,6 +24,7 @@ from mobiuspipe.startup.channels import open_channels
 from mobiuspipe.startup.swaps import make_swaps, plan_as_run, swap_tiers
 from partition.plan import Plan
 from partition.rules.costmodel import WEIGHT_SLOTS
+from partition.rules.lifetimes import send_releases
 
 __all__ = ["rank_device", "wire_engine"]
 
@@ -76,5 +77,6 @@ def wire_engine(
         swaps=make_swaps(swapped, as_run, device, memory, info, ledger),
         trace=trace,
         ahead=receives_ahead(plan.mapping, schedules)[info.rank],
+        releases=send_releases(tuple(plan.mapping), info.rank, m) if channels.reports_completion else None,
     )
     return as_run, engine

@@ -32,7 +32,9 @@ What the walk holds, and when (mirroring mobiuspipe.runtime.engine's DeviceLedge
   sending  a message to another gpu, O_j or I_j plus E, from its send until the sender's first send or
            receive after it learnt the message was taken ("sending": Comm drops completed sends at its next
            call). The walk takes the latest such point the schedules prove: the receiver took it before it
-           sent a message that this gpu has received; without one, at the end of the step (Comm.flush).
+           sent a message that this gpu has received; without one, at the end of the step (Comm.flush). Where
+           sends report their completion (NCCL, whose host runs ahead of the gpu and so would learn it later,
+           and the strict stand-in) the engine drops each there itself (send_releases, Comm.release).
            With sends_until_flush (gloo, the CPU stand-in's backend: its send requests report completion
            only once waited on, so Comm keeps every send until Comm.flush) all are held to the step's end.
   transient during F(j,i): its input and output (I_j + O_j, and H_j beyond I_j); during B(j,i): A_j.
@@ -55,7 +57,7 @@ from dataclasses import dataclass
 
 from partition.rules.order import Step, steps_of
 
-__all__ = ["HEADER_BYTES", "StageBytes", "device_timeline", "device_peak", "device_peaks"]
+__all__ = ["HEADER_BYTES", "StageBytes", "device_timeline", "device_peak", "device_peaks", "send_releases"]
 
 HEADER_BYTES = 80
 """E of the legend: mobiuspipe.runtime.peers.comm.TensorSpec's header, MAX_DIMS + 2 = 10 int64s."""
@@ -93,7 +95,7 @@ def device_timeline(
     other gpus are held to the step's end (see the legend); swapped: the stages whose held bytes swap out
     between F and B (partition.rules.order.steps_of)."""
     steps = steps_of(mapping, gpu, microbatches, swapped)
-    releases = {} if sends_until_flush else _send_releases(tuple(mapping), gpu, microbatches)
+    releases = {} if sends_until_flush else send_releases(tuple(mapping), gpu, microbatches)
     walk = _Walk(arena)
     if mapping[0] == gpu:  # the runtime copies every microbatch's input in at the step's start, ahead of the loads
         for i in range(microbatches):
@@ -274,10 +276,11 @@ def _partner(mapping: Sequence[int], step: Step) -> tuple[int, Step]:
 
 
 @functools.lru_cache(maxsize=64)
-def _send_releases(mapping: tuple[int, ...], gpu: int, microbatches: int) -> dict[Step | None, list[tuple]]:
-    """For gpu's sends to other gpus: the message action whose comm call drops each (None: the step's end).
-    Swaps are no messages, so they change nothing here. Cached: the activation choice walks the same
-    schedules many times (do not change what it returns)."""
+def send_releases(mapping: tuple[int, ...], gpu: int, microbatches: int) -> dict[Step | None, list[tuple]]:
+    """For gpu's sends to other gpus: the message action whose comm call drops each (None: the step's end), as
+    ("sending", kind, j, i) of the send's action. The runtime drops them there too where a send reports its
+    completion (NCCL, the strict stand-in: mobiuspipe.runtime.engine). Swaps are no messages, so they change nothing
+    here. Cached: the activation choice walks the same schedules many times (do not change what it returns)."""
     steps = {g: steps_of(list(mapping), g, microbatches) for g in sorted(set(mapping))}
     index = {g: {s: n for n, s in enumerate(st)} for g, st in steps.items()}
     mine = steps.get(gpu, [])

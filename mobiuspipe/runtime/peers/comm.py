@@ -112,7 +112,7 @@ class Comm:
         self.channels = channels or Channels(rank)
         self.timeout = timedelta(seconds=timeout_s)
         self.ledger = ledger
-        self._sends: list[tuple[dist.Work | StrictWork, torch.Tensor, int, str]] = []
+        self._sends: list[tuple[dist.Work | StrictWork, torch.Tensor, int, str, tuple | None]] = []
         self._waiter = Waiter(bind)  # gloo's point-to-point waits under a watch, and the warm-up's posts
 
     def warm_up(self, device: torch.device) -> None:
@@ -135,7 +135,8 @@ class Comm:
 
         self.channels.warm_up(device, run)
 
-    def send(self, t: torch.Tensor, dst: int, tag: int, what: str) -> None:
+    def send(self, t: torch.Tensor, dst: int, tag: int, what: str, key: tuple | None = None) -> None:
+        """Start sending t to rank dst; key: the action that sends it, for release()."""
         self._release_sent()
         if is_host(t):
             raise StandInError(f"rank {self.rank}: {what} is in host memory; NCCL sends device memory: copy it first")
@@ -143,7 +144,7 @@ class Comm:
         work = self._start(lambda: self.channels.to(dst).isend(t, tag), f"rank {dst}", f"sending {what} to rank {dst}")
         if self.ledger is not None:
             self.ledger.hold(("sending", id(work)), t)
-        self._sends.append((work, t, dst, what))
+        self._sends.append((work, t, dst, what, key))
 
     def recv(self, spec: TensorSpec, device: torch.device, src: int, tag: int, what: str) -> torch.Tensor:
         return self.take(self.post_recv(spec, device, src, tag, what))
@@ -171,20 +172,32 @@ class Comm:
 
     def _release_sent(self) -> None:
         """Drop the tensors whose sends have completed (their errors, if any, raise here)."""
-        pending = []
-        for work, t, dst, what in self._sends:
-            if work.is_completed():
-                self._wait(work, f"rank {dst}", f"sending {what} to rank {dst}")
-                self._forget(work)
-            else:
-                pending.append((work, t, dst, what))
-        self._sends = pending
+        self._drop_sends(lambda work, key: work.is_completed())
+
+    def release(self, keys) -> None:
+        """Drop the tensors of the sends of these actions (send's key), which the schedules prove taken: on NCCL the
+        wait only orders the compute stream after the send (done by then on the gpu), so their memory goes back at
+        once, where is_completed() would say so only once the gpu has caught up with the host."""
+        if keys:
+            self._drop_sends(lambda work, key: key in keys)
 
     def flush(self) -> None:
         """Wait until every send of this rank has been taken by its receiver."""
+        self._drop_sends(lambda work, key: True)
+
+    def _drop_sends(self, done) -> None:
+        """Wait for each send that done(work, key) picks (no wait for one that has completed; on NCCL a stream's) and
+        drop its tensor; keep the others."""
         sends, self._sends = self._sends, []
-        for work, _, dst, what in sends:
-            self._wait(work, f"rank {dst}", f"sending {what} to rank {dst}")
+        for n, (work, t, dst, what, key) in enumerate(sends):
+            if not done(work, key):
+                self._sends.append((work, t, dst, what, key))
+                continue
+            try:
+                self._wait(work, f"rank {dst}", f"sending {what} to rank {dst}")
+            except BaseException:  # this one and the rest stay held (in flight, as far as this rank knows)
+                self._sends += sends[n:]
+                raise
             self._forget(work)
 
     def close(self, failed: bool = False) -> None:

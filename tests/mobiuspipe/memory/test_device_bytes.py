@@ -131,6 +131,33 @@ def test_a_sent_tensor_is_counted_until_its_send_completes(monkeypatch):
     assert (led.bytes, led.peak_bytes) == (0, 80)  # the completed send went before "c" came
 
 
+def test_the_sends_the_schedules_prove_taken_go_at_the_action_that_proves_it(monkeypatch):
+    """Comm.release drops the sends of the actions named (on NCCL is_completed() answers only once the gpu has caught
+    up with the host, which runs ahead): waited for (a stream's wait on NCCL) and uncounted, the others kept."""
+    works: list[_Work] = []
+
+    def isend(t, dst, group=None, tag=0):
+        works.append(_Work())
+        return works[-1]
+
+    monkeypatch.setenv("MOBIUSPIPE_STRICT", "0")
+    monkeypatch.setattr(torch.distributed, "isend", isend)
+    led = DeviceLedger()
+    comm = Comm(0, 5.0, led)
+    comm.send(torch.zeros(4), 1, 0, "a", key=("SA", 0, 0))
+    comm.send(torch.zeros(2), 1, 1, "b", key=("SA", 0, 1))
+    comm.send(torch.zeros(1), 1, 2, "the shape of b")  # a header: no key, goes when completed or at the flush
+    comm.release({("SA", 0, 1), ("SG", 3, 0)})
+    assert led.bytes == 16 + 4 and not any(w.done for w in works)
+    comm.release(None)
+    assert led.bytes == 20
+    works[2].done = True
+    comm.release({("SA", 0, 0)})
+    assert led.bytes == 4  # "a" by the schedule; the completed header at the next send or receive (it polls)
+    comm.flush()
+    assert led.bytes == 0
+
+
 def _mlp_profile() -> Profile:
     """The hand profile of Linear(4, 8), Tanh, Linear(8, 3) on microbatches of 2 rows, fp32; the times make
     the two-stage cut (0..1 | 2) the balanced one."""
