@@ -39,14 +39,19 @@ class StrictWork:
     def __init__(self) -> None:
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self._waited = False
 
     def is_completed(self) -> bool:
-        return self._done.is_set()
+        """Whether the operation has ended and been waited for. NCCL's says whether the gpu has run it, and the host
+        runs ahead of the gpu by as much as its launch queue holds: the stand-in takes the worst case, that the host
+        never learns it before it waits (what the schedules prove is what a rank may count on)."""
+        return self._waited and self._done.is_set()
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """True once the operation ended; False if it has not within timeout; its error, if it failed."""
         if not self._done.wait(None if timeout is None else timeout.total_seconds()):
             return False
+        self._waited = True
         if self._error is not None:
             raise RuntimeError(str(self._error).splitlines()[0]) from self._error
         return True
