@@ -5,7 +5,9 @@ moved for lost_after_s (runtime.comm_timeout_s) is lost: its process died or is 
 busy as long as it needs (writing a checkpoint, setting up SSD states, a long stage): its thread beats
 meanwhile. The waits that would outlive a lost peer ask check() as they wait (Comm's, ranks.gather_all's);
 on NCCL, where the host blocks at a synchronization instead, the watch also calls on_lost (the
-communicators' abort), which ends the kernels waiting for the lost peer. A rank that ends its run well
+communicators' abort), which ends the kernels waiting for the lost peer; should a wait outlast even that (an abort
+that hangs in the driver), a rank whose process is the job's own (exit_after_s) ends itself that long after the
+verdict, printing it, where it would otherwise wait out the process group's deadline. A rank that ends its run well
 marks itself done: it is watched no more. The calls to the store run on a thread of their own (a store whose
 host is stopped answers no call, and TCPStore's timeout does not end an add): the watch gives each a beat,
 and a store that has not answered for lost_after_s is lost too. The threads need the GIL for a moment each
@@ -14,6 +16,7 @@ beat: a rank whose main thread holds it longer than lost_after_s in one call loo
 
 from __future__ import annotations
 
+import os
 import queue
 import sys
 import threading
@@ -33,6 +36,9 @@ BEATS_PER_TIMEOUT = 8
 """Beats a rank makes within lost_after_s: a late beat or two is not a loss."""
 QUIET_BEATS = 3
 """Beats Liveness.quiet_peers waits before it names the peers that gave none."""
+EXIT_LOST = 2
+"""The exit code of a rank that ended its own process after a lost peer (Liveness's exit_after_s): a lost peer's, as
+a rank that raised PeerLostError exits (mobiuspipe.run.preflight.report)."""
 POLL_S = (2e-4, 0.05)
 """The first and the longest pause (s) between two looks at an operation a watched wait waits for."""
 
@@ -124,8 +130,12 @@ class Liveness:
         lost_after_s: float,
         on_lost: Callable[[], None] = lambda: None,
         clock: Callable[[], float] = time.monotonic,
+        exit_after_s: float | None = None,
     ):
-        """store: the job's store, under a prefix of its own (keys: the rank, "done" + the rank)."""
+        """store: the job's store, under a prefix of its own (keys: the rank, "done" + the rank); exit_after_s: how
+        long after a verdict a rank still running (not stopped: its main thread did not get out of a wait) ends its
+        process, exit code EXIT_LOST, the verdict on stderr (None: never; a process that is not the job's own)."""
+        self._exit_after_s = exit_after_s
         self.rank, self.lost_after_s, self.beat_s = rank, lost_after_s, beat_interval(lost_after_s)
         self._peers = [p for p in range(world_size) if p != rank]
         self._store, self._on_lost, self._clock = store, on_lost, clock
@@ -227,10 +237,23 @@ class Liveness:
 
     def _lost(self, why: str) -> None:
         self._verdict = f"rank {self.rank}: {why}"
+        if self._exit_after_s is not None:
+            threading.Thread(target=self._exit_if_stuck, args=(self._exit_after_s,), daemon=True).start()
         try:
             self._on_lost()
         except Exception as e:  # noqa: BLE001 -- the verdict stands; the waits raise it
             print(f"mobiuspipe: rank {self.rank}: after a lost peer, {e!r}", file=sys.stderr)
+
+    def _exit_if_stuck(self, after_s: float) -> None:
+        """End the process if the rank has not stopped (stop()) within after_s of the verdict."""
+        if not self._stop.wait(after_s):
+            print(
+                f"mobiuspipe: {self._verdict}; this rank did not stop within {after_s:g} s of it (a wait on the gpu "
+                "the communicators' abort did not end): ending its process",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(EXIT_LOST)
 
 
 class _Calls:

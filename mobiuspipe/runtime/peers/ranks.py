@@ -101,7 +101,10 @@ class Membership:
         """Start beating and watching the other ranks (in a job of several ranks: self.liveness)."""
         if self.info.world_size > 1 and self.liveness is None:
             store = self._beat_store()
-            self.liveness = Liveness(self.info.rank, self.info.world_size, store, self.comm_timeout_s, self._abort)
+            exit_after = 2 * self.comm_timeout_s if self.owned else None  # a process the job made is its to end
+            self.liveness = Liveness(
+                self.info.rank, self.info.world_size, store, self.comm_timeout_s, self._abort, exit_after_s=exit_after
+            )
             liveness.watching(self.liveness.start())
 
     def _beat_store(self):

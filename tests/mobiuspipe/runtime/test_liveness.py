@@ -3,9 +3,12 @@ well is not, a store that stops answering is a loss too; the waits that ask the 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -395,3 +398,33 @@ def test_the_peers_quiet_since_a_failed_collective_are_named():
         w.stop(done=True)
     idle = Liveness(0, 3, DictStore(), lost_after_s=0.8)  # never started: it knows nothing of its peers
     assert idle.quiet_peers() == []
+
+
+_STUCK = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from mobiuspipe.runtime.peers.liveness import Liveness
+from test_liveness import DictStore
+
+w = Liveness(0, 2, DictStore(), lost_after_s=0.4, exit_after_s={exit_after!r}).start()
+while w.verdict is None:
+    time.sleep(0.05)
+if {stops!r}:
+    w.stop(done=False)
+time.sleep(2.0)  # a main thread stuck in a wait the abort did not end, or one that got out and ends in time
+print("still running")
+"""
+
+
+@pytest.mark.parametrize("stops", [False, True])
+def test_a_rank_stuck_after_its_verdict_ends_its_process_saying_why(stops):
+    """A rank of a job's own process whose main thread does not get out of its wait within exit_after_s of the
+    verdict (an abort that did not end the gpu's kernels) ends the process with the verdict, exit 2; one that stops
+    in time runs on."""
+    code = _STUCK.format(tests=str(Path(__file__).parent), exit_after=0.5, stops=stops)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    if stops:
+        assert proc.returncode == 0 and "still running" in proc.stdout, proc.stderr
+    else:
+        assert proc.returncode == 2 and "still running" not in proc.stdout
+        assert "rank 1 has given no sign of life" in proc.stderr and "did not stop within 0.5 s" in proc.stderr
