@@ -31,9 +31,14 @@ __all__ = ["rank_device", "wire_engine"]
 
 def rank_device(plan: Plan, info: RankInfo) -> Device:
     """The rank's gpu, its host-work threads (updater, finisher, SSD and activation threads) pinned to the cores of
-    the gpu's NUMA node where the plan's topology knows them (mobiuspipe.optim.host_threads)."""
+    the gpu's NUMA node where the plan's topology knows them (mobiuspipe.optim.host_threads), and the calling thread
+    too: it makes and page-locks the stages' host buffers (weights, gradients, fp32 masters), whose pages land on the
+    node of the core that first touches them, and a page-locked page never moves (as torchrun --numa-binding would
+    pin the whole rank)."""
     device = Device(info.local_rank)
-    device.keep_host_work_near(pinned_to(update_cores_of(plan.layout, info.rank, device.is_cuda)))
+    pin = pinned_to(update_cores_of(plan.layout, info.rank, device.is_cuda))
+    pin()
+    device.keep_host_work_near(pin)
     return device
 
 
