@@ -65,16 +65,31 @@ def rank_info() -> RankInfo:
                 f"(NCCL then stops with 'Duplicate GPU detected'): set LOCAL_RANK to this process's gpu on its host "
                 f"before making the Pipeline (torchrun sets it)"
             )
-        return RankInfo(rank, world, local, True)
+        return _gpu_seen(RankInfo(rank, world, local, True))
     if "WORLD_SIZE" not in os.environ:
-        return RankInfo(0, 1, 0, False)
+        return _gpu_seen(RankInfo(0, 1, 0, False))
     try:
-        return RankInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), local, True)
+        info = RankInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), local, True)
     except (KeyError, ValueError) as e:
         raise WorldSizeError(
             f"WORLD_SIZE is set but RANK is {os.environ.get('RANK')!r}: start training with "
             f"`torchrun --nproc_per_node N ...`, which sets both"
         ) from e
+    return _gpu_seen(info)
+
+
+def _gpu_seen(info: RankInfo) -> RankInfo:
+    """info, once its gpu (LOCAL_RANK, the index of this host's gpus the rank takes) is one this process sees; on
+    CUDA a WorldSizeError naming CUDA_VISIBLE_DEVICES otherwise (a launcher that narrows it to each rank's own gpu
+    leaves every process one gpu, index 0), where CUDA would only say "invalid device ordinal"."""
+    if not torch.cuda.is_available() or info.local_rank < (seen := torch.cuda.device_count()):
+        return info
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    raise WorldSizeError(
+        f"rank {info.rank} takes gpu {info.local_rank} of this host (LOCAL_RANK), but this process sees {seen} gpu"
+        f"{'s' if seen != 1 else ''} (CUDA_VISIBLE_DEVICES is {visible!r}): leave CUDA_VISIBLE_DEVICES the same "
+        "for every rank of the host (list the gpus the job may use, in the order LOCAL_RANK counts them), or unset it"
+    )
 
 
 def local_world_size(world_size: int) -> int:

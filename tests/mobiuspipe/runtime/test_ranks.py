@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from mobiuspipe.errors import PipelineError, WorldSizeError
 from mobiuspipe.runtime.peers import ranks
-from mobiuspipe.runtime.peers.ranks import RankInfo, join_group
+from mobiuspipe.runtime.peers.ranks import RankInfo, join_group, rank_info
 
 
 def _made_by_caller(monkeypatch, backend: str, cuda: bool) -> list[int]:
@@ -44,6 +44,7 @@ def test_a_callers_group_without_local_rank_is_refused_on_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert ranks.rank_info() == RankInfo(1, 2, 0, True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(WorldSizeError, match=r"LOCAL_RANK is not set.*gpu 0.*set LOCAL_RANK"):
         ranks.rank_info()
     monkeypatch.setenv("LOCAL_RANK", "1")
@@ -117,3 +118,17 @@ def test_a_pipeline_left_by_an_error_aborts_before_it_waits(monkeypatch):
                 if failed:
                     raise KeyError("a failure mid-run")
     assert order == [("finish", False), ("abort", True), ("finish", True)]
+
+
+def test_a_rank_whose_gpu_this_process_does_not_see_is_told_why(monkeypatch):
+    """A launcher that narrows CUDA_VISIBLE_DEVICES to each rank's own gpu leaves rank 1 no gpu 1: said at once,
+    naming the variable (CUDA would say only "invalid device ordinal", later)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    for name, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(WorldSizeError, match=r"rank 1 takes gpu 1 .* sees 1 gpu \(CUDA_VISIBLE_DEVICES is '1'\)"):
+        rank_info()
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert rank_info().local_rank == 0
