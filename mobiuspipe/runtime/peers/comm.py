@@ -89,9 +89,9 @@ class Posted:
 
 class Comm:
     """Point-to-point traffic of one rank. Sends are asynchronous: a sent tensor is held until its send has
-    completed, and dropped then (at the next send or receive), so the device does not keep a stage's
-    outputs until the end of the step; flush() waits for the rest. A ledger, if given, counts each tensor in
-    flight (("sending", n)) until its send has completed."""
+    completed, and dropped then (at the next send or receive, or where the engine's schedule proves it taken:
+    release()), so the device does not keep a stage's outputs until the end of the step; flush() waits for the rest.
+    A ledger, if given, counts each tensor in flight (("sending", n)) until its send has completed."""
 
     def __init__(
         self,
