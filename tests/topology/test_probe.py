@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import os
@@ -284,3 +285,35 @@ def test_the_fp32_matmul_is_timed_without_tf32_and_the_setting_restored():
         assert matmul.fp32_precision == "tf32"
     finally:
         matmul.fp32_precision = before
+
+
+def test_a_gpus_matmul_rate_is_the_one_it_sustains():
+    """On CUDA the rate is the median of runs of back-to-back products after a warm-up, each run at least
+    SUSTAIN_S[1] of gpu time: a gpu that runs its first products at a boost clock (1 ms each here) and then settles
+    at its power limit (1.25 ms) is measured at the settled rate, where the best single product would say 25% more."""
+    clock = [0.0]
+    made = [0]
+
+    def matmul(a, b):
+        made[0] += 1
+        clock[0] += 1e-3 if made[0] <= 50 else 1.25e-3
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.at = None
+
+        def record(self):
+            self.at = clock[0]
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return (end.at - self.at) * 1e3  # ms, as CUDA's
+
+    cuda = SimpleNamespace(Event=Event, device=lambda d: contextlib.nullcontext())
+    fake = SimpleNamespace(cuda=cuda, matmul=matmul)
+    n = 1000
+    rate = probe_mod._sustained_rate(fake, "cuda:0", None, None, repeats=3, n=n)
+    assert rate == pytest.approx(2 * n**3 / 1.25e-3 / 1e12)
+    assert clock[0] >= probe_mod.SUSTAIN_S[0] + 3 * probe_mod.SUSTAIN_S[1]  # warmed up, then three long runs
