@@ -89,11 +89,13 @@ def planned_device_bytes(
     return [b + _whole_run_bytes(plan, g, standin, on_device) for g, b in enumerate(peaks)]
 
 
-def gpu_headroom(plan: Plan) -> list[int]:
+def gpu_headroom(plan: Plan, on_device: Sequence[int] | None = None) -> list[int]:
     """Per gpu, what the plan's usable memory (gpu_memory_bytes) leaves beside what the plan holds to it on a gpu: the
-    walk with X_g, its stages' states on the gpu tier (StagePlan.optimizer_tier device) and the peers' contexts
-    (partition.rules.peer's C), less K and V_g, which the usable memory is net of. Negative where that is over."""
-    on_device = [j for j, s in enumerate(plan.stages) if s.optimizer_tier == "device"]
+    walk with X_g, the states of the stages on_device (None: those the plan places on the gpu tier, StagePlan.
+    optimizer_tier device) and the peers' contexts (partition.rules.peer's C), less K and V_g, which the usable
+    memory is net of. Negative where that is over."""
+    if on_device is None:
+        on_device = [j for j, s in enumerate(plan.stages) if s.optimizer_tier == "device"]
     walk, contexts = planned_device_bytes(plan, on_device=on_device), context_bytes(plan)
     held = [walk[g] - plan.workspace_bytes - plan.buffers_on(g) + contexts[g] for g in range(plan.num_gpus)]
     return [plan.gpu_memory_bytes - h for h in held]

@@ -59,10 +59,9 @@ import math
 from foundation.units import GiB, fmt_bytes
 from partition.errors import PlanInfeasibleError
 from partition.plan import Plan
-from partition.rules.device_peak import planned_device_bytes
+from partition.rules.device_peak import gpu_headroom
 from partition.rules.memory_plan import KINDS, GpuShare, HostBudget, MemoryPlan, RunMemory, SsdInfo, StageTiers
 from partition.rules.order import visits_of
-from partition.rules.peer import context_bytes
 from partition.rules.placement import (
     FROZEN_STREAM_BYTES,
     LEAST_SHARE_BYTES,
@@ -189,16 +188,11 @@ def place_tiers(plan: Plan, budget: HostBudget, gpu_states: bool | None = None) 
 
 
 def states_fit_gpus(plan: Plan) -> bool:
-    """Whether the plan is LoRA's (frozen weights) and every gpu holds its stages' states (gpu_state_bytes)
-    beside the plan's walk (partition.rules.device_peak, less the workspace and the buffers the usable memory is net
-    of)."""
+    """Whether the plan is LoRA's (frozen weights) and every gpu holds its stages' states (gpu_state_bytes) in the
+    headroom its walk leaves (partition.rules.device_peak.gpu_headroom, without any states counted there)."""
     if not gpu_states_bytes(plan):
         return False
-    walk, need, contexts = planned_device_bytes(plan), _gpu_states(plan), context_bytes(plan)
-    return all(
-        walk[g] - plan.workspace_bytes - plan.buffers_on(g) + need[g] + contexts[g] <= plan.gpu_memory_bytes
-        for g in range(plan.num_gpus)
-    )
+    return all(need <= left for need, left in zip(_gpu_states(plan), gpu_headroom(plan, on_device=())))
 
 
 def gpu_states_bytes(plan: Plan) -> int:
